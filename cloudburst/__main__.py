@@ -1,0 +1,5 @@
+import sys
+
+from cloudburst.cli import main
+
+sys.exit(main())

@@ -1,0 +1,84 @@
+"""Checkpoint files: atomic writes with a checksum, safe loads.
+
+A checkpoint is ``torch.save`` of ``{"format": FORMAT, "kind": ..., "payload": ...,
+"sha256": ...}`` where the checksum covers the payload's serialised bytes. Loading uses
+``torch.load(weights_only=True)``, so a file can never run code; a truncated, corrupt or
+foreign file raises :class:`CheckpointError` with one line saying why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "cloudburst-checkpoint-v1"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _digest(payload: Any) -> str:
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+def save_checkpoint(path: str | Path, kind: str, payload: dict[str, Any]) -> None:
+    """Write atomically: a temporary file in the same directory, fsync, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"format": FORMAT, "kind": kind, "payload": payload, "sha256": _digest(payload)}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_checkpoint(path: str | Path, kind: str | None = None) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle errors, zip errors, refused globals: all mean "not ours"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} cannot be read safely (truncated, corrupt or not a "
+            f"cloudburst checkpoint): {first[:200]}"
+        ) from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a {FORMAT} file")
+    if kind is not None and record.get("kind") != kind:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds a {record.get('kind')!r}, expected {kind!r}"
+        )
+    if _digest(record["payload"]) != record.get("sha256"):
+        raise CheckpointError(f"checkpoint {str(path)!r} fails its checksum (corrupt)")
+    return record["payload"]
+
+
+def save_model(path: str | Path, model: torch.nn.Module, meta: dict[str, Any]) -> None:
+    save_checkpoint(path, "model", {"state_dict": model.state_dict(), "meta": meta})
+
+
+def load_model_into(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
+    payload = load_checkpoint(path, "model")
+    try:
+        model.load_state_dict(payload["state_dict"])
+    except (RuntimeError, KeyError) as e:
+        first = str(e).splitlines()[0]
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model: {first}") from None
+    return payload.get("meta", {})

@@ -1,0 +1,57 @@
+"""Flatten a model's parameters into one vector and split it into server shards.
+
+Mechanism only, no policy: the strategies decide when and with whom; these functions move
+between a module's parameters, one flat fp32 vector, and S contiguous shards of it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+
+def shard_bounds(numel: int, num_shards: int) -> list[tuple[int, int]]:
+    """Split ``numel`` elements into ``num_shards`` contiguous ``[start, stop)`` ranges.
+
+    Sizes differ by at most one element (the first ``numel % num_shards`` shards get the extra
+    one), so shards of one dtype have near-equal byte size.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if numel < num_shards:
+        raise ValueError(f"cannot split {numel} elements into {num_shards} non-empty shards")
+    base, extra = divmod(numel, num_shards)
+    bounds = []
+    start = 0
+    for k in range(num_shards):
+        stop = start + base + (1 if k < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def split_shards(flat: torch.Tensor, bounds: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views of ``flat`` for each shard range (no copy)."""
+    if flat.dim() != 1 or (bounds and bounds[-1][1] != flat.numel()):
+        raise ValueError(f"bounds end at {bounds[-1][1] if bounds else 0}, tensor has {flat.numel()}")
+    return [flat[a:b] for a, b in bounds]
+
+
+def join_shards(shards: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of :func:`split_shards`: one contiguous vector."""
+    return torch.cat([s.reshape(-1) for s in shards])
+
+
+def flatten_params(module: nn.Module) -> torch.Tensor:
+    """A detached fp32 copy of all parameters, in ``module.parameters()`` order."""
+    return parameters_to_vector(module.parameters()).detach().to(torch.float32).clone()
+
+
+def assign_flat(module: nn.Module, flat: torch.Tensor) -> None:
+    """Overwrite the module's parameters with ``flat`` (same order as :func:`flatten_params`)."""
+    expected = sum(p.numel() for p in module.parameters())
+    if flat.numel() != expected:
+        raise ValueError(f"flat vector has {flat.numel()} elements, model has {expected}")
+    with torch.no_grad():
+        vector_to_parameters(flat.to(next(module.parameters()).dtype), module.parameters())

@@ -1,0 +1,201 @@
+"""Point-to-point messages between workers and parameter-server shards, on a gloo group.
+
+Every message is a fixed-size int64 *header* followed, for some kinds, by an fp32 *payload*.
+The header carries a magic number, the message kind, the shard index, a version, the payload
+length and two counters; :meth:`Header.from_tensor` validates it so that a malformed or
+mismatched message is rejected (and counted) rather than applied.
+
+Tags keep the streams apart, so a server can receive headers from *any* source (gloo's
+``recv`` without ``src`` returns the sender) while payloads and replies are matched to one peer.
+Every blocking call runs under the process group's timeout (set at ``init_process_group``);
+the time spent blocked and the bytes moved are counted in :class:`CommStats`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+MAGIC = 0x0C10_0DB5
+HEADER_LEN = 8
+TAG_REQUEST = 11
+TAG_REQUEST_PAYLOAD = 12
+TAG_REPLY = 13
+TAG_REPLY_PAYLOAD = 14
+TAG_FINAL = 15
+TAG_FINAL_PAYLOAD = 16
+
+
+class Kind(IntEnum):
+    """Message kinds. Requests go worker → server; every request gets exactly one reply."""
+
+    FETCH = 1  # request θ_k
+    PUSH = 2  # payload Δ_k; reply is an ack
+    PUSH_FETCH = 3  # payload Δ_k; reply carries θ_k (one round trip, GPU A-SGD's n_sync)
+    INIT = 4  # payload θ_k from the warm-start worker
+    DONE = 5  # worker finished training
+    PING = 6  # a finished worker asks whether the server has finished
+    REPLY = 7  # server → worker
+    FINAL = 8  # server k → server 0: the final shard
+
+
+class Status(IntEnum):
+    OK = 0
+    STALE_DROPPED = 1  # older than max_staleness
+    REJECTED = 2  # non-finite payload or malformed header
+    WAIT = 3  # reply to DONE/PING: other workers still training
+    FINISHED = 4  # reply to DONE/PING: the server is done, the worker may exit
+
+
+class MessageError(ValueError):
+    """A header that fails validation (wrong magic, unknown kind, wrong shard or length)."""
+
+
+@dataclass
+class Header:
+    kind: Kind
+    shard: int = 0
+    version: int = 0
+    numel: int = 0  # payload length in fp32 elements (0: no payload)
+    samples: int = 0  # training samples the sender processed since its last push
+    status: int = Status.OK
+    aux: int = 0  # kind-specific: staleness in replies, worker step in pushes
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor(
+            [MAGIC, int(self.kind), self.shard, self.version, self.numel, self.samples,
+             int(self.status), self.aux],
+            dtype=torch.int64,
+        )
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> Header:
+        values = [int(v) for v in t.tolist()]
+        if len(values) != HEADER_LEN or values[0] != MAGIC:
+            raise MessageError(f"bad magic {values[0]:#x} (expected {MAGIC:#x})")
+        try:
+            kind = Kind(values[1])
+        except ValueError:
+            raise MessageError(f"unknown message kind {values[1]}") from None
+        if values[4] < 0 or values[3] < 0 or values[2] < 0:
+            raise MessageError(f"negative field in header {values}")
+        return cls(kind, *values[2:])
+
+
+HEADER_BYTES = HEADER_LEN * 8
+
+
+@dataclass
+class CommStats:
+    """Counters every transport keeps: bytes moved and seconds blocked waiting on peers."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wait_s: float = 0.0
+    messages_rejected: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "comm_wait_s": round(self.wait_s, 6),
+            "messages_rejected": self.messages_rejected,
+        }
+
+
+class PeerTransport:
+    """Header + payload messages over point-to-point gloo send/recv, counted and timed.
+
+    ``group`` is the process group (None: the default group, whose timeout bounds every call).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None):
+        self.group = group
+        self.stats = stats or CommStats()
+        self._header_buf = torch.empty(HEADER_LEN, dtype=torch.int64)
+
+    # --------------------------------------------------------------- sending
+    def send(
+        self, dst: int, header: Header, payload: torch.Tensor | None = None, final: bool = False
+    ) -> None:
+        tag, payload_tag = (TAG_FINAL, TAG_FINAL_PAYLOAD) if final else self._send_tags(header)
+        if payload is not None and payload.numel() != header.numel:
+            raise ValueError(f"header says {header.numel} elements, payload has {payload.numel()}")
+        t0 = time.perf_counter()
+        dist.send(header.to_tensor(), dst, group=self.group, tag=tag)
+        self.stats.bytes_sent += HEADER_BYTES
+        if payload is not None and header.numel:
+            dist.send(payload.detach().to(torch.float32).contiguous(), dst, group=self.group,
+                      tag=payload_tag)
+            self.stats.bytes_sent += header.numel * 4
+        self.stats.wait_s += time.perf_counter() - t0
+
+    @staticmethod
+    def _send_tags(header: Header) -> tuple[int, int]:
+        if header.kind == Kind.REPLY:
+            return TAG_REPLY, TAG_REPLY_PAYLOAD
+        return TAG_REQUEST, TAG_REQUEST_PAYLOAD
+
+    # --------------------------------------------------------------- receiving
+    def recv_request_any(self) -> tuple[int, Header | None]:
+        """Block until any peer sends a request header. Returns (sender, header or None).
+
+        A header that fails validation is counted and returned as None; its sender is known,
+        so the caller can reply with a rejection.
+        """
+        t0 = time.perf_counter()
+        src = dist.recv(self._header_buf, src=None, group=self.group, tag=TAG_REQUEST)
+        self.stats.wait_s += time.perf_counter() - t0
+        self.stats.bytes_received += HEADER_BYTES
+        try:
+            return src, Header.from_tensor(self._header_buf)
+        except MessageError:
+            self.stats.messages_rejected += 1
+            return src, None
+
+    def recv_payload(self, src: int, numel: int, final: bool = False) -> torch.Tensor:
+        buf = torch.empty(numel, dtype=torch.float32)
+        t0 = time.perf_counter()
+        dist.recv(buf, src=src, group=self.group,
+                  tag=TAG_FINAL_PAYLOAD if final else TAG_REQUEST_PAYLOAD)
+        self.stats.wait_s += time.perf_counter() - t0
+        self.stats.bytes_received += numel * 4
+        return buf
+
+    def recv_reply(self, src: int, out: torch.Tensor | None = None) -> Header:
+        """Receive the reply header from ``src`` and, if it has a payload, copy it into ``out``."""
+        t0 = time.perf_counter()
+        dist.recv(self._header_buf, src=src, group=self.group, tag=TAG_REPLY)
+        self.stats.bytes_received += HEADER_BYTES
+        header = Header.from_tensor(self._header_buf)
+        if header.kind != Kind.REPLY:
+            raise MessageError(f"expected a reply from rank {src}, got {header.kind.name}")
+        if header.numel:
+            if out is None or out.numel() != header.numel:
+                raise MessageError(
+                    f"reply from rank {src} carries {header.numel} elements, "
+                    f"expected {0 if out is None else out.numel()}"
+                )
+            dist.recv(out, src=src, group=self.group, tag=TAG_REPLY_PAYLOAD)
+            self.stats.bytes_received += header.numel * 4
+        self.stats.wait_s += time.perf_counter() - t0
+        return header
+
+    def recv_final(self, src: int, numel: int) -> tuple[Header, torch.Tensor]:
+        """Server 0 receives another server's final shard."""
+        t0 = time.perf_counter()
+        dist.recv(self._header_buf, src=src, group=self.group, tag=TAG_FINAL)
+        self.stats.wait_s += time.perf_counter() - t0
+        self.stats.bytes_received += HEADER_BYTES
+        header = Header.from_tensor(self._header_buf)
+        if header.kind != Kind.FINAL or header.numel != numel:
+            raise MessageError(
+                f"expected FINAL with {numel} elements from rank {src}, got "
+                f"{header.kind.name} with {header.numel}"
+            )
+        return header, self.recv_payload(src, numel, final=True)

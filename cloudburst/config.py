@@ -1,0 +1,298 @@
+"""Run configuration: one dataclass, validated once, before any process starts.
+
+A bad value raises :class:`ConfigError` whose message is one line naming the field, the value
+and what is allowed; the CLI prints it and exits with code 2 without launching anything.
+Config files are TOML (parsed with :mod:`tomllib`, which never executes code); command-line
+flags override file values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STRATEGIES = ("sync", "asgd")
+SERVER_RULES = ("add", "sgd", "adagrad")
+OPTIMIZERS = ("sgd", "adam")
+MODELS = ("mlp", "cnn")
+DATASETS = ("mnist1d", "synthetic")
+# Strategies whose workers talk to parameter-server shards.
+SERVER_STRATEGIES = ("asgd",)
+
+
+class ConfigError(ValueError):
+    """An invalid run configuration. ``str(err)`` is a one-line message for the user."""
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """Worker ``worker`` (0-based worker index) runs ``factor`` times slower than it would."""
+
+    worker: int
+    factor: float
+
+    @classmethod
+    def parse(cls, text: str) -> Straggler:
+        try:
+            worker_text, factor_text = text.split(":")
+            straggler = cls(int(worker_text), float(factor_text))
+        except ValueError:
+            raise ConfigError(
+                f"straggler: {text!r} is not WORKER:FACTOR (e.g. 3:2.0 makes worker 3 2x slower)"
+            ) from None
+        return straggler
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs. Paper symbols appear next to descriptive names."""
+
+    strategy: str = "sync"
+    workers: int = 2
+    servers: int = 0  # S, parameter-server shards (asgd only)
+    # GPU A-SGD: every n_fetch local steps fetch θ, every n_push steps push Δ; n_sync sets both.
+    n_sync: int | None = None
+    n_fetch: int = 1
+    n_push: int = 1
+    server_rule: str = "add"  # add: θ ← θ + λΔ; sgd / adagrad treat −Δ as a pseudo-gradient
+    server_lr: float = 1.0  # λ for "add"; the learning rate of the server optimizer otherwise
+    server_momentum: float = 0.0  # momentum of the "sgd" server rule
+    max_staleness: int | None = None  # drop pushes staler than this many shard versions
+    staleness_scaling: bool = False  # scale each push by 1/staleness (staleness-aware A-SGD)
+    warm_start_steps: int = 0  # K: the first worker trains alone for K steps first
+    init_from: str | None = None  # start every replica (and the servers) from this checkpoint
+
+    dataset: str = "mnist1d"
+    train_size: int = 4000
+    test_size: int = 1000
+    model: str = "cnn"
+    epochs: float | None = None  # passes of each worker over its own shard
+    steps: int | None = None  # local steps per worker (overrides epochs)
+    batch_size: int = 64  # per worker
+    optimizer: str = "sgd"  # the local (worker) optimizer
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 0
+
+    target_accuracy: float | None = None
+    stragglers: list[Straggler] = field(default_factory=list)
+    min_step_time_s: float = 0.0  # emulated device: each step takes at least this long (sleep)
+    eval_every_s: float = 1.0
+    log_every_steps: int = 10
+    checkpoint_every: int = 100  # server shard checkpoint every this many applied pushes (0: off)
+    comm_timeout_s: float = 300.0
+    heartbeat_timeout_s: float = 10.0
+    out: str = "runs/latest"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n_sync is not None:
+            _check_int("n_sync", self.n_sync, 1)
+            self.n_fetch = self.n_push = self.n_sync
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        _check_choice("strategy", self.strategy, STRATEGIES)
+        _check_int("workers", self.workers, 1)
+        _check_int("servers", self.servers, 0)
+        if self.strategy in SERVER_STRATEGIES and self.servers < 1:
+            raise ConfigError(
+                f"servers: {self.servers} is not allowed for strategy {self.strategy!r}; "
+                "use --servers 1 or more"
+            )
+        if self.strategy not in SERVER_STRATEGIES and self.servers != 0:
+            raise ConfigError(
+                f"servers: {self.servers} is not allowed for strategy {self.strategy!r}, "
+                "which uses no parameter server; use --servers 0"
+            )
+        _check_int("n_fetch", self.n_fetch, 1)
+        _check_int("n_push", self.n_push, 1)
+        _check_choice("server_rule", self.server_rule, SERVER_RULES)
+        _check_float("server_lr", self.server_lr, 0.0, None, low_open=True)
+        _check_float("server_momentum", self.server_momentum, 0.0, 1.0, high_open=True)
+        if self.max_staleness is not None:
+            _check_int("max_staleness", self.max_staleness, 0)
+        _check_int("warm_start_steps", self.warm_start_steps, 0)
+        if self.warm_start_steps and self.init_from:
+            raise ConfigError(
+                "warm_start_steps: cannot be combined with init_from; choose one warm start"
+            )
+        if self.init_from is not None and not Path(self.init_from).is_file():
+            raise ConfigError(f"init_from: {self.init_from!r} is not a file")
+        _check_choice("dataset", self.dataset, DATASETS)
+        _check_int("train_size", self.train_size, max(self.workers, 10))
+        _check_int("test_size", self.test_size, 10)
+        _check_choice("model", self.model, MODELS)
+        if self.steps is None and self.epochs is None:
+            self.epochs = 10.0
+        if self.steps is not None:
+            _check_int("steps", self.steps, 1)
+        if self.epochs is not None:
+            _check_float("epochs", self.epochs, 0.0, None, low_open=True)
+        _check_int("batch_size", self.batch_size, 1)
+        shard = self.train_size // self.workers
+        if self.batch_size > shard:
+            raise ConfigError(
+                f"batch_size: {self.batch_size} is larger than each worker's shard of "
+                f"{shard} samples (train_size {self.train_size} / {self.workers} workers)"
+            )
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_float("lr", self.lr, 0.0, None, low_open=True)
+        _check_float("momentum", self.momentum, 0.0, 1.0, high_open=True)
+        _check_float("weight_decay", self.weight_decay, 0.0, None)
+        _check_int("seed", self.seed, 0)
+        if self.target_accuracy is not None:
+            _check_float("target_accuracy", self.target_accuracy, 0.0, 1.0, low_open=True)
+        for s in self.stragglers:
+            if not 0 <= s.worker < self.workers:
+                raise ConfigError(
+                    f"straggler: worker {s.worker} does not exist; allowed 0..{self.workers - 1}"
+                )
+            _check_float("straggler factor", s.factor, 1.0, None)
+        _check_float("min_step_time_s", self.min_step_time_s, 0.0, None)
+        _check_float("eval_every_s", self.eval_every_s, 0.0, None, low_open=True)
+        _check_int("log_every_steps", self.log_every_steps, 1)
+        _check_int("checkpoint_every", self.checkpoint_every, 0)
+        _check_float("comm_timeout_s", self.comm_timeout_s, 0.0, None, low_open=True)
+        _check_float("heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0, None, low_open=True)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def world_size(self) -> int:
+        return self.workers + self.servers
+
+    def straggler_factor(self, worker: int) -> float:
+        factors = [s.factor for s in self.stragglers if s.worker == worker]
+        return factors[-1] if factors else 1.0
+
+    def steps_per_worker(self) -> int:
+        """Local steps each worker takes: ``steps``, or ``epochs`` passes over its shard."""
+        if self.steps is not None:
+            return self.steps
+        per_epoch = (self.train_size // self.workers) // self.batch_size
+        return max(1, math.ceil(float(self.epochs) * per_epoch))
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["stragglers"] = [f"{s.worker}:{s.factor}" for s in self.stragglers]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> RunConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = dict(values)
+        # Flags and TOML may spell names with dashes.
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+        if "straggler" in values:
+            values["stragglers"] = values.pop("straggler")
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"config: unknown field {unknown[0]!r}; allowed fields: {', '.join(sorted(known))}"
+            )
+        raw_stragglers = values.get("stragglers") or []
+        if isinstance(raw_stragglers, str):
+            raw_stragglers = [raw_stragglers]
+        values["stragglers"] = [
+            s if isinstance(s, Straggler) else Straggler.parse(str(s)) for s in raw_stragglers
+        ]
+        for f in dataclasses.fields(cls):
+            if f.name in values and f.name != "stragglers":
+                values[f.name] = _coerce(f.name, f.type, values[f.name])
+        return cls(**values)
+
+    @classmethod
+    def from_toml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+        return cls.from_dict({**load_toml(path), **(overrides or {})})
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file; a ``[train]`` table is accepted as well as top-level keys."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config: file {str(p)!r} does not exist")
+    try:
+        data = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config: {str(p)!r} is not valid TOML ({e})") from None
+    if "train" in data and isinstance(data["train"], dict):
+        data = {**{k: v for k, v in data.items() if k != "train"}, **data["train"]}
+    return data
+
+
+def _coerce(name: str, type_text: Any, value: Any) -> Any:
+    """Convert TOML/CLI values to the annotated type, with a one-line error on mismatch."""
+    text = str(type_text)
+    if value is None:
+        if "None" in text:
+            return None
+        raise ConfigError(f"{name}: a value is required")
+    try:
+        if text.startswith("int"):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if text.startswith("float"):
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if text == "bool":
+            if isinstance(value, str):
+                if value.lower() in ("true", "1", "yes"):
+                    return True
+                if value.lower() in ("false", "0", "no"):
+                    return False
+                raise ValueError
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if text.startswith("str"):
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{name}: {value!r} is not a valid {text.replace(' | None', '')}"
+        ) from None
+    return value
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}: {value!r} is not allowed; choose one of {', '.join(allowed)}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}: {value!r} is not allowed; use an integer >= {minimum}")
+
+
+def _check_float(
+    name: str,
+    value: Any,
+    low: float | None,
+    high: float | None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
+        hi = "" if high is None else f"{'<' if high_open else '<='} {high}"
+        rng = " and ".join(x for x in (lo, hi) if x)
+        raise ConfigError(f"{name}: {value!r} is not allowed; use a number {rng}")

@@ -1,0 +1,78 @@
+"""Per-rank JSONL metrics and the run summary.
+
+Each rank appends one JSON object per line to ``OUT/metrics/rank{R}.jsonl``:
+
+- ``{"event": "step", "step", "time_s", "samples", "loss", "staleness", "bytes_sent",
+  "bytes_received", "comm_wait_s"}`` every ``log_every_steps`` (counters are cumulative);
+- ``{"event": "eval", "time_s", "samples", "test_accuracy", "test_loss"}`` for the global model
+  (``samples`` counts all workers' training samples behind it);
+- ``{"event": "push", ...}`` on servers, and ``{"event": "final", ...}`` once at the end.
+
+Plots are made from these files only. ``summary.json`` is written once by rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    def __init__(self, out_dir: str | Path, rank: int, role: str):
+        self.path = Path(out_dir) / "metrics" / f"rank{rank}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", buffering=1)  # line-buffered: readable while running
+        self.rank, self.role = rank, role
+
+    def log(self, event: str, **values: Any) -> None:
+        record = {"event": event, "rank": self.rank, "role": self.role, **values}
+        self._f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    records = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a killed process
+    return records
+
+
+def read_run(out_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
+    """All ranks' records of one run directory, keyed by file stem (``rank0`` ...)."""
+    return {p.stem: read_jsonl(p) for p in sorted((Path(out_dir) / "metrics").glob("rank*.jsonl"))}
+
+
+def eval_curve(out_dir: str | Path) -> list[dict[str, Any]]:
+    """Every global-model evaluation of a run, sorted by time."""
+    evals = [r for recs in read_run(out_dir).values() for r in recs if r["event"] == "eval"]
+    return sorted(evals, key=lambda r: r["time_s"])
+
+
+def time_to_target(evals: list[dict[str, Any]], target: float | None) -> float | None:
+    if target is None:
+        return None
+    for r in sorted(evals, key=lambda r: r["time_s"]):
+        if r["test_accuracy"] >= target:
+            return r["time_s"]
+    return None
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)

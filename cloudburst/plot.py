@@ -1,0 +1,62 @@
+"""Learning curves from run directories: test error against wall time and against samples.
+
+Drawn from the JSONL metrics only (like the GPU A-SGD paper's figures 2-4), one line per run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from cloudburst.config import ConfigError  # noqa: E402
+from cloudburst.metrics import eval_curve  # noqa: E402
+
+
+def run_label(run_dir: Path) -> str:
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        return run_dir.name
+    s = json.loads(summary_path.read_text())
+    cfg = s.get("config", {})
+    label = f"{s['strategy']} W={s['workers']}"
+    if s["strategy"] == "asgd":
+        n = cfg.get("n_fetch"), cfg.get("n_push")
+        label += f" S={s['servers']} n_sync={n[0]}" if n[0] == n[1] else f" n_fetch={n[0]} n_push={n[1]}"
+    return label
+
+
+def plot_runs(runs: list[str], output: str, title: str | None = None,
+              labels: list[str] | None = None) -> Path:
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, run in enumerate(runs):
+        run_dir = Path(run)
+        if not (run_dir / "metrics").is_dir():
+            raise ConfigError(f"plot: {run!r} is not a run directory (no metrics/ inside)")
+        evals = eval_curve(run_dir)
+        if not evals:
+            continue
+        label = labels[i] if labels else run_label(run_dir)
+        err = [100 * (1 - e["test_accuracy"]) for e in evals]
+        ax_t.plot([e["time_s"] for e in evals], err, label=label, marker=".", markersize=3)
+        by_samples = sorted(zip([e["samples"] for e in evals], err, strict=True))
+        ax_s.plot([s for s, _ in by_samples], [e for _, e in by_samples], label=label,
+                  marker=".", markersize=3)
+    ax_t.set_xlabel("wall time (s)")
+    ax_s.set_xlabel("training samples (all workers)")
+    for ax in (ax_t, ax_s):
+        ax.set_ylabel("test error (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

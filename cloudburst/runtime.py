@@ -1,0 +1,263 @@
+"""The job: torchrun environment, process groups, roles, the job store, and local launches.
+
+Ranks ``0 .. S-1`` are parameter-server shards, ranks ``S .. S+W-1`` are workers (``S`` = 0 for
+strategies without servers). Rank 0 therefore hosts torchrun's store on node 0 and survives
+the loss of any worker in asynchronous runs.
+
+``cloudburst train`` outside torchrun starts a local job itself with torch's own launcher API
+(:func:`torch.distributed.launcher.api.elastic_launch`): one agent for all ranks when the
+strategy is synchronous (a dead rank ends the job, as it must), one agent per rank when the
+strategy tolerates worker loss (an agent tears down only its own rank). Inside torchrun the
+same entry point runs one rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from cloudburst.config import SERVER_STRATEGIES, RunConfig
+
+log = logging.getLogger(__name__)
+
+STORE_PREFIX = "cloudburst"
+
+
+def in_torchrun() -> bool:
+    """True when this process is a rank of a torchrun / torch elastic job."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+@dataclass
+class Context:
+    """What one rank knows about the job it is part of."""
+
+    cfg: RunConfig
+    rank: int
+    world_size: int
+    num_servers: int
+    num_workers: int
+    workers_group: dist.ProcessGroup | None  # None when the workers are the whole world
+    store: dist.Store
+    t0: float  # wall-clock start of training, common to all ranks (after a barrier)
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank < self.num_servers
+
+    @property
+    def server_index(self) -> int:
+        return self.rank
+
+    @property
+    def worker_index(self) -> int:
+        return self.rank - self.num_servers
+
+    @property
+    def worker_ranks(self) -> list[int]:
+        return list(range(self.num_servers, self.world_size))
+
+    @property
+    def role(self) -> str:
+        return f"server{self.server_index}" if self.is_server else f"worker{self.worker_index}"
+
+    def elapsed_s(self) -> float:
+        return time.time() - self.t0
+
+
+def init_distributed(cfg: RunConfig) -> Context:
+    """Join the job started by torchrun: gloo process group with a timeout, roles, store."""
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    if world != cfg.world_size:
+        raise RuntimeError(
+            f"torchrun started {world} ranks, the config needs {cfg.world_size} "
+            f"({cfg.workers} workers + {cfg.servers} servers); set --nnodes/--nproc-per-node "
+            "so that their product matches"
+        )
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    timeout = datetime.timedelta(seconds=cfg.comm_timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timeout)
+    workers_group = None
+    if cfg.servers:
+        # Every rank must take part in creating a group, servers included.
+        workers_group = dist.new_group(
+            list(range(cfg.servers, world)), timeout=timeout, use_local_synchronization=True
+        ) if rank >= cfg.servers else None
+    store = _job_store(cfg)
+    dist.barrier()
+    # A common origin for wall-clock times: rank 0's clock, shared through the store.
+    if rank == 0:
+        store.set("t0", repr(time.time()))
+    t0 = float(store.get("t0").decode())
+    _configure_logging(rank, "server" if rank < cfg.servers else "worker")
+    return Context(cfg, rank, world, cfg.servers, cfg.workers, workers_group, store, t0)
+
+
+def shutdown(ctx: Context | None) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _job_store(cfg: RunConfig) -> dist.Store:
+    """A client of torchrun's store (on MASTER_ADDR:MASTER_PORT), under a per-run prefix."""
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=cfg.comm_timeout_s),
+        wait_for_workers=False,
+    )
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return dist.PrefixStore(f"{STORE_PREFIX}/{run_id}/", client)
+
+
+def _configure_logging(rank: int, role: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("CLOUDBURST_LOG_LEVEL", "INFO"),
+        format=f"[%(asctime)s rank{rank} {role}] %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+
+
+# ---------------------------------------------------------------------------- liveness
+class Heartbeat:
+    """A worker's liveness signal: a counter in the job store, bumped from a daemon thread."""
+
+    def __init__(self, store: dist.Store, rank: int, interval_s: float):
+        self._store, self._key, self._interval_s = store, f"hb/{rank}", interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cloudburst-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._store.add(self._key, 1)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self._interval_s * 2)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._store.add(self._key, 1)
+            except Exception as e:  # the store's host went away: the job is over
+                log.warning("heartbeat stopped: %s", e)
+                return
+
+
+class LivenessMonitor:
+    """Decides which workers are dead: their heartbeat counter stopped moving for too long."""
+
+    def __init__(self, store: dist.Store, ranks: list[int], timeout_s: float):
+        self._store, self._timeout_s = store, timeout_s
+        now = time.monotonic()
+        self._last = {r: (-1, now) for r in ranks}
+
+    def dead(self, ranks: set[int] | list[int]) -> set[int]:
+        now = time.monotonic()
+        dead = set()
+        for r in ranks:
+            value = self._store.add(f"hb/{r}", 0)
+            last_value, since = self._last[r]
+            if value != last_value:
+                self._last[r] = (value, now)
+            elif now - since > self._timeout_s:
+                dead.add(r)
+        return dead
+
+
+# ---------------------------------------------------------------------------- local launch
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class AgentSpec:
+    nnodes: int
+    node_rank: int
+    nproc: int
+
+
+def agent_layout(cfg: RunConfig) -> list[AgentSpec]:
+    """One agent for synchronous jobs; one agent per rank when workers may die alone."""
+    if cfg.strategy in SERVER_STRATEGIES:
+        n = cfg.world_size
+        return [AgentSpec(n, i, 1) for i in range(n)]
+    return [AgentSpec(1, 0, cfg.world_size)]
+
+
+def start_local_job(cfg: RunConfig, entrypoint, port: int | None = None) -> list[mp.Process]:
+    """Start the agents of a local job (127.0.0.1) as child processes; returns them."""
+    port = port or free_port()
+    run_id = uuid.uuid4().hex[:12]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # fork: agents and ranks inherit the imported torch instead of importing it again (about
+    # 2 s of CPU per process, which on a 2-core machine dominates the start of a small job).
+    ctx = mp.get_context("fork")
+    procs = []
+    for spec in agent_layout(cfg):
+        p = ctx.Process(
+            target=_run_agent,
+            args=(cfg.to_dict(), spec, port, run_id, entrypoint),
+            name=f"cloudburst-agent{spec.node_rank}",
+        )
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def _run_agent(cfg_dict: dict, spec: AgentSpec, port: int, run_id: str, entrypoint) -> None:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The agent's own error dump repeats the rank's traceback; the rank's log file has it.
+    log_dir = Path(cfg_dict["out"]) / "logs" / f"agent{spec.node_rank}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # The agent's own messages (and its dump of a failed rank's traceback) go to its log file;
+    # the terminal gets one line per failed rank.
+    terminal = os.fdopen(os.dup(2), "w")
+    agent_log = open(log_dir / "agent.log", "a")
+    os.dup2(agent_log.fileno(), 1)
+    os.dup2(agent_log.fileno(), 2)
+    config = LaunchConfig(
+        min_nodes=spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=spec.nproc,
+        run_id=run_id,
+        rdzv_backend="static",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_configs={"rank": spec.node_rank, "timeout": 120},
+        max_restarts=0,
+        start_method="fork",
+        monitor_interval=0.1,
+        local_addr="127.0.0.1",
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
+    )
+    try:
+        elastic_launch(config, entrypoint)(cfg_dict)
+    except ChildFailedError as e:
+        for global_rank, failure in e.failures.items():
+            print(
+                f"cloudburst: rank {global_rank} failed (exit code {failure.exitcode}); "
+                f"see {log_dir}",
+                file=terminal,
+                flush=True,
+            )
+        raise SystemExit(1) from None

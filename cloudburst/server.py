@@ -1,0 +1,312 @@
+"""Parameter-server shards for asynchronous SGD (DistBelief Downpour, GPU A-SGD).
+
+:class:`ShardState` is the pure algorithm for one shard k of θ: it applies pushes one at a
+time, in arrival order, keeps the version clock (number of applied pushes) and the per-push
+staleness, drops pushes staler than ``max_staleness``, optionally scales a push by
+1/staleness, and rejects non-finite pushes. It has no communication and is unit-tested alone.
+
+:func:`serve` is the loop a server rank runs: receive a request header from *any* worker, act,
+reply. Workers never wait for each other; they wait only for the server's reply. A worker that
+stops sending (killed, hung) simply stops being served; when the remaining workers have
+finished, the server asks the job store which of the silent ones still send heartbeats and
+records the others as lost. Shards are checkpointed every ``checkpoint_every`` applied pushes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cloudburst.checkpoint import load_checkpoint, save_checkpoint
+from cloudburst.comm.flat import shard_bounds
+from cloudburst.comm.p2p import Header, Kind, PeerTransport, Status
+from cloudburst.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PushResult:
+    status: Status
+    staleness: int
+
+
+class ShardState:
+    """One shard θ_k with its version clock and server rule.
+
+    Rules (Δ = θ_worker − θ_at_its_last_fetch):
+      - ``add``:     θ_k ← θ_k + λ·s·Δ_k                       (λ = ``lr``; DistBelief/GPU A-SGD)
+      - ``sgd``:     SGD with momentum on the pseudo-gradient −s·Δ_k (``torch.optim.SGD``)
+      - ``adagrad``: Adagrad on the pseudo-gradient −s·Δ_k (``torch.optim.Adagrad``)
+    where s = 1/max(1, staleness) with ``staleness_scaling``, else 1.
+    """
+
+    def __init__(
+        self,
+        theta: torch.Tensor,
+        rule: str = "add",
+        lr: float = 1.0,
+        momentum: float = 0.0,
+        max_staleness: int | None = None,
+        staleness_scaling: bool = False,
+    ):
+        self.param = torch.nn.Parameter(theta.detach().to(torch.float32).clone(), requires_grad=False)
+        self.rule, self.lr = rule, lr
+        self.max_staleness, self.staleness_scaling = max_staleness, staleness_scaling
+        self.version = 0  # pushes applied so far
+        self.samples = 0  # training samples behind the applied pushes
+        self.staleness_sum = 0
+        self.staleness_max = 0
+        self.dropped_stale = 0
+        self.rejected_nonfinite = 0
+        if rule == "add":
+            self.optimizer = None
+        elif rule == "sgd":
+            self.optimizer = torch.optim.SGD([self.param], lr=lr, momentum=momentum)
+        elif rule == "adagrad":
+            self.optimizer = torch.optim.Adagrad([self.param], lr=lr)
+        else:
+            raise ValueError(f"unknown server rule {rule!r}")
+
+    @property
+    def theta(self) -> torch.Tensor:
+        return self.param.data
+
+    def set_theta(self, theta: torch.Tensor) -> None:
+        """Replace θ_k (warm start); the version clock is not advanced."""
+        self.param.data.copy_(theta)
+
+    def apply_push(self, delta: torch.Tensor, base_version: int, samples: int = 0) -> PushResult:
+        """Apply one push computed against ``base_version``; returns its status and staleness."""
+        if delta.shape != self.param.shape:
+            raise ValueError(f"push of shape {tuple(delta.shape)} for shard {tuple(self.param.shape)}")
+        if not 0 <= base_version <= self.version:
+            raise ValueError(f"push against version {base_version}, shard is at {self.version}")
+        staleness = self.version - base_version
+        if not bool(torch.isfinite(delta).all()):
+            self.rejected_nonfinite += 1
+            return PushResult(Status.REJECTED, staleness)
+        if self.max_staleness is not None and staleness > self.max_staleness:
+            self.dropped_stale += 1
+            return PushResult(Status.STALE_DROPPED, staleness)
+        scale = 1.0 / max(1, staleness) if self.staleness_scaling else 1.0
+        with torch.no_grad():
+            if self.optimizer is None:
+                self.param.add_(delta, alpha=self.lr * scale)
+            else:
+                self.param.grad = delta.mul(-scale)
+                self.optimizer.step()
+                self.param.grad = None
+        self.version += 1
+        self.samples += samples
+        self.staleness_sum += staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+        return PushResult(Status.OK, staleness)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "samples": self.samples,
+            "pushes_applied": self.version,
+            "staleness_sum": self.staleness_sum,
+            "staleness_max": self.staleness_max,
+            "dropped_stale": self.dropped_stale,
+            "rejected_nonfinite": self.rejected_nonfinite,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "theta": self.param.data.clone(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer else {},
+            **self.stats(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.param.data.copy_(state["theta"])
+        if self.optimizer is not None and state.get("optimizer"):
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        self.samples = int(state["samples"])
+        self.staleness_sum = int(state["staleness_sum"])
+        self.staleness_max = int(state["staleness_max"])
+        self.dropped_stale = int(state["dropped_stale"])
+        self.rejected_nonfinite = int(state["rejected_nonfinite"])
+
+
+def shard_checkpoint_path(out: str | Path, shard: int) -> Path:
+    return Path(out) / "checkpoints" / f"server{shard}.pt"
+
+
+def make_shard(cfg: RunConfig, theta: torch.Tensor) -> ShardState:
+    return ShardState(
+        theta,
+        rule=cfg.server_rule,
+        lr=cfg.server_lr,
+        momentum=cfg.server_momentum,
+        max_staleness=cfg.max_staleness,
+        staleness_scaling=cfg.staleness_scaling,
+    )
+
+
+class ServerLoop:
+    """The request loop of server shard k. See the module docstring for the protocol."""
+
+    def __init__(self, ctx, full_theta: torch.Tensor, metrics, liveness):
+        cfg: RunConfig = ctx.cfg
+        self.ctx, self.cfg, self.metrics, self.liveness = ctx, cfg, metrics, liveness
+        self.bounds = shard_bounds(full_theta.numel(), cfg.servers)
+        a, b = self.bounds[ctx.server_index]
+        self.shard = make_shard(cfg, full_theta[a:b])
+        self.transport = PeerTransport()
+        self.awaiting_init = cfg.warm_start_steps > 0
+        self.deferred_fetches: list[int] = []
+        self.done: set[int] = set()  # workers that sent DONE
+        self.finished: set[int] = set()  # workers told FINISHED (they exit)
+        self.lost: set[int] = set()
+        self.malformed = 0
+        self.from_unknown = 0
+
+    @property
+    def numel(self) -> int:
+        return self.shard.theta.numel()
+
+    def run(self) -> None:
+        workers = set(self.ctx.worker_ranks)
+        while self.finished | self.lost != workers:
+            src, header = self.transport.recv_request_any()
+            if src not in workers:
+                self.from_unknown += 1
+                log.warning("ignored a request from rank %d, which is not a worker", src)
+                continue
+            if src in self.lost:
+                log.warning("rank %d was declared lost but is talking again; serving it", src)
+                self.lost.discard(src)
+            if header is None or not self._valid(header):
+                self.malformed += 1
+                log.warning("rejected a malformed message from rank %d", src)
+                self._drain_payload(src, header)
+                self._reply(src, Status.REJECTED)
+                continue
+            self._handle(src, header)
+        self._checkpoint()
+        log.info(
+            "server %d finished: version %d, %d lost workers %s",
+            self.ctx.server_index, self.shard.version, len(self.lost), sorted(self.lost),
+        )
+
+    def _valid(self, h: Header) -> bool:
+        if h.shard != self.ctx.server_index or h.kind in (Kind.REPLY, Kind.FINAL):
+            return False
+        if h.kind in (Kind.PUSH, Kind.PUSH_FETCH, Kind.INIT):
+            return h.numel == self.numel and h.version <= self.shard.version
+        return h.numel == 0
+
+    def _drain_payload(self, src: int, h: Header | None) -> None:
+        # A header announcing the right payload size is followed by that payload: consume it so
+        # the stream stays aligned. Any other size is never sent by our workers.
+        if h is not None and h.kind in (Kind.PUSH, Kind.PUSH_FETCH, Kind.INIT) and h.numel == self.numel:
+            self.transport.recv_payload(src, self.numel)
+
+    def _handle(self, src: int, h: Header) -> None:
+        if h.kind in (Kind.PUSH, Kind.PUSH_FETCH):
+            delta = self.transport.recv_payload(src, self.numel)
+            if self.awaiting_init:
+                raise RuntimeError(f"rank {src} pushed before the warm start finished")
+            result = self.shard.apply_push(delta, h.version, h.samples)
+            if result.status == Status.REJECTED:
+                log.warning("rejected a non-finite push from rank %d (total %d)",
+                            src, self.shard.rejected_nonfinite)
+            self.metrics.log(
+                "push", time_s=self.ctx.elapsed_s(), worker=src, status=result.status.name,
+                staleness=result.staleness, version=self.shard.version, samples=self.shard.samples,
+            )
+            self._reply(src, result.status, staleness=result.staleness,
+                        with_theta=h.kind == Kind.PUSH_FETCH)
+            if (self.cfg.checkpoint_every and result.status == Status.OK
+                    and self.shard.version % self.cfg.checkpoint_every == 0):
+                self._checkpoint()
+        elif h.kind == Kind.FETCH:
+            if self.awaiting_init:
+                self.deferred_fetches.append(src)
+            else:
+                self._reply(src, Status.OK, with_theta=True)
+        elif h.kind == Kind.INIT:
+            theta = self.transport.recv_payload(src, self.numel)
+            if not bool(torch.isfinite(theta).all()):
+                raise RuntimeError(f"warm-start θ from rank {src} is not finite")
+            self.shard.set_theta(theta)
+            self.awaiting_init = False
+            self._reply(src, Status.OK)
+            for waiting in self.deferred_fetches:
+                self._reply(waiting, Status.OK, with_theta=True)
+            self.deferred_fetches.clear()
+        elif h.kind in (Kind.DONE, Kind.PING):
+            self.done.add(src)
+            training = set(self.ctx.worker_ranks) - self.done - self.lost
+            if training:
+                newly_lost = self.liveness.dead(training)
+                for r in sorted(newly_lost):
+                    log.warning("worker rank %d stopped sending heartbeats: declared lost", r)
+                self.lost |= newly_lost
+                training -= newly_lost
+            if training:
+                self._reply(src, Status.WAIT)
+            else:
+                self._reply(src, Status.FINISHED)
+                self.finished.add(src)
+
+    def _reply(self, dst: int, status: Status, staleness: int = 0, with_theta: bool = False) -> None:
+        header = Header(
+            Kind.REPLY, shard=self.ctx.server_index, version=self.shard.version,
+            numel=self.numel if with_theta else 0, samples=self.shard.samples,
+            status=status, aux=staleness,
+        )
+        self.transport.send(dst, header, self.shard.theta if with_theta else None)
+
+    def _checkpoint(self) -> None:
+        save_checkpoint(
+            shard_checkpoint_path(self.cfg.out, self.ctx.server_index),
+            "server-shard",
+            {"shard": self.ctx.server_index, "bounds": self.bounds, **self.shard.state_dict()},
+        )
+
+    def stats(self) -> dict[str, Any]:
+        s = self.shard.stats()
+        s.update(self.transport.stats.as_dict())
+        s["messages_rejected"] += self.malformed
+        s["lost_workers"] = sorted(self.lost)
+        return s
+
+    # ---------------------------------------------------------------- end of run
+    def gather_final_theta(self) -> torch.Tensor | None:
+        """Servers k > 0 send their shard to server 0, which returns the whole θ."""
+        if self.ctx.server_index != 0:
+            h = Header(Kind.FINAL, shard=self.ctx.server_index, version=self.shard.version,
+                       numel=self.numel, samples=self.shard.samples)
+            self.transport.send(0, h, self.shard.theta, final=True)
+            return None
+        parts = [self.shard.theta]
+        for k in range(1, self.cfg.servers):
+            a, b = self.bounds[k]
+            _, theta = self.transport.recv_final(k, b - a)
+            parts.append(theta)
+        return torch.cat(parts)
+
+
+def load_shard_checkpoint(path: str | Path, cfg: RunConfig, numel: int, shard: int) -> ShardState:
+    """Rebuild a shard from its checkpoint (used by tests and by resume)."""
+    state = load_checkpoint(path, "server-shard")
+    a, b = shard_bounds(numel, cfg.servers)[shard]
+    s = make_shard(cfg, torch.zeros(b - a))
+    s.load_state_dict(state)
+    return s
+
+
+def mean_staleness(stats: list[dict[str, Any]]) -> float:
+    applied = sum(s.get("pushes_applied", 0) for s in stats)
+    return sum(s.get("staleness_sum", 0) for s in stats) / applied if applied else math.nan

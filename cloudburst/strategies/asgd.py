@@ -1,0 +1,178 @@
+"""``asgd``: asynchronous SGD with a sharded parameter server (Downpour; GPU A-SGD).
+
+Algorithm (ALGORITHMS.md §2; Dean et al. 2012, Paine et al. 2013): each worker trains its own
+replica with its local optimizer; every ``n_push`` local steps it pushes its accumulated update
+Δ = θ_local − θ_reference to the S server shards, every ``n_fetch`` steps it fetches θ from them
+(``n_sync`` sets both: GPU A-SGD's n_sync local steps, then push and fetch in one round trip).
+Servers apply pushes one at a time in arrival order (``cloudburst.server``).
+
+Synchronous: nothing between workers; a worker waits only for its own round trip to the
+shards. Staleness: the number of pushes (from any worker) a shard applied between this
+worker's fetch and its push; unbounded unless ``max_staleness`` drops older pushes.
+A dead worker: the servers keep serving the others; the dead worker's unpushed steps are lost
+and it is listed in ``lost_workers``.
+
+Difference from the papers, noted as ALGORITHMS.md asks: when ``n_fetch`` and ``n_push``
+differ, a fetch keeps the not-yet-pushed local progress (θ_local ← θ_server + pending Δ) so
+that it is pushed later rather than lost; Δ is always "progress since the last push".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from cloudburst.comm.flat import assign_flat, flatten_params, shard_bounds
+from cloudburst.comm.p2p import Header, Kind, PeerTransport, Status
+from cloudburst.runtime import Heartbeat
+from cloudburst.strategies.base import Strategy
+
+log = logging.getLogger(__name__)
+
+FINISH_POLL_S = 0.2
+
+
+class AsgdStrategy(Strategy):
+    name = "asgd"
+    survives_worker_loss = True
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.transport = PeerTransport(stats=self.stats)
+        self.num_servers = ctx.num_servers
+        self.staleness_sum = 0
+        self.staleness_max = 0
+        self.pushes = 0
+        self.pushes_rejected = 0
+        self.pushes_dropped = 0
+        self.last_staleness = 0
+        self.global_samples = 0
+        self._fresh: torch.Tensor | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._samples_since_push = 0
+
+    # ------------------------------------------------------------------ set-up
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        self.model = model
+        self.numel = sum(p.numel() for p in model.parameters())
+        self.bounds = shard_bounds(self.numel, self.num_servers)
+        self.versions = [0] * self.num_servers
+        self.reference = flatten_params(model)
+        return model
+
+    def start(self) -> None:
+        self._heartbeat = Heartbeat(
+            self.ctx.store, self.ctx.rank, max(0.05, self.cfg.heartbeat_timeout_s / 5)
+        ).start()
+        if self.cfg.warm_start_steps and self.ctx.worker_index == 0:
+            # The warm-start worker trained alone; its θ becomes every shard's starting point.
+            flat = flatten_params(self.model)
+            for k, (a, b) in enumerate(self.bounds):
+                self.transport.send(k, Header(Kind.INIT, shard=k, numel=b - a), flat[a:b])
+            for k in range(self.num_servers):
+                self._check(self.transport.recv_reply(k), k)
+        self._round(push=False, fetch=True)
+
+    # ------------------------------------------------------------------ training
+    def after_step(self, samples: int) -> None:
+        self.local_steps += 1
+        self._samples_since_push += samples
+        self._fresh = None
+        push = self.local_steps % self.cfg.n_push == 0
+        fetch = self.local_steps % self.cfg.n_fetch == 0
+        if push or fetch:
+            self._round(push=push, fetch=fetch)
+
+    def _round(self, push: bool, fetch: bool) -> None:
+        """One round trip to every shard: send all requests first, then read all replies."""
+        flat = flatten_params(self.model)
+        delta = flat - self.reference if push else None
+        kind = Kind.PUSH_FETCH if push and fetch else Kind.PUSH if push else Kind.FETCH
+        for k, (a, b) in enumerate(self.bounds):
+            header = Header(
+                kind, shard=k, version=self.versions[k], numel=(b - a) if push else 0,
+                samples=self._samples_since_push if push else 0, aux=self.local_steps,
+            )
+            self.transport.send(k, header, delta[a:b] if push else None)
+        fetched = torch.empty(self.numel) if fetch else None
+        rejected = False
+        for k, (a, b) in enumerate(self.bounds):
+            reply = self.transport.recv_reply(k, fetched[a:b] if fetch else None)
+            self._check(reply, k)
+            if push:
+                self._account_push(reply)
+                rejected |= reply.status == Status.REJECTED
+            if fetch:
+                self.versions[k] = reply.version
+            if k == 0:
+                self.global_samples = reply.samples
+        if push:
+            self._samples_since_push = 0
+        if rejected and not fetch:
+            # The servers refused our update (non-finite): start again from their θ.
+            log.warning("the servers rejected this worker's push; re-fetching θ")
+            self._round(push=False, fetch=True)
+            return
+        if fetch:
+            pending = (flat - self.reference) if not push else None
+            new_local = fetched if pending is None or rejected else fetched + pending
+            assign_flat(self.model, new_local)
+            self.reference = fetched
+            self._fresh = fetched
+        else:
+            self.reference = flat
+
+    def _account_push(self, reply: Header) -> None:
+        self.pushes += 1
+        self.last_staleness = reply.aux
+        if reply.status == Status.OK:
+            self.staleness_sum += reply.aux
+            self.staleness_max = max(self.staleness_max, reply.aux)
+        elif reply.status == Status.REJECTED:
+            self.pushes_rejected += 1
+        elif reply.status == Status.STALE_DROPPED:
+            self.pushes_dropped += 1
+
+    @staticmethod
+    def _check(reply: Header, shard: int) -> None:
+        if reply.shard != shard:
+            raise RuntimeError(f"reply from shard {reply.shard} where shard {shard} was expected")
+
+    def global_params(self) -> tuple[torch.Tensor, int] | None:
+        if self._fresh is None:
+            return None
+        return self._fresh, self.global_samples
+
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> None:
+        """Push what is left, then tell every shard we are done and wait for it to finish."""
+        if self.local_steps % self.cfg.n_push != 0:
+            self._round(push=True, fetch=False)
+        pending = set(range(self.num_servers))
+        kind = Kind.DONE
+        while pending:
+            for k in sorted(pending):
+                self.transport.send(k, Header(kind, shard=k))
+            for k in sorted(pending):
+                reply = self.transport.recv_reply(k)
+                if reply.status == Status.FINISHED:
+                    pending.discard(k)
+            kind = Kind.PING
+            if pending:
+                time.sleep(FINISH_POLL_S)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+
+    def report(self) -> dict:
+        r = super().report()
+        r.update(
+            pushes=self.pushes,
+            pushes_rejected=self.pushes_rejected,
+            pushes_dropped_stale=self.pushes_dropped,
+            staleness_sum=self.staleness_sum,
+            staleness_max=self.staleness_max,
+        )
+        return r

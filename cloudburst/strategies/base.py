@@ -1,0 +1,58 @@
+"""The one interface every strategy implements; the training loop drives it.
+
+A user's own loop needs four added lines (see the README): ``model = strategy.wrap(model,
+optimizer)``, ``strategy.start()``, ``strategy.after_step()`` after each optimizer step, and
+``strategy.finish()``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from cloudburst.comm.p2p import CommStats
+
+
+class Strategy(ABC):
+    name: ClassVar[str]
+    #: True when the job keeps going if a worker dies (launched with one agent per rank).
+    survives_worker_loss: ClassVar[bool] = False
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.stats = CommStats()
+        self.model: nn.Module | None = None
+        self.local_steps = 0
+
+    @abstractmethod
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        """Take ownership of the replica; return the module the loop should call."""
+
+    def start(self) -> None:
+        """Called once before the first step (after any warm-up on the warm-start worker)."""
+
+    def after_backward(self) -> None:
+        """Called right after ``loss.backward()``."""
+
+    @abstractmethod
+    def after_step(self, samples: int) -> None:
+        """Called after every optimizer step; ``samples`` is the batch size of that step."""
+
+    def global_params(self) -> tuple[torch.Tensor, int] | None:
+        """(flat θ of the global model, training samples behind it) when fresh this step."""
+        return None
+
+    def finish(self) -> None:
+        """Called once after the last step: flush pending updates, leave the job cleanly."""
+
+    @property
+    def is_evaluator(self) -> bool:
+        """The worker that evaluates the global model during training: worker 0."""
+        return self.ctx.worker_index == 0
+
+    def report(self) -> dict[str, Any]:
+        return self.stats.as_dict()

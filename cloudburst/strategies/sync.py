@@ -1,0 +1,46 @@
+"""``sync``: synchronous data parallelism with ``DistributedDataParallel`` itself.
+
+Algorithm: every step each worker computes the gradient of its mini-batch; DDP averages the
+gradients across workers with all-reduce (bucketed, overlapped with backward); every worker
+applies the same update. Equal to SGD on a W-times larger batch (ALGORITHMS.md §1).
+Synchronous: every step waits for all workers. Staleness: always 0.
+A dead worker: the all-reduce raises on every other rank and the job stops (torchrun tears it
+down); resume from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from cloudburst.comm.allreduce import AllreduceHookState, counting_allreduce_hook
+from cloudburst.comm.flat import flatten_params
+from cloudburst.strategies.base import Strategy
+
+
+class SyncStrategy(Strategy):
+    name = "sync"
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        self.model = model
+        self.hook_state = AllreduceHookState(self.ctx.workers_group, self.stats)
+        self.ddp = DistributedDataParallel(model, process_group=self.ctx.workers_group)
+        self.ddp.register_comm_hook(self.hook_state, counting_allreduce_hook)
+        return self.ddp
+
+    def after_backward(self) -> None:
+        # backward() returns only when every bucket's all-reduce is done: the time since the
+        # last bucket was launched is communication that did not overlap with compute.
+        if self.hook_state.last_launch:
+            self.stats.wait_s += time.perf_counter() - self.hook_state.last_launch
+            self.hook_state.last_launch = 0.0
+
+    def after_step(self, samples: int) -> None:
+        self.local_steps += 1
+
+    def global_params(self) -> tuple[torch.Tensor, int]:
+        samples = self.local_steps * self.cfg.batch_size * self.cfg.workers
+        return flatten_params(self.model), samples

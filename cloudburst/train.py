@@ -1,0 +1,262 @@
+"""The one training loop, the server entry, and the end-of-run summary.
+
+:func:`run_rank` is what every process of a job runs (under ``cloudburst train`` or a user's
+``torchrun``): it joins the job, takes its role, and either serves a parameter shard or trains
+a replica through the strategy chosen in the config. The loop is the same for every strategy.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from cloudburst.checkpoint import load_model_into, save_model
+from cloudburst.comm.flat import assign_flat, flatten_params
+from cloudburst.config import RunConfig
+from cloudburst.data import BatchStream, Dataset, load_dataset, worker_shard
+from cloudburst.metrics import MetricsWriter, time_to_target, write_json_atomic
+from cloudburst.models import build_model, evaluate
+from cloudburst.runtime import Context, LivenessMonitor, init_distributed, shutdown
+from cloudburst.server import ServerLoop, mean_staleness
+from cloudburst.strategies import make_strategy
+
+log = logging.getLogger(__name__)
+
+
+def run_rank(cfg_dict: dict[str, Any]) -> None:
+    """Entry point of one rank. ``cfg_dict`` is a :meth:`RunConfig.to_dict`."""
+    cfg = RunConfig.from_dict(cfg_dict)
+    ctx = init_distributed(cfg)
+    metrics = MetricsWriter(cfg.out, ctx.rank, ctx.role)
+    metrics.log("start", time_s=ctx.elapsed_s(), pid=os.getpid(), world_size=ctx.world_size)
+    try:
+        data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size)
+        model = build_model(cfg.model, data.input_length, data.num_classes, cfg.seed)
+        if cfg.init_from:
+            load_model_into(cfg.init_from, model)
+        if ctx.is_server:
+            run_server(ctx, model, data, metrics)
+        else:
+            run_worker(ctx, model, data, metrics)
+    finally:
+        metrics.close()
+        shutdown(ctx)
+
+
+def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+# ---------------------------------------------------------------------------- workers
+def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWriter) -> None:
+    cfg = ctx.cfg
+    strategy = make_strategy(ctx)
+    optimizer = make_optimizer(cfg, model.parameters())
+    net = strategy.wrap(model, optimizer)
+    x, y = worker_shard(data, ctx.worker_index, cfg.workers)
+    stream = BatchStream(x, y, cfg.batch_size, seed=cfg.seed * 1000 + ctx.worker_index)
+    factor = cfg.straggler_factor(ctx.worker_index)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def train_step() -> float:
+        xb, yb = next(stream)
+        loss = loss_fn(net(xb), yb)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        strategy.after_backward()
+        optimizer.step()
+        return loss.item()
+
+    if cfg.warm_start_steps and ctx.worker_index == 0:
+        # Warm start (GPU A-SGD experiment 3): this worker trains alone, then seeds the servers.
+        for i in range(cfg.warm_start_steps):
+            loss = train_step()
+            if (i + 1) % cfg.log_every_steps == 0:
+                metrics.log("warmup", step=i + 1, time_s=ctx.elapsed_s(), loss=loss)
+
+    evaluator = Evaluator(ctx, model, data, metrics) if strategy.is_evaluator else None
+    strategy.start()
+    if evaluator:
+        evaluator.maybe_eval(strategy, force=True)
+
+    total = cfg.steps_per_worker()
+    bar = _progress_bar(ctx, total)
+    samples = 0
+    loss = math.nan
+    for step in range(1, total + 1):
+        t_start = time.perf_counter()
+        waited_before = strategy.stats.wait_s
+        loss = train_step()
+        compute_s = time.perf_counter() - t_start - (strategy.stats.wait_s - waited_before)
+        _emulate_device(compute_s, cfg.min_step_time_s, factor)
+        strategy.after_step(cfg.batch_size)
+        samples += cfg.batch_size
+        if evaluator:
+            evaluator.maybe_eval(strategy)
+        if step % cfg.log_every_steps == 0 or step == total:
+            metrics.log(
+                "step", step=step, time_s=ctx.elapsed_s(), samples=samples, loss=loss,
+                staleness=getattr(strategy, "last_staleness", 0), **strategy.stats.as_dict(),
+            )
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    strategy.finish()
+
+    report = {
+        "role": "worker", "steps": total, "samples": samples, "final_loss": loss,
+        **strategy.report(), "evals": evaluator.history if evaluator else [],
+    }
+    metrics.log("final", time_s=ctx.elapsed_s(), **{k: v for k, v in report.items() if k != "evals"})
+    if ctx.rank == 0:  # no servers: worker 0 is rank 0 and writes the summary
+        params = strategy.global_params()
+        assign_flat(model, params[0])
+        finalize_run(ctx, model, data, metrics, report, lost=[], wall_time_s=ctx.elapsed_s(),
+                     global_samples=params[1])
+    else:
+        ctx.store.set(f"stats/{ctx.rank}", json.dumps(report))
+
+
+def _emulate_device(compute_s: float, min_step_time_s: float, factor: float) -> None:
+    """Pad the step to the emulated device time, then slow it down by the straggler factor."""
+    target_s = max(compute_s, min_step_time_s) * factor
+    if target_s > compute_s:
+        time.sleep(target_s - compute_s)
+
+
+def _progress_bar(ctx: Context, total: int):
+    # Under `cloudburst train` the launcher draws the bar from the metrics files; under a
+    # user's torchrun, worker 0 draws one when it has a terminal.
+    if ctx.worker_index != 0 or not ctx.cfg.progress or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"{ctx.cfg.strategy} worker0", unit="step")
+
+
+class Evaluator:
+    """Evaluates the global model on the test set every ``eval_every_s`` seconds."""
+
+    def __init__(self, ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWriter):
+        self.ctx, self.data, self.metrics = ctx, data, metrics
+        self.model = copy.deepcopy(model)
+        self.last_s = -math.inf
+        self.history: list[list[float]] = []  # [time_s, samples, accuracy]
+
+    def maybe_eval(self, strategy, force: bool = False) -> None:
+        now = self.ctx.elapsed_s()
+        if not force and now - self.last_s < self.ctx.cfg.eval_every_s:
+            return
+        params = strategy.global_params()
+        if params is None:
+            return
+        flat, samples = params
+        self.last_s = now
+        assign_flat(self.model, flat)
+        acc, loss = evaluate(self.model, self.data.x_test, self.data.y_test)
+        self.history.append([now, samples, acc])
+        self.metrics.log("eval", time_s=now, samples=samples, test_accuracy=acc, test_loss=loss)
+
+
+# ---------------------------------------------------------------------------- servers
+def run_server(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWriter) -> None:
+    liveness = LivenessMonitor(ctx.store, ctx.worker_ranks, ctx.cfg.heartbeat_timeout_s)
+    loop = ServerLoop(ctx, flatten_params(model), metrics, liveness)
+    loop.run()
+    wall_time_s = ctx.elapsed_s()
+    report = {"role": "server", **loop.stats()}
+    metrics.log("final", time_s=wall_time_s, **report)
+    if ctx.rank != 0:
+        ctx.store.set(f"stats/{ctx.rank}", json.dumps(report))
+    theta = loop.gather_final_theta()
+    if ctx.rank == 0:
+        assign_flat(model, theta)
+        finalize_run(ctx, model, data, metrics, report, lost=sorted(loop.lost),
+                     wall_time_s=wall_time_s, global_samples=loop.shard.samples)
+
+
+# ---------------------------------------------------------------------------- summary
+def finalize_run(
+    ctx: Context,
+    model: nn.Module,
+    data: Dataset,
+    metrics: MetricsWriter,
+    own_report: dict[str, Any],
+    lost: list[int],
+    wall_time_s: float,
+    global_samples: int,
+) -> dict[str, Any]:
+    """Rank 0: evaluate the final global model, gather every rank's report, write the summary."""
+    cfg = ctx.cfg
+    acc, test_loss = evaluate(model, data.x_test, data.y_test)
+    metrics.log("eval", time_s=wall_time_s, samples=global_samples, test_accuracy=acc,
+                test_loss=test_loss, final=True)
+    save_model(f"{cfg.out}/model.pt", model, {"config": cfg.to_dict(), "test_accuracy": acc})
+    reports = {0: own_report}
+    for r in range(1, ctx.world_size):
+        if r in lost:
+            continue
+        key = f"stats/{r}"
+        try:
+            ctx.store.wait([key], _seconds(cfg.comm_timeout_s))
+            reports[r] = json.loads(ctx.store.get(key))
+        except Exception as e:  # noqa: BLE001 - a rank that died after training
+            log.warning("no report from rank %d (%s); it is counted as lost", r, e)
+            if r >= cfg.servers:
+                lost.append(r)
+    lost_set = set(lost) | {r for rep in reports.values() for r in rep.get("lost_workers", [])}
+    evals = [e for rep in reports.values() for e in rep.get("evals", [])]
+    evals.append([wall_time_s, global_samples, acc])
+    workers = [rep for r, rep in reports.items() if rep.get("role") == "worker"]
+    servers = [rep for rep in reports.values() if rep.get("role") == "server"]
+    if servers:
+        mean_st = mean_staleness(servers)
+        max_st = max(s["staleness_max"] for s in servers)
+    else:
+        mean_st, max_st = 0.0, 0
+    summary = {
+        "strategy": cfg.strategy,
+        "workers": cfg.workers,
+        "servers": cfg.servers,
+        "final_test_accuracy": acc,
+        "final_test_loss": test_loss,
+        "wall_time_s": wall_time_s,
+        "target_accuracy": cfg.target_accuracy,
+        "time_to_target_s": time_to_target(
+            [{"time_s": t, "test_accuracy": a} for t, _, a in evals], cfg.target_accuracy
+        ),
+        "samples": sum(w["samples"] for w in workers),
+        "samples_applied": global_samples,
+        "steps_per_worker": cfg.steps_per_worker(),
+        "bytes_sent": sum(rep["bytes_sent"] for rep in reports.values()),
+        "bytes_received": sum(rep["bytes_received"] for rep in reports.values()),
+        "comm_wait_s": sum(rep["comm_wait_s"] for rep in reports.values()),
+        "mean_staleness": None if math.isnan(mean_st) else mean_st,
+        "max_staleness": max_st,
+        "pushes_rejected": sum(s.get("rejected_nonfinite", 0) for s in servers),
+        "pushes_dropped_stale": sum(s.get("dropped_stale", 0) for s in servers),
+        "messages_rejected": sum(rep.get("messages_rejected", 0) for rep in reports.values()),
+        "lost_workers": sorted(lost_set),
+        "config": cfg.to_dict(),
+    }
+    write_json_atomic(f"{cfg.out}/summary.json", summary)
+    log.info("summary written: accuracy %.4f in %.1f s", acc, wall_time_s)
+    return summary
+
+
+def _seconds(s: float):
+    import datetime
+
+    return datetime.timedelta(seconds=s)
