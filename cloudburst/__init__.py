@@ -3,4 +3,15 @@
 from cloudburst.config import ConfigError, RunConfig
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "RunConfig", "__version__"]
+
+
+def __getattr__(name: str):
+    # Job pulls in torch.distributed; import it only when asked for.
+    if name == "Job":
+        from cloudburst.api import Job
+
+        return Job
+    raise AttributeError(name)
+
+
+__all__ = ["ConfigError", "Job", "RunConfig", "__version__"]

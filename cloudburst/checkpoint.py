@@ -80,5 +80,7 @@ def load_model_into(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
         model.load_state_dict(payload["state_dict"])
     except (RuntimeError, KeyError) as e:
         first = str(e).splitlines()[0]
-        raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model: {first}") from None
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not fit this model: {first}"
+        ) from None
     return payload.get("meta", {})

@@ -8,11 +8,8 @@ user's ``torchrun ... -m cloudburst train ...`` it runs as one rank of that job.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from cloudburst.config import (
@@ -30,47 +27,80 @@ EXIT_CONFIG = 2
 
 
 def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a model with a data-parallel strategy",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser(
+        "train",
+        help="train a model with a data-parallel strategy",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     S = argparse.SUPPRESS  # unset flags do not override the config file
     p.add_argument("--config", help="TOML file with run settings (flags override it)")
     p.add_argument("--strategy", choices=STRATEGIES, default=S, help="(default sync)")
     p.add_argument("--workers", type=int, default=S, help="W, training ranks (default 2)")
     p.add_argument("--servers", type=int, default=S, help="S, parameter-server shards (asgd)")
-    p.add_argument("--n-sync", type=int, default=S, help="GPU A-SGD n_sync: sets --n-fetch and --n-push")
+    p.add_argument(
+        "--n-sync", type=int, default=S, help="GPU A-SGD n_sync: sets --n-fetch and --n-push"
+    )
     p.add_argument("--n-fetch", type=int, default=S, help="fetch θ every this many local steps")
     p.add_argument("--n-push", type=int, default=S, help="push Δ every this many local steps")
     p.add_argument("--server-rule", choices=SERVER_RULES, default=S, help="(default add)")
-    p.add_argument("--server-lr", type=float, default=S, help="λ of the add rule / server optimizer lr")
+    p.add_argument(
+        "--server-lr", type=float, default=S, help="λ of the add rule / server optimizer lr"
+    )
     p.add_argument("--server-momentum", type=float, default=S)
     p.add_argument("--max-staleness", type=int, default=S, help="drop pushes staler than this")
-    p.add_argument("--staleness-scaling", action="store_true", default=S,
-                   help="scale each push by 1/staleness")
-    p.add_argument("--warm-start-steps", type=int, default=S,
-                   help="K: worker 0 trains alone for K steps, then all start from its θ")
+    p.add_argument(
+        "--staleness-scaling", action="store_true", default=S, help="scale each push by 1/staleness"
+    )
+    p.add_argument(
+        "--warm-start-steps",
+        type=int,
+        default=S,
+        help="K: worker 0 trains alone for K steps, then all start from its θ",
+    )
     p.add_argument("--init-from", default=S, help="start from this model checkpoint (model.pt)")
     p.add_argument("--dataset", choices=DATASETS, default=S, help="(default mnist1d)")
     p.add_argument("--train-size", type=int, default=S)
     p.add_argument("--test-size", type=int, default=S)
     p.add_argument("--model", choices=MODELS, default=S, help="(default cnn)")
     p.add_argument("--epochs", type=float, default=S, help="passes of each worker over its shard")
-    p.add_argument("--steps", type=int, default=S, help="local steps per worker (overrides --epochs)")
+    p.add_argument(
+        "--steps", type=int, default=S, help="local steps per worker (overrides --epochs)"
+    )
     p.add_argument("--batch-size", type=int, default=S, help="per worker (default 64)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=S, help="local optimizer (default sgd)")
+    p.add_argument(
+        "--optimizer", choices=OPTIMIZERS, default=S, help="local optimizer (default sgd)"
+    )
     p.add_argument("--lr", type=float, default=S)
     p.add_argument("--momentum", type=float, default=S)
     p.add_argument("--weight-decay", type=float, default=S)
     p.add_argument("--seed", type=int, default=S)
-    p.add_argument("--target-accuracy", type=float, default=S,
-                   help="report the time to reach this test accuracy (0..1)")
-    p.add_argument("--straggler", action="append", default=S, metavar="WORKER:FACTOR",
-                   help="worker WORKER sleeps (FACTOR-1)x its compute time each step")
-    p.add_argument("--min-step-time-s", type=float, default=S,
-                   help="emulate a device: every step takes at least this long (sleep)")
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=S,
+        help="report the time to reach this test accuracy (0..1)",
+    )
+    p.add_argument(
+        "--straggler",
+        action="append",
+        default=S,
+        metavar="WORKER:FACTOR",
+        help="worker WORKER sleeps (FACTOR-1)x its compute time each step",
+    )
+    p.add_argument(
+        "--min-step-time-s",
+        type=float,
+        default=S,
+        help="emulate a device: every step takes at least this long (sleep)",
+    )
     p.add_argument("--eval-every-s", type=float, default=S)
     p.add_argument("--log-every-steps", type=int, default=S)
-    p.add_argument("--checkpoint-every", type=int, default=S,
-                   help="servers checkpoint their shard every this many applied pushes")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=S,
+        help="servers checkpoint their shard every this many applied pushes",
+    )
     p.add_argument("--comm-timeout-s", type=float, default=S)
     p.add_argument("--heartbeat-timeout-s", type=float, default=S)
     p.add_argument("--out", default=S, help="output directory (default runs/<strategy>-<time>)")
@@ -100,74 +130,34 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def launch_and_report(cfg: RunConfig) -> int:
     """Start a local job, draw a progress bar from its metrics, print its summary."""
-    from tqdm import tqdm
+    from cloudburst.launch import JobFailed, run_local_job
 
-    from cloudburst.runtime import start_local_job
-    from cloudburst.train import run_rank
-
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(cfg.to_json() + "\n")
-    # A new run: metrics of an earlier run in the same directory would mix into its curves.
-    shutil.rmtree(out / "metrics", ignore_errors=True)
-    (out / "summary.json").unlink(missing_ok=True)
-    procs = start_local_job(cfg, run_rank)
-    total = cfg.steps_per_worker() * cfg.workers
-    bar = tqdm(total=total, desc=f"{cfg.strategy} W={cfg.workers}", unit="step",
-               disable=not cfg.progress, file=sys.stderr)
     try:
-        while any(p.is_alive() for p in procs):
-            done = _steps_done(out)
-            bar.update(max(0, done - bar.n))
-            time.sleep(0.5)
-        bar.update(max(0, _steps_done(out) - bar.n))
-    except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        raise
-    finally:
-        bar.close()
-    codes = [p.exitcode for p in procs]
-    summary_path = out / "summary.json"
-    if not summary_path.is_file():
-        print(f"cloudburst: the run failed (agent exit codes {codes}); logs in {out / 'logs'}",
-              file=sys.stderr)
+        summary = run_local_job(cfg)
+    except JobFailed as e:
+        print(f"cloudburst: {e}", file=sys.stderr)
         return 1
-    summary = json.loads(summary_path.read_text())
     print(format_summary([summary]))
-    if any(codes):
-        print(f"cloudburst: some ranks failed (agent exit codes {codes}); lost workers: "
-              f"{summary['lost_workers']}", file=sys.stderr)
+    if summary.get("failed_agents"):
+        print(
+            f"cloudburst: some ranks failed (agent exit codes {summary['failed_agents']}); "
+            f"lost workers: {summary['lost_workers']}",
+            file=sys.stderr,
+        )
     return 0
-
-
-def _steps_done(out: Path) -> int:
-    """Sum over workers of the last logged step (cheap: reads the tail of each file)."""
-    done = 0
-    for path in (out / "metrics").glob("rank*.jsonl"):
-        try:
-            with open(path, "rb") as f:
-                f.seek(0, 2)
-                f.seek(max(0, f.tell() - 4096))
-                lines = f.read().decode(errors="ignore").splitlines()
-        except OSError:
-            continue
-        for line in reversed(lines):
-            if '"event": "step"' in line:
-                try:
-                    done += json.loads(line)["step"]
-                except (json.JSONDecodeError, KeyError):
-                    continue
-                break
-    return done
 
 
 def format_summary(summaries: list[dict[str, Any]]) -> str:
     cols = [
-        ("strategy", "strategy", "{}"), ("W", "workers", "{}"), ("S", "servers", "{}"),
-        ("test acc", "final_test_accuracy", "{:.4f}"), ("wall s", "wall_time_s", "{:.1f}"),
-        ("to target s", "time_to_target_s", "{:.1f}"), ("samples", "samples", "{}"),
-        ("MB sent", "bytes_sent", "{:.1f}"), ("staleness", "mean_staleness", "{:.2f}"),
+        ("strategy", "strategy", "{}"),
+        ("W", "workers", "{}"),
+        ("S", "servers", "{}"),
+        ("test acc", "final_test_accuracy", "{:.4f}"),
+        ("wall s", "wall_time_s", "{:.1f}"),
+        ("to target s", "time_to_target_s", "{:.1f}"),
+        ("samples", "samples", "{}"),
+        ("MB sent", "bytes_sent", "{:.1f}"),
+        ("staleness", "mean_staleness", "{:.2f}"),
         ("lost", "lost_workers", "{}"),
     ]
     rows = [[name for name, _, _ in cols]]

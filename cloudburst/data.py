@@ -92,9 +92,7 @@ def _mnist1d(train_size: int, test_size: int) -> Dataset:
     )
 
 
-def worker_shard(
-    ds: Dataset, worker: int, num_workers: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def worker_shard(ds: Dataset, worker: int, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Worker ``worker``'s disjoint, contiguous slice of the training set (equal sizes)."""
     per = ds.x_train.shape[0] // num_workers
     sl = slice(worker * per, (worker + 1) * per)

@@ -14,8 +14,10 @@ class MLP(nn.Module):
     def __init__(self, input_length: int = 40, num_classes: int = 10, hidden: int = 100):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(input_length, hidden), nn.ReLU(),
-            nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(input_length, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
             nn.Linear(hidden, num_classes),
         )
 
@@ -55,7 +57,9 @@ def build_model(name: str, input_length: int, num_classes: int, seed: int) -> nn
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1000) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1000
+) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) of ``model`` on (x, y)."""
     was_training = model.training
     model.eval()

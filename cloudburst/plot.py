@@ -26,12 +26,15 @@ def run_label(run_dir: Path) -> str:
     label = f"{s['strategy']} W={s['workers']}"
     if s["strategy"] == "asgd":
         n = cfg.get("n_fetch"), cfg.get("n_push")
-        label += f" S={s['servers']} n_sync={n[0]}" if n[0] == n[1] else f" n_fetch={n[0]} n_push={n[1]}"
+        label += (
+            f" S={s['servers']} n_sync={n[0]}" if n[0] == n[1] else f" n_fetch={n[0]} n_push={n[1]}"
+        )
     return label
 
 
-def plot_runs(runs: list[str], output: str, title: str | None = None,
-              labels: list[str] | None = None) -> Path:
+def plot_runs(
+    runs: list[str], output: str, title: str | None = None, labels: list[str] | None = None
+) -> Path:
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, run in enumerate(runs):
         run_dir = Path(run)
@@ -44,8 +47,13 @@ def plot_runs(runs: list[str], output: str, title: str | None = None,
         err = [100 * (1 - e["test_accuracy"]) for e in evals]
         ax_t.plot([e["time_s"] for e in evals], err, label=label, marker=".", markersize=3)
         by_samples = sorted(zip([e["samples"] for e in evals], err, strict=True))
-        ax_s.plot([s for s, _ in by_samples], [e for _, e in by_samples], label=label,
-                  marker=".", markersize=3)
+        ax_s.plot(
+            [s for s, _ in by_samples],
+            [e for _, e in by_samples],
+            label=label,
+            marker=".",
+            markersize=3,
+        )
     ax_t.set_xlabel("wall time (s)")
     ax_s.set_xlabel("training samples (all workers)")
     for ax in (ax_t, ax_s):

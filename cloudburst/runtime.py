@@ -93,9 +93,13 @@ def init_distributed(cfg: RunConfig) -> Context:
     workers_group = None
     if cfg.servers:
         # Every rank must take part in creating a group, servers included.
-        workers_group = dist.new_group(
-            list(range(cfg.servers, world)), timeout=timeout, use_local_synchronization=True
-        ) if rank >= cfg.servers else None
+        workers_group = (
+            dist.new_group(
+                list(range(cfg.servers, world)), timeout=timeout, use_local_synchronization=True
+            )
+            if rank >= cfg.servers
+            else None
+        )
     store = _job_store(cfg)
     dist.barrier()
     # A common origin for wall-clock times: rank 0's clock, shared through the store.

@@ -14,6 +14,7 @@ records the others as lost. Shards are checkpointed every ``checkpoint_every`` a
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from dataclasses import dataclass
@@ -55,7 +56,9 @@ class ShardState:
         max_staleness: int | None = None,
         staleness_scaling: bool = False,
     ):
-        self.param = torch.nn.Parameter(theta.detach().to(torch.float32).clone(), requires_grad=False)
+        self.param = torch.nn.Parameter(
+            theta.detach().to(torch.float32).clone(), requires_grad=False
+        )
         self.rule, self.lr = rule, lr
         self.max_staleness, self.staleness_scaling = max_staleness, staleness_scaling
         self.version = 0  # pushes applied so far
@@ -84,7 +87,9 @@ class ShardState:
     def apply_push(self, delta: torch.Tensor, base_version: int, samples: int = 0) -> PushResult:
         """Apply one push computed against ``base_version``; returns its status and staleness."""
         if delta.shape != self.param.shape:
-            raise ValueError(f"push of shape {tuple(delta.shape)} for shard {tuple(self.param.shape)}")
+            raise ValueError(
+                f"push of shape {tuple(delta.shape)} for shard {tuple(self.param.shape)}"
+            )
         if not 0 <= base_version <= self.version:
             raise ValueError(f"push against version {base_version}, shard is at {self.version}")
         staleness = self.version - base_version
@@ -122,7 +127,8 @@ class ShardState:
     def state_dict(self) -> dict[str, Any]:
         return {
             "theta": self.param.data.clone(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer else {},
+            # deepcopy: the optimizer's state_dict shares its buffers with the live optimizer
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else {},
             **self.stats(),
         }
 
@@ -196,7 +202,10 @@ class ServerLoop:
         self._checkpoint()
         log.info(
             "server %d finished: version %d, %d lost workers %s",
-            self.ctx.server_index, self.shard.version, len(self.lost), sorted(self.lost),
+            self.ctx.server_index,
+            self.shard.version,
+            len(self.lost),
+            sorted(self.lost),
         )
 
     def _valid(self, h: Header) -> bool:
@@ -209,7 +218,11 @@ class ServerLoop:
     def _drain_payload(self, src: int, h: Header | None) -> None:
         # A header announcing the right payload size is followed by that payload: consume it so
         # the stream stays aligned. Any other size is never sent by our workers.
-        if h is not None and h.kind in (Kind.PUSH, Kind.PUSH_FETCH, Kind.INIT) and h.numel == self.numel:
+        if (
+            h is not None
+            and h.kind in (Kind.PUSH, Kind.PUSH_FETCH, Kind.INIT)
+            and h.numel == self.numel
+        ):
             self.transport.recv_payload(src, self.numel)
 
     def _handle(self, src: int, h: Header) -> None:
@@ -219,16 +232,28 @@ class ServerLoop:
                 raise RuntimeError(f"rank {src} pushed before the warm start finished")
             result = self.shard.apply_push(delta, h.version, h.samples)
             if result.status == Status.REJECTED:
-                log.warning("rejected a non-finite push from rank %d (total %d)",
-                            src, self.shard.rejected_nonfinite)
+                log.warning(
+                    "rejected a non-finite push from rank %d (total %d)",
+                    src,
+                    self.shard.rejected_nonfinite,
+                )
             self.metrics.log(
-                "push", time_s=self.ctx.elapsed_s(), worker=src, status=result.status.name,
-                staleness=result.staleness, version=self.shard.version, samples=self.shard.samples,
+                "push",
+                time_s=self.ctx.elapsed_s(),
+                worker=src,
+                status=result.status.name,
+                staleness=result.staleness,
+                version=self.shard.version,
+                samples=self.shard.samples,
             )
-            self._reply(src, result.status, staleness=result.staleness,
-                        with_theta=h.kind == Kind.PUSH_FETCH)
-            if (self.cfg.checkpoint_every and result.status == Status.OK
-                    and self.shard.version % self.cfg.checkpoint_every == 0):
+            self._reply(
+                src, result.status, staleness=result.staleness, with_theta=h.kind == Kind.PUSH_FETCH
+            )
+            if (
+                self.cfg.checkpoint_every
+                and result.status == Status.OK
+                and self.shard.version % self.cfg.checkpoint_every == 0
+            ):
                 self._checkpoint()
         elif h.kind == Kind.FETCH:
             if self.awaiting_init:
@@ -260,11 +285,17 @@ class ServerLoop:
                 self._reply(src, Status.FINISHED)
                 self.finished.add(src)
 
-    def _reply(self, dst: int, status: Status, staleness: int = 0, with_theta: bool = False) -> None:
+    def _reply(
+        self, dst: int, status: Status, staleness: int = 0, with_theta: bool = False
+    ) -> None:
         header = Header(
-            Kind.REPLY, shard=self.ctx.server_index, version=self.shard.version,
-            numel=self.numel if with_theta else 0, samples=self.shard.samples,
-            status=status, aux=staleness,
+            Kind.REPLY,
+            shard=self.ctx.server_index,
+            version=self.shard.version,
+            numel=self.numel if with_theta else 0,
+            samples=self.shard.samples,
+            status=status,
+            aux=staleness,
         )
         self.transport.send(dst, header, self.shard.theta if with_theta else None)
 
@@ -286,8 +317,13 @@ class ServerLoop:
     def gather_final_theta(self) -> torch.Tensor | None:
         """Servers k > 0 send their shard to server 0, which returns the whole θ."""
         if self.ctx.server_index != 0:
-            h = Header(Kind.FINAL, shard=self.ctx.server_index, version=self.shard.version,
-                       numel=self.numel, samples=self.shard.samples)
+            h = Header(
+                Kind.FINAL,
+                shard=self.ctx.server_index,
+                version=self.shard.version,
+                numel=self.numel,
+                samples=self.shard.samples,
+            )
             self.transport.send(0, h, self.shard.theta, final=True)
             return None
         parts = [self.shard.theta]

@@ -106,8 +106,13 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
             evaluator.maybe_eval(strategy)
         if step % cfg.log_every_steps == 0 or step == total:
             metrics.log(
-                "step", step=step, time_s=ctx.elapsed_s(), samples=samples, loss=loss,
-                staleness=getattr(strategy, "last_staleness", 0), **strategy.stats.as_dict(),
+                "step",
+                step=step,
+                time_s=ctx.elapsed_s(),
+                samples=samples,
+                loss=loss,
+                staleness=getattr(strategy, "last_staleness", 0),
+                **strategy.stats.as_dict(),
             )
         if bar is not None:
             bar.update(1)
@@ -116,15 +121,29 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     strategy.finish()
 
     report = {
-        "role": "worker", "steps": total, "samples": samples, "final_loss": loss,
-        **strategy.report(), "evals": evaluator.history if evaluator else [],
+        "role": "worker",
+        "steps": total,
+        "samples": samples,
+        "final_loss": loss,
+        **strategy.report(),
+        "evals": evaluator.history if evaluator else [],
     }
-    metrics.log("final", time_s=ctx.elapsed_s(), **{k: v for k, v in report.items() if k != "evals"})
+    metrics.log(
+        "final", time_s=ctx.elapsed_s(), **{k: v for k, v in report.items() if k != "evals"}
+    )
     if ctx.rank == 0:  # no servers: worker 0 is rank 0 and writes the summary
         params = strategy.global_params()
         assign_flat(model, params[0])
-        finalize_run(ctx, model, data, metrics, report, lost=[], wall_time_s=ctx.elapsed_s(),
-                     global_samples=params[1])
+        finalize_run(
+            ctx,
+            model,
+            data,
+            metrics,
+            report,
+            lost=[],
+            wall_time_s=ctx.elapsed_s(),
+            global_samples=params[1],
+        )
     else:
         ctx.store.set(f"stats/{ctx.rank}", json.dumps(report))
 
@@ -183,8 +202,16 @@ def run_server(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     theta = loop.gather_final_theta()
     if ctx.rank == 0:
         assign_flat(model, theta)
-        finalize_run(ctx, model, data, metrics, report, lost=sorted(loop.lost),
-                     wall_time_s=wall_time_s, global_samples=loop.shard.samples)
+        finalize_run(
+            ctx,
+            model,
+            data,
+            metrics,
+            report,
+            lost=sorted(loop.lost),
+            wall_time_s=wall_time_s,
+            global_samples=loop.shard.samples,
+        )
 
 
 # ---------------------------------------------------------------------------- summary
@@ -201,8 +228,14 @@ def finalize_run(
     """Rank 0: evaluate the final global model, gather every rank's report, write the summary."""
     cfg = ctx.cfg
     acc, test_loss = evaluate(model, data.x_test, data.y_test)
-    metrics.log("eval", time_s=wall_time_s, samples=global_samples, test_accuracy=acc,
-                test_loss=test_loss, final=True)
+    metrics.log(
+        "eval",
+        time_s=wall_time_s,
+        samples=global_samples,
+        test_accuracy=acc,
+        test_loss=test_loss,
+        final=True,
+    )
     save_model(f"{cfg.out}/model.pt", model, {"config": cfg.to_dict(), "test_accuracy": acc})
     reports = {0: own_report}
     for r in range(1, ctx.world_size):

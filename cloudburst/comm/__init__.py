@@ -4,7 +4,13 @@ This package and :mod:`cloudburst.runtime` are the only modules that import
 ``torch.distributed``; strategies go through them.
 """
 
-from cloudburst.comm.flat import assign_flat, flatten_params, join_shards, shard_bounds, split_shards
+from cloudburst.comm.flat import (
+    assign_flat,
+    flatten_params,
+    join_shards,
+    shard_bounds,
+    split_shards,
+)
 from cloudburst.comm.p2p import CommStats, Header, Kind, PeerTransport, Status
 
 __all__ = [

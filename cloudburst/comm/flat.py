@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import parameters_to_vector
 
 
 def shard_bounds(numel: int, num_shards: int) -> list[tuple[int, int]]:
@@ -34,7 +34,9 @@ def shard_bounds(numel: int, num_shards: int) -> list[tuple[int, int]]:
 def split_shards(flat: torch.Tensor, bounds: list[tuple[int, int]]) -> list[torch.Tensor]:
     """Views of ``flat`` for each shard range (no copy)."""
     if flat.dim() != 1 or (bounds and bounds[-1][1] != flat.numel()):
-        raise ValueError(f"bounds end at {bounds[-1][1] if bounds else 0}, tensor has {flat.numel()}")
+        raise ValueError(
+            f"bounds end at {bounds[-1][1] if bounds else 0}, tensor has {flat.numel()}"
+        )
     return [flat[a:b] for a, b in bounds]
 
 
@@ -53,5 +55,10 @@ def assign_flat(module: nn.Module, flat: torch.Tensor) -> None:
     expected = sum(p.numel() for p in module.parameters())
     if flat.numel() != expected:
         raise ValueError(f"flat vector has {flat.numel()} elements, model has {expected}")
+    # Copy in place (not torch's vector_to_parameters, which makes the parameters views of
+    # ``flat``): the optimizer keeps its parameter objects and ``flat`` stays independent.
+    offset = 0
     with torch.no_grad():
-        vector_to_parameters(flat.to(next(module.parameters()).dtype), module.parameters())
+        for p in module.parameters():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()

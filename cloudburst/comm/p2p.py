@@ -67,8 +67,16 @@ class Header:
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor(
-            [MAGIC, int(self.kind), self.shard, self.version, self.numel, self.samples,
-             int(self.status), self.aux],
+            [
+                MAGIC,
+                int(self.kind),
+                self.shard,
+                self.version,
+                self.numel,
+                self.samples,
+                int(self.status),
+                self.aux,
+            ],
             dtype=torch.int64,
         )
 
@@ -130,8 +138,12 @@ class PeerTransport:
         dist.send(header.to_tensor(), dst, group=self.group, tag=tag)
         self.stats.bytes_sent += HEADER_BYTES
         if payload is not None and header.numel:
-            dist.send(payload.detach().to(torch.float32).contiguous(), dst, group=self.group,
-                      tag=payload_tag)
+            dist.send(
+                payload.detach().to(torch.float32).contiguous(),
+                dst,
+                group=self.group,
+                tag=payload_tag,
+            )
             self.stats.bytes_sent += header.numel * 4
         self.stats.wait_s += time.perf_counter() - t0
 
@@ -161,8 +173,9 @@ class PeerTransport:
     def recv_payload(self, src: int, numel: int, final: bool = False) -> torch.Tensor:
         buf = torch.empty(numel, dtype=torch.float32)
         t0 = time.perf_counter()
-        dist.recv(buf, src=src, group=self.group,
-                  tag=TAG_FINAL_PAYLOAD if final else TAG_REQUEST_PAYLOAD)
+        dist.recv(
+            buf, src=src, group=self.group, tag=TAG_FINAL_PAYLOAD if final else TAG_REQUEST_PAYLOAD
+        )
         self.stats.wait_s += time.perf_counter() - t0
         self.stats.bytes_received += numel * 4
         return buf

@@ -93,8 +93,12 @@ class AsgdStrategy(Strategy):
         kind = Kind.PUSH_FETCH if push and fetch else Kind.PUSH if push else Kind.FETCH
         for k, (a, b) in enumerate(self.bounds):
             header = Header(
-                kind, shard=k, version=self.versions[k], numel=(b - a) if push else 0,
-                samples=self._samples_since_push if push else 0, aux=self.local_steps,
+                kind,
+                shard=k,
+                version=self.versions[k],
+                numel=(b - a) if push else 0,
+                samples=self._samples_since_push if push else 0,
+                aux=self.local_steps,
             )
             self.transport.send(k, header, delta[a:b] if push else None)
         fetched = torch.empty(self.numel) if fetch else None

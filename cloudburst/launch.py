@@ -1,0 +1,83 @@
+"""Run a whole job on this machine and wait for its summary (used by the CLI and tests)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cloudburst.config import RunConfig
+from cloudburst.runtime import start_local_job
+
+
+class JobFailed(RuntimeError):
+    """The job ended without a summary; the message says where its logs are."""
+
+
+def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
+    """Launch ``cfg`` on 127.0.0.1 with torch's launcher, wait, return ``summary.json``.
+
+    ``summary["failed_agents"]`` lists the exit codes of agents whose rank died (asynchronous
+    strategies finish without them).
+    """
+    from tqdm import tqdm
+
+    from cloudburst.train import run_rank
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(cfg.to_json() + "\n")
+    # A new run: metrics of an earlier run in the same directory would mix into its curves.
+    shutil.rmtree(out / "metrics", ignore_errors=True)
+    (out / "summary.json").unlink(missing_ok=True)
+    procs = start_local_job(cfg, run_rank)
+    show = cfg.progress if progress is None else progress
+    bar = tqdm(
+        total=cfg.steps_per_worker() * cfg.workers,
+        desc=f"{cfg.strategy} W={cfg.workers}",
+        unit="step",
+        disable=not show,
+        file=sys.stderr,
+    )
+    try:
+        while any(p.is_alive() for p in procs):
+            bar.update(max(0, _steps_done(out) - bar.n))
+            time.sleep(0.25)
+        bar.update(max(0, _steps_done(out) - bar.n))
+    except BaseException:
+        for p in procs:
+            p.terminate()
+        raise
+    finally:
+        bar.close()
+    codes = [p.exitcode for p in procs]
+    summary_path = out / "summary.json"
+    if not summary_path.is_file():
+        raise JobFailed(f"the run failed (agent exit codes {codes}); logs in {out / 'logs'}")
+    summary = json.loads(summary_path.read_text())
+    summary["failed_agents"] = [c for c in codes if c]
+    return summary
+
+
+def _steps_done(out: Path) -> int:
+    """Sum over workers of the last logged step (cheap: reads the tail of each file)."""
+    done = 0
+    for path in (out / "metrics").glob("rank*.jsonl"):
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - 4096))
+                lines = f.read().decode(errors="ignore").splitlines()
+        except OSError:
+            continue
+        for line in reversed(lines):
+            if '"event": "step"' in line:
+                try:
+                    done += json.loads(line)["step"]
+                except (json.JSONDecodeError, KeyError):
+                    continue
+                break
+    return done

@@ -1,0 +1,68 @@
+"""Your own training loop with a cloudburst strategy, launched by torchrun.
+
+    torchrun --nproc-per-node 3 examples/own_loop.py --strategy asgd --servers 1 --n-sync 5
+    torchrun --nproc-per-node 2 examples/own_loop.py --strategy sync
+
+Only the lines marked ``# cloudburst`` differ from a plain PyTorch loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from torch import nn
+
+import cloudburst
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", default="sync")
+    p.add_argument("--servers", type=int, default=0)
+    p.add_argument("--n-sync", type=int, default=1)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--out", default="runs/own-loop")
+    args = p.parse_args()
+
+    world = int(os.environ["WORLD_SIZE"])
+    cfg = cloudburst.RunConfig(  # cloudburst
+        strategy=args.strategy, workers=world - args.servers, servers=args.servers,
+        n_sync=args.n_sync, steps=args.steps, dataset="synthetic", out=args.out,
+    )
+    job = cloudburst.Job(cfg)  # cloudburst
+
+    torch.manual_seed(0)  # the same initial θ on every rank
+    model = nn.Sequential(nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 10))
+    # A toy task: the class is the position of the largest of the first 10 inputs.
+    g = torch.Generator().manual_seed(1)
+    x_test = torch.randn(1000, 40, generator=g)
+    y_test = x_test[:, :10].argmax(1)
+
+    if job.is_server:  # cloudburst
+        final = job.serve(model)  # cloudburst
+        if final is not None:
+            acc = (final(x_test).argmax(1) == y_test).float().mean().item()
+            print(f"final global model: test accuracy {acc:.3f}")
+        return
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model = job.wrap(model, optimizer)  # cloudburst
+    job.start()  # cloudburst
+    g = torch.Generator().manual_seed(100 + job.worker_index)  # each worker its own data
+    for _ in range(args.steps):
+        x = torch.randn(64, 40, generator=g)
+        y = x[:, :10].argmax(1)
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        job.after_backward()  # cloudburst
+        optimizer.step()
+        job.after_step(len(x))  # cloudburst
+    report = job.finish()  # cloudburst
+    print(f"worker {job.worker_index}: loss {loss.item():.3f}, sent {report['bytes_sent']} bytes")
+
+
+if __name__ == "__main__":
+    main()

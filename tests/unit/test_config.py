@@ -1,0 +1,64 @@
+import pytest
+
+from cloudburst.config import ConfigError, RunConfig, Straggler
+
+
+def test_defaults_are_valid():
+    cfg = RunConfig()
+    assert cfg.strategy == "sync" and cfg.world_size == cfg.workers
+    assert cfg.steps_per_worker() == 10 * ((4000 // 2) // 64)
+
+
+def test_n_sync_sets_fetch_and_push():
+    cfg = RunConfig(strategy="asgd", servers=1, n_sync=7)
+    assert (cfg.n_fetch, cfg.n_push) == (7, 7)
+
+
+@pytest.mark.parametrize(
+    "values, field",
+    [
+        ({"strategy": "magic"}, "strategy"),
+        ({"workers": 0}, "workers"),
+        ({"strategy": "asgd", "servers": 0}, "servers"),
+        ({"strategy": "sync", "servers": 2}, "servers"),
+        ({"lr": -0.1}, "lr"),
+        ({"lr": float("nan")}, "lr"),
+        ({"momentum": 1.0}, "momentum"),
+        ({"batch_size": 5000}, "batch_size"),
+        ({"n_fetch": 0, "strategy": "asgd", "servers": 1}, "n_fetch"),
+        ({"server_rule": "avg", "strategy": "asgd", "servers": 1}, "server_rule"),
+        ({"target_accuracy": 1.5}, "target_accuracy"),
+        ({"stragglers": ["7:2"]}, "straggler"),
+        ({"stragglers": ["x"]}, "straggler"),
+        ({"init_from": "/nonexistent/model.pt"}, "init_from"),
+        ({"workers": "four"}, "workers"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_invalid_values_name_the_field(values, field):
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict(values)
+    msg = str(err.value)
+    assert field in msg and "\n" not in msg
+
+
+def test_toml_and_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nstrategy = "asgd"\nservers = 2\nworkers = 3\nn-sync = 4\nlr = 0.1\n')
+    cfg = RunConfig.from_toml(path, {"lr": 0.2})
+    assert (cfg.strategy, cfg.servers, cfg.workers, cfg.n_push, cfg.lr) == ("asgd", 2, 3, 4, 0.2)
+
+
+def test_bad_toml_is_one_line(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("strategy = \n")
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_toml(path)
+    assert "not valid TOML" in str(err.value)
+
+
+def test_round_trip_through_dict():
+    cfg = RunConfig(strategy="asgd", servers=2, workers=3, stragglers=[Straggler(1, 2.0)])
+    again = RunConfig.from_dict(cfg.to_dict())
+    assert again == cfg
+    assert again.straggler_factor(1) == 2.0 and again.straggler_factor(0) == 1.0
