@@ -95,7 +95,9 @@ class Job:
         """
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks; a worker calls wrap()")
-        liveness = LivenessMonitor(self.ctx.store, self.ctx.worker_ranks, self.cfg.heartbeat_timeout_s)
+        liveness = LivenessMonitor(
+            self.ctx.store, self.ctx.worker_ranks, self.cfg.heartbeat_timeout_s
+        )
         loop = ServerLoop(self.ctx, flatten_params(model), self.metrics, liveness)
         loop.run()
         self.metrics.log("final", time_s=self.ctx.elapsed_s(), role="server", **loop.stats())

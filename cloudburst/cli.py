@@ -120,12 +120,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     from cloudburst.runtime import in_torchrun
 
     cfg = build_config(args)
+    preflight(cfg)
     if in_torchrun():
         from cloudburst.train import run_rank
 
         run_rank(cfg.to_dict())
         return 0
     return launch_and_report(cfg)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Checks that need more than the config itself, done before anything is launched."""
+    if cfg.init_from:
+        from cloudburst.checkpoint import CheckpointError, load_model_into
+        from cloudburst.models import build_model
+
+        try:
+            load_model_into(cfg.init_from, build_model(cfg.model, 40, 10, cfg.seed))
+        except CheckpointError as e:
+            raise ConfigError(f"init_from: {e}") from None
 
 
 def launch_and_report(cfg: RunConfig) -> int:

@@ -13,6 +13,9 @@ from cloudburst.config import RunConfig
 from cloudburst.runtime import start_local_job
 
 
+AGENT_GRACE_S = 5.0
+
+
 class JobFailed(RuntimeError):
     """The job ended without a summary; the message says where its logs are."""
 
@@ -42,10 +45,24 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
         disable=not show,
         file=sys.stderr,
     )
+    summary_path = out / "summary.json"
+    summary_seen_at = None
     try:
         while any(p.is_alive() for p in procs):
             bar.update(max(0, _steps_done(out) - bar.n))
             time.sleep(0.25)
+            if summary_seen_at is None and summary_path.is_file():
+                summary_seen_at = time.monotonic()
+            if summary_seen_at is not None and time.monotonic() - summary_seen_at > AGENT_GRACE_S:
+                # Every rank has finished (rank 0 writes the summary last). Agents still alive
+                # wait in torch's exit barrier for an agent whose rank was lost (up to 300 s),
+                # blocked inside the store where SIGTERM is not handled: SIGKILL them.
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                for p in procs:
+                    p.join(timeout=10)
+                break
         bar.update(max(0, _steps_done(out) - bar.n))
     except BaseException:
         for p in procs:
@@ -54,7 +71,6 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
     finally:
         bar.close()
     codes = [p.exitcode for p in procs]
-    summary_path = out / "summary.json"
     if not summary_path.is_file():
         raise JobFailed(f"the run failed (agent exit codes {codes}); logs in {out / 'logs'}")
     summary = json.loads(summary_path.read_text())

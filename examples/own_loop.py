@@ -28,8 +28,13 @@ def main() -> None:
 
     world = int(os.environ["WORLD_SIZE"])
     cfg = cloudburst.RunConfig(  # cloudburst
-        strategy=args.strategy, workers=world - args.servers, servers=args.servers,
-        n_sync=args.n_sync, steps=args.steps, dataset="synthetic", out=args.out,
+        strategy=args.strategy,
+        workers=world - args.servers,
+        servers=args.servers,
+        n_sync=args.n_sync,
+        steps=args.steps,
+        dataset="synthetic",
+        out=args.out,
     )
     job = cloudburst.Job(cfg)  # cloudburst
 

@@ -24,8 +24,12 @@ def free_port() -> int:
 
 def _child(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
     )
     try:
         result = fn(rank, *args)
@@ -41,8 +45,11 @@ def spawn(fn, world: int, tmp_path: Path, *args: Any, timeout_s: float = 120) ->
     ``fn`` must be importable (module level) and return something JSON-serialisable.
     """
     ctx = mp.start_processes(
-        _child, args=(fn, world, free_port(), str(tmp_path), args), nprocs=world,
-        join=False, start_method="spawn",
+        _child,
+        args=(fn, world, free_port(), str(tmp_path), args),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
     )
     import time
 
@@ -55,16 +62,24 @@ def spawn(fn, world: int, tmp_path: Path, *args: Any, timeout_s: float = 120) ->
     return [json.loads(Path(tmp_path, f"result{r}.json").read_text()) for r in range(world)]
 
 
-def cli(*args: str, timeout_s: float = 300, check: bool = True, **kw) -> subprocess.CompletedProcess:
+def cli(
+    *args: str, timeout_s: float = 300, check: bool = True, **kw
+) -> subprocess.CompletedProcess:
     """Run ``python -m cloudburst ARGS`` in a fresh process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "cloudburst", *args], capture_output=True, text=True,
-        timeout=timeout_s, cwd=kw.pop("cwd", REPO), env=env, **kw,
+        [sys.executable, "-m", "cloudburst", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=kw.pop("cwd", REPO),
+        env=env,
+        **kw,
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"cloudburst {' '.join(args)} failed ({proc.returncode}):\n"
-                             f"{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"cloudburst {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 

@@ -72,8 +72,10 @@ def test_code_in_a_checkpoint_never_runs(tmp_path):
     path = tmp_path / "evil.pt"
     with open(path, "wb") as f:
         pickle.dump({"format": "cloudburst-checkpoint-v1", "payload": _Exploit()}, f)
-    torch.save({"format": "cloudburst-checkpoint-v1", "kind": "model", "payload": _Exploit()},
-               tmp_path / "evil2.pt")
+    torch.save(
+        {"format": "cloudburst-checkpoint-v1", "kind": "model", "payload": _Exploit()},
+        tmp_path / "evil2.pt",
+    )
     for p in (path, tmp_path / "evil2.pt"):
         with pytest.raises(CheckpointError):
             load_checkpoint(p)

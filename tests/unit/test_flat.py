@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from cloudburst.comm.flat import assign_flat, flatten_params, join_shards, shard_bounds, split_shards
+from cloudburst.comm.flat import (
+    assign_flat,
+    flatten_params,
+    join_shards,
+    shard_bounds,
+    split_shards,
+)
 from cloudburst.models import build_model
 
 

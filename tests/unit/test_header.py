@@ -5,7 +5,9 @@ from cloudburst.comm.p2p import MAGIC, Header, Kind, MessageError, Status
 
 
 def test_header_round_trip():
-    h = Header(Kind.PUSH_FETCH, shard=2, version=17, numel=1000, samples=64, status=Status.OK, aux=5)
+    h = Header(
+        Kind.PUSH_FETCH, shard=2, version=17, numel=1000, samples=64, status=Status.OK, aux=5
+    )
     assert Header.from_tensor(h.to_tensor()) == h
 
 

@@ -8,10 +8,12 @@ from cloudburst.server import ShardState, mean_staleness
 
 # (worker, action) — a scripted interleaving of three workers against one shard.
 SCHEDULE = [
-    ("A", "fetch"), ("B", "fetch"),
+    ("A", "fetch"),
+    ("B", "fetch"),
     ("A", "push"),  # base 0, applied at 0 -> staleness 0, version 1
     ("B", "push"),  # base 0, applied at 1 -> staleness 1, version 2
-    ("C", "fetch"), ("A", "fetch"),  # both at version 2
+    ("C", "fetch"),
+    ("A", "fetch"),  # both at version 2
     ("C", "push"),  # base 2 at 2 -> 0, version 3
     ("A", "push"),  # base 2 at 3 -> 1, version 4
     ("B", "push"),  # base 0 at 4 -> 4, version 5

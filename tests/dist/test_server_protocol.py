@@ -1,0 +1,105 @@
+"""The real server loop, driven by scripted workers over gloo: staleness, rejection, finish."""
+
+import pytest
+import torch
+
+from cloudburst.comm.p2p import Header, Kind, PeerTransport, Status
+from cloudburst.config import RunConfig
+from tests.helpers import spawn
+
+pytestmark = pytest.mark.dist
+
+NUMEL = 10
+
+
+def _cfg(out: str) -> RunConfig:
+    return RunConfig(strategy="asgd", workers=2, servers=1, dataset="synthetic", out=out,
+                     heartbeat_timeout_s=5.0, comm_timeout_s=60.0, checkpoint_every=2)
+
+
+def _scripted(rank: int, out: str) -> dict:
+    from cloudburst.metrics import MetricsWriter, read_jsonl
+    from cloudburst.runtime import Heartbeat, LivenessMonitor, init_distributed, shutdown
+    from cloudburst.server import ServerLoop
+
+    ctx = init_distributed(_cfg(out))
+    store = ctx.store
+    if ctx.is_server:
+        metrics = MetricsWriter(out, rank, "server0")
+        loop = ServerLoop(ctx, torch.zeros(NUMEL), metrics,
+                          LivenessMonitor(store, ctx.worker_ranks, 5.0))
+        loop.run()
+        metrics.close()
+        pushes = [r for r in read_jsonl(metrics.path) if r["event"] == "push"]
+        result = {"stats": loop.stats(), "theta": loop.shard.theta.tolist(),
+                  "push_staleness": [p["staleness"] for p in pushes],
+                  "push_status": [p["status"] for p in pushes]}
+        shutdown(ctx)
+        return result
+
+    t = PeerTransport()
+    hb = Heartbeat(store, rank, 0.2).start()
+    replies = []
+    theta = torch.empty(NUMEL)
+
+    def request(kind, version=0, payload=None, shard=0, numel=None):
+        n = NUMEL if payload is not None else 0
+        t.send(0, Header(kind, shard=shard, version=version, numel=n if numel is None else numel,
+                         samples=8), payload)
+        r = t.recv_reply(0, theta if kind in (Kind.FETCH, Kind.PUSH_FETCH) else None)
+        replies.append([r.kind.name, r.status, r.version, r.aux])
+        return r
+
+    def turn(name):  # wait until the script says it is this worker's turn
+        store.wait([name])
+
+    ones = torch.ones(NUMEL)
+    if rank == 1:  # worker A
+        request(Kind.FETCH)  # v0
+        store.set("a_fetched", "1")
+        turn("b_fetched")
+        request(Kind.PUSH_FETCH, version=0, payload=ones)  # staleness 0 -> v1, fetches v1
+        store.set("a_pushed", "1")
+        turn("b_pushed_twice")
+        request(Kind.PUSH_FETCH, version=1, payload=ones)  # v3 now -> staleness 2 -> v4
+        bad = ones.clone()
+        bad[3] = float("nan")
+        request(Kind.PUSH, version=4, payload=bad)  # rejected: non-finite
+        request(Kind.FETCH, shard=5)  # malformed: wrong shard -> rejected
+    else:  # worker B
+        turn("a_fetched")
+        request(Kind.FETCH)  # v0
+        store.set("b_fetched", "1")
+        turn("a_pushed")
+        request(Kind.PUSH, version=0, payload=ones)  # v1 -> staleness 1 -> v2
+        request(Kind.PUSH, version=0, payload=ones)  # v2 -> staleness 2 -> v3
+        store.set("b_pushed_twice", "1")
+    r = request(Kind.DONE)
+    while r.status != Status.FINISHED:
+        r = request(Kind.PING)
+    hb.stop()
+    shutdown(ctx)
+    return {"replies": replies}
+
+
+def test_staleness_rejection_and_finish_over_gloo(tmp_path):
+    server, a, b = spawn(_scripted, 3, tmp_path, str(tmp_path))
+    assert server["push_staleness"] == [0, 1, 2, 2, 0]
+    assert server["push_status"] == ["OK", "OK", "OK", "OK", "REJECTED"]
+    assert server["stats"]["version"] == 4 and server["stats"]["staleness_sum"] == 5
+    assert server["stats"]["staleness_max"] == 2
+    assert server["stats"]["rejected_nonfinite"] == 1
+    assert server["stats"]["messages_rejected"] == 1  # the wrong-shard request
+    assert server["stats"]["lost_workers"] == []
+    assert server["theta"] == [4.0] * NUMEL  # four applied pushes of ones
+    # worker A's replies: fetch v0; push-fetch staleness 0 at v1; push-fetch staleness 2 at v4;
+    # NaN push rejected; malformed request rejected
+    kinds = [(s, v, aux) for _, s, v, aux in a["replies"][:5]]
+    assert kinds == [(Status.OK, 0, 0), (Status.OK, 1, 0), (Status.OK, 4, 2),
+                     (Status.REJECTED, 4, 0), (Status.REJECTED, 4, 0)]
+    assert [(s, aux) for _, s, _, aux in b["replies"][:3]] == [(0, 0), (0, 1), (0, 2)]
+    # the checkpoint (every 2 applied pushes) holds the shard as of version 4
+    from cloudburst.checkpoint import load_checkpoint
+
+    state = load_checkpoint(tmp_path / "checkpoints" / "server0.pt", "server-shard")
+    assert state["version"] == 4 and state["theta"].tolist() == [4.0] * NUMEL
