@@ -7,9 +7,9 @@ SGD lr 0.05 momentum 0.9 (``cloudburst.train.make_optimizer``), in three variant
 
 - ``plain``: a single-process loop, no ``torch.distributed``;
 - ``ddp``: ``DistributedDataParallel`` at world size 1 (gloo), no comm hook;
-- ``sync``: cloudburst's ``SyncStrategy``: ``wrap`` (DDP + its counting all-reduce hook), and
-  ``after_backward`` / ``after_step`` called where ``cloudburst/train.py``'s ``run_worker``
-  calls them.
+- ``sync``: cloudburst's ``SyncStrategy``: ``wrap``, and ``after_backward`` / ``after_step``
+  called where ``cloudburst/train.py``'s ``run_worker`` calls them. With one worker ``wrap``
+  returns the model itself (nothing to average); with more it is DDP + a counting hook.
 
 A step is exactly ``run_worker``'s ``train_step`` (next batch, forward, loss,
 ``zero_grad(set_to_none=True)``, backward, [after_backward], optimizer step, ``loss.item()``)
@@ -17,10 +17,11 @@ A step is exactly ``run_worker``'s ``train_step`` (next batch, forward, loss,
 ``HashStore``), one thread. Each variant has its own model, optimizer and batch stream, all
 built from the same seed. In each of ``--rounds`` rounds every variant runs ``--warmup``
 untimed steps and then ``--steps`` timed steps; the variants take turns round-robin, the order
-rotated by one every round. Every step is timed; the reported step time of a variant is the
-median of all its timed steps (robust to the other jobs sharing the machine), with the median
-of its per-round means alongside; the ratios sync/plain and sync/ddp (target <= 1.05 each) are
-ratios of those medians (verdict on the first), with the per-round ratios listed. All three
+rotated by one every round (many short rounds, so that the variants compared are always close
+in time on a shared, noisy machine). Every step is timed; the step time of a variant is the
+median of all its timed steps. The ratios sync/plain and sync/ddp (target <= 1.05 each) are
+ratios of those medians (the verdict's); alongside, the paired estimate: the median over rounds
+of the ratio of the two variants' per-round medians, and every per-round ratio. All three
 variants see the same batches, so their parameters must agree at the end; the largest
 difference is reported as a check.
 
@@ -120,9 +121,9 @@ class Variant:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(benchutil.RESULTS / "overhead.md"))
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=10)
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -152,7 +153,7 @@ def main() -> None:
         ctx = Context(cfg, 0, 1, 0, 1, None, store, time.time())
         variants = {name: Variant(name, cfg, ctx, data) for name in VARIANTS}
 
-        round_mean: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        round_med: dict[str, list[float]] = {v: [] for v in VARIANTS}
         all_steps: dict[str, list[float]] = {v: [] for v in VARIANTS}
         orders = []
         t_start = time.perf_counter()
@@ -161,7 +162,7 @@ def main() -> None:
             orders.append(order)
             for name in order:
                 times = variants[name].run(args.warmup, args.steps)
-                round_mean[name].append(sum(times) / len(times))
+                round_med[name].append(benchutil.median(times))
                 all_steps[name].extend(times)
         elapsed = time.perf_counter() - t_start
 
@@ -178,26 +179,18 @@ def main() -> None:
         sync_stats = variants["sync"].strategy.stats.as_dict()
         dist.destroy_process_group()
 
-    med = {v: benchutil.median(round_mean[v]) for v in VARIANTS}
+    med = {v: benchutil.median(round_med[v]) for v in VARIANTS}
     med_step = {v: benchutil.median(all_steps[v]) for v in VARIANTS}
 
     def ratio_row(a: str, b: str, target: float | None) -> list[str]:
         value = med_step[a] / med_step[b]
-        by_rounds = med[a] / med[b]
-        per_round = ", ".join(
-            f"{x / y:.3f}" for x, y in zip(round_mean[a], round_mean[b], strict=True)
-        )
+        per_round = [x / y for x, y in zip(round_med[a], round_med[b], strict=True)]
+        paired = f"{benchutil.median(per_round):.3f}"
+        listed = ", ".join(f"{x:.3f}" for x in per_round)
         if target is None:
-            return [f"{a} / {b}", f"{value:.3f}", f"{by_rounds:.3f}", "(reference)", "-", per_round]
+            return [f"{a} / {b}", f"{value:.3f}", paired, "(reference)", "-", listed]
         verdict = benchutil.verdict(value, target, higher_is_better=False)
-        return [
-            f"{a} / {b}",
-            f"{value:.3f}",
-            f"{by_rounds:.3f}",
-            f"<= {target}",
-            verdict,
-            per_round,
-        ]
+        return [f"{a} / {b}", f"{value:.3f}", paired, f"<= {target}", verdict, listed]
 
     lines = [
         "# Step-time overhead of the `sync` strategy at world size 1",
@@ -218,15 +211,15 @@ def main() -> None:
             [
                 "variant",
                 "median step (ms)",
-                "median of round means (ms/step)",
-                "round means (ms/step)",
+                "median of round medians (ms)",
+                "round medians (ms)",
             ],
             [
                 [
                     v,
                     f"{1e3 * med_step[v]:.4f}",
                     f"{1e3 * med[v]:.4f}",
-                    ", ".join(f"{1e3 * x:.4f}" for x in round_mean[v]),
+                    ", ".join(f"{1e3 * x:.4f}" for x in round_med[v]),
                 ]
                 for v in VARIANTS
             ],
@@ -234,12 +227,11 @@ def main() -> None:
         "",
         "## Ratios",
         "",
-        "`value` (the verdict's) = ratio of the median step times; `by round means` = ratio of the "
-        "medians of the per-round means; `per round` = ratio of the two variants' means in each "
-        "round.",
+        "`value` (the verdict's) = ratio of the median step times; `paired` = median over rounds "
+        "of the ratio of the two variants' per-round medians; `per round` = those ratios.",
         "",
         *benchutil.table(
-            ["ratio", "value", "by round means", "target", "verdict", "per round"],
+            ["ratio", "value", "paired", "target", "verdict", "per round"],
             [
                 ratio_row("sync", "plain", TARGET),
                 ratio_row("sync", "ddp", TARGET),

@@ -66,6 +66,7 @@ class Job:
         return self.strategy.wrap(model, optimizer)
 
     def start(self) -> None:
+        self.ctx.start_clock()
         self._require_strategy().start()
 
     def after_backward(self) -> None:

@@ -202,10 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", help="run directories (each with metrics/ and summary.json)")
     p.add_argument("-o", "--output", default="curves.png", help="PNG file to write")
     p.add_argument("--title", default=None)
+    p = sub.add_parser("demo", help="sync vs asgd on MNIST-1D: a table and learning curves")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--epochs", type=float, default=None, help="shorter or longer than the default")
+    p.add_argument("--strategies", nargs="+", default=None)
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
             return cmd_train(args)
+        if args.command == "demo":
+            from cloudburst.demo import run_demo
+
+            run_demo(args.out, args.epochs, args.strategies)
+            return 0
         return cmd_plot(args)
     except ConfigError as e:
         print(f"cloudburst: invalid config: {e}", file=sys.stderr)

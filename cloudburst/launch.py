@@ -12,7 +12,6 @@ from typing import Any
 from cloudburst.config import RunConfig
 from cloudburst.runtime import start_local_job
 
-
 AGENT_GRACE_S = 5.0
 
 

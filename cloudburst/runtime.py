@@ -50,7 +50,7 @@ class Context:
     num_workers: int
     workers_group: dist.ProcessGroup | None  # None when the workers are the whole world
     store: dist.Store
-    t0: float  # wall-clock start of training, common to all ranks (after a barrier)
+    t0: float  # wall-clock start of training, common to all ranks after start_clock()
 
     @property
     def is_server(self) -> bool:
@@ -74,6 +74,17 @@ class Context:
 
     def elapsed_s(self) -> float:
         return time.time() - self.t0
+
+    def start_clock(self) -> None:
+        """Barrier, then a common origin for wall-clock times: rank 0's clock via the store.
+
+        Every rank calls this once, after loading data and building its model, so that
+        ``time_s`` in the metrics measures training, not start-up.
+        """
+        dist.barrier()
+        if self.rank == 0:
+            self.store.set("t0", repr(time.time()))
+        self.t0 = float(self.store.get("t0").decode())
 
 
 def init_distributed(cfg: RunConfig) -> Context:
@@ -101,13 +112,8 @@ def init_distributed(cfg: RunConfig) -> Context:
             else None
         )
     store = _job_store(cfg)
-    dist.barrier()
-    # A common origin for wall-clock times: rank 0's clock, shared through the store.
-    if rank == 0:
-        store.set("t0", repr(time.time()))
-    t0 = float(store.get("t0").decode())
     _configure_logging(rank, "server" if rank < cfg.servers else "worker")
-    return Context(cfg, rank, world, cfg.servers, cfg.workers, workers_group, store, t0)
+    return Context(cfg, rank, world, cfg.servers, cfg.workers, workers_group, store, time.time())
 
 
 def shutdown(ctx: Context | None) -> None:

@@ -37,6 +37,14 @@ class PushResult:
     staleness: int
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Exact, and fast on the common path: a NaN or ±Inf element always makes the sum
+    non-finite, so a finite sum proves every element finite (one reduction instead of a full
+    boolean tensor). A non-finite sum may still be an overflow of finite values: check exactly.
+    """
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
+
+
 class ShardState:
     """One shard θ_k with its version clock and server rule.
 
@@ -93,7 +101,7 @@ class ShardState:
         if not 0 <= base_version <= self.version:
             raise ValueError(f"push against version {base_version}, shard is at {self.version}")
         staleness = self.version - base_version
-        if not bool(torch.isfinite(delta).all()):
+        if not all_finite(delta):
             self.rejected_nonfinite += 1
             return PushResult(Status.REJECTED, staleness)
         if self.max_staleness is not None and staleness > self.max_staleness:
@@ -169,6 +177,8 @@ class ServerLoop:
         a, b = self.bounds[ctx.server_index]
         self.shard = make_shard(cfg, full_theta[a:b])
         self.transport = PeerTransport()
+        # One receive buffer, reused: requests are handled one at a time.
+        self._recv_buf = torch.empty(self.shard.theta.numel())
         self.awaiting_init = cfg.warm_start_steps > 0
         self.deferred_fetches: list[int] = []
         self.done: set[int] = set()  # workers that sent DONE
@@ -223,11 +233,11 @@ class ServerLoop:
             and h.kind in (Kind.PUSH, Kind.PUSH_FETCH, Kind.INIT)
             and h.numel == self.numel
         ):
-            self.transport.recv_payload(src, self.numel)
+            self.transport.recv_payload(src, self.numel, out=self._recv_buf)
 
     def _handle(self, src: int, h: Header) -> None:
         if h.kind in (Kind.PUSH, Kind.PUSH_FETCH):
-            delta = self.transport.recv_payload(src, self.numel)
+            delta = self.transport.recv_payload(src, self.numel, out=self._recv_buf)
             if self.awaiting_init:
                 raise RuntimeError(f"rank {src} pushed before the warm start finished")
             result = self.shard.apply_push(delta, h.version, h.samples)
@@ -261,8 +271,8 @@ class ServerLoop:
             else:
                 self._reply(src, Status.OK, with_theta=True)
         elif h.kind == Kind.INIT:
-            theta = self.transport.recv_payload(src, self.numel)
-            if not bool(torch.isfinite(theta).all()):
+            theta = self.transport.recv_payload(src, self.numel, out=self._recv_buf)
+            if not all_finite(theta):
                 raise RuntimeError(f"warm-start θ from rank {src} is not finite")
             self.shard.set_theta(theta)
             self.awaiting_init = False

@@ -170,8 +170,13 @@ class PeerTransport:
             self.stats.messages_rejected += 1
             return src, None
 
-    def recv_payload(self, src: int, numel: int, final: bool = False) -> torch.Tensor:
-        buf = torch.empty(numel, dtype=torch.float32)
+    def recv_payload(
+        self, src: int, numel: int, final: bool = False, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Receive ``numel`` fp32 values from ``src`` (into ``out`` when given: no allocation)."""
+        buf = torch.empty(numel, dtype=torch.float32) if out is None else out
+        if buf.numel() != numel:
+            raise ValueError(f"receive buffer has {buf.numel()} elements, expected {numel}")
         t0 = time.perf_counter()
         dist.recv(
             buf, src=src, group=self.group, tag=TAG_FINAL_PAYLOAD if final else TAG_REQUEST_PAYLOAD

@@ -61,6 +61,9 @@ class AsgdStrategy(Strategy):
         self.bounds = shard_bounds(self.numel, self.num_servers)
         self.versions = [0] * self.num_servers
         self.reference = flatten_params(model)
+        self._flat = torch.empty_like(self.reference)
+        self._delta = torch.empty_like(self.reference)
+        self._spare = torch.empty_like(self.reference)
         return model
 
     def start(self) -> None:
@@ -88,8 +91,10 @@ class AsgdStrategy(Strategy):
 
     def _round(self, push: bool, fetch: bool) -> None:
         """One round trip to every shard: send all requests first, then read all replies."""
-        flat = flatten_params(self.model)
-        delta = flat - self.reference if push else None
+        # Persistent buffers: on large models fresh 4·|θ|-byte tensors per round cost more in
+        # page faults than the copies themselves (benchmarks/results/transport.md).
+        flat = flatten_params(self.model, out=self._flat)
+        delta = torch.sub(flat, self.reference, out=self._delta) if push else None
         kind = Kind.PUSH_FETCH if push and fetch else Kind.PUSH if push else Kind.FETCH
         for k, (a, b) in enumerate(self.bounds):
             header = Header(
@@ -101,7 +106,7 @@ class AsgdStrategy(Strategy):
                 aux=self.local_steps,
             )
             self.transport.send(k, header, delta[a:b] if push else None)
-        fetched = torch.empty(self.numel) if fetch else None
+        fetched = self._spare if fetch else None
         rejected = False
         for k, (a, b) in enumerate(self.bounds):
             reply = self.transport.recv_reply(k, fetched[a:b] if fetch else None)
@@ -124,10 +129,11 @@ class AsgdStrategy(Strategy):
             pending = (flat - self.reference) if not push else None
             new_local = fetched if pending is None or rejected else fetched + pending
             assign_flat(self.model, new_local)
-            self.reference = fetched
+            # The fetched θ becomes the reference; the old reference buffer receives next time.
+            self._spare, self.reference = self.reference, fetched
             self._fresh = fetched
         else:
-            self.reference = flat
+            self.reference.copy_(flat)
 
     def _account_push(self, reply: Header) -> None:
         self.pushes += 1

@@ -27,6 +27,11 @@ class SyncStrategy(Strategy):
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         self.model = model
         self.hook_state = AllreduceHookState(self.ctx.workers_group, self.stats)
+        if self.cfg.workers == 1:
+            # Nothing to average: DDP would only add its bookkeeping (~25% of a small model's
+            # step, benchmarks/results/overhead.md), as torchtitan skips data parallelism at
+            # dp = 1. The arithmetic is the same.
+            return model
         self.ddp = DistributedDataParallel(model, process_group=self.ctx.workers_group)
         self.ddp.register_comm_hook(self.hook_state, counting_allreduce_hook)
         return self.ddp
