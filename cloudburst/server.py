@@ -37,6 +37,15 @@ class PushResult:
     staleness: int
 
 
+def add_rule_alpha(lr: float, staleness: int, staleness_scaling: bool) -> float:
+    """The factor of the add rule, θ ← θ + αΔ: α = λ, or λ/staleness when scaling.
+
+    Workers use the same function to rebuild the server's θ from an overlapped reply, so that
+    both sides compute bit-identical results.
+    """
+    return lr * (1.0 / max(1, staleness) if staleness_scaling else 1.0)
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """Exact, and fast on the common path: a NaN or ±Inf element always makes the sum
     non-finite, so a finite sum proves every element finite (one reduction instead of a full
@@ -107,11 +116,12 @@ class ShardState:
         if self.max_staleness is not None and staleness > self.max_staleness:
             self.dropped_stale += 1
             return PushResult(Status.STALE_DROPPED, staleness)
-        scale = 1.0 / max(1, staleness) if self.staleness_scaling else 1.0
         with torch.no_grad():
             if self.optimizer is None:
-                self.param.add_(delta, alpha=self.lr * scale)
+                alpha = add_rule_alpha(self.lr, staleness, self.staleness_scaling)
+                self.param.add_(delta, alpha=alpha)
             else:
+                scale = 1.0 / max(1, staleness) if self.staleness_scaling else 1.0
                 self.param.grad = delta.mul(-scale)
                 self.optimizer.step()
                 self.param.grad = None
@@ -152,6 +162,11 @@ class ShardState:
         self.rejected_nonfinite = int(state["rejected_nonfinite"])
 
 
+def overlapped_push_fetch(cfg: RunConfig) -> bool:
+    """Whether PUSH_FETCH replies carry θ before the push (sent while the push arrives)."""
+    return cfg.server_rule == "add"
+
+
 def shard_checkpoint_path(out: str | Path, shard: int) -> Path:
     return Path(out) / "checkpoints" / f"server{shard}.pt"
 
@@ -177,6 +192,9 @@ class ServerLoop:
         a, b = self.bounds[ctx.server_index]
         self.shard = make_shard(cfg, full_theta[a:b])
         self.transport = PeerTransport()
+        # PUSH_FETCH replies overlap with the push when the worker can rebuild θ_after from
+        # θ_before (the add rule); an optimizer rule's state lives only here.
+        self.overlap_replies = overlapped_push_fetch(cfg)
         # One receive buffer, reused: requests are handled one at a time.
         self._recv_buf = torch.empty(self.shard.theta.numel())
         self.awaiting_init = cfg.warm_start_steps > 0
@@ -237,9 +255,16 @@ class ServerLoop:
 
     def _handle(self, src: int, h: Header) -> None:
         if h.kind in (Kind.PUSH, Kind.PUSH_FETCH):
-            delta = self.transport.recv_payload(src, self.numel, out=self._recv_buf)
             if self.awaiting_init:
                 raise RuntimeError(f"rank {src} pushed before the warm start finished")
+            overlapped = h.kind == Kind.PUSH_FETCH and self.overlap_replies
+            if overlapped:
+                # θ before this push goes back while Δ comes in (both directions at once); the
+                # worker adds its own Δ exactly as apply_push will, unless the reply rejects it.
+                send_theta = self.transport.isend_payload(src, self.shard.theta, reply=True)
+            delta = self.transport.recv_payload(src, self.numel, out=self._recv_buf)
+            if overlapped:
+                self.transport.wait_all([send_theta])  # θ must not change while it is sent
             result = self.shard.apply_push(delta, h.version, h.samples)
             if result.status == Status.REJECTED:
                 log.warning(
@@ -257,7 +282,10 @@ class ServerLoop:
                 samples=self.shard.samples,
             )
             self._reply(
-                src, result.status, staleness=result.staleness, with_theta=h.kind == Kind.PUSH_FETCH
+                src,
+                result.status,
+                staleness=result.staleness,
+                with_theta=h.kind == Kind.PUSH_FETCH and not overlapped,
             )
             if (
                 self.cfg.checkpoint_every

@@ -132,6 +132,7 @@ class PeerTransport:
         self, dst: int, header: Header, payload: torch.Tensor | None = None, final: bool = False
     ) -> None:
         tag, payload_tag = (TAG_FINAL, TAG_FINAL_PAYLOAD) if final else self._send_tags(header)
+        # A header may announce a payload that follows separately (isend_payload).
         if payload is not None and payload.numel() != header.numel:
             raise ValueError(f"header says {header.numel} elements, payload has {payload.numel()}")
         t0 = time.perf_counter()
@@ -184,6 +185,28 @@ class PeerTransport:
         self.stats.wait_s += time.perf_counter() - t0
         self.stats.bytes_received += numel * 4
         return buf
+
+    # --------------------------------------------------------------- overlapped payloads
+    def isend_payload(self, dst: int, payload: torch.Tensor, reply: bool) -> dist.Work:
+        """Start sending a payload without blocking (request or reply stream)."""
+        tag = TAG_REPLY_PAYLOAD if reply else TAG_REQUEST_PAYLOAD
+        work = dist.isend(payload.detach().contiguous(), dst, group=self.group, tag=tag)
+        self.stats.bytes_sent += payload.numel() * payload.element_size()
+        return work
+
+    def irecv_payload(self, src: int, out: torch.Tensor, reply: bool) -> dist.Work:
+        """Start receiving a payload into ``out`` without blocking."""
+        tag = TAG_REPLY_PAYLOAD if reply else TAG_REQUEST_PAYLOAD
+        work = dist.irecv(out, src=src, group=self.group, tag=tag)
+        self.stats.bytes_received += out.numel() * out.element_size()
+        return work
+
+    def wait_all(self, works: list[dist.Work]) -> None:
+        """Wait for started sends/receives (each under the group's timeout), timing the wait."""
+        t0 = time.perf_counter()
+        for work in works:
+            work.wait()
+        self.stats.wait_s += time.perf_counter() - t0
 
     def recv_reply(self, src: int, out: torch.Tensor | None = None) -> Header:
         """Receive the reply header from ``src`` and, if it has a payload, copy it into ``out``."""

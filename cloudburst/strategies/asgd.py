@@ -28,6 +28,7 @@ from torch import nn
 from cloudburst.comm.flat import assign_flat, flatten_params, shard_bounds
 from cloudburst.comm.p2p import Header, Kind, PeerTransport, Status
 from cloudburst.runtime import Heartbeat
+from cloudburst.server import add_rule_alpha, overlapped_push_fetch
 from cloudburst.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class AsgdStrategy(Strategy):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.transport = PeerTransport(stats=self.stats)
+        self.overlap = overlapped_push_fetch(ctx.cfg)
         self.num_servers = ctx.num_servers
         self.staleness_sum = 0
         self.staleness_max = 0
@@ -96,6 +98,11 @@ class AsgdStrategy(Strategy):
         flat = flatten_params(self.model, out=self._flat)
         delta = torch.sub(flat, self.reference, out=self._delta) if push else None
         kind = Kind.PUSH_FETCH if push and fetch else Kind.PUSH if push else Kind.FETCH
+        # With the add rule a PUSH_FETCH reply carries θ before our push, sent while our push
+        # travels the other way; we then add our own Δ exactly as the server does.
+        overlapped = kind == Kind.PUSH_FETCH and self.overlap
+        fetched = self._spare if fetch else None
+        started = []
         for k, (a, b) in enumerate(self.bounds):
             header = Header(
                 kind,
@@ -105,15 +112,23 @@ class AsgdStrategy(Strategy):
                 samples=self._samples_since_push if push else 0,
                 aux=self.local_steps,
             )
-            self.transport.send(k, header, delta[a:b] if push else None)
-        fetched = self._spare if fetch else None
+            if overlapped:
+                self.transport.send(k, header)
+                started.append(self.transport.isend_payload(k, delta[a:b], reply=False))
+                started.append(self.transport.irecv_payload(k, fetched[a:b], reply=True))
+            else:
+                self.transport.send(k, header, delta[a:b] if push else None)
+        self.transport.wait_all(started)
         rejected = False
         for k, (a, b) in enumerate(self.bounds):
-            reply = self.transport.recv_reply(k, fetched[a:b] if fetch else None)
+            reply = self.transport.recv_reply(k, fetched[a:b] if fetch and not overlapped else None)
             self._check(reply, k)
             if push:
                 self._account_push(reply)
                 rejected |= reply.status == Status.REJECTED
+            if overlapped and reply.status == Status.OK:
+                alpha = add_rule_alpha(self.cfg.server_lr, reply.aux, self.cfg.staleness_scaling)
+                fetched[a:b].add_(delta[a:b], alpha=alpha)
             if fetch:
                 self.versions[k] = reply.version
             if k == 0:

@@ -63,3 +63,11 @@ def test_asgd_two_shards_one_worker_n_sync_5_equals_sgd(tmp_path):
     cli("train", "--strategy", "asgd", "--workers", "1", "--servers", "2", "--n-sync", "5",
         "--steps", "40", "--out", str(out), *COMMON)
     assert_same_params(trained(out), reference(40, workers=1))
+
+
+def test_asgd_sgd_server_rule_with_lr_1_equals_sgd(tmp_path):
+    # The optimizer rules reply with θ after the push (not overlapped): same result, other path.
+    out = tmp_path / "asgd-sgd-rule"
+    cli("train", "--strategy", "asgd", "--workers", "1", "--servers", "1", "--n-sync", "3",
+        "--server-rule", "sgd", "--server-lr", "1.0", "--steps", "30", "--out", str(out), *COMMON)
+    assert_same_params(trained(out), reference(30, workers=1))

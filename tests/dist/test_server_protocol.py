@@ -40,13 +40,22 @@ def _scripted(rank: int, out: str) -> dict:
     t = PeerTransport()
     hb = Heartbeat(store, rank, 0.2).start()
     replies = []
+    theta_before = []
     theta = torch.empty(NUMEL)
 
-    def request(kind, version=0, payload=None, shard=0, numel=None):
+    def request(kind, version=0, payload=None, shard=0):
         n = NUMEL if payload is not None else 0
-        t.send(0, Header(kind, shard=shard, version=version, numel=n if numel is None else numel,
-                         samples=8), payload)
-        r = t.recv_reply(0, theta if kind in (Kind.FETCH, Kind.PUSH_FETCH) else None)
+        header = Header(kind, shard=shard, version=version, numel=n, samples=8)
+        if kind == Kind.PUSH_FETCH:
+            # add rule: θ before the push comes back while the push goes out
+            t.send(0, header)
+            t.wait_all([t.isend_payload(0, payload, reply=False),
+                        t.irecv_payload(0, theta, reply=True)])
+            r = t.recv_reply(0)
+            theta_before.append(theta.tolist())
+        else:
+            t.send(0, header, payload)
+            r = t.recv_reply(0, theta if kind == Kind.FETCH else None)
         replies.append([r.kind.name, r.status, r.version, r.aux])
         return r
 
@@ -79,7 +88,7 @@ def _scripted(rank: int, out: str) -> dict:
         r = request(Kind.PING)
     hb.stop()
     shutdown(ctx)
-    return {"replies": replies}
+    return {"replies": replies, "theta_before": theta_before}
 
 
 def test_staleness_rejection_and_finish_over_gloo(tmp_path):
@@ -98,6 +107,8 @@ def test_staleness_rejection_and_finish_over_gloo(tmp_path):
     assert kinds == [(Status.OK, 0, 0), (Status.OK, 1, 0), (Status.OK, 4, 2),
                      (Status.REJECTED, 4, 0), (Status.REJECTED, 4, 0)]
     assert [(s, aux) for _, s, _, aux in b["replies"][:3]] == [(0, 0), (0, 1), (0, 2)]
+    # push-fetch replies carry θ as it was before the push: 0 at v0, then 3 pushes of ones at v3
+    assert a["theta_before"] == [[0.0] * NUMEL, [3.0] * NUMEL]
     # the checkpoint (every 2 applied pushes) holds the shard as of version 4
     from cloudburst.checkpoint import load_checkpoint
 
