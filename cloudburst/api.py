@@ -100,6 +100,7 @@ class Job:
             self.ctx.store, self.ctx.worker_ranks, self.cfg.heartbeat_timeout_s
         )
         loop = ServerLoop(self.ctx, flatten_params(model), self.metrics, liveness)
+        self.ctx.start_clock()
         loop.run()
         self.metrics.log("final", time_s=self.ctx.elapsed_s(), role="server", **loop.stats())
         theta = loop.gather_final_theta()

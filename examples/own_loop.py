@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import cloudburst
+from cloudburst.data import synthetic, worker_shard
 
 
 def main() -> None:
@@ -40,10 +41,9 @@ def main() -> None:
 
     torch.manual_seed(0)  # the same initial θ on every rank
     model = nn.Sequential(nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 10))
-    # A toy task: the class is the position of the largest of the first 10 inputs.
-    g = torch.Generator().manual_seed(1)
-    x_test = torch.randn(1000, 40, generator=g)
-    y_test = x_test[:, :10].argmax(1)
+    # Your data here; this example uses cloudburst's small synthetic set (noisy templates).
+    data = synthetic(4000, 1000)
+    x_test, y_test = data.x_test, data.y_test
 
     if job.is_server:  # cloudburst
         final = job.serve(model)  # cloudburst
@@ -55,10 +55,11 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model = job.wrap(model, optimizer)  # cloudburst
     job.start()  # cloudburst
-    g = torch.Generator().manual_seed(100 + job.worker_index)  # each worker its own data
+    x_all, y_all = worker_shard(data, job.worker_index, job.num_workers)  # its own shard
+    g = torch.Generator().manual_seed(100 + job.worker_index)
     for _ in range(args.steps):
-        x = torch.randn(64, 40, generator=g)
-        y = x[:, :10].argmax(1)
+        idx = torch.randint(0, len(x_all), (64,), generator=g)
+        x, y = x_all[idx], y_all[idx]
         loss = nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad()
         loss.backward()

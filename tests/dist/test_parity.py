@@ -71,3 +71,12 @@ def test_asgd_sgd_server_rule_with_lr_1_equals_sgd(tmp_path):
     cli("train", "--strategy", "asgd", "--workers", "1", "--servers", "1", "--n-sync", "3",
         "--server-rule", "sgd", "--server-lr", "1.0", "--steps", "30", "--out", str(out), *COMMON)
     assert_same_params(trained(out), reference(30, workers=1))
+
+
+def test_asgd_fetch_every_2_push_every_3_keeps_unpushed_progress(tmp_path):
+    # One worker: a fetch between pushes must keep the not-yet-pushed local steps, so the
+    # result is still plain SGD (ending with a final push of the remainder).
+    out = tmp_path / "asgd-2-3"
+    cli("train", "--strategy", "asgd", "--workers", "1", "--servers", "2", "--n-fetch", "2",
+        "--n-push", "3", "--steps", "31", "--out", str(out), *COMMON)
+    assert_same_params(trained(out), reference(31, workers=1))

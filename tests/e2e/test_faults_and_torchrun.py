@@ -152,3 +152,37 @@ def test_two_torchrun_launches_on_localhost(tmp_path, nproc, args):
     assert s["workers"] == int(args[3]) and s["lost_workers"] == []
     assert s["samples"] == s["workers"] * 60 * 64
     assert s["final_test_accuracy"] > 0.3
+
+
+def test_python_api_example_under_torchrun(tmp_path):
+    for args, nproc in [
+        (["--strategy", "asgd", "--servers", "1", "--n-sync", "5"], 3),
+        (["--strategy", "sync"], 2),
+    ]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(free_port()),
+            str(REPO / "examples" / "own_loop.py"),
+            *args,
+            "--steps",
+            "100",
+            "--out",
+            str(tmp_path / args[1]),
+        ]
+        proc = subprocess.run(
+            cmd,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.count("worker ") == nproc - (1 if args[1] == "asgd" else 0)
+        if args[1] == "asgd":
+            assert "final global model: test accuracy" in proc.stdout
