@@ -220,13 +220,21 @@ class ServerLoop:
             if src in self.lost:
                 log.warning("rank %d was declared lost but is talking again; serving it", src)
                 self.lost.discard(src)
-            if header is None or not self._valid(header):
-                self.malformed += 1
-                log.warning("rejected a malformed message from rank %d", src)
-                self._drain_payload(src, header)
-                self._reply(src, Status.REJECTED)
-                continue
-            self._handle(src, header)
+            try:
+                if header is None or not self._valid(header):
+                    self.malformed += 1
+                    log.warning("rejected a malformed message from rank %d", src)
+                    self._drain_payload(src, header)
+                    self._reply(src, Status.REJECTED)
+                    continue
+                self._handle(src, header)
+            except RuntimeError as e:
+                # The conversation with this one worker broke (it died mid-request: gloo raises
+                # at once; or it hung: the group's timeout). The others are still served.
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                log.error("lost worker rank %d during a request: %s", src, first[:300])
+                self.lost.add(src)
+                self.deferred_fetches = [r for r in self.deferred_fetches if r != src]
         self._checkpoint()
         log.info(
             "server %d finished: version %d, %d lost workers %s",

@@ -114,3 +114,51 @@ def test_staleness_rejection_and_finish_over_gloo(tmp_path):
 
     state = load_checkpoint(tmp_path / "checkpoints" / "server0.pt", "server-shard")
     assert state["version"] == 4 and state["theta"].tolist() == [4.0] * NUMEL
+
+
+def _dies_mid_request(rank: int, out: str) -> dict:
+    import os
+
+    from cloudburst.metrics import MetricsWriter
+    from cloudburst.runtime import Heartbeat, LivenessMonitor, init_distributed, shutdown
+    from cloudburst.server import ServerLoop
+
+    ctx = init_distributed(_cfg(out))
+    if ctx.is_server:
+        metrics = MetricsWriter(out, rank, "server0")
+        loop = ServerLoop(ctx, torch.zeros(NUMEL), metrics,
+                          LivenessMonitor(ctx.store, ctx.worker_ranks, 5.0))
+        loop.run()
+        metrics.close()
+        result = {"stats": loop.stats(), "theta": loop.shard.theta.tolist()}
+        shutdown(ctx)
+        return result
+    t = PeerTransport()
+    if rank == 2:
+        # announce a push, then die before sending its payload
+        t.send(0, Header(Kind.PUSH, shard=0, version=0, numel=NUMEL))
+        os._exit(0)
+    hb = Heartbeat(ctx.store, rank, 0.2).start()
+    theta = torch.empty(NUMEL)
+    for _ in range(3):
+        t.send(0, Header(Kind.PUSH, shard=0, version=0, numel=NUMEL), torch.ones(NUMEL))
+        t.recv_reply(0)
+    t.send(0, Header(Kind.FETCH, shard=0))
+    t.recv_reply(0, theta)
+    kind = Kind.DONE
+    while True:
+        t.send(0, Header(kind, shard=0))
+        if t.recv_reply(0).status == Status.FINISHED:
+            break
+        kind = Kind.PING
+    hb.stop()
+    shutdown(ctx)
+    return {"theta": theta.tolist()}
+
+
+def test_worker_dying_mid_request_is_lost_and_the_rest_is_served(tmp_path):
+    server, a, b = spawn(_dies_mid_request, 3, tmp_path, str(tmp_path))
+    assert b is None
+    assert server["stats"]["lost_workers"] == [2]
+    assert server["stats"]["version"] == 3
+    assert a["theta"] == [3.0] * NUMEL == server["theta"]
