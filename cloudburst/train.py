@@ -130,24 +130,11 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         **strategy.report(),
         "evals": evaluator.history if evaluator else [],
     }
-    metrics.log(
-        "final", time_s=ctx.elapsed_s(), **{k: v for k, v in report.items() if k != "evals"}
-    )
+    wall_time_s = ctx.elapsed_s()
+    hand_in(ctx, metrics, report, wall_time_s)
     if ctx.rank == 0:  # no servers: worker 0 is rank 0 and writes the summary
-        params = strategy.global_params()
-        assign_flat(model, params[0])
-        finalize_run(
-            ctx,
-            model,
-            data,
-            metrics,
-            report,
-            lost=[],
-            wall_time_s=ctx.elapsed_s(),
-            global_samples=params[1],
-        )
-    else:
-        ctx.store.set(f"stats/{ctx.rank}", json.dumps(report))
+        flat, global_samples = strategy.global_params()
+        finalize_run(ctx, model, flat, data, metrics, report, [], wall_time_s, global_samples)
 
 
 def _emulate_device(compute_s: float, min_step_time_s: float, factor: float) -> None:
@@ -199,28 +186,27 @@ def run_server(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     loop.run()
     wall_time_s = ctx.elapsed_s()
     report = {"role": "server", **loop.stats()}
-    metrics.log("final", time_s=wall_time_s, **report)
-    if ctx.rank != 0:
-        ctx.store.set(f"stats/{ctx.rank}", json.dumps(report))
+    hand_in(ctx, metrics, report, wall_time_s)
     theta = loop.gather_final_theta()
     if ctx.rank == 0:
-        assign_flat(model, theta)
+        lost = sorted(loop.lost)
         finalize_run(
-            ctx,
-            model,
-            data,
-            metrics,
-            report,
-            lost=sorted(loop.lost),
-            wall_time_s=wall_time_s,
-            global_samples=loop.shard.samples,
+            ctx, model, theta, data, metrics, report, lost, wall_time_s, loop.shard.samples
         )
 
 
 # ---------------------------------------------------------------------------- summary
+def hand_in(ctx: Context, metrics: MetricsWriter, report: dict[str, Any], time_s: float) -> None:
+    """Log this rank's final report; ranks other than 0 also leave it in the store for rank 0."""
+    metrics.log("final", time_s=time_s, **{k: v for k, v in report.items() if k != "evals"})
+    if ctx.rank != 0:
+        ctx.store.set(f"stats/{ctx.rank}", json.dumps(report))
+
+
 def finalize_run(
     ctx: Context,
     model: nn.Module,
+    theta: torch.Tensor,
     data: Dataset,
     metrics: MetricsWriter,
     own_report: dict[str, Any],
@@ -228,8 +214,9 @@ def finalize_run(
     wall_time_s: float,
     global_samples: int,
 ) -> dict[str, Any]:
-    """Rank 0: evaluate the final global model, gather every rank's report, write the summary."""
+    """Rank 0: evaluate the final global θ, gather every rank's report, write the summary."""
     cfg = ctx.cfg
+    assign_flat(model, theta)
     acc, test_loss = evaluate(model, data.x_test, data.y_test)
     metrics.log(
         "eval",
