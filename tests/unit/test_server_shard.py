@@ -110,3 +110,20 @@ def test_state_dict_round_trip():
     shard.apply_push(d, shard.version)
     again.apply_push(d, again.version)
     torch.testing.assert_close(again.theta, shard.theta)
+
+
+@pytest.mark.parametrize("lr, scaling", [(1.0, False), (0.25, False), (0.7, True)])
+def test_worker_rebuilds_the_servers_theta_bit_for_bit(lr, scaling):
+    # The overlapped PUSH_FETCH: the reply carries θ before the push; the worker adds its own
+    # Δ with add_rule_alpha and must get exactly the θ the server holds after applying it.
+    from cloudburst.server import add_rule_alpha
+
+    g = torch.Generator().manual_seed(0)
+    shard = ShardState(torch.randn(1000, generator=g), lr=lr, staleness_scaling=scaling)
+    for _ in range(3):
+        shard.apply_push(torch.randn(1000, generator=g), 0)  # make later pushes stale
+    before = shard.theta.clone()
+    delta = torch.randn(1000, generator=g) * 1e-3
+    result = shard.apply_push(delta, base_version=1)
+    rebuilt = before.add_(delta, alpha=add_rule_alpha(lr, result.staleness, scaling))
+    assert result.staleness == 2 and torch.equal(rebuilt, shard.theta)
