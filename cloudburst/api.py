@@ -76,7 +76,8 @@ class Job:
         self._require_strategy().after_step(samples)
 
     def global_params(self) -> tuple[torch.Tensor, int] | None:
-        return self._require_strategy().global_params()
+        """(flat θ of the global model, samples behind it); asgd fetches it from the servers."""
+        return self._require_strategy().fetch_global_params()
 
     def finish(self) -> dict[str, Any]:
         """Flush pending updates and leave; returns this worker's communication report."""

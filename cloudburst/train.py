@@ -167,10 +167,7 @@ class Evaluator:
         now = self.ctx.elapsed_s()
         if not force and now - self.last_s < self.ctx.cfg.eval_every_s:
             return
-        params = strategy.global_params()
-        if params is None:
-            return
-        flat, samples = params
+        flat, samples = strategy.fetch_global_params()
         self.last_s = now
         assign_flat(self.model, flat)
         acc, loss = evaluate(self.model, self.data.x_test, self.data.y_test)

@@ -53,6 +53,7 @@ class AsgdStrategy(Strategy):
         self.last_staleness = 0
         self.global_samples = 0
         self._fresh: torch.Tensor | None = None
+        self._peek: torch.Tensor | None = None  # read-only fetches for evaluation
         self._heartbeat: Heartbeat | None = None
         self._samples_since_push = 0
 
@@ -170,6 +171,26 @@ class AsgdStrategy(Strategy):
         if self._fresh is None:
             return None
         return self._fresh, self.global_samples
+
+    def fetch_global_params(self) -> tuple[torch.Tensor, int]:
+        """The servers' θ now: the one fetched this step, else a read-only fetch.
+
+        The read-only fetch leaves the replica, its reference and its versions alone, so
+        evaluating between two rounds (n_sync can be hundreds of steps) does not change what
+        this worker trains or pushes.
+        """
+        if self._fresh is not None:
+            return self._fresh, self.global_samples
+        if self._peek is None:
+            self._peek = torch.empty(self.numel)
+        for k in range(self.num_servers):
+            self.transport.send(k, Header(Kind.FETCH, shard=k))
+        for k, (a, b) in enumerate(self.bounds):
+            reply = self.transport.recv_reply(k, self._peek[a:b])
+            self._check(reply, k)
+            if k == 0:
+                self.global_samples = reply.samples
+        return self._peek, self.global_samples
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> None:

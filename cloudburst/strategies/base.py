@@ -46,6 +46,10 @@ class Strategy(ABC):
         """(flat θ of the global model, training samples behind it) when fresh this step."""
         return None
 
+    def fetch_global_params(self) -> tuple[torch.Tensor, int] | None:
+        """Like :meth:`global_params`, communicating if needed (for evaluation when due)."""
+        return self.global_params()
+
     def finish(self) -> None:
         """Called once after the last step: flush pending updates, leave the job cleanly."""
 
