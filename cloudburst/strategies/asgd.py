@@ -92,8 +92,12 @@ class AsgdStrategy(Strategy):
         if push or fetch:
             self._round(push=push, fetch=fetch)
 
-    def _round(self, push: bool, fetch: bool) -> None:
-        """One round trip to every shard: send all requests first, then read all replies."""
+    def _round(self, push: bool, fetch: bool, keep_local: bool = True) -> None:
+        """One round trip to every shard: send all requests first, then read all replies.
+
+        ``keep_local=False`` makes a fetch replace the replica outright, discarding local
+        progress not yet pushed (after the servers rejected it).
+        """
         # Persistent buffers: on large models fresh 4·|θ|-byte tensors per round cost more in
         # page faults than the copies themselves (benchmarks/results/transport.md).
         flat = flatten_params(self.model, out=self._flat)
@@ -139,10 +143,10 @@ class AsgdStrategy(Strategy):
         if rejected and not fetch:
             # The servers refused our update (non-finite): start again from their θ.
             log.warning("the servers rejected this worker's push; re-fetching θ")
-            self._round(push=False, fetch=True)
+            self._round(push=False, fetch=True, keep_local=False)
             return
         if fetch:
-            pending = (flat - self.reference) if not push else None
+            pending = (flat - self.reference) if keep_local and not push else None
             new_local = fetched if pending is None or rejected else fetched + pending
             assign_flat(self.model, new_local)
             # The fetched θ becomes the reference; the old reference buffer receives next time.
