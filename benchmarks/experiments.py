@@ -387,7 +387,7 @@ def accuracy(bench: Bench) -> None:
     runs: dict[str, list[Run]] = {name: [] for name in variants}
     for seed in seeds:
         for name, values in variants.items():
-            runs[name].append(bench.run(f"{name}-seed{seed}", **common, **values, seed=seed))
+            runs[name].append(bench.run(f"{name}-seed{seed}", **{**common, **values}, seed=seed))
 
     rows, summary_rows, derived = [], [], {}
     for name, rs in runs.items():

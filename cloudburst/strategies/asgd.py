@@ -12,9 +12,20 @@ worker's fetch and its push; unbounded unless ``max_staleness`` drops older push
 A dead worker: the servers keep serving the others; the dead worker's unpushed steps are lost
 and it is listed in ``lost_workers``.
 
-Difference from the papers, noted as ALGORITHMS.md asks: when ``n_fetch`` and ``n_push``
+Transport: with the add rule a PUSH_FETCH reply carries θ_k as it was *before* this push, sent
+while the push travels the other way; the worker then adds its own Δ with the same α as the
+server (``add_rule_alpha``), bit for bit, unless the reply says the push was rejected or
+dropped. This equals "apply, then fetch", because a shard applies requests one at a time.
+Optimizer rules (sgd, adagrad) keep state only the server has: their replies follow the apply.
+The evaluating worker reads θ from the servers (a read-only fetch) when an evaluation falls
+between two rounds.
+
+Differences from the papers, noted as ALGORITHMS.md asks: when ``n_fetch`` and ``n_push``
 differ, a fetch keeps the not-yet-pushed local progress (θ_local ← θ_server + pending Δ) so
-that it is pushed later rather than lost; Δ is always "progress since the last push".
+that it is pushed later rather than lost; Δ is always "progress since the last push". A push
+the servers reject (non-finite) is dropped and the worker restarts from the servers' θ.
+With W workers the plain sum (λ = 1) can diverge where the single-worker learning rate is
+stable (it does for the MNIST-1D CNN at lr 0.1); λ = 1/W averages the updates instead.
 """
 
 from __future__ import annotations
@@ -92,8 +103,12 @@ class AsgdStrategy(Strategy):
         if push or fetch:
             self._round(push=push, fetch=fetch)
 
-    def _round(self, push: bool, fetch: bool) -> None:
-        """One round trip to every shard: send all requests first, then read all replies."""
+    def _round(self, push: bool, fetch: bool, keep_local: bool = True) -> None:
+        """One round trip to every shard: send all requests first, then read all replies.
+
+        ``keep_local=False`` makes a fetch replace the replica outright, discarding local
+        progress not yet pushed (after the servers rejected it).
+        """
         # Persistent buffers: on large models fresh 4·|θ|-byte tensors per round cost more in
         # page faults than the copies themselves (benchmarks/results/transport.md).
         flat = flatten_params(self.model, out=self._flat)
@@ -139,10 +154,10 @@ class AsgdStrategy(Strategy):
         if rejected and not fetch:
             # The servers refused our update (non-finite): start again from their θ.
             log.warning("the servers rejected this worker's push; re-fetching θ")
-            self._round(push=False, fetch=True)
+            self._round(push=False, fetch=True, keep_local=False)
             return
         if fetch:
-            pending = (flat - self.reference) if not push else None
+            pending = (flat - self.reference) if keep_local and not push else None
             new_local = fetched if pending is None or rejected else fetched + pending
             assign_flat(self.model, new_local)
             # The fetched θ becomes the reference; the old reference buffer receives next time.

@@ -1,0 +1,200 @@
+"""The asgd worker against real server shards over a fake, in-process comm layer (no processes).
+
+``FakeNet`` stands in for gloo point-to-point: the worker's requests are queued per shard and the
+shard's :class:`ServerLoop` handles them when the worker waits for an answer, so the worker's
+push/fetch schedule, the overlapped replies and the rejection path run exactly as in a job.
+"""
+
+from __future__ import annotations
+
+import collections
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from cloudburst.comm.flat import flatten_params
+from cloudburst.comm.p2p import CommStats, Header
+from cloudburst.config import RunConfig
+from cloudburst.data import BatchStream, synthetic
+from cloudburst.models import build_model
+from cloudburst.server import ServerLoop
+from cloudburst.strategies.asgd import AsgdStrategy
+
+WORKER = 1  # the worker's rank; shards are ranks 0..S-1
+
+
+class _Done:
+    def __init__(self, fn=None):
+        self.fn = fn
+
+    def wait(self):
+        if self.fn:
+            self.fn()
+
+
+class FakeNet:
+    def __init__(self, loops: list[ServerLoop]):
+        self.loops = loops
+        self.requests = [collections.deque() for _ in loops]  # worker → shard: headers
+        self.payloads = [collections.deque() for _ in loops]  # worker → shard: payloads
+        self.replies = [collections.deque() for _ in loops]  # shard → worker: headers
+        self.reply_payloads = [collections.deque() for _ in loops]
+        for k, loop in enumerate(loops):
+            loop.transport = _ServerSide(self, k)
+
+    def pump(self, k: int) -> None:
+        while self.requests[k]:
+            self.loops[k]._handle(WORKER, self.requests[k].popleft())
+
+
+class _ServerSide:
+    def __init__(self, net: FakeNet, k: int):
+        self.net, self.k, self.stats = net, k, CommStats()
+
+    def recv_payload(self, src, numel, final=False, out=None):
+        data = self.net.payloads[self.k].popleft()
+        assert data.numel() == numel
+        return out.copy_(data) if out is not None else data
+
+    def isend_payload(self, dst, payload, reply):
+        self.net.reply_payloads[self.k].append(payload.clone())
+        return _Done()
+
+    def wait_all(self, works):
+        for w in works:
+            w.wait()
+
+    def send(self, dst, header, payload=None, final=False):
+        self.net.replies[self.k].append(header)
+        if payload is not None:
+            self.net.reply_payloads[self.k].append(payload.clone())
+
+
+class _WorkerSide:
+    def __init__(self, net: FakeNet):
+        self.net, self.stats = net, CommStats()
+
+    def send(self, k, header: Header, payload=None, final=False):
+        self.net.requests[k].append(header)
+        if payload is not None:
+            self.net.payloads[k].append(payload.clone())
+
+    def isend_payload(self, k, payload, reply):
+        self.net.payloads[k].append(payload.clone())
+        return _Done()
+
+    def irecv_payload(self, k, out, reply):
+        def arrive():
+            self.net.pump(k)
+            out.copy_(self.net.reply_payloads[k].popleft())
+
+        return _Done(arrive)
+
+    def wait_all(self, works):
+        for w in works:
+            w.wait()
+
+    def recv_reply(self, k, out=None) -> Header:
+        self.net.pump(k)
+        header = self.net.replies[k].popleft()
+        if header.numel:
+            out.copy_(self.net.reply_payloads[k].popleft())
+        return header
+
+
+class _Store:
+    def add(self, key, value):
+        return 0
+
+
+def make_worker(cfg: RunConfig, model: nn.Module) -> tuple[AsgdStrategy, list[ServerLoop]]:
+    ctx = SimpleNamespace(
+        cfg=cfg,
+        rank=WORKER,
+        num_servers=cfg.servers,
+        worker_index=0,
+        worker_ranks=[WORKER],
+        store=_Store(),
+        elapsed_s=lambda: 0.0,
+        server_index=0,
+    )
+    theta = flatten_params(model)
+    loops = []
+    for k in range(cfg.servers):
+        server_ctx = SimpleNamespace(**{**vars(ctx), "rank": k, "server_index": k})
+        loops.append(
+            ServerLoop(server_ctx, theta, SimpleNamespace(log=lambda *a, **kw: None), None)
+        )
+    net = FakeNet(loops)
+    strategy = AsgdStrategy(ctx)
+    strategy.transport = _WorkerSide(net)
+    strategy.wrap(model, None)
+    return strategy, loops
+
+
+def train(cfg: RunConfig, steps: int, poison_at: int | None = None):
+    data = synthetic(512, 10)
+    model = build_model("mlp", 40, 10, seed=0)
+    strategy, loops = make_worker(cfg, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    stream = BatchStream(data.x_train, data.y_train, 32, seed=1)
+    strategy.cfg.heartbeat_timeout_s = 1000.0
+    strategy.start()
+    for step in range(1, steps + 1):
+        x, y = next(stream)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == poison_at:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("nan")
+        strategy.after_step(32)
+    strategy._heartbeat.stop()  # (no DONE handshake: the fake has no finish protocol)
+    return model, strategy, loops
+
+
+def reference(steps: int) -> nn.Module:
+    data = synthetic(512, 10)
+    model = build_model("mlp", 40, 10, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    stream = BatchStream(data.x_train, data.y_train, 32, seed=1)
+    for _ in range(steps):
+        x, y = next(stream)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+def cfg_for(**kw) -> RunConfig:
+    return RunConfig(strategy="asgd", workers=1, dataset="synthetic", train_size=512, **kw)
+
+
+def test_one_worker_equals_sgd_for_every_schedule_and_rule():
+    ref = flatten_params(reference(24))
+    for kw in [
+        dict(servers=1, n_sync=1),
+        dict(servers=3, n_sync=4),  # overlapped replies on 3 shards
+        dict(servers=2, n_fetch=2, n_push=3),  # fetches keep unpushed progress
+        dict(servers=2, n_fetch=3, n_push=2),
+        dict(servers=2, n_sync=4, server_rule="sgd", server_lr=1.0),  # replies after apply
+    ]:
+        model, _, loops = train(cfg_for(**kw), 24)
+        theta = torch.cat([loop.shard.theta for loop in loops])
+        # step 24 is a push and a fetch for every schedule here: shards and replica agree
+        torch.testing.assert_close(theta, ref, rtol=1e-5, atol=1e-6, msg=str(kw))
+        torch.testing.assert_close(flatten_params(model), ref, rtol=1e-5, atol=1e-6, msg=str(kw))
+
+
+def test_rejected_push_is_discarded_and_training_goes_on():
+    # Push every step, fetch every 5: a NaN in the replica at step 7 is pushed at step 7, the
+    # shard rejects it, and the worker starts again from the servers' θ.
+    model, strategy, loops = train(cfg_for(servers=2, n_push=1, n_fetch=5), 12, poison_at=7)
+    assert strategy.pushes_rejected == 1
+    assert sum(loop.shard.rejected_nonfinite for loop in loops) == 1  # shard 0 holds the NaN
+    assert torch.isfinite(flatten_params(model)).all()
+    assert all(torch.isfinite(loop.shard.theta).all() for loop in loops)
+    assert loops[0].shard.version == 11 and loops[1].shard.version == 12
