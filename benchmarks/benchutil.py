@@ -28,7 +28,11 @@ def command_line() -> str:
 
 
 def git_revision() -> str:
-    """``git rev-parse --short HEAD``, with ``+dirty`` when tracked files have changes."""
+    """``git rev-parse --short HEAD``, with ``+dirty`` when tracked files have changes.
+
+    Result files under ``benchmarks/results/`` do not count: a benchmark rewrites them itself,
+    and they are not code that ran.
+    """
 
     def git(*args: str) -> str:
         return subprocess.run(
@@ -36,7 +40,11 @@ def git_revision() -> str:
         ).stdout.strip()
 
     rev = git("rev-parse", "--short", "HEAD") or "unknown"
-    tracked_changes = [ln for ln in git("status", "--porcelain").splitlines() if ln[:2] != "??"]
+    tracked_changes = [
+        ln
+        for ln in git("status", "--porcelain").splitlines()
+        if ln[:2] != "??" and not ln[3:].startswith("benchmarks/results/")
+    ]
     return rev + ("+dirty" if tracked_changes else "")
 
 
