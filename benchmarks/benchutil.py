@@ -40,9 +40,12 @@ def git_revision() -> str:
         ).stdout.strip()
 
     rev = git("rev-parse", "--short", "HEAD") or "unknown"
+    status = subprocess.run(  # not stripped: the first line's leading space is a column
+        ["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True, check=False
+    ).stdout
     tracked_changes = [
         ln
-        for ln in git("status", "--porcelain").splitlines()
+        for ln in status.splitlines()
         if ln[:2] != "??" and not ln[3:].startswith("benchmarks/results/")
     ]
     return rev + ("+dirty" if tracked_changes else "")

@@ -21,7 +21,8 @@ worker, worker SGD with lr 0.1 and momentum 0.9 (``accuracy`` gives sync lr 0.2,
 
 ``accuracy`` — the issue's target: ``sync`` (DDP) and ``asgd`` with 4 workers each reach >= 92 %
 final test accuracy (published CNN: 94 %). sync uses lr 0.2 for its 256-sample global batch
-(linear scaling; at lr 0.1 an earlier run had one seed of three at 91.6 %). 64 epochs of
+(linear scaling), and both decay their lr with a cosine schedule (at a constant lr the final
+model is a draw from a noisy plateau: sync ended at 91.5-93.5 % over three seeds). 64 epochs of
 each worker's shard (960 steps per worker, ~1000 as in the demo), 3 seeds (0, 1, 2), each
 reported with the mean. asgd adds the workers' updates with λ = 1/W = 0.25: with λ = 1 (the
 plain Downpour sum) this CNN diverges from a cold start (see ``seed-findings``). No device
@@ -380,7 +381,15 @@ ACC_TARGET = 0.92
 
 def accuracy(bench: Bench) -> None:
     seeds = (0,) if bench.quick else (0, 1, 2)
-    common = dict(BASE, workers=4, epochs=2 if bench.quick else 64, target_accuracy=0.9)
+    # Cosine decay of the local lr: at a constant lr the final model is a sample from a noisy
+    # plateau (sync ended at 91.5-93.5 % over three seeds), not the end of training.
+    common = dict(
+        BASE,
+        workers=4,
+        epochs=2 if bench.quick else 64,
+        target_accuracy=0.9,
+        lr_schedule="cosine",
+    )
     # sync's 4 x 64 = 256-sample global batch takes lr 0.2 (the linear scaling rule from the
     # single-worker lr 0.05 at batch 64): at lr 0.1 one seed in three ended at 91.6 %.
     variants = {"sync": dict(strategy="sync", lr=0.2), "asgd": dict(ASGD, server_lr=0.25)}

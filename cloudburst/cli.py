@@ -14,6 +14,7 @@ from typing import Any
 
 from cloudburst.config import (
     DATASETS,
+    LR_SCHEDULES,
     MODELS,
     OPTIMIZERS,
     SERVER_RULES,
@@ -71,6 +72,12 @@ def _train_parser(sub) -> None:
         "--optimizer", choices=OPTIMIZERS, default=S, help="local optimizer (default sgd)"
     )
     p.add_argument("--lr", type=float, default=S)
+    p.add_argument(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        default=S,
+        help="constant, or cosine decay to 0 over each worker's steps",
+    )
     p.add_argument("--momentum", type=float, default=S)
     p.add_argument("--weight-decay", type=float, default=S)
     p.add_argument("--seed", type=int, default=S)

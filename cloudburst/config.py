@@ -19,6 +19,7 @@ from typing import Any
 STRATEGIES = ("sync", "asgd")
 SERVER_RULES = ("add", "sgd", "adagrad")
 OPTIMIZERS = ("sgd", "adam")
+LR_SCHEDULES = ("constant", "cosine")
 MODELS = ("mlp", "cnn")
 DATASETS = ("mnist1d", "synthetic")
 # Strategies whose workers talk to parameter-server shards.
@@ -76,6 +77,7 @@ class RunConfig:
     batch_size: int = 64  # per worker
     optimizer: str = "sgd"  # the local (worker) optimizer
     lr: float = 0.05
+    lr_schedule: str = "constant"  # or "cosine": to 0 over each worker's steps
     momentum: float = 0.9
     weight_decay: float = 0.0
     seed: int = 0
@@ -145,6 +147,7 @@ class RunConfig:
             )
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_float("lr", self.lr, 0.0, None, low_open=True)
+        _check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _check_float("momentum", self.momentum, 0.0, 1.0, high_open=True)
         _check_float("weight_decay", self.weight_decay, 0.0, None)
         _check_int("seed", self.seed, 0)

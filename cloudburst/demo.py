@@ -30,6 +30,7 @@ COMMON = dict(
     lr=0.1,
     momentum=0.9,
     epochs=64,
+    lr_schedule="cosine",
     target_accuracy=0.9,
     eval_every_s=0.5,
 )

@@ -58,6 +58,15 @@ def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
+def make_scheduler(
+    cfg: RunConfig, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The local learning-rate schedule over a worker's training steps (not the warm start)."""
+    if cfg.lr_schedule == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    return None
+
+
 # ---------------------------------------------------------------------------- workers
 def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWriter) -> None:
     cfg = ctx.cfg
@@ -68,6 +77,8 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     stream = BatchStream(x, y, cfg.batch_size, seed=cfg.seed * 1000 + ctx.worker_index)
     factor = cfg.straggler_factor(ctx.worker_index)
     loss_fn = nn.CrossEntropyLoss()
+    total = cfg.steps_per_worker()
+    scheduler = make_scheduler(cfg, optimizer, total)
 
     def train_step() -> float:
         xb, yb = next(stream)
@@ -77,6 +88,12 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         strategy.after_backward()
         optimizer.step()
         return loss.item()
+
+    def train_step_scheduled() -> float:
+        loss = train_step()
+        if scheduler is not None:
+            scheduler.step()
+        return loss
 
     evaluator = Evaluator(ctx, model, data, metrics) if strategy.is_evaluator else None
     # Everything above is set-up (the first optimizer alone imports for ~2 s): the clock that
@@ -92,14 +109,13 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     if evaluator:
         evaluator.maybe_eval(strategy, force=True)
 
-    total = cfg.steps_per_worker()
     bar = _progress_bar(ctx, total)
     samples = 0
     loss = math.nan
     for step in range(1, total + 1):
         t_start = time.perf_counter()
         waited_before = strategy.stats.wait_s
-        loss = train_step()
+        loss = train_step_scheduled()
         compute_s = time.perf_counter() - t_start - (strategy.stats.wait_s - waited_before)
         _emulate_device(compute_s, cfg.min_step_time_s, factor)
         strategy.after_step(cfg.batch_size)

@@ -62,3 +62,24 @@ def test_round_trip_through_dict():
     again = RunConfig.from_dict(cfg.to_dict())
     assert again == cfg
     assert again.straggler_factor(1) == 2.0 and again.straggler_factor(0) == 1.0
+
+
+def test_cosine_schedule_decays_to_zero_over_the_run():
+    import torch
+
+    from cloudburst.train import make_optimizer, make_scheduler
+
+    cfg = RunConfig(lr=0.1, lr_schedule="cosine", steps=50)
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = make_optimizer(cfg, [param])
+    sched = make_scheduler(cfg, opt, cfg.steps_per_worker())
+    lrs = []
+    for _ in range(50):
+        opt.step()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs[0] < 0.1 and lrs[-1] == pytest.approx(0.0, abs=1e-9)
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    assert make_scheduler(RunConfig(), opt, 10) is None
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        RunConfig(lr_schedule="step")
