@@ -19,7 +19,7 @@ from cloudburst.plot import plot_runs
 # momentum. asgd adds the 4 workers' updates with λ = 1/W: with λ = 1 (the plain sum) the
 # CNN diverges at any learning rate that trains in this budget.
 DEMO_RUNS: dict[str, dict] = {
-    "sync": dict(strategy="sync", lr=0.2),  # its global batch is 4 x 64: linear lr scaling
+    "sync": dict(strategy="sync"),
     "asgd": dict(strategy="asgd", servers=1, n_sync=10, server_lr=0.25),
 }
 COMMON = dict(
@@ -30,7 +30,6 @@ COMMON = dict(
     lr=0.1,
     momentum=0.9,
     epochs=64,
-    lr_schedule="cosine",
     target_accuracy=0.9,
     eval_every_s=0.5,
 )
