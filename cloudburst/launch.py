@@ -11,6 +11,7 @@ from typing import Any
 
 from cloudburst.config import RunConfig
 from cloudburst.runtime import start_local_job
+from cloudburst.strategies import STRATEGY_CLASSES
 
 AGENT_GRACE_S = 5.0
 
@@ -35,7 +36,10 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
     # A new run: metrics of an earlier run in the same directory would mix into its curves.
     shutil.rmtree(out / "metrics", ignore_errors=True)
     (out / "summary.json").unlink(missing_ok=True)
-    procs = start_local_job(cfg, run_rank)
+    # A strategy that survives a worker's death gets one agent per rank: torch's agent tears
+    # down every rank it started when one of them dies.
+    strategy = STRATEGY_CLASSES[cfg.strategy]
+    procs = start_local_job(cfg, run_rank, agent_per_rank=strategy.survives_worker_loss)
     show = cfg.progress if progress is None else progress
     bar = tqdm(
         total=cfg.steps_per_worker() * cfg.workers,

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cloudburst.config import SERVER_STRATEGIES, RunConfig
+from cloudburst.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -204,15 +204,16 @@ class AgentSpec:
     nproc: int
 
 
-def agent_layout(cfg: RunConfig) -> list[AgentSpec]:
-    """One agent for synchronous jobs; one agent per rank when workers may die alone."""
-    if cfg.strategy in SERVER_STRATEGIES:
-        n = cfg.world_size
-        return [AgentSpec(n, i, 1) for i in range(n)]
-    return [AgentSpec(1, 0, cfg.world_size)]
+def agent_layout(world_size: int, agent_per_rank: bool) -> list[AgentSpec]:
+    """One agent for all ranks, or one agent per rank (so that a rank may die alone)."""
+    if agent_per_rank:
+        return [AgentSpec(world_size, i, 1) for i in range(world_size)]
+    return [AgentSpec(1, 0, world_size)]
 
 
-def start_local_job(cfg: RunConfig, entrypoint, port: int | None = None) -> list[mp.Process]:
+def start_local_job(
+    cfg: RunConfig, entrypoint, agent_per_rank: bool, port: int | None = None
+) -> list[mp.Process]:
     """Start the agents of a local job (127.0.0.1) as child processes; returns them."""
     port = port or free_port()
     run_id = uuid.uuid4().hex[:12]
@@ -221,7 +222,7 @@ def start_local_job(cfg: RunConfig, entrypoint, port: int | None = None) -> list
     # 2 s of CPU per process, which on a 2-core machine dominates the start of a small job).
     ctx = mp.get_context("fork")
     procs = []
-    for spec in agent_layout(cfg):
+    for spec in agent_layout(cfg.world_size, agent_per_rank):
         p = ctx.Process(
             target=_run_agent,
             args=(cfg.to_dict(), spec, port, run_id, entrypoint),

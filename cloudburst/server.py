@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from cloudburst.checkpoint import load_checkpoint, save_checkpoint
+from cloudburst.checkpoint import save_checkpoint
 from cloudburst.comm.flat import shard_bounds
 from cloudburst.comm.p2p import Header, Kind, PeerTransport, Status
 from cloudburst.config import RunConfig
@@ -167,6 +167,10 @@ def overlapped_push_fetch(cfg: RunConfig) -> bool:
     return cfg.server_rule == "add"
 
 
+# Requests whose header is followed by a payload of the shard's size.
+PAYLOAD_KINDS = (Kind.PUSH, Kind.PUSH_FETCH, Kind.INIT)
+
+
 def shard_checkpoint_path(out: str | Path, shard: int) -> Path:
     return Path(out) / "checkpoints" / f"server{shard}.pt"
 
@@ -247,18 +251,14 @@ class ServerLoop:
     def _valid(self, h: Header) -> bool:
         if h.shard != self.ctx.server_index or h.kind in (Kind.REPLY, Kind.FINAL):
             return False
-        if h.kind in (Kind.PUSH, Kind.PUSH_FETCH, Kind.INIT):
+        if h.kind in PAYLOAD_KINDS:
             return h.numel == self.numel and h.version <= self.shard.version
         return h.numel == 0
 
     def _drain_payload(self, src: int, h: Header | None) -> None:
         # A header announcing the right payload size is followed by that payload: consume it so
         # the stream stays aligned. Any other size is never sent by our workers.
-        if (
-            h is not None
-            and h.kind in (Kind.PUSH, Kind.PUSH_FETCH, Kind.INIT)
-            and h.numel == self.numel
-        ):
+        if h is not None and h.kind in PAYLOAD_KINDS and h.numel == self.numel:
             self.transport.recv_payload(src, self.numel, out=self._recv_buf)
 
     def _handle(self, src: int, h: Header) -> None:
@@ -355,7 +355,7 @@ class ServerLoop:
     def stats(self) -> dict[str, Any]:
         s = self.shard.stats()
         s.update(self.transport.stats.as_dict())
-        s["messages_rejected"] += self.malformed
+        s["messages_rejected"] += self.malformed + self.from_unknown
         s["lost_workers"] = sorted(self.lost)
         return s
 
@@ -378,15 +378,6 @@ class ServerLoop:
             _, theta = self.transport.recv_final(k, b - a)
             parts.append(theta)
         return torch.cat(parts)
-
-
-def load_shard_checkpoint(path: str | Path, cfg: RunConfig, numel: int, shard: int) -> ShardState:
-    """Rebuild a shard from its checkpoint (used by tests and by resume)."""
-    state = load_checkpoint(path, "server-shard")
-    a, b = shard_bounds(numel, cfg.servers)[shard]
-    s = make_shard(cfg, torch.zeros(b - a))
-    s.load_state_dict(state)
-    return s
 
 
 def mean_staleness(stats: list[dict[str, Any]]) -> float:

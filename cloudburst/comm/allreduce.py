@@ -37,7 +37,3 @@ def counting_allreduce_hook(
     tensor.div_(world)
     fut = dist.all_reduce(tensor, group=state.group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
-
-
-def world_size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group)
