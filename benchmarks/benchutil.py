@@ -39,6 +39,8 @@ def git_revision() -> str:
             ["git", *args], cwd=REPO, capture_output=True, text=True, check=False
         ).stdout.strip()
 
+    if os.environ.get("CLOUDBURST_GIT_REVISION"):  # a copy of the tree without .git (a GPU box)
+        return os.environ["CLOUDBURST_GIT_REVISION"] + " (given; tree copied without .git)"
     rev = git("rev-parse", "--short", "HEAD") or "unknown"
     status = subprocess.run(  # not stripped: the first line's leading space is a column
         ["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True, check=False

@@ -71,7 +71,9 @@ def load_checkpoint(path: str | Path, kind: str | None = None) -> dict[str, Any]
 
 
 def save_model(path: str | Path, model: torch.nn.Module, meta: dict[str, Any]) -> None:
-    save_checkpoint(path, "model", {"state_dict": model.state_dict(), "meta": meta})
+    # CPU copies: a model trained on a GPU loads anywhere.
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    save_checkpoint(path, "model", {"state_dict": state, "meta": meta})
 
 
 def load_model_into(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:

@@ -20,8 +20,13 @@ STRATEGIES = ("sync", "asgd")
 SERVER_RULES = ("add", "sgd", "adagrad")
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine")
-MODELS = ("mlp", "cnn")
-DATASETS = ("mnist1d", "synthetic")
+MODELS = ("mlp", "cnn", "resnet20", "convnet")  # or a "package.module:function" factory
+DATASETS = ("mnist1d", "synthetic", "cifar10:PATH", "imagefolder:PATH", "npz:PATH")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")
+AUTOCASTS = ("none", "bf16")
+# Built-in datasets' default sizes; a dataset read from a path uses all of it by default.
+DEFAULT_SIZES = {"mnist1d": (4000, 1000), "synthetic": (4000, 1000)}
 # Strategies whose workers talk to parameter-server shards.
 SERVER_STRATEGIES = ("asgd",)
 
@@ -68,10 +73,16 @@ class RunConfig:
     warm_start_steps: int = 0  # K: the first worker trains alone for K steps first
     init_from: str | None = None  # start every replica (and the servers) from this checkpoint
 
-    dataset: str = "mnist1d"
-    train_size: int = 4000
-    test_size: int = 1000
-    model: str = "cnn"
+    dataset: str = "mnist1d"  # or cifar10:PATH, imagefolder:PATH, npz:PATH (local files only)
+    train_size: int | None = None  # None: 4000 for mnist1d/synthetic, all of a path dataset
+    test_size: int | None = None  # None: 1000 for mnist1d/synthetic, all of a path dataset
+    image_size: int = 32  # imagefolder images are resized and center-cropped to this
+    augment: bool = True  # random crop (padding 4) and horizontal flip, image datasets only
+    data_workers: int | None = None  # DataLoader processes per worker; None: 2 for images, else 0
+    model: str = "cnn"  # mlp, cnn (1-D), resnet20, convnet (32x32 images), or pkg.module:fn
+    device: str = "auto"  # workers' compute device; auto: cuda when a GPU is present
+    backend: str = "auto"  # workers' collectives; auto: nccl when each worker has its own GPU
+    autocast: str = "none"  # bf16: autocast the forward pass (and loss) to bfloat16
     epochs: float | None = None  # passes of each worker over its own shard
     steps: int | None = None  # local steps per worker (overrides epochs)
     batch_size: int = 64  # per worker
@@ -87,6 +98,7 @@ class RunConfig:
     min_step_time_s: float = 0.0  # emulated device: each step takes at least this long (sleep)
     eval_every_s: float = 1.0
     log_every_steps: int = 10
+    tensorboard: bool = False  # also write the metrics as TensorBoard events under OUT/tensorboard
     checkpoint_every: int = 100  # server shard checkpoint every this many applied pushes (0: off)
     comm_timeout_s: float = 300.0
     heartbeat_timeout_s: float = 10.0
@@ -128,10 +140,34 @@ class RunConfig:
             )
         if self.init_from is not None and not Path(self.init_from).is_file():
             raise ConfigError(f"init_from: {self.init_from!r} is not a file")
-        _check_choice("dataset", self.dataset, DATASETS)
-        _check_int("train_size", self.train_size, max(self.workers, 10))
-        _check_int("test_size", self.test_size, 10)
-        _check_choice("model", self.model, MODELS)
+        kind, path = self.dataset_kind_path()
+        if path is not None and not Path(path).exists():
+            raise ConfigError(
+                f"dataset: {path!r} does not exist (datasets are read from local paths)"
+            )
+        if kind in DEFAULT_SIZES:
+            default_train, default_test = DEFAULT_SIZES[kind]
+            self.train_size = default_train if self.train_size is None else self.train_size
+            self.test_size = default_test if self.test_size is None else self.test_size
+        if self.train_size is not None:
+            _check_int("train_size", self.train_size, max(self.workers, 10))
+        if self.test_size is not None:
+            _check_int("test_size", self.test_size, 10)
+        _check_int("image_size", self.image_size, 8)
+        if self.data_workers is not None:
+            _check_int("data_workers", self.data_workers, 0)
+        from cloudburst.models import is_factory_spec
+
+        if self.model not in MODELS and not is_factory_spec(self.model):
+            raise ConfigError(
+                f"model: {self.model!r} is not allowed; choose one of {', '.join(MODELS)} "
+                "or name a factory as package.module:function"
+            )
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("backend", self.backend, BACKENDS)
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ConfigError("backend: 'nccl' needs --device cuda (or auto on a GPU machine)")
+        _check_choice("autocast", self.autocast, AUTOCASTS)
         if self.steps is None and self.epochs is None:
             self.epochs = 10.0
         if self.steps is not None:
@@ -139,8 +175,8 @@ class RunConfig:
         if self.epochs is not None:
             _check_float("epochs", self.epochs, 0.0, None, low_open=True)
         _check_int("batch_size", self.batch_size, 1)
-        shard = self.train_size // self.workers
-        if self.batch_size > shard:
+        shard = (self.train_size or 0) // self.workers
+        if self.train_size is not None and self.batch_size > shard:
             raise ConfigError(
                 f"batch_size: {self.batch_size} is larger than each worker's shard of "
                 f"{shard} samples (train_size {self.train_size} / {self.workers} workers)"
@@ -175,11 +211,27 @@ class RunConfig:
         factors = [s.factor for s in self.stragglers if s.worker == worker]
         return factors[-1] if factors else 1.0
 
-    def steps_per_worker(self) -> int:
-        """Local steps each worker takes: ``steps``, or ``epochs`` passes over its shard."""
+    def dataset_kind_path(self) -> tuple[str, str | None]:
+        """("mnist1d", None) or ("cifar10", "/path"): the dataset spec, checked."""
+        from cloudburst.datasets import DatasetError, parse_dataset_spec
+
+        try:
+            return parse_dataset_spec(self.dataset)
+        except DatasetError as e:
+            raise ConfigError(field_message("dataset", e)) from None
+
+    def steps_per_worker(self, train_size: int | None = None) -> int:
+        """Local steps each worker takes: ``steps``, or ``epochs`` passes over its shard.
+
+        ``train_size`` is the loaded dataset's size when the config leaves it open (a
+        dataset read from a path); without either, an epoch count cannot be turned into steps.
+        """
         if self.steps is not None:
             return self.steps
-        per_epoch = (self.train_size // self.workers) // self.batch_size
+        size = self.train_size if train_size is None else train_size
+        if size is None:
+            raise ValueError("steps_per_worker: the dataset's size is not known yet")
+        per_epoch = (size // self.workers) // self.batch_size
         return max(1, math.ceil(float(self.epochs) * per_epoch))
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -269,6 +321,12 @@ def _coerce(name: str, type_text: Any, value: Any) -> Any:
             f"{name}: {value!r} is not a valid {text.replace(' | None', '')}"
         ) from None
     return value
+
+
+def field_message(field_name: str, err: Exception) -> str:
+    """``field: message`` unless the message already starts with the field's name."""
+    text = str(err)
+    return text if text.startswith(field_name) else f"{field_name}: {text}"
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

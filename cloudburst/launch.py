@@ -41,8 +41,12 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
     strategy = STRATEGY_CLASSES[cfg.strategy]
     procs = start_local_job(cfg, run_rank, agent_per_rank=strategy.survives_worker_loss)
     show = cfg.progress if progress is None else progress
+    try:
+        total = cfg.steps_per_worker() * cfg.workers
+    except ValueError:  # epochs of a dataset read from a path: its size is known to the ranks
+        total = None
     bar = tqdm(
-        total=cfg.steps_per_worker() * cfg.workers,
+        total=total,
         desc=f"{cfg.strategy} W={cfg.workers}",
         unit="step",
         disable=not show,

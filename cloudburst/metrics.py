@@ -9,6 +9,9 @@ Each rank appends one JSON object per line to ``OUT/metrics/rank{R}.jsonl``:
 - ``{"event": "push", ...}`` on servers, and ``{"event": "final", ...}`` once at the end.
 
 Plots are made from these files only. ``summary.json`` is written once by rank 0.
+With ``tensorboard=True`` the same numbers also go to TensorBoard event files under
+``OUT/tensorboard/<role>`` (tags ``<event>/<field>``; steps for step events, training samples
+for evaluations): ``tensorboard --logdir OUT/tensorboard``.
 """
 
 from __future__ import annotations
@@ -21,18 +24,35 @@ from typing import Any
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: str | Path, rank: int, role: str):
+    def __init__(self, out_dir: str | Path, rank: int, role: str, tensorboard: bool = False):
         self.path = Path(out_dir) / "metrics" / f"rank{rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "a", buffering=1)  # line-buffered: readable while running
         self.rank, self.role = rank, role
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(out_dir) / "tensorboard" / role))
 
     def log(self, event: str, **values: Any) -> None:
         record = {"event": event, "rank": self.rank, "role": self.role, **values}
         self._f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            self._log_tensorboard(event, values)
+
+    def _log_tensorboard(self, event: str, values: dict[str, Any]) -> None:
+        x_key = "samples" if event == "eval" else "step"
+        x = values.get(x_key, values.get("step", 0))
+        for key, value in values.items():
+            if key == x_key or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            self._tb.add_scalar(f"{event}/{key}", value, global_step=x)
 
     def close(self) -> None:
         self._f.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

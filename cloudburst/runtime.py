@@ -51,6 +51,8 @@ class Context:
     workers_group: dist.ProcessGroup | None  # None when the workers are the whole world
     store: dist.Store
     t0: float  # wall-clock start of training, common to all ranks after start_clock()
+    device: torch.device = torch.device("cpu")  # where this rank computes (servers: the CPU)
+    backend: str = "gloo"  # of the workers' collectives (sync's all-reduce)
 
     @property
     def is_server(self) -> bool:
@@ -88,7 +90,12 @@ class Context:
 
 
 def init_distributed(cfg: RunConfig) -> Context:
-    """Join the job started by torchrun: gloo process group with a timeout, roles, store."""
+    """Join the job started by torchrun: process groups with a timeout, roles, device, store.
+
+    The world group is gloo (servers, point-to-point traffic, barriers). The workers' group
+    carries their collectives: NCCL when they compute on GPUs and each has its own, else gloo
+    (which also reduces CUDA tensors, through host memory).
+    """
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     if world != cfg.world_size:
@@ -98,22 +105,85 @@ def init_distributed(cfg: RunConfig) -> Context:
             "so that their product matches"
         )
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    device = select_device(cfg, rank)
+    backend = select_backend(cfg)
     timeout = datetime.timedelta(seconds=cfg.comm_timeout_s)
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timeout)
     workers_group = None
-    if cfg.servers:
+    if cfg.servers or backend != "gloo":
         # Every rank must take part in creating a group, servers included.
         workers_group = (
             dist.new_group(
-                list(range(cfg.servers, world)), timeout=timeout, use_local_synchronization=True
+                list(range(cfg.servers, world)),
+                timeout=timeout,
+                backend=backend,
+                use_local_synchronization=True,
             )
             if rank >= cfg.servers
             else None
         )
     store = _job_store(cfg)
     _configure_logging(rank, "server" if rank < cfg.servers else "worker")
-    return Context(cfg, rank, world, cfg.servers, cfg.workers, workers_group, store, time.time())
+    if rank == cfg.servers:
+        log.info("workers compute on %s; their collectives use %s", device, backend)
+    return Context(
+        cfg,
+        rank,
+        world,
+        cfg.servers,
+        cfg.workers,
+        workers_group,
+        store,
+        time.time(),
+        device,
+        backend,
+    )
+
+
+def cuda_wanted(cfg: RunConfig) -> bool:
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def _workers_on_this_node(cfg: RunConfig) -> int:
+    # Our own local launcher puts every rank on this machine (one agent per rank for asgd,
+    # so LOCAL_WORLD_SIZE would say 1); under torchrun, the ranks of this node.
+    if "CLOUDBURST_LOCAL_JOB" in os.environ:
+        return cfg.workers
+    return min(cfg.workers, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def select_device(cfg: RunConfig, rank: int) -> torch.device:
+    """A worker's device: its own GPU when there are enough, else GPUs shared round-robin."""
+    if rank < cfg.servers or not cuda_wanted(cfg):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device: cuda was asked for, but torch sees no CUDA device here")
+    count = torch.cuda.device_count()
+    if "CLOUDBURST_LOCAL_JOB" in os.environ:
+        index = (rank - cfg.servers) % count
+    else:
+        index = int(os.environ.get("LOCAL_RANK", "0")) % count
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def select_backend(cfg: RunConfig) -> str:
+    """The workers' collective backend (the same answer on every rank of a homogeneous job)."""
+    if not cuda_wanted(cfg):
+        return "gloo"
+    own_gpu = torch.cuda.device_count() >= _workers_on_this_node(cfg)
+    if cfg.backend == "nccl":
+        if not own_gpu:
+            raise RuntimeError(
+                f"backend: nccl needs one GPU per worker on a node; this node has "
+                f"{torch.cuda.device_count()} for {_workers_on_this_node(cfg)} workers "
+                "(NCCL cannot run two ranks on one GPU); use --backend gloo"
+            )
+        return "nccl"
+    if cfg.backend == "gloo":
+        return "gloo"
+    return "nccl" if own_gpu and cfg.workers > 1 else "gloo"
 
 
 def shutdown(ctx: Context | None) -> None:
@@ -218,6 +288,7 @@ def start_local_job(
     port = port or free_port()
     run_id = uuid.uuid4().hex[:12]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["CLOUDBURST_LOCAL_JOB"] = "1"
     # fork: agents and ranks inherit the imported torch instead of importing it again (about
     # 2 s of CPU per process, which on a 2-core machine dominates the start of a small job).
     ctx = mp.get_context("fork")

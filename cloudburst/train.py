@@ -22,9 +22,16 @@ from torch import nn
 from cloudburst.checkpoint import load_model_into, save_model
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.config import RunConfig
-from cloudburst.data import BatchStream, Dataset, load_dataset, worker_shard
+from cloudburst.data import (
+    Dataset,
+    batch_stream,
+    evaluate_dataset,
+    in_memory,
+    load_dataset,
+    worker_source,
+)
 from cloudburst.metrics import MetricsWriter, time_to_target, write_json_atomic
-from cloudburst.models import build_model, evaluate
+from cloudburst.models import build_model
 from cloudburst.runtime import Context, LivenessMonitor, init_distributed, shutdown
 from cloudburst.server import ServerLoop, mean_staleness
 from cloudburst.strategies import make_strategy
@@ -36,13 +43,20 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
     """Entry point of one rank. ``cfg_dict`` is a :meth:`RunConfig.to_dict`."""
     cfg = RunConfig.from_dict(cfg_dict)
     ctx = init_distributed(cfg)
-    metrics = MetricsWriter(cfg.out, ctx.rank, ctx.role)
-    metrics.log("start", pid=os.getpid(), world_size=ctx.world_size)
+    metrics = MetricsWriter(cfg.out, ctx.rank, ctx.role, tensorboard=cfg.tensorboard)
+    metrics.log(
+        "start",
+        pid=os.getpid(),
+        world_size=ctx.world_size,
+        device=str(ctx.device),
+        backend=ctx.backend,
+    )
     try:
-        data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size)
-        model = build_model(cfg.model, data.input_length, data.num_classes, cfg.seed)
+        data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size)
+        model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
         if cfg.init_from:
             load_model_into(cfg.init_from, model)
+        model.to(ctx.device)
         if ctx.is_server:
             run_server(ctx, model, data, metrics)
         else:
@@ -73,16 +87,26 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     strategy = make_strategy(ctx)
     optimizer = make_optimizer(cfg, model.parameters())
     net = strategy.wrap(model, optimizer)
-    x, y = worker_shard(data, ctx.worker_index, cfg.workers)
-    stream = BatchStream(x, y, cfg.batch_size, seed=cfg.seed * 1000 + ctx.worker_index)
+    device = ctx.device
+    stream = batch_stream(
+        worker_source(data, ctx.worker_index, cfg.workers),
+        cfg.batch_size,
+        seed=cfg.seed * 1000 + ctx.worker_index,
+        preprocess=data.preprocess(augment=cfg.augment),
+        num_workers=data_workers(cfg, data),
+        pin_memory=device.type == "cuda",
+    )
     factor = cfg.straggler_factor(ctx.worker_index)
     loss_fn = nn.CrossEntropyLoss()
-    total = cfg.steps_per_worker()
+    total = cfg.steps_per_worker(len(data.train))
     scheduler = make_scheduler(cfg, optimizer, total)
+    autocast = cfg.autocast == "bf16"
 
     def train_step() -> float:
         xb, yb = next(stream)
-        loss = loss_fn(net(xb), yb)
+        xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_fn(net(xb), yb)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         strategy.after_backward()
@@ -137,9 +161,12 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     if bar is not None:
         bar.close()
     strategy.finish()
+    if hasattr(stream, "close"):
+        stream.close()
 
     report = {
         "role": "worker",
+        "device": str(device),
         "steps": total,
         "samples": samples,
         "final_loss": loss,
@@ -147,10 +174,47 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         "evals": evaluator.history if evaluator else [],
     }
     wall_time_s = ctx.elapsed_s()
+    if ctx.worker_index == 0 and ctx.num_servers and any(True for _ in model.buffers()):
+        # The servers hold parameters only: the model's buffers (batch-norm statistics) that
+        # the final evaluation needs come from worker 0's replica.
+        ctx.store.set("buffers", _buffers_bytes(model))
     hand_in(ctx, metrics, report, wall_time_s)
     if ctx.rank == 0:  # no servers: worker 0 is rank 0 and writes the summary
         flat, global_samples = strategy.global_params()
         finalize_run(ctx, model, flat, data, metrics, report, [], wall_time_s, global_samples)
+
+
+def data_workers(cfg: RunConfig, data: Dataset) -> int:
+    """DataLoader processes per worker: as configured, else 2 for images, 0 for features."""
+    if cfg.data_workers is not None:
+        return cfg.data_workers
+    return 2 if data.is_image else 0
+
+
+def _buffers_bytes(model: nn.Module) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in model.named_buffers()}, buf)
+    return buf.getvalue()
+
+
+def _load_buffers(model: nn.Module, raw: bytes) -> None:
+    import io
+
+    buffers = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    own = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in buffers.items():
+            if name in own and own[name].shape == value.shape:
+                own[name].copy_(value)
+
+
+def copy_buffers(src: nn.Module, dst: nn.Module) -> None:
+    """Copy ``src``'s buffers (batch-norm running statistics) into ``dst`` of the same shape."""
+    with torch.no_grad():
+        for a, b in zip(src.buffers(), dst.buffers(), strict=True):
+            b.copy_(a)
 
 
 def _emulate_device(compute_s: float, min_step_time_s: float, factor: float) -> None:
@@ -175,7 +239,10 @@ class Evaluator:
 
     def __init__(self, ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWriter):
         self.ctx, self.data, self.metrics = ctx, data, metrics
+        self.replica = model
         self.model = copy.deepcopy(model)
+        self.test = in_memory(data.test)
+        self.preprocess = data.preprocess(augment=False)
         self.last_s = -math.inf
         self.history: list[list[float]] = []  # [time_s, samples, accuracy]
 
@@ -186,7 +253,15 @@ class Evaluator:
         flat, samples = strategy.fetch_global_params()
         self.last_s = now
         assign_flat(self.model, flat)
-        acc, loss = evaluate(self.model, self.data.x_test, self.data.y_test)
+        # Global parameters; buffers (batch-norm statistics) from this worker's replica.
+        copy_buffers(self.replica, self.model)
+        acc, loss = evaluate_dataset(
+            self.model,
+            self.test,
+            self.preprocess,
+            self.ctx.device,
+            autocast=self.ctx.cfg.autocast == "bf16",
+        )
         self.history.append([now, samples, acc])
         self.metrics.log("eval", time_s=now, samples=samples, test_accuracy=acc, test_loss=loss)
 
@@ -230,7 +305,19 @@ def finalize_run(
     """Rank 0: evaluate the final global θ, gather every rank's report, write the summary."""
     cfg = ctx.cfg
     assign_flat(model, theta)
-    acc, test_loss = evaluate(model, data.x_test, data.y_test)
+    if ctx.is_server and any(True for _ in model.buffers()) and cfg.servers not in lost:
+        try:
+            ctx.store.wait(["buffers"], _seconds(cfg.comm_timeout_s))
+            _load_buffers(model, ctx.store.get("buffers"))
+        except Exception as e:  # noqa: BLE001 - worker 0 was lost: keep the initial buffers
+            log.warning("no model buffers from worker 0 (%s); evaluating with initial ones", e)
+    acc, test_loss = evaluate_dataset(
+        model,
+        in_memory(data.test),
+        data.preprocess(augment=False),
+        ctx.device,
+        autocast=cfg.autocast == "bf16",
+    )
     metrics.log(
         "eval",
         time_s=wall_time_s,
@@ -275,7 +362,9 @@ def finalize_run(
         ),
         "samples": sum(w["samples"] for w in workers),
         "samples_applied": global_samples,
-        "steps_per_worker": cfg.steps_per_worker(),
+        "steps_per_worker": cfg.steps_per_worker(len(data.train)),
+        "device": str(ctx.device if not ctx.is_server else _worker_device(reports)),
+        "backend": ctx.backend,
         "bytes_sent": sum(rep["bytes_sent"] for rep in reports.values()),
         "bytes_received": sum(rep["bytes_received"] for rep in reports.values()),
         "comm_wait_s": sum(rep["comm_wait_s"] for rep in reports.values()),
@@ -290,6 +379,13 @@ def finalize_run(
     write_json_atomic(f"{cfg.out}/summary.json", summary)
     log.info("summary written: accuracy %.4f in %.1f s", acc, wall_time_s)
     return summary
+
+
+def _worker_device(reports: dict[int, dict[str, Any]]) -> str:
+    for rep in reports.values():
+        if rep.get("role") == "worker" and "device" in rep:
+            return rep["device"]
+    return "cpu"
 
 
 def _seconds(s: float):

@@ -105,15 +105,22 @@ class CommStats:
     bytes_received: int = 0
     wait_s: float = 0.0
     messages_rejected: int = 0
+    # Device <-> pinned host copies of a GPU replica's θ and Δ (GPU A-SGD's staging).
+    staging_s: float = 0.0
+    staging_bytes: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
-        return {
+        d = {
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "comm_wait_s": round(self.wait_s, 6),
             "messages_rejected": self.messages_rejected,
         }
+        if self.staging_bytes:
+            d["staging_s"] = round(self.staging_s, 6)
+            d["staging_bytes"] = self.staging_bytes
+        return d
 
 
 class PeerTransport:

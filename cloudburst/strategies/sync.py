@@ -6,6 +6,8 @@ applies the same update. Equal to SGD on a W-times larger batch (ALGORITHMS.md Â
 Synchronous: every step waits for all workers. Staleness: always 0.
 A dead worker: the all-reduce raises on every other rank and the job stops (torchrun tears it
 down); resume from a checkpoint.
+On GPUs the all-reduce runs on NCCL when every worker has its own GPU, else on gloo (which
+reduces CUDA tensors through host memory); ``summary.json`` records which.
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ class SyncStrategy(Strategy):
             # step, benchmarks/results/overhead.md), as torchtitan skips data parallelism at
             # dp = 1. The arithmetic is the same.
             return model
-        self.ddp = DistributedDataParallel(model, process_group=self.ctx.workers_group)
+        device = self.ctx.device
+        self.ddp = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=self.ctx.workers_group,
+        )
         self.ddp.register_comm_hook(self.hook_state, counting_allreduce_hook)
         return self.ddp
 

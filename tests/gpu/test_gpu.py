@@ -1,0 +1,188 @@
+"""The GPU path: CUDA replicas, pinned-memory staging to the servers, NCCL or gloo collectives.
+
+Skipped without CUDA (CI has none); run them wherever a GPU is: ``pytest -m gpu``.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from cloudburst.checkpoint import load_model_into
+from cloudburst.data import BatchStream, load_dataset, worker_shard
+from cloudburst.metrics import read_run
+from cloudburst.models import build_model
+from tests.datagen import write_cifar10
+from tests.helpers import cli, read_summary
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+COMMON = [
+    "--dataset",
+    "synthetic",
+    "--model",
+    "mlp",
+    "--batch-size",
+    "16",
+    "--lr",
+    "0.05",
+    "--momentum",
+    "0.9",
+    "--seed",
+    "3",
+    "--no-progress",
+    "--eval-every-s",
+    "1000",
+    "--device",
+    "cuda",
+]
+
+
+def reference(steps: int, workers: int, batch: int = 16, seed: int = 3) -> nn.Module:
+    """Single-process SGD on the CPU, each step on the concatenation of the workers' batches."""
+    data = load_dataset("synthetic", 4000, 1000)
+    model = build_model("mlp", data.input_shape, data.num_classes, seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    streams = [
+        BatchStream(*worker_shard(data, w, workers), batch, seed * 1000 + w) for w in range(workers)
+    ]
+    for _ in range(steps):
+        batches = [next(s) for s in streams]
+        loss = nn.functional.cross_entropy(
+            model(torch.cat([b[0] for b in batches])), torch.cat([b[1] for b in batches])
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+def assert_matches_reference(out, ref: nn.Module) -> None:
+    model = build_model("mlp", 40, 10, seed=0)
+    load_model_into(out / "model.pt", model)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
+
+
+def test_asgd_cuda_replica_through_pinned_staging_equals_sgd(tmp_path):
+    out = tmp_path / "asgd"
+    cli(
+        "train",
+        "--strategy",
+        "asgd",
+        "--workers",
+        "1",
+        "--servers",
+        "1",
+        "--n-sync",
+        "2",
+        "--steps",
+        "40",
+        "--out",
+        str(out),
+        *COMMON,
+    )
+    assert_matches_reference(out, reference(40, workers=1))
+    summary = read_summary(out)
+    assert summary["device"].startswith("cuda")
+    final = [r for r in read_run(out)["rank1"] if r["event"] == "final"][0]
+    # 20 rounds: Δ to the host and θ back, 4 bytes per parameter each way.
+    numel = sum(p.numel() for p in build_model("mlp", 40, 10, 0).parameters())
+    assert final["staging_bytes"] == 20 * 2 * 4 * numel
+
+
+def test_sync_two_workers_sharing_one_gpu_use_gloo_and_equal_sgd(tmp_path):
+    if torch.cuda.device_count() > 1:
+        pytest.skip("this checks the one-GPU fallback")
+    out = tmp_path / "sync"
+    cli(
+        "train", "--strategy", "sync", "--workers", "2", "--steps", "30", "--out", str(out), *COMMON
+    )
+    summary = read_summary(out)
+    assert summary["backend"] == "gloo" and summary["device"].startswith("cuda")
+    assert_matches_reference(out, reference(30, workers=2))
+
+
+def test_nccl_with_two_workers_on_one_gpu_is_refused_clearly(tmp_path):
+    if torch.cuda.device_count() > 1:
+        pytest.skip("this machine has a GPU per worker")
+    out = tmp_path / "nccl"
+    proc = cli(
+        "train",
+        "--strategy",
+        "sync",
+        "--workers",
+        "2",
+        "--steps",
+        "5",
+        "--backend",
+        "nccl",
+        "--out",
+        str(out),
+        *COMMON,
+        check=False,
+    )
+    assert proc.returncode == 2 and not out.exists()
+    assert "NCCL cannot run two ranks on one GPU" in proc.stderr
+
+
+def test_sync_one_worker_on_nccl(tmp_path):
+    out = tmp_path / "nccl1"
+    cli(
+        "train",
+        "--strategy",
+        "sync",
+        "--workers",
+        "1",
+        "--steps",
+        "20",
+        "--backend",
+        "nccl",
+        "--out",
+        str(out),
+        *COMMON,
+    )
+    assert read_summary(out)["backend"] == "nccl"
+
+
+@pytest.mark.parametrize("strategy", ["sync", "asgd"])
+def test_resnet20_on_cifar_format_data_with_bf16_autocast(tmp_path, strategy):
+    root = write_cifar10(tmp_path / "data", per_batch=64, test=64)
+    out = tmp_path / strategy
+    extra = ["--servers", "1", "--n-sync", "4", "--server-lr", "0.5"] if strategy == "asgd" else []
+    cli(
+        "train",
+        "--strategy",
+        strategy,
+        "--workers",
+        "2",
+        *extra,
+        "--dataset",
+        f"cifar10:{root}",
+        "--model",
+        "resnet20",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "32",
+        "--lr",
+        "0.05",
+        "--autocast",
+        "bf16",
+        "--device",
+        "cuda",
+        "--no-progress",
+        "--eval-every-s",
+        "0.5",
+        "--out",
+        str(out),
+    )
+    summary = read_summary(out)
+    assert summary["device"].startswith("cuda")
+    assert 0.0 <= summary["final_test_accuracy"] <= 1.0
+    model = build_model("resnet20", (3, 32, 32), 10, seed=0)
+    load_model_into(out / "model.pt", model)
+    # Batch-norm statistics were trained (the servers hold only parameters: worker 0's).
+    assert model.bn1.running_mean.abs().sum() > 0

@@ -1,0 +1,521 @@
+"""Readers for datasets on local paths: every file is generated in tmp_path, nothing downloaded."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from cloudburst.datasets import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    DatasetError,
+    ImageFileSource,
+    Preprocess,
+    TensorSource,
+    channel_stats,
+    check_dataset,
+    load_path_dataset,
+    parse_dataset_spec,
+)
+
+RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
+
+
+def expect_error(fn, *fragments: str) -> str:
+    """fn() raises DatasetError whose one-line message contains every fragment."""
+    with pytest.raises(DatasetError) as info:
+        fn()
+    message = str(info.value)
+    assert "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+# --------------------------------------------------------------------------------------------
+# CIFAR-10
+
+
+class _Python2Pickler(pickle._Pickler):
+    """Writes str and bytes as Python 2 ``str`` opcodes, as the published CIFAR-10 pickles do."""
+
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def _save_as_py2_str(self, obj):
+        data = obj.encode("latin1") if isinstance(obj, str) else obj
+        if len(data) < 256:
+            self.write(pickle.SHORT_BINSTRING + bytes([len(data)]) + data)
+        else:
+            self.write(pickle.BINSTRING + struct.pack("<i", len(data)) + data)
+        self.memoize(obj)
+
+    dispatch[bytes] = _save_as_py2_str
+    dispatch[str] = _save_as_py2_str
+
+
+def _dump(obj, path: Path, py2: bool = True) -> None:
+    if not py2:  # a Python 3 pickle at protocol 2: bytes become _codecs.encode(..., "latin1")
+        path.write_bytes(pickle.dumps(obj, protocol=2))
+        return
+    buf = io.BytesIO()
+    _Python2Pickler(buf, protocol=2).dump(obj)
+    # numpy 1 module names, as in the original files (GLOBAL is a text opcode at protocol 2)
+    path.write_bytes(buf.getvalue().replace(b"cnumpy._core.", b"cnumpy.core."))
+
+
+def _cifar_batch(n: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        b"batch_label": b"fake batch",
+        b"labels": [(seed + i) % 10 for i in range(n)],
+        b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+        b"filenames": [f"img_{seed}_{i}.png".encode() for i in range(n)],
+    }
+
+
+def _write_cifar(parent: Path, py2: bool = True) -> Path:
+    root = parent / "cifar-10-batches-py"
+    root.mkdir(parents=True)
+    for i in range(1, 6):
+        _dump(_cifar_batch(20, seed=i), root / f"data_batch_{i}", py2)
+    _dump(_cifar_batch(10, seed=0), root / "test_batch", py2)
+    names = [b"airplane", b"automobile", b"bird", b"cat", b"deer"]
+    names += [b"dog", b"frog", b"horse", b"ship", b"truck"]
+    _dump(
+        {b"label_names": names, b"num_cases_per_batch": 20, b"num_vis": 3072},
+        root / "batches.meta",
+        py2,
+    )
+    return root
+
+
+@pytest.mark.parametrize("py2", [True, False], ids=["python2-pickles", "python3-protocol2"])
+def test_cifar10_loads_with_layout_labels_and_classes(tmp_path, py2):
+    root = _write_cifar(tmp_path, py2)
+    data = load_path_dataset("cifar10", str(root))
+    assert len(data.train) == 100 and len(data.test) == 10
+    assert data.train.x.shape == (100, 3, 32, 32) and data.train.x.dtype == torch.uint8
+    assert data.train.targets.dtype == torch.int64
+    assert data.input_shape == (3, 32, 32) and data.is_image and data.num_classes == 10
+    assert data.mean == CIFAR10_MEAN and data.std == CIFAR10_STD
+    assert data.classes[0] == "airplane" and data.classes[9] == "truck"
+    # pixel (row 5, col 7) of sample 3 in data_batch_2 (train index 20 + 3): R, G, B planes
+    raw = _cifar_batch(20, seed=2)[b"data"][3]
+    x = data.train.x[23]
+    for c in range(3):
+        assert x[c, 5, 7] == raw[c * 1024 + 5 * 32 + 7]
+    assert data.train.targets[:20].tolist() == [(1 + i) % 10 for i in range(20)]
+    assert data.test.targets.tolist() == [i % 10 for i in range(10)]
+    xb, yb = data.train.get_batch(torch.tensor([23, 0]))
+    assert torch.equal(xb[0], x) and yb.tolist() == [5, 1]
+    # the parent directory holding cifar-10-batches-py/ works too
+    via_parent = load_path_dataset("cifar10", str(tmp_path))
+    assert torch.equal(via_parent.train.x, data.train.x)
+    check_dataset("cifar10", str(tmp_path))
+
+
+def test_cifar10_without_meta_names_classes_by_digit(tmp_path):
+    root = _write_cifar(tmp_path)
+    (root / "batches.meta").unlink()
+    assert load_path_dataset("cifar10", str(root)).classes == [str(i) for i in range(10)]
+
+
+def test_cifar10_missing_batches_are_listed(tmp_path):
+    root = _write_cifar(tmp_path)
+    (root / "data_batch_4").unlink()
+    (root / "test_batch").unlink()
+    expect_error(lambda: check_dataset("cifar10", str(root)), "data_batch_4", "test_batch")
+    expect_error(lambda: load_path_dataset("cifar10", str(tmp_path)), "data_batch_4")
+    expect_error(lambda: check_dataset("cifar10", str(tmp_path / "nope")), "no such file")
+    (tmp_path / "cifar-10-python.tar.gz").write_bytes(b"\x1f\x8b")
+    expect_error(
+        lambda: check_dataset("cifar10", str(tmp_path / "cifar-10-python.tar.gz")), "extracted"
+    )
+
+
+@pytest.mark.parametrize(
+    "broken, fragment",
+    [
+        ({b"data": np.zeros((20, 3000), np.uint8), b"labels": [0] * 20}, "3072"),
+        ({b"data": np.zeros((20, 3072), np.float32), b"labels": [0] * 20}, "uint8"),
+        ({b"data": np.zeros((20, 3072), np.uint8), b"labels": [0] * 19 + [10]}, "0..9"),
+        ({b"data": np.zeros((20, 3072), np.uint8), b"labels": [0] * 19}, "19 labels"),
+        ({b"labels": [0] * 20}, "'data'"),
+        ([1, 2, 3], "list"),
+    ],
+)
+def test_cifar10_malformed_batch(tmp_path, broken, fragment):
+    root = _write_cifar(tmp_path)
+    _dump(broken, root / "data_batch_2")
+    expect_error(lambda: load_path_dataset("cifar10", str(root)), "data_batch_2", fragment)
+
+
+def test_cifar10_truncated_pickle(tmp_path):
+    root = _write_cifar(tmp_path)
+    path = root / "test_batch"
+    path.write_bytes(path.read_bytes()[:500])
+    expect_error(lambda: load_path_dataset("cifar10", str(root)), "test_batch", "not a readable")
+
+
+class _Evil:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("py2", [True, False])
+def test_cifar10_refuses_code_in_pickles(tmp_path, py2):
+    root = _write_cifar(tmp_path / "data")
+    marker = tmp_path / "PWNED"
+    _dump({b"data": _Evil(marker), b"labels": [0]}, root / "data_batch_3", py2)
+    expect_error(
+        lambda: load_path_dataset("cifar10", str(root)),
+        "data_batch_3",
+        "refuses to unpickle global",
+        "system",
+    )
+    assert not marker.exists()
+    _dump({b"label_names": _Evil(marker)}, root / "batches.meta", py2)
+    _dump(_cifar_batch(20, seed=3), root / "data_batch_3", py2)
+    expect_error(lambda: load_path_dataset("cifar10", str(root)), "batches.meta", "refuses")
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Image folder
+
+
+def _image(path: Path, size: tuple[int, int], colour=(10, 7, 30)) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, colour).save(path)
+
+
+def _stripes(path: Path, size: tuple[int, int], bands: list[tuple[int, tuple]], axis: int) -> None:
+    """Bands of colour along x (axis=1) or y (axis=0): [(band length in pixels, colour)]."""
+    w, h = size
+    a = np.zeros((h, w, 3), np.uint8)
+    start = 0
+    for length, colour in bands:
+        if axis == 1:
+            a[:, start : start + length] = colour
+        else:
+            a[start : start + length] = colour
+        start += length
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(a).save(path)
+
+
+def test_imagefolder_resizes_shorter_side_then_center_crops(tmp_path):
+    # 80×40, S=20: resized to 40×20, crop columns 10..29, i.e. source columns 20..59 (green)
+    _stripes(tmp_path / "a" / "wide.png", (80, 40), [(20, RED), (40, GREEN), (20, BLUE)], axis=1)
+    # 20×50, S=10: resized to 10×25, crop rows 7..16, i.e. source rows 14..33 (green)
+    _stripes(tmp_path / "b" / "tall.png", (20, 50), [(14, RED), (20, GREEN), (16, BLUE)], axis=0)
+    src = ImageFileSource([str(tmp_path / "a" / "wide.png")], [0], 20)
+    x, y = src.get_batch(torch.tensor([0]))
+    assert x.shape == (1, 3, 20, 20) and x.dtype == torch.uint8 and y.tolist() == [0]
+    img = x[0].permute(1, 2, 0).int()  # H, W, C
+    green = torch.tensor(GREEN)
+    assert (img[:, 1:-1] - green).abs().max() <= 1  # interior: only the green band
+    assert img[:, 0, 0].min() > 0 and img[:, 0, 2].max() == 0  # left edge blends with red
+    assert img[:, -1, 2].min() > 0 and img[:, -1, 0].max() == 0  # right edge blends with blue
+    tall = ImageFileSource([str(tmp_path / "b" / "tall.png")], [1], 10).get_batch(torch.tensor([0]))
+    img = tall[0][0].permute(1, 2, 0).int()
+    assert img.shape == (10, 10, 3)
+    assert (img[1:-1] - green).abs().max() <= 1
+    assert img[0, :, 0].min() > 0 and img[-1, :, 2].min() > 0
+
+
+def _folder(root: Path, counts: dict[str, int]) -> None:
+    for c, n in counts.items():
+        for i in range(n):
+            size = (40, 30) if i % 2 else (20, 50)
+            _image(root / c / f"img{i:02d}.png", size, (40 * i % 256, 7, 200))
+
+
+def test_imagefolder_held_out_split_is_stratified_and_deterministic(tmp_path):
+    _folder(tmp_path, {"cat": 10, "dog": 5, "emu": 1})
+    (tmp_path / "dog" / "notes.txt").write_text("not an image")
+    _image(tmp_path / "cat" / "more" / "deep.JPG", (9, 9))  # nested, upper-case extension
+    _image(tmp_path / ".hidden" / "x.png", (9, 9))  # hidden directories are not classes
+    data = load_path_dataset("imagefolder", str(tmp_path), image_size=12, test_fraction=0.2)
+    assert data.classes == ["cat", "dog", "emu"] and data.num_classes == 3
+    assert data.input_shape == (3, 12, 12) and data.is_image
+    assert isinstance(data.train, ImageFileSource) and isinstance(data.test, ImageFileSource)
+    assert torch.bincount(data.train.targets).tolist() == [9, 4, 1]  # cat has 11 files
+    assert torch.bincount(data.test.targets).tolist() == [2, 1]  # the single emu stays in train
+    assert not set(data.train.paths) & set(data.test.paths)
+    assert len(set(data.train.paths) | set(data.test.paths)) == 17
+    again = load_path_dataset("imagefolder", str(tmp_path), image_size=12, test_fraction=0.2)
+    assert again.train.paths == data.train.paths and again.test.paths == data.test.paths
+    assert again.mean == data.mean and again.std == data.std
+    x, y = data.test.get_batch(torch.arange(len(data.test)))
+    assert x.shape == (3, 3, 12, 12) and y.tolist() == [0, 0, 1]
+    # the mean/std are those of the (here all) decoded training images
+    mean, std = channel_stats(data.train.get_batch(torch.arange(len(data.train)))[0])
+    assert np.allclose(mean, data.mean) and np.allclose(std, data.std)
+    assert data.std[1] == pytest.approx(1e-3)  # green is constant: floored
+    # picklable for DataLoader workers
+    clone = pickle.loads(pickle.dumps(data.train))
+    assert torch.equal(
+        clone.get_batch(torch.tensor([0, 5]))[0], data.train.get_batch(torch.tensor([0, 5]))[0]
+    )
+
+
+def test_imagefolder_train_test_dirs_and_corrupt_image(tmp_path):
+    _folder(tmp_path / "train", {"a": 3, "b": 2})
+    _folder(tmp_path / "val", {"a": 1, "b": 1})
+    (tmp_path / "val" / "b" / "bad.png").write_bytes(b"this is not a png")
+    check_dataset("imagefolder", str(tmp_path))
+    data = load_path_dataset("imagefolder", str(tmp_path), image_size=8)
+    assert len(data.train) == 5 and len(data.test) == 3
+    assert data.test.targets.tolist() == [0, 1, 1]
+    bad = data.test.paths.index(str(tmp_path / "val" / "b" / "bad.png"))
+    data.test.get_batch(torch.tensor([0, 1 if bad == 2 else 2]))
+    expect_error(lambda: data.test.get_batch(torch.tensor([bad])), "bad.png", "cannot read image")
+    # a truncated PNG in the training split is found while computing the mean/std
+    good = tmp_path / "train" / "a" / "img00.png"
+    good.write_bytes(good.read_bytes()[:60])
+    expect_error(lambda: load_path_dataset("imagefolder", str(tmp_path)), "img00.png")
+
+
+def test_imagefolder_layout_errors(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    expect_error(lambda: check_dataset("imagefolder", str(empty)), "no class subdirectories")
+    expect_error(lambda: load_path_dataset("imagefolder", str(empty)), "no class subdirectories")
+    _folder(tmp_path / "one", {"a": 2})
+    (tmp_path / "one" / "b").mkdir()
+    expect_error(lambda: check_dataset("imagefolder", str(tmp_path / "one")), "no images", "b")
+    _folder(tmp_path / "split" / "train", {"a": 2, "b": 2})
+    _folder(tmp_path / "split" / "test", {"a": 1, "c": 1})
+    expect_error(
+        lambda: check_dataset("imagefolder", str(tmp_path / "split")), "same classes", "'c'"
+    )
+    _folder(tmp_path / "single", {"a": 1, "b": 1})
+    expect_error(lambda: load_path_dataset("imagefolder", str(tmp_path / "single")), "too few")
+    _folder(tmp_path / "only_train" / "train", {"a": 2})
+    expect_error(lambda: check_dataset("imagefolder", str(tmp_path / "only_train")), "no test/")
+    expect_error(lambda: check_dataset("imagefolder", str(tmp_path / "missing")), "no such")
+
+
+# --------------------------------------------------------------------------------------------
+# .npz
+
+
+def _images(n: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, *shape), dtype=np.uint8)
+
+
+def test_npz_nhwc_nchw_and_grayscale_images(tmp_path):
+    nhwc = _images(12, (6, 5, 3))
+    y = np.arange(12, dtype=np.uint8) % 4
+    np.savez(tmp_path / "nhwc.npz", x_train=nhwc, y_train=y, x_test=nhwc[:4], y_test=y[:4] + 2)
+    data = load_path_dataset("npz", str(tmp_path / "nhwc.npz"))
+    assert data.is_image and data.input_shape == (3, 6, 5) and data.num_classes == 6
+    assert data.train.x.dtype == torch.uint8
+    assert torch.equal(data.train.x, torch.from_numpy(nhwc).permute(0, 3, 1, 2))
+    assert data.train.targets.dtype == torch.int64
+    scaled = nhwc.astype(np.float64) / 255
+    assert np.allclose(data.mean, scaled.mean(axis=(0, 1, 2)))
+    assert np.allclose(data.std, scaled.std(axis=(0, 1, 2)))
+
+    nchw = np.ascontiguousarray(nhwc.transpose(0, 3, 1, 2))
+    np.savez(tmp_path / "nchw.npz", x_train=nchw, y_train=y, x_test=nchw[:4], y_test=y[:4])
+    same = load_path_dataset("npz", str(tmp_path / "nchw.npz"))
+    assert torch.equal(same.train.x, data.train.x) and same.mean == data.mean
+
+    gray = _images(12, (6, 5))
+    np.savez(tmp_path / "gray.npz", x=gray, y=y.astype(np.int16), x_test=gray[:2], y_test=y[:2])
+    g = load_path_dataset("npz", str(tmp_path / "gray.npz"))
+    assert g.train.x.shape == (12, 1, 6, 5) and g.input_shape == (1, 6, 5) and len(g.mean) == 1
+
+
+def test_npz_float_features_and_held_out_split(tmp_path):
+    x = np.random.default_rng(1).normal(size=(20, 7))
+    x[:, 0] = np.arange(20)  # a sample id
+    y = np.arange(20) % 3
+    np.savez(tmp_path / "f.npz", x=x, y=y)
+    data = load_path_dataset("npz", str(tmp_path / "f.npz"), test_fraction=0.25)
+    assert not data.is_image and data.mean is None and data.std is None
+    assert data.input_shape == (7,) and data.train.x.dtype == torch.float32
+    assert len(data.train) == 15 and len(data.test) == 5 and data.num_classes == 3
+    train_ids, test_ids = data.train.x[:, 0].tolist(), data.test.x[:, 0].tolist()
+    assert sorted(train_ids + test_ids) == list(range(20))
+    assert train_ids == sorted(train_ids)  # file order kept within a split
+    assert data.test.targets.tolist() == [int(i) % 3 for i in test_ids]
+    again = load_path_dataset("npz", str(tmp_path / "f.npz"), test_fraction=0.25)
+    assert torch.equal(again.test.x, data.test.x) and torch.equal(again.train.y, data.train.y)
+    check_dataset("npz", str(tmp_path / "f.npz"))
+    # float images stay features: the model sees them as they are
+    np.savez(
+        tmp_path / "f4.npz", x_train=np.zeros((4, 3, 2, 2), np.float32), y_train=np.zeros(4, int)
+    )
+    assert load_path_dataset("npz", str(tmp_path / "f4.npz")).input_shape == (3, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "arrays, fragment",
+    [
+        ({"x": np.array([object()] * 3, dtype=object), "y": np.zeros(3, int)}, "cannot read"),
+        ({"x": np.zeros((5, 2)), "y": np.zeros(4, int)}, "4 labels for 5"),
+        ({"x": np.array([[0.0, np.nan], [1, 2]]), "y": np.zeros(2, int)}, "NaN"),
+        ({"x": np.array([[1e39, 0.0], [1, 2]]), "y": np.zeros(2, int)}, "infinite"),
+        ({"x": np.zeros(5), "y": np.zeros(5, int)}, "feature axis"),
+        ({"x": np.zeros((5, 2)), "y": np.zeros(5)}, "integer"),
+        ({"x": np.zeros((5, 2)), "y": -np.ones(5, int)}, "negative"),
+        ({"x": np.zeros((5, 2)), "labels": np.zeros(5, int)}, "expected arrays"),
+        ({"x": np.zeros((5, 2)), "y": np.zeros(5, int), "x_test": np.zeros((1, 2))}, "no y_test"),
+        ({"x": np.zeros((5, 4, 4, 5), np.uint8), "y": np.zeros(5, int)}, "neither NCHW"),
+        ({"x": np.zeros((5, 2), complex), "y": np.zeros(5, int)}, "need numbers"),
+        (
+            {
+                "x": np.zeros((5, 2)),
+                "y": np.zeros(5, int),
+                "x_test": np.zeros((1, 3)),
+                "y_test": np.zeros(1, int),
+            },
+            "x_test samples",
+        ),
+    ],
+)
+def test_npz_malformed(tmp_path, arrays, fragment):
+    path = tmp_path / "bad.npz"
+    np.savez(path, **arrays)
+    expect_error(lambda: load_path_dataset("npz", str(path)), "bad.npz", fragment)
+
+
+def test_npz_not_an_archive(tmp_path):
+    text = tmp_path / "text.npz"
+    text.write_text("hello\n" * 10)
+    expect_error(lambda: check_dataset("npz", str(text)), "text.npz", "not a readable .npz")
+    expect_error(lambda: load_path_dataset("npz", str(text)), "not a readable .npz")
+    np.save(tmp_path / "single.npy", np.zeros(3))
+    expect_error(lambda: load_path_dataset("npz", str(tmp_path / "single.npy")), "single array")
+    broken = tmp_path / "broken.npz"
+    np.savez(broken, x=np.zeros((5, 2)), y=np.zeros(5, int))
+    broken.write_bytes(broken.read_bytes()[:-30])  # the zip directory is cut off
+    expect_error(lambda: load_path_dataset("npz", str(broken)), "broken.npz", "not a readable")
+    expect_error(lambda: check_dataset("npz", str(tmp_path)), "not a file")
+
+
+# --------------------------------------------------------------------------------------------
+# Specs and preflight
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("mnist1d", ("mnist1d", None)),
+        ("synthetic", ("synthetic", None)),
+        ("cifar10:/a/b", ("cifar10", "/a/b")),
+        ("imagefolder:rel/dir", ("imagefolder", "rel/dir")),
+        ("npz:/d/with:colon.npz", ("npz", "/d/with:colon.npz")),
+    ],
+)
+def test_parse_dataset_spec(spec, expected):
+    assert parse_dataset_spec(spec) == expected
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("cifar10", "needs a path"),
+        ("npz:", "needs a path"),
+        ("mnist1d:/x", "takes no path"),
+        ("synthetic:", "takes no path"),
+        ("imagenet:/x", "unknown kind"),
+        ("/some/path", "unknown kind"),
+    ],
+)
+def test_parse_dataset_spec_errors(spec, fragment):
+    message = expect_error(lambda: parse_dataset_spec(spec), fragment)
+    assert "cifar10:PATH" in message and "mnist1d" in message
+
+
+def test_check_dataset_rejects_generated_kinds_and_bad_arguments(tmp_path):
+    expect_error(lambda: check_dataset("mnist1d", str(tmp_path)), "not read from a path")
+    _folder(tmp_path / "f", {"a": 2})
+    expect_error(
+        lambda: load_path_dataset("imagefolder", str(tmp_path / "f"), test_fraction=1.0),
+        "test_fraction",
+    )
+
+
+def test_tensor_source_validates():
+    src = TensorSource(torch.zeros(4, 2), torch.arange(4))
+    assert len(src) == 4 and torch.equal(src.get_batch(torch.tensor([3]))[1], torch.tensor([3]))
+    expect_error(lambda: TensorSource(torch.zeros(4, 2), torch.arange(3)), "3 labels")
+    expect_error(lambda: TensorSource(torch.zeros(4, 2), torch.zeros(4)), "int64")
+
+
+# --------------------------------------------------------------------------------------------
+# Preprocess
+
+
+def test_preprocess_normalises_exactly_without_augmentation():
+    x = torch.from_numpy(_images(5, (3, 4, 6)))
+    mean, std = (0.1, 0.5, 0.9), (0.2, 0.3, 0.4)
+    out = Preprocess(mean, std, augment=False)(x)
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    for c in range(3):
+        assert torch.allclose(out[:, c], (x[:, c].float() / 255 - mean[c]) / std[c], atol=1e-6)
+    features = torch.randn(3, 7, dtype=torch.float64)
+    passed = Preprocess(mean, std, augment=True)(features, torch.Generator().manual_seed(0))
+    assert passed.dtype == torch.float32 and torch.equal(passed, features.float())
+
+
+def test_preprocess_augmentation_is_seeded_and_each_sample_is_a_padded_crop():
+    x = torch.from_numpy(_images(16, (3, 8, 8), seed=4))
+    pre = Preprocess((0.5, 0.4, 0.3), (0.25, 0.2, 0.1), augment=True, pad=4)
+    a = pre(x, torch.Generator().manual_seed(7))
+    b = pre(x, torch.Generator().manual_seed(7))
+    c = pre(x, torch.Generator().manual_seed(8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.shape == x.shape and a.dtype == torch.float32
+    plain = Preprocess(pre.mean, pre.std, augment=False)
+    padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
+    flipped = 0
+    for i in range(6):  # brute force over every offset and flip
+        found = [
+            flip
+            for top in range(9)
+            for left in range(9)
+            for flip in (False, True)
+            if torch.allclose(
+                a[i],
+                plain(
+                    (lambda crop: crop.flip(-1) if flip else crop)(
+                        padded[i : i + 1, :, top : top + 8, left : left + 8]
+                    )
+                )[0],
+            )
+        ]
+        assert found, f"sample {i} is no crop of the padded input"
+        flipped += found[0]
+    assert pickle.loads(pickle.dumps(pre)).mean == pre.mean
+    # no padding, no flip can only be the identity: pad=0 leaves offsets at 0
+    zero_pad = Preprocess(pre.mean, pre.std, augment=True, pad=0)(
+        x, torch.Generator().manual_seed(1)
+    )
+    assert all(
+        torch.allclose(zero_pad[i], plain(x[i : i + 1])[0])
+        or torch.allclose(zero_pad[i], plain(x[i : i + 1].flip(-1))[0])
+        for i in range(16)
+    )
+
+
+def test_preprocess_rejects_wrong_channels():
+    with pytest.raises(ValueError, match="uint8"):
+        Preprocess((0.5,), (0.5,), augment=False)(torch.zeros(2, 3, 4, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="std"):
+        Preprocess((0.5,), (0.0,), augment=False)
