@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.benchutil import RESULTS, provenance_lines, table, verdict, write_markdown  # noqa: E402
 from cloudburst.config import RunConfig  # noqa: E402
-from cloudburst.launch import run_local_job  # noqa: E402
+from cloudburst.launch import JobFailed, run_local_job  # noqa: E402
 from cloudburst.metrics import read_run  # noqa: E402
 from cloudburst.models import build_model  # noqa: E402
 from tests.datagen import write_cifar10  # noqa: E402
@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="labels of configurations to run (default all)")
     ap.add_argument("--out", default=None, help="Markdown file (default: results/)")
     args = ap.parse_args()
+    # Ask NVML, not the CUDA runtime: a CUDA context here would be inherited by forked ranks.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("throughput: --device cuda but no CUDA device is visible")
     md = Path(args.out or RESULTS / f"throughput_{args.device}.md")
@@ -134,7 +136,13 @@ def main() -> None:
                 **extra,
             )
             t0 = time.perf_counter()
-            summary = run_local_job(cfg, progress=False)
+            try:
+                summary = run_local_job(cfg, progress=False)
+            except JobFailed as e:
+                print(f"{label} {model}: {e}", flush=True)
+                for log in sorted(out.glob("logs/**/*.log")):
+                    print(f"--- {log}\n{log.read_text()[-3000:]}", flush=True)
+                continue
             wall = time.perf_counter() - t0
             rate = steady_rate(out, args.steps)
             finals = worker_finals(out)

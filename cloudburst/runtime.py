@@ -318,6 +318,9 @@ def _run_agent(cfg_dict: dict, spec: AgentSpec, port: int, run_id: str, entrypoi
     agent_log = open(log_dir / "agent.log", "a")
     os.dup2(agent_log.fileno(), 1)
     os.dup2(agent_log.fileno(), 2)
+    # Ranks are forked (fast) unless this process already holds a CUDA context, which a
+    # forked child cannot use; then they start fresh.
+    start_method = "spawn" if torch.cuda.is_initialized() else "fork"
     config = LaunchConfig(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,
@@ -327,7 +330,7 @@ def _run_agent(cfg_dict: dict, spec: AgentSpec, port: int, run_id: str, entrypoi
         rdzv_endpoint=f"127.0.0.1:{port}",
         rdzv_configs={"rank": spec.node_rank, "timeout": 120},
         max_restarts=0,
-        start_method="fork",
+        start_method=start_method,
         monitor_interval=0.1,
         local_addr="127.0.0.1",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
