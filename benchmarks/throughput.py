@@ -10,9 +10,9 @@ DataLoader's first batches excluded) and summed over workers.
 
 The staging rate is the GPU A-SGD worker's own copy of Δ to pinned host memory and of the
 fetched θ back to the GPU (``staging_bytes / staging_s`` of the worker's report: each copy is
-one non-blocking copy plus a stream synchronisation), divided by a plain pinned copy of the same
-number of bytes (device->pinned host, pinned host->device, each timed with a synchronisation,
-median of 50) measured in this process during the same run. Target >= 0.8.
+one non-blocking copy timed by CUDA events around it), divided by a plain pinned copy of the
+same number of bytes (device->pinned host, pinned host->device, timed the same way, median of
+50) measured in this process after the jobs of the same run. Target >= 0.8.
 
 The whole round trip of a push+fetch through the CPU-side server (gloo over 127.0.0.1) is
 reported as well, as bytes moved per second of the worker's communication wait.
@@ -81,17 +81,25 @@ def worker_finals(out: Path) -> list[dict]:
 
 
 def pinned_copy_rate(numel: int, reps: int = 50) -> float:
-    """Bytes/s of a plain device->pinned->device copy pair (each synchronised), median."""
+    """Bytes/s of a plain device->pinned and pinned->device copy, timed like the worker's.
+
+    Each copy is timed with CUDA events around it (as the worker's staging counters are);
+    the median of ``reps`` pairs.
+    """
     dev = torch.randn(numel, device="cuda")
     host = torch.empty(numel, pin_memory=True)
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
     times = []
     for _ in range(reps + 5):
-        t0 = time.perf_counter()
+        ev[0].record()
         host.copy_(dev, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
+        ev[1].record()
+        ev[1].synchronize()
+        ev[2].record()
         dev.copy_(host, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        times.append(time.perf_counter() - t0)
+        ev[3].record()
+        ev[3].synchronize()
+        times.append((ev[0].elapsed_time(ev[1]) + ev[2].elapsed_time(ev[3])) / 1e3)
     times = sorted(times[5:])
     return 2 * numel * 4 / times[len(times) // 2]
 
@@ -219,10 +227,12 @@ def main() -> None:
         ),
         "",
         "staging: the asgd worker's device->pinned copy of Δ and pinned->device copy of the "
-        "fetched θ (one non-blocking copy and a stream synchronisation each), from its own "
-        "counters; pinned copy: the same bytes copied device->pinned->device by this script in "
-        "the same run. Round trip: bytes pushed and fetched per second of the worker's "
-        "communication wait, through a CPU server over gloo on 127.0.0.1.",
+        "fetched θ (one non-blocking copy each, timed by CUDA events around it), from its own "
+        "counters over the whole run; pinned copy: the same bytes copied device->pinned->device "
+        "by this script after the jobs, timed the same way. With W=2 both workers share one GPU "
+        "and their copies compete with the other worker's kernels. Round trip: bytes pushed and "
+        "fetched per second of the worker's communication wait, through a CPU server over gloo "
+        "on 127.0.0.1.",
     ]
     write_markdown(md, lines)
     md.with_suffix(".json").write_text(json.dumps(records, indent=2) + "\n")

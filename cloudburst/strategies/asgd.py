@@ -95,23 +95,34 @@ class AsgdStrategy(Strategy):
         """``t`` (Δ) in host memory for gloo: the tensor itself on a CPU replica."""
         if not self.on_gpu:
             return t
-        t0 = time.perf_counter()
-        self._delta_host.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(t.device).synchronize()
-        self.stats.staging_s += time.perf_counter() - t0
-        self.stats.staging_bytes += t.numel() * t.element_size()
-        return self._delta_host
+        return self._staged_copy(self._delta_host, t)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """The fetched θ on the replica's device (no copy on a CPU replica)."""
         if not self.on_gpu:
             return host
-        t0 = time.perf_counter()
-        dev = self._spare.copy_(host, non_blocking=True)
-        torch.cuda.current_stream(dev.device).synchronize()
-        self.stats.staging_s += time.perf_counter() - t0
-        self.stats.staging_bytes += host.numel() * host.element_size()
-        return dev
+        return self._staged_copy(self._spare, host)
+
+    def _staged_copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """One non-blocking copy between the GPU and pinned memory, waited for.
+
+        Its duration is read from CUDA events around the copy, so the counters measure the
+        transfer itself, not the kernels still queued before it (the wait for those is
+        compute, and shows in the round's wall time).
+        """
+        if not hasattr(self, "_events"):
+            self._events = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+        start, end = self._events
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        self.stats.staging_s += start.elapsed_time(end) / 1e3
+        self.stats.staging_bytes += src.numel() * src.element_size()
+        return dst
 
     def start(self) -> None:
         self._heartbeat = Heartbeat(
