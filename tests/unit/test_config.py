@@ -33,6 +33,18 @@ def test_n_sync_sets_fetch_and_push():
         ({"init_from": "/nonexistent/model.pt"}, "init_from"),
         ({"workers": "four"}, "workers"),
         ({"bogus": 1}, "bogus"),
+        ({"dataset": "cifar10"}, "dataset"),
+        ({"dataset": "cifar10:/nonexistent/cifar"}, "dataset"),
+        ({"dataset": "mnist1d:/tmp"}, "dataset"),
+        ({"dataset": "imagenet:/tmp"}, "dataset"),
+        ({"model": "resnet50"}, "model"),
+        ({"model": "pkg.mod:"}, "model"),
+        ({"device": "tpu"}, "device"),
+        ({"backend": "mpi"}, "backend"),
+        ({"backend": "nccl", "device": "cpu"}, "backend"),
+        ({"autocast": "fp8"}, "autocast"),
+        ({"image_size": 4}, "image_size"),
+        ({"data_workers": -1}, "data_workers"),
     ],
 )
 def test_invalid_values_name_the_field(values, field):
@@ -83,3 +95,13 @@ def test_cosine_schedule_decays_to_zero_over_the_run():
     assert make_scheduler(RunConfig(), opt, 10) is None
     with pytest.raises(ConfigError, match="lr_schedule"):
         RunConfig(lr_schedule="step")
+
+
+def test_path_datasets_have_no_default_size_until_loaded(tmp_path):
+    cfg = RunConfig(dataset=f"npz:{tmp_path}", epochs=2, batch_size=10)
+    assert cfg.train_size is None and cfg.test_size is None
+    with pytest.raises(ValueError):
+        cfg.steps_per_worker()
+    assert cfg.steps_per_worker(train_size=105) == 2 * ((105 // 2) // 10)
+    assert RunConfig(dataset="synthetic").train_size == 4000
+    assert RunConfig(model="pkg.module:factory").model == "pkg.module:factory"
