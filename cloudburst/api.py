@@ -59,10 +59,21 @@ class Job:
         return self.ctx.num_workers
 
     # ------------------------------------------------------------------ workers
-    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+    def wrap(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        steps_per_epoch: int | None = None,
+        total_steps: int | None = None,
+    ) -> nn.Module:
+        """Hand the replica to the strategy. DASO's warm-up/cool-down epochs need the run's
+        length: give ``steps_per_epoch`` and ``total_steps`` (without them it cycles from the
+        first step)."""
         if self.is_server:
             raise RuntimeError("wrap() is for workers; a server rank calls serve()")
         self.strategy = make_strategy(self.ctx)
+        if steps_per_epoch is not None and total_steps is not None:
+            self.strategy.configure(steps_per_epoch, total_steps)
         return self.strategy.wrap(model, optimizer)
 
     def start(self) -> None:
@@ -72,8 +83,13 @@ class Job:
     def after_backward(self) -> None:
         self._require_strategy().after_backward()
 
-    def after_step(self, samples: int) -> None:
-        self._require_strategy().after_step(samples)
+    def after_step(self, samples: int, loss: float | None = None) -> None:
+        """After each optimizer step; ``loss`` (the step's training loss) feeds schedules
+        that watch it (DASO's plateau rule)."""
+        strategy = self._require_strategy()
+        if loss is not None:
+            strategy.record_loss(float(loss))
+        strategy.after_step(samples)
 
     def global_params(self) -> tuple[torch.Tensor, int] | None:
         """(flat θ of the global model, samples behind it); asgd fetches it from the servers."""

@@ -17,6 +17,7 @@ from cloudburst.config import (
     BACKENDS,
     DATASETS,
     DEVICES,
+    DOWNCASTS,
     LR_SCHEDULES,
     MODELS,
     OPTIMIZERS,
@@ -63,6 +64,41 @@ def _train_parser(sub) -> None:
         help="K: worker 0 trains alone for K steps, then all start from its θ",
     )
     p.add_argument("--init-from", default=S, help="start from this model checkpoint (model.pt)")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=S,
+        help="group this launch's ranks into N emulated nodes (default: torchrun's nodes, or 1)",
+    )
+    p.add_argument(
+        "--inter-node-link",
+        default=S,
+        metavar="GBIT_PER_S[,LATENCY_MS]",
+        help="emulate a link of this speed between nodes (software delay; e.g. 1,1)",
+    )
+    g = p.add_argument_group("DASO (--strategy daso)")
+    g.add_argument("--daso-global-skip", type=int, default=S, help="B at the start of cycling (4)")
+    g.add_argument("--daso-batches-to-wait", type=int, default=S, help="S at the start (1)")
+    g.add_argument("--daso-local-skip", type=int, default=S, help="L: node-local sync every L (1)")
+    g.add_argument("--daso-max-global-skips", type=int, default=S, help="B after a reset (8)")
+    g.add_argument("--daso-warmup-epochs", type=float, default=S, help="blocking epochs first (4)")
+    g.add_argument("--daso-cooldown-epochs", type=float, default=S, help="blocking epochs last (4)")
+    g.add_argument("--daso-stability-level", type=float, default=S, help="plateau threshold (0.05)")
+    g.add_argument("--daso-patience", type=int, default=S, help="plateau epochs (2)")
+    g.add_argument("--daso-skip-reduction-factor", type=int, default=S, help="B, S divisor (2)")
+    g.add_argument(
+        "--daso-fixed",
+        dest="daso_adaptive",
+        action="store_false",
+        default=S,
+        help="keep B and S at their starting values",
+    )
+    g.add_argument(
+        "--daso-downcast", choices=DOWNCASTS, default=S, help="global traffic dtype (bf16)"
+    )
+    g.add_argument(
+        "--daso-chunk-elements", type=int, default=S, help="global all-reduce chunk size (1e7)"
+    )
     p.add_argument(
         "--dataset",
         default=S,

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STRATEGIES = ("sync", "asgd")
+STRATEGIES = ("sync", "asgd", "daso")
+# Names added by cloudburst.strategies.register_strategy (plug-ins, benchmark adapters).
+REGISTERED_STRATEGIES: list[str] = []
 SERVER_RULES = ("add", "sgd", "adagrad")
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine")
@@ -25,6 +27,7 @@ DATASETS = ("mnist1d", "synthetic", "cifar10:PATH", "imagefolder:PATH", "npz:PAT
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 AUTOCASTS = ("none", "bf16")
+DOWNCASTS = ("bf16", "fp16", "none")
 # Built-in datasets' default sizes; a dataset read from a path uses all of it by default.
 DEFAULT_SIZES = {"mnist1d": (4000, 1000), "synthetic": (4000, 1000)}
 # Strategies whose workers talk to parameter-server shards.
@@ -73,6 +76,26 @@ class RunConfig:
     warm_start_steps: int = 0  # K: the first worker trains alone for K steps first
     init_from: str | None = None  # start every replica (and the servers) from this checkpoint
 
+    # DASO (ALGORITHMS.md §3; Heat's DASO knobs): B = global_skip batches between global
+    # syncs, waited for S = batches_to_wait batches later; blocking warm-up and cool-down.
+    daso_global_skip: int = 4  # B at the start of the cycling phase (0: blocking every batch)
+    daso_batches_to_wait: int = 1  # S at the start of the cycling phase
+    daso_local_skip: int = 1  # L: node-local gradient all-reduce every L batches
+    daso_max_global_skips: int = 8  # B after a reset
+    daso_warmup_epochs: float = 4.0  # blocking global average every batch at first ...
+    daso_cooldown_epochs: float = 4.0  # ... and at the end
+    daso_stability_level: float = 0.05  # relative improvement that counts as "not stable"
+    daso_patience: int = 2  # epochs without such improvement before B and S shrink
+    daso_skip_reduction_factor: int = 2  # B and S are divided by this on a plateau
+    daso_adaptive: bool = True  # False: B and S stay at their starting values
+    daso_downcast: str = "bf16"  # dtype of global traffic in every phase: bf16, fp16, none
+    daso_chunk_elements: int = 10_000_000  # global all-reduces in chunks of this many values
+
+    # Topology: --nodes groups one launch's ranks into N emulated nodes (torchrun's real
+    # nodes otherwise); --inter-node-link delays traffic between nodes as such a link would.
+    nodes: int | None = None
+    inter_node_link: str | None = None  # "GBIT_PER_S[,LATENCY_MS]", e.g. "1,1"
+
     dataset: str = "mnist1d"  # or cifar10:PATH, imagefolder:PATH, npz:PATH (local files only)
     train_size: int | None = None  # None: 4000 for mnist1d/synthetic, all of a path dataset
     test_size: int | None = None  # None: 1000 for mnist1d/synthetic, all of a path dataset
@@ -113,7 +136,7 @@ class RunConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        _check_choice("strategy", self.strategy, STRATEGIES)
+        _check_choice("strategy", self.strategy, STRATEGIES + tuple(REGISTERED_STRATEGIES))
         _check_int("workers", self.workers, 1)
         _check_int("servers", self.servers, 0)
         if self.strategy in SERVER_STRATEGIES and self.servers < 1:
@@ -168,6 +191,7 @@ class RunConfig:
         if self.backend == "nccl" and self.device == "cpu":
             raise ConfigError("backend: 'nccl' needs --device cuda (or auto on a GPU machine)")
         _check_choice("autocast", self.autocast, AUTOCASTS)
+        self._validate_topology_and_daso()
         if self.steps is None and self.epochs is None:
             self.epochs = 10.0
         if self.steps is not None:
@@ -201,6 +225,48 @@ class RunConfig:
         _check_int("checkpoint_every", self.checkpoint_every, 0)
         _check_float("comm_timeout_s", self.comm_timeout_s, 0.0, None, low_open=True)
         _check_float("heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0, None, low_open=True)
+
+    def _validate_topology_and_daso(self) -> None:
+        if self.nodes is not None:
+            _check_int("nodes", self.nodes, 1)
+            if self.nodes > self.world_size:
+                raise ConfigError(
+                    f"nodes: {self.nodes} is more than the job's {self.world_size} ranks"
+                )
+        if self.inter_node_link is not None:
+            from cloudburst.comm.link import LinkSpec
+
+            try:
+                LinkSpec.parse(self.inter_node_link)
+            except ValueError as e:
+                raise ConfigError(f"inter_node_link: {e}") from None
+        _check_int("daso_global_skip", self.daso_global_skip, 0)
+        _check_int("daso_batches_to_wait", self.daso_batches_to_wait, 0)
+        if self.daso_global_skip == 0 and self.daso_batches_to_wait != 0:
+            raise ConfigError(
+                "daso_batches_to_wait: must be 0 when daso_global_skip is 0 (blocking every batch)"
+            )
+        if self.daso_batches_to_wait > max(self.daso_global_skip, 1):
+            raise ConfigError(
+                f"daso_batches_to_wait: {self.daso_batches_to_wait} is more than "
+                f"daso_global_skip {self.daso_global_skip}; a sync must be merged before the next"
+            )
+        _check_int("daso_local_skip", self.daso_local_skip, 1)
+        _check_int("daso_max_global_skips", self.daso_max_global_skips, 1)
+        _check_float("daso_warmup_epochs", self.daso_warmup_epochs, 0.0, None)
+        _check_float("daso_cooldown_epochs", self.daso_cooldown_epochs, 0.0, None)
+        _check_float("daso_stability_level", self.daso_stability_level, 0.0, 1.0, high_open=True)
+        _check_int("daso_patience", self.daso_patience, 1)
+        _check_int("daso_skip_reduction_factor", self.daso_skip_reduction_factor, 2)
+        _check_choice("daso_downcast", self.daso_downcast, DOWNCASTS)
+        _check_int("daso_chunk_elements", self.daso_chunk_elements, 1)
+        if self.strategy == "daso":
+            nodes = self.nodes or 1
+            if self.workers % nodes:
+                raise ConfigError(
+                    f"nodes: {self.workers} workers do not split evenly over {nodes} nodes "
+                    "(DASO needs the same number of ranks on every node)"
+                )
 
     # ------------------------------------------------------------------ derived values
     @property

@@ -1,6 +1,8 @@
 """Learning curves from run directories: test error against wall time and against samples.
 
 Drawn from the JSONL metrics only (like the GPU A-SGD paper's figures 2-4), one line per run.
+DASO runs get their phases marked: where cycling begins and where cool-down begins (vertical
+dotted lines in the run's colour, from its worker 0 step records).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from cloudburst.config import ConfigError  # noqa: E402
-from cloudburst.metrics import eval_curve  # noqa: E402
+from cloudburst.metrics import eval_curve, read_run  # noqa: E402
 
 
 def run_label(run_dir: Path) -> str:
@@ -24,12 +26,28 @@ def run_label(run_dir: Path) -> str:
     s = json.loads(summary_path.read_text())
     cfg = s.get("config", {})
     label = f"{s['strategy']} W={s['workers']}"
+    if s["strategy"] == "daso":
+        label += f" nodes={s.get('nodes', 1)}"
     if s["strategy"] == "asgd":
         n = cfg.get("n_fetch"), cfg.get("n_push")
         label += (
             f" S={s['servers']} n_sync={n[0]}" if n[0] == n[1] else f" n_fetch={n[0]} n_push={n[1]}"
         )
     return label
+
+
+def phase_changes(run_dir: Path) -> list[tuple[str, float, int]]:
+    """(phase, time_s, samples) where a DASO run's phase changes, from worker 0's steps."""
+    records = read_run(run_dir)
+    steps = [r for recs in records.values() for r in recs if r["event"] == "step"]
+    steps = [r for r in steps if r.get("role") == "worker0" and "phase" in r]
+    changes, last = [], None
+    for r in sorted(steps, key=lambda r: r["step"]):
+        if r["phase"] != last:
+            if last is not None:
+                changes.append((r["phase"], r["time_s"], r["samples"]))
+            last = r["phase"]
+    return changes
 
 
 def plot_runs(
@@ -47,13 +65,32 @@ def plot_runs(
         err = [100 * (1 - e["test_accuracy"]) for e in evals]
         ax_t.plot([e["time_s"] for e in evals], err, label=label, marker=".", markersize=3)
         by_samples = sorted(zip([e["samples"] for e in evals], err, strict=True))
-        ax_s.plot(
+        lines = ax_s.plot(
             [s for s, _ in by_samples],
             [e for _, e in by_samples],
             label=label,
             marker=".",
             markersize=3,
         )
+        workers = (
+            json.loads((run_dir / "summary.json").read_text())["workers"]
+            if (run_dir / "summary.json").is_file()
+            else 1
+        )
+        for phase, t, samples in phase_changes(run_dir):
+            colour = lines[0].get_color()
+            ax_t.axvline(t, color=colour, linestyle=":", alpha=0.7)
+            ax_s.axvline(samples * workers, color=colour, linestyle=":", alpha=0.7)
+            ax_t.annotate(
+                phase,
+                (t, 1),
+                xycoords=("data", "axes fraction"),
+                fontsize=7,
+                rotation=90,
+                va="top",
+                ha="right",
+                color=colour,
+            )
     ax_t.set_xlabel("wall time (s)")
     ax_s.set_xlabel("training samples (all workers)")
     for ax in (ax_t, ax_s):

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from cloudburst.comm.link import LinkEmulator, LinkSpec, Topology
 from cloudburst.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,27 @@ class Context:
     t0: float  # wall-clock start of training, common to all ranks after start_clock()
     device: torch.device = torch.device("cpu")  # where this rank computes (servers: the CPU)
     backend: str = "gloo"  # of the workers' collectives (sync's all-reduce)
+    topology: Topology | None = None  # which rank is on which node
+    link: LinkEmulator | None = None  # the emulated inter-node link (inactive without one)
+    node_group: dist.ProcessGroup | None = None  # DASO: this rank's node
+    global_group: dist.ProcessGroup | None = None  # DASO: local rank g of every node
+
+    def transport(self, stats=None):
+        """A point-to-point transport that knows which peers are on other nodes (for the
+        byte accounting and the emulated inter-node link)."""
+        from cloudburst.comm.p2p import PeerTransport
+
+        topo, rank = self.topology, self.rank
+        crosses = (lambda peer: topo.crosses(rank, peer)) if topo is not None else None
+        return PeerTransport(stats=stats, link=self.link, crosses=crosses)
+
+    @property
+    def node(self) -> int:
+        return self.topology.node_of[self.rank] if self.topology else 0
+
+    @property
+    def num_nodes(self) -> int:
+        return self.topology.num_nodes if self.topology else 1
 
     @property
     def is_server(self) -> bool:
@@ -123,10 +145,20 @@ def init_distributed(cfg: RunConfig) -> Context:
             if rank >= cfg.servers
             else None
         )
+    topology = resolve_topology(cfg, world)
+    node_group = global_group = None
+    if cfg.strategy == "daso":
+        node_group, global_group = _daso_groups(topology, backend, timeout)
     store = _job_store(cfg)
     _configure_logging(rank, "server" if rank < cfg.servers else "worker")
     if rank == cfg.servers:
-        log.info("workers compute on %s; their collectives use %s", device, backend)
+        log.info(
+            "workers compute on %s; their collectives use %s; %d node(s)",
+            device,
+            backend,
+            topology.num_nodes,
+        )
+    link = LinkEmulator(LinkSpec.parse(cfg.inter_node_link) if cfg.inter_node_link else None)
     return Context(
         cfg,
         rank,
@@ -138,7 +170,42 @@ def init_distributed(cfg: RunConfig) -> Context:
         time.time(),
         device,
         backend,
+        topology,
+        link,
+        node_group,
+        global_group,
     )
+
+
+def resolve_topology(cfg: RunConfig, world: int) -> Topology:
+    """Nodes from torchrun (``LOCAL_WORLD_SIZE`` ranks each, contiguous), or ``--nodes N``
+    emulated nodes of one launch (contiguous blocks of ranks)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    launched_nodes = 1
+    if "CLOUDBURST_LOCAL_JOB" not in os.environ and 0 < local < world and world % local == 0:
+        launched_nodes = world // local
+    if launched_nodes > 1:
+        if cfg.nodes not in (None, launched_nodes):
+            raise RuntimeError(
+                f"nodes: the config says {cfg.nodes} nodes, torchrun started {launched_nodes} "
+                f"of {local} ranks; drop --nodes or make them agree"
+            )
+        return Topology(tuple(r // local for r in range(world)))
+    return Topology.contiguous(world, cfg.nodes or 1)
+
+
+def _daso_groups(
+    topology: Topology, backend: str, timeout: datetime.timedelta
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """DASO's groups, built once: one per node, and one per local rank across the nodes."""
+    nodes = [topology.ranks_on(n) for n in range(topology.num_nodes)]
+    if len({len(r) for r in nodes}) != 1:
+        raise RuntimeError(f"DASO needs the same number of ranks on every node, got {nodes}")
+    per_node = len(nodes[0])
+    across = [[ranks[g] for ranks in nodes] for g in range(per_node)]
+    node_group, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend=backend)
+    global_group, _ = dist.new_subgroups_by_enumeration(across, timeout=timeout, backend=backend)
+    return node_group, global_group
 
 
 def cuda_wanted(cfg: RunConfig) -> bool:

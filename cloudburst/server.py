@@ -25,7 +25,7 @@ import torch
 
 from cloudburst.checkpoint import save_checkpoint
 from cloudburst.comm.flat import shard_bounds
-from cloudburst.comm.p2p import Header, Kind, PeerTransport, Status
+from cloudburst.comm.p2p import Header, Kind, Status
 from cloudburst.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,7 @@ class ServerLoop:
         self.bounds = shard_bounds(full_theta.numel(), cfg.servers)
         a, b = self.bounds[ctx.server_index]
         self.shard = make_shard(cfg, full_theta[a:b])
-        self.transport = PeerTransport()
+        self.transport = ctx.transport()
         # PUSH_FETCH replies overlap with the push when the worker can rebuild θ_after from
         # θ_before (the add rule); an optimizer rule's state lives only here.
         self.overlap_replies = overlapped_push_fetch(cfg)

@@ -86,10 +86,13 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     cfg = ctx.cfg
     strategy = make_strategy(ctx)
     optimizer = make_optimizer(cfg, model.parameters())
-    net = strategy.wrap(model, optimizer)
     device = ctx.device
+    shard = worker_source(data, ctx.worker_index, cfg.workers)
+    total = cfg.steps_per_worker(len(data.train))
+    strategy.configure(max(1, len(shard) // cfg.batch_size), total)
+    net = strategy.wrap(model, optimizer)
     stream = batch_stream(
-        worker_source(data, ctx.worker_index, cfg.workers),
+        shard,
         cfg.batch_size,
         seed=cfg.seed * 1000 + ctx.worker_index,
         preprocess=data.preprocess(augment=cfg.augment),
@@ -98,7 +101,6 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     )
     factor = cfg.straggler_factor(ctx.worker_index)
     loss_fn = nn.CrossEntropyLoss()
-    total = cfg.steps_per_worker(len(data.train))
     scheduler = make_scheduler(cfg, optimizer, total)
     autocast = cfg.autocast == "bf16"
 
@@ -142,6 +144,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         loss = train_step_scheduled()
         compute_s = time.perf_counter() - t_start - (strategy.stats.wait_s - waited_before)
         _emulate_device(compute_s, cfg.min_step_time_s, factor)
+        strategy.record_loss(loss)
         strategy.after_step(cfg.batch_size)
         samples += cfg.batch_size
         if evaluator:
@@ -155,6 +158,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
                 loss=loss,
                 staleness=getattr(strategy, "last_staleness", 0),
                 **strategy.stats.as_dict(),
+                **strategy.step_info(),
             )
         if bar is not None:
             bar.update(1)
@@ -365,6 +369,9 @@ def finalize_run(
         "steps_per_worker": cfg.steps_per_worker(len(data.train)),
         "device": str(ctx.device if not ctx.is_server else _worker_device(reports)),
         "backend": ctx.backend,
+        "nodes": ctx.num_nodes,
+        "inter_node_bytes": sum(rep.get("inter_node_bytes", 0) for rep in reports.values()),
+        "intra_node_bytes": sum(rep.get("intra_node_bytes", 0) for rep in reports.values()),
         "bytes_sent": sum(rep["bytes_sent"] for rep in reports.values()),
         "bytes_received": sum(rep["bytes_received"] for rep in reports.values()),
         "comm_wait_s": sum(rep["comm_wait_s"] for rep in reports.values()),

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 3 examples/own_loop.py --strategy asgd --servers 1 --n-sync 5
     torchrun --nproc-per-node 2 examples/own_loop.py --strategy sync
+    torchrun --nproc-per-node 4 examples/own_loop.py --strategy daso --nodes 2
 
 Only the lines marked ``# cloudburst`` differ from a plain PyTorch loop.
 """
@@ -23,6 +24,7 @@ def main() -> None:
     p.add_argument("--strategy", default="sync")
     p.add_argument("--servers", type=int, default=0)
     p.add_argument("--n-sync", type=int, default=1)
+    p.add_argument("--nodes", type=int, default=None, help="emulated nodes (daso)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--out", default="runs/own-loop")
     args = p.parse_args()
@@ -33,6 +35,7 @@ def main() -> None:
         workers=world - args.servers,
         servers=args.servers,
         n_sync=args.n_sync,
+        nodes=args.nodes,
         steps=args.steps,
         dataset="synthetic",
         out=args.out,
@@ -53,9 +56,10 @@ def main() -> None:
         return
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    model = job.wrap(model, optimizer)  # cloudburst
-    job.start()  # cloudburst
     x_all, y_all = worker_shard(data, job.worker_index, job.num_workers)  # its own shard
+    steps_per_epoch = len(x_all) // 64
+    model = job.wrap(model, optimizer, steps_per_epoch, args.steps)  # cloudburst
+    job.start()  # cloudburst
     g = torch.Generator().manual_seed(100 + job.worker_index)
     for _ in range(args.steps):
         idx = torch.randint(0, len(x_all), (64,), generator=g)
@@ -65,7 +69,7 @@ def main() -> None:
         loss.backward()
         job.after_backward()  # cloudburst
         optimizer.step()
-        job.after_step(len(x))  # cloudburst
+        job.after_step(len(x), loss.item())  # cloudburst
     report = job.finish()  # cloudburst
     print(f"worker {job.worker_index}: loss {loss.item():.3f}, sent {report['bytes_sent']} bytes")
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cloudburst.comm.link import LinkEmulator
 from cloudburst.comm.p2p import CommStats
 
 
@@ -23,6 +24,22 @@ class AllreduceHookState:
     group: dist.ProcessGroup | None
     stats: CommStats
     last_launch: float = 0.0
+    spans_nodes: bool = False  # the group's ranks are on more than one node
+    link: LinkEmulator | None = None  # delays the all-reduce when it spans nodes
+
+
+def ring_bytes(numel: int, element_size: int, group_size: int) -> int:
+    """Bytes each rank sends (and receives) in a ring all-reduce of the tensor."""
+    return int(2 * (group_size - 1) / group_size * numel * element_size)
+
+
+def count_collective(stats: CommStats, moved: int, spans_nodes: bool) -> None:
+    stats.bytes_sent += moved
+    stats.bytes_received += moved
+    if spans_nodes:
+        stats.inter_node_bytes += moved
+    else:
+        stats.intra_node_bytes += moved
 
 
 def counting_allreduce_hook(
@@ -30,10 +47,23 @@ def counting_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     tensor = bucket.buffer()
     world = dist.get_world_size(state.group)
-    moved = int(2 * (world - 1) / world * tensor.numel() * tensor.element_size())
-    state.stats.bytes_sent += moved
-    state.stats.bytes_received += moved
+    count_collective(
+        state.stats, ring_bytes(tensor.numel(), tensor.element_size(), world), state.spans_nodes
+    )
     state.last_launch = time.perf_counter()
     tensor.div_(world)
     fut = dist.all_reduce(tensor, group=state.group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    link = state.link
+    if link is None or not link.active or not state.spans_nodes:
+        return fut.then(lambda f: f.value()[0])
+    # The emulated link: this bucket cannot be done before the slow link has carried it
+    # (after the buckets before it); backward() waits for every bucket, as on a real wire.
+    cost = link.allreduce_s(tensor.numel() * tensor.element_size(), world)
+    deadline = link.reserve(cost)
+    state.stats.emulated_link_s += cost
+
+    def done(f):
+        LinkEmulator.wait_until(deadline)
+        return f.value()[0]
+
+    return fut.then(done)

@@ -105,6 +105,11 @@ class CommStats:
     bytes_received: int = 0
     wait_s: float = 0.0
     messages_rejected: int = 0
+    # Bytes moved by collectives/messages whose group spans nodes, and by the rest (both are
+    # also in bytes_sent/received); collectives counted as a ring all-reduce moves them.
+    inter_node_bytes: int = 0
+    intra_node_bytes: int = 0
+    emulated_link_s: float = 0.0  # time the emulated inter-node link held this rank back
     # Device <-> pinned host copies of a GPU replica's θ and Δ (GPU A-SGD's staging).
     staging_s: float = 0.0
     staging_bytes: int = 0
@@ -116,7 +121,11 @@ class CommStats:
             "bytes_received": self.bytes_received,
             "comm_wait_s": round(self.wait_s, 6),
             "messages_rejected": self.messages_rejected,
+            "inter_node_bytes": self.inter_node_bytes,
+            "intra_node_bytes": self.intra_node_bytes,
         }
+        if self.emulated_link_s:
+            d["emulated_link_s"] = round(self.emulated_link_s, 6)
         if self.staging_bytes:
             d["staging_s"] = round(self.staging_s, 6)
             d["staging_bytes"] = self.staging_bytes
@@ -129,10 +138,33 @@ class PeerTransport:
     ``group`` is the process group (None: the default group, whose timeout bounds every call).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        stats: CommStats | None = None,
+        link=None,
+        crosses=None,
+    ):
+        """``link`` (a :class:`~cloudburst.comm.link.LinkEmulator`) and ``crosses(peer)``
+        (True when ``peer`` is on another node) emulate a slow link between nodes: a message
+        to another node leaves only once the emulated link has carried the one before it and
+        itself (held back on the sender; both directions of a link are independent)."""
         self.group = group
         self.stats = stats or CommStats()
+        self.link = link if link is not None and link.active else None
+        self.crosses = crosses or (lambda peer: False)
         self._header_buf = torch.empty(HEADER_LEN, dtype=torch.int64)
+
+    def _leave(self, dst: int, nbytes: int) -> None:
+        """Count ``nbytes`` to ``dst`` as intra/inter-node; hold them back on a slow link."""
+        if not self.crosses(dst):
+            self.stats.intra_node_bytes += nbytes
+            return
+        self.stats.inter_node_bytes += nbytes
+        if self.link is not None:
+            cost = self.link.p2p_s(nbytes)
+            self.stats.emulated_link_s += cost
+            self.link.wait_until(self.link.reserve(cost))
 
     # --------------------------------------------------------------- sending
     def send(
@@ -143,6 +175,7 @@ class PeerTransport:
         if payload is not None and payload.numel() != header.numel:
             raise ValueError(f"header says {header.numel} elements, payload has {payload.numel()}")
         t0 = time.perf_counter()
+        self._leave(dst, HEADER_BYTES + (header.numel * 4 if payload is not None else 0))
         dist.send(header.to_tensor(), dst, group=self.group, tag=tag)
         self.stats.bytes_sent += HEADER_BYTES
         if payload is not None and header.numel:
@@ -197,6 +230,7 @@ class PeerTransport:
     def isend_payload(self, dst: int, payload: torch.Tensor, reply: bool) -> dist.Work:
         """Start sending a payload without blocking (request or reply stream)."""
         tag = TAG_REPLY_PAYLOAD if reply else TAG_REQUEST_PAYLOAD
+        self._leave(dst, payload.numel() * payload.element_size())
         work = dist.isend(payload.detach().contiguous(), dst, group=self.group, tag=tag)
         self.stats.bytes_sent += payload.numel() * payload.element_size()
         return work

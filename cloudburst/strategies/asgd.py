@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from cloudburst.comm.flat import assign_flat, flatten_params, shard_bounds
-from cloudburst.comm.p2p import Header, Kind, PeerTransport, Status
+from cloudburst.comm.p2p import Header, Kind, Status
 from cloudburst.runtime import Heartbeat
 from cloudburst.server import add_rule_alpha, overlapped_push_fetch
 from cloudburst.strategies.base import Strategy
@@ -58,7 +58,7 @@ class AsgdStrategy(Strategy):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.transport = PeerTransport(stats=self.stats)
+        self.transport = ctx.transport(self.stats)
         self.overlap = overlapped_push_fetch(ctx.cfg)
         self.num_servers = ctx.num_servers
         self.staleness_sum = 0

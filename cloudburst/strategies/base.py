@@ -32,6 +32,16 @@ class Strategy(ABC):
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         """Take ownership of the replica; return the module the loop should call."""
 
+    def configure(self, steps_per_epoch: int, total_steps: int) -> None:
+        """Called before :meth:`wrap` by loops that know the run's length (for schedules)."""
+
+    def record_loss(self, loss: float) -> None:
+        """Called with each step's training loss, before :meth:`after_step`."""
+
+    def step_info(self) -> dict[str, Any]:
+        """Extra fields for this step's metrics record (e.g. DASO's phase, B and S)."""
+        return {}
+
     def start(self) -> None:
         """Called once before the first step (after any warm-up on the warm-start worker)."""
 

@@ -28,7 +28,11 @@ class SyncStrategy(Strategy):
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         self.model = model
-        self.hook_state = AllreduceHookState(self.ctx.workers_group, self.stats)
+        topology = self.ctx.topology
+        spans = topology is not None and topology.spans_nodes(self.ctx.worker_ranks)
+        self.hook_state = AllreduceHookState(
+            self.ctx.workers_group, self.stats, spans_nodes=spans, link=self.ctx.link
+        )
         if self.cfg.workers == 1:
             # Nothing to average: DDP would only add its bookkeeping (~25% of a small model's
             # step, benchmarks/results/overhead.md), as torchtitan skips data parallelism at

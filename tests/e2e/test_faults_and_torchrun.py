@@ -158,6 +158,7 @@ def test_python_api_example_under_torchrun(tmp_path):
     for args, nproc in [
         (["--strategy", "asgd", "--servers", "1", "--n-sync", "5"], 3),
         (["--strategy", "sync"], 2),
+        (["--strategy", "daso", "--nodes", "2"], 4),
     ]:
         cmd = [
             sys.executable,

@@ -1,0 +1,358 @@
+"""``daso``: Distributed Asynchronous and Selective Optimization (Coquelin et al. 2021).
+
+Algorithm (ALGORITHMS.md §3, as in the authors' Heat implementation): ranks form P nodes of G
+local ranks. Every batch, gradients are all-reduced inside the node (DDP on the node's group;
+with ``local_skip`` L only every L batches). Every B batches one rank per node — local rank
+``k mod G`` at the k-th global sync, rotating — flattens θ, casts it (bf16 by default), and
+starts a *non-blocking* sum over its global group (local rank g of every node). Training goes
+on; S batches later that rank waits for the sum and merges
+
+    θ ← (2S·θ_local + Σ_nodes θ_sent) / (2S + P)        (S = 0: the plain average)
+
+then broadcasts θ to its node. Warm-up and cool-down epochs average globally (blocking) every
+batch. In between, B and S follow the plateau rule of :class:`DasoSchedule`.
+
+Synchronous inside a node; across nodes, a global sync is waited for S batches after it
+started, so the θ merged is S batches stale. Staleness: S (in batches). A dead rank: its
+node's and its global group's collectives raise, and the job stops, as for ``sync``.
+
+Differences from Heat: the cast applies in every phase (Heat sends fp32 while cycling), the
+schedule is an explicit, checkpointable object (Heat keeps loose counters and has no
+``state_dict``), and "stable" means no relative improvement of ``stability_level`` for
+``patience`` epochs in a row (Heat's plateau detector waits one epoch more).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from cloudburst.comm.allreduce import (
+    AllreduceHookState,
+    count_collective,
+    counting_allreduce_hook,
+    ring_bytes,
+)
+from cloudburst.comm.flat import assign_flat, flatten_params
+from cloudburst.comm.link import EmulatedWork
+from cloudburst.strategies.base import Strategy
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": torch.float32}
+
+WARMUP, CYCLING, COOLDOWN = "warmup", "cycling", "cooldown"
+
+
+def daso_merge(local: torch.Tensor, sent_sum: torch.Tensor, s: int, p: int) -> torch.Tensor:
+    """DASO's merge: (2S·θ_local + Σ θ_sent) / (2S + P)."""
+    return (2 * s * local + sent_sum) / (2 * s + p)
+
+
+@dataclass
+class DasoSchedule:
+    """DASO's phases and its B (global skip) / S (batches to wait) schedule.
+
+    ``phase(epoch)``: warm-up for the first ``warmup_epochs``, cool-down for the last
+    ``cooldown_epochs``, cycling in between. At the end of each cycling epoch
+    :meth:`end_epoch` receives the epoch's loss averaged over all ranks: when it has not
+    improved by ``stability_level`` (relative) for ``patience`` epochs, B and S are divided by
+    ``reduction_factor`` (floor 1); once B is 1 and the loss is stable again, B resets to
+    ``max_global_skips`` and S to B/4. B = 0 means a blocking global average every batch.
+    """
+
+    total_epochs: float
+    warmup_epochs: float = 4.0
+    cooldown_epochs: float = 4.0
+    global_skip: int = 4
+    batches_to_wait: int = 1
+    max_global_skips: int = 8
+    stability_level: float = 0.05
+    patience: int = 2
+    reduction_factor: int = 2
+    adaptive: bool = True
+    # state
+    epoch: int = 0
+    best_loss: float = math.inf
+    bad_epochs: int = 0
+
+    def phase(self, epoch: int | None = None) -> str:
+        e = self.epoch if epoch is None else epoch
+        if e < self.warmup_epochs:
+            return WARMUP
+        if e >= self.total_epochs - self.cooldown_epochs:
+            return COOLDOWN
+        return CYCLING
+
+    @property
+    def blocking(self) -> bool:
+        return self.phase() != CYCLING or self.global_skip == 0
+
+    def end_epoch(self, loss: float) -> str | None:
+        """Close the current epoch with its global mean loss; return the change made, if any."""
+        change = None
+        if self.phase() == CYCLING and self.adaptive and self.global_skip > 0:
+            if loss < self.best_loss * (1 - self.stability_level):
+                self.best_loss, self.bad_epochs = loss, 0
+            else:
+                self.bad_epochs += 1
+            if self.bad_epochs >= self.patience:
+                self.bad_epochs = 0
+                if self.global_skip > 1:
+                    f = self.reduction_factor
+                    self.global_skip = max(1, self.global_skip // f)
+                    self.batches_to_wait = max(1, self.batches_to_wait // f)
+                    change = "reduce"
+                else:
+                    self.global_skip = self.max_global_skips
+                    self.batches_to_wait = max(1, self.max_global_skips // 4)
+                    change = "reset"
+        self.epoch += 1
+        return change
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = set(state) - set(self.__dict__)
+        if unknown:
+            raise ValueError(f"DASO schedule state has unknown fields {sorted(unknown)}")
+        self.__dict__.update(state)
+
+
+@dataclass
+class _Pending:
+    """A global sync in flight: the sum being formed, its works, and when to merge it."""
+
+    buffer: torch.Tensor
+    works: list
+    merge_at: int  # the step after which it is merged
+    s: int
+    sender: int  # global rank that started it (it merges, then broadcasts to its node)
+
+
+class DasoStrategy(Strategy):
+    name = "daso"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        topo = ctx.topology
+        self.nodes = topo.num_nodes
+        self.node_ranks = topo.ranks_on(ctx.node)
+        self.per_node = len(self.node_ranks)
+        self.local_rank = self.node_ranks.index(ctx.rank)
+        self.dtype = DTYPES[self.cfg.daso_downcast]
+        self.schedule: DasoSchedule | None = None
+        self.steps_per_epoch = 1
+        self.syncs = 0  # global syncs started (all ranks count alike: the rotation)
+        self.pending: _Pending | None = None
+        self.epoch_loss_sum, self.epoch_loss_n = 0.0, 0
+        self.global_bytes = 0  # bytes of θ put on the global all-reduces by this rank
+        self.phase_steps = {WARMUP: 0, CYCLING: 0, COOLDOWN: 0}
+        self.sync_log: list[tuple[int, str, int, int]] = []  # (step, phase, B, S) per sync
+
+    # ------------------------------------------------------------------ set-up
+    def configure(self, steps_per_epoch: int, total_steps: int) -> None:
+        cfg = self.cfg
+        self.steps_per_epoch = max(1, steps_per_epoch)
+        self.schedule = DasoSchedule(
+            total_epochs=total_steps / self.steps_per_epoch,
+            warmup_epochs=cfg.daso_warmup_epochs,
+            cooldown_epochs=cfg.daso_cooldown_epochs,
+            global_skip=cfg.daso_global_skip,
+            batches_to_wait=cfg.daso_batches_to_wait,
+            max_global_skips=cfg.daso_max_global_skips,
+            stability_level=cfg.daso_stability_level,
+            patience=cfg.daso_patience,
+            reduction_factor=cfg.daso_skip_reduction_factor,
+            adaptive=cfg.daso_adaptive,
+        )
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        self.model = model
+        self.numel = sum(p.numel() for p in model.parameters())
+        self._flat = torch.empty(self.numel, device=next(model.parameters()).device)
+        self.hook_state = AllreduceHookState(self.ctx.node_group, self.stats)
+        if self.schedule is None:  # used outside the CLI loop: epochs unknown, cycle always
+            self.configure(1, 1 << 30)
+            self.schedule.warmup_epochs = self.schedule.cooldown_epochs = 0
+        if self.per_node == 1:
+            return model
+        device = self.ctx.device
+        self.ddp = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=self.ctx.node_group,
+        )
+        self.ddp.register_comm_hook(self.hook_state, counting_allreduce_hook)
+        return self.ddp
+
+    def start(self) -> None:
+        if self.per_node > 1:
+            self.ddp.require_backward_grad_sync = self._local_sync_due(1)
+
+    # ------------------------------------------------------------------ per step
+    def _local_sync_due(self, step: int) -> bool:
+        return step % self.cfg.daso_local_skip == 0
+
+    def after_backward(self) -> None:
+        if self.hook_state.last_launch:
+            self.stats.wait_s += time.perf_counter() - self.hook_state.last_launch
+            self.hook_state.last_launch = 0.0
+
+    def record_loss(self, loss: float) -> None:
+        self.epoch_loss_sum += loss
+        self.epoch_loss_n += 1
+
+    def after_step(self, samples: int) -> None:
+        self.local_steps += 1
+        step = self.local_steps
+        sched = self.schedule
+        phase = sched.phase()
+        self.phase_steps[phase] += 1
+        if self.pending is not None and (sched.blocking or step >= self.pending.merge_at):
+            self._merge()
+        if sched.blocking:
+            self._start_sync(s=0)
+            self._merge()
+        elif step % sched.global_skip == 0:
+            if self.pending is not None:  # B shrank below the pending sync's S: merge it now
+                self._merge()
+            self._start_sync(s=sched.batches_to_wait)
+            if self.pending.s == 0:
+                self._merge()
+        if step % self.steps_per_epoch == 0:
+            self._end_epoch()
+        if self.per_node > 1:
+            self.ddp.require_backward_grad_sync = self._local_sync_due(step + 1)
+
+    def _start_sync(self, s: int) -> None:
+        sender_local = self.syncs % self.per_node
+        self.syncs += 1
+        sender = self.node_ranks[sender_local]
+        sched = self.schedule
+        self.sync_log.append((self.local_steps, sched.phase(), sched.global_skip, s))
+        if self.local_rank != sender_local:
+            self.pending = _Pending(torch.empty(0), [], self.local_steps + s, s, sender)
+            return
+        flat = flatten_params(self.model, out=self._flat)
+        buffer = flat.to(self.dtype) if self.dtype != torch.float32 else flat.clone()
+        works = []
+        chunk = self.cfg.daso_chunk_elements
+        for i in range(0, buffer.numel(), chunk):
+            works.append(
+                dist.all_reduce(
+                    buffer[i : i + chunk],
+                    op=dist.ReduceOp.SUM,
+                    group=self.ctx.global_group,
+                    async_op=True,
+                )
+            )
+        nbytes = buffer.numel() * buffer.element_size()
+        self.global_bytes += nbytes
+        count_collective(
+            self.stats,
+            ring_bytes(buffer.numel(), buffer.element_size(), self.nodes),
+            self.nodes > 1,
+        )
+        link = self.ctx.link
+        if link is not None and link.active and self.nodes > 1:
+            cost = link.allreduce_s(nbytes, self.nodes)
+            self.stats.emulated_link_s += cost
+            works = [EmulatedWork(w, 0.0) for w in works[:-1]] + [
+                EmulatedWork(works[-1], link.reserve(cost))
+            ]
+        self.pending = _Pending(buffer, works, self.local_steps + s, s, sender)
+
+    def _merge(self) -> None:
+        pending, self.pending = self.pending, None
+        flat = self._flat
+        if self.ctx.rank == pending.sender:
+            t0 = time.perf_counter()
+            for w in pending.works:
+                w.wait()
+            self.stats.wait_s += time.perf_counter() - t0
+            local = flatten_params(self.model, out=flat)
+            merged = daso_merge(local, pending.buffer.to(torch.float32), pending.s, self.nodes)
+            flat.copy_(merged)
+        if self.per_node > 1:
+            t0 = time.perf_counter()
+            dist.broadcast(flat, src=pending.sender, group=self.ctx.node_group)
+            self.stats.wait_s += time.perf_counter() - t0
+            moved = flat.numel() * flat.element_size()
+            if self.ctx.rank == pending.sender:
+                self.stats.bytes_sent += moved
+            else:
+                self.stats.bytes_received += moved
+            self.stats.intra_node_bytes += moved
+        assign_flat(self.model, flat)
+
+    def _end_epoch(self) -> None:
+        sched = self.schedule
+        loss = math.nan
+        if sched.phase() == CYCLING and sched.adaptive and sched.global_skip > 0:
+            # The epoch loss averaged over every rank (a tiny blocking all-reduce).
+            t = torch.tensor([self.epoch_loss_sum, float(self.epoch_loss_n)], dtype=torch.float64)
+            dist.all_reduce(t)  # the world group: gloo, CPU tensors
+            link = self.ctx.link
+            if link is not None and link.active and self.nodes > 1:
+                cost = link.allreduce_s(t.numel() * t.element_size(), self.ctx.world_size)
+                self.stats.emulated_link_s += cost
+                link.wait_until(link.reserve(cost))
+            loss = (t[0] / t[1]).item() if t[1] > 0 else math.nan
+        sched.end_epoch(loss)
+        self.epoch_loss_sum, self.epoch_loss_n = 0.0, 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule and the rotation (a checkpoint is taken with no sync in flight)."""
+        if self.pending is not None:
+            raise RuntimeError("DASO state is checkpointed between global syncs only")
+        return {
+            "schedule": self.schedule.state_dict(),
+            "syncs": self.syncs,
+            "local_steps": self.local_steps,
+            "epoch_loss": [self.epoch_loss_sum, self.epoch_loss_n],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.schedule.load_state_dict(state["schedule"])
+        self.syncs = int(state["syncs"])
+        self.local_steps = int(state["local_steps"])
+        self.epoch_loss_sum, self.epoch_loss_n = state["epoch_loss"]
+
+    # ------------------------------------------------------------------ reporting
+    def step_info(self) -> dict[str, Any]:
+        s = self.schedule
+        return {"phase": s.phase(), "B": s.global_skip, "S": s.batches_to_wait}
+
+    def global_params(self) -> tuple[torch.Tensor, int] | None:
+        """The model right after a merge is what every node agrees on most; between merges
+        it is this node's replica (the evaluator's view of the global model)."""
+        samples = self.local_steps * self.cfg.batch_size * self.cfg.workers
+        return flatten_params(self.model), samples
+
+    def finish(self) -> None:
+        if self.pending is not None:
+            self._merge()
+        # A last blocking average, so every node ends with the same θ.
+        self._start_sync(s=0)
+        self._merge()
+
+    def report(self) -> dict[str, Any]:
+        r = super().report()
+        r.update(
+            global_syncs=self.syncs,
+            global_bytes=self.global_bytes,
+            phase_steps=self.phase_steps,
+            final_B=self.schedule.global_skip,
+            final_S=self.schedule.batches_to_wait,
+            schedule=self.schedule.state_dict(),
+            sync_log=self.sync_log,
+        )
+        return r
