@@ -186,3 +186,30 @@ def test_resnet20_on_cifar_format_data_with_bf16_autocast(tmp_path, strategy):
     load_model_into(out / "model.pt", model)
     # Batch-norm statistics were trained (the servers hold only parameters: worker 0's).
     assert model.bn.running_mean.abs().sum() > 0
+
+
+@pytest.mark.parametrize("nodes", ["1", "2"])
+def test_daso_on_cuda_replicas(tmp_path, nodes):
+    # One GPU: the ranks share it, so the node and global groups run gloo on CUDA tensors.
+    out = tmp_path / f"daso{nodes}"
+    cli(
+        "train",
+        "--strategy",
+        "daso",
+        "--workers",
+        "2",
+        "--nodes",
+        nodes,
+        "--epochs",
+        "4",
+        "--daso-warmup-epochs",
+        "1",
+        "--daso-cooldown-epochs",
+        "1",
+        "--out",
+        str(out),
+        *[a for a in COMMON if a not in ("--eval-every-s", "1000")],
+    )
+    summary = read_summary(out)
+    assert summary["device"].startswith("cuda") and summary["nodes"] == int(nodes)
+    assert summary["final_test_accuracy"] > 0.5
