@@ -211,7 +211,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     preflight(cfg)
     if in_torchrun():
+        import os
+
+        from cloudburst.runtime import topology_mismatch
         from cloudburst.train import run_rank
+
+        problem = topology_mismatch(cfg, int(os.environ["WORLD_SIZE"]))
+        if problem:
+            raise ConfigError(problem)
 
         run_rank(cfg.to_dict())
         return 0

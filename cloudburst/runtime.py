@@ -130,6 +130,7 @@ def init_distributed(cfg: RunConfig) -> Context:
     device = select_device(cfg, rank)
     backend = select_backend(cfg)
     timeout = datetime.timedelta(seconds=cfg.comm_timeout_s)
+    _choose_gloo_interface(os.environ["MASTER_ADDR"])
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timeout)
     workers_group = None
@@ -177,19 +178,33 @@ def init_distributed(cfg: RunConfig) -> Context:
     )
 
 
+def launched_nodes(world: int) -> tuple[int, int]:
+    """(nodes, ranks per node) as torchrun started them; (1, world) for one launch."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if "CLOUDBURST_LOCAL_JOB" not in os.environ and 0 < local < world and world % local == 0:
+        return world // local, local
+    return 1, world
+
+
+def topology_mismatch(cfg: RunConfig, world: int) -> str | None:
+    """A one-line message when ``--nodes`` disagrees with the nodes torchrun started."""
+    nodes, local = launched_nodes(world)
+    if nodes > 1 and cfg.nodes not in (None, nodes):
+        return (
+            f"nodes: the config says {cfg.nodes} nodes, but torchrun started {nodes} nodes of "
+            f"{local} ranks each; drop --nodes or make them agree"
+        )
+    return None
+
+
 def resolve_topology(cfg: RunConfig, world: int) -> Topology:
     """Nodes from torchrun (``LOCAL_WORLD_SIZE`` ranks each, contiguous), or ``--nodes N``
     emulated nodes of one launch (contiguous blocks of ranks)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    launched_nodes = 1
-    if "CLOUDBURST_LOCAL_JOB" not in os.environ and 0 < local < world and world % local == 0:
-        launched_nodes = world // local
-    if launched_nodes > 1:
-        if cfg.nodes not in (None, launched_nodes):
-            raise RuntimeError(
-                f"nodes: the config says {cfg.nodes} nodes, torchrun started {launched_nodes} "
-                f"of {local} ranks; drop --nodes or make them agree"
-            )
+    problem = topology_mismatch(cfg, world)
+    if problem:
+        raise RuntimeError(problem)
+    nodes, local = launched_nodes(world)
+    if nodes > 1:
         return Topology(tuple(r // local for r in range(world)))
     return Topology.contiguous(world, cfg.nodes or 1)
 
@@ -206,6 +221,55 @@ def _daso_groups(
     node_group, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend=backend)
     global_group, _ = dist.new_subgroups_by_enumeration(across, timeout=timeout, backend=backend)
     return node_group, global_group
+
+
+def _choose_gloo_interface(master_addr: str) -> None:
+    """Make gloo listen on the interface that reaches ``master_addr``.
+
+    gloo binds to the address this host's name resolves to; where that is 127.0.0.1 (common
+    on single-host images) ranks on other hosts or namespaces dial their own loopback and the
+    job hangs. When the master is not local and ``GLOO_SOCKET_IFNAME`` is unset, set it to
+    the interface of the route to the master.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME") or _is_loopback(master_addr):
+        return
+    try:
+        if not _is_loopback(socket.gethostbyname(socket.gethostname())):
+            return  # gloo's own choice reaches the network
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(master_addr), 9))  # no packet is sent
+            local_ip = s.getsockname()[0]
+    except OSError:
+        return
+    name = _interface_with_address(local_ip)
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        log.info("gloo uses interface %s (%s) to reach %s", name, local_ip, master_addr)
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return socket.gethostbyname(addr).startswith("127.")
+    except OSError:
+        return False
+
+
+def _interface_with_address(ip: str) -> str | None:
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(
+                    s.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode())
+                )
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == ip:
+            return name
+    return None
 
 
 def cuda_wanted(cfg: RunConfig) -> bool:

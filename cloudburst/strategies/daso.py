@@ -58,11 +58,12 @@ def daso_merge(local: torch.Tensor, sent_sum: torch.Tensor, s: int, p: int) -> t
 class DasoSchedule:
     """DASO's phases and its B (global skip) / S (batches to wait) schedule.
 
-    ``phase(epoch)``: warm-up for the first ``warmup_epochs``, cool-down for the last
-    ``cooldown_epochs``, cycling in between. At the end of each cycling epoch
-    :meth:`end_epoch` receives the epoch's loss averaged over all ranks: when it has not
-    improved by ``stability_level`` (relative) for ``patience`` epochs, B and S are divided by
-    ``reduction_factor`` (floor 1); once B is 1 and the loss is stable again, B resets to
+    ``phase(position)``: warm-up for the first ``warmup_epochs``, cool-down for the last
+    ``cooldown_epochs`` (fractions of an epoch count in steps), cycling in between. At the
+    end of each cycling epoch :meth:`end_epoch` receives the epoch's loss averaged over all
+    ranks: when it has not improved by ``stability_level`` (relative) for ``patience`` epochs,
+    B and S are divided by ``reduction_factor`` (floor 1); once B is 1 and the loss is stable
+    again, B resets to
     ``max_global_skips`` and S to B/4. B = 0 means a blocking global average every batch.
     """
 
@@ -81,20 +82,23 @@ class DasoSchedule:
     best_loss: float = math.inf
     bad_epochs: int = 0
 
-    def phase(self, epoch: int | None = None) -> str:
-        e = self.epoch if epoch is None else epoch
+    def phase(self, position: float | None = None) -> str:
+        """The phase at ``position`` epochs into the run (fractional: a step's start is
+        step / steps_per_epoch); by default the middle of the current epoch."""
+        e = self.epoch + 0.5 if position is None else position
         if e < self.warmup_epochs:
             return WARMUP
         if e >= self.total_epochs - self.cooldown_epochs:
             return COOLDOWN
         return CYCLING
 
-    @property
-    def blocking(self) -> bool:
-        return self.phase() != CYCLING or self.global_skip == 0
+    def blocking(self, position: float | None = None) -> bool:
+        return self.phase(position) != CYCLING or self.global_skip == 0
 
     def end_epoch(self, loss: float) -> str | None:
-        """Close the current epoch with its global mean loss; return the change made, if any."""
+        """Close the current epoch with its global mean loss; return the change made, if any.
+
+        Only epochs whose middle lies in the cycling phase change B and S."""
         change = None
         if self.phase() == CYCLING and self.adaptive and self.global_skip > 0:
             if loss < self.best_loss * (1 - self.stability_level):
@@ -213,11 +217,13 @@ class DasoStrategy(Strategy):
         self.local_steps += 1
         step = self.local_steps
         sched = self.schedule
-        phase = sched.phase()
+        position = (step - 1) / self.steps_per_epoch  # where this step started, in epochs
+        phase = sched.phase(position)
+        blocking = sched.blocking(position)
         self.phase_steps[phase] += 1
-        if self.pending is not None and (sched.blocking or step >= self.pending.merge_at):
+        if self.pending is not None and (blocking or step >= self.pending.merge_at):
             self._merge()
-        if sched.blocking:
+        if blocking:
             self._start_sync(s=0)
             self._merge()
         elif step % sched.global_skip == 0:
@@ -236,7 +242,8 @@ class DasoStrategy(Strategy):
         self.syncs += 1
         sender = self.node_ranks[sender_local]
         sched = self.schedule
-        self.sync_log.append((self.local_steps, sched.phase(), sched.global_skip, s))
+        phase = sched.phase((self.local_steps - 1) / self.steps_per_epoch)
+        self.sync_log.append((self.local_steps, phase, sched.global_skip, s))
         if self.local_rank != sender_local:
             self.pending = _Pending(torch.empty(0), [], self.local_steps + s, s, sender)
             return
@@ -285,11 +292,11 @@ class DasoStrategy(Strategy):
             dist.broadcast(flat, src=pending.sender, group=self.ctx.node_group)
             self.stats.wait_s += time.perf_counter() - t0
             moved = flat.numel() * flat.element_size()
-            if self.ctx.rank == pending.sender:
+            if self.ctx.rank == pending.sender:  # counted once, by the rank that sends it
                 self.stats.bytes_sent += moved
+                self.stats.intra_node_bytes += moved
             else:
                 self.stats.bytes_received += moved
-            self.stats.intra_node_bytes += moved
         assign_flat(self.model, flat)
 
     def _end_epoch(self) -> None:
@@ -329,7 +336,8 @@ class DasoStrategy(Strategy):
     # ------------------------------------------------------------------ reporting
     def step_info(self) -> dict[str, Any]:
         s = self.schedule
-        return {"phase": s.phase(), "B": s.global_skip, "S": s.batches_to_wait}
+        phase = s.phase((self.local_steps - 1) / self.steps_per_epoch)
+        return {"phase": phase, "B": s.global_skip, "S": s.batches_to_wait}
 
     def global_params(self) -> tuple[torch.Tensor, int] | None:
         """The model right after a merge is what every node agrees on most; between merges

@@ -69,7 +69,7 @@ def test_schedule_transitions_on_a_scripted_loss_sequence():
     sched = _schedule()
     for epoch, (loss, phase, change, b, s) in enumerate(SCRIPT):
         assert sched.phase() == phase, epoch
-        assert sched.blocking == (phase != CYCLING)
+        assert sched.blocking() == (phase != CYCLING)
         assert sched.end_epoch(loss) == change, epoch
         assert (sched.global_skip, sched.batches_to_wait) == (b, s), epoch
 
@@ -97,4 +97,11 @@ def test_fixed_schedule_and_blocking_every_batch():
         assert fixed.end_epoch(loss) is None
     assert (fixed.global_skip, fixed.batches_to_wait) == (4, 1)
     every_batch = _schedule(global_skip=0, batches_to_wait=0, warmup_epochs=0)
-    assert every_batch.phase() == CYCLING and every_batch.blocking
+    assert every_batch.phase() == CYCLING and every_batch.blocking()
+
+
+def test_fractional_warmup_and_cooldown_are_counted_in_steps():
+    sched = _schedule(total_epochs=4, warmup_epochs=0.5, cooldown_epochs=0.5)
+    steps_per_epoch = 10
+    phases = [sched.phase(step / steps_per_epoch) for step in range(40)]
+    assert phases == [WARMUP] * 5 + [CYCLING] * 30 + [COOLDOWN] * 5
