@@ -30,18 +30,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from cloudburst.comm.allreduce import (
-    AllreduceHookState,
-    count_collective,
-    counting_allreduce_hook,
-    ring_bytes,
-)
+from cloudburst.comm.allreduce import AllreduceHookState, counting_allreduce_hook
+from cloudburst.comm.collectives import Pending, all_reduce_sum, broadcast, world_sum
 from cloudburst.comm.flat import assign_flat, flatten_params
-from cloudburst.comm.link import EmulatedWork
 from cloudburst.strategies.base import Strategy
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": torch.float32}
@@ -134,7 +128,7 @@ class _Pending:
     """A global sync in flight: the sum being formed, its works, and when to merge it."""
 
     buffer: torch.Tensor
-    works: list
+    work: Pending | None  # None on the ranks that did not send
     merge_at: int  # the step after which it is merged
     s: int
     sender: int  # global rank that started it (it merges, then broadcasts to its node)
@@ -245,58 +239,32 @@ class DasoStrategy(Strategy):
         phase = sched.phase((self.local_steps - 1) / self.steps_per_epoch)
         self.sync_log.append((self.local_steps, phase, sched.global_skip, s))
         if self.local_rank != sender_local:
-            self.pending = _Pending(torch.empty(0), [], self.local_steps + s, s, sender)
+            self.pending = _Pending(torch.empty(0), None, self.local_steps + s, s, sender)
             return
         flat = flatten_params(self.model, out=self._flat)
         buffer = flat.to(self.dtype) if self.dtype != torch.float32 else flat.clone()
-        works = []
-        chunk = self.cfg.daso_chunk_elements
-        for i in range(0, buffer.numel(), chunk):
-            works.append(
-                dist.all_reduce(
-                    buffer[i : i + chunk],
-                    op=dist.ReduceOp.SUM,
-                    group=self.ctx.global_group,
-                    async_op=True,
-                )
-            )
-        nbytes = buffer.numel() * buffer.element_size()
-        self.global_bytes += nbytes
-        count_collective(
+        self.global_bytes += buffer.numel() * buffer.element_size()
+        work = all_reduce_sum(
+            buffer,
+            self.ctx.global_group,
             self.stats,
-            ring_bytes(buffer.numel(), buffer.element_size(), self.nodes),
-            self.nodes > 1,
+            link=self.ctx.link,
+            spans_nodes=self.nodes > 1,
+            chunk_elements=self.cfg.daso_chunk_elements,
+            async_op=True,
         )
-        link = self.ctx.link
-        if link is not None and link.active and self.nodes > 1:
-            cost = link.allreduce_s(nbytes, self.nodes)
-            self.stats.emulated_link_s += cost
-            works = [EmulatedWork(w, 0.0) for w in works[:-1]] + [
-                EmulatedWork(works[-1], link.reserve(cost))
-            ]
-        self.pending = _Pending(buffer, works, self.local_steps + s, s, sender)
+        self.pending = _Pending(buffer, work, self.local_steps + s, s, sender)
 
     def _merge(self) -> None:
         pending, self.pending = self.pending, None
         flat = self._flat
         if self.ctx.rank == pending.sender:
-            t0 = time.perf_counter()
-            for w in pending.works:
-                w.wait()
-            self.stats.wait_s += time.perf_counter() - t0
+            pending.work.wait()
             local = flatten_params(self.model, out=flat)
             merged = daso_merge(local, pending.buffer.to(torch.float32), pending.s, self.nodes)
             flat.copy_(merged)
         if self.per_node > 1:
-            t0 = time.perf_counter()
-            dist.broadcast(flat, src=pending.sender, group=self.ctx.node_group)
-            self.stats.wait_s += time.perf_counter() - t0
-            moved = flat.numel() * flat.element_size()
-            if self.ctx.rank == pending.sender:  # counted once, by the rank that sends it
-                self.stats.bytes_sent += moved
-                self.stats.intra_node_bytes += moved
-            else:
-                self.stats.bytes_received += moved
+            broadcast(flat, pending.sender, self.ctx.node_group, self.stats, self.ctx.rank)
         assign_flat(self.model, flat)
 
     def _end_epoch(self) -> None:
@@ -304,14 +272,13 @@ class DasoStrategy(Strategy):
         loss = math.nan
         if sched.phase() == CYCLING and sched.adaptive and sched.global_skip > 0:
             # The epoch loss averaged over every rank (a tiny blocking all-reduce).
-            t = torch.tensor([self.epoch_loss_sum, float(self.epoch_loss_n)], dtype=torch.float64)
-            dist.all_reduce(t)  # the world group: gloo, CPU tensors
-            link = self.ctx.link
-            if link is not None and link.active and self.nodes > 1:
-                cost = link.allreduce_s(t.numel() * t.element_size(), self.ctx.world_size)
-                self.stats.emulated_link_s += cost
-                link.wait_until(link.reserve(cost))
-            loss = (t[0] / t[1]).item() if t[1] > 0 else math.nan
+            total, count = world_sum(
+                [self.epoch_loss_sum, float(self.epoch_loss_n)],
+                self.stats,
+                link=self.ctx.link,
+                spans_nodes=self.nodes > 1,
+            )
+            loss = total / count if count > 0 else math.nan
         sched.end_epoch(loss)
         self.epoch_loss_sum, self.epoch_loss_n = 0.0, 0
 
