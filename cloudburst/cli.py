@@ -76,6 +76,20 @@ def _train_parser(sub) -> None:
         metavar="GBIT_PER_S[,LATENCY_MS]",
         help="emulate a link of this speed between nodes (software delay; e.g. 1,1)",
     )
+    g = p.add_argument_group("local SGD and DiLoCo (--strategy local_sgd | diloco)")
+    g.add_argument("--period", type=int, default=S, help="H: average every H local steps (8)")
+    g.add_argument(
+        "--local-sgd-warmup-steps", type=int, default=S, help="post-local SGD: sync first (0)"
+    )
+    g.add_argument("--diloco-outer-lr", type=float, default=S, help="outer SGD lr (0.7)")
+    g.add_argument("--diloco-outer-momentum", type=float, default=S, help="outer momentum (0.9)")
+    g.add_argument(
+        "--diloco-no-nesterov",
+        dest="diloco_nesterov",
+        action="store_false",
+        default=S,
+        help="plain momentum in the outer optimizer",
+    )
     g = p.add_argument_group("DASO (--strategy daso)")
     g.add_argument("--daso-global-skip", type=int, default=S, help="B at the start of cycling (4)")
     g.add_argument("--daso-batches-to-wait", type=int, default=S, help="S at the start (1)")

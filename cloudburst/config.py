@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STRATEGIES = ("sync", "asgd", "daso")
+STRATEGIES = ("sync", "asgd", "daso", "local_sgd", "diloco")
 # Names added by cloudburst.strategies.register_strategy (plug-ins, benchmark adapters).
 REGISTERED_STRATEGIES: list[str] = []
 SERVER_RULES = ("add", "sgd", "adagrad")
@@ -90,6 +90,13 @@ class RunConfig:
     daso_adaptive: bool = True  # False: B and S stay at their starting values
     daso_downcast: str = "bf16"  # dtype of global traffic in every phase: bf16, fp16, none
     daso_chunk_elements: int = 10_000_000  # global all-reduces in chunks of this many values
+
+    # local_sgd / diloco (ALGORITHMS.md §5): average the replicas every H = period steps.
+    period: int = 8
+    local_sgd_warmup_steps: int = 0  # post-local SGD: average every step for this many first
+    diloco_outer_lr: float = 0.7
+    diloco_outer_momentum: float = 0.9
+    diloco_nesterov: bool = True
 
     # Topology: --nodes groups one launch's ranks into N emulated nodes (torchrun's real
     # nodes otherwise); --inter-node-link delays traffic between nodes as such a link would.
@@ -240,6 +247,10 @@ class RunConfig:
                 LinkSpec.parse(self.inter_node_link)
             except ValueError as e:
                 raise ConfigError(f"inter_node_link: {e}") from None
+        _check_int("period", self.period, 1)
+        _check_int("local_sgd_warmup_steps", self.local_sgd_warmup_steps, 0)
+        _check_float("diloco_outer_lr", self.diloco_outer_lr, 0.0, None, low_open=True)
+        _check_float("diloco_outer_momentum", self.diloco_outer_momentum, 0.0, 1.0, high_open=True)
         _check_int("daso_global_skip", self.daso_global_skip, 0)
         _check_int("daso_batches_to_wait", self.daso_batches_to_wait, 0)
         if self.daso_global_skip == 0 and self.daso_batches_to_wait != 0:

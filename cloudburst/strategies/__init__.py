@@ -3,12 +3,15 @@
 from cloudburst.strategies.asgd import AsgdStrategy
 from cloudburst.strategies.base import Strategy
 from cloudburst.strategies.daso import DasoSchedule, DasoStrategy
+from cloudburst.strategies.local_sgd import DilocoStrategy, LocalSgdStrategy
 from cloudburst.strategies.sync import SyncStrategy
 
 STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     SyncStrategy.name: SyncStrategy,
     AsgdStrategy.name: AsgdStrategy,
     DasoStrategy.name: DasoStrategy,
+    LocalSgdStrategy.name: LocalSgdStrategy,
+    DilocoStrategy.name: DilocoStrategy,
 }
 
 
@@ -35,6 +38,8 @@ __all__ = [
     "AsgdStrategy",
     "DasoSchedule",
     "DasoStrategy",
+    "DilocoStrategy",
+    "LocalSgdStrategy",
     "Strategy",
     "SyncStrategy",
     "make_strategy",
