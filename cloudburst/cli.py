@@ -18,6 +18,8 @@ from cloudburst.config import (
     DATASETS,
     DEVICES,
     DOWNCASTS,
+    GOSSIP_SCHEDULES,
+    GOSSIP_VARIANTS,
     LR_SCHEDULES,
     MODELS,
     OPTIMIZERS,
@@ -89,6 +91,20 @@ def _train_parser(sub) -> None:
         action="store_false",
         default=S,
         help="plain momentum in the outer optimizer",
+    )
+    g = p.add_argument_group("EASGD (--strategy easgd, with --servers)")
+    g.add_argument("--easgd-tau", type=int, default=S, help="τ: elastic step every τ steps (10)")
+    g.add_argument("--easgd-alpha", type=float, default=S, help="α (default β/W)")
+    g.add_argument("--easgd-beta", type=float, default=S, help="β (0.9)")
+    g = p.add_argument_group("gossip (--strategy gossip)")
+    g.add_argument("--gossip-variant", choices=GOSSIP_VARIANTS, default=S, help="(pull)")
+    g.add_argument("--gossip-schedule", choices=GOSSIP_SCHEDULES, default=S, help="(random)")
+    g.add_argument("--gossip-every", type=int, default=S, help="gossip every k steps (1)")
+    g.add_argument(
+        "--gossip-push-sum", action="store_true", default=S, help="push-sum weights (push only)"
+    )
+    g.add_argument(
+        "--consensus-every-steps", type=int, default=S, help="log consensus distance (50)"
     )
     g = p.add_argument_group("DASO (--strategy daso)")
     g.add_argument("--daso-global-skip", type=int, default=S, help="B at the start of cycling (4)")

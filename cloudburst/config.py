@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STRATEGIES = ("sync", "asgd", "daso", "local_sgd", "diloco")
+STRATEGIES = ("sync", "asgd", "daso", "local_sgd", "diloco", "easgd")
 # Names added by cloudburst.strategies.register_strategy (plug-ins, benchmark adapters).
 REGISTERED_STRATEGIES: list[str] = []
 SERVER_RULES = ("add", "sgd", "adagrad")
@@ -31,7 +31,9 @@ DOWNCASTS = ("bf16", "fp16", "none")
 # Built-in datasets' default sizes; a dataset read from a path uses all of it by default.
 DEFAULT_SIZES = {"mnist1d": (4000, 1000), "synthetic": (4000, 1000)}
 # Strategies whose workers talk to parameter-server shards.
-SERVER_STRATEGIES = ("asgd",)
+SERVER_STRATEGIES = ("asgd", "easgd")
+GOSSIP_VARIANTS = ("pull", "push")
+GOSSIP_SCHEDULES = ("random", "ring", "exponential")
 
 
 class ConfigError(ValueError):
@@ -97,6 +99,19 @@ class RunConfig:
     diloco_outer_lr: float = 0.7
     diloco_outer_momentum: float = 0.9
     diloco_nesterov: bool = True
+
+    # easgd (ALGORITHMS.md §4): every tau steps e = alpha (θ_i − θ̃); θ_i −= e; θ̃ += e on the
+    # servers. alpha defaults to beta / W.
+    easgd_tau: int = 10
+    easgd_alpha: float | None = None
+    easgd_beta: float = 0.9
+
+    # gossip (ALGORITHMS.md §4): pairwise averaging with a peer every gossip_every steps.
+    gossip_variant: str = "pull"  # pull: fetch a peer's θ and average; push: send ours
+    gossip_schedule: str = "random"  # random peer, ring, or time-varying exponential graph
+    gossip_every: int = 1
+    gossip_push_sum: bool = False  # push-sum weights (Stochastic Gradient Push), push only
+    consensus_every_steps: int = 50  # log the consensus distance every this many steps
 
     # Topology: --nodes groups one launch's ranks into N emulated nodes (torchrun's real
     # nodes otherwise); --inter-node-link delays traffic between nodes as such a link would.
@@ -251,6 +266,18 @@ class RunConfig:
         _check_int("local_sgd_warmup_steps", self.local_sgd_warmup_steps, 0)
         _check_float("diloco_outer_lr", self.diloco_outer_lr, 0.0, None, low_open=True)
         _check_float("diloco_outer_momentum", self.diloco_outer_momentum, 0.0, 1.0, high_open=True)
+        _check_int("easgd_tau", self.easgd_tau, 1)
+        if self.easgd_alpha is not None:
+            _check_float("easgd_alpha", self.easgd_alpha, 0.0, 1.0, low_open=True)
+        _check_float("easgd_beta", self.easgd_beta, 0.0, None, low_open=True)
+        _check_choice("gossip_variant", self.gossip_variant, GOSSIP_VARIANTS)
+        _check_choice("gossip_schedule", self.gossip_schedule, GOSSIP_SCHEDULES)
+        _check_int("gossip_every", self.gossip_every, 1)
+        if self.gossip_push_sum and self.gossip_variant != "push":
+            raise ConfigError("gossip_push_sum: push-sum weights need --gossip-variant push")
+        _check_int("consensus_every_steps", self.consensus_every_steps, 1)
+        if self.strategy == "gossip" and self.workers < 2:
+            raise ConfigError("workers: gossip needs at least 2 workers (a peer to average with)")
         _check_int("daso_global_skip", self.daso_global_skip, 0)
         _check_int("daso_batches_to_wait", self.daso_batches_to_wait, 0)
         if self.daso_global_skip == 0 and self.daso_batches_to_wait != 0:
@@ -278,6 +305,11 @@ class RunConfig:
                     f"nodes: {self.workers} workers do not split evenly over {nodes} nodes "
                     "(DASO needs the same number of ranks on every node)"
                 )
+
+    @property
+    def easgd_alpha_value(self) -> float:
+        """α of EASGD: as given, else β / W."""
+        return self.easgd_alpha if self.easgd_alpha is not None else self.easgd_beta / self.workers
 
     # ------------------------------------------------------------------ derived values
     @property

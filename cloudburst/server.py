@@ -46,6 +46,15 @@ def add_rule_alpha(lr: float, staleness: int, staleness_scaling: bool) -> float:
     return lr * (1.0 / max(1, staleness) if staleness_scaling else 1.0)
 
 
+def elastic_step(alpha: float, theta_worker: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
+    """EASGD's elastic difference e = α(θ_i − θ̃): the centre adds it, the worker subtracts it.
+
+    Both sides call this on the same values (the worker gets θ̃ as it was before its push), so
+    they compute the same e bit for bit.
+    """
+    return (theta_worker - centre).mul_(alpha)
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """Exact, and fast on the common path: a NaN or ±Inf element always makes the sum
     non-finite, so a finite sum proves every element finite (one reduction instead of a full
@@ -61,6 +70,8 @@ class ShardState:
       - ``add``:     θ_k ← θ_k + λ·s·Δ_k                       (λ = ``lr``; DistBelief/GPU A-SGD)
       - ``sgd``:     SGD with momentum on the pseudo-gradient −s·Δ_k (``torch.optim.SGD``)
       - ``adagrad``: Adagrad on the pseudo-gradient −s·Δ_k (``torch.optim.Adagrad``)
+      - ``elastic``: EASGD's centre variable; the push carries the worker's θ_i (not Δ) and
+        θ̃_k ← θ̃_k + α·(θ_i,k − θ̃_k) with α = ``lr`` (the worker moves by the same e, away)
     where s = 1/max(1, staleness) with ``staleness_scaling``, else 1.
     """
 
@@ -84,7 +95,7 @@ class ShardState:
         self.staleness_max = 0
         self.dropped_stale = 0
         self.rejected_nonfinite = 0
-        if rule == "add":
+        if rule in ("add", "elastic"):
             self.optimizer = None
         elif rule == "sgd":
             self.optimizer = torch.optim.SGD([self.param], lr=lr, momentum=momentum)
@@ -117,7 +128,9 @@ class ShardState:
             self.dropped_stale += 1
             return PushResult(Status.STALE_DROPPED, staleness)
         with torch.no_grad():
-            if self.optimizer is None:
+            if self.rule == "elastic":
+                self.param.add_(elastic_step(self.lr, delta, self.param))
+            elif self.optimizer is None:
                 alpha = add_rule_alpha(self.lr, staleness, self.staleness_scaling)
                 self.param.add_(delta, alpha=alpha)
             else:
@@ -162,9 +175,16 @@ class ShardState:
         self.rejected_nonfinite = int(state["rejected_nonfinite"])
 
 
+def server_rule(cfg: RunConfig) -> tuple[str, float]:
+    """(rule, lr) of the shards: EASGD's elastic centre, or the configured asgd rule."""
+    if cfg.strategy == "easgd":
+        return "elastic", cfg.easgd_alpha_value
+    return cfg.server_rule, cfg.server_lr
+
+
 def overlapped_push_fetch(cfg: RunConfig) -> bool:
     """Whether PUSH_FETCH replies carry θ before the push (sent while the push arrives)."""
-    return cfg.server_rule == "add"
+    return server_rule(cfg)[0] in ("add", "elastic")
 
 
 # Requests whose header is followed by a payload of the shard's size.
@@ -176,10 +196,11 @@ def shard_checkpoint_path(out: str | Path, shard: int) -> Path:
 
 
 def make_shard(cfg: RunConfig, theta: torch.Tensor) -> ShardState:
+    rule, lr = server_rule(cfg)
     return ShardState(
         theta,
-        rule=cfg.server_rule,
-        lr=cfg.server_lr,
+        rule=rule,
+        lr=lr,
         momentum=cfg.server_momentum,
         max_staleness=cfg.max_staleness,
         staleness_scaling=cfg.staleness_scaling,

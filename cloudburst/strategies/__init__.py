@@ -3,6 +3,7 @@
 from cloudburst.strategies.asgd import AsgdStrategy
 from cloudburst.strategies.base import Strategy
 from cloudburst.strategies.daso import DasoSchedule, DasoStrategy
+from cloudburst.strategies.easgd import EasgdStrategy
 from cloudburst.strategies.local_sgd import DilocoStrategy, LocalSgdStrategy
 from cloudburst.strategies.sync import SyncStrategy
 
@@ -12,6 +13,7 @@ STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     DasoStrategy.name: DasoStrategy,
     LocalSgdStrategy.name: LocalSgdStrategy,
     DilocoStrategy.name: DilocoStrategy,
+    EasgdStrategy.name: EasgdStrategy,
 }
 
 
@@ -39,6 +41,7 @@ __all__ = [
     "DasoSchedule",
     "DasoStrategy",
     "DilocoStrategy",
+    "EasgdStrategy",
     "LocalSgdStrategy",
     "Strategy",
     "SyncStrategy",

@@ -254,10 +254,14 @@ class AsgdStrategy(Strategy):
         return self._peek, self.global_samples
 
     # ------------------------------------------------------------------ the end
-    def finish(self) -> None:
-        """Push what is left, then tell every shard we are done and wait for it to finish."""
+    def _flush(self) -> None:
+        """Push the local progress not pushed yet."""
         if self.local_steps % self.cfg.n_push != 0:
             self._round(push=True, fetch=False)
+
+    def finish(self) -> None:
+        """Push what is left, then tell every shard we are done and wait for it to finish."""
+        self._flush()
         pending = set(range(self.num_servers))
         kind = Kind.DONE
         while pending:

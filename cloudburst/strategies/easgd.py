@@ -1,0 +1,74 @@
+"""``easgd``: elastic averaging SGD (Zhang et al. 2015), asynchronous, centre on the servers.
+
+Algorithm (ALGORITHMS.md §4): each worker trains its replica θ_i with its local optimizer;
+every τ = ``easgd_tau`` steps it computes the elastic difference e = α(θ_i − θ̃) against the
+centre variable θ̃ held by the parameter-server shards, moves θ_i ← θ_i − e, and the shards
+move θ̃ ← θ̃ + e. α = ``easgd_alpha``, by default β/W with β = ``easgd_beta`` (0.9).
+
+Transport: one round trip per shard (a PUSH_FETCH of the ``elastic`` server rule): the worker
+sends θ_i while the shard sends θ̃ as it was before this push; the shard applies
+θ̃ += α(θ_i − θ̃) and the worker subtracts the same e, computed by the same function on the
+same values (:func:`cloudburst.server.elastic_step`). A shard handles one request at a time,
+so each exchange is atomic per shard; shards are independent (as in Downpour).
+
+Synchronous: nothing between workers. Staleness: the shard versions that passed since this
+worker's previous exchange (the centre it uses is current). The global model is θ̃ (worker 0
+evaluates it with a read-only fetch). A dead worker: the servers keep serving the others,
+as for ``asgd``. A rejected push (non-finite θ_i) resets the replica to the centre.
+"""
+
+from __future__ import annotations
+
+from cloudburst.comm.flat import assign_flat, flatten_params
+from cloudburst.comm.p2p import Header, Kind, Status
+from cloudburst.server import elastic_step
+from cloudburst.strategies.asgd import AsgdStrategy
+
+
+class EasgdStrategy(AsgdStrategy):
+    name = "easgd"
+    survives_worker_loss = True
+
+    def after_step(self, samples: int) -> None:
+        self.local_steps += 1
+        self._samples_since_push += samples
+        self._fresh = None
+        if self.local_steps % self.cfg.easgd_tau == 0:
+            self._elastic_round()
+
+    def _flush(self) -> None:
+        if self.local_steps % self.cfg.easgd_tau != 0:
+            self._elastic_round()
+
+    def _elastic_round(self) -> None:
+        flat = flatten_params(self.model, out=self._flat)
+        theta = self._to_host(flat)  # θ_i in host memory (itself on a CPU replica)
+        centre = self._fetch_host if self.on_gpu else self._spare
+        started = []
+        for k, (a, b) in enumerate(self.bounds):
+            header = Header(
+                Kind.PUSH_FETCH,
+                shard=k,
+                version=self.versions[k],
+                numel=b - a,
+                samples=self._samples_since_push,
+                aux=self.local_steps,
+            )
+            self.transport.send(k, header)
+            started.append(self.transport.isend_payload(k, theta[a:b], reply=False))
+            started.append(self.transport.irecv_payload(k, centre[a:b], reply=True))
+        self.transport.wait_all(started)
+        alpha = self.cfg.easgd_alpha_value
+        for k, (a, b) in enumerate(self.bounds):
+            reply = self.transport.recv_reply(k)
+            self._check(reply, k)
+            self._account_push(reply)
+            if reply.status == Status.OK:
+                theta[a:b].sub_(elastic_step(alpha, theta[a:b], centre[a:b]))
+            elif reply.status == Status.REJECTED:
+                theta[a:b].copy_(centre[a:b])  # θ_i was not finite: restart from the centre
+            self.versions[k] = reply.version
+            if k == 0:
+                self.global_samples = reply.samples
+        self._samples_since_push = 0
+        assign_flat(self.model, self._to_device(theta))

@@ -1,0 +1,81 @@
+"""EASGD's elastic update, exact on scripted values: the shard rule alone, and one real
+exchange between a worker and a server over gloo."""
+
+import pytest
+import torch
+
+from cloudburst.server import ShardState
+from tests.helpers import spawn
+
+pytestmark = pytest.mark.dist
+
+
+def test_elastic_rule_on_scripted_values():
+    shard = ShardState(torch.tensor([1.0, 2.0, -4.0]), rule="elastic", lr=0.25)
+    result = shard.apply_push(torch.tensor([3.0, 0.0, 4.0]), base_version=0)
+    # e = 0.25 * (θ_i - θ̃) = [0.5, -0.5, 2.0]; θ̃ += e
+    assert shard.theta.tolist() == [1.5, 1.5, -2.0] and result.status.name == "OK"
+    assert shard.version == 1
+    assert shard.apply_push(torch.tensor([float("nan"), 0, 0]), 1).status.name == "REJECTED"
+    assert shard.theta.tolist() == [1.5, 1.5, -2.0]
+
+
+CENTRE = [1.0, 2.0, -4.0, 0.5, 0.0, 8.0]  # nn.Linear(2, 2): 4 weights + 2 biases
+WORKER = [3.0, 0.0, 4.0, 0.5, -2.0, 0.0]
+
+
+def _exchange(rank: int, out: str, servers: int) -> dict:
+    from torch import nn
+
+    from cloudburst.comm.flat import assign_flat, flatten_params
+    from cloudburst.config import RunConfig
+    from cloudburst.metrics import MetricsWriter
+    from cloudburst.runtime import LivenessMonitor, init_distributed, shutdown
+    from cloudburst.server import ServerLoop
+    from cloudburst.strategies.easgd import EasgdStrategy
+
+    cfg = RunConfig(
+        strategy="easgd",
+        workers=1,
+        servers=servers,
+        dataset="synthetic",
+        easgd_alpha=0.25,
+        easgd_tau=1,
+        out=out,
+        comm_timeout_s=60,
+    )
+    ctx = init_distributed(cfg)
+    model = nn.Linear(2, 2)
+    assign_flat(model, torch.tensor(CENTRE))
+    if ctx.is_server:
+        metrics = MetricsWriter(out, rank, ctx.role)
+        loop = ServerLoop(
+            ctx, flatten_params(model), metrics, LivenessMonitor(ctx.store, ctx.worker_ranks, 10.0)
+        )
+        ctx.start_clock()
+        loop.run()
+        theta = loop.gather_final_theta()
+        metrics.close()
+        shutdown(ctx)
+        return {"centre": None if theta is None else theta.tolist()}
+    strategy = EasgdStrategy(ctx)
+    strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    ctx.start_clock()
+    strategy.start()  # fetches the centre: the replica starts from it
+    start = flatten_params(model).tolist()
+    assign_flat(model, torch.tensor(WORKER))
+    strategy.after_step(1)  # τ = 1: one elastic exchange
+    after = flatten_params(model).tolist()
+    strategy.finish()
+    shutdown(ctx)
+    return {"start": start, "after": after}
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_one_elastic_exchange_over_gloo(tmp_path, servers):
+    results = spawn(_exchange, servers + 1, tmp_path, str(tmp_path), servers)
+    worker = results[-1]
+    e = [0.25 * (w - c) for w, c in zip(WORKER, CENTRE, strict=True)]
+    assert worker["start"] == CENTRE
+    assert worker["after"] == pytest.approx([w - x for w, x in zip(WORKER, e, strict=True)])
+    assert results[0]["centre"] == pytest.approx([c + x for c, x in zip(CENTRE, e, strict=True)])
