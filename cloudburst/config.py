@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STRATEGIES = ("sync", "asgd", "daso", "local_sgd", "diloco", "easgd")
+STRATEGIES = ("sync", "asgd", "daso", "local_sgd", "diloco", "easgd", "gossip")
 # Names added by cloudburst.strategies.register_strategy (plug-ins, benchmark adapters).
 REGISTERED_STRATEGIES: list[str] = []
 SERVER_RULES = ("add", "sgd", "adagrad")

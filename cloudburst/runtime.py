@@ -58,6 +58,10 @@ class Context:
     link: LinkEmulator | None = None  # the emulated inter-node link (inactive without one)
     node_group: dist.ProcessGroup | None = None  # DASO: this rank's node
     global_group: dist.ProcessGroup | None = None  # DASO: local rank g of every node
+    # gossip: requests to the serving threads (only they receive on it), and their replies
+    # (only the training threads receive on it); see cloudburst.comm.gossip.
+    gossip_request_group: dist.ProcessGroup | None = None
+    gossip_reply_group: dist.ProcessGroup | None = None
 
     def transport(self, stats=None):
         """A point-to-point transport that knows which peers are on other nodes (for the
@@ -150,6 +154,13 @@ def init_distributed(cfg: RunConfig) -> Context:
     node_group = global_group = None
     if cfg.strategy == "daso":
         node_group, global_group = _daso_groups(topology, backend, timeout)
+    gossip_groups: tuple[dist.ProcessGroup | None, ...] = (None, None)
+    if cfg.strategy == "gossip":
+        # Two gloo groups of the workers, created once by every rank in the same order.
+        workers = list(range(cfg.servers, world))
+        gossip_groups = tuple(
+            dist.new_group(workers, timeout=timeout, backend="gloo") for _ in range(2)
+        )
     store = _job_store(cfg)
     _configure_logging(rank, "server" if rank < cfg.servers else "worker")
     if rank == cfg.servers:
@@ -175,6 +186,8 @@ def init_distributed(cfg: RunConfig) -> Context:
         link,
         node_group,
         global_group,
+        gossip_request_group=gossip_groups[0],
+        gossip_reply_group=gossip_groups[1],
     )
 
 

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from cloudburst.checkpoint import load_model_into, save_model
+from cloudburst.comm.collectives import all_reduce_sum
 from cloudburst.comm.flat import assign_flat, flatten_params
+from cloudburst.comm.p2p import CommStats
 from cloudburst.config import RunConfig
 from cloudburst.data import (
     Dataset,
@@ -178,6 +180,19 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         "evals": evaluator.history if evaluator else [],
     }
     wall_time_s = ctx.elapsed_s()
+    averaged = None
+    if strategy.decentralised:
+        # Replicas differ at the end (gossip): report each one's accuracy, and make the final
+        # model their average (a measurement collective, not counted as the strategy's traffic).
+        report["replica_accuracy"], _ = evaluate_dataset(
+            model, in_memory(data.test), data.preprocess(augment=False), device
+        )
+        # Push-sum replicas carry weights: the average that preserves the mass is
+        # Σ w_i θ_i / Σ w_i (every w_i = 1 otherwise).
+        weight = float(strategy.report().get("push_sum_weight", 1.0))
+        averaged = torch.cat([flatten_params(model) * weight, torch.tensor([weight])])
+        all_reduce_sum(averaged, ctx.workers_group, CommStats())
+        averaged = averaged[:-1] / averaged[-1]
     if ctx.worker_index == 0 and ctx.num_servers and any(True for _ in model.buffers()):
         # The servers hold parameters only: the model's buffers (batch-norm statistics) that
         # the final evaluation needs come from worker 0's replica.
@@ -185,6 +200,8 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     hand_in(ctx, metrics, report, wall_time_s)
     if ctx.rank == 0:  # no servers: worker 0 is rank 0 and writes the summary
         flat, global_samples = strategy.global_params()
+        if averaged is not None:
+            flat = averaged
         finalize_run(ctx, model, flat, data, metrics, report, [], wall_time_s, global_samples)
 
 
@@ -381,11 +398,21 @@ def finalize_run(
         "pushes_dropped_stale": sum(s.get("dropped_stale", 0) for s in servers),
         "messages_rejected": sum(rep.get("messages_rejected", 0) for rep in reports.values()),
         "lost_workers": sorted(lost_set),
+        **_replica_summary(workers),
         "config": cfg.to_dict(),
     }
     write_json_atomic(f"{cfg.out}/summary.json", summary)
     log.info("summary written: accuracy %.4f in %.1f s", acc, wall_time_s)
     return summary
+
+
+def _replica_summary(workers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Decentralised strategies: each replica's accuracy and the worst one (the final model
+    is the replicas' average)."""
+    accs = [w["replica_accuracy"] for w in workers if "replica_accuracy" in w]
+    if not accs:
+        return {}
+    return {"replica_accuracies": accs, "worst_replica_accuracy": min(accs)}
 
 
 def _worker_device(reports: dict[int, dict[str, Any]]) -> str:

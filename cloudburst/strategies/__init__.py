@@ -4,6 +4,7 @@ from cloudburst.strategies.asgd import AsgdStrategy
 from cloudburst.strategies.base import Strategy
 from cloudburst.strategies.daso import DasoSchedule, DasoStrategy
 from cloudburst.strategies.easgd import EasgdStrategy
+from cloudburst.strategies.gossip import GossipStrategy
 from cloudburst.strategies.local_sgd import DilocoStrategy, LocalSgdStrategy
 from cloudburst.strategies.sync import SyncStrategy
 
@@ -13,6 +14,7 @@ STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     DasoStrategy.name: DasoStrategy,
     LocalSgdStrategy.name: LocalSgdStrategy,
     DilocoStrategy.name: DilocoStrategy,
+    GossipStrategy.name: GossipStrategy,
     EasgdStrategy.name: EasgdStrategy,
 }
 

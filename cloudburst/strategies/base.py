@@ -20,6 +20,9 @@ class Strategy(ABC):
     name: ClassVar[str]
     #: True when the job keeps going if a worker dies (launched with one agent per rank).
     survives_worker_loss: ClassVar[bool] = False
+    #: True when replicas may still differ at the end (gossip): the loop then reports each
+    #: replica's test accuracy and makes the final model their average.
+    decentralised: ClassVar[bool] = False
 
     def __init__(self, ctx):
         self.ctx = ctx

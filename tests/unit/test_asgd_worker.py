@@ -118,6 +118,7 @@ def make_worker(cfg: RunConfig, model: nn.Module) -> tuple[AsgdStrategy, list[Se
         store=_Store(),
         elapsed_s=lambda: 0.0,
         server_index=0,
+        transport=lambda stats=None: None,  # replaced by the fake network below
     )
     theta = flatten_params(model)
     loops = []

@@ -1,0 +1,293 @@
+"""``gossip``: pairwise averaging with one peer at a time, asynchronously, no global barrier.
+
+Algorithm (ALGORITHMS.md §4; Jin, Yuan, Iandola, Keutzer 2016, "How to scale distributed deep
+learning?"; push-sum from Assran et al. 2019, Stochastic Gradient Push): every worker trains
+its own replica; every k = ``gossip_every`` steps it gossips with one peer j given by the
+schedule. *Pull*: fetch θ_j, set θ_i ← (θ_i + θ_j)/2. *Push*: send θ_i to j, which folds all
+it received at its next step boundary: θ_j ← (θ_j + Σ received)/(1 + n). *Push-sum* (SGP):
+each worker carries a weight w (1 at the start); sending, it keeps w/2 and sends the numerator
+θ·w/2 with the weight w/2; a receiver adds numerators (to its θ·w) and weights, and trains on
+the de-biased θ = numerator / w; Σ_i w_i = W and Σ_i w_i θ_i are kept exactly (messages in
+flight included), so the replicas agree on the true average.
+
+Three parts, as in SGP's code: who talks to whom (:class:`PeerSchedule`: random, ring, or the
+time-varying exponential graph), with which weights (:func:`pull_average`, :func:`push_fold`,
+:func:`push_sum_split`, :func:`push_sum_fold`), and the transport
+(:mod:`cloudburst.comm.gossip`: a serving thread per worker answers peers while it computes;
+its docstring describes the groups and the shutdown).
+
+Synchronous: nothing during training; a pull waits for the peer's serving thread (not its
+step), a push for the peer to receive it. The consensus distance mean_i ‖θ_i − θ̄‖, measured
+every ``consensus_every_steps`` steps and at the end, is the one collective: two all-reduces
+over the workers (θ̄, then the distances). It waits for the slowest worker, so keep it rare; it
+is counted apart (``consensus_bytes``), not in the gossip bytes. ``finish`` waits until every
+peer has finished (they may still pull from this worker) and does not average the replicas:
+they stay as gossip left them.
+Staleness: a pulled θ_j is j's θ at its last step boundary (at most one of j's steps old);
+pushed θ are folded at the receiver's next step boundary (at most one of its steps late).
+A dead worker: a pull from it times out (``comm_timeout_s``) and a push to it fails; peers'
+serving threads time out waiting for its messages, the next consensus all-reduce times out;
+the workers that notice raise and the launcher ends the job, as for sync.
+Differences from the papers: parameters only are gossiped (batch-norm statistics and optimizer
+state stay local, as in SGP); rounds are counted per worker (each worker's own time), so the
+exponential graph's rounds of different workers are not aligned. Push-sum runs without SGP's
+bounded delay (τ-overlap): a worker that runs ahead halves its weight at every push without
+receiving, so weights drift apart when workers run at different speeds (their sum stays W);
+a worker's gradient steps then count in the average in proportion to its weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from typing import Any
+
+import torch
+from torch import nn
+
+from cloudburst.comm.collectives import all_reduce_sum
+from cloudburst.comm.flat import assign_flat, flatten_params
+from cloudburst.comm.gossip import GossipTransport, Mailbox, Snapshot
+from cloudburst.comm.p2p import CommStats
+from cloudburst.strategies.base import Strategy
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("random", "ring", "exponential")
+
+
+# ---------------------------------------------------------------------------- graph: who
+class PeerSchedule:
+    """Whom worker ``i`` gossips with in its round ``r`` (pure, deterministic, never itself).
+
+    - random: uniform over the W − 1 others, seeded by (seed, i, r);
+    - ring: i + 1 mod W;
+    - exponential: i + 2^(r mod ⌈log2 W⌉) mod W (SGP's time-varying one-peer exponential
+      graph: over ⌈log2 W⌉ rounds i talks to i+1, i+2, i+4, ...).
+    """
+
+    def __init__(self, schedule: str, workers: int, seed: int = 0):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"gossip_schedule: {schedule!r} is not one of {SCHEDULES}")
+        if workers < 2:
+            raise ValueError(f"gossip needs at least 2 workers, got {workers}")
+        self.schedule, self.workers, self.seed = schedule, workers, seed
+        self.exponents = max(1, math.ceil(math.log2(workers)))
+
+    def peer(self, worker: int, round_: int) -> int:
+        if not 0 <= worker < self.workers:
+            raise ValueError(f"worker {worker} is not in 0..{self.workers - 1}")
+        w = self.workers
+        if self.schedule == "ring":
+            return (worker + 1) % w
+        if self.schedule == "exponential":
+            return (worker + 2 ** (round_ % self.exponents)) % w
+        # A string seed is hashed with SHA-512 by random.Random: the same on every machine.
+        j = random.Random(f"gossip:{self.seed}:{worker}:{round_}").randrange(w - 1)
+        return j + 1 if j >= worker else j
+
+
+# ---------------------------------------------------------------------------- mixing: weights
+def pull_average(own: torch.Tensor, peer: torch.Tensor) -> torch.Tensor:
+    """Pull: (θ_i + θ_j) / 2 (in place into ``own``)."""
+    return own.add_(peer.to(own.device)).mul_(0.5)
+
+
+def push_fold(own: torch.Tensor, received_sum: torch.Tensor, count: int) -> torch.Tensor:
+    """Push: (θ_j + Σ received) / (1 + n) (in place into ``own``; no-op when n = 0)."""
+    if count == 0:
+        return own
+    return own.add_(received_sum.to(own.device)).div_(1 + count)
+
+
+def push_sum_split(weight: float) -> tuple[float, float]:
+    """Push-sum, sending: (weight kept, weight sent) = (w/2, w/2). The numerator sent is
+    θ·w/2; the de-biased θ of the sender does not change (θ·(w/2) / (w/2) = θ)."""
+    return weight / 2, weight / 2
+
+
+def push_sum_fold(
+    own: torch.Tensor, weight: float, numerator_sum: torch.Tensor, weight_sum: float
+) -> tuple[torch.Tensor, float]:
+    """Push-sum, receiving: numerator θ·w + Σ numerators over weight w + Σ weights.
+    Returns (de-biased θ, in place into ``own``; new weight)."""
+    if weight_sum == 0:
+        return own, weight
+    total = weight + weight_sum
+    own.mul_(weight).add_(numerator_sum.to(own.device)).div_(total)
+    return own, total
+
+
+# ---------------------------------------------------------------------------- the strategy
+class GossipStrategy(Strategy):
+    name = "gossip"
+    decentralised = True
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        cfg = ctx.cfg
+        self.graph = PeerSchedule(cfg.gossip_schedule, cfg.workers, cfg.seed)
+        self.variant = cfg.gossip_variant
+        self.push_sum = cfg.gossip_push_sum
+        self.measure_stats = CommStats()  # the consensus all-reduces, apart from gossip
+        self.weight = 1.0  # push-sum weight w
+        self.rounds = 0
+        self.last_peer: int | None = None
+        self.last_peer_lag_steps: int | None = None  # pull: our step − the pulled θ's step
+        self.messages_folded = 0
+        self.consensus_history: list[list[float]] = []  # [step, mean_i ‖θ_i − θ̄‖]
+        self.final_consensus_distance: float | None = None
+        self._unreported: list[float] | None = None
+        self.transport: GossipTransport | None = None
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        ctx = self.ctx
+        if ctx.gossip_request_group is None or ctx.gossip_reply_group is None:
+            raise RuntimeError(
+                "gossip: the context has no gossip groups; init_distributed creates them "
+                "when cfg.strategy == 'gossip'"
+            )
+        self.model = model
+        self._flat = flatten_params(model)  # on the replica's device
+        numel = self._flat.numel()
+        # Host buffers for gloo: what a pull brings, what a push sends.
+        self._host = torch.empty(numel, dtype=torch.float32)
+        self.snapshot = Snapshot(numel)
+        self.mailbox = Mailbox(numel) if self.variant == "push" else None
+        topo, rank = ctx.topology, ctx.rank
+        self.transport = GossipTransport(
+            ctx.gossip_request_group,
+            ctx.gossip_reply_group,
+            rank,
+            [r for r in ctx.worker_ranks if r != rank],
+            numel,
+            self.stats,
+            worker_of=lambda r: r - ctx.num_servers,
+            timeout_s=self.cfg.comm_timeout_s,
+            link=ctx.link,
+            crosses=(lambda peer: topo.crosses(rank, peer)) if topo is not None else None,
+        )
+        self.spans_nodes = topo is not None and topo.spans_nodes(ctx.worker_ranks)
+        return model
+
+    def start(self) -> None:
+        self.snapshot.publish(flatten_params(self.model, out=self._flat), self.local_steps)
+        self.transport.start(self.snapshot, self.mailbox)
+
+    # ------------------------------------------------------------------ training
+    def after_step(self, samples: int) -> None:
+        self.local_steps += 1
+        self.transport.check()
+        flat = flatten_params(self.model, out=self._flat)
+        changed = self._fold_mailbox(flat)
+        if self.local_steps % self.cfg.gossip_every == 0:
+            peer = self.graph.peer(self.ctx.worker_index, self.rounds)
+            self.rounds += 1
+            self.last_peer = peer
+            if self.variant == "pull":
+                self._pull(flat, peer)
+                changed = True
+            else:
+                self._push(flat, peer)
+        if changed:
+            assign_flat(self.model, flat)
+        self.snapshot.publish(flat, self.local_steps)
+        self.transport.keepalive()
+        self.transport.merge_serving_stats()
+        if self.local_steps % self.cfg.consensus_every_steps == 0:
+            distance = self.consensus_distance()
+            self.consensus_history.append([self.local_steps, distance])
+            self._unreported = [self.local_steps, distance]
+
+    def _peer_rank(self, worker: int) -> int:
+        return self.ctx.num_servers + worker
+
+    def _pull(self, flat: torch.Tensor, peer: int) -> None:
+        peer_step = self.transport.pull(self._peer_rank(peer), self._host, self.local_steps)
+        self.last_peer_lag_steps = self.local_steps - peer_step
+        pull_average(flat, self._host)
+
+    def _push(self, flat: torch.Tensor, peer: int) -> None:
+        if self.push_sum:
+            self.weight, sent = push_sum_split(self.weight)
+            payload = torch.mul(flat, sent, out=self._host) if flat.is_cpu else flat.cpu() * sent
+        else:
+            sent, payload = 1.0, flat.cpu()
+        self.transport.push(self._peer_rank(peer), payload, sent, self.local_steps)
+
+    def _fold_mailbox(self, flat: torch.Tensor) -> bool:
+        """Fold what peers pushed since the last step boundary into ``flat``."""
+        if self.mailbox is None:
+            return False
+        received, count, weight_sum = self.mailbox.take()
+        if count == 0:
+            return False
+        if self.push_sum:
+            _, self.weight = push_sum_fold(flat, self.weight, received, weight_sum)
+        else:
+            push_fold(flat, received, count)
+        self.messages_folded += count
+        return True
+
+    # ------------------------------------------------------------------ measurement
+    def consensus_distance(self) -> float:
+        """mean_i ‖θ_i − θ̄‖ over the workers: two all-reduces (θ̄, then the distances), in
+        ``measure_stats``. Every worker must call it at the same point (the loop's steps)."""
+        flat = flatten_params(self.model, out=self._flat)
+        group, link = self.ctx.workers_group, self.ctx.link
+        mean = flat.clone()
+        all_reduce_sum(mean, group, self.measure_stats, link=link, spans_nodes=self.spans_nodes)
+        mean.div_(self.cfg.workers)
+        distance = torch.linalg.vector_norm(flat.double() - mean.double()).reshape(1)
+        all_reduce_sum(distance, group, self.measure_stats, link=link, spans_nodes=self.spans_nodes)
+        return distance.item() / self.cfg.workers
+
+    def step_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"peer": self.last_peer}
+        if self.last_peer_lag_steps is not None:
+            info["peer_lag_steps"] = self.last_peer_lag_steps
+        if self._unreported is not None:
+            # The loop asks only on the steps it logs: a measurement made since the last of
+            # them is reported now, with the step it was made at.
+            info["consensus_step"], info["consensus_distance"] = self._unreported
+            self._unreported = None
+        return info
+
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> None:
+        """Tell every peer this worker is done, serve them until they all are, fold what
+        they pushed meanwhile, and measure the final consensus distance. Returns on any worker
+        only when every worker's serving thread has exited (the measurement follows each
+        worker's join)."""
+        self.transport.finish()
+        flat = flatten_params(self.model, out=self._flat)
+        if self._fold_mailbox(flat):
+            assign_flat(self.model, flat)
+        self.snapshot.publish(flat, self.local_steps)
+        self.final_consensus_distance = self.consensus_distance()
+        if self.ctx.worker_index == 0:
+            log.info("gossip: final consensus distance %.3g", self.final_consensus_distance)
+
+    def global_params(self) -> tuple[torch.Tensor, int]:
+        """This worker's replica (gossip has no global model); samples: all workers' so far."""
+        samples = self.local_steps * self.cfg.batch_size * self.cfg.workers
+        return flatten_params(self.model), samples
+
+    def report(self) -> dict[str, Any]:
+        r = super().report()
+        counters = self.transport.counters if self.transport is not None else None
+        r.update(
+            gossip_rounds=self.rounds,
+            fetches_served=counters.fetches_served if counters else 0,
+            pushes_received=counters.pushes_received if counters else 0,
+            pings_received=counters.pings_received if counters else 0,
+            requests_rejected=counters.requests_rejected if counters else 0,
+            messages_folded=self.messages_folded,
+            final_consensus_distance=self.final_consensus_distance,
+            consensus_history=self.consensus_history,
+            consensus_bytes=self.measure_stats.bytes_sent,
+        )
+        if self.push_sum:
+            r["push_sum_weight"] = self.weight
+        return r
