@@ -124,7 +124,20 @@ def _train_parser(sub) -> None:
         help="keep B and S at their starting values",
     )
     g.add_argument(
-        "--daso-downcast", choices=DOWNCASTS, default=S, help="global traffic dtype (bf16)"
+        "--daso-downcast", choices=DOWNCASTS, default=S, help="blocking averages' dtype (bf16)"
+    )
+    g.add_argument(
+        "--daso-cycling-downcast",
+        choices=DOWNCASTS,
+        default=S,
+        help="non-blocking syncs' dtype (none = fp32, as Heat)",
+    )
+    g.add_argument(
+        "--daso-no-epoch-end-sync",
+        dest="daso_epoch_end_sync",
+        action="store_false",
+        default=S,
+        help="no blocking average on the last batch of each cycling epoch",
     )
     g.add_argument(
         "--daso-chunk-elements", type=int, default=S, help="global all-reduce chunk size (1e7)"

@@ -90,7 +90,9 @@ class RunConfig:
     daso_patience: int = 2  # epochs without such improvement before B and S shrink
     daso_skip_reduction_factor: int = 2  # B and S are divided by this on a plateau
     daso_adaptive: bool = True  # False: B and S stay at their starting values
-    daso_downcast: str = "bf16"  # dtype of global traffic in every phase: bf16, fp16, none
+    daso_downcast: str = "bf16"  # dtype of blocking global averages: bf16, fp16, none
+    daso_cycling_downcast: str = "none"  # dtype of the non-blocking syncs (Heat: fp32)
+    daso_epoch_end_sync: bool = True  # Heat: a blocking average on each epoch's last batch
     daso_chunk_elements: int = 10_000_000  # global all-reduces in chunks of this many values
 
     # local_sgd / diloco (ALGORITHMS.md §5): average the replicas every H = period steps.
@@ -297,6 +299,7 @@ class RunConfig:
         _check_int("daso_patience", self.daso_patience, 1)
         _check_int("daso_skip_reduction_factor", self.daso_skip_reduction_factor, 2)
         _check_choice("daso_downcast", self.daso_downcast, DOWNCASTS)
+        _check_choice("daso_cycling_downcast", self.daso_cycling_downcast, DOWNCASTS)
         _check_int("daso_chunk_elements", self.daso_chunk_elements, 1)
         if self.strategy == "daso":
             nodes = self.nodes or 1

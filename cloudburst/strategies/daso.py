@@ -10,16 +10,19 @@ on; S batches later that rank waits for the sum and merges
     θ ← (2S·θ_local + Σ_nodes θ_sent) / (2S + P)        (S = 0: the plain average)
 
 then broadcasts θ to its node. Warm-up and cool-down epochs average globally (blocking) every
-batch. In between, B and S follow the plateau rule of :class:`DasoSchedule`.
+batch, and so does the last batch of every cycling epoch (as Heat does). In between, B and S
+follow the plateau rule of :class:`DasoSchedule`. Blocking averages are cast to
+``daso_downcast`` (bf16), the non-blocking ones to ``daso_cycling_downcast`` (fp32): Heat's
+choice, each configurable.
 
 Synchronous inside a node; across nodes, a global sync is waited for S batches after it
 started, so the θ merged is S batches stale. Staleness: S (in batches). A dead rank: its
 node's and its global group's collectives raise, and the job stops, as for ``sync``.
 
-Differences from Heat: the cast applies in every phase (Heat sends fp32 while cycling), the
-schedule is an explicit, checkpointable object (Heat keeps loose counters and has no
-``state_dict``), and "stable" means no relative improvement of ``stability_level`` for
-``patience`` epochs in a row (Heat's plateau detector waits one epoch more).
+Differences from Heat: the cast is configurable for each kind of sync; the schedule is an
+explicit, checkpointable object (Heat keeps loose counters and has no ``state_dict``); "stable"
+means no relative improvement of ``stability_level`` for ``patience`` epochs in a row (Heat's
+plateau detector waits one epoch more).
 """
 
 from __future__ import annotations
@@ -144,7 +147,8 @@ class DasoStrategy(Strategy):
         self.node_ranks = topo.ranks_on(ctx.node)
         self.per_node = len(self.node_ranks)
         self.local_rank = self.node_ranks.index(ctx.rank)
-        self.dtype = DTYPES[self.cfg.daso_downcast]
+        self.blocking_dtype = DTYPES[self.cfg.daso_downcast]
+        self.cycling_dtype = DTYPES[self.cfg.daso_cycling_downcast]
         self.schedule: DasoSchedule | None = None
         self.steps_per_epoch = 1
         self.syncs = 0  # global syncs started (all ranks count alike: the rotation)
@@ -215,6 +219,9 @@ class DasoStrategy(Strategy):
         phase = sched.phase(position)
         blocking = sched.blocking(position)
         self.phase_steps[phase] += 1
+        epoch_end = step % self.steps_per_epoch == 0
+        if self.cfg.daso_epoch_end_sync and epoch_end and phase == CYCLING:
+            blocking = True  # Heat: every epoch ends on a blocking global average
         if self.pending is not None and (blocking or step >= self.pending.merge_at):
             self._merge()
         if blocking:
@@ -226,7 +233,7 @@ class DasoStrategy(Strategy):
             self._start_sync(s=sched.batches_to_wait)
             if self.pending.s == 0:
                 self._merge()
-        if step % self.steps_per_epoch == 0:
+        if epoch_end:
             self._end_epoch()
         if self.per_node > 1:
             self.ddp.require_backward_grad_sync = self._local_sync_due(step + 1)
@@ -242,7 +249,8 @@ class DasoStrategy(Strategy):
             self.pending = _Pending(torch.empty(0), None, self.local_steps + s, s, sender)
             return
         flat = flatten_params(self.model, out=self._flat)
-        buffer = flat.to(self.dtype) if self.dtype != torch.float32 else flat.clone()
+        dtype = self.blocking_dtype if s == 0 else self.cycling_dtype
+        buffer = flat.to(dtype) if dtype != torch.float32 else flat.clone()
         self.global_bytes += buffer.numel() * buffer.element_size()
         work = all_reduce_sum(
             buffer,
