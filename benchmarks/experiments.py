@@ -1172,7 +1172,7 @@ def seed_comparison(bench: Bench) -> None:
                         fmt(times[n]),
                         pct(r.final_acc),
                         fmt(r.get("wall_time_s")),
-                        fmt(r.get("bytes_sent", 0) / 1e6),
+                        fmt((r.get("bytes_sent") or 0) / 1e6),
                         "**fastest**" if n == fastest else "",
                     ]
                 )
