@@ -8,6 +8,7 @@ user's ``torchrun ... -m cloudburst train ...`` it runs as one rank of that job.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -252,10 +253,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     from cloudburst.runtime import in_torchrun
 
     cfg = build_config(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for warning in cfg.warnings():
+            print(f"cloudburst: warning: {warning}", file=sys.stderr)
+    if not in_torchrun():
+        from cloudburst.runtime import start_forkserver
+
+        start_forkserver()  # its imports overlap the checks below
     preflight(cfg)
     if in_torchrun():
-        import os
-
         from cloudburst.runtime import topology_mismatch
         from cloudburst.train import run_rank
 

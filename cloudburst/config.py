@@ -266,6 +266,11 @@ class RunConfig:
                 raise ConfigError(f"inter_node_link: {e}") from None
         _check_int("period", self.period, 1)
         _check_int("local_sgd_warmup_steps", self.local_sgd_warmup_steps, 0)
+        if self.strategy == "diloco" and self.local_sgd_warmup_steps:
+            raise ConfigError(
+                "local_sgd_warmup_steps: diloco has no synchronous warm-up (it is local_sgd's "
+                "post-local SGD); leave it at 0"
+            )
         _check_float("diloco_outer_lr", self.diloco_outer_lr, 0.0, None, low_open=True)
         _check_float("diloco_outer_momentum", self.diloco_outer_momentum, 0.0, 1.0, high_open=True)
         _check_int("easgd_tau", self.easgd_tau, 1)
@@ -308,6 +313,22 @@ class RunConfig:
                     f"nodes: {self.workers} workers do not split evenly over {nodes} nodes "
                     "(DASO needs the same number of ranks on every node)"
                 )
+
+    def warnings(self) -> list[str]:
+        """Valid settings that are known to train badly (printed by the CLI, one line each)."""
+        out = []
+        if (
+            self.strategy == "diloco"
+            and self.optimizer == "sgd"
+            and self.diloco_outer_lr * (1 + self.diloco_outer_momentum) > 1.0
+        ):
+            out.append(
+                f"diloco: outer lr {self.diloco_outer_lr:g} with momentum "
+                f"{self.diloco_outer_momentum:g} over an SGD inner optimizer diverged in our "
+                "measurements (benchmarks/results/local_sgd.md); DiLoCo's defaults assume an "
+                "Adam inner optimizer (--optimizer adam), or use --diloco-outer-lr 0.1"
+            )
+        return out
 
     @property
     def easgd_alpha_value(self) -> float:

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 
 import torch
@@ -433,8 +434,11 @@ def start_local_job(
     run_id = uuid.uuid4().hex[:12]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["CLOUDBURST_LOCAL_JOB"] = "1"
-    # fork: agents and ranks inherit the imported torch instead of importing it again (about
+    # Agents are forked (they inherit the imported torch instead of importing it again: about
     # 2 s of CPU per process, which on a 2-core machine dominates the start of a small job).
+    # Their ranks come from one forkserver started here, which imports the training code once.
+    if not torch.cuda.is_initialized():
+        start_forkserver(entrypoint.__module__)
     ctx = mp.get_context("fork")
     procs = []
     for spec in agent_layout(cfg.world_size, agent_per_rank):
@@ -446,6 +450,29 @@ def start_local_job(
         p.start()
         procs.append(p)
     return procs
+
+
+def start_forkserver(module: str = "cloudburst.train") -> None:
+    """Start (once) the forkserver that local jobs' ranks are forked from, preloading
+    ``module``; the CLI calls this early so that the server's imports overlap its checks."""
+    mp.set_forkserver_preload([module, "torch.distributed.elastic.multiprocessing"])
+    forkserver.ensure_running()
+
+
+def _adopt_forkserver() -> None:
+    """Let this forked agent start its ranks from the launcher's forkserver.
+
+    multiprocessing checks that its forkserver is alive with ``waitpid``, which only the process
+    that started it may call; a forked child has the server's address and its "alive" pipe, so
+    it can use the server, it just cannot wait on it.
+    """
+    server = forkserver._forkserver
+    if server._forkserver_pid is None:
+        return
+    try:
+        os.waitpid(server._forkserver_pid, os.WNOHANG)
+    except ChildProcessError:  # not ours: keep using it, without the liveness check
+        server.ensure_running = resource_tracker.ensure_running
 
 
 def _run_agent(cfg_dict: dict, spec: AgentSpec, port: int, run_id: str, entrypoint) -> None:
@@ -462,9 +489,13 @@ def _run_agent(cfg_dict: dict, spec: AgentSpec, port: int, run_id: str, entrypoi
     agent_log = open(log_dir / "agent.log", "a")
     os.dup2(agent_log.fileno(), 1)
     os.dup2(agent_log.fileno(), 2)
-    # Ranks are forked (fast) unless this process already holds a CUDA context, which a
-    # forked child cannot use; then they start fresh.
-    start_method = "spawn" if torch.cuda.is_initialized() else "fork"
+    # Ranks start from a forkserver that has imported the training code once: a plain fork
+    # of this agent (which runs threads: its store and monitor) occasionally left a rank
+    # stuck on a lock another thread held at fork time, and a CUDA context cannot cross a
+    # fork at all. The server is single-threaded, and ranks still skip the torch import.
+    start_method = "spawn" if torch.cuda.is_initialized() else "forkserver"
+    if start_method == "forkserver":
+        _adopt_forkserver()
     config = LaunchConfig(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,

@@ -105,3 +105,14 @@ def test_path_datasets_have_no_default_size_until_loaded(tmp_path):
     assert cfg.steps_per_worker(train_size=105) == 2 * ((105 // 2) // 10)
     assert RunConfig(dataset="synthetic").train_size == 4000
     assert RunConfig(model="pkg.module:factory").model == "pkg.module:factory"
+
+
+def test_diloco_refuses_warmup_and_warns_about_outer_lr_with_sgd():
+    with pytest.raises(ConfigError, match="local_sgd_warmup_steps"):
+        RunConfig(strategy="diloco", workers=2, local_sgd_warmup_steps=10, steps=10)
+    RunConfig(strategy="local_sgd", workers=2, local_sgd_warmup_steps=10, steps=10)
+    default = RunConfig(strategy="diloco", workers=2, steps=10)
+    assert len(default.warnings()) == 1 and "outer lr 0.7" in default.warnings()[0]
+    assert RunConfig(strategy="diloco", workers=2, steps=10, diloco_outer_lr=0.1).warnings() == []
+    assert RunConfig(strategy="diloco", workers=2, steps=10, optimizer="adam").warnings() == []
+    assert RunConfig(strategy="local_sgd", workers=2, steps=10).warnings() == []
