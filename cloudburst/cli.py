@@ -228,14 +228,38 @@ def _train_parser(sub) -> None:
     )
     p.add_argument("--eval-every-s", type=float, default=S)
     p.add_argument("--log-every-steps", type=int, default=S)
-    p.add_argument(
+    p.add_argument("--comm-timeout-s", type=float, default=S)
+    p.add_argument("--heartbeat-timeout-s", type=float, default=S)
+    g = p.add_argument_group("fault tolerance")
+    g.add_argument(
         "--checkpoint-every",
         type=int,
         default=S,
-        help="servers checkpoint their shard every this many applied pushes",
+        help="workers checkpoint every this many steps, servers every this many pushes (100; "
+        "0: off)",
     )
-    p.add_argument("--comm-timeout-s", type=float, default=S)
-    p.add_argument("--heartbeat-timeout-s", type=float, default=S)
+    g.add_argument(
+        "--resume",
+        metavar="DIR",
+        default=S,
+        help="continue the run in DIR (an earlier --out) from its checkpoints, with its "
+        "config; flags may change settings that do not change the run's identity",
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=S,
+        help="restart failed ranks this many times (sync/daso/local_sgd/diloco/gossip: the "
+        "whole job, from its last checkpoint; asgd/easgd: the rank rejoins)",
+    )
+    g.add_argument(
+        "--inject-fault",
+        action="append",
+        metavar="SPEC",
+        default=S,
+        help="kill:RANK@STEP | stop:RANK@STEP | nan:RANK@STEP | slow:RANK:FACTOR (repeatable; "
+        "first attempt only)",
+    )
     p.add_argument("--out", default=S, help="output directory (default runs/<strategy>-<time>)")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=S)
 
@@ -243,10 +267,44 @@ def _train_parser(sub) -> None:
 def build_config(args: argparse.Namespace) -> RunConfig:
     values: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "func")}
+    if "resume" in flags:
+        return resume_config(flags.pop("resume"), flags, has_toml=bool(values))
     values.update(flags)
     if "out" not in values:
         values["out"] = f"runs/{values.get('strategy', 'sync')}-{time.strftime('%Y%m%d-%H%M%S')}"
     return RunConfig.from_dict(values)
+
+
+def resume_config(run_dir: str, flags: dict[str, Any], has_toml: bool) -> RunConfig:
+    """The config of the run in ``run_dir``, with ``flags`` applied, set to resume it."""
+    import json
+    from pathlib import Path
+
+    from cloudburst.resilience import IDENTITY
+
+    if has_toml:
+        raise ConfigError(
+            "resume: a resumed run takes its settings from DIR/config.json, not --config"
+        )
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"resume: {str(path)!r} does not exist (not a cloudburst run directory)")
+    try:
+        values = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"resume: {str(path)!r} is not valid JSON ({e})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"resume: {str(path)!r} does not hold a config")
+    base = RunConfig.from_dict(values)
+    for key in IDENTITY:
+        if key in flags and flags[key] != getattr(base, key):
+            raise ConfigError(
+                f"resume: {key} cannot change when resuming ({getattr(base, key)!r} in "
+                f"{str(path)!r}); start a new run instead"
+            )
+    if "out" in flags and Path(flags["out"]).resolve() != Path(run_dir).resolve():
+        raise ConfigError("resume: a resumed run writes to its own directory; drop --out")
+    return RunConfig.from_dict({**values, **flags, "out": str(run_dir), "resume": True})
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -327,6 +385,15 @@ def preflight(cfg: RunConfig) -> None:
             load_model_into(cfg.init_from, model)
         except CheckpointError as e:
             raise ConfigError(f"init_from: {e}") from None
+    if cfg.resume:
+        from cloudburst.resilience import check_resumable
+
+        try:
+            what = check_resumable(cfg)
+        except CheckpointError as e:
+            raise ConfigError(f"resume: {e}") from None
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"cloudburst: {what}", file=sys.stderr)
 
 
 def _check_forward(cfg: RunConfig, model, data) -> None:

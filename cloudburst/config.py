@@ -146,13 +146,22 @@ class RunConfig:
     eval_every_s: float = 1.0
     log_every_steps: int = 10
     tensorboard: bool = False  # also write the metrics as TensorBoard events under OUT/tensorboard
-    checkpoint_every: int = 100  # server shard checkpoint every this many applied pushes (0: off)
+    # Workers checkpoint every this many steps, servers their shard every this many applied
+    # pushes (0: off), under OUT/checkpoints.
+    checkpoint_every: int = 100
+    resume: bool = False  # continue from the checkpoints under OUT (``--resume OUT``)
+    max_restarts: int = 0  # the launcher restarts a failed rank this many times (torchrun's)
+    # Faults to inject, "kill:RANK@STEP", "stop:RANK@STEP", "nan:RANK@STEP", "slow:RANK:FACTOR"
+    # (cloudburst.faults); they fire in a run's first attempt only.
+    inject_fault: list[str] = field(default_factory=list)
     comm_timeout_s: float = 300.0
     heartbeat_timeout_s: float = 10.0
     out: str = "runs/latest"
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.inject_fault, str):
+            self.inject_fault = [self.inject_fault]
         if self.n_sync is not None:
             _check_int("n_sync", self.n_sync, 1)
             self.n_fetch = self.n_push = self.n_sync
@@ -247,6 +256,14 @@ class RunConfig:
         _check_float("eval_every_s", self.eval_every_s, 0.0, None, low_open=True)
         _check_int("log_every_steps", self.log_every_steps, 1)
         _check_int("checkpoint_every", self.checkpoint_every, 0)
+        _check_int("max_restarts", self.max_restarts, 0)
+        if self.inject_fault:
+            from cloudburst.faults import FaultError, parse_faults
+
+            try:
+                parse_faults(self.inject_fault, self.servers, self.world_size)
+            except FaultError as e:
+                raise ConfigError(f"inject_fault: {e}") from None
         _check_float("comm_timeout_s", self.comm_timeout_s, 0.0, None, low_open=True)
         _check_float("heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0, None, low_open=True)
 
@@ -449,6 +466,11 @@ def _coerce(name: str, type_text: Any, value: Any) -> Any:
             if not isinstance(value, str):
                 raise ValueError
             return value
+        if text == "list[str]":
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+                raise ValueError
+            return list(value)
     except (TypeError, ValueError):
         raise ConfigError(
             f"{name}: {value!r} is not a valid {text.replace(' | None', '')}"

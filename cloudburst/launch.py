@@ -33,8 +33,10 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(cfg.to_json() + "\n")
-    # A new run: metrics of an earlier run in the same directory would mix into its curves.
-    shutil.rmtree(out / "metrics", ignore_errors=True)
+    if not cfg.resume:
+        # A new run: metrics of an earlier run in the same directory would mix into its curves
+        # (a resumed run appends to its own).
+        shutil.rmtree(out / "metrics", ignore_errors=True)
     (out / "summary.json").unlink(missing_ok=True)
     # A strategy that survives a worker's death gets one agent per rank: torch's agent tears
     # down every rank it started when one of them dies.
@@ -77,12 +79,35 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
         raise
     finally:
         bar.close()
+    _reap_ranks(out)
     codes = [p.exitcode for p in procs]
     if not summary_path.is_file():
         raise JobFailed(f"the run failed (agent exit codes {codes}); logs in {out / 'logs'}")
     summary = json.loads(summary_path.read_text())
     summary["failed_agents"] = [c for c in codes if c]
     return summary
+
+
+def _reap_ranks(out: Path) -> None:
+    """SIGKILL ranks of this job that are still alive once it is over (a SIGSTOPped or hung
+    one: the agents that started them are gone). Ranks are found by the pids they logged."""
+    import os
+    import signal
+
+    for path in (out / "metrics").glob("rank*.jsonl"):
+        for line in path.read_text(errors="ignore").splitlines():
+            if '"event": "start"' not in line:
+                continue
+            try:
+                pid = int(json.loads(line)["pid"])
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except (json.JSONDecodeError, KeyError, ValueError, OSError):
+                continue
+            if b"multiprocessing" in cmdline:  # still one of our ranks, not a reused pid
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 def _steps_done(out: Path) -> int:

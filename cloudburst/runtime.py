@@ -14,6 +14,7 @@ same entry point runs one rank.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -63,15 +64,34 @@ class Context:
     # (only the training threads receive on it); see cloudburst.comm.gossip.
     gossip_request_group: dist.ProcessGroup | None = None
     gossip_reply_group: dist.ProcessGroup | None = None
+    # Parameter servers, when there are several: their final shards go to server 0 on it.
+    servers_group: dist.ProcessGroup | None = None
+    # A worker that rejoined a running asgd/easgd job after a restart talks to the servers on
+    # a gloo group of its own (see rejoin_group); it never joined the world group.
+    rejoin_group: dist.ProcessGroupGloo | None = None
+    heartbeat: Heartbeat | None = None  # a rejoined worker's, started before it rejoined
 
-    def transport(self, stats=None):
+    @property
+    def rejoined(self) -> bool:
+        """True in a worker that rejoined the job after a restart (not in the world group)."""
+        return self.rejoin_group is not None
+
+    def transport(self, stats=None, group=None, members: list[int] | None = None):
         """A point-to-point transport that knows which peers are on other nodes (for the
-        byte accounting and the emulated inter-node link)."""
+        byte accounting and the emulated inter-node link).
+
+        On the world group by default; a rejoined worker's on its rejoin group. ``group`` and
+        ``members`` pick another one (``members``: see :class:`PeerTransport`).
+        """
         from cloudburst.comm.p2p import PeerTransport
 
+        if group is None and self.rejoin_group is not None:
+            group, members = self.rejoin_group, rejoin_members(self.num_servers, self.rank)
         topo, rank = self.topology, self.rank
         crosses = (lambda peer: topo.crosses(rank, peer)) if topo is not None else None
-        return PeerTransport(stats=stats, link=self.link, crosses=crosses)
+        return PeerTransport(
+            group=group, stats=stats, link=self.link, crosses=crosses, members=members
+        )
 
     @property
     def node(self) -> int:
@@ -104,15 +124,21 @@ class Context:
     def elapsed_s(self) -> float:
         return time.time() - self.t0
 
-    def start_clock(self) -> None:
+    def start_clock(self, elapsed_s: float = 0.0) -> None:
         """Barrier, then a common origin for wall-clock times: rank 0's clock via the store.
 
         Every rank calls this once, after loading data and building its model, so that
-        ``time_s`` in the metrics measures training, not start-up.
+        ``time_s`` in the metrics measures training, not start-up. A resumed run passes the
+        training time already done (rank 0's value counts), so its clock continues. A worker
+        that rejoined a running job takes the origin the others agreed on (no barrier: they
+        are training).
         """
+        if self.rejoined:
+            self.t0 = float(self.store.get("t0").decode())
+            return
         dist.barrier()
         if self.rank == 0:
-            self.store.set("t0", repr(time.time()))
+            self.store.set("t0", repr(time.time() - elapsed_s))
         self.t0 = float(self.store.get("t0").decode())
 
 
@@ -122,6 +148,10 @@ def init_distributed(cfg: RunConfig) -> Context:
     The world group is gloo (servers, point-to-point traffic, barriers). The workers' group
     carries their collectives: NCCL when they compute on GPUs and each has its own, else gloo
     (which also reduces CUDA tensors, through host memory).
+
+    A worker of an asgd/easgd job that its agent restarted alone (``TORCHELASTIC_RESTART_COUNT``
+    > 0) cannot re-enter the world group the others still hold: it rejoins on a group with the
+    servers instead (:func:`_rejoin_job`). A restarted server cannot, and fails at once.
     """
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
@@ -136,8 +166,18 @@ def init_distributed(cfg: RunConfig) -> Context:
     backend = select_backend(cfg)
     timeout = datetime.timedelta(seconds=cfg.comm_timeout_s)
     _choose_gloo_interface(os.environ["MASTER_ADDR"])
+    if restart_count() > 0 and _survives_worker_loss(cfg):
+        # This rank alone was restarted (one agent per rank); the others are still running
+        # and will not enter init_process_group again.
+        if rank < cfg.servers:
+            raise RuntimeError(
+                f"parameter-server rank {rank} was restarted, but a shard cannot rejoin a "
+                "running job (its workers lost their connections to it); restart the whole "
+                "job from its checkpoints with --resume OUT"
+            )
+        return _rejoin_job(cfg, rank, world, device, backend)
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timeout)
+        _init_world_group(rank, world, timeout)
     workers_group = None
     if cfg.servers or backend != "gloo":
         # Every rank must take part in creating a group, servers included.
@@ -150,6 +190,12 @@ def init_distributed(cfg: RunConfig) -> Context:
             )
             if rank >= cfg.servers
             else None
+        )
+    servers_group = None
+    if cfg.servers > 1 and rank < cfg.servers:
+        # Only the servers take part (hashed group name): workers skip it.
+        servers_group = dist.new_group(
+            list(range(cfg.servers)), timeout=timeout, use_local_synchronization=True
         )
     topology = resolve_topology(cfg, world)
     node_group = global_group = None
@@ -189,7 +235,85 @@ def init_distributed(cfg: RunConfig) -> Context:
         global_group,
         gossip_request_group=gossip_groups[0],
         gossip_reply_group=gossip_groups[1],
+        servers_group=servers_group,
     )
+
+
+def _survives_worker_loss(cfg: RunConfig) -> bool:
+    from cloudburst.strategies import STRATEGY_CLASSES
+
+    return STRATEGY_CLASSES[cfg.strategy].survives_worker_loss
+
+
+def _rejoin_job(
+    cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str
+) -> Context:
+    """A restarted worker of an asgd/easgd job: join the servers, not the world group.
+
+    The surviving ranks never call ``init_process_group`` again, and gloo cannot reconnect a
+    dead rank's place in their world group. So the restarted worker announces itself on the
+    job store's :class:`RejoinBoard`, and it and every server build a gloo group of their own
+    (:func:`rejoin_group`), on which the servers serve it from then on. It keeps its rank and
+    worker index; it has no workers' group (asgd and easgd use none).
+    """
+    store = _job_store(cfg)
+    _configure_logging(rank, "worker")
+    incarnation = restart_count()
+    # Heartbeats from now on: the servers reset this worker's liveness clock when they admit
+    # it, and it has data and a model to load before its strategy starts.
+    heartbeat = Heartbeat(store, rank, heartbeat_interval_s(cfg)).start()
+    try:
+        RejoinBoard(store, cfg.comm_timeout_s).announce(rank, incarnation)
+        group = rejoin_group(store, rank, incarnation, cfg.servers, cfg.servers, cfg.comm_timeout_s)
+    except BaseException:
+        heartbeat.stop()
+        raise
+    log.info("restart %d: rejoined the running job on a group with the servers", incarnation)
+    link = LinkEmulator(LinkSpec.parse(cfg.inter_node_link) if cfg.inter_node_link else None)
+    return Context(
+        cfg,
+        rank,
+        world,
+        cfg.servers,
+        cfg.workers,
+        None,
+        store,
+        time.time(),
+        device,
+        backend,
+        resolve_topology(cfg, world),
+        link,
+        rejoin_group=group,
+        heartbeat=heartbeat,
+    )
+
+
+def rejoin_group(
+    store: dist.Store,
+    worker_rank: int,
+    incarnation: int,
+    num_servers: int,
+    group_rank: int,
+    timeout_s: float,
+) -> dist.ProcessGroupGloo:
+    """The gloo group of one rejoining worker and every server (outside torch.distributed's
+    registry): servers keep their ranks 0..S-1, the worker is rank S.
+
+    Every member builds it at about the same time: it connects all pairs through the job
+    ``store``, under keys of this worker's restart (``incarnation``), within ``timeout_s``,
+    and every operation on it times out after the same.
+    """
+    # A store connection of its own: building the group waits in the store for the other
+    # members, and a store client answers one request at a time (heartbeats would wait).
+    prefixed = dist.PrefixStore(f"rejoin/{worker_rank}/{incarnation}/", store.clone())
+    return dist.ProcessGroupGloo(
+        prefixed, group_rank, num_servers + 1, datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def rejoin_members(num_servers: int, worker_rank: int) -> list[int]:
+    """The global rank of each rank of a rejoin group."""
+    return [*range(num_servers), worker_rank]
 
 
 def launched_nodes(world: int) -> tuple[int, int]:
@@ -243,9 +367,15 @@ def _choose_gloo_interface(master_addr: str) -> None:
     gloo binds to the address this host's name resolves to; where that is 127.0.0.1 (common
     on single-host images) ranks on other hosts or namespaces dial their own loopback and the
     job hangs. When the master is not local and ``GLOO_SOCKET_IFNAME`` is unset, set it to
-    the interface of the route to the master.
+    the interface of the route to the master; when the master is local, the loopback one.
     """
-    if os.environ.get("GLOO_SOCKET_IFNAME") or _is_loopback(master_addr):
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    if _is_loopback(master_addr):
+        # A job on this host: listen on the loopback interface only.
+        name = _interface_with_address("127.0.0.1")
+        if name:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
         return
     try:
         if not _is_loopback(socket.gethostbyname(socket.gethostname())):
@@ -346,7 +476,42 @@ def _job_store(cfg: RunConfig) -> dist.Store:
         wait_for_workers=False,
     )
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return dist.PrefixStore(f"{STORE_PREFIX}/{run_id}/", client)
+    # A restart of the whole job (every rank restarts together) gets keys of its own; a rank
+    # of an asynchronous job that restarts alone rejoins the others' keys.
+    from cloudburst.strategies import STRATEGY_CLASSES
+
+    alone = STRATEGY_CLASSES[cfg.strategy].survives_worker_loss
+    attempt = "" if alone else f"attempt{restart_count()}/"
+    return dist.PrefixStore(f"{STORE_PREFIX}/{run_id}/{attempt}", client)
+
+
+def _init_world_group(rank: int, world: int, timeout: datetime.timedelta) -> None:
+    """The default (world) gloo group.
+
+    Under an agent that shares its store with the ranks (static rendezvous: cloudburst's local
+    launcher and torchrun's ``--rdzv-backend static``), the same store outlives a restart under
+    ``--max-restarts``, and torch's ``env://`` initialisation would read the previous attempt's
+    addresses: join through that store under a prefix of this attempt instead. Otherwise
+    (torchrun's c10d rendezvous, a new store per attempt) ``env://``.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    store = dist.PrefixStore(f"{STORE_PREFIX}/world/{run_id}/attempt{restart_count()}/", client)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def restart_count() -> int:
+    """How many times torchrun's agent has restarted this rank (0 in a first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def _configure_logging(rank: int, role: str) -> None:
@@ -358,6 +523,11 @@ def _configure_logging(rank: int, role: str) -> None:
 
 
 # ---------------------------------------------------------------------------- liveness
+def heartbeat_interval_s(cfg: RunConfig) -> float:
+    """How often a worker bumps its heartbeat: five times per ``heartbeat_timeout_s``."""
+    return max(0.05, cfg.heartbeat_timeout_s / 5)
+
+
 class Heartbeat:
     """A worker's liveness signal: a counter in the job store, bumped from a daemon thread."""
 
@@ -404,6 +574,75 @@ class LivenessMonitor:
                 dead.add(r)
         return dead
 
+    def revive(self, rank: int) -> None:
+        """Give ``rank`` (a restarted worker rejoining) a full timeout from now."""
+        self._last[rank] = (self._store.add(f"hb/{rank}", 0), time.monotonic())
+
+
+class RejoinRefused(RuntimeError):
+    """A restarted worker came back after the servers had finished."""
+
+
+class RejoinBoard:
+    """Announcements, in the job store, of restarted workers rejoining an asgd/easgd job.
+
+    A restarted worker takes the next number of a counter and writes (rank, incarnation)
+    under it. Every server reads the announcements in that order, so all of them build the
+    rejoin groups in the same order. A server that has finished serving *closes* the board by
+    adding ``CLOSED`` to the counter, in the same atomic operation that tells it which
+    announcements came before: a number handed out after that comes back ``>= CLOSED``, and
+    both sides treat that announcement as late (refused). So a worker is either admitted by
+    every server or refused by every one.
+    """
+
+    COUNT = "rejoin/count"
+    CLOSED = 1 << 40
+
+    def __init__(self, store: dist.Store, timeout_s: float):
+        self._store, self._timeout_s = store, timeout_s
+        self._seen = 0
+        self._closed = False
+
+    def announce(self, rank: int, incarnation: int) -> None:
+        """Worker side; raises :class:`RejoinRefused` when the servers have finished."""
+        value = self._store.add(self.COUNT, 1)
+        late = value >= self.CLOSED
+        record = {"rank": rank, "incarnation": incarnation, "late": late}
+        self._store.set(f"rejoin/{value % self.CLOSED}", json.dumps(record))
+        if late:
+            raise RejoinRefused(
+                f"rank {rank} was restarted after the parameter servers had finished: "
+                "there is no running job to rejoin"
+            )
+
+    def poll(self) -> list[tuple[int, int]]:
+        """Server side: (rank, incarnation) of the announcements since the last call."""
+        return self._read(self._store.add(self.COUNT, 0) % self.CLOSED)
+
+    def close(self) -> list[tuple[int, int]]:
+        """Server side: refuse announcements from now on; returns those not read yet."""
+        if self._closed:
+            return self.poll()
+        self._closed = True
+        return self._read(self._store.add(self.COUNT, self.CLOSED) % self.CLOSED)
+
+    def _read(self, count: int) -> list[tuple[int, int]]:
+        arrivals = []
+        timeout = datetime.timedelta(seconds=self._timeout_s)
+        for number in range(self._seen + 1, count + 1):
+            key = f"rejoin/{number}"
+            try:
+                # written right after the number was taken (unless that worker died there)
+                self._store.wait([key], timeout)
+                record = json.loads(self._store.get(key))
+            except (RuntimeError, ValueError) as e:  # the store timed out, or bad JSON
+                log.warning("unreadable rejoin announcement %d (%s); ignored", number, e)
+                continue
+            if not record["late"]:
+                arrivals.append((int(record["rank"]), int(record["incarnation"])))
+        self._seen = max(self._seen, count)
+        return arrivals
+
 
 # ---------------------------------------------------------------------------- local launch
 def free_port() -> int:
@@ -434,6 +673,8 @@ def start_local_job(
     run_id = uuid.uuid4().hex[:12]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["CLOUDBURST_LOCAL_JOB"] = "1"
+    # torch 2.13's agents cannot restart ranks when the rendezvous store is shared with them.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     # Agents are forked (they inherit the imported torch instead of importing it again: about
     # 2 s of CPU per process, which on a 2-core machine dominates the start of a small job).
     # Their ranks come from one forkserver started here, which imports the training code once.
@@ -456,7 +697,20 @@ def start_forkserver(module: str = "cloudburst.train") -> None:
     """Start (once) the forkserver that local jobs' ranks are forked from, preloading
     ``module``; the CLI calls this early so that the server's imports overlap its checks."""
     mp.set_forkserver_preload([module, "torch.distributed.elastic.multiprocessing"])
-    forkserver.ensure_running()
+    # The server and the ranks it forks must not hold this process's stdout/stderr: a rank
+    # that never exits (a SIGSTOPped one) would keep a caller's pipes open. Ranks write to
+    # their log files (the agents redirect them).
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
+        forkserver.ensure_running()
+    finally:
+        for fd, copy in zip((1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(devnull)
 
 
 def _adopt_forkserver() -> None:
@@ -475,10 +729,60 @@ def _adopt_forkserver() -> None:
         server.ensure_running = resource_tracker.ensure_running
 
 
+LOCAL_RDZV_BACKEND = "cloudburst-static"
+
+
+def loopback_listener(port: int) -> socket.socket:
+    """A listening socket on 127.0.0.1:``port`` for a TCPStore server (``master_listen_fd``):
+    torch's own binds every interface, and a local job must not be reachable from outside."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(1024)
+    return sock
+
+
+def _local_rendezvous(params):
+    """torch's static rendezvous, with the host's store listening on 127.0.0.1 only."""
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
+        StaticTCPRendezvous,
+        create_rdzv_handler,
+    )
+
+    class LoopbackStaticRendezvous(StaticTCPRendezvous):
+        def get_backend(self) -> str:
+            return LOCAL_RDZV_BACKEND
+
+    base = create_rdzv_handler(params)  # validates the parameters
+    handler = LoopbackStaticRendezvous(
+        base.master_addr,
+        base.master_port,
+        base.rank,
+        base.world_size,
+        base.run_id,
+        int(base.timeout.total_seconds()),
+    )
+    if handler.rank == 0 and _is_loopback(handler.master_addr):
+        listener = loopback_listener(handler.master_port)
+        handler._store = dist.TCPStore(
+            handler.master_addr,
+            handler.master_port,
+            handler.world_size,
+            True,
+            handler.timeout,
+            multi_tenant=True,
+            master_listen_fd=listener.detach(),
+        )
+    return handler
+
+
 def _run_agent(cfg_dict: dict, spec: AgentSpec, port: int, run_id: str, entrypoint) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    rendezvous_handler_registry.register(LOCAL_RDZV_BACKEND, _local_rendezvous)
 
     # The agent's own error dump repeats the rank's traceback; the rank's log file has it.
     log_dir = Path(cfg_dict["out"]) / "logs" / f"agent{spec.node_rank}"
@@ -501,10 +805,10 @@ def _run_agent(cfg_dict: dict, spec: AgentSpec, port: int, run_id: str, entrypoi
         max_nodes=spec.nnodes,
         nproc_per_node=spec.nproc,
         run_id=run_id,
-        rdzv_backend="static",
+        rdzv_backend=LOCAL_RDZV_BACKEND,
         rdzv_endpoint=f"127.0.0.1:{port}",
         rdzv_configs={"rank": spec.node_rank, "timeout": 120},
-        max_restarts=0,
+        max_restarts=int(cfg_dict.get("max_restarts", 0)),
         start_method=start_method,
         monitor_interval=0.1,
         local_addr="127.0.0.1",

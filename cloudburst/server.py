@@ -5,11 +5,19 @@ time, in arrival order, keeps the version clock (number of applied pushes) and t
 staleness, drops pushes staler than ``max_staleness``, optionally scales a push by
 1/staleness, and rejects non-finite pushes. It has no communication and is unit-tested alone.
 
-:func:`serve` is the loop a server rank runs: receive a request header from *any* worker, act,
-reply. Workers never wait for each other; they wait only for the server's reply. A worker that
-stops sending (killed, hung) simply stops being served; when the remaining workers have
+:class:`ServerLoop` is what a server rank runs: receive a request header from *any* worker,
+act, reply. Workers never wait for each other; they wait only for the server's reply. A worker
+that stops sending (killed, hung) simply stops being served; when the remaining workers have
 finished, the server asks the job store which of the silent ones still send heartbeats and
 records the others as lost. Shards are checkpointed every ``checkpoint_every`` applied pushes.
+
+A killed worker that its agent restarts (``--max-restarts``) *rejoins*: it cannot re-enter the
+world group, so it announces itself in the job store (:class:`cloudburst.runtime.RejoinBoard`)
+and it and every server build a gloo group of their own, on which the servers serve it from
+then on with the same protocol and checks. An admitted worker is no longer lost; its DONE
+finishes it as any other's. Each server receives on every group from its own thread and
+handles one request at a time (one lock), so pushes are still applied one by one. After the
+servers have finished, a restarted worker is refused (it fails with a one-line error).
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +34,13 @@ import torch
 
 from cloudburst.checkpoint import save_checkpoint
 from cloudburst.comm.flat import shard_bounds
-from cloudburst.comm.p2p import Header, Kind, Status
+from cloudburst.comm.p2p import CommStats, Header, Kind, Status
 from cloudburst.config import RunConfig
 
 log = logging.getLogger(__name__)
+
+REJOIN_POLL_S = 0.5  # how often a server looks for restarted workers announcing themselves
+_ADMITTING = object()  # the route of a worker while its rejoin group is being built
 
 
 @dataclass
@@ -208,7 +220,14 @@ def make_shard(cfg: RunConfig, theta: torch.Tensor) -> ShardState:
 
 
 class ServerLoop:
-    """The request loop of server shard k. See the module docstring for the protocol."""
+    """The request loop of server shard k. See the module docstring for the protocol.
+
+    :meth:`run` serves on threads: one per group that requests arrive on (the world group, and
+    one group per worker that rejoined after a restart), each receiving from any member and
+    handling one request at a time under one lock, so that requests are still applied one at
+    a time whatever group they came on. The calling thread admits rejoining workers and waits
+    until every worker is finished or lost.
+    """
 
     def __init__(self, ctx, full_theta: torch.Tensor, metrics, liveness):
         cfg: RunConfig = ctx.cfg
@@ -216,7 +235,7 @@ class ServerLoop:
         self.bounds = shard_bounds(full_theta.numel(), cfg.servers)
         a, b = self.bounds[ctx.server_index]
         self.shard = make_shard(cfg, full_theta[a:b])
-        self.transport = ctx.transport()
+        self.transport = ctx.transport()  # on the world group
         # PUSH_FETCH replies overlap with the push when the worker can rebuild θ_after from
         # θ_before (the add rule); an optimizer rule's state lives only here.
         self.overlap_replies = overlapped_push_fetch(cfg)
@@ -224,51 +243,207 @@ class ServerLoop:
         self._recv_buf = torch.empty(self.shard.theta.numel())
         self.awaiting_init = cfg.warm_start_steps > 0
         self.deferred_fetches: list[int] = []
+        self.workers = set(ctx.worker_ranks)
         self.done: set[int] = set()  # workers that sent DONE
         self.finished: set[int] = set()  # workers told FINISHED (they exit)
         self.lost: set[int] = set()
         self.malformed = 0
         self.from_unknown = 0
+        self.rejoined: set[int] = set()  # workers that rejoined after a restart
+        self.rejoins = 0
+        # Where each rejoined worker is served now (the others: self.transport). A worker being
+        # admitted maps to _ADMITTING: nothing from its previous incarnation is served.
+        self._routes: dict[int, Any] = {}
+        self._rejoin_stats: list[CommStats] = []
+        # Guards everything above once serving threads run; notified when a worker finishes
+        # or is lost, and when a serving thread fails.
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._error: BaseException | None = None
+        self._stopped = False
 
     @property
     def numel(self) -> int:
         return self.shard.theta.numel()
 
     def run(self) -> None:
-        workers = set(self.ctx.worker_ranks)
-        while self.finished | self.lost != workers:
-            src, header = self.transport.recv_request_any()
-            if src not in workers:
-                self.from_unknown += 1
-                log.warning("ignored a request from rank %d, which is not a worker", src)
-                continue
-            if src in self.lost:
-                log.warning("rank %d was declared lost but is talking again; serving it", src)
-                self.lost.discard(src)
-            try:
-                if header is None or not self._valid(header):
-                    self.malformed += 1
-                    log.warning("rejected a malformed message from rank %d", src)
-                    self._drain_payload(src, header)
-                    self._reply(src, Status.REJECTED)
-                    continue
-                self._handle(src, header)
-            except RuntimeError as e:
-                # The conversation with this one worker broke (it died mid-request: gloo raises
-                # at once; or it hung: the group's timeout). The others are still served.
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                log.error("lost worker rank %d during a request: %s", src, first[:300])
-                self.lost.add(src)
-                self.deferred_fetches = [r for r in self.deferred_fetches if r != src]
+        from cloudburst.runtime import RejoinBoard
+
+        self._serve_in_thread(self.transport, None)
+        # The board waits in the store (for an announcement being written): a connection of
+        # its own, so that the serving threads' liveness checks never wait behind it.
+        board = RejoinBoard(self.ctx.store.clone(), self.cfg.comm_timeout_s)
+        try:
+            while True:
+                for rank, incarnation in board.poll():
+                    self._admit(rank, incarnation)
+                with self._changed:
+                    self._raise_if_failed()
+                    if self.finished | self.lost != self.workers:
+                        self._changed.wait(REJOIN_POLL_S)
+                        continue
+                # Every worker is finished or lost: refuse later rejoins, but admit those
+                # announced before (they will train, so the serving goes on).
+                arrivals = board.close()
+                if not arrivals:
+                    break
+                for rank, incarnation in arrivals:
+                    self._admit(rank, incarnation)
+        finally:
+            with self._lock:
+                self._stopped = True
         self._checkpoint()
         log.info(
-            "server %d finished: version %d, %d lost workers %s",
+            "server %d finished: version %d, %d lost workers %s, %d rejoins",
             self.ctx.server_index,
             self.shard.version,
             len(self.lost),
             sorted(self.lost),
+            self.rejoins,
         )
 
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # ---------------------------------------------------------------- serving threads
+    def _serve_in_thread(self, transport, rank: int | None) -> None:
+        name = "world" if rank is None else f"rank{rank}"
+        threading.Thread(
+            target=self._serve,
+            args=(transport, rank),
+            name=f"cloudburst-serve-{name}",
+            daemon=True,
+        ).start()
+
+    def _expects_requests(self, transport, rank: int | None) -> bool:
+        """Whether a worker served on ``transport`` may still send: one that is neither
+        finished nor lost (``rank``: the rejoined worker whose group it is; None: the world).
+        A thread receives only then, so that none waits on a group nobody will talk on."""
+        if self._stopped:
+            return False
+        if rank is None:
+            served = self.workers - self._routes.keys()
+        else:
+            served = {rank} if self._routes.get(rank) is transport else set()
+        return any(r not in self.finished and r not in self.lost for r in served)
+
+    def _serve(self, transport, rank: int | None) -> None:
+        """One group's requests: receive a header from any member, handle it, and again.
+
+        Each receive runs under the group's timeout. A thread can still be left waiting (a
+        worker died or was moved to a rejoin group while it waited); it is a daemon, and
+        nothing else receives on its group.
+        """
+        try:
+            while True:
+                with self._lock:
+                    if not self._expects_requests(transport, rank):
+                        return
+                src, header = transport.recv_request_any()
+                with self._changed:
+                    if self._stopped:  # run() has returned: θ is final, nothing is applied
+                        log.warning("ignored a request from rank %d after the end", src)
+                        return
+                    ended = len(self.finished) + len(self.lost)
+                    self._serve_one(transport, src, header)
+                    if len(self.finished) + len(self.lost) != ended:
+                        self._changed.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to run(), or recorded as a loss
+            with self._changed:
+                if not self._expects_requests(transport, rank):
+                    group = "the world" if rank is None else f"rank {rank}"
+                    log.debug("the serving thread of %s's group ends: %s", group, e)
+                elif rank is not None:
+                    # The rejoined worker's group failed: that worker is lost, not the server.
+                    log.error("lost rejoined worker rank %d: %s", rank, _first_line(e))
+                    self.lost.add(rank)
+                else:
+                    self._error = e
+                self._changed.notify_all()
+
+    def _serve_one(self, transport, src: int, header: Header | None) -> None:
+        """Handle one request (under the lock)."""
+        if src not in self.workers:
+            self.from_unknown += 1
+            log.warning("ignored a request from rank %d, which is not a worker", src)
+            return
+        if self._routes.get(src, self.transport) is not transport:
+            # Sent by a previous incarnation of a worker that has since rejoined.
+            log.warning("ignored a request from rank %d before its restart", src)
+            return
+        if src in self.lost:
+            log.warning("rank %d was declared lost but is talking again; serving it", src)
+            self.lost.discard(src)
+        try:
+            if header is None or not self._valid(header):
+                self.malformed += 1
+                log.warning("rejected a malformed message from rank %d", src)
+                self._drain_payload(src, header)
+                self._reply(src, Status.REJECTED)
+                return
+            self._handle(src, header)
+        except RuntimeError as e:
+            # The conversation with this one worker broke (it died mid-request: gloo raises
+            # at once; or it hung: the group's timeout). The others are still served.
+            log.error("lost worker rank %d during a request: %s", src, _first_line(e))
+            self.lost.add(src)
+            self.deferred_fetches = [r for r in self.deferred_fetches if r != src]
+
+    # ---------------------------------------------------------------- rejoining workers
+    def _admit(self, rank: int, incarnation: int) -> None:
+        """Serve a restarted worker on a new group with it (built by it and every server).
+
+        From the moment it is admitted it counts as training again (not lost, not done), so
+        the servers wait for it; if the group cannot be built it is lost.
+        """
+        from cloudburst.runtime import rejoin_group, rejoin_members
+
+        if rank not in self.workers:
+            log.warning("ignored a rejoin announcement from rank %d, not a worker", rank)
+            return
+        with self._changed:
+            self._routes[rank] = _ADMITTING
+            for ranks in (self.lost, self.done, self.finished):
+                ranks.discard(rank)
+            self.deferred_fetches = [r for r in self.deferred_fetches if r != rank]
+            if self.liveness is not None:
+                self.liveness.revive(rank)
+        try:
+            group = rejoin_group(
+                self.ctx.store,
+                rank,
+                incarnation,
+                self.cfg.servers,
+                self.ctx.server_index,
+                self.cfg.comm_timeout_s,
+            )
+        except RuntimeError as e:  # it died again, or timed out: comm_timeout_s
+            log.error("worker rank %d could not rejoin: %s", rank, _first_line(e))
+            with self._changed:
+                self.lost.add(rank)
+                self._changed.notify_all()
+            return
+        stats = CommStats()
+        transport = self.ctx.transport(
+            stats, group=group, members=rejoin_members(self.cfg.servers, rank)
+        )
+        with self._changed:
+            self._routes[rank] = transport
+            self._rejoin_stats.append(stats)
+            self.rejoined.add(rank)
+            self.rejoins += 1
+            self.metrics.log(
+                "rejoin", time_s=self.ctx.elapsed_s(), worker=rank, incarnation=incarnation
+            )
+        log.info("worker rank %d rejoined after restart %d", rank, incarnation)
+        self._serve_in_thread(transport, rank)
+
+    def _peer(self, src: int):
+        """The transport that ``src`` is served on."""
+        return self._routes.get(src, self.transport)
+
+    # ---------------------------------------------------------------- the protocol
     def _valid(self, h: Header) -> bool:
         if h.shard != self.ctx.server_index or h.kind in (Kind.REPLY, Kind.FINAL):
             return False
@@ -280,9 +455,10 @@ class ServerLoop:
         # A header announcing the right payload size is followed by that payload: consume it so
         # the stream stays aligned. Any other size is never sent by our workers.
         if h is not None and h.kind in PAYLOAD_KINDS and h.numel == self.numel:
-            self.transport.recv_payload(src, self.numel, out=self._recv_buf)
+            self._peer(src).recv_payload(src, self.numel, out=self._recv_buf)
 
     def _handle(self, src: int, h: Header) -> None:
+        transport = self._peer(src)
         if h.kind in (Kind.PUSH, Kind.PUSH_FETCH):
             if self.awaiting_init:
                 raise RuntimeError(f"rank {src} pushed before the warm start finished")
@@ -290,10 +466,10 @@ class ServerLoop:
             if overlapped:
                 # θ before this push goes back while Δ comes in (both directions at once); the
                 # worker adds its own Δ exactly as apply_push will, unless the reply rejects it.
-                send_theta = self.transport.isend_payload(src, self.shard.theta, reply=True)
-            delta = self.transport.recv_payload(src, self.numel, out=self._recv_buf)
+                send_theta = transport.isend_payload(src, self.shard.theta, reply=True)
+            delta = transport.recv_payload(src, self.numel, out=self._recv_buf)
             if overlapped:
-                self.transport.wait_all([send_theta])  # θ must not change while it is sent
+                transport.wait_all([send_theta])  # θ must not change while it is sent
             result = self.shard.apply_push(delta, h.version, h.samples)
             if result.status == Status.REJECTED:
                 log.warning(
@@ -328,7 +504,7 @@ class ServerLoop:
             else:
                 self._reply(src, Status.OK, with_theta=True)
         elif h.kind == Kind.INIT:
-            theta = self.transport.recv_payload(src, self.numel, out=self._recv_buf)
+            theta = transport.recv_payload(src, self.numel, out=self._recv_buf)
             if not all_finite(theta):
                 raise RuntimeError(f"warm-start θ from rank {src} is not finite")
             self.shard.set_theta(theta)
@@ -364,25 +540,42 @@ class ServerLoop:
             status=status,
             aux=staleness,
         )
-        self.transport.send(dst, header, self.shard.theta if with_theta else None)
+        self._peer(dst).send(dst, header, self.shard.theta if with_theta else None)
 
     def _checkpoint(self) -> None:
         save_checkpoint(
             shard_checkpoint_path(self.cfg.out, self.ctx.server_index),
             "server-shard",
-            {"shard": self.ctx.server_index, "bounds": self.bounds, **self.shard.state_dict()},
+            {
+                "shard": self.ctx.server_index,
+                "bounds": self.bounds,
+                "elapsed_s": self.ctx.elapsed_s(),
+                **self.shard.state_dict(),
+            },
         )
 
     def stats(self) -> dict[str, Any]:
         s = self.shard.stats()
-        s.update(self.transport.stats.as_dict())
+        s.update(_sum_stats([self.transport.stats, *self._rejoin_stats]).as_dict())
         s["messages_rejected"] += self.malformed + self.from_unknown
         s["lost_workers"] = sorted(self.lost)
+        s["rejoined_workers"] = sorted(self.rejoined)
+        s["rejoins"] = self.rejoins
         return s
 
     # ---------------------------------------------------------------- end of run
     def gather_final_theta(self) -> torch.Tensor | None:
-        """Servers k > 0 send their shard to server 0, which returns the whole θ."""
+        """Servers k > 0 send their shard to server 0, which returns the whole θ.
+
+        On the servers' own group: the world group may have been left with a receive that
+        timed out (every worker served on it gone), which breaks its connections.
+        """
+        group = getattr(self.ctx, "servers_group", None)
+        transport = (
+            self.transport
+            if group is None
+            else self.ctx.transport(self.transport.stats, group=group)
+        )
         if self.ctx.server_index != 0:
             h = Header(
                 Kind.FINAL,
@@ -391,14 +584,33 @@ class ServerLoop:
                 numel=self.numel,
                 samples=self.shard.samples,
             )
-            self.transport.send(0, h, self.shard.theta, final=True)
+            transport.send(0, h, self.shard.theta, final=True)
             return None
         parts = [self.shard.theta]
         for k in range(1, self.cfg.servers):
             a, b = self.bounds[k]
-            _, theta = self.transport.recv_final(k, b - a)
+            _, theta = transport.recv_final(k, b - a)
             parts.append(theta)
         return torch.cat(parts)
+
+
+def _sum_stats(parts: list[CommStats]) -> CommStats:
+    """The counters of several transports added up."""
+    total = CommStats()
+    for part in parts:
+        for f in fields(CommStats):
+            value = getattr(part, f.name)
+            if isinstance(value, dict):
+                for key, v in value.items():
+                    total.extra[key] = total.extra.get(key, 0.0) + v
+            else:
+                setattr(total, f.name, getattr(total, f.name) + value)
+    return total
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:300]
 
 
 def mean_staleness(stats: list[dict[str, Any]]) -> float:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cloudburst.checkpoint import load_model_into, save_model
+from cloudburst.checkpoint import CheckpointError, load_checkpoint, load_model_into, save_model
 from cloudburst.comm.collectives import all_reduce_sum
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.comm.p2p import CommStats
@@ -32,10 +32,26 @@ from cloudburst.data import (
     load_dataset,
     worker_source,
 )
+from cloudburst.faults import FaultInjector, parse_faults
 from cloudburst.metrics import MetricsWriter, time_to_target, write_json_atomic
 from cloudburst.models import build_model
-from cloudburst.runtime import Context, LivenessMonitor, init_distributed, shutdown
-from cloudburst.server import ServerLoop, mean_staleness
+from cloudburst.resilience import (
+    agree_on_step,
+    load_worker_state,
+    rng_state,
+    save_worker_state,
+    set_rng_state,
+    valid_steps,
+    worker_checkpoint_path,
+)
+from cloudburst.runtime import (
+    Context,
+    LivenessMonitor,
+    init_distributed,
+    restart_count,
+    shutdown,
+)
+from cloudburst.server import ServerLoop, mean_staleness, shard_checkpoint_path
 from cloudburst.strategies import make_strategy
 
 log = logging.getLogger(__name__)
@@ -45,6 +61,8 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
     """Entry point of one rank. ``cfg_dict`` is a :meth:`RunConfig.to_dict`."""
     cfg = RunConfig.from_dict(cfg_dict)
     ctx = init_distributed(cfg)
+    if ctx.rank == 0:  # what --resume reads back (the local launcher also writes it)
+        write_json_atomic(f"{cfg.out}/config.json", cfg.to_dict())
     metrics = MetricsWriter(cfg.out, ctx.rank, ctx.role, tensorboard=cfg.tensorboard)
     metrics.log(
         "start",
@@ -101,33 +119,57 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         num_workers=data_workers(cfg, data),
         pin_memory=device.type == "cuda",
     )
-    factor = cfg.straggler_factor(ctx.worker_index)
+    faults = FaultInjector(
+        parse_faults(cfg.inject_fault, cfg.servers, cfg.world_size),
+        ctx.rank,
+        active=restart_count() == 0 and not cfg.resume,
+        on_fire=lambda f, step: metrics.log("fault", step=step, kind=f.kind, wall=time.time()),
+    )
+    factor = cfg.straggler_factor(ctx.worker_index) * faults.slow_factor
     loss_fn = nn.CrossEntropyLoss()
     scheduler = make_scheduler(cfg, optimizer, total)
     autocast = cfg.autocast == "bf16"
+    skipped = 0  # steps whose gradient was not finite (not applied)
 
-    def train_step() -> float:
+    def train_step(step: int = 0) -> float:
+        nonlocal skipped
         xb, yb = next(stream)
         xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = loss_fn(net(xb), yb)
+        if step and faults.corrupt_loss(step):
+            loss = loss * float("nan")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         strategy.after_backward()
-        optimizer.step()
+        # A non-finite gradient (after sync's all-reduce: the same on every replica) is never
+        # applied: the replica stays as it was, and the step is counted as skipped.
+        if grads_finite(optimizer):
+            optimizer.step()
+        else:
+            skipped += 1
+            log.warning("step %d: non-finite gradient, not applied", step)
         return loss.item()
 
-    def train_step_scheduled() -> float:
-        loss = train_step()
+    def train_step_scheduled(step: int) -> float:
+        loss = train_step(step)
         if scheduler is not None:
             scheduler.step()
         return loss
 
     evaluator = Evaluator(ctx, model, data, metrics) if strategy.is_evaluator else None
+    resumed = resume_worker(ctx, model, optimizer, scheduler, strategy, stream, evaluator)
+    start_step = resumed["step"] if resumed else 0
+    samples = resumed["samples"] if resumed else 0
+    skipped = resumed["skipped"] if resumed else 0
+    if resumed:
+        metrics.log(
+            "resume", step=start_step, attempt=restart_count(), samples=samples, wall=time.time()
+        )
     # Everything above is set-up (the first optimizer alone imports for ~2 s): the clock that
-    # measures training starts now, on every rank at once.
-    ctx.start_clock()
-    if cfg.warm_start_steps and ctx.worker_index == 0:
+    # measures training starts now, on every rank at once (a resumed run's clock continues).
+    ctx.start_clock(resumed["elapsed_s"] if resumed else 0.0)
+    if cfg.warm_start_steps and ctx.worker_index == 0 and not resumed:
         # Warm start (GPU A-SGD experiment 3): this worker trains alone, then seeds the servers.
         for i in range(cfg.warm_start_steps):
             loss = train_step()
@@ -138,12 +180,14 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         evaluator.maybe_eval(strategy, force=True)
 
     bar = _progress_bar(ctx, total)
-    samples = 0
+    if bar is not None:
+        bar.update(start_step)
     loss = math.nan
-    for step in range(1, total + 1):
+    checkpoint_due = False
+    for step in range(start_step + 1, total + 1):
         t_start = time.perf_counter()
         waited_before = strategy.stats.wait_s
-        loss = train_step_scheduled()
+        loss = train_step_scheduled(step)
         compute_s = time.perf_counter() - t_start - (strategy.stats.wait_s - waited_before)
         _emulate_device(compute_s, cfg.min_step_time_s, factor)
         strategy.record_loss(loss)
@@ -151,6 +195,24 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         samples += cfg.batch_size
         if evaluator:
             evaluator.maybe_eval(strategy)
+        faults.after_step(step)
+        checkpoint_due |= bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0
+        if checkpoint_due and step < total and strategy.checkpoint_ready():
+            checkpoint_due = False
+            state = {
+                "samples": samples,
+                "skipped": skipped,
+                "elapsed_s": ctx.elapsed_s(),
+                "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "strategy": strategy.state_dict(),
+                "stream": stream.state_dict(),
+                "rng": rng_state(device),
+                "evals": evaluator.history if evaluator else [],
+            }
+            save_worker_state(cfg, ctx.worker_index, step, state)
+            metrics.log("checkpoint", step=step, time_s=ctx.elapsed_s())
         if step % cfg.log_every_steps == 0 or step == total:
             metrics.log(
                 "step",
@@ -176,6 +238,8 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         "steps": total,
         "samples": samples,
         "final_loss": loss,
+        "steps_skipped_nonfinite": skipped,
+        "resumed_from_step": start_step,
         **strategy.report(),
         "evals": evaluator.history if evaluator else [],
     }
@@ -203,6 +267,55 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         if averaged is not None:
             flat = averaged
         finalize_run(ctx, model, flat, data, metrics, report, [], wall_time_s, global_samples)
+
+
+def grads_finite(optimizer: torch.optim.Optimizer) -> bool:
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return True
+    return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+
+
+def resume_worker(ctx, model, optimizer, scheduler, strategy, stream, evaluator):
+    """Restore this worker from its checkpoint when the run resumes or was restarted.
+
+    Returns the checkpoint's counters (``step``, ``samples``, ``skipped``, ``elapsed_s``), or
+    None when there is nothing to resume (a first attempt, or a restart before the first
+    checkpoint: the run starts over).
+    """
+    cfg = ctx.cfg
+    if not (cfg.resume or restart_count() > 0):
+        return None
+    # The CLI validated every file before a --resume; a rank restarting by itself skips bad
+    # ones (e.g. the one its predecessor was writing when it died).
+    steps = valid_steps(cfg, ctx.worker_index, strict=False)
+    if strategy.lockstep:
+        step = agree_on_step(ctx.store, ctx.worker_index, cfg.workers, steps, cfg.comm_timeout_s)
+    else:
+        step = steps[-1] if steps else 0
+    if step == 0:
+        log.warning("no checkpoint to resume from: starting from step 0")
+        return None
+    state = load_worker_state(cfg, ctx.worker_index, step)
+    model.load_state_dict({k: v.to(ctx.device) for k, v in state["model"].items()})
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    strategy.load_state_dict(state["strategy"])
+    stream.load_state_dict(state["stream"])
+    set_rng_state(state["rng"], ctx.device)
+    if evaluator is not None:
+        evaluator.history = [list(e) for e in state["evals"]]
+    log.info(
+        "resumed from step %d (%s)", step, worker_checkpoint_path(cfg.out, ctx.worker_index, step)
+    )
+    return {
+        "step": step,
+        "samples": int(state["samples"]),
+        "skipped": int(state["skipped"]),
+        "elapsed_s": float(state["elapsed_s"]),
+    }
 
 
 def data_workers(cfg: RunConfig, data: Dataset) -> int:
@@ -291,7 +404,18 @@ class Evaluator:
 def run_server(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWriter) -> None:
     liveness = LivenessMonitor(ctx.store, ctx.worker_ranks, ctx.cfg.heartbeat_timeout_s)
     loop = ServerLoop(ctx, flatten_params(model), metrics, liveness)
-    ctx.start_clock()
+    elapsed_s = 0.0
+    path = shard_checkpoint_path(ctx.cfg.out, ctx.server_index)
+    if (ctx.cfg.resume or restart_count() > 0) and path.is_file():
+        state = load_checkpoint(path, "server-shard")
+        if list(map(list, state["bounds"])) != [list(b) for b in loop.bounds]:
+            raise CheckpointError(f"checkpoint {str(path)!r} was written for other shard bounds")
+        loop.shard.load_state_dict(state)
+        loop.awaiting_init = False
+        elapsed_s = float(state.get("elapsed_s", 0.0))
+        metrics.log("resume", version=loop.shard.version, attempt=restart_count(), wall=time.time())
+        log.info("shard %d resumed at version %d", ctx.server_index, loop.shard.version)
+    ctx.start_clock(elapsed_s)
     loop.run()
     wall_time_s = ctx.elapsed_s()
     report = {"role": "server", **loop.stats()}

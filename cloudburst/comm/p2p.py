@@ -9,13 +9,18 @@ Tags keep the streams apart, so a server can receive headers from *any* source (
 ``recv`` without ``src`` returns the sender) while payloads and replies are matched to one peer.
 Every blocking call runs under the process group's timeout (set at ``init_process_group``);
 the time spent blocked and the bytes moved are counted in :class:`CommStats`.
+
+Peers are named by their global rank, also on a group built outside torch.distributed's
+registry (a restarted worker's rejoin group, :func:`cloudburst.runtime.rejoin_group`): the
+transport then calls the group's own send/recv and maps ranks through ``members``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,6 +120,19 @@ class CommStats:
     staging_bytes: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, for a checkpoint (a resumed run's totals continue)."""
+        return {
+            f.name: (dict(v) if isinstance(v := getattr(self, f.name), dict) else v)
+            for f in fields(self)
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        names = {f.name for f in fields(self)}
+        for key, value in state.items():
+            if key in names:
+                setattr(self, key, dict(value) if isinstance(value, dict) else value)
+
     def as_dict(self) -> dict[str, float]:
         d = {
             "bytes_sent": self.bytes_sent,
@@ -136,20 +154,27 @@ class PeerTransport:
     """Header + payload messages over point-to-point gloo send/recv, counted and timed.
 
     ``group`` is the process group (None: the default group, whose timeout bounds every call).
+    ``members``: for a gloo group made outside torch.distributed's registry, the global rank of
+    each of its ranks (rank i of the group is ``members[i]``); None for registered groups.
     """
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | dist.ProcessGroupGloo | None = None,
         stats: CommStats | None = None,
         link=None,
         crosses=None,
+        members: list[int] | None = None,
     ):
         """``link`` (a :class:`~cloudburst.comm.link.LinkEmulator`) and ``crosses(peer)``
         (True when ``peer`` is on another node) emulate a slow link between nodes: a message
         to another node leaves only once the emulated link has carried the one before it and
         itself (held back on the sender; both directions of a link are independent)."""
+        if members is not None and group is None:
+            raise ValueError("members names the ranks of a group; no group was given")
         self.group = group
+        self.members = list(members) if members is not None else None
+        self._group_rank = {r: i for i, r in enumerate(members)} if members is not None else None
         self.stats = stats or CommStats()
         self.link = link if link is not None and link.active else None
         self.crosses = crosses or (lambda peer: False)
@@ -166,6 +191,41 @@ class PeerTransport:
             self.stats.emulated_link_s += cost
             self.link.wait_until(self.link.reserve(cost))
 
+    # --------------------------------------------------------------- gloo calls
+    def _local(self, peer: int) -> int:
+        """``peer``'s rank in an unregistered group."""
+        try:
+            return self._group_rank[peer]
+        except KeyError:
+            raise ValueError(f"rank {peer} is not a member of this group {self.members}") from None
+
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        if self.members is None:
+            return dist.isend(tensor, dst, group=self.group, tag=tag)
+        return self.group.send([tensor], self._local(dst), tag)
+
+    def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
+        if self.members is None:
+            return dist.irecv(tensor, src=src, group=self.group, tag=tag)
+        return self.group.recv([tensor], self._local(src), tag)
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        if self.members is None:
+            dist.send(tensor, dst, group=self.group, tag=tag)
+        else:
+            self._isend(tensor, dst, tag).wait()
+
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
+        """Receive from ``src`` (None: from any peer); returns the sender's global rank."""
+        if self.members is None:
+            return dist.recv(tensor, src=src, group=self.group, tag=tag)
+        if src is not None:
+            self._irecv(tensor, src, tag).wait()
+            return src
+        work = self.group.recv_anysource([tensor], tag)
+        work.wait()
+        return self.members[work._source_rank()]
+
     # --------------------------------------------------------------- sending
     def send(
         self, dst: int, header: Header, payload: torch.Tensor | None = None, final: bool = False
@@ -176,15 +236,10 @@ class PeerTransport:
             raise ValueError(f"header says {header.numel} elements, payload has {payload.numel()}")
         t0 = time.perf_counter()
         self._leave(dst, HEADER_BYTES + (header.numel * 4 if payload is not None else 0))
-        dist.send(header.to_tensor(), dst, group=self.group, tag=tag)
+        self._send(header.to_tensor(), dst, tag)
         self.stats.bytes_sent += HEADER_BYTES
         if payload is not None and header.numel:
-            dist.send(
-                payload.detach().to(torch.float32).contiguous(),
-                dst,
-                group=self.group,
-                tag=payload_tag,
-            )
+            self._send(payload.detach().to(torch.float32).contiguous(), dst, payload_tag)
             self.stats.bytes_sent += header.numel * 4
         self.stats.wait_s += time.perf_counter() - t0
 
@@ -202,7 +257,7 @@ class PeerTransport:
         so the caller can reply with a rejection.
         """
         t0 = time.perf_counter()
-        src = dist.recv(self._header_buf, src=None, group=self.group, tag=TAG_REQUEST)
+        src = self._recv(self._header_buf, None, TAG_REQUEST)
         self.stats.wait_s += time.perf_counter() - t0
         self.stats.bytes_received += HEADER_BYTES
         try:
@@ -219,9 +274,7 @@ class PeerTransport:
         if buf.numel() != numel:
             raise ValueError(f"receive buffer has {buf.numel()} elements, expected {numel}")
         t0 = time.perf_counter()
-        dist.recv(
-            buf, src=src, group=self.group, tag=TAG_FINAL_PAYLOAD if final else TAG_REQUEST_PAYLOAD
-        )
+        self._recv(buf, src, TAG_FINAL_PAYLOAD if final else TAG_REQUEST_PAYLOAD)
         self.stats.wait_s += time.perf_counter() - t0
         self.stats.bytes_received += numel * 4
         return buf
@@ -231,14 +284,14 @@ class PeerTransport:
         """Start sending a payload without blocking (request or reply stream)."""
         tag = TAG_REPLY_PAYLOAD if reply else TAG_REQUEST_PAYLOAD
         self._leave(dst, payload.numel() * payload.element_size())
-        work = dist.isend(payload.detach().contiguous(), dst, group=self.group, tag=tag)
+        work = self._isend(payload.detach().contiguous(), dst, tag)
         self.stats.bytes_sent += payload.numel() * payload.element_size()
         return work
 
     def irecv_payload(self, src: int, out: torch.Tensor, reply: bool) -> dist.Work:
         """Start receiving a payload into ``out`` without blocking."""
         tag = TAG_REPLY_PAYLOAD if reply else TAG_REQUEST_PAYLOAD
-        work = dist.irecv(out, src=src, group=self.group, tag=tag)
+        work = self._irecv(out, src, tag)
         self.stats.bytes_received += out.numel() * out.element_size()
         return work
 
@@ -252,7 +305,7 @@ class PeerTransport:
     def recv_reply(self, src: int, out: torch.Tensor | None = None) -> Header:
         """Receive the reply header from ``src`` and, if it has a payload, copy it into ``out``."""
         t0 = time.perf_counter()
-        dist.recv(self._header_buf, src=src, group=self.group, tag=TAG_REPLY)
+        self._recv(self._header_buf, src, TAG_REPLY)
         self.stats.bytes_received += HEADER_BYTES
         header = Header.from_tensor(self._header_buf)
         if header.kind != Kind.REPLY:
@@ -263,7 +316,7 @@ class PeerTransport:
                     f"reply from rank {src} carries {header.numel} elements, "
                     f"expected {0 if out is None else out.numel()}"
                 )
-            dist.recv(out, src=src, group=self.group, tag=TAG_REPLY_PAYLOAD)
+            self._recv(out, src, TAG_REPLY_PAYLOAD)
             self.stats.bytes_received += header.numel * 4
         self.stats.wait_s += time.perf_counter() - t0
         return header
@@ -271,7 +324,7 @@ class PeerTransport:
     def recv_final(self, src: int, numel: int) -> tuple[Header, torch.Tensor]:
         """Server 0 receives another server's final shard."""
         t0 = time.perf_counter()
-        dist.recv(self._header_buf, src=src, group=self.group, tag=TAG_FINAL)
+        self._recv(self._header_buf, src, TAG_FINAL)
         self.stats.wait_s += time.perf_counter() - t0
         self.stats.bytes_received += HEADER_BYTES
         header = Header.from_tensor(self._header_buf)

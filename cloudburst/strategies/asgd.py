@@ -10,7 +10,11 @@ Synchronous: nothing between workers; a worker waits only for its own round trip
 shards. Staleness: the number of pushes (from any worker) a shard applied between this
 worker's fetch and its push; unbounded unless ``max_staleness`` drops older pushes.
 A dead worker: the servers keep serving the others; the dead worker's unpushed steps are lost
-and it is listed in ``lost_workers``.
+and it is listed in ``lost_workers``. Restarted by its agent (``--max-restarts``), it rejoins
+the running job on a gloo group with the servers (the world group cannot be re-entered:
+``cloudburst.runtime.rejoin_group``), resumes from its own checkpoint (optimizer, data
+position, step) and starts again from the servers' current θ, as at the start of a run; it is
+then not lost.
 
 Transport: with the add rule a PUSH_FETCH reply carries θ_k as it was *before* this push, sent
 while the push travels the other way; the worker then adds its own Δ with the same α as the
@@ -43,13 +47,14 @@ from torch import nn
 
 from cloudburst.comm.flat import assign_flat, flatten_params, shard_bounds
 from cloudburst.comm.p2p import Header, Kind, Status
-from cloudburst.runtime import Heartbeat
+from cloudburst.runtime import Heartbeat, heartbeat_interval_s
 from cloudburst.server import add_rule_alpha, overlapped_push_fetch
 from cloudburst.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
 
 FINISH_POLL_S = 0.2
+SEEDED_KEY = "warm_start/seeded"  # in the job store once the warm-start worker seeded θ
 
 
 class AsgdStrategy(Strategy):
@@ -125,17 +130,28 @@ class AsgdStrategy(Strategy):
         return dst
 
     def start(self) -> None:
-        self._heartbeat = Heartbeat(
-            self.ctx.store, self.ctx.rank, max(0.05, self.cfg.heartbeat_timeout_s / 5)
-        ).start()
-        if self.cfg.warm_start_steps and self.ctx.worker_index == 0:
+        # A worker that rejoined after a restart has beaten since before it rejoined.
+        self._heartbeat = (
+            getattr(self.ctx, "heartbeat", None)
+            or Heartbeat(self.ctx.store, self.ctx.rank, heartbeat_interval_s(self.cfg)).start()
+        )
+        if self.cfg.warm_start_steps and self.ctx.worker_index == 0 and not self._seeded():
             # The warm-start worker trained alone; its θ becomes every shard's starting point.
             flat = flatten_params(self.model).cpu()
             for k, (a, b) in enumerate(self.bounds):
                 self.transport.send(k, Header(Kind.INIT, shard=k, numel=b - a), flat[a:b])
             for k in range(self.num_servers):
                 self._check(self.transport.recv_reply(k), k)
-        self._round(push=False, fetch=True)
+            self.ctx.store.add(SEEDED_KEY, 1)
+        # Start from the servers' θ, whatever the replica holds: nothing is pending at the start
+        # (a warm-start worker's progress went to the servers with INIT), and a worker resumed
+        # from its checkpoint after a restart continues from the θ the others have made since.
+        self._round(push=False, fetch=True, keep_local=False)
+
+    def _seeded(self) -> bool:
+        """Whether the servers already hold the warm-start θ (a restarted worker 0 that had
+        seeded them must not again: they have moved on since)."""
+        return getattr(self.ctx, "rejoined", False) and self.ctx.store.add(SEEDED_KEY, 0) > 0
 
     # ------------------------------------------------------------------ training
     def after_step(self, samples: int) -> None:
@@ -276,6 +292,24 @@ class AsgdStrategy(Strategy):
                 time.sleep(FINISH_POLL_S)
         if self._heartbeat is not None:
             self._heartbeat.stop()
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.update(
+            pushes=self.pushes,
+            pushes_rejected=self.pushes_rejected,
+            pushes_dropped=self.pushes_dropped,
+            staleness_sum=self.staleness_sum,
+            staleness_max=self.staleness_max,
+        )
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        for key in ("pushes", "pushes_rejected", "pushes_dropped"):
+            setattr(self, key, int(state.get(key, 0)))
+        self.staleness_sum = int(state.get("staleness_sum", 0))
+        self.staleness_max = int(state.get("staleness_max", 0))
 
     def report(self) -> dict:
         r = super().report()

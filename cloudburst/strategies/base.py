@@ -23,6 +23,9 @@ class Strategy(ABC):
     #: True when replicas may still differ at the end (gossip): the loop then reports each
     #: replica's test accuracy and makes the final model their average.
     decentralised: ClassVar[bool] = False
+    #: True when the replicas move together (every worker at the same step is needed to
+    #: resume): a resumed run starts every worker from the latest step all of them saved.
+    lockstep: ClassVar[bool] = False
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -65,6 +68,19 @@ class Strategy(ABC):
 
     def finish(self) -> None:
         """Called once after the last step: flush pending updates, leave the job cleanly."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a worker checkpoint needs to continue this strategy (extended by subclasses)."""
+        return {"local_steps": self.local_steps, "stats": self.stats.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.local_steps = int(state["local_steps"])
+        self.stats.load_state_dict(state["stats"])
+
+    def checkpoint_ready(self) -> bool:
+        """False while the state cannot be saved (DASO: a global sync in flight); the loop
+        then checkpoints at the next step where it can."""
+        return True
 
     @property
     def is_evaluator(self) -> bool:

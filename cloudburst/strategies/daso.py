@@ -139,6 +139,7 @@ class _Pending:
 
 class DasoStrategy(Strategy):
     name = "daso"
+    lockstep = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -296,13 +297,22 @@ class DasoStrategy(Strategy):
         if self.pending is not None:
             raise RuntimeError("DASO state is checkpointed between global syncs only")
         return {
+            **super().state_dict(),
             "schedule": self.schedule.state_dict(),
             "syncs": self.syncs,
-            "local_steps": self.local_steps,
             "epoch_loss": [self.epoch_loss_sum, self.epoch_loss_n],
+            "phase_steps": dict(self.phase_steps),
+            "global_bytes": self.global_bytes,
         }
 
+    def checkpoint_ready(self) -> bool:
+        return self.pending is None  # the same on every rank: all start and merge together
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "stats" in state:
+            super().load_state_dict(state)
+        self.phase_steps.update(state.get("phase_steps", {}))
+        self.global_bytes = int(state.get("global_bytes", self.global_bytes))
         self.schedule.load_state_dict(state["schedule"])
         self.syncs = int(state["syncs"])
         self.local_steps = int(state["local_steps"])

@@ -14,7 +14,9 @@ so each exchange is atomic per shard; shards are independent (as in Downpour).
 Synchronous: nothing between workers. Staleness: the shard versions that passed since this
 worker's previous exchange (the centre it uses is current). The global model is θ̃ (worker 0
 evaluates it with a read-only fetch). A dead worker: the servers keep serving the others,
-as for ``asgd``. A rejected push (non-finite θ_i) resets the replica to the centre.
+as for ``asgd``; restarted by its agent, it rejoins as for ``asgd`` and starts again from the
+centre θ̃ (θ_i ← θ̃, as at the start of a run), with its checkpoint's optimizer, data position
+and step. A rejected push (non-finite θ_i) resets the replica to the centre.
 """
 
 from __future__ import annotations

@@ -123,6 +123,8 @@ def push_sum_fold(
 class GossipStrategy(Strategy):
     name = "gossip"
     decentralised = True
+    # Resumed from a common step: the consensus measurements are all-reduces matched by count.
+    lockstep = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -268,6 +270,25 @@ class GossipStrategy(Strategy):
         self.final_consensus_distance = self.consensus_distance()
         if self.ctx.worker_index == 0:
             log.info("gossip: final consensus distance %.3g", self.final_consensus_distance)
+
+    def state_dict(self) -> dict[str, Any]:
+        # The peer schedule is a function of (seed, round): the round count restores it.
+        return {
+            **super().state_dict(),
+            "rounds": self.rounds,
+            "weight": self.weight,
+            "messages_folded": self.messages_folded,
+            "consensus_history": [list(x) for x in self.consensus_history],
+            "measure_stats": self.measure_stats.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.rounds = int(state["rounds"])
+        self.weight = float(state["weight"])
+        self.messages_folded = int(state["messages_folded"])
+        self.consensus_history = [list(x) for x in state["consensus_history"]]
+        self.measure_stats.load_state_dict(state["measure_stats"])
 
     def global_params(self) -> tuple[torch.Tensor, int]:
         """This worker's replica (gossip has no global model); samples: all workers' so far."""

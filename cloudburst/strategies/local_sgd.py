@@ -17,6 +17,7 @@ A dead worker: the next average raises on every other rank and the job stops, as
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from cloudburst.strategies.base import Strategy
 
 class LocalSgdStrategy(Strategy):
     name = "local_sgd"
+    lockstep = True
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         self.model = model
@@ -76,6 +78,13 @@ class LocalSgdStrategy(Strategy):
         if (self.cfg.workers > 1 or not self.needs_peers) and not self._due(self.local_steps):
             self._synchronise()
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "averages": self.averages}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.averages = int(state["averages"])
+
     def global_params(self) -> tuple[torch.Tensor, int] | None:
         samples = self.local_steps * self.cfg.batch_size * self.cfg.workers
         return flatten_params(self.model), samples
@@ -116,11 +125,14 @@ class DilocoStrategy(LocalSgdStrategy):
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            **super().state_dict(),
             "global_theta": self.global_theta.detach().clone(),
-            "outer": self.outer.state_dict(),
+            "outer": copy.deepcopy(self.outer.state_dict()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "local_steps" in state:
+            super().load_state_dict(state)
         with torch.no_grad():
             self.global_theta.copy_(state["global_theta"])
         self.outer.load_state_dict(state["outer"])

@@ -25,6 +25,7 @@ from cloudburst.strategies.base import Strategy
 
 class SyncStrategy(Strategy):
     name = "sync"
+    lockstep = True
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         self.model = model
