@@ -36,6 +36,7 @@ from cloudburst.checkpoint import save_checkpoint
 from cloudburst.comm.flat import shard_bounds
 from cloudburst.comm.p2p import CommStats, Header, Kind, Status
 from cloudburst.config import RunConfig
+from cloudburst.runtime import RejoinBoard, rejoin_group, rejoin_members
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +226,9 @@ class ServerLoop:
     :meth:`run` serves on threads: one per group that requests arrive on (the world group, and
     one group per worker that rejoined after a restart), each receiving from any member and
     handling one request at a time under one lock, so that requests are still applied one at
-    a time whatever group they came on. The calling thread admits rejoining workers and waits
-    until every worker is finished or lost.
+    a time whatever group they came on (a rejoined worker's replies leave after the lock is
+    released: see :meth:`_serve`). The calling thread admits rejoining workers and waits until
+    every worker is finished or lost.
     """
 
     def __init__(self, ctx, full_theta: torch.Tensor, metrics, liveness):
@@ -261,14 +263,16 @@ class ServerLoop:
         self._changed = threading.Condition(self._lock)
         self._error: BaseException | None = None
         self._stopped = False
+        # While a rejoin group's thread handles a request: the rejoined worker, and its replies
+        # (sent once the lock is released; see _serve).
+        self._outbox_for: int | None = None
+        self._outbox: list[tuple[int, Header, torch.Tensor | None]] = []
 
     @property
     def numel(self) -> int:
         return self.shard.theta.numel()
 
     def run(self) -> None:
-        from cloudburst.runtime import RejoinBoard
-
         self._serve_in_thread(self.transport, None)
         # The board waits in the store (for an announcement being written): a connection of
         # its own, so that the serving threads' liveness checks never wait behind it.
@@ -334,6 +338,19 @@ class ServerLoop:
         Each receive runs under the group's timeout. A thread can still be left waiting (a
         worker died or was moved to a rejoin group while it waited); it is a daemon, and
         nothing else receives on its group.
+
+        Why a rejoined worker's replies leave after the lock is released: a worker sends its
+        requests to every shard before it reads any reply, and a shard's blocking reply waits
+        for the worker to read it, i.e. for the worker's exchanges with the *other* shards.
+        With one receiving thread, a shard takes a request only when it is free, so workers
+        reach the shards in the same order and no cycle of waits can form (this is how the
+        world group is still served). A second group's thread takes requests while the lock is
+        held; had it kept the lock while replying, server A could wait (in its reply) for a
+        rejoined worker that waits for server B, which waits for a world worker that waits
+        for server A's world thread, held up by the lock. So on a rejoin group, everything
+        that needs only the worker's posted operations (receiving its payload, sending θ it
+        has posted a receive for, applying the push) runs under the lock, and the replies
+        (θ copied) are sent after it.
         """
         try:
             while True:
@@ -346,9 +363,14 @@ class ServerLoop:
                         log.warning("ignored a request from rank %d after the end", src)
                         return
                     ended = len(self.finished) + len(self.lost)
-                    self._serve_one(transport, src, header)
+                    self._outbox_for, self._outbox = rank, []
+                    try:
+                        self._serve_one(transport, src, header)
+                    finally:
+                        outbox, self._outbox_for, self._outbox = self._outbox, None, []
                     if len(self.finished) + len(self.lost) != ended:
                         self._changed.notify_all()
+                self._send_replies(outbox)
         except BaseException as e:  # noqa: BLE001 - handed to run(), or recorded as a loss
             with self._changed:
                 if not self._expects_requests(transport, rank):
@@ -361,6 +383,18 @@ class ServerLoop:
                 else:
                     self._error = e
                 self._changed.notify_all()
+
+    def _send_replies(self, outbox: list[tuple[int, Header, torch.Tensor | None]]) -> None:
+        """Send a rejoined worker's replies (outside the lock)."""
+        for dst, header, payload in outbox:
+            try:
+                self._peer(dst).send(dst, header, payload)
+            except RuntimeError as e:
+                with self._changed:
+                    log.error("lost worker rank %d during a reply: %s", dst, _first_line(e))
+                    self.lost.add(dst)
+                    self._changed.notify_all()
+                return
 
     def _serve_one(self, transport, src: int, header: Header | None) -> None:
         """Handle one request (under the lock)."""
@@ -397,8 +431,6 @@ class ServerLoop:
         From the moment it is admitted it counts as training again (not lost, not done), so
         the servers wait for it; if the group cannot be built it is lost.
         """
-        from cloudburst.runtime import rejoin_group, rejoin_members
-
         if rank not in self.workers:
             log.warning("ignored a rejoin announcement from rank %d, not a worker", rank)
             return
@@ -540,6 +572,10 @@ class ServerLoop:
             status=status,
             aux=staleness,
         )
+        if dst == self._outbox_for:
+            # Later, outside the lock: a copy of θ, which other requests may change meanwhile.
+            self._outbox.append((dst, header, self.shard.theta.clone() if with_theta else None))
+            return
         self._peer(dst).send(dst, header, self.shard.theta if with_theta else None)
 
     def _checkpoint(self) -> None:
