@@ -40,6 +40,7 @@ def test_a_restarted_worker_rejoins_and_trains_to_the_end(tmp_path, strategy, se
     )  # fmt: skip
     summary = read_summary(out)
     assert summary["lost_workers"] == [], proc.stderr
+    assert summary["rejoined_workers"] == [victim]
     # every worker's samples count, the rejoined one's from before its death too
     assert summary["samples"] == 3 * STEPS * BATCH
 
