@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from cloudburst.comm.collectives import all_reduce_sum
-from cloudburst.comm.flat import assign_flat, flatten_params
+from cloudburst.comm.flat import adopt_flat, assign_flat, flatten_params
 from cloudburst.strategies.base import Strategy
 
 
@@ -35,7 +35,8 @@ class LocalSgdStrategy(Strategy):
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         self.model = model
         self.optimizer = optimizer
-        self._flat = flatten_params(model)
+        self._params = list(model.parameters())
+        self._flat = flatten_params(self._params)
         self.averages = 0
         topo = self.ctx.topology
         self.spans_nodes = topo is not None and topo.spans_nodes(self.ctx.worker_ranks)
@@ -57,9 +58,9 @@ class LocalSgdStrategy(Strategy):
         if (self.cfg.workers > 1 or not self.needs_peers) and self._due(self.local_steps):
             self._synchronise()
 
-    def _average(self) -> torch.Tensor:
-        """The average of the replicas' parameters (``self._flat``)."""
-        flat = flatten_params(self.model, out=self._flat)
+    def _average(self, fresh: bool = False) -> torch.Tensor:
+        """The average of the replicas' parameters (in ``self._flat``, or a new vector)."""
+        flat = flatten_params(self._params, out=None if fresh else self._flat)
         all_reduce_sum(
             flat,
             self.ctx.workers_group,
@@ -71,7 +72,8 @@ class LocalSgdStrategy(Strategy):
         return flat.div_(self.cfg.workers)
 
     def _synchronise(self) -> None:
-        assign_flat(self.model, self._average())
+        # The parameters become views of the fresh averaged vector (no copy back).
+        adopt_flat(self._params, self._average(fresh=True))
 
     def finish(self) -> None:
         # End on one model: average whatever the replicas did since the last period.
