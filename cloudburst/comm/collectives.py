@@ -42,12 +42,22 @@ def all_reduce_sum(
     and a link is emulated, complete no earlier than that link could carry it."""
     size = dist.get_world_size(group)
     chunk = chunk_elements or tensor.numel()
+    emulate = link is not None and link.active and spans_nodes and size > 1
+    if not async_op and not emulate and chunk >= tensor.numel():
+        # The common case, without the asynchronous work objects' round trip.
+        t0 = time.perf_counter()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        stats.wait_s += time.perf_counter() - t0
+        count_collective(
+            stats, ring_bytes(tensor.numel(), tensor.element_size(), size), spans_nodes
+        )
+        return Pending([], stats)
     works = [
         dist.all_reduce(tensor[i : i + chunk], op=dist.ReduceOp.SUM, group=group, async_op=True)
         for i in range(0, tensor.numel(), chunk)
     ]
     count_collective(stats, ring_bytes(tensor.numel(), tensor.element_size(), size), spans_nodes)
-    if link is not None and link.active and spans_nodes and size > 1:
+    if emulate:
         cost = link.allreduce_s(tensor.numel() * tensor.element_size(), size)
         stats.emulated_link_s += cost
         works[-1] = EmulatedWork(works[-1], link.reserve(cost))
