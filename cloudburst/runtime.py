@@ -478,10 +478,7 @@ def _job_store(cfg: RunConfig) -> dist.Store:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     # A restart of the whole job (every rank restarts together) gets keys of its own; a rank
     # of an asynchronous job that restarts alone rejoins the others' keys.
-    from cloudburst.strategies import STRATEGY_CLASSES
-
-    alone = STRATEGY_CLASSES[cfg.strategy].survives_worker_loss
-    attempt = "" if alone else f"attempt{restart_count()}/"
+    attempt = "" if _survives_worker_loss(cfg) else f"attempt{restart_count()}/"
     return dist.PrefixStore(f"{STORE_PREFIX}/{run_id}/{attempt}", client)
 
 
