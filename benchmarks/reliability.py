@@ -38,6 +38,7 @@ import benchutil  # noqa: E402
 
 from cloudburst.config import RunConfig  # noqa: E402
 from cloudburst.launch import JobFailed, run_local_job  # noqa: E402
+from cloudburst.metrics import read_jsonl  # noqa: E402
 
 REPO = benchutil.REPO
 FAULT_STEP = 175
@@ -83,15 +84,7 @@ def fault_spec(fault: str, victim: int, step: int) -> list[str]:
 
 def events(out: Path, rank: int) -> list[dict[str, Any]]:
     path = out / "metrics" / f"rank{rank}.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return records
+    return read_jsonl(path) if path.is_file() else []
 
 
 def run_one(root: Path, strategy: str, fault: str, quick: bool) -> dict[str, Any]:

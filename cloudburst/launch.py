@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from cloudburst.config import RunConfig
+from cloudburst.metrics import read_jsonl
 from cloudburst.runtime import start_local_job
 from cloudburst.strategies import STRATEGY_CLASSES
 
@@ -95,13 +96,13 @@ def _reap_ranks(out: Path) -> None:
     import signal
 
     for path in (out / "metrics").glob("rank*.jsonl"):
-        for line in path.read_text(errors="ignore").splitlines():
-            if '"event": "start"' not in line:
+        for record in read_jsonl(path):
+            if record.get("event") != "start":
                 continue
             try:
-                pid = int(json.loads(line)["pid"])
+                pid = int(record["pid"])
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except (json.JSONDecodeError, KeyError, ValueError, OSError):
+            except (KeyError, ValueError, OSError):
                 continue
             if b"multiprocessing" in cmdline:  # still one of our ranks, not a reused pid
                 try:

@@ -1,10 +1,9 @@
 """A killed asgd/easgd worker, restarted by its agent (``--max-restarts``), rejoins the running
 job: the servers serve it on a group of its own and wait for it to finish."""
 
-import json
-
 import pytest
 
+from cloudburst.metrics import read_jsonl
 from tests.helpers import cli, read_summary
 
 pytestmark = pytest.mark.e2e
@@ -14,8 +13,7 @@ BATCH = 64  # the default batch size
 
 
 def _events(out, rank):
-    path = out / "metrics" / f"rank{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(out / "metrics" / f"rank{rank}.jsonl")
 
 
 @pytest.mark.parametrize(

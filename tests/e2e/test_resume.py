@@ -4,11 +4,10 @@ The deterministic strategies must end exactly where an undisturbed run of the sa
 (the reference checkpoints at the same steps: checkpoints do not change the arithmetic).
 """
 
-import json
-
 import pytest
 import torch
 
+from cloudburst.metrics import read_jsonl
 from tests.helpers import cli, read_summary
 
 pytestmark = pytest.mark.e2e
@@ -34,8 +33,7 @@ def _params(out):
 
 
 def _events(out, rank):
-    path = out / "metrics" / f"rank{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_jsonl(out / "metrics" / f"rank{rank}.jsonl")
 
 
 def _assert_same_model(a, b, tol=1e-5):
