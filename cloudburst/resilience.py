@@ -108,6 +108,13 @@ def save_worker_state(cfg: RunConfig, worker: int, step: int, state: dict[str, A
     return path
 
 
+def clear_worker_checkpoints(out: str | Path, worker: int) -> None:
+    """Remove ``worker``'s checkpoints: a new run in a used directory must not resume (after
+    a restart) from an earlier run's files. Each worker removes only its own."""
+    for step in worker_steps(out, worker):
+        worker_checkpoint_path(out, worker, step).unlink(missing_ok=True)
+
+
 def agree_on_step(store, worker: int, workers: int, steps: list[int], timeout_s: float) -> int:
     """Lockstep strategies: the latest step every worker can resume from (0: none).
 

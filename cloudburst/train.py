@@ -37,6 +37,7 @@ from cloudburst.metrics import MetricsWriter, time_to_target, write_json_atomic
 from cloudburst.models import build_model
 from cloudburst.resilience import (
     agree_on_step,
+    clear_worker_checkpoints,
     load_worker_state,
     rng_state,
     save_worker_state,
@@ -286,6 +287,7 @@ def resume_worker(ctx, model, optimizer, scheduler, strategy, stream, evaluator)
     """
     cfg = ctx.cfg
     if not (cfg.resume or restart_count() > 0):
+        clear_worker_checkpoints(cfg.out, ctx.worker_index)  # a new run: none of its own yet
         return None
     # The CLI validated every file before a --resume; a rank restarting by itself skips bad
     # ones (e.g. the one its predecessor was writing when it died).
@@ -406,7 +408,10 @@ def run_server(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     loop = ServerLoop(ctx, flatten_params(model), metrics, liveness)
     elapsed_s = 0.0
     path = shard_checkpoint_path(ctx.cfg.out, ctx.server_index)
-    if (ctx.cfg.resume or restart_count() > 0) and path.is_file():
+    resuming = ctx.cfg.resume or restart_count() > 0
+    if not resuming:
+        path.unlink(missing_ok=True)  # an earlier run's shard in a used directory
+    elif path.is_file():
         state = load_checkpoint(path, "server-shard")
         if list(map(list, state["bounds"])) != [list(b) for b in loop.bounds]:
             raise CheckpointError(f"checkpoint {str(path)!r} was written for other shard bounds")

@@ -14,6 +14,7 @@ from cloudburst.resilience import (
     KEEP,
     agree_on_step,
     check_resumable,
+    clear_worker_checkpoints,
     load_worker_state,
     save_worker_state,
     valid_steps,
@@ -107,3 +108,11 @@ def test_lockstep_workers_agree_on_the_latest_common_step():
     store2 = dist.HashStore()
     store2.set("resume/steps/1", "[]")
     assert agree_on_step(store2, 0, 2, [10], timeout_s=5) == 0
+
+
+def test_a_new_run_clears_only_its_own_workers_old_checkpoints(tmp_path):
+    cfg = _cfg(tmp_path)
+    for w in (0, 1):
+        save_worker_state(cfg, w, 10, {"x": 1})
+    clear_worker_checkpoints(tmp_path, 1)
+    assert worker_steps(tmp_path, 1) == [] and worker_steps(tmp_path, 0) == [10]
