@@ -228,6 +228,12 @@ def _train_parser(sub) -> None:
     )
     p.add_argument("--eval-every-s", type=float, default=S)
     p.add_argument("--log-every-steps", type=int, default=S)
+    p.add_argument(
+        "--push-log-every",
+        type=int,
+        default=S,
+        help="servers log one push record every this many pushes (10)",
+    )
     p.add_argument("--comm-timeout-s", type=float, default=S)
     p.add_argument("--heartbeat-timeout-s", type=float, default=S)
     g = p.add_argument_group("fault tolerance")

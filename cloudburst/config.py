@@ -149,6 +149,9 @@ class RunConfig:
     # Workers checkpoint every this many steps, servers their shard every this many applied
     # pushes (0: off), under OUT/checkpoints.
     checkpoint_every: int = 100
+    # Servers log one ``push`` metrics record every this many applied pushes (bounded files;
+    # the staleness statistics in the summary count every push regardless).
+    push_log_every: int = 10
     resume: bool = False  # continue from the checkpoints under OUT (``--resume OUT``)
     max_restarts: int = 0  # the launcher restarts a failed rank this many times (torchrun's)
     # Faults to inject, "kill:RANK@STEP", "stop:RANK@STEP", "nan:RANK@STEP", "slow:RANK:FACTOR"
@@ -256,6 +259,7 @@ class RunConfig:
         _check_float("eval_every_s", self.eval_every_s, 0.0, None, low_open=True)
         _check_int("log_every_steps", self.log_every_steps, 1)
         _check_int("checkpoint_every", self.checkpoint_every, 0)
+        _check_int("push_log_every", self.push_log_every, 1)
         _check_int("max_restarts", self.max_restarts, 0)
         if self.inject_fault:
             from cloudburst.faults import FaultError, parse_faults
