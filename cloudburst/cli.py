@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any
 
 from cloudburst.config import (
@@ -31,6 +30,7 @@ from cloudburst.config import (
     field_message,
     load_toml,
 )
+from cloudburst.rundir import check_run_dir, default_out, prepare_run_dir
 
 EXIT_CONFIG = 2
 
@@ -43,6 +43,12 @@ def _train_parser(sub) -> None:
     )
     S = argparse.SUPPRESS  # unset flags do not override the config file
     p.add_argument("--config", help="TOML file with run settings (flags override it)")
+    p.add_argument(
+        "--trust-config",
+        action="store_true",
+        help="allow a model factory (package.module:function) named in --config or in a "
+        "resumed run's config.json to be imported; without it only --model may name one",
+    )
     p.add_argument("--strategy", choices=STRATEGIES, default=S, help="(default sync)")
     p.add_argument("--workers", type=int, default=S, help="W, training ranks (default 2)")
     p.add_argument("--servers", type=int, default=S, help="S, parameter-server shards (asgd)")
@@ -266,22 +272,57 @@ def _train_parser(sub) -> None:
         help="kill:RANK@STEP | stop:RANK@STEP | nan:RANK@STEP | slow:RANK:FACTOR (repeatable; "
         "first attempt only)",
     )
-    p.add_argument("--out", default=S, help="output directory (default runs/<strategy>-<time>)")
+    p.add_argument(
+        "--out", default=S, help="output directory (default runs/<strategy>-<time>-<random>)"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=S,
+        help="write into an existing directory that is not a cloudburst run (only the run's "
+        "own files are ever replaced)",
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false", default=S)
+
+
+CLI_ONLY = ("command", "config", "func", "trust_config")
 
 
 def build_config(args: argparse.Namespace) -> RunConfig:
     values: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "func")}
+    flags = {k: v for k, v in vars(args).items() if k not in CLI_ONLY}
+    trust = bool(getattr(args, "trust_config", False))
     if "resume" in flags:
-        return resume_config(flags.pop("resume"), flags, has_toml=bool(values))
+        return resume_config(flags.pop("resume"), flags, has_toml=bool(values), trust=trust)
+    refuse_code_from_file(values, flags, f"--config {args.config}" if values else "", trust)
     values.update(flags)
     if "out" not in values:
-        values["out"] = f"runs/{values.get('strategy', 'sync')}-{time.strftime('%Y%m%d-%H%M%S')}"
+        values["out"] = default_out(str(values.get("strategy", "sync")))
     return RunConfig.from_dict(values)
 
 
-def resume_config(run_dir: str, flags: dict[str, Any], has_toml: bool) -> RunConfig:
+def refuse_code_from_file(
+    values: dict[str, Any], flags: dict[str, Any], source: str, trust: bool
+) -> None:
+    """Code runs only when the user names it on the command line: a model factory
+    (``package.module:function``) read from a file is refused unless ``--trust-config`` is
+    given or ``--model`` repeats the same value. Checked before anything is imported."""
+    from cloudburst.models import is_factory_spec
+
+    model = values.get("model")
+    if not isinstance(model, str) or not is_factory_spec(model) or trust:
+        return
+    if flags.get("model") == model:
+        return
+    raise ConfigError(
+        f"model: {source} names the factory {model!r}, which would import and run that code; "
+        f"pass --model {model} (or --trust-config) if you mean to run it"
+    )
+
+
+def resume_config(
+    run_dir: str, flags: dict[str, Any], has_toml: bool, trust: bool = False
+) -> RunConfig:
     """The config of the run in ``run_dir``, with ``flags`` applied, set to resume it."""
     import json
     from pathlib import Path
@@ -301,6 +342,7 @@ def resume_config(run_dir: str, flags: dict[str, Any], has_toml: bool) -> RunCon
         raise ConfigError(f"resume: {str(path)!r} is not valid JSON ({e})") from None
     if not isinstance(values, dict):
         raise ConfigError(f"resume: {str(path)!r} does not hold a config")
+    refuse_code_from_file(values, flags, f"--resume {run_dir} (its config.json)", trust)
     base = RunConfig.from_dict(values)
     for key in IDENTITY:
         if key in flags and flags[key] != getattr(base, key):
@@ -320,12 +362,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         for warning in cfg.warnings():
             print(f"cloudburst: warning: {warning}", file=sys.stderr)
+    check_run_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
     if not in_torchrun():
         from cloudburst.runtime import start_forkserver
 
         start_forkserver()  # its imports overlap the checks below
     preflight(cfg)
     if in_torchrun():
+        if int(os.environ["RANK"]) == 0:  # the others only check (above)
+            prepare_run_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
         from cloudburst.runtime import topology_mismatch
         from cloudburst.train import run_rank
 

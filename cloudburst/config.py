@@ -160,6 +160,7 @@ class RunConfig:
     comm_timeout_s: float = 300.0
     heartbeat_timeout_s: float = 10.0
     out: str = "runs/latest"
+    overwrite: bool = False  # write into a non-empty directory that is not a cloudburst run
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -407,9 +408,11 @@ class RunConfig:
             values["stragglers"] = values.pop("straggler")
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigError(
-                f"config: unknown field {unknown[0]!r}; allowed fields: {', '.join(sorted(known))}"
-            )
+            import difflib
+
+            near = difflib.get_close_matches(unknown[0], sorted(known | {"straggler"}), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else " (see cloudburst train --help)"
+            raise ConfigError(f"config: unknown field {unknown[0]!r}{hint}")
         raw_stragglers = values.get("stragglers") or []
         if isinstance(raw_stragglers, str):
             raw_stragglers = [raw_stragglers]

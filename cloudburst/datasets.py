@@ -45,6 +45,8 @@ CIFAR10_TEST_BATCH = "test_batch"
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 STATS_MAX_IMAGES = 2048  # images decoded to estimate an image folder's mean/std
+MAX_IMAGE_PIXELS = 64_000_000  # an image file larger than this is refused (8000 x 8000)
+MAX_ASPECT_RATIO = 16  # longer side at most this many times the shorter one
 STD_FLOOR = 1e-3  # a constant channel would otherwise divide by zero
 NPZ_SPLIT_SEED = 0  # seed of the legacy numpy RandomState that picks a held-out npz test split
 
@@ -135,8 +137,9 @@ def _decode_image(path: str, size: int) -> np.ndarray:
         raise DatasetError(f"{path}: reading images needs Pillow (pip install pillow)") from e
     try:
         with Image.open(path) as src:
+            w, h = src.size  # from the header: checked before anything is decoded
+            _check_image_size(path, w, h)
             img = src.convert("RGB")
-        w, h = img.size
         scale = size / min(w, h)
         new_w, new_h = max(size, round(w * scale)), max(size, round(h * scale))
         if (new_w, new_h) != (w, h):
@@ -144,8 +147,24 @@ def _decode_image(path: str, size: int) -> np.ndarray:
         left, top = (new_w - size) // 2, (new_h - size) // 2
         img = img.crop((left, top, left + size, top + size))
         return np.array(img, dtype=np.uint8)  # a writable copy
+    except DatasetError:
+        raise
     except Exception as e:  # decoders of corrupt files raise many types; all mean "unreadable"
         raise DatasetError(f"{path}: cannot read image ({_describe(e)})") from e
+
+
+def _check_image_size(path: str, width: int, height: int) -> None:
+    """Refuse an image that would be huge to decode or to resize (a 60,000,000 x 1 image
+    resized to a shorter side of 32 would be 1.9e9 x 32 pixels)."""
+    if width < 1 or height < 1 or width * height > MAX_IMAGE_PIXELS:
+        raise DatasetError(
+            f"{path}: image of {width}x{height} pixels is outside 1..{MAX_IMAGE_PIXELS} pixels"
+        )
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise DatasetError(
+            f"{path}: image of {width}x{height} pixels has an aspect ratio above "
+            f"{MAX_ASPECT_RATIO}:1; crop it first"
+        )
 
 
 # --------------------------------------------------------------------------------------------

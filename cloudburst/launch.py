@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
-import shutil
+import logging
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from cloudburst.config import RunConfig
-from cloudburst.metrics import read_jsonl
-from cloudburst.runtime import start_local_job
+from cloudburst.metrics import write_json_atomic
+from cloudburst.rundir import prepare_run_dir
+from cloudburst.runtime import forkserver_pid, start_local_job
 from cloudburst.strategies import STRATEGY_CLASSES
 
 AGENT_GRACE_S = 5.0
+log = logging.getLogger(__name__)
 
 
 class JobFailed(RuntimeError):
@@ -31,13 +35,10 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
 
     from cloudburst.train import run_rank
 
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(cfg.to_json() + "\n")
-    if not cfg.resume:
-        # A new run: metrics of an earlier run in the same directory would mix into its curves
-        # (a resumed run appends to its own).
-        shutil.rmtree(out / "metrics", ignore_errors=True)
+    # A new run removes an earlier run's files from a directory marked as a run's (metrics
+    # would mix into its curves); a resumed run appends to its own. Anything else is refused.
+    out = prepare_run_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
+    write_json_atomic(out / "config.json", cfg.to_dict())
     (out / "summary.json").unlink(missing_ok=True)
     # A strategy that survives a worker's death gets one agent per rank: torch's agent tears
     # down every rank it started when one of them dies.
@@ -66,10 +67,13 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
             if summary_seen_at is not None and time.monotonic() - summary_seen_at > AGENT_GRACE_S:
                 # Every rank has finished (rank 0 writes the summary last). Agents still alive
                 # wait in torch's exit barrier for an agent whose rank was lost (up to 300 s),
-                # blocked inside the store where SIGTERM is not handled: SIGKILL them.
+                # blocked inside the store where SIGTERM is not handled: SIGKILL them, and
+                # whatever they started (spawned ranks would outlive them).
+                leftovers = descendants([p.pid for p in procs if p.is_alive()])
                 for p in procs:
                     if p.is_alive():
                         p.kill()
+                _kill(leftovers)
                 for p in procs:
                     p.join(timeout=10)
                 break
@@ -80,7 +84,9 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
         raise
     finally:
         bar.close()
-    _reap_ranks(out)
+    # Ranks still alive once the job is over (a SIGSTOPped or hung one whose agent is gone):
+    # only processes below this launcher's agents and forkserver, never PIDs read from files.
+    _kill(descendants(_our_roots(procs)))
     codes = [p.exitcode for p in procs]
     if not summary_path.is_file():
         raise JobFailed(f"the run failed (agent exit codes {codes}); logs in {out / 'logs'}")
@@ -89,26 +95,43 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
     return summary
 
 
-def _reap_ranks(out: Path) -> None:
-    """SIGKILL ranks of this job that are still alive once it is over (a SIGSTOPped or hung
-    one: the agents that started them are gone). Ranks are found by the pids they logged."""
-    import os
-    import signal
+def descendants(roots: list[int]) -> list[int]:
+    """Every live process below the processes ``roots`` (children first found, then theirs),
+    read from ``/proc`` parentage: the processes this launcher started, directly or not."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            ppid = int(text[text.rindex(")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        parents.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], list(roots)
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.append(child)
+                todo.append(child)
+    return found
 
-    for path in (out / "metrics").glob("rank*.jsonl"):
-        for record in read_jsonl(path):
-            if record.get("event") != "start":
-                continue
-            try:
-                pid = int(record["pid"])
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except (KeyError, ValueError, OSError):
-                continue
-            if b"multiprocessing" in cmdline:  # still one of our ranks, not a reused pid
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+
+def _our_roots(procs: list) -> list[int]:
+    """The agents this launcher started, and the forkserver its ranks are forked from."""
+    roots = [p.pid for p in procs if p.pid is not None]
+    server = forkserver_pid()
+    return [*roots, server] if server else roots
+
+
+def _kill(pids: list[int]) -> None:
+    """SIGKILL ``pids`` (this launcher's own descendants); a failure is logged, not raised."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except OSError as e:
+            log.warning("could not stop process %d: %s", pid, e)
 
 
 def _steps_done(out: Path) -> int:

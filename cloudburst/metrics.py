@@ -22,12 +22,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from cloudburst.rundir import open_append_nofollow
+
 
 class MetricsWriter:
     def __init__(self, out_dir: str | Path, rank: int, role: str, tensorboard: bool = False):
         self.path = Path(out_dir) / "metrics" / f"rank{rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", buffering=1)  # line-buffered: readable while running
+        if self.path.parent.is_symlink():
+            raise OSError(f"{str(self.path.parent)!r} is a symbolic link; not writing through it")
+        # Line-buffered (readable while running); never through a planted symlink.
+        self._f = open_append_nofollow(self.path)
         self.rank, self.role = rank, role
         self._tb = None
         if tensorboard:

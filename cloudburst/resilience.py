@@ -31,6 +31,7 @@ import torch
 
 from cloudburst.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from cloudburst.config import RunConfig
+from cloudburst.rundir import run_nonce
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,17 @@ def worker_checkpoint_path(out: str | Path, worker: int, step: int) -> Path:
 
 
 def identity(cfg: RunConfig) -> dict[str, Any]:
-    return {k: getattr(cfg, k) for k in IDENTITY}
+    """What a checkpoint must agree with: the settings above and the run directory's random
+    identity (``run``, from its marker; None where the directory has none)."""
+    return {**{k: getattr(cfg, k) for k in IDENTITY}, "run": run_nonce(cfg.out)}
 
 
 def check_identity(path: Path, saved: dict[str, Any], cfg: RunConfig) -> None:
+    if not isinstance(saved, dict) or not saved:
+        raise CheckpointError(f"checkpoint {str(path)!r} carries no run identity (foreign)")
     for key, value in identity(cfg).items():
+        if key == "run" and (value is None or saved.get(key) is None):
+            continue  # a directory without a marker (another node of a torchrun job)
         if saved.get(key) != value:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} belongs to another run: its {key} is "
@@ -144,6 +151,13 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def load_shard_state(path: Path, cfg: RunConfig) -> dict[str, Any]:
+    """A server shard's checkpoint, refused unless it belongs to this run."""
+    state = load_checkpoint(path, "server-shard")
+    check_identity(path, state.get("identity", {}), cfg)
+    return state
+
+
 def check_resumable(cfg: RunConfig) -> str:
     """The CLI's check before ``--resume``: every checkpoint loads and belongs to this run.
 
@@ -156,7 +170,7 @@ def check_resumable(cfg: RunConfig) -> str:
     shards = [shard_checkpoint_path(cfg.out, k) for k in range(cfg.servers)]
     for path in shards:
         if path.is_file():
-            load_checkpoint(path, "server-shard")
+            load_shard_state(path, cfg)
     if not any(found.values()) and not any(p.is_file() for p in shards):
         raise CheckpointError(f"no checkpoints under {str(checkpoint_dir(cfg.out))!r} to resume")
     if STRATEGY_CLASSES[cfg.strategy].lockstep:

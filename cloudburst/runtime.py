@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from cloudburst.comm.link import LinkEmulator, LinkSpec, Topology
 from cloudburst.config import RunConfig
+from cloudburst.rundir import open_append_nofollow
 
 log = logging.getLogger(__name__)
 
@@ -362,20 +363,24 @@ def _daso_groups(
 
 
 def _choose_gloo_interface(master_addr: str) -> None:
-    """Make gloo listen on the interface that reaches ``master_addr``.
+    """Make gloo listen on the interface that reaches ``master_addr`` (loopback for a local
+    master, even when ``GLOO_SOCKET_IFNAME`` is set).
 
     gloo binds to the address this host's name resolves to; where that is 127.0.0.1 (common
     on single-host images) ranks on other hosts or namespaces dial their own loopback and the
     job hangs. When the master is not local and ``GLOO_SOCKET_IFNAME`` is unset, set it to
     the interface of the route to the master; when the master is local, the loopback one.
     """
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        return
     if _is_loopback(master_addr):
-        # A job on this host: listen on the loopback interface only.
+        # A job on this host listens on the loopback interface only, whatever the environment
+        # says (a cluster's preset GLOO_SOCKET_IFNAME would expose it on the network).
         name = _interface_with_address("127.0.0.1")
         if name:
             os.environ["GLOO_SOCKET_IFNAME"] = name
+        else:
+            raise RuntimeError("no network interface has 127.0.0.1: cannot bind a local job")
+        return
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
         return
     try:
         if not _is_loopback(socket.gethostbyname(socket.gethostname())):
@@ -594,6 +599,8 @@ class RejoinBoard:
 
     COUNT = "rejoin/count"
     CLOSED = 1 << 40
+    MAX_PER_READ = 1024  # announcements read at once (a job restarts a few ranks at a time)
+    MAX_RECORD_BYTES = 256
 
     def __init__(self, store: dist.Store, timeout_s: float):
         self._store, self._timeout_s = store, timeout_s
@@ -624,6 +631,15 @@ class RejoinBoard:
         return self._read(self._store.add(self.COUNT, self.CLOSED) % self.CLOSED)
 
     def _read(self, count: int) -> list[tuple[int, int]]:
+        if count - self._seen > self.MAX_PER_READ:
+            # Never this many restarts at once: a counter moved by someone else than a worker.
+            log.warning(
+                "rejoin counter jumped from %d to %d; reading %d announcements only",
+                self._seen,
+                count,
+                self.MAX_PER_READ,
+            )
+            count = self._seen + self.MAX_PER_READ
         arrivals = []
         timeout = datetime.timedelta(seconds=self._timeout_s)
         for number in range(self._seen + 1, count + 1):
@@ -631,17 +647,37 @@ class RejoinBoard:
             try:
                 # written right after the number was taken (unless that worker died there)
                 self._store.wait([key], timeout)
-                record = json.loads(self._store.get(key))
-            except (RuntimeError, ValueError) as e:  # the store timed out, or bad JSON
+                raw = self._store.get(key)
+                if len(raw) > self.MAX_RECORD_BYTES:
+                    raise ValueError(f"{len(raw)} bytes")
+                record = json.loads(raw)
+                rank, incarnation = _announcement(record)
+            except (RuntimeError, ValueError, TypeError) as e:  # timed out, or not ours
                 log.warning("unreadable rejoin announcement %d (%s); ignored", number, e)
                 continue
             if not record["late"]:
-                arrivals.append((int(record["rank"]), int(record["incarnation"])))
+                arrivals.append((rank, incarnation))
         self._seen = max(self._seen, count)
         return arrivals
 
 
+def _announcement(record: object) -> tuple[int, int]:
+    """(rank, incarnation) of a well-formed announcement; ``ValueError`` otherwise."""
+    if not isinstance(record, dict) or not isinstance(record.get("late"), bool):
+        raise ValueError("not an announcement")
+    rank, incarnation = record.get("rank"), record.get("incarnation")
+    if not all(type(v) is int and 0 <= v < 1 << 31 for v in (rank, incarnation)):
+        raise ValueError(f"bad rank/incarnation {rank!r}/{incarnation!r}")
+    return rank, incarnation
+
+
 # ---------------------------------------------------------------------------- local launch
+# The listening socket of a local job's store, bound before the agents are forked and handed
+# to the first agent's store (no port is chosen, released and bound again: no other process
+# can take it in between).
+_held_listener: socket.socket | None = None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -666,7 +702,10 @@ def start_local_job(
     cfg: RunConfig, entrypoint, agent_per_rank: bool, port: int | None = None
 ) -> list[mp.Process]:
     """Start the agents of a local job (127.0.0.1) as child processes; returns them."""
-    port = port or free_port()
+    global _held_listener
+    if port is None:
+        _held_listener = loopback_listener(0)
+        port = _held_listener.getsockname()[1]
     run_id = uuid.uuid4().hex[:12]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["CLOUDBURST_LOCAL_JOB"] = "1"
@@ -687,6 +726,9 @@ def start_local_job(
         )
         p.start()
         procs.append(p)
+    if _held_listener is not None:  # the first agent holds its copy
+        _held_listener.close()
+        _held_listener = None
     return procs
 
 
@@ -708,6 +750,19 @@ def start_forkserver(module: str = "cloudburst.train") -> None:
             os.dup2(copy, fd)
             os.close(copy)
         os.close(devnull)
+
+
+def forkserver_pid() -> int | None:
+    """The pid of the forkserver this process started (local jobs' ranks are its children)."""
+    pid = forkserver._forkserver._forkserver_pid
+    if pid is None:
+        return None
+    try:  # still this process's child (alive, or a zombie whose pid cannot be reused yet)
+        text = Path(f"/proc/{pid}/stat").read_text()
+        ppid = int(text[text.rindex(")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid if ppid == os.getpid() else None
 
 
 def _adopt_forkserver() -> None:
@@ -760,7 +815,12 @@ def _local_rendezvous(params):
         int(base.timeout.total_seconds()),
     )
     if handler.rank == 0 and _is_loopback(handler.master_addr):
-        listener = loopback_listener(handler.master_port)
+        global _held_listener
+        held, _held_listener = _held_listener, None
+        if held is not None and held.getsockname()[1] == handler.master_port:
+            listener = held  # inherited from the launcher, listening since before the fork
+        else:
+            listener = loopback_listener(handler.master_port)
         handler._store = dist.TCPStore(
             handler.master_addr,
             handler.master_port,
@@ -787,7 +847,9 @@ def _run_agent(cfg_dict: dict, spec: AgentSpec, port: int, run_id: str, entrypoi
     # The agent's own messages (and its dump of a failed rank's traceback) go to its log file;
     # the terminal gets one line per failed rank.
     terminal = os.fdopen(os.dup(2), "w")
-    agent_log = open(log_dir / "agent.log", "a")
+    if _held_listener is not None and spec.node_rank != 0:
+        _held_listener.close()  # only the first agent serves the store
+    agent_log = open_append_nofollow(log_dir / "agent.log")
     os.dup2(agent_log.fileno(), 1)
     os.dup2(agent_log.fileno(), 2)
     # Ranks start from a forkserver that has imported the training code once: a plain fork

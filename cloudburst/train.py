@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cloudburst.checkpoint import CheckpointError, load_checkpoint, load_model_into, save_model
+from cloudburst.checkpoint import CheckpointError, load_model_into, save_model
 from cloudburst.comm.collectives import all_reduce_sum
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.comm.p2p import CommStats
@@ -38,6 +38,7 @@ from cloudburst.models import build_model
 from cloudburst.resilience import (
     agree_on_step,
     clear_worker_checkpoints,
+    load_shard_state,
     load_worker_state,
     rng_state,
     save_worker_state,
@@ -412,7 +413,7 @@ def run_server(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     if not resuming:
         path.unlink(missing_ok=True)  # an earlier run's shard in a used directory
     elif path.is_file():
-        state = load_checkpoint(path, "server-shard")
+        state = load_shard_state(path, ctx.cfg)
         if list(map(list, state["bounds"])) != [list(b) for b in loop.bounds]:
             raise CheckpointError(f"checkpoint {str(path)!r} was written for other shard bounds")
         loop.shard.load_state_dict(state)

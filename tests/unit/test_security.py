@@ -1,0 +1,271 @@
+"""Hostile input and shared machines, without processes: config files never name code to run,
+runs write only into their own directories and never through links, the rejoin board bounds
+what it reads, checkpoints carry the run's identity, images have a maximum size."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from cloudburst import rundir
+from cloudburst.checkpoint import CheckpointError, save_checkpoint
+from cloudburst.cli import build_config
+from cloudburst.config import ConfigError, RunConfig
+from cloudburst.datasets import DatasetError, _check_image_size, _decode_image
+from cloudburst.metrics import MetricsWriter, write_json_atomic
+from cloudburst.resilience import identity, load_shard_state
+from cloudburst.runtime import RejoinBoard
+
+
+def _args(**flags) -> argparse.Namespace:
+    return argparse.Namespace(command="train", **flags)
+
+
+@pytest.fixture
+def marker_module(tmp_path, monkeypatch):
+    """An importable module that leaves a marker file behind when it is imported."""
+    marker = tmp_path / "imported"
+    (tmp_path / "cbevilmod.py").write_text(
+        f"open({str(marker)!r}, 'w').write('x')\ndef net(**kw):\n    raise SystemExit(1)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield marker
+    sys.modules.pop("cbevilmod", None)
+
+
+# ------------------------------------------------------------------- code named in files
+def test_a_config_file_naming_a_factory_is_refused_and_nothing_is_imported(tmp_path, marker_module):
+    toml = tmp_path / "run.toml"
+    toml.write_text('model = "cbevilmod:net"\nworkers = 2\n')
+    with pytest.raises(ConfigError, match=r"^model: --config .*run\.toml names the factory"):
+        build_config(_args(config=str(toml), out=str(tmp_path / "o")))
+    assert not marker_module.exists() and "cbevilmod" not in sys.modules
+
+
+def test_a_factory_from_a_file_is_accepted_when_the_user_names_it(tmp_path, marker_module):
+    toml = tmp_path / "run.toml"
+    toml.write_text('model = "cbevilmod:net"\n')
+    repeated = build_config(_args(config=str(toml), model="cbevilmod:net", out=str(tmp_path)))
+    trusted = build_config(_args(config=str(toml), trust_config=True, out=str(tmp_path)))
+    assert repeated.model == trusted.model == "cbevilmod:net"
+    # Accepting the config imports nothing: the model is built later, by preflight.
+    assert not marker_module.exists()
+
+
+def test_a_built_in_model_in_a_config_file_needs_no_trust(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('model = "mlp"\n')
+    assert build_config(_args(config=str(toml), out=str(tmp_path))).model == "mlp"
+
+
+def test_a_resumed_config_json_naming_a_factory_is_refused(tmp_path, marker_module):
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = RunConfig(model="cbevilmod:net", out=str(run)).to_dict()
+    (run / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"^model: --resume .* names the factory 'cbevilmod"):
+        build_config(_args(resume=str(run)))
+    assert build_config(_args(resume=str(run), trust_config=True)).model == "cbevilmod:net"
+    assert not marker_module.exists()
+
+
+# ------------------------------------------------------------------- output directories
+def test_a_directory_with_foreign_files_is_refused_and_nothing_is_deleted(tmp_path):
+    out = tmp_path / "project"
+    (out / "metrics").mkdir(parents=True)
+    (out / "metrics" / "rank0.jsonl").write_text("the user's own file\n")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"^out: .* is not empty and is not a cloudburst run"):
+        rundir.prepare_run_dir(out, resume=False, overwrite=False)
+    assert (out / "metrics" / "rank0.jsonl").read_text() == "the user's own file\n"
+    assert sorted(p.name for p in out.iterdir()) == ["metrics", "notes.txt"]
+
+
+def test_overwrite_writes_into_a_foreign_directory_and_removes_only_run_files(tmp_path):
+    out = tmp_path / "project"
+    (out / "metrics").mkdir(parents=True)
+    (out / "metrics" / "notes.md").write_text("keep")
+    (out / "metrics" / "rank3.jsonl").write_text("{}\n")  # a run's name: replaced
+    (out / "data.bin").write_bytes(b"keep")
+    rundir.prepare_run_dir(out, resume=False, overwrite=True)
+    assert (out / "metrics" / "notes.md").read_text() == "keep"
+    assert (out / "data.bin").read_bytes() == b"keep"
+    assert not (out / "metrics" / "rank3.jsonl").exists()
+    assert rundir.run_nonce(out) is not None
+
+
+def test_a_new_run_in_a_run_directory_removes_the_old_run_files_only(tmp_path):
+    out = tmp_path / "run"
+    rundir.prepare_run_dir(out, resume=False, overwrite=False)
+    first = rundir.run_nonce(out)
+    old = [
+        "summary.json",
+        "model.pt",
+        "metrics/rank0.jsonl",
+        "checkpoints/worker1-step00000010.pt",
+        "checkpoints/server0.pt",
+        "checkpoints/.server0.pt.abc123",  # a killed atomic write's temporary file
+    ]
+    for name in old:
+        (out / name).write_text("old")
+    (out / "metrics" / "plot-notes.txt").write_text("user")
+    (out / "README").write_text("user")
+    rundir.prepare_run_dir(out, resume=False, overwrite=False)
+    assert [name for name in old if (out / name).exists()] == []
+    assert (out / "metrics" / "plot-notes.txt").exists() and (out / "README").exists()
+    assert rundir.run_nonce(out) not in (None, first)  # a new run, a new identity
+
+
+def test_a_resumed_run_keeps_its_files_and_its_identity(tmp_path):
+    out = tmp_path / "run"
+    rundir.prepare_run_dir(out, resume=False, overwrite=False)
+    nonce = rundir.run_nonce(out)
+    (out / "metrics" / "rank0.jsonl").write_text("{}\n")
+    (out / "checkpoints" / ".worker0-step00000005.pt.tmpxyz").write_text("torn")
+    rundir.prepare_run_dir(out, resume=True, overwrite=False)
+    assert (out / "metrics" / "rank0.jsonl").exists()
+    assert not (out / "checkpoints" / ".worker0-step00000005.pt.tmpxyz").exists()
+    assert rundir.run_nonce(out) == nonce
+
+
+def test_out_naming_a_file_is_one_line(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match=r"^out: '.*/file' is a file, not a directory"):
+        rundir.check_run_dir(f, resume=False, overwrite=True)
+
+
+def test_a_symlinked_subdirectory_is_refused(tmp_path):
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "metrics").symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match=r"metrics' is a symbolic link"):
+        rundir.check_run_dir(out, resume=False, overwrite=True)
+
+
+def test_files_are_never_written_through_symlinks(tmp_path):
+    out, target = tmp_path / "run", tmp_path / "target.txt"
+    rundir.prepare_run_dir(out, resume=False, overwrite=False)
+    target.write_text("precious")
+    (out / "config.json").symlink_to(target)
+    write_json_atomic(out / "config.json", {"a": 1})
+    assert target.read_text() == "precious"
+    assert not (out / "config.json").is_symlink()
+    assert json.loads((out / "config.json").read_text()) == {"a": 1}
+    (out / "metrics" / "rank0.jsonl").symlink_to(target)
+    with pytest.raises(OSError):
+        MetricsWriter(out, 0, "worker")
+    assert target.read_text() == "precious"
+
+
+def test_default_directories_are_unique_and_agreed_under_torchrun(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    names = {rundir.default_out("sync") for _ in range(20)}
+    assert len(names) == 20 and all(n.startswith("runs/sync-") for n in names)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/42")
+    assert rundir.default_out("asgd") == "runs/asgd-job_42"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    with pytest.raises(ConfigError, match="pass --out DIR"):
+        rundir.default_out("asgd")
+
+
+def test_an_unknown_config_key_suggests_the_near_one():
+    with pytest.raises(ConfigError) as e:
+        RunConfig.from_dict({"worker": 4})
+    assert str(e.value) == "config: unknown field 'worker'; did you mean 'workers'?"
+
+
+# ------------------------------------------------------------------- rejoin board
+class CountingStore:
+    """dist.HashStore with a count of the reads a board makes."""
+
+    def __init__(self):
+        self.store = dist.HashStore()
+        self.gets = 0
+
+    def add(self, key, value):
+        return self.store.add(key, value)
+
+    def set(self, key, value):
+        self.store.set(key, value)
+
+    def wait(self, keys, timeout):
+        self.store.wait(keys, timeout)
+
+    def get(self, key):
+        self.gets += 1
+        return self.store.get(key)
+
+
+def test_an_inflated_rejoin_counter_is_read_a_bounded_number_of_times():
+    store = CountingStore()
+    board = RejoinBoard(store, timeout_s=0.001)
+    store.add(RejoinBoard.COUNT, (1 << 39) - 1)  # far beyond any real number of restarts
+    RejoinBoard(store, timeout_s=0.001).announce(rank=3, incarnation=1)
+    waits = []
+    store.wait = lambda keys, timeout: (waits.append(keys[0]), store.store.wait(keys, timeout))
+    assert board.poll() == []  # the real announcement lies beyond the bound
+    assert len(waits) == RejoinBoard.MAX_PER_READ == 1024
+    assert waits[0] == "rejoin/1" and waits[-1] == "rejoin/1024"
+
+
+def test_malformed_rejoin_announcements_are_ignored():
+    store = CountingStore()
+    board = RejoinBoard(store, timeout_s=0.05)
+    bad = [
+        b"[1, 2]",
+        json.dumps({"rank": "3", "incarnation": 1, "late": False}).encode(),
+        json.dumps({"rank": -1, "incarnation": 1, "late": False}).encode(),
+        json.dumps({"rank": 2, "incarnation": 1, "late": "no"}).encode(),
+        b"x" * 10_000,
+    ]
+    for value in bad:
+        number = store.add(RejoinBoard.COUNT, 1)
+        store.set(f"rejoin/{number}", value)
+    RejoinBoard(store, timeout_s=0.05).announce(rank=2, incarnation=1)
+    assert board.poll() == [(2, 1)]
+
+
+# ------------------------------------------------------------------- checkpoints
+def test_a_shard_checkpoint_of_another_run_is_refused(tmp_path):
+    out = tmp_path / "run"
+    rundir.prepare_run_dir(out, resume=False, overwrite=False)
+    cfg = RunConfig(strategy="asgd", servers=1, out=str(out))
+    path = out / "checkpoints" / "server0.pt"
+    same_settings_other_run = {**identity(cfg), "run": "0123456789abcdef"}
+    save_checkpoint(path, "server-shard", {"identity": same_settings_other_run, "version": 3})
+    with pytest.raises(CheckpointError, match=r"belongs to another run: its run is '0123"):
+        load_shard_state(path, cfg)
+    save_checkpoint(path, "server-shard", {"version": 3})  # written without an identity
+    with pytest.raises(CheckpointError, match="carries no run identity"):
+        load_shard_state(path, cfg)
+    save_checkpoint(path, "server-shard", {"identity": identity(cfg), "version": 3})
+    assert load_shard_state(path, cfg)["version"] == 3
+
+
+# ------------------------------------------------------------------- images
+def test_images_beyond_the_size_and_aspect_limits_are_refused(tmp_path):
+    from PIL import Image
+
+    with pytest.raises(DatasetError, match="outside 1..64000000 pixels"):
+        _check_image_size("x.png", 60_000_000, 2)
+    with pytest.raises(DatasetError, match=r"aspect ratio above 16:1"):
+        _check_image_size("x.png", 60_000, 2)
+    thin = tmp_path / "thin.png"
+    Image.fromarray(np.zeros((2, 400, 3), dtype=np.uint8)).save(thin)
+    with pytest.raises(DatasetError, match=r"thin\.png: image of 400x2 pixels has an aspect"):
+        _decode_image(str(thin), 32)
+    ok = tmp_path / "ok.png"
+    Image.fromarray(np.full((40, 64, 3), 7, dtype=np.uint8)).save(ok)
+    decoded = _decode_image(str(ok), 32)
+    assert decoded.shape == (32, 32, 3) and int(decoded.max()) == 7
+    assert torch.from_numpy(decoded).dtype == torch.uint8
