@@ -31,8 +31,10 @@ from cloudburst.config import (
     load_toml,
 )
 from cloudburst.rundir import check_run_dir, default_out, prepare_run_dir
+from cloudburst.summary import interrupted_message
 
 EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130  # as a shell reports a process stopped by SIGINT
 
 
 def _train_parser(sub) -> None:
@@ -486,13 +488,17 @@ def _cuda_available() -> bool:
 
 def launch_and_report(cfg: RunConfig) -> int:
     """Start a local job, draw a progress bar from its metrics, print its summary."""
-    from cloudburst.launch import JobFailed, run_local_job
+    from cloudburst.launch import JobFailed, JobInterrupted, run_local_job
 
     try:
         summary = run_local_job(cfg)
     except JobFailed as e:
         print(f"cloudburst: {e}", file=sys.stderr)
         return 1
+    except JobInterrupted as e:
+        print(format_summary([e.summary]))
+        print(interrupted_message(e.summary), file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(format_summary([summary]))
     if summary.get("failed_agents"):
         print(
@@ -562,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"cloudburst: invalid config: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    finally:
+        if "cloudburst.runtime" in sys.modules:  # jobs were launched from here
+            sys.modules["cloudburst.runtime"].stop_forkserver()
 
 
 if __name__ == "__main__":

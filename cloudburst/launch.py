@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from cloudburst.metrics import write_json_atomic
 from cloudburst.rundir import prepare_run_dir
 from cloudburst.runtime import forkserver_pid, start_local_job
 from cloudburst.strategies import STRATEGY_CLASSES
+from cloudburst.summary import write_partial_summary
 
 AGENT_GRACE_S = 5.0
 log = logging.getLogger(__name__)
@@ -23,6 +26,20 @@ log = logging.getLogger(__name__)
 
 class JobFailed(RuntimeError):
     """The job ended without a summary; the message says where its logs are."""
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or SIGTERM stopped the job; ``summary`` is what it had done (also in
+    ``OUT/summary.json``, with ``"interrupted": true``)."""
+
+    def __init__(self, summary: dict[str, Any]):
+        super().__init__("interrupted")
+        self.summary = summary
+
+
+# How long the ranks get to exit after SIGTERM before they are SIGKILLed (a second Ctrl-C
+# kills at once).
+STOP_GRACE_S = 5.0
 
 
 def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
@@ -58,6 +75,7 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
     )
     summary_path = out / "summary.json"
     summary_seen_at = None
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         while any(p.is_alive() for p in procs):
             bar.update(max(0, _steps_done(out) - bar.n))
@@ -78,12 +96,19 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
                     p.join(timeout=10)
                 break
         bar.update(max(0, _steps_done(out) - bar.n))
+    except KeyboardInterrupt:
+        with _signals_deferred() as stop:
+            bar.close()
+            _stop(procs, stop)
+            summary = write_partial_summary(cfg, interrupted=True)
+        raise JobInterrupted(summary) from None
     except BaseException:
-        for p in procs:
-            p.terminate()
+        with _signals_deferred() as stop:
+            _stop(procs, stop)
         raise
     finally:
         bar.close()
+        signal.signal(signal.SIGTERM, previous_sigterm)
     # Ranks still alive once the job is over (a SIGSTOPped or hung one whose agent is gone):
     # only processes below this launcher's agents and forkserver, never PIDs read from files.
     _kill(descendants(_our_roots(procs)))
@@ -93,6 +118,70 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
     summary = json.loads(summary_path.read_text())
     summary["failed_agents"] = [c for c in codes if c]
     return summary
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+class _StopRequest:
+    """Set by a further Ctrl-C / SIGTERM while the job is being stopped: kill at once."""
+
+    kill_now = False
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[_StopRequest]:
+    """While the job is stopped and its summary written, SIGINT and SIGTERM only ask for the
+    processes to be killed at once (they do not interrupt the stopping itself)."""
+    request = _StopRequest()
+
+    def on_signal(signum, frame) -> None:
+        request.kill_now = True
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = [signal.signal(sig, on_signal) for sig in signals]
+    try:
+        yield request
+    finally:
+        for sig, handler in zip(signals, previous, strict=True):
+            signal.signal(sig, handler)
+
+
+def _stop(procs: list, request: _StopRequest, grace_s: float = STOP_GRACE_S) -> None:
+    """Stop every process of the job: SIGTERM to the agents, the ranks and their loaders,
+    up to ``grace_s`` for them to exit, then SIGKILL to whatever is left (at once after a
+    further Ctrl-C). Checkpoints are written atomically, so the last complete one survives."""
+    print(
+        "\ncloudburst: stopping the job (Ctrl-C again to kill it at once)",
+        file=sys.stderr,
+        flush=True,
+    )
+    pids = [p.pid for p in procs if p.is_alive()] + descendants(_our_roots(procs))
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        except OSError as e:
+            log.warning("could not stop process %d: %s", pid, e)
+    deadline = time.monotonic() + grace_s
+    while not request.kill_now and time.monotonic() < deadline and any(map(_running, pids)):
+        time.sleep(0.05)
+    if request.kill_now:
+        print("cloudburst: killing the job's processes", file=sys.stderr, flush=True)
+    _kill([p.pid for p in procs if p.is_alive()] + descendants(_our_roots(procs)))
+    for p in procs:
+        p.join(timeout=10)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is alive and not a zombie."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2 :].split()[0] != "Z"
 
 
 def descendants(roots: list[int]) -> list[int]:

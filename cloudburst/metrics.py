@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,17 +61,22 @@ class MetricsWriter:
             self._tb.close()
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    records = []
+def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The records of one metrics file, streamed (a long run's file is never held whole)."""
     with open(path) as f:
         for line in f:
             line = line.strip()
             if line:
                 try:
-                    records.append(json.loads(line))
+                    record = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut short by a killed process
-    return records
+                if isinstance(record, dict):
+                    yield record
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    return list(iter_jsonl(path))
 
 
 def read_run(out_dir: str | Path) -> dict[str, list[dict[str, Any]]]:

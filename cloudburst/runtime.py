@@ -765,6 +765,18 @@ def forkserver_pid() -> int | None:
     return pid if ppid == os.getpid() else None
 
 
+def stop_forkserver() -> None:
+    """Stop this process's forkserver and resource tracker now (the CLI, when its jobs are
+    over), instead of leaving them to notice that this process exited."""
+    try:
+        if forkserver_pid() is not None:
+            forkserver._forkserver._stop()
+        if getattr(resource_tracker._resource_tracker, "_pid", None) is not None:
+            resource_tracker._resource_tracker._stop()
+    except (AttributeError, OSError, ChildProcessError) as e:  # private API: best effort
+        log.debug("could not stop the forkserver: %s", e)
+
+
 def _adopt_forkserver() -> None:
     """Let this forked agent start its ranks from the launcher's forkserver.
 

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -55,6 +56,7 @@ from cloudburst.runtime import (
 )
 from cloudburst.server import ServerLoop, mean_staleness, shard_checkpoint_path
 from cloudburst.strategies import make_strategy
+from cloudburst.summary import interrupted_message, write_partial_summary
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,8 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
         device=str(ctx.device),
         backend=ctx.backend,
     )
+    # SIGTERM (torchrun's agent stopping its ranks, or a scheduler) stops a rank as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size)
         model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
@@ -83,9 +87,20 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
             run_server(ctx, model, data, metrics)
         else:
             run_worker(ctx, model, data, metrics)
+    except KeyboardInterrupt:
+        metrics.log("interrupted", time_s=ctx.elapsed_s())
+        if ctx.rank == 0 and not os.environ.get("CLOUDBURST_LOCAL_JOB"):
+            # Under a user's torchrun rank 0 reports (a local job's launcher does it itself).
+            summary = write_partial_summary(cfg, interrupted=True)
+            print(interrupted_message(summary), file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     finally:
         metrics.close()
         shutdown(ctx)
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:

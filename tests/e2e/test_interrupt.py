@@ -1,0 +1,150 @@
+"""Ctrl-C and SIGTERM: every process of the job stops, none is left behind, the summary says
+the run was interrupted and what it did, the last complete checkpoints are kept, and the
+printed ``--resume`` command continues the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cloudburst.checkpoint import load_checkpoint
+from cloudburst.metrics import read_jsonl
+from tests.helpers import REPO, cli, read_summary
+
+QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")
+BOUND_S = 120  # a run that does not stop within this is a failure (not a timing measurement)
+
+
+def _session_processes(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (every process a CLI started in its own session)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _all_gone(sid: int) -> bool:
+    """Whether every process of session ``sid`` has exited (polled up to the bound: a
+    process that noticed its parent's exit may take a moment to finish)."""
+    deadline = time.monotonic() + BOUND_S
+    while _session_processes(sid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _fired(path: Path) -> bool:
+    return path.is_file() and any(r["event"] == "fault" for r in read_jsonl(path))
+
+
+def _start(args: list[str], cmd: list[str] | None = None) -> subprocess.Popen:
+    def default_sigint() -> None:  # a shell may start background jobs with SIGINT ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    return subprocess.Popen(
+        cmd or [sys.executable, "-m", "cloudburst", "train", *args],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=default_sigint,
+    )
+
+
+def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, name: str) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not list((out / "checkpoints").glob(name)):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.1)
+
+
+def _finish(proc: subprocess.Popen) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def test_ctrl_c_stops_every_process_and_resume_continues(tmp_path):
+    out = tmp_path / "run"
+    args = [*QUIET, "--workers", "2", "--steps", "300", "--min-step-time-s", "0.02"]
+    args += ["--checkpoint-every", "20", "--out", str(out)]
+    proc = _start(args)
+    _wait_for_checkpoint(out, proc, "worker1-step*.pt")
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole foreground group
+    stdout, stderr = _finish(proc)
+    assert proc.returncode == 130, stderr
+    assert _all_gone(proc.pid), _session_processes(proc.pid)
+    summary = read_summary(out)
+    assert summary["interrupted"] is True
+    done = max(summary["steps_done"].values())
+    assert 20 <= done < 300 and summary["samples"] > 0
+    assert f"continue with: cloudburst train --resume {out}" in stderr
+    assert summary["resume_command"] == f"cloudburst train --resume {out}"
+    kept = sorted((out / "checkpoints").glob("worker*.pt"))
+    assert kept and [str(p.relative_to(out)) for p in kept] == summary["checkpoints"]
+    for path in kept:
+        load_checkpoint(path)  # complete and valid
+    assert not list((out / "checkpoints").glob(".*"))  # no torn temporary file kept as one
+    assert stdout.splitlines()[0].split()[:3] == ["strategy", "W", "S"]  # the table
+
+    cli("train", "--resume", str(out), "--no-progress")
+    resumed = read_summary(out)
+    assert "interrupted" not in resumed and resumed["steps_per_worker"] == 300
+    starts = [r for r in read_jsonl(out / "metrics" / "rank0.jsonl") if r["event"] == "resume"]
+    assert starts and starts[-1]["step"] >= 20
+
+
+def test_sigterm_twice_stops_servers_and_workers_at_once(tmp_path):
+    out = tmp_path / "run"
+    args = [*QUIET, "--strategy", "asgd", "--servers", "1", "--workers", "2", "--n-sync", "2"]
+    args += ["--steps", "400", "--min-step-time-s", "0.02", "--checkpoint-every", "10"]
+    args += ["--inject-fault", "stop:2@15", "--out", str(out)]  # a hung rank ignores SIGTERM
+    proc = _start(args)
+    deadline = time.monotonic() + BOUND_S
+    while not _fired(out / "metrics" / "rank2.jsonl"):  # rank 2 is stopped (SIGSTOP) now
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # to the launcher only: it stops the rest ...
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)  # ... and the second one kills at once
+    _, stderr = _finish(proc)
+    assert proc.returncode == 130, stderr
+    assert "Ctrl-C again to kill it at once" in stderr
+    assert "killing the job's processes" in stderr  # not waiting for the stopped rank
+    assert _all_gone(proc.pid), _session_processes(proc.pid)
+    assert read_summary(out)["interrupted"] is True
+
+
+def test_under_torchrun_rank_0_writes_the_interrupted_summary(tmp_path):
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "cloudburst", "train", *QUIET, "--workers", "2", "--steps", "400",
+        "--min-step-time-s", "0.02", "--checkpoint-every", "20", "--out", str(out),
+    ]  # fmt: skip
+    proc = _start([], cmd=cmd)
+    _wait_for_checkpoint(out, proc, "worker1-step*.pt")
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = _finish(proc)
+    assert proc.returncode != 0
+    assert _all_gone(proc.pid), _session_processes(proc.pid)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["checkpoints"]
+    assert f"continue with: cloudburst train --resume {out}" in stderr
