@@ -7,11 +7,11 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # Job pulls in torch.distributed; import it only when asked for.
-    if name == "Job":
-        from cloudburst.api import Job
+    if name in ("Job", "shard_dataset"):
+        from cloudburst import api
 
-        return Job
+        return getattr(api, name)
     raise AttributeError(name)
 
 
-__all__ = ["ConfigError", "Job", "RunConfig", "__version__"]
+__all__ = ["ConfigError", "Job", "RunConfig", "__version__", "shard_dataset"]

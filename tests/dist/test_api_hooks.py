@@ -1,0 +1,100 @@
+"""``job.wrap`` hooks: an unchanged PyTorch loop ends with exactly the parameters of the loop
+that calls ``start`` / ``after_backward`` / ``after_step`` itself (sync, asgd with one worker,
+local SGD), and the example on a real DataLoader runs under torchrun."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import cloudburst
+from cloudburst.comm.flat import flatten_params
+from tests.helpers import REPO, free_port, spawn
+
+pytestmark = pytest.mark.dist
+
+STEPS, BATCH = 12, 8
+
+
+def _loop(rank: int, strategy: str, servers: int, hooks: bool, out: str) -> list[float] | None:
+    cfg = cloudburst.RunConfig(
+        strategy=strategy, workers=2 - servers, servers=servers, period=3, steps=STEPS,
+        dataset="synthetic", out=out, lr=0.1, checkpoint_every=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    with cloudburst.Job(cfg) as job:
+        if job.is_server:
+            final = job.serve(model)
+            return flatten_params(final).tolist() if final is not None else None
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        net = job.wrap(model, optimizer, hooks=hooks)
+        g = torch.Generator().manual_seed(10 + job.worker_index)
+        if not hooks:
+            job.start()
+        for _ in range(STEPS):
+            # two micro-batches per step: the hooks count both forward passes' samples
+            optimizer.zero_grad()
+            for _ in range(2):
+                x, y = (
+                    torch.randn(BATCH, 6, generator=g),
+                    torch.randint(0, 3, (BATCH,), generator=g),
+                )
+                nn.functional.cross_entropy(net(x), y).backward()
+            if not hooks:
+                job.after_backward()
+            optimizer.step()
+            if not hooks:
+                job.after_step(2 * BATCH)
+            with torch.no_grad():  # an evaluation pass: neither starts nor counts anything
+                net.eval()
+                net(torch.randn(3, 6, generator=g))
+                net.train()
+        samples = job.strategy.local_steps
+        if hooks:  # an explicit call beside the hooks would step twice: refused
+            try:
+                job.after_step(1)
+            except RuntimeError as e:
+                assert "drop the explicit call" in str(e)
+            else:
+                raise AssertionError("an explicit after_step beside the hooks was accepted")
+        params = flatten_params(model).tolist()
+    return [samples, *params]
+
+
+@pytest.mark.parametrize(("strategy", "servers"), [("sync", 0), ("asgd", 1), ("local_sgd", 0)])
+def test_an_unchanged_loop_equals_the_explicit_calls(tmp_path, strategy, servers):
+    runs = []
+    for hooks in (False, True):
+        path = tmp_path / f"hooks{int(hooks)}"
+        path.mkdir()
+        runs.append(spawn(_loop, 2, path, strategy, servers, hooks, str(path / "out")))
+    explicit, hooked = runs
+    for rank in range(servers, 2):
+        assert explicit[rank][0] == hooked[rank][0] == STEPS  # local steps taken
+        assert torch.equal(torch.tensor(explicit[rank][1:]), torch.tensor(hooked[rank][1:]))
+    if servers:  # the servers' global θ too
+        assert torch.equal(torch.tensor(explicit[0]), torch.tensor(hooked[0]))
+    # and the replicas did move: not a comparison of two untouched models
+    torch.manual_seed(0)
+    start = flatten_params(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)))
+    assert not torch.allclose(torch.tensor(hooked[servers][1:]), start)
+
+
+def test_the_dataloader_example_runs_under_torchrun(tmp_path):
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+        "--master-port", str(free_port()), str(REPO / "examples" / "dataloader_loop.py"),
+        "--strategy", "asgd", "--servers", "1", "--epochs", "4", "--out", str(tmp_path / "o"),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    workers = sorted(line.split(":")[0] for line in lines if line.startswith("worker "))
+    assert workers == ["worker 0", "worker 1"]
+    [final] = [line for line in lines if line.startswith("final global model")]
+    assert float(final.rsplit(" ", 1)[1]) > 0.6  # 4 epochs of the synthetic set learn it
