@@ -1,0 +1,288 @@
+"""The real strategies over gloo against the independent references of ``tests/reference.py``.
+
+Two spawned jobs, several strategies each, on the tiny problem of the references (75
+parameters, 8 samples per worker and step, the same seeded data and initial θ everywhere):
+
+- four workers run ``sync`` (DDP), ``local_sgd``, ``diloco`` and ``gossip`` one after the other;
+- two workers and one server shard run ``easgd``.
+
+Every worker records its θ after each step, and the test compares whole trajectories with the
+references. Where workers would race (a gossip pull, an EASGD exchange with the centre), they
+take turns through the job store, so the outcome is determined and the reference runs the same
+order. Gossip and EASGD are compared bit for bit: the workers' steps and the averages are
+the same arithmetic as the reference's. The others to |Δθ| ≤ 1e-6 (measured: below 4e-7):
+an all-reduce adds W values in another order than the reference's mean, and sync's DDP
+averages W gradient means where the reference takes one mean over the joined batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests import reference as ref
+from tests.helpers import spawn
+
+pytestmark = pytest.mark.dist
+
+BATCH = 8
+ATOL = 1e-6
+
+SYNC_STEPS = 5
+LOCAL_STEPS, PERIOD = 7, 3  # averages after steps 3 and 6, and a last one for step 7
+GOSSIP_STEPS, GOSSIP_EVERY = 6, 2
+EASGD_STEPS, TAU = 6, 3  # exchanges after steps 3 and 6 (the unit test covers the last)
+DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's (and cloudburst's) defaults
+
+
+class Turns:
+    """Events that must happen in a fixed global order across ranks: event ``i`` waits until
+    event ``i - 1`` (on whichever rank) is done. Keys live in the job store."""
+
+    def __init__(self, store, name: str):
+        self.store, self.name = store, name
+
+    def wait(self, i: int) -> None:
+        if i > 0:
+            self.store.wait([f"{self.name}/{i - 1}"])
+
+    def done(self, i: int) -> None:
+        self.store.set(f"{self.name}/{i}", "1")
+
+
+def _trajectory(ctx, cfg_changes: dict, optimizer, steps: int, turns: Turns | None = None):
+    """Train the tiny model through the strategy ``cfg_changes`` describes; θ after each step
+    (the last one after ``finish``), and ``step_info`` after each step."""
+    from cloudburst.strategies import make_strategy
+
+    cfg = dataclasses.replace(ctx.cfg, **cfg_changes)
+    ctx = dataclasses.replace(ctx, cfg=cfg)
+    worker = ctx.worker_index
+    model = ref.tiny_model()
+    opt = optimizer(model)
+    strategy = make_strategy(ctx)
+    net = strategy.wrap(model, opt)
+    strategy.start()
+    thetas, infos = [], []
+    for step in range(1, steps + 1):
+        ref.train_step(net, opt, *ref.batch(worker, step, BATCH))
+        event = (step - 1) * cfg.workers + worker  # every worker's step s before any's s + 1
+        if turns:
+            turns.wait(event)
+        strategy.after_step(BATCH)
+        if turns:
+            turns.done(event)
+        thetas.append(ref.flat(model).tolist())
+        infos.append(strategy.step_info())
+    strategy.finish()
+    thetas[-1] = ref.flat(model).tolist()
+    return {"theta": thetas, "info": infos}
+
+
+def _four_workers(rank: int, out: str) -> dict:
+    from cloudburst.config import RunConfig
+    from cloudburst.runtime import init_distributed, shutdown
+
+    # Created as a gossip job, so that the gossip groups exist; the other strategies use the
+    # workers' (here: the world) group.
+    cfg = RunConfig(
+        strategy="gossip",
+        workers=4,
+        dataset="synthetic",
+        device="cpu",
+        out=out,
+        comm_timeout_s=60,
+        consensus_every_steps=1000,
+    )
+    ctx = init_distributed(cfg)
+    sgd = ref.sgd()
+    runs = {
+        "sync": _trajectory(ctx, {"strategy": "sync"}, sgd, SYNC_STEPS),
+        "local_sgd": _trajectory(
+            ctx, {"strategy": "local_sgd", "period": PERIOD}, sgd, LOCAL_STEPS
+        ),
+        "diloco": _trajectory(
+            ctx,
+            {
+                "strategy": "diloco",
+                "period": PERIOD,
+                "diloco_outer_lr": DILOCO_OUTER_LR,
+                "diloco_outer_momentum": DILOCO_OUTER_MOMENTUM,
+                "diloco_nesterov": True,
+            },
+            ref.adamw(),
+            LOCAL_STEPS,
+        ),
+        "gossip": _trajectory(
+            ctx,
+            {
+                "strategy": "gossip",
+                "gossip_variant": "pull",
+                "gossip_schedule": "ring",
+                "gossip_every": GOSSIP_EVERY,
+            },
+            sgd,
+            GOSSIP_STEPS,
+            turns=Turns(ctx.store, "gossip"),
+        ),
+    }
+    shutdown(ctx)
+    return runs
+
+
+def assert_trajectory(
+    actual: list[list[float]], expected: list[torch.Tensor], what: str, atol: float = ATOL
+) -> None:
+    """θ after each step (JSON floats: float32 values, exactly) against the reference's."""
+    assert len(actual) == len(expected), what
+    for step, (a, b) in enumerate(zip(actual, expected, strict=True), start=1):
+        torch.testing.assert_close(
+            torch.tensor(a, dtype=torch.float32), b, rtol=0, atol=atol, msg=f"{what}, step {step}"
+        )
+
+
+@pytest.fixture(scope="module")
+def four_workers(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("four-workers")
+    return spawn(_four_workers, 4, out, str(out), timeout_s=180)
+
+
+def test_sync_with_four_workers_is_sgd_on_the_four_batches_joined(four_workers):
+    """DDP over 4 workers, momentum SGD: θ after every step equals one process's SGD on the
+    concatenation of the 4 batches (to 1e-6: a mean of 4 gradient means vs one mean)."""
+    model = ref.tiny_model()
+    expected = ref.large_batch_sgd(model, ref.sgd()(model), workers=4, steps=SYNC_STEPS)
+    for w, run in enumerate(four_workers):
+        assert_trajectory(run["sync"]["theta"], expected, f"sync worker {w}")
+
+
+def test_local_sgd_with_period_3_matches_the_reference(four_workers):
+    """Each replica's θ after every step: its own momentum-SGD steps, replaced by the average
+    after steps 3 and 6 and, in ``finish``, after step 7 (H = 3, W = 4)."""
+    replicas = ref.Replicas(4, ref.sgd())
+    expected = ref.local_sgd(replicas.models, replicas.step, LOCAL_STEPS, PERIOD)
+    for w, run in enumerate(four_workers):
+        assert_trajectory(run["local_sgd"]["theta"], expected[w], f"local_sgd worker {w}")
+
+
+def test_diloco_with_nesterov_outer_momentum_matches_the_reference(four_workers):
+    """AdamW inner steps; after steps 3, 6 and (in ``finish``) 7 the outer SGD with Nesterov
+    momentum (lr 0.7, μ 0.9) applies θ_global − mean θ_w, and every replica restarts from
+    θ_global. The momentum enters from the first outer step (d = g + μb)."""
+    replicas = ref.Replicas(4, ref.adamw())
+    expected = ref.diloco(
+        replicas.models,
+        replicas.step,
+        LOCAL_STEPS,
+        PERIOD,
+        outer_lr=DILOCO_OUTER_LR,
+        outer_momentum=DILOCO_OUTER_MOMENTUM,
+        nesterov=True,
+    )
+    for w, run in enumerate(four_workers):
+        assert_trajectory(run["diloco"]["theta"], expected[w], f"diloco worker {w}")
+
+
+def test_gossip_ring_pull_in_a_scripted_order_matches_the_reference(four_workers):
+    """Pull gossip on a ring of 4 (i pulls from i + 1) every 2 steps. Real gossip is
+    asynchronous: what a pull receives is the peer's θ at its last step boundary, whichever
+    that is. Here the workers take turns through the store (each step: worker 0, 1, 2, 3), so
+    it is determined: workers 0–2 receive their peer's θ of the previous step (lag 1), worker
+    3 receives worker 0's θ of this step (lag 0). Bit for bit: θ after every step (``finish``
+    does not average: the replicas stay as gossip left them); exact: each pull's peer and lag.
+    What is not checked: timing-dependent pulls (no turns), which no reference can predict."""
+    replicas = ref.Replicas(4, ref.sgd())
+    expected = ref.gossip_pull(
+        replicas.models,
+        replicas.step,
+        GOSSIP_STEPS,
+        peer=lambda i, r: (i + 1) % 4,
+        every=GOSSIP_EVERY,
+    )
+    for w, run in enumerate(four_workers):
+        gossip = run["gossip"]
+        assert_trajectory(gossip["theta"], expected.replicas[w], f"gossip worker {w}", atol=0)
+        pulls = [
+            (w, info["peer"], info["peer_lag_steps"])
+            for step, info in enumerate(gossip["info"], start=1)
+            if step % GOSSIP_EVERY == 0
+        ]
+        assert pulls == [p for p in expected.pulls if p[0] == w]
+        assert pulls == [(w, (w + 1) % 4, 0 if w == 3 else 1)] * (GOSSIP_STEPS // GOSSIP_EVERY)
+
+
+# ---------------------------------------------------------------------------- easgd
+def _easgd(rank: int, out: str) -> dict:
+    from cloudburst.comm.flat import flatten_params
+    from cloudburst.config import RunConfig
+    from cloudburst.metrics import MetricsWriter
+    from cloudburst.runtime import LivenessMonitor, init_distributed, shutdown
+    from cloudburst.server import ServerLoop
+    from cloudburst.strategies.easgd import EasgdStrategy
+
+    cfg = RunConfig(
+        strategy="easgd",
+        workers=2,
+        servers=1,
+        easgd_tau=TAU,  # α: the default, β/W = 0.45
+        dataset="synthetic",
+        device="cpu",
+        out=out,
+        comm_timeout_s=60,
+        checkpoint_every=0,
+    )
+    ctx = init_distributed(cfg)
+    model = ref.tiny_model()
+    if ctx.is_server:
+        metrics = MetricsWriter(out, rank, ctx.role)
+        loop = ServerLoop(
+            ctx, flatten_params(model), metrics, LivenessMonitor(ctx.store, ctx.worker_ranks, 30.0)
+        )
+        ctx.start_clock()
+        loop.run()
+        centre = loop.gather_final_theta()
+        metrics.close()
+        shutdown(ctx)
+        return {"centre": centre.tolist(), "version": loop.shard.version}
+    worker = ctx.worker_index
+    opt = ref.sgd()(model)
+    strategy = EasgdStrategy(ctx)
+    strategy.wrap(model, opt)
+    turns = Turns(ctx.store, "easgd")
+    ctx.start_clock()
+    strategy.start()
+    thetas, exchanges = [], []
+    for step in range(1, EASGD_STEPS + 1):
+        ref.train_step(model, opt, *ref.batch(worker, step, BATCH))
+        exchange = step % TAU == 0
+        event = (step // TAU - 1) * cfg.workers + worker  # worker 0's, then worker 1's
+        if exchange:
+            turns.wait(event)
+        strategy.after_step(BATCH)
+        if exchange:
+            turns.done(event)
+            exchanges.append(strategy.last_staleness)
+        thetas.append(ref.flat(model).tolist())
+    strategy.finish()  # nothing left to exchange (EASGD_STEPS is a multiple of τ): DONE only
+    shutdown(ctx)
+    return {"theta": thetas, "final": ref.flat(model).tolist(), "staleness": exchanges}
+
+
+def test_easgd_with_tau_3_and_default_alpha_matches_the_reference(tmp_path):
+    """Two workers and one shard; exchanges after steps 3 and 6, worker 0 before worker 1
+    each time (turns through the store). α = β/W = 0.45. Bit for bit: each replica's θ after
+    every step and at the end, each exchange's staleness (the other worker's exchanges since
+    this worker's previous one), and the centre θ̃."""
+    server, *workers = spawn(_easgd, 3, tmp_path, str(tmp_path), timeout_s=120)
+    replicas = ref.Replicas(2, ref.sgd())
+    script = [0, 1] * EASGD_STEPS
+    expected = ref.easgd(replicas.models, replicas.step, script, tau=TAU, alpha=0.9 / 2)
+    assert expected.pushes == [(0, 0), (1, 1), (0, 1), (1, 1)]
+    for w, run in enumerate(workers):
+        assert_trajectory(run["theta"], expected.replicas[w], f"easgd worker {w}", atol=0)
+        assert_trajectory([run["final"]], [expected.final[w]], f"easgd worker {w} at the end", 0)
+        assert [(w, s) for s in run["staleness"]] == [p for p in expected.pushes if p[0] == w]
+    assert server["version"] == len(expected.pushes)
+    assert_trajectory([server["centre"]], [expected.server[-1]], "easgd centre", atol=0)

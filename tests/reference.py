@@ -1,0 +1,366 @@
+"""Independent single-process references of cloudburst's algorithms, in plain PyTorch.
+
+Each reference simulates W workers in one process, one after the other in an order the caller
+scripts, and follows ALGORITHMS.md literally, with nothing taken from cloudburst: no strategy,
+server, comm or flatten code is imported here, so a test that compares cloudburst with a
+reference compares two independent implementations.
+
+The references own the *communication* semantics only. Training is the caller's: a
+``local_step(worker, step)`` callback advances one replica by one optimizer step (its own data,
+its own optimizer), exactly as that worker's training loop would. :class:`Replicas` builds such
+a callback for the small problem below, which the distributed tests also train on (same seeded
+data and initial θ in every process), so that both sides compute the same gradients.
+
+References (ALGORITHMS.md section in brackets):
+
+- :func:`large_batch_sgd` — sync (§1): one SGD step on the concatenation of the W batches.
+- :class:`ParameterServer`, :func:`asgd` — the add rule θ ← θ + λΔ, version clock and
+  staleness, with a scripted order of the workers' steps (§2, n_fetch = n_push = n_sync).
+- :func:`easgd` — elastic averaging against a centre, in a scripted order (§4).
+- :func:`local_sgd` — average the replicas every H steps (§5).
+- :func:`diloco` — outer SGD with Nesterov momentum on the averaged pseudo-gradient (§5).
+- :func:`gossip_pull` — pull averaging with a fixed peer schedule, workers in a fixed order (§4).
+
+Every replica's θ is returned after each of its local steps (a trajectory), so a test can
+compare whole runs, not just their end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+#: ``local_step(worker, step)``: one optimizer step of worker ``worker``'s replica; ``step``
+#: counts that worker's local steps from 1.
+LocalStep = Callable[[int, int], None]
+
+FEATURES, HIDDEN, CLASSES = 5, 8, 3  # the tiny problem
+NUMEL = FEATURES * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES  # 75 parameters
+
+
+# ---------------------------------------------------------------------------- the problem
+def tiny_model(seed: int = 0) -> nn.Module:
+    """A 5 → 8 → 3 MLP whose initial θ depends only on ``seed`` (not on the global RNG)."""
+    model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def batch(worker: int, step: int, size: int = 8, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Worker ``worker``'s mini-batch at its local step ``step``: the same in every process."""
+    g = torch.Generator().manual_seed(1_000_003 * seed + 1009 * worker + step)
+    x = torch.randn(size, FEATURES, generator=g)
+    y = torch.randint(0, CLASSES, (size,), generator=g)
+    return x, y
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x, y) -> float:
+    """One plain training step (the user's loop): cross-entropy, backward, optimizer step."""
+    loss = nn.functional.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    """The parameters as one new vector, in ``model.parameters()`` order."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def set_flat(model: nn.Module, vector: torch.Tensor) -> None:
+    """Copy ``vector`` into the parameters (in place: optimizers keep their state)."""
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(vector[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+    assert offset == vector.numel(), "vector and model differ in size"
+
+
+class Replicas:
+    """W replicas of :func:`tiny_model` (same initial θ), each with its own optimizer, trained
+    on ``batch(worker, step)``; :meth:`step` is the ``local_step`` callback of the references."""
+
+    def __init__(
+        self,
+        workers: int,
+        make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+        seed: int = 0,
+        batch_size: int = 8,
+    ):
+        self.models = [tiny_model(seed) for _ in range(workers)]
+        self.optimizers = [make_optimizer(m) for m in self.models]
+        self.batch_size = batch_size
+
+    def step(self, worker: int, step: int) -> None:
+        x, y = batch(worker, step, self.batch_size)
+        train_step(self.models[worker], self.optimizers[worker], x, y)
+
+
+def sgd(lr: float = 0.1, momentum: float = 0.9) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    return lambda m: torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum)
+
+
+def adamw(lr: float = 0.01) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    return lambda m: torch.optim.AdamW(m.parameters(), lr=lr)
+
+
+def mean(vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(list(vectors)).sum(0) / len(vectors)
+
+
+# ---------------------------------------------------------------------------- 1. sync
+def large_batch_sgd(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    workers: int,
+    steps: int,
+    batch_size: int = 8,
+) -> list[torch.Tensor]:
+    """Synchronous data parallelism's reference: SGD where step s sees the concatenation of
+    every worker's batch s. Returns θ after each step."""
+    history = []
+    for step in range(1, steps + 1):
+        batches = [batch(w, step, batch_size) for w in range(workers)]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        train_step(model, optimizer, x, y)
+        history.append(flat(model))
+    return history
+
+
+# ---------------------------------------------------------------------------- 2. asgd
+@dataclass
+class ParameterServer:
+    """One unsharded parameter server with the add rule θ ← θ + λΔ and a version clock.
+
+    ``push`` applies one push computed against ``base_version``; its staleness is the number of
+    pushes applied since that version. Pushes are applied one at a time, in call order.
+    """
+
+    theta: torch.Tensor
+    lam: float
+    version: int = 0
+    staleness: list[int] = field(default_factory=list)  # of every push, in order
+
+    def fetch(self) -> tuple[torch.Tensor, int]:
+        return self.theta.clone(), self.version
+
+    def push(self, delta: torch.Tensor, base_version: int) -> int:
+        staleness = self.version - base_version
+        self.theta = self.theta.add(delta, alpha=self.lam)
+        self.version += 1
+        self.staleness.append(staleness)
+        return staleness
+
+
+@dataclass
+class PsRun:
+    """What a parameter-server reference did: the server's θ after every push, each push as
+    (worker, staleness), each worker's θ after each of its local steps (after any push and
+    fetch of that step), and each worker's θ at the end (after the final pushes)."""
+
+    server: list[torch.Tensor]
+    pushes: list[tuple[int, int]]
+    replicas: list[list[torch.Tensor]]
+    final: list[torch.Tensor] = field(default_factory=list)
+
+
+def asgd(
+    models: Sequence[nn.Module],
+    local_step: LocalStep,
+    script: Sequence[int],
+    n_sync: int,
+    lam: float,
+    flush: bool = True,
+) -> PsRun:
+    """Asynchronous SGD with one parameter server (GPU A-SGD: n_fetch = n_push = n_sync).
+
+    The server starts from worker 0's θ; every worker first fetches it. ``script`` lists whose
+    local step comes next (one entry per step). After every n_sync-th local step the worker
+    pushes Δ = θ_local − θ_at_last_fetch and fetches θ (which now includes its own push). With
+    ``flush``, each worker that has unpushed steps at the end pushes them (no fetch), in
+    worker order.
+    """
+    server = ParameterServer(flat(models[0]).clone(), lam)
+    base: list[torch.Tensor] = []
+    version: list[int] = []
+    for m in models:
+        theta, v = server.fetch()
+        set_flat(m, theta)
+        base.append(theta)
+        version.append(v)
+    steps = [0] * len(models)
+    run = PsRun([], [], [[] for _ in models])
+
+    def push(w: int) -> None:
+        local = flat(models[w])
+        run.pushes.append((w, server.push(local - base[w], version[w])))
+        run.server.append(server.theta.clone())
+        base[w] = local
+
+    for w in script:
+        steps[w] += 1
+        local_step(w, steps[w])
+        if steps[w] % n_sync == 0:
+            push(w)
+            base[w], version[w] = server.fetch()
+            set_flat(models[w], base[w])
+        run.replicas[w].append(flat(models[w]))
+    if flush:
+        for w in range(len(models)):
+            if steps[w] % n_sync:
+                push(w)
+    run.final = [flat(m) for m in models]
+    return run
+
+
+# ---------------------------------------------------------------------------- 4. easgd
+def easgd(
+    models: Sequence[nn.Module],
+    local_step: LocalStep,
+    script: Sequence[int],
+    tau: int,
+    alpha: float,
+    flush: bool = True,
+) -> PsRun:
+    """Elastic averaging SGD: a centre θ̃ (worker 0's initial θ), which every replica starts
+    from; after every τ-th local step worker i computes e = α(θ_i − θ̃), sets θ_i ← θ_i − e
+    and θ̃ ← θ̃ + e, atomically (the exchanges are applied in script order). ``pushes`` lists
+    (worker, number of exchanges by others since this worker's previous one). With ``flush``,
+    a worker with steps since its last exchange makes one more at the end, in worker order.
+    """
+    centre = flat(models[0]).clone()
+    for m in models:
+        set_flat(m, centre)
+    exchanges = 0
+    seen = [0] * len(models)
+    steps = [0] * len(models)
+    run = PsRun([], [], [[] for _ in models])
+
+    def exchange(w: int) -> None:
+        nonlocal centre, exchanges
+        theta = flat(models[w])
+        e = alpha * (theta - centre)
+        set_flat(models[w], theta - e)
+        centre = centre + e
+        run.pushes.append((w, exchanges - seen[w]))
+        run.server.append(centre.clone())
+        exchanges += 1
+        seen[w] = exchanges
+
+    for w in script:
+        steps[w] += 1
+        local_step(w, steps[w])
+        if steps[w] % tau == 0:
+            exchange(w)
+        run.replicas[w].append(flat(models[w]))
+    if flush:
+        for w in range(len(models)):
+            if steps[w] % tau:
+                exchange(w)
+    run.final = [flat(m) for m in models]
+    return run
+
+
+# ---------------------------------------------------------------------------- 5. local SGD
+def local_sgd(
+    models: Sequence[nn.Module], local_step: LocalStep, steps: int, period: int
+) -> list[list[torch.Tensor]]:
+    """Local SGD: every worker takes its own steps; after every H = ``period``-th step all
+    replicas are replaced by their average (optimizer states stay local). At the end, steps
+    since the last average are averaged once more. Returns θ of each worker after each step
+    (the final average replaces the last entry)."""
+    history: list[list[torch.Tensor]] = [[] for _ in models]
+    for step in range(1, steps + 1):
+        for w in range(len(models)):
+            local_step(w, step)
+        if step % period == 0 or step == steps:
+            average = mean([flat(m) for m in models])
+            for m in models:
+                set_flat(m, average)
+        for w, m in enumerate(models):
+            history[w].append(flat(m))
+    return history
+
+
+def diloco(
+    models: Sequence[nn.Module],
+    local_step: LocalStep,
+    steps: int,
+    period: int,
+    outer_lr: float,
+    outer_momentum: float,
+    nesterov: bool = True,
+) -> list[list[torch.Tensor]]:
+    """DiLoCo: the local optimizers are the inner ones; after every H-th step (and at the end
+    for a partial period) the pseudo-gradient g = θ_global − mean_w θ_w goes through an outer
+    SGD with momentum μ: b ← g on the first outer step, b ← μb + g after; the step is
+    d = g + μb with Nesterov, d = b without; θ_global ← θ_global − lr·d; every replica then
+    restarts from θ_global. Returns θ of each worker after each step."""
+    theta_global = flat(models[0]).clone()
+    buf: torch.Tensor | None = None
+    history: list[list[torch.Tensor]] = [[] for _ in models]
+    for step in range(1, steps + 1):
+        for w in range(len(models)):
+            local_step(w, step)
+        if step % period == 0 or step == steps:
+            g = theta_global - mean([flat(m) for m in models])
+            buf = g.clone() if buf is None else outer_momentum * buf + g
+            d = g + outer_momentum * buf if nesterov else buf
+            theta_global = theta_global - outer_lr * d
+            for m in models:
+                set_flat(m, theta_global)
+        for w, m in enumerate(models):
+            history[w].append(flat(m))
+    return history
+
+
+# ---------------------------------------------------------------------------- gossip
+@dataclass
+class GossipRun:
+    """θ of each worker after each of its steps, and for each pull (worker, peer, lag), where
+    lag is the puller's step minus the step of the peer's θ it received."""
+
+    replicas: list[list[torch.Tensor]]
+    pulls: list[tuple[int, int, int]]
+
+
+def gossip_pull(
+    models: Sequence[nn.Module],
+    local_step: LocalStep,
+    steps: int,
+    peer: Callable[[int, int], int],
+    every: int = 1,
+    order: Sequence[int] | None = None,
+) -> GossipRun:
+    """Gossip, pull variant: every worker publishes θ at each step boundary; after every
+    k-th (``every``) local step, in its round r (from 0) worker i pulls θ_j, j = peer(i, r), as
+    j last published it and sets θ_i ← (θ_i + θ_j)/2. Each step, workers act one after the
+    other in ``order`` (default 0..W−1), so a pull sees the peers before it in this step and
+    the others at their previous step."""
+    order = list(range(len(models))) if order is None else list(order)
+    published = [(flat(m), 0) for m in models]  # (θ, step it was taken at)
+    rounds = [0] * len(models)
+    run = GossipRun([[] for _ in models], [])
+    for step in range(1, steps + 1):
+        for w in order:
+            local_step(w, step)
+            theta = flat(models[w])
+            if step % every == 0:
+                j = peer(w, rounds[w])
+                rounds[w] += 1
+                peer_theta, peer_step = published[j]
+                theta = (theta + peer_theta) / 2
+                set_flat(models[w], theta)
+                run.pulls.append((w, j, step - peer_step))
+            published[w] = (theta, step)
+            run.replicas[w].append(theta)
+    return run

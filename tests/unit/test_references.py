@@ -1,0 +1,259 @@
+"""cloudburst against the independent references of ``tests/reference.py``, with no processes.
+
+The parameter-server strategies run for real (``AsgdStrategy`` / ``EasgdStrategy`` and the
+shards' ``ServerLoop`` request handling) over the in-process fake of ``tests/fakes.py``, under a
+scripted order of the workers' steps, so every push's staleness and every θ are determined.
+Worker replicas compute the same gradients on both sides (same process, same data, same θ), so
+the comparisons are bit for bit. The references are also checked on their own: against values
+worked out by hand, and against each other where the algorithms coincide.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from cloudburst.comm.flat import flatten_params
+from cloudburst.config import RunConfig
+from cloudburst.server import ShardState
+from tests import reference as ref
+from tests.fakes import flush, ps_job
+
+BATCH = 8
+
+
+def cfg_for(**kw) -> RunConfig:
+    return RunConfig(dataset="synthetic", train_size=512, checkpoint_every=0, **kw)
+
+
+def play(cfg: RunConfig, script: list[int]) -> ref.PsRun:
+    """Run ``cfg``'s strategy over the fake network in ``script`` order; record what
+    :class:`tests.reference.PsRun` records, from cloudburst's side (ending, as ``finish``
+    starts, with each worker's push of what it has left)."""
+    replicas = ref.Replicas(cfg.workers, ref.sgd())
+    job = ps_job(cfg, replicas.models)
+    for worker in job.workers:
+        worker.start()
+    run = ref.PsRun([], [], [[] for _ in job.workers])
+    steps = [0] * cfg.workers
+
+    def record_push(w: int, pushes_before: int) -> None:
+        worker = job.workers[w]
+        if worker.pushes > pushes_before:  # one reply per shard, all with the same staleness
+            assert worker.pushes == pushes_before + cfg.servers
+            run.pushes.append((w, worker.last_staleness))
+            run.server.append(job.server_theta.clone())
+
+    for w in script:
+        steps[w] += 1
+        replicas.step(w, steps[w])
+        before = job.workers[w].pushes
+        job.workers[w].after_step(BATCH)
+        record_push(w, before)
+        run.replicas[w].append(flatten_params(replicas.models[w]))
+    for w, worker in enumerate(job.workers):
+        before = worker.pushes
+        flush(worker)
+        record_push(w, before)
+    run.final = [flatten_params(m) for m in replicas.models]
+    for loop in job.loops:  # the shards agree on the order: same version everywhere
+        assert loop.shard.version == len(run.pushes)
+    return run
+
+
+def assert_same_run(actual: ref.PsRun, expected: ref.PsRun) -> None:
+    assert actual.pushes == expected.pushes
+    assert len(actual.server) == len(expected.server)
+    for i, (a, b) in enumerate(zip(actual.server, expected.server, strict=True)):
+        assert torch.equal(a, b), f"server θ after push {i} differs by {(a - b).abs().max()}"
+    for w, (mine, theirs) in enumerate(zip(actual.replicas, expected.replicas, strict=True)):
+        assert len(mine) == len(theirs)
+        for s, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+            assert torch.equal(a, b), f"worker {w} after step {s + 1} differs"
+    assert len(actual.final) == len(expected.final)
+    for w, (a, b) in enumerate(zip(actual.final, expected.final, strict=True)):
+        assert torch.equal(a, b), f"worker {w} at the end differs"
+
+
+# ---------------------------------------------------------------------------- the references
+def test_reference_module_imports_nothing_from_cloudburst():
+    tree = ast.parse(Path(ref.__file__).read_text())
+    imported = [
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    ] + [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    assert imported and not [m for m in imported if m.split(".")[0] == "cloudburst"]
+
+
+def _set_models(values: list[float]) -> list[torch.nn.Module]:
+    """One tiny model per value, every parameter set to it."""
+    models = [ref.tiny_model() for _ in values]
+    for m, v in zip(models, values, strict=True):
+        ref.set_flat(m, torch.full((ref.NUMEL,), v))
+    return models
+
+
+def no_training(worker: int, step: int) -> None:
+    pass
+
+
+def test_gossip_reference_on_hand_values():
+    # Ring of 3, no training: 0 pulls 1's θ of the previous step, 1 pulls 2's, 2 pulls 0's
+    # θ of this step (0 acted before it).
+    models = _set_models([0.0, 4.0, 8.0])
+    run = ref.gossip_pull(models, no_training, steps=2, peer=lambda i, r: (i + 1) % 3)
+    first = [r[0][0].item() for r in run.replicas]
+    assert first == [2.0, 6.0, 5.0]  # (0+4)/2, (4+8)/2, (8+2)/2
+    second = [r[1][0].item() for r in run.replicas]
+    assert second == [4.0, 5.5, 4.5]  # (2+6)/2, (6+5)/2, (5+4)/2
+    assert run.pulls == [(0, 1, 1), (1, 2, 1), (2, 0, 0)] * 2
+
+
+def test_easgd_reference_on_hand_values():
+    # Centre starts at worker 0's θ = 0; worker 1 is moved to the centre first, then trains
+    # to 10 (here: set by its step); α = 0.5, τ = 1.
+    models = _set_models([0.0, 0.0])
+
+    def step(worker: int, _: int) -> None:
+        ref.set_flat(models[worker], ref.flat(models[worker]) + 10.0 * worker)
+
+    run = ref.easgd(models, step, script=[1, 0, 1], tau=1, alpha=0.5)
+    # w1: θ=10, e=5 -> θ1=5, centre 5; w0: θ=0, e=-2.5 -> θ0=2.5, centre 2.5;
+    # w1: θ=15, e=6.25 -> θ1=8.75, centre 8.75.
+    assert [c[0].item() for c in run.server] == [5.0, 2.5, 8.75]
+    assert [r[-1][0].item() for r in run.replicas] == [2.5, 8.75]
+    assert run.pushes == [(1, 0), (0, 1), (1, 1)]
+
+
+def test_local_sgd_with_period_1_equals_large_batch_sgd():
+    replicas = ref.Replicas(3, ref.sgd())
+    history = ref.local_sgd(replicas.models, replicas.step, steps=5, period=1)
+    model = ref.tiny_model()
+    expected = ref.large_batch_sgd(model, ref.sgd()(model), workers=3, steps=5)
+    for w in range(3):
+        for a, b in zip(history[w], expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_diloco_with_outer_lr_1_and_no_momentum_equals_local_sgd():
+    a, b = ref.Replicas(2, ref.adamw()), ref.Replicas(2, ref.adamw())
+    local = ref.local_sgd(a.models, a.step, steps=7, period=3)
+    outer = ref.diloco(b.models, b.step, steps=7, period=3, outer_lr=1.0, outer_momentum=0.0)
+    for x, y in zip(local[0], outer[0], strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
+def test_diloco_reference_nesterov_first_outer_step_is_1_plus_mu_times_the_average():
+    # No training: the pseudo-gradient is 0; move the replicas by hand instead.
+    models = _set_models([1.0, 1.0])
+
+    def step(worker: int, _: int) -> None:
+        ref.set_flat(models[worker], ref.flat(models[worker]) - (worker + 1))  # -1, -2
+
+    history = ref.diloco(models, step, steps=1, period=1, outer_lr=0.5, outer_momentum=0.9)
+    # g = 1 - mean(0, -1) = 1.5; Nesterov: d = g + 0.9 g = 2.85; θ = 1 - 0.5 · 2.85
+    assert history[0][0][0].item() == pytest.approx(1 - 0.5 * 2.85)
+
+
+# ---------------------------------------------------------------------------- asgd
+# Scripts: whose local step comes next. Staleness worked out by hand (n_sync = 2).
+SCRIPT_2 = [0, 1, 1, 0, 0, 0, 1, 1, 1]  # pushes: w1 w0 w0 w1, then w1's flush
+STALENESS_2 = [(1, 0), (0, 1), (0, 0), (1, 2), (1, 0)]
+SCRIPT_3 = [0, 0, 1, 0, 0, 2, 2, 1, 1, 1, 2, 0, 2]  # w0 w0 w2 w1 w1 w2, then w0's flush
+STALENESS_3 = [(0, 0), (0, 0), (2, 2), (1, 3), (1, 0), (2, 2), (0, 4)]
+
+
+@pytest.mark.parametrize(
+    "workers, servers, script, pushes",
+    [
+        (2, 1, SCRIPT_2, STALENESS_2),
+        (3, 2, SCRIPT_3, STALENESS_3),
+    ],
+)
+@pytest.mark.parametrize("lam", ["1/W", 1.0])
+def test_asgd_scripted_pushes_match_the_parameter_server_reference(
+    workers, servers, script, pushes, lam
+):
+    lam = 1.0 / workers if lam == "1/W" else lam
+    replicas = ref.Replicas(workers, ref.sgd())
+    expected = ref.asgd(replicas.models, replicas.step, script, n_sync=2, lam=lam)
+    assert expected.pushes == pushes  # the reference agrees with the hand count
+    cfg = cfg_for(strategy="asgd", workers=workers, servers=servers, n_sync=2, server_lr=lam)
+    assert_same_run(play(cfg, script), expected)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="RunConfig.server_lr defaults to 1.0 (λ = 1, Downpour's sum); ALGORITHMS.md §2 "
+    "makes λ = 1/W the default",
+)
+def test_asgd_default_lambda_is_one_over_w():
+    replicas = ref.Replicas(2, ref.sgd())
+    expected = ref.asgd(replicas.models, replicas.step, SCRIPT_2, n_sync=2, lam=0.5)
+    assert_same_run(
+        play(cfg_for(strategy="asgd", workers=2, servers=1, n_sync=2), SCRIPT_2), expected
+    )
+
+
+SHARD_ORDER = [
+    (0, "fetch"),
+    (1, "fetch"),
+    (2, "fetch"),
+    (0, "push"),  # base 0 at version 0: staleness 0
+    (1, "push"),  # base 0 at 1: 1
+    (0, "fetch"),
+    (2, "push"),  # base 0 at 2: 2
+    (1, "fetch"),
+    (0, "push"),  # base 2 at 3: 1
+    (1, "push"),  # base 3 at 4: 1
+    (2, "fetch"),
+    (2, "push"),  # base 5 at 5: 0
+]  # with two workers (worker 2's entries left out): 0, 1, 0, 1
+
+
+@pytest.mark.parametrize("workers, staleness", [(2, [0, 1, 0, 1]), (3, [0, 1, 2, 1, 1, 0])])
+@pytest.mark.parametrize("lam", ["1/W", 1.0])
+def test_shard_maths_matches_the_parameter_server_reference(workers, staleness, lam):
+    # Two shards of one θ against the unsharded reference: random Δ in a scripted order of
+    # fetches and pushes (each worker pushes against the version it last fetched).
+    lam = 1.0 / workers if lam == "1/W" else lam
+    g = torch.Generator().manual_seed(workers)
+    theta = torch.randn(101, generator=g)
+    server = ref.ParameterServer(theta.clone(), lam)
+    shards = [ShardState(theta[:51], lr=lam), ShardState(theta[51:], lr=lam)]
+    base = {}
+    for w, action in [(w, a) for w, a in SHARD_ORDER if w < workers]:
+        if action == "fetch":
+            base[w] = server.version
+            continue
+        delta = torch.randn(101, generator=g)
+        expected = server.push(delta, base[w])
+        results = [
+            shards[0].apply_push(delta[:51], base[w]),
+            shards[1].apply_push(delta[51:], base[w]),
+        ]
+        assert [r.staleness for r in results] == [expected, expected]
+        assert all(s.version == server.version for s in shards)
+        assert torch.equal(torch.cat([s.theta for s in shards]), server.theta)
+    assert server.staleness == staleness
+
+
+# ---------------------------------------------------------------------------- easgd
+SCRIPT_EASGD = [0, 0, 0, 1, 1, 2, 2, 2, 1, 0, 0, 0, 2, 1, 1, 1, 2, 2, 0]
+# τ = 3: exchanges w0 w2 w1 w0 w1 w2, then w0's flush (7 steps); staleness: the exchanges by
+# others since this worker's previous one.
+STALENESS_EASGD = [(0, 0), (2, 1), (1, 2), (0, 2), (1, 1), (2, 3), (0, 2)]
+
+
+def test_easgd_scripted_exchanges_match_the_reference_with_default_alpha():
+    workers = 3
+    replicas = ref.Replicas(workers, ref.sgd())
+    expected = ref.easgd(replicas.models, replicas.step, SCRIPT_EASGD, tau=3, alpha=0.9 / workers)
+    assert expected.pushes == STALENESS_EASGD
+    cfg = cfg_for(strategy="easgd", workers=workers, servers=2, easgd_tau=3)
+    assert_same_run(play(cfg, SCRIPT_EASGD), expected)
