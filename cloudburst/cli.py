@@ -31,7 +31,7 @@ from cloudburst.config import (
     load_toml,
 )
 from cloudburst.rundir import check_run_dir, default_out, prepare_run_dir
-from cloudburst.summary import interrupted_message
+from cloudburst.summary import format_summary, interrupted_message
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130  # as a shell reports a process stopped by SIGINT
@@ -43,6 +43,28 @@ def _train_parser(sub) -> None:
         help="train a model with a data-parallel strategy",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    _add_train_arguments(p)
+
+
+def _compare_parser(sub) -> None:
+    p = sub.add_parser(
+        "compare",
+        help="several strategies (or settings) on the same data, model and budget: a table "
+        "and learning curves",
+        description="Runs one job per --runs spec, one after another, with the train flags "
+        "given here shared by all; prints one table, writes OUT/curves.png and OUT/summary.md.",
+    )
+    p.add_argument(
+        "--runs",
+        nargs="+",
+        required=True,
+        metavar="SPEC",
+        help="STRATEGY[:field=value,...], e.g. sync asgd:n_sync=10,server_lr=0.25 diloco",
+    )
+    _add_train_arguments(p)
+
+
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # unset flags do not override the config file
     p.add_argument("--config", help="TOML file with run settings (flags override it)")
     p.add_argument(
@@ -357,6 +379,34 @@ def resume_config(
     return RunConfig.from_dict({**values, **flags, "out": str(run_dir), "resume": True})
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from cloudburst.compare import comparison_configs, run_comparison
+    from cloudburst.launch import JobInterrupted
+    from cloudburst.runtime import in_torchrun, start_forkserver
+
+    if in_torchrun():
+        raise ConfigError("compare: run it directly, not under torchrun (it launches its jobs)")
+    values: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
+    flags = {k: v for k, v in vars(args).items() if k not in (*CLI_ONLY, "runs")}
+    if "resume" in flags:
+        raise ConfigError("compare: --resume continues one run; use cloudburst train --resume")
+    refuse_code_from_file(values, flags, f"--config {args.config}" if values else "", False)
+    values.update(flags)
+    out = values.pop("out", None) or default_out("compare")
+    runs = comparison_configs(args.runs, values, out)
+    for _, cfg in runs:  # every run's directory is usable before the first one starts
+        check_run_dir(cfg.out, resume=False, overwrite=cfg.overwrite)
+    start_forkserver()
+    for _, cfg in runs[:1]:
+        preflight(cfg)
+    try:
+        run_comparison(runs, out)
+    except JobInterrupted as e:
+        print(interrupted_message(e.summary), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from cloudburst.runtime import in_torchrun
 
@@ -509,32 +559,6 @@ def launch_and_report(cfg: RunConfig) -> int:
     return 0
 
 
-def format_summary(summaries: list[dict[str, Any]]) -> str:
-    cols = [
-        ("strategy", "strategy", "{}"),
-        ("W", "workers", "{}"),
-        ("S", "servers", "{}"),
-        ("test acc", "final_test_accuracy", "{:.4f}"),
-        ("wall s", "wall_time_s", "{:.1f}"),
-        ("to target s", "time_to_target_s", "{:.1f}"),
-        ("samples", "samples", "{}"),
-        ("MB sent", "bytes_sent", "{:.1f}"),
-        ("staleness", "mean_staleness", "{:.2f}"),
-        ("lost", "lost_workers", "{}"),
-    ]
-    rows = [[name for name, _, _ in cols]]
-    for s in summaries:
-        row = []
-        for _, key, fmt in cols:
-            v = s.get(key)
-            if key == "bytes_sent" and v is not None:
-                v = v / 1e6
-            row.append("-" if v is None else fmt.format(v))
-        rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
-
-
 def cmd_plot(args: argparse.Namespace) -> int:
     from cloudburst.plot import plot_runs
 
@@ -547,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cloudburst", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _compare_parser(sub)
     p = sub.add_parser("plot", help="plot test error against wall time and samples")
     p.add_argument("runs", nargs="+", help="run directories (each with metrics/ and summary.json)")
     p.add_argument("-o", "--output", default="curves.png", help="PNG file to write")
@@ -559,10 +584,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args)
+        if args.command == "compare":
+            return cmd_compare(args)
         if args.command == "demo":
             from cloudburst.demo import run_demo
+            from cloudburst.launch import JobInterrupted
 
-            run_demo(args.out, args.epochs, args.strategies)
+            try:
+                run_demo(args.out, args.epochs, args.strategies)
+            except JobInterrupted as e:
+                print(interrupted_message(e.summary), file=sys.stderr)
+                return EXIT_INTERRUPTED
             return 0
         return cmd_plot(args)
     except ConfigError as e:

@@ -66,13 +66,11 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
         total = cfg.steps_per_worker() * cfg.workers
     except ValueError:  # epochs of a dataset read from a path: its size is known to the ranks
         total = None
-    bar = tqdm(
-        total=total,
-        desc=f"{cfg.strategy} W={cfg.workers}",
-        unit="step",
-        disable=not show,
-        file=sys.stderr,
-    )
+    desc = f"{cfg.strategy} W={cfg.workers}"
+    if show and not sys.stderr.isatty():
+        bar = LineProgress(total, desc)  # a log file: a line every few seconds, no redraws
+    else:
+        bar = tqdm(total=total, desc=desc, unit="step", disable=not show, file=sys.stderr)
     summary_path = out / "summary.json"
     summary_seen_at = None
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -118,6 +116,37 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
     summary = json.loads(summary_path.read_text())
     summary["failed_agents"] = [c for c in codes if c]
     return summary
+
+
+class LineProgress:
+    """Progress for a non-interactive log: one line every ``every_s`` seconds (and a last one),
+    never a redrawn bar. Counts like tqdm (``n``, ``update``, ``close``)."""
+
+    def __init__(self, total: int | None, desc: str, every_s: float = 5.0):
+        self.total, self.desc, self.every_s = total, desc, every_s
+        self.n = 0
+        self._start = self._last = time.monotonic()
+        self._closed = False
+
+    def update(self, k: int) -> None:
+        self.n += k
+        if time.monotonic() - self._last >= self.every_s:
+            self._print()
+
+    def close(self) -> None:
+        if not self._closed and self.n:
+            self._print()
+        self._closed = True
+
+    def _print(self) -> None:
+        self._last = time.monotonic()
+        done = (
+            f"{self.n}/{self.total} steps ({100 * self.n / self.total:.0f} %)"
+            if (self.total)
+            else f"{self.n} steps"
+        )
+        elapsed = self._last - self._start
+        print(f"{self.desc}: {done}, {elapsed:.0f} s", file=sys.stderr, flush=True)
 
 
 def _raise_interrupt(signum, frame) -> None:

@@ -79,3 +79,33 @@ def interrupted_message(summary: dict[str, Any]) -> str:
             f"{summary['resume_command']}"
         )
     return f"cloudburst: interrupted after {done}; no checkpoint was written yet"
+
+
+def format_summary(summaries: list[dict[str, Any]], labels: list[str] | None = None) -> str:
+    """The comparison table the CLI prints: one row per run (``labels``: a first column)."""
+    cols = [
+        ("strategy", "strategy", "{}"),
+        ("W", "workers", "{}"),
+        ("S", "servers", "{}"),
+        ("test acc", "final_test_accuracy", "{:.4f}"),
+        ("wall s", "wall_time_s", "{:.1f}"),
+        ("to target s", "time_to_target_s", "{:.1f}"),
+        ("samples", "samples", "{}"),
+        ("MB sent", "bytes_sent", "{:.1f}"),
+        ("staleness", "mean_staleness", "{:.2f}"),
+        ("lost", "lost_workers", "{}"),
+    ]
+    if labels is not None:
+        cols.insert(0, ("run", "_label", "{}"))
+        summaries = [{**s, "_label": label} for s, label in zip(summaries, labels, strict=True)]
+    rows = [[name for name, _, _ in cols]]
+    for s in summaries:
+        row = []
+        for _, key, fmt in cols:
+            v = s.get(key)
+            if key == "bytes_sent" and v is not None:
+                v = v / 1e6
+            row.append("-" if v is None else fmt.format(v))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
