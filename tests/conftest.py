@@ -1,0 +1,28 @@
+"""Test tiers, by directory.
+
+``tests/unit`` tests start no processes and fake the comm layer; they are marked ``unit`` here
+and are what ``make test-fast`` runs (the inner loop, well under a minute). A unit test that
+must start processes (DataLoader workers, say) is marked ``spawns`` and is left to ``make
+test``. ``tests/dist`` and ``tests/e2e`` mark themselves (``dist``, ``e2e``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+UNIT_DIR = Path(__file__).resolve().parent / "unit"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "unit: starts no processes, comm faked (tests/unit)")
+    config.addinivalue_line(
+        "markers", "spawns: a tests/unit test that starts processes (not in make test-fast)"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if UNIT_DIR in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.unit)
