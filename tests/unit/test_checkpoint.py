@@ -39,9 +39,17 @@ def test_truncated_corrupt_foreign_and_wrong_kind(tmp_path):
     (tmp_path / "trunc.pt").write_bytes(data[: len(data) // 2])
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint at all")
     torch.save({"w": torch.ones(3)}, tmp_path / "foreign.pt")
-    for name in ("trunc.pt", "garbage.pt", "foreign.pt", "missing.pt"):
-        with pytest.raises(CheckpointError):
+    for name, why in [
+        ("trunc.pt", "cannot be read safely (truncated, corrupt or not a cloudburst checkpoint)"),
+        ("garbage.pt", "cannot be read safely (truncated, corrupt or not a cloudburst checkpoint)"),
+        ("foreign.pt", "is not a cloudburst-checkpoint-v1 file"),
+        ("missing.pt", "does not exist"),
+    ]:
+        with pytest.raises(CheckpointError) as err:
             load_checkpoint(tmp_path / name)
+        message = str(err.value)
+        assert message.startswith(f"checkpoint {str(tmp_path / name)!r} {why}"), message
+        assert "\n" not in message, message
     with pytest.raises(CheckpointError, match="expected 'server-shard'"):
         load_checkpoint(good, "server-shard")
 
@@ -77,6 +85,6 @@ def test_code_in_a_checkpoint_never_runs(tmp_path):
         tmp_path / "evil2.pt",
     )
     for p in (path, tmp_path / "evil2.pt"):
-        with pytest.raises(CheckpointError):
+        with pytest.raises(CheckpointError, match="cannot be read safely"):
             load_checkpoint(p)
     assert not os.path.exists(marker)

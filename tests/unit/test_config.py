@@ -5,8 +5,9 @@ from cloudburst.config import ConfigError, RunConfig, Straggler
 
 def test_defaults_are_valid():
     cfg = RunConfig()
-    assert cfg.strategy == "sync" and cfg.world_size == cfg.workers
-    assert cfg.steps_per_worker() == 10 * ((4000 // 2) // 64)
+    assert (cfg.strategy, cfg.workers, cfg.servers, cfg.world_size) == ("sync", 2, 0, 2)
+    assert cfg.steps_per_worker() == 310  # 10 epochs of 2000 samples per worker, 31 batches of 64
+    assert RunConfig(epochs=0.5).steps_per_worker() == 16  # 15.5 batches, rounded up
 
 
 def test_n_sync_sets_fetch_and_push():
@@ -14,44 +15,51 @@ def test_n_sync_sets_fetch_and_push():
     assert (cfg.n_fetch, cfg.n_push) == (7, 7)
 
 
+# Each bad value: the field the message starts with, and what it must say — the value and
+# what is allowed, or the fix (STYLE: one line naming the field, the value and the range).
 @pytest.mark.parametrize(
-    "values, field",
+    "values, field, fragments",
     [
-        ({"strategy": "magic"}, "strategy"),
-        ({"workers": 0}, "workers"),
-        ({"strategy": "asgd", "servers": 0}, "servers"),
-        ({"strategy": "sync", "servers": 2}, "servers"),
-        ({"lr": -0.1}, "lr"),
-        ({"lr": float("nan")}, "lr"),
-        ({"momentum": 1.0}, "momentum"),
-        ({"batch_size": 5000}, "batch_size"),
-        ({"n_fetch": 0, "strategy": "asgd", "servers": 1}, "n_fetch"),
-        ({"server_rule": "avg", "strategy": "asgd", "servers": 1}, "server_rule"),
-        ({"target_accuracy": 1.5}, "target_accuracy"),
-        ({"stragglers": ["7:2"]}, "straggler"),
-        ({"stragglers": ["x"]}, "straggler"),
-        ({"init_from": "/nonexistent/model.pt"}, "init_from"),
-        ({"workers": "four"}, "workers"),
-        ({"bogus": 1}, "bogus"),
-        ({"dataset": "cifar10"}, "dataset"),
-        ({"dataset": "cifar10:/nonexistent/cifar"}, "dataset"),
-        ({"dataset": "mnist1d:/tmp"}, "dataset"),
-        ({"dataset": "imagenet:/tmp"}, "dataset"),
-        ({"model": "resnet50"}, "model"),
-        ({"model": "pkg.mod:"}, "model"),
-        ({"device": "tpu"}, "device"),
-        ({"backend": "mpi"}, "backend"),
-        ({"backend": "nccl", "device": "cpu"}, "backend"),
-        ({"autocast": "fp8"}, "autocast"),
-        ({"image_size": 4}, "image_size"),
-        ({"data_workers": -1}, "data_workers"),
+        ({"strategy": "magic"}, "strategy", ["'magic'", "sync, asgd, daso, local_sgd"]),
+        ({"workers": 0}, "workers", ["0 is not allowed", "integer >= 1"]),
+        ({"strategy": "asgd", "servers": 0}, "servers", ["0", "'asgd'", "--servers 1 or more"]),
+        ({"strategy": "sync", "servers": 2}, "servers", ["2", "'sync'", "--servers 0"]),
+        ({"lr": -0.1}, "lr", ["-0.1", "> 0.0"]),
+        ({"lr": float("nan")}, "lr", ["nan", "> 0.0"]),
+        ({"momentum": 1.0}, "momentum", ["1.0", ">= 0.0 and < 1.0"]),
+        ({"batch_size": 5000}, "batch_size", ["5000", "shard of 2000 samples"]),
+        ({"n_fetch": 0, "strategy": "asgd", "servers": 1}, "n_fetch", ["0", "integer >= 1"]),
+        (
+            {"server_rule": "avg", "strategy": "asgd", "servers": 1},
+            "server_rule",
+            ["'avg'", "add, sgd, adagrad"],
+        ),
+        ({"target_accuracy": 1.5}, "target_accuracy", ["1.5", "> 0.0 and <= 1.0"]),
+        ({"stragglers": ["7:2"]}, "straggler", ["worker 7 does not exist", "0..1"]),
+        ({"stragglers": ["x"]}, "straggler", ["'x'", "WORKER:FACTOR"]),
+        ({"init_from": "/nonexistent/model.pt"}, "init_from", ["'/nonexistent/model.pt'"]),
+        ({"workers": "four"}, "workers", ["'four'", "int"]),
+        ({"bogus": 1}, "config", ["unknown field 'bogus'"]),
+        ({"dataset": "cifar10"}, "dataset", ["needs a path", "cifar10:PATH"]),
+        ({"dataset": "cifar10:/nonexistent/cifar"}, "dataset", ["'/nonexistent/cifar'"]),
+        ({"dataset": "mnist1d:/tmp"}, "dataset", ["'mnist1d:/tmp'", "takes no path"]),
+        ({"dataset": "imagenet:/tmp"}, "dataset", ["'imagenet'", "cifar10:PATH"]),
+        ({"model": "resnet50"}, "model", ["'resnet50'", "mlp, cnn, resnet20, convnet"]),
+        ({"model": "pkg.mod:"}, "model", ["'pkg.mod:'", "package.module:function"]),
+        ({"device": "tpu"}, "device", ["'tpu'", "auto, cpu, cuda"]),
+        ({"backend": "mpi"}, "backend", ["'mpi'", "auto, gloo, nccl"]),
+        ({"backend": "nccl", "device": "cpu"}, "backend", ["'nccl'", "--device cuda"]),
+        ({"autocast": "fp8"}, "autocast", ["'fp8'", "none, bf16"]),
+        ({"image_size": 4}, "image_size", ["4", "integer >= 8"]),
+        ({"data_workers": -1}, "data_workers", ["-1", "integer >= 0"]),
     ],
 )
-def test_invalid_values_name_the_field(values, field):
+def test_invalid_values_name_the_field_the_value_and_the_fix(values, field, fragments):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict(values)
     msg = str(err.value)
-    assert field in msg and "\n" not in msg
+    assert msg.startswith(field) and "\n" not in msg, msg
+    assert all(fragment in msg for fragment in fragments), msg
 
 
 def test_toml_and_overrides(tmp_path):
@@ -66,7 +74,10 @@ def test_bad_toml_is_one_line(tmp_path):
     path.write_text("strategy = \n")
     with pytest.raises(ConfigError) as err:
         RunConfig.from_toml(path)
-    assert "not valid TOML" in str(err.value)
+    msg = str(err.value)
+    assert msg.startswith(f"config: {str(path)!r} is not valid TOML") and "\n" not in msg, msg
+    with pytest.raises(ConfigError, match="does not exist"):
+        RunConfig.from_toml(tmp_path / "missing.toml")
 
 
 def test_round_trip_through_dict():
@@ -77,6 +88,8 @@ def test_round_trip_through_dict():
 
 
 def test_cosine_schedule_decays_to_zero_over_the_run():
+    import math
+
     import torch
 
     from cloudburst.train import make_optimizer, make_scheduler
@@ -85,24 +98,26 @@ def test_cosine_schedule_decays_to_zero_over_the_run():
     param = torch.nn.Parameter(torch.zeros(1))
     opt = make_optimizer(cfg, [param])
     sched = make_scheduler(cfg, opt, cfg.steps_per_worker())
-    lrs = []
+    lrs = [opt.param_groups[0]["lr"]]
     for _ in range(50):
         opt.step()
         sched.step()
         lrs.append(opt.param_groups[0]["lr"])
-    assert lrs[0] < 0.1 and lrs[-1] == pytest.approx(0.0, abs=1e-9)
-    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    # lr after k of T = 50 steps: 0.1 · (1 + cos(πk/T)) / 2 — 0.1 at the start, 0.05 half way
+    expected = [0.05 * (1 + math.cos(math.pi * k / 50)) for k in range(51)]
+    assert lrs == pytest.approx(expected, abs=1e-12)
+    assert lrs[25] == pytest.approx(0.05) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
     assert make_scheduler(RunConfig(), opt, 10) is None
-    with pytest.raises(ConfigError, match="lr_schedule"):
+    with pytest.raises(ConfigError, match="lr_schedule: 'step' is not allowed; choose one of "):
         RunConfig(lr_schedule="step")
 
 
 def test_path_datasets_have_no_default_size_until_loaded(tmp_path):
     cfg = RunConfig(dataset=f"npz:{tmp_path}", epochs=2, batch_size=10)
     assert cfg.train_size is None and cfg.test_size is None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="the dataset's size is not known yet"):
         cfg.steps_per_worker()
-    assert cfg.steps_per_worker(train_size=105) == 2 * ((105 // 2) // 10)
+    assert cfg.steps_per_worker(train_size=105) == 10  # 2 epochs of 52 samples: 5 batches of 10
     assert RunConfig(dataset="synthetic").train_size == 4000
     assert RunConfig(model="pkg.module:factory").model == "pkg.module:factory"
 

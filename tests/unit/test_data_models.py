@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -30,19 +32,45 @@ def test_mnist1d_is_generated_locally_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("CLOUDBURST_CACHE", str(tmp_path))
     ds = load_dataset("mnist1d", 400, 100)
     assert ds.x_train.shape == (400, 40) and ds.x_test.shape == (100, 40)
-    assert set(ds.y_train.unique().tolist()) <= set(range(10))
+    assert ds.x_train.dtype == torch.float32 and ds.y_train.dtype == torch.int64
+    assert sorted(ds.y_train.unique().tolist()) == list(range(10))  # every digit is there
     assert len(list(tmp_path.glob("mnist1d-*.npz"))) == 1
+    # The second load reads the cache: generating again would fail here.
+    import mnist1d.data
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("mnist1d was generated again instead of read from the cache")
+
+    monkeypatch.setattr(mnist1d.data, "make_dataset", no_generation)
     again = load_dataset("mnist1d", 400, 100)
-    assert torch.equal(again.x_train, ds.x_train)
+    assert torch.equal(again.x_train, ds.x_train) and torch.equal(again.y_test, ds.y_test)
+
+
+def _accuracy_and_loss_by_hand(logits: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy −log softmax(logits)[y], one sample at a time."""
+    correct, loss = 0, 0.0
+    for row, label in zip(logits.double().tolist(), y.tolist(), strict=True):
+        correct += max(range(len(row)), key=row.__getitem__) == label
+        loss += math.log(sum(math.exp(v) for v in row)) - row[label]
+    return correct / len(y), loss / len(y)
 
 
 def test_models_shapes_and_evaluate():
-    x = torch.randn(7, 40)
+    x = torch.randn(7, 40, generator=torch.Generator().manual_seed(0))
     for name in ("mlp", "cnn"):
         m = build_model(name, 40, 10, seed=0)
         assert m(x).shape == (7, 10)
-        acc, loss = evaluate(m, x, torch.zeros(7, dtype=torch.int64))
-        assert 0 <= acc <= 1 and loss > 0
+        with torch.no_grad():
+            logits = m.eval()(x)
+        m.train()
+        # 4 of 7 labels are the model's prediction, 3 are not: accuracy exactly 4/7
+        y = logits.argmax(1)
+        y[4:] = (y[4:] + 1) % 10
+        acc, loss = evaluate(m, x, y, batch=3)  # batches of 3, 3 and 1 samples
+        expected_acc, expected_loss = _accuracy_and_loss_by_hand(logits, y)
+        assert expected_acc == 4 / 7 and acc == expected_acc
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+        assert m.training  # evaluate restores the mode it found
     # same seed, same initial θ on every rank
     a, b = build_model("cnn", 40, 10, seed=5), build_model("cnn", 40, 10, seed=5)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
@@ -55,6 +83,28 @@ def _cifar_dataset(tmp_path):
     return load_dataset(f"cifar10:{root}")
 
 
+def test_loader_stream_is_deterministic_and_resumes_in_process(tmp_path):
+    from cloudburst.data import batch_stream, worker_source
+
+    ds = _cifar_dataset(tmp_path)
+    source = worker_source(ds, 1, 2)  # 50 images
+    pre = ds.preprocess(augment=True)
+    streams = [batch_stream(source, 8, seed=4, preprocess=pre, num_workers=0) for _ in range(2)]
+    for _ in range(8):  # crosses an epoch boundary (6 batches per epoch)
+        (xa, ya), (xb, yb) = next(streams[0]), next(streams[1])
+        assert xa.dtype == torch.float32 and xa.shape == (8, 3, 32, 32)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    # Resuming from a state gives the same next batch (augmentation included).
+    state = streams[0].state_dict()
+    assert state == {"epoch": 1, "index": 2}
+    nxt = next(streams[0])
+    again = batch_stream(source, 8, seed=4, preprocess=pre, num_workers=0)
+    again.load_state_dict(state)
+    x, y = next(again)
+    assert torch.equal(x, nxt[0]) and torch.equal(y, nxt[1])
+
+
+@pytest.mark.spawns
 def test_loader_stream_is_the_same_for_any_number_of_loader_processes(tmp_path):
     from cloudburst.data import batch_stream, worker_source
 
@@ -78,6 +128,8 @@ def test_loader_stream_is_the_same_for_any_number_of_loader_processes(tmp_path):
 
 
 def test_path_datasets_are_shuffled_once_and_sharded_over_every_class(tmp_path):
+    import numpy as np
+
     from cloudburst.data import worker_source
 
     ds = _cifar_dataset(tmp_path)
@@ -90,17 +142,34 @@ def test_path_datasets_are_shuffled_once_and_sharded_over_every_class(tmp_path):
     shards = [worker_source(ds, w, 3) for w in range(3)]
     assert [len(s) for s in shards] == [33, 33, 33]
     assert torch.equal(torch.cat([s.y for s in shards]), ds.train.y[:99])
+    # A file sorted by class (ten of class 0, then ten of class 1, ...): the samples are
+    # reordered, not changed, and each of 3 contiguous worker shards holds every class.
+    x = np.arange(100, dtype=np.float32).reshape(100, 1) * np.ones((1, 4), np.float32)
+    y = np.repeat(np.arange(10), 10)
+    np.savez(tmp_path / "sorted.npz", x_train=x, y_train=y, x_test=x[:10], y_test=y[:10])
+    data = load_dataset(f"npz:{tmp_path / 'sorted.npz'}")
+    ids = data.train.x[:, 0].long()
+    assert sorted(ids.tolist()) == list(range(100)) and ids.tolist() != list(range(100))
+    assert torch.equal(data.train.y, ids // 10)  # every sample keeps its own label
+    for w in range(3):
+        assert sorted(set(worker_source(data, w, 3).y.tolist())) == list(range(10)), w
 
 
 def test_evaluate_dataset_normalises_images_like_training(tmp_path):
     from cloudburst.data import evaluate_dataset
+    from cloudburst.datasets import CIFAR10_MEAN, CIFAR10_STD
 
     ds = _cifar_dataset(tmp_path)
     model = build_model("resnet20", ds.input_shape, ds.num_classes, seed=0)
-    acc, loss = evaluate_dataset(model, ds.test, ds.preprocess(augment=False))
-    pre = ds.preprocess(augment=False)
+    acc, loss = evaluate_dataset(model, ds.test, ds.preprocess(augment=False), batch=7)
+    # by hand: pixels / 255, minus CIFAR-10's channel mean, over its std; no augmentation
+    mean = torch.tensor(CIFAR10_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CIFAR10_STD).view(1, 3, 1, 1)
     model.eval()
     with torch.no_grad():
-        logits = model(pre(ds.test.x))
-    expected = (logits.argmax(1) == ds.test.y).float().mean().item()
-    assert acc == pytest.approx(expected) and loss > 0
+        logits = model((ds.test.x.float() / 255 - mean) / std)
+        raw_logits = model(ds.test.x.float())
+    expected_acc, expected_loss = _accuracy_and_loss_by_hand(logits, ds.test.y)
+    assert acc == pytest.approx(expected_acc) and loss == pytest.approx(expected_loss, rel=1e-4)
+    # the check can tell: un-normalised pixels give another loss
+    assert _accuracy_and_loss_by_hand(raw_logits, ds.test.y)[1] != pytest.approx(loss, rel=1e-2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import struct
@@ -260,9 +261,22 @@ def test_imagefolder_held_out_split_is_stratified_and_deterministic(tmp_path):
     assert again.mean == data.mean and again.std == data.std
     x, y = data.test.get_batch(torch.arange(len(data.test)))
     assert x.shape == (3, 3, 12, 12) and y.tolist() == [0, 0, 1]
-    # the mean/std are those of the (here all) decoded training images
-    mean, std = channel_stats(data.train.get_batch(torch.arange(len(data.train)))[0])
-    assert np.allclose(mean, data.mean) and np.allclose(std, data.std)
+    # The mean/std are those of every training image after resize and crop, by hand: each
+    # image is one solid colour (40·i mod 256, 7, 200), so a channel's mean and population std
+    # are those of the images' values. Train: cat 0,1,3,4,5,6,7,9 and more/deep.JPG; dog
+    # 0,1,3,4; emu 0. deep.JPG is (10, 7, 30) through JPEG: its decoded colour, read by PIL.
+    with Image.open(tmp_path / "cat" / "more" / "deep.JPG") as deep:
+        deep_r, deep_g, deep_b = deep.convert("RGB").getpixel((4, 4))
+    assert deep_g == 7
+    red = [40 * i % 256 for i in (0, 1, 3, 4, 5, 6, 7, 9)] + [deep_r]
+    red += [40 * i % 256 for i in (0, 1, 3, 4)] + [0]
+    blue = [200] * 8 + [deep_b] + [200] * 5
+    assert red[:8] == [0, 40, 120, 160, 200, 240, 24, 104]
+    for c, values in ((0, red), (2, blue)):
+        scaled = np.array(values, dtype=np.float64) / 255
+        assert data.mean[c] == pytest.approx(scaled.mean(), abs=1e-9)
+        assert data.std[c] == pytest.approx(scaled.std(), abs=1e-9)
+    assert data.mean[1] == pytest.approx(7 / 255, abs=1e-9)
     assert data.std[1] == pytest.approx(1e-3)  # green is constant: floored
     # picklable for DataLoader workers
     clone = pickle.loads(pickle.dumps(data.train))
@@ -451,6 +465,21 @@ def test_check_dataset_rejects_generated_kinds_and_bad_arguments(tmp_path):
     )
 
 
+def test_channel_stats_by_hand():
+    # one channel, two pixels per image: values 0, 1 | 1, 1 → mean 3/4, std sqrt(3/4 − 9/16)
+    x = torch.tensor([[[[0, 255]]], [[[255, 255]]]], dtype=torch.uint8)
+    assert channel_stats(x) == (pytest.approx((0.75,)), pytest.approx((math.sqrt(3 / 16),)))
+    # more images than one chunk of 1024: 1100 black, 400 white in channel 0; channel 1 grey
+    many = torch.zeros(1500, 2, 1, 1, dtype=torch.uint8)
+    many[1100:, 0] = 255
+    many[:, 1] = 51
+    mean, std = channel_stats(many)
+    p = 400 / 1500
+    assert mean == pytest.approx((p, 0.2)) and std == pytest.approx((math.sqrt(p * (1 - p)), 1e-3))
+    with pytest.raises(ValueError, match="uint8"):
+        channel_stats(torch.zeros(2, 1, 2, 2))
+
+
 def test_tensor_source_validates():
     src = TensorSource(torch.zeros(4, 2), torch.arange(4))
     assert len(src) == 4 and torch.equal(src.get_batch(torch.tensor([3]))[1], torch.tensor([3]))
@@ -462,56 +491,90 @@ def test_tensor_source_validates():
 # Preprocess
 
 
+def normalise(x: torch.Tensor, mean, std) -> torch.Tensor:
+    """uint8 [.., C, H, W] → (x / 255 − mean_c) / std_c, channel by channel."""
+    out = torch.empty(x.shape, dtype=torch.float32)
+    for c in range(x.shape[-3]):
+        out[..., c, :, :] = (x[..., c, :, :].float() / 255 - mean[c]) / std[c]
+    return out
+
+
 def test_preprocess_normalises_exactly_without_augmentation():
     x = torch.from_numpy(_images(5, (3, 4, 6)))
     mean, std = (0.1, 0.5, 0.9), (0.2, 0.3, 0.4)
     out = Preprocess(mean, std, augment=False)(x)
     assert out.dtype == torch.float32 and out.shape == x.shape
-    for c in range(3):
-        assert torch.allclose(out[:, c], (x[:, c].float() / 255 - mean[c]) / std[c], atol=1e-6)
+    # pixel 255 of channel 2: (1 − 0.9) / 0.4 = 0.25; pixel 0 of channel 0: −0.1 / 0.2 = −0.5
+    ones = Preprocess(mean, std, augment=False)(torch.full((1, 3, 1, 1), 255, dtype=torch.uint8))
+    zeros = Preprocess(mean, std, augment=False)(torch.zeros((1, 3, 1, 1), dtype=torch.uint8))
+    assert ones.flatten().tolist() == pytest.approx([4.5, 5 / 3, 0.25])
+    assert zeros.flatten().tolist() == pytest.approx([-0.5, -5 / 3, -2.25])
+    assert torch.allclose(out, normalise(x, mean, std), atol=1e-6)
     features = torch.randn(3, 7, dtype=torch.float64)
     passed = Preprocess(mean, std, augment=True)(features, torch.Generator().manual_seed(0))
     assert passed.dtype == torch.float32 and torch.equal(passed, features.float())
 
 
+def _crops_matching(out: torch.Tensor, image: torch.Tensor, pad: int, mean, std) -> list:
+    """Every (top, left, flip) whose crop of ``image`` zero-padded by ``pad``, normalised by
+    hand, is ``out`` (brute force over all offsets and both flips)."""
+    padded = torch.nn.functional.pad(image, (pad, pad, pad, pad))
+    h, w = image.shape[-2:]
+    found = []
+    for top in range(2 * pad + 1):
+        for left in range(2 * pad + 1):
+            crop = padded[:, top : top + h, left : left + w]
+            for flip in (False, True):
+                candidate = normalise(crop.flip(-1) if flip else crop, mean, std)
+                if torch.allclose(out, candidate, atol=1e-5):
+                    found.append((top, left, flip))
+    return found
+
+
 def test_preprocess_augmentation_is_seeded_and_each_sample_is_a_padded_crop():
     x = torch.from_numpy(_images(16, (3, 8, 8), seed=4))
-    pre = Preprocess((0.5, 0.4, 0.3), (0.25, 0.2, 0.1), augment=True, pad=4)
+    mean, std = (0.5, 0.4, 0.3), (0.25, 0.2, 0.1)
+    pre = Preprocess(mean, std, augment=True, pad=4)
     a = pre(x, torch.Generator().manual_seed(7))
     b = pre(x, torch.Generator().manual_seed(7))
     c = pre(x, torch.Generator().manual_seed(8))
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert a.shape == x.shape and a.dtype == torch.float32
-    plain = Preprocess(pre.mean, pre.std, augment=False)
-    padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
-    flipped = 0
-    for i in range(6):  # brute force over every offset and flip
-        found = [
-            flip
-            for top in range(9)
-            for left in range(9)
-            for flip in (False, True)
-            if torch.allclose(
-                a[i],
-                plain(
-                    (lambda crop: crop.flip(-1) if flip else crop)(
-                        padded[i : i + 1, :, top : top + 8, left : left + 8]
-                    )
-                )[0],
-            )
-        ]
-        assert found, f"sample {i} is no crop of the padded input"
-        flipped += found[0]
+    found = [_crops_matching(a[i], x[i], 4, mean, std) for i in range(16)]
+    assert all(len(f) == 1 for f in found), found  # random pixels: exactly one crop fits
+    draws = [f[0] for f in found]
+    flipped = sum(flip for *_, flip in draws)
+    assert 0 < flipped < 16, draws  # some samples are flipped, some are not
+    assert len({(top, left) for top, left, _ in draws}) > 4, draws  # offsets vary
     assert pickle.loads(pickle.dumps(pre)).mean == pre.mean
-    # no padding, no flip can only be the identity: pad=0 leaves offsets at 0
-    zero_pad = Preprocess(pre.mean, pre.std, augment=True, pad=0)(
-        x, torch.Generator().manual_seed(1)
-    )
-    assert all(
-        torch.allclose(zero_pad[i], plain(x[i : i + 1])[0])
-        or torch.allclose(zero_pad[i], plain(x[i : i + 1].flip(-1))[0])
-        for i in range(16)
-    )
+    # no padding: every sample is the image itself or its mirror image
+    zero_pad = Preprocess(mean, std, augment=True, pad=0)(x, torch.Generator().manual_seed(1))
+    mirrored = [_crops_matching(zero_pad[i], x[i], 0, mean, std) for i in range(16)]
+    assert all(len(m) == 1 for m in mirrored)
+    assert 0 < sum(m[0][2] for m in mirrored) < 16
+
+
+def test_preprocess_flips_half_the_samples_and_draws_offsets_uniformly():
+    # 2000 tiny images, pad 1: each sample is one of 3 × 3 offsets × 2 flips. Pixels are
+    # 1..255, so the zero padding in a crop gives its offset away.
+    n, pad = 2000, 1
+    x = torch.from_numpy(np.random.default_rng(3).integers(1, 256, (n, 1, 3, 3), dtype=np.uint8))
+    out = Preprocess((0.0,), (1.0,), augment=True, pad=pad)(x, torch.Generator().manual_seed(5))
+    padded = torch.nn.functional.pad(x, (pad, pad, pad, pad)).float() / 255
+    matches = torch.zeros(n, dtype=torch.int64)
+    tops, flips = torch.full((n,), -1), torch.full((n,), -1)
+    for top in range(2 * pad + 1):
+        for left in range(2 * pad + 1):
+            crop = padded[:, :, top : top + 3, left : left + 3]
+            for flip in (0, 1):
+                candidate = crop.flip(-1) if flip else crop
+                hit = (out - candidate).abs().amax(dim=(1, 2, 3)) < 1e-6
+                matches += hit
+                tops[hit], flips[hit] = top, flip
+    assert torch.equal(matches, torch.ones(n, dtype=torch.int64))  # one crop each
+    # p(flip) = 1/2: 1000 ± 100 (4.5 standard deviations); each top offset 2000/3 ± 100
+    assert 900 <= int(flips.sum()) <= 1100
+    assert all(567 <= int((tops == t).sum()) <= 767 for t in range(3))
 
 
 def test_preprocess_rejects_wrong_channels():

@@ -22,8 +22,11 @@ def test_shards_near_equal_and_round_trip(numel, shards):
 
 
 def test_too_many_shards_is_an_error():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot split 3 elements into 4 non-empty shards"):
         shard_bounds(3, 4)
+    with pytest.raises(ValueError, match="num_shards must be >= 1, got 0"):
+        shard_bounds(3, 0)
+    assert shard_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]  # the first take the rest
 
 
 def test_flatten_assign_round_trip():
@@ -33,7 +36,7 @@ def test_flatten_assign_round_trip():
     other = build_model("cnn", 40, 10, seed=1)
     assign_flat(other, flat)
     assert torch.equal(flatten_params(other), flat)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"flat vector has {flat.numel() - 1} elements, model"):
         assign_flat(other, flat[:-1])
 
 

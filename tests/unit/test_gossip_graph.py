@@ -159,22 +159,27 @@ def test_snapshot_never_hands_out_a_buffer_being_written():
 def test_snapshot_under_concurrent_publish_is_always_whole():
     snap = Snapshot(1000)
     snap.publish(torch.zeros(1000), 0)
-    stop = threading.Event()
-    torn = []
+    stop, overlapping = threading.Event(), threading.Event()
+    torn, seen = [], set()
 
     def reader():
         while not stop.is_set():
             with snap.acquire() as (theta, version):
                 if not bool((theta == float(version)).all()):
                     torn.append(version)
+                seen.add(version)
+            if version > 0:
+                overlapping.set()
 
     t = threading.Thread(target=reader)
     t.start()
     for v in range(1, 2000):
         snap.publish(torch.full((1000,), float(v)), v)
+        if v == 1000:  # the reader has read while publishing goes on (a liveness bound)
+            assert overlapping.wait(timeout=60)
     stop.set()
     t.join()
-    assert torn == []
+    assert torn == [] and len(seen) > 1
 
 
 def test_mailbox_sums_counts_and_weights_between_takes():

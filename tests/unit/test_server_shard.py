@@ -69,10 +69,12 @@ def test_non_finite_push_is_rejected_and_counted():
 
 def test_push_from_the_future_or_wrong_shape_is_an_error():
     shard = ShardState(torch.zeros(2))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="push against version 1, shard is at 0"):
         shard.apply_push(torch.zeros(2), base_version=1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"push of shape \(3,\) for shard \(2,\)"):
         shard.apply_push(torch.zeros(3), base_version=0)
+    with pytest.raises(ValueError, match="unknown server rule 'avg'"):
+        ShardState(torch.zeros(2), rule="avg")
 
 
 def test_sgd_rule_is_momentum_sgd_on_minus_delta():
@@ -112,8 +114,11 @@ def test_state_dict_round_trip():
     torch.testing.assert_close(again.theta, shard.theta)
 
 
-@pytest.mark.parametrize("lr, scaling", [(1.0, False), (0.25, False), (0.7, True)])
-def test_worker_rebuilds_the_servers_theta_bit_for_bit(lr, scaling):
+# α of the add rule for a push of staleness 2, by hand: λ, or λ/2 with staleness scaling.
+@pytest.mark.parametrize(
+    "lr, scaling, alpha", [(1.0, False, 1.0), (0.25, False, 0.25), (0.7, True, 0.35)]
+)
+def test_worker_rebuilds_the_servers_theta_bit_for_bit(lr, scaling, alpha):
     # The overlapped PUSH_FETCH: the reply carries θ before the push; the worker adds its own
     # Δ with add_rule_alpha and must get exactly the θ the server holds after applying it.
     from cloudburst.server import add_rule_alpha
@@ -125,5 +130,10 @@ def test_worker_rebuilds_the_servers_theta_bit_for_bit(lr, scaling):
     before = shard.theta.clone()
     delta = torch.randn(1000, generator=g) * 1e-3
     result = shard.apply_push(delta, base_version=1)
-    rebuilt = before.add_(delta, alpha=add_rule_alpha(lr, result.staleness, scaling))
-    assert result.staleness == 2 and torch.equal(rebuilt, shard.theta)
+    assert result.staleness == 2 and add_rule_alpha(lr, 2, scaling) == alpha
+    # the server: θ + αΔ, by hand (to float32 rounding: add_ may fuse the multiply-add)
+    torch.testing.assert_close(shard.theta, before + alpha * delta, rtol=0, atol=1e-6)
+    assert not torch.allclose(shard.theta, before + 2 * alpha * delta, rtol=0, atol=1e-6)
+    rebuilt = before.clone().add_(delta, alpha=add_rule_alpha(lr, result.staleness, scaling))
+    assert torch.equal(rebuilt, shard.theta)  # the worker's rebuild, bit for bit
+    assert add_rule_alpha(0.7, 0, True) == 0.7 and add_rule_alpha(0.7, 4, True) == 0.175
