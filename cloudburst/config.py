@@ -66,12 +66,14 @@ class RunConfig:
     strategy: str = "sync"
     workers: int = 2
     servers: int = 0  # S, parameter-server shards (asgd only)
-    # GPU A-SGD: every n_fetch local steps fetch θ, every n_push steps push Δ; n_sync sets both.
+    # GPU A-SGD: every n_fetch local steps fetch θ, every n_push steps push Δ; n_sync sets
+    # both, unless one is given explicitly (None: n_sync, or 1).
     n_sync: int | None = None
-    n_fetch: int = 1
-    n_push: int = 1
+    n_fetch: int | None = None
+    n_push: int | None = None
     server_rule: str = "add"  # add: θ ← θ + λΔ; sgd / adagrad treat −Δ as a pseudo-gradient
-    server_lr: float = 1.0  # λ for "add"; the learning rate of the server optimizer otherwise
+    # λ for "add"; the learning rate of the server optimizer otherwise. None: 1/W.
+    server_lr: float | None = None
     server_momentum: float = 0.0  # momentum of the "sgd" server rule
     max_staleness: int | None = None  # drop pushes staler than this many shard versions
     staleness_scaling: bool = False  # scale each push by 1/staleness (staleness-aware A-SGD)
@@ -168,7 +170,16 @@ class RunConfig:
             self.inject_fault = [self.inject_fault]
         if self.n_sync is not None:
             _check_int("n_sync", self.n_sync, 1)
-            self.n_fetch = self.n_push = self.n_sync
+        default_period = self.n_sync if self.n_sync is not None else 1
+        if self.n_fetch is None:
+            self.n_fetch = default_period
+        if self.n_push is None:
+            self.n_push = default_period
+        if self.server_lr is None:
+            # ALGORITHMS §2: the W workers' pushes are averaged (λ = 1/W), not summed.
+            self.server_lr = (
+                1.0 / self.workers if isinstance(self.workers, int) and (self.workers > 0) else 1.0
+            )
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -339,6 +350,18 @@ class RunConfig:
     def warnings(self) -> list[str]:
         """Valid settings that are known to train badly (printed by the CLI, one line each)."""
         out = []
+        if (
+            self.strategy == "asgd"
+            and self.server_rule == "add"
+            and self.workers >= 2
+            and self.server_lr * self.workers > 1.5
+        ):
+            out.append(
+                f"asgd: server lr λ = {self.server_lr:g} with {self.workers} workers adds up "
+                f"their pushes ({self.server_lr * self.workers:g}x one worker's step) and "
+                f"diverged in our measurements (benchmarks/results/defaults.md); the default "
+                f"λ = 1/W = {1 / self.workers:g} averages them"
+            )
         if (
             self.strategy == "diloco"
             and self.optimizer == "sgd"

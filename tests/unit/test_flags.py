@@ -77,11 +77,6 @@ def test_config_file_with_flag_overrides(tmp_path, parse):
     assert cfg.staleness_scaling is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: n_sync from a config file (or --n-sync) silently replaces an explicit "
-    "--n-fetch/--n-push, though flags are documented to override the file",
-)
 def test_an_explicit_n_fetch_flag_overrides_n_sync_from_the_file(tmp_path, parse):
     path = _toml(tmp_path, 'strategy = "asgd"\nservers = 1\nn-sync = 4\n')
     cfg = parse("--config", path, "--n-fetch", "2")
@@ -193,7 +188,7 @@ def _push(shard, delta: float, base: int):
 
 
 def test_max_staleness_drops_pushes_staler_than_the_bound(parse):
-    shard = _shard(parse, "--max-staleness", "1")
+    shard = _shard(parse, "--max-staleness", "1", "--server-lr", "1")
     results = [_push(shard, 1.0, 0), _push(shard, 2.0, 0), _push(shard, 4.0, 0), _push(shard, 8, 1)]
     ok, dropped = Status.OK, Status.STALE_DROPPED
     assert results == [(ok, 0), (ok, 1), (dropped, 2), (ok, 1)]

@@ -187,11 +187,6 @@ def test_asgd_scripted_pushes_match_the_parameter_server_reference(
     assert_same_run(play(cfg, script), expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RunConfig.server_lr defaults to 1.0 (λ = 1, Downpour's sum); ALGORITHMS.md §2 "
-    "makes λ = 1/W the default",
-)
 def test_asgd_default_lambda_is_one_over_w():
     replicas = ref.Replicas(2, ref.sgd())
     expected = ref.asgd(replicas.models, replicas.step, SCRIPT_2, n_sync=2, lam=0.5)
