@@ -75,7 +75,12 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--strategy", choices=STRATEGIES, default=S, help="(default sync)")
     p.add_argument("--workers", type=int, default=S, help="W, training ranks (default 2)")
-    p.add_argument("--servers", type=int, default=S, help="S, parameter-server shards (asgd)")
+    p.add_argument(
+        "--servers",
+        type=int,
+        default=S,
+        help="S, parameter-server shards (asgd, easgd; default 1 for them)",
+    )
     p.add_argument(
         "--n-sync", type=int, default=S, help="GPU A-SGD n_sync: sets --n-fetch and --n-push"
     )

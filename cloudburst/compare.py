@@ -3,8 +3,7 @@ model and budget, one after another on this machine; one table, one plot.
 
 A run is named by a spec ``STRATEGY[:field=value[,field=value...]]`` — ``sync``,
 ``asgd:n_sync=10,server_lr=0.25``, ``diloco:period=16`` — whose fields override the settings
-shared by every run (the ``train`` flags given to ``compare``). Strategies that need parameter
-servers get one unless a spec or flag says otherwise. Every run's config is validated before
+shared by every run (the ``train`` flags given to ``compare``). Every run's config is validated before
 the first one starts. Each run writes its own directory ``OUT/<label>``; the comparison writes
 ``OUT/curves.png`` (test error against wall time and against samples) and ``OUT/summary.md``.
 """
@@ -16,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cloudburst.config import SERVER_STRATEGIES, ConfigError, RunConfig
+from cloudburst.config import ConfigError, RunConfig
 from cloudburst.summary import format_summary
 
 
@@ -51,8 +50,6 @@ def comparison_configs(
     for spec in specs:
         name, overrides = parse_spec(spec)
         values = {**common, "strategy": name, **overrides}
-        if name in SERVER_STRATEGIES and "servers" not in common and "servers" not in overrides:
-            values["servers"] = 1
         label = label_of(spec)
         values["out"] = str(Path(out) / label)
         runs.append((label, RunConfig.from_dict(values)))

@@ -65,7 +65,8 @@ class RunConfig:
 
     strategy: str = "sync"
     workers: int = 2
-    servers: int = 0  # S, parameter-server shards (asgd only)
+    # S, parameter-server shards (asgd, easgd). None: 1 for those strategies, 0 otherwise.
+    servers: int | None = None
     # GPU A-SGD: every n_fetch local steps fetch θ, every n_push steps push Δ; n_sync sets
     # both, unless one is given explicitly (None: n_sync, or 1).
     n_sync: int | None = None
@@ -100,7 +101,9 @@ class RunConfig:
     # local_sgd / diloco (ALGORITHMS.md §5): average the replicas every H = period steps.
     period: int = 8
     local_sgd_warmup_steps: int = 0  # post-local SGD: average every step for this many first
-    diloco_outer_lr: float = 0.7
+    # None: 0.7 (the paper's) over an Adam inner optimizer, 0.1 over SGD — 0.7 over SGD
+    # diverged (benchmarks/results/defaults.md).
+    diloco_outer_lr: float | None = None
     diloco_outer_momentum: float = 0.9
     diloco_nesterov: bool = True
 
@@ -136,7 +139,7 @@ class RunConfig:
     steps: int | None = None  # local steps per worker (overrides epochs)
     batch_size: int = 64  # per worker
     optimizer: str = "sgd"  # the local (worker) optimizer
-    lr: float = 0.05
+    lr: float = 0.1
     lr_schedule: str = "constant"  # or "cosine": to 0 over each worker's steps
     momentum: float = 0.9
     weight_decay: float = 0.0
@@ -170,11 +173,15 @@ class RunConfig:
             self.inject_fault = [self.inject_fault]
         if self.n_sync is not None:
             _check_int("n_sync", self.n_sync, 1)
+        if self.servers is None:
+            self.servers = 1 if self.strategy in SERVER_STRATEGIES else 0
         default_period = self.n_sync if self.n_sync is not None else 1
         if self.n_fetch is None:
             self.n_fetch = default_period
         if self.n_push is None:
             self.n_push = default_period
+        if self.diloco_outer_lr is None:
+            self.diloco_outer_lr = 0.7 if self.optimizer == "adam" else 0.1
         if self.server_lr is None:
             # ALGORITHMS §2: the W workers' pushes are averaged (λ = 1/W), not summed.
             self.server_lr = (
@@ -241,7 +248,7 @@ class RunConfig:
         _check_choice("autocast", self.autocast, AUTOCASTS)
         self._validate_topology_and_daso()
         if self.steps is None and self.epochs is None:
-            self.epochs = 10.0
+            self.epochs = 64.0  # MNIST-1D's CNN reaches ≥ 90 % with every strategy
         if self.steps is not None:
             _check_int("steps", self.steps, 1)
         if self.epochs is not None:

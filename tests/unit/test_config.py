@@ -6,8 +6,22 @@ from cloudburst.config import ConfigError, RunConfig, Straggler
 def test_defaults_are_valid():
     cfg = RunConfig()
     assert (cfg.strategy, cfg.workers, cfg.servers, cfg.world_size) == ("sync", 2, 0, 2)
-    assert cfg.steps_per_worker() == 310  # 10 epochs of 2000 samples per worker, 31 batches of 64
+    # 64 epochs of 2000 samples per worker, 31 batches of 64 each
+    assert cfg.steps_per_worker() == 1984
+    assert (cfg.lr, cfg.momentum, cfg.server_lr) == (0.1, 0.9, 0.5)  # λ = 1/W
+    assert RunConfig(workers=4).server_lr == 0.25
+    assert RunConfig(optimizer="adam").diloco_outer_lr == 0.7  # the paper's pair
+    assert RunConfig().diloco_outer_lr == 0.1  # over SGD (0.7 diverged)
     assert RunConfig(epochs=0.5).steps_per_worker() == 16  # 15.5 batches, rounded up
+
+
+def test_summing_pushes_with_several_workers_warns():
+    summing = RunConfig(strategy="asgd", workers=3, servers=1, server_lr=1.0, steps=5)
+    [warning] = summing.warnings()
+    assert warning.startswith("asgd: server lr λ = 1 with 3 workers adds up their pushes (3x")
+    assert "λ = 1/W = 0.333333 averages them" in warning
+    assert RunConfig(strategy="asgd", workers=3, servers=1, steps=5).warnings() == []
+    assert RunConfig(strategy="asgd", workers=1, servers=1, server_lr=1.0, steps=5).warnings() == []
 
 
 def test_n_sync_sets_fetch_and_push():
@@ -126,8 +140,9 @@ def test_diloco_refuses_warmup_and_warns_about_outer_lr_with_sgd():
     with pytest.raises(ConfigError, match="local_sgd_warmup_steps"):
         RunConfig(strategy="diloco", workers=2, local_sgd_warmup_steps=10, steps=10)
     RunConfig(strategy="local_sgd", workers=2, local_sgd_warmup_steps=10, steps=10)
-    default = RunConfig(strategy="diloco", workers=2, steps=10)
-    assert len(default.warnings()) == 1 and "outer lr 0.7" in default.warnings()[0]
+    assert RunConfig(strategy="diloco", workers=2, steps=10).warnings() == []  # the defaults
+    paper = RunConfig(strategy="diloco", workers=2, steps=10, diloco_outer_lr=0.7)
+    assert len(paper.warnings()) == 1 and "outer lr 0.7" in paper.warnings()[0]
     assert RunConfig(strategy="diloco", workers=2, steps=10, diloco_outer_lr=0.1).warnings() == []
     assert RunConfig(strategy="diloco", workers=2, steps=10, optimizer="adam").warnings() == []
     assert RunConfig(strategy="local_sgd", workers=2, steps=10).warnings() == []
