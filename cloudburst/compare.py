@@ -3,9 +3,10 @@ model and budget, one after another on this machine; one table, one plot.
 
 A run is named by a spec ``STRATEGY[:field=value[,field=value...]]`` — ``sync``,
 ``asgd:n_sync=10,server_lr=0.25``, ``diloco:period=16`` — whose fields override the settings
-shared by every run (the ``train`` flags given to ``compare``). Every run's config is validated before
-the first one starts. Each run writes its own directory ``OUT/<label>``; the comparison writes
-``OUT/curves.png`` (test error against wall time and against samples) and ``OUT/summary.md``.
+shared by every run (the ``train`` flags given to ``compare``). Every run's config is
+validated before the first one starts. Each run writes its own directory ``OUT/<label>``;
+the comparison writes ``OUT/curves.png`` (test error against wall time and against samples)
+and ``OUT/summary.md``.
 """
 
 from __future__ import annotations
