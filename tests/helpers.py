@@ -1,12 +1,17 @@
-"""Test helpers: one spawn helper for distributed tests, and running the CLI as a user does."""
+"""Test helpers: one spawn helper for distributed tests, running the CLI as a user does, runs
+shared between tests, and strict readers of what a run writes."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -39,20 +44,24 @@ def _child(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
         raise
 
 
+# The processes fork from one server that has imported torch and cloudburst once per test
+# session: a fresh interpreter per rank would import them again (seconds of CPU each).
+_PRELOAD = ["torch", "torch.distributed", "cloudburst.runtime", "cloudburst.strategies"]
+
+
 def spawn(fn, world: int, tmp_path: Path, *args: Any, timeout_s: float = 120) -> list[Any]:
     """Run ``fn(rank, *args)`` in ``world`` fresh gloo-ready processes; return their results.
 
     ``fn`` must be importable (module level) and return something JSON-serialisable.
     """
+    mp.set_forkserver_preload(_PRELOAD)
     ctx = mp.start_processes(
         _child,
         args=(fn, world, free_port(), str(tmp_path), args),
         nprocs=world,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
-    import time
-
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -66,18 +75,29 @@ def spawn(fn, world: int, tmp_path: Path, *args: Any, timeout_s: float = 120) ->
     return results
 
 
+# ---------------------------------------------------------------------------- the CLI
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a CLI run: one thread per rank, and this repository importable in
+    every rank (for ``--model tests.…:factory``)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(extra or {})}
+
+
 def cli(
-    *args: str, timeout_s: float = 300, check: bool = True, **kw
+    *args: str,
+    timeout_s: float = 300,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    **kw,
 ) -> subprocess.CompletedProcess:
-    """Run ``python -m cloudburst ARGS`` in a fresh process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    """Run ``python -m cloudburst ARGS`` in a fresh process (``env``: added variables)."""
     proc = subprocess.run(
         [sys.executable, "-m", "cloudburst", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
         cwd=kw.pop("cwd", REPO),
-        env=env,
+        env=cli_env(env),
         **kw,
     )
     if check and proc.returncode != 0:
@@ -87,5 +107,108 @@ def cli(
     return proc
 
 
+def cli_many(runs: list[list[str]], timeout_s: float = 120) -> list[subprocess.CompletedProcess]:
+    """Several short CLI calls (refusals before launch) side by side; their results in order."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "cloudburst", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=cli_env(),
+        )
+        for args in runs
+    ]
+    done = []
+    for args, p in zip(runs, procs, strict=True):
+        out, err = p.communicate(timeout=timeout_s)
+        done.append(subprocess.CompletedProcess(args, p.returncode, out, err))
+    return done
+
+
+# ---------------------------------------------------------------------------- shared runs
+_SHARED: dict[tuple[str, ...], Path | BaseException] = {}
+
+
+def shared_run(*args: str, timeout_s: float = 300) -> Path:
+    """The output directory of ``cloudburst train ARGS``, run once per test session.
+
+    Tests that only read a run share it (e.g. one undisturbed reference for several resume
+    tests); a test that changes files must work on :func:`copy_run` of it.
+    """
+    if args not in _SHARED:
+        root = Path(tempfile.mkdtemp(prefix="cloudburst-shared-"))
+        atexit.register(shutil.rmtree, root, True)
+        try:
+            cli("train", *args, "--out", str(root / "run"), timeout_s=timeout_s)
+            _SHARED[args] = root / "run"
+        except BaseException as e:  # noqa: BLE001 - every test that needs it fails alike
+            _SHARED[args] = e
+    found = _SHARED[args]
+    if isinstance(found, BaseException):
+        raise AssertionError(f"the shared run failed: {found}")
+    return found
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---------------------------------------------------------------------------- reading a run
 def read_summary(out: Path) -> dict[str, Any]:
     return json.loads((out / "summary.json").read_text())
+
+
+def read_events(path: Path, growing: bool = False) -> list[dict[str, Any]]:
+    """Every record of a metrics file. Each line must be one JSON object: a line that is not
+    fails the test (a rank writes whole lines; a broken one is a bug to see, not to skip).
+
+    ``growing``: the file is being written right now, so its last line may be unfinished
+    (it is left out); a missing file is then an empty list.
+    """
+    if growing and not path.is_file():
+        return []
+    text = path.read_text()
+    lines = text.split("\n")
+    if growing:
+        lines = lines[:-1]  # after the last newline: empty, or a line being written
+    elif lines[-1] == "":
+        lines = lines[:-1]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise AssertionError(f"{path}:{number} is not a JSON record ({e}): {line!r}") from None
+        assert isinstance(record, dict) and "event" in record, f"{path}:{number}: {line!r}"
+        records.append(record)
+    return records
+
+
+def rank_events(out: Path, rank: int, event: str | None = None) -> list[dict[str, Any]]:
+    """Rank ``rank``'s records (of kind ``event``) in the run ``out``, strictly read."""
+    records = read_events(out / "metrics" / f"rank{rank}.jsonl")
+    return records if event is None else [r for r in records if r["event"] == event]
+
+
+def final_record(out: Path, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s last ``final`` record (a resumed run has one per attempt)."""
+    finals = rank_events(out, rank, "final")
+    assert finals, f"rank {rank} wrote no final record"
+    return finals[-1]
+
+
+def rank_logs(out: Path) -> str:
+    """Everything the ranks and their agents wrote under ``out/logs``."""
+    files = sorted(p for p in (out / "logs").rglob("*") if p.is_file())
+    assert files, f"no log files under {out / 'logs'}"
+    return "\n".join(p.read_text(errors="replace") for p in files)
+
+
+def saved_state(out: Path, name: str = "model.pt") -> dict[str, Any]:
+    """The state dict of a run's saved model (checked like any cloudburst checkpoint)."""
+    from cloudburst.checkpoint import load_checkpoint
+
+    return load_checkpoint(out / name, "model")["state_dict"]

@@ -1,11 +1,18 @@
-"""EASGD's elastic update, exact on scripted values: the shard rule alone, and one real
-exchange between a worker and a server over gloo."""
+"""EASGD's elastic update, exact: the shard rule alone on scripted values, one real exchange
+between a worker and two server shards over gloo, and a CLI run against its simulation."""
 
 import pytest
 import torch
 
 from cloudburst.server import ShardState
-from tests.helpers import spawn
+from tests.dist.simulate import (
+    COMMON,
+    assert_params_differ,
+    assert_same_params,
+    easgd_one_worker,
+    trained,
+)
+from tests.helpers import cli, final_record, read_summary, spawn
 
 pytestmark = pytest.mark.dist
 
@@ -71,11 +78,24 @@ def _exchange(rank: int, out: str, servers: int) -> dict:
     return {"start": start, "after": after}
 
 
-@pytest.mark.parametrize("servers", [1, 2])
-def test_one_elastic_exchange_over_gloo(tmp_path, servers):
-    results = spawn(_exchange, servers + 1, tmp_path, str(tmp_path), servers)
+def test_one_elastic_exchange_with_two_shards_over_gloo(tmp_path):
+    results = spawn(_exchange, 3, tmp_path, str(tmp_path), 2)
     worker = results[-1]
     e = [0.25 * (w - c) for w, c in zip(WORKER, CENTRE, strict=True)]
     assert worker["start"] == CENTRE
     assert worker["after"] == pytest.approx([w - x for w, x in zip(WORKER, e, strict=True)])
     assert results[0]["centre"] == pytest.approx([c + x for c, x in zip(CENTRE, e, strict=True)])
+
+
+def test_cli_easgd_tau_and_beta_against_the_simulation(tmp_path):
+    # One worker: α = β / W = 0.5; an elastic exchange every 3 steps (6 of them in 20 steps)
+    # and one more for the last 2 steps, when the worker finishes.
+    out = tmp_path / "easgd"
+    cli("train", "--strategy", "easgd", "--workers", "1", "--servers", "1", "--easgd-tau", "3",
+        "--easgd-beta", "0.5", "--steps", "20", "--out", str(out), *COMMON)  # fmt: skip
+    expected = easgd_one_worker(20, tau=3, alpha=0.5)
+    assert_same_params(trained(out), expected)  # the centre θ̃ the server holds
+    assert_params_differ(expected, easgd_one_worker(20, tau=3, alpha=0.9))  # default β
+    assert_params_differ(expected, easgd_one_worker(20, tau=10, alpha=0.5))  # default τ
+    assert final_record(out, 1)["pushes"] == 7
+    assert read_summary(out)["samples_applied"] == 20 * 16

@@ -1,81 +1,75 @@
-"""local_sgd and diloco against their exact references."""
-
-import json
+"""local_sgd (post-local SGD) and diloco against their single-process simulations."""
 
 import pytest
 
-from tests.dist.test_parity import COMMON, assert_same_params, reference, trained
-from tests.helpers import cli
+from cloudburst.comm.link import LinkEmulator, LinkSpec
+from tests.dist.simulate import (
+    COMMON,
+    assert_params_differ,
+    assert_same_params,
+    diloco,
+    fresh_model,
+    local_sgd,
+    trained,
+)
+from tests.helpers import cli, final_record, read_summary
 
 pytestmark = pytest.mark.dist
 
-
-def test_local_sgd_with_period_1_equals_sync_sgd(tmp_path):
-    out = tmp_path / "local1"
-    cli(
-        "train",
-        "--strategy",
-        "local_sgd",
-        "--workers",
-        "2",
-        "--period",
-        "1",
-        "--steps",
-        "30",
-        "--out",
-        str(out),
-        *COMMON,
-    )
-    assert_same_params(trained(out), reference(30, workers=2))
+LINK = "1,0.5"  # 1 Gbit/s, 0.5 ms
 
 
-def test_post_local_sgd_warmup_is_sync_then_local(tmp_path):
-    # 12 synchronous steps, then averages every 4: after step 12 it is still exactly sync.
+def _numel() -> int:
+    return sum(p.numel() for p in fresh_model().parameters())
+
+
+def test_post_local_sgd_warmup_then_local_steps_over_an_emulated_link(tmp_path):
+    # 8 synchronous steps (an average after each), then an average every 4 steps (12, 16)
+    # and a last one at step 18: 11 averages. Worker 1's loss at step 12 is NaN: that step
+    # is skipped on worker 1 only (its gradient is its own), and step 12's average mixes
+    # worker 0's step with worker 1's unchanged replica. The two workers are two emulated
+    # nodes with a slow link between them: it delays, but changes no number.
     out = tmp_path / "post"
-    cli(
-        "train",
-        "--strategy",
-        "local_sgd",
-        "--workers",
-        "2",
-        "--period",
-        "4",
-        "--local-sgd-warmup-steps",
-        "12",
-        "--steps",
-        "12",
-        "--out",
-        str(out),
-        *COMMON,
-    )
-    assert_same_params(trained(out), reference(12, workers=2))
+    cli("train", "--strategy", "local_sgd", "--workers", "2", "--period", "4",
+        "--local-sgd-warmup-steps", "8", "--steps", "18", "--nodes", "2",
+        "--inter-node-link", LINK, "--inject-fault", "nan:1@12", "--out", str(out),
+        *COMMON)  # fmt: skip
+    expected, averages = local_sgd(18, workers=2, period=4, warmup_steps=8, nan=[(1, 12)])
+    assert averages == 11
+    assert_same_params(trained(out), expected)
+    # The local phase ran: the same steps averaged every step would end elsewhere.
+    synchronous, _ = local_sgd(18, workers=2, period=1, nan=[(1, 12)])
+    assert_params_differ(expected, synchronous)
+
+    numel, s = _numel(), read_summary(out)
+    assert s["steps_skipped_nonfinite"] == 1 and s["nodes"] == 2
+    # Each average is a ring all-reduce of θ in fp32 over 2 workers: each sends |θ|·4 bytes,
+    # all of it across the node boundary.
+    assert s["bytes_sent"] == s["inter_node_bytes"] == 2 * averages * numel * 4
+    assert s["intra_node_bytes"] == 0
+    # The emulated link charged each worker the cost model's time for each average.
+    cost = LinkEmulator(LinkSpec.parse(LINK)).allreduce_s(numel * 4, 2)
+    for rank in (0, 1):
+        final = final_record(out, rank)
+        assert final["averages"] == averages
+        assert final["emulated_link_s"] == pytest.approx(averages * cost, abs=1e-5)
+    assert final_record(out, 0)["steps_skipped_nonfinite"] == 0
+    assert final_record(out, 1)["steps_skipped_nonfinite"] == 1
 
 
-def test_diloco_with_outer_sgd_lr_1_no_momentum_equals_local_sgd(tmp_path):
-    runs = {}
-    for name, extra in [
-        ("local_sgd", []),
-        ("diloco", ["--diloco-outer-lr", "1.0", "--diloco-outer-momentum", "0"]),
-    ]:
-        out = tmp_path / name
-        cli(
-            "train",
-            "--strategy",
-            name,
-            "--workers",
-            "2",
-            "--period",
-            "5",
-            "--steps",
-            "32",
-            "--out",
-            str(out),
-            *extra,
-            *COMMON,
-        )
-        runs[name] = out
-    assert_same_params(trained(runs["diloco"]), trained(runs["local_sgd"]))
-    # Averages every 5 steps plus one for the 2 steps left at the end: 7 of them, each a
-    # ring all-reduce of the parameters, 1/5 of sync's gradient traffic (+ the last one).
-    summaries = {k: json.loads((v / "summary.json").read_text()) for k, v in runs.items()}
-    assert summaries["diloco"]["bytes_sent"] == summaries["local_sgd"]["bytes_sent"]
+def test_diloco_outer_optimizer_without_nesterov(tmp_path):
+    # Outer SGD with lr 0.5 and plain momentum 0.5 every 5 steps, and once more at the end
+    # (32 = 6·5 + 2): 7 outer steps.
+    out = tmp_path / "diloco"
+    cli("train", "--strategy", "diloco", "--workers", "2", "--period", "5", "--steps", "32",
+        "--diloco-outer-lr", "0.5", "--diloco-outer-momentum", "0.5", "--diloco-no-nesterov",
+        "--out", str(out), *COMMON)  # fmt: skip
+    settings = dict(period=5, outer_lr=0.5, outer_momentum=0.5)
+    expected, outer_steps = diloco(32, 2, nesterov=False, **settings)
+    assert outer_steps == 7
+    assert_same_params(trained(out), expected)
+    assert_params_differ(expected, diloco(32, 2, nesterov=True, **settings)[0])
+    s = read_summary(out)
+    # One all-reduce of θ per outer step: 1/5 of sync's per-step gradient traffic, + 1.
+    assert s["bytes_sent"] == 2 * outer_steps * _numel() * 4
+    assert [final_record(out, r)["averages"] for r in (0, 1)] == [outer_steps] * 2

@@ -1,82 +1,112 @@
-"""Parity with a single-process reference: the distributed strategies compute exactly SGD."""
+"""Parity: a CLI run ends with the parameters of a single-process simulation of its algorithm
+(tests/dist/simulate.py), up to float rounding: sync, and asgd's server rules, staleness
+bound and scaling, sharding, and n_fetch ≠ n_push.
+
+Each run sets flags whose effect the simulation reproduces; the in-process checks next to it
+show that without the flag the parameters would differ by far more than the tolerance, so a
+run that ignored it fails.
+"""
 
 import pytest
-import torch
-from torch import nn
 
-from cloudburst.checkpoint import load_model_into
-from cloudburst.data import BatchStream, load_dataset, worker_shard
-from cloudburst.models import build_model
-from tests.helpers import cli
+from tests.dist.simulate import (
+    COMMON,
+    asgd_one_worker,
+    assert_params_differ,
+    assert_same_params,
+    diloco,
+    local_sgd,
+    sync_sgd,
+    trained,
+)
+from tests.helpers import cli, rank_events, read_summary
 
 pytestmark = pytest.mark.dist
 
-COMMON = ["--dataset", "synthetic", "--model", "cnn", "--batch-size", "16", "--lr", "0.05",
-          "--momentum", "0.9", "--seed", "3", "--no-progress", "--eval-every-s", "1000"]
+
+def test_the_simulations_agree_where_the_algorithms_coincide():
+    sgd = sync_sgd(30, workers=2)
+    # Averaging after every step is synchronous SGD (momentum and all: it is linear).
+    assert_same_params(local_sgd(30, workers=2, period=1)[0], sgd)
+    # DiLoCo with an outer SGD of lr 1 and no momentum sets θ to the replicas' mean.
+    assert_same_params(
+        diloco(32, 2, period=5, outer_lr=1.0, outer_momentum=0.0, nesterov=True)[0],
+        local_sgd(32, 2, period=5)[0],
+    )
+    # One asgd worker with the add rule, λ = 1, pushing and fetching every step: plain SGD.
+    one = asgd_one_worker(30, n_fetch=1, n_push=1, rule="add", lr=1.0)[0]
+    assert_same_params(one, sync_sgd(30, workers=1))
+    # ... and so is the sgd rule with lr 1 and no momentum.
+    same = asgd_one_worker(30, n_fetch=1, n_push=1, rule="sgd", lr=1.0)[0]
+    assert_same_params(same, one)
 
 
-def reference(steps: int, workers: int, batch: int = 16, seed: int = 3) -> nn.Module:
-    """Plain single-process SGD; each step sees the concatenation of the workers' batches."""
-    data = load_dataset("synthetic", 4000, 1000)
-    model = build_model("cnn", data.input_length, data.num_classes, seed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    streams = [BatchStream(*worker_shard(data, w, workers), batch, seed * 1000 + w)
-               for w in range(workers)]
-    for _ in range(steps):
-        batches = [next(s) for s in streams]
-        x = torch.cat([b[0] for b in batches])
-        y = torch.cat([b[1] for b in batches])
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model
-
-
-def trained(out) -> nn.Module:
-    model = build_model("cnn", 40, 10, seed=0)
-    load_model_into(out / "model.pt", model)
-    return model
-
-
-def assert_same_params(a: nn.Module, b: nn.Module) -> None:
-    for p, q in zip(a.parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
-
-
-def test_sync_with_two_workers_equals_sgd_on_the_double_batch(tmp_path):
+def test_sync_adam_weight_decay_cosine_equals_one_model_on_the_double_batch(tmp_path):
     out = tmp_path / "sync"
-    cli("train", "--strategy", "sync", "--workers", "2", "--steps", "40", "--out", str(out), *COMMON)
-    assert_same_params(trained(out), reference(40, workers=2))
+    flags = dict(optimizer="adam", lr=0.01, weight_decay=0.01, cosine=True)
+    cli("train", "--strategy", "sync", "--workers", "2", "--steps", "40", "--out", str(out),
+        *COMMON, "--optimizer", "adam", "--lr", "0.01", "--weight-decay",
+        "0.01", "--lr-schedule", "cosine")  # fmt: skip
+    expected = sync_sgd(40, workers=2, **flags)
+    assert_same_params(trained(out), expected)
+    assert_params_differ(expected, sync_sgd(40, workers=2, **{**flags, "weight_decay": 0.0}))
+    assert_params_differ(expected, sync_sgd(40, workers=2, **{**flags, "cosine": False}))
+    assert_params_differ(expected, sync_sgd(40, workers=2, lr=0.01, weight_decay=0.01))
 
 
-def test_asgd_one_worker_n_sync_1_add_rule_equals_sgd(tmp_path):
+def _push_records(out, server):
+    return [(e["status"], e["staleness"]) for e in rank_events(out, server, "push")]
+
+
+def test_asgd_add_rule_staleness_bound_and_scaling_over_two_shards(tmp_path):
+    # One worker pushing every step and fetching every 4th: its pushes are 0, 1, 2 and 3
+    # versions stale (its own pushes since its fetch), the 3-stale one is dropped, and the
+    # others are applied with λ/max(1, staleness).
     out = tmp_path / "asgd"
-    cli("train", "--strategy", "asgd", "--workers", "1", "--servers", "1", "--n-sync", "1",
-        "--server-rule", "add", "--steps", "40", "--out", str(out), *COMMON)
-    assert_same_params(trained(out), reference(40, workers=1))
+    cli("train", "--strategy", "asgd", "--workers", "1", "--servers", "2", "--n-fetch", "4",
+        "--n-push", "1", "--max-staleness", "2", "--staleness-scaling", "--server-lr", "0.5",
+        "--steps", "40", "--push-log-every", "1", "--out", str(out), *COMMON)  # fmt: skip
+    settings = dict(n_fetch=4, n_push=1, rule="add", lr=0.5, max_staleness=2, scaling=True)
+    expected, server = asgd_one_worker(40, **settings)
+    assert_same_params(trained(out), expected)
+    assert_params_differ(expected, asgd_one_worker(40, **{**settings, "scaling": False})[0])
+    assert_params_differ(expected, asgd_one_worker(40, **{**settings, "max_staleness": None})[0])
+    cycle = [("OK", 0), ("OK", 1), ("OK", 2), ("STALE_DROPPED", 3)]
+    for shard in (0, 1):  # both shards see the same sequence
+        assert _push_records(out, shard) == cycle * 10
+    s = read_summary(out)
+    assert server.dropped == 10 and server.version == 30
+    assert s["pushes_dropped_stale"] == 2 * server.dropped  # counted by each shard
+    assert s["max_staleness"] == server.staleness_max == 2
+    assert s["mean_staleness"] == pytest.approx(server.staleness_sum / server.version)
+    assert s["samples_applied"] == server.version * 16 and s["pushes_rejected"] == 0
 
 
-def test_asgd_two_shards_one_worker_n_sync_5_equals_sgd(tmp_path):
-    # Sharding must not change the result: with one worker every push is applied unchanged.
-    out = tmp_path / "asgd2"
+def test_asgd_sgd_rule_with_server_momentum_keeps_unpushed_progress(tmp_path):
+    # Fetch every 2 steps, push every 3: a fetch between pushes keeps the local steps not
+    # pushed yet. The sgd rule steps θ with momentum on the pseudo-gradient −Δ; its reply
+    # follows the apply (not overlapped like the add rule's).
+    out = tmp_path / "asgd-sgd"
+    cli("train", "--strategy", "asgd", "--workers", "1", "--servers", "1", "--n-fetch", "2",
+        "--n-push", "3", "--server-rule", "sgd", "--server-lr", "1.0", "--server-momentum",
+        "0.5", "--steps", "31", "--push-log-every", "5", "--out", str(out),
+        *COMMON)  # fmt: skip
+    settings = dict(n_fetch=2, n_push=3, rule="sgd", lr=1.0, momentum=0.5)
+    expected, server = asgd_one_worker(31, **settings)
+    assert_same_params(trained(out), expected)
+    assert_params_differ(expected, asgd_one_worker(31, **{**settings, "momentum": 0.0})[0])
+    # 10 pushes and a last one for step 31; one push record every 5 applied pushes.
+    assert server.version == 11
+    assert [e["version"] for e in rank_events(out, 0, "push")] == [5, 10]
+    assert read_summary(out)["samples_applied"] == 31 * 16
+
+
+def test_asgd_adagrad_rule_over_two_shards(tmp_path):
+    out = tmp_path / "asgd-adagrad"
     cli("train", "--strategy", "asgd", "--workers", "1", "--servers", "2", "--n-sync", "5",
-        "--steps", "40", "--out", str(out), *COMMON)
-    assert_same_params(trained(out), reference(40, workers=1))
-
-
-def test_asgd_sgd_server_rule_with_lr_1_equals_sgd(tmp_path):
-    # The optimizer rules reply with θ after the push (not overlapped): same result, other path.
-    out = tmp_path / "asgd-sgd-rule"
-    cli("train", "--strategy", "asgd", "--workers", "1", "--servers", "1", "--n-sync", "3",
-        "--server-rule", "sgd", "--server-lr", "1.0", "--steps", "30", "--out", str(out), *COMMON)
-    assert_same_params(trained(out), reference(30, workers=1))
-
-
-def test_asgd_fetch_every_2_push_every_3_keeps_unpushed_progress(tmp_path):
-    # One worker: a fetch between pushes must keep the not-yet-pushed local steps, so the
-    # result is still plain SGD (ending with a final push of the remainder).
-    out = tmp_path / "asgd-2-3"
-    cli("train", "--strategy", "asgd", "--workers", "1", "--servers", "2", "--n-fetch", "2",
-        "--n-push", "3", "--steps", "31", "--out", str(out), *COMMON)
-    assert_same_params(trained(out), reference(31, workers=1))
+        "--server-rule", "adagrad", "--server-lr", "0.01", "--steps", "30", "--out", str(out),
+        *COMMON)  # fmt: skip
+    settings = dict(n_fetch=5, n_push=5, rule="adagrad", lr=0.01)
+    expected, _ = asgd_one_worker(30, **settings)
+    assert_same_params(trained(out), expected)
+    assert_params_differ(expected, asgd_one_worker(30, **{**settings, "rule": "sgd"})[0])

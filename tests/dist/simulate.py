@@ -1,0 +1,312 @@
+"""Single-process simulations of each strategy's arithmetic, written from the algorithms'
+descriptions (README, ALGORITHMS.md), not from cloudburst's code: what a run must end with.
+
+Every simulation draws each worker's batches as the CLI does (worker ``w`` of ``W`` trains on
+its contiguous shard with the seed ``seed·1000 + w``) and applies each worker's local
+optimizer in plain PyTorch. ``nan`` names (worker, step) pairs whose loss an injected
+``nan:RANK@STEP`` fault makes NaN: that worker's step is not applied (its optimizer does not
+step; its data stream moves on).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from cloudburst.checkpoint import load_model_into
+from cloudburst.data import BatchStream, load_dataset, worker_shard
+from cloudburst.models import build_model
+
+# The flags every parity run shares; the simulations' defaults are the same values.
+SEED, BATCH, LR, MOMENTUM = 3, 16, 0.05, 0.9
+COMMON = ["--dataset", "synthetic", "--model", "cnn", "--batch-size", str(BATCH), "--lr", str(LR),
+          "--momentum", str(MOMENTUM), "--seed", str(SEED), "--no-progress",
+          "--eval-every-s", "1000"]  # fmt: skip
+
+
+def _data(test_size: int = 1000):
+    # (synthetic data draws its training samples after all labels: the test size matters)
+    return load_dataset("synthetic", 4000, test_size)
+
+
+def fresh_model(model: str = "cnn", seed: int = SEED) -> nn.Module:
+    data = _data()
+    return build_model(model, data.input_shape, data.num_classes, seed)
+
+
+def trained(out, model: str = "cnn") -> nn.Module:
+    """The model a run saved (``OUT/model.pt``)."""
+    m = fresh_model(model, seed=0)
+    load_model_into(out / "model.pt", m)
+    return m
+
+
+def streams(
+    workers: int, batch: int = BATCH, seed: int = SEED, test_size: int = 1000
+) -> list[BatchStream]:
+    data = _data(test_size)
+    return [
+        BatchStream(*worker_shard(data, w, workers), batch, seed * 1000 + w) for w in range(workers)
+    ]
+
+
+def assert_same_params(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_params_differ(a: nn.Module, b: nn.Module, at_least: float = 1e-3) -> None:
+    """The two models differ by more than the parity tolerance (a flag changed the run)."""
+    gap = max(
+        (p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
+    assert gap > at_least, f"the models differ by only {gap:g}"
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _assign(model: nn.Module, flat: torch.Tensor) -> None:
+    with torch.no_grad():
+        i = 0
+        for p in model.parameters():
+            p.copy_(flat[i : i + p.numel()].view_as(p))
+            i += p.numel()
+
+
+def _loss(model: nn.Module, batch, autocast: bool = False) -> torch.Tensor:
+    x, y = batch
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return nn.functional.cross_entropy(model(x), y)
+
+
+def _sgd(model: nn.Module, lr: float = LR, momentum: float = MOMENTUM) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+
+
+# ---------------------------------------------------------------------------- sync
+def sync_sgd(
+    steps: int,
+    workers: int,
+    model: str = "cnn",
+    optimizer: str = "sgd",
+    lr: float = LR,
+    momentum: float = MOMENTUM,
+    weight_decay: float = 0.0,
+    cosine: bool = False,
+    autocast: bool = False,
+    nan: Iterable[tuple[int, int]] = (),
+    test_size: int = 1000,
+) -> nn.Module:
+    """Synchronous SGD: one model, each step on the workers' batches together (the mean of
+    their gradients is the gradient of the concatenated batch). A NaN on any worker makes the
+    averaged gradient NaN: that step is skipped by everyone."""
+    m = fresh_model(model)
+    if optimizer == "adam":
+        opt = torch.optim.Adam(m.parameters(), lr=lr, weight_decay=weight_decay)
+    else:
+        opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps) if cosine else None
+    skip = {step for _, step in nan}
+    data = streams(workers, test_size=test_size)
+    for step in range(1, steps + 1):
+        batches = [next(s) for s in data]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        opt.zero_grad()
+        _loss(m, (x, y), autocast).backward()
+        if step not in skip:
+            opt.step()
+        if sched is not None:
+            sched.step()
+    return m
+
+
+# ---------------------------------------------------------------------------- local SGD, DiLoCo
+def _replicas(workers: int, model: str) -> tuple[list[nn.Module], list[torch.optim.SGD]]:
+    base = fresh_model(model)
+    replicas = [copy.deepcopy(base) for _ in range(workers)]
+    return replicas, [_sgd(r) for r in replicas]
+
+
+def _local_steps(replicas, opts, data, step: int, nan: set[tuple[int, int]]) -> None:
+    for w, (r, opt, s) in enumerate(zip(replicas, opts, data, strict=True)):
+        opt.zero_grad()
+        _loss(r, next(s)).backward()
+        if (w, step) not in nan:
+            opt.step()
+
+
+def _mean(replicas: list[nn.Module]) -> torch.Tensor:
+    return torch.stack([_flat(r) for r in replicas]).sum(0) / len(replicas)
+
+
+def local_sgd(
+    steps: int,
+    workers: int,
+    period: int,
+    warmup_steps: int = 0,
+    model: str = "cnn",
+    nan: Iterable[tuple[int, int]] = (),
+) -> tuple[nn.Module, int]:
+    """Post-local SGD: every replica steps on its own batch; the replicas are averaged after
+    every step of the warm-up, then every ``period`` steps, and once more at the end if the
+    last step was not an averaging one. Returns (worker 0's replica, number of averages)."""
+    replicas, opts = _replicas(workers, model)
+    data, nan, averages = streams(workers), set(nan), 0
+
+    def due(step: int) -> bool:
+        return step <= warmup_steps or step % period == 0
+
+    for step in range(1, steps + 1):
+        _local_steps(replicas, opts, data, step, nan)
+        if due(step):
+            mean = _mean(replicas)
+            for r in replicas:
+                _assign(r, mean)
+            averages += 1
+    if not due(steps):
+        mean = _mean(replicas)
+        for r in replicas:
+            _assign(r, mean)
+        averages += 1
+    return replicas[0], averages
+
+
+def diloco(
+    steps: int,
+    workers: int,
+    period: int,
+    outer_lr: float,
+    outer_momentum: float,
+    nesterov: bool,
+    model: str = "cnn",
+) -> tuple[nn.Module, int]:
+    """DiLoCo: every ``period`` steps (and at the end) the outer optimizer (SGD with
+    momentum, Nesterov or not) steps θ_global with the pseudo-gradient θ_global − mean of the
+    replicas; every replica restarts from θ_global. Returns (θ_global as a model, outer
+    steps)."""
+    replicas, opts = _replicas(workers, model)
+    data = streams(workers)
+    theta = nn.Parameter(_flat(replicas[0]).clone())
+    outer = torch.optim.SGD(
+        [theta], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
+    )
+    outer_steps = 0
+
+    def outer_step() -> None:
+        nonlocal outer_steps
+        theta.grad = theta.detach() - _mean(replicas)
+        outer.step()
+        for r in replicas:
+            _assign(r, theta.detach())
+        outer_steps += 1
+
+    for step in range(1, steps + 1):
+        _local_steps(replicas, opts, data, step, set())
+        if step % period == 0:
+            outer_step()
+    if steps % period:
+        outer_step()
+    return replicas[0], outer_steps
+
+
+# ---------------------------------------------------------------------------- parameter servers
+class Server:
+    """θ on the parameter servers with its version clock. A push computed against version
+    ``base`` has staleness ``version − base``; staler than ``max_staleness`` it is dropped,
+    else applied with the factor s = 1/max(1, staleness) when scaling (1 otherwise):
+    add: θ += λ·s·Δ; sgd / adagrad: that torch optimizer steps θ with the gradient −s·Δ."""
+
+    def __init__(self, theta, rule, lr, momentum=0.0, max_staleness=None, scaling=False):
+        self.theta = nn.Parameter(theta.clone(), requires_grad=False)
+        self.rule, self.lr, self.scaling, self.max_staleness = rule, lr, scaling, max_staleness
+        self.version = self.dropped = self.staleness_sum = self.staleness_max = 0
+        if rule == "sgd":
+            self.opt = torch.optim.SGD([self.theta], lr=lr, momentum=momentum)
+        elif rule == "adagrad":
+            self.opt = torch.optim.Adagrad([self.theta], lr=lr)
+
+    def push(self, delta: torch.Tensor, base: int) -> None:
+        staleness = self.version - base
+        if self.max_staleness is not None and staleness > self.max_staleness:
+            self.dropped += 1
+            return
+        scale = 1.0 / max(1, staleness) if self.scaling else 1.0
+        with torch.no_grad():
+            if self.rule == "add":
+                self.theta.add_(delta, alpha=self.lr * scale)
+            else:
+                self.theta.grad = delta.mul(-scale)
+                self.opt.step()
+                self.theta.grad = None
+        self.version += 1
+        self.staleness_sum += staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+
+
+def asgd_one_worker(
+    steps: int, n_fetch: int, n_push: int, model: str = "cnn", **server
+) -> tuple[nn.Module, Server]:
+    """One asgd worker against the servers (``server``: :class:`Server`'s settings).
+
+    Every ``n_push`` steps it pushes Δ = θ_local − θ_ref (its progress since the last push or
+    fetch); every ``n_fetch`` steps it fetches θ (after its push, when both are due), keeping
+    the progress it has not pushed yet; at the end it pushes what is left. Returns (the
+    servers' θ as a model, the server)."""
+    m = fresh_model(model)
+    opt = _sgd(m)
+    srv = Server(_flat(m), **server)
+    [data] = streams(1)
+    reference, base = _flat(m), 0
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        _loss(m, next(data)).backward()
+        opt.step()
+        push, fetch = step % n_push == 0, step % n_fetch == 0
+        local = _flat(m)
+        if push:
+            srv.push(local - reference, base)
+        if fetch:
+            pending = 0 if push else local - reference
+            _assign(m, srv.theta.detach() + pending)
+            reference, base = srv.theta.detach().clone(), srv.version
+        elif push:
+            reference = local
+    if steps % n_push:
+        srv.push(_flat(m) - reference, base)
+    out = fresh_model(model)
+    _assign(out, srv.theta.detach())
+    return out, srv
+
+
+def easgd_one_worker(steps: int, tau: int, alpha: float, model: str = "cnn") -> nn.Module:
+    """One EASGD worker: every τ steps (and at the end) e = α(θ_i − θ̃); θ_i −= e; θ̃ += e.
+    Returns the centre θ̃ as a model."""
+    m = fresh_model(model)
+    opt = _sgd(m)
+    centre = _flat(m)
+    [data] = streams(1)
+
+    def exchange() -> None:
+        nonlocal centre
+        local = _flat(m)
+        e = (local - centre) * alpha
+        _assign(m, local - e)
+        centre = centre + e
+
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        _loss(m, next(data)).backward()
+        opt.step()
+        if step % tau == 0:
+            exchange()
+    if steps % tau:
+        exchange()
+    out = fresh_model(model)
+    _assign(out, centre)
+    return out
