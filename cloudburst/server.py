@@ -18,6 +18,23 @@ then on with the same protocol and checks. An admitted worker is no longer lost;
 finishes it as any other's. Each server receives on every group from its own thread and
 handles one request at a time (one lock), so pushes are still applied one by one. After the
 servers have finished, a restarted worker is refused (it fails with a one-line error).
+
+Requests are checked before anything is applied (:func:`request_problem`): kind, shard, length
+against the shard's own, version, ``samples`` in 0..``MAX_PUSH_SAMPLES``, and INIT only from
+the warm-start worker while the shard awaits it. A rejected request's payload is read into the
+receive buffer and discarded (its size is checked first: nothing is allocated from a peer's
+header), so the stream stays in step and the payload is never applied; a sender whose header
+is unreadable or announces a larger payload than the shard's cannot be kept in step and is
+dropped at once. A pushed Δ or INIT θ that is not finite is rejected. Each rejection is that
+sender's fault: counted, logged at a bounded rate, and the sender dropped after
+``MAX_PEER_FAULTS`` (:class:`~cloudburst.comm.p2p.PeerFaults`); a dropped worker is lost, and
+nothing more from it is read or answered (unless it rejoins after a restart). A receive that
+fails on the world group (its timeout: no worker sent anything for ``comm_timeout_s``) loses
+the workers served on it, not the server.
+
+Metrics: one ``push`` record every ``push_log_every`` applied pushes, and one for each push
+that was not applied (non-finite, too stale); the summary's staleness statistics come from the
+shard's counters, which count every push.
 """
 
 from __future__ import annotations
@@ -34,13 +51,16 @@ import torch
 
 from cloudburst.checkpoint import save_checkpoint
 from cloudburst.comm.flat import shard_bounds
-from cloudburst.comm.p2p import CommStats, Header, Kind, Status
+from cloudburst.comm.p2p import CommStats, Header, Kind, PeerFaults, Status, worth_logging
 from cloudburst.config import RunConfig
 from cloudburst.runtime import RejoinBoard, rejoin_group, rejoin_members
 
 log = logging.getLogger(__name__)
 
 REJOIN_POLL_S = 0.5  # how often a server looks for restarted workers announcing themselves
+# A push's ``samples`` above this is refused: no real push carries 4 billion samples, and the
+# shard's count (an int64 in every reply header) stays far from overflowing.
+MAX_PUSH_SAMPLES = 2**32
 _ADMITTING = object()  # the route of a worker while its rejoin group is being built
 
 
@@ -202,6 +222,44 @@ def overlapped_push_fetch(cfg: RunConfig) -> bool:
 
 # Requests whose header is followed by a payload of the shard's size.
 PAYLOAD_KINDS = (Kind.PUSH, Kind.PUSH_FETCH, Kind.INIT)
+REQUEST_KINDS = (Kind.FETCH, *PAYLOAD_KINDS, Kind.DONE, Kind.PING)
+
+
+def request_problem(
+    h: Header,
+    src: int,
+    *,
+    shard: int,
+    numel: int,
+    version: int,
+    awaiting_init: bool,
+    warm_start_rank: int | None,
+) -> str | None:
+    """Why shard ``shard`` (``numel`` elements, at ``version``) refuses request ``h`` from
+    rank ``src``, or None when it may be served. ``warm_start_rank``: the worker whose INIT
+    seeds θ while ``awaiting_init``."""
+    if h.kind not in REQUEST_KINDS:
+        return f"{h.kind.name} is not a request"
+    if h.shard != shard:
+        return f"{h.kind.name} addressed to shard {h.shard}"
+    if h.status != Status.OK:
+        return f"{h.kind.name} with status {h.status}"
+    expected = numel if h.kind in PAYLOAD_KINDS else 0
+    if h.numel != expected:
+        return f"{h.kind.name} with {h.numel} elements, expected {expected}"
+    if not 0 <= h.samples <= MAX_PUSH_SAMPLES:
+        return f"{h.kind.name} with samples {h.samples}, outside 0..{MAX_PUSH_SAMPLES}"
+    if h.kind in (Kind.PUSH, Kind.PUSH_FETCH):
+        if awaiting_init:
+            return f"{h.kind.name} before the warm-start θ (INIT) arrived"
+        if h.version > version:
+            return f"{h.kind.name} against version {h.version}, the shard is at {version}"
+    if h.kind == Kind.INIT:
+        if not awaiting_init:
+            return "INIT while no warm start is awaited (θ is seeded once)"
+        if src != warm_start_rank:
+            return f"INIT from rank {src}, not from the warm-start worker (rank {warm_start_rank})"
+    return None
 
 
 def shard_checkpoint_path(out: str | Path, shard: int) -> Path:
@@ -244,13 +302,14 @@ class ServerLoop:
         # One receive buffer, reused: requests are handled one at a time.
         self._recv_buf = torch.empty(self.shard.theta.numel())
         self.awaiting_init = cfg.warm_start_steps > 0
+        # Worker 0 trains alone, then seeds every shard with INIT (cloudburst.train).
+        self.warm_start_rank = ctx.worker_ranks[0] if ctx.worker_ranks else None
         self.deferred_fetches: list[int] = []
         self.workers = set(ctx.worker_ranks)
         self.done: set[int] = set()  # workers that sent DONE
         self.finished: set[int] = set()  # workers told FINISHED (they exit)
-        self.lost: set[int] = set()
-        self.malformed = 0
-        self.from_unknown = 0
+        self.lost: set[int] = set()  # dropped workers too
+        self.faults = PeerFaults(log, f"server {ctx.server_index}")
         self.rejoined: set[int] = set()  # workers that rejoined after a restart
         self.rejoins = 0
         # Where each rejoined worker is served now (the others: self.transport). A worker being
@@ -357,7 +416,11 @@ class ServerLoop:
                 with self._lock:
                     if not self._expects_requests(transport, rank):
                         return
-                src, header = transport.recv_request_any()
+                try:
+                    src, header = transport.recv_request_any()
+                except RuntimeError as e:
+                    self._receive_failed(transport, rank, e)
+                    return
                 with self._changed:
                     if self._stopped:  # run() has returned: θ is final, nothing is applied
                         log.warning("ignored a request from rank %d after the end", src)
@@ -384,6 +447,32 @@ class ServerLoop:
                     self._error = e
                 self._changed.notify_all()
 
+    def _receive_failed(self, transport, rank: int | None, e: RuntimeError) -> None:
+        """A request receive failed (gloo: its timeout, or a broken connection; either leaves
+        the group unusable). The sender is unknown: the workers served on the group are lost,
+        not the server, which goes on serving the others until they finish."""
+        with self._changed:
+            if not self._expects_requests(transport, rank):
+                group = "the world" if rank is None else f"rank {rank}"
+                log.debug("the serving thread of %s's group ends: %s", group, _first_line(e))
+                return
+            if rank is None:
+                silent = {
+                    r
+                    for r in self.workers - self._routes.keys()
+                    if r not in self.finished and r not in self.lost
+                }
+            else:
+                silent = {rank}
+            log.error(
+                "receiving a request failed (%s): workers %s, served on that group, are lost",
+                _first_line(e),
+                sorted(silent),
+            )
+            self.lost |= silent
+            self.deferred_fetches = [r for r in self.deferred_fetches if r not in silent]
+            self._changed.notify_all()
+
     def _send_replies(self, outbox: list[tuple[int, Header, torch.Tensor | None]]) -> None:
         """Send a rejoined worker's replies (outside the lock)."""
         for dst, header, payload in outbox:
@@ -397,10 +486,13 @@ class ServerLoop:
                 return
 
     def _serve_one(self, transport, src: int, header: Header | None) -> None:
-        """Handle one request (under the lock)."""
+        """Handle one request (under the lock): check it, then serve or reject it."""
+        if self.faults.is_dropped(src):
+            self.faults.ignore(src)  # its payloads stay unread: none is ever applied
+            return
         if src not in self.workers:
-            self.from_unknown += 1
-            log.warning("ignored a request from rank %d, which is not a worker", src)
+            # Not a worker: whether a payload follows is unknown, so nothing more is read.
+            self.faults.reject(src, "a request from a rank that is not a worker", in_step=False)
             return
         if self._routes.get(src, self.transport) is not transport:
             # Sent by a previous incarnation of a worker that has since rejoined.
@@ -410,11 +502,20 @@ class ServerLoop:
             log.warning("rank %d was declared lost but is talking again; serving it", src)
             self.lost.discard(src)
         try:
-            if header is None or not self._valid(header):
-                self.malformed += 1
-                log.warning("rejected a malformed message from rank %d", src)
-                self._drain_payload(src, header)
-                self._reply(src, Status.REJECTED)
+            if header is None:
+                problem = "malformed header (bad magic, unknown kind or a negative field)"
+            else:
+                problem = request_problem(
+                    header,
+                    src,
+                    shard=self.ctx.server_index,
+                    numel=self.numel,
+                    version=self.shard.version,
+                    awaiting_init=self.awaiting_init,
+                    warm_start_rank=self.warm_start_rank,
+                )
+            if problem is not None:
+                self._reject(src, header, problem)
                 return
             self._handle(src, header)
         except RuntimeError as e:
@@ -435,6 +536,8 @@ class ServerLoop:
             log.warning("ignored a rejoin announcement from rank %d, not a worker", rank)
             return
         with self._changed:
+            # A new process on a new group: its stream starts in step, whatever the old sent.
+            self.faults.forgive(rank)
             self._routes[rank] = _ADMITTING
             for ranks in (self.lost, self.done, self.finished):
                 ranks.discard(rank)
@@ -476,24 +579,38 @@ class ServerLoop:
         return self._routes.get(src, self.transport)
 
     # ---------------------------------------------------------------- the protocol
-    def _valid(self, h: Header) -> bool:
-        if h.shard != self.ctx.server_index or h.kind in (Kind.REPLY, Kind.FINAL):
-            return False
-        if h.kind in PAYLOAD_KINDS:
-            return h.numel == self.numel and h.version <= self.shard.version
-        return h.numel == 0
+    def _reject(self, src: int, h: Header | None, problem: str) -> None:
+        """Refuse a request: its payload (announced by ``h.numel``) is read into the receive
+        buffer and discarded, so the stream stays in step and it is never applied; then the
+        worker gets a REJECTED reply. A payload of unknown size, or larger than the buffer,
+        cannot be read safely: the sender is dropped instead."""
+        if h is None or h.numel > self.numel:
+            if h is not None:
+                problem = f"{problem}; a payload of {h.numel} elements cannot be read"
+            self.faults.reject(src, problem, in_step=False)
+            self._drop(src)
+            return
+        if self.faults.reject(src, problem):
+            self._drop(src)  # too many: its payload stays unread
+            return
+        if h.numel:
+            self._peer(src).recv_payload(src, h.numel, out=self._recv_buf[: h.numel])
+        self._reply(src, Status.REJECTED)
 
-    def _drain_payload(self, src: int, h: Header | None) -> None:
-        # A header announcing the right payload size is followed by that payload: consume it so
-        # the stream stays aligned. Any other size is never sent by our workers.
-        if h is not None and h.kind in PAYLOAD_KINDS and h.numel == self.numel:
-            self._peer(src).recv_payload(src, self.numel, out=self._recv_buf)
+    def _drop(self, src: int) -> None:
+        """``src`` was dropped (see PeerFaults): lost, never served again, no reply."""
+        self.lost.add(src)
+        self.deferred_fetches = [r for r in self.deferred_fetches if r != src]
+        self.metrics.log(
+            "peer_dropped",
+            time_s=self.ctx.elapsed_s(),
+            worker=src,
+            reason=self.faults.dropped[src],
+        )
 
     def _handle(self, src: int, h: Header) -> None:
         transport = self._peer(src)
         if h.kind in (Kind.PUSH, Kind.PUSH_FETCH):
-            if self.awaiting_init:
-                raise RuntimeError(f"rank {src} pushed before the warm start finished")
             overlapped = h.kind == Kind.PUSH_FETCH and self.overlap_replies
             if overlapped:
                 # θ before this push goes back while Δ comes in (both directions at once); the
@@ -503,21 +620,23 @@ class ServerLoop:
             if overlapped:
                 transport.wait_all([send_theta])  # θ must not change while it is sent
             result = self.shard.apply_push(delta, h.version, h.samples)
-            if result.status == Status.REJECTED:
+            if result.status == Status.REJECTED and worth_logging(self.shard.rejected_nonfinite):
+                # Not a fault: an honest worker's diverged replica pushes the same.
                 log.warning(
-                    "rejected a non-finite push from rank %d (total %d)",
+                    "rejected a non-finite push from rank %d (%d in all)",
                     src,
                     self.shard.rejected_nonfinite,
                 )
-            self.metrics.log(
-                "push",
-                time_s=self.ctx.elapsed_s(),
-                worker=src,
-                status=result.status.name,
-                staleness=result.staleness,
-                version=self.shard.version,
-                samples=self.shard.samples,
-            )
+            if result.status != Status.OK or self.shard.version % self.cfg.push_log_every == 0:
+                self.metrics.log(
+                    "push",
+                    time_s=self.ctx.elapsed_s(),
+                    worker=src,
+                    status=result.status.name,
+                    staleness=result.staleness,
+                    version=self.shard.version,
+                    samples=self.shard.samples,
+                )
             self._reply(
                 src,
                 result.status,
@@ -538,7 +657,11 @@ class ServerLoop:
         elif h.kind == Kind.INIT:
             theta = transport.recv_payload(src, self.numel, out=self._recv_buf)
             if not all_finite(theta):
-                raise RuntimeError(f"warm-start θ from rank {src} is not finite")
+                if self.faults.reject(src, "warm-start θ (INIT) is not finite"):
+                    self._drop(src)
+                else:
+                    self._reply(src, Status.REJECTED)  # the shard still awaits its θ
+                return
             self.shard.set_theta(theta)
             self.awaiting_init = False
             self._reply(src, Status.OK)
@@ -593,7 +716,10 @@ class ServerLoop:
     def stats(self) -> dict[str, Any]:
         s = self.shard.stats()
         s.update(_sum_stats([self.transport.stats, *self._rejoin_stats]).as_dict())
-        s["messages_rejected"] += self.malformed + self.from_unknown
+        # Every refused request once (the transports count only the unreadable headers, which
+        # the faults count too), and those of dropped senders, which are not read.
+        s["messages_rejected"] = self.faults.rejected + self.faults.ignored
+        s["dropped_peers"] = self.faults.dropped_peers()
         s["lost_workers"] = sorted(self.lost)
         s["rejoined_workers"] = sorted(self.rejoined)
         s["rejoins"] = self.rejoins

@@ -25,9 +25,23 @@ Messages
     Kind`: FETCH (no payload; the reply carries θ), PUSH (payload θ, or SGP's numerator
     θ·w/2; ``aux`` carries the push-sum weight as the bits of a float64), PING (keep-alive,
     below), DONE (the sender will send nothing more), REPLY. ``shard`` carries the sender's
-    worker index and ``version`` the step of the θ it sends; :func:`check_request` validates
-    both, the kind and the length. A malformed request is counted in ``messages_rejected``
-    and logged; a rejected FETCH is answered with ``Status.REJECTED`` and the puller raises.
+    worker index and ``version`` the step of the θ it sends.
+
+Checks (peers are not trusted to be well-behaved)
+    :func:`check_request` validates a request's kind, worker index and length (against the
+    known size: nothing is allocated from a header) and a push's weight, in (0, W];
+    :func:`check_push` the pushed θ (finite, and finite once de-biased by its weight);
+    :func:`check_reply` a pulled θ (status, worker, finite). A bad request is rejected: its
+    payload is read into the receive buffer and discarded (never deposited), a FETCH is
+    answered with ``Status.REJECTED``. A header that cannot be read, or that announces a
+    payload larger than θ, leaves the rest of that peer's stream unreadable: the peer is
+    dropped at once (:class:`~cloudburst.comm.p2p.PeerFaults`; nothing more from it is read,
+    its DONE is not awaited); any peer is dropped after ``MAX_PEER_FAULTS`` bad requests. A
+    bad reply to a pull is not averaged in; the puller counts it against that peer and stops
+    pulling from it after ``MAX_PEER_FAULTS`` (at once if its reply stream is out of step).
+    Every rejection is counted in ``messages_rejected`` and logged at a bounded rate; none
+    stops either thread. A rejected push-sum message takes its weight with it: Σ_i w_i is
+    then short of W by that much (a correct peer never sends one).
 
 Shutdown
     A worker that has finished training sends DONE to every peer, then keeps serving until it
@@ -72,7 +86,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cloudburst.comm.p2p import CommStats, Header, Kind, MessageError, PeerTransport, Status
+from cloudburst.comm.p2p import (
+    CommStats,
+    Header,
+    Kind,
+    MessageError,
+    PeerFaults,
+    PeerTransport,
+    Status,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +102,7 @@ log = logging.getLogger(__name__)
 REQUEST_KINDS = (Kind.FETCH, Kind.PUSH, Kind.PING, Kind.DONE)
 #: Keep-alive period as a fraction of the groups' timeout.
 KEEPALIVE_FRACTION = 0.25
+FP32_MAX = torch.finfo(torch.float32).max
 #: The serving thread's counters that are added to the caller's stats.
 MERGED_STATS = (
     "bytes_sent",
@@ -100,8 +123,14 @@ def decode_weight(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
-def check_request(header: Header, sender_worker: int, numel: int) -> str | None:
-    """Why a request from worker ``sender_worker`` is malformed, or None when it is fine."""
+def check_request(
+    header: Header, sender_worker: int, numel: int, max_weight: float = math.inf
+) -> str | None:
+    """Why a request from worker ``sender_worker`` is malformed, or None when it is fine.
+
+    ``max_weight``: the largest push-sum weight a message may carry, W (the weights of all
+    workers, messages in flight included, sum to W; a sender sends half of its own).
+    """
     if header.kind not in REQUEST_KINDS:
         return f"unexpected message kind {header.kind.name}"
     if header.shard != sender_worker:
@@ -111,8 +140,33 @@ def check_request(header: Header, sender_worker: int, numel: int) -> str | None:
         return f"{header.kind.name} with {header.numel} elements, expected {expected}"
     if header.kind == Kind.PUSH:
         weight = decode_weight(header.aux)
-        if not (math.isfinite(weight) and weight > 0):
-            return f"PUSH with weight {weight}"
+        if not (math.isfinite(weight) and 0 < weight <= max_weight):
+            return f"PUSH with weight {weight}, outside (0, {max_weight}]"
+    return None
+
+
+def check_push(payload: torch.Tensor, weight: float) -> str | None:
+    """Why a pushed payload (θ, or a push-sum numerator θ·w with weight w) is refused, or
+    None: it must be finite, and so must the θ it stands for (payload / w, in fp32)."""
+    largest = float(torch.linalg.vector_norm(payload, ord=math.inf))  # NaN if any is NaN
+    if not math.isfinite(largest):
+        return "PUSH of a non-finite θ"
+    if largest / weight > FP32_MAX:
+        return f"PUSH whose θ overflows once divided by its weight {weight}"
+    return None
+
+
+def check_reply(reply: Header, peer_worker: int, numel: int, theta: torch.Tensor) -> str | None:
+    """Why a reply to a pull (its header, and θ received into ``theta``) is refused, or None."""
+    if reply.status != Status.OK:
+        return f"FETCH answered with status {reply.status}"
+    if reply.shard != peer_worker or reply.numel != numel:
+        return (
+            f"reply names worker {reply.shard} with {reply.numel} elements, "
+            f"expected worker {peer_worker} with {numel}"
+        )
+    if not math.isfinite(float(torch.linalg.vector_norm(theta, ord=math.inf))):
+        return "pulled θ is not finite"
     return None
 
 
@@ -189,7 +243,8 @@ class ServingCounters:
     fetches_served: int = 0
     pushes_received: int = 0
     pings_received: int = 0
-    requests_rejected: int = 0
+    requests_rejected: int = 0  # bad requests, and those of dropped peers (not read)
+    replies_rejected: int = 0  # bad replies to this worker's pulls (main thread)
 
 
 class GossipTransport:
@@ -225,6 +280,11 @@ class GossipTransport:
         self._serve_in = PeerTransport(request_group, self.serve_stats)
         self._serve_out = PeerTransport(reply_group, self.serve_stats, link=link, crosses=crosses)
         self._recv_buf = torch.empty(numel, dtype=torch.float32)
+        self.max_weight = float(len(self.peers) + 1)  # W
+        # Who sent this worker bad requests (serving thread), bad replies (main thread); each
+        # thread keeps its own, so a peer dropped by one is still heard by the other.
+        self.request_faults = PeerFaults(log, f"gossip worker {worker_of(rank)} serving")
+        self.reply_faults = PeerFaults(log, f"gossip worker {worker_of(rank)} pulling")
         self._last_sent = dict.fromkeys(self.peers, time.monotonic())
         # The serving thread's counters as of its last whole message, and as last merged.
         self._serve_totals = (0,) * len(MERGED_STATS)
@@ -246,18 +306,34 @@ class GossipTransport:
         )
         self._thread.start()
 
-    def pull(self, peer: int, out: torch.Tensor, step: int) -> int:
-        """Fetch ``peer``'s θ (its last published snapshot) into ``out``; return its step."""
+    def pull(self, peer: int, out: torch.Tensor, step: int) -> int | None:
+        """Fetch ``peer``'s θ (its last published snapshot) into ``out``; return its step.
+
+        None when the reply is refused (see :func:`check_reply`; ``out`` must not be used),
+        and, without asking, once ``peer`` is dropped for bad replies.
+        """
+        if self.reply_faults.is_dropped(peer):
+            return None
         self._send(peer, Header(Kind.FETCH, shard=self._me, version=step))
-        reply = self._replies.recv_reply(peer, out)
-        if reply.status != Status.OK:
-            raise MessageError(f"rank {peer} rejected this worker's FETCH (status {reply.status})")
-        if reply.shard != self.worker_of(peer) or reply.numel != self.numel:
-            raise MessageError(
-                f"reply from rank {peer} names worker {reply.shard} with {reply.numel} "
-                f"elements, expected worker {self.worker_of(peer)} with {self.numel}"
-            )
+        try:
+            reply = self._replies.recv_reply(peer, out)
+        except MessageError as e:  # θ, if any, was not read: its replies are out of step
+            self._refuse_reply(peer, str(e), in_step=False)
+            return None
+        problem = check_reply(reply, self.worker_of(peer), self.numel, out)
+        if problem is not None:
+            self._refuse_reply(peer, problem)
+            return None
         return reply.version
+
+    def dropped_peers(self) -> list[int]:
+        """Peers dropped for bad requests or bad replies."""
+        return sorted({*self.request_faults.dropped_peers(), *self.reply_faults.dropped_peers()})
+
+    def _refuse_reply(self, peer: int, problem: str, in_step: bool = True) -> None:
+        self.reply_faults.reject(peer, problem, in_step=in_step)
+        self.counters.replies_rejected += 1
+        self.stats.messages_rejected += 1
 
     def push(self, peer: int, payload: torch.Tensor, weight: float, step: int) -> None:
         """Send ``payload`` (θ, or a push-sum numerator) and ``weight`` to ``peer``'s mailbox."""
@@ -318,29 +394,21 @@ class GossipTransport:
 
     # ------------------------------------------------------------------ serving thread
     def _serve(self) -> None:
+        # Peers whose DONE is awaited; a dropped peer's is not (it may never come).
         pending = set(self.peers)
         try:
             while pending:
                 src, header = self._serve_in.recv_request_any()
-                if header is None:  # bad magic or unknown kind: counted by PeerTransport
-                    self.counters.requests_rejected += 1
-                    log.error("gossip: malformed header from rank %d dropped", src)
-                    continue
-                problem = check_request(header, self.worker_of(src), self.numel)
-                if problem is not None:
-                    self._reject(src, header, problem)
-                elif header.kind == Kind.FETCH:
-                    self._serve_fetch(src)
-                elif header.kind == Kind.PUSH:
-                    payload = self._serve_in.recv_payload(src, self.numel, out=self._recv_buf)
-                    if self._mailbox is None:
-                        raise MessageError(f"rank {src} pushed to a worker that pulls")
-                    self._mailbox.deposit(payload, decode_weight(header.aux))
-                    self.counters.pushes_received += 1
-                elif header.kind == Kind.PING:
-                    self.counters.pings_received += 1
-                elif header.kind == Kind.DONE:
-                    pending.discard(src)
+                if self.request_faults.is_dropped(src):
+                    self.request_faults.ignore(src)  # its payloads stay unread
+                    self._count_rejected(header)
+                elif src not in self.peers:
+                    self._drop(src, header, "a request from a rank that is not a gossip peer")
+                elif header is None:
+                    self._drop(src, header, "malformed header (bad magic, unknown kind, ...)")
+                elif self._serve_request(src, header):
+                    pending.discard(src)  # its DONE
+                pending.difference_update(self.request_faults.dropped_peers())
                 self._settle_serving_stats()
         except BaseException as e:  # noqa: BLE001 - handed to the main thread by check()
             self._error = e
@@ -348,18 +416,56 @@ class GossipTransport:
         finally:
             self._settle_serving_stats()
 
+    def _serve_request(self, src: int, header: Header) -> bool:
+        """Check and serve one request of peer ``src``; True when it is a valid DONE."""
+        problem = check_request(header, self.worker_of(src), self.numel, self.max_weight)
+        if problem is None and header.kind == Kind.PUSH and self._mailbox is None:
+            problem = "PUSH to a worker that pulls"
+        if problem is not None:
+            self._refuse(src, header, problem)
+        elif header.kind == Kind.FETCH:
+            self._serve_fetch(src)
+        elif header.kind == Kind.PUSH:
+            payload = self._serve_in.recv_payload(src, self.numel, out=self._recv_buf)
+            weight = decode_weight(header.aux)
+            problem = check_push(payload, weight)  # a short payload ends in NaN: refused too
+            if problem is not None:
+                self._count_rejected(header)
+                self.request_faults.reject(src, problem)
+            else:
+                self._mailbox.deposit(payload, weight)
+                self.counters.pushes_received += 1
+        elif header.kind == Kind.PING:
+            self.counters.pings_received += 1
+        return problem is None and header.kind == Kind.DONE
+
     def _serve_fetch(self, src: int) -> None:
         with self._snapshot.acquire() as (theta, version):
             reply = Header(Kind.REPLY, shard=self._me, version=version, numel=self.numel)
             self._serve_out.send(src, reply, theta)
         self.counters.fetches_served += 1
 
-    def _reject(self, src: int, header: Header, problem: str) -> None:
-        self.counters.requests_rejected += 1
-        self.serve_stats.messages_rejected += 1
-        log.error("gossip: rejected a request from rank %d: %s", src, problem)
-        if header.kind == Kind.PUSH and header.numel:
-            # Its payload follows on the same channel: take it off so the stream stays aligned.
-            self._serve_in.recv_payload(src, header.numel)
-        elif header.kind == Kind.FETCH:
+    def _refuse(self, src: int, header: Header, problem: str) -> None:
+        """Reject a request: the payload it announces is read into the receive buffer and
+        discarded (the stream stays in step; nothing is deposited); a FETCH gets
+        ``Status.REJECTED``. A payload larger than θ cannot be read safely: ``src`` is dropped."""
+        if header.numel > self.numel:
+            self._drop(src, header, f"{problem}; a payload of {header.numel} elements")
+            return
+        self._count_rejected(header)
+        if self.request_faults.reject(src, problem):
+            return  # dropped now: its payload stays unread, and it gets no reply
+        if header.numel:
+            self._serve_in.recv_payload(src, header.numel, out=self._recv_buf[: header.numel])
+        if header.kind == Kind.FETCH:
             self._serve_out.send(src, Header(Kind.REPLY, shard=self._me, status=Status.REJECTED))
+
+    def _drop(self, src: int, header: Header | None, problem: str) -> None:
+        """Reject a request whose payload (if any) cannot be read in step: drop ``src``."""
+        self._count_rejected(header)
+        self.request_faults.reject(src, problem, in_step=False)
+
+    def _count_rejected(self, header: Header | None) -> None:
+        self.counters.requests_rejected += 1
+        if header is not None:  # an unreadable header was counted by the transport
+            self.serve_stats.messages_rejected += 1

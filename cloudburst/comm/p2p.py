@@ -5,6 +5,19 @@ The header carries a magic number, the message kind, the shard index, a version,
 length and two counters; :meth:`Header.from_tensor` validates it so that a malformed or
 mismatched message is rejected (and counted) rather than applied.
 
+Hostile or broken peers (what a receiver can and cannot do about them)
+    A receiver never allocates from a length a peer sent: it compares it with the size it
+    knows first. gloo accepts a message *shorter* than the receive buffer silently (the rest
+    keeps what it held), so receives poison what a short message would leave: the header
+    buffer with -1s (a negative field fails validation; only a request's ``aux``, which a
+    server does not use, takes any value), a payload's last element with NaN (the receivers'
+    finiteness checks reject it). A message *longer* than the buffer aborts the receiving
+    process inside gloo (an enforce in its I/O thread, not an exception), so a payload of
+    unknown size is never read: its sender is dropped instead (:class:`PeerFaults`). A sender
+    that announces a payload and never sends it, or never reads its reply, holds the receiver
+    for up to the group's timeout. Neither can be helped above gloo: torch.distributed is for
+    networks you trust only (README, Security).
+
 Tags keep the streams apart, so a server can receive headers from *any* source (gloo's
 ``recv`` without ``src`` returns the sender) while payloads and replies are matched to one peer.
 Every blocking call runs under the process group's timeout (set at ``init_process_group``);
@@ -17,6 +30,9 @@ transport then calls the group's own send/recv and maps ranks through ``members`
 
 from __future__ import annotations
 
+import logging
+import math
+import threading
 import time
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
@@ -33,6 +49,13 @@ TAG_REPLY = 13
 TAG_REPLY_PAYLOAD = 14
 TAG_FINAL = 15
 TAG_FINAL_PAYLOAD = 16
+
+#: A sender whose messages fail validation this many times is dropped (nothing more from it is
+#: read or answered). Honest peers send none; a few are tolerated as a peer's bug, not an attack.
+MAX_PEER_FAULTS = 5
+#: A receiver logs its rejections one by one up to this many, then every FAULT_LOG_EVERY-th.
+FAULT_LOG_FIRST = 5
+FAULT_LOG_EVERY = 100
 
 
 class Kind(IntEnum):
@@ -254,8 +277,10 @@ class PeerTransport:
         """Block until any peer sends a request header. Returns (sender, header or None).
 
         A header that fails validation is counted and returned as None; its sender is known,
-        so the caller can reply with a rejection.
+        but not whether a payload follows (nor its size): the caller drops that sender.
         """
+        # A short message (gloo accepts one) leaves -1s: a negative field, or bad magic.
+        self._header_buf.fill_(-1)
         t0 = time.perf_counter()
         src = self._recv(self._header_buf, None, TAG_REQUEST)
         self.stats.wait_s += time.perf_counter() - t0
@@ -269,10 +294,16 @@ class PeerTransport:
     def recv_payload(
         self, src: int, numel: int, final: bool = False, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Receive ``numel`` fp32 values from ``src`` (into ``out`` when given: no allocation)."""
+        """Receive ``numel`` fp32 values from ``src`` (into ``out`` when given: no allocation).
+
+        ``numel`` must be a size the caller knows (never one read from a peer's header alone).
+        A shorter message leaves the last element NaN: callers check the payload is finite.
+        """
         buf = torch.empty(numel, dtype=torch.float32) if out is None else out
         if buf.numel() != numel:
             raise ValueError(f"receive buffer has {buf.numel()} elements, expected {numel}")
+        if numel:
+            buf[-1] = math.nan
         t0 = time.perf_counter()
         self._recv(buf, src, TAG_FINAL_PAYLOAD if final else TAG_REQUEST_PAYLOAD)
         self.stats.wait_s += time.perf_counter() - t0
@@ -303,7 +334,13 @@ class PeerTransport:
         self.stats.wait_s += time.perf_counter() - t0
 
     def recv_reply(self, src: int, out: torch.Tensor | None = None) -> Header:
-        """Receive the reply header from ``src`` and, if it has a payload, copy it into ``out``."""
+        """Receive the reply header from ``src`` and, if it has a payload, copy it into ``out``.
+
+        Raises :class:`MessageError` for a malformed header, another kind, or a payload of
+        another size than ``out`` (then not read: ``src``'s reply stream is out of step). A
+        shorter payload leaves ``out``'s last element NaN.
+        """
+        self._header_buf.fill_(-1)
         t0 = time.perf_counter()
         self._recv(self._header_buf, src, TAG_REPLY)
         self.stats.bytes_received += HEADER_BYTES
@@ -316,6 +353,7 @@ class PeerTransport:
                     f"reply from rank {src} carries {header.numel} elements, "
                     f"expected {0 if out is None else out.numel()}"
                 )
+            out[-1] = math.nan
             self._recv(out, src, TAG_REPLY_PAYLOAD)
             self.stats.bytes_received += header.numel * 4
         self.stats.wait_s += time.perf_counter() - t0
@@ -323,6 +361,7 @@ class PeerTransport:
 
     def recv_final(self, src: int, numel: int) -> tuple[Header, torch.Tensor]:
         """Server 0 receives another server's final shard."""
+        self._header_buf.fill_(-1)
         t0 = time.perf_counter()
         self._recv(self._header_buf, src, TAG_FINAL)
         self.stats.wait_s += time.perf_counter() - t0
@@ -334,3 +373,93 @@ class PeerTransport:
                 f"{header.kind.name} with {header.numel}"
             )
         return header, self.recv_payload(src, numel, final=True)
+
+
+class PeerFaults:
+    """The bad messages one receiver got, by sender: each counted once, logged at a bounded
+    rate (the first ``FAULT_LOG_FIRST``, then every ``FAULT_LOG_EVERY``-th), and the sender
+    dropped after ``limit`` of them, or at once when its stream cannot be kept in step (a
+    payload of unknown or too large size may follow its header: see the module docstring).
+
+    A dropped sender is not read from again: its later messages are counted as ``ignored``
+    and left unanswered, and a payload it sent stays unread on its channel, so none is ever
+    applied. Safe to share between threads.
+    """
+
+    def __init__(self, logger: logging.Logger, receiver: str, limit: int = MAX_PEER_FAULTS):
+        self._log, self._receiver, self.limit = logger, receiver, limit
+        self.by_peer: dict[int, int] = {}  # rejected messages per sender
+        self.dropped: dict[int, str] = {}  # dropped sender -> why
+        self.rejected = 0  # messages rejected, each once (the one that dropped its sender too)
+        self.ignored = 0  # messages from dropped senders, not read
+        self._lock = threading.Lock()
+
+    def reject(self, peer: int, reason: str, in_step: bool = True) -> bool:
+        """Count one rejected message from ``peer``; True when ``peer`` is dropped (by now).
+
+        ``in_step=False``: the rest of ``peer``'s stream cannot be read in step (a payload of
+        unknown size may follow): it is dropped at once.
+        """
+        with self._lock:
+            self.rejected += 1
+            count = self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
+            if peer in self.dropped:
+                return True
+            if not in_step or count >= self.limit:
+                why = reason if not in_step else f"{count} bad messages, the last: {reason}"
+                self.dropped[peer] = why
+                self._log.error(
+                    "%s: dropped rank %d (%s); nothing more from it is read",
+                    self._receiver,
+                    peer,
+                    why,
+                )
+                return True
+            if worth_logging(self.rejected):
+                self._log.warning(
+                    "%s: rejected a message from rank %d: %s (%d from it, %d in all)%s",
+                    self._receiver,
+                    peer,
+                    reason,
+                    count,
+                    self.rejected,
+                    _rate_note(self.rejected),
+                )
+            return False
+
+    def ignore(self, peer: int) -> None:
+        """Count a message from a dropped sender (not read, not answered)."""
+        with self._lock:
+            self.ignored += 1
+            if worth_logging(self.ignored):
+                self._log.warning(
+                    "%s: ignored a message from dropped rank %d (%d ignored)%s",
+                    self._receiver,
+                    peer,
+                    self.ignored,
+                    _rate_note(self.ignored),
+                )
+
+    def is_dropped(self, peer: int) -> bool:
+        with self._lock:
+            return peer in self.dropped
+
+    def dropped_peers(self) -> list[int]:
+        with self._lock:
+            return sorted(self.dropped)
+
+    def forgive(self, peer: int) -> None:
+        """Start ``peer`` afresh (a restarted process on a stream of its own)."""
+        with self._lock:
+            self.dropped.pop(peer, None)
+            self.by_peer.pop(peer, None)
+
+
+def worth_logging(count: int) -> bool:
+    """Whether the ``count``-th of a repeated event is logged: the first ``FAULT_LOG_FIRST``,
+    then every ``FAULT_LOG_EVERY``-th (a flood of bad messages cannot flood the log)."""
+    return count <= FAULT_LOG_FIRST or count % FAULT_LOG_EVERY == 0
+
+
+def _rate_note(count: int) -> str:
+    return f"; from now on every {FAULT_LOG_EVERY}th is logged" if count == FAULT_LOG_FIRST else ""

@@ -21,6 +21,9 @@ while the push travels the other way; the worker then adds its own Δ with the s
 server (``add_rule_alpha``), bit for bit, unless the reply says the push was rejected or
 dropped. This equals "apply, then fetch", because a shard applies requests one at a time.
 Optimizer rules (sgd, adagrad) keep state only the server has: their replies follow the apply.
+Warm start (``warm_start_steps``; GPU A-SGD's experiment 3): worker 0 trains alone, then seeds
+every shard with INIT; a shard takes INIT once, from worker 0 only, while it awaits it (one
+resumed from its checkpoint keeps its θ and refuses the INIT a resumed worker 0 sends again).
 The evaluating worker reads θ from the servers (a read-only fetch) when an evaluation falls
 between two rounds.
 
@@ -138,10 +141,20 @@ class AsgdStrategy(Strategy):
         if self.cfg.warm_start_steps and self.ctx.worker_index == 0 and not self._seeded():
             # The warm-start worker trained alone; its θ becomes every shard's starting point.
             flat = flatten_params(self.model).cpu()
+            if not bool(torch.isfinite(flat).all()):
+                raise RuntimeError(
+                    "warm start: θ is not finite after the warm-up steps; the servers refuse "
+                    "it (lower --lr or --warm-start-steps)"
+                )
             for k, (a, b) in enumerate(self.bounds):
                 self.transport.send(k, Header(Kind.INIT, shard=k, numel=b - a), flat[a:b])
             for k in range(self.num_servers):
-                self._check(self.transport.recv_reply(k), k)
+                reply = self.transport.recv_reply(k)
+                self._check(reply, k)
+                if reply.status != Status.OK:
+                    # A shard takes INIT once, while it awaits it: one resumed from its
+                    # checkpoint (--resume) holds θ already and keeps it.
+                    log.info("shard %d holds θ already (resumed): it keeps it", k)
             self.ctx.store.add(SEEDED_KEY, 1)
         # Start from the servers' θ, whatever the replica holds: nothing is pending at the start
         # (a warm-start worker's progress went to the servers with INIT), and a worker resumed

@@ -28,6 +28,10 @@ pushed θ are folded at the receiver's next step boundary (at most one of its st
 A dead worker: a pull from it times out (``comm_timeout_s``) and a push to it fails; peers'
 serving threads time out waiting for its messages, the next consensus all-reduce times out;
 the workers that notice raise and the launcher ends the job, as for sync.
+Hostile or broken peers (:mod:`cloudburst.comm.gossip`, "Checks"): a bad push is never folded
+in, a bad pulled θ (non-finite, wrong worker, refused) never averaged in; either is counted
+(``requests_rejected``, ``replies_rejected``) and the round goes on without it. A peer dropped
+for bad replies is no longer pulled from: its rounds are skipped (``rounds_skipped``).
 Differences from the papers: parameters only are gossiped (batch-norm statistics and optimizer
 state stay local, as in SGP); rounds are counted per worker (each worker's own time), so the
 exponential graph's rounds of different workers are not aligned. Push-sum runs without SGP's
@@ -137,6 +141,7 @@ class GossipStrategy(Strategy):
         self.rounds = 0
         self.last_peer: int | None = None
         self.last_peer_lag_steps: int | None = None  # pull: our step − the pulled θ's step
+        self.rounds_skipped = 0  # pull rounds with a peer whose reply was refused or dropped
         self.messages_folded = 0
         self.consensus_history: list[list[float]] = []  # [step, mean_i ‖θ_i − θ̄‖]
         self.final_consensus_distance: float | None = None
@@ -188,8 +193,7 @@ class GossipStrategy(Strategy):
             self.rounds += 1
             self.last_peer = peer
             if self.variant == "pull":
-                self._pull(flat, peer)
-                changed = True
+                changed |= self._pull(flat, peer)
             else:
                 self._push(flat, peer)
         if changed:
@@ -205,10 +209,16 @@ class GossipStrategy(Strategy):
     def _peer_rank(self, worker: int) -> int:
         return self.ctx.num_servers + worker
 
-    def _pull(self, flat: torch.Tensor, peer: int) -> None:
+    def _pull(self, flat: torch.Tensor, peer: int) -> bool:
+        """Average ``peer``'s θ into ``flat``; False (nothing changed) when its reply was
+        refused or it is no longer pulled from (the transport counted and logged why)."""
         peer_step = self.transport.pull(self._peer_rank(peer), self._host, self.local_steps)
+        if peer_step is None:
+            self.rounds_skipped += 1
+            return False
         self.last_peer_lag_steps = self.local_steps - peer_step
         pull_average(flat, self._host)
+        return True
 
     def _push(self, flat: torch.Tensor, peer: int) -> None:
         if self.push_sum:
@@ -278,6 +288,7 @@ class GossipStrategy(Strategy):
             "rounds": self.rounds,
             "weight": self.weight,
             "messages_folded": self.messages_folded,
+            "rounds_skipped": self.rounds_skipped,
             "consensus_history": [list(x) for x in self.consensus_history],
             "measure_stats": self.measure_stats.state_dict(),
         }
@@ -287,6 +298,7 @@ class GossipStrategy(Strategy):
         self.rounds = int(state["rounds"])
         self.weight = float(state["weight"])
         self.messages_folded = int(state["messages_folded"])
+        self.rounds_skipped = int(state.get("rounds_skipped", 0))
         self.consensus_history = [list(x) for x in state["consensus_history"]]
         self.measure_stats.load_state_dict(state["measure_stats"])
 
@@ -304,6 +316,9 @@ class GossipStrategy(Strategy):
             pushes_received=counters.pushes_received if counters else 0,
             pings_received=counters.pings_received if counters else 0,
             requests_rejected=counters.requests_rejected if counters else 0,
+            replies_rejected=counters.replies_rejected if counters else 0,
+            rounds_skipped=self.rounds_skipped,
+            dropped_peers=self.transport.dropped_peers() if self.transport else [],
             messages_folded=self.messages_folded,
             final_consensus_distance=self.final_consensus_distance,
             consensus_history=self.consensus_history,

@@ -13,8 +13,19 @@ NUMEL = 10
 
 
 def _cfg(out: str) -> RunConfig:
-    return RunConfig(strategy="asgd", workers=2, servers=1, dataset="synthetic", out=out,
-                     heartbeat_timeout_s=5.0, comm_timeout_s=60.0, checkpoint_every=2)
+    # push records: one every 2nd applied push, and every push not applied
+    return RunConfig(
+        strategy="asgd",
+        workers=2,
+        servers=1,
+        dataset="synthetic",
+        out=out,
+        heartbeat_timeout_s=5.0,
+        comm_timeout_s=60.0,
+        checkpoint_every=2,
+        push_log_every=2,
+        server_lr=1.0,  # θ ← θ + Δ: the expected values are sums of pushes
+    )
 
 
 def _scripted(rank: int, out: str) -> dict:
@@ -26,14 +37,19 @@ def _scripted(rank: int, out: str) -> dict:
     store = ctx.store
     if ctx.is_server:
         metrics = MetricsWriter(out, rank, "server0")
-        loop = ServerLoop(ctx, torch.zeros(NUMEL), metrics,
-                          LivenessMonitor(store, ctx.worker_ranks, 5.0))
+        loop = ServerLoop(
+            ctx, torch.zeros(NUMEL), metrics, LivenessMonitor(store, ctx.worker_ranks, 5.0)
+        )
         loop.run()
         metrics.close()
         pushes = [r for r in read_jsonl(metrics.path) if r["event"] == "push"]
-        result = {"stats": loop.stats(), "theta": loop.shard.theta.tolist(),
-                  "push_staleness": [p["staleness"] for p in pushes],
-                  "push_status": [p["status"] for p in pushes]}
+        result = {
+            "stats": loop.stats(),
+            "theta": loop.shard.theta.tolist(),
+            "push_staleness": [p["staleness"] for p in pushes],
+            "push_status": [p["status"] for p in pushes],
+            "push_version": [p["version"] for p in pushes],
+        }
         shutdown(ctx)
         return result
 
@@ -49,8 +65,9 @@ def _scripted(rank: int, out: str) -> dict:
         if kind == Kind.PUSH_FETCH:
             # add rule: θ before the push comes back while the push goes out
             t.send(0, header)
-            t.wait_all([t.isend_payload(0, payload, reply=False),
-                        t.irecv_payload(0, theta, reply=True)])
+            t.wait_all(
+                [t.isend_payload(0, payload, reply=False), t.irecv_payload(0, theta, reply=True)]
+            )
             r = t.recv_reply(0)
             theta_before.append(theta.tolist())
         else:
@@ -93,19 +110,28 @@ def _scripted(rank: int, out: str) -> dict:
 
 def test_staleness_rejection_and_finish_over_gloo(tmp_path):
     server, a, b = spawn(_scripted, 3, tmp_path, str(tmp_path))
-    assert server["push_staleness"] == [0, 1, 2, 2, 0]
-    assert server["push_status"] == ["OK", "OK", "OK", "OK", "REJECTED"]
+    # applied pushes have staleness 0, 1, 2, 2 (versions 1..4): records at versions 2 and 4,
+    # and the rejected one; the statistics still count every push
+    assert server["push_staleness"] == [1, 2, 0]
+    assert server["push_status"] == ["OK", "OK", "REJECTED"]
+    assert server["push_version"] == [2, 4, 4]
     assert server["stats"]["version"] == 4 and server["stats"]["staleness_sum"] == 5
     assert server["stats"]["staleness_max"] == 2
     assert server["stats"]["rejected_nonfinite"] == 1
-    assert server["stats"]["messages_rejected"] == 1  # the wrong-shard request
+    assert server["stats"]["messages_rejected"] == 1  # the wrong-shard request, once
+    assert server["stats"]["dropped_peers"] == []  # one fault is not enough to drop a worker
     assert server["stats"]["lost_workers"] == []
     assert server["theta"] == [4.0] * NUMEL  # four applied pushes of ones
     # worker A's replies: fetch v0; push-fetch staleness 0 at v1; push-fetch staleness 2 at v4;
     # NaN push rejected; malformed request rejected
     kinds = [(s, v, aux) for _, s, v, aux in a["replies"][:5]]
-    assert kinds == [(Status.OK, 0, 0), (Status.OK, 1, 0), (Status.OK, 4, 2),
-                     (Status.REJECTED, 4, 0), (Status.REJECTED, 4, 0)]
+    assert kinds == [
+        (Status.OK, 0, 0),
+        (Status.OK, 1, 0),
+        (Status.OK, 4, 2),
+        (Status.REJECTED, 4, 0),
+        (Status.REJECTED, 4, 0),
+    ]
     assert [(s, aux) for _, s, _, aux in b["replies"][:3]] == [(0, 0), (0, 1), (0, 2)]
     # push-fetch replies carry θ as it was before the push: 0 at v0, then 3 pushes of ones at v3
     assert a["theta_before"] == [[0.0] * NUMEL, [3.0] * NUMEL]
@@ -126,8 +152,9 @@ def _dies_mid_request(rank: int, out: str) -> dict:
     ctx = init_distributed(_cfg(out))
     if ctx.is_server:
         metrics = MetricsWriter(out, rank, "server0")
-        loop = ServerLoop(ctx, torch.zeros(NUMEL), metrics,
-                          LivenessMonitor(ctx.store, ctx.worker_ranks, 5.0))
+        loop = ServerLoop(
+            ctx, torch.zeros(NUMEL), metrics, LivenessMonitor(ctx.store, ctx.worker_ranks, 5.0)
+        )
         loop.run()
         metrics.close()
         result = {"stats": loop.stats(), "theta": loop.shard.theta.tolist()}

@@ -1,0 +1,427 @@
+"""What receivers check before anything is applied, with no processes: the fault ledger, the
+server's and gossip's checks, and the server loop and the gossip serving thread driven by
+scripted messages through fake transports (which fail the test if a payload of a size the
+receiver should not have trusted is ever read)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cloudburst.comm.gossip import (
+    GossipTransport,
+    Mailbox,
+    Snapshot,
+    check_push,
+    check_reply,
+    check_request,
+    encode_weight,
+)
+from cloudburst.comm.p2p import (
+    FAULT_LOG_EVERY,
+    FAULT_LOG_FIRST,
+    MAX_PEER_FAULTS,
+    CommStats,
+    Header,
+    Kind,
+    MessageError,
+    PeerFaults,
+    PeerTransport,
+    Status,
+)
+from cloudburst.config import RunConfig
+from cloudburst.server import MAX_PUSH_SAMPLES, ServerLoop, request_problem
+
+NUMEL = 6
+
+
+# ---------------------------------------------------------------------------- the ledger
+def test_a_peer_is_dropped_after_max_faults_or_at_once_when_out_of_step():
+    faults = PeerFaults(logging.getLogger("test"), "receiver")
+    for _ in range(MAX_PEER_FAULTS - 1):
+        assert not faults.reject(1, "bad")
+    assert not faults.is_dropped(1)
+    assert faults.reject(1, "bad")  # the MAX_PEER_FAULTS-th
+    assert faults.dropped_peers() == [1] and "bad" in faults.dropped[1]
+    assert faults.reject(2, "unreadable header", in_step=False)  # the first is enough
+    faults.ignore(2)
+    faults.ignore(2)
+    assert faults.dropped_peers() == [1, 2]
+    assert faults.rejected == MAX_PEER_FAULTS + 1 and faults.ignored == 2
+    assert faults.by_peer == {1: MAX_PEER_FAULTS, 2: 1}
+    faults.forgive(2)  # a restarted process: a fresh stream
+    assert faults.dropped_peers() == [1] and 2 not in faults.by_peer
+
+
+def test_rejections_are_logged_at_a_bounded_rate(caplog):
+    faults = PeerFaults(logging.getLogger("test.faults"), "receiver", limit=10**9)
+    with caplog.at_level(logging.WARNING, logger="test.faults"):
+        for i in range(2 * FAULT_LOG_EVERY + 7):
+            faults.reject(i % 3, "bad")
+    logged = [r for r in caplog.records if "rejected a message" in r.getMessage()]
+    assert len(logged) == FAULT_LOG_FIRST + 2  # the first few, then the 100th and 200th
+    assert "every 100th" in logged[FAULT_LOG_FIRST - 1].getMessage()
+    assert faults.rejected == 2 * FAULT_LOG_EVERY + 7  # all counted
+
+
+# ---------------------------------------------------------------------------- server checks
+def _problem(h: Header, src: int = 1, awaiting_init: bool = False) -> str | None:
+    return request_problem(
+        h, src, shard=0, numel=NUMEL, version=3, awaiting_init=awaiting_init, warm_start_rank=1
+    )
+
+
+def _push(**kw) -> Header:
+    return Header(Kind.PUSH, **{"shard": 0, "version": 3, "numel": NUMEL, "samples": 8, **kw})
+
+
+@pytest.mark.parametrize(
+    "header, src, awaiting, expected",
+    [
+        (_push(), 2, False, None),
+        (Header(Kind.FETCH), 2, False, None),
+        (Header(Kind.PUSH_FETCH, numel=NUMEL), 2, False, None),
+        (Header(Kind.INIT, numel=NUMEL), 1, True, None),
+        (Header(Kind.REPLY), 2, False, "not a request"),
+        (Header(Kind.FINAL, numel=NUMEL), 2, False, "not a request"),
+        (_push(shard=1), 2, False, "addressed to shard 1"),
+        (_push(status=Status.REJECTED), 2, False, "status"),
+        (_push(numel=NUMEL + 1), 2, False, "expected 6"),
+        (Header(Kind.FETCH, numel=3), 2, False, "expected 0"),
+        (_push(version=4), 2, False, "against version 4"),
+        (_push(samples=-1), 2, False, "samples -1"),
+        (_push(samples=MAX_PUSH_SAMPLES + 1), 2, False, "outside 0.."),
+        (_push(), 2, True, "before the warm-start"),
+        (Header(Kind.INIT, numel=NUMEL), 2, True, "not from the warm-start worker (rank 1)"),
+        (Header(Kind.INIT, numel=NUMEL), 1, False, "no warm start is awaited"),
+    ],
+)
+def test_server_request_checks(header, src, awaiting, expected):
+    problem = _problem(header, src, awaiting)
+    if expected is None:
+        assert problem is None
+    else:
+        assert expected in problem
+
+
+def test_a_header_cut_short_is_refused():
+    # gloo accepts a message shorter than the buffer; the buffer was filled with -1s first.
+    full = _push().to_tensor()
+    for length in range(7):
+        received = torch.full((8,), -1, dtype=torch.int64)
+        received[:length] = full[:length]
+        try:
+            header = Header.from_tensor(received)
+        except MessageError:
+            continue
+        assert _problem(header, src=2) is not None, length
+    # Seven of eight leave only aux (a worker's step, unused by the server) to -1.
+    received = full.clone()
+    received[7] = -1
+    assert _problem(Header.from_tensor(received), src=2) is None
+
+
+def _short_messages(transport: PeerTransport, messages: list[torch.Tensor]) -> None:
+    """gloo's receive, faked: each message fills only the front of the buffer it is given
+    (what gloo does with a message shorter than the buffer)."""
+
+    def recv(tensor, src, tag):
+        message = messages.pop(0)
+        tensor[: message.numel()].copy_(message)
+        return 1
+
+    transport._recv = recv
+
+
+def test_a_short_message_never_reuses_what_the_buffer_held():
+    transport = PeerTransport()
+    valid = _push().to_tensor()
+    _short_messages(transport, [valid, valid[:3], torch.ones(NUMEL), torch.ones(2)])
+    assert transport.recv_request_any() == (1, _push())
+    assert transport.recv_request_any() == (1, None)  # not the previous header's fields
+    buf = torch.empty(NUMEL)
+    assert torch.equal(transport.recv_payload(1, NUMEL, out=buf), torch.ones(NUMEL))
+    short = transport.recv_payload(1, NUMEL, out=buf)  # 2 of 6 elements arrived
+    assert math.isnan(short[-1]) and not bool(torch.isfinite(short).all())
+
+
+# ---------------------------------------------------------------------------- gossip checks
+def test_push_weights_must_lie_in_zero_to_w():
+    ok = Header(Kind.PUSH, shard=2, numel=10, aux=encode_weight(0.5))
+    assert check_request(ok, 2, 10, max_weight=4.0) is None
+    for weight in (0.0, -0.5, 4.5, 1e6, math.inf, math.nan):
+        bad = Header(Kind.PUSH, shard=2, numel=10, aux=encode_weight(weight))
+        assert "outside (0, 4.0]" in check_request(bad, 2, 10, max_weight=4.0), weight
+    at_w = Header(Kind.PUSH, shard=2, numel=10, aux=encode_weight(4.0))
+    assert check_request(at_w, 2, 10, max_weight=4.0) is None
+
+
+def test_pushed_theta_must_be_finite_also_once_de_biased():
+    assert check_push(torch.ones(4), 0.5) is None
+    assert "non-finite" in check_push(torch.tensor([1.0, math.nan, 0.0, 0.0]), 0.5)
+    assert "non-finite" in check_push(torch.tensor([1.0, 0.0, -math.inf, 0.0]), 0.5)
+    assert "overflows" in check_push(torch.full((4,), 1e30), 1e-300)
+    assert check_push(torch.full((4,), 1e30), 1.0) is None
+
+
+def test_pulled_theta_is_checked():
+    ok = Header(Kind.REPLY, shard=1, numel=3)
+    assert check_reply(ok, 1, 3, torch.ones(3)) is None
+    assert "not finite" in check_reply(ok, 1, 3, torch.tensor([0.0, math.inf, 1.0]))
+    assert "names worker 2" in check_reply(
+        Header(Kind.REPLY, shard=2, numel=3), 1, 3, torch.ones(3)
+    )
+    refused = Header(Kind.REPLY, shard=1, status=Status.REJECTED)
+    assert "status" in check_reply(refused, 1, 3, torch.ones(3))
+
+
+# ---------------------------------------------------------------------------- fakes
+class _Script:
+    """Requests to hand out (sender, header or None, payload or None), and what came back.
+
+    A payload is read only with a size the receiver knew: the fake fails the test when a
+    read is longer than the buffer it is given, and records every read.
+    """
+
+    def __init__(self, messages: list[tuple[int, Header | None, torch.Tensor | None]]):
+        self.messages = list(messages)
+        self.payloads: dict[int, list[torch.Tensor]] = {}
+        self.reads: list[tuple[int, int]] = []  # (sender, elements read)
+        self.replies: list[tuple[int, Header, torch.Tensor | None]] = []
+        self.stats = CommStats()
+
+    def recv_request_any(self) -> tuple[int, Header | None]:
+        if not self.messages:
+            raise RuntimeError("Timed out waiting for recv operation to complete")
+        src, header, payload = self.messages.pop(0)
+        if payload is not None:
+            self.payloads.setdefault(src, []).append(payload)
+        if header is None:
+            self.stats.messages_rejected += 1  # as PeerTransport counts it
+        return src, header
+
+    def recv_payload(self, src, numel, final=False, out=None):
+        assert out is not None and out.numel() == numel, "a payload read without a known buffer"
+        queued = self.payloads[src].pop(0)
+        assert queued.numel() == numel, f"read {numel} elements of a {queued.numel()} payload"
+        self.reads.append((src, numel))
+        return out.copy_(queued)
+
+    def send(self, dst, header, payload=None, final=False):
+        self.replies.append((dst, header, None if payload is None else payload.clone()))
+
+    def isend_payload(self, dst, payload, reply):
+        self.replies.append((dst, Header(Kind.REPLY), payload.clone()))
+        return SimpleNamespace(wait=lambda: None)
+
+    def wait_all(self, works):
+        pass
+
+
+class _Metrics:
+    def __init__(self):
+        self.records: list[tuple[str, dict]] = []
+
+    def log(self, event: str, **kw) -> None:
+        self.records.append((event, kw))
+
+
+def _server(script: _Script, **cfg) -> tuple[ServerLoop, _Metrics]:
+    config = RunConfig(
+        strategy="asgd", workers=2, servers=1, dataset="synthetic", server_lr=1.0, **cfg
+    )
+    ctx = SimpleNamespace(
+        cfg=config,
+        rank=0,
+        server_index=0,
+        worker_ranks=[1, 2],
+        elapsed_s=lambda: 0.0,
+        transport=lambda *a, **kw: script,
+    )
+    metrics = _Metrics()
+    return ServerLoop(ctx, torch.zeros(NUMEL), metrics, liveness=None), metrics
+
+
+def _serve(loop: ServerLoop, script: _Script) -> None:
+    while script.messages:
+        src, header = script.recv_request_any()
+        loop._serve_one(script, src, header)
+
+
+# ---------------------------------------------------------------------------- the server loop
+def test_server_drains_refused_payloads_drops_what_it_cannot_read_and_applies_the_rest():
+    full = torch.full((NUMEL,), 5.0)
+    script = _Script(
+        [
+            (2, _push(version=0, shard=4), full),  # refused: read and discarded
+            (2, _push(version=0, numel=3), torch.ones(3)),  # shorter than θ: read, refused
+            (2, _push(version=0, numel=2**40), None),  # never read: rank 2 is dropped
+            (2, _push(version=0), full),  # ignored (its payload stays unread)
+            (1, None, torch.ones(NUMEL)),  # unreadable header: rank 1 dropped at once
+            (1, _push(version=0), full),  # ignored
+            (3, Header(Kind.FETCH), None),  # not a worker
+        ]
+    )
+    loop, metrics = _server(script)
+    _serve(loop, script)
+    assert script.reads == [(2, NUMEL), (2, 3)]  # nothing else was read
+    assert [(dst, h.status) for dst, h, _ in script.replies] == [(2, Status.REJECTED)] * 2
+    assert loop.shard.version == 0 and torch.equal(loop.shard.theta, torch.zeros(NUMEL))
+    stats = loop.stats()
+    # refused twice, then three senders dropped, then two messages of dropped senders ignored
+    assert stats["messages_rejected"] == 7
+    assert stats["dropped_peers"] == [1, 2, 3] and stats["lost_workers"] == [1, 2]
+    assert [kw["worker"] for event, kw in metrics.records if event == "peer_dropped"] == [2, 1]
+
+
+def test_server_drops_a_worker_after_max_faults_without_reading_the_last_payload():
+    script = _Script([(1, _push(version=9), torch.ones(NUMEL))] * MAX_PEER_FAULTS)
+    loop, _ = _server(script)
+    _serve(loop, script)
+    assert len(script.reads) == MAX_PEER_FAULTS - 1 and loop.faults.dropped_peers() == [1]
+    assert len(script.replies) == MAX_PEER_FAULTS - 1  # the dropped one gets no reply
+
+
+def test_init_only_from_the_warm_start_worker_only_once_and_finite():
+    theta0 = torch.arange(NUMEL, dtype=torch.float32)
+    nan = theta0.clone()
+    nan[2] = math.nan
+    init = Header(Kind.INIT, numel=NUMEL)
+    script = _Script(
+        [
+            (2, init, torch.full((NUMEL,), 99.0)),  # not the warm-start worker
+            (2, _push(version=0), torch.ones(NUMEL)),  # a push before the warm start
+            (1, init, nan),  # not finite: refused, still awaiting
+            (1, init, theta0),  # the warm start
+            (1, init, torch.full((NUMEL,), 77.0)),  # once only
+            (2, _push(version=0), torch.ones(NUMEL)),  # applied, exactly
+        ]
+    )
+    loop, _ = _server(script, warm_start_steps=5)
+    _serve(loop, script)
+    statuses = [h.status for _, h, _ in script.replies]
+    assert statuses == [Status.REJECTED] * 3 + [Status.OK, Status.REJECTED, Status.OK]
+    assert torch.equal(loop.shard.theta, theta0 + 1.0) and loop.shard.version == 1
+    assert loop.stats()["messages_rejected"] == 4 and loop.faults.by_peer == {2: 2, 1: 2}
+
+
+def test_push_records_are_sampled_and_the_staleness_statistics_count_every_push():
+    # 25 pushes against version 0: staleness 0, 1, ..., 24; a non-finite one among them
+    pushes = [(1, _push(version=0), torch.ones(NUMEL)) for _ in range(25)]
+    nan = torch.ones(NUMEL)
+    nan[0] = math.nan
+    pushes.insert(13, (2, _push(version=0), nan))
+    script = _Script(pushes)
+    loop, metrics = _server(script, push_log_every=10)
+    _serve(loop, script)
+    records = [kw for event, kw in metrics.records if event == "push"]
+    assert [(r["version"], r["status"]) for r in records] == [
+        (10, "OK"),
+        (13, "REJECTED"),
+        (20, "OK"),
+    ]
+    stats = loop.stats()
+    assert stats["version"] == 25 and stats["staleness_sum"] == sum(range(25))
+    assert stats["staleness_max"] == 24 and stats["rejected_nonfinite"] == 1
+
+
+def test_a_failed_receive_loses_the_workers_of_that_group_not_the_server():
+    script = _Script([])  # its receive times out at once
+    loop, _ = _server(script)
+    loop._serve(script, None)  # the world group's serving thread
+    assert loop._error is None
+    assert loop.lost == {1, 2}
+
+
+# ---------------------------------------------------------------------------- gossip serving
+def _gossip(script: _Script) -> tuple[GossipTransport, Mailbox]:
+    transport = GossipTransport(
+        None, None, 0, [1, 2], NUMEL, CommStats(), worker_of=lambda r: r, timeout_s=60.0
+    )
+    transport._serve_in = transport._serve_out = script
+    transport.serve_stats = script.stats
+    mailbox = Mailbox(NUMEL)
+    transport._snapshot, transport._mailbox = Snapshot(NUMEL), mailbox
+    return transport, mailbox
+
+
+def _gossip_push(sender: int, weight: float = 0.5, **kw) -> Header:
+    fields = {"shard": sender, "numel": NUMEL, "aux": encode_weight(weight), **kw}
+    return Header(Kind.PUSH, **fields)
+
+
+def test_gossip_serving_refuses_bad_pushes_drops_unreadable_peers_and_keeps_good_ones():
+    good = torch.linspace(-1, 1, NUMEL)
+    nan = torch.ones(NUMEL)
+    nan[1] = math.nan
+    script = _Script(
+        [
+            (1, _gossip_push(1), nan),  # read, refused: not finite
+            (1, _gossip_push(1, weight=7.0), torch.ones(NUMEL)),  # weight above W = 3
+            (1, _gossip_push(2), torch.ones(NUMEL)),  # another worker's index: drained
+            (2, _gossip_push(1, numel=2**40), None),  # a huge length: dropped, never read
+            (2, _gossip_push(2), torch.ones(NUMEL)),  # ignored
+            (1, _gossip_push(1), good),  # valid: deposited exactly
+            (5, Header(Kind.PING, shard=5), None),  # not a peer
+            (1, Header(Kind.DONE, shard=1), None),  # the last DONE awaited (2 is dropped)
+        ]
+    )
+    transport, mailbox = _gossip(script)
+    transport._serve()
+    assert transport._error is None
+    assert script.reads == [(1, NUMEL)] * 4
+    received, count, weight = mailbox.take()
+    assert torch.equal(received, good) and count == 1 and weight == 0.5
+    assert transport.request_faults.by_peer == {1: 3, 2: 1, 5: 1}
+    assert transport.dropped_peers() == [2, 5]
+    assert transport.counters.requests_rejected == 6 == script.stats.messages_rejected
+
+
+def test_gossip_serving_drops_an_unreadable_header_and_never_reads_its_payload():
+    script = _Script(
+        [
+            (2, None, torch.full((NUMEL,), 1000.0)),  # bad magic, followed by a payload
+            (2, _gossip_push(2), torch.ones(NUMEL)),  # today: would take the 1000s as θ
+            (1, Header(Kind.DONE, shard=1), None),
+        ]
+    )
+    transport, mailbox = _gossip(script)
+    transport._serve()
+    assert transport._error is None and script.reads == []
+    assert mailbox.take()[1] == 0 and transport.dropped_peers() == [2]
+    assert transport.counters.requests_rejected == 2 == script.stats.messages_rejected
+
+
+# ---------------------------------------------------------------------------- gossip pulling
+def test_a_bad_pulled_theta_is_refused_and_a_peer_out_of_step_is_no_longer_pulled():
+    transport = GossipTransport(
+        None, None, 0, [1, 2], NUMEL, CommStats(), worker_of=lambda r: r, timeout_s=60.0
+    )
+    sent = []
+    transport._requests = SimpleNamespace(send=lambda dst, h, p=None: sent.append(dst))
+    replies = {
+        1: (Header(Kind.REPLY, shard=1, numel=NUMEL), torch.tensor([0, 1, 2, math.inf, 4, 5.0])),
+        2: MessageError("reply from rank 2 carries 7 elements, expected 6"),
+    }
+
+    def recv_reply(src, out=None):
+        reply = replies[src]
+        if isinstance(reply, Exception):
+            raise reply
+        out.copy_(reply[1])
+        return reply[0]
+
+    transport._replies = SimpleNamespace(recv_reply=recv_reply)
+    out = torch.zeros(NUMEL)
+    assert transport.pull(1, out, step=3) is None  # not finite: refused, 1 still pulled
+    assert transport.pull(2, out, step=3) is None  # out of step: 2 dropped
+    assert transport.pull(2, out, step=4) is None  # not asked again
+    assert sent == [1, 2]
+    assert transport.dropped_peers() == [2]
+    assert transport.counters.replies_rejected == 2 == transport.stats.messages_rejected
+    replies[1] = (Header(Kind.REPLY, shard=1, version=7, numel=NUMEL), torch.ones(NUMEL))
+    assert transport.pull(1, out, step=5) == 7 and torch.equal(out, torch.ones(NUMEL))
