@@ -267,7 +267,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--push-log-every",
         type=int,
         default=S,
-        help="servers log one push record every this many pushes (10)",
+        help="servers log one push record every N applied pushes, and one for each push not "
+        "applied (10)",
     )
     p.add_argument("--comm-timeout-s", type=float, default=S)
     p.add_argument("--heartbeat-timeout-s", type=float, default=S)

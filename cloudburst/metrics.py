@@ -6,7 +6,9 @@ Each rank appends one JSON object per line to ``OUT/metrics/rank{R}.jsonl``:
   "bytes_received", "comm_wait_s"}`` every ``log_every_steps`` (counters are cumulative);
 - ``{"event": "eval", "time_s", "samples", "test_accuracy", "test_loss"}`` for the global model
   (``samples`` counts all workers' training samples behind it);
-- ``{"event": "push", ...}`` on servers, and ``{"event": "final", ...}`` once at the end.
+- ``{"event": "push", ...}`` on servers, one every ``push_log_every`` applied pushes and one for
+  each push not applied; ``{"event": "peer_dropped", "worker", "reason"}`` when a server drops a
+  worker that sent bad messages; and ``{"event": "final", ...}`` once at the end.
 
 Plots are made from these files only. ``summary.json`` is written once by rank 0.
 With ``tensorboard=True`` the same numbers also go to TensorBoard event files under

@@ -53,6 +53,7 @@ from cloudburst.checkpoint import save_checkpoint
 from cloudburst.comm.flat import shard_bounds
 from cloudburst.comm.p2p import CommStats, Header, Kind, PeerFaults, Status, worth_logging
 from cloudburst.config import RunConfig
+from cloudburst.resilience import identity
 from cloudburst.runtime import RejoinBoard, rejoin_group, rejoin_members
 
 log = logging.getLogger(__name__)
@@ -312,6 +313,7 @@ class ServerLoop:
         self.faults = PeerFaults(log, f"server {ctx.server_index}")
         self.rejoined: set[int] = set()  # workers that rejoined after a restart
         self.rejoins = 0
+        self._incarnations: dict[int, int] = {}  # rank -> the last restart admitted
         # Where each rejoined worker is served now (the others: self.transport). A worker being
         # admitted maps to _ADMITTING: nothing from its previous incarnation is served.
         self._routes: dict[int, Any] = {}
@@ -535,6 +537,20 @@ class ServerLoop:
         if rank not in self.workers:
             log.warning("ignored a rejoin announcement from rank %d, not a worker", rank)
             return
+        # A worker restarted by its agent announces its restart count: 1..max_restarts, each
+        # once and in order. Anything else (a replay, a forged announcement) would take a
+        # live worker's route away: ignored.
+        last = self._incarnations.get(rank, 0)
+        if not last < incarnation <= self.cfg.max_restarts:
+            log.warning(
+                "ignored a rejoin announcement from rank %d with restart %d (last %d, at most %d)",
+                rank,
+                incarnation,
+                last,
+                self.cfg.max_restarts,
+            )
+            return
+        self._incarnations[rank] = incarnation
         with self._changed:
             # A new process on a new group: its stream starts in step, whatever the old sent.
             self.faults.forgive(rank)
@@ -706,6 +722,7 @@ class ServerLoop:
             shard_checkpoint_path(self.cfg.out, self.ctx.server_index),
             "server-shard",
             {
+                "identity": identity(self.cfg),  # refused by another run (resilience)
                 "shard": self.ctx.server_index,
                 "bounds": self.bounds,
                 "elapsed_s": self.ctx.elapsed_s(),

@@ -542,6 +542,9 @@ def finalize_run(
         "pushes_rejected": sum(s.get("rejected_nonfinite", 0) for s in servers),
         "pushes_dropped_stale": sum(s.get("dropped_stale", 0) for s in servers),
         "messages_rejected": sum(rep.get("messages_rejected", 0) for rep in reports.values()),
+        "dropped_peers": sorted(
+            {r for rep in reports.values() for r in rep.get("dropped_peers", [])}
+        ),
         "lost_workers": sorted(lost_set),
         "rejoined_workers": sorted({r for s in servers for r in s.get("rejoined_workers", [])}),
         "steps_skipped_nonfinite": sum(w.get("steps_skipped_nonfinite", 0) for w in workers),
