@@ -1,0 +1,49 @@
+"""The defaults train, and ``cloudburst compare`` compares: every strategy at its defaults
+(shortened only in epochs: lr, momentum, λ = 1/W, DiLoCo's outer lr, EASGD's α, gossip's
+schedule, DASO's knobs unchanged), 4 workers, one ``compare`` call, its table and plot.
+
+The floors are what 6 epochs reached on every seed tried (0, 1, 2: benchmarks/results/
+defaults.md has the full-length runs), less a margin (more for the asynchronous strategies,
+whose interleaving varies with the machine's load); chance is 10 %.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import cli, read_summary
+
+pytestmark = pytest.mark.e2e
+
+# Lowest accuracy seen over seeds 0-2 after 6 epochs, less the margin.
+FLOORS = {
+    "sync": 0.445 - 0.05,
+    "asgd": 0.328 - 0.08,
+    "easgd": 0.413 - 0.08,
+    "gossip": 0.386 - 0.08,
+    "local_sgd": 0.424 - 0.05,
+    "diloco": 0.266 - 0.05,
+    "daso": 0.458 - 0.05,
+}
+
+
+def test_every_strategy_learns_with_its_defaults_and_compare_reports_them(tmp_path):
+    out = tmp_path / "cmp"
+    proc = cli("compare", "--runs", *FLOORS, "--workers", "4", "--epochs", "6", "--out", str(out))
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].split()[:4] == ["run", "strategy", "W", "S"]
+    assert [line.split()[0] for line in lines[1:]] == list(FLOORS)
+    for strategy, floor in FLOORS.items():
+        summary = read_summary(out / strategy)
+        config = summary["config"]
+        assert (config["lr"], config["momentum"], config["epochs"]) == (0.1, 0.9, 6.0)
+        assert summary["servers"] == (1 if strategy in ("asgd", "easgd") else 0)
+        assert summary["final_test_accuracy"] >= floor, (strategy, summary["final_test_accuracy"])
+    assert read_summary(out / "asgd")["config"]["server_lr"] == 0.25  # λ = 1/W
+    assert read_summary(out / "diloco")["config"]["diloco_outer_lr"] == 0.1  # over SGD
+    assert "warning" not in proc.stderr  # no default is a known-bad combination
+    # The progress of a non-interactive run is a few lines, never a redrawn bar.
+    assert "\r" not in proc.stderr
+    png = (out / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert (out / "summary.md").read_text().count("\n- ") == len(FLOORS)
