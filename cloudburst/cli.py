@@ -31,7 +31,7 @@ from cloudburst.config import (
     load_toml,
 )
 from cloudburst.rundir import check_run_dir, default_out, prepare_run_dir
-from cloudburst.summary import format_summary, interrupted_message
+from cloudburst.summary import failed_message, format_summary, interrupted_message
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130  # as a shell reports a process stopped by SIGINT
@@ -387,7 +387,7 @@ def resume_config(
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from cloudburst.compare import comparison_configs, run_comparison
-    from cloudburst.launch import JobInterrupted
+    from cloudburst.launch import JobFailed, JobInterrupted
     from cloudburst.runtime import in_torchrun, start_forkserver
 
     if in_torchrun():
@@ -410,6 +410,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     except JobInterrupted as e:
         print(interrupted_message(e.summary), file=sys.stderr)
         return EXIT_INTERRUPTED
+    except JobFailed as e:
+        print(f"cloudburst: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -549,7 +552,12 @@ def launch_and_report(cfg: RunConfig) -> int:
     try:
         summary = run_local_job(cfg)
     except JobFailed as e:
-        print(f"cloudburst: {e}", file=sys.stderr)
+        if e.summary is None:
+            print(f"cloudburst: {e}", file=sys.stderr)
+            return 1
+        print(format_summary([e.summary]))
+        print(failed_message(e.summary), file=sys.stderr)
+        print(f"cloudburst: logs in {os.path.join(cfg.out, 'logs')}", file=sys.stderr)
         return 1
     except JobInterrupted as e:
         print(format_summary([e.summary]))

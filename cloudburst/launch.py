@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cloudburst.config import RunConfig
-from cloudburst.metrics import write_json_atomic
+from cloudburst.metrics import iter_jsonl, write_json_atomic
 from cloudburst.rundir import prepare_run_dir
 from cloudburst.runtime import forkserver_pid, start_local_job
 from cloudburst.strategies import STRATEGY_CLASSES
@@ -25,7 +25,12 @@ log = logging.getLogger(__name__)
 
 
 class JobFailed(RuntimeError):
-    """The job ended without a summary; the message says where its logs are."""
+    """The job ended without finishing; ``summary`` says why and what it had done (also in
+    ``OUT/summary.json``, with ``"failed"``), the message where its logs are."""
+
+    def __init__(self, message: str, summary: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.summary = summary
 
 
 class JobInterrupted(KeyboardInterrupt):
@@ -40,6 +45,8 @@ class JobInterrupted(KeyboardInterrupt):
 # How long the ranks get to exit after SIGTERM before they are SIGKILLed (a second Ctrl-C
 # kills at once).
 STOP_GRACE_S = 5.0
+# After a rank's watchdog found a lost peer, how long the others get to stop by themselves.
+FAILED_GRACE_S = 3.0
 
 
 def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any]:
@@ -60,7 +67,7 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
     # A strategy that survives a worker's death gets one agent per rank: torch's agent tears
     # down every rank it started when one of them dies.
     strategy = STRATEGY_CLASSES[cfg.strategy]
-    procs = start_local_job(cfg, run_rank, agent_per_rank=strategy.survives_worker_loss)
+    procs, store = start_local_job(cfg, run_rank, agent_per_rank=strategy.survives_worker_loss)
     show = cfg.progress if progress is None else progress
     try:
         total = cfg.steps_per_worker() * cfg.workers
@@ -73,6 +80,7 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
         bar = tqdm(total=total, desc=desc, unit="step", disable=not show, file=sys.stderr)
     summary_path = out / "summary.json"
     summary_seen_at = None
+    failed_at, next_failure_check = None, 0.0
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         while any(p.is_alive() for p in procs):
@@ -93,6 +101,16 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
                 for p in procs:
                     p.join(timeout=10)
                 break
+            if failed_at is None and time.monotonic() >= next_failure_check:
+                # A rank exited with an error: did a watchdog find a lost peer that the job
+                # cannot go on without? Then the rest (a hung rank among them) is stopped.
+                next_failure_check = time.monotonic() + 1.0
+                if any(p.exitcode not in (None, 0) for p in procs) and failure_reason(out):
+                    failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > FAILED_GRACE_S:
+                with _signals_deferred() as stop:
+                    _stop(procs, stop, announce=False)
+                break
         bar.update(max(0, _steps_done(out) - bar.n))
     except KeyboardInterrupt:
         with _signals_deferred() as stop:
@@ -110,9 +128,12 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
     # Ranks still alive once the job is over (a SIGSTOPped or hung one whose agent is gone):
     # only processes below this launcher's agents and forkserver, never PIDs read from files.
     _kill(descendants(_our_roots(procs)))
+    del store  # the job is over: its store stops serving
     codes = [p.exitcode for p in procs]
     if not summary_path.is_file():
-        raise JobFailed(f"the run failed (agent exit codes {codes}); logs in {out / 'logs'}")
+        reason = failure_reason(out) or f"ranks failed (agent exit codes {codes})"
+        summary = write_partial_summary(cfg, failed=reason)
+        raise JobFailed(f"the run failed ({reason}); logs in {out / 'logs'}", summary)
     summary = json.loads(summary_path.read_text())
     summary["failed_agents"] = [c for c in codes if c]
     return summary
@@ -149,6 +170,18 @@ class LineProgress:
         print(f"{self.desc}: {done}, {elapsed:.0f} s", file=sys.stderr, flush=True)
 
 
+def failure_reason(out: Path) -> str | None:
+    """The first loss a rank's watchdog recorded (``peer_lost``), e.g. "server shard 1
+    (rank 1) lost at 12.3 s", or None."""
+    first = None
+    for path in (out / "metrics").glob("rank*.jsonl"):
+        for record in iter_jsonl(path):
+            if record.get("event") == "peer_lost" and isinstance(record.get("reason"), str):
+                if first is None or record.get("time_s", 0) < first.get("time_s", 0):
+                    first = record
+    return None if first is None else first["reason"]
+
+
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -177,15 +210,18 @@ def _signals_deferred() -> Iterator[_StopRequest]:
             signal.signal(sig, handler)
 
 
-def _stop(procs: list, request: _StopRequest, grace_s: float = STOP_GRACE_S) -> None:
+def _stop(
+    procs: list, request: _StopRequest, grace_s: float = STOP_GRACE_S, announce: bool = True
+) -> None:
     """Stop every process of the job: SIGTERM to the agents, the ranks and their loaders,
     up to ``grace_s`` for them to exit, then SIGKILL to whatever is left (at once after a
     further Ctrl-C). Checkpoints are written atomically, so the last complete one survives."""
-    print(
-        "\ncloudburst: stopping the job (Ctrl-C again to kill it at once)",
-        file=sys.stderr,
-        flush=True,
-    )
+    if announce:
+        print(
+            "\ncloudburst: stopping the job (Ctrl-C again to kill it at once)",
+            file=sys.stderr,
+            flush=True,
+        )
     pids = [p.pid for p in procs if p.is_alive()] + descendants(_our_roots(procs))
     for pid in pids:
         try:

@@ -18,6 +18,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import threading
 import time
@@ -70,7 +71,10 @@ class Context:
     # A worker that rejoined a running asgd/easgd job after a restart talks to the servers on
     # a gloo group of its own (see rejoin_group); it never joined the world group.
     rejoin_group: dist.ProcessGroupGloo | None = None
-    heartbeat: Heartbeat | None = None  # a rejoined worker's, started before it rejoined
+    # This rank's heartbeat (a rejoined worker's started before it rejoined), and the store
+    # connection it and the watchdog use.
+    heartbeat: Heartbeat | None = None
+    liveness_store: dist.Store | None = None
 
     @property
     def rejoined(self) -> bool:
@@ -210,6 +214,10 @@ def init_distributed(cfg: RunConfig) -> Context:
             dist.new_group(workers, timeout=timeout, backend="gloo") for _ in range(2)
         )
     store = _job_store(cfg)
+    # Liveness on a connection of its own: the training thread's long store waits (a final
+    # report, a checkpoint agreement) hold its client, and heartbeats must not wait for them.
+    liveness_store = _job_store(cfg)
+    heartbeat = Heartbeat(liveness_store, rank, heartbeat_interval_s(cfg)).start()
     _configure_logging(rank, "server" if rank < cfg.servers else "worker")
     if rank == cfg.servers:
         log.info(
@@ -237,6 +245,8 @@ def init_distributed(cfg: RunConfig) -> Context:
         gossip_request_group=gossip_groups[0],
         gossip_reply_group=gossip_groups[1],
         servers_group=servers_group,
+        heartbeat=heartbeat,
+        liveness_store=liveness_store,
     )
 
 
@@ -286,6 +296,7 @@ def _rejoin_job(
         link,
         rejoin_group=group,
         heartbeat=heartbeat,
+        liveness_store=store,
     )
 
 
@@ -467,6 +478,8 @@ def select_backend(cfg: RunConfig) -> str:
 
 
 def shutdown(ctx: Context | None) -> None:
+    if ctx is not None and ctx.heartbeat is not None:
+        ctx.heartbeat.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -676,6 +689,8 @@ def _announcement(record: object) -> tuple[int, int]:
 # to the first agent's store (no port is chosen, released and bound again: no other process
 # can take it in between).
 _held_listener: socket.socket | None = None
+# Set in a launcher that serves its job's store itself (inherited by its forked agents).
+_store_in_launcher = False
 
 
 def free_port() -> int:
@@ -699,13 +714,14 @@ def agent_layout(world_size: int, agent_per_rank: bool) -> list[AgentSpec]:
 
 
 def start_local_job(
-    cfg: RunConfig, entrypoint, agent_per_rank: bool, port: int | None = None
-) -> list[mp.Process]:
-    """Start the agents of a local job (127.0.0.1) as child processes; returns them."""
-    global _held_listener
-    if port is None:
-        _held_listener = loopback_listener(0)
-        port = _held_listener.getsockname()[1]
+    cfg: RunConfig, entrypoint, agent_per_rank: bool
+) -> tuple[list[mp.Process], dist.TCPStore]:
+    """Start the agents of a local job (127.0.0.1) as child processes; returns them and the
+    job's store, which this process serves (keep it referenced until the job is over)."""
+    global _held_listener, _store_in_launcher
+    _held_listener = loopback_listener(0)
+    port = _held_listener.getsockname()[1]
+    _store_in_launcher = True
     run_id = uuid.uuid4().hex[:12]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["CLOUDBURST_LOCAL_JOB"] = "1"
@@ -726,15 +742,29 @@ def start_local_job(
         )
         p.start()
         procs.append(p)
-    if _held_listener is not None:  # the first agent holds its copy
-        _held_listener.close()
-        _held_listener = None
-    return procs
+    # The store is served from here, started only now: the agents were forked from a process
+    # without its server thread. They connect (and retry) until it listens; the socket has
+    # been listening since before they started, so no other process can take the port.
+    listener, _held_listener = _held_listener, None
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        cfg.world_size,
+        True,
+        datetime.timedelta(seconds=max(cfg.comm_timeout_s, 60)),
+        wait_for_workers=False,
+        multi_tenant=True,
+        master_listen_fd=listener.detach(),
+    )
+    return procs, store
 
 
 def start_forkserver(module: str = "cloudburst.train") -> None:
     """Start (once) the forkserver that local jobs' ranks are forked from, preloading
     ``module``; the CLI calls this early so that the server's imports overlap its checks."""
+    # Ranks forked from it take its environment, not their agent's: this marks them as ranks
+    # of a local job (every rank on this machine; the launcher writes a failed run's summary).
+    os.environ["CLOUDBURST_LOCAL_JOB"] = "1"
     mp.set_forkserver_preload([module, "torch.distributed.elastic.multiprocessing"])
     # The server and the ranks it forks must not hold this process's stdout/stderr: a rank
     # that never exits (a SIGSTOPped one) would keep a caller's pipes open. Ranks write to
@@ -826,7 +856,18 @@ def _local_rendezvous(params):
         base.run_id,
         int(base.timeout.total_seconds()),
     )
-    if handler.rank == 0 and _is_loopback(handler.master_addr):
+    if _store_in_launcher:
+        # The launcher holds the job's store: every agent is a client, so the death of the
+        # first agent (or of rank 0) does not take the store away from the others.
+        handler._store = dist.TCPStore(
+            handler.master_addr,
+            handler.master_port,
+            handler.world_size,
+            False,
+            handler.timeout,
+            multi_tenant=True,
+        )
+    elif handler.rank == 0 and _is_loopback(handler.master_addr):
         global _held_listener
         held, _held_listener = _held_listener, None
         if held is not None and held.getsockname()[1] == handler.master_port:
@@ -845,6 +886,26 @@ def _local_rendezvous(params):
     return handler
 
 
+# How long this launcher's agents wait for a rank to exit after SIGTERM before SIGKILL (torch's
+# default is 30 s): a SIGSTOPped rank ignores SIGTERM, and a restart of the job waits for it.
+AGENT_STOP_GRACE_S = 3
+
+
+def _shorten_agent_stop_grace() -> None:
+    """In this (agent) process only: torch's agent stops its ranks with a shorter grace."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    original = LocalElasticAgent._shutdown
+    if getattr(original, "_cloudburst", False):
+        return
+
+    def _shutdown(self, death_sig=signal.SIGTERM, timeout: int = AGENT_STOP_GRACE_S) -> None:
+        original(self, death_sig, min(timeout, AGENT_STOP_GRACE_S))
+
+    _shutdown._cloudburst = True
+    LocalElasticAgent._shutdown = _shutdown
+
+
 def _run_agent(cfg_dict: dict, spec: AgentSpec, port: int, run_id: str, entrypoint) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -852,6 +913,7 @@ def _run_agent(cfg_dict: dict, spec: AgentSpec, port: int, run_id: str, entrypoi
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     rendezvous_handler_registry.register(LOCAL_RDZV_BACKEND, _local_rendezvous)
+    _shorten_agent_stop_grace()
 
     # The agent's own error dump repeats the rank's traceback; the rank's log file has it.
     log_dir = Path(cfg_dict["out"]) / "logs" / f"agent{spec.node_rank}"
@@ -859,8 +921,8 @@ def _run_agent(cfg_dict: dict, spec: AgentSpec, port: int, run_id: str, entrypoi
     # The agent's own messages (and its dump of a failed rank's traceback) go to its log file;
     # the terminal gets one line per failed rank.
     terminal = os.fdopen(os.dup(2), "w")
-    if _held_listener is not None and spec.node_rank != 0:
-        _held_listener.close()  # only the first agent serves the store
+    if _held_listener is not None and (_store_in_launcher or spec.node_rank != 0):
+        _held_listener.close()  # the launcher (or only the first agent) serves the store
     agent_log = open_append_nofollow(log_dir / "agent.log")
     os.dup2(agent_log.fileno(), 1)
     os.dup2(agent_log.fileno(), 2)

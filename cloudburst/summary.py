@@ -109,3 +109,13 @@ def format_summary(summaries: list[dict[str, Any]], labels: list[str] | None = N
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def failed_message(summary: dict[str, Any]) -> str:
+    """One line for the user: why the run stopped and how to continue it."""
+    steps = summary.get("steps_done") or {}
+    done = f"after {max(steps.values())} steps" if steps else "before any step was logged"
+    line = f"cloudburst: the run failed {done}: {summary.get('failed')}"
+    if summary.get("resume_command"):
+        return f"{line}; the last checkpoints are kept, continue with: {summary['resume_command']}"
+    return f"{line}; no checkpoint was written yet"

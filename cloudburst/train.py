@@ -34,6 +34,7 @@ from cloudburst.data import (
     worker_source,
 )
 from cloudburst.faults import FaultInjector, parse_faults
+from cloudburst.liveness import EXIT_PEER_LOST, Watchdog, mark_done, watched_peers
 from cloudburst.metrics import MetricsWriter, time_to_target, write_json_atomic
 from cloudburst.models import build_model
 from cloudburst.resilience import (
@@ -55,8 +56,8 @@ from cloudburst.runtime import (
     shutdown,
 )
 from cloudburst.server import ServerLoop, mean_staleness, shard_checkpoint_path
-from cloudburst.strategies import make_strategy
-from cloudburst.summary import interrupted_message, write_partial_summary
+from cloudburst.strategies import STRATEGY_CLASSES, make_strategy
+from cloudburst.summary import failed_message, interrupted_message, write_partial_summary
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
     )
     # SIGTERM (torchrun's agent stopping its ranks, or a scheduler) stops a rank as Ctrl-C does.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    watchdog = start_watchdog(ctx, metrics)
     try:
         data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size)
         model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
@@ -87,13 +89,21 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
             run_server(ctx, model, data, metrics)
         else:
             run_worker(ctx, model, data, metrics)
+        watchdog.stop()
+        mark_done(ctx.liveness_store, ctx.rank)
     except KeyboardInterrupt:
+        watchdog.stop()  # the others are stopping too: their silence is no failure
         metrics.log("interrupted", time_s=ctx.elapsed_s())
         if ctx.rank == 0 and not os.environ.get("CLOUDBURST_LOCAL_JOB"):
             # Under a user's torchrun rank 0 reports (a local job's launcher does it itself).
             summary = write_partial_summary(cfg, interrupted=True)
             print(interrupted_message(summary), file=sys.stderr, flush=True)
         raise SystemExit(130) from None
+    except Exception:
+        # A peer's death reaches this rank first as a failed send or receive: let the
+        # watchdog name it (it exits with that reason) before reporting an error of our own.
+        watchdog.settle()
+        raise
     finally:
         metrics.close()
         shutdown(ctx)
@@ -101,6 +111,30 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
 
 def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+def start_watchdog(ctx: Context, metrics: MetricsWriter) -> Watchdog:
+    """Stop this rank within ``heartbeat_timeout_s`` of a rank it depends on going silent
+    (see :mod:`cloudburst.liveness`): record why, and under a user's torchrun write the
+    run's summary (a local job's launcher writes it), then exit."""
+    cfg = ctx.cfg
+    watched = watched_peers(
+        ctx.rank, ctx.world_size, cfg.servers, STRATEGY_CLASSES[cfg.strategy].survives_worker_loss
+    )
+
+    def on_lost(rank: int | None, role: str) -> None:
+        time_s = ctx.elapsed_s()
+        reason = f"{role} lost at {time_s:.1f} s"
+        log.error("%s (no heartbeat for %g s): stopping this rank", reason, cfg.heartbeat_timeout_s)
+        try:
+            metrics.log("peer_lost", lost_rank=rank, reason=reason, time_s=time_s)
+            if not os.environ.get("CLOUDBURST_LOCAL_JOB"):
+                summary = write_partial_summary(cfg, failed=reason)
+                print(failed_message(summary), file=sys.stderr, flush=True)
+        finally:
+            os._exit(EXIT_PEER_LOST)
+
+    return Watchdog(ctx.liveness_store, watched, cfg.heartbeat_timeout_s, on_lost).start()
 
 
 def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
