@@ -892,12 +892,21 @@ AGENT_STOP_GRACE_S = 3
 
 
 def _shorten_agent_stop_grace() -> None:
-    """In this (agent) process only: torch's agent stops its ranks with a shorter grace."""
+    """In this (agent) process only: torch's agent stops its ranks with a shorter grace —
+    when it shuts down, and when one of its ranks failed (``ProcessContext.join`` waits 30 s
+    for the others to take SIGTERM before SIGKILL)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.multiprocessing.spawn import ProcessContext
 
     original = LocalElasticAgent._shutdown
     if getattr(original, "_cloudburst", False):
         return
+    join = ProcessContext.join
+
+    def _join(self, timeout=None, grace_period=None):
+        return join(self, timeout, AGENT_STOP_GRACE_S if grace_period is None else grace_period)
+
+    ProcessContext.join = _join
 
     def _shutdown(self, death_sig=signal.SIGTERM, timeout: int = AGENT_STOP_GRACE_S) -> None:
         original(self, death_sig, min(timeout, AGENT_STOP_GRACE_S))

@@ -1,0 +1,151 @@
+"""No single point of failure and no long hangs: a killed or hung parameter-server shard (the
+first one included, whose agent used to hold the job's store) stops the whole job through the
+watchdogs' heartbeat expiry, with a summary that names it, intact checkpoints and a working
+``--resume`` command; a hung worker of a lockstep job is restarted; two jobs run side by side.
+
+Detection is asserted through its mechanism (``peer_lost`` records naming the silent rank),
+with a loose bound on the whole run only so that a hang fails instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cloudburst.checkpoint import load_checkpoint
+from cloudburst.metrics import read_jsonl
+from tests.helpers import REPO, cli, read_summary
+
+pytestmark = pytest.mark.e2e
+
+QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")
+BOUND_S = 180  # a job that has not ended by then hangs: a failure, not a measurement
+ASGD = ("--strategy", "asgd", "--workers", "2", "--servers", "2", "--n-sync", "2")
+LIVENESS = ("--heartbeat-timeout-s", "3", "--checkpoint-every", "10")
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "cloudburst", "train", *args],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _pid(out: Path, rank: int, proc: subprocess.Popen) -> int:
+    """The pid rank ``rank`` logged, once a checkpoint of every worker exists."""
+    deadline = time.monotonic() + BOUND_S
+    while len(list((out / "checkpoints").glob("worker*-step*.pt"))) < 2:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no checkpoints"
+        time.sleep(0.1)
+    [start] = [
+        r for r in read_jsonl(out / "metrics" / f"rank{rank}.jsonl") if r["event"] == "start"
+    ]
+    return start["pid"]
+
+
+def _finish(proc: subprocess.Popen) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def _session_alive(sid: int) -> list[int]:
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def _lost_records(out: Path) -> dict[int, str]:
+    """rank -> the reason its watchdog recorded."""
+    found = {}
+    for path in (out / "metrics").glob("rank*.jsonl"):
+        for r in read_jsonl(path):
+            if r["event"] == "peer_lost":
+                found[r["rank"]] = r["reason"]
+    return found
+
+
+@pytest.mark.parametrize(("sig", "rank"), [(signal.SIGKILL, 1), (signal.SIGSTOP, 0)])
+def test_a_lost_shard_stops_the_job_with_a_summary_and_a_resume_command(tmp_path, sig, rank):
+    """SIGKILL of shard 1; SIGSTOP of shard 0 (rank 0, whose agent held the job's store
+    before the launcher did)."""
+    out = tmp_path / "run"
+    proc = _start([*ASGD, *QUIET, *LIVENESS, "--steps", "2000", "--min-step-time-s", "0.01",
+                   "--out", str(out)])  # fmt: skip
+    os.kill(_pid(out, rank, proc), sig)
+    _, stderr = _finish(proc)
+    assert proc.returncode == 1, stderr
+    summary = read_summary(out)
+    assert re.fullmatch(
+        rf"server shard {rank} \(rank {rank}\) lost at [0-9.]+ s", summary["failed"]
+    )
+    # Every other rank's watchdog found the same silent shard (heartbeat expiry).
+    lost = _lost_records(out)
+    assert sorted(lost) == sorted({0, 1, 2, 3} - {rank})
+    assert all(
+        reason.startswith(f"server shard {rank} (rank {rank}) lost") for reason in lost.values()
+    )
+    assert f"continue with: cloudburst train --resume {out}" in stderr
+    assert summary["resume_command"] == f"cloudburst train --resume {out}"
+    for name in summary["checkpoints"]:
+        load_checkpoint(out / name)  # complete and valid
+    deadline = time.monotonic() + 30
+    while _session_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _session_alive(proc.pid) == []  # the hung shard too
+    done = max(summary["steps_done"].values())
+    cli("train", "--resume", str(out), "--steps", str(done + 40), "--no-progress")
+    resumed = read_summary(out)
+    assert "failed" not in resumed and resumed["final_test_accuracy"] > 0.5
+
+
+def test_a_hung_lockstep_worker_is_found_and_the_job_restarts(tmp_path):
+    out = tmp_path / "run"
+    cli("train", "--strategy", "sync", "--workers", "3", *QUIET, *LIVENESS, "--steps", "60",
+        "--max-restarts", "1", "--inject-fault", "stop:2@25", "--out", str(out))  # fmt: skip
+    summary = read_summary(out)
+    assert "failed" not in summary and summary["steps_per_worker"] == 60
+    lost = _lost_records(out)
+    assert lost and all(r.startswith("worker 2 (rank 2) lost") for r in lost.values())
+    resumes = [r for r in read_jsonl(out / "metrics" / "rank0.jsonl") if r["event"] == "resume"]
+    assert [r["step"] for r in resumes] == [20]  # the last checkpoint before the fault
+
+
+def test_two_jobs_on_one_machine_do_not_interfere(tmp_path):
+    outs = [tmp_path / "a", tmp_path / "b"]
+    procs = [
+        _start([*ASGD, *QUIET, "--steps", "150", "--out", str(outs[0])]),
+        _start(["--strategy", "sync", "--workers", "2", *QUIET, "--steps", "150",
+                "--out", str(outs[1])]),
+    ]  # fmt: skip
+    for proc in procs:
+        _, stderr = _finish(proc)
+        assert proc.returncode == 0, stderr
+    a, b = (read_summary(o) for o in outs)
+    assert (a["strategy"], b["strategy"]) == ("asgd", "sync")
+    assert a["final_test_accuracy"] > 0.5 and b["final_test_accuracy"] > 0.5
+    assert a["lost_workers"] == b["lost_workers"] == []
+    assert json.loads((outs[0] / "config.json").read_text())["out"] == str(outs[0])
