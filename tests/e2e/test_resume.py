@@ -1,14 +1,34 @@
 """Checkpoints, ``--resume`` and restarts under ``--max-restarts``, with injected faults.
 
 The deterministic strategies must end exactly where an undisturbed run of the same seed ends
-(the reference checkpoints at the same steps: checkpoints do not change the arithmetic).
+(the reference checkpoints at the same steps: checkpoints do not change the arithmetic). The
+undisturbed references are run once and shared by the tests that compare with them.
 """
+
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
-from cloudburst.metrics import read_jsonl
-from tests.helpers import cli, read_summary
+from cloudburst.checkpoint import load_checkpoint, save_checkpoint
+from tests.helpers import (
+    REPO,
+    cli,
+    cli_env,
+    cli_many,
+    copy_run,
+    final_record,
+    rank_events,
+    rank_logs,
+    read_events,
+    read_summary,
+    saved_state,
+    shared_run,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -17,30 +37,38 @@ COMMON = (
     "--steps", "40", "--checkpoint-every", "10", "--eval-every-s", "60", "--no-progress",
     "--comm-timeout-s", "20",
 )  # fmt: skip
+# Every run also has worker rank 1's loss at step 5 NaN (a first-attempt fault).
+NAN = ("--inject-fault", "nan:1@5")
 STRATEGY_FLAGS = {
     "sync": (),
-    "local_sgd": ("--period", "4"),
     "diloco": ("--period", "4", "--diloco-outer-lr", "0.5", "--diloco-outer-momentum", "0.5"),
     "daso": ("--nodes", "2", "--workers", "4", "--daso-global-skip", "2",
              "--daso-batches-to-wait", "1", "--daso-warmup-epochs", "0.1",
              "--daso-cooldown-epochs", "0.1"),
 }  # fmt: skip
+# Steps skipped for that NaN: sync's averaged gradient is NaN on both workers, DASO's on both
+# ranks of rank 1's node; a DiLoCo worker's gradient is its own.
+NAN_SKIPPED = {"sync": 2, "diloco": 1, "daso": 2}
 
 
-def _params(out):
-    payload = torch.load(out / "model.pt", weights_only=True)["payload"]
-    return payload["state_dict"]
+def _flags(strategy: str) -> tuple[str, ...]:
+    return ("--strategy", strategy, *COMMON, *STRATEGY_FLAGS[strategy], *NAN)
 
 
-def _events(out, rank):
-    return read_jsonl(out / "metrics" / f"rank{rank}.jsonl")
+def _reference(strategy: str):
+    """The undisturbed run of ``strategy`` (shared: read it, or copy it to change it)."""
+    return shared_run(*_flags(strategy))
 
 
 def _assert_same_model(a, b, tol=1e-5):
-    pa, pb = _params(a), _params(b)
+    pa, pb = saved_state(a), saved_state(b)
     assert pa.keys() == pb.keys()
     for k in pa:
         assert torch.allclose(pa[k], pb[k], atol=tol, rtol=0), f"{k} differs after the restart"
+
+
+def _faults(out, rank):
+    return [(e["kind"], e["step"]) for e in rank_events(out, rank, "fault")]
 
 
 # local_sgd is diloco's base class (its state is a subset of diloco's): not run separately.
@@ -48,41 +76,42 @@ def _assert_same_model(a, b, tol=1e-5):
 def test_a_killed_worker_restarts_the_job_from_its_checkpoint_on_the_same_trajectory(
     tmp_path, strategy
 ):
-    flags = ("--strategy", strategy, *COMMON, *STRATEGY_FLAGS[strategy])
-    ref, hurt = tmp_path / "ref", tmp_path / "hurt"
-    cli("train", *flags, "--out", str(ref))
+    ref, hurt = _reference(strategy), tmp_path / "hurt"
     # Worker rank 1 dies after step 25: the checkpoint of step 20 is the last one.
     proc = cli(
-        "train", *flags, "--out", str(hurt), "--max-restarts", "1", "--inject-fault", "kill:1@25"
-    )
+        "train", *_flags(strategy), "--out", str(hurt), "--max-restarts", "1",
+        "--inject-fault", "kill:1@25",
+    )  # fmt: skip
     summary = read_summary(hurt)
     assert summary["final_test_accuracy"] == pytest.approx(
         read_summary(ref)["final_test_accuracy"], abs=1e-6
     ), proc.stderr
     _assert_same_model(ref, hurt)
-    resumes = [e for e in _events(hurt, 0) if e["event"] == "resume"]
+    resumes = rank_events(hurt, 0, "resume")
     # DASO checkpoints at the first step without a global sync in flight (20 or 21).
     assert len(resumes) == 1 and resumes[0]["attempt"] == 1
     assert resumes[0]["step"] == 20 or (strategy == "daso" and resumes[0]["step"] == 21)
-    starts = [e for e in _events(hurt, 1) if e["event"] == "start"]
+    starts = rank_events(hurt, 1, "start")
     assert len(starts) == 2 and starts[0]["pid"] != starts[1]["pid"]
+    # The faults fired once, in the first attempt; the skipped step's count was restored
+    # from the checkpoint.
+    assert _faults(hurt, 1) == [("nan", 5), ("kill", 25)]
+    assert summary["steps_skipped_nonfinite"] == NAN_SKIPPED[strategy]
+    assert read_summary(ref)["steps_skipped_nonfinite"] == NAN_SKIPPED[strategy]
 
 
 def test_resume_by_hand_after_a_failed_run_and_a_nan_step(tmp_path):
-    flags = ("--strategy", "sync", *COMMON)
-    ref, hurt = tmp_path / "ref", tmp_path / "hurt"
-    cli("train", *flags, "--out", str(ref), "--inject-fault", "nan:1@5")
+    ref, hurt = _reference("sync"), tmp_path / "hurt"
     # No restarts: the job fails, one line per failed rank, the checkpoints stay.
-    proc = cli(
-        "train", *flags, "--out", str(hurt), "--inject-fault", "nan:1@5",
-        "--inject-fault", "kill:1@33", check=False,
-    )  # fmt: skip
+    proc = cli("train", *_flags("sync"), "--out", str(hurt), "--inject-fault", "kill:1@33",
+               check=False)  # fmt: skip
     # torch's agent names the first rank to fail: the killed one or its peer (gloo raises).
     assert proc.returncode == 1 and (
         "rank 1 failed" in proc.stderr or "rank 0 failed" in proc.stderr
     )
-    assert not (hurt / "summary.json").exists()
-    steps_before = [e["step"] for e in _events(hurt, 0) if e["event"] == "step"]
+    # What is there says the run failed (no summary of a finished run).
+    assert not (hurt / "summary.json").exists() or read_summary(hurt).get("failed")
+    steps_before = [e["step"] for e in rank_events(hurt, 0, "step")]
     proc = cli("train", "--resume", str(hurt))
     assert "resuming every worker from step 30" in proc.stderr
     _assert_same_model(ref, hurt)
@@ -91,32 +120,67 @@ def test_resume_by_hand_after_a_failed_run_and_a_nan_step(tmp_path):
     assert read_summary(ref)["final_test_accuracy"] == pytest.approx(
         summary["final_test_accuracy"], abs=1e-6
     )
-    worker_reports = [e for e in _events(hurt, 0) if e["event"] == "final"]
-    assert worker_reports[-1]["steps_skipped_nonfinite"] == 1
-    assert worker_reports[-1]["resumed_from_step"] == 30
+    report = final_record(hurt, 0)
+    assert report["steps_skipped_nonfinite"] == 1 and report["resumed_from_step"] == 30
+    assert summary["steps_skipped_nonfinite"] == 2
     # The learning curve continues: the resumed run appends to the same metrics.
-    steps_after = [e["step"] for e in _events(hurt, 0) if e["event"] == "step"]
+    steps_after = [e["step"] for e in rank_events(hurt, 0, "step")]
     assert steps_after[: len(steps_before)] == steps_before and steps_after[-1] == 40
+    assert steps_before[-1] == 30
 
 
-def test_resume_refuses_corrupt_and_foreign_checkpoints_and_touches_nothing(tmp_path):
-    out = tmp_path / "run"
-    cli("train", "--strategy", "sync", *COMMON, "--out", str(out))
-    ckpt = sorted((out / "checkpoints").glob("worker1-*.pt"))[-1]
-    good = ckpt.read_bytes()
-    before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
-    model_before = (out / "model.pt").read_bytes()
-    for bad in (good[: len(good) // 2], b"\x00" * 100):
-        ckpt.write_bytes(bad)
-        proc = cli("train", "--resume", str(out), check=False)
-        assert proc.returncode == 2
+def _files(run) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_resume_refuses_corrupt_foreign_and_changed_runs_and_touches_nothing(tmp_path):
+    ref = _reference("sync")
+    [ckpt_name] = [p.name for p in sorted((ref / "checkpoints").glob("worker1-*.pt"))[-1:]]
+    good = load_checkpoint(ref / "checkpoints" / ckpt_name, "worker-state")
+    # Worker 1's latest checkpoint replaced, in a copy of the run each: cut short; and
+    # well-formed checkpoints of other runs: another seed, and the same settings in another
+    # run directory (its random identity differs).
+    bad_files = {
+        "truncated": lambda path: path.write_bytes(path.read_bytes()[:1000]),
+        "seed": lambda path: save_checkpoint(
+            path, "worker-state", {"identity": {**good["identity"], "seed": 1}, "step": 30}
+        ),
+        "run": lambda path: save_checkpoint(
+            path, "worker-state", {"identity": {**good["identity"], "run": "0" * 32}, "step": 30}
+        ),
+    }
+    expected = {
+        "truncated": "cannot be read safely",
+        "seed": "belongs to another run: its seed is 1, this run's is 0",
+        "run": "belongs to another run: its run is '" + "0" * 32 + "'",
+    }
+    runs = {}
+    for name, spoil in bad_files.items():
+        runs[name] = copy_run(ref, tmp_path / name)
+        spoil(runs[name] / "checkpoints" / ckpt_name)
+    # What makes a run's identity cannot change when it resumes.
+    changes = {
+        "strategy": ["--strategy", "local_sgd"],
+        "servers": ["--servers", "1"],
+        "model": ["--model", "cnn"],
+        "dataset": ["--dataset", "mnist1d"],
+        "batch_size": ["--batch-size", "32"],
+    }
+    runs["changes"] = copy_run(ref, tmp_path / "changes")
+    before = {name: _files(run) for name, run in runs.items()}
+    calls = [["train", "--resume", str(runs[name])] for name in bad_files]
+    calls += [["train", "--resume", str(runs["changes"]), *args] for args in changes.values()]
+    procs = cli_many(calls)
+    for what, proc in zip([*bad_files, *changes], procs, strict=True):
+        assert proc.returncode == 2, (what, proc.stderr)
         lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and "resume:" in lines[0] and "cannot be read safely" in lines[0]
-    ckpt.write_bytes(good)
-    proc = cli("train", "--resume", str(out), "--strategy", "local_sgd", check=False)
-    assert proc.returncode == 2 and "strategy cannot change" in proc.stderr
-    after = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
-    assert after == before and (out / "model.pt").read_bytes() == model_before
+        assert len(lines) == 1 and lines[0].startswith("cloudburst: invalid config: resume: ")
+        if what in expected:
+            assert expected[what] in lines[0], lines
+        else:
+            assert f"resume: {what} cannot change" in lines[0], lines
+    # A refused resume changes no file.
+    assert {name: _files(run) for name, run in runs.items()} == before
 
 
 def test_gossip_restarts_and_continues(tmp_path):
@@ -126,33 +190,85 @@ def test_gossip_restarts_and_continues(tmp_path):
         "--inject-fault", "kill:0@25",
     )  # fmt: skip
     summary = read_summary(out)
-    assert summary["final_test_accuracy"] > 0.5
+    assert summary["final_test_accuracy"] > 0.5 and summary["lost_workers"] == []
     # Worker 1 may be ahead of worker 0; both resume from the latest step both saved.
-    assert [e["step"] for e in _events(out, 1) if e["event"] == "resume"] in ([10], [20])
+    resumed = [e["step"] for e in rank_events(out, 1, "resume")]
+    assert resumed in ([10], [20])
+    assert [e["step"] for e in rank_events(out, 0, "resume")] == resumed
+    assert [e["step"] for e in rank_events(out, 0, "step")][-1] == 40
 
 
 def test_asgd_resumes_its_servers_and_workers(tmp_path):
+    # The sgd server rule with momentum: the shard's optimizer state is in its checkpoint.
     out = tmp_path / "a"
-    flags = ("--strategy", "asgd", "--servers", "1", "--n-sync", "2", *COMMON)
+    flags = ("--strategy", "asgd", "--servers", "1", "--n-sync", "2", "--server-rule", "sgd",
+             "--server-lr", "0.25", "--server-momentum", "0.5", *COMMON)  # fmt: skip
     cli("train", *flags, "--out", str(out))
-    version = read_summary(out)["samples_applied"]
+    # 2 workers × 20 pushes of 2 steps × 16 samples; the shard checkpoints when it ends.
+    assert read_summary(out)["samples_applied"] == 40 * 32
     proc = cli("train", "--resume", str(out), "--steps", "60")
     assert "resuming workers from steps 0:30, 1:30" in proc.stderr
-    resumed = [e for e in _events(out, 0) if e["event"] == "resume"]
-    assert resumed and resumed[-1]["version"] > 0
+    [server_resume] = rank_events(out, 0, "resume")
+    assert server_resume["version"] == 40
+    assert [e["step"] for e in rank_events(out, 1, "resume")] == [30]
+    # Each worker redoes steps 31..60 from its step-30 checkpoint: 15 more pushes each.
     summary = read_summary(out)
-    assert summary["samples_applied"] > version and summary["final_test_accuracy"] > 0.5
+    assert final_record(out, 0)["version"] == 40 + 30
+    assert summary["samples_applied"] == (40 + 30) * 32
+    assert summary["samples"] == 2 * 60 * 16 and summary["final_test_accuracy"] > 0.5
+    assert [e["step"] for e in rank_events(out, 2, "step")][-1] == 60
 
 
-def test_a_hung_asgd_worker_is_declared_lost_and_the_run_finishes(tmp_path):
-    out = tmp_path / "stop"
-    cli(
-        "train", "--strategy", "asgd", "--servers", "1", "--workers", "3", "--n-sync", "2",
-        "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--steps", "60",
-        "--min-step-time-s", "0.02", "--heartbeat-timeout-s", "2", "--no-progress",
-        "--inject-fault", "stop:3@10", "--out", str(out),
-    )  # fmt: skip
+def test_a_restarted_server_points_to_resume_which_continues_the_run(tmp_path):
+    """A server shard killed mid-run (server 1: server 0 also holds the job's store) is
+    restarted by its agent but cannot rejoin: it fails with a line pointing to ``--resume``,
+    the job fails, and ``--resume`` continues it from the workers' and shards' checkpoints
+    (easgd, two shards)."""
+    out = tmp_path / "easgd"
+    cmd = [sys.executable, "-m", "cloudburst", "train", "--strategy", "easgd", "--workers",
+           "2", "--servers", "2", "--easgd-tau", "2", "--dataset", "synthetic", "--model",
+           "mlp", "--batch-size", "16", "--steps", "2000", "--min-step-time-s", "0.01",
+           "--checkpoint-every", "10", "--max-restarts", "1", "--comm-timeout-s", "5",
+           "--heartbeat-timeout-s", "5", "--eval-every-s", "60", "--no-progress", "--out",
+           str(out)]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env()
+    )
+    try:
+        pid, deadline = None, time.monotonic() + 120
+        while pid is None and time.monotonic() < deadline and proc.poll() is None:
+            steps = [
+                e["step"]
+                for e in read_events(out / "metrics" / "rank3.jsonl", growing=True)
+                if e["event"] == "step"
+            ]
+            if steps and steps[-1] >= 30 and (out / "checkpoints" / "server1.pt").is_file():
+                server = read_events(out / "metrics" / "rank1.jsonl", growing=True)
+                pid = next(e["pid"] for e in server if e["event"] == "start")
+            else:
+                time.sleep(0.1)
+        assert pid is not None, "the run never got going"
+        os.kill(pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, stdout + stderr
+    assert "rank 1 failed" in stderr
+    assert not (out / "summary.json").exists() or read_summary(out).get("failed")
+    logs = rank_logs(out)
+    assert "parameter-server rank 1 was restarted" in logs
+    assert "restart the whole job from its checkpoints with --resume" in logs
+
+    proc = cli("train", "--resume", str(out), "--steps", "60")
+    assert "resuming workers from steps" in proc.stderr
     summary = read_summary(out)
-    assert summary["lost_workers"] == [3] and summary["final_test_accuracy"] > 0.5
-    fired = [e for e in _events(out, 3) if e["event"] == "fault"]
-    assert [(e["kind"], e["step"]) for e in fired] == [("stop", 10)]
+    assert summary["lost_workers"] == [] and summary["samples"] == 2 * 60 * 16
+    for server in (0, 1):  # each shard from its own checkpoint
+        resumes = rank_events(out, server, "resume")
+        assert len(resumes) == 1 and resumes[0]["version"] >= 10
+    for worker in (2, 3):  # each worker from its own latest checkpoint, to step 60
+        [resume] = rank_events(out, worker, "resume")
+        assert resume["step"] % 10 == 0 and 10 <= resume["step"] < 60
+        assert [e["step"] for e in rank_events(out, worker, "step")][-1] == 60
