@@ -1,10 +1,26 @@
 """A killed asgd/easgd worker, restarted by its agent (``--max-restarts``), rejoins the running
-job: the servers serve it on a group of its own and wait for it to finish."""
+job: the servers serve it on a group of its own and wait for it to finish; one restarted after
+the servers have finished is refused."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 
-from cloudburst.metrics import read_jsonl
-from tests.helpers import cli, read_summary
+from tests.helpers import (
+    REPO,
+    cli,
+    cli_env,
+    free_port,
+    rank_events,
+    read_events,
+    read_summary,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -13,7 +29,7 @@ BATCH = 64  # the default batch size
 
 
 def _events(out, rank):
-    return read_jsonl(out / "metrics" / f"rank{rank}.jsonl")
+    return rank_events(out, rank)
 
 
 @pytest.mark.parametrize(
@@ -30,6 +46,7 @@ def test_a_restarted_worker_rejoins_and_trains_to_the_end(tmp_path, strategy, se
         "--n-sync", "2", "--easgd-tau", "2", "--steps", str(STEPS), "--min-step-time-s", "0.02",
         "--dataset", "synthetic", "--model", "mlp", "--checkpoint-every", "10",
         "--max-restarts", "1", "--inject-fault", f"kill:{victim}@30",
+        "--inject-fault", f"nan:{victim}@5",
         # generous: the restart (a new process, data, model, checkpoint) must not look like a
         # lost worker on a loaded machine
         "--heartbeat-timeout-s", "30", "--comm-timeout-s", "60", "--eval-every-s", "60",
@@ -57,6 +74,15 @@ def test_a_restarted_worker_rejoins_and_trains_to_the_end(tmp_path, strategy, se
     assert steps == list(range(30, STEPS + 1, 10))
     final = [e for e in second if e["event"] == "final"]
     assert len(final) == 1 and final[0]["samples"] == STEPS * BATCH
+    # Its NaN step (5) was skipped before it died; the count came back with the checkpoint,
+    # and the faults fired in the first incarnation only.
+    assert [(e["kind"], e["step"]) for e in first if e["event"] == "fault"] == [
+        ("nan", 5),
+        ("kill", 30),
+    ]
+    assert not [e for e in second if e["event"] == "fault"]
+    assert final[0]["steps_skipped_nonfinite"] == 1
+    assert summary["steps_skipped_nonfinite"] == 1 and summary["pushes_rejected"] == 0
 
     # every server admitted it once and served it to the end; the others were not disturbed
     for server in range(servers):
@@ -68,3 +94,78 @@ def test_a_restarted_worker_rejoins_and_trains_to_the_end(tmp_path, strategy, se
         assert stats["lost_workers"] == []
     for rank in range(servers, servers + 2):
         assert [e for e in _events(out, rank) if e["event"] == "step"][-1]["step"] == STEPS
+
+
+# ---------------------------------------------------------------------------- too late
+LAUNCH_ENV = "CLOUDBURST_TEST_LAUNCH"  # a token in every process this test starts: to end them
+
+
+def _kill_marked(token: str) -> None:
+    """SIGKILL every process that carries ``token`` in its environment (the test's own
+    launches and their ranks; torchrun starts each rank in a session of its own)."""
+    needle = f"{LAUNCH_ENV}={token}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if needle in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass  # gone, or not ours to read
+
+
+def test_a_worker_restarted_after_the_servers_finished_is_refused(tmp_path):
+    """One torchrun per rank, as the README says for asgd. The victim's agent is paused
+    (SIGSTOP) while its worker is killed, so it can restart the worker only once the
+    server has declared the worker lost and finished: the restarted worker is refused in
+    one line, and the run's result stands."""
+    out, token, port = tmp_path / "run", uuid.uuid4().hex, free_port()
+    args = ["train", "--strategy", "asgd", "--workers", "2", "--servers", "1", "--n-sync", "2",
+            "--steps", "200", "--min-step-time-s", "0.02", "--dataset", "synthetic",
+            "--model", "mlp", "--checkpoint-every", "10", "--heartbeat-timeout-s", "2",
+            "--eval-every-s", "60", "--no-progress", "--out", str(out)]  # fmt: skip
+    env = cli_env({LAUNCH_ENV: token, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    logs = [tmp_path / f"agent{r}.log" for r in range(3)]
+    agents = []
+    try:
+        for rank, log in enumerate(logs):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "3", "--node-rank",
+                   str(rank), "--nproc-per-node", "1", "--rdzv-backend", "static",
+                   "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts",
+                   "1", "-m", "cloudburst", *args]  # fmt: skip
+            with log.open("w") as f:
+                agents.append(
+                    subprocess.Popen(
+                        cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=f, stderr=f, env=env
+                    )
+                )
+        victim = 2
+        deadline = time.monotonic() + 120
+        pid = None
+        while pid is None and time.monotonic() < deadline:
+            records = read_events(out / "metrics" / f"rank{victim}.jsonl", growing=True)
+            if any(r["event"] == "step" and r["step"] >= 20 for r in records):
+                pid = next(r["pid"] for r in records if r["event"] == "start")
+            else:
+                time.sleep(0.1)
+        assert pid is not None, "\n".join(log.read_text() for log in logs)
+        os.kill(agents[victim].pid, signal.SIGSTOP)
+        os.kill(pid, signal.SIGKILL)
+        # The other worker finishes; the server declares the victim lost and writes the
+        # summary (its agent then waits in torch's exit barrier for the others).
+        while not (out / "summary.json").is_file():
+            assert time.monotonic() < deadline, "\n".join(log.read_text() for log in logs)
+            time.sleep(0.1)
+        os.kill(agents[victim].pid, signal.SIGCONT)
+        assert agents[victim].wait(timeout=90) != 0
+    finally:
+        _kill_marked(token)
+        for agent in agents:
+            agent.wait(timeout=30)
+    output = logs[victim].read_text()
+    refusal = [line for line in output.splitlines() if "after the parameter servers had" in line]
+    assert refusal, output
+    assert f"rank {victim} was restarted after the parameter servers had finished" in refusal[0]
+    summary = read_summary(out)
+    assert summary["lost_workers"] == [victim] and summary["rejoined_workers"] == []
+    assert [e["step"] for e in rank_events(out, 1, "step")][-1] == 200
