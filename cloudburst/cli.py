@@ -386,12 +386,14 @@ def resume_config(
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    if _under_torchrun():
+        raise ConfigError("compare: run it directly, not under torchrun (it launches its jobs)")
+    from cloudburst.forkserver import start_forkserver
+
+    start_forkserver()
     from cloudburst.compare import comparison_configs, run_comparison
     from cloudburst.launch import JobFailed, JobInterrupted
-    from cloudburst.runtime import in_torchrun, start_forkserver
 
-    if in_torchrun():
-        raise ConfigError("compare: run it directly, not under torchrun (it launches its jobs)")
     values: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
     flags = {k: v for k, v in vars(args).items() if k not in (*CLI_ONLY, "runs")}
     if "resume" in flags:
@@ -402,7 +404,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     runs = comparison_configs(args.runs, values, out)
     for _, cfg in runs:  # every run's directory is usable before the first one starts
         check_run_dir(cfg.out, resume=False, overwrite=cfg.overwrite)
-    start_forkserver()
     for _, cfg in runs[:1]:
         preflight(cfg)
     try:
@@ -417,6 +418,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if not _under_torchrun():
+        from cloudburst.forkserver import start_forkserver
+
+        start_forkserver()  # first: its imports overlap this process's own and the checks
     from cloudburst.runtime import in_torchrun
 
     cfg = build_config(args)
@@ -424,10 +429,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         for warning in cfg.warnings():
             print(f"cloudburst: warning: {warning}", file=sys.stderr)
     check_run_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
-    if not in_torchrun():
-        from cloudburst.runtime import start_forkserver
-
-        start_forkserver()  # its imports overlap the checks below
     preflight(cfg)
     if in_torchrun():
         if int(os.environ["RANK"]) == 0:  # the others only check (above)
@@ -442,6 +443,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_rank(cfg.to_dict())
         return 0
     return launch_and_report(cfg)
+
+
+def _under_torchrun() -> bool:
+    """This process is a rank of torchrun (checked without importing torch)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 def preflight(cfg: RunConfig) -> None:
@@ -601,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":
             return cmd_compare(args)
         if args.command == "demo":
+            from cloudburst.forkserver import start_forkserver
+
+            start_forkserver()
             from cloudburst.demo import run_demo
             from cloudburst.launch import JobInterrupted
 
@@ -615,8 +624,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cloudburst: invalid config: {e}", file=sys.stderr)
         return EXIT_CONFIG
     finally:
-        if "cloudburst.runtime" in sys.modules:  # jobs were launched from here
-            sys.modules["cloudburst.runtime"].stop_forkserver()
+        if "cloudburst.forkserver" in sys.modules:  # jobs were launched from here
+            sys.modules["cloudburst.forkserver"].stop_forkserver()
 
 
 if __name__ == "__main__":

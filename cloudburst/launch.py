@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from cloudburst.config import RunConfig
+from cloudburst.forkserver import forkserver_pid
 from cloudburst.metrics import iter_jsonl, write_json_atomic
 from cloudburst.rundir import prepare_run_dir
-from cloudburst.runtime import forkserver_pid, start_local_job
+from cloudburst.runtime import start_local_job
 from cloudburst.strategies import STRATEGY_CLASSES
 from cloudburst.summary import write_partial_summary
 

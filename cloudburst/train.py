@@ -71,6 +71,7 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
     metrics = MetricsWriter(cfg.out, ctx.rank, ctx.role, tensorboard=cfg.tensorboard)
     metrics.log(
         "start",
+        wall=time.time(),
         pid=os.getpid(),
         world_size=ctx.world_size,
         device=str(ctx.device),
@@ -244,6 +245,8 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         strategy.record_loss(loss)
         strategy.after_step(cfg.batch_size)
         samples += cfg.batch_size
+        if step == start_step + 1:  # when training really began (the launch's cost ends here)
+            metrics.log("first_step", step=step, wall=time.time())
         if evaluator:
             evaluator.maybe_eval(strategy)
         faults.after_step(step)
