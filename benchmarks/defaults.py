@@ -124,8 +124,15 @@ def write_report(records: list[dict], seeds: int) -> None:
         "`command s` the whole command as a user waits for it (launch included).",
         "",
         *table(
-            ["strategy", "steps/worker", "accuracy % (seeds)", "worst %", "train s (median)",
-             "command s (median)", f"≥ {100 * TARGET:.0f} %"],
+            [
+                "strategy",
+                "steps/worker",
+                "accuracy % (seeds)",
+                "worst %",
+                "train s (median)",
+                "command s (median)",
+                f"≥ {100 * TARGET:.0f} %",
+            ],
             rows,
         ),  # fmt: skip
         "",
