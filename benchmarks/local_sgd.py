@@ -325,7 +325,16 @@ def _average_call_rank(rank: int, workers: int, port: int, calls: int, out_dir: 
     for slot in AVG_SLOTS:
         name = slot.split()[0]
         cfg = RunConfig(strategy=name, workers=workers, period=1, steps=1, progress=False)
-        ctx = Context(cfg, rank, workers, 0, workers, None, store, 0.0)
+        ctx = Context(
+            cfg=cfg,
+            rank=rank,
+            world_size=workers,
+            num_servers=0,
+            num_workers=workers,
+            workers_group=None,
+            store=store,
+            t0=0.0,
+        )
         model = build_model("cnn", (40,), 10, seed=0)
         model(torch.zeros(2, 40)).sum().backward()  # torch averages parameters with a grad
         strategy = STRATEGY_CLASSES[name](ctx)
@@ -387,7 +396,16 @@ def _average_cpu_rank(rank: int, port: int, calls: int, out_dir: str) -> None:
     calls_of = {}
     for name in ("local_sgd", "torch_periodic_averager"):
         cfg = RunConfig(strategy=name, workers=1, period=1, steps=1, progress=False)
-        ctx = Context(cfg, 0, 1, 0, 1, None, store, 0.0)
+        ctx = Context(
+            cfg=cfg,
+            rank=0,
+            world_size=1,
+            num_servers=0,
+            num_workers=1,
+            workers_group=None,
+            store=store,
+            t0=0.0,
+        )
         model = build_model("cnn", (40,), 10, seed=0)
         model(torch.zeros(2, 40)).sum().backward()  # torch averages parameters with a grad
         strategy = STRATEGY_CLASSES[name](ctx)

@@ -153,7 +153,16 @@ def main() -> None:
             out=str(Path(tmp) / "run"),
             progress=False,
         )
-        ctx = Context(cfg, 0, 1, 0, 1, None, store, time.time())
+        ctx = Context(
+            cfg=cfg,
+            rank=0,
+            world_size=1,
+            num_servers=0,
+            num_workers=1,
+            workers_group=None,
+            store=store,
+            t0=time.time(),
+        )
         variants = {name: Variant(name, cfg, ctx, data) for name in VARIANTS}
 
         round_med: dict[str, list[float]] = {v: [] for v in VARIANTS}

@@ -383,7 +383,14 @@ def rank_main(rank: int, s: Settings) -> None:
         progress=False,
     )
     ctx = Context(
-        cfg, rank, 2, 1, 1, None, dist.PrefixStore("cloudburst/bench/", store), time.time()
+        cfg=cfg,
+        rank=rank,
+        world_size=2,
+        num_servers=1,
+        num_workers=1,
+        workers_group=None,
+        store=dist.PrefixStore("cloudburst/bench/", store),
+        t0=time.time(),
     )
     rpc.init_rpc(
         "server" if rank == SERVER else "worker",

@@ -36,8 +36,8 @@ from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.config import RunConfig
 from cloudburst.metrics import MetricsWriter
 from cloudburst.rundir import prepare_run_dir
-from cloudburst.runtime import Context, LivenessMonitor, init_distributed, shutdown
-from cloudburst.server import ServerLoop
+from cloudburst.runtime import Context, init_distributed, shutdown
+from cloudburst.server import serve_shard
 from cloudburst.strategies import Strategy, make_strategy
 
 
@@ -175,12 +175,7 @@ class Job:
         """
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks; a worker calls wrap()")
-        liveness = LivenessMonitor(
-            self.ctx.store, self.ctx.worker_ranks, self.cfg.heartbeat_timeout_s
-        )
-        loop = ServerLoop(self.ctx, flatten_params(model), self.metrics, liveness)
-        self.ctx.start_clock()
-        loop.run()
+        loop = serve_shard(self.ctx, flatten_params(model), self.metrics)
         self.metrics.log("final", time_s=self.ctx.elapsed_s(), role="server", **loop.stats())
         theta = loop.gather_final_theta()
         self.close()

@@ -44,9 +44,9 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Context:
-    """What one rank knows about the job it is part of."""
+    """What one rank knows about the job it is part of (built with keywords only)."""
 
     cfg: RunConfig
     rank: int
@@ -228,20 +228,20 @@ def init_distributed(cfg: RunConfig) -> Context:
         )
     link = LinkEmulator(LinkSpec.parse(cfg.inter_node_link) if cfg.inter_node_link else None)
     return Context(
-        cfg,
-        rank,
-        world,
-        cfg.servers,
-        cfg.workers,
-        workers_group,
-        store,
-        time.time(),
-        device,
-        backend,
-        topology,
-        link,
-        node_group,
-        global_group,
+        cfg=cfg,
+        rank=rank,
+        world_size=world,
+        num_servers=cfg.servers,
+        num_workers=cfg.workers,
+        workers_group=workers_group,
+        store=store,
+        t0=time.time(),
+        device=device,
+        backend=backend,
+        topology=topology,
+        link=link,
+        node_group=node_group,
+        global_group=global_group,
         gossip_request_group=gossip_groups[0],
         gossip_reply_group=gossip_groups[1],
         servers_group=servers_group,
@@ -282,18 +282,18 @@ def _rejoin_job(
     log.info("restart %d: rejoined the running job on a group with the servers", incarnation)
     link = LinkEmulator(LinkSpec.parse(cfg.inter_node_link) if cfg.inter_node_link else None)
     return Context(
-        cfg,
-        rank,
-        world,
-        cfg.servers,
-        cfg.workers,
-        None,
-        store,
-        time.time(),
-        device,
-        backend,
-        resolve_topology(cfg, world),
-        link,
+        cfg=cfg,
+        rank=rank,
+        world_size=world,
+        num_servers=cfg.servers,
+        num_workers=cfg.workers,
+        workers_group=None,
+        store=store,
+        t0=time.time(),
+        device=device,
+        backend=backend,
+        topology=resolve_topology(cfg, world),
+        link=link,
         rejoin_group=group,
         heartbeat=heartbeat,
         liveness_store=store,

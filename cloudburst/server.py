@@ -43,6 +43,7 @@ import copy
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -795,3 +796,37 @@ def _first_line(e: BaseException) -> str:
 def mean_staleness(stats: list[dict[str, Any]]) -> float:
     applied = sum(s.get("pushes_applied", 0) for s in stats)
     return sum(s.get("staleness_sum", 0) for s in stats) / applied if applied else math.nan
+
+
+def serve_shard(ctx, theta0: torch.Tensor, metrics) -> ServerLoop:
+    """Serve this server rank's shard of θ (starting from ``theta0``, the full flat θ) until
+    every worker finished or was lost; returns the loop (its stats, the final θ).
+
+    The one way a shard is served, by the CLI's ranks and by ``Job.serve`` alike: a resumed
+    run (``--resume``, or a restart) continues from the shard's checkpoint when there is one
+    (refused when it belongs to another run or to other shard bounds); a new run removes an
+    earlier run's shard file first.
+    """
+    from cloudburst.checkpoint import CheckpointError
+    from cloudburst.resilience import load_shard_state
+    from cloudburst.runtime import LivenessMonitor, restart_count
+
+    cfg = ctx.cfg
+    liveness = LivenessMonitor(ctx.store, ctx.worker_ranks, cfg.heartbeat_timeout_s)
+    loop = ServerLoop(ctx, theta0, metrics, liveness)
+    elapsed_s = 0.0
+    path = shard_checkpoint_path(cfg.out, ctx.server_index)
+    if not (cfg.resume or restart_count() > 0):
+        path.unlink(missing_ok=True)  # an earlier run's shard in a used directory
+    elif path.is_file():
+        state = load_shard_state(path, cfg)
+        if list(map(list, state["bounds"])) != [list(b) for b in loop.bounds]:
+            raise CheckpointError(f"checkpoint {str(path)!r} was written for other shard bounds")
+        loop.shard.load_state_dict(state)
+        loop.awaiting_init = False
+        elapsed_s = float(state.get("elapsed_s", 0.0))
+        metrics.log("resume", version=loop.shard.version, attempt=restart_count(), wall=time.time())
+        log.info("shard %d resumed at version %d", ctx.server_index, loop.shard.version)
+    ctx.start_clock(elapsed_s)
+    loop.run()
+    return loop

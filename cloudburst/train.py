@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cloudburst.checkpoint import CheckpointError, load_model_into, save_model
+from cloudburst.checkpoint import load_model_into, save_model
 from cloudburst.comm.collectives import all_reduce_sum
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.comm.p2p import CommStats
@@ -40,7 +40,6 @@ from cloudburst.models import build_model
 from cloudburst.resilience import (
     agree_on_step,
     clear_worker_checkpoints,
-    load_shard_state,
     load_worker_state,
     rng_state,
     save_worker_state,
@@ -50,12 +49,11 @@ from cloudburst.resilience import (
 )
 from cloudburst.runtime import (
     Context,
-    LivenessMonitor,
     init_distributed,
     restart_count,
     shutdown,
 )
-from cloudburst.server import ServerLoop, mean_staleness, shard_checkpoint_path
+from cloudburst.server import mean_staleness, serve_shard
 from cloudburst.strategies import STRATEGY_CLASSES, make_strategy
 from cloudburst.summary import failed_message, interrupted_message, write_partial_summary
 
@@ -457,24 +455,7 @@ class Evaluator:
 
 # ---------------------------------------------------------------------------- servers
 def run_server(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWriter) -> None:
-    liveness = LivenessMonitor(ctx.store, ctx.worker_ranks, ctx.cfg.heartbeat_timeout_s)
-    loop = ServerLoop(ctx, flatten_params(model), metrics, liveness)
-    elapsed_s = 0.0
-    path = shard_checkpoint_path(ctx.cfg.out, ctx.server_index)
-    resuming = ctx.cfg.resume or restart_count() > 0
-    if not resuming:
-        path.unlink(missing_ok=True)  # an earlier run's shard in a used directory
-    elif path.is_file():
-        state = load_shard_state(path, ctx.cfg)
-        if list(map(list, state["bounds"])) != [list(b) for b in loop.bounds]:
-            raise CheckpointError(f"checkpoint {str(path)!r} was written for other shard bounds")
-        loop.shard.load_state_dict(state)
-        loop.awaiting_init = False
-        elapsed_s = float(state.get("elapsed_s", 0.0))
-        metrics.log("resume", version=loop.shard.version, attempt=restart_count(), wall=time.time())
-        log.info("shard %d resumed at version %d", ctx.server_index, loop.shard.version)
-    ctx.start_clock(elapsed_s)
-    loop.run()
+    loop = serve_shard(ctx, flatten_params(model), metrics)
     wall_time_s = ctx.elapsed_s()
     report = {"role": "server", **loop.stats()}
     hand_in(ctx, metrics, report, wall_time_s)

@@ -54,11 +54,12 @@ from cloudburst.comm.collectives import all_reduce_sum
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.comm.gossip import GossipTransport, Mailbox, Snapshot
 from cloudburst.comm.p2p import CommStats
+from cloudburst.config import GOSSIP_SCHEDULES
 from cloudburst.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = ("random", "ring", "exponential")
+SCHEDULES = GOSSIP_SCHEDULES  # the config's choices: one tuple
 
 
 # ---------------------------------------------------------------------------- graph: who
