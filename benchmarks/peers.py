@@ -52,9 +52,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
 )
 from torch.distributed.algorithms.model_averaging import utils as averaging_utils
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-from torch.nn.parallel import DistributedDataParallel
 
-from cloudburst.comm.allreduce import count_collective, ring_bytes
+from cloudburst.comm.allreduce import (
+    charge_unoverlapped_wait,
+    count_collective,
+    counted_ddp,
+    ring_bytes,
+)
 from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.link import LinkEmulator
 from cloudburst.comm.p2p import CommStats
@@ -165,19 +169,11 @@ class TorchHierarchicalStrategy(Strategy):
         self.averager = PeriodicModelAverager(
             period=self.period, warmup_steps=self.warmup_steps, process_group=None
         )
-        device = ctx.device
-        self.ddp = DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            process_group=None,
-        )
-        self.ddp.register_comm_hook(self.hook_state, counted_post_localSGD_hook)
+        self.ddp = counted_ddp(model, None, ctx.device, self.hook_state, counted_post_localSGD_hook)
         return self.ddp
 
     def after_backward(self) -> None:
-        if self.hook_state.last_launch:
-            self.stats.wait_s += time.perf_counter() - self.hook_state.last_launch
-            self.hook_state.last_launch = 0.0
+        charge_unoverlapped_wait(self.hook_state)
 
     def after_step(self, samples: int) -> None:
         self.local_steps += 1

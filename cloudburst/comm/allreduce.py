@@ -67,3 +67,27 @@ def counting_allreduce_hook(
         return f.value()[0]
 
     return fut.then(done)
+
+
+def counted_ddp(model: torch.nn.Module, group, device: torch.device, state, hook=None):
+    """``model`` in DDP over ``group`` with a counting comm hook on ``state`` (by default
+    :func:`counting_allreduce_hook`; ``hook(state, bucket)`` otherwise): the one place sync,
+    DASO's node-local part and the benchmarks' PyTorch peer build their DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=group,
+    )
+    ddp.register_comm_hook(state, hook or counting_allreduce_hook)
+    return ddp
+
+
+def charge_unoverlapped_wait(state) -> None:
+    """Called right after ``backward()``: backward returns only when every bucket's
+    all-reduce is done, so the time since the last bucket was launched is communication that
+    did not overlap with compute; it is added to ``state.stats.wait_s``."""
+    if state.last_launch:
+        state.stats.wait_s += time.perf_counter() - state.last_launch
+        state.last_launch = 0.0

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.p2p import CommStats
 
 
@@ -61,6 +62,12 @@ class Strategy(ABC):
     def global_params(self) -> tuple[torch.Tensor, int] | None:
         """(flat θ of the global model, training samples behind it) when fresh this step."""
         return None
+
+    def replica_params(self) -> tuple[torch.Tensor, int]:
+        """This worker's replica, flat, and every worker's training samples so far: the
+        global model of the replicated strategies (sync, daso, local SGD, gossip)."""
+        samples = self.local_steps * self.cfg.batch_size * self.cfg.workers
+        return flatten_params(self.model), samples
 
     def fetch_global_params(self) -> tuple[torch.Tensor, int] | None:
         """Like :meth:`global_params`, communicating if needed (for evaluation when due)."""

@@ -28,15 +28,13 @@ plateau detector waits one epoch more).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from cloudburst.comm.allreduce import AllreduceHookState, counting_allreduce_hook
+from cloudburst.comm.allreduce import AllreduceHookState, charge_unoverlapped_wait, counted_ddp
 from cloudburst.comm.collectives import Pending, all_reduce_sum, broadcast, world_sum
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.strategies.base import Strategy
@@ -186,13 +184,7 @@ class DasoStrategy(Strategy):
             self.schedule.warmup_epochs = self.schedule.cooldown_epochs = 0
         if self.per_node == 1:
             return model
-        device = self.ctx.device
-        self.ddp = DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            process_group=self.ctx.node_group,
-        )
-        self.ddp.register_comm_hook(self.hook_state, counting_allreduce_hook)
+        self.ddp = counted_ddp(model, self.ctx.node_group, self.ctx.device, self.hook_state)
         return self.ddp
 
     def start(self) -> None:
@@ -204,9 +196,7 @@ class DasoStrategy(Strategy):
         return step % self.cfg.daso_local_skip == 0
 
     def after_backward(self) -> None:
-        if self.hook_state.last_launch:
-            self.stats.wait_s += time.perf_counter() - self.hook_state.last_launch
-            self.hook_state.last_launch = 0.0
+        charge_unoverlapped_wait(self.hook_state)
 
     def record_loss(self, loss: float) -> None:
         self.epoch_loss_sum += loss
@@ -327,8 +317,7 @@ class DasoStrategy(Strategy):
     def global_params(self) -> tuple[torch.Tensor, int] | None:
         """The model right after a merge is what every node agrees on most; between merges
         it is this node's replica (the evaluator's view of the global model)."""
-        samples = self.local_steps * self.cfg.batch_size * self.cfg.workers
-        return flatten_params(self.model), samples
+        return self.replica_params()
 
     def finish(self) -> None:
         if self.pending is not None:

@@ -305,8 +305,7 @@ class GossipStrategy(Strategy):
 
     def global_params(self) -> tuple[torch.Tensor, int]:
         """This worker's replica (gossip has no global model); samples: all workers' so far."""
-        samples = self.local_steps * self.cfg.batch_size * self.cfg.workers
-        return flatten_params(self.model), samples
+        return self.replica_params()
 
     def report(self) -> dict[str, Any]:
         r = super().report()

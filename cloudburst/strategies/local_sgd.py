@@ -88,8 +88,7 @@ class LocalSgdStrategy(Strategy):
         self.averages = int(state["averages"])
 
     def global_params(self) -> tuple[torch.Tensor, int] | None:
-        samples = self.local_steps * self.cfg.batch_size * self.cfg.workers
-        return flatten_params(self.model), samples
+        return self.replica_params()
 
     def report(self) -> dict[str, Any]:
         r = super().report()

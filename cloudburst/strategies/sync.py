@@ -12,14 +12,10 @@ reduces CUDA tensors through host memory); ``summary.json`` records which.
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from cloudburst.comm.allreduce import AllreduceHookState, counting_allreduce_hook
-from cloudburst.comm.flat import flatten_params
+from cloudburst.comm.allreduce import AllreduceHookState, charge_unoverlapped_wait, counted_ddp
 from cloudburst.strategies.base import Strategy
 
 
@@ -39,25 +35,14 @@ class SyncStrategy(Strategy):
             # step, benchmarks/results/overhead.md), as torchtitan skips data parallelism at
             # dp = 1. The arithmetic is the same.
             return model
-        device = self.ctx.device
-        self.ddp = DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            process_group=self.ctx.workers_group,
-        )
-        self.ddp.register_comm_hook(self.hook_state, counting_allreduce_hook)
+        self.ddp = counted_ddp(model, self.ctx.workers_group, self.ctx.device, self.hook_state)
         return self.ddp
 
     def after_backward(self) -> None:
-        # backward() returns only when every bucket's all-reduce is done: the time since the
-        # last bucket was launched is communication that did not overlap with compute.
-        if self.hook_state.last_launch:
-            self.stats.wait_s += time.perf_counter() - self.hook_state.last_launch
-            self.hook_state.last_launch = 0.0
+        charge_unoverlapped_wait(self.hook_state)
 
     def after_step(self, samples: int) -> None:
         self.local_steps += 1
 
     def global_params(self) -> tuple[torch.Tensor, int]:
-        samples = self.local_steps * self.cfg.batch_size * self.cfg.workers
-        return flatten_params(self.model), samples
+        return self.replica_params()

@@ -331,7 +331,11 @@ def _run_daso(cfg: RunConfig, monkeypatch, steps: int = 20):
         world_sums.append(values)
         return [2 * v for v in values]
 
-    monkeypatch.setattr(daso, "DistributedDataParallel", _FakeDDP)
+    monkeypatch.setattr(
+        daso,
+        "counted_ddp",
+        lambda model, group, device, state, hook=None: _FakeDDP(model, process_group=group),
+    )
     monkeypatch.setattr(daso, "all_reduce_sum", all_reduce_sum)
     monkeypatch.setattr(daso, "broadcast", lambda *a, **kw: None)
     monkeypatch.setattr(daso, "world_sum", world_sum)
