@@ -32,6 +32,7 @@ import torch
 from cloudburst.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from cloudburst.config import RunConfig
 from cloudburst.rundir import run_nonce
+from cloudburst.shard import shard_checkpoint_path
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,6 @@ def check_resumable(cfg: RunConfig) -> str:
 
     Returns a one-line description of what will be resumed; raises :class:`CheckpointError`.
     """
-    from cloudburst.server import shard_checkpoint_path
     from cloudburst.strategies import STRATEGY_CLASSES
 
     found = {w: valid_steps(cfg, w, strict=True) for w in range(cfg.workers)}

@@ -53,7 +53,8 @@ from cloudburst.runtime import (
     restart_count,
     shutdown,
 )
-from cloudburst.server import mean_staleness, serve_shard
+from cloudburst.server import serve_shard
+from cloudburst.shard import mean_staleness
 from cloudburst.strategies import STRATEGY_CLASSES, make_strategy
 from cloudburst.summary import failed_message, interrupted_message, write_partial_summary
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.comm.p2p import Header, Kind, Status
-from cloudburst.server import elastic_step
+from cloudburst.shard import elastic_step
 from cloudburst.strategies.asgd import AsgdStrategy
 
 
