@@ -13,13 +13,16 @@ way, independently of ``comm_timeout_s``.
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import torch.distributed as dist
 
-from cloudburst.runtime import LivenessMonitor
+from cloudburst.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -99,3 +102,149 @@ class Watchdog:
                 rank = min(dead)
                 self._on_lost(rank, self._watched[rank])
                 return
+
+
+def heartbeat_interval_s(cfg: RunConfig) -> float:
+    """How often a worker bumps its heartbeat: five times per ``heartbeat_timeout_s``."""
+    return max(0.05, cfg.heartbeat_timeout_s / 5)
+
+
+class Heartbeat:
+    """A worker's liveness signal: a counter in the job store, bumped from a daemon thread."""
+
+    def __init__(self, store: dist.Store, rank: int, interval_s: float):
+        self._store, self._key, self._interval_s = store, f"hb/{rank}", interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cloudburst-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._store.add(self._key, 1)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self._interval_s * 2)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._store.add(self._key, 1)
+            except Exception as e:  # the store's host went away: the job is over
+                log.warning("heartbeat stopped: %s", e)
+                return
+
+
+class LivenessMonitor:
+    """Decides which workers are dead: their heartbeat counter stopped moving for too long."""
+
+    def __init__(self, store: dist.Store, ranks: list[int], timeout_s: float):
+        self._store, self._timeout_s = store, timeout_s
+        now = time.monotonic()
+        self._last = {r: (-1, now) for r in ranks}
+
+    def dead(self, ranks: set[int] | list[int]) -> set[int]:
+        now = time.monotonic()
+        dead = set()
+        for r in ranks:
+            value = self._store.add(f"hb/{r}", 0)
+            last_value, since = self._last[r]
+            if value != last_value:
+                self._last[r] = (value, now)
+            elif now - since > self._timeout_s:
+                dead.add(r)
+        return dead
+
+    def revive(self, rank: int) -> None:
+        """Give ``rank`` (a restarted worker rejoining) a full timeout from now."""
+        self._last[rank] = (self._store.add(f"hb/{rank}", 0), time.monotonic())
+
+
+class RejoinRefused(RuntimeError):
+    """A restarted worker came back after the servers had finished."""
+
+
+class RejoinBoard:
+    """Announcements, in the job store, of restarted workers rejoining an asgd/easgd job.
+
+    A restarted worker takes the next number of a counter and writes (rank, incarnation)
+    under it. Every server reads the announcements in that order, so all of them build the
+    rejoin groups in the same order. A server that has finished serving *closes* the board by
+    adding ``CLOSED`` to the counter, in the same atomic operation that tells it which
+    announcements came before: a number handed out after that comes back ``>= CLOSED``, and
+    both sides treat that announcement as late (refused). So a worker is either admitted by
+    every server or refused by every one.
+    """
+
+    COUNT = "rejoin/count"
+    CLOSED = 1 << 40
+    MAX_PER_READ = 1024  # announcements read at once (a job restarts a few ranks at a time)
+    MAX_RECORD_BYTES = 256
+
+    def __init__(self, store: dist.Store, timeout_s: float):
+        self._store, self._timeout_s = store, timeout_s
+        self._seen = 0
+        self._closed = False
+
+    def announce(self, rank: int, incarnation: int) -> None:
+        """Worker side; raises :class:`RejoinRefused` when the servers have finished."""
+        value = self._store.add(self.COUNT, 1)
+        late = value >= self.CLOSED
+        record = {"rank": rank, "incarnation": incarnation, "late": late}
+        self._store.set(f"rejoin/{value % self.CLOSED}", json.dumps(record))
+        if late:
+            raise RejoinRefused(
+                f"rank {rank} was restarted after the parameter servers had finished: "
+                "there is no running job to rejoin"
+            )
+
+    def poll(self) -> list[tuple[int, int]]:
+        """Server side: (rank, incarnation) of the announcements since the last call."""
+        return self._read(self._store.add(self.COUNT, 0) % self.CLOSED)
+
+    def close(self) -> list[tuple[int, int]]:
+        """Server side: refuse announcements from now on; returns those not read yet."""
+        if self._closed:
+            return self.poll()
+        self._closed = True
+        return self._read(self._store.add(self.COUNT, self.CLOSED) % self.CLOSED)
+
+    def _read(self, count: int) -> list[tuple[int, int]]:
+        if count - self._seen > self.MAX_PER_READ:
+            # Never this many restarts at once: a counter moved by someone else than a worker.
+            log.warning(
+                "rejoin counter jumped from %d to %d; reading %d announcements only",
+                self._seen,
+                count,
+                self.MAX_PER_READ,
+            )
+            count = self._seen + self.MAX_PER_READ
+        arrivals = []
+        timeout = datetime.timedelta(seconds=self._timeout_s)
+        for number in range(self._seen + 1, count + 1):
+            key = f"rejoin/{number}"
+            try:
+                # written right after the number was taken (unless that worker died there)
+                self._store.wait([key], timeout)
+                raw = self._store.get(key)
+                if len(raw) > self.MAX_RECORD_BYTES:
+                    raise ValueError(f"{len(raw)} bytes")
+                record = json.loads(raw)
+                rank, incarnation = _announcement(record)
+            except (RuntimeError, ValueError, TypeError) as e:  # timed out, or not ours
+                log.warning("unreadable rejoin announcement %d (%s); ignored", number, e)
+                continue
+            if not record["late"]:
+                arrivals.append((rank, incarnation))
+        self._seen = max(self._seen, count)
+        return arrivals
+
+
+def _announcement(record: object) -> tuple[int, int]:
+    """(rank, incarnation) of a well-formed announcement; ``ValueError`` otherwise."""
+    if not isinstance(record, dict) or not isinstance(record.get("late"), bool):
+        raise ValueError("not an announcement")
+    rank, incarnation = record.get("rank"), record.get("incarnation")
+    if not all(type(v) is int and 0 <= v < 1 << 31 for v in (rank, incarnation)):
+        raise ValueError(f"bad rank/incarnation {rank!r}/{incarnation!r}")
+    return rank, incarnation

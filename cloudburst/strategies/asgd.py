@@ -50,7 +50,7 @@ from torch import nn
 
 from cloudburst.comm.flat import assign_flat, flatten_params, shard_bounds
 from cloudburst.comm.p2p import Header, Kind, Status
-from cloudburst.runtime import Heartbeat, heartbeat_interval_s
+from cloudburst.liveness import Heartbeat, heartbeat_interval_s
 from cloudburst.shard import add_rule_alpha, overlapped_push_fetch
 from cloudburst.strategies.base import Strategy
 
