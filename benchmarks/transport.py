@@ -65,8 +65,9 @@ import cloudburst.comm.p2p as p2p_mod  # noqa: E402
 import cloudburst.strategies.asgd as asgd_mod  # noqa: E402
 from cloudburst.comm.flat import flatten_params  # noqa: E402
 from cloudburst.config import RunConfig  # noqa: E402
+from cloudburst.launch import free_port  # noqa: E402
 from cloudburst.metrics import MetricsWriter  # noqa: E402
-from cloudburst.runtime import Context, LivenessMonitor, free_port  # noqa: E402
+from cloudburst.runtime import Context, LivenessMonitor  # noqa: E402
 from cloudburst.server import ServerLoop  # noqa: E402
 from cloudburst.strategies.asgd import AsgdStrategy  # noqa: E402
 
