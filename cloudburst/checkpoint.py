@@ -86,3 +86,24 @@ def load_model_into(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
             f"checkpoint {str(path)!r} does not fit this model: {first}"
         ) from None
     return payload.get("meta", {})
+
+
+def model_buffers_bytes(model: torch.nn.Module) -> bytes:
+    """A model's buffers (batch-norm running statistics), serialised."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in model.named_buffers()}, buf)
+    return buf.getvalue()
+
+
+def load_model_buffers(model: torch.nn.Module, raw: bytes) -> None:
+    """Load buffers serialised by :func:`model_buffers_bytes` (weights only) into ``model``."""
+    import io
+
+    buffers = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    own = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in buffers.items():
+            if name in own and own[name].shape == value.shape:
+                own[name].copy_(value)

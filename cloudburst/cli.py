@@ -27,9 +27,11 @@ from cloudburst.config import (
     STRATEGIES,
     ConfigError,
     RunConfig,
-    field_message,
     load_toml,
+    refuse_code_from_file,
 )
+from cloudburst.preflight import preflight
+from cloudburst.resilience import resume_config
 from cloudburst.rundir import check_run_dir, default_out, prepare_run_dir
 from cloudburst.summary import failed_message, format_summary, interrupted_message
 
@@ -331,60 +333,6 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     return RunConfig.from_dict(values)
 
 
-def refuse_code_from_file(
-    values: dict[str, Any], flags: dict[str, Any], source: str, trust: bool
-) -> None:
-    """Code runs only when the user names it on the command line: a model factory
-    (``package.module:function``) read from a file is refused unless ``--trust-config`` is
-    given or ``--model`` repeats the same value. Checked before anything is imported."""
-    from cloudburst.models import is_factory_spec
-
-    model = values.get("model")
-    if not isinstance(model, str) or not is_factory_spec(model) or trust:
-        return
-    if flags.get("model") == model:
-        return
-    raise ConfigError(
-        f"model: {source} names the factory {model!r}, which would import and run that code; "
-        f"pass --model {model} (or --trust-config) if you mean to run it"
-    )
-
-
-def resume_config(
-    run_dir: str, flags: dict[str, Any], has_toml: bool, trust: bool = False
-) -> RunConfig:
-    """The config of the run in ``run_dir``, with ``flags`` applied, set to resume it."""
-    import json
-    from pathlib import Path
-
-    from cloudburst.resilience import IDENTITY
-
-    if has_toml:
-        raise ConfigError(
-            "resume: a resumed run takes its settings from DIR/config.json, not --config"
-        )
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"resume: {str(path)!r} does not exist (not a cloudburst run directory)")
-    try:
-        values = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"resume: {str(path)!r} is not valid JSON ({e})") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"resume: {str(path)!r} does not hold a config")
-    refuse_code_from_file(values, flags, f"--resume {run_dir} (its config.json)", trust)
-    base = RunConfig.from_dict(values)
-    for key in IDENTITY:
-        if key in flags and flags[key] != getattr(base, key):
-            raise ConfigError(
-                f"resume: {key} cannot change when resuming ({getattr(base, key)!r} in "
-                f"{str(path)!r}); start a new run instead"
-            )
-    if "out" in flags and Path(flags["out"]).resolve() != Path(run_dir).resolve():
-        raise ConfigError("resume: a resumed run writes to its own directory; drop --out")
-    return RunConfig.from_dict({**values, **flags, "out": str(run_dir), "resume": True})
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
     if _under_torchrun():
         raise ConfigError("compare: run it directly, not under torchrun (it launches its jobs)")
@@ -448,107 +396,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _under_torchrun() -> bool:
     """This process is a rank of torchrun (checked without importing torch)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
-def preflight(cfg: RunConfig) -> None:
-    """Checks that need more than the config itself, done before anything is launched.
-
-    The dataset is read (a missing or malformed one fails here, in one line), the model is
-    built for it (a bad factory or a model that does not fit the data fails here) and an
-    ``init_from`` checkpoint is loaded into it.
-    """
-    from cloudburst.checkpoint import CheckpointError, load_model_into
-    from cloudburst.data import load_dataset
-    from cloudburst.datasets import DatasetError
-    from cloudburst.models import ModelError, build_model
-    from cloudburst.runtime import in_torchrun
-
-    if cfg.device == "cuda" and not _cuda_available():
-        raise ConfigError("device: cuda was asked for, but torch sees no CUDA device here")
-    if cfg.backend == "nccl" and not in_torchrun() and _cuda_available():
-        import torch
-
-        if torch.cuda.device_count() < cfg.workers:
-            raise ConfigError(
-                f"backend: nccl needs one GPU per worker; this machine has "
-                f"{torch.cuda.device_count()} for {cfg.workers} workers (NCCL cannot run two "
-                "ranks on one GPU); use --backend gloo or auto"
-            )
-    if cfg.tensorboard:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                "tensorboard: the tensorboard package is not installed "
-                "(pip install 'cloudburst[tensorboard]')"
-            ) from None
-    try:
-        data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size)
-    except DatasetError as e:
-        raise ConfigError(field_message("dataset", e)) from None
-    if cfg.train_size is None:
-        shard = len(data.train) // cfg.workers
-        if cfg.batch_size > shard:
-            raise ConfigError(
-                f"batch_size: {cfg.batch_size} is larger than each worker's shard of {shard} "
-                f"samples ({len(data.train)} training samples / {cfg.workers} workers)"
-            )
-    try:
-        model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
-    except ModelError as e:
-        raise ConfigError(field_message("model", e)) from None
-    _check_forward(cfg, model, data)
-    if cfg.init_from:
-        try:
-            load_model_into(cfg.init_from, model)
-        except CheckpointError as e:
-            raise ConfigError(f"init_from: {e}") from None
-    if cfg.resume:
-        from cloudburst.resilience import check_resumable
-
-        try:
-            what = check_resumable(cfg)
-        except CheckpointError as e:
-            raise ConfigError(f"resume: {e}") from None
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"cloudburst: {what}", file=sys.stderr)
-
-
-def _check_forward(cfg: RunConfig, model, data) -> None:
-    """One forward pass on two test samples: the model must take this data's input."""
-    import torch
-
-    from cloudburst.data import in_memory
-
-    x, _ = in_memory(data.test).get_batch(torch.arange(min(2, len(data.test))))
-    pre = data.preprocess(augment=False)
-    if pre is not None:
-        x = pre(x)
-    try:
-        with torch.no_grad():
-            out = model.eval()(x)
-    except Exception as e:  # noqa: BLE001 - any failure means "does not fit"
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(
-            f"model: {cfg.model!r} fails on this dataset's input of shape "
-            f"{tuple(x.shape[1:])}: {first[:200]}"
-        ) from None
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (x.shape[0], data.num_classes):
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ConfigError(
-            f"model: {cfg.model!r} returns {shape} for a batch of {x.shape[0]}; this dataset "
-            f"needs logits of shape ({x.shape[0]}, {data.num_classes})"
-        )
-
-
-def _cuda_available() -> bool:
-    import os
-
-    # NVML's answer does not initialise CUDA in this process, which forks the job's ranks.
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def launch_and_report(cfg: RunConfig) -> int:

@@ -549,3 +549,22 @@ def _check_float(
         hi = "" if high is None else f"{'<' if high_open else '<='} {high}"
         rng = " and ".join(x for x in (lo, hi) if x)
         raise ConfigError(f"{name}: {value!r} is not allowed; use a number {rng}")
+
+
+def refuse_code_from_file(
+    values: dict[str, Any], flags: dict[str, Any], source: str, trust: bool
+) -> None:
+    """Code runs only when the user names it on the command line: a model factory
+    (``package.module:function``) read from a file is refused unless ``--trust-config`` is
+    given or ``--model`` repeats the same value. Checked before anything is imported."""
+    from cloudburst.models import is_factory_spec
+
+    model = values.get("model")
+    if not isinstance(model, str) or not is_factory_spec(model) or trust:
+        return
+    if flags.get("model") == model:
+        return
+    raise ConfigError(
+        f"model: {source} names the factory {model!r}, which would import and run that code; "
+        f"pass --model {model} (or --trust-config) if you mean to run it"
+    )

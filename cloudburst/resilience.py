@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from cloudburst.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from cloudburst.config import RunConfig
+from cloudburst.config import ConfigError, RunConfig, refuse_code_from_file
 from cloudburst.rundir import run_nonce
+from cloudburst.runtime import restart_count
 from cloudburst.shard import shard_checkpoint_path
 
 log = logging.getLogger(__name__)
@@ -178,3 +179,98 @@ def check_resumable(cfg: RunConfig) -> str:
         return f"resuming every worker from step {max(common, default=0)}"
     latest = {w: (s[-1] if s else 0) for w, s in found.items()}
     return "resuming workers from steps " + ", ".join(f"{w}:{s}" for w, s in latest.items())
+
+
+def resume_worker(ctx, model, optimizer, scheduler, strategy, stream, evaluator):
+    """Restore this worker from its checkpoint when the run resumes or was restarted.
+
+    Returns the checkpoint's counters (``step``, ``samples``, ``skipped``, ``elapsed_s``), or
+    None when there is nothing to resume (a first attempt, or a restart before the first
+    checkpoint: the run starts over).
+    """
+    cfg = ctx.cfg
+    if not (cfg.resume or restart_count() > 0):
+        clear_worker_checkpoints(cfg.out, ctx.worker_index)  # a new run: none of its own yet
+        return None
+    # The CLI validated every file before a --resume; a rank restarting by itself skips bad
+    # ones (e.g. the one its predecessor was writing when it died).
+    steps = valid_steps(cfg, ctx.worker_index, strict=False)
+    if strategy.lockstep:
+        step = agree_on_step(ctx.store, ctx.worker_index, cfg.workers, steps, cfg.comm_timeout_s)
+    else:
+        step = steps[-1] if steps else 0
+    if step == 0:
+        log.warning("no checkpoint to resume from: starting from step 0")
+        return None
+    state = load_worker_state(cfg, ctx.worker_index, step)
+    model.load_state_dict({k: v.to(ctx.device) for k, v in state["model"].items()})
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    strategy.load_state_dict(state["strategy"])
+    stream.load_state_dict(state["stream"])
+    set_rng_state(state["rng"], ctx.device)
+    if evaluator is not None:
+        evaluator.history = [list(e) for e in state["evals"]]
+    log.info(
+        "resumed from step %d (%s)", step, worker_checkpoint_path(cfg.out, ctx.worker_index, step)
+    )
+    return {
+        "step": step,
+        "samples": int(state["samples"]),
+        "skipped": int(state["skipped"]),
+        "elapsed_s": float(state["elapsed_s"]),
+    }
+
+
+def capture_worker_state(
+    ctx, samples, skipped, model, optimizer, scheduler, strategy, stream, evaluator
+) -> dict[str, Any]:
+    """Everything a worker checkpoint holds (what :func:`resume_worker` restores)."""
+    return {
+        "samples": samples,
+        "skipped": skipped,
+        "elapsed_s": ctx.elapsed_s(),
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "strategy": strategy.state_dict(),
+        "stream": stream.state_dict(),
+        "rng": rng_state(ctx.device),
+        "evals": evaluator.history if evaluator else [],
+    }
+
+
+def resume_config(
+    run_dir: str, flags: dict[str, Any], has_toml: bool, trust: bool = False
+) -> RunConfig:
+    """The config of the run in ``run_dir``, with ``flags`` applied, set to resume it."""
+    import json
+    from pathlib import Path
+
+    from cloudburst.resilience import IDENTITY
+
+    if has_toml:
+        raise ConfigError(
+            "resume: a resumed run takes its settings from DIR/config.json, not --config"
+        )
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"resume: {str(path)!r} does not exist (not a cloudburst run directory)")
+    try:
+        values = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"resume: {str(path)!r} is not valid JSON ({e})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"resume: {str(path)!r} does not hold a config")
+    refuse_code_from_file(values, flags, f"--resume {run_dir} (its config.json)", trust)
+    base = RunConfig.from_dict(values)
+    for key in IDENTITY:
+        if key in flags and flags[key] != getattr(base, key):
+            raise ConfigError(
+                f"resume: {key} cannot change when resuming ({getattr(base, key)!r} in "
+                f"{str(path)!r}); start a new run instead"
+            )
+    if "out" in flags and Path(flags["out"]).resolve() != Path(run_dir).resolve():
+        raise ConfigError("resume: a resumed run writes to its own directory; drop --out")
+    return RunConfig.from_dict({**values, **flags, "out": str(run_dir), "resume": True})

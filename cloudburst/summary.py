@@ -1,19 +1,34 @@
-"""The summary of a run that did not finish (interrupted, or failed): what was done so far,
-read from its metrics files and checkpoints, and the command that continues it.
+"""A run's ``summary.json`` and the table the CLI prints of it.
 
-A finished run's summary is written by rank 0 at the end of training (:mod:`cloudburst.train`);
-this one is written by whoever stops the run — the local launcher on Ctrl-C, or rank 0 under a
-user's torchrun — from the files alone, so it needs no live rank.
+A finished run's summary is written by rank 0 (:func:`finalize_run`): it evaluates the final
+global θ, gathers every rank's report (:func:`hand_in`) and writes the file. A run that did not
+finish (interrupted, or failed) gets :func:`partial_summary` instead — what was done so far,
+read from its metrics files and checkpoints, and the command that continues it — written by
+whoever stops the run (the local launcher, or rank 0 under a user's torchrun) from the files
+alone, so it needs no live rank.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 import shlex
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
+from cloudburst.checkpoint import load_model_buffers, save_model
+from cloudburst.comm.flat import assign_flat
 from cloudburst.config import RunConfig
-from cloudburst.metrics import iter_jsonl, write_json_atomic
+from cloudburst.data import Dataset, evaluate_dataset, in_memory
+from cloudburst.metrics import MetricsWriter, iter_jsonl, time_to_target, write_json_atomic
+from cloudburst.runtime import Context
+from cloudburst.shard import mean_staleness
+
+log = logging.getLogger(__name__)
 
 
 def resume_command(out: str | Path) -> str:
@@ -119,3 +134,132 @@ def failed_message(summary: dict[str, Any]) -> str:
     if summary.get("resume_command"):
         return f"{line}; the last checkpoints are kept, continue with: {summary['resume_command']}"
     return f"{line}; no checkpoint was written yet"
+
+
+# ---------------------------------------------------------------------------- a finished run
+def hand_in(ctx: Context, metrics: MetricsWriter, report: dict[str, Any], time_s: float) -> None:
+    """Log this rank's final report; ranks other than 0 also leave it in the store for rank 0."""
+    metrics.log("final", time_s=time_s, **{k: v for k, v in report.items() if k != "evals"})
+    if ctx.rank != 0:
+        ctx.store.set(f"stats/{ctx.rank}", json.dumps(report))
+
+
+def finalize_run(
+    ctx: Context,
+    model: nn.Module,
+    theta: torch.Tensor,
+    data: Dataset,
+    metrics: MetricsWriter,
+    own_report: dict[str, Any],
+    lost: list[int],
+    wall_time_s: float,
+    global_samples: int,
+) -> dict[str, Any]:
+    """Rank 0: evaluate the final global θ, gather every rank's report, write the summary."""
+    cfg = ctx.cfg
+    assign_flat(model, theta)
+    if ctx.is_server and any(True for _ in model.buffers()) and cfg.servers not in lost:
+        try:
+            ctx.store.wait(["buffers"], _seconds(cfg.comm_timeout_s))
+            load_model_buffers(model, ctx.store.get("buffers"))
+        except Exception as e:  # noqa: BLE001 - worker 0 was lost: keep the initial buffers
+            log.warning("no model buffers from worker 0 (%s); evaluating with initial ones", e)
+    acc, test_loss = evaluate_dataset(
+        model,
+        in_memory(data.test),
+        data.preprocess(augment=False),
+        ctx.device,
+        autocast=cfg.autocast == "bf16",
+    )
+    metrics.log(
+        "eval",
+        time_s=wall_time_s,
+        samples=global_samples,
+        test_accuracy=acc,
+        test_loss=test_loss,
+        final=True,
+    )
+    save_model(f"{cfg.out}/model.pt", model, {"config": cfg.to_dict(), "test_accuracy": acc})
+    reports = {0: own_report}
+    for r in range(1, ctx.world_size):
+        if r in lost:
+            continue
+        key = f"stats/{r}"
+        try:
+            ctx.store.wait([key], _seconds(cfg.comm_timeout_s))
+            reports[r] = json.loads(ctx.store.get(key))
+        except Exception as e:  # noqa: BLE001 - a rank that died after training
+            log.warning("no report from rank %d (%s); it is counted as lost", r, e)
+            if r >= cfg.servers:
+                lost.append(r)
+    lost_set = set(lost) | {r for rep in reports.values() for r in rep.get("lost_workers", [])}
+    evals = [e for rep in reports.values() for e in rep.get("evals", [])]
+    evals.append([wall_time_s, global_samples, acc])
+    workers = [rep for r, rep in reports.items() if rep.get("role") == "worker"]
+    servers = [rep for rep in reports.values() if rep.get("role") == "server"]
+    if servers:
+        mean_st = mean_staleness(servers)
+        max_st = max(s["staleness_max"] for s in servers)
+    else:
+        mean_st, max_st = 0.0, 0
+    summary = {
+        "strategy": cfg.strategy,
+        "workers": cfg.workers,
+        "servers": cfg.servers,
+        "final_test_accuracy": acc,
+        "final_test_loss": test_loss,
+        "wall_time_s": wall_time_s,
+        "target_accuracy": cfg.target_accuracy,
+        "time_to_target_s": time_to_target(
+            [{"time_s": t, "test_accuracy": a} for t, _, a in evals], cfg.target_accuracy
+        ),
+        "samples": sum(w["samples"] for w in workers),
+        "samples_applied": global_samples,
+        "steps_per_worker": cfg.steps_per_worker(len(data.train)),
+        "device": str(ctx.device if not ctx.is_server else _worker_device(reports)),
+        "backend": ctx.backend,
+        "nodes": ctx.num_nodes,
+        "inter_node_bytes": sum(rep.get("inter_node_bytes", 0) for rep in reports.values()),
+        "intra_node_bytes": sum(rep.get("intra_node_bytes", 0) for rep in reports.values()),
+        "bytes_sent": sum(rep["bytes_sent"] for rep in reports.values()),
+        "bytes_received": sum(rep["bytes_received"] for rep in reports.values()),
+        "comm_wait_s": sum(rep["comm_wait_s"] for rep in reports.values()),
+        "mean_staleness": None if math.isnan(mean_st) else mean_st,
+        "max_staleness": max_st,
+        "pushes_rejected": sum(s.get("rejected_nonfinite", 0) for s in servers),
+        "pushes_dropped_stale": sum(s.get("dropped_stale", 0) for s in servers),
+        "messages_rejected": sum(rep.get("messages_rejected", 0) for rep in reports.values()),
+        "dropped_peers": sorted(
+            {r for rep in reports.values() for r in rep.get("dropped_peers", [])}
+        ),
+        "lost_workers": sorted(lost_set),
+        "rejoined_workers": sorted({r for s in servers for r in s.get("rejoined_workers", [])}),
+        "steps_skipped_nonfinite": sum(w.get("steps_skipped_nonfinite", 0) for w in workers),
+        **_replica_summary(workers),
+        "config": cfg.to_dict(),
+    }
+    write_json_atomic(f"{cfg.out}/summary.json", summary)
+    log.info("summary written: accuracy %.4f in %.1f s", acc, wall_time_s)
+    return summary
+
+
+def _replica_summary(workers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Decentralised strategies: each replica's accuracy and the worst one (the final model
+    is the replicas' average)."""
+    accs = [w["replica_accuracy"] for w in workers if "replica_accuracy" in w]
+    if not accs:
+        return {}
+    return {"replica_accuracies": accs, "worst_replica_accuracy": min(accs)}
+
+
+def _worker_device(reports: dict[int, dict[str, Any]]) -> str:
+    for rep in reports.values():
+        if rep.get("role") == "worker" and "device" in rep:
+            return rep["device"]
+    return "cpu"
+
+
+def _seconds(s: float):
+    import datetime
+
+    return datetime.timedelta(seconds=s)

@@ -8,7 +8,6 @@ a replica through the strategy chosen in the config. The loop is the same for ev
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 import os
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cloudburst.checkpoint import load_model_into, save_model
+from cloudburst.checkpoint import load_model_into, model_buffers_bytes
 from cloudburst.comm.collectives import all_reduce_sum
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.comm.p2p import CommStats
@@ -35,18 +34,9 @@ from cloudburst.data import (
 )
 from cloudburst.faults import FaultInjector, parse_faults
 from cloudburst.liveness import EXIT_PEER_LOST, Watchdog, mark_done, watched_peers
-from cloudburst.metrics import MetricsWriter, time_to_target, write_json_atomic
+from cloudburst.metrics import MetricsWriter, write_json_atomic
 from cloudburst.models import build_model
-from cloudburst.resilience import (
-    agree_on_step,
-    clear_worker_checkpoints,
-    load_worker_state,
-    rng_state,
-    save_worker_state,
-    set_rng_state,
-    valid_steps,
-    worker_checkpoint_path,
-)
+from cloudburst.resilience import capture_worker_state, resume_worker, save_worker_state
 from cloudburst.runtime import (
     Context,
     init_distributed,
@@ -54,9 +44,14 @@ from cloudburst.runtime import (
     shutdown,
 )
 from cloudburst.server import serve_shard
-from cloudburst.shard import mean_staleness
 from cloudburst.strategies import STRATEGY_CLASSES, make_strategy
-from cloudburst.summary import failed_message, interrupted_message, write_partial_summary
+from cloudburst.summary import (
+    failed_message,
+    finalize_run,
+    hand_in,
+    interrupted_message,
+    write_partial_summary,
+)
 
 log = logging.getLogger(__name__)
 
@@ -252,18 +247,9 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         checkpoint_due |= bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0
         if checkpoint_due and step < total and strategy.checkpoint_ready():
             checkpoint_due = False
-            state = {
-                "samples": samples,
-                "skipped": skipped,
-                "elapsed_s": ctx.elapsed_s(),
-                "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "strategy": strategy.state_dict(),
-                "stream": stream.state_dict(),
-                "rng": rng_state(device),
-                "evals": evaluator.history if evaluator else [],
-            }
+            state = capture_worker_state(
+                ctx, samples, skipped, model, optimizer, scheduler, strategy, stream, evaluator
+            )
             save_worker_state(cfg, ctx.worker_index, step, state)
             metrics.log("checkpoint", step=step, time_s=ctx.elapsed_s())
         if step % cfg.log_every_steps == 0 or step == total:
@@ -313,7 +299,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     if ctx.worker_index == 0 and ctx.num_servers and any(True for _ in model.buffers()):
         # The servers hold parameters only: the model's buffers (batch-norm statistics) that
         # the final evaluation needs come from worker 0's replica.
-        ctx.store.set("buffers", _buffers_bytes(model))
+        ctx.store.set("buffers", model_buffers_bytes(model))
     hand_in(ctx, metrics, report, wall_time_s)
     if ctx.rank == 0:  # no servers: worker 0 is rank 0 and writes the summary
         flat, global_samples = strategy.global_params()
@@ -330,72 +316,11 @@ def grads_finite(optimizer: torch.optim.Optimizer) -> bool:
     return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
 
 
-def resume_worker(ctx, model, optimizer, scheduler, strategy, stream, evaluator):
-    """Restore this worker from its checkpoint when the run resumes or was restarted.
-
-    Returns the checkpoint's counters (``step``, ``samples``, ``skipped``, ``elapsed_s``), or
-    None when there is nothing to resume (a first attempt, or a restart before the first
-    checkpoint: the run starts over).
-    """
-    cfg = ctx.cfg
-    if not (cfg.resume or restart_count() > 0):
-        clear_worker_checkpoints(cfg.out, ctx.worker_index)  # a new run: none of its own yet
-        return None
-    # The CLI validated every file before a --resume; a rank restarting by itself skips bad
-    # ones (e.g. the one its predecessor was writing when it died).
-    steps = valid_steps(cfg, ctx.worker_index, strict=False)
-    if strategy.lockstep:
-        step = agree_on_step(ctx.store, ctx.worker_index, cfg.workers, steps, cfg.comm_timeout_s)
-    else:
-        step = steps[-1] if steps else 0
-    if step == 0:
-        log.warning("no checkpoint to resume from: starting from step 0")
-        return None
-    state = load_worker_state(cfg, ctx.worker_index, step)
-    model.load_state_dict({k: v.to(ctx.device) for k, v in state["model"].items()})
-    optimizer.load_state_dict(state["optimizer"])
-    if scheduler is not None and state["scheduler"] is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    strategy.load_state_dict(state["strategy"])
-    stream.load_state_dict(state["stream"])
-    set_rng_state(state["rng"], ctx.device)
-    if evaluator is not None:
-        evaluator.history = [list(e) for e in state["evals"]]
-    log.info(
-        "resumed from step %d (%s)", step, worker_checkpoint_path(cfg.out, ctx.worker_index, step)
-    )
-    return {
-        "step": step,
-        "samples": int(state["samples"]),
-        "skipped": int(state["skipped"]),
-        "elapsed_s": float(state["elapsed_s"]),
-    }
-
-
 def data_workers(cfg: RunConfig, data: Dataset) -> int:
     """DataLoader processes per worker: as configured, else 2 for images, 0 for features."""
     if cfg.data_workers is not None:
         return cfg.data_workers
     return 2 if data.is_image else 0
-
-
-def _buffers_bytes(model: nn.Module) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    torch.save({k: v.detach().cpu() for k, v in model.named_buffers()}, buf)
-    return buf.getvalue()
-
-
-def _load_buffers(model: nn.Module, raw: bytes) -> None:
-    import io
-
-    buffers = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    own = dict(model.named_buffers())
-    with torch.no_grad():
-        for name, value in buffers.items():
-            if name in own and own[name].shape == value.shape:
-                own[name].copy_(value)
 
 
 def copy_buffers(src: nn.Module, dst: nn.Module) -> None:
@@ -466,132 +391,3 @@ def run_server(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         finalize_run(
             ctx, model, theta, data, metrics, report, lost, wall_time_s, loop.shard.samples
         )
-
-
-# ---------------------------------------------------------------------------- summary
-def hand_in(ctx: Context, metrics: MetricsWriter, report: dict[str, Any], time_s: float) -> None:
-    """Log this rank's final report; ranks other than 0 also leave it in the store for rank 0."""
-    metrics.log("final", time_s=time_s, **{k: v for k, v in report.items() if k != "evals"})
-    if ctx.rank != 0:
-        ctx.store.set(f"stats/{ctx.rank}", json.dumps(report))
-
-
-def finalize_run(
-    ctx: Context,
-    model: nn.Module,
-    theta: torch.Tensor,
-    data: Dataset,
-    metrics: MetricsWriter,
-    own_report: dict[str, Any],
-    lost: list[int],
-    wall_time_s: float,
-    global_samples: int,
-) -> dict[str, Any]:
-    """Rank 0: evaluate the final global θ, gather every rank's report, write the summary."""
-    cfg = ctx.cfg
-    assign_flat(model, theta)
-    if ctx.is_server and any(True for _ in model.buffers()) and cfg.servers not in lost:
-        try:
-            ctx.store.wait(["buffers"], _seconds(cfg.comm_timeout_s))
-            _load_buffers(model, ctx.store.get("buffers"))
-        except Exception as e:  # noqa: BLE001 - worker 0 was lost: keep the initial buffers
-            log.warning("no model buffers from worker 0 (%s); evaluating with initial ones", e)
-    acc, test_loss = evaluate_dataset(
-        model,
-        in_memory(data.test),
-        data.preprocess(augment=False),
-        ctx.device,
-        autocast=cfg.autocast == "bf16",
-    )
-    metrics.log(
-        "eval",
-        time_s=wall_time_s,
-        samples=global_samples,
-        test_accuracy=acc,
-        test_loss=test_loss,
-        final=True,
-    )
-    save_model(f"{cfg.out}/model.pt", model, {"config": cfg.to_dict(), "test_accuracy": acc})
-    reports = {0: own_report}
-    for r in range(1, ctx.world_size):
-        if r in lost:
-            continue
-        key = f"stats/{r}"
-        try:
-            ctx.store.wait([key], _seconds(cfg.comm_timeout_s))
-            reports[r] = json.loads(ctx.store.get(key))
-        except Exception as e:  # noqa: BLE001 - a rank that died after training
-            log.warning("no report from rank %d (%s); it is counted as lost", r, e)
-            if r >= cfg.servers:
-                lost.append(r)
-    lost_set = set(lost) | {r for rep in reports.values() for r in rep.get("lost_workers", [])}
-    evals = [e for rep in reports.values() for e in rep.get("evals", [])]
-    evals.append([wall_time_s, global_samples, acc])
-    workers = [rep for r, rep in reports.items() if rep.get("role") == "worker"]
-    servers = [rep for rep in reports.values() if rep.get("role") == "server"]
-    if servers:
-        mean_st = mean_staleness(servers)
-        max_st = max(s["staleness_max"] for s in servers)
-    else:
-        mean_st, max_st = 0.0, 0
-    summary = {
-        "strategy": cfg.strategy,
-        "workers": cfg.workers,
-        "servers": cfg.servers,
-        "final_test_accuracy": acc,
-        "final_test_loss": test_loss,
-        "wall_time_s": wall_time_s,
-        "target_accuracy": cfg.target_accuracy,
-        "time_to_target_s": time_to_target(
-            [{"time_s": t, "test_accuracy": a} for t, _, a in evals], cfg.target_accuracy
-        ),
-        "samples": sum(w["samples"] for w in workers),
-        "samples_applied": global_samples,
-        "steps_per_worker": cfg.steps_per_worker(len(data.train)),
-        "device": str(ctx.device if not ctx.is_server else _worker_device(reports)),
-        "backend": ctx.backend,
-        "nodes": ctx.num_nodes,
-        "inter_node_bytes": sum(rep.get("inter_node_bytes", 0) for rep in reports.values()),
-        "intra_node_bytes": sum(rep.get("intra_node_bytes", 0) for rep in reports.values()),
-        "bytes_sent": sum(rep["bytes_sent"] for rep in reports.values()),
-        "bytes_received": sum(rep["bytes_received"] for rep in reports.values()),
-        "comm_wait_s": sum(rep["comm_wait_s"] for rep in reports.values()),
-        "mean_staleness": None if math.isnan(mean_st) else mean_st,
-        "max_staleness": max_st,
-        "pushes_rejected": sum(s.get("rejected_nonfinite", 0) for s in servers),
-        "pushes_dropped_stale": sum(s.get("dropped_stale", 0) for s in servers),
-        "messages_rejected": sum(rep.get("messages_rejected", 0) for rep in reports.values()),
-        "dropped_peers": sorted(
-            {r for rep in reports.values() for r in rep.get("dropped_peers", [])}
-        ),
-        "lost_workers": sorted(lost_set),
-        "rejoined_workers": sorted({r for s in servers for r in s.get("rejoined_workers", [])}),
-        "steps_skipped_nonfinite": sum(w.get("steps_skipped_nonfinite", 0) for w in workers),
-        **_replica_summary(workers),
-        "config": cfg.to_dict(),
-    }
-    write_json_atomic(f"{cfg.out}/summary.json", summary)
-    log.info("summary written: accuracy %.4f in %.1f s", acc, wall_time_s)
-    return summary
-
-
-def _replica_summary(workers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Decentralised strategies: each replica's accuracy and the worst one (the final model
-    is the replicas' average)."""
-    accs = [w["replica_accuracy"] for w in workers if "replica_accuracy" in w]
-    if not accs:
-        return {}
-    return {"replica_accuracies": accs, "worst_replica_accuracy": min(accs)}
-
-
-def _worker_device(reports: dict[int, dict[str, Any]]) -> str:
-    for rep in reports.values():
-        if rep.get("role") == "worker" and "device" in rep:
-            return rep["device"]
-    return "cpu"
-
-
-def _seconds(s: float):
-    import datetime
-
-    return datetime.timedelta(seconds=s)
