@@ -38,7 +38,7 @@ from cloudburst.metrics import MetricsWriter
 from cloudburst.rundir import prepare_run_dir
 from cloudburst.runtime import Context, init_distributed, shutdown
 from cloudburst.server import serve_shard
-from cloudburst.strategies import Strategy, make_strategy
+from cloudburst.strategies import STRATEGY_CLASSES, Strategy, make_strategy
 
 
 class Job:
@@ -50,7 +50,7 @@ class Job:
             # Before the others join (they wait for rank 0 in init_distributed): a new,
             # empty or earlier run's directory, its old files removed by name.
             prepare_run_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
-        self.ctx: Context = init_distributed(cfg)
+        self.ctx: Context = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
         self.metrics = MetricsWriter(cfg.out, self.ctx.rank, self.ctx.role)
         self.strategy: Strategy | None = None
         self._hooks: _LoopHooks | None = None

@@ -383,6 +383,13 @@ class RunConfig:
         return out
 
     @property
+    def shard_rule(self) -> tuple[str, float]:
+        """(rule, lr) of the parameter-server shards: EASGD's elastic centre (α), or asgd's."""
+        if self.strategy == "easgd":
+            return "elastic", self.easgd_alpha_value
+        return self.server_rule, self.server_lr
+
+    @property
     def easgd_alpha_value(self) -> float:
         """α of EASGD: as given, else β / W."""
         return self.easgd_alpha if self.easgd_alpha is not None else self.easgd_beta / self.workers

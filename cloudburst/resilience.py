@@ -34,6 +34,7 @@ from cloudburst.config import ConfigError, RunConfig, refuse_code_from_file
 from cloudburst.rundir import run_nonce
 from cloudburst.runtime import restart_count
 from cloudburst.shard import shard_checkpoint_path
+from cloudburst.strategies import STRATEGY_CLASSES
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +166,6 @@ def check_resumable(cfg: RunConfig) -> str:
 
     Returns a one-line description of what will be resumed; raises :class:`CheckpointError`.
     """
-    from cloudburst.strategies import STRATEGY_CLASSES
-
     found = {w: valid_steps(cfg, w, strict=True) for w in range(cfg.workers)}
     shards = [shard_checkpoint_path(cfg.out, k) for k in range(cfg.servers)]
     for path in shards:

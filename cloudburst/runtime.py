@@ -146,7 +146,7 @@ class Context:
         self.t0 = float(self.store.get("t0").decode())
 
 
-def init_distributed(cfg: RunConfig) -> Context:
+def init_distributed(cfg: RunConfig, strategy_cls: type | None = None) -> Context:
     """Join the job started by torchrun: process groups with a timeout, roles, device, store.
 
     The world group is gloo (servers, point-to-point traffic, barriers). The workers' group
@@ -157,6 +157,7 @@ def init_distributed(cfg: RunConfig) -> Context:
     > 0) cannot re-enter the world group the others still hold: it rejoins on a group with the
     servers instead (:func:`_rejoin_job`). A restarted server cannot, and fails at once.
     """
+    traits = _traits(cfg, strategy_cls)
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     if world != cfg.world_size:
@@ -170,7 +171,7 @@ def init_distributed(cfg: RunConfig) -> Context:
     backend = select_backend(cfg)
     timeout = datetime.timedelta(seconds=cfg.comm_timeout_s)
     _choose_gloo_interface(os.environ["MASTER_ADDR"])
-    if restart_count() > 0 and _survives_worker_loss(cfg):
+    if restart_count() > 0 and traits.survives_worker_loss:
         # This rank alone was restarted (one agent per rank); the others are still running
         # and will not enter init_process_group again.
         if rank < cfg.servers:
@@ -203,19 +204,19 @@ def init_distributed(cfg: RunConfig) -> Context:
         )
     topology = resolve_topology(cfg, world)
     node_group = global_group = None
-    if cfg.strategy == "daso":
-        node_group, global_group = _daso_groups(topology, backend, timeout)
+    if "node_and_across" in traits.process_groups:
+        node_group, global_group = _node_and_across_groups(topology, backend, timeout)
     gossip_groups: tuple[dist.ProcessGroup | None, ...] = (None, None)
-    if cfg.strategy == "gossip":
+    if "gossip_pair" in traits.process_groups:
         # Two gloo groups of the workers, created once by every rank in the same order.
         workers = list(range(cfg.servers, world))
         gossip_groups = tuple(
             dist.new_group(workers, timeout=timeout, backend="gloo") for _ in range(2)
         )
-    store = _job_store(cfg)
+    store = _job_store(cfg, traits.survives_worker_loss)
     # Liveness on a connection of its own: the training thread's long store waits (a final
     # report, a checkpoint agreement) hold its client, and heartbeats must not wait for them.
-    liveness_store = _job_store(cfg)
+    liveness_store = _job_store(cfg, traits.survives_worker_loss)
     heartbeat = Heartbeat(liveness_store, rank, heartbeat_interval_s(cfg)).start()
     _configure_logging(rank, "server" if rank < cfg.servers else "worker")
     if rank == cfg.servers:
@@ -249,10 +250,27 @@ def init_distributed(cfg: RunConfig) -> Context:
     )
 
 
-def _survives_worker_loss(cfg: RunConfig) -> bool:
-    from cloudburst.strategies import STRATEGY_CLASSES
+@dataclass(frozen=True)
+class StrategyTraits:
+    """What the runtime needs to know of a strategy (its class attributes)."""
 
-    return STRATEGY_CLASSES[cfg.strategy].survives_worker_loss
+    survives_worker_loss: bool = False
+    process_groups: tuple[str, ...] = ()
+
+
+def _traits(cfg: RunConfig, strategy_cls: type | None) -> StrategyTraits:
+    if strategy_cls is None:
+        # Callers that build their own strategy objects pass the class; the registry is the
+        # fallback for those that do not (it imports every strategy: a layer above this one).
+        import importlib
+
+        strategy_cls = importlib.import_module("cloudburst.strategies").STRATEGY_CLASSES[
+            cfg.strategy
+        ]
+    return StrategyTraits(
+        bool(getattr(strategy_cls, "survives_worker_loss", False)),
+        tuple(getattr(strategy_cls, "process_groups", ())),
+    )
 
 
 def _rejoin_job(
@@ -266,7 +284,7 @@ def _rejoin_job(
     (:func:`rejoin_group`), on which the servers serve it from then on. It keeps its rank and
     worker index; it has no workers' group (asgd and easgd use none).
     """
-    store = _job_store(cfg)
+    store = _job_store(cfg, survives_worker_loss=True)
     _configure_logging(rank, "worker")
     incarnation = restart_count()
     # Heartbeats from now on: the servers reset this worker's liveness clock when they admit
@@ -358,10 +376,10 @@ def resolve_topology(cfg: RunConfig, world: int) -> Topology:
     return Topology.contiguous(world, cfg.nodes or 1)
 
 
-def _daso_groups(
+def _node_and_across_groups(
     topology: Topology, backend: str, timeout: datetime.timedelta
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """DASO's groups, built once: one per node, and one per local rank across the nodes."""
+    """One group per node, and one per local rank across the nodes (DASO's), built once."""
     nodes = [topology.ranks_on(n) for n in range(topology.num_nodes)]
     if len({len(r) for r in nodes}) != 1:
         raise RuntimeError(f"DASO needs the same number of ranks on every node, got {nodes}")
@@ -483,7 +501,7 @@ def shutdown(ctx: Context | None) -> None:
         dist.destroy_process_group()
 
 
-def _job_store(cfg: RunConfig) -> dist.Store:
+def _job_store(cfg: RunConfig, survives_worker_loss: bool) -> dist.Store:
     """A client of torchrun's store (on MASTER_ADDR:MASTER_PORT), under a per-run prefix."""
     client = dist.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -495,7 +513,7 @@ def _job_store(cfg: RunConfig) -> dist.Store:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     # A restart of the whole job (every rank restarts together) gets keys of its own; a rank
     # of an asynchronous job that restarts alone rejoins the others' keys.
-    attempt = "" if _survives_worker_loss(cfg) else f"attempt{restart_count()}/"
+    attempt = "" if survives_worker_loss else f"attempt{restart_count()}/"
     return dist.PrefixStore(f"{STORE_PREFIX}/{run_id}/{attempt}", client)
 
 

@@ -168,9 +168,7 @@ class ShardState:
 
 def server_rule(cfg: RunConfig) -> tuple[str, float]:
     """(rule, lr) of the shards: EASGD's elastic centre, or the configured asgd rule."""
-    if cfg.strategy == "easgd":
-        return "elastic", cfg.easgd_alpha_value
-    return cfg.server_rule, cfg.server_lr
+    return cfg.shard_rule
 
 
 def overlapped_push_fetch(cfg: RunConfig) -> bool:

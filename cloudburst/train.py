@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 def run_rank(cfg_dict: dict[str, Any]) -> None:
     """Entry point of one rank. ``cfg_dict`` is a :meth:`RunConfig.to_dict`."""
     cfg = RunConfig.from_dict(cfg_dict)
-    ctx = init_distributed(cfg)
+    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
     if ctx.rank == 0:  # what --resume reads back (the local launcher also writes it)
         write_json_atomic(f"{cfg.out}/config.json", cfg.to_dict())
     metrics = MetricsWriter(cfg.out, ctx.rank, ctx.role, tensorboard=cfg.tensorboard)

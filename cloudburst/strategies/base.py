@@ -27,6 +27,11 @@ class Strategy(ABC):
     #: True when the replicas move together (every worker at the same step is needed to
     #: resume): a resumed run starts every worker from the latest step all of them saved.
     lockstep: ClassVar[bool] = False
+    #: The extra process groups this strategy needs, by name, built once by every rank when
+    #: the job starts (:func:`cloudburst.runtime.init_distributed`): "node_and_across" (one
+    #: group per node, one per local rank across the nodes: DASO), "gossip_pair" (two gloo
+    #: groups of the workers: gossip's requests and replies).
+    process_groups: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx):
         self.ctx = ctx

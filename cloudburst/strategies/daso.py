@@ -138,6 +138,7 @@ class _Pending:
 class DasoStrategy(Strategy):
     name = "daso"
     lockstep = True
+    process_groups = ("node_and_across",)
 
     def __init__(self, ctx):
         super().__init__(ctx)

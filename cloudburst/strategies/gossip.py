@@ -130,6 +130,7 @@ class GossipStrategy(Strategy):
     decentralised = True
     # Resumed from a common step: the consensus measurements are all-reduces matched by count.
     lockstep = True
+    process_groups = ("gossip_pair",)
 
     def __init__(self, ctx):
         super().__init__(ctx)
