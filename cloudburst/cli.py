@@ -1,4 +1,4 @@
-"""``cloudburst`` command line: ``train`` and ``plot``.
+"""``cloudburst`` command line: ``train``, ``compare``, ``demo`` and ``plot``.
 
 ``cloudburst train`` validates the whole config before anything starts (a bad value: one line,
 exit code 2). Outside torchrun it launches a local job and shows a progress bar; inside a

@@ -1,14 +1,11 @@
-"""The job: torchrun environment, process groups, roles, the job store, and local launches.
+"""One rank's view of its job: the torchrun environment, roles, process groups (the world,
+the workers', and those a strategy declares), the job store, topology, device and backend.
 
 Ranks ``0 .. S-1`` are parameter-server shards, ranks ``S .. S+W-1`` are workers (``S`` = 0 for
-strategies without servers). Rank 0 therefore hosts torchrun's store on node 0 and survives
-the loss of any worker in asynchronous runs.
-
-``cloudburst train`` outside torchrun starts a local job itself with torch's own launcher API
-(:func:`torch.distributed.launcher.api.elastic_launch`): one agent for all ranks when the
-strategy is synchronous (a dead rank ends the job, as it must), one agent per rank when the
-strategy tolerates worker loss (an agent tears down only its own rank). Inside torchrun the
-same entry point runs one rank.
+strategies without servers). A local job (``cloudburst train`` outside torchrun) is started by
+:mod:`cloudburst.launch`, whose launcher process serves the job's store; inside a user's
+torchrun, torchrun's store is used. Liveness (heartbeats, watchdogs, rejoining) lives in
+:mod:`cloudburst.liveness`.
 """
 
 from __future__ import annotations
