@@ -1,0 +1,122 @@
+"""Readers for datasets on local paths: CIFAR-10 (python version), an image folder, a ``.npz`` file.
+
+A dataset is named by a spec string, ``KIND`` or ``KIND:PATH`` (see ``parse_dataset_spec``):
+
+- ``cifar10:PATH`` — the extracted "CIFAR-10 python version" (``data_batch_1..5``, ``test_batch``,
+  optional ``batches.meta``); PATH is that directory or its parent holding
+  ``cifar-10-batches-py/``. The batches are pickles, so they are read with an unpickler that only
+  rebuilds numpy arrays and refuses every other global: a pickle can run code when loaded.
+- ``imagefolder:PATH`` — ``PATH/CLASS/*.png|jpg|jpeg|bmp|gif|webp``; classes are the sorted
+  subdirectory names. ``PATH/train`` with ``PATH/test`` (or ``PATH/val``) gives the splits;
+  otherwise a stratified test split is held out (``_holdout_positions``). Images are decoded
+  lazily, batch by batch, so this works for folders that do not fit in memory.
+- ``npz:PATH`` — arrays ``x_train, y_train[, x_test, y_test]`` (or ``x, y[, x_test, y_test]``),
+  read with ``allow_pickle=False``. uint8 ``[N,C,H,W]``, ``[N,H,W,C]`` (C in {1, 3}) or
+  ``[N,H,W]`` are images; anything else numeric is a float32 feature array.
+
+Every failure is a ``DatasetError`` whose message is one line naming the path and the problem.
+Images come out as uint8 NCHW; ``Preprocess`` turns a batch into normalised float32, with random
+crop + flip when augmenting, vectorised over the batch and seeded by a ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cloudburst.datasets.base import (  # noqa: F401
+    CIFAR10_DIRNAME,
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    CIFAR10_TEST_BATCH,
+    CIFAR10_TRAIN_BATCHES,
+    DATASET_KINDS,
+    GENERATED_KINDS,
+    IMAGE_EXTENSIONS,
+    MAX_ASPECT_RATIO,
+    MAX_IMAGE_PIXELS,
+    NPZ_SPLIT_SEED,
+    STATS_MAX_IMAGES,
+    STD_FLOOR,
+    DatasetError,
+    ImageFileSource,
+    LoadedData,
+    Preprocess,
+    TensorSource,
+    _ChannelMoments,
+    _check_image_size,
+    _decode_image,
+    _describe,
+    channel_stats,
+)
+from cloudburst.datasets.cifar import _cifar_dir, _load_cifar10
+from cloudburst.datasets.imagefolder import _imagefolder_splits, _load_imagefolder
+from cloudburst.datasets.npz import _load_npz, _npz_keys, _open_npz
+
+# --------------------------------------------------------------------------------------------
+# Spec parsing and the entry points
+
+_SPEC_FORMS = "mnist1d, synthetic, cifar10:PATH, imagefolder:PATH, npz:PATH"
+
+
+def parse_dataset_spec(spec: str) -> tuple[str, str | None]:
+    """``"mnist1d"`` → ``("mnist1d", None)``; ``"npz:/d/x.npz"`` → ``("npz", "/d/x.npz")``.
+
+    Splits at the first ``:``, so a path may itself contain colons.
+    """
+    kind, sep, path = spec.partition(":")
+    kind = kind.strip()
+    if kind in GENERATED_KINDS:
+        if sep:
+            raise DatasetError(
+                f"dataset {spec!r}: {kind} is generated in memory and takes no path; "
+                f"use one of {_SPEC_FORMS}"
+            )
+        return kind, None
+    if kind in DATASET_KINDS:
+        if not path.strip():
+            raise DatasetError(
+                f"dataset {spec!r}: {kind} needs a path, as {kind}:PATH; use one of {_SPEC_FORMS}"
+            )
+        return kind, path
+    raise DatasetError(f"dataset {spec!r}: unknown kind {kind!r}; use one of {_SPEC_FORMS}")
+
+
+def check_dataset(kind: str, path: str) -> None:
+    """Cheap preflight: PATH exists and has the layout of KIND. Decodes nothing."""
+    root = _resolve(kind, path)
+    if kind == "cifar10":
+        _cifar_dir(root)
+    elif kind == "imagefolder":
+        _imagefolder_splits(root)
+    else:
+        with _open_npz(root) as archive:
+            _npz_keys(root, archive)
+
+
+def load_path_dataset(
+    kind: str, path: str, image_size: int = 32, test_fraction: float = 0.1
+) -> LoadedData:
+    """Read the dataset KIND at PATH. ``image_size`` applies to imagefolder only;
+    ``test_fraction`` only where the data brings no test split of its own."""
+    root = _resolve(kind, path)
+    if not 0.0 < test_fraction < 1.0:
+        raise DatasetError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    if image_size < 1:
+        raise DatasetError(f"image_size must be >= 1, got {image_size}")
+    if kind == "cifar10":
+        return _load_cifar10(root)
+    if kind == "imagefolder":
+        return _load_imagefolder(root, image_size, test_fraction)
+    return _load_npz(root, test_fraction)
+
+
+def _resolve(kind: str, path: str) -> Path:
+    if kind not in DATASET_KINDS:
+        raise DatasetError(
+            f"dataset kind {kind!r} is not read from a path; path kinds: {', '.join(DATASET_KINDS)}"
+        )
+    root = Path(os.path.expanduser(path))
+    if not root.exists():
+        raise DatasetError(f"{kind}:{path}: no such file or directory")
+    return root
