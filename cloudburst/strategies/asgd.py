@@ -1,6 +1,6 @@
 """``asgd``: asynchronous SGD with a sharded parameter server (Downpour; GPU A-SGD).
 
-Algorithm (ALGORITHMS.md §2; Dean et al. 2012, Paine et al. 2013): each worker trains its own
+Algorithm (docs/algorithms.md#asgd; Dean et al. 2012, Paine et al. 2013): each worker trains its own
 replica with its local optimizer; every ``n_push`` local steps it pushes its accumulated update
 Δ = θ_local − θ_reference to the S server shards, every ``n_fetch`` steps it fetches θ from them
 (``n_sync`` sets both: GPU A-SGD's n_sync local steps, then push and fetch in one round trip).
@@ -32,7 +32,7 @@ round Δ goes to a pinned host buffer and the fetched θ comes back from one, wi
 non-blocking copy each way (the GPU→CPU transfer every n_sync of GPU A-SGD). Servers are CPU
 processes and the wire is gloo.
 
-Differences from the papers, noted as ALGORITHMS.md asks: when ``n_fetch`` and ``n_push``
+Differences from the papers, noted as docs/algorithms.md does: when ``n_fetch`` and ``n_push``
 differ, a fetch keeps the not-yet-pushed local progress (θ_local ← θ_server + pending Δ) so
 that it is pushed later rather than lost; Δ is always "progress since the last push". A push
 the servers reject (non-finite) is dropped and the worker restarts from the servers' θ.

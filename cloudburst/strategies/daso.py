@@ -1,6 +1,6 @@
 """``daso``: Distributed Asynchronous and Selective Optimization (Coquelin et al. 2021).
 
-Algorithm (ALGORITHMS.md §3, as in the authors' Heat implementation): ranks form P nodes of G
+Algorithm (docs/algorithms.md#daso, as in the authors' Heat implementation): ranks form P nodes of G
 local ranks. Every batch, gradients are all-reduced inside the node (DDP on the node's group;
 with ``local_skip`` L only every L batches). Every B batches one rank per node — local rank
 ``k mod G`` at the k-th global sync, rotating — flattens θ, casts it (bf16 by default), and

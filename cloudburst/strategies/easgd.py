@@ -1,6 +1,6 @@
 """``easgd``: elastic averaging SGD (Zhang et al. 2015), asynchronous, centre on the servers.
 
-Algorithm (ALGORITHMS.md §4): each worker trains its replica θ_i with its local optimizer;
+Algorithm (docs/algorithms.md#easgd): each worker trains its replica θ_i with its local optimizer;
 every τ = ``easgd_tau`` steps it computes the elastic difference e = α(θ_i − θ̃) against the
 centre variable θ̃ held by the parameter-server shards, moves θ_i ← θ_i − e, and the shards
 move θ̃ ← θ̃ + e. α = ``easgd_alpha``, by default β/W with β = ``easgd_beta`` (0.9).

@@ -1,7 +1,7 @@
 """``gossip``: pairwise averaging with one peer at a time, asynchronously, no global barrier.
 
-Algorithm (ALGORITHMS.md §4; Jin, Yuan, Iandola, Keutzer 2016, "How to scale distributed deep
-learning?"; push-sum from Assran et al. 2019, Stochastic Gradient Push): every worker trains
+Algorithm (docs/algorithms.md#gossip; Jin, Yuan, Iandola, Keutzer 2016, "How to scale
+distributed deep learning?"; push-sum from Assran et al. 2019, Stochastic Gradient Push): every worker trains
 its own replica; every k = ``gossip_every`` steps it gossips with one peer j given by the
 schedule. *Pull*: fetch θ_j, set θ_i ← (θ_i + θ_j)/2. *Push*: send θ_i to j, which folds all
 it received at its next step boundary: θ_j ← (θ_j + Σ received)/(1 + n). *Push-sum* (SGP):

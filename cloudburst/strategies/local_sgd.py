@@ -1,7 +1,7 @@
 """``local_sgd`` (post-local SGD) and ``diloco``: average the replicas every H local steps.
 
-``local_sgd`` (ALGORITHMS.md §5; Lin et al. 2020's post-local SGD): each worker trains its own
-replica with its local optimizer; every H = ``local_sgd_period`` steps the workers average
+``local_sgd`` (docs/algorithms.md#local_sgd-and-diloco; Lin et al. 2020's post-local SGD):
+each worker trains its own replica with its local optimizer; every H = ``period`` steps the workers average
 their parameters (a blocking all-reduce). The first ``local_sgd_warmup_steps`` steps average
 every step, which for SGD (with momentum and weight decay) is exactly synchronous SGD.
 

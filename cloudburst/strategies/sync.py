@@ -2,7 +2,7 @@
 
 Algorithm: every step each worker computes the gradient of its mini-batch; DDP averages the
 gradients across workers with all-reduce (bucketed, overlapped with backward); every worker
-applies the same update. Equal to SGD on a W-times larger batch (ALGORITHMS.md §1).
+applies the same update. Equal to SGD on a W-times larger batch (docs/algorithms.md#sync).
 Synchronous: every step waits for all workers. Staleness: always 0.
 A dead worker: the all-reduce raises on every other rank and the job stops (torchrun tears it
 down); resume from a checkpoint.
