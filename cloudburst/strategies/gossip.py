@@ -1,14 +1,14 @@
 """``gossip``: pairwise averaging with one peer at a time, asynchronously, no global barrier.
 
-Algorithm (docs/algorithms.md#gossip; Jin, Yuan, Iandola, Keutzer 2016, "How to scale
-distributed deep learning?"; push-sum from Assran et al. 2019, Stochastic Gradient Push): every worker trains
-its own replica; every k = ``gossip_every`` steps it gossips with one peer j given by the
-schedule. *Pull*: fetch θ_j, set θ_i ← (θ_i + θ_j)/2. *Push*: send θ_i to j, which folds all
-it received at its next step boundary: θ_j ← (θ_j + Σ received)/(1 + n). *Push-sum* (SGP):
-each worker carries a weight w (1 at the start); sending, it keeps w/2 and sends the numerator
-θ·w/2 with the weight w/2; a receiver adds numerators (to its θ·w) and weights, and trains on
-the de-biased θ = numerator / w; Σ_i w_i = W and Σ_i w_i θ_i are kept exactly (messages in
-flight included), so the replicas agree on the true average.
+Algorithm (docs/algorithms.md#gossip; Jin, Yuan, Iandola, Keutzer 2016, "How to scale distributed
+deep learning?"; push-sum from Assran et al. 2019, Stochastic Gradient Push): every worker trains
+its own replica; every k = ``gossip_every`` steps it gossips with one peer j given by the schedule.
+*Pull*: fetch θ_j, set θ_i ← (θ_i + θ_j)/2. *Push*: send θ_i to j, which folds all it received at
+its next step boundary: θ_j ← (θ_j + Σ received)/(1 + n). *Push-sum* (SGP): each worker carries a
+weight w (1 at the start); sending, it keeps w/2 and sends the numerator θ·w/2 with the weight w/2;
+a receiver adds numerators (to its θ·w) and weights, and trains on the de-biased θ = numerator / w;
+Σ_i w_i = W and Σ_i w_i θ_i are kept exactly (messages in flight included), so the replicas agree on
+the true average.
 
 Three parts, as in SGP's code: who talks to whom (:class:`PeerSchedule`: random, ring, or the
 time-varying exponential graph), with which weights (:func:`pull_average`, :func:`push_fold`,

@@ -1,13 +1,13 @@
 """``local_sgd`` (post-local SGD) and ``diloco``: average the replicas every H local steps.
 
-``local_sgd`` (docs/algorithms.md#local_sgd-and-diloco; Lin et al. 2020's post-local SGD):
-each worker trains its own replica with its local optimizer; every H = ``period`` steps the workers average
-their parameters (a blocking all-reduce). The first ``local_sgd_warmup_steps`` steps average
+``local_sgd`` (docs/algorithms.md#local_sgd-and-diloco; Lin et al. 2020's post-local SGD): each
+worker trains its own replica with its local optimizer; every H = ``period`` steps the workers
+average their parameters (a blocking all-reduce). The first ``local_sgd_warmup_steps`` steps average
 every step, which for SGD (with momentum and weight decay) is exactly synchronous SGD.
 
 ``diloco`` (Douillard et al. 2023): the local optimizer is the *inner* optimizer; every H steps
 the workers average the pseudo-gradient Δ = θ_global − θ_local and an *outer* optimizer (SGD
-with Nesterov momentum, lr 0.7, momentum 0.9 by default) applies it to θ_global, which every
+with Nesterov momentum 0.9; lr 0.1 over an SGD inner optimizer, 0.7 over Adam by default) applies it to θ_global, which every
 replica then restarts from. With an outer SGD of lr 1 and no momentum, θ_global becomes the
 average of the replicas: ``local_sgd``.
 
