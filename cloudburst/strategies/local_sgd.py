@@ -8,8 +8,8 @@ every step, which for SGD (with momentum and weight decay) is exactly synchronou
 ``diloco`` (Douillard et al. 2023): the local optimizer is the *inner* optimizer; every H steps
 the workers average the pseudo-gradient Δ = θ_global − θ_local and an *outer* optimizer (SGD
 with Nesterov momentum 0.9; lr 0.1 over an SGD inner optimizer, 0.7 over Adam by default)
-applies it to θ_global, which every replica then restarts from. With an outer SGD of lr 1 and no momentum, θ_global becomes the
-average of the replicas: ``local_sgd``.
+applies it to θ_global, which every replica then restarts from. With an outer SGD of lr 1 and
+no momentum, θ_global becomes the average of the replicas: ``local_sgd``.
 
 Synchronous every H steps (a straggler stalls the others once per period); staleness 0.
 A dead worker: the next average raises on every other rank and the job stops, as for sync.
