@@ -249,39 +249,77 @@ class Server:
         self.staleness_max = max(self.staleness_max, staleness)
 
 
-def asgd_one_worker(
-    steps: int, n_fetch: int, n_push: int, model: str = "cnn", **server
-) -> tuple[nn.Module, Server]:
+class AsgdWorker:
     """One asgd worker against the servers (``server``: :class:`Server`'s settings).
 
     Every ``n_push`` steps it pushes Δ = θ_local − θ_ref (its progress since the last push or
     fetch); every ``n_fetch`` steps it fetches θ (after its push, when both are due), keeping
-    the progress it has not pushed yet; at the end it pushes what is left. Returns (the
-    servers' θ as a model, the server)."""
-    m = fresh_model(model)
-    opt = _sgd(m)
-    srv = Server(_flat(m), **server)
-    [data] = streams(1)
-    reference, base = _flat(m), 0
-    for step in range(1, steps + 1):
-        opt.zero_grad()
-        _loss(m, next(data)).backward()
-        opt.step()
-        push, fetch = step % n_push == 0, step % n_fetch == 0
-        local = _flat(m)
-        if push:
-            srv.push(local - reference, base)
-        if fetch:
-            pending = 0 if push else local - reference
-            _assign(m, srv.theta.detach() + pending)
-            reference, base = srv.theta.detach().clone(), srv.version
-        elif push:
-            reference = local
-    if steps % n_push:
-        srv.push(_flat(m) - reference, base)
-    out = fresh_model(model)
-    _assign(out, srv.theta.detach())
-    return out, srv
+    the progress it has not pushed yet; when it finishes it pushes what is left."""
+
+    def __init__(self, n_fetch: int, n_push: int, model: str = "cnn", **server):
+        self.n_fetch, self.n_push, self.model_name = n_fetch, n_push, model
+        self.model = fresh_model(model)
+        self.opt = _sgd(self.model)
+        self.server = Server(_flat(self.model), **server)
+        [self.data] = streams(1)
+        self.reference, self.base, self.step = _flat(self.model), 0, 0
+
+    def train(self, steps: int, checkpoint_at: int | None = None) -> dict | None:
+        """``steps`` more steps; returns what a checkpoint after step ``checkpoint_at``
+        holds (the local optimizer, the data position, the step)."""
+        saved = None
+        for _ in range(steps):
+            self.step += 1
+            self.opt.zero_grad()
+            _loss(self.model, next(self.data)).backward()
+            self.opt.step()
+            push, fetch = self.step % self.n_push == 0, self.step % self.n_fetch == 0
+            local = _flat(self.model)
+            if push:
+                self.server.push(local - self.reference, self.base)
+            if fetch:
+                pending = 0 if push else local - self.reference
+                self._fetch(pending)
+            elif push:
+                self.reference = local
+            if self.step == checkpoint_at:
+                saved = {
+                    "optimizer": copy.deepcopy(self.opt.state_dict()),
+                    "stream": self.data.state_dict(),
+                    "step": self.step,
+                }
+        return saved
+
+    def _fetch(self, pending) -> None:
+        _assign(self.model, self.server.theta.detach() + pending)
+        self.reference, self.base = self.server.theta.detach().clone(), self.server.version
+
+    def finish(self) -> None:
+        if self.step % self.n_push:
+            self.server.push(_flat(self.model) - self.reference, self.base)
+
+    def resume(self, checkpoint: dict) -> None:
+        """A resumed run: the worker's optimizer, data position and step from its checkpoint,
+        its θ from the servers (which kept theirs)."""
+        self.opt.load_state_dict(checkpoint["optimizer"])
+        self.data.load_state_dict(checkpoint["stream"])
+        self.step = checkpoint["step"]
+        self._fetch(0)
+
+    def global_model(self) -> nn.Module:
+        out = fresh_model(self.model_name)
+        _assign(out, self.server.theta.detach())
+        return out
+
+
+def asgd_one_worker(
+    steps: int, n_fetch: int, n_push: int, model: str = "cnn", **server
+) -> tuple[nn.Module, Server]:
+    """A whole run of one asgd worker: (the servers' θ as a model, the server)."""
+    worker = AsgdWorker(n_fetch, n_push, model, **server)
+    worker.train(steps)
+    worker.finish()
+    return worker.global_model(), worker.server
 
 
 def easgd_one_worker(steps: int, tau: int, alpha: float, model: str = "cnn") -> nn.Module:

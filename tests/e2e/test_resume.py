@@ -5,6 +5,7 @@ The deterministic strategies must end exactly where an undisturbed run of the sa
 undisturbed references are run once and shared by the tests that compare with them.
 """
 
+import copy
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from cloudburst.checkpoint import load_checkpoint, save_checkpoint
+from tests.dist import simulate as sim
 from tests.helpers import (
     REPO,
     cli,
@@ -133,7 +135,9 @@ def _files(run) -> dict[str, bytes]:
     return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
 
 
-def test_resume_refuses_corrupt_foreign_and_changed_runs_and_touches_nothing(tmp_path):
+def test_resume_refuses_corrupt_foreign_and_changed_runs_and_touches_nothing(tmp_path, capsys):
+    from cloudburst.cli import main
+
     ref = _reference("sync")
     [ckpt_name] = [p.name for p in sorted((ref / "checkpoints").glob("worker1-*.pt"))[-1:]]
     good = load_checkpoint(ref / "checkpoints" / ckpt_name, "worker-state")
@@ -158,27 +162,26 @@ def test_resume_refuses_corrupt_foreign_and_changed_runs_and_touches_nothing(tmp
     for name, spoil in bad_files.items():
         runs[name] = copy_run(ref, tmp_path / name)
         spoil(runs[name] / "checkpoints" / ckpt_name)
-    # What makes a run's identity cannot change when it resumes.
+    runs["changes"] = copy_run(ref, tmp_path / "changes")
+    before = {name: _files(run) for name, run in runs.items()}
+    procs = cli_many([["train", "--resume", str(runs[name])] for name in bad_files])
+    for what, proc in zip(bad_files, procs, strict=True):
+        assert proc.returncode == 2, (what, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("cloudburst: invalid config: resume: ")
+        assert expected[what] in lines[0], lines
+    # What makes a run's identity cannot change when it resumes (refused by the CLI's
+    # config check, before anything is read or started: run in this process).
     changes = {
-        "strategy": ["--strategy", "local_sgd"],
         "servers": ["--servers", "1"],
         "model": ["--model", "cnn"],
         "dataset": ["--dataset", "mnist1d"],
         "batch_size": ["--batch-size", "32"],
     }
-    runs["changes"] = copy_run(ref, tmp_path / "changes")
-    before = {name: _files(run) for name, run in runs.items()}
-    calls = [["train", "--resume", str(runs[name])] for name in bad_files]
-    calls += [["train", "--resume", str(runs["changes"]), *args] for args in changes.values()]
-    procs = cli_many(calls)
-    for what, proc in zip([*bad_files, *changes], procs, strict=True):
-        assert proc.returncode == 2, (what, proc.stderr)
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("cloudburst: invalid config: resume: ")
-        if what in expected:
-            assert expected[what] in lines[0], lines
-        else:
-            assert f"resume: {what} cannot change" in lines[0], lines
+    for key, args in changes.items():
+        assert main(["train", "--resume", str(runs["changes"]), *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [err[0]] and f"invalid config: resume: {key} cannot change" in err[0]
     # A refused resume changes no file.
     assert {name: _files(run) for name, run in runs.items()} == before
 
@@ -198,25 +201,36 @@ def test_gossip_restarts_and_continues(tmp_path):
     assert [e["step"] for e in rank_events(out, 0, "step")][-1] == 40
 
 
-def test_asgd_resumes_its_servers_and_workers(tmp_path):
-    # The sgd server rule with momentum: the shard's optimizer state is in its checkpoint.
+def test_asgd_resumes_its_server_and_worker_exactly(tmp_path):
+    # One worker, so that the run and its resumption are determined: the worker restarts
+    # from its step-30 checkpoint (optimizer, data position) and from the server's θ, the
+    # server from its shard checkpoint, whose sgd rule has momentum (optimizer state).
     out = tmp_path / "a"
-    flags = ("--strategy", "asgd", "--servers", "1", "--n-sync", "2", "--server-rule", "sgd",
-             "--server-lr", "0.25", "--server-momentum", "0.5", *COMMON)  # fmt: skip
-    cli("train", *flags, "--out", str(out))
-    # 2 workers × 20 pushes of 2 steps × 16 samples; the shard checkpoints when it ends.
-    assert read_summary(out)["samples_applied"] == 40 * 32
+    cli("train", *sim.COMMON, "--strategy", "asgd", "--workers", "1", "--servers", "1",
+        "--n-sync", "2", "--server-rule", "sgd", "--server-lr", "0.5", "--server-momentum",
+        "0.5", "--steps", "40", "--checkpoint-every", "10", "--out", str(out))  # fmt: skip
+    worker = sim.AsgdWorker(n_fetch=2, n_push=2, rule="sgd", lr=0.5, momentum=0.5)
+    checkpoint = worker.train(40, checkpoint_at=30)
+    worker.finish()
+    sim.assert_same_params(sim.trained(out), worker.global_model())
+    assert read_summary(out)["samples_applied"] == 20 * 32  # 20 pushes of 2 steps
+
     proc = cli("train", "--resume", str(out), "--steps", "60")
-    assert "resuming workers from steps 0:30, 1:30" in proc.stderr
+    assert "resuming workers from steps 0:30" in proc.stderr
     [server_resume] = rank_events(out, 0, "resume")
-    assert server_resume["version"] == 40
+    assert server_resume["version"] == 20
     assert [e["step"] for e in rank_events(out, 1, "resume")] == [30]
-    # Each worker redoes steps 31..60 from its step-30 checkpoint: 15 more pushes each.
+    forgetful = copy.deepcopy(worker)  # a server that lost its momentum would end elsewhere
+    forgetful.server.opt = torch.optim.SGD([forgetful.server.theta], lr=0.5, momentum=0.5)
+    for w in (worker, forgetful):
+        w.resume(checkpoint)
+        w.train(30)  # steps 31..60 again: 15 more pushes
+        w.finish()
+    sim.assert_same_params(sim.trained(out), worker.global_model())
+    sim.assert_params_differ(worker.global_model(), forgetful.global_model(), at_least=1e-4)
     summary = read_summary(out)
-    assert final_record(out, 0)["version"] == 40 + 30
-    assert summary["samples_applied"] == (40 + 30) * 32
-    assert summary["samples"] == 2 * 60 * 16 and summary["final_test_accuracy"] > 0.5
-    assert [e["step"] for e in rank_events(out, 2, "step")][-1] == 60
+    assert final_record(out, 0)["version"] == 20 + 15
+    assert summary["samples_applied"] == (20 + 15) * 32 and summary["samples"] == 60 * 16
 
 
 def test_a_restarted_server_points_to_resume_which_continues_the_run(tmp_path):
