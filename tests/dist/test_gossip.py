@@ -122,10 +122,10 @@ ROUNDS = 80  # gossip rounds per variant (steps: ROUNDS × gossip_every)
 def _consensus(rank: int, out: str) -> list[dict]:
     import dataclasses
 
+    import torch.distributed as dist
+
     from cloudburst.runtime import shutdown
     from cloudburst.strategies.gossip import GossipStrategy
-
-    import torch.distributed as dist
 
     ctx, model, opt = _setup(rank, out, 4)
     results = []

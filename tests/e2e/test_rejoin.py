@@ -24,7 +24,7 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 200
+STEPS = 100
 BATCH = 64  # the default batch size
 
 
