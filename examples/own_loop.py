@@ -1,4 +1,4 @@
-"""Your own training loop with a cloudburst strategy, launched by torchrun.
+"""Your own training loop with a cloudburst strategy and explicit calls, launched by torchrun.
 
     torchrun --nproc-per-node 3 examples/own_loop.py --strategy asgd --servers 1 --n-sync 5
     torchrun --nproc-per-node 2 examples/own_loop.py --strategy sync
@@ -58,7 +58,9 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     x_all, y_all = worker_shard(data, job.worker_index, job.num_workers)  # its own shard
     steps_per_epoch = len(x_all) // 64
-    model = job.wrap(model, optimizer, steps_per_epoch, args.steps)  # cloudburst
+    # hooks=False: this example makes the calls itself (examples/dataloader_loop.py lets
+    # job.wrap hook the optimizer instead)
+    model = job.wrap(model, optimizer, steps_per_epoch, args.steps, hooks=False)  # cloudburst
     job.start()  # cloudburst
     g = torch.Generator().manual_seed(100 + job.worker_index)
     for _ in range(args.steps):
