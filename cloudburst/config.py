@@ -1,20 +1,32 @@
-"""Run configuration: one dataclass, validated once, before any process starts.
+"""Run configuration: one small dataclass per concern, composed into :class:`RunConfig`,
+validated once, before any process starts.
+
+Each concern (the job, A-SGD's parameter server, DASO, the data, faults, ...) is a dataclass
+whose fields carry their help in ``field(metadata=...)`` (written with :func:`option`) and whose
+``_validate_<concern>`` sits next to them. ``cloudburst train``'s flags are generated from these
+fields (:mod:`cloudburst.cli`), so a new setting is one field (and its check). :class:`RunConfig`
+inherits every concern: its attributes stay flat (``cfg.daso_global_skip``, ``cfg.lr``), and so
+do :meth:`RunConfig.to_dict` and a run's config.json.
 
 A bad value raises :class:`ConfigError` whose message is one line naming the field, the value
 and what is allowed; the CLI prints it and exits with code 2 without launching anything.
-Config files are TOML (parsed with :mod:`tomllib`, which never executes code); command-line
-flags override file values.
+Config files are TOML (parsed with :mod:`tomllib`, which never executes code): flat keys
+(``daso_global_skip = 4``), a ``[train]`` table of them, or one section per concern
+(``[daso]`` with ``global_skip = 4``); command-line flags override file values.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import json
 import math
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 STRATEGIES = ("sync", "asgd", "daso", "local_sgd", "diloco", "easgd", "gossip")
 # Names added by cloudburst.strategies.register_strategy (plug-ins, benchmark adapters).
@@ -59,138 +71,60 @@ class Straggler:
         return straggler
 
 
+def option(
+    default: Any = None,
+    help: str = "",
+    *,
+    flag: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+    shown: str | None = None,
+    aliases: tuple[str, ...] = (),
+    factory: Callable[[], Any] | None = None,
+    cli: bool = True,
+) -> Any:
+    """A setting: its default and what ``cloudburst train --help`` says about it.
+
+    ``flag``: the flag when it is not ``--field-name`` (a setting that defaults to True gets a
+    switch that turns it off, ``--no-field-name`` unless named here); ``shown``: the default
+    as the help prints it where the value alone does not say (None: decided later);
+    ``aliases``: other keys accepted for it in files and dicts; ``factory``: a default made
+    per config (lists); ``cli=False``: no generated flag.
+    """
+    metadata = {
+        "help": help,
+        "flag": flag,
+        "choices": choices,
+        "metavar": metavar,
+        "shown": shown,
+        "aliases": aliases,
+        "cli": cli,
+    }
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# ---------------------------------------------------------------------------- the concerns
+# Each concern names its TOML section and its group in --help. Its _validate_<concern> runs as
+# part of a RunConfig (``self: RunConfig``): a check that needs another concern's value (the
+# number of workers, say) reads it from there.
+
+
 @dataclass
-class RunConfig:
-    """Everything one training run needs. Paper symbols appear next to descriptive names."""
+class JobConfig:
+    """What runs: the algorithm, W workers and S parameter-server shards."""
 
-    strategy: str = "sync"
-    workers: int = 2
-    # S, parameter-server shards (asgd, easgd). None: 1 for those strategies, 0 otherwise.
-    servers: int | None = None
-    # GPU A-SGD: every n_fetch local steps fetch θ, every n_push steps push Δ; n_sync sets
-    # both, unless one is given explicitly (None: n_sync, or 1).
-    n_sync: int | None = None
-    n_fetch: int | None = None
-    n_push: int | None = None
-    server_rule: str = "add"  # add: θ ← θ + λΔ; sgd / adagrad treat −Δ as a pseudo-gradient
-    # λ for "add"; the learning rate of the server optimizer otherwise. None: 1/W.
-    server_lr: float | None = None
-    server_momentum: float = 0.0  # momentum of the "sgd" server rule
-    max_staleness: int | None = None  # drop pushes staler than this many shard versions
-    staleness_scaling: bool = False  # scale each push by 1/staleness (staleness-aware A-SGD)
-    warm_start_steps: int = 0  # K: the first worker trains alone for K steps first
-    init_from: str | None = None  # start every replica (and the servers) from this checkpoint
+    section: ClassVar[str] = "job"
+    title: ClassVar[str] = "job"
 
-    # DASO (ALGORITHMS.md §3; Heat's DASO knobs): B = global_skip batches between global
-    # syncs, waited for S = batches_to_wait batches later; blocking warm-up and cool-down.
-    daso_global_skip: int = 4  # B at the start of the cycling phase (0: blocking every batch)
-    daso_batches_to_wait: int = 1  # S at the start of the cycling phase
-    daso_local_skip: int = 1  # L: node-local gradient all-reduce every L batches
-    daso_max_global_skips: int = 8  # B after a reset
-    daso_warmup_epochs: float = 4.0  # blocking global average every batch at first ...
-    daso_cooldown_epochs: float = 4.0  # ... and at the end
-    daso_stability_level: float = 0.05  # relative improvement that counts as "not stable"
-    daso_patience: int = 2  # epochs without such improvement before B and S shrink
-    daso_skip_reduction_factor: int = 2  # B and S are divided by this on a plateau
-    daso_adaptive: bool = True  # False: B and S stay at their starting values
-    daso_downcast: str = "bf16"  # dtype of blocking global averages: bf16, fp16, none
-    daso_cycling_downcast: str = "none"  # dtype of the non-blocking syncs (Heat: fp32)
-    daso_epoch_end_sync: bool = True  # Heat: a blocking average on each epoch's last batch
-    daso_chunk_elements: int = 10_000_000  # global all-reduces in chunks of this many values
+    strategy: str = option("sync", "the data-parallel algorithm", choices=STRATEGIES)
+    workers: int = option(2, "W, training ranks")
+    servers: int | None = option(
+        None, "S, parameter-server shards (asgd, easgd)", shown="1 for asgd and easgd, 0 otherwise"
+    )
 
-    # local_sgd / diloco (ALGORITHMS.md §5): average the replicas every H = period steps.
-    period: int = 8
-    local_sgd_warmup_steps: int = 0  # post-local SGD: average every step for this many first
-    # None: 0.7 (the paper's) over an Adam inner optimizer, 0.1 over SGD — 0.7 over SGD
-    # diverged (benchmarks/results/defaults.md).
-    diloco_outer_lr: float | None = None
-    diloco_outer_momentum: float = 0.9
-    diloco_nesterov: bool = True
-
-    # easgd (ALGORITHMS.md §4): every tau steps e = alpha (θ_i − θ̃); θ_i −= e; θ̃ += e on the
-    # servers. alpha defaults to beta / W.
-    easgd_tau: int = 10
-    easgd_alpha: float | None = None
-    easgd_beta: float = 0.9
-
-    # gossip (ALGORITHMS.md §4): pairwise averaging with a peer every gossip_every steps.
-    gossip_variant: str = "pull"  # pull: fetch a peer's θ and average; push: send ours
-    gossip_schedule: str = "random"  # random peer, ring, or time-varying exponential graph
-    gossip_every: int = 1
-    gossip_push_sum: bool = False  # push-sum weights (Stochastic Gradient Push), push only
-    consensus_every_steps: int = 50  # log the consensus distance every this many steps
-
-    # Topology: --nodes groups one launch's ranks into N emulated nodes (torchrun's real
-    # nodes otherwise); --inter-node-link delays traffic between nodes as such a link would.
-    nodes: int | None = None
-    inter_node_link: str | None = None  # "GBIT_PER_S[,LATENCY_MS]", e.g. "1,1"
-
-    dataset: str = "mnist1d"  # or cifar10:PATH, imagefolder:PATH, npz:PATH (local files only)
-    train_size: int | None = None  # None: 4000 for mnist1d/synthetic, all of a path dataset
-    test_size: int | None = None  # None: 1000 for mnist1d/synthetic, all of a path dataset
-    image_size: int = 32  # imagefolder images are resized and center-cropped to this
-    augment: bool = True  # random crop (padding 4) and horizontal flip, image datasets only
-    data_workers: int | None = None  # DataLoader processes per worker; None: 2 for images, else 0
-    model: str = "cnn"  # mlp, cnn (1-D), resnet20, convnet (32x32 images), or pkg.module:fn
-    device: str = "auto"  # workers' compute device; auto: cuda when a GPU is present
-    backend: str = "auto"  # workers' collectives; auto: nccl when each worker has its own GPU
-    autocast: str = "none"  # bf16: autocast the forward pass (and loss) to bfloat16
-    epochs: float | None = None  # passes of each worker over its own shard
-    steps: int | None = None  # local steps per worker (overrides epochs)
-    batch_size: int = 64  # per worker
-    optimizer: str = "sgd"  # the local (worker) optimizer
-    lr: float = 0.1
-    lr_schedule: str = "constant"  # or "cosine": to 0 over each worker's steps
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    seed: int = 0
-
-    target_accuracy: float | None = None
-    stragglers: list[Straggler] = field(default_factory=list)
-    min_step_time_s: float = 0.0  # emulated device: each step takes at least this long (sleep)
-    eval_every_s: float = 1.0
-    log_every_steps: int = 10
-    tensorboard: bool = False  # also write the metrics as TensorBoard events under OUT/tensorboard
-    # Workers checkpoint every this many steps, servers their shard every this many applied
-    # pushes (0: off), under OUT/checkpoints.
-    checkpoint_every: int = 100
-    # Servers log one ``push`` metrics record every this many applied pushes (bounded files;
-    # the staleness statistics in the summary count every push regardless).
-    push_log_every: int = 10
-    resume: bool = False  # continue from the checkpoints under OUT (``--resume OUT``)
-    max_restarts: int = 0  # the launcher restarts a failed rank this many times (torchrun's)
-    # Faults to inject, "kill:RANK@STEP", "stop:RANK@STEP", "nan:RANK@STEP", "slow:RANK:FACTOR"
-    # (cloudburst.faults); they fire in a run's first attempt only.
-    inject_fault: list[str] = field(default_factory=list)
-    comm_timeout_s: float = 300.0
-    heartbeat_timeout_s: float = 10.0
-    out: str = "runs/latest"
-    overwrite: bool = False  # write into a non-empty directory that is not a cloudburst run
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if isinstance(self.inject_fault, str):
-            self.inject_fault = [self.inject_fault]
-        if self.n_sync is not None:
-            _check_int("n_sync", self.n_sync, 1)
-        if self.servers is None:
-            self.servers = 1 if self.strategy in SERVER_STRATEGIES else 0
-        default_period = self.n_sync if self.n_sync is not None else 1
-        if self.n_fetch is None:
-            self.n_fetch = default_period
-        if self.n_push is None:
-            self.n_push = default_period
-        if self.diloco_outer_lr is None:
-            self.diloco_outer_lr = 0.7 if self.optimizer == "adam" else 0.1
-        if self.server_lr is None:
-            # ALGORITHMS §2: the W workers' pushes are averaged (λ = 1/W), not summed.
-            self.server_lr = (
-                1.0 / self.workers if isinstance(self.workers, int) and (self.workers > 0) else 1.0
-            )
-        self.validate()
-
-    # ------------------------------------------------------------------ validation
-    def validate(self) -> None:
+    def _validate_job(self: RunConfig) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES + tuple(REGISTERED_STRATEGIES))
         _check_int("workers", self.workers, 1)
         _check_int("servers", self.servers, 0)
@@ -204,6 +138,44 @@ class RunConfig:
                 f"servers: {self.servers} is not allowed for strategy {self.strategy!r}, "
                 "which uses no parameter server; use --servers 0"
             )
+
+
+@dataclass
+class AsgdConfig:
+    """GPU A-SGD (docs/algorithms.md#asgd): every n_fetch local steps a worker fetches θ from
+    the shards, every n_push steps it pushes its Δ; the shards apply each push by their rule."""
+
+    section: ClassVar[str] = "asgd"
+    title: ClassVar[str] = "A-SGD parameter server (--strategy asgd, with --servers)"
+
+    n_sync: int | None = option(
+        None, "GPU A-SGD n_sync: sets --n-fetch and --n-push", shown="none, so both are 1"
+    )
+    n_fetch: int | None = option(
+        None, "fetch θ every this many local steps", shown="--n-sync, or 1"
+    )
+    n_push: int | None = option(None, "push Δ every this many local steps", shown="--n-sync, or 1")
+    server_rule: str = option(
+        "add",
+        "add: θ ← θ + λΔ; sgd and adagrad treat −Δ as a pseudo-gradient",
+        choices=SERVER_RULES,
+    )
+    server_lr: float | None = option(
+        None,
+        "λ of the add rule; the server optimizer's lr otherwise",
+        shown="1/W, which averages the workers' pushes",
+    )
+    server_momentum: float = option(0.0, "momentum of the sgd server rule")
+    max_staleness: int | None = option(
+        None,
+        "drop pushes staler than this many shard versions",
+        shown="none, every push is applied",
+    )
+    staleness_scaling: bool = option(
+        False, "scale each push by 1/staleness (staleness-aware A-SGD)"
+    )
+
+    def _validate_asgd(self: RunConfig) -> None:
         _check_int("n_fetch", self.n_fetch, 1)
         _check_int("n_push", self.n_push, 1)
         _check_choice("server_rule", self.server_rule, SERVER_RULES)
@@ -211,120 +183,43 @@ class RunConfig:
         _check_float("server_momentum", self.server_momentum, 0.0, 1.0, high_open=True)
         if self.max_staleness is not None:
             _check_int("max_staleness", self.max_staleness, 0)
-        _check_int("warm_start_steps", self.warm_start_steps, 0)
-        if self.warm_start_steps and self.init_from:
-            raise ConfigError(
-                "warm_start_steps: cannot be combined with init_from; choose one warm start"
-            )
-        if self.init_from is not None and not Path(self.init_from).is_file():
-            raise ConfigError(f"init_from: {self.init_from!r} is not a file")
-        kind, path = self.dataset_kind_path()
-        if path is not None and not Path(path).exists():
-            raise ConfigError(
-                f"dataset: {path!r} does not exist (datasets are read from local paths)"
-            )
-        if kind in DEFAULT_SIZES:
-            default_train, default_test = DEFAULT_SIZES[kind]
-            self.train_size = default_train if self.train_size is None else self.train_size
-            self.test_size = default_test if self.test_size is None else self.test_size
-        if self.train_size is not None:
-            _check_int("train_size", self.train_size, max(self.workers, 10))
-        if self.test_size is not None:
-            _check_int("test_size", self.test_size, 10)
-        _check_int("image_size", self.image_size, 8)
-        if self.data_workers is not None:
-            _check_int("data_workers", self.data_workers, 0)
-        from cloudburst.models import is_factory_spec
 
-        if self.model not in MODELS and not is_factory_spec(self.model):
-            raise ConfigError(
-                f"model: {self.model!r} is not allowed; choose one of {', '.join(MODELS)} "
-                "or name a factory as package.module:function"
-            )
-        _check_choice("device", self.device, DEVICES)
-        _check_choice("backend", self.backend, BACKENDS)
-        if self.backend == "nccl" and self.device == "cpu":
-            raise ConfigError("backend: 'nccl' needs --device cuda (or auto on a GPU machine)")
-        _check_choice("autocast", self.autocast, AUTOCASTS)
-        self._validate_topology_and_daso()
-        if self.steps is None and self.epochs is None:
-            self.epochs = 64.0  # MNIST-1D's CNN reaches ≥ 90 % with every strategy
-        if self.steps is not None:
-            _check_int("steps", self.steps, 1)
-        if self.epochs is not None:
-            _check_float("epochs", self.epochs, 0.0, None, low_open=True)
-        _check_int("batch_size", self.batch_size, 1)
-        shard = (self.train_size or 0) // self.workers
-        if self.train_size is not None and self.batch_size > shard:
-            raise ConfigError(
-                f"batch_size: {self.batch_size} is larger than each worker's shard of "
-                f"{shard} samples (train_size {self.train_size} / {self.workers} workers)"
-            )
-        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        _check_float("lr", self.lr, 0.0, None, low_open=True)
-        _check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        _check_float("momentum", self.momentum, 0.0, 1.0, high_open=True)
-        _check_float("weight_decay", self.weight_decay, 0.0, None)
-        _check_int("seed", self.seed, 0)
-        if self.target_accuracy is not None:
-            _check_float("target_accuracy", self.target_accuracy, 0.0, 1.0, low_open=True)
-        for s in self.stragglers:
-            if not 0 <= s.worker < self.workers:
-                raise ConfigError(
-                    f"straggler: worker {s.worker} does not exist; allowed 0..{self.workers - 1}"
-                )
-            _check_float("straggler factor", s.factor, 1.0, None)
-        _check_float("min_step_time_s", self.min_step_time_s, 0.0, None)
-        _check_float("eval_every_s", self.eval_every_s, 0.0, None, low_open=True)
-        _check_int("log_every_steps", self.log_every_steps, 1)
-        _check_int("checkpoint_every", self.checkpoint_every, 0)
-        _check_int("push_log_every", self.push_log_every, 1)
-        _check_int("max_restarts", self.max_restarts, 0)
-        if self.inject_fault:
-            from cloudburst.faults import FaultError, parse_faults
 
-            try:
-                parse_faults(self.inject_fault, self.servers, self.world_size)
-            except FaultError as e:
-                raise ConfigError(f"inject_fault: {e}") from None
-        _check_float("comm_timeout_s", self.comm_timeout_s, 0.0, None, low_open=True)
-        _check_float("heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0, None, low_open=True)
+@dataclass
+class DasoConfig:
+    """DASO (docs/algorithms.md#daso; Heat's DASO knobs): B = global_skip batches between
+    global syncs, each waited for S = batches_to_wait batches later; blocking warm-up and
+    cool-down."""
 
-    def _validate_topology_and_daso(self) -> None:
-        if self.nodes is not None:
-            _check_int("nodes", self.nodes, 1)
-            if self.nodes > self.world_size:
-                raise ConfigError(
-                    f"nodes: {self.nodes} is more than the job's {self.world_size} ranks"
-                )
-        if self.inter_node_link is not None:
-            from cloudburst.comm.link import LinkSpec
+    section: ClassVar[str] = "daso"
+    title: ClassVar[str] = "DASO (--strategy daso)"
 
-            try:
-                LinkSpec.parse(self.inter_node_link)
-            except ValueError as e:
-                raise ConfigError(f"inter_node_link: {e}") from None
-        _check_int("period", self.period, 1)
-        _check_int("local_sgd_warmup_steps", self.local_sgd_warmup_steps, 0)
-        if self.strategy == "diloco" and self.local_sgd_warmup_steps:
-            raise ConfigError(
-                "local_sgd_warmup_steps: diloco has no synchronous warm-up (it is local_sgd's "
-                "post-local SGD); leave it at 0"
-            )
-        _check_float("diloco_outer_lr", self.diloco_outer_lr, 0.0, None, low_open=True)
-        _check_float("diloco_outer_momentum", self.diloco_outer_momentum, 0.0, 1.0, high_open=True)
-        _check_int("easgd_tau", self.easgd_tau, 1)
-        if self.easgd_alpha is not None:
-            _check_float("easgd_alpha", self.easgd_alpha, 0.0, 1.0, low_open=True)
-        _check_float("easgd_beta", self.easgd_beta, 0.0, None, low_open=True)
-        _check_choice("gossip_variant", self.gossip_variant, GOSSIP_VARIANTS)
-        _check_choice("gossip_schedule", self.gossip_schedule, GOSSIP_SCHEDULES)
-        _check_int("gossip_every", self.gossip_every, 1)
-        if self.gossip_push_sum and self.gossip_variant != "push":
-            raise ConfigError("gossip_push_sum: push-sum weights need --gossip-variant push")
-        _check_int("consensus_every_steps", self.consensus_every_steps, 1)
-        if self.strategy == "gossip" and self.workers < 2:
-            raise ConfigError("workers: gossip needs at least 2 workers (a peer to average with)")
+    daso_global_skip: int = option(4, "B at the start of cycling (0: blocking every batch)")
+    daso_batches_to_wait: int = option(1, "S at the start of cycling")
+    daso_local_skip: int = option(1, "L: node-local gradient all-reduce every L batches")
+    daso_max_global_skips: int = option(8, "B after a reset")
+    daso_warmup_epochs: float = option(4.0, "epochs of a blocking global average every batch")
+    daso_cooldown_epochs: float = option(4.0, "the same at the end")
+    daso_stability_level: float = option(
+        0.05, "plateau threshold: a relative improvement below it is not one"
+    )
+    daso_patience: int = option(2, "epochs without improvement before B and S shrink")
+    daso_skip_reduction_factor: int = option(2, "B and S are divided by this on a plateau")
+    daso_adaptive: bool = option(True, "keep B and S at their starting values", flag="--daso-fixed")
+    daso_downcast: str = option("bf16", "blocking averages' dtype", choices=DOWNCASTS)
+    daso_cycling_downcast: str = option(
+        "none", "non-blocking syncs' dtype (none = fp32, as Heat)", choices=DOWNCASTS
+    )
+    daso_epoch_end_sync: bool = option(
+        True,
+        "no blocking average on the last batch of each cycling epoch (Heat has one)",
+        flag="--daso-no-epoch-end-sync",
+    )
+    daso_chunk_elements: int = option(
+        10_000_000, "global all-reduces go in chunks of this many values"
+    )
+
+    def _validate_daso(self: RunConfig) -> None:
         _check_int("daso_global_skip", self.daso_global_skip, 0)
         _check_int("daso_batches_to_wait", self.daso_batches_to_wait, 0)
         if self.daso_global_skip == 0 and self.daso_batches_to_wait != 0:
@@ -353,6 +248,468 @@ class RunConfig:
                     f"nodes: {self.workers} workers do not split evenly over {nodes} nodes "
                     "(DASO needs the same number of ranks on every node)"
                 )
+
+
+_LOCAL_SGD_TITLE = "local SGD and DiLoCo (--strategy local_sgd | diloco)"
+
+
+@dataclass
+class LocalSgdConfig:
+    """local_sgd (docs/algorithms.md#local_sgd-and-diloco): average the replicas every
+    H = period local steps."""
+
+    section: ClassVar[str] = "local_sgd"
+    title: ClassVar[str] = _LOCAL_SGD_TITLE
+
+    period: int = option(8, "H: average every H local steps (diloco: an outer step)")
+    local_sgd_warmup_steps: int = option(
+        0, "post-local SGD: average every step for this many steps first"
+    )
+
+    def _validate_local_sgd(self: RunConfig) -> None:
+        _check_int("period", self.period, 1)
+        _check_int("local_sgd_warmup_steps", self.local_sgd_warmup_steps, 0)
+        if self.strategy == "diloco" and self.local_sgd_warmup_steps:
+            raise ConfigError(
+                "local_sgd_warmup_steps: diloco has no synchronous warm-up (it is local_sgd's "
+                "post-local SGD); leave it at 0"
+            )
+
+
+@dataclass
+class DilocoConfig:
+    """DiLoCo (docs/algorithms.md#local_sgd-and-diloco): every H steps the averaged Δ is an
+    outer optimizer's gradient (SGD with Nesterov momentum)."""
+
+    section: ClassVar[str] = "diloco"
+    title: ClassVar[str] = _LOCAL_SGD_TITLE
+
+    # 0.7 (the paper's) over SGD diverged (benchmarks/results/defaults.md).
+    diloco_outer_lr: float | None = option(
+        None, "outer SGD lr", shown="0.7 over --optimizer adam, 0.1 over sgd"
+    )
+    diloco_outer_momentum: float = option(0.9, "outer momentum")
+    diloco_nesterov: bool = option(
+        True, "plain momentum in the outer optimizer", flag="--diloco-no-nesterov"
+    )
+
+    def _validate_diloco(self: RunConfig) -> None:
+        _check_float("diloco_outer_lr", self.diloco_outer_lr, 0.0, None, low_open=True)
+        _check_float("diloco_outer_momentum", self.diloco_outer_momentum, 0.0, 1.0, high_open=True)
+
+
+@dataclass
+class EasgdConfig:
+    """EASGD (docs/algorithms.md#easgd): every τ steps e = α (θ_i − θ̃); θ_i −= e; θ̃ += e on the
+    servers."""
+
+    section: ClassVar[str] = "easgd"
+    title: ClassVar[str] = "EASGD (--strategy easgd, with --servers)"
+
+    easgd_tau: int = option(10, "τ: an elastic step every τ local steps")
+    easgd_alpha: float | None = option(None, "α, the elastic force", shown="β/W")
+    easgd_beta: float = option(0.9, "β")
+
+    def _validate_easgd(self: RunConfig) -> None:
+        _check_int("easgd_tau", self.easgd_tau, 1)
+        if self.easgd_alpha is not None:
+            _check_float("easgd_alpha", self.easgd_alpha, 0.0, 1.0, low_open=True)
+        _check_float("easgd_beta", self.easgd_beta, 0.0, None, low_open=True)
+
+
+@dataclass
+class GossipConfig:
+    """Gossip (docs/algorithms.md#gossip): pairwise averaging with a peer every gossip_every
+    steps."""
+
+    section: ClassVar[str] = "gossip"
+    title: ClassVar[str] = "gossip (--strategy gossip)"
+
+    gossip_variant: str = option(
+        "pull", "pull: fetch a peer's θ and average; push: send ours", choices=GOSSIP_VARIANTS
+    )
+    gossip_schedule: str = option(
+        "random",
+        "a random peer, a ring, or the time-varying exponential graph",
+        choices=GOSSIP_SCHEDULES,
+    )
+    gossip_every: int = option(1, "gossip every k local steps")
+    gossip_push_sum: bool = option(
+        False, "push-sum weights (Stochastic Gradient Push), with a push variant only"
+    )
+    consensus_every_steps: int = option(50, "log the consensus distance every this many steps")
+
+    def _validate_gossip(self: RunConfig) -> None:
+        _check_choice("gossip_variant", self.gossip_variant, GOSSIP_VARIANTS)
+        _check_choice("gossip_schedule", self.gossip_schedule, GOSSIP_SCHEDULES)
+        _check_int("gossip_every", self.gossip_every, 1)
+        if self.gossip_push_sum and self.gossip_variant != "push":
+            raise ConfigError("gossip_push_sum: push-sum weights need --gossip-variant push")
+        _check_int("consensus_every_steps", self.consensus_every_steps, 1)
+        if self.strategy == "gossip" and self.workers < 2:
+            raise ConfigError("workers: gossip needs at least 2 workers (a peer to average with)")
+
+
+@dataclass
+class ClusterConfig:
+    """The cluster, emulated on one machine where it is not real: nodes (torchrun's real ones
+    otherwise), the link between them, slow workers and slow devices."""
+
+    section: ClassVar[str] = "cluster"
+    title: ClassVar[str] = "cluster: nodes, their link, slow workers (emulated)"
+
+    nodes: int | None = option(
+        None, "group this launch's ranks into N emulated nodes", shown="torchrun's nodes, or 1"
+    )
+    inter_node_link: str | None = option(
+        None,
+        "emulate a link of this speed between nodes (software delay; e.g. 1,1)",
+        metavar="GBIT_PER_S[,LATENCY_MS]",
+        shown="none, no delay",
+    )
+    stragglers: list[Straggler] = option(
+        help="worker WORKER sleeps (FACTOR-1)x its compute time each step (repeatable)",
+        flag="--straggler",
+        metavar="WORKER:FACTOR",
+        shown="none",
+        aliases=("straggler",),
+        factory=list,
+    )
+    min_step_time_s: float = option(
+        0.0, "emulate a device: every step takes at least this many seconds (sleep)"
+    )
+
+    def _validate_cluster(self: RunConfig) -> None:
+        if self.nodes is not None:
+            _check_int("nodes", self.nodes, 1)
+            if self.nodes > self.world_size:
+                raise ConfigError(
+                    f"nodes: {self.nodes} is more than the job's {self.world_size} ranks"
+                )
+        if self.inter_node_link is not None:
+            from cloudburst.comm.link import LinkSpec
+
+            try:
+                LinkSpec.parse(self.inter_node_link)
+            except ValueError as e:
+                raise ConfigError(f"inter_node_link: {e}") from None
+        for s in self.stragglers:
+            if not 0 <= s.worker < self.workers:
+                raise ConfigError(
+                    f"straggler: worker {s.worker} does not exist; allowed 0..{self.workers - 1}"
+                )
+            _check_float("straggler factor", s.factor, 1.0, None)
+        _check_float("min_step_time_s", self.min_step_time_s, 0.0, None)
+
+
+@dataclass
+class DataConfig:
+    """The dataset, read from local files only (never downloaded), and its loading."""
+
+    section: ClassVar[str] = "data"
+    title: ClassVar[str] = "data"
+
+    dataset: str = option(
+        "mnist1d",
+        f"one of {', '.join(DATASETS)} (paths are read, never downloaded)",
+        metavar="SPEC",
+    )
+    train_size: int | None = option(
+        None, "training samples", shown="4000 for mnist1d and synthetic, else all"
+    )
+    test_size: int | None = option(
+        None, "test samples", shown="1000 for mnist1d and synthetic, else all"
+    )
+    image_size: int = option(32, "imagefolder: resize and center-crop images to this")
+    augment: bool = option(True, "images: no random crop (padding 4) and flip", flag="--no-augment")
+    data_workers: int | None = option(
+        None, "DataLoader processes per worker", shown="2 for images, 0 otherwise"
+    )
+
+    def _validate_data(self: RunConfig) -> None:
+        kind, path = self.dataset_kind_path()
+        if path is not None and not Path(path).exists():
+            raise ConfigError(
+                f"dataset: {path!r} does not exist (datasets are read from local paths)"
+            )
+        if kind in DEFAULT_SIZES:
+            default_train, default_test = DEFAULT_SIZES[kind]
+            self.train_size = default_train if self.train_size is None else self.train_size
+            self.test_size = default_test if self.test_size is None else self.test_size
+        if self.train_size is not None:
+            _check_int("train_size", self.train_size, max(self.workers, 10))
+        if self.test_size is not None:
+            _check_int("test_size", self.test_size, 10)
+        _check_int("image_size", self.image_size, 8)
+        if self.data_workers is not None:
+            _check_int("data_workers", self.data_workers, 0)
+
+
+@dataclass
+class ModelConfig:
+    """The model and where it computes."""
+
+    section: ClassVar[str] = "model"
+    title: ClassVar[str] = "model and device"
+
+    model: str = option(
+        "cnn",
+        f"one of {', '.join(MODELS)} (32x32 images: resnet20, convnet), or package.module:function",
+        metavar="NAME",
+    )
+    device: str = option(
+        "auto", "workers' compute device; auto: cuda when a GPU is present", choices=DEVICES
+    )
+    backend: str = option(
+        "auto",
+        "workers' collectives; auto: nccl when each worker has its own GPU, else gloo",
+        choices=BACKENDS,
+    )
+    autocast: str = option(
+        "none", "bf16: autocast the forward pass and the loss to bfloat16", choices=AUTOCASTS
+    )
+
+    def _validate_model(self: RunConfig) -> None:
+        from cloudburst.models import is_factory_spec
+
+        if self.model not in MODELS and not is_factory_spec(self.model):
+            raise ConfigError(
+                f"model: {self.model!r} is not allowed; choose one of {', '.join(MODELS)} "
+                "or name a factory as package.module:function"
+            )
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("backend", self.backend, BACKENDS)
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ConfigError("backend: 'nccl' needs --device cuda (or auto on a GPU machine)")
+        _check_choice("autocast", self.autocast, AUTOCASTS)
+
+
+@dataclass
+class TrainingConfig:
+    """Each worker's own training: its budget, its optimizer, and how it starts."""
+
+    section: ClassVar[str] = "training"
+    title: ClassVar[str] = "training"
+
+    epochs: float | None = option(
+        None, "passes of each worker over its own shard", shown="64 unless --steps is given"
+    )
+    steps: int | None = option(
+        None, "local steps per worker (overrides --epochs)", shown="from --epochs"
+    )
+    batch_size: int = option(64, "samples per step, per worker")
+    optimizer: str = option("sgd", "the local (worker) optimizer", choices=OPTIMIZERS)
+    lr: float = option(0.1, "the local optimizer's learning rate")
+    lr_schedule: str = option(
+        "constant", "constant, or cosine decay to 0 over each worker's steps", choices=LR_SCHEDULES
+    )
+    momentum: float = option(0.9, "the local optimizer's momentum (adam: β1)")
+    weight_decay: float = option(0.0, "L2 weight decay of the local optimizer")
+    seed: int = option(0, "seeds the model, the data order and the shards")
+    warm_start_steps: int = option(
+        0, "K: worker 0 trains alone for K steps, then all start from its θ"
+    )
+    init_from: str | None = option(
+        None,
+        "start every replica (and the servers) from this model checkpoint (model.pt)",
+        shown="none",
+    )
+
+    def _validate_training(self: RunConfig) -> None:
+        if self.steps is None and self.epochs is None:
+            self.epochs = 64.0  # MNIST-1D's CNN reaches ≥ 90 % with every strategy
+        if self.steps is not None:
+            _check_int("steps", self.steps, 1)
+        if self.epochs is not None:
+            _check_float("epochs", self.epochs, 0.0, None, low_open=True)
+        _check_int("batch_size", self.batch_size, 1)
+        shard = (self.train_size or 0) // self.workers
+        if self.train_size is not None and self.batch_size > shard:
+            raise ConfigError(
+                f"batch_size: {self.batch_size} is larger than each worker's shard of "
+                f"{shard} samples (train_size {self.train_size} / {self.workers} workers)"
+            )
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_float("lr", self.lr, 0.0, None, low_open=True)
+        _check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _check_float("momentum", self.momentum, 0.0, 1.0, high_open=True)
+        _check_float("weight_decay", self.weight_decay, 0.0, None)
+        _check_int("seed", self.seed, 0)
+        _check_int("warm_start_steps", self.warm_start_steps, 0)
+        if self.warm_start_steps and self.init_from:
+            raise ConfigError(
+                "warm_start_steps: cannot be combined with init_from; choose one warm start"
+            )
+        if self.init_from is not None and not Path(self.init_from).is_file():
+            raise ConfigError(f"init_from: {self.init_from!r} is not a file")
+
+
+@dataclass
+class MetricsConfig:
+    """What a run measures and how often it writes it down."""
+
+    section: ClassVar[str] = "metrics"
+    title: ClassVar[str] = "metrics"
+
+    target_accuracy: float | None = option(
+        None, "report the time to reach this test accuracy (0..1)", shown="none"
+    )
+    eval_every_s: float = option(1.0, "evaluate on the test set every this many seconds")
+    log_every_steps: int = option(10, "workers log one step record every this many steps")
+    # Bounded files; the staleness statistics in the summary count every push regardless.
+    push_log_every: int = option(
+        10, "servers log one push record every N applied pushes, and one for each push not applied"
+    )
+    tensorboard: bool = option(False, "also write TensorBoard events under OUT/tensorboard")
+
+    def _validate_metrics(self: RunConfig) -> None:
+        if self.target_accuracy is not None:
+            _check_float("target_accuracy", self.target_accuracy, 0.0, 1.0, low_open=True)
+        _check_float("eval_every_s", self.eval_every_s, 0.0, None, low_open=True)
+        _check_int("log_every_steps", self.log_every_steps, 1)
+        _check_int("push_log_every", self.push_log_every, 1)
+
+
+@dataclass
+class FaultConfig:
+    """Checkpoints, restarts, injected faults and the timeouts that detect a lost rank."""
+
+    section: ClassVar[str] = "faults"
+    title: ClassVar[str] = "fault tolerance"
+
+    checkpoint_every: int = option(
+        100,
+        "workers checkpoint every this many steps, servers every this many pushes, under "
+        "OUT/checkpoints (0: off)",
+    )
+    # Set by ``--resume DIR`` (cloudburst.resilience.resume_config), which is no field's flag.
+    resume: bool = option(False, "continue from the checkpoints under OUT", cli=False)
+    max_restarts: int = option(
+        0,
+        "restart failed ranks this many times (sync/daso/local_sgd/diloco/gossip: the whole "
+        "job, from its last checkpoint; asgd/easgd: the rank rejoins)",
+    )
+    inject_fault: list[str] = option(
+        help="kill:RANK@STEP | stop:RANK@STEP | nan:RANK@STEP | slow:RANK:FACTOR (repeatable; "
+        "cloudburst.faults; first attempt only)",
+        metavar="SPEC",
+        shown="none",
+        factory=list,
+    )
+    comm_timeout_s: float = option(300.0, "seconds before a blocking communication fails")
+    heartbeat_timeout_s: float = option(
+        10.0, "seconds without a heartbeat before a rank is taken for lost"
+    )
+
+    def _validate_faults(self: RunConfig) -> None:
+        _check_int("checkpoint_every", self.checkpoint_every, 0)
+        _check_int("max_restarts", self.max_restarts, 0)
+        if self.inject_fault:
+            from cloudburst.faults import FaultError, parse_faults
+
+            try:
+                parse_faults(self.inject_fault, self.servers, self.world_size)
+            except FaultError as e:
+                raise ConfigError(f"inject_fault: {e}") from None
+        _check_float("comm_timeout_s", self.comm_timeout_s, 0.0, None, low_open=True)
+        _check_float("heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0, None, low_open=True)
+
+
+@dataclass
+class OutputConfig:
+    """Where a run writes, and what it shows while it runs."""
+
+    section: ClassVar[str] = "output"
+    title: ClassVar[str] = "output"
+
+    out: str = option("runs/latest", "output directory", shown="runs/<strategy>-<time>-<random>")
+    overwrite: bool = option(
+        False,
+        "write into an existing directory that is not a cloudburst run (only the run's own "
+        "files are ever replaced)",
+    )
+    progress: bool = option(True, "no progress bar", flag="--no-progress")
+
+
+# The concerns in --help's order; RunConfig's fields (and to_dict) follow the same order.
+COMPONENTS: tuple[type, ...] = (
+    JobConfig,
+    AsgdConfig,
+    DasoConfig,
+    LocalSgdConfig,
+    DilocoConfig,
+    EasgdConfig,
+    GossipConfig,
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    TrainingConfig,
+    MetricsConfig,
+    FaultConfig,
+    OutputConfig,
+)
+
+
+# A dataclass collects its bases' fields from the last base to the first: listed in reverse,
+# JobConfig's come first.
+@dataclass
+class RunConfig(
+    OutputConfig,
+    FaultConfig,
+    MetricsConfig,
+    TrainingConfig,
+    ModelConfig,
+    DataConfig,
+    ClusterConfig,
+    GossipConfig,
+    EasgdConfig,
+    DilocoConfig,
+    LocalSgdConfig,
+    DasoConfig,
+    AsgdConfig,
+    JobConfig,
+):
+    """Everything one training run needs: every concern's fields, flat (``cfg.lr``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inject_fault, str):
+            self.inject_fault = [self.inject_fault]
+        # Defaults that depend on another concern's value.
+        if self.n_sync is not None:
+            _check_int("n_sync", self.n_sync, 1)
+        if self.servers is None:
+            self.servers = 1 if self.strategy in SERVER_STRATEGIES else 0
+        default_period = self.n_sync if self.n_sync is not None else 1
+        if self.n_fetch is None:
+            self.n_fetch = default_period
+        if self.n_push is None:
+            self.n_push = default_period
+        if self.diloco_outer_lr is None:
+            self.diloco_outer_lr = 0.7 if self.optimizer == "adam" else 0.1
+        if self.server_lr is None:
+            # docs/algorithms.md#asgd: the W workers' pushes are averaged (λ = 1/W), not summed.
+            self.server_lr = (
+                1.0 / self.workers if isinstance(self.workers, int) and (self.workers > 0) else 1.0
+            )
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Each concern's checks, in this order (a later one may rely on an earlier one's
+        defaults: the batch size on the data's size)."""
+        self._validate_job()
+        self._validate_asgd()
+        self._validate_data()
+        self._validate_model()
+        self._validate_cluster()
+        self._validate_local_sgd()
+        self._validate_diloco()
+        self._validate_easgd()
+        self._validate_gossip()
+        self._validate_daso()
+        self._validate_training()
+        self._validate_metrics()
+        self._validate_faults()
 
     def warnings(self) -> list[str]:
         """Valid settings that are known to train badly (printed by the CLI, one line each)."""
@@ -438,16 +795,16 @@ class RunConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
         known = {f.name for f in dataclasses.fields(cls)}
-        values = dict(values)
-        # Flags and TOML may spell names with dashes.
+        aliases = _aliases()
+        # Flags and TOML may spell names with dashes; an alias (``straggler``) wins over the
+        # field's own name, as it did when it was the only one.
         values = {k.replace("-", "_"): v for k, v in values.items()}
-        if "straggler" in values:
-            values["stragglers"] = values.pop("straggler")
+        for alias, name in aliases.items():
+            if alias in values:
+                values[name] = values.pop(alias)
         unknown = sorted(set(values) - known)
         if unknown:
-            import difflib
-
-            near = difflib.get_close_matches(unknown[0], sorted(known | {"straggler"}), n=1)
+            near = difflib.get_close_matches(unknown[0], sorted(known | set(aliases)), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else " (see cloudburst train --help)"
             raise ConfigError(f"config: unknown field {unknown[0]!r}{hint}")
         raw_stragglers = values.get("stragglers") or []
@@ -466,8 +823,28 @@ class RunConfig:
         return cls.from_dict({**load_toml(path), **(overrides or {})})
 
 
+def _field_names(part: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(part)}
+
+
+@functools.cache
+def _aliases() -> dict[str, str]:
+    """Other keys accepted for a field in files and dicts: ``{"straggler": "stragglers"}``."""
+    return {
+        alias: f.name
+        for f in dataclasses.fields(RunConfig)
+        for alias in f.metadata.get("aliases", ())
+    }
+
+
+# ---------------------------------------------------------------------------- config files
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML config file; a ``[train]`` table is accepted as well as top-level keys."""
+    """Read a TOML config file into flat field names (``daso_global_skip``).
+
+    Accepted: top-level keys, a ``[train]`` table of them (its values win over top-level
+    ones), and one section per concern whose keys may drop the concern's prefix (``[daso]``
+    ``global_skip``). A key set twice, or unknown in a section, is a one-line error.
+    """
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config: file {str(p)!r} does not exist")
@@ -475,11 +852,64 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         data = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config: {str(p)!r} is not valid TOML ({e})") from None
-    if "train" in data and isinstance(data["train"], dict):
-        data = {**{k: v for k, v in data.items() if k != "train"}, **data["train"]}
-    return data
+    flat = _flatten_sections({k: v for k, v in data.items() if k != "train"})
+    if isinstance(data.get("train"), dict):
+        flat.update(_flatten_sections(data["train"]))
+    elif "train" in data:
+        flat["train"] = data["train"]  # from_dict names it as an unknown field
+    return flat
 
 
+def _flatten_sections(table: dict[str, Any]) -> dict[str, Any]:
+    sections = {part.section: part for part in COMPONENTS}
+    aliases = _aliases()
+    flat: dict[str, Any] = {}
+    where: dict[str, str] = {}
+
+    def put(name: str, value: Any, place: str) -> None:
+        name = aliases.get(name, name)
+        if name in flat:
+            raise ConfigError(f"config: {name} is set twice ({where[name]} and {place}); keep one")
+        flat[name], where[name] = value, place
+
+    for key, value in table.items():
+        key = key.replace("-", "_")
+        if not isinstance(value, dict):
+            put(key, value, "the top level")
+        elif key in sections:
+            for sub, sub_value in value.items():
+                put(_section_field(sections[key], sub.replace("-", "_")), sub_value, f"[{key}]")
+        else:
+            near = difflib.get_close_matches(key, sorted(sections), n=1)
+            hint = f"; did you mean [{near[0]}]?" if near else f" ({', '.join(sections)})"
+            raise ConfigError(f"config: unknown section [{key}]{hint}")
+    return flat
+
+
+def _section_field(part: type, key: str) -> str:
+    """The field a key of ``part``'s section names: ``global_skip`` in [daso] is
+    ``daso_global_skip``; a field's full name is accepted too."""
+    own = _field_names(part)
+    own_aliases = {a: f.name for f in dataclasses.fields(part) for a in f.metadata["aliases"]}
+    for name in (f"{part.section}_{key}", key):
+        if name in own:
+            return name
+        if name in own_aliases:
+            return own_aliases[name]
+    name = _aliases().get(key, key)
+    homes = [other.section for other in COMPONENTS if name in _field_names(other)]
+    if homes:
+        raise ConfigError(
+            f"config: {key!r} is not a [{part.section}] setting; it belongs in [{homes[0]}] "
+            "(or at the top level)"
+        )
+    short = sorted(n.removeprefix(f"{part.section}_") for n in own | set(own_aliases))
+    near = difflib.get_close_matches(key, short, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else f" (allowed: {', '.join(short)})"
+    raise ConfigError(f"config: unknown field {key!r} in [{part.section}]{hint}")
+
+
+# ---------------------------------------------------------------------------- values
 def _coerce(name: str, type_text: Any, value: Any) -> Any:
     """Convert TOML/CLI values to the annotated type, with a one-line error on mismatch."""
     text = str(type_text)
