@@ -8,23 +8,13 @@ user's ``torchrun ... -m cloudburst train ...`` it runs as one rank of that job.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
 
 from cloudburst.config import (
-    AUTOCASTS,
-    BACKENDS,
-    DATASETS,
-    DEVICES,
-    DOWNCASTS,
-    GOSSIP_SCHEDULES,
-    GOSSIP_VARIANTS,
-    LR_SCHEDULES,
-    MODELS,
-    OPTIMIZERS,
-    SERVER_RULES,
-    STRATEGIES,
+    COMPONENTS,
     ConfigError,
     RunConfig,
     load_toml,
@@ -67,7 +57,6 @@ def _compare_parser(sub) -> None:
 
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
-    S = argparse.SUPPRESS  # unset flags do not override the config file
     p.add_argument("--config", help="TOML file with run settings (flags override it)")
     p.add_argument(
         "--trust-config",
@@ -75,246 +64,61 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="allow a model factory (package.module:function) named in --config or in a "
         "resumed run's config.json to be imported; without it only --model may name one",
     )
-    p.add_argument("--strategy", choices=STRATEGIES, default=S, help="(default sync)")
-    p.add_argument("--workers", type=int, default=S, help="W, training ranks (default 2)")
-    p.add_argument(
-        "--servers",
-        type=int,
-        default=S,
-        help="S, parameter-server shards (asgd, easgd; default 1 for them)",
-    )
-    p.add_argument(
-        "--n-sync", type=int, default=S, help="GPU A-SGD n_sync: sets --n-fetch and --n-push"
-    )
-    p.add_argument("--n-fetch", type=int, default=S, help="fetch θ every this many local steps")
-    p.add_argument("--n-push", type=int, default=S, help="push Δ every this many local steps")
-    p.add_argument("--server-rule", choices=SERVER_RULES, default=S, help="(default add)")
-    p.add_argument(
-        "--server-lr", type=float, default=S, help="λ of the add rule / server optimizer lr"
-    )
-    p.add_argument("--server-momentum", type=float, default=S)
-    p.add_argument("--max-staleness", type=int, default=S, help="drop pushes staler than this")
-    p.add_argument(
-        "--staleness-scaling", action="store_true", default=S, help="scale each push by 1/staleness"
-    )
-    p.add_argument(
-        "--warm-start-steps",
-        type=int,
-        default=S,
-        help="K: worker 0 trains alone for K steps, then all start from its θ",
-    )
-    p.add_argument("--init-from", default=S, help="start from this model checkpoint (model.pt)")
-    p.add_argument(
-        "--nodes",
-        type=int,
-        default=S,
-        help="group this launch's ranks into N emulated nodes (default: torchrun's nodes, or 1)",
-    )
-    p.add_argument(
-        "--inter-node-link",
-        default=S,
-        metavar="GBIT_PER_S[,LATENCY_MS]",
-        help="emulate a link of this speed between nodes (software delay; e.g. 1,1)",
-    )
-    g = p.add_argument_group("local SGD and DiLoCo (--strategy local_sgd | diloco)")
-    g.add_argument("--period", type=int, default=S, help="H: average every H local steps (8)")
-    g.add_argument(
-        "--local-sgd-warmup-steps", type=int, default=S, help="post-local SGD: sync first (0)"
-    )
-    g.add_argument("--diloco-outer-lr", type=float, default=S, help="outer SGD lr (0.7)")
-    g.add_argument("--diloco-outer-momentum", type=float, default=S, help="outer momentum (0.9)")
-    g.add_argument(
-        "--diloco-no-nesterov",
-        dest="diloco_nesterov",
-        action="store_false",
-        default=S,
-        help="plain momentum in the outer optimizer",
-    )
-    g = p.add_argument_group("EASGD (--strategy easgd, with --servers)")
-    g.add_argument("--easgd-tau", type=int, default=S, help="τ: elastic step every τ steps (10)")
-    g.add_argument("--easgd-alpha", type=float, default=S, help="α (default β/W)")
-    g.add_argument("--easgd-beta", type=float, default=S, help="β (0.9)")
-    g = p.add_argument_group("gossip (--strategy gossip)")
-    g.add_argument("--gossip-variant", choices=GOSSIP_VARIANTS, default=S, help="(pull)")
-    g.add_argument("--gossip-schedule", choices=GOSSIP_SCHEDULES, default=S, help="(random)")
-    g.add_argument("--gossip-every", type=int, default=S, help="gossip every k steps (1)")
-    g.add_argument(
-        "--gossip-push-sum", action="store_true", default=S, help="push-sum weights (push only)"
-    )
-    g.add_argument(
-        "--consensus-every-steps", type=int, default=S, help="log consensus distance (50)"
-    )
-    g = p.add_argument_group("DASO (--strategy daso)")
-    g.add_argument("--daso-global-skip", type=int, default=S, help="B at the start of cycling (4)")
-    g.add_argument("--daso-batches-to-wait", type=int, default=S, help="S at the start (1)")
-    g.add_argument("--daso-local-skip", type=int, default=S, help="L: node-local sync every L (1)")
-    g.add_argument("--daso-max-global-skips", type=int, default=S, help="B after a reset (8)")
-    g.add_argument("--daso-warmup-epochs", type=float, default=S, help="blocking epochs first (4)")
-    g.add_argument("--daso-cooldown-epochs", type=float, default=S, help="blocking epochs last (4)")
-    g.add_argument("--daso-stability-level", type=float, default=S, help="plateau threshold (0.05)")
-    g.add_argument("--daso-patience", type=int, default=S, help="plateau epochs (2)")
-    g.add_argument("--daso-skip-reduction-factor", type=int, default=S, help="B, S divisor (2)")
-    g.add_argument(
-        "--daso-fixed",
-        dest="daso_adaptive",
-        action="store_false",
-        default=S,
-        help="keep B and S at their starting values",
-    )
-    g.add_argument(
-        "--daso-downcast", choices=DOWNCASTS, default=S, help="blocking averages' dtype (bf16)"
-    )
-    g.add_argument(
-        "--daso-cycling-downcast",
-        choices=DOWNCASTS,
-        default=S,
-        help="non-blocking syncs' dtype (none = fp32, as Heat)",
-    )
-    g.add_argument(
-        "--daso-no-epoch-end-sync",
-        dest="daso_epoch_end_sync",
-        action="store_false",
-        default=S,
-        help="no blocking average on the last batch of each cycling epoch",
-    )
-    g.add_argument(
-        "--daso-chunk-elements", type=int, default=S, help="global all-reduce chunk size (1e7)"
-    )
-    p.add_argument(
-        "--dataset",
-        default=S,
-        metavar="SPEC",
-        help=f"one of {', '.join(DATASETS)} (default mnist1d; paths are read, never downloaded)",
-    )
-    p.add_argument("--train-size", type=int, default=S, help="(default 4000 for mnist1d, else all)")
-    p.add_argument("--test-size", type=int, default=S, help="(default 1000 for mnist1d, else all)")
-    p.add_argument(
-        "--image-size", type=int, default=S, help="imagefolder: resize and crop to this (32)"
-    )
-    p.add_argument(
-        "--no-augment",
-        dest="augment",
-        action="store_false",
-        default=S,
-        help="images: no random crop (padding 4) and flip",
-    )
-    p.add_argument(
-        "--data-workers",
-        type=int,
-        default=S,
-        help="DataLoader processes per worker (default 2 for images, 0 otherwise)",
-    )
-    p.add_argument(
-        "--model",
-        default=S,
-        metavar="NAME",
-        help=f"one of {', '.join(MODELS)}, or package.module:function (default cnn)",
-    )
-    p.add_argument("--device", choices=DEVICES, default=S, help="auto: cuda when a GPU is present")
-    p.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default=S,
-        help="workers' collectives; auto: nccl when each worker has its own GPU, else gloo",
-    )
-    p.add_argument(
-        "--autocast", choices=AUTOCASTS, default=S, help="bf16: autocast forward and loss"
-    )
-    p.add_argument(
-        "--tensorboard",
-        action="store_true",
-        default=S,
-        help="also write TensorBoard events under OUT/tensorboard",
-    )
-    p.add_argument("--epochs", type=float, default=S, help="passes of each worker over its shard")
-    p.add_argument(
-        "--steps", type=int, default=S, help="local steps per worker (overrides --epochs)"
-    )
-    p.add_argument("--batch-size", type=int, default=S, help="per worker (default 64)")
-    p.add_argument(
-        "--optimizer", choices=OPTIMIZERS, default=S, help="local optimizer (default sgd)"
-    )
-    p.add_argument("--lr", type=float, default=S)
-    p.add_argument(
-        "--lr-schedule",
-        choices=LR_SCHEDULES,
-        default=S,
-        help="constant, or cosine decay to 0 over each worker's steps",
-    )
-    p.add_argument("--momentum", type=float, default=S)
-    p.add_argument("--weight-decay", type=float, default=S)
-    p.add_argument("--seed", type=int, default=S)
-    p.add_argument(
-        "--target-accuracy",
-        type=float,
-        default=S,
-        help="report the time to reach this test accuracy (0..1)",
-    )
-    p.add_argument(
-        "--straggler",
-        action="append",
-        default=S,
-        metavar="WORKER:FACTOR",
-        help="worker WORKER sleeps (FACTOR-1)x its compute time each step",
-    )
-    p.add_argument(
-        "--min-step-time-s",
-        type=float,
-        default=S,
-        help="emulate a device: every step takes at least this long (sleep)",
-    )
-    p.add_argument("--eval-every-s", type=float, default=S)
-    p.add_argument("--log-every-steps", type=int, default=S)
-    p.add_argument(
-        "--push-log-every",
-        type=int,
-        default=S,
-        help="servers log one push record every N applied pushes, and one for each push not "
-        "applied (10)",
-    )
-    p.add_argument("--comm-timeout-s", type=float, default=S)
-    p.add_argument("--heartbeat-timeout-s", type=float, default=S)
-    g = p.add_argument_group("fault tolerance")
-    g.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=S,
-        help="workers checkpoint every this many steps, servers every this many pushes (100; "
-        "0: off)",
-    )
-    g.add_argument(
+    groups = add_config_flags(p)
+    groups["faults"].add_argument(
         "--resume",
         metavar="DIR",
-        default=S,
+        default=argparse.SUPPRESS,
         help="continue the run in DIR (an earlier --out) from its checkpoints, with its "
         "config; flags may change settings that do not change the run's identity",
     )
-    g.add_argument(
-        "--max-restarts",
-        type=int,
-        default=S,
-        help="restart failed ranks this many times (sync/daso/local_sgd/diloco/gossip: the "
-        "whole job, from its last checkpoint; asgd/easgd: the rank rejoins)",
-    )
-    g.add_argument(
-        "--inject-fault",
-        action="append",
-        metavar="SPEC",
-        default=S,
-        help="kill:RANK@STEP | stop:RANK@STEP | nan:RANK@STEP | slow:RANK:FACTOR (repeatable; "
-        "first attempt only)",
-    )
-    p.add_argument(
-        "--out", default=S, help="output directory (default runs/<strategy>-<time>-<random>)"
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        default=S,
-        help="write into an existing directory that is not a cloudburst run (only the run's "
-        "own files are ever replaced)",
-    )
-    p.add_argument("--no-progress", dest="progress", action="store_false", default=S)
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> dict[str, Any]:
+    """One flag per :class:`RunConfig` field, generated from the field (name, type, default,
+    help and spelling from its metadata), grouped by concern; returns the argument group of
+    each concern's section name. Every default is ``SUPPRESS``: a flag not given leaves the
+    config file's value alone."""
+    groups: dict[str, Any] = {}
+    by_title: dict[str, Any] = {}
+    for part in COMPONENTS:
+        if part.title not in by_title:
+            by_title[part.title] = p.add_argument_group(part.title)
+        groups[part.section] = by_title[part.title]
+        for f in dataclasses.fields(part):
+            if f.metadata["cli"]:
+                flag, options = flag_spec(f)
+                groups[part.section].add_argument(flag, **options)
+    return groups
+
+
+def flag_spec(f: dataclasses.Field) -> tuple[str, dict[str, Any]]:
+    """``("--daso-global-skip", add_argument's options)`` for a config field: ``--name`` with
+    a value of the field's type; a list is a repeatable flag; a bool is a switch that sets it
+    (``--tensorboard``) or, for one that defaults to True, clears it (``--no-augment``)."""
+    meta = f.metadata
+    kind = str(f.type).removesuffix(" | None")
+    options: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
+    help_text = meta["help"]
+    if kind == "bool":
+        switch = "--no-" if f.default else "--"
+        flag = meta["flag"] or switch + f.name.replace("_", "-")
+        options["action"] = "store_false" if f.default else "store_true"
+    else:
+        flag = meta["flag"] or "--" + f.name.replace("_", "-")
+        if kind.startswith("list["):
+            options["action"] = "append"
+        elif kind in ("int", "float"):
+            options["type"] = int if kind == "int" else float
+        for key in ("choices", "metavar"):
+            if meta[key] is not None:
+                options[key] = meta[key]
+        shown = meta["shown"]
+        if shown is None:  # 10_000_000, as the flag also accepts it
+            shown = f"{f.default:_}" if kind == "int" else str(f.default)
+        help_text = f"{help_text} (default: {shown})"
+    options["help"] = help_text.replace("%", "%%")  # argparse %-formats help
+    return flag, options
 
 
 CLI_ONLY = ("command", "config", "func", "trust_config")
@@ -434,7 +238,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``cloudburst`` parser with its four subcommands."""
     parser = argparse.ArgumentParser(prog="cloudburst", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
@@ -447,7 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--epochs", type=float, default=None, help="shorter or longer than the default")
     p.add_argument("--strategies", nargs="+", default=None)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
             return cmd_train(args)
