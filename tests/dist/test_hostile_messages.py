@@ -44,6 +44,7 @@ def _server_job(rank: int, out: str) -> dict:
     from cloudburst.metrics import MetricsWriter, read_jsonl
     from cloudburst.runtime import LivenessMonitor, init_distributed, shutdown
     from cloudburst.server import ServerLoop
+    from cloudburst.strategies import STRATEGY_CLASSES
 
     cfg = RunConfig(
         strategy="asgd",
@@ -57,7 +58,7 @@ def _server_job(rank: int, out: str) -> dict:
         checkpoint_every=0,
         server_lr=1.0,  # θ ← θ + Δ
     )
-    ctx = init_distributed(cfg)
+    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
     store = ctx.store
     if ctx.is_server:
         metrics = MetricsWriter(out, rank, "server0")
@@ -214,10 +215,11 @@ def _gossip_job(rank: int, out: str) -> dict:
     from cloudburst.comm.p2p import CommStats
     from cloudburst.config import RunConfig
     from cloudburst.runtime import init_distributed, shutdown
+    from cloudburst.strategies import STRATEGY_CLASSES
 
     cfg = RunConfig(strategy="gossip", workers=3, dataset="synthetic", out=out,
                     comm_timeout_s=60.0, gossip_variant="push")  # fmt: skip
-    ctx = init_distributed(cfg)
+    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
     store = ctx.store
     transport = GossipTransport(ctx.gossip_request_group, ctx.gossip_reply_group, rank,
                                 [r for r in range(3) if r != rank], NUMEL, CommStats(),

@@ -84,6 +84,7 @@ def _trajectory(ctx, cfg_changes: dict, optimizer, steps: int, turns: Turns | No
 def _four_workers(rank: int, out: str) -> dict:
     from cloudburst.config import RunConfig
     from cloudburst.runtime import init_distributed, shutdown
+    from cloudburst.strategies import STRATEGY_CLASSES
 
     # Created as a gossip job, so that the gossip groups exist; the other strategies use the
     # workers' (here: the world) group.
@@ -96,7 +97,7 @@ def _four_workers(rank: int, out: str) -> dict:
         comm_timeout_s=60,
         consensus_every_steps=1000,
     )
-    ctx = init_distributed(cfg)
+    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
     sgd = ref.sgd()
     runs = {
         "sync": _trajectory(ctx, {"strategy": "sync"}, sgd, SYNC_STEPS),
@@ -220,6 +221,7 @@ def _easgd(rank: int, out: str) -> dict:
     from cloudburst.metrics import MetricsWriter
     from cloudburst.runtime import LivenessMonitor, init_distributed, shutdown
     from cloudburst.server import ServerLoop
+    from cloudburst.strategies import STRATEGY_CLASSES
     from cloudburst.strategies.easgd import EasgdStrategy
 
     cfg = RunConfig(
@@ -233,7 +235,7 @@ def _easgd(rank: int, out: str) -> dict:
         comm_timeout_s=60,
         checkpoint_every=0,
     )
-    ctx = init_distributed(cfg)
+    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
     model = ref.tiny_model()
     if ctx.is_server:
         metrics = MetricsWriter(out, rank, ctx.role)

@@ -32,8 +32,10 @@ def _scripted(rank: int, out: str) -> dict:
     from cloudburst.metrics import MetricsWriter, read_jsonl
     from cloudburst.runtime import Heartbeat, LivenessMonitor, init_distributed, shutdown
     from cloudburst.server import ServerLoop
+    from cloudburst.strategies import STRATEGY_CLASSES
 
-    ctx = init_distributed(_cfg(out))
+    cfg = _cfg(out)
+    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
     store = ctx.store
     if ctx.is_server:
         metrics = MetricsWriter(out, rank, "server0")
@@ -148,8 +150,10 @@ def _dies_mid_request(rank: int, out: str) -> dict:
     from cloudburst.metrics import MetricsWriter
     from cloudburst.runtime import Heartbeat, LivenessMonitor, init_distributed, shutdown
     from cloudburst.server import ServerLoop
+    from cloudburst.strategies import STRATEGY_CLASSES
 
-    ctx = init_distributed(_cfg(out))
+    cfg = _cfg(out)
+    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
     if ctx.is_server:
         metrics = MetricsWriter(out, rank, "server0")
         loop = ServerLoop(
