@@ -1,0 +1,408 @@
+"""Run configuration: one small dataclass per concern, composed into :class:`RunConfig`,
+validated once, before any process starts.
+
+Each concern (the job, A-SGD's parameter server, DASO, the data, faults, ...) is a dataclass
+whose fields carry their help in ``field(metadata=...)`` (written with :func:`option`) and whose
+``_validate_<concern>`` sits next to them. ``cloudburst train``'s flags are generated from these
+fields (:mod:`cloudburst.cli`), so a new setting is one field (and its check). :class:`RunConfig`
+inherits every concern: its attributes stay flat (``cfg.daso_global_skip``, ``cfg.lr``), and so
+do :meth:`RunConfig.to_dict` and a run's config.json.
+
+A bad value raises :class:`ConfigError` whose message is one line naming the field, the value
+and what is allowed; the CLI prints it and exits with code 2 without launching anything.
+Config files are TOML (parsed with :mod:`tomllib`, which never executes code): flat keys
+(``daso_global_skip = 4``), a ``[train]`` table of them, or one section per concern
+(``[daso]`` with ``global_skip = 4``); command-line flags override file values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cloudburst.config.components import (  # noqa: F401
+    ClusterConfig,
+    DataConfig,
+    FaultConfig,
+    JobConfig,
+    MetricsConfig,
+    ModelConfig,
+    OutputConfig,
+    TrainingConfig,
+)
+from cloudburst.config.fields import (  # noqa: F401
+    AUTOCASTS,
+    BACKENDS,
+    DATASETS,
+    DEFAULT_SIZES,
+    DEVICES,
+    DOWNCASTS,
+    GOSSIP_SCHEDULES,
+    GOSSIP_VARIANTS,
+    LR_SCHEDULES,
+    MODELS,
+    OPTIMIZERS,
+    REGISTERED_STRATEGIES,
+    SERVER_RULES,
+    SERVER_STRATEGIES,
+    STRATEGIES,
+    ConfigError,
+    Straggler,
+    _check_choice,
+    _check_float,
+    _check_int,
+    field_message,
+    option,
+)
+from cloudburst.config.strategies import (  # noqa: F401
+    _LOCAL_SGD_TITLE,
+    AsgdConfig,
+    DasoConfig,
+    DilocoConfig,
+    EasgdConfig,
+    GossipConfig,
+    LocalSgdConfig,
+)
+
+COMPONENTS: tuple[type, ...] = (
+    JobConfig,
+    AsgdConfig,
+    DasoConfig,
+    LocalSgdConfig,
+    DilocoConfig,
+    EasgdConfig,
+    GossipConfig,
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    TrainingConfig,
+    MetricsConfig,
+    FaultConfig,
+    OutputConfig,
+)
+
+
+@dataclass
+class RunConfig(
+    OutputConfig,
+    FaultConfig,
+    MetricsConfig,
+    TrainingConfig,
+    ModelConfig,
+    DataConfig,
+    ClusterConfig,
+    GossipConfig,
+    EasgdConfig,
+    DilocoConfig,
+    LocalSgdConfig,
+    DasoConfig,
+    AsgdConfig,
+    JobConfig,
+):
+    """Everything one training run needs: every concern's fields, flat (``cfg.lr``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inject_fault, str):
+            self.inject_fault = [self.inject_fault]
+        # Defaults that depend on another concern's value.
+        if self.n_sync is not None:
+            _check_int("n_sync", self.n_sync, 1)
+        if self.servers is None:
+            self.servers = 1 if self.strategy in SERVER_STRATEGIES else 0
+        default_period = self.n_sync if self.n_sync is not None else 1
+        if self.n_fetch is None:
+            self.n_fetch = default_period
+        if self.n_push is None:
+            self.n_push = default_period
+        if self.diloco_outer_lr is None:
+            self.diloco_outer_lr = 0.7 if self.optimizer == "adam" else 0.1
+        if self.server_lr is None:
+            # docs/algorithms.md#asgd: the W workers' pushes are averaged (λ = 1/W), not summed.
+            self.server_lr = (
+                1.0 / self.workers if isinstance(self.workers, int) and (self.workers > 0) else 1.0
+            )
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Each concern's checks, in this order (a later one may rely on an earlier one's
+        defaults: the batch size on the data's size)."""
+        self._validate_job()
+        self._validate_asgd()
+        self._validate_data()
+        self._validate_model()
+        self._validate_cluster()
+        self._validate_local_sgd()
+        self._validate_diloco()
+        self._validate_easgd()
+        self._validate_gossip()
+        self._validate_daso()
+        self._validate_training()
+        self._validate_metrics()
+        self._validate_faults()
+
+    def warnings(self) -> list[str]:
+        """Valid settings that are known to train badly (printed by the CLI, one line each)."""
+        out = []
+        if (
+            self.strategy == "asgd"
+            and self.server_rule == "add"
+            and self.workers >= 2
+            and self.server_lr * self.workers > 1.5
+        ):
+            out.append(
+                f"asgd: server lr λ = {self.server_lr:g} with {self.workers} workers adds up "
+                f"their pushes ({self.server_lr * self.workers:g}x one worker's step) and "
+                f"diverged in our measurements (benchmarks/results/defaults.md); the default "
+                f"λ = 1/W = {1 / self.workers:g} averages them"
+            )
+        if (
+            self.strategy == "diloco"
+            and self.optimizer == "sgd"
+            and self.diloco_outer_lr * (1 + self.diloco_outer_momentum) > 1.0
+        ):
+            out.append(
+                f"diloco: outer lr {self.diloco_outer_lr:g} with momentum "
+                f"{self.diloco_outer_momentum:g} over an SGD inner optimizer diverged in our "
+                "measurements (benchmarks/results/local_sgd.md); DiLoCo's defaults assume an "
+                "Adam inner optimizer (--optimizer adam), or use --diloco-outer-lr 0.1"
+            )
+        return out
+
+    @property
+    def shard_rule(self) -> tuple[str, float]:
+        """(rule, lr) of the parameter-server shards: EASGD's elastic centre (α), or asgd's."""
+        if self.strategy == "easgd":
+            return "elastic", self.easgd_alpha_value
+        return self.server_rule, self.server_lr
+
+    @property
+    def easgd_alpha_value(self) -> float:
+        """α of EASGD: as given, else β / W."""
+        return self.easgd_alpha if self.easgd_alpha is not None else self.easgd_beta / self.workers
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def world_size(self) -> int:
+        return self.workers + self.servers
+
+    def straggler_factor(self, worker: int) -> float:
+        factors = [s.factor for s in self.stragglers if s.worker == worker]
+        return factors[-1] if factors else 1.0
+
+    def dataset_kind_path(self) -> tuple[str, str | None]:
+        """("mnist1d", None) or ("cifar10", "/path"): the dataset spec, checked."""
+        from cloudburst.datasets import DatasetError, parse_dataset_spec
+
+        try:
+            return parse_dataset_spec(self.dataset)
+        except DatasetError as e:
+            raise ConfigError(field_message("dataset", e)) from None
+
+    def steps_per_worker(self, train_size: int | None = None) -> int:
+        """Local steps each worker takes: ``steps``, or ``epochs`` passes over its shard.
+
+        ``train_size`` is the loaded dataset's size when the config leaves it open (a
+        dataset read from a path); without either, an epoch count cannot be turned into steps.
+        """
+        if self.steps is not None:
+            return self.steps
+        size = self.train_size if train_size is None else train_size
+        if size is None:
+            raise ValueError("steps_per_worker: the dataset's size is not known yet")
+        per_epoch = (size // self.workers) // self.batch_size
+        return max(1, math.ceil(float(self.epochs) * per_epoch))
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["stragglers"] = [f"{s.worker}:{s.factor}" for s in self.stragglers]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> RunConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        aliases = _aliases()
+        # Flags and TOML may spell names with dashes; an alias (``straggler``) wins over the
+        # field's own name, as it did when it was the only one.
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+        for alias, name in aliases.items():
+            if alias in values:
+                values[name] = values.pop(alias)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], sorted(known | set(aliases)), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else " (see cloudburst train --help)"
+            raise ConfigError(f"config: unknown field {unknown[0]!r}{hint}")
+        raw_stragglers = values.get("stragglers") or []
+        if isinstance(raw_stragglers, str):
+            raw_stragglers = [raw_stragglers]
+        values["stragglers"] = [
+            s if isinstance(s, Straggler) else Straggler.parse(str(s)) for s in raw_stragglers
+        ]
+        for f in dataclasses.fields(cls):
+            if f.name in values and f.name != "stragglers":
+                values[f.name] = _coerce(f.name, f.type, values[f.name])
+        return cls(**values)
+
+    @classmethod
+    def from_toml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+        return cls.from_dict({**load_toml(path), **(overrides or {})})
+
+
+def _field_names(part: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(part)}
+
+
+@functools.cache
+def _aliases() -> dict[str, str]:
+    """Other keys accepted for a field in files and dicts: ``{"straggler": "stragglers"}``."""
+    return {
+        alias: f.name
+        for f in dataclasses.fields(RunConfig)
+        for alias in f.metadata.get("aliases", ())
+    }
+
+
+# ---------------------------------------------------------------------------- config files
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file into flat field names (``daso_global_skip``).
+
+    Accepted: top-level keys, a ``[train]`` table of them (its values win over top-level
+    ones), and one section per concern whose keys may drop the concern's prefix (``[daso]``
+    ``global_skip``). A key set twice, or unknown in a section, is a one-line error.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config: file {str(p)!r} does not exist")
+    try:
+        data = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config: {str(p)!r} is not valid TOML ({e})") from None
+    flat = _flatten_sections({k: v for k, v in data.items() if k != "train"})
+    if isinstance(data.get("train"), dict):
+        flat.update(_flatten_sections(data["train"]))
+    elif "train" in data:
+        flat["train"] = data["train"]  # from_dict names it as an unknown field
+    return flat
+
+
+def _flatten_sections(table: dict[str, Any]) -> dict[str, Any]:
+    sections = {part.section: part for part in COMPONENTS}
+    aliases = _aliases()
+    flat: dict[str, Any] = {}
+    where: dict[str, str] = {}
+
+    def put(name: str, value: Any, place: str) -> None:
+        name = aliases.get(name, name)
+        if name in flat:
+            raise ConfigError(f"config: {name} is set twice ({where[name]} and {place}); keep one")
+        flat[name], where[name] = value, place
+
+    for key, value in table.items():
+        key = key.replace("-", "_")
+        if not isinstance(value, dict):
+            put(key, value, "the top level")
+        elif key in sections:
+            for sub, sub_value in value.items():
+                put(_section_field(sections[key], sub.replace("-", "_")), sub_value, f"[{key}]")
+        else:
+            near = difflib.get_close_matches(key, sorted(sections), n=1)
+            hint = f"; did you mean [{near[0]}]?" if near else f" ({', '.join(sections)})"
+            raise ConfigError(f"config: unknown section [{key}]{hint}")
+    return flat
+
+
+def _section_field(part: type, key: str) -> str:
+    """The field a key of ``part``'s section names: ``global_skip`` in [daso] is
+    ``daso_global_skip``; a field's full name is accepted too."""
+    own = _field_names(part)
+    own_aliases = {a: f.name for f in dataclasses.fields(part) for a in f.metadata["aliases"]}
+    for name in (f"{part.section}_{key}", key):
+        if name in own:
+            return name
+        if name in own_aliases:
+            return own_aliases[name]
+    name = _aliases().get(key, key)
+    homes = [other.section for other in COMPONENTS if name in _field_names(other)]
+    if homes:
+        raise ConfigError(
+            f"config: {key!r} is not a [{part.section}] setting; it belongs in [{homes[0]}] "
+            "(or at the top level)"
+        )
+    short = sorted(n.removeprefix(f"{part.section}_") for n in own | set(own_aliases))
+    near = difflib.get_close_matches(key, short, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else f" (allowed: {', '.join(short)})"
+    raise ConfigError(f"config: unknown field {key!r} in [{part.section}]{hint}")
+
+
+# ---------------------------------------------------------------------------- values
+def _coerce(name: str, type_text: Any, value: Any) -> Any:
+    """Convert TOML/CLI values to the annotated type, with a one-line error on mismatch."""
+    text = str(type_text)
+    if value is None:
+        if "None" in text:
+            return None
+        raise ConfigError(f"{name}: a value is required")
+    try:
+        if text.startswith("int"):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if text.startswith("float"):
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if text == "bool":
+            if isinstance(value, str):
+                if value.lower() in ("true", "1", "yes"):
+                    return True
+                if value.lower() in ("false", "0", "no"):
+                    return False
+                raise ValueError
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if text.startswith("str"):
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+        if text == "list[str]":
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+                raise ValueError
+            return list(value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{name}: {value!r} is not a valid {text.replace(' | None', '')}"
+        ) from None
+    return value
+
+
+def refuse_code_from_file(
+    values: dict[str, Any], flags: dict[str, Any], source: str, trust: bool
+) -> None:
+    """Code runs only when the user names it on the command line: a model factory
+    (``package.module:function``) read from a file is refused unless ``--trust-config`` is
+    given or ``--model`` repeats the same value. Checked before anything is imported."""
+    from cloudburst.models import is_factory_spec
+
+    model = values.get("model")
+    if not isinstance(model, str) or not is_factory_spec(model) or trust:
+        return
+    if flags.get("model") == model:
+        return
+    raise ConfigError(
+        f"model: {source} names the factory {model!r}, which would import and run that code; "
+        f"pass --model {model} (or --trust-config) if you mean to run it"
+    )

@@ -1,0 +1,346 @@
+"""The concerns every run has: the job, the cluster (nodes, links, stragglers), data, model,
+training, metrics, faults and checkpoints, output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from cloudburst.config.fields import (
+    AUTOCASTS,
+    BACKENDS,
+    DATASETS,
+    DEFAULT_SIZES,
+    DEVICES,
+    LR_SCHEDULES,
+    MODELS,
+    OPTIMIZERS,
+    REGISTERED_STRATEGIES,
+    SERVER_STRATEGIES,
+    STRATEGIES,
+    ConfigError,
+    Straggler,
+    _check_choice,
+    _check_float,
+    _check_int,
+    option,
+)
+
+
+@dataclass
+class JobConfig:
+    """What runs: the algorithm, W workers and S parameter-server shards."""
+
+    section: ClassVar[str] = "job"
+    title: ClassVar[str] = "job"
+
+    strategy: str = option("sync", "the data-parallel algorithm", choices=STRATEGIES)
+    workers: int = option(2, "W, training ranks")
+    servers: int | None = option(
+        None, "S, parameter-server shards (asgd, easgd)", shown="1 for asgd and easgd, 0 otherwise"
+    )
+
+    def _validate_job(self) -> None:
+        _check_choice("strategy", self.strategy, STRATEGIES + tuple(REGISTERED_STRATEGIES))
+        _check_int("workers", self.workers, 1)
+        _check_int("servers", self.servers, 0)
+        if self.strategy in SERVER_STRATEGIES and self.servers < 1:
+            raise ConfigError(
+                f"servers: {self.servers} is not allowed for strategy {self.strategy!r}; "
+                "use --servers 1 or more"
+            )
+        if self.strategy not in SERVER_STRATEGIES and self.servers != 0:
+            raise ConfigError(
+                f"servers: {self.servers} is not allowed for strategy {self.strategy!r}, "
+                "which uses no parameter server; use --servers 0"
+            )
+
+
+@dataclass
+class ClusterConfig:
+    """The cluster, emulated on one machine where it is not real: nodes (torchrun's real ones
+    otherwise), the link between them, slow workers and slow devices."""
+
+    section: ClassVar[str] = "cluster"
+    title: ClassVar[str] = "cluster: nodes, their link, slow workers (emulated)"
+
+    nodes: int | None = option(
+        None, "group this launch's ranks into N emulated nodes", shown="torchrun's nodes, or 1"
+    )
+    inter_node_link: str | None = option(
+        None,
+        "emulate a link of this speed between nodes (software delay; e.g. 1,1)",
+        metavar="GBIT_PER_S[,LATENCY_MS]",
+        shown="none, no delay",
+    )
+    stragglers: list[Straggler] = option(
+        help="worker WORKER sleeps (FACTOR-1)x its compute time each step (repeatable)",
+        flag="--straggler",
+        metavar="WORKER:FACTOR",
+        shown="none",
+        aliases=("straggler",),
+        factory=list,
+    )
+    min_step_time_s: float = option(
+        0.0, "emulate a device: every step takes at least this many seconds (sleep)"
+    )
+
+    def _validate_cluster(self) -> None:
+        if self.nodes is not None:
+            _check_int("nodes", self.nodes, 1)
+            if self.nodes > self.world_size:
+                raise ConfigError(
+                    f"nodes: {self.nodes} is more than the job's {self.world_size} ranks"
+                )
+        if self.inter_node_link is not None:
+            from cloudburst.comm.link import LinkSpec
+
+            try:
+                LinkSpec.parse(self.inter_node_link)
+            except ValueError as e:
+                raise ConfigError(f"inter_node_link: {e}") from None
+        for s in self.stragglers:
+            if not 0 <= s.worker < self.workers:
+                raise ConfigError(
+                    f"straggler: worker {s.worker} does not exist; allowed 0..{self.workers - 1}"
+                )
+            _check_float("straggler factor", s.factor, 1.0, None)
+        _check_float("min_step_time_s", self.min_step_time_s, 0.0, None)
+
+
+@dataclass
+class DataConfig:
+    """The dataset, read from local files only (never downloaded), and its loading."""
+
+    section: ClassVar[str] = "data"
+    title: ClassVar[str] = "data"
+
+    dataset: str = option(
+        "mnist1d",
+        f"one of {', '.join(DATASETS)} (paths are read, never downloaded)",
+        metavar="SPEC",
+    )
+    train_size: int | None = option(
+        None, "training samples", shown="4000 for mnist1d and synthetic, else all"
+    )
+    test_size: int | None = option(
+        None, "test samples", shown="1000 for mnist1d and synthetic, else all"
+    )
+    image_size: int = option(32, "imagefolder: resize and center-crop images to this")
+    augment: bool = option(True, "images: no random crop (padding 4) and flip", flag="--no-augment")
+    data_workers: int | None = option(
+        None, "DataLoader processes per worker", shown="2 for images, 0 otherwise"
+    )
+
+    def _validate_data(self) -> None:
+        kind, path = self.dataset_kind_path()
+        if path is not None and not Path(path).exists():
+            raise ConfigError(
+                f"dataset: {path!r} does not exist (datasets are read from local paths)"
+            )
+        if kind in DEFAULT_SIZES:
+            default_train, default_test = DEFAULT_SIZES[kind]
+            self.train_size = default_train if self.train_size is None else self.train_size
+            self.test_size = default_test if self.test_size is None else self.test_size
+        if self.train_size is not None:
+            _check_int("train_size", self.train_size, max(self.workers, 10))
+        if self.test_size is not None:
+            _check_int("test_size", self.test_size, 10)
+        _check_int("image_size", self.image_size, 8)
+        if self.data_workers is not None:
+            _check_int("data_workers", self.data_workers, 0)
+
+
+@dataclass
+class ModelConfig:
+    """The model and where it computes."""
+
+    section: ClassVar[str] = "model"
+    title: ClassVar[str] = "model and device"
+
+    model: str = option(
+        "cnn",
+        f"one of {', '.join(MODELS)} (32x32 images: resnet20, convnet), or package.module:function",
+        metavar="NAME",
+    )
+    device: str = option(
+        "auto", "workers' compute device; auto: cuda when a GPU is present", choices=DEVICES
+    )
+    backend: str = option(
+        "auto",
+        "workers' collectives; auto: nccl when each worker has its own GPU, else gloo",
+        choices=BACKENDS,
+    )
+    autocast: str = option(
+        "none", "bf16: autocast the forward pass and the loss to bfloat16", choices=AUTOCASTS
+    )
+
+    def _validate_model(self) -> None:
+        from cloudburst.models import is_factory_spec
+
+        if self.model not in MODELS and not is_factory_spec(self.model):
+            raise ConfigError(
+                f"model: {self.model!r} is not allowed; choose one of {', '.join(MODELS)} "
+                "or name a factory as package.module:function"
+            )
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("backend", self.backend, BACKENDS)
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ConfigError("backend: 'nccl' needs --device cuda (or auto on a GPU machine)")
+        _check_choice("autocast", self.autocast, AUTOCASTS)
+
+
+@dataclass
+class TrainingConfig:
+    """Each worker's own training: its budget, its optimizer, and how it starts."""
+
+    section: ClassVar[str] = "training"
+    title: ClassVar[str] = "training"
+
+    epochs: float | None = option(
+        None, "passes of each worker over its own shard", shown="64 unless --steps is given"
+    )
+    steps: int | None = option(
+        None, "local steps per worker (overrides --epochs)", shown="from --epochs"
+    )
+    batch_size: int = option(64, "samples per step, per worker")
+    optimizer: str = option("sgd", "the local (worker) optimizer", choices=OPTIMIZERS)
+    lr: float = option(0.1, "the local optimizer's learning rate")
+    lr_schedule: str = option(
+        "constant", "constant, or cosine decay to 0 over each worker's steps", choices=LR_SCHEDULES
+    )
+    momentum: float = option(0.9, "the local optimizer's momentum (adam: β1)")
+    weight_decay: float = option(0.0, "L2 weight decay of the local optimizer")
+    seed: int = option(0, "seeds the model, the data order and the shards")
+    warm_start_steps: int = option(
+        0, "K: worker 0 trains alone for K steps, then all start from its θ"
+    )
+    init_from: str | None = option(
+        None,
+        "start every replica (and the servers) from this model checkpoint (model.pt)",
+        shown="none",
+    )
+
+    def _validate_training(self) -> None:
+        if self.steps is None and self.epochs is None:
+            self.epochs = 64.0  # MNIST-1D's CNN reaches ≥ 90 % with every strategy
+        if self.steps is not None:
+            _check_int("steps", self.steps, 1)
+        if self.epochs is not None:
+            _check_float("epochs", self.epochs, 0.0, None, low_open=True)
+        _check_int("batch_size", self.batch_size, 1)
+        shard = (self.train_size or 0) // self.workers
+        if self.train_size is not None and self.batch_size > shard:
+            raise ConfigError(
+                f"batch_size: {self.batch_size} is larger than each worker's shard of "
+                f"{shard} samples (train_size {self.train_size} / {self.workers} workers)"
+            )
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_float("lr", self.lr, 0.0, None, low_open=True)
+        _check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _check_float("momentum", self.momentum, 0.0, 1.0, high_open=True)
+        _check_float("weight_decay", self.weight_decay, 0.0, None)
+        _check_int("seed", self.seed, 0)
+        _check_int("warm_start_steps", self.warm_start_steps, 0)
+        if self.warm_start_steps and self.init_from:
+            raise ConfigError(
+                "warm_start_steps: cannot be combined with init_from; choose one warm start"
+            )
+        if self.init_from is not None and not Path(self.init_from).is_file():
+            raise ConfigError(f"init_from: {self.init_from!r} is not a file")
+
+
+@dataclass
+class MetricsConfig:
+    """What a run measures and how often it writes it down."""
+
+    section: ClassVar[str] = "metrics"
+    title: ClassVar[str] = "metrics"
+
+    target_accuracy: float | None = option(
+        None, "report the time to reach this test accuracy (0..1)", shown="none"
+    )
+    eval_every_s: float = option(1.0, "evaluate on the test set every this many seconds")
+    log_every_steps: int = option(10, "workers log one step record every this many steps")
+    # Bounded files; the staleness statistics in the summary count every push regardless.
+    push_log_every: int = option(
+        10, "servers log one push record every N applied pushes, and one for each push not applied"
+    )
+    tensorboard: bool = option(False, "also write TensorBoard events under OUT/tensorboard")
+
+    def _validate_metrics(self) -> None:
+        if self.target_accuracy is not None:
+            _check_float("target_accuracy", self.target_accuracy, 0.0, 1.0, low_open=True)
+        _check_float("eval_every_s", self.eval_every_s, 0.0, None, low_open=True)
+        _check_int("log_every_steps", self.log_every_steps, 1)
+        _check_int("push_log_every", self.push_log_every, 1)
+
+
+@dataclass
+class FaultConfig:
+    """Checkpoints, restarts, injected faults and the timeouts that detect a lost rank."""
+
+    section: ClassVar[str] = "faults"
+    title: ClassVar[str] = "fault tolerance"
+
+    checkpoint_every: int = option(
+        100,
+        "workers checkpoint every this many steps, servers every this many pushes, under "
+        "OUT/checkpoints (0: off)",
+    )
+    # Set by ``--resume DIR`` (cloudburst.resilience.resume_config), which is no field's flag.
+    resume: bool = option(False, "continue from the checkpoints under OUT", cli=False)
+    max_restarts: int = option(
+        0,
+        "restart failed ranks this many times (sync/daso/local_sgd/diloco/gossip: the whole "
+        "job, from its last checkpoint; asgd/easgd: the rank rejoins)",
+    )
+    inject_fault: list[str] = option(
+        help="kill:RANK@STEP | stop:RANK@STEP | nan:RANK@STEP | slow:RANK:FACTOR (repeatable; "
+        "cloudburst.faults; first attempt only)",
+        metavar="SPEC",
+        shown="none",
+        factory=list,
+    )
+    comm_timeout_s: float = option(300.0, "seconds before a blocking communication fails")
+    heartbeat_timeout_s: float = option(
+        10.0, "seconds without a heartbeat before a rank is taken for lost"
+    )
+
+    def _validate_faults(self) -> None:
+        _check_int("checkpoint_every", self.checkpoint_every, 0)
+        _check_int("max_restarts", self.max_restarts, 0)
+        if self.inject_fault:
+            from cloudburst.faults import FaultError, parse_faults
+
+            try:
+                parse_faults(self.inject_fault, self.servers, self.world_size)
+            except FaultError as e:
+                raise ConfigError(f"inject_fault: {e}") from None
+        _check_float("comm_timeout_s", self.comm_timeout_s, 0.0, None, low_open=True)
+        _check_float("heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0, None, low_open=True)
+
+
+@dataclass
+class OutputConfig:
+    """Where a run writes, and what it shows while it runs."""
+
+    section: ClassVar[str] = "output"
+    title: ClassVar[str] = "output"
+
+    out: str = option("runs/latest", "output directory", shown="runs/<strategy>-<time>-<random>")
+    overwrite: bool = option(
+        False,
+        "write into an existing directory that is not a cloudburst run (only the run's own "
+        "files are ever replaced)",
+    )
+    progress: bool = option(True, "no progress bar", flag="--no-progress")
+
+
+# The concerns in --help's order; RunConfig's fields (and to_dict) follow the same order.
+
+
+# A dataclass collects its bases' fields from the last base to the first: listed in reverse,
+# JobConfig's come first.
