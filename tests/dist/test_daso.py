@@ -125,6 +125,15 @@ def test_adaptive_schedule_phases_fp16_and_the_plot_marks(tmp_path, monkeypatch)
             if t % STEPS_PER_EPOCH and t % SCHEDULE[(t - 1) // STEPS_PER_EPOCH][0] == 0
         ]
         assert [entry for entry in log if entry[3]] == cycling, f"rank {rank}"
+    # --daso-downcast casts the blocking averages (fp16: 2 bytes a value); the non-blocking
+    # ones keep --daso-cycling-downcast's default, fp32 (4 bytes), as Heat does. The k-th
+    # sync of a node is sent by its local rank k mod 2: each rank's bytes follow.
+    numel = sum(v.numel() for v in saved_state(out).values())
+    log = final_record(out, 0)["sync_log"]
+    for rank in range(4):
+        sent = [wait for k, (_, _, _, wait) in enumerate(log) if k % 2 == rank % 2]
+        expected = sum(numel * (4 if wait else 2) for wait in sent)
+        assert final_record(out, rank)["global_bytes"] == expected, f"rank {rank}"
     # nan:1@3: rank 1's loss is NaN; the node's averaged gradient is NaN on both of node 0's
     # ranks, which skip the step; node 1 does not.
     assert [final_record(out, r)["steps_skipped_nonfinite"] for r in range(4)] == [1, 1, 0, 0]

