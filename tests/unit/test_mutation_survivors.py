@@ -13,9 +13,11 @@ unchanged and are compared step by step with :func:`tests.reference.local_sgd` a
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import math
 import os
+import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,7 +33,9 @@ from cloudburst import checkpoint
 from cloudburst.checkpoint import (
     CheckpointError,
     load_checkpoint,
+    load_model_buffers,
     load_model_into,
+    model_buffers_bytes,
     save_checkpoint,
     save_model,
 )
@@ -48,6 +52,7 @@ from cloudburst.shard import (
     all_finite,
     mean_staleness,
     overlapped_push_fetch,
+    shard_checkpoint_path,
 )
 from cloudburst.strategies import local_sgd
 from cloudburst.strategies.daso import DasoSchedule
@@ -508,6 +513,62 @@ def test_a_checkpoint_written_from_cuda_tensors_loads_on_the_cpu(tmp_path, monke
     save_checkpoint(path, "worker", {"optimizer": {"buf": torch.arange(3.0)}})
     monkeypatch.undo()
     assert torch.equal(load_checkpoint(path, "worker")["optimizer"]["buf"], torch.arange(3.0))
+
+
+def _batch_norm(mean: list[float], var: list[float], batches: int) -> nn.BatchNorm1d:
+    bn = nn.BatchNorm1d(len(mean))
+    bn.running_mean.copy_(torch.tensor(mean))
+    bn.running_var.copy_(torch.tensor(var))
+    bn.num_batches_tracked.fill_(batches)
+    return bn
+
+
+def test_model_buffers_round_trip_and_leave_the_parameters_alone():
+    source = _batch_norm([1.0, 2.0], [3.0, 4.0], 7)
+    target = nn.BatchNorm1d(2)
+    with torch.no_grad():
+        target.weight.fill_(5.0)
+    load_model_buffers(target, model_buffers_bytes(source))
+    assert target.running_mean.tolist() == [1.0, 2.0]
+    assert target.running_var.tolist() == [3.0, 4.0]
+    assert target.num_batches_tracked.item() == 7
+    assert target.weight.tolist() == [5.0, 5.0]
+
+
+def test_model_buffers_of_another_shape_or_name_are_skipped():
+    raw = model_buffers_bytes(_batch_norm([1.0, 2.0], [3.0, 4.0], 7))
+    wider = nn.BatchNorm1d(3)
+    load_model_buffers(wider, raw)
+    assert wider.running_mean.tolist() == [0.0, 0.0, 0.0]  # shape (2,) does not fit (3,)
+    assert wider.num_batches_tracked.item() == 7  # a scalar fits
+    nested = nn.Sequential(nn.BatchNorm1d(2))  # its buffers are named "0.running_mean", ...
+    load_model_buffers(nested, raw)
+    assert nested[0].running_mean.tolist() == [0.0, 0.0]
+    load_model_buffers(nn.Linear(2, 2), raw)  # no buffers at all
+
+
+def test_model_buffers_serialised_on_a_gpu_load_on_the_cpu(monkeypatch):
+    # what torch.save records for tensors on a GPU, without needing one
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+    raw = model_buffers_bytes(_batch_norm([1.0, 2.0], [3.0, 4.0], 7))
+    monkeypatch.undo()
+    target = nn.BatchNorm1d(2)
+    load_model_buffers(target, raw)
+    assert target.running_mean.tolist() == [1.0, 2.0]
+
+
+def test_code_in_model_buffers_never_runs(monkeypatch):
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    buf = io.BytesIO()
+    torch.save({"running_mean": _Exploit()}, buf)
+    _CALLS.clear()
+    with pytest.raises(pickle.UnpicklingError):
+        load_model_buffers(nn.BatchNorm1d(2), buf.getvalue())
+    assert _CALLS == []
+
+
+def test_a_shard_checkpoint_lives_in_the_run_directory_checkpoints():
+    assert shard_checkpoint_path("runs/x", 3) == Path("runs/x/checkpoints/server3.pt")
 
 
 # ---------------------------------------------------------------------------- flatten / split
