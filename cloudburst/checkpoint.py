@@ -25,9 +25,33 @@ class CheckpointError(ValueError):
 
 
 def _digest(payload: Any) -> str:
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    return hashlib.sha256(buf.getvalue()).hexdigest()
+    """SHA-256 of the payload's content — structure, keys, tensors' dtype, shape and bytes —
+    independent of where its tensors lived: a GPU worker's checkpoint is loaded onto the CPU
+    and checked there (``torch.save``'s own bytes record each tensor's device)."""
+    h = hashlib.sha256()
+    _feed(h, payload)
+    return h.hexdigest()
+
+
+def _feed(h, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous().reshape(-1)
+        h.update(f"T{t.dtype}{tuple(value.shape)}:".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(value, dict):
+        h.update(b"{%d" % len(value))
+        for key in sorted(value, key=repr):
+            _feed(h, key)
+            _feed(h, value[key])
+        h.update(b"}")
+    elif isinstance(value, list | tuple):
+        h.update(b"[" if isinstance(value, list) else b"(")
+        h.update(b"%d" % len(value))
+        for item in value:
+            _feed(h, item)
+        h.update(b"]")
+    else:  # numbers, strings, bools, None: what weights_only loads besides tensors
+        h.update(f"{type(value).__name__}:{value!r};".encode())
 
 
 def save_checkpoint(path: str | Path, kind: str, payload: dict[str, Any]) -> None:
@@ -90,7 +114,6 @@ def load_model_into(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
 
 def model_buffers_bytes(model: torch.nn.Module) -> bytes:
     """A model's buffers (batch-norm running statistics), serialised."""
-    import io
 
     buf = io.BytesIO()
     torch.save({k: v.detach().cpu() for k, v in model.named_buffers()}, buf)
@@ -99,7 +122,6 @@ def model_buffers_bytes(model: torch.nn.Module) -> bytes:
 
 def load_model_buffers(model: torch.nn.Module, raw: bytes) -> None:
     """Load buffers serialised by :func:`model_buffers_bytes` (weights only) into ``model``."""
-    import io
 
     buffers = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     own = dict(model.named_buffers())

@@ -500,12 +500,6 @@ def test_a_model_checkpoint_without_meta_gives_empty_meta(tmp_path):
     assert load_model_into(path, nn.Linear(2, 2)) == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the checksum covers the serialised bytes, storage locations included: a payload "
-    "holding CUDA tensors (a GPU worker's optimizer state) fails it once mapped to the CPU "
-    "(benchmarks/results/mutation.md); remove this marker once that is fixed",
-)
 def test_a_checkpoint_written_from_cuda_tensors_loads_on_the_cpu(tmp_path, monkeypatch):
     path = tmp_path / "w.pt"
     # what torch.save records for tensors on a GPU, without needing one
