@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 
@@ -58,7 +59,12 @@ def stop_forkserver() -> None:
     """Stop this process's forkserver and resource tracker now (the CLI, when its jobs are
     over), instead of leaving them to notice that this process exited."""
     try:
-        if forkserver_pid() is not None:
+        pid = forkserver_pid()
+        if pid is not None:
+            # Killed, not asked: a forkserver still importing its preload (a refused config,
+            # a job that failed early) would only see the request once it has finished (~4 s).
+            # Its ranks are over by now.
+            os.kill(pid, signal.SIGKILL)
             forkserver._forkserver._stop()
         if getattr(resource_tracker._resource_tracker, "_pid", None) is not None:
             resource_tracker._resource_tracker._stop()

@@ -238,7 +238,7 @@ DEFAULTS_DICT = {
     "eval_every_s": 1.0,
     "gossip_every": 1,
     "gossip_push_sum": False,
-    "gossip_schedule": "random",
+    "gossip_schedule": "exponential",
     "gossip_variant": "pull",
     "heartbeat_timeout_s": 10.0,
     "image_size": 32,
