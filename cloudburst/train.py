@@ -87,21 +87,31 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
         watchdog.stop()
         mark_done(ctx.liveness_store, ctx.rank)
     except KeyboardInterrupt:
-        watchdog.stop()  # the others are stopping too: their silence is no failure
-        metrics.log("interrupted", time_s=ctx.elapsed_s())
-        if ctx.rank == 0 and not os.environ.get("CLOUDBURST_LOCAL_JOB"):
-            # Under a user's torchrun rank 0 reports (a local job's launcher does it itself).
-            summary = write_partial_summary(cfg, interrupted=True)
-            print(interrupted_message(summary), file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+        _interrupted(ctx, metrics, watchdog)
     except Exception:
         # A peer's death reaches this rank first as a failed send or receive: let the
         # watchdog name it (it exits with that reason) before reporting an error of our own.
-        watchdog.settle()
+        # The peer may have been stopped by Ctrl-C like this rank, whose signal then arrives
+        # while it waits.
+        try:
+            watchdog.settle()
+        except KeyboardInterrupt:
+            _interrupted(ctx, metrics, watchdog)
         raise
     finally:
         metrics.close()
         shutdown(ctx)
+
+
+def _interrupted(ctx: Context, metrics: MetricsWriter, watchdog: Watchdog) -> None:
+    """Ctrl-C or SIGTERM: record it; under a user's torchrun rank 0 writes the summary and the
+    resume command (a local job's launcher does it itself); exit 130."""
+    watchdog.stop()  # the others are stopping too: their silence is no failure
+    metrics.log("interrupted", time_s=ctx.elapsed_s())
+    if ctx.rank == 0 and not os.environ.get("CLOUDBURST_LOCAL_JOB"):
+        summary = write_partial_summary(ctx.cfg, interrupted=True)
+        print(interrupted_message(summary), file=sys.stderr, flush=True)
+    raise SystemExit(130) from None
 
 
 def _raise_keyboard_interrupt(signum, frame) -> None:
