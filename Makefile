@@ -30,7 +30,7 @@ test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "unit and not spawns" tests/unit
 
 ## Mutation score of the algorithmic core against the fast tests (benchmarks/results/mutation.md).
-## mutmut mutates a copy (mutants/), one mutant at a time (2 cores are shared); ~25 min here.
+## mutmut mutates a copy (mutants/), one mutant at a time (2 shared cores): 25-40 min here.
 ## server.py, daso.py and asgd.py also hold the server loop, DASO's collectives and the worker's
 ## transport: only their maths is run (mutants not named below stay "not checked", uncounted).
 MUTANTS := 'cloudburst.comm.flat.*' 'cloudburst.comm.link.*' 'cloudburst.checkpoint.*' \
