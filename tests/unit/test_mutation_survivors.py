@@ -475,6 +475,49 @@ def test_a_changed_payload_names_the_file(tmp_path):
     assert str(err.value) == f"checkpoint {str(path)!r} fails its checksum (corrupt)"
 
 
+# A worker checkpoint's shapes: nested dicts (int keys beside str keys), lists and tuples of
+# numbers, strings and None, and tensors (empty ones included).
+_NESTED = {
+    "step": 7,
+    "evals": [(1, 0.5), (2, 0.25)],
+    "optimizer": {"state": {0: {"momentum": torch.arange(3.0)}}, "groups": [{"lr": 0.1}]},
+    "mixed": {0: "zero", "one": None},
+    "empty": torch.zeros(0),
+}
+
+
+def test_a_checkpoint_of_nested_lists_tuples_and_mixed_keys_round_trips(tmp_path):
+    path = tmp_path / "w.pt"
+    save_checkpoint(path, "worker", _NESTED)
+    loaded = load_checkpoint(path, "worker")
+    assert loaded["evals"] == [(1, 0.5), (2, 0.25)] and loaded["mixed"] == {0: "zero", "one": None}
+    assert torch.equal(loaded["optimizer"]["state"][0]["momentum"], torch.arange(3.0))
+    assert loaded["empty"].numel() == 0
+
+
+def _tampered(record: dict) -> None:
+    record["payload"]["evals"][1] = (2, 0.75)
+
+
+def _renamed(record: dict) -> None:
+    record["payload"]["mixed"] = {0: "zero", "two": None}
+
+
+def _retyped(record: dict) -> None:
+    record["payload"]["evals"][0] = [1, 0.5]  # a list where a tuple was
+
+
+@pytest.mark.parametrize("change", [_tampered, _renamed, _retyped])
+def test_the_checksum_covers_list_items_keys_and_sequence_types(tmp_path, change):
+    path = tmp_path / "w.pt"
+    save_checkpoint(path, "worker", _NESTED)
+    record = torch.load(path, weights_only=True)
+    change(record)
+    torch.save(record, path)
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        load_checkpoint(path)
+
+
 def test_a_model_is_loaded_only_from_a_model_checkpoint(tmp_path):
     path = tmp_path / "w.pt"
     save_checkpoint(path, "worker", {"state_dict": nn.Linear(2, 2).state_dict(), "meta": {}})
