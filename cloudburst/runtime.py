@@ -223,20 +223,15 @@ def init_distributed(cfg: RunConfig, strategy_cls: type | None = None) -> Contex
             backend,
             topology.num_nodes,
         )
-    link = LinkEmulator(LinkSpec.parse(cfg.inter_node_link) if cfg.inter_node_link else None)
-    return Context(
-        cfg=cfg,
-        rank=rank,
-        world_size=world,
-        num_servers=cfg.servers,
-        num_workers=cfg.workers,
+    return _context(
+        cfg,
+        rank,
+        world,
+        store,
+        device,
+        backend,
+        topology,
         workers_group=workers_group,
-        store=store,
-        t0=time.time(),
-        device=device,
-        backend=backend,
-        topology=topology,
-        link=link,
         node_group=node_group,
         global_group=global_group,
         gossip_request_group=gossip_groups[0],
@@ -270,6 +265,24 @@ def _traits(cfg: RunConfig, strategy_cls: type | None) -> StrategyTraits:
     )
 
 
+def _context(cfg, rank, world, store, device, backend, topology, **groups) -> Context:
+    """The Context both ways into a job build (joining it, or rejoining after a restart)."""
+    return Context(
+        cfg=cfg,
+        rank=rank,
+        world_size=world,
+        num_servers=cfg.servers,
+        num_workers=cfg.workers,
+        store=store,
+        t0=time.time(),
+        device=device,
+        backend=backend,
+        topology=topology,
+        link=LinkEmulator(LinkSpec.parse(cfg.inter_node_link) if cfg.inter_node_link else None),
+        **groups,
+    )
+
+
 def _rejoin_job(
     cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str
 ) -> Context:
@@ -294,20 +307,15 @@ def _rejoin_job(
         heartbeat.stop()
         raise
     log.info("restart %d: rejoined the running job on a group with the servers", incarnation)
-    link = LinkEmulator(LinkSpec.parse(cfg.inter_node_link) if cfg.inter_node_link else None)
-    return Context(
-        cfg=cfg,
-        rank=rank,
-        world_size=world,
-        num_servers=cfg.servers,
-        num_workers=cfg.workers,
+    return _context(
+        cfg,
+        rank,
+        world,
+        store,
+        device,
+        backend,
+        resolve_topology(cfg, world),
         workers_group=None,
-        store=store,
-        t0=time.time(),
-        device=device,
-        backend=backend,
-        topology=resolve_topology(cfg, world),
-        link=link,
         rejoin_group=group,
         heartbeat=heartbeat,
         liveness_store=store,
