@@ -17,10 +17,10 @@ otherwise replay it forever.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import signal
 from dataclasses import dataclass
+
+from cloudburst.comm.transport import REAL
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,14 @@ def parse_faults(specs: list[str], servers: int, world_size: int) -> list[Fault]
 class FaultInjector:
     """The faults of one worker; the training loop calls it around every step."""
 
-    def __init__(self, faults: list[Fault], rank: int, active: bool = True, on_fire=None):
-        """``on_fire(fault, step)`` is called when a fault fires, before it takes effect."""
+    def __init__(
+        self, faults: list[Fault], rank: int, active: bool = True, on_fire=None, stop=None
+    ):
+        """``on_fire(fault, step)`` is called when a fault fires, before it takes effect;
+        ``stop(kind)`` kills or stops the rank (the transport's: a signal to this process, or
+        the simulator's virtual death)."""
         self.on_fire = on_fire or (lambda fault, step: None)
+        self.stop = stop or REAL.stop_self
         mine = [f for f in faults if f.rank == rank]
         self.slow_factor = 1.0
         for f in mine:
@@ -109,6 +114,4 @@ class FaultInjector:
         self.fired.append(f)
         self.on_fire(f, step)
         log.warning("injected fault %s: %s", f, "SIGKILL" if f.kind == "kill" else "SIGSTOP")
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os.kill(os.getpid(), signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+        self.stop(f.kind)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from cloudburst.comm.link import LinkEmulator, LinkSpec, Topology
+from cloudburst.comm.transport import REAL, Transport
 from cloudburst.config import RunConfig
 from cloudburst.liveness import (  # noqa: F401 - also importable from here
     Heartbeat,
@@ -71,6 +72,9 @@ class Context:
     # connection it and the watchdog use.
     heartbeat: Heartbeat | None = None
     liveness_store: dist.Store | None = None
+    # How this rank communicates, waits and keeps time: torch.distributed and the wall clock,
+    # or the virtual cluster's simulated transport (cloudburst.sim).
+    comm: Transport = REAL
 
     @property
     def rejoined(self) -> bool:
@@ -91,7 +95,12 @@ class Context:
         topo, rank = self.topology, self.rank
         crosses = (lambda peer: topo.crosses(rank, peer)) if topo is not None else None
         return PeerTransport(
-            group=group, stats=stats, link=self.link, crosses=crosses, members=members
+            group=group,
+            stats=stats,
+            link=self.link,
+            crosses=crosses,
+            members=members,
+            wire=self.comm,
         )
 
     @property
@@ -123,7 +132,7 @@ class Context:
         return f"server{self.server_index}" if self.is_server else f"worker{self.worker_index}"
 
     def elapsed_s(self) -> float:
-        return time.time() - self.t0
+        return self.comm.wall() - self.t0
 
     def start_clock(self, elapsed_s: float = 0.0) -> None:
         """Barrier, then a common origin for wall-clock times: rank 0's clock via the store.
@@ -137,9 +146,9 @@ class Context:
         if self.rejoined:
             self.t0 = float(self.store.get("t0").decode())
             return
-        dist.barrier()
+        self.comm.barrier()
         if self.rank == 0:
-            self.store.set("t0", repr(time.time() - elapsed_s))
+            self.store.set("t0", repr(self.comm.wall() - elapsed_s))
         self.t0 = float(self.store.get("t0").decode())
 
 

@@ -169,6 +169,26 @@ class ServerLoop:
         return self.shard.theta.numel()
 
     def run(self) -> None:
+        if self.ctx.comm.simulated:
+            # The virtual cluster restarts nothing: its one serving task, and no rejoin board.
+            self._serve(self.transport, None)
+            self._stopped = True
+            self._raise_if_failed()
+        else:
+            self._run_with_rejoins()
+        self._checkpoint()
+        log.info(
+            "server %d finished: version %d, %d lost workers %s, %d rejoins",
+            self.ctx.server_index,
+            self.shard.version,
+            len(self.lost),
+            sorted(self.lost),
+            self.rejoins,
+        )
+
+    def _run_with_rejoins(self) -> None:
+        """Serve the world group on a thread, admit rejoining workers on this one, until
+        every worker is finished or lost."""
         self._serve_in_thread(self.transport, None)
         # The board waits in the store (for an announcement being written): a connection of
         # its own, so that the serving threads' liveness checks never wait behind it.
@@ -192,15 +212,6 @@ class ServerLoop:
         finally:
             with self._lock:
                 self._stopped = True
-        self._checkpoint()
-        log.info(
-            "server %d finished: version %d, %d lost workers %s, %d rejoins",
-            self.ctx.server_index,
-            self.shard.version,
-            len(self.lost),
-            sorted(self.lost),
-            self.rejoins,
-        )
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -471,6 +482,7 @@ class ServerLoop:
             if overlapped:
                 transport.wait_all([send_theta])  # θ must not change while it is sent
             result = self.shard.apply_push(delta, h.version, h.samples)
+            self.ctx.comm.apply_done(delta.numel() * delta.element_size())
             if result.status == Status.REJECTED and worth_logging(self.shard.rejected_nonfinite):
                 # Not a fault: an honest worker's diverged replica pushes the same.
                 log.warning(
@@ -638,10 +650,10 @@ def serve_shard(ctx, theta0: torch.Tensor, metrics) -> ServerLoop:
     """
     from cloudburst.checkpoint import CheckpointError
     from cloudburst.resilience import load_shard_state
-    from cloudburst.runtime import LivenessMonitor, restart_count
+    from cloudburst.runtime import restart_count
 
     cfg = ctx.cfg
-    liveness = LivenessMonitor(ctx.store, ctx.worker_ranks, cfg.heartbeat_timeout_s)
+    liveness = ctx.comm.liveness_monitor(ctx.store, ctx.worker_ranks, cfg.heartbeat_timeout_s)
     loop = ServerLoop(ctx, theta0, metrics, liveness)
     elapsed_s = 0.0
     path = shard_checkpoint_path(cfg.out, ctx.server_index)

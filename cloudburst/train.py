@@ -180,6 +180,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         ctx.rank,
         active=restart_count() == 0 and not cfg.resume,
         on_fire=lambda f, step: metrics.log("fault", step=step, kind=f.kind, wall=time.time()),
+        stop=ctx.comm.stop_self,
     )
     factor = cfg.straggler_factor(ctx.worker_index) * faults.slow_factor
     loss_fn = nn.CrossEntropyLoss()
@@ -241,11 +242,11 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     loss = math.nan
     checkpoint_due = False
     for step in range(start_step + 1, total + 1):
-        t_start = time.perf_counter()
+        t_start = ctx.comm.now()
         waited_before = strategy.stats.wait_s
         loss = train_step_scheduled(step)
-        compute_s = time.perf_counter() - t_start - (strategy.stats.wait_s - waited_before)
-        _emulate_device(compute_s, cfg.min_step_time_s, factor)
+        compute_s = ctx.comm.now() - t_start - (strategy.stats.wait_s - waited_before)
+        ctx.comm.step_done(compute_s, cfg.min_step_time_s, factor)
         strategy.record_loss(loss)
         strategy.after_step(cfg.batch_size)
         samples += cfg.batch_size
@@ -304,7 +305,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         # Σ w_i θ_i / Σ w_i (every w_i = 1 otherwise).
         weight = float(strategy.report().get("push_sum_weight", 1.0))
         averaged = torch.cat([flatten_params(model) * weight, torch.tensor([weight])])
-        all_reduce_sum(averaged, ctx.workers_group, CommStats())
+        all_reduce_sum(averaged, ctx.workers_group, CommStats(), comm=ctx.comm)
         averaged = averaged[:-1] / averaged[-1]
     if ctx.worker_index == 0 and ctx.num_servers and any(True for _ in model.buffers()):
         # The servers hold parameters only: the model's buffers (batch-norm statistics) that
@@ -340,13 +341,6 @@ def copy_buffers(src: nn.Module, dst: nn.Module) -> None:
             b.copy_(a)
 
 
-def _emulate_device(compute_s: float, min_step_time_s: float, factor: float) -> None:
-    """Pad the step to the emulated device time, then slow it down by the straggler factor."""
-    target_s = max(compute_s, min_step_time_s) * factor
-    if target_s > compute_s:
-        time.sleep(target_s - compute_s)
-
-
 def _progress_bar(ctx: Context, total: int):
     # Under `cloudburst train` the launcher draws the bar from the metrics files; under a
     # user's torchrun, worker 0 draws one when it has a terminal.
@@ -373,7 +367,8 @@ class Evaluator:
         now = self.ctx.elapsed_s()
         if not force and now - self.last_s < self.ctx.cfg.eval_every_s:
             return
-        flat, samples = strategy.fetch_global_params()
+        with self.ctx.comm.measuring():  # a measurement: no virtual time in a simulation
+            flat, samples = strategy.fetch_global_params()
         self.last_s = now
         assign_flat(self.model, flat)
         # Global parameters; buffers (batch-norm statistics) from this worker's replica.

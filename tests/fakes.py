@@ -26,6 +26,7 @@ from torch import nn
 
 from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.p2p import CommStats, Header
+from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
 from cloudburst.server import ServerLoop
 from cloudburst.strategies import STRATEGY_CLASSES
@@ -185,6 +186,7 @@ class FakeContext:
     topology: None = None
     link: None = None
     rejoined: bool = False
+    comm: Any = REAL
 
     @property
     def num_servers(self) -> int:

@@ -5,55 +5,56 @@ Mechanism only: the strategies decide what to reduce, when, and over which group
 
 from __future__ import annotations
 
-import time
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from cloudburst.comm.allreduce import count_collective, ring_bytes
 from cloudburst.comm.link import EmulatedWork, LinkEmulator
 from cloudburst.comm.p2p import CommStats
+from cloudburst.comm.transport import REAL, Transport
 
 
 class Pending:
     """Works of one (possibly chunked) all-reduce; ``wait`` times the wait into the stats."""
 
-    def __init__(self, works: list, stats: CommStats):
-        self.works, self.stats = works, stats
+    def __init__(self, works: list, stats: CommStats, comm: Transport = REAL):
+        self.works, self.stats, self.comm = works, stats, comm
 
     def wait(self) -> None:
-        t0 = time.perf_counter()
+        t0 = self.comm.now()
         for w in self.works:
             w.wait()
-        self.stats.wait_s += time.perf_counter() - t0
+        self.stats.wait_s += self.comm.now() - t0
 
 
 def all_reduce_sum(
     tensor: torch.Tensor,
-    group: dist.ProcessGroup | None,
+    group: Any,
     stats: CommStats,
     link: LinkEmulator | None = None,
     spans_nodes: bool = False,
     chunk_elements: int | None = None,
     async_op: bool = False,
+    comm: Transport = REAL,
 ) -> Pending:
     """Sum ``tensor`` in place over ``group``; returns the pending works (already waited for
     unless ``async_op``). Counted as a ring all-reduce moves it; when the group spans nodes
     and a link is emulated, complete no earlier than that link could carry it."""
-    size = dist.get_world_size(group)
+    size = comm.group_size(group)
     chunk = chunk_elements or tensor.numel()
     emulate = link is not None and link.active and spans_nodes and size > 1
     if not async_op and not emulate and chunk >= tensor.numel():
         # The common case, without the asynchronous work objects' round trip.
-        t0 = time.perf_counter()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-        stats.wait_s += time.perf_counter() - t0
+        t0 = comm.now()
+        comm.all_reduce(tensor, group)
+        stats.wait_s += comm.now() - t0
         count_collective(
             stats, ring_bytes(tensor.numel(), tensor.element_size(), size), spans_nodes
         )
-        return Pending([], stats)
+        return Pending([], stats, comm)
     works = [
-        dist.all_reduce(tensor[i : i + chunk], op=dist.ReduceOp.SUM, group=group, async_op=True)
+        comm.all_reduce(tensor[i : i + chunk], group, async_op=True)
         for i in range(0, tensor.numel(), chunk)
     ]
     count_collective(stats, ring_bytes(tensor.numel(), tensor.element_size(), size), spans_nodes)
@@ -61,20 +62,25 @@ def all_reduce_sum(
         cost = link.allreduce_s(tensor.numel() * tensor.element_size(), size)
         stats.emulated_link_s += cost
         works[-1] = EmulatedWork(works[-1], link.reserve(cost))
-    pending = Pending(works, stats)
+    pending = Pending(works, stats, comm)
     if not async_op:
         pending.wait()
     return pending
 
 
 def broadcast(
-    tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, stats: CommStats, rank: int
+    tensor: torch.Tensor,
+    src: int,
+    group: Any,
+    stats: CommStats,
+    rank: int,
+    comm: Transport = REAL,
 ) -> None:
     """Broadcast ``tensor`` from global rank ``src`` over ``group`` (blocking). Counted once,
     as intra-group bytes sent by ``src``; the other ranks count what they received."""
-    t0 = time.perf_counter()
-    dist.broadcast(tensor, src=src, group=group)
-    stats.wait_s += time.perf_counter() - t0
+    t0 = comm.now()
+    comm.broadcast(tensor, src, group)
+    stats.wait_s += comm.now() - t0
     moved = tensor.numel() * tensor.element_size()
     if rank == src:
         stats.bytes_sent += moved
@@ -88,8 +94,9 @@ def world_sum(
     stats: CommStats,
     link: LinkEmulator | None = None,
     spans_nodes: bool = False,
+    comm: Transport = REAL,
 ) -> list[float]:
     """Sum a few numbers over the world group (gloo, CPU), e.g. an epoch's loss and count."""
     t = torch.tensor(values, dtype=torch.float64)
-    all_reduce_sum(t, None, stats, link=link, spans_nodes=spans_nodes)
+    all_reduce_sum(t, None, stats, link=link, spans_nodes=spans_nodes, comm=comm)
     return t.tolist()

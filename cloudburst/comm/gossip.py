@@ -78,13 +78,12 @@ import logging
 import math
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from cloudburst.comm.p2p import (
     CommStats,
@@ -95,6 +94,7 @@ from cloudburst.comm.p2p import (
     PeerTransport,
     Status,
 )
+from cloudburst.comm.transport import REAL, Transport
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +256,8 @@ class GossipTransport:
 
     def __init__(
         self,
-        request_group: dist.ProcessGroup,
-        reply_group: dist.ProcessGroup,
+        request_group: Any,
+        reply_group: Any,
         rank: int,
         peers: list[int],
         numel: int,
@@ -266,31 +266,35 @@ class GossipTransport:
         timeout_s: float,
         link=None,
         crosses: Callable[[int], bool] | None = None,
+        wire: Transport = REAL,
     ):
         self.rank, self.peers, self.numel = rank, list(peers), numel
+        self.wire = wire
         self.worker_of = worker_of
         self.stats = stats
         self.serve_stats = CommStats()
         self.counters = ServingCounters()
         self.keepalive_s = timeout_s * KEEPALIVE_FRACTION
         # Main thread: sends on the request group, receives replies on the reply group.
-        self._requests = PeerTransport(request_group, stats, link=link, crosses=crosses)
-        self._replies = PeerTransport(reply_group, stats)
+        self._requests = PeerTransport(request_group, stats, link=link, crosses=crosses, wire=wire)
+        self._replies = PeerTransport(reply_group, stats, wire=wire)
         # Serving thread: receives on the request group, sends replies on the reply group.
-        self._serve_in = PeerTransport(request_group, self.serve_stats)
-        self._serve_out = PeerTransport(reply_group, self.serve_stats, link=link, crosses=crosses)
+        self._serve_in = PeerTransport(request_group, self.serve_stats, wire=wire)
+        self._serve_out = PeerTransport(
+            reply_group, self.serve_stats, link=link, crosses=crosses, wire=wire
+        )
         self._recv_buf = torch.empty(numel, dtype=torch.float32)
         self.max_weight = float(len(self.peers) + 1)  # W
         # Who sent this worker bad requests (serving thread), bad replies (main thread); each
         # thread keeps its own, so a peer dropped by one is still heard by the other.
         self.request_faults = PeerFaults(log, f"gossip worker {worker_of(rank)} serving")
         self.reply_faults = PeerFaults(log, f"gossip worker {worker_of(rank)} pulling")
-        self._last_sent = dict.fromkeys(self.peers, time.monotonic())
+        self._last_sent = dict.fromkeys(self.peers, self.wire.now())
         # The serving thread's counters as of its last whole message, and as last merged.
         self._serve_totals = (0,) * len(MERGED_STATS)
         self._merged_totals = self._serve_totals
         self._stats_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._thread = None  # the serving task
         self._error: BaseException | None = None
         self._done_sent = False
         self._me = worker_of(rank)
@@ -301,10 +305,7 @@ class GossipTransport:
         if snapshot.numel != self.numel:
             raise ValueError(f"snapshot has {snapshot.numel} elements, expected {self.numel}")
         self._snapshot, self._mailbox = snapshot, mailbox
-        self._thread = threading.Thread(
-            target=self._serve, name=f"cloudburst-gossip-serve{self._me}", daemon=True
-        )
-        self._thread.start()
+        self._thread = self.wire.spawn(self._serve, f"cloudburst-gossip-serve{self._me}")
 
     def pull(self, peer: int, out: torch.Tensor, step: int) -> int | None:
         """Fetch ``peer``'s θ (its last published snapshot) into ``out``; return its step.
@@ -345,7 +346,7 @@ class GossipTransport:
     def keepalive(self) -> None:
         """PING every peer not contacted for ``keepalive_s`` (keeps its serving thread's wait
         for requests inside the timeout)."""
-        now = time.monotonic()
+        now = self.wire.now()
         for peer in self.peers:
             if now - self._last_sent[peer] > self.keepalive_s:
                 self._send(peer, Header(Kind.PING, shard=self._me))
@@ -390,7 +391,7 @@ class GossipTransport:
         if self._done_sent:
             raise RuntimeError("gossip: nothing may be sent after DONE")
         self._requests.send(peer, header, payload)
-        self._last_sent[peer] = time.monotonic()
+        self._last_sent[peer] = self.wire.now()
 
     # ------------------------------------------------------------------ serving thread
     def _serve(self) -> None:

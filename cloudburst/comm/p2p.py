@@ -33,13 +33,13 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from cloudburst.comm.transport import REAL, Transport, Work, member_group
 
 MAGIC = 0x0C10_0DB5
 HEADER_LEN = 8
@@ -183,21 +183,24 @@ class PeerTransport:
 
     def __init__(
         self,
-        group: dist.ProcessGroup | dist.ProcessGroupGloo | None = None,
+        group: Any = None,
         stats: CommStats | None = None,
         link=None,
         crosses=None,
         members: list[int] | None = None,
+        wire: Transport = REAL,
     ):
         """``link`` (a :class:`~cloudburst.comm.link.LinkEmulator`) and ``crosses(peer)``
         (True when ``peer`` is on another node) emulate a slow link between nodes: a message
         to another node leaves only once the emulated link has carried the one before it and
-        itself (held back on the sender; both directions of a link are independent)."""
+        itself (held back on the sender; both directions of a link are independent).
+        ``wire`` moves the tensors (:mod:`cloudburst.comm.transport`; the simulator's in a
+        virtual cluster)."""
         if members is not None and group is None:
             raise ValueError("members names the ranks of a group; no group was given")
-        self.group = group
+        self.wire = wire
         self.members = list(members) if members is not None else None
-        self._group_rank = {r: i for i, r in enumerate(members)} if members is not None else None
+        self.group = member_group(group, members) if members is not None else group
         self.stats = stats or CommStats()
         self.link = link if link is not None and link.active else None
         self.crosses = crosses or (lambda peer: False)
@@ -214,40 +217,19 @@ class PeerTransport:
             self.stats.emulated_link_s += cost
             self.link.wait_until(self.link.reserve(cost))
 
-    # --------------------------------------------------------------- gloo calls
-    def _local(self, peer: int) -> int:
-        """``peer``'s rank in an unregistered group."""
-        try:
-            return self._group_rank[peer]
-        except KeyError:
-            raise ValueError(f"rank {peer} is not a member of this group {self.members}") from None
+    # --------------------------------------------------------------- the wire
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        return self.wire.isend(tensor, dst, tag, self.group)
 
-    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
-        if self.members is None:
-            return dist.isend(tensor, dst, group=self.group, tag=tag)
-        return self.group.send([tensor], self._local(dst), tag)
-
-    def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
-        if self.members is None:
-            return dist.irecv(tensor, src=src, group=self.group, tag=tag)
-        return self.group.recv([tensor], self._local(src), tag)
+    def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
+        return self.wire.irecv(tensor, src, tag, self.group)
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        if self.members is None:
-            dist.send(tensor, dst, group=self.group, tag=tag)
-        else:
-            self._isend(tensor, dst, tag).wait()
+        self.wire.send(tensor, dst, tag, self.group)
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
         """Receive from ``src`` (None: from any peer); returns the sender's global rank."""
-        if self.members is None:
-            return dist.recv(tensor, src=src, group=self.group, tag=tag)
-        if src is not None:
-            self._irecv(tensor, src, tag).wait()
-            return src
-        work = self.group.recv_anysource([tensor], tag)
-        work.wait()
-        return self.members[work._source_rank()]
+        return self.wire.recv(tensor, src, tag, self.group)
 
     # --------------------------------------------------------------- sending
     def send(
@@ -257,14 +239,14 @@ class PeerTransport:
         # A header may announce a payload that follows separately (isend_payload).
         if payload is not None and payload.numel() != header.numel:
             raise ValueError(f"header says {header.numel} elements, payload has {payload.numel()}")
-        t0 = time.perf_counter()
+        t0 = self.wire.now()
         self._leave(dst, HEADER_BYTES + (header.numel * 4 if payload is not None else 0))
         self._send(header.to_tensor(), dst, tag)
         self.stats.bytes_sent += HEADER_BYTES
         if payload is not None and header.numel:
             self._send(payload.detach().to(torch.float32).contiguous(), dst, payload_tag)
             self.stats.bytes_sent += header.numel * 4
-        self.stats.wait_s += time.perf_counter() - t0
+        self.stats.wait_s += self.wire.now() - t0
 
     @staticmethod
     def _send_tags(header: Header) -> tuple[int, int]:
@@ -281,9 +263,9 @@ class PeerTransport:
         """
         # A short message (gloo accepts one) leaves -1s: a negative field, or bad magic.
         self._header_buf.fill_(-1)
-        t0 = time.perf_counter()
+        t0 = self.wire.now()
         src = self._recv(self._header_buf, None, TAG_REQUEST)
-        self.stats.wait_s += time.perf_counter() - t0
+        self.stats.wait_s += self.wire.now() - t0
         self.stats.bytes_received += HEADER_BYTES
         try:
             return src, Header.from_tensor(self._header_buf)
@@ -304,14 +286,14 @@ class PeerTransport:
             raise ValueError(f"receive buffer has {buf.numel()} elements, expected {numel}")
         if numel:
             buf[-1] = math.nan
-        t0 = time.perf_counter()
+        t0 = self.wire.now()
         self._recv(buf, src, TAG_FINAL_PAYLOAD if final else TAG_REQUEST_PAYLOAD)
-        self.stats.wait_s += time.perf_counter() - t0
+        self.stats.wait_s += self.wire.now() - t0
         self.stats.bytes_received += numel * 4
         return buf
 
     # --------------------------------------------------------------- overlapped payloads
-    def isend_payload(self, dst: int, payload: torch.Tensor, reply: bool) -> dist.Work:
+    def isend_payload(self, dst: int, payload: torch.Tensor, reply: bool) -> Work:
         """Start sending a payload without blocking (request or reply stream)."""
         tag = TAG_REPLY_PAYLOAD if reply else TAG_REQUEST_PAYLOAD
         self._leave(dst, payload.numel() * payload.element_size())
@@ -319,19 +301,19 @@ class PeerTransport:
         self.stats.bytes_sent += payload.numel() * payload.element_size()
         return work
 
-    def irecv_payload(self, src: int, out: torch.Tensor, reply: bool) -> dist.Work:
+    def irecv_payload(self, src: int, out: torch.Tensor, reply: bool) -> Work:
         """Start receiving a payload into ``out`` without blocking."""
         tag = TAG_REPLY_PAYLOAD if reply else TAG_REQUEST_PAYLOAD
         work = self._irecv(out, src, tag)
         self.stats.bytes_received += out.numel() * out.element_size()
         return work
 
-    def wait_all(self, works: list[dist.Work]) -> None:
+    def wait_all(self, works: list[Work]) -> None:
         """Wait for started sends/receives (each under the group's timeout), timing the wait."""
-        t0 = time.perf_counter()
+        t0 = self.wire.now()
         for work in works:
             work.wait()
-        self.stats.wait_s += time.perf_counter() - t0
+        self.stats.wait_s += self.wire.now() - t0
 
     def recv_reply(self, src: int, out: torch.Tensor | None = None) -> Header:
         """Receive the reply header from ``src`` and, if it has a payload, copy it into ``out``.
@@ -341,7 +323,7 @@ class PeerTransport:
         shorter payload leaves ``out``'s last element NaN.
         """
         self._header_buf.fill_(-1)
-        t0 = time.perf_counter()
+        t0 = self.wire.now()
         self._recv(self._header_buf, src, TAG_REPLY)
         self.stats.bytes_received += HEADER_BYTES
         header = Header.from_tensor(self._header_buf)
@@ -356,15 +338,15 @@ class PeerTransport:
             out[-1] = math.nan
             self._recv(out, src, TAG_REPLY_PAYLOAD)
             self.stats.bytes_received += header.numel * 4
-        self.stats.wait_s += time.perf_counter() - t0
+        self.stats.wait_s += self.wire.now() - t0
         return header
 
     def recv_final(self, src: int, numel: int) -> tuple[Header, torch.Tensor]:
         """Server 0 receives another server's final shard."""
         self._header_buf.fill_(-1)
-        t0 = time.perf_counter()
+        t0 = self.wire.now()
         self._recv(self._header_buf, src, TAG_FINAL)
-        self.stats.wait_s += time.perf_counter() - t0
+        self.stats.wait_s += self.wire.now() - t0
         self.stats.bytes_received += HEADER_BYTES
         header = Header.from_tensor(self._header_buf)
         if header.kind != Kind.FINAL or header.numel != numel:

@@ -43,7 +43,6 @@ stable (it does for the MNIST-1D CNN at lr 0.1); λ = 1/W averages the updates i
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 from torch import nn
@@ -134,9 +133,8 @@ class AsgdStrategy(Strategy):
 
     def start(self) -> None:
         # A worker that rejoined after a restart has beaten since before it rejoined.
-        self._heartbeat = (
-            getattr(self.ctx, "heartbeat", None)
-            or Heartbeat(self.ctx.store, self.ctx.rank, heartbeat_interval_s(self.cfg)).start()
+        self._heartbeat = getattr(self.ctx, "heartbeat", None) or self.ctx.comm.heartbeat(
+            self.ctx.store, self.ctx.rank, heartbeat_interval_s(self.cfg)
         )
         if self.cfg.warm_start_steps and self.ctx.worker_index == 0 and not self._seeded():
             # The warm-start worker trained alone; its θ becomes every shard's starting point.
@@ -302,7 +300,7 @@ class AsgdStrategy(Strategy):
                     pending.discard(k)
             kind = Kind.PING
             if pending:
-                time.sleep(FINISH_POLL_S)
+                self.ctx.comm.sleep(FINISH_POLL_S)
         if self._heartbeat is not None:
             self._heartbeat.stop()
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cloudburst.comm.allreduce import AllreduceHookState, charge_unoverlapped_wait, counted_ddp
+from cloudburst.comm.allreduce import AllreduceHookState
 from cloudburst.comm.collectives import Pending, all_reduce_sum, broadcast, world_sum
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.strategies.base import Strategy
@@ -185,19 +185,22 @@ class DasoStrategy(Strategy):
             self.schedule.warmup_epochs = self.schedule.cooldown_epochs = 0
         if self.per_node == 1:
             return model
-        self.ddp = counted_ddp(model, self.ctx.node_group, self.ctx.device, self.hook_state)
-        return self.ddp
+        self.dp = self.ctx.comm.data_parallel(
+            model, self.ctx.node_group, self.ctx.device, self.hook_state
+        )
+        return self.dp.module
 
     def start(self) -> None:
         if self.per_node > 1:
-            self.ddp.require_backward_grad_sync = self._local_sync_due(1)
+            self.dp.set_sync(self._local_sync_due(1))
 
     # ------------------------------------------------------------------ per step
     def _local_sync_due(self, step: int) -> bool:
         return step % self.cfg.daso_local_skip == 0
 
     def after_backward(self) -> None:
-        charge_unoverlapped_wait(self.hook_state)
+        if self.per_node > 1:
+            self.dp.after_backward()
 
     def record_loss(self, loss: float) -> None:
         self.epoch_loss_sum += loss
@@ -228,7 +231,7 @@ class DasoStrategy(Strategy):
         if epoch_end:
             self._end_epoch()
         if self.per_node > 1:
-            self.ddp.require_backward_grad_sync = self._local_sync_due(step + 1)
+            self.dp.set_sync(self._local_sync_due(step + 1))
 
     def _start_sync(self, s: int) -> None:
         sender_local = self.syncs % self.per_node
@@ -252,6 +255,7 @@ class DasoStrategy(Strategy):
             spans_nodes=self.nodes > 1,
             chunk_elements=self.cfg.daso_chunk_elements,
             async_op=True,
+            comm=self.ctx.comm,
         )
         self.pending = _Pending(buffer, work, self.local_steps + s, s, sender)
 
@@ -264,7 +268,14 @@ class DasoStrategy(Strategy):
             merged = daso_merge(local, pending.buffer.to(torch.float32), pending.s, self.nodes)
             flat.copy_(merged)
         if self.per_node > 1:
-            broadcast(flat, pending.sender, self.ctx.node_group, self.stats, self.ctx.rank)
+            broadcast(
+                flat,
+                pending.sender,
+                self.ctx.node_group,
+                self.stats,
+                self.ctx.rank,
+                comm=self.ctx.comm,
+            )
         assign_flat(self.model, flat)
 
     def _end_epoch(self) -> None:
@@ -277,6 +288,7 @@ class DasoStrategy(Strategy):
                 self.stats,
                 link=self.ctx.link,
                 spans_nodes=self.nodes > 1,
+                comm=self.ctx.comm,
             )
             loss = total / count if count > 0 else math.nan
         sched.end_epoch(loss)

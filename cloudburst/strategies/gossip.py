@@ -176,6 +176,7 @@ class GossipStrategy(Strategy):
             timeout_s=self.cfg.comm_timeout_s,
             link=ctx.link,
             crosses=(lambda peer: topo.crosses(rank, peer)) if topo is not None else None,
+            wire=ctx.comm,
         )
         self.spans_nodes = topo is not None and topo.spans_nodes(ctx.worker_ranks)
         return model
@@ -249,12 +250,13 @@ class GossipStrategy(Strategy):
         """mean_i ‖θ_i − θ̄‖ over the workers: two all-reduces (θ̄, then the distances), in
         ``measure_stats``. Every worker must call it at the same point (the loop's steps)."""
         flat = flatten_params(self.model, out=self._flat)
-        group, link = self.ctx.workers_group, self.ctx.link
+        group, link, comm = self.ctx.workers_group, self.ctx.link, self.ctx.comm
+        spans = self.spans_nodes
         mean = flat.clone()
-        all_reduce_sum(mean, group, self.measure_stats, link=link, spans_nodes=self.spans_nodes)
+        all_reduce_sum(mean, group, self.measure_stats, link=link, spans_nodes=spans, comm=comm)
         mean.div_(self.cfg.workers)
         distance = torch.linalg.vector_norm(flat.double() - mean.double()).reshape(1)
-        all_reduce_sum(distance, group, self.measure_stats, link=link, spans_nodes=self.spans_nodes)
+        all_reduce_sum(distance, group, self.measure_stats, link=link, spans_nodes=spans, comm=comm)
         return distance.item() / self.cfg.workers
 
     def step_info(self) -> dict[str, Any]:

@@ -67,6 +67,7 @@ class LocalSgdStrategy(Strategy):
             self.stats,
             link=self.ctx.link,
             spans_nodes=self.spans_nodes,
+            comm=self.ctx.comm,
         )
         self.averages += 1
         return flat.div_(self.cfg.workers)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cloudburst.comm.allreduce import AllreduceHookState, charge_unoverlapped_wait, counted_ddp
+from cloudburst.comm.allreduce import AllreduceHookState
 from cloudburst.strategies.base import Strategy
 
 
@@ -35,11 +35,14 @@ class SyncStrategy(Strategy):
             # step, benchmarks/results/overhead.md), as torchtitan skips data parallelism at
             # dp = 1. The arithmetic is the same.
             return model
-        self.ddp = counted_ddp(model, self.ctx.workers_group, self.ctx.device, self.hook_state)
-        return self.ddp
+        self.dp = self.ctx.comm.data_parallel(
+            model, self.ctx.workers_group, self.ctx.device, self.hook_state
+        )
+        return self.dp.module
 
     def after_backward(self) -> None:
-        charge_unoverlapped_wait(self.hook_state)
+        if self.cfg.workers > 1:
+            self.dp.after_backward()
 
     def after_step(self, samples: int) -> None:
         self.local_steps += 1

@@ -54,7 +54,7 @@ def mlp(input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
 
 
 class _RecordingTime:
-    """The ``time`` module as ``cloudburst.train`` sees it, with its sleeps written down."""
+    """The ``time`` module as the real transport sees it, with its sleeps written down."""
 
     def __init__(self, real, path: Path):
         self._real, self._path = real, path
@@ -68,21 +68,22 @@ class _RecordingTime:
 
 
 def _record_device_emulation(path: Path) -> None:
-    import cloudburst.train as train
+    import cloudburst.comm.transport as transport
 
-    if isinstance(train.time, _RecordingTime):  # the model is built more than once
+    if isinstance(transport.time, _RecordingTime):  # the model is built more than once
         return
-    emulate = train._emulate_device  # fails loudly if the loop's hook is renamed
+    # The loop's hook (fails loudly if it is renamed): TorchTransport.step_done.
+    emulate = transport.TorchTransport.step_done
 
-    def recording(compute_s: float, min_step_time_s: float, factor: float) -> None:
+    def recording(self, compute_s: float, min_step_time_s: float, factor: float) -> None:
         _append(
             path, {"compute_s": compute_s, "min_step_time_s": min_step_time_s, "factor": factor}
         )
-        emulate(compute_s, min_step_time_s, factor)
+        emulate(self, compute_s, min_step_time_s, factor)
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    train.time = _RecordingTime(train.time, path)
-    train._emulate_device = recording
+    transport.time = _RecordingTime(transport.time, path)
+    transport.TorchTransport.step_done = recording
 
 
 def _append(path: Path, record: dict) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.p2p import CommStats, Header
+from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
 from cloudburst.data import BatchStream, synthetic
 from cloudburst.models import build_model
@@ -110,6 +111,7 @@ class _Store:
 
 def make_worker(cfg: RunConfig, model: nn.Module) -> tuple[AsgdStrategy, list[ServerLoop]]:
     ctx = SimpleNamespace(
+        comm=REAL,
         cfg=cfg,
         rank=WORKER,
         num_servers=cfg.servers,

@@ -15,9 +15,12 @@ import pytest
 import torch
 from torch import nn
 
+import cloudburst.comm.allreduce as allreduce_module
+import cloudburst.comm.transport as transport_module
 from cloudburst import cli, train
 from cloudburst.comm.link import Topology
 from cloudburst.comm.p2p import Status
+from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig, Straggler
 from cloudburst.server import make_shard
 from cloudburst.strategies import daso
@@ -153,11 +156,12 @@ def test_stragglers_are_parsed_and_slow_their_worker_by_the_factor(parse, monkey
     assert [cfg.straggler_factor(w) for w in range(3)] == [1.5, 1.0, 2.5]
     assert parse("--straggler", "1:2", "--straggler", "1:3").straggler_factor(1) == 3.0
     slept: list[float] = []
-    monkeypatch.setattr(train, "time", SimpleNamespace(sleep=slept.append))
-    train._emulate_device(0.2, 0.0, cfg.straggler_factor(2))  # 0.2 s of compute → 0.5 s
-    train._emulate_device(0.2, 0.5, cfg.straggler_factor(2))  # a 0.5 s device → 1.25 s
-    train._emulate_device(0.2, 0.0, cfg.straggler_factor(1))  # not a straggler: no sleep
-    train._emulate_device(0.2, 0.5, cfg.straggler_factor(1))  # the device alone: 0.5 s
+    monkeypatch.setattr(transport_module, "time", SimpleNamespace(sleep=slept.append))
+    comm = transport_module.TorchTransport()
+    comm.step_done(0.2, 0.0, cfg.straggler_factor(2))  # 0.2 s of compute → 0.5 s
+    comm.step_done(0.2, 0.5, cfg.straggler_factor(2))  # a 0.5 s device → 1.25 s
+    comm.step_done(0.2, 0.0, cfg.straggler_factor(1))  # not a straggler: no sleep
+    comm.step_done(0.2, 0.5, cfg.straggler_factor(1))  # the device alone: 0.5 s
     assert slept == pytest.approx([0.3, 1.05, 0.3])
 
 
@@ -263,6 +267,7 @@ DASO_FLAGS = [
 
 def _daso(cfg: RunConfig, rank: int = 0) -> DasoStrategy:
     ctx = SimpleNamespace(
+        comm=REAL,
         cfg=cfg,
         rank=rank,
         node=rank // 2,
@@ -327,12 +332,12 @@ def _run_daso(cfg: RunConfig, monkeypatch, steps: int = 20):
         buffer.mul_(2)
         return SimpleNamespace(wait=lambda: None)
 
-    def world_sum(values, stats, link=None, spans_nodes=False):
+    def world_sum(values, stats, link=None, spans_nodes=False, comm=None):
         world_sums.append(values)
         return [2 * v for v in values]
 
     monkeypatch.setattr(
-        daso,
+        allreduce_module,
         "counted_ddp",
         lambda model, group, device, state, hook=None: _FakeDDP(model, process_group=group),
     )

@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import cloudburst.comm.transport as transport_module
 from cloudburst.cli import main
-from cloudburst.comm import allreduce, collectives, link, p2p
+from cloudburst.comm import allreduce, link
 from cloudburst.comm.allreduce import AllreduceHookState, counting_allreduce_hook
 from cloudburst.comm.collectives import all_reduce_sum
 from cloudburst.comm.link import EmulatedWork, LinkEmulator, LinkSpec, Topology
@@ -53,7 +54,7 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
-    for module in (link, p2p, collectives, allreduce):
+    for module in (link, transport_module, allreduce):
         monkeypatch.setattr(module, "time", fake)
     return fake
 
@@ -283,7 +284,7 @@ class _FakeDist:
 
 def test_allreduce_across_nodes_completes_when_the_link_allows(clock, monkeypatch):
     fake = _FakeDist(world=4)
-    monkeypatch.setattr(collectives, "dist", fake)
+    monkeypatch.setattr(transport_module, "dist", fake)
     emu = LinkEmulator(LinkSpec(1.0, 1.0))
     stats = CommStats()
     tensor = torch.zeros(1_000_000)  # 4 MB over 4 ranks: 0.054 s on the link

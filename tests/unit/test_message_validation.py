@@ -33,6 +33,7 @@ from cloudburst.comm.p2p import (
     PeerTransport,
     Status,
 )
+from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
 from cloudburst.server import MAX_PUSH_SAMPLES, ServerLoop, request_problem
 
@@ -235,6 +236,7 @@ def _server(script: _Script, **cfg) -> tuple[ServerLoop, _Metrics]:
         strategy="asgd", workers=2, servers=1, dataset="synthetic", server_lr=1.0, **cfg
     )
     ctx = SimpleNamespace(
+        comm=REAL,
         cfg=config,
         rank=0,
         server_index=0,

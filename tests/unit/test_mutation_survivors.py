@@ -44,6 +44,7 @@ from cloudburst.comm.allreduce import count_collective, ring_bytes
 from cloudburst.comm.flat import adopt_flat, flatten_params, split_shards
 from cloudburst.comm.link import EmulatedWork, LinkEmulator, LinkSpec, Topology
 from cloudburst.comm.p2p import Header, Kind, Status
+from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
 from cloudburst.server import MAX_PUSH_SAMPLES, request_problem
 from cloudburst.shard import (
@@ -76,6 +77,7 @@ class _Workers:
         self.calls: list[tuple[int, Any, bool]] = []  # (worker, link, spans_nodes)
 
     def all_reduce_sum(self, tensor, group, stats, link=None, spans_nodes=False, **kw):
+        assert kw.pop("comm", None) is not None, "the strategy passes its transport"
         assert not kw, kw
         # counted into the caller's stats as the real all-reduce counts it
         moved = ring_bytes(tensor.numel(), tensor.element_size(), self.barrier.parties)
@@ -98,6 +100,7 @@ class _Ctx:
     worker_index: int
     topology: Topology | None = None
     link: Any = None
+    comm: Any = REAL
 
     @property
     def workers_group(self) -> int:

@@ -1,0 +1,267 @@
+"""The transport: everything cloudburst's communicating code asks of the world outside a rank.
+
+Strategies, the parameter-server loop, gossip's serving task and the training loop reach other
+ranks, the clock and background tasks only through a :class:`Transport` (``ctx.comm``), never
+through ``torch.distributed``, ``time`` or ``threading`` directly. Two implementations:
+
+- :class:`TorchTransport`, the real one: ``torch.distributed`` (gloo / NCCL), the wall clock,
+  OS threads; DDP itself for the data-parallel gradient average.
+- :class:`cloudburst.sim.transport.SimTransport`: the virtual cluster, a deterministic
+  discrete-event simulation where the tensors are real and the time is modelled.
+
+Groups are the handles the transport made when the job started (``ctx.workers_group``,
+``ctx.node_group``, ...; ``None`` is the world): code passes them through and never looks
+inside. Ranks are always global ranks. Message *content* (headers, validation, byte counting)
+is the business of :mod:`cloudburst.comm.p2p` above this layer, so both transports count alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@runtime_checkable
+class Work(Protocol):
+    """A started non-blocking operation."""
+
+    def wait(self) -> Any: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class Task(Protocol):
+    """A background task of this rank (gossip's serving task, a shard's serving thread)."""
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def is_alive(self) -> bool: ...
+
+
+class DataParallel(Protocol):
+    """The synchronous gradient average of a replicated model (sync, DASO's node-local part):
+    ``module`` is what the loop calls; :meth:`after_backward` runs right after ``backward()``
+    and leaves every replica's gradients averaged over the group."""
+
+    module: nn.Module
+
+    def after_backward(self) -> None: ...
+
+    def set_sync(self, enabled: bool) -> None:
+        """Whether the next backward averages the gradients (DASO's local skips)."""
+
+
+class Transport(Protocol):
+    """What one rank does to communicate, wait and keep time. See the module docstring."""
+
+    #: True for the virtual cluster: times are virtual seconds.
+    simulated: bool
+
+    # ------------------------------------------------------------------ the clock
+    def now(self) -> float:
+        """Seconds on a monotonic clock (for measuring waits)."""
+
+    def wall(self) -> float:
+        """Seconds since the epoch (real), or virtual seconds since the job began."""
+
+    def sleep(self, seconds: float) -> None:
+        """Let ``seconds`` pass on this rank's clock."""
+
+    def step_done(self, compute_s: float, min_step_time_s: float, factor: float) -> None:
+        """A training step's compute is done (it took ``compute_s`` here): take the time the
+        emulated device takes, ``max(compute_s, min_step_time_s) × factor`` (a straggler's
+        factor ≥ 1); the simulator charges its modelled step time instead."""
+
+    def measuring(self) -> AbstractContextManager[None]:
+        """Traffic inside is a measurement (evaluating the global model): the simulator
+        charges it no virtual time; the real transport does nothing special."""
+
+    def stop_self(self, kind: str) -> None:
+        """An injected fault: ``"kill"`` this rank (SIGKILL) or ``"stop"`` it (SIGSTOP)."""
+
+    def apply_done(self, nbytes: int) -> None:
+        """A parameter server applied an update of ``nbytes`` (the real apply took its own
+        time; the simulator charges the modelled cost)."""
+
+    # ------------------------------------------------------------------ point to point
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, group: Any = None) -> None: ...
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, group: Any = None) -> Work: ...
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, group: Any = None) -> Work: ...
+
+    def recv(self, tensor: torch.Tensor, src: int | None, tag: int, group: Any = None) -> int:
+        """Receive into ``tensor`` from ``src`` (None: any member); returns the sender."""
+
+    # ------------------------------------------------------------------ collectives
+    def group_size(self, group: Any = None) -> int: ...
+
+    def all_reduce(self, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
+        """Sum ``tensor`` in place over ``group``; a :class:`Work` when ``async_op``."""
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None: ...
+
+    def barrier(self, group: Any = None) -> None: ...
+
+    def data_parallel(self, model: nn.Module, group: Any, device: torch.device, state) -> Any:
+        """A :class:`DataParallel` over ``group``; ``state`` is the
+        :class:`~cloudburst.comm.allreduce.AllreduceHookState` that counts its traffic."""
+
+    # ------------------------------------------------------------------ tasks
+    def spawn(self, target: Callable[[], None], name: str) -> Task:
+        """Run ``target`` beside this rank's main task (daemon)."""
+
+    # ------------------------------------------------------------------ liveness
+    def heartbeat(self, store, rank: int, interval_s: float):
+        """Start this rank's heartbeat (an object with ``stop()``)."""
+
+    def liveness_monitor(self, store, ranks: list[int], timeout_s: float):
+        """What tells a server which of ``ranks`` are dead (``dead(ranks)``, ``revive(r)``)."""
+
+
+# ---------------------------------------------------------------------------- the real one
+class _MemberGroup:
+    """A gloo group made outside torch.distributed's registry (a restarted worker's rejoin
+    group): rank i of the group is global rank ``members[i]``."""
+
+    def __init__(self, group: dist.ProcessGroupGloo, members: list[int]):
+        self.group, self.members = group, list(members)
+        self._index = {r: i for i, r in enumerate(self.members)}
+
+    def local(self, peer: int) -> int:
+        try:
+            return self._index[peer]
+        except KeyError:
+            raise ValueError(f"rank {peer} is not a member of this group {self.members}") from None
+
+
+def member_group(group: dist.ProcessGroupGloo, members: list[int]) -> _MemberGroup:
+    """The handle :class:`TorchTransport` takes for an unregistered gloo group."""
+    return _MemberGroup(group, members)
+
+
+class _TorchDataParallel:
+    """DDP itself with the counting comm hook (the baseline must be DDP)."""
+
+    def __init__(self, model: nn.Module, group, device: torch.device, state):
+        from cloudburst.comm.allreduce import counted_ddp
+
+        self.state = state
+        self.ddp = counted_ddp(model, group, device, state)
+        self.module = self.ddp
+
+    def after_backward(self) -> None:
+        from cloudburst.comm.allreduce import charge_unoverlapped_wait
+
+        charge_unoverlapped_wait(self.state)
+
+    def set_sync(self, enabled: bool) -> None:
+        self.ddp.require_backward_grad_sync = enabled
+
+
+class TorchTransport:
+    """The real transport: ``torch.distributed``, the wall clock and OS threads."""
+
+    simulated = False
+
+    # ------------------------------------------------------------------ the clock
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def wall(self) -> float:
+        return time.time()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+    def step_done(self, compute_s: float, min_step_time_s: float, factor: float) -> None:
+        target_s = max(compute_s, min_step_time_s) * factor
+        if target_s > compute_s:
+            time.sleep(target_s - compute_s)
+
+    def apply_done(self, nbytes: int) -> None:
+        pass
+
+    def measuring(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def stop_self(self, kind: str) -> None:
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+
+    # ------------------------------------------------------------------ point to point
+    def isend(self, tensor, dst, tag, group=None):
+        if isinstance(group, _MemberGroup):
+            return group.group.send([tensor], group.local(dst), tag)
+        return dist.isend(tensor, dst, group=group, tag=tag)
+
+    def irecv(self, tensor, src, tag, group=None):
+        if isinstance(group, _MemberGroup):
+            return group.group.recv([tensor], group.local(src), tag)
+        return dist.irecv(tensor, src=src, group=group, tag=tag)
+
+    def send(self, tensor, dst, tag, group=None) -> None:
+        if isinstance(group, _MemberGroup):
+            self.isend(tensor, dst, tag, group).wait()
+        else:
+            dist.send(tensor, dst, group=group, tag=tag)
+
+    def recv(self, tensor, src, tag, group=None) -> int:
+        if not isinstance(group, _MemberGroup):
+            return dist.recv(tensor, src=src, group=group, tag=tag)
+        if src is not None:
+            self.irecv(tensor, src, tag, group).wait()
+            return src
+        work = group.group.recv_anysource([tensor], tag)
+        work.wait()
+        return group.members[work._source_rank()]
+
+    # ------------------------------------------------------------------ collectives
+    def group_size(self, group=None) -> int:
+        return dist.get_world_size(group)
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+    def broadcast(self, tensor, src, group=None) -> None:
+        dist.broadcast(tensor, src=src, group=group)
+
+    def barrier(self, group=None) -> None:
+        dist.barrier(group=group)
+
+    def data_parallel(self, model, group, device, state) -> _TorchDataParallel:
+        return _TorchDataParallel(model, group, device, state)
+
+    # ------------------------------------------------------------------ tasks
+    def spawn(self, target, name) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    # ------------------------------------------------------------------ liveness
+    def heartbeat(self, store, rank, interval_s):
+        from cloudburst.liveness import Heartbeat
+
+        return Heartbeat(store, rank, interval_s).start()
+
+    def liveness_monitor(self, store, ranks, timeout_s):
+        from cloudburst.liveness import LivenessMonitor
+
+        return LivenessMonitor(store, ranks, timeout_s)
+
+
+#: The real transport, for code used outside a job's Context (tests, benchmarks, the API).
+REAL = TorchTransport()
