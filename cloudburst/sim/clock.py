@@ -1,0 +1,223 @@
+"""The virtual cluster's clock: what each step, message, collective and server apply costs, in
+virtual seconds.
+
+Every cost is a pure function of its arguments and the configuration: the same run gives the
+same times whatever order the simulator asks in. The links' costs are
+:class:`~cloudburst.comm.link.LinkEmulator`'s own formulas (ring all-reduce, log-tree
+broadcast, latency + bytes / bandwidth), so a simulated run and a real run with the emulated
+link charge the same time for the same traffic, by construction.
+
+Modelled: each worker's compute time per step (given, from a profile, or calibrated; times a
+straggler's or a slow fault's factor; times seeded noise), the inter-node link
+(``--inter-node-link``) and the intra-node one (``--intra-node-link``, free by default), a
+parameter server's apply (bytes / memory bandwidth), and a stand-in model's message sizes.
+Not modelled: contention between the ranks of one node (shared memory bandwidth, PCIe, one
+NIC), NIC and switch limits when many transfers cross at once (each rank's link is its own),
+operating-system noise beyond the chosen jitter, the cost of evaluation and checkpoints, and a
+stand-in's convergence: the maths is the small model's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cloudburst.comm.link import LinkEmulator, LinkSpec
+from cloudburst.config import RunConfig
+from cloudburst.config.simulation import SimulationConfig
+
+NOT_MODELLED = (
+    "contention between the ranks of one node (memory bandwidth, PCIe, a shared NIC)",
+    "NIC and switch limits when many transfers cross at once (each rank's link is its own)",
+    "operating-system noise beyond the step-time jitter",
+    "evaluation and checkpoint time",
+    "a stand-in model's convergence (the maths is the run's own small model)",
+)
+
+STEP_TIME_SOURCES = ("flag", "profile", "calibrated", "min_step_time")
+
+
+def _link(text: str | None) -> LinkEmulator:
+    return LinkEmulator(None if text is None else LinkSpec.parse(text))
+
+
+def _describe_link(emulator: LinkEmulator) -> dict[str, float] | None:
+    spec = emulator.spec
+    return None if spec is None else {"gbit_per_s": spec.gbit_per_s, "latency_ms": spec.latency_ms}
+
+
+class ClockModel:
+    """The costs the simulated transport charges, in virtual seconds.
+
+    ``step_time_s`` is the base compute time of one step, resolved once by
+    :func:`resolve_step_time` (so that a calibration runs once, outside); ``step_time_source``
+    says where it came from (one of :data:`STEP_TIME_SOURCES`) for the summary.
+    """
+
+    def __init__(
+        self,
+        sim: SimulationConfig,
+        cfg: RunConfig,
+        actual_params: int,
+        step_time_s: float,
+        step_time_source: str = "flag",
+    ):
+        if actual_params < 1:
+            raise ValueError(f"actual_params: {actual_params} must be >= 1")
+        if not step_time_s > 0:
+            raise ValueError(f"step_time_s: {step_time_s} must be > 0")
+        self.sim, self.cfg = sim, cfg
+        self.actual_params = actual_params
+        self.step_time_s = float(step_time_s)
+        self.step_time_source = step_time_source
+        self.jitter = sim.jitter
+        self.inter = _link(cfg.inter_node_link)
+        self.intra = _link(sim.intra_node_link)
+        modelled = sim.stand_in_params
+        # Float payloads (θ, Δ, gradients) scale with the parameter count; headers do not.
+        self.wire_scale = 1.0 if modelled is None else modelled / actual_params
+        self.apply_bytes_per_s = sim.server_apply_gbyte_per_s * 1e9
+
+    # ------------------------------------------------------------------ compute
+    def jitter_factor(self, worker: int, step: int) -> float:
+        """The noise of ``worker``'s step ``step``: a uniform drawn from a hash of
+        (seed, worker, step), so it never depends on the order of calls."""
+        if self.jitter is None:
+            return 1.0
+        key = f"cloudburst-step-jitter:{self.cfg.seed}:{worker}:{step}".encode()
+        draw = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+        return self.jitter.sample((draw + 0.5) / 2**64)  # in (0, 1), never 0 or 1
+
+    def step_s(self, worker: int, step: int, factor: float) -> float:
+        """Seconds of ``worker``'s step ``step`` (1-based): base x ``factor`` (a straggler's
+        or a slow fault's) x the seeded noise."""
+        return self.step_time_s * factor * self.jitter_factor(worker, step)
+
+    # ------------------------------------------------------------------ bytes
+    def wire_bytes(self, tensor_bytes: int, floating: bool) -> float:
+        """Bytes a message carries on the modelled wire: a floating-point payload scaled to
+        the stand-in model's size; an integer one (headers, versions) as it is."""
+        return tensor_bytes * self.wire_scale if floating else float(tensor_bytes)
+
+    # ------------------------------------------------------------------ links
+    def _emulator(self, crosses_nodes: bool) -> LinkEmulator:
+        return self.inter if crosses_nodes else self.intra
+
+    def latency_s(self, crosses_nodes: bool) -> float:
+        spec = self._emulator(crosses_nodes).spec
+        return 0.0 if spec is None else spec.latency_s
+
+    def p2p_s(self, nbytes: float, crosses_nodes: bool) -> float:
+        """One message: latency + bytes / bandwidth (0 on a free link)."""
+        return self._emulator(crosses_nodes).p2p_s(nbytes)
+
+    def allreduce_s(self, nbytes: float, group_size: int, spans_nodes: bool) -> float:
+        """A ring all-reduce of n ranks: 2(n−1) latencies + 2(n−1)/n x bytes / bandwidth."""
+        return self._emulator(spans_nodes).allreduce_s(nbytes, group_size)
+
+    def broadcast_s(self, nbytes: float, group_size: int, spans_nodes: bool) -> float:
+        """A broadcast to n ranks: ceil(log2 n) latencies + bytes / bandwidth."""
+        return self._emulator(spans_nodes).broadcast_s(nbytes, group_size)
+
+    def apply_s(self, nbytes: float) -> float:
+        """A server shard applying an update of ``nbytes`` (already :meth:`wire_bytes`)."""
+        return nbytes / self.apply_bytes_per_s
+
+    # ------------------------------------------------------------------ report
+    def describe(self) -> dict[str, Any]:
+        """The clock model for ``summary.json``'s ``"clock_model"``."""
+        stand_in = self.sim.stand_in
+        return {
+            "time_unit": "virtual seconds",
+            "step_time_s": self.step_time_s,
+            "step_time_source": self.step_time_source,
+            "step_time_jitter": self.sim.step_time_jitter,
+            "inter_node_link": _describe_link(self.inter),
+            "intra_node_link": _describe_link(self.intra),
+            "link_model": "ring all-reduce, log2 broadcast, latency + bytes/bandwidth "
+            "(cloudburst.comm.link.LinkEmulator); no link given: free",
+            "server_apply_gbyte_per_s": self.sim.server_apply_gbyte_per_s,
+            "actual_params": self.actual_params,
+            "modelled_params": self.sim.stand_in_params,
+            "wire_scale": self.wire_scale,
+            "profile": None
+            if stand_in is None
+            else {
+                "name": stand_in.name,
+                "params": stand_in.params,
+                "samples_per_s": stand_in.samples_per_s,
+                "published_batch_size": stand_in.batch_size,
+                "device": stand_in.device,
+                "source": stand_in.source,
+            },
+            "not_modelled": list(NOT_MODELLED),
+            "settings": self.sim.to_dict(),
+        }
+
+
+def resolve_step_time(
+    sim: SimulationConfig, cfg: RunConfig, calibrate_fn: Callable[[RunConfig], float]
+) -> tuple[float, str]:
+    """(seconds per step, source): a flag, then ``--calibrate``, then the profile, then the
+    run's ``--min-step-time-s`` if > 0, else ``calibrate_fn(cfg)``."""
+    if sim.step_time_s is not None:
+        return float(sim.step_time_s), "flag"
+    if sim.step_time_per_sample_s is not None:
+        return sim.step_time_per_sample_s * cfg.batch_size, "flag"
+    if sim.modelled_step_time_s is not None:
+        return float(sim.modelled_step_time_s), "flag"
+    if sim.calibrate:
+        return float(calibrate_fn(cfg)), "calibrated"
+    if sim.stand_in is not None:
+        return sim.stand_in.step_time_s(cfg.batch_size), "profile"
+    if cfg.min_step_time_s > 0:
+        return float(cfg.min_step_time_s), "min_step_time"
+    return float(calibrate_fn(cfg)), "calibrated"
+
+
+def calibrate_step_time(cfg: RunConfig, steps: int = 20, warmup_steps: int = 3) -> float:
+    """Median seconds of ``steps`` real training steps (batch, forward, backward, optimizer)
+    of the run's model on worker 0's shard, after ``warmup_steps`` untimed ones; on the GPU
+    with ``--device cuda``, else on the CPU (the simulator's maths runs in this process)."""
+    import torch
+    from torch import nn
+
+    from cloudburst.data import batch_stream, load_dataset, worker_source
+    from cloudburst.models import build_model
+    from cloudburst.train import make_optimizer
+
+    device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
+    data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size)
+    model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed).to(device)
+    optimizer = make_optimizer(cfg, model.parameters())
+    stream = batch_stream(
+        worker_source(data, 0, cfg.workers),
+        cfg.batch_size,
+        seed=cfg.seed * 1000,
+        preprocess=data.preprocess(augment=cfg.augment),
+    )
+    loss_fn = nn.CrossEntropyLoss()
+    autocast = cfg.autocast == "bf16"
+
+    def one_step() -> None:
+        xb, yb = next(stream)
+        xb, yb = xb.to(device), yb.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_fn(model(xb), yb)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup_steps):
+        one_step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        one_step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

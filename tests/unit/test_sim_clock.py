@@ -1,0 +1,222 @@
+"""The virtual cluster's clock model (cloudburst.sim.clock) and its configuration
+(cloudburst.config.simulation): exact link costs against hand-computed values, the stand-in's
+byte scaling, seeded step-time noise, profiles, and one-line errors."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from cloudburst.config import ConfigError, RunConfig
+from cloudburst.config.simulation import PROFILES, Jitter, SimulationConfig
+from cloudburst.sim.clock import ClockModel, calibrate_step_time, resolve_step_time
+
+
+def run_config(**kw) -> RunConfig:
+    base = {"out": "unused", "dataset": "synthetic", "train_size": 256, "test_size": 32}
+    return RunConfig.from_dict({**base, **kw})
+
+
+def clock(sim: SimulationConfig | None = None, actual_params: int = 1000, step=0.1, **kw):
+    return ClockModel(sim or SimulationConfig(), run_config(**kw), actual_params, step)
+
+
+# ---------------------------------------------------------------------------- links
+# 8 Gbit/s = 1e9 bytes/s, 2 ms latency: 1 MB takes 1 ms of bandwidth.
+LINK = "8,2"
+
+
+def test_ring_allreduce_matches_hand_computed_values():
+    c = clock(SimulationConfig(intra_node_link="8,1"), inter_node_link=LINK)
+    # n = 2: 2(n-1) = 2 latencies of 2 ms, 2(n-1)/n = 1 x 1e6 bytes / 1e9 B/s = 1 ms.
+    assert c.allreduce_s(1e6, 2, spans_nodes=True) == pytest.approx(0.004 + 0.001)
+    # n = 4: 6 latencies of 2 ms, 2*3/4 = 1.5 x 1 ms.
+    assert c.allreduce_s(1e6, 4, spans_nodes=True) == pytest.approx(0.012 + 0.0015)
+    # Within a node: the intra-node link (1 ms latency, same bandwidth).
+    assert c.allreduce_s(1e6, 4, spans_nodes=False) == pytest.approx(0.006 + 0.0015)
+    assert c.allreduce_s(1e6, 1, spans_nodes=True) == 0.0
+
+
+def test_broadcast_and_p2p():
+    c = clock(inter_node_link=LINK)
+    # ceil(log2 4) = 2 rounds, ceil(log2 5) = 3; bytes once.
+    assert c.broadcast_s(1e6, 4, spans_nodes=True) == pytest.approx(0.004 + 0.001)
+    assert c.broadcast_s(1e6, 5, spans_nodes=True) == pytest.approx(0.006 + 0.001)
+    assert c.p2p_s(2e6, crosses_nodes=True) == pytest.approx(0.002 + 0.002)
+    assert c.latency_s(crosses_nodes=True) == pytest.approx(0.002)
+
+
+def test_free_links_cost_nothing():
+    c = clock()  # no inter-node link, no intra-node link
+    for crosses in (True, False):
+        assert c.p2p_s(1e9, crosses) == 0.0
+        assert c.allreduce_s(1e9, 8, crosses) == 0.0
+        assert c.broadcast_s(1e9, 8, crosses) == 0.0
+        assert c.latency_s(crosses) == 0.0
+    # Only the intra-node link given: crossing nodes is still free, within a node is not.
+    c = clock(SimulationConfig(intra_node_link=LINK))
+    assert c.p2p_s(1e6, crosses_nodes=True) == 0.0
+    assert c.p2p_s(1e6, crosses_nodes=False) == pytest.approx(0.003)
+
+
+def test_link_costs_are_the_link_emulators():
+    from cloudburst.comm.link import LinkEmulator, LinkSpec
+
+    emulator = LinkEmulator(LinkSpec.parse("3.5,0.7"))
+    c = clock(inter_node_link="3.5,0.7")
+    for n in (2, 3, 7, 64):
+        assert c.allreduce_s(12345, n, True) == emulator.allreduce_s(12345, n)
+        assert c.broadcast_s(12345, n, True) == emulator.broadcast_s(12345, n)
+    assert c.p2p_s(12345, True) == emulator.p2p_s(12345)
+
+
+def test_server_apply_is_bytes_over_memory_bandwidth():
+    assert clock().apply_s(1e9) == pytest.approx(0.1)  # default 10 GB/s
+    c = clock(SimulationConfig(server_apply_gbyte_per_s=2.0))
+    assert c.apply_s(1e9) == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------------------- stand-in
+def test_wire_bytes_scale_float_payloads_only():
+    c = clock(SimulationConfig(modelled_params=25_000_000), actual_params=5000)
+    assert c.wire_bytes(20_000, floating=True) == pytest.approx(20_000 * 5000)
+    assert c.wire_bytes(64, floating=False) == 64  # a header stays a header
+    plain = clock(actual_params=5000)
+    assert plain.wire_bytes(20_000, floating=True) == 20_000
+
+
+def test_profile_gives_params_and_step_time_and_flags_win():
+    profile = PROFILES["resnet50-v100"]
+    sim = SimulationConfig(profile="resnet50-v100")
+    cfg = run_config(batch_size=32)
+    seconds, source = resolve_step_time(sim, cfg, calibrate_fn=_no_calibration)
+    assert (seconds, source) == (pytest.approx(32 / 1200), "profile")
+    assert profile.params == 25_557_032
+    c = ClockModel(sim, cfg, 5000, seconds, source)
+    assert c.wire_bytes(4 * 5000, True) == pytest.approx(4 * 25_557_032)
+    assert c.describe()["profile"]["name"] == "resnet50-v100"
+    # Explicit flags override the profile's values.
+    sim = SimulationConfig(profile="resnet50-v100", step_time_s=0.5, modelled_params=1_000_000)
+    assert resolve_step_time(sim, cfg, _no_calibration) == (0.5, "flag")
+    assert sim.stand_in_params == 1_000_000
+    sim = SimulationConfig(profile="resnet50-v100", calibrate=True)
+    assert resolve_step_time(sim, cfg, lambda cfg: 0.25) == (0.25, "calibrated")
+
+
+def _no_calibration(cfg: RunConfig) -> float:
+    raise AssertionError("calibrated although a step time was given")
+
+
+def test_step_time_resolution_order():
+    cfg = run_config(batch_size=16)
+    assert resolve_step_time(SimulationConfig(step_time_per_sample_s=0.01), cfg, None) == (
+        pytest.approx(0.16),
+        "flag",
+    )
+    assert resolve_step_time(SimulationConfig(modelled_step_time_s=0.3), cfg, None) == (
+        0.3,
+        "flag",
+    )
+    slow = run_config(min_step_time_s=0.05)
+    assert resolve_step_time(SimulationConfig(), slow, _no_calibration) == (0.05, "min_step_time")
+    assert resolve_step_time(SimulationConfig(), cfg, lambda cfg: 0.02) == (0.02, "calibrated")
+
+
+def test_calibration_times_real_steps():
+    seconds = calibrate_step_time(run_config(model="mlp", batch_size=8), steps=3)
+    assert 0 < seconds < 10
+
+
+def test_describe_has_the_clock_and_what_is_not_modelled():
+    sim = SimulationConfig(intra_node_link="100", step_time_jitter="lognormal:0.2")
+    d = ClockModel(sim, run_config(inter_node_link="1,1"), 1000, 0.1, "calibrated").describe()
+    assert d["step_time_s"] == 0.1 and d["step_time_source"] == "calibrated"
+    assert d["inter_node_link"] == {"gbit_per_s": 1.0, "latency_ms": 1.0}
+    assert d["intra_node_link"] == {"gbit_per_s": 100.0, "latency_ms": 0.0}
+    assert d["step_time_jitter"] == "lognormal:0.2"
+    assert d["actual_params"] == 1000 and d["modelled_params"] is None
+    assert any("contention" in item for item in d["not_modelled"])
+    assert d["settings"]["intra_node_link"] == "100"
+    assert d["time_unit"] == "virtual seconds"
+
+
+# ---------------------------------------------------------------------------- jitter
+def test_step_time_is_base_times_factor_without_jitter():
+    c = clock(step=0.2)
+    assert c.step_s(0, 1, 1.0) == pytest.approx(0.2)
+    assert c.step_s(3, 17, 2.5) == pytest.approx(0.5)
+
+
+def test_jitter_is_a_function_of_seed_worker_and_step_only():
+    sim = SimulationConfig(step_time_jitter="lognormal:0.3")
+    a, b = clock(sim, seed=7), clock(sim, seed=7)
+    keys = [(w, s) for w in range(4) for s in range(1, 50)]
+    forward = {k: a.step_s(*k, 1.0) for k in keys}
+    backward = {k: b.step_s(*k, 1.0) for k in reversed(keys)}
+    assert forward == backward  # order of calls does not matter
+    assert len(set(forward.values())) == len(keys)  # each step draws its own
+    assert a.step_s(1, 5, 1.0) != clock(sim, seed=8).step_s(1, 5, 1.0)
+    assert a.step_s(1, 5, 2.0) == pytest.approx(2 * a.step_s(1, 5, 1.0))
+
+
+@pytest.mark.parametrize("spec, cv", [("lognormal:0.3", 0.3), ("lognormal:1.0", 1.0)])
+def test_lognormal_jitter_has_mean_one_and_the_asked_cv(spec, cv):
+    c = clock(SimulationConfig(step_time_jitter=spec), step=1.0)
+    draws = [c.step_s(w, s, 1.0) for w in range(20) for s in range(1, 1001)]
+    mean = statistics.fmean(draws)
+    assert mean == pytest.approx(1.0, abs=0.03 * max(cv, 0.5))
+    assert statistics.stdev(draws) / mean == pytest.approx(cv, rel=0.1)
+    assert min(draws) > 0
+
+
+def test_pareto_jitter_has_mean_one_and_a_heavy_tail():
+    c = clock(SimulationConfig(step_time_jitter="pareto:3"), step=1.0)
+    draws = [c.step_s(w, s, 1.0) for w in range(20) for s in range(1, 1001)]
+    assert statistics.fmean(draws) == pytest.approx(1.0, abs=0.03)
+    assert min(draws) >= 2 / 3  # scale (α−1)/α
+    assert max(draws) > 5  # the tail: P(x > 5) = (2/15)^3 ≈ 0.24 % of 20,000 draws
+
+
+def test_jitter_inverse_transform():
+    assert Jitter.parse("lognormal:0").sample(0.9) == 1.0
+    # The median of a mean-one lognormal is exp(−σ²/2).
+    sigma2 = math.log1p(0.5**2)
+    assert Jitter.parse("lognormal:0.5").sample(0.5) == pytest.approx(math.exp(-sigma2 / 2))
+    assert Jitter.parse("pareto:2").sample(0.75) == pytest.approx(0.5 * 0.25**-0.5)
+
+
+# ---------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"step_time_s": 0.1, "step_time_per_sample_s": 0.01}, "give one step time"),
+        ({"step_time_s": 0.1, "modelled_step_time_s": 0.1}, "give one step time"),
+        ({"step_time_s": 0.1, "calibrate": True}, "calibrate: cannot be combined"),
+        ({"step_time_s": -1.0}, "step_time_s: -1.0 is not allowed"),
+        ({"step_time_jitter": "normal:0.1"}, "is not lognormal:CV or pareto:ALPHA"),
+        ({"step_time_jitter": "lognormal"}, "is not lognormal:CV or pareto:ALPHA"),
+        ({"step_time_jitter": "lognormal:-1"}, "coefficient of variation must be >= 0"),
+        ({"step_time_jitter": "pareto:1"}, "ALPHA must be > 1"),
+        ({"intra_node_link": "fast"}, "intra_node_link: 'fast' is not GBIT_PER_S"),
+        ({"intra_node_link": "0"}, "intra_node_link: '0': the speed must be"),
+        ({"server_apply_gbyte_per_s": 0.0}, "server_apply_gbyte_per_s: 0.0 is not allowed"),
+        ({"modelled_params": 0}, "modelled_params: 0 is not allowed"),
+        ({"profile": "resnet50-v1OO"}, "did you mean 'resnet50-v100'"),
+        ({"modelled_params": "many"}, "modelled_params: 'many' is not a valid int"),
+        ({"step_tme_s": 1.0}, "did you mean 'step_time_s'"),
+    ],
+)
+def test_bad_values_are_one_line_errors(values, message):
+    with pytest.raises(ConfigError) as e:
+        SimulationConfig.from_dict(values)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_clock_refuses_impossible_arguments():
+    with pytest.raises(ValueError, match="actual_params"):
+        clock(actual_params=0)
+    with pytest.raises(ValueError, match="step_time_s"):
+        clock(step=0.0)
