@@ -1,8 +1,10 @@
-"""``cloudburst`` command line: ``train``, ``compare``, ``demo`` and ``plot``.
+"""``cloudburst`` command line: ``train``, ``simulate``, ``compare``, ``demo`` and ``plot``.
 
 ``cloudburst train`` validates the whole config before anything starts (a bad value: one line,
 exit code 2). Outside torchrun it launches a local job and shows a progress bar; inside a
 user's ``torchrun ... -m cloudburst train ...`` it runs as one rank of that job.
+``cloudburst simulate`` takes the same settings plus the clock model's and runs the whole job
+in this process on a virtual cluster (times in virtual seconds), or a sweep of such runs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from cloudburst.config import (
@@ -56,7 +59,51 @@ def _compare_parser(sub) -> None:
     _add_train_arguments(p)
 
 
-def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+def _simulate_parser(sub) -> None:
+    from cloudburst.sim.sweep import DEFAULT_TARGET_ACCURACY
+
+    p = sub.add_parser(
+        "simulate",
+        help="the same job on a virtual cluster, in this process: times in virtual seconds",
+        description="Runs the job a `train` with these flags would run, in one process with "
+        "no torchrun and no ports, on a deterministic clock: each step, message, collective "
+        "and server apply costs what the clock model says (virtual seconds). Writes what "
+        'train writes (summary.json with "simulated": true and the clock model, metrics, '
+        "model.pt). With --sweep, --strategies or --seeds: one run per point under OUT, and "
+        "OUT/sweep.md, OUT/sweep.json and plots.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_config_file_arguments(p)
+    add_config_flags(p)
+    add_simulation_flags(p)
+    for action in p._actions:  # simulate reports a time-to-target by default
+        if action.dest == "target_accuracy":
+            action.help = action.help.replace(
+                "(default: none)", f"(default: {DEFAULT_TARGET_ACCURACY:g} here)"
+            )
+    g = p.add_argument_group("sweep: several simulated runs, one table and plots")
+    g.add_argument(
+        "--sweep",
+        metavar="FIELD=V1,V2,...",
+        default=argparse.SUPPRESS,
+        help="run once per value of any setting of the run or of the clock model, e.g. "
+        "workers=2,4,8 or step_time_jitter=lognormal:0.1,pareto:3 (a link: GBIT:LATENCY_MS)",
+    )
+    g.add_argument(
+        "--strategies",
+        metavar="A,B,...",
+        default=argparse.SUPPRESS,
+        help="run each of these strategies (instead of --strategy)",
+    )
+    g.add_argument(
+        "--seeds",
+        metavar="S1,S2,...",
+        default=argparse.SUPPRESS,
+        help="repeat each point with these seeds",
+    )
+
+
+def _add_config_file_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file with run settings (flags override it)")
     p.add_argument(
         "--trust-config",
@@ -64,6 +111,10 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="allow a model factory (package.module:function) named in --config or in a "
         "resumed run's config.json to be imported; without it only --model may name one",
     )
+
+
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    _add_config_file_arguments(p)
     groups = add_config_flags(p)
     groups["faults"].add_argument(
         "--resume",
@@ -90,6 +141,19 @@ def add_config_flags(p: argparse.ArgumentParser) -> dict[str, Any]:
                 flag, options = flag_spec(f)
                 groups[part.section].add_argument(flag, **options)
     return groups
+
+
+def add_simulation_flags(p: argparse.ArgumentParser) -> Any:
+    """One flag per :class:`~cloudburst.config.simulation.SimulationConfig` field (``simulate``
+    only), generated as :func:`add_config_flags` does; returns their argument group."""
+    from cloudburst.config.simulation import SimulationConfig
+
+    group = p.add_argument_group(SimulationConfig.title)
+    for f in dataclasses.fields(SimulationConfig):
+        if f.metadata["cli"]:
+            flag, options = flag_spec(f)
+            group.add_argument(flag, **options)
+    return group
 
 
 def flag_spec(f: dataclasses.Field) -> tuple[str, dict[str, Any]]:
@@ -169,6 +233,100 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+SWEEP_ONLY = ("sweep", "strategies", "seeds")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """One simulated run into ``--out``, or a sweep of them (``--sweep``, ``--strategies``,
+    ``--seeds``) into ``OUT/<point>/`` with ``OUT/sweep.md``, ``sweep.json`` and plots."""
+    from cloudburst.config.simulation import SimulationConfig
+    from cloudburst.sim import sweep
+
+    if _under_torchrun():
+        raise ConfigError("simulate: run it directly, not under torchrun (it is one process)")
+    sim_names = {f.name for f in dataclasses.fields(SimulationConfig)}
+    given = {k: v for k, v in vars(args).items() if k not in (*CLI_ONLY, *SWEEP_ONLY)}
+    flags = {k: v for k, v in given.items() if k not in sim_names}
+    sim_values = {k: v for k, v in given.items() if k in sim_names}
+    values: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
+    trust = bool(getattr(args, "trust_config", False))
+    refuse_code_from_file(values, flags, f"--config {args.config}" if values else "", trust)
+    values.update(flags)
+    values.setdefault("target_accuracy", sweep.DEFAULT_TARGET_ACCURACY)
+    sweep_text, strategies_text, seeds_text = (getattr(args, k, None) for k in SWEEP_ONLY)
+    field, sweep_values = sweep.parse_sweep(sweep_text) if sweep_text else (None, [None])
+    strategies = sweep.parse_strategies(strategies_text) if strategies_text else None
+    if strategies and "strategy" in flags:
+        raise ConfigError("strategies: give --strategy (one run) or --strategies (several)")
+    seeds = sweep.parse_seeds(seeds_text) if seeds_text else None
+    if field is None and len(strategies or ()) <= 1 and len(seeds or ()) <= 1:
+        if strategies:
+            values["strategy"] = strategies[0]
+        if seeds:
+            values["seed"] = seeds[0]
+        if "out" not in values:
+            values["out"] = default_out(f"sim-{values.get('strategy', 'sync')}")
+        cfg = RunConfig.from_dict(values)
+        sim = SimulationConfig.from_dict(sim_values)
+        for warning in cfg.warnings():
+            print(f"cloudburst: warning: {warning}", file=sys.stderr)
+        check_run_dir(cfg.out, resume=False, overwrite=cfg.overwrite)
+        preflight(cfg)
+        prepare_run_dir(cfg.out, resume=False, overwrite=cfg.overwrite)
+        try:
+            summary = _simulate_fn()(cfg, sim)
+        except _simulation_failed() as e:
+            print(f"cloudburst: {e}", file=sys.stderr)
+            return 1
+        print(format_summary([summary]))
+        print(f"cloudburst: simulated run in {cfg.out} (times in virtual seconds)", file=sys.stderr)
+        return 0
+    out = values.pop("out", None) or default_out("sim-sweep")
+    strategies = strategies or [str(values.get("strategy", "sync"))]
+    seeds = seeds or [int(values.get("seed", 0))]
+    points = sweep.sweep_points(values, sim_values, field, sweep_values, strategies, seeds, out)
+    for point in points:  # every run's directory is usable before the first one starts
+        check_run_dir(point.cfg.out, resume=False, overwrite=point.cfg.overwrite)
+    for warning in dict.fromkeys(w for point in points for w in point.cfg.warnings()):
+        print(f"cloudburst: warning: {warning}", file=sys.stderr)
+    preflight(points[0].cfg)
+    report = sweep.run_sweep(
+        points,
+        out,
+        field,
+        lambda cfg, sim: _simulate_fn()(cfg, sim),
+        prepare=lambda cfg: prepare_run_dir(cfg.out, resume=False, overwrite=cfg.overwrite),
+        failure=_simulation_failed(),
+    )
+    print((Path(out) / "sweep.md").read_text(), end="")
+    print(f"cloudburst: sweep of {len(points)} simulated runs in {out}", file=sys.stderr)
+    if report["not_reached"]:
+        print(
+            f"cloudburst: {report['not_reached']} of {len(points)} runs did not reach "
+            f"{report['target_accuracy']}",
+            file=sys.stderr,
+        )
+    if report["failed"]:
+        print(f"cloudburst: {len(report['failed'])} of {len(points)} runs failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _simulate_fn():
+    """``cloudburst.sim.run.simulate``, looked up at call time."""
+    import importlib
+
+    return importlib.import_module("cloudburst.sim.run").simulate
+
+
+def _simulation_failed() -> tuple[type[BaseException], ...]:
+    """The error a simulated job that failed raises (one line, exit code 1)."""
+    import importlib
+
+    failed = getattr(importlib.import_module("cloudburst.sim.run"), "SimulationFailed", None)
+    return (failed,) if failed is not None else ()
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     if not _under_torchrun():
         from cloudburst.forkserver import start_forkserver
@@ -239,10 +397,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``cloudburst`` parser with its four subcommands."""
+    """The ``cloudburst`` parser with its five subcommands."""
     parser = argparse.ArgumentParser(prog="cloudburst", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _simulate_parser(sub)
     _compare_parser(sub)
     p = sub.add_parser("plot", help="plot test error against wall time and samples")
     p.add_argument("runs", nargs="+", help="run directories (each with metrics/ and summary.json)")
@@ -260,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args)
+        if args.command == "simulate":
+            return cmd_simulate(args)
         if args.command == "compare":
             return cmd_compare(args)
         if args.command == "demo":

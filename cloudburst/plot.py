@@ -1,4 +1,5 @@
 """Learning curves from run directories: test error against wall time and against samples.
+A simulated run's times are virtual seconds: its axis says so.
 
 Drawn from the JSONL metrics only (like the GPU A-SGD paper's figures 2-4), one line per run.
 DASO runs get their phases marked: where cycling begins and where cool-down begins (vertical
@@ -25,7 +26,7 @@ def run_label(run_dir: Path) -> str:
         return run_dir.name
     s = json.loads(summary_path.read_text())
     cfg = s.get("config", {})
-    label = f"{s['strategy']} W={s['workers']}"
+    label = f"{s['strategy']} W={s['workers']}" + (" (simulated)" if s.get("simulated") else "")
     if s["strategy"] == "daso":
         label += f" nodes={s.get('nodes', 1)}"
     if s["strategy"] == "asgd":
@@ -48,6 +49,22 @@ def phase_changes(run_dir: Path) -> list[tuple[str, float, int]]:
                 changes.append((r["phase"], r["time_s"], r["samples"]))
             last = r["phase"]
     return changes
+
+
+def is_simulated(run_dir: Path) -> bool:
+    """The run was simulated (``cloudburst simulate``): its times are virtual seconds."""
+    path = run_dir / "summary.json"
+    return path.is_file() and bool(json.loads(path.read_text()).get("simulated"))
+
+
+def time_axis_label(runs: list[str]) -> str:
+    """Wall time for real runs, virtual time for simulated ones; a mix says which is which."""
+    simulated = [is_simulated(Path(run)) for run in runs]
+    if all(simulated):
+        return "virtual time (s)"
+    if any(simulated):
+        return "time (s): virtual for simulated runs, wall for the others"
+    return "wall time (s)"
 
 
 def plot_runs(
@@ -91,7 +108,7 @@ def plot_runs(
                 ha="right",
                 color=colour,
             )
-    ax_t.set_xlabel("wall time (s)")
+    ax_t.set_xlabel(time_axis_label(runs))
     ax_s.set_xlabel("training samples (all workers)")
     for ax in (ax_t, ax_s):
         ax.set_ylabel("test error (%)")

@@ -97,14 +97,16 @@ def interrupted_message(summary: dict[str, Any]) -> str:
 
 
 def format_summary(summaries: list[dict[str, Any]], labels: list[str] | None = None) -> str:
-    """The comparison table the CLI prints: one row per run (``labels``: a first column)."""
+    """The comparison table the CLI prints: one row per run (``labels``: a first column).
+    Simulated runs' times are virtual seconds, and their columns say so."""
+    virtual = bool(summaries) and all(s.get("simulated") for s in summaries)
     cols = [
         ("strategy", "strategy", "{}"),
         ("W", "workers", "{}"),
         ("S", "servers", "{}"),
         ("test acc", "final_test_accuracy", "{:.4f}"),
-        ("wall s", "wall_time_s", "{:.1f}"),
-        ("to target s", "time_to_target_s", "{:.1f}"),
+        ("virtual s" if virtual else "wall s", "wall_time_s", "{:.1f}"),
+        ("to target virtual s" if virtual else "to target s", "time_to_target_s", "{:.1f}"),
         ("samples", "samples", "{}"),
         ("MB sent", "bytes_sent", "{:.1f}"),
         ("staleness", "mean_staleness", "{:.2f}"),
