@@ -1,0 +1,183 @@
+"""Run a job on the virtual cluster: every rank of ``cfg`` as a task of one process.
+
+The ranks run cloudburst's own code — :func:`cloudburst.train.run_worker` with the configured
+strategy, :func:`cloudburst.train.run_server` for the parameter-server shards — on a
+:class:`~cloudburst.sim.transport.SimTransport` instead of torch.distributed. The run writes
+what a real run writes (``config.json``, ``metrics/rank*.jsonl``, ``summary.json``,
+``model.pt``), with times in virtual seconds; ``summary.json`` adds ``"simulated": true``, the
+clock model, and what the simulation itself cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cloudburst.checkpoint import load_model_into
+from cloudburst.comm.flat import flatten_params
+from cloudburst.config import RunConfig
+from cloudburst.config.simulation import SimulationConfig
+from cloudburst.data import load_dataset
+from cloudburst.faults import FaultInjector, parse_faults
+from cloudburst.metrics import MetricsWriter, write_json_atomic
+from cloudburst.models import build_model
+from cloudburst.runtime import Context
+from cloudburst.sim.clock import ClockModel, calibrate_step_time, resolve_step_time
+from cloudburst.sim.scheduler import Scheduler
+from cloudburst.sim.transport import NullHeartbeat, SimGroup, SimNetwork, SimStore, SimTransport
+
+log = logging.getLogger(__name__)
+
+
+class SimulationFailed(RuntimeError):
+    """The simulated job failed as the real one would have (a rank raised)."""
+
+
+def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
+    """Run ``cfg`` on the virtual cluster ``sim``; returns the summary (also in
+    ``cfg.out/summary.json``). Raises :class:`SimulationFailed` with the first rank's error
+    when the job fails (a partial summary is written first)."""
+    from cloudburst.comm.link import Topology
+    from cloudburst.summary import write_partial_summary
+    from cloudburst.train import run_server, run_worker
+
+    started = time.perf_counter()
+    # One process computes for every rank: no DataLoader processes, no TensorBoard writers.
+    cfg = dataclasses.replace(cfg, data_workers=0, tensorboard=False, progress=False)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "config.json", cfg.to_dict())
+    data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size)
+    probe = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+    actual_params = flatten_params(probe).numel()
+    step_time_s, source = resolve_step_time(sim, cfg, calibrate_step_time)
+    clock = ClockModel(sim, cfg, actual_params, step_time_s, source)
+
+    world = cfg.world_size
+    topology = Topology.contiguous(world, cfg.nodes or 1)
+    sched = Scheduler()
+    net = SimNetwork(sched, clock, topology, cfg.comm_timeout_s)
+    store = SimStore(net)
+    groups = _groups(net, cfg, topology)
+    faults = parse_faults(cfg.inject_fault, cfg.servers, world)
+
+    def slow_factor(rank: int) -> float:
+        return FaultInjector(faults, rank, active=False).slow_factor
+
+    def rank_main(rank: int) -> None:
+        worker = rank >= cfg.servers
+        index = rank - cfg.servers if worker else None
+        factor = cfg.straggler_factor(index) * slow_factor(rank) if worker else 1.0
+        comm = SimTransport(net, rank, index, factor)
+        ctx = Context(
+            cfg=cfg,
+            rank=rank,
+            world_size=world,
+            num_servers=cfg.servers,
+            num_workers=cfg.workers,
+            store=store,
+            t0=0.0,
+            device=torch.device("cpu"),
+            backend="sim",
+            topology=topology,
+            link=None,  # the clock model is the link
+            heartbeat=NullHeartbeat(),
+            comm=comm,
+            **groups(rank),
+        )
+        metrics = MetricsWriter(cfg.out, rank, ctx.role)
+        metrics.log("start", wall=time.time(), world_size=world, device="cpu", backend="sim")
+        try:
+            model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+            if cfg.init_from:
+                load_model_into(cfg.init_from, model)
+            if ctx.is_server:
+                run_server(ctx, model, data, metrics)
+            else:
+                run_worker(ctx, model, data, metrics)
+        finally:
+            metrics.close()
+
+    for rank in range(world):
+        role = f"server{rank}" if rank < cfg.servers else f"worker{rank - cfg.servers}"
+        sched.spawn(lambda rank=rank: rank_main(rank), role, rank)
+    try:
+        sched.run()
+    except BaseException as e:
+        reason = _first_line(e)
+        write_partial_summary(cfg, failed=reason)
+        raise SimulationFailed(f"the simulated job failed: {reason}") from e
+    wall_s = time.perf_counter() - started
+    summary_path = out / "summary.json"
+    import json
+
+    summary = json.loads(summary_path.read_text())
+    worker_steps = cfg.workers * cfg.steps_per_worker(len(data.train))
+    summary["simulated"] = True
+    summary["time_unit"] = "virtual seconds"
+    summary["clock_model"] = clock.describe()
+    summary["simulator"] = {
+        "wall_s": round(wall_s, 3),
+        "tasks": len(sched.tasks),
+        "task_switches": sched.switches,
+        "messages": net.messages,
+        "collectives": net.collectives,
+        "worker_steps": worker_steps,
+        "wall_s_per_worker_step": round(wall_s / max(1, worker_steps), 6),
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    write_json_atomic(summary_path, summary)
+    return summary
+
+
+def _groups(net: SimNetwork, cfg: RunConfig, topology):
+    """The process groups every rank's Context holds, made as init_distributed makes them."""
+    world = cfg.world_size
+    workers = list(range(cfg.servers, world))
+    workers_group = net.new_group("workers", workers) if cfg.servers else None
+    servers_group = net.new_group("servers", list(range(cfg.servers))) if cfg.servers > 1 else None
+    node_of: dict[int, SimGroup] = {}
+    across_of: dict[int, SimGroup] = {}
+    from cloudburst.strategies import STRATEGY_CLASSES
+
+    declared = getattr(STRATEGY_CLASSES[cfg.strategy], "process_groups", ())
+    if "node_and_across" in declared:
+        nodes = [topology.ranks_on(n) for n in range(topology.num_nodes)]
+        if len({len(r) for r in nodes}) != 1:
+            raise ValueError(f"DASO needs the same number of ranks on every node, got {nodes}")
+        for n, ranks in enumerate(nodes):
+            g = net.new_group(f"node{n}", ranks)
+            node_of.update(dict.fromkeys(ranks, g))
+        for local in range(len(nodes[0])):
+            ranks = [r[local] for r in nodes]
+            g = net.new_group(f"across{local}", ranks)
+            across_of.update(dict.fromkeys(ranks, g))
+    gossip = "gossip_pair" in declared
+    requests = net.new_group("gossip-requests", workers) if gossip else None
+    replies = net.new_group("gossip-replies", workers) if gossip else None
+
+    def of(rank: int) -> dict[str, Any]:
+        is_worker = rank >= cfg.servers
+        return {
+            "workers_group": workers_group if is_worker else None,
+            "servers_group": servers_group if rank < cfg.servers else None,
+            "node_group": node_of.get(rank),
+            "global_group": across_of.get(rank),
+            "gossip_request_group": requests,
+            "gossip_reply_group": replies,
+        }
+
+    return of
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:300]

@@ -1,0 +1,289 @@
+"""The virtual cluster's clock on scripted cases: exact virtual times, no training.
+
+A link of 1 ms latency and 1 MB/s (so 1,000 bytes take 1 ms) between nodes; ranks on one
+node talk for free. Every expected time below is written out by hand from the cost model in
+``cloudburst.sim.transport``'s docstring.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cloudburst.comm.link import LinkEmulator, LinkSpec, Topology
+from cloudburst.sim.scheduler import Deadlock, Scheduler, SimLock
+from cloudburst.sim.transport import PeerDied, SimNetwork, SimStore, SimTransport
+
+LATENCY_S, BYTES_PER_S = 0.001, 1e6
+TAG = 5
+
+
+class ScriptClock:
+    """The clock model's interface with one slow link between nodes (1 ms, 1 MB/s)."""
+
+    def __init__(self, step_s: float = 0.1):
+        self.step = step_s
+        self.emu = LinkEmulator(LinkSpec(BYTES_PER_S * 8 / 1e9, LATENCY_S * 1e3))
+
+    def step_s(self, worker: int, step: int, factor: float) -> float:
+        return self.step * factor
+
+    def wire_bytes(self, nbytes: int, floating: bool) -> float:
+        return nbytes
+
+    def p2p_s(self, nbytes: float, crosses: bool) -> float:
+        return self.emu.p2p_s(nbytes) if crosses else 0.0
+
+    def allreduce_s(self, nbytes: float, n: int, spans: bool) -> float:
+        return self.emu.allreduce_s(nbytes, n) if spans else 0.0
+
+    def broadcast_s(self, nbytes: float, n: int, spans: bool) -> float:
+        return self.emu.broadcast_s(nbytes, n) if spans else 0.0
+
+    def apply_s(self, nbytes: float) -> float:
+        return nbytes / 1e9
+
+
+def _cluster(ranks: int = 2, nodes: int = 2, timeout_s: float = 60.0, step_s: float = 0.1):
+    sched = Scheduler()
+    net = SimNetwork(sched, ScriptClock(step_s), Topology.contiguous(ranks, nodes), timeout_s)
+    comms = [SimTransport(net, r, r) for r in range(ranks)]
+    return sched, net, comms
+
+
+def _kb(k: float = 1) -> torch.Tensor:
+    """k thousand bytes of float32."""
+    return torch.ones(int(250 * k))
+
+
+def test_a_message_arrives_at_send_time_plus_latency_plus_size_over_bandwidth():
+    sched, net, (a, b) = _cluster()
+    seen = {}
+
+    def sender():
+        a.sleep(0.5)
+        a.send(_kb(2), 1, TAG)  # 2,000 bytes: 1 ms + 2 ms
+        seen["sender_back"] = a.now()
+
+    def receiver():
+        buf = torch.zeros(500)
+        seen["src"] = b.recv(buf, None, TAG)
+        seen["received"] = b.now()
+        seen["sum"] = buf.sum().item()
+
+    sched.spawn(sender, "a", 0)
+    sched.spawn(receiver, "b", 1)
+    sched.run()
+    assert seen["received"] == pytest.approx(0.503)
+    assert seen["sender_back"] == pytest.approx(0.503)  # a blocking send holds the sender
+    assert seen["src"] == 0 and seen["sum"] == 500.0
+
+
+def test_two_messages_on_one_link_queue_and_arrive_in_order():
+    sched, net, (a, b) = _cluster()
+    arrivals = []
+
+    def sender():
+        w1 = a.isend(_kb(1), 1, TAG)  # 1 ms + 1 ms: arrives at 2 ms
+        w2 = a.isend(_kb(3), 1, TAG)  # queued behind it: 2 ms + 1 ms + 3 ms = 6 ms
+        assert a.now() == 0.0  # non-blocking sends return at once
+        w1.wait()
+        w2.wait()
+        arrivals.append(("sender", a.now()))
+
+    def receiver():
+        for _ in range(2):
+            buf = torch.zeros(750)
+            b.recv(buf, 0, TAG)
+            arrivals.append((int((buf != 0).sum()), b.now()))
+
+    sched.spawn(sender, "a", 0)
+    sched.spawn(receiver, "b", 1)
+    sched.run()
+    assert arrivals[0] == (250, pytest.approx(0.002))
+    assert arrivals[1] == ("sender", pytest.approx(0.006))
+    assert arrivals[2] == (750, pytest.approx(0.006))
+
+
+def test_same_node_messages_are_free_and_a_receiver_takes_the_earliest_arrival():
+    sched, net, comms = _cluster(ranks=3, nodes=2)  # ranks 0, 1 | 2
+    got = []
+
+    def far():  # node 1 -> rank 0: 1 ms + 1 ms
+        comms[2].send(_kb(1), 0, TAG)
+
+    def near():  # same node, sent later but free: arrives first
+        comms[1].sleep(0.0015)
+        comms[1].send(torch.full((250,), 2.0), 0, TAG)
+
+    def receiver():
+        for _ in range(2):
+            buf = torch.zeros(250)
+            src = comms[0].recv(buf, None, TAG)
+            got.append((src, comms[0].now()))
+
+    sched.spawn(receiver, "r", 0)
+    sched.spawn(near, "near", 1)
+    sched.spawn(far, "far", 2)
+    sched.run()
+    assert got == [(1, pytest.approx(0.0015)), (2, pytest.approx(0.002))]
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 5])
+def test_a_non_blocking_allreduce_overlapped_with_k_steps_costs_what_compute_did_not_hide(k):
+    step_s = 0.004
+    sched, net, (a, b) = _cluster(step_s=step_s)
+    cost = ScriptClock().allreduce_s(8000, 2, True)  # 2·1 ms + 1 · 8 ms = 10 ms
+    waited = {}
+
+    def rank(comm, name):
+        def body():
+            t = torch.ones(2000)
+            work = comm.all_reduce(t, async_op=True)
+            for _ in range(k):
+                comm.step_done(0.0, 0.0, 1.0)
+            t0 = comm.now()
+            work.wait()
+            waited[name] = (comm.now() - t0, t[0].item())
+
+        return body
+
+    sched.spawn(rank(a, "a"), "a", 0)
+    sched.spawn(rank(b, "b"), "b", 1)
+    sched.run()
+    expected = max(0.0, cost - k * step_s)
+    assert cost == pytest.approx(0.010)
+    assert waited["a"] == (pytest.approx(expected), 2.0)
+    assert waited["b"] == (pytest.approx(expected), 2.0)
+
+
+def test_a_collective_starts_when_its_last_member_arrives():
+    sched, net, comms = _cluster(ranks=4, nodes=2)
+    ends = {}
+
+    def rank(r):
+        def body():
+            comms[r].sleep(0.1 * r)  # rank 3 arrives last, at 0.3 s
+            t = torch.full((250,), float(r))
+            comms[r].all_reduce(t)
+            ends[r] = (comms[r].now(), t[0].item())
+
+        return body
+
+    for r in range(4):
+        sched.spawn(rank(r), f"r{r}", r)
+    sched.run()
+    cost = 2 * 3 * LATENCY_S + 2 * 3 / 4 * 1000 / BYTES_PER_S
+    assert ends == {r: (pytest.approx(0.3 + cost), 6.0) for r in range(4)}
+
+
+def test_a_deadlock_fails_with_every_task_state_instead_of_hanging():
+    # Every receive has a deadline: a deadlock ends at the first one, named as such.
+    sched, net, (a, b) = _cluster(timeout_s=1e9)
+
+    def both_receive(comm, peer):
+        return lambda: comm.recv(torch.zeros(1), peer, TAG)
+
+    sched.spawn(both_receive(a, 1), "worker-a", 0)
+    sched.spawn(both_receive(b, 0), "worker-b", 1)
+    with pytest.raises(RuntimeError) as e:
+        sched.run()
+    message = str(e.value)
+    assert "a deadlock: nothing else could run" in message
+    assert "worker-a at t=1000000000.000s waits for a message (tag 5) from 1" in message
+    assert "worker-b at t=0.000s waits for a message (tag 5) from 0" in message
+
+
+def test_a_wait_without_deadline_that_nothing_can_end_is_a_deadlock():
+    sched = Scheduler()
+    lock = SimLock(sched)
+
+    def holder():
+        lock.acquire()
+        sched.block("forever")
+
+    sched.spawn(holder, "holder", 0)
+    sched.spawn(lock.acquire, "waiter", 1)
+    with pytest.raises(Deadlock, match="holder at t=0.000s waits for forever; waiter"):
+        sched.run()
+
+
+def test_a_receive_times_out_in_virtual_time():
+    sched, net, (a, b) = _cluster(timeout_s=30.0)
+    seen = {}
+
+    def lonely():
+        try:
+            a.recv(torch.zeros(1), 1, TAG)
+        except RuntimeError as e:
+            seen["error"], seen["at"] = str(e), a.now()
+
+    sched.spawn(lonely, "a", 0)
+    sched.spawn(lambda: b.sleep(100.0), "b", 1)
+    sched.run()
+    assert "timed out after 30 virtual s" in seen["error"] and seen["at"] == pytest.approx(30.0)
+
+
+def test_a_killed_peer_fails_the_collective_at_once_and_a_task_error_stops_the_run():
+    sched, net, (a, b) = _cluster()
+
+    def victim():
+        a.sleep(1.0)
+        a.stop_self("kill")
+
+    def survivor():
+        b.all_reduce(torch.ones(1))
+
+    sched.spawn(victim, "a", 0)
+    sched.spawn(survivor, "b", 1)
+    with pytest.raises(PeerDied, match="rank 0 died at t=1.000s"):
+        sched.run()
+
+
+def test_ties_run_in_spawn_order_and_a_run_repeats_exactly():
+    def run_once() -> list[tuple[str, float]]:
+        sched = Scheduler()
+        order: list[tuple[str, float]] = []
+        lock = SimLock(sched)
+
+        def task(name, dt):
+            def body():
+                for _ in range(3):
+                    with lock:
+                        sched.advance(dt)
+                        order.append((name, sched.now()))
+
+            return body
+
+        for i, dt in enumerate([0.3, 0.1, 0.2, 0.1]):
+            sched.spawn(task(f"t{i}", dt), f"t{i}", i)
+        sched.run()
+        return order
+
+    first = run_once()
+    assert first == run_once()
+    # The lock is held while the holder's clock moves: the others queue behind it.
+    assert [t for _, t in first] == sorted(t for _, t in first)
+    assert first[0] == ("t0", pytest.approx(0.3))
+
+
+def test_the_store_waits_in_virtual_time_and_spawned_tasks_join():
+    sched, net, (a, b) = _cluster()
+    store = SimStore(net)
+    seen = {}
+
+    def writer():
+        a.sleep(2.0)
+        store.set("k", "v")
+
+    def reader():
+        seen["value"] = store.get("k")
+        seen["at"] = b.now()
+        child = b.spawn(lambda: b.sleep(1.5), "child")
+        child.join()
+        seen["joined"] = b.now()
+
+    sched.spawn(writer, "w", 0)
+    sched.spawn(reader, "r", 1)
+    sched.run()
+    assert seen == {"value": b"v", "at": pytest.approx(2.0), "joined": pytest.approx(3.5)}
