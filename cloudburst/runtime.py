@@ -103,6 +103,23 @@ class Context:
             wire=self.comm,
         )
 
+    def rejoin_transport(self, worker_rank: int, incarnation: int, stats=None):
+        """A server's transport to a worker that rejoined after restart ``incarnation``: a
+        gloo group of its own with every server (:func:`rejoin_group`), built now by this
+        server, the other servers and the worker together; raises RuntimeError if it cannot
+        be built (the worker died again, or ``comm_timeout_s`` passed)."""
+        group = rejoin_group(
+            self.store,
+            worker_rank,
+            incarnation,
+            self.num_servers,
+            self.server_index,
+            self.cfg.comm_timeout_s,
+        )
+        return self.transport(
+            stats, group=group, members=rejoin_members(self.num_servers, worker_rank)
+        )
+
     @property
     def node(self) -> int:
         return self.topology.node_of[self.rank] if self.topology else 0

@@ -49,8 +49,8 @@ from cloudburst.checkpoint import save_checkpoint
 from cloudburst.comm.flat import shard_bounds
 from cloudburst.comm.p2p import CommStats, Header, Kind, PeerFaults, Status, worth_logging
 from cloudburst.config import RunConfig
+from cloudburst.liveness import RejoinBoard
 from cloudburst.resilience import identity
-from cloudburst.runtime import RejoinBoard, rejoin_group, rejoin_members
 from cloudburst.shard import (  # noqa: F401 - the shard maths, also importable from here
     PushResult,
     ShardState,
@@ -406,25 +406,15 @@ class ServerLoop:
             self.deferred_fetches = [r for r in self.deferred_fetches if r != rank]
             if self.liveness is not None:
                 self.liveness.revive(rank)
+        stats = CommStats()
         try:
-            group = rejoin_group(
-                self.ctx.store,
-                rank,
-                incarnation,
-                self.cfg.servers,
-                self.ctx.server_index,
-                self.cfg.comm_timeout_s,
-            )
+            transport = self.ctx.rejoin_transport(rank, incarnation, stats)
         except RuntimeError as e:  # it died again, or timed out: comm_timeout_s
             log.error("worker rank %d could not rejoin: %s", rank, _first_line(e))
             with self._changed:
                 self.lost.add(rank)
                 self._changed.notify_all()
             return
-        stats = CommStats()
-        transport = self.ctx.transport(
-            stats, group=group, members=rejoin_members(self.cfg.servers, rank)
-        )
         with self._changed:
             self._routes[rank] = transport
             self._rejoin_stats.append(stats)

@@ -212,3 +212,16 @@ def saved_state(out: Path, name: str = "model.pt") -> dict[str, Any]:
     from cloudburst.checkpoint import load_checkpoint
 
     return load_checkpoint(out / name, "model")["state_dict"]
+
+
+def simulated(args: list[str] | tuple[str, ...], step_time_s: float = 0.01) -> Path:
+    """Run the ``cloudburst train`` arguments ``args`` on the virtual cluster instead, in this
+    process (``cloudburst simulate``), into ``--out``'s directory + ``-sim``; returns it."""
+    from cloudburst.cli import main
+
+    args = list(args)
+    at = args.index("--out") + 1
+    out = Path(args[at]).with_name(Path(args[at]).name + "-sim")
+    args[at] = str(out)
+    assert main(["simulate", *args, "--step-time-s", str(step_time_s)]) == 0
+    return out

@@ -12,7 +12,7 @@ from tests.dist.simulate import (
     easgd_one_worker,
     trained,
 )
-from tests.helpers import cli, final_record, read_summary, spawn
+from tests.helpers import simulated, cli, final_record, read_summary, spawn
 
 pytestmark = pytest.mark.dist
 
@@ -91,10 +91,13 @@ def test_cli_easgd_tau_and_beta_against_the_simulation(tmp_path):
     # One worker: α = β / W = 0.5; an elastic exchange every 3 steps (6 of them in 20 steps)
     # and one more for the last 2 steps, when the worker finishes.
     out = tmp_path / "easgd"
-    cli("train", "--strategy", "easgd", "--workers", "1", "--servers", "1", "--easgd-tau", "3",
-        "--easgd-beta", "0.5", "--steps", "20", "--out", str(out), *COMMON)  # fmt: skip
+    args = ["--strategy", "easgd", "--workers", "1", "--servers", "1", "--easgd-tau", "3",
+        "--easgd-beta", "0.5", "--steps", "20", "--out", str(out), *COMMON]  # fmt: skip
+    cli("train", *args)
+    sim = simulated(args)  # the same job on the virtual cluster
     expected = easgd_one_worker(20, tau=3, alpha=0.5)
     assert_same_params(trained(out), expected)  # the centre θ̃ the server holds
+    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
     assert_params_differ(expected, easgd_one_worker(20, tau=3, alpha=0.9))  # default β
     assert_params_differ(expected, easgd_one_worker(20, tau=10, alpha=0.5))  # default τ
     assert final_record(out, 1)["pushes"] == 7

@@ -11,7 +11,7 @@ from tests.dist.simulate import (
     local_sgd,
     trained,
 )
-from tests.helpers import cli, final_record, read_summary
+from tests.helpers import simulated, cli, final_record, read_summary
 
 pytestmark = pytest.mark.dist
 
@@ -29,13 +29,16 @@ def test_post_local_sgd_warmup_then_local_steps_over_an_emulated_link(tmp_path):
     # worker 0's step with worker 1's unchanged replica. The two workers are two emulated
     # nodes with a slow link between them: it delays, but changes no number.
     out = tmp_path / "post"
-    cli("train", "--strategy", "local_sgd", "--workers", "2", "--period", "4",
+    args = ["--strategy", "local_sgd", "--workers", "2", "--period", "4",
         "--local-sgd-warmup-steps", "8", "--steps", "18", "--nodes", "2",
         "--inter-node-link", LINK, "--inject-fault", "nan:1@12", "--out", str(out),
-        *COMMON)  # fmt: skip
+        *COMMON]  # fmt: skip
+    cli("train", *args)
+    sim = simulated(args)  # the same job on the virtual cluster
     expected, averages = local_sgd(18, workers=2, period=4, warmup_steps=8, nan=[(1, 12)])
     assert averages == 11
     assert_same_params(trained(out), expected)
+    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
     # The local phase ran: the same steps averaged every step would end elsewhere.
     synchronous, _ = local_sgd(18, workers=2, period=1, nan=[(1, 12)])
     assert_params_differ(expected, synchronous)
@@ -62,13 +65,16 @@ def test_diloco_outer_optimizer_without_nesterov(tmp_path):
     # Outer SGD with lr 0.5 and plain momentum 0.5 every 5 steps, and once more at the end
     # (32 = 6·5 + 2): 7 outer steps.
     out = tmp_path / "diloco"
-    cli("train", "--strategy", "diloco", "--workers", "2", "--period", "5", "--steps", "32",
+    args = ["--strategy", "diloco", "--workers", "2", "--period", "5", "--steps", "32",
         "--diloco-outer-lr", "0.5", "--diloco-outer-momentum", "0.5", "--diloco-no-nesterov",
-        "--out", str(out), *COMMON)  # fmt: skip
+        "--out", str(out), *COMMON]  # fmt: skip
+    cli("train", *args)
+    sim = simulated(args)  # the same job on the virtual cluster
     settings = dict(period=5, outer_lr=0.5, outer_momentum=0.5)
     expected, outer_steps = diloco(32, 2, nesterov=False, **settings)
     assert outer_steps == 7
     assert_same_params(trained(out), expected)
+    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
     assert_params_differ(expected, diloco(32, 2, nesterov=True, **settings)[0])
     s = read_summary(out)
     # One all-reduce of θ per outer step: 1/5 of sync's per-step gradient traffic, + 1.

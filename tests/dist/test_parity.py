@@ -19,7 +19,7 @@ from tests.dist.simulate import (
     sync_sgd,
     trained,
 )
-from tests.helpers import cli, rank_events, read_summary
+from tests.helpers import simulated, cli, rank_events, read_summary
 
 pytestmark = pytest.mark.dist
 
@@ -44,11 +44,14 @@ def test_the_simulations_agree_where_the_algorithms_coincide():
 def test_sync_adam_weight_decay_cosine_equals_one_model_on_the_double_batch(tmp_path):
     out = tmp_path / "sync"
     flags = dict(optimizer="adam", lr=0.01, weight_decay=0.01, cosine=True)
-    cli("train", "--strategy", "sync", "--workers", "2", "--steps", "40", "--out", str(out),
+    args = ["--strategy", "sync", "--workers", "2", "--steps", "40", "--out", str(out),
         *COMMON, "--optimizer", "adam", "--lr", "0.01", "--weight-decay",
-        "0.01", "--lr-schedule", "cosine")  # fmt: skip
+        "0.01", "--lr-schedule", "cosine"]  # fmt: skip
+    cli("train", *args)
+    sim = simulated(args)  # the same job on the virtual cluster
     expected = sync_sgd(40, workers=2, **flags)
     assert_same_params(trained(out), expected)
+    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
     assert_params_differ(expected, sync_sgd(40, workers=2, **{**flags, "weight_decay": 0.0}))
     assert_params_differ(expected, sync_sgd(40, workers=2, **{**flags, "cosine": False}))
     assert_params_differ(expected, sync_sgd(40, workers=2, lr=0.01, weight_decay=0.01))
@@ -63,12 +66,15 @@ def test_asgd_add_rule_staleness_bound_and_scaling_over_two_shards(tmp_path):
     # versions stale (its own pushes since its fetch), the 3-stale one is dropped, and the
     # others are applied with λ/max(1, staleness).
     out = tmp_path / "asgd"
-    cli("train", "--strategy", "asgd", "--workers", "1", "--servers", "2", "--n-fetch", "4",
+    args = ["--strategy", "asgd", "--workers", "1", "--servers", "2", "--n-fetch", "4",
         "--n-push", "1", "--max-staleness", "2", "--staleness-scaling", "--server-lr", "0.5",
-        "--steps", "40", "--push-log-every", "1", "--out", str(out), *COMMON)  # fmt: skip
+        "--steps", "40", "--push-log-every", "1", "--out", str(out), *COMMON]  # fmt: skip
+    cli("train", *args)
+    sim = simulated(args)  # the same job on the virtual cluster
     settings = dict(n_fetch=4, n_push=1, rule="add", lr=0.5, max_staleness=2, scaling=True)
     expected, server = asgd_one_worker(40, **settings)
     assert_same_params(trained(out), expected)
+    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
     assert_params_differ(expected, asgd_one_worker(40, **{**settings, "scaling": False})[0])
     assert_params_differ(expected, asgd_one_worker(40, **{**settings, "max_staleness": None})[0])
     cycle = [("OK", 0), ("OK", 1), ("OK", 2), ("STALE_DROPPED", 3)]
