@@ -179,3 +179,16 @@ def test_a_killed_sync_worker_fails_the_job_at_once_with_a_partial_summary(tmp_p
         _sim(cfg)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert "rank 1 died" in summary["failed"]
+
+
+def test_gossip_keeps_its_own_pace_beside_a_straggler_until_a_consensus_measurement(tmp_path):
+    # Pulls from the 3x slower worker are served by its serving task at once: the fast worker
+    # keeps its pace. The consensus distance is an all-reduce (a real one waits for the
+    # slowest worker, and so does the simulated one): after step 10 the fast worker waits
+    # until the slow one's step 10 (its record, written after the measurement, says so).
+    slow = [Straggler(1, 3.0)]
+    _sim(_cfg(tmp_path, "gossip", 2, 12, stragglers=slow, consensus_every_steps=10,
+              log_every_steps=1))  # fmt: skip
+    fast = [STEP_S * k for k in range(1, 10)] + [3 * STEP_S * 10 + STEP_S * k for k in (0, 1, 2)]
+    assert _step_times(tmp_path, 0) == pytest.approx(fast)
+    assert _step_times(tmp_path, 1) == pytest.approx([3 * STEP_S * k for k in range(1, 13)])
