@@ -153,6 +153,7 @@ def run_one(mode: str, strategy: str, workers: int, seed: int, s: dict, out: Pat
     cmd = [sys.executable, "-m", "cloudburst", command, *flags(strategy, workers, seed, s)]
     cmd += ["--out", str(out), "--overwrite"]
     record: dict = {"mode": mode, "strategy": strategy, "workers": workers, "seed": seed}
+    record["loadavg_1m_before"] = os.getloadavg()[0]  # other work on the machine shows here
     started = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -291,6 +292,7 @@ def report(data: dict, quick: bool, png: Path | None) -> list[str]:
     main_aa = next((r["real"] for r in rows if r["key"] == tuple(AA_CONFIG)), None)
     aa_walls = [r["wall_time_s"] for r in ([main_aa] if main_aa else []) + aa if "wall_time_s" in r]
     aa_failed = sum("wall_time_s" not in r for r in aa)
+    loads = [r.get("loadavg_1m_before", NAN) for r in records]
 
     detail = []
     for r in sorted(rows, key=lambda r: (STRATEGIES.index(r["key"][0]), r["key"][1:])):
@@ -344,6 +346,8 @@ def report(data: dict, quick: bool, png: Path | None) -> list[str]:
         "# Simulator fidelity: `cloudburst simulate` ÷ `cloudburst train`, every strategy",
         "",
         *data["provenance"],
+        f"- load average (1 min) before each run: {min(loads):.2f} – {max(loads):.2f} "
+        f"(median {statistics.median(loads):.2f}; 2 cores)",
         f"- {len(records)} runs, one after another, {data['elapsed_min']:.1f} min in all "
         f"(start-up included); run directories under `{data['workdir']}`"
         + (" — **a smoke test (`--quick`), not the result**" if quick else ""),
