@@ -70,19 +70,26 @@ class _RecordingTime:
 def _record_device_emulation(path: Path) -> None:
     import cloudburst.comm.transport as transport
 
-    if isinstance(transport.time, _RecordingTime):  # the model is built more than once
-        return
     # The loop's hook (fails loudly if it is renamed): TorchTransport.step_done.
     emulate = transport.TorchTransport.step_done
+    if getattr(emulate, "recording", False):  # the model is built more than once
+        return
+    real_time = transport.time
 
     def recording(self, compute_s: float, min_step_time_s: float, factor: float) -> None:
         _append(
             path, {"compute_s": compute_s, "min_step_time_s": min_step_time_s, "factor": factor}
         )
-        emulate(self, compute_s, min_step_time_s, factor)
+        # The sleeps this step's emulation asks for (other sleeps of the transport, such as
+        # asgd's finish polling, are not the device's).
+        transport.time = _RecordingTime(real_time, path)
+        try:
+            emulate(self, compute_s, min_step_time_s, factor)
+        finally:
+            transport.time = real_time
 
+    recording.recording = True
     path.parent.mkdir(parents=True, exist_ok=True)
-    transport.time = _RecordingTime(transport.time, path)
     transport.TorchTransport.step_done = recording
 
 
