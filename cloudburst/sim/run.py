@@ -11,10 +11,12 @@ clock model, and what the simulation itself cost.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +42,81 @@ class SimulationFailed(RuntimeError):
     """The simulated job failed as the real one would have (a rank raised)."""
 
 
+class VirtualCluster:
+    """The ranks of one job on one simulated network: the scheduler, the network and its
+    groups, the store, and each rank's :class:`~cloudburst.runtime.Context` (whose ``comm``
+    is a :class:`~cloudburst.sim.transport.SimTransport`)."""
+
+    def __init__(self, cfg: RunConfig, clock):
+        from cloudburst.comm.link import Topology
+
+        self.cfg, self.clock = cfg, clock
+        self.world = cfg.world_size
+        self.topology = Topology.contiguous(self.world, cfg.nodes or 1)
+        self.sched = Scheduler()
+        self.net = SimNetwork(self.sched, clock, self.topology, cfg.comm_timeout_s)
+        self.store = SimStore(self.net)
+        self._groups = _groups(self.net, cfg, self.topology)
+        self._faults = parse_faults(cfg.inject_fault, cfg.servers, self.world)
+
+    def context(self, rank: int) -> Context:
+        cfg = self.cfg
+        worker = rank >= cfg.servers
+        index = rank - cfg.servers if worker else None
+        slow = FaultInjector(self._faults, rank, active=False).slow_factor
+        factor = cfg.straggler_factor(index) * slow if worker else 1.0
+        return Context(
+            cfg=cfg,
+            rank=rank,
+            world_size=self.world,
+            num_servers=cfg.servers,
+            num_workers=cfg.workers,
+            store=self.store,
+            t0=0.0,
+            device=torch.device("cpu"),
+            backend="sim",
+            topology=self.topology,
+            link=None,  # the clock model is the link
+            heartbeat=NullHeartbeat(),
+            comm=SimTransport(self.net, rank, index, factor),
+            **self._groups(rank),
+        )
+
+    def run(self, rank_main: Callable[[int], Any]) -> list[Any]:
+        """``rank_main(rank)`` on every rank, each a task; their results by rank."""
+        results: list[Any] = [None] * self.world
+        cfg = self.cfg
+
+        def body(rank: int) -> None:
+            results[rank] = rank_main(rank)
+
+        for rank in range(self.world):
+            role = f"server{rank}" if rank < cfg.servers else f"worker{rank - cfg.servers}"
+            self.sched.spawn(lambda rank=rank: body(rank), role, rank)
+        self.sched.run()
+        return results
+
+
+def run_ranks(
+    cfg: RunConfig,
+    fn: Callable[..., Any],
+    *args: Any,
+    sim: SimulationConfig | None = None,
+    actual_params: int = 1,
+) -> list[Any]:
+    """``fn(ctx, *args)`` on every rank of ``cfg``'s job on the virtual cluster (one process);
+    the results by rank. For scripted scenarios (tests, experiments) that drive a strategy
+    or the server loop by hand rather than through the training loop."""
+    sim = sim or SimulationConfig(step_time_s=0.01)
+    step_time_s, source = resolve_step_time(sim, cfg, calibrate_step_time)
+    cluster = VirtualCluster(cfg, ClockModel(sim, cfg, actual_params, step_time_s, source))
+    return cluster.run(lambda rank: fn(cluster.context(rank), *args))
+
+
 def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     """Run ``cfg`` on the virtual cluster ``sim``; returns the summary (also in
     ``cfg.out/summary.json``). Raises :class:`SimulationFailed` with the first rank's error
     when the job fails (a partial summary is written first)."""
-    from cloudburst.comm.link import Topology
     from cloudburst.summary import write_partial_summary
     from cloudburst.train import run_server, run_worker
 
@@ -60,41 +132,12 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     actual_params = flatten_params(probe).numel()
     step_time_s, source = resolve_step_time(sim, cfg, calibrate_step_time)
     clock = ClockModel(sim, cfg, actual_params, step_time_s, source)
-
-    world = cfg.world_size
-    topology = Topology.contiguous(world, cfg.nodes or 1)
-    sched = Scheduler()
-    net = SimNetwork(sched, clock, topology, cfg.comm_timeout_s)
-    store = SimStore(net)
-    groups = _groups(net, cfg, topology)
-    faults = parse_faults(cfg.inject_fault, cfg.servers, world)
-
-    def slow_factor(rank: int) -> float:
-        return FaultInjector(faults, rank, active=False).slow_factor
+    cluster = VirtualCluster(cfg, clock)
 
     def rank_main(rank: int) -> None:
-        worker = rank >= cfg.servers
-        index = rank - cfg.servers if worker else None
-        factor = cfg.straggler_factor(index) * slow_factor(rank) if worker else 1.0
-        comm = SimTransport(net, rank, index, factor)
-        ctx = Context(
-            cfg=cfg,
-            rank=rank,
-            world_size=world,
-            num_servers=cfg.servers,
-            num_workers=cfg.workers,
-            store=store,
-            t0=0.0,
-            device=torch.device("cpu"),
-            backend="sim",
-            topology=topology,
-            link=None,  # the clock model is the link
-            heartbeat=NullHeartbeat(),
-            comm=comm,
-            **groups(rank),
-        )
+        ctx = cluster.context(rank)
         metrics = MetricsWriter(cfg.out, rank, ctx.role)
-        metrics.log("start", wall=time.time(), world_size=world, device="cpu", backend="sim")
+        metrics.log("start", wall=time.time(), world_size=ctx.world_size, device="cpu")
         try:
             model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
             if cfg.init_from:
@@ -106,21 +149,17 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
         finally:
             metrics.close()
 
-    for rank in range(world):
-        role = f"server{rank}" if rank < cfg.servers else f"worker{rank - cfg.servers}"
-        sched.spawn(lambda rank=rank: rank_main(rank), role, rank)
     try:
-        sched.run()
+        cluster.run(rank_main)
     except BaseException as e:
         reason = _first_line(e)
         write_partial_summary(cfg, failed=reason)
         raise SimulationFailed(f"the simulated job failed: {reason}") from e
     wall_s = time.perf_counter() - started
     summary_path = out / "summary.json"
-    import json
-
     summary = json.loads(summary_path.read_text())
     worker_steps = cfg.workers * cfg.steps_per_worker(len(data.train))
+    sched, net = cluster.sched, cluster.net
     summary["simulated"] = True
     summary["time_unit"] = "virtual seconds"
     summary["clock_model"] = clock.describe()
