@@ -11,6 +11,7 @@ Bytes are counted as ring all-reduce moves them: 2(W-1)/W of the bucket, sent an
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ class AllreduceHookState:
     last_launch: float = 0.0
     spans_nodes: bool = False  # the group's ranks are on more than one node
     link: LinkEmulator | None = None  # delays the all-reduce when it spans nodes
+    compress: str = "none"  # --compress: which hook (compressed_hook) the DDP gets
+    feedback: Any = None  # int8/fp8: the ErrorFeedback of this worker's buckets
+    powersgd: Any = None  # powersgd: torch's PowerSGDState
 
 
 def ring_bytes(numel: int, element_size: int, group_size: int) -> int:
@@ -53,20 +57,139 @@ def counting_allreduce_hook(
     state.last_launch = time.perf_counter()
     tensor.div_(world)
     fut = dist.all_reduce(tensor, group=state.group, async_op=True).get_future()
+    moved = tensor.numel() * tensor.element_size()
+    return _through_link(state, fut.then(lambda f: f.value()[0]), moved, world)
+
+
+def _through_link(state: AllreduceHookState, fut, wire_bytes: int, world: int):
+    """``fut``, done no earlier than the emulated link could carry ``wire_bytes`` as a ring
+    all-reduce (after the buckets before it) when the group spans nodes; backward() waits for
+    every bucket, as on a real wire."""
     link = state.link
     if link is None or not link.active or not state.spans_nodes:
-        return fut.then(lambda f: f.value()[0])
-    # The emulated link: this bucket cannot be done before the slow link has carried it
-    # (after the buckets before it); backward() waits for every bucket, as on a real wire.
-    cost = link.allreduce_s(tensor.numel() * tensor.element_size(), world)
+        return fut
+    cost = link.allreduce_s(wire_bytes, world)
     deadline = link.reserve(cost)
     state.stats.emulated_link_s += cost
 
     def done(f):
         LinkEmulator.wait_until(deadline)
-        return f.value()[0]
+        return f.value()
 
     return fut.then(done)
+
+
+def bf16_hook(
+    state: AllreduceHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """PyTorch's ``bf16_compress_hook`` (cast to bf16, all-reduce, divide, cast back), counted
+    as the bf16 bytes it sends."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    world = dist.get_world_size(state.group)
+    numel = bucket.buffer().numel()
+    count_collective(state.stats, ring_bytes(numel, 2, world), state.spans_nodes)
+    state.last_launch = time.perf_counter()
+    return _through_link(state, bf16_compress_hook(state.group, bucket), numel * 2, world)
+
+
+def quantised_hook(
+    state: AllreduceHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """int8 / fp8: the bucket (plus its error-feedback residual) quantised block-wise, the
+    codes and scales all-gathered, every rank's dequantised and summed in fp32, divided by W
+    (:mod:`cloudburst.comm.compress`)."""
+    from cloudburst.comm import compress
+
+    tensor = bucket.buffer()
+    world = dist.get_world_size(state.group)
+    key = f"bucket{bucket.index()}"
+    x = state.feedback.compensate(key, tensor)
+    codes, scales = compress.quantise(x, state.compress)
+    state.feedback.remember(key, x, compress.dequantise(codes, scales, x.numel()))
+    packed = compress._pack(codes, scales)
+    gathered = packed.new_empty(world * packed.numel())
+    moved = compress.gather_cost_bytes(packed.numel(), world)
+    count_collective(state.stats, moved, state.spans_nodes)
+    state.last_launch = time.perf_counter()
+    fut = dist.all_gather_single(gathered, packed, group=state.group, async_op=True).get_future()
+
+    def decode(f):
+        pieces = gathered.view(world, -1)
+        total = compress._unpack(pieces[0], tensor.numel(), state.compress)
+        for r in range(1, world):
+            total += compress._unpack(pieces[r], tensor.numel(), state.compress)
+        return tensor.copy_(total.div_(world))
+
+    return _through_link(state, fut.then(decode), world * packed.numel() // 2, world)
+
+
+def powersgd_numel(state, bucket: dist.GradBucket) -> int:
+    """fp32 values PowerSGD all-reduces for ``bucket`` this iteration: the whole bucket while
+    vanilla (before ``start_powerSGD_iter``), else the uncompressed tensors plus P and Q of the
+    compressed ones (torch's own rule for which are worth compressing)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    if state.iter < state.start_powerSGD_iter:
+        return bucket.buffer().numel()
+    total = 0
+    for tensor in bucket.gradients():
+        n, m = tensor.view(tensor.shape[0], -1).shape
+        rank = min(n, m, state.matrix_approximation_rank)
+        worth, uncompressed, compressed = _should_compress(n, m, rank, state.min_compression_rate)
+        total += compressed if worth else uncompressed
+    return total
+
+
+def powersgd_hook(
+    state: AllreduceHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """PyTorch's ``powerSGD_hook`` on ``state.powersgd`` (its error feedback and warm start
+    included), counted as the P, Q and uncompressed values it all-reduces."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+
+    world = dist.get_world_size(state.group)
+    numel = powersgd_numel(state.powersgd, bucket)
+    count_collective(state.stats, ring_bytes(numel, 4, world), state.spans_nodes)
+    state.last_launch = time.perf_counter()
+    return _through_link(state, powerSGD_hook(state.powersgd, bucket), numel * 4, world)
+
+
+def compressed_hook(state: AllreduceHookState):
+    """The counting DDP comm hook for ``state.compress`` (setting up its state)."""
+    method = state.compress.partition(":")[0]
+    if method == "none":
+        return counting_allreduce_hook
+    if method == "bf16":
+        return bf16_hook
+    if method in ("int8", "fp8"):
+        from cloudburst.comm.compress import ErrorFeedback
+
+        state.compress = method
+        if state.feedback is None:
+            state.feedback = ErrorFeedback()
+        return quantised_hook
+    if method == "powersgd":
+        if state.powersgd is None:
+            state.powersgd = new_powersgd_state(state.group, state.compress)
+        return powersgd_hook
+    raise ValueError(f"compress: unknown method {state.compress!r}")
+
+
+def new_powersgd_state(group, spec: str):
+    """torch's PowerSGDState for ``powersgd[:rank]``: error feedback and warm start on, vanilla
+    all-reduce for the first 2 iterations (the fewest torch allows with them)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    _, _, rank = spec.partition(":")
+    return PowerSGDState(
+        process_group=group,
+        matrix_approximation_rank=int(rank or 1),
+        start_powerSGD_iter=2,
+        use_error_feedback=True,
+        warm_start=True,
+        random_seed=0,
+    )
 
 
 def counted_ddp(model: torch.nn.Module, group, device: torch.device, state, hook=None):
@@ -91,3 +214,20 @@ def charge_unoverlapped_wait(state) -> None:
     if state.last_launch:
         state.stats.wait_s += time.perf_counter() - state.last_launch
         state.last_launch = 0.0
+
+
+def powersgd_state_dict(state) -> dict[str, Any]:
+    """What a checkpoint keeps of a PowerSGDState: its iteration, error-feedback residuals
+    and warm-start P and Q (by bucket index)."""
+    return {
+        "iter": state.iter,
+        "error_dict": {int(k): v.clone() for k, v in state.error_dict.items()},
+        "p_memory_dict": {int(k): v.clone() for k, v in state.p_memory_dict.items()},
+        "q_memory_dict": {int(k): v.clone() for k, v in state.q_memory_dict.items()},
+    }
+
+
+def load_powersgd_state(state, saved: dict[str, Any]) -> None:
+    state.iter = int(saved["iter"])
+    for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
+        setattr(state, name, {int(k): v.clone() for k, v in saved[name].items()})

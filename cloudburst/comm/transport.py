@@ -110,6 +110,12 @@ class Transport(Protocol):
     def all_reduce(self, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
         """Sum ``tensor`` in place over ``group``; a :class:`Work` when ``async_op``."""
 
+    def all_gather(
+        self, output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    ):
+        """Every member's ``tensor`` (same size on all), concatenated in group order into
+        ``output``; a :class:`Work` when ``async_op``. Used for quantised payloads."""
+
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None: ...
 
     def barrier(self, group: Any = None) -> None: ...
@@ -155,10 +161,10 @@ class _TorchDataParallel:
     """DDP itself with the counting comm hook (the baseline must be DDP)."""
 
     def __init__(self, model: nn.Module, group, device: torch.device, state):
-        from cloudburst.comm.allreduce import counted_ddp
+        from cloudburst.comm.allreduce import compressed_hook, counted_ddp
 
         self.state = state
-        self.ddp = counted_ddp(model, group, device, state)
+        self.ddp = counted_ddp(model, group, device, state, hook=compressed_hook(state))
         self.module = self.ddp
 
     def after_backward(self) -> None:
@@ -235,6 +241,9 @@ class TorchTransport:
 
     def all_reduce(self, tensor, group=None, async_op=False):
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+    def all_gather(self, output, tensor, group=None, async_op=False):
+        return dist.all_gather_single(output, tensor, group=group, async_op=async_op)
 
     def broadcast(self, tensor, src, group=None) -> None:
         dist.broadcast(tensor, src=src, group=group)

@@ -58,6 +58,14 @@ class JobConfig:
             )
 
 
+# What --compress can do for each strategy (the rest send fp32 as ever).
+COMPRESSIBLE = {
+    "sync": ("none", "bf16", "fp8", "int8", "powersgd"),
+    "local_sgd": ("none", "bf16", "fp8", "int8"),
+    "diloco": ("none", "bf16", "fp8", "int8"),
+}
+
+
 @dataclass
 class ClusterConfig:
     """The cluster, emulated on one machine where it is not real: nodes (torchrun's real ones
@@ -86,6 +94,13 @@ class ClusterConfig:
     min_step_time_s: float = option(
         0.0, "emulate a device: every step takes at least this many seconds (sleep)"
     )
+    compress: str = option(
+        "none",
+        "compress what is sent (docs/algorithms.md#compression): bf16, fp8 or int8 "
+        "(block-wise scales, error feedback) for sync, local_sgd and diloco; powersgd[:RANK] "
+        "for sync (PyTorch's DDP hook)",
+        metavar="none|bf16|fp8|int8|powersgd[:RANK]",
+    )
 
     def _validate_cluster(self) -> None:
         if self.nodes is not None:
@@ -108,6 +123,18 @@ class ClusterConfig:
                 )
             _check_float("straggler factor", s.factor, 1.0, None)
         _check_float("min_step_time_s", self.min_step_time_s, 0.0, None)
+        from cloudburst.comm.compress import Compression
+
+        try:
+            method = Compression.parse(self.compress).method
+        except ValueError as e:
+            raise ConfigError(f"compress: {e}") from None
+        allowed = COMPRESSIBLE.get(self.strategy, ("none",))
+        if method not in allowed:
+            raise ConfigError(
+                f"compress: {self.compress!r} is not available for strategy {self.strategy!r}; "
+                f"use {', '.join(allowed)}"
+            )
 
 
 @dataclass

@@ -19,6 +19,14 @@ What each operation costs, in virtual time:
 The stand-in model: floating payloads are charged as ``modelled_params / actual_params`` times
 their bytes (headers as they are), so a small model's real training drives a large model's
 communication.
+
+Where this differs from the real run's link emulator (:mod:`cloudburst.comm.link`), whose cost
+formulas it shares: the emulator adds the modelled time *on top of* the real transfer (over
+loopback here), the simulator charges the modelled time alone; the emulator holds back only the
+sender's own link, while a simulated collective occupies every member's link until it ends;
+and DDP overlaps its bucketed gradient all-reduce with the backward pass, while the simulated
+average is one all-reduce after it. benchmarks/results/sim_fidelity.md measures what these
+differences amount to.
 """
 
 from __future__ import annotations
@@ -219,6 +227,16 @@ class SimNetwork:
                 t.copy_(total)
             nbytes = self._wire(tensors[0])
             cost = self.clock.allreduce_s(nbytes, group.size, spans)
+        elif op.kind == "all_gather":
+            output = torch.cat([op.arrivals[r][1][0].reshape(-1) for r in members])
+            for r in members:
+                op.arrivals[r][1][1].view(-1).copy_(output)
+            # A quantised payload stands for the model's values: scaled like a floating one.
+            # A ring all-gather moves (n − 1)/n of the n pieces, an all-reduce's bandwidth
+            # on half of them (its 2(n − 1) latencies overstate the gather's n − 1).
+            piece = op.arrivals[members[0]][1][0]
+            nbytes = self.clock.wire_bytes(piece.numel() * piece.element_size(), True)
+            cost = self.clock.allreduce_s(nbytes * group.size / 2, group.size, spans)
         elif op.kind == "broadcast":
             source = op.arrivals[op.src][1]
             for r in members:
@@ -296,6 +314,19 @@ class SimDataParallel:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         n = self.group.size
+        if self.state.compress != "none":
+            flat = self._compressed_mean(flat, n)
+        else:
+            self._mean(flat, n)
+        offset = 0
+        for p in params:
+            k = p.numel()
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(flat[offset : offset + k].view_as(p))
+            offset += k
+
+    def _mean(self, flat: torch.Tensor, n: int) -> None:
         count_collective(
             self.state.stats,
             ring_bytes(flat.numel(), flat.element_size(), n),
@@ -305,13 +336,40 @@ class SimDataParallel:
         self.comm.all_reduce(flat, self.group)
         self.state.stats.wait_s += self.comm.now() - t0
         flat.div_(n)
-        offset = 0
-        for p in params:
-            k = p.numel()
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.copy_(flat[offset : offset + k].view_as(p))
-            offset += k
+
+    def _compressed_mean(self, flat: torch.Tensor, n: int) -> torch.Tensor:
+        """``--compress`` bf16 / int8 / fp8: the same maths as the real DDP hooks, on the one
+        flat gradient (one error-feedback residual, not one per DDP bucket), counted and
+        charged as the compressed bytes. PowerSGD runs inside DDP only."""
+        from cloudburst.comm.compress import ErrorFeedback, compressed_all_reduce_sum
+
+        method = self.state.compress
+        if method not in ("bf16", "int8", "fp8"):
+            raise ValueError(f"compress: {method!r} is not available on the virtual cluster")
+        if method != "bf16" and self.state.feedback is None:
+            self.state.feedback = ErrorFeedback()
+        if method == "bf16":  # as PyTorch's bf16_compress_hook: divide in bf16, then sum
+            low = flat.to(torch.bfloat16).div_(n)
+            compressed_all_reduce_sum(
+                low,
+                self.group,
+                self.state.stats,
+                "none",
+                spans_nodes=self.state.spans_nodes,
+                comm=self.comm,
+            )
+            return low.float()
+        compressed_all_reduce_sum(
+            flat,
+            self.group,
+            self.state.stats,
+            method,
+            feedback=self.state.feedback,
+            key="grads",
+            spans_nodes=self.state.spans_nodes,
+            comm=self.comm,
+        )
+        return flat.div_(n)
 
     def set_sync(self, enabled: bool) -> None:
         self.sync = enabled
@@ -525,6 +583,15 @@ class SimTransport:
         group = group or self.net.world
         op = self.net.collective("all_reduce", group, self.rank, tensor)
         work = SimWork(lambda: self.net.wait_collective(op, f"all-reduce over {group.name}"))
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def all_gather(self, output, tensor, group=None, async_op=False):
+        group = group or self.net.world
+        op = self.net.collective("all_gather", group, self.rank, (tensor, output))
+        work = SimWork(lambda: self.net.wait_collective(op, f"all-gather over {group.name}"))
         if async_op:
             return work
         work.wait()

@@ -6,16 +6,25 @@ applies the same update. Equal to SGD on a W-times larger batch (docs/algorithms
 Synchronous: every step waits for all workers. Staleness: always 0.
 A dead worker: the all-reduce raises on every other rank and the job stops (torchrun tears it
 down); resume from a checkpoint.
+``compress``: the gradient buckets go through PyTorch's ``bf16_compress_hook`` or
+``powerSGD_hook``, or cloudburst's int8/fp8 hook (block-wise quantised, all-gathered, error
+feedback per bucket); the residuals and PowerSGD's state are in the checkpoint.
 On GPUs the all-reduce runs on NCCL when every worker has its own GPU, else on gloo (which
 reduces CUDA tensors through host memory); ``summary.json`` records which.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from cloudburst.comm.allreduce import AllreduceHookState
+from cloudburst.comm.allreduce import (
+    AllreduceHookState,
+    load_powersgd_state,
+    powersgd_state_dict,
+)
 from cloudburst.strategies.base import Strategy
 
 
@@ -28,7 +37,11 @@ class SyncStrategy(Strategy):
         topology = self.ctx.topology
         spans = topology is not None and topology.spans_nodes(self.ctx.worker_ranks)
         self.hook_state = AllreduceHookState(
-            self.ctx.workers_group, self.stats, spans_nodes=spans, link=self.ctx.link
+            self.ctx.workers_group,
+            self.stats,
+            spans_nodes=spans,
+            link=self.ctx.link,
+            compress=getattr(self.cfg, "compress", "none"),
         )
         if self.cfg.workers == 1:
             # Nothing to average: DDP would only add its bookkeeping (~25% of a small model's
@@ -49,3 +62,18 @@ class SyncStrategy(Strategy):
 
     def global_params(self) -> tuple[torch.Tensor, int]:
         return self.replica_params()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.hook_state.feedback is not None:  # int8 / fp8: the buckets' residuals
+            state["compress_feedback"] = self.hook_state.feedback.state_dict()
+        if self.hook_state.powersgd is not None:
+            state["compress_powersgd"] = powersgd_state_dict(self.hook_state.powersgd)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "compress_feedback" in state and self.hook_state.feedback is not None:
+            self.hook_state.feedback.load_state_dict(state["compress_feedback"])
+        if "compress_powersgd" in state and self.hook_state.powersgd is not None:
+            load_powersgd_state(self.hook_state.powersgd, state["compress_powersgd"])
