@@ -170,10 +170,42 @@ class DilocoConfig:
     diloco_nesterov: bool = option(
         True, "plain momentum in the outer optimizer", flag="--diloco-no-nesterov"
     )
+    # Streaming DiLoCo (Douillard et al. 2025): F = 1, τ = 0 is DiLoCo itself.
+    fragments: int = option(
+        1,
+        "Streaming DiLoCo: F fragments of contiguous parameter tensors (module order, "
+        "balanced by element count), fragment k synchronised at offset (k+1)·H/F",
+    )
+    fragment_delay: int = option(
+        0, "τ: a fragment's all-reduce is applied τ inner steps after it starts (< H/F)"
+    )
+    fragment_alpha: float = option(
+        0.0, "α: θ_fragment ← α·θ_local + (1−α)·θ_global after its outer step (0: DiLoCo's)"
+    )
 
     def _validate_diloco(self) -> None:
         _check_float("diloco_outer_lr", self.diloco_outer_lr, 0.0, None, low_open=True)
         _check_float("diloco_outer_momentum", self.diloco_outer_momentum, 0.0, 1.0, high_open=True)
+        _check_int("fragments", self.fragments, 1)
+        _check_int("fragment_delay", self.fragment_delay, 0)
+        _check_float("fragment_alpha", self.fragment_alpha, 0.0, 1.0)
+        streaming = (self.fragments, self.fragment_delay, self.fragment_alpha) != (1, 0, 0.0)
+        if streaming and self.strategy != "diloco":
+            raise ConfigError(
+                f"fragments: Streaming DiLoCo's fragments, fragment_delay and fragment_alpha "
+                f"apply to --strategy diloco only, not {self.strategy!r}"
+            )
+        if self.fragments > self.period:
+            raise ConfigError(
+                f"fragments: {self.fragments} is more than the period H = {self.period}; "
+                f"use 1..{self.period} (each fragment needs a step of its own)"
+            )
+        if self.fragment_delay >= max(1, self.period // self.fragments):
+            raise ConfigError(
+                f"fragment_delay: {self.fragment_delay} is not allowed with H = {self.period} and "
+                f"{self.fragments} fragments; use 0..{self.period // self.fragments - 1} "
+                "(< H/F: one fragment in flight at a time)"
+            )
 
 
 @dataclass

@@ -11,21 +11,64 @@ with Nesterov momentum 0.9; lr 0.1 over an SGD inner optimizer, 0.7 over Adam by
 applies it to θ_global, which every replica then restarts from. With an outer SGD of lr 1 and
 no momentum, θ_global becomes the average of the replicas: ``local_sgd``.
 
-Synchronous every H steps (a straggler stalls the others once per period); staleness 0.
-A dead worker: the next average raises on every other rank and the job stops, as for sync.
+Streaming DiLoCo (``diloco`` with ``fragments`` F > 1 or ``fragment_delay`` τ > 0; Douillard et
+al. 2025, arXiv:2501.18512): the parameters are cut into F fragments of contiguous tensors
+(module order, balanced by element count, :func:`split_fragments`); fragment k is averaged
+every H steps at offset (k+1)·H/F (torchft's schedule), its all-reduce started non-blocking and
+applied τ inner steps later, with one outer optimizer per fragment, and the replica's fragment
+then set to α·θ_local + (1 − α)·θ_global (α = ``fragment_alpha``; 0 is DiLoCo's replacement).
+F = 1, τ = 0 is ``diloco`` itself, bit for bit.
+
+``compress`` (docs/algorithms.md#compression): the averages send each replica's drift
+θ_reference − θ_i (local SGD: from the last average; DiLoCo: the pseudo-gradient θ_global − θ_i)
+compressed, with error feedback for int8/fp8 (residuals per fragment, checkpointed); ``none``
+sends θ_i in fp32 as ever.
+
+Synchronous every H steps (a straggler stalls the others once per period; Streaming DiLoCo
+overlaps each fragment's all-reduce with τ inner steps); staleness 0 (Streaming DiLoCo: the
+fragment applied at step t was averaged at step t − τ). A dead worker: the next average raises
+on every other rank and the job stops, as for sync.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from cloudburst.comm.collectives import all_reduce_sum
+from cloudburst.comm.collectives import Pending, all_reduce_sum
+from cloudburst.comm.compress import Compression, ErrorFeedback, compressed_all_reduce_sum
 from cloudburst.comm.flat import adopt_flat, assign_flat, flatten_params
 from cloudburst.strategies.base import Strategy
+
+
+def split_fragments(params: list[torch.Tensor], fragments: int) -> list[list[torch.Tensor]]:
+    """``params`` (module order) cut into ``fragments`` non-empty runs of whole tensors,
+    balanced by element count: fragment k ends at the tensor boundary nearest to (k+1)/F of
+    the elements (never leaving a later fragment empty)."""
+    if not 1 <= fragments <= len(params):
+        raise ValueError(
+            f"fragments: {fragments} is not allowed for a model of {len(params)} parameter "
+            f"tensors; use 1..{len(params)}"
+        )
+    sizes = [p.numel() for p in params]
+    total = sum(sizes)
+    cuts, start, running = [], 0, 0
+    ends = []  # cumulative element count after each tensor
+    for n in sizes:
+        running += n
+        ends.append(running)
+    for k in range(1, fragments):
+        target = total * k / fragments
+        lo, hi = start + 1, len(params) - (fragments - k)  # leave one tensor for each later one
+        stop = min(range(lo, hi + 1), key=lambda i: (abs(ends[i - 1] - target), i))
+        cuts.append(stop)
+        start = stop
+    bounds = [0, *cuts, len(params)]
+    return [params[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 class LocalSgdStrategy(Strategy):
@@ -40,6 +83,11 @@ class LocalSgdStrategy(Strategy):
         self.averages = 0
         topo = self.ctx.topology
         self.spans_nodes = topo is not None and topo.spans_nodes(self.ctx.worker_ranks)
+        self.compression = Compression.parse(getattr(self.cfg, "compress", "none"))
+        self.feedback = ErrorFeedback()
+        # Compressed averages send the drift from θ_reference, the last average (identical on
+        # every replica): small values quantise well, and θ = θ_reference − mean drift.
+        self._reference = flatten_params(self._params).clone() if self.compression.active else None
         return model
 
     #: Averaging one replica is a no-op; DiLoCo's outer step is not.
@@ -58,17 +106,35 @@ class LocalSgdStrategy(Strategy):
         if (self.cfg.workers > 1 or not self.needs_peers) and self._due(self.local_steps):
             self._synchronise()
 
+    def _reduce(self, flat: torch.Tensor, key: str, async_op: bool = False) -> Pending:
+        """Sum ``flat`` over the workers (compressed as configured; residuals under ``key``)."""
+        kw: dict[str, Any] = dict(
+            link=self.ctx.link, spans_nodes=self.spans_nodes, comm=self.ctx.comm
+        )
+        if async_op:
+            kw["async_op"] = True
+        if self.compression.active:
+            return compressed_all_reduce_sum(
+                flat,
+                self.ctx.workers_group,
+                self.stats,
+                self.compression.method,
+                feedback=self.feedback if self.compression.quantised else None,
+                key=key,
+                **kw,
+            )
+        return all_reduce_sum(flat, self.ctx.workers_group, self.stats, **kw)
+
     def _average(self, fresh: bool = False) -> torch.Tensor:
         """The average of the replicas' parameters (in ``self._flat``, or a new vector)."""
+        if self._reference is not None:
+            drift = self._reference - flatten_params(self._params)
+            self._reduce(drift, "theta")
+            self.averages += 1
+            self._reference -= drift.div_(self.cfg.workers)
+            return self._reference.clone()
         flat = flatten_params(self._params, out=None if fresh else self._flat)
-        all_reduce_sum(
-            flat,
-            self.ctx.workers_group,
-            self.stats,
-            link=self.ctx.link,
-            spans_nodes=self.spans_nodes,
-            comm=self.ctx.comm,
-        )
+        self._reduce(flat, "theta")
         self.averages += 1
         return flat.div_(self.cfg.workers)
 
@@ -82,11 +148,23 @@ class LocalSgdStrategy(Strategy):
             self._synchronise()
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "averages": self.averages}
+        state = {**super().state_dict(), "averages": self.averages}
+        if self.compression.active:
+            state["compress_feedback"] = self.feedback.state_dict()
+        if self._reference is not None:
+            state["compress_reference"] = self._reference.clone()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.averages = int(state["averages"])
+        self._load_compression(state)
+
+    def _load_compression(self, state: dict[str, Any]) -> None:
+        if "compress_feedback" in state:
+            self.feedback.load_state_dict(state["compress_feedback"])
+        if self._reference is not None and "compress_reference" in state:
+            self._reference.copy_(state["compress_reference"])
 
     def global_params(self) -> tuple[torch.Tensor, int] | None:
         return self.replica_params()
@@ -95,6 +173,15 @@ class LocalSgdStrategy(Strategy):
         r = super().report()
         r["averages"] = self.averages
         return r
+
+
+@dataclass
+class _InFlight:
+    """A fragment's started all-reduce: applied after the inner step ``apply_at``."""
+
+    apply_at: int
+    buffer: torch.Tensor  # the sum arrives here: of θ_i (none), of θ_global − θ_i (compressed)
+    pending: Pending
 
 
 class DilocoStrategy(LocalSgdStrategy):
@@ -106,35 +193,124 @@ class DilocoStrategy(LocalSgdStrategy):
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         super().wrap(model, optimizer)
-        # θ_global lives in a parameter of its own, so the outer optimizer is a plain torch
-        # optimizer (with its momentum state) over one flat tensor.
-        self.global_theta = nn.Parameter(flatten_params(model).clone(), requires_grad=False)
-        self.outer = torch.optim.SGD(
-            [self.global_theta],
-            lr=self.cfg.diloco_outer_lr,
-            momentum=self.cfg.diloco_outer_momentum,
-            nesterov=self.cfg.diloco_nesterov and self.cfg.diloco_outer_momentum > 0,
-        )
+        self._reference = None  # the drift DiLoCo sends is its pseudo-gradient θ_global − θ_i
+        self.fragment_params = split_fragments(self._params, self.cfg.fragments)
+        # Fragment k's outer step is due after the steps t with t mod H = offsets[k].
+        period, count = self.period(), len(self.fragment_params)
+        self.offsets = [((k + 1) * period // count) % period for k in range(count)]
+        # θ_global of each fragment lives in a parameter of its own, so each outer optimizer
+        # is a plain torch optimizer (with its momentum state) over one flat tensor.
+        self.global_thetas = [
+            nn.Parameter(flatten_params(ps).clone(), requires_grad=False)
+            for ps in self.fragment_params
+        ]
+        self.outers = [
+            torch.optim.SGD(
+                [theta],
+                lr=self.cfg.diloco_outer_lr,
+                momentum=self.cfg.diloco_outer_momentum,
+                nesterov=self.cfg.diloco_nesterov and self.cfg.diloco_outer_momentum > 0,
+            )
+            for theta in self.global_thetas
+        ]
+        self.synced_at = [0] * count  # the step of each fragment's last outer step
+        self.in_flight: dict[int, _InFlight] = {}
         return model
 
-    def _synchronise(self) -> None:
-        mean_local = self._average()
+    @property
+    def global_theta(self) -> torch.Tensor:
+        """θ_global, flat (a parameter with one fragment; their concatenation otherwise)."""
+        if len(self.global_thetas) == 1:
+            return self.global_thetas[0]
+        return torch.cat([t.detach() for t in self.global_thetas])
+
+    @property
+    def outer(self) -> torch.optim.Optimizer:
+        return self.outers[0]
+
+    def after_step(self, samples: int) -> None:
+        self.local_steps += 1
+        step = self.local_steps
+        for k, offset in enumerate(self.offsets):
+            if step % self.period() == offset:
+                self._start(k, self.cfg.fragment_delay)
+        for k in sorted(self.in_flight):
+            if self.in_flight[k].apply_at == step:
+                self._apply(k, self.cfg.fragment_alpha)
+
+    def _start(self, k: int, delay: int) -> None:
+        """Start fragment k's all-reduce (non-blocking when it is applied later)."""
+        params = self.fragment_params[k]
+        if self.compression.active:
+            buffer = self.global_thetas[k].detach() - flatten_params(params)
+        else:
+            single = len(self.fragment_params) == 1
+            buffer = flatten_params(params, out=self._flat if single else None)
+        pending = self._reduce(buffer, f"fragment{k}", async_op=delay > 0)
+        self.averages += 1
+        self.in_flight[k] = _InFlight(self.local_steps + delay, buffer, pending)
+
+    def _apply(self, k: int, alpha: float) -> None:
+        """Fragment k's outer step on the averaged pseudo-gradient, then the replica's
+        fragment ← α·θ_local + (1 − α)·θ_global."""
+        flight = self.in_flight.pop(k)
+        flight.pending.wait()
+        theta = self.global_thetas[k]
+        mean = flight.buffer.div_(self.cfg.workers)
         # Pseudo-gradient: how far the replicas moved away from θ_global, on average.
-        self.global_theta.grad = self.global_theta.detach() - mean_local
-        self.outer.step()
-        self.global_theta.grad = None
-        assign_flat(self.model, self.global_theta.detach())
+        theta.grad = mean if self.compression.active else theta.detach() - mean
+        self.outers[k].step()
+        theta.grad = None
+        params = self.fragment_params[k]
+        if alpha == 0.0:
+            assign_flat(self.model if len(self.fragment_params) == 1 else params, theta.detach())
+        else:
+            assign_flat(params, torch.lerp(theta.detach(), flatten_params(params), alpha))
+        self.synced_at[k] = self.local_steps
+
+    def finish(self) -> None:
+        # End on one model: apply what is in flight, then one more outer step (no mixing) on
+        # every fragment that moved since its last one.
+        for k in sorted(self.in_flight):
+            self._apply(k, self.cfg.fragment_alpha)
+        for k in range(len(self.fragment_params)):
+            if self.synced_at[k] != self.local_steps or self.cfg.fragment_alpha != 0.0:
+                self._start(k, 0)
+                self._apply(k, 0.0)
+
+    def checkpoint_ready(self) -> bool:
+        # A fragment's all-reduce in flight is not saved: checkpoint once none is (as DASO).
+        return not self.in_flight
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             **super().state_dict(),
             "global_theta": self.global_theta.detach().clone(),
-            "outer": copy.deepcopy(self.outer.state_dict()),
+            "outer": copy.deepcopy(self.outers[0].state_dict()),
         }
+        if len(self.outers) > 1:
+            state["outer_fragments"] = [copy.deepcopy(o.state_dict()) for o in self.outers]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "local_steps" in state:
             super().load_state_dict(state)
+        else:
+            self._load_compression(state)
+        sizes = [t.numel() for t in self.global_thetas]
         with torch.no_grad():
-            self.global_theta.copy_(state["global_theta"])
-        self.outer.load_state_dict(state["outer"])
+            for theta, part in zip(
+                self.global_thetas, state["global_theta"].split(sizes), strict=True
+            ):
+                theta.copy_(part)
+        outers = state.get("outer_fragments", [state["outer"]])
+        for outer, saved in zip(self.outers, outers, strict=True):
+            outer.load_state_dict(saved)
+        self.synced_at = [self._last_sync(k, self.local_steps) for k in range(len(self.outers))]
+
+    def _last_sync(self, k: int, step: int) -> int:
+        """The step of fragment k's last outer step by ``step`` (0: none yet). Its first
+        all-reduce starts after step offsets[k] (H when that is 0) and lands τ steps later."""
+        period = self.period()
+        first = (self.offsets[k] or period) + self.cfg.fragment_delay
+        return 0 if step < first else first + (step - first) // period * period

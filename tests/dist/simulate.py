@@ -215,6 +215,96 @@ def diloco(
     return replicas[0], outer_steps
 
 
+def fragment_ranges(model: nn.Module, fragments: int) -> list[tuple[int, int]]:
+    """Streaming DiLoCo's split, as documented: whole parameter tensors in module order, F
+    runs balanced by element count — run k ends at the tensor boundary nearest to (k+1)/F of
+    the elements (leaving at least one tensor for each later run). [start, stop) in θ."""
+    ends, total = [], 0
+    for p in model.parameters():
+        total += p.numel()
+        ends.append(total)
+    cuts, first = [], 1
+    for k in range(1, fragments):
+        target = total * k / fragments
+        candidates = range(first, len(ends) - (fragments - k) + 1)
+        best = min(candidates, key=lambda i: (abs(ends[i - 1] - target), i))
+        cuts.append(best)
+        first = best + 1
+    tensor_bounds = [0, *cuts, len(ends)]
+    elements = [0, *ends]
+    return [
+        (elements[a], elements[b])
+        for a, b in zip(tensor_bounds[:-1], tensor_bounds[1:], strict=True)
+    ]
+
+
+def streaming_diloco(
+    steps: int,
+    workers: int,
+    period: int,
+    fragments: int,
+    delay: int,
+    alpha: float,
+    outer_lr: float,
+    outer_momentum: float,
+    nesterov: bool,
+    model: str = "cnn",
+) -> tuple[nn.Module, int]:
+    """Streaming DiLoCo (Douillard et al. 2025): θ is cut into F fragments; fragment k is sent
+    after the steps t with t mod H = ((k+1)·H // F) mod H (the sum of the replicas' fragment
+    as it is then) and applied τ = ``delay`` steps later: the pseudo-gradient g = θ_g,k − sum/W
+    goes through fragment k's own outer SGD (b ← g, then b ← μb + g; d = g + μb with Nesterov,
+    else b; θ_g,k ← θ_g,k − lr·d), and every replica's fragment becomes
+    α·(its fragment now) + (1 − α)·θ_g,k. At the end, fragments still in flight are applied,
+    then every fragment not replaced by θ_g,k at the last step gets one more outer step with
+    no delay and no mixing. Returns (worker 0's replica, fragment syncs)."""
+    replicas, opts = _replicas(workers, model)
+    data = streams(workers)
+    ranges = fragment_ranges(replicas[0], fragments)
+    theta = [_flat(replicas[0])[a:b].clone() for a, b in ranges]
+    momentum: list[torch.Tensor | None] = [None] * fragments
+    offsets = [((k + 1) * period // fragments) % period for k in range(fragments)]
+    in_flight: dict[int, tuple[int, torch.Tensor]] = {}
+    last_replaced = [0] * fragments
+    syncs = 0
+
+    def start(k: int, step: int, wait: int) -> None:
+        nonlocal syncs
+        a, b = ranges[k]
+        in_flight[k] = (step + wait, sum(_flat(r)[a:b] for r in replicas))
+        syncs += 1
+
+    def apply(k: int, step: int, mix: float) -> None:
+        a, b = ranges[k]
+        _, total = in_flight.pop(k)
+        g = theta[k] - total / workers
+        momentum[k] = g.clone() if momentum[k] is None else outer_momentum * momentum[k] + g
+        d = g + outer_momentum * momentum[k] if nesterov and outer_momentum > 0 else momentum[k]
+        theta[k] = theta[k] - outer_lr * d
+        for r in replicas:
+            vector = _flat(r)
+            vector[a:b] = mix * vector[a:b] + (1 - mix) * theta[k] if mix else theta[k]
+            _assign(r, vector)
+        if not mix:
+            last_replaced[k] = step
+
+    for step in range(1, steps + 1):
+        _local_steps(replicas, opts, data, step, set())
+        for k in range(fragments):
+            if step % period == offsets[k]:
+                start(k, step, delay)
+        for k in sorted(in_flight):
+            if in_flight[k][0] == step:
+                apply(k, step, alpha)
+    for k in sorted(in_flight):
+        apply(k, steps, alpha)
+    for k in range(fragments):
+        if last_replaced[k] != steps:
+            start(k, steps, 0)
+            apply(k, steps, 0.0)
+    return replicas[0], syncs
+
+
 # ---------------------------------------------------------------------------- parameter servers
 class Server:
     """θ on the parameter servers with its version clock. A push computed against version

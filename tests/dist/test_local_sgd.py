@@ -9,9 +9,10 @@ from tests.dist.simulate import (
     diloco,
     fresh_model,
     local_sgd,
+    streaming_diloco,
     trained,
 )
-from tests.helpers import simulated, cli, final_record, read_summary
+from tests.helpers import cli, final_record, read_summary, simulated
 
 pytestmark = pytest.mark.dist
 
@@ -80,3 +81,24 @@ def test_diloco_outer_optimizer_without_nesterov(tmp_path):
     # One all-reduce of θ per outer step: 1/5 of sync's per-step gradient traffic, + 1.
     assert s["bytes_sent"] == 2 * outer_steps * _numel() * 4
     assert [final_record(out, r)["averages"] for r in (0, 1)] == [outer_steps] * 2
+
+
+def test_streaming_diloco_two_fragments_one_step_delay(tmp_path):
+    # F = 2 fragments of H = 6, each all-reduce started non-blocking on gloo and applied one
+    # inner step later, mixed half and half with the replica's fragment; the reference, the
+    # virtual cluster and gloo end on the same θ.
+    out = tmp_path / "streaming"
+    args = ["--strategy", "diloco", "--workers", "2", "--period", "6", "--steps", "20",
+        "--fragments", "2", "--fragment-delay", "1", "--fragment-alpha", "0.5",
+        "--diloco-outer-lr", "0.7", "--nodes", "2", "--inter-node-link", LINK,
+        "--out", str(out), *COMMON]  # fmt: skip
+    cli("train", *args)
+    sim = simulated(args)
+    settings = dict(period=6, fragments=2, delay=1, alpha=0.5, outer_lr=0.7)
+    expected, syncs = streaming_diloco(20, 2, outer_momentum=0.9, nesterov=True, **settings)
+    assert syncs == 8
+    assert_same_params(trained(out), expected)
+    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
+    s = read_summary(out)
+    assert s["bytes_sent"] == s["inter_node_bytes"] == 2 * 4 * (4 * _numel())
+    assert [final_record(out, r)["averages"] for r in (0, 1)] == [syncs] * 2

@@ -89,6 +89,14 @@ class _Workers:
         total = torch.stack([self.parts[w] for w in sorted(self.parts)]).sum(0)
         self.barrier.wait()  # every worker has read the parts before the next round writes
         tensor.copy_(total)
+        return _Done()
+
+
+class _Done:
+    """A blocking all-reduce's pending works: nothing left to wait for."""
+
+    def wait(self) -> None:
+        pass
 
 
 @dataclass

@@ -1,0 +1,215 @@
+"""Streaming DiLoCo (``diloco`` with fragments, a delay and a mixing factor): the split, the
+schedule of each fragment, the outer step and the mixing, checked against by-hand arithmetic
+with a fake all-reduce, and whole runs on the virtual cluster against the single-process
+reference (tests/dist/simulate.py). The real gloo run is in tests/dist/test_local_sgd.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from cloudburst.strategies import local_sgd
+from cloudburst.strategies.local_sgd import DilocoStrategy, split_fragments
+from tests import reference as ref
+from tests.dist.simulate import (
+    assert_params_differ,
+    assert_same_params,
+    diloco,
+    fragment_ranges,
+    streaming_diloco,
+    trained,
+)
+from tests.unit.test_mutation_survivors import _cfg, _Ctx, _Done, _Job
+from tests.unit.test_sim_runs import _cfg as _sim_cfg
+from tests.unit.test_sim_runs import _sim
+
+BATCH = 8
+# tiny_model's tensors: 40, 8, 24, 3 values; two fragments: [40] and [8, 24, 3]
+FRAGMENT_0 = slice(0, 40)
+FRAGMENT_1 = slice(40, 75)
+
+
+# ---------------------------------------------------------------------------- the split
+def test_fragments_are_runs_of_whole_tensors_balanced_by_element_count():
+    params = [torch.zeros(n) for n in (10, 10, 100, 10, 70)]
+    sizes = lambda parts: [sum(p.numel() for p in part) for part in parts]  # noqa: E731
+    assert sizes(split_fragments(params, 1)) == [200]
+    assert sizes(split_fragments(params, 2)) == [120, 80]  # the boundary nearest 100
+    assert sizes(split_fragments(params, 5)) == [10, 10, 100, 10, 70]
+    # never an empty fragment, even where the balance would want one
+    assert sizes(split_fragments([torch.zeros(n) for n in (1000, 1, 1)], 3)) == [1000, 1, 1]
+    with pytest.raises(ValueError, match="fragments: 6 is not allowed .* 5 parameter tensors"):
+        split_fragments(params, 6)
+    # the reference's own split (written from the docs) agrees on the tiny model
+    model = ref.tiny_model()
+    assert fragment_ranges(model, 2) == [(0, 40), (40, 75)]
+    assert sizes(split_fragments(list(model.parameters()), 2)) == [40, 35]
+
+
+# ---------------------------------------------------------------------------- one worker, scripted
+class _Recorder:
+    """The workers' all-reduce for one worker: the sum is the tensor itself; each call is
+    recorded with the worker's step, the fragment (by size) and whether it was non-blocking."""
+
+    def __init__(self):
+        self.strategy: DilocoStrategy | None = None
+        self.calls: list[tuple[int, int, bool]] = []
+
+    def all_reduce_sum(self, tensor, group, stats, link=None, spans_nodes=False, **kw):
+        assert kw.pop("comm", None) is not None
+        async_op = kw.pop("async_op", False)
+        assert not kw, kw
+        self.calls.append((self.strategy.local_steps, tensor.numel(), async_op))
+        return _Done()
+
+
+def _one_worker(monkeypatch, **kw) -> tuple[DilocoStrategy, ref.Replicas, _Recorder]:
+    recorder = _Recorder()
+    monkeypatch.setattr(local_sgd, "all_reduce_sum", recorder.all_reduce_sum)
+    replicas = ref.Replicas(1, ref.sgd())
+    strategy = DilocoStrategy(_Ctx(_cfg("diloco", 1, **kw), 0))
+    strategy.wrap(replicas.models[0], replicas.optimizers[0])
+    recorder.strategy = strategy
+    return strategy, replicas, recorder
+
+
+def test_each_fragment_is_sent_at_its_offset_and_applied_tau_steps_later(monkeypatch):
+    # H = 4, F = 2, τ = 1: fragment 0 (offset 2) is sent after steps 2, 6, 10, fragment 1
+    # (offset 4 mod 4 = 0) after 4, 8; each applied one step later. With an outer lr of 1,
+    # no momentum, α = 0 and one worker, applying sets the fragment to what was sent.
+    kw = dict(period=4, fragments=2, fragment_delay=1, diloco_outer_lr=1.0)
+    strategy, replicas, recorder = _one_worker(monkeypatch, diloco_outer_momentum=0.0, **kw)
+    sent: dict[int, torch.Tensor] = {}
+    for step in range(1, 11):
+        replicas.step(0, step)
+        before = ref.flat(replicas.models[0])
+        strategy.after_step(BATCH)
+        after = ref.flat(replicas.models[0])
+        started = [c for c in recorder.calls if c[0] == step]
+        if step in (2, 6, 10):
+            assert started == [(step, 40, True)]
+            sent[step] = before
+        elif step in (4, 8):
+            assert started == [(step, 35, True)]
+            sent[step] = before
+        else:
+            assert started == []
+        # a fragment in flight blocks checkpoints; none in flight lets them through
+        assert strategy.checkpoint_ready() == (step in (1, 3, 5, 7, 9))
+        applied = {3: FRAGMENT_0, 7: FRAGMENT_0, 5: FRAGMENT_1, 9: FRAGMENT_1}.get(step)
+        if applied is None:
+            assert torch.equal(after, before)  # nothing applied: the replica untouched
+            continue
+        other = FRAGMENT_1 if applied == FRAGMENT_0 else FRAGMENT_0
+        torch.testing.assert_close(after[applied], sent[step - 1][applied], rtol=0, atol=1e-6)
+        assert torch.equal(after[other], before[other])
+    assert strategy.averages == 5
+    # finish: fragment 0 (in flight since step 10) is applied at once, which puts θ_global
+    # in the replica (α = 0); fragment 1 moved since step 9 and gets one more outer step
+    strategy.finish()
+    assert [c[1:] for c in recorder.calls[5:]] == [(35, False)]
+    assert strategy.averages == 6
+
+
+def test_alpha_mixes_the_local_fragment_with_the_new_global_one(monkeypatch):
+    # θ_fragment ← α·θ_local + (1 − α)·θ_global (the paper's mixing; torchft's lerp).
+    kw = dict(period=2, fragments=1, fragment_delay=1, fragment_alpha=0.25)
+    strategy, replicas, _ = _one_worker(
+        monkeypatch, diloco_outer_lr=1.0, diloco_outer_momentum=0.0, **kw
+    )
+    replicas.step(0, 1)
+    strategy.after_step(BATCH)
+    replicas.step(0, 2)
+    strategy.after_step(BATCH)  # θ after step 2 is sent
+    sent = ref.flat(replicas.models[0])
+    replicas.step(0, 3)
+    local = ref.flat(replicas.models[0])
+    strategy.after_step(BATCH)  # ... and applied now
+    torch.testing.assert_close(
+        ref.flat(replicas.models[0]), 0.25 * local + 0.75 * sent, rtol=0, atol=1e-6
+    )
+    torch.testing.assert_close(strategy.global_theta.detach(), sent, rtol=0, atol=1e-6)
+
+
+def test_the_state_of_every_fragment_round_trips_and_the_run_continues(monkeypatch):
+    kw = dict(period=4, fragments=2, fragment_delay=1, diloco_outer_lr=0.7)
+    strategy, replicas, _ = _one_worker(monkeypatch, **kw)
+    for step in range(1, 8):  # fragments synced at 3 and 5 and 7: momentum in both
+        replicas.step(0, step)
+        strategy.after_step(BATCH)
+    assert strategy.checkpoint_ready()
+    saved = copy.deepcopy(strategy.state_dict())
+    assert len(saved["outer_fragments"]) == 2 and saved["global_theta"].numel() == 75
+
+    twin_replicas = ref.Replicas(1, ref.sgd(), seed=5)
+    ref.set_flat(twin_replicas.models[0], ref.flat(replicas.models[0]))
+    twin_replicas.optimizers[0].load_state_dict(copy.deepcopy(replicas.optimizers[0].state_dict()))
+    twin = DilocoStrategy(_Ctx(_cfg("diloco", 1, **kw), 0))
+    twin.wrap(twin_replicas.models[0], twin_replicas.optimizers[0])
+    twin.load_state_dict(saved)
+    assert twin.synced_at == strategy.synced_at == [7, 5]
+    for step in range(8, 14):
+        for r, s in ((replicas, strategy), (twin_replicas, twin)):
+            r.step(0, step)
+            s.after_step(BATCH)
+        assert torch.equal(ref.flat(replicas.models[0]), ref.flat(twin_replicas.models[0]))
+    strategy.finish()
+    twin.finish()
+    assert torch.equal(ref.flat(replicas.models[0]), ref.flat(twin_replicas.models[0]))
+
+
+# ---------------------------------------------------------------------------- two workers
+def test_with_outer_lr_1_no_momentum_and_alpha_0_each_fragment_becomes_its_average(monkeypatch):
+    # Streaming DiLoCo's outer step with lr 1 and no momentum is θ_global = the replicas'
+    # mean; α = 0 puts it in every replica: local SGD, one fragment at a time.
+    cfg = _cfg("diloco", 2, period=4, fragments=2, diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
+    job = _Job(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
+    by_hand = ref.Replicas(2, ref.sgd())
+    due = {2: FRAGMENT_0, 6: FRAGMENT_0, 4: FRAGMENT_1, 8: FRAGMENT_1}
+    for step in range(1, 10):
+        got = job.run(1)
+        for w in range(2):
+            by_hand.step(w, step)
+        if step in due:
+            part = due[step]
+            mean = ref.mean([ref.flat(m) for m in by_hand.models])[part]
+            for m in by_hand.models:
+                vector = ref.flat(m)
+                vector[part] = mean
+                ref.set_flat(m, vector)
+        for w in range(2):
+            torch.testing.assert_close(got[w][-1], ref.flat(by_hand.models[w]), rtol=0, atol=1e-6)
+    assert not torch.equal(got[0][-1], got[1][-1])  # step 9 was local
+    final = job.finish()
+    assert torch.equal(final[0], final[1])
+
+
+# ---------------------------------------------------------------------------- whole runs
+def test_one_fragment_without_delay_is_diloco_bit_for_bit(tmp_path):
+    kw = dict(period=5, diloco_outer_lr=0.5, diloco_outer_momentum=0.5, nodes=2)
+    _sim(_sim_cfg(tmp_path / "d", "diloco", 2, 22, **kw))
+    explicit = dict(fragments=1, fragment_delay=0, fragment_alpha=0.0)
+    _sim(_sim_cfg(tmp_path / "s", "diloco", 2, 22, **kw, **explicit))
+    a, b = trained(tmp_path / "d"), trained(tmp_path / "s")
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+    expected, _ = diloco(22, 2, period=5, outer_lr=0.5, outer_momentum=0.5, nesterov=True)
+    assert_same_params(a, expected)
+
+
+def test_streaming_diloco_on_the_simulator_matches_the_reference(tmp_path):
+    settings = dict(period=6, fragments=2, delay=1, alpha=0.5, outer_lr=0.7)
+    settings |= dict(outer_momentum=0.9, nesterov=True)
+    kw = dict(period=6, fragments=2, fragment_delay=1, fragment_alpha=0.5)
+    kw |= dict(diloco_outer_lr=0.7, optimizer="sgd")
+    summary = _sim(_sim_cfg(tmp_path, "diloco", 2, 20, nodes=2, **kw))
+    expected, syncs = streaming_diloco(20, 2, **settings)
+    assert syncs == 6 + 2  # 3 per fragment in 20 steps, then both once more at the end
+    assert_same_params(trained(tmp_path), expected)
+    cnn_numel = sum(p.numel() for p in trained(tmp_path).parameters())
+    # each fragment synced 4 times, an fp32 ring all-reduce of 2 ranks each: 4 θ per worker
+    assert summary["bytes_sent"] == 2 * 4 * (4 * cnn_numel)
+    unmixed, _ = streaming_diloco(20, 2, **{**settings, "alpha": 0.0})
+    assert_params_differ(expected, unmixed)
