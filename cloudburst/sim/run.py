@@ -32,8 +32,9 @@ from cloudburst.metrics import MetricsWriter, write_json_atomic
 from cloudburst.models import build_model
 from cloudburst.runtime import Context
 from cloudburst.sim.clock import ClockModel, calibrate_step_time, resolve_step_time
+from cloudburst.sim.network import SimGroup, SimNetwork
 from cloudburst.sim.scheduler import Scheduler
-from cloudburst.sim.transport import NullHeartbeat, SimGroup, SimNetwork, SimStore, SimTransport
+from cloudburst.sim.transport import NullHeartbeat, SimStore, SimTransport
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from cloudburst.comm.link import LinkEmulator, LinkSpec, Topology
+from cloudburst.sim.network import PeerDied, SimNetwork
 from cloudburst.sim.scheduler import Deadlock, Scheduler, SimLock
-from cloudburst.sim.transport import PeerDied, SimNetwork, SimStore, SimTransport
+from cloudburst.sim.transport import SimStore, SimTransport
 
 LATENCY_S, BYTES_PER_S = 0.001, 1e6
 TAG = 5

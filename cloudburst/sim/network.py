@@ -1,0 +1,247 @@
+"""The virtual cluster's network: process groups, mailboxes, links and collectives, shared
+by every rank of one simulated job (:class:`SimNetwork`). Each rank reaches it through its
+:class:`~cloudburst.sim.transport.SimTransport`; the cost model is described there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cloudburst.comm.link import Topology
+from cloudburst.sim.scheduler import TIMEOUT, Scheduler, Task
+
+
+def _deadlock(sched: Scheduler) -> str:
+    report, sched.stalled = sched.stalled, ""
+    return f"; a deadlock: nothing else could run ({report})" if report else ""
+
+
+class PeerDied(RuntimeError):
+    """A collective or a receive from a rank that was killed (as gloo reports a dead peer)."""
+
+
+# ---------------------------------------------------------------------------- the network
+@dataclass(eq=False)
+class SimGroup:
+    """A process group of the virtual cluster: its members' global ranks, in order."""
+
+    name: str
+    members: list[int]
+    ops: dict[int, _Collective] = field(default_factory=dict)
+    calls: dict[int, int] = field(default_factory=dict)  # member -> collectives called
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+@dataclass(eq=False)
+class _Collective:
+    kind: str
+    arrivals: dict[int, tuple[float, torch.Tensor | None]] = field(default_factory=dict)
+    src: int | None = None
+    end: float | None = None
+    error: str | None = None
+    waiters: list[Task] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Message:
+    src: int
+    tag: int
+    group: Any
+    data: torch.Tensor
+    arrival: float
+    seq: int
+    measure: bool = False
+
+
+class SimNetwork:
+    """Shared by every rank of one simulated job: mailboxes, links, groups, deaths."""
+
+    def __init__(self, sched: Scheduler, clock, topology: Topology, timeout_s: float):
+        self.sched, self.clock, self.topology = sched, clock, topology
+        self.timeout_s = timeout_s
+        self.world = SimGroup("world", list(range(len(topology.node_of))))
+        self.mailbox: dict[int, list[_Message]] = {r: [] for r in self.world.members}
+        self.receivers: dict[int, list[tuple[Task, Any, int, int | None]]] = {
+            r: [] for r in self.world.members
+        }
+        # When each rank's egress link is free again: (intra-node, inter-node).
+        self.link_free: dict[tuple[int, bool], float] = {}
+        self.died_at: dict[int, float] = {}  # killed ranks: their peers' calls fail at once
+        self.stopped_at: dict[int, float] = {}  # stopped ranks: their peers' calls time out
+        self.groups: list[SimGroup] = [self.world]
+        self._seq = itertools.count()
+        self.measuring: set[int] = set()  # tasks whose traffic is a free measurement
+        self._measure_reply: dict[int, set[int]] = {}  # task id -> peers owed a free reply
+        self.messages = 0
+        self.collectives = 0
+
+    # ------------------------------------------------------------------ deaths
+    def kill(self, rank: int) -> None:
+        """``rank`` dies now: collectives it belongs to fail, receives from it fail."""
+        now = self.sched.now()
+        self.died_at.setdefault(rank, now)
+        for group in self._groups_of(rank):
+            for op in group.ops.values():
+                if op.end is None:
+                    op.error = f"rank {rank} died at t={now:.3f}s"
+                    for t in op.waiters:
+                        self.sched.wake(t, now)
+        for waiters in self.receivers.values():
+            for task, _, _, src in waiters:
+                if src == rank:
+                    self.sched.wake(task, now)
+
+    def _groups_of(self, rank: int) -> list[SimGroup]:
+        return [g for g in self.groups if rank in g.members]
+
+    def new_group(self, name: str, members: list[int]) -> SimGroup:
+        group = SimGroup(name, list(members))
+        self.groups.append(group)
+        return group
+
+    def silent_since(self, rank: int) -> float | None:
+        """When ``rank`` stopped taking part (killed or stopped), or None."""
+        return self.died_at.get(rank, self.stopped_at.get(rank))
+
+    def crosses(self, a: int, b: int) -> bool:
+        return self.topology.crosses(a, b)
+
+    def spans(self, group: SimGroup) -> bool:
+        return self.topology.spans_nodes(group.members)
+
+    # ------------------------------------------------------------------ messages
+    def post(self, src: int, dst: int, tag: int, group: Any, tensor: torch.Tensor) -> float:
+        """Send ``tensor`` (copied) from ``src``; returns its arrival time."""
+        sched = self.sched
+        now = sched.now()
+        me = sched.current
+        crosses = self.crosses(src, dst)
+        free_reply = me.id in self._measure_reply and dst in self._measure_reply[me.id]
+        measure = me.id in self.measuring or free_reply
+        if measure:
+            arrival = now
+        else:
+            nbytes = self.clock.wire_bytes(
+                tensor.numel() * tensor.element_size(), tensor.is_floating_point()
+            )
+            key = (src, crosses)
+            start = max(now, self.link_free.get(key, 0.0))
+            arrival = start + self.clock.p2p_s(nbytes, crosses)
+            self.link_free[key] = arrival
+        msg = _Message(src, tag, group, tensor.detach().clone(), arrival, next(self._seq), measure)
+        self.mailbox[dst].append(msg)
+        self.messages += 1
+        for task, g, t, s in self.receivers[dst]:
+            if g is group and t == tag and s in (None, src):
+                sched.wake(task, arrival)
+        return arrival
+
+    def take(self, dst: int, src: int | None, tag: int, group: Any, now: float):
+        """The earliest message for ``dst`` that matches, if it has arrived by ``now``;
+        else (None, the earliest arrival of a matching one or inf)."""
+        best = None
+        for m in self.mailbox[dst]:
+            if m.group is group and m.tag == tag and src in (None, m.src):
+                if best is None or (m.arrival, m.seq) < (best.arrival, best.seq):
+                    best = m
+        if best is None:
+            return None, math.inf
+        if best.arrival > now:
+            return None, best.arrival
+        self.mailbox[dst].remove(best)
+        return best, best.arrival
+
+    # ------------------------------------------------------------------ collectives
+    def collective(
+        self, kind: str, group: SimGroup, rank: int, tensor: torch.Tensor | None, src=None
+    ) -> _Collective:
+        index = group.calls.get(rank, 0)
+        group.calls[rank] = index + 1
+        op = group.ops.get(index)
+        if op is None:
+            op = group.ops[index] = _Collective(kind, src=src)
+        if op.kind != kind:
+            raise RuntimeError(
+                f"collective mismatch in group {group.name}: rank {rank} called {kind}, "
+                f"another member {op.kind}"
+            )
+        dead = [r for r in group.members if r in self.died_at]
+        if dead:
+            op.error = f"rank {dead[0]} died at t={self.died_at[dead[0]]:.3f}s"
+        op.arrivals[rank] = (self.sched.now(), tensor)
+        if len(op.arrivals) == group.size and op.error is None:
+            self._complete(group, index, op)
+        return op
+
+    def _complete(self, group: SimGroup, index: int, op: _Collective) -> None:
+        members = group.members
+        start = max(t for t, _ in op.arrivals.values())
+        spans = self.spans(group)
+        keys = [(r, spans) for r in members]
+        start = max([start] + [self.link_free.get(k, 0.0) for k in keys])
+        if op.kind == "all_reduce":
+            tensors = [op.arrivals[r][1] for r in members]
+            total = tensors[0].detach().clone()
+            for t in tensors[1:]:
+                total += t
+            for t in tensors:
+                t.copy_(total)
+            nbytes = self._wire(tensors[0])
+            cost = self.clock.allreduce_s(nbytes, group.size, spans)
+        elif op.kind == "all_gather":
+            output = torch.cat([op.arrivals[r][1][0].reshape(-1) for r in members])
+            for r in members:
+                op.arrivals[r][1][1].view(-1).copy_(output)
+            # A quantised payload stands for the model's values: scaled like a floating one.
+            # A ring all-gather moves (n − 1)/n of the n pieces, an all-reduce's bandwidth
+            # on half of them (its 2(n − 1) latencies overstate the gather's n − 1).
+            piece = op.arrivals[members[0]][1][0]
+            nbytes = self.clock.wire_bytes(piece.numel() * piece.element_size(), True)
+            cost = self.clock.allreduce_s(nbytes * group.size / 2, group.size, spans)
+        elif op.kind == "broadcast":
+            source = op.arrivals[op.src][1]
+            for r in members:
+                if r != op.src:
+                    op.arrivals[r][1].copy_(source)
+            cost = self.clock.broadcast_s(self._wire(source), group.size, spans)
+        else:  # barrier
+            cost = self.clock.allreduce_s(0, group.size, spans)
+        op.end = start + cost
+        for k in keys:
+            self.link_free[k] = op.end
+        self.collectives += 1
+        for t in op.waiters:
+            self.sched.wake(t, op.end)
+        del group.ops[index]
+
+    def _wire(self, tensor: torch.Tensor) -> float:
+        return self.clock.wire_bytes(
+            tensor.numel() * tensor.element_size(), tensor.is_floating_point()
+        )
+
+    def wait_collective(self, op: _Collective, what: str) -> None:
+        sched = self.sched
+        me = sched.current
+        deadline = me.clock + self.timeout_s
+        while op.end is None and op.error is None:
+            op.waiters.append(me)
+            value = sched.block(what, deadline)
+            if me in op.waiters:
+                op.waiters.remove(me)
+            if value is TIMEOUT and op.end is None and op.error is None:
+                raise RuntimeError(
+                    f"{what} timed out after {self.timeout_s:g} virtual s (comm_timeout_s)"
+                    f"{_deadlock(sched)}"
+                )
+        if op.error is not None and op.end is None:
+            raise PeerDied(f"{what} failed: {op.error}")
+        if op.end > me.clock:
+            sched.advance(op.end - me.clock)
