@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *benchutil.provenance_lines(),
         f"- load average at the start: {' '.join(f'{x:.2f}' for x in load_start)}",
-        "- run under `flock /tmp/cloudburst-bench.lock` (no other benchmark ran meanwhile); "
+        "- run under `flock /tmp/cloudburst-bench.lock` (benchmarks that take the lock waited; the "
+        "load averages show what else ran); "
         "each simulation in its own child process with `OMP_NUM_THREADS=1`, measured from "
         f"outside by {next(iter(results.values()))['measured_by']}",
         "",

@@ -81,9 +81,12 @@ def _run_one(point: Point, reuse: bool) -> dict[str, Any]:
     summary = None
     if reuse and summary_path.exists():
         old = json.loads(summary_path.read_text())
-        if old.get("simulated") and old.get("clock_model", {}).get("settings") == (
+        same_clock = old.get("clock_model", {}).get("settings") == (
             SimulationConfig(**point.sim).to_dict()
-        ):
+        )
+        wanted = {**point.cfg, "seed": point.seed}
+        same_run = all(old.get("config", {}).get(k) == v for k, v in wanted.items())
+        if old.get("simulated") and same_clock and same_run:
             summary = old
     if summary is None:
         summary = simulate(RunConfig(**cfg_kw), SimulationConfig(**point.sim))
@@ -288,6 +291,49 @@ def jin_points(args: argparse.Namespace) -> list[Point]:
                     )
                 )
     return points
+
+
+def extend_censored(
+    records: list[dict[str, Any]], points: list[Point], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Equal time, not equal steps: a run of an asynchronous strategy that ended without
+    reaching the target *before* sync's runs at the same W ended is run again with its steps
+    scaled up (× sync's end ÷ its end, + 5 %), so that no strategy is censored earlier in
+    virtual time than sync is; the longer run replaces it in the report."""
+    sync_end = {}
+    for r in records:
+        if r["group"]["strategy"] == "sync":
+            w = r["group"]["W"]
+            sync_end[w] = max(sync_end.get(w, 0.0), end_time(r))
+    by_label = {p.label: p for p in points}
+    longer: list[Point] = []
+    for r in records:
+        w = r["group"]["W"]
+        if r["group"]["strategy"] == "sync" or w not in sync_end:
+            continue
+        if time_to(r, args.target) is None and end_time(r) < sync_end[w]:
+            p = by_label[r["label"]]
+            steps = math.ceil(p.cfg["steps"] * sync_end[w] / end_time(r) * 1.05)
+            cfg = {**p.cfg, "steps": steps}
+            cfg["eval_every_s"] = p.cfg["eval_every_s"] * steps / p.cfg["steps"]
+            longer.append(
+                Point(
+                    p.label + "-longer",
+                    p.group,
+                    cfg,
+                    p.sim,
+                    p.seed,
+                    cost=p.cost * steps / p.cfg["steps"],
+                    extra={"extended_from_steps": p.cfg["steps"], "sync_end_s": sync_end[w]},
+                )
+            )
+    if not longer:
+        return records
+    print(f"jin: {len(longer)} censored runs ended before sync's; running them longer", flush=True)
+    done = {
+        r["label"].removesuffix("-longer"): r for r in run_points(longer, args.jobs, args.reuse)
+    }
+    return [done.get(r["label"], r) for r in records]
 
 
 def jin_report(records, meta) -> tuple[list[str], str]:
@@ -935,7 +981,10 @@ def main(argv: list[str] | None = None) -> int:
             f"batch 64 per worker, lr 0.1, momentum 0.9, MNIST-1D {args.train_size} train / 1000 "
             f"test; steps per worker max({args.min_steps}, ⌈{args.samples:,} / (64 W)⌉); asgd: "
             "1 shard, n_sync 10, λ = 1/W; easgd: 1 shard, τ = 10, α = 0.9/W; gossip: pull, "
-            "exponential peers, every step; evaluation ~50 times per run (free in virtual time)"
+            "exponential peers, every step; evaluation ~50 times per run (free in virtual time); "
+            "equal time, not equal steps: an asynchronous run that ended without reaching the "
+            "target before sync's runs at the same W ended was run again with proportionally "
+            "more steps (label suffix `-longer`), so that none is censored earlier than sync"
         )
     elif exp.name == "coquelin":
         meta.update(intra_link=args.intra_link, links=args.links)
@@ -985,6 +1034,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = time.perf_counter()
     records = run_points(points, args.jobs, args.reuse)
+    if exp.name == "jin":
+        records = extend_censored(records, points, args)
     write_experiment(exp, records, meta, time.perf_counter() - started)
     print(rebuild_markdown())
     return 0
