@@ -49,8 +49,8 @@ from cloudburst.checkpoint import save_checkpoint
 from cloudburst.comm.flat import shard_bounds
 from cloudburst.comm.p2p import CommStats, Header, Kind, PeerFaults, Status, worth_logging
 from cloudburst.config import RunConfig
-from cloudburst.liveness import RejoinBoard
 from cloudburst.resilience import identity
+from cloudburst.serving import RequestServing, _first_line
 from cloudburst.shard import (  # noqa: F401 - the shard maths, also importable from here
     PushResult,
     ShardState,
@@ -66,11 +66,9 @@ from cloudburst.shard import (  # noqa: F401 - the shard maths, also importable 
 
 log = logging.getLogger(__name__)
 
-REJOIN_POLL_S = 0.5  # how often a server looks for restarted workers announcing themselves
 # A push's ``samples`` above this is refused: no real push carries 4 billion samples, and the
 # shard's count (an int64 in every reply header) stays far from overflowing.
 MAX_PUSH_SAMPLES = 2**32
-_ADMITTING = object()  # the route of a worker while its rejoin group is being built
 
 
 PAYLOAD_KINDS = (Kind.PUSH, Kind.PUSH_FETCH, Kind.INIT)
@@ -114,7 +112,7 @@ def request_problem(
     return None
 
 
-class ServerLoop:
+class ServerLoop(RequestServing):
     """The request loop of server shard k. See the module docstring for the protocol.
 
     :meth:`run` serves on threads: one per group that requests arrive on (the world group, and
@@ -186,153 +184,7 @@ class ServerLoop:
             self.rejoins,
         )
 
-    def _run_with_rejoins(self) -> None:
-        """Serve the world group on a thread, admit rejoining workers on this one, until
-        every worker is finished or lost."""
-        self._serve_in_thread(self.transport, None)
-        # The board waits in the store (for an announcement being written): a connection of
-        # its own, so that the serving threads' liveness checks never wait behind it.
-        board = RejoinBoard(self.ctx.store.clone(), self.cfg.comm_timeout_s)
-        try:
-            while True:
-                for rank, incarnation in board.poll():
-                    self._admit(rank, incarnation)
-                with self._changed:
-                    self._raise_if_failed()
-                    if self.finished | self.lost != self.workers:
-                        self._changed.wait(REJOIN_POLL_S)
-                        continue
-                # Every worker is finished or lost: refuse later rejoins, but admit those
-                # announced before (they will train, so the serving goes on).
-                arrivals = board.close()
-                if not arrivals:
-                    break
-                for rank, incarnation in arrivals:
-                    self._admit(rank, incarnation)
-        finally:
-            with self._lock:
-                self._stopped = True
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    # ---------------------------------------------------------------- serving threads
-    def _serve_in_thread(self, transport, rank: int | None) -> None:
-        name = "world" if rank is None else f"rank{rank}"
-        threading.Thread(
-            target=self._serve,
-            args=(transport, rank),
-            name=f"cloudburst-serve-{name}",
-            daemon=True,
-        ).start()
-
-    def _expects_requests(self, transport, rank: int | None) -> bool:
-        """Whether a worker served on ``transport`` may still send: one that is neither
-        finished nor lost (``rank``: the rejoined worker whose group it is; None: the world).
-        A thread receives only then, so that none waits on a group nobody will talk on."""
-        if self._stopped:
-            return False
-        if rank is None:
-            served = self.workers - self._routes.keys()
-        else:
-            served = {rank} if self._routes.get(rank) is transport else set()
-        return any(r not in self.finished and r not in self.lost for r in served)
-
-    def _serve(self, transport, rank: int | None) -> None:
-        """One group's requests: receive a header from any member, handle it, and again.
-
-        Each receive runs under the group's timeout. A thread can still be left waiting (a
-        worker died or was moved to a rejoin group while it waited); it is a daemon, and
-        nothing else receives on its group.
-
-        Why a rejoined worker's replies leave after the lock is released: a worker sends its
-        requests to every shard before it reads any reply, and a shard's blocking reply waits
-        for the worker to read it, i.e. for the worker's exchanges with the *other* shards.
-        With one receiving thread, a shard takes a request only when it is free, so workers
-        reach the shards in the same order and no cycle of waits can form (this is how the
-        world group is still served). A second group's thread takes requests while the lock is
-        held; had it kept the lock while replying, server A could wait (in its reply) for a
-        rejoined worker that waits for server B, which waits for a world worker that waits
-        for server A's world thread, held up by the lock. So on a rejoin group, everything
-        that needs only the worker's posted operations (receiving its payload, sending θ it
-        has posted a receive for, applying the push) runs under the lock, and the replies
-        (θ copied) are sent after it.
-        """
-        try:
-            while True:
-                with self._lock:
-                    if not self._expects_requests(transport, rank):
-                        return
-                try:
-                    src, header = transport.recv_request_any()
-                except RuntimeError as e:
-                    self._receive_failed(transport, rank, e)
-                    return
-                with self._changed:
-                    if self._stopped:  # run() has returned: θ is final, nothing is applied
-                        log.warning("ignored a request from rank %d after the end", src)
-                        return
-                    ended = len(self.finished) + len(self.lost)
-                    self._outbox_for, self._outbox = rank, []
-                    try:
-                        self._serve_one(transport, src, header)
-                    finally:
-                        outbox, self._outbox_for, self._outbox = self._outbox, None, []
-                    if len(self.finished) + len(self.lost) != ended:
-                        self._changed.notify_all()
-                self._send_replies(outbox)
-        except BaseException as e:  # noqa: BLE001 - handed to run(), or recorded as a loss
-            with self._changed:
-                if not self._expects_requests(transport, rank):
-                    group = "the world" if rank is None else f"rank {rank}"
-                    log.debug("the serving thread of %s's group ends: %s", group, e)
-                elif rank is not None:
-                    # The rejoined worker's group failed: that worker is lost, not the server.
-                    log.error("lost rejoined worker rank %d: %s", rank, _first_line(e))
-                    self.lost.add(rank)
-                else:
-                    self._error = e
-                self._changed.notify_all()
-
-    def _receive_failed(self, transport, rank: int | None, e: RuntimeError) -> None:
-        """A request receive failed (gloo: its timeout, or a broken connection; either leaves
-        the group unusable). The sender is unknown: the workers served on the group are lost,
-        not the server, which goes on serving the others until they finish."""
-        with self._changed:
-            if not self._expects_requests(transport, rank):
-                group = "the world" if rank is None else f"rank {rank}"
-                log.debug("the serving thread of %s's group ends: %s", group, _first_line(e))
-                return
-            if rank is None:
-                silent = {
-                    r
-                    for r in self.workers - self._routes.keys()
-                    if r not in self.finished and r not in self.lost
-                }
-            else:
-                silent = {rank}
-            log.error(
-                "receiving a request failed (%s): workers %s, served on that group, are lost",
-                _first_line(e),
-                sorted(silent),
-            )
-            self.lost |= silent
-            self.deferred_fetches = [r for r in self.deferred_fetches if r not in silent]
-            self._changed.notify_all()
-
-    def _send_replies(self, outbox: list[tuple[int, Header, torch.Tensor | None]]) -> None:
-        """Send a rejoined worker's replies (outside the lock)."""
-        for dst, header, payload in outbox:
-            try:
-                self._peer(dst).send(dst, header, payload)
-            except RuntimeError as e:
-                with self._changed:
-                    log.error("lost worker rank %d during a reply: %s", dst, _first_line(e))
-                    self.lost.add(dst)
-                    self._changed.notify_all()
-                return
-
+    # ---------------------------------------------------------------- the protocol
     def _serve_one(self, transport, src: int, header: Header | None) -> None:
         """Handle one request (under the lock): check it, then serve or reject it."""
         if self.faults.is_dropped(src):
@@ -373,64 +225,6 @@ class ServerLoop:
             self.lost.add(src)
             self.deferred_fetches = [r for r in self.deferred_fetches if r != src]
 
-    # ---------------------------------------------------------------- rejoining workers
-    def _admit(self, rank: int, incarnation: int) -> None:
-        """Serve a restarted worker on a new group with it (built by it and every server).
-
-        From the moment it is admitted it counts as training again (not lost, not done), so
-        the servers wait for it; if the group cannot be built it is lost.
-        """
-        if rank not in self.workers:
-            log.warning("ignored a rejoin announcement from rank %d, not a worker", rank)
-            return
-        # A worker restarted by its agent announces its restart count: 1..max_restarts, each
-        # once and in order. Anything else (a replay, a forged announcement) would take a
-        # live worker's route away: ignored.
-        last = self._incarnations.get(rank, 0)
-        if not last < incarnation <= self.cfg.max_restarts:
-            log.warning(
-                "ignored a rejoin announcement from rank %d with restart %d (last %d, at most %d)",
-                rank,
-                incarnation,
-                last,
-                self.cfg.max_restarts,
-            )
-            return
-        self._incarnations[rank] = incarnation
-        with self._changed:
-            # A new process on a new group: its stream starts in step, whatever the old sent.
-            self.faults.forgive(rank)
-            self._routes[rank] = _ADMITTING
-            for ranks in (self.lost, self.done, self.finished):
-                ranks.discard(rank)
-            self.deferred_fetches = [r for r in self.deferred_fetches if r != rank]
-            if self.liveness is not None:
-                self.liveness.revive(rank)
-        stats = CommStats()
-        try:
-            transport = self.ctx.rejoin_transport(rank, incarnation, stats)
-        except RuntimeError as e:  # it died again, or timed out: comm_timeout_s
-            log.error("worker rank %d could not rejoin: %s", rank, _first_line(e))
-            with self._changed:
-                self.lost.add(rank)
-                self._changed.notify_all()
-            return
-        with self._changed:
-            self._routes[rank] = transport
-            self._rejoin_stats.append(stats)
-            self.rejoined.add(rank)
-            self.rejoins += 1
-            self.metrics.log(
-                "rejoin", time_s=self.ctx.elapsed_s(), worker=rank, incarnation=incarnation
-            )
-        log.info("worker rank %d rejoined after restart %d", rank, incarnation)
-        self._serve_in_thread(transport, rank)
-
-    def _peer(self, src: int):
-        """The transport that ``src`` is served on."""
-        return self._routes.get(src, self.transport)
-
-    # ---------------------------------------------------------------- the protocol
     def _reject(self, src: int, h: Header | None, problem: str) -> None:
         """Refuse a request: its payload (announced by ``h.numel``) is read into the receive
         buffer and discarded, so the stream stays in step and it is never applied; then the
@@ -622,11 +416,6 @@ def _sum_stats(parts: list[CommStats]) -> CommStats:
             else:
                 setattr(total, f.name, getattr(total, f.name) + value)
     return total
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:300]
 
 
 def serve_shard(ctx, theta0: torch.Tensor, metrics) -> ServerLoop:
