@@ -20,8 +20,6 @@ import logging
 import re
 from dataclasses import dataclass
 
-from cloudburst.comm.transport import REAL
-
 log = logging.getLogger(__name__)
 
 KINDS = ("kill", "stop", "nan", "slow")
@@ -87,7 +85,7 @@ class FaultInjector:
         ``stop(kind)`` kills or stops the rank (the transport's: a signal to this process, or
         the simulator's virtual death)."""
         self.on_fire = on_fire or (lambda fault, step: None)
-        self.stop = stop or REAL.stop_self
+        self.stop = stop or signal_self
         mine = [f for f in faults if f.rank == rank]
         self.slow_factor = 1.0
         for f in mine:
@@ -115,3 +113,13 @@ class FaultInjector:
         self.on_fire(f, step)
         log.warning("injected fault %s: %s", f, "SIGKILL" if f.kind == "kill" else "SIGSTOP")
         self.stop(f.kind)
+
+
+def signal_self(kind: str) -> None:
+    """Kill (``"kill"``: SIGKILL) or stop (``"stop"``: SIGSTOP) this process, logs flushed."""
+    import os
+    import signal
+
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)

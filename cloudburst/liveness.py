@@ -19,10 +19,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from cloudburst.config import RunConfig
+if TYPE_CHECKING:  # an annotation only: liveness sits below the configuration
+    from cloudburst.config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,6 @@ is the business of :mod:`cloudburst.comm.p2p` above this layer, so both transpor
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -204,9 +201,9 @@ class TorchTransport:
         return contextlib.nullcontext()
 
     def stop_self(self, kind: str) -> None:
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        from cloudburst.faults import signal_self
+
+        signal_self(kind)
 
     # ------------------------------------------------------------------ point to point
     def isend(self, tensor, dst, tag, group=None):
