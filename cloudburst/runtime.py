@@ -89,6 +89,7 @@ class Context:
         ``members`` pick another one (``members``: see :class:`PeerTransport`).
         """
         from cloudburst.comm.p2p import PeerTransport
+        from cloudburst.comm.quantise import message_method
 
         if group is None and self.rejoin_group is not None:
             group, members = self.rejoin_group, rejoin_members(self.num_servers, self.rank)
@@ -101,6 +102,7 @@ class Context:
             crosses=crosses,
             members=members,
             wire=self.comm,
+            compress=message_method(self.cfg.compress, self.cfg.strategy),
         )
 
     def rejoin_transport(self, worker_rank: int, incarnation: int, stats=None):

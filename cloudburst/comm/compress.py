@@ -42,14 +42,23 @@ from cloudburst.comm.allreduce import count_collective, ring_bytes
 from cloudburst.comm.collectives import Pending, all_reduce_sum
 from cloudburst.comm.link import EmulatedWork, LinkEmulator
 from cloudburst.comm.p2p import CommStats
+from cloudburst.comm.quantise import (  # noqa: F401 - the stateless maths, also from here
+    BLOCK,
+    FP8_MAX,
+    INT8_MAX,
+    METHODS,
+    QUANTISED,
+    _pack,
+    _unpack,
+    decode,
+    dequantise,
+    encode,
+    packed_bytes,
+    payload_bytes,
+    quantise,
+    round_trip,
+)
 from cloudburst.comm.transport import REAL, Transport
-
-METHODS = ("none", "bf16", "fp8", "int8", "powersgd")
-#: Values per quantisation block (one fp32 scale each: 4/256 = 1.6 % overhead).
-BLOCK = 256
-INT8_MAX = 127.0
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-QUANTISED = ("int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -85,66 +94,6 @@ class Compression:
     @property
     def quantised(self) -> bool:
         return self.method in QUANTISED
-
-
-# ---------------------------------------------------------------------------- stateless maths
-def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    n = x.numel()
-    pad = (-n) % BLOCK
-    flat = x.reshape(-1).float()
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(-1, BLOCK), n
-
-
-def quantise(x: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (any shape, fp32) as (codes, fp32 scales): int8 codes or float8_e4m3fn codes,
-    one scale per block of :data:`BLOCK` values (the last block zero-padded)."""
-    blocks, _ = _blocks(x)
-    absmax = blocks.abs().amax(dim=1)
-    top = INT8_MAX if method == "int8" else FP8_MAX
-    scales = torch.where(absmax > 0, absmax / top, torch.ones_like(absmax))
-    scaled = blocks / scales[:, None]
-    if method == "int8":
-        codes = scaled.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    elif method == "fp8":
-        codes = scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    else:
-        raise ValueError(f"not a quantised method: {method!r}")
-    return codes.reshape(-1), scales
-
-
-def dequantise(codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
-    """The fp32 values of :func:`quantise`'s output, the first ``numel`` of them."""
-    return (codes.view(-1, BLOCK).float() * scales[:, None]).reshape(-1)[:numel]
-
-
-def round_trip(x: torch.Tensor, method: str) -> torch.Tensor:
-    """What the receivers see of ``x`` (fp32, ``x``'s shape): C⁻¹(C(x))."""
-    if method == "none":
-        return x.clone()
-    if method == "bf16":
-        return x.to(torch.bfloat16).float()
-    codes, scales = quantise(x, method)
-    return dequantise(codes, scales, x.numel()).view_as(x)
-
-
-def packed_bytes(numel: int, method: str) -> int:
-    """Bytes of one rank's quantised vector: 1 per (padded) value + 4 per block."""
-    blocks = -(-numel // BLOCK)
-    return blocks * BLOCK + 4 * blocks
-
-
-def _pack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)])
-
-
-def _unpack(packed: torch.Tensor, numel: int, method: str) -> torch.Tensor:
-    blocks = -(-numel // BLOCK)
-    dtype = torch.int8 if method == "int8" else torch.float8_e4m3fn
-    codes = packed[: blocks * BLOCK].view(dtype)
-    scales = packed[blocks * BLOCK :].view(torch.float32)
-    return dequantise(codes, scales, numel)
 
 
 # ---------------------------------------------------------------------------- error feedback
@@ -259,9 +208,12 @@ __all__ = [
     "Compression",
     "ErrorFeedback",
     "compressed_all_reduce_sum",
+    "decode",
     "dequantise",
+    "encode",
     "gather_cost_bytes",
     "packed_bytes",
+    "payload_bytes",
     "quantise",
     "ring_bytes",
     "round_trip",

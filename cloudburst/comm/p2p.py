@@ -18,6 +18,17 @@ Hostile or broken peers (what a receiver can and cannot do about them)
     for up to the group's timeout. Neither can be helped above gloo: torch.distributed is for
     networks you trust only (README, Security).
 
+Compressed payloads (``compress``: bf16, int8, fp8; docs/algorithms.md#compression)
+    A transport made with a compression method sends request and reply payloads as the bytes
+    of :func:`~cloudburst.comm.quantise.encode` (uint8): the header's ``numel`` stays the number
+    of values, and the receiver derives the byte size from the size it knows and the method
+    (:func:`~cloudburst.comm.quantise.payload_bytes`), never from the header. A payload given
+    as fp32 is encoded here (no error feedback: a fetched θ); one given as uint8 was encoded by
+    the caller, which kept the error feedback (a worker's Δ). A short message leaves the last
+    four bytes 0xFF: a NaN scale (or bf16 NaNs), so the decoded payload fails the receivers'
+    finiteness checks, as does a block whose scale is not finite and positive. FINAL payloads
+    (one server's θ to another at the end) are always exact fp32.
+
 Tags keep the streams apart, so a server can receive headers from *any* source (gloo's
 ``recv`` without ``src`` returns the sender) while payloads and replies are matched to one peer.
 Every blocking call runs under the process group's timeout (set at ``init_process_group``);
@@ -39,6 +50,7 @@ from typing import Any
 
 import torch
 
+from cloudburst.comm.quantise import decode, encode, payload_bytes
 from cloudburst.comm.transport import REAL, Transport, Work, member_group
 
 MAGIC = 0x0C10_0DB5
@@ -88,7 +100,7 @@ class Header:
     kind: Kind
     shard: int = 0
     version: int = 0
-    numel: int = 0  # payload length in fp32 elements (0: no payload)
+    numel: int = 0  # payload length in values (0: no payload; compressed: see the docstring)
     samples: int = 0  # training samples the sender processed since its last push
     status: int = Status.OK
     aux: int = 0  # kind-specific: staleness in replies, worker step in pushes
@@ -189,13 +201,18 @@ class PeerTransport:
         crosses=None,
         members: list[int] | None = None,
         wire: Transport = REAL,
+        compress: str = "none",
     ):
         """``link`` (a :class:`~cloudburst.comm.link.LinkEmulator`) and ``crosses(peer)``
         (True when ``peer`` is on another node) emulate a slow link between nodes: a message
         to another node leaves only once the emulated link has carried the one before it and
         itself (held back on the sender; both directions of a link are independent).
         ``wire`` moves the tensors (:mod:`cloudburst.comm.transport`; the simulator's in a
-        virtual cluster)."""
+        virtual cluster). ``compress``: how request and reply payloads travel (module
+        docstring; ``none``: fp32)."""
+        if compress not in ("none", "bf16", "int8", "fp8"):
+            raise ValueError(f"point-to-point payloads cannot be sent as {compress!r}")
+        self.compress = compress
         if members is not None and group is None:
             raise ValueError("members names the ranks of a group; no group was given")
         self.wire = wire
@@ -237,16 +254,39 @@ class PeerTransport:
     ) -> None:
         tag, payload_tag = (TAG_FINAL, TAG_FINAL_PAYLOAD) if final else self._send_tags(header)
         # A header may announce a payload that follows separately (isend_payload).
-        if payload is not None and payload.numel() != header.numel:
-            raise ValueError(f"header says {header.numel} elements, payload has {payload.numel()}")
+        wire = None if payload is None else self._outgoing(payload, header.numel, exact=final)
+        nbytes = 0 if wire is None else wire.numel() * wire.element_size()
         t0 = self.wire.now()
-        self._leave(dst, HEADER_BYTES + (header.numel * 4 if payload is not None else 0))
+        self._leave(dst, HEADER_BYTES + nbytes)
         self._send(header.to_tensor(), dst, tag)
         self.stats.bytes_sent += HEADER_BYTES
-        if payload is not None and header.numel:
-            self._send(payload.detach().to(torch.float32).contiguous(), dst, payload_tag)
-            self.stats.bytes_sent += header.numel * 4
+        if wire is not None and header.numel:
+            self._send(wire, dst, payload_tag)
+            self.stats.bytes_sent += nbytes
         self.stats.wait_s += self.wire.now() - t0
+
+    def _outgoing(self, payload: torch.Tensor, numel: int | None, exact: bool) -> torch.Tensor:
+        """What goes on the wire for ``payload`` of ``numel`` values (None: its own size):
+        fp32, or the compressed bytes (encoded here unless the caller did, as uint8)."""
+        if self.compress != "none" and not exact and payload.dtype == torch.uint8:
+            if numel is not None and payload.numel() != payload_bytes(numel, self.compress):
+                raise ValueError(
+                    f"header says {numel} elements: {payload_bytes(numel, self.compress)} "
+                    f"{self.compress} bytes, payload has {payload.numel()}"
+                )
+            return payload.detach().contiguous()
+        if numel is not None and payload.numel() != numel:
+            raise ValueError(f"header says {numel} elements, payload has {payload.numel()}")
+        if self.compress != "none" and not exact:
+            return encode(payload.detach().to(torch.float32), self.compress)
+        return payload.detach().to(torch.float32).contiguous()
+
+    def _packed_buffer(self, numel: int) -> torch.Tensor:
+        """A receive buffer for a compressed payload of ``numel`` values, its last bytes 0xFF
+        (a short message then decodes to NaN)."""
+        packed = torch.empty(payload_bytes(numel, self.compress), dtype=torch.uint8)
+        packed[-4:].fill_(0xFF)
+        return packed
 
     @staticmethod
     def _send_tags(header: Header) -> tuple[int, int]:
@@ -284,10 +324,19 @@ class PeerTransport:
         buf = torch.empty(numel, dtype=torch.float32) if out is None else out
         if buf.numel() != numel:
             raise ValueError(f"receive buffer has {buf.numel()} elements, expected {numel}")
+        tag = TAG_FINAL_PAYLOAD if final else TAG_REQUEST_PAYLOAD
+        if self.compress != "none" and not final and numel:
+            packed = self._packed_buffer(numel)
+            t0 = self.wire.now()
+            self._recv(packed, src, tag)
+            self.stats.wait_s += self.wire.now() - t0
+            self.stats.bytes_received += packed.numel()
+            buf.copy_(decode(packed, numel, self.compress))
+            return buf
         if numel:
             buf[-1] = math.nan
         t0 = self.wire.now()
-        self._recv(buf, src, TAG_FINAL_PAYLOAD if final else TAG_REQUEST_PAYLOAD)
+        self._recv(buf, src, tag)
         self.stats.wait_s += self.wire.now() - t0
         self.stats.bytes_received += numel * 4
         return buf
@@ -296,14 +345,21 @@ class PeerTransport:
     def isend_payload(self, dst: int, payload: torch.Tensor, reply: bool) -> Work:
         """Start sending a payload without blocking (request or reply stream)."""
         tag = TAG_REPLY_PAYLOAD if reply else TAG_REQUEST_PAYLOAD
-        self._leave(dst, payload.numel() * payload.element_size())
-        work = self._isend(payload.detach().contiguous(), dst, tag)
-        self.stats.bytes_sent += payload.numel() * payload.element_size()
+        wire = self._outgoing(payload, None, exact=False)
+        self._leave(dst, wire.numel() * wire.element_size())
+        work = self._isend(wire, dst, tag)
+        self.stats.bytes_sent += wire.numel() * wire.element_size()
         return work
 
     def irecv_payload(self, src: int, out: torch.Tensor, reply: bool) -> Work:
-        """Start receiving a payload into ``out`` without blocking."""
+        """Start receiving a payload into ``out`` without blocking (compressed: decoded into
+        ``out`` by the returned work's ``wait``)."""
         tag = TAG_REPLY_PAYLOAD if reply else TAG_REQUEST_PAYLOAD
+        if self.compress != "none" and out.numel():
+            packed = self._packed_buffer(out.numel())
+            work = self._irecv(packed, src, tag)
+            self.stats.bytes_received += packed.numel()
+            return _Decoding(work, packed, out, self.compress)
         work = self._irecv(out, src, tag)
         self.stats.bytes_received += out.numel() * out.element_size()
         return work
@@ -335,9 +391,15 @@ class PeerTransport:
                     f"reply from rank {src} carries {header.numel} elements, "
                     f"expected {0 if out is None else out.numel()}"
                 )
-            out[-1] = math.nan
-            self._recv(out, src, TAG_REPLY_PAYLOAD)
-            self.stats.bytes_received += header.numel * 4
+            if self.compress != "none":
+                packed = self._packed_buffer(header.numel)
+                self._recv(packed, src, TAG_REPLY_PAYLOAD)
+                self.stats.bytes_received += packed.numel()
+                out.copy_(decode(packed, header.numel, self.compress))
+            else:
+                out[-1] = math.nan
+                self._recv(out, src, TAG_REPLY_PAYLOAD)
+                self.stats.bytes_received += header.numel * 4
         self.stats.wait_s += self.wire.now() - t0
         return header
 
@@ -355,6 +417,23 @@ class PeerTransport:
                 f"{header.kind.name} with {header.numel}"
             )
         return header, self.recv_payload(src, numel, final=True)
+
+
+class _Decoding:
+    """A started receive of a compressed payload: ``wait`` decodes it into ``out``."""
+
+    def __init__(self, work: Work, packed: torch.Tensor, out: torch.Tensor, method: str):
+        self._work, self._packed, self._out, self._method = work, packed, out, method
+        self._decoded = False
+
+    def wait(self) -> None:
+        self._work.wait()
+        if not self._decoded:
+            self._out.copy_(decode(self._packed, self._out.numel(), self._method))
+            self._decoded = True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
 
 
 class PeerFaults:
