@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from cloudburst.comm.link import LinkEmulator, LinkSpec
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
@@ -97,10 +99,11 @@ class ClockModel:
         return self.step_time_s * factor * self.jitter_factor(worker, step)
 
     # ------------------------------------------------------------------ bytes
-    def wire_bytes(self, tensor_bytes: int, floating: bool) -> float:
-        """Bytes a message carries on the modelled wire: a floating-point payload scaled to
-        the stand-in model's size; an integer one (headers, versions) as it is."""
-        return tensor_bytes * self.wire_scale if floating else float(tensor_bytes)
+    def wire_bytes(self, tensor_bytes: int, payload: bool) -> float:
+        """Bytes a message carries on the modelled wire: a payload (the model's values, in
+        whatever format: see :func:`is_payload`) scaled to the stand-in model's size; control
+        data (headers, versions) as it is."""
+        return tensor_bytes * self.wire_scale if payload else float(tensor_bytes)
 
     # ------------------------------------------------------------------ links
     def _emulator(self, crosses_nodes: bool) -> LinkEmulator:
@@ -221,3 +224,11 @@ def calibrate_step_time(cfg: RunConfig, steps: int = 20, warmup_steps: int = 3) 
         one_step()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def is_payload(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` carries the model's values (scaled by the stand-in model) rather than
+    control data: floating point (fp32, bf16), or bytes (uint8/int8: compressed payloads,
+    :func:`cloudburst.comm.quantise.encode`). Headers are int64 (``cloudburst.comm.p2p``), as
+    is every other piece of control data the ranks send."""
+    return tensor.is_floating_point() or tensor.dtype in (torch.uint8, torch.int8)

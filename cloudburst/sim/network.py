@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from cloudburst.comm.link import Topology
+from cloudburst.sim.clock import is_payload
 from cloudburst.sim.scheduler import TIMEOUT, Scheduler, Task
 
 
@@ -130,7 +131,7 @@ class SimNetwork:
             arrival = now
         else:
             nbytes = self.clock.wire_bytes(
-                tensor.numel() * tensor.element_size(), tensor.is_floating_point()
+                tensor.numel() * tensor.element_size(), is_payload(tensor)
             )
             key = (src, crosses)
             start = max(now, self.link_free.get(key, 0.0))
@@ -223,9 +224,7 @@ class SimNetwork:
         del group.ops[index]
 
     def _wire(self, tensor: torch.Tensor) -> float:
-        return self.clock.wire_bytes(
-            tensor.numel() * tensor.element_size(), tensor.is_floating_point()
-        )
+        return self.clock.wire_bytes(tensor.numel() * tensor.element_size(), is_payload(tensor))
 
     def wait_collective(self, op: _Collective, what: str) -> None:
         sched = self.sched

@@ -16,9 +16,10 @@ What each operation costs, in virtual time:
 - a server applying an update: bytes ÷ the modelled memory bandwidth;
 - evaluating the global model (inside :meth:`SimTransport.measuring`): nothing.
 
-The stand-in model: floating payloads are charged as ``modelled_params / actual_params`` times
-their bytes (headers as they are), so a small model's real training drives a large model's
-communication.
+The stand-in model: payloads (floating point, or the uint8 bytes of a compressed one:
+:func:`cloudburst.sim.clock.is_payload`) are charged as ``modelled_params / actual_params``
+times their bytes (int64 headers as they are), so a small model's real training drives a large
+model's communication.
 
 Where this differs from the real run's link emulator (:mod:`cloudburst.comm.link`), whose cost
 formulas it shares: the emulator adds the modelled time *on top of* the real transfer (over

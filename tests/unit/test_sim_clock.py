@@ -8,10 +8,11 @@ import math
 import statistics
 
 import pytest
+import torch
 
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.config.simulation import PROFILES, Jitter, SimulationConfig
-from cloudburst.sim.clock import ClockModel, calibrate_step_time, resolve_step_time
+from cloudburst.sim.clock import ClockModel, calibrate_step_time, is_payload, resolve_step_time
 
 
 def run_config(**kw) -> RunConfig:
@@ -79,12 +80,15 @@ def test_server_apply_is_bytes_over_memory_bandwidth():
 
 
 # ---------------------------------------------------------------------------- stand-in
-def test_wire_bytes_scale_float_payloads_only():
+def test_wire_bytes_scale_payloads_only():
     c = clock(SimulationConfig(modelled_params=25_000_000), actual_params=5000)
-    assert c.wire_bytes(20_000, floating=True) == pytest.approx(20_000 * 5000)
-    assert c.wire_bytes(64, floating=False) == 64  # a header stays a header
+    assert c.wire_bytes(20_000, payload=True) == pytest.approx(20_000 * 5000)
+    assert c.wire_bytes(64, payload=False) == 64  # a header stays a header
     plain = clock(actual_params=5000)
-    assert plain.wire_bytes(20_000, floating=True) == 20_000
+    assert plain.wire_bytes(20_000, payload=True) == 20_000
+    # Which tensors are payloads: fp32 / bf16, and the uint8 bytes of a compressed one.
+    assert is_payload(torch.zeros(2)) and is_payload(torch.zeros(2, dtype=torch.uint8))
+    assert not is_payload(torch.zeros(8, dtype=torch.int64))  # a header
 
 
 def test_profile_gives_params_and_step_time_and_flags_win():
