@@ -27,6 +27,16 @@ Messages
     below), DONE (the sender will send nothing more), REPLY. ``shard`` carries the sender's
     worker index and ``version`` the step of the θ it sends.
 
+Compression (``--compress bf16|fp8|int8``: docs/algorithms.md#compression)
+    Pulled θ, pushed θ and push-sum numerators travel compressed (:mod:`cloudburst.comm.p2p`
+    encodes and decodes them; the byte size follows from θ's size and the method), with no
+    error feedback: each message is a θ (not an increment whose sum matters) sent to a
+    different peer, and a rounding of θ is not carried into the next one. Push-sum weights
+    stay exact in the header (float64 bits), so Σ_i w_i stays exactly W; the numerators'
+    sum Σ_i x_i does not (each message rounds its own by at most one rounding, relative to
+    |θ|), so the consensus is lossy: the replicas still contract towards each other, up to
+    the rounding floor.
+
 Checks (peers are not trusted to be well-behaved)
     :func:`check_request` validates a request's kind, worker index and length (against the
     known size: nothing is allocated from a header) and a push's weight, in (0, W];
@@ -267,6 +277,7 @@ class GossipTransport:
         link=None,
         crosses: Callable[[int], bool] | None = None,
         wire: Transport = REAL,
+        compress: str = "none",
     ):
         self.rank, self.peers, self.numel = rank, list(peers), numel
         self.wire = wire
@@ -276,12 +287,14 @@ class GossipTransport:
         self.counters = ServingCounters()
         self.keepalive_s = timeout_s * KEEPALIVE_FRACTION
         # Main thread: sends on the request group, receives replies on the reply group.
-        self._requests = PeerTransport(request_group, stats, link=link, crosses=crosses, wire=wire)
-        self._replies = PeerTransport(reply_group, stats, wire=wire)
+        # Payloads (θ, push-sum numerators) travel as ``compress`` says; weights stay exact.
+        kw = dict(wire=wire, compress=compress)
+        self._requests = PeerTransport(request_group, stats, link=link, crosses=crosses, **kw)
+        self._replies = PeerTransport(reply_group, stats, **kw)
         # Serving thread: receives on the request group, sends replies on the reply group.
-        self._serve_in = PeerTransport(request_group, self.serve_stats, wire=wire)
+        self._serve_in = PeerTransport(request_group, self.serve_stats, **kw)
         self._serve_out = PeerTransport(
-            reply_group, self.serve_stats, link=link, crosses=crosses, wire=wire
+            reply_group, self.serve_stats, link=link, crosses=crosses, **kw
         )
         self._recv_buf = torch.empty(numel, dtype=torch.float32)
         self.max_weight = float(len(self.peers) + 1)  # W

@@ -180,6 +180,11 @@ class RunConfig(
     def shard_rule(self) -> tuple[str, float]:
         """(rule, lr) of the parameter-server shards: EASGD's elastic centre (α), or asgd's."""
         if self.strategy == "easgd":
+            from cloudburst.comm.quantise import message_method
+
+            if message_method(self.compress, self.strategy) != "none":
+                # Compressed, the worker computes e = α(θ_i − θ̃) and sends it: the centre adds.
+                return "add", 1.0
             return "elastic", self.easgd_alpha_value
         return self.server_rule, self.server_lr
 

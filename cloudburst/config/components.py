@@ -63,6 +63,9 @@ COMPRESSIBLE = {
     "sync": ("none", "bf16", "fp8", "int8", "powersgd"),
     "local_sgd": ("none", "bf16", "fp8", "int8"),
     "diloco": ("none", "bf16", "fp8", "int8"),
+    "asgd": ("none", "bf16", "fp8", "int8"),
+    "easgd": ("none", "bf16", "fp8", "int8"),
+    "gossip": ("none", "bf16", "fp8", "int8"),
 }
 
 
@@ -97,7 +100,8 @@ class ClusterConfig:
     compress: str = option(
         "none",
         "compress what is sent (docs/algorithms.md#compression): bf16, fp8 or int8 "
-        "(block-wise scales, error feedback) for sync, local_sgd and diloco; powersgd[:RANK] "
+        "(block-wise scales, error feedback) for sync, local_sgd, diloco, asgd, easgd and "
+        "gossip; powersgd[:RANK] "
         "for sync (PyTorch's DDP hook)",
         metavar="none|bf16|fp8|int8|powersgd[:RANK]",
     )
@@ -134,6 +138,11 @@ class ClusterConfig:
             raise ConfigError(
                 f"compress: {self.compress!r} is not available for strategy {self.strategy!r}; "
                 f"use {', '.join(allowed)}"
+                + (
+                    " (DASO's averages are cast with --daso-downcast / --daso-cycling-downcast)"
+                    if self.strategy == "daso"
+                    else ""
+                )
             )
 
 

@@ -38,6 +38,13 @@ that it is pushed later rather than lost; Δ is always "progress since the last 
 the servers reject (non-finite) is dropped and the worker restarts from the servers' θ.
 With W workers the plain sum (λ = 1) can diverge where the single-worker learning rate is
 stable (it does for the MNIST-1D CNN at lr 0.1); λ = 1/W averages the updates instead.
+
+Compression (``--compress bf16|fp8|int8``, docs/algorithms.md#compression): a push sends
+C(Δ + e) per shard, with error feedback e ← Δ + e − C⁻¹(C(Δ + e)) (residuals per shard, in
+the checkpoint); the server applies exactly C⁻¹(C(Δ + e)), and an overlapped PUSH_FETCH adds
+that same decompressed Δ to the fetched θ. Fetched θ travels compressed too, with no error
+feedback (a fetch replaces the replica, so its rounding does not accumulate: the replica
+starts each round at most one rounding of θ away from the server's).
 """
 
 from __future__ import annotations
@@ -47,8 +54,10 @@ import logging
 import torch
 from torch import nn
 
+from cloudburst.comm.compress import ErrorFeedback, decode, encode
 from cloudburst.comm.flat import assign_flat, flatten_params, shard_bounds
 from cloudburst.comm.p2p import Header, Kind, Status
+from cloudburst.comm.quantise import message_method
 from cloudburst.liveness import Heartbeat, heartbeat_interval_s
 from cloudburst.shard import add_rule_alpha, overlapped_push_fetch
 from cloudburst.strategies.base import Strategy
@@ -79,6 +88,8 @@ class AsgdStrategy(Strategy):
         self._peek: torch.Tensor | None = None  # read-only fetches for evaluation
         self._heartbeat: Heartbeat | None = None
         self._samples_since_push = 0
+        self.compress = message_method(ctx.cfg.compress, self.name)
+        self.feedback = ErrorFeedback()  # residuals of compressed pushes, by shard
 
     # ------------------------------------------------------------------ set-up
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
@@ -130,6 +141,19 @@ class AsgdStrategy(Strategy):
         self.stats.staging_s += start.elapsed_time(end) / 1e3
         self.stats.staging_bytes += src.numel() * src.element_size()
         return dst
+
+    def _compress_push(self, delta: torch.Tensor) -> list[torch.Tensor]:
+        """Each shard's slice of ``delta`` (host) as the bytes to send, with error feedback;
+        ``delta`` becomes what the servers will apply (the decompressed values)."""
+        packets = []
+        for k, (a, b) in enumerate(self.bounds):
+            key = f"shard{k}"
+            intended = self.feedback.compensate(key, delta[a:b])
+            packet = encode(intended, self.compress)
+            delta[a:b].copy_(decode(packet, b - a, self.compress))
+            self.feedback.remember(key, intended, delta[a:b])
+            packets.append(packet)
+        return packets
 
     def start(self) -> None:
         # A worker that rejoined after a restart has beaten since before it rejoined.
@@ -185,6 +209,8 @@ class AsgdStrategy(Strategy):
         flat = flatten_params(self.model, out=self._flat)
         delta_dev = torch.sub(flat, self.reference, out=self._delta) if push else None
         delta = self._to_host(delta_dev) if push else None
+        # Compressed: the bytes per shard, and delta becomes what the servers will apply.
+        packets = self._compress_push(delta) if push and self.compress != "none" else None
         kind = Kind.PUSH_FETCH if push and fetch else Kind.PUSH if push else Kind.FETCH
         # With the add rule a PUSH_FETCH reply carries θ before our push, sent while our push
         # travels the other way; we then add our own Δ exactly as the server does.
@@ -200,12 +226,13 @@ class AsgdStrategy(Strategy):
                 samples=self._samples_since_push if push else 0,
                 aux=self.local_steps,
             )
+            payload = (packets[k] if packets is not None else delta[a:b]) if push else None
             if overlapped:
                 self.transport.send(k, header)
-                started.append(self.transport.isend_payload(k, delta[a:b], reply=False))
+                started.append(self.transport.isend_payload(k, payload, reply=False))
                 started.append(self.transport.irecv_payload(k, fetched[a:b], reply=True))
             else:
-                self.transport.send(k, header, delta[a:b] if push else None)
+                self.transport.send(k, header, payload)
         self.transport.wait_all(started)
         rejected = False
         for k, (a, b) in enumerate(self.bounds):
@@ -223,6 +250,8 @@ class AsgdStrategy(Strategy):
                 self.global_samples = reply.samples
         if push:
             self._samples_since_push = 0
+        if rejected:
+            self.feedback = ErrorFeedback()  # what was left out of a non-finite Δ is no use
         if rejected and not fetch:
             # The servers refused our update (non-finite): start again from their θ.
             log.warning("the servers rejected this worker's push; re-fetching θ")
@@ -313,6 +342,8 @@ class AsgdStrategy(Strategy):
             staleness_sum=self.staleness_sum,
             staleness_max=self.staleness_max,
         )
+        if self.compress != "none":
+            state["compress_feedback"] = self.feedback.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -321,6 +352,8 @@ class AsgdStrategy(Strategy):
             setattr(self, key, int(state.get(key, 0)))
         self.staleness_sum = int(state.get("staleness_sum", 0))
         self.staleness_max = int(state.get("staleness_max", 0))
+        if "compress_feedback" in state:
+            self.feedback.load_state_dict(state["compress_feedback"])
 
     def report(self) -> dict:
         r = super().report()

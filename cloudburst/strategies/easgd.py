@@ -17,13 +17,26 @@ evaluates it with a read-only fetch). A dead worker: the servers keep serving th
 as for ``asgd``; restarted by its agent, it rejoins as for ``asgd`` and starts again from the
 centre θ̃ (θ_i ← θ̃, as at the start of a run), with its checkpoint's optimizer, data position
 and step. A rejected push (non-finite θ_i) resets the replica to the centre.
+
+Compressed (``--compress bf16|fp8|int8``): θ_i itself is not worth compressing (its rounding
+error is relative to |θ|, and sending it with error feedback makes no sense), so the worker
+sends the elastic difference instead: e = α(θ_i − θ̃') against θ̃', the centre as of its
+previous exchange (one τ period stale: the asynchronous EASGD of Zhang et al., where the
+centre is read, then updated), compressed with error feedback (residuals per shard,
+checkpointed). The shards add what they receive, C⁻¹(C(e + r)) (the ``add`` rule, λ = 1)
+and send θ̃ before it, compressed (no error feedback: it is replaced every exchange); the
+worker subtracts exactly the same C⁻¹(C(e + r)), so the elastic move stays symmetric, and
+takes θ̃ + C⁻¹(C(e + r)) as its θ̃' for next time.
 """
 
 from __future__ import annotations
 
+import torch
+
+from cloudburst.comm.compress import ErrorFeedback
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.comm.p2p import Header, Kind, Status
-from cloudburst.shard import elastic_step
+from cloudburst.shard import add_rule_alpha, elastic_step
 from cloudburst.strategies.asgd import AsgdStrategy
 
 
@@ -43,6 +56,9 @@ class EasgdStrategy(AsgdStrategy):
             self._elastic_round()
 
     def _elastic_round(self) -> None:
+        if self.compress != "none":
+            self._compressed_elastic_round()
+            return
         flat = flatten_params(self.model, out=self._flat)
         theta = self._to_host(flat)  # θ_i in host memory (itself on a CPU replica)
         centre = self._fetch_host if self.on_gpu else self._spare
@@ -74,3 +90,51 @@ class EasgdStrategy(AsgdStrategy):
                 self.global_samples = reply.samples
         self._samples_since_push = 0
         assign_flat(self.model, self._to_device(theta))
+
+    def _compressed_elastic_round(self) -> None:
+        """One exchange sending e = α(θ_i − θ̃') compressed (the module docstring)."""
+        flat = flatten_params(self.model, out=self._flat)
+        # e on the replica's device, against the centre of the last exchange (self.reference).
+        elastic = torch.sub(flat, self.reference, out=self._delta).mul_(self.cfg.easgd_alpha_value)
+        sent = self._to_host(elastic)
+        packets = self._compress_push(sent)  # sent becomes what the shards will add
+        centre = self._fetch_host if self.on_gpu else self._spare
+        started = []
+        for k, (a, b) in enumerate(self.bounds):
+            header = Header(
+                Kind.PUSH_FETCH,
+                shard=k,
+                version=self.versions[k],
+                numel=b - a,
+                samples=self._samples_since_push,
+                aux=self.local_steps,
+            )
+            self.transport.send(k, header)
+            started.append(self.transport.isend_payload(k, packets[k], reply=False))
+            started.append(self.transport.irecv_payload(k, centre[a:b], reply=True))
+        self.transport.wait_all(started)
+        moved, reset = [], []
+        for k, (a, b) in enumerate(self.bounds):
+            reply = self.transport.recv_reply(k)
+            self._check(reply, k)
+            self._account_push(reply)
+            if reply.status == Status.OK:
+                alpha = add_rule_alpha(1.0, reply.aux, self.cfg.staleness_scaling)
+                centre[a:b].add_(sent[a:b], alpha=alpha)  # the shard's θ̃ after our push
+                moved.append((a, b, alpha))
+            elif reply.status == Status.REJECTED:
+                reset.append((a, b))  # e was not finite: restart from the centre
+            self.versions[k] = reply.version
+            if k == 0:
+                self.global_samples = reply.samples
+        if reset:
+            self.feedback = ErrorFeedback()
+        self._samples_since_push = 0
+        sent = self._delta.copy_(sent) if self.on_gpu else sent
+        centre = self._to_device(centre)
+        for a, b, alpha in moved:
+            flat[a:b].sub_(sent[a:b], alpha=alpha)  # exactly what the centre added
+        for a, b in reset:
+            flat[a:b].copy_(centre[a:b])
+        self.reference.copy_(centre)
+        assign_flat(self.model, flat)

@@ -54,6 +54,7 @@ from cloudburst.comm.collectives import all_reduce_sum
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.comm.gossip import GossipTransport, Mailbox, Snapshot
 from cloudburst.comm.p2p import CommStats
+from cloudburst.comm.quantise import message_method
 from cloudburst.config import GOSSIP_SCHEDULES
 from cloudburst.strategies.base import Strategy
 
@@ -177,6 +178,7 @@ class GossipStrategy(Strategy):
             link=ctx.link,
             crosses=(lambda peer: topo.crosses(rank, peer)) if topo is not None else None,
             wire=ctx.comm,
+            compress=message_method(self.cfg.compress, self.name),
         )
         self.spans_nodes = topo is not None and topo.spans_nodes(ctx.worker_ranks)
         return model

@@ -214,7 +214,7 @@ def test_a_compressed_all_reduce_gives_every_rank_the_same_sum_counted_as_sent(m
 def test_compress_is_refused_where_it_is_not_built():
     assert RunConfig(strategy="sync", workers=2, compress="powersgd:2").compress == "powersgd:2"
     with pytest.raises(ConfigError, match="compress: 'int8' is not available for strategy"):
-        RunConfig(strategy="gossip", workers=2, compress="int8")
+        RunConfig(strategy="daso", workers=2, compress="int8")
     with pytest.raises(ConfigError, match="compress: 'powersgd' is not available"):
         RunConfig(strategy="diloco", workers=2, compress="powersgd")
     with pytest.raises(ConfigError, match="compress: 'zip' is not allowed"):
