@@ -1,0 +1,289 @@
+"""Compressed point-to-point messages (issue 17: asgd / easgd pushes and fetches, gossip):
+the message format's round trip, untrusted bytes that decode to values the receivers reject,
+the server applying exactly the decompressed Δ the worker kept, compressed runs on the virtual
+cluster that learn with about a quarter of the bytes, gossip's lossy consensus, and the
+simulator charging a compressed payload as a payload (scaled by the stand-in model)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from cloudburst.comm.compress import decode, encode, packed_bytes, payload_bytes, round_trip
+from cloudburst.comm.flat import assign_flat, flatten_params
+from cloudburst.comm.p2p import (
+    TAG_REQUEST,
+    TAG_REQUEST_PAYLOAD,
+    CommStats,
+    Header,
+    Kind,
+    PeerTransport,
+    Status,
+)
+from cloudburst.comm.quantise import message_method
+from cloudburst.comm.transport import REAL
+from cloudburst.config import ConfigError, RunConfig
+from cloudburst.server import ServerLoop
+from cloudburst.sim.clock import is_payload
+from cloudburst.sim.run import run_ranks
+from cloudburst.strategies.asgd import AsgdStrategy
+from cloudburst.strategies.gossip import GossipStrategy
+from tests.dist.simulate import trained
+from tests.unit.test_sim_runs import _cfg, _sim
+
+METHODS = ["bf16", "int8", "fp8"]
+
+
+def _vector(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g) * torch.linspace(0.01, 3.0, n)
+
+
+# ---------------------------------------------------------------------------- the format
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("numel", [1, 255, 256, 1000])
+def test_a_message_decodes_to_the_round_trip_in_the_bytes_its_size_implies(method, numel):
+    x = _vector(numel)
+    packet = encode(x, method)
+    assert packet.dtype == torch.uint8 and packet.numel() == payload_bytes(numel, method)
+    assert torch.equal(decode(packet, numel, method), round_trip(x, method))
+    expected = 2 * numel if method == "bf16" else packed_bytes(numel, method)
+    assert payload_bytes(numel, method) == expected
+    with pytest.raises(ValueError, match="bytes"):
+        decode(packet[:-1], numel, method)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("scale", [math.nan, math.inf, 0.0, -1.0])
+def test_a_block_with_a_scale_not_finite_and_positive_decodes_to_nan(method, scale):
+    x = _vector(600)
+    packet = encode(x, method)
+    scales = packet[3 * 256 :].view(torch.float32)
+    scales[1] = scale  # the second of three blocks
+    values = decode(packet, 600, method)
+    assert bool(values[256:512].isnan().all())
+    assert torch.equal(values[:256], round_trip(x, method)[:256])
+
+
+def test_message_compression_is_for_the_message_strategies_and_refuses_powersgd():
+    assert message_method("int8", "asgd") == "int8" and message_method("bf16", "gossip") == "bf16"
+    assert message_method("int8", "sync") == "none" and message_method("none", "easgd") == "none"
+    for strategy in ("asgd", "easgd", "gossip"):
+        assert RunConfig(strategy=strategy, workers=2, compress="fp8").compress == "fp8"
+        with pytest.raises(ConfigError, match="compress: 'powersgd' is not available"):
+            RunConfig(strategy=strategy, workers=2, compress="powersgd")
+    # Compressed EASGD sends the elastic difference: its shards add what they receive.
+    assert RunConfig(strategy="easgd", workers=2, compress="int8").shard_rule == ("add", 1.0)
+
+
+# ---------------------------------------------------------------------------- hostile input
+NUMEL = 6
+
+
+class _Wire:
+    """gloo, faked for one PeerTransport: queued messages fill the front of the buffer they
+    are received into (a shorter one leaves the rest as it was), sends are recorded."""
+
+    def __init__(self, transport: PeerTransport, messages: list[tuple[int, torch.Tensor]]):
+        self.messages, self.sent = list(messages), []
+        transport._recv = self.recv
+        transport._send = lambda tensor, dst, tag: self.sent.append((dst, tag, tensor.clone()))
+
+    def recv(self, tensor, src, tag):
+        want, message = self.messages.pop(0)
+        assert want == tag, f"received on tag {tag}, the script has {want} next"
+        assert message.numel() <= tensor.numel(), "a payload longer than its buffer was read"
+        tensor.view(-1)[: message.numel()].copy_(message.view(-1).view(tensor.dtype))
+        return 1
+
+
+def test_a_compressed_push_cut_short_or_with_a_bad_scale_is_rejected_and_a_good_one_applied():
+    transport = PeerTransport(compress="int8")
+    good = encode(torch.full((NUMEL,), 0.5), "int8")
+    nan_scale = good.clone()
+    nan_scale[256:].view(torch.float32)[0] = math.inf
+    push = Header(Kind.PUSH, numel=NUMEL).to_tensor()
+    script = []
+    for payload in (good[:100], nan_scale, good):  # short, non-finite scale, good
+        script += [(TAG_REQUEST, push), (TAG_REQUEST_PAYLOAD, payload)]
+    wire = _Wire(transport, script)
+    cfg = RunConfig(
+        strategy="asgd", workers=1, servers=1, dataset="synthetic", server_lr=1.0, compress="int8"
+    )
+    ctx = SimpleNamespace(
+        comm=REAL,
+        cfg=cfg,
+        rank=0,
+        server_index=0,
+        worker_ranks=[1],
+        elapsed_s=lambda: 0.0,
+        transport=lambda *a, **kw: transport,
+    )
+    metrics = SimpleNamespace(log=lambda *a, **kw: None)
+    loop = ServerLoop(ctx, torch.zeros(NUMEL), metrics, liveness=None)
+    statuses = []
+    for _ in range(3):
+        src, header = transport.recv_request_any()
+        loop._serve_one(transport, src, header)
+        statuses.append(int(wire.sent[-1][2][6]))  # the reply header's status
+    assert statuses == [Status.REJECTED, Status.REJECTED, Status.OK]
+    assert loop.shard.rejected_nonfinite == 2 and loop.shard.version == 1
+    assert torch.equal(loop.shard.theta, torch.full((NUMEL,), 0.5))
+    # Bytes received: three headers and three payloads of the size θ implies (not the header).
+    assert transport.stats.bytes_received == 3 * 64 + 3 * payload_bytes(NUMEL, "int8")
+
+
+def test_a_compressed_transport_refuses_a_packet_of_the_wrong_size_before_sending():
+    transport = PeerTransport(compress="int8")
+    _Wire(transport, [])
+    with pytest.raises(ValueError, match="int8 bytes"):
+        transport.send(0, Header(Kind.PUSH, numel=NUMEL), encode(torch.ones(NUMEL + 300), "int8"))
+    with pytest.raises(ValueError, match="cannot be sent as"):
+        PeerTransport(compress="powersgd")
+
+
+# ---------------------------------------------------------------------------- asgd, easgd
+def test_the_server_applies_exactly_the_decompressed_deltas_the_worker_kept(tmp_path, monkeypatch):
+    sent: list[torch.Tensor] = []
+    original = AsgdStrategy._compress_push
+
+    def recording(self, delta):
+        packets = original(self, delta)
+        sent.append(delta.clone())  # what the server will apply: C⁻¹(C(Δ + e))
+        return packets
+
+    starts: list[torch.Tensor] = []
+    original_start = AsgdStrategy.start
+
+    def start(self):
+        starts.append(flatten_params(self.model).clone())
+        original_start(self)
+
+    monkeypatch.setattr(AsgdStrategy, "_compress_push", recording)
+    monkeypatch.setattr(AsgdStrategy, "start", start)
+    lr = 0.5
+    _sim(_cfg(tmp_path, "asgd", 1, 16, servers=1, server_lr=lr, compress="int8", n_push=2))
+    assert len(sent) == 8 and len(starts) == 1
+    expected = starts[0].clone()  # θ0: the worker's initial model is the servers' too
+    for delta in sent:
+        expected.add_(delta, alpha=lr)  # one worker: staleness 0, α = λ
+    assert torch.equal(flatten_params(trained(tmp_path)), expected)
+
+
+def _bytes_and_accuracy(tmp_path, strategy: str, compress: str, **kw) -> tuple[int, float]:
+    out = tmp_path / f"{strategy}-{compress}"
+    summary = _sim(_cfg(out, strategy, 2, 120, servers=1, compress=compress, **kw))
+    return summary["bytes_sent"], summary["final_test_accuracy"]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "extra"), [("asgd", {"server_lr": 0.5}), ("easgd", {"easgd_tau": 4})]
+)
+def test_compressed_asgd_and_easgd_learn_with_about_a_quarter_of_the_bytes(
+    tmp_path, strategy, extra
+):
+    plain_bytes, plain_acc = _bytes_and_accuracy(tmp_path, strategy, "none", **extra)
+    int8_bytes, int8_acc = _bytes_and_accuracy(tmp_path, strategy, "int8", **extra)
+    assert int8_acc > 0.5 and int8_acc >= plain_acc - 0.05
+    # Payloads cost 1 + 4/256 bytes a value instead of 4; headers (64 bytes) are unchanged.
+    assert 0.25 < int8_bytes / plain_bytes < 0.27
+    bf16_bytes, bf16_acc = _bytes_and_accuracy(tmp_path, strategy, "bf16", **extra)
+    assert bf16_acc >= plain_acc - 0.05 and 0.49 < bf16_bytes / plain_bytes < 0.51
+
+
+def test_asgd_checkpoints_its_residuals():
+    cfg = RunConfig(strategy="asgd", workers=1, servers=1, dataset="synthetic", compress="int8")
+    model = nn.Linear(20, 20)
+    strategy = AsgdStrategy(_FakeCtx(cfg))
+    strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    delta = _vector(strategy.numel)
+    strategy._compress_push(delta.clone())
+    state = strategy.state_dict()
+    assert set(state["compress_feedback"]) == {"shard0"}
+    assert torch.equal(state["compress_feedback"]["shard0"], delta - round_trip(delta, "int8"))
+    twin = AsgdStrategy(_FakeCtx(cfg))
+    twin.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    twin.load_state_dict(state)
+    assert torch.equal(twin.feedback.residuals["shard0"], strategy.feedback.residuals["shard0"])
+
+
+class _FakeCtx(SimpleNamespace):
+    def __init__(self, cfg: RunConfig):
+        super().__init__(
+            cfg=cfg,
+            num_servers=1,
+            transport=lambda stats: None,
+            rank=1,
+            worker_index=0,
+            device=torch.device("cpu"),
+        )
+
+
+# ---------------------------------------------------------------------------- gossip
+def _consensus(ctx, variant: dict) -> dict:
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    cfg = dataclasses.replace(ctx.cfg, consensus_every_steps=40, **variant)
+    start = [float((ctx.rank + 1) * (i - 3) + 10 * ctx.rank) for i in range(8)]
+    assign_flat(model, torch.tensor(start))
+    strategy = GossipStrategy(dataclasses.replace(ctx, cfg=cfg))
+    strategy.wrap(model, opt)
+    initial = strategy.consensus_distance()
+    strategy.start()
+    for _ in range(80):
+        strategy.after_step(8)
+        ctx.comm.sleep(0.01)
+    strategy.finish()
+    return {"initial": initial, "report": strategy.report(), "stats": strategy.stats.as_dict()}
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"gossip_variant": "pull", "gossip_schedule": "ring"},
+        {"gossip_variant": "push", "gossip_schedule": "random", "gossip_push_sum": True},
+    ],
+)
+def test_compressed_gossip_consensus_falls_and_push_sum_keeps_its_mass(tmp_path, variant):
+    cfg = RunConfig(
+        strategy="gossip", workers=4, dataset="synthetic", out=str(tmp_path), compress="int8"
+    )
+    runs = run_ranks(cfg, _consensus, variant)
+    report = runs[0]["report"]
+    # Lossy: down by orders of magnitude, to the rounding floor (exact gossip reaches 1e-4).
+    assert report["final_consensus_distance"] < 1e-2 * runs[0]["initial"]
+    if variant.get("gossip_push_sum"):
+        weights = [r["report"]["push_sum_weight"] for r in runs]
+        assert sum(weights) == pytest.approx(4.0, abs=1e-12)  # weights travel exact
+
+
+# ---------------------------------------------------------------------------- the simulator
+def test_the_simulator_scales_payloads_compressed_or_not_and_never_headers():
+    assert is_payload(torch.zeros(3)) and is_payload(torch.zeros(3, dtype=torch.bfloat16))
+    assert is_payload(encode(torch.ones(3), "int8"))  # uint8 bytes of a quantised payload
+    assert not is_payload(Header(Kind.PUSH).to_tensor())  # int64 control data
+
+
+def test_simulated_compressed_pushes_cost_a_quarter_of_the_modelled_bytes(tmp_path):
+    # A slow link and a large stand-in model: the payloads' scaled bytes dominate the time.
+    kw = dict(servers=1, nodes=2, inter_node_link="0.1,0", n_push=1)
+    times = {}
+    for method in ("none", "int8"):
+        summary = _sim(
+            _cfg(tmp_path / method, "asgd", 1, 8, compress=method, **kw), modelled_params=10**7
+        )
+        times[method] = summary["wall_time_s"]
+    # 10⁷ fp32 values over 0.1 Gbit/s are 3.2 s a message each way; int8 about 0.8 s.
+    assert 0.24 < times["int8"] / times["none"] < 0.3
+
+
+def test_stats_count_what_is_sent():
+    transport = PeerTransport(compress="bf16", stats=CommStats())
+    _Wire(transport, [])
+    transport.send(0, Header(Kind.PUSH, numel=NUMEL), torch.ones(NUMEL))
+    assert transport.stats.bytes_sent == 64 + 2 * NUMEL
