@@ -148,7 +148,13 @@ def test_a_compressed_transport_refuses_a_packet_of_the_wrong_size_before_sendin
 
 
 # ---------------------------------------------------------------------------- asgd, easgd
-def test_the_server_applies_exactly_the_decompressed_deltas_the_worker_kept(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("strategy", "lr", "extra"),
+    [("asgd", 0.5, {"server_lr": 0.5, "n_push": 2}), ("easgd", 1.0, {"easgd_tau": 2})],
+)
+def test_the_server_applies_exactly_the_decompressed_updates_the_worker_kept(
+    tmp_path, monkeypatch, strategy, lr, extra
+):
     sent: list[torch.Tensor] = []
     original = AsgdStrategy._compress_push
 
@@ -166,12 +172,12 @@ def test_the_server_applies_exactly_the_decompressed_deltas_the_worker_kept(tmp_
 
     monkeypatch.setattr(AsgdStrategy, "_compress_push", recording)
     monkeypatch.setattr(AsgdStrategy, "start", start)
-    lr = 0.5
-    _sim(_cfg(tmp_path, "asgd", 1, 16, servers=1, server_lr=lr, compress="int8", n_push=2))
+    _sim(_cfg(tmp_path, strategy, 1, 16, servers=1, compress="int8", **extra))
     assert len(sent) == 8 and len(starts) == 1
     expected = starts[0].clone()  # θ0: the worker's initial model is the servers' too
     for delta in sent:
-        expected.add_(delta, alpha=lr)  # one worker: staleness 0, α = λ
+        # One worker: staleness 0, α = λ (EASGD compressed: the centre adds e, λ = 1).
+        expected.add_(delta, alpha=lr)
     assert torch.equal(flatten_params(trained(tmp_path)), expected)
 
 
