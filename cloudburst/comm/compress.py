@@ -2,7 +2,11 @@
 error from accumulating.
 
 Mechanism only: the strategies decide what to compress (a gradient, a pseudo-gradient, a
-replica's drift) and when. ``--compress`` names the method (docs/algorithms.md#compression):
+replica's drift, an asgd push) and when. ``--compress`` names the method
+(docs/algorithms.md#compression). The stateless maths (quantise, the bytes of one
+point-to-point message) live in :mod:`cloudburst.comm.quantise`, below
+:mod:`cloudburst.comm.p2p`, which sends asgd's, EASGD's and gossip's payloads compressed;
+they are re-exported here.
 
 - ``none``: fp32, the collectives as they always were (bit-identical).
 - ``bf16``: cast to bfloat16, all-reduce (summed in bf16, as PyTorch's ``bf16_compress_hook``
