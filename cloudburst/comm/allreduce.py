@@ -17,7 +17,11 @@ import torch
 import torch.distributed as dist
 
 from cloudburst.comm.link import LinkEmulator
-from cloudburst.comm.p2p import CommStats
+from cloudburst.comm.stats import (  # noqa: F401 - the counting, also importable from here
+    CommStats,
+    count_collective,
+    ring_bytes,
+)
 
 
 @dataclass
@@ -30,20 +34,6 @@ class AllreduceHookState:
     compress: str = "none"  # --compress: which hook (compressed_hook) the DDP gets
     feedback: Any = None  # int8/fp8: the ErrorFeedback of this worker's buckets
     powersgd: Any = None  # powersgd: torch's PowerSGDState
-
-
-def ring_bytes(numel: int, element_size: int, group_size: int) -> int:
-    """Bytes each rank sends (and receives) in a ring all-reduce of the tensor."""
-    return int(2 * (group_size - 1) / group_size * numel * element_size)
-
-
-def count_collective(stats: CommStats, moved: int, spans_nodes: bool) -> None:
-    stats.bytes_sent += moved
-    stats.bytes_received += moved
-    if spans_nodes:
-        stats.inter_node_bytes += moved
-    else:
-        stats.intra_node_bytes += moved
 
 
 def counting_allreduce_hook(
@@ -231,3 +221,30 @@ def load_powersgd_state(state, saved: dict[str, Any]) -> None:
     state.iter = int(saved["iter"])
     for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
         setattr(state, name, {int(k): v.clone() for k, v in saved[name].items()})
+
+
+class TorchDataParallel:
+    """DDP itself, with the counting (and, with ``--compress``, compressing) comm hook: the
+    baseline must be DDP."""
+
+    def __init__(self, model: torch.nn.Module, group, device: torch.device, state):
+        self.state = state
+        self.ddp = counted_ddp(model, group, device, state, hook=compressed_hook(state))
+        self.module = self.ddp
+
+    def after_backward(self) -> None:
+        charge_unoverlapped_wait(self.state)
+
+    def set_sync(self, enabled: bool) -> None:
+        self.ddp.require_backward_grad_sync = enabled
+
+
+def data_parallel(comm, model: torch.nn.Module, group, device: torch.device, state):
+    """The synchronous gradient average of ``model`` over ``group``
+    (:class:`~cloudburst.comm.transport.DataParallel`): the transport's own where it has one
+    (the virtual cluster's), else DDP itself (:class:`TorchDataParallel`). ``state`` is the
+    :class:`AllreduceHookState` that counts its traffic."""
+    own = getattr(comm, "data_parallel", None)
+    if own is not None:
+        return own(model, group, device, state)
+    return TorchDataParallel(model, group, device, state)

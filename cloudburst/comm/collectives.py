@@ -9,9 +9,8 @@ from typing import Any
 
 import torch
 
-from cloudburst.comm.allreduce import count_collective, ring_bytes
 from cloudburst.comm.link import EmulatedWork, LinkEmulator
-from cloudburst.comm.p2p import CommStats
+from cloudburst.comm.stats import CommStats, count_collective, ring_bytes
 from cloudburst.comm.transport import REAL, Transport
 
 

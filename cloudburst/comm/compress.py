@@ -42,10 +42,8 @@ from typing import Any
 
 import torch
 
-from cloudburst.comm.allreduce import count_collective, ring_bytes
 from cloudburst.comm.collectives import Pending, all_reduce_sum
 from cloudburst.comm.link import EmulatedWork, LinkEmulator
-from cloudburst.comm.p2p import CommStats
 from cloudburst.comm.quantise import (  # noqa: F401 - the stateless maths, also from here
     BLOCK,
     FP8_MAX,
@@ -62,6 +60,7 @@ from cloudburst.comm.quantise import (  # noqa: F401 - the stateless maths, also
     quantise,
     round_trip,
 )
+from cloudburst.comm.stats import CommStats, count_collective, ring_bytes
 from cloudburst.comm.transport import REAL, Transport
 
 

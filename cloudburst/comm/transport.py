@@ -47,7 +47,10 @@ class Task(Protocol):
 
 
 class DataParallel(Protocol):
-    """The synchronous gradient average of a replicated model (sync, DASO's node-local part):
+    """The synchronous gradient average of a replicated model (sync, DASO's node-local part),
+    made by :func:`cloudburst.comm.allreduce.data_parallel` — DDP itself on the real
+    transport; a transport with an average of its own (the simulator's) has a
+    ``data_parallel(model, group, device, state)`` method that makes it instead:
     ``module`` is what the loop calls; :meth:`after_backward` runs right after ``backward()``
     and leaves every replica's gradients averaged over the group."""
 
@@ -117,10 +120,6 @@ class Transport(Protocol):
 
     def barrier(self, group: Any = None) -> None: ...
 
-    def data_parallel(self, model: nn.Module, group: Any, device: torch.device, state) -> Any:
-        """A :class:`DataParallel` over ``group``; ``state`` is the
-        :class:`~cloudburst.comm.allreduce.AllreduceHookState` that counts its traffic."""
-
     # ------------------------------------------------------------------ tasks
     def spawn(self, target: Callable[[], None], name: str) -> Task:
         """Run ``target`` beside this rank's main task (daemon)."""
@@ -152,25 +151,6 @@ class _MemberGroup:
 def member_group(group: dist.ProcessGroupGloo, members: list[int]) -> _MemberGroup:
     """The handle :class:`TorchTransport` takes for an unregistered gloo group."""
     return _MemberGroup(group, members)
-
-
-class _TorchDataParallel:
-    """DDP itself with the counting comm hook (the baseline must be DDP)."""
-
-    def __init__(self, model: nn.Module, group, device: torch.device, state):
-        from cloudburst.comm.allreduce import compressed_hook, counted_ddp
-
-        self.state = state
-        self.ddp = counted_ddp(model, group, device, state, hook=compressed_hook(state))
-        self.module = self.ddp
-
-    def after_backward(self) -> None:
-        from cloudburst.comm.allreduce import charge_unoverlapped_wait
-
-        charge_unoverlapped_wait(self.state)
-
-    def set_sync(self, enabled: bool) -> None:
-        self.ddp.require_backward_grad_sync = enabled
 
 
 class TorchTransport:
@@ -247,9 +227,6 @@ class TorchTransport:
 
     def barrier(self, group=None) -> None:
         dist.barrier(group=group)
-
-    def data_parallel(self, model, group, device, state) -> _TorchDataParallel:
-        return _TorchDataParallel(model, group, device, state)
 
     # ------------------------------------------------------------------ tasks
     def spawn(self, target, name) -> threading.Thread:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cloudburst.comm.allreduce import AllreduceHookState
+from cloudburst.comm.allreduce import AllreduceHookState, data_parallel
 from cloudburst.comm.collectives import Pending, all_reduce_sum, broadcast, world_sum
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.strategies.base import Strategy
@@ -185,8 +185,8 @@ class DasoStrategy(Strategy):
             self.schedule.warmup_epochs = self.schedule.cooldown_epochs = 0
         if self.per_node == 1:
             return model
-        self.dp = self.ctx.comm.data_parallel(
-            model, self.ctx.node_group, self.ctx.device, self.hook_state
+        self.dp = data_parallel(
+            self.ctx.comm, model, self.ctx.node_group, self.ctx.device, self.hook_state
         )
         return self.dp.module
 

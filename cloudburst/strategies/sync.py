@@ -22,6 +22,7 @@ from torch import nn
 
 from cloudburst.comm.allreduce import (
     AllreduceHookState,
+    data_parallel,
     load_powersgd_state,
     powersgd_state_dict,
 )
@@ -48,8 +49,8 @@ class SyncStrategy(Strategy):
             # step, benchmarks/results/overhead.md), as torchtitan skips data parallelism at
             # dp = 1. The arithmetic is the same.
             return model
-        self.dp = self.ctx.comm.data_parallel(
-            model, self.ctx.workers_group, self.ctx.device, self.hook_state
+        self.dp = data_parallel(
+            self.ctx.comm, model, self.ctx.workers_group, self.ctx.device, self.hook_state
         )
         return self.dp.module
 
