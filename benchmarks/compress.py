@@ -172,7 +172,7 @@ def run_cloudburst(cmd: str, args: list[str], out: Path, timeout_s: float = 900)
         "comm_wait_s",
     ):
         record[key] = summ.get(key)
-    record["sent_bytes"] = summ.get("sent_bytes", summ.get("bytes_sent"))
+    record["sent_bytes"] = summ.get("sent_bytes", summ.get("sent_bytes"))
     if cmd == "train":
         record.update(curve_and_steps(out, summ))
     return record

@@ -410,7 +410,7 @@ def accuracy(bench: Bench) -> None:
                     fmt(r.time_to(0.9)),
                     fmt(r.get("wall_time_s")),
                     r.get("samples"),
-                    fmt(r.get("mean_staleness"), 2),
+                    fmt(r.get("mean_staleness_versions"), 2),
                     r.get("pushes_rejected"),
                 ]
             )
@@ -526,7 +526,7 @@ def stragglers(bench: Bench) -> None:
                     fmt(r.get("wall_time_s")),
                     fmt(statistics.fmean(fast) if fast else None, 1),
                     fmt(step_ms.get(STRAGGLER.worker), 1),
-                    fmt(r.get("mean_staleness"), 2),
+                    fmt(r.get("mean_staleness_versions"), 2),
                 ]
             )
         pairs[condition].append(pair)
@@ -781,7 +781,7 @@ def seed_findings(bench: Bench) -> None:
                     r.samples_to(0.9) or "-",
                     fmt(r.get("wall_time_s")),
                     step_ms_text(r) if r.cfg.workers <= 4 else f"{_mean_step(r):.0f} (mean)",
-                    fmt(r.get("mean_staleness"), 1),
+                    fmt(r.get("mean_staleness_versions"), 1),
                 ]
             )
         return rows
@@ -1173,7 +1173,7 @@ def seed_comparison(bench: Bench) -> None:
                         fmt(r.time_to(0.8)),
                         pct(r.final_acc),
                         fmt(r.get("wall_time_s")),
-                        fmt((r.get("bytes_sent") or 0) / 1e6),
+                        fmt((r.get("sent_bytes") or 0) / 1e6),
                         "**fastest**" if n == fastest else "",
                     ]
                 )

@@ -25,7 +25,7 @@ Seed 0 also runs the search for DiLoCo's outer optimizer (the paper's lr 0.7 + N
 diverges with this inner optimizer: cloudburst's and torchft's alike) and ``local_sgd`` with
 H = 7, which does not divide 960 and so exercises the final average of the byte formula.
 
-Measured: bytes per sample (summary ``bytes_sent`` ÷ ``samples``) of each variant ÷ sync's,
+Measured: bytes per sample (summary ``sent_bytes`` ÷ ``samples``) of each variant ÷ sync's,
 against the prediction (number of parameter averages) ÷ (number of steps) — sync moves one
 |θ|-sized all-reduce per step, local SGD one per average, and both are counted as a ring
 all-reduce moves them, 2(W−1)/W · |θ| · 4 bytes sent per rank — target within 2 %; final test
@@ -256,7 +256,7 @@ def predicted_averages(steps: int, period: int) -> int:
 
 
 def bytes_per_sample(x: Run | Peer) -> float | None:
-    b, s = x.get("bytes_sent"), x.get("samples")
+    b, s = x.get("sent_bytes"), x.get("samples")
     return b / s if b is not None and s else None
 
 
@@ -756,7 +756,7 @@ def report(
         "",
         "### 1. Bytes per sample relative to `sync`, measured ÷ predicted (target within 2 %)",
         "",
-        "Measured = (`bytes_sent` / `samples`) of the variant ÷ that of `sync` of the same seed "
+        "Measured = (`sent_bytes` / `samples`) of the variant ÷ that of `sync` of the same seed "
         "(summary.json; cloudburst counts every all-reduce as a ring moves it, "
         "2(W−1)/W · numel · 4 bytes sent per rank). Predicted = (parameter averages) ÷ "
         "(steps per worker), with averages = ⌈T/H⌉: after steps H, 2H, … and one final "

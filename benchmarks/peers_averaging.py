@@ -156,7 +156,7 @@ def run_torchft(
     """Train ``cfg`` with torchft's ``algorithm`` (``localsgd`` or ``diloco``): a lighthouse
     and ``cfg.workers`` replica groups of one process each, run by ``python`` (the peer venv's
     interpreter). Returns a summary with the keys cloudburst's ``summary.json`` uses for the same
-    numbers (``final_test_accuracy``, ``bytes_sent``, ``samples``, ``wall_time_s``) plus every
+    numbers (``final_test_accuracy``, ``sent_bytes``, ``samples``, ``wall_time_s``) plus every
     replica's step times. Raises :class:`TorchftFailed` with the failing process's output."""
     if algorithm not in TORCHFT_ALGORITHMS:
         raise ValueError(f"algorithm must be one of {TORCHFT_ALGORITHMS}, got {algorithm!r}")
@@ -251,7 +251,7 @@ def run_torchft(
         "replica_accuracies": accs,
         "wall_time_s": max(r["wall_time_s"] for r in reports),
         "samples": sum(r["samples"] for r in reports),
-        "bytes_sent": sum(r["bytes_sent"] for r in reports),
+        "sent_bytes": sum(r["sent_bytes"] for r in reports),
         "syncs": reports[0]["syncs"],
         "commit_failures": sum(r["commit_failures"] for r in reports),
         "steps_per_worker": reports[0]["steps"],
@@ -388,7 +388,7 @@ def torchft_replica(algorithm: str, replica: int, lighthouse: str, cfg: RunConfi
         "syncs": syncs,
         "commit_failures": total // cfg.period - syncs,
         # Counted as cloudburst counts an all-reduce of |θ| fp32 values (a ring).
-        "bytes_sent": syncs * ring_bytes(numel, 4, cfg.workers),
+        "sent_bytes": syncs * ring_bytes(numel, 4, cfg.workers),
         "step_times": step_times,
     }
     (out / f"replica{replica}.json").write_text(json.dumps(report) + "\n")

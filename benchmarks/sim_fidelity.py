@@ -175,7 +175,7 @@ def run_one(mode: str, strategy: str, workers: int, seed: int, s: dict, out: Pat
     record.update(
         wall_time_s=wall,
         comm_wait_s=summ["comm_wait_s"],
-        bytes_sent=summ["bytes_sent"],
+        sent_bytes=summ["sent_bytes"],
         inter_node_bytes=summ["inter_node_bytes"],
         final_test_accuracy=summ["final_test_accuracy"],
         steps_per_worker=summ["steps_per_worker"],
@@ -340,8 +340,8 @@ def report(data: dict, quick: bool, png: Path | None) -> list[str]:
         )
 
     link_gbit, link_ms = (float(x) for x in s["inter_node_link"].split(","))
-    sync_w2 = [r["real"] for r in rows if r["key"][:2] == ("sync", 2) and "bytes_sent" in r["real"]]
-    params_bytes = sync_w2[0]["bytes_sent"] if sync_w2 else None
+    sync_w2 = [r["real"] for r in rows if r["key"][:2] == ("sync", 2) and "sent_bytes" in r["real"]]
+    params_bytes = sync_w2[0]["sent_bytes"] if sync_w2 else None
     lines = [
         "# Simulator fidelity: `cloudburst simulate` ÷ `cloudburst train`, every strategy",
         "",

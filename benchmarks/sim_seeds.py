@@ -103,9 +103,9 @@ def _run_one(point: Point, reuse: bool) -> dict[str, Any]:
         "time_to_target_s",
         "steps_per_worker",
         "samples",
-        "bytes_sent",
+        "sent_bytes",
         "inter_node_bytes",
-        "mean_staleness",
+        "mean_staleness_versions",
         "simulator",
     )
     return {

@@ -173,7 +173,7 @@ def main() -> None:
                 row["staging_GBps"] = staged_bytes / staged_s / 1e9
             if strategy == "asgd":
                 wait = sum(f["comm_wait_s"] for f in finals)
-                moved = sum(f["bytes_sent"] + f["bytes_received"] for f in finals)
+                moved = sum(f["sent_bytes"] + f["received_bytes"] for f in finals)
                 row["round_trip_GBps"] = moved / wait / 1e9 if wait else None
             records.append(row)
             print(json.dumps(row), flush=True)

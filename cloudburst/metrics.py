@@ -2,8 +2,8 @@
 
 Each rank appends one JSON object per line to ``OUT/metrics/rank{R}.jsonl``:
 
-- ``{"event": "step", "step", "time_s", "samples", "loss", "staleness", "bytes_sent",
-  "bytes_received", "comm_wait_s"}`` every ``log_every_steps`` (counters are cumulative);
+- ``{"event": "step", "step", "time_s", "samples", "loss", "staleness_versions", "sent_bytes",
+  "received_bytes", "comm_wait_s"}`` every ``log_every_steps`` (counters are cumulative);
 - ``{"event": "eval", "time_s", "samples", "test_accuracy", "test_loss"}`` for the global model
   (``samples`` counts all workers' training samples behind it);
 - ``{"event": "push", ...}`` on servers, one every ``push_log_every`` applied pushes and one for

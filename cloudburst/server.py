@@ -280,7 +280,7 @@ class ServerLoop(RequestServing):
                     time_s=self.ctx.elapsed_s(),
                     worker=src,
                     status=result.status.name,
-                    staleness=result.staleness,
+                    staleness_versions=result.staleness,
                     version=self.shard.version,
                     samples=self.shard.samples,
                 )

@@ -140,8 +140,8 @@ class ShardState:
             "version": self.version,
             "samples": self.samples,
             "pushes_applied": self.version,
-            "staleness_sum": self.staleness_sum,
-            "staleness_max": self.staleness_max,
+            "staleness_sum_versions": self.staleness_sum,
+            "staleness_max_versions": self.staleness_max,
             "dropped_stale": self.dropped_stale,
             "rejected_nonfinite": self.rejected_nonfinite,
         }
@@ -160,8 +160,9 @@ class ShardState:
             self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self.samples = int(state["samples"])
-        self.staleness_sum = int(state["staleness_sum"])
-        self.staleness_max = int(state["staleness_max"])
+        # (a checkpoint written before the metric names carried their unit has the old keys)
+        self.staleness_sum = int(state.get("staleness_sum_versions", state.get("staleness_sum")))
+        self.staleness_max = int(state.get("staleness_max_versions", state.get("staleness_max")))
         self.dropped_stale = int(state["dropped_stale"])
         self.rejected_nonfinite = int(state["rejected_nonfinite"])
 
@@ -197,4 +198,5 @@ def make_shard(cfg: RunConfig, theta: torch.Tensor) -> ShardState:
 
 def mean_staleness(stats: list[dict[str, Any]]) -> float:
     applied = sum(s.get("pushes_applied", 0) for s in stats)
-    return sum(s.get("staleness_sum", 0) for s in stats) / applied if applied else math.nan
+    total = sum(s.get("staleness_sum_versions", 0) for s in stats)
+    return total / applied if applied else math.nan

@@ -69,8 +69,8 @@ def partial_summary(cfg: RunConfig, **status: Any) -> dict[str, Any]:
         "time_to_target_s": None,
         "samples": sum(int(r.get("samples", 0)) for r in last_step.values()),
         "steps_done": {str(rank): int(r.get("step", 0)) for rank, r in sorted(last_step.items())},
-        "bytes_sent": sum(int(r.get("bytes_sent", 0)) for r in last_step.values()),
-        "mean_staleness": None,
+        "sent_bytes": sum(int(r.get("sent_bytes", 0)) for r in last_step.values()),
+        "mean_staleness_versions": None,
         "lost_workers": [],
         "checkpoints": checkpoints,
         "resume_command": resume_command(out) if checkpoints else None,
@@ -108,8 +108,8 @@ def format_summary(summaries: list[dict[str, Any]], labels: list[str] | None = N
         ("virtual s" if virtual else "wall s", "wall_time_s", "{:.1f}"),
         ("to target virtual s" if virtual else "to target s", "time_to_target_s", "{:.1f}"),
         ("samples", "samples", "{}"),
-        ("MB sent", "bytes_sent", "{:.1f}"),
-        ("staleness", "mean_staleness", "{:.2f}"),
+        ("MB sent", "sent_bytes", "{:.1f}"),
+        ("staleness", "mean_staleness_versions", "{:.2f}"),
         ("lost", "lost_workers", "{}"),
     ]
     if labels is not None:
@@ -120,7 +120,7 @@ def format_summary(summaries: list[dict[str, Any]], labels: list[str] | None = N
         row = []
         for _, key, fmt in cols:
             v = s.get(key)
-            if key == "bytes_sent" and v is not None:
+            if key == "sent_bytes" and v is not None:
                 v = v / 1e6
             row.append("-" if v is None else fmt.format(v))
         rows.append(row)
@@ -201,7 +201,7 @@ def finalize_run(
     servers = [rep for rep in reports.values() if rep.get("role") == "server"]
     if servers:
         mean_st = mean_staleness(servers)
-        max_st = max(s["staleness_max"] for s in servers)
+        max_st = max(s["staleness_max_versions"] for s in servers)
     else:
         mean_st, max_st = 0.0, 0
     summary = {
@@ -223,11 +223,11 @@ def finalize_run(
         "nodes": ctx.num_nodes,
         "inter_node_bytes": sum(rep.get("inter_node_bytes", 0) for rep in reports.values()),
         "intra_node_bytes": sum(rep.get("intra_node_bytes", 0) for rep in reports.values()),
-        "bytes_sent": sum(rep["bytes_sent"] for rep in reports.values()),
-        "bytes_received": sum(rep["bytes_received"] for rep in reports.values()),
+        "sent_bytes": sum(rep["sent_bytes"] for rep in reports.values()),
+        "received_bytes": sum(rep["received_bytes"] for rep in reports.values()),
         "comm_wait_s": sum(rep["comm_wait_s"] for rep in reports.values()),
-        "mean_staleness": None if math.isnan(mean_st) else mean_st,
-        "max_staleness": max_st,
+        "mean_staleness_versions": None if math.isnan(mean_st) else mean_st,
+        "max_staleness_versions": max_st,
         "pushes_rejected": sum(s.get("rejected_nonfinite", 0) for s in servers),
         "pushes_dropped_stale": sum(s.get("dropped_stale", 0) for s in servers),
         "messages_rejected": sum(rep.get("messages_rejected", 0) for rep in reports.values()),

@@ -270,7 +270,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
                 time_s=ctx.elapsed_s(),
                 samples=samples,
                 loss=loss,
-                staleness=getattr(strategy, "last_staleness", 0),
+                staleness_versions=getattr(strategy, "last_staleness", 0),
                 **strategy.stats.as_dict(),
                 **strategy.step_info(),
             )

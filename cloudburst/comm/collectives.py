@@ -82,10 +82,10 @@ def broadcast(
     stats.wait_s += comm.now() - t0
     moved = tensor.numel() * tensor.element_size()
     if rank == src:
-        stats.bytes_sent += moved
+        stats.sent_bytes += moved
         stats.intra_node_bytes += moved
     else:
-        stats.bytes_received += moved
+        stats.received_bytes += moved
 
 
 def world_sum(

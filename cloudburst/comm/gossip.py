@@ -115,8 +115,8 @@ KEEPALIVE_FRACTION = 0.25
 FP32_MAX = torch.finfo(torch.float32).max
 #: The serving thread's counters that are added to the caller's stats.
 MERGED_STATS = (
-    "bytes_sent",
-    "bytes_received",
+    "sent_bytes",
+    "received_bytes",
     "inter_node_bytes",
     "intra_node_bytes",
     "emulated_link_s",

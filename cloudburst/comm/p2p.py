@@ -212,10 +212,10 @@ class PeerTransport:
         t0 = self.wire.now()
         self._leave(dst, HEADER_BYTES + nbytes)
         self._send(header.to_tensor(), dst, tag)
-        self.stats.bytes_sent += HEADER_BYTES
+        self.stats.sent_bytes += HEADER_BYTES
         if wire is not None and header.numel:
             self._send(wire, dst, payload_tag)
-            self.stats.bytes_sent += nbytes
+            self.stats.sent_bytes += nbytes
         self.stats.wait_s += self.wire.now() - t0
 
     def _outgoing(self, payload: torch.Tensor, numel: int | None, exact: bool) -> torch.Tensor:
@@ -259,7 +259,7 @@ class PeerTransport:
         t0 = self.wire.now()
         src = self._recv(self._header_buf, None, TAG_REQUEST)
         self.stats.wait_s += self.wire.now() - t0
-        self.stats.bytes_received += HEADER_BYTES
+        self.stats.received_bytes += HEADER_BYTES
         try:
             return src, Header.from_tensor(self._header_buf)
         except MessageError:
@@ -283,7 +283,7 @@ class PeerTransport:
             t0 = self.wire.now()
             self._recv(packed, src, tag)
             self.stats.wait_s += self.wire.now() - t0
-            self.stats.bytes_received += packed.numel()
+            self.stats.received_bytes += packed.numel()
             buf.copy_(decode(packed, numel, self.compress))
             return buf
         if numel:
@@ -291,7 +291,7 @@ class PeerTransport:
         t0 = self.wire.now()
         self._recv(buf, src, tag)
         self.stats.wait_s += self.wire.now() - t0
-        self.stats.bytes_received += numel * 4
+        self.stats.received_bytes += numel * 4
         return buf
 
     # --------------------------------------------------------------- overlapped payloads
@@ -301,7 +301,7 @@ class PeerTransport:
         wire = self._outgoing(payload, None, exact=False)
         self._leave(dst, wire.numel() * wire.element_size())
         work = self._isend(wire, dst, tag)
-        self.stats.bytes_sent += wire.numel() * wire.element_size()
+        self.stats.sent_bytes += wire.numel() * wire.element_size()
         return work
 
     def irecv_payload(self, src: int, out: torch.Tensor, reply: bool) -> Work:
@@ -311,10 +311,10 @@ class PeerTransport:
         if self.compress != "none" and out.numel():
             packed = self._packed_buffer(out.numel())
             work = self._irecv(packed, src, tag)
-            self.stats.bytes_received += packed.numel()
+            self.stats.received_bytes += packed.numel()
             return _Decoding(work, packed, out, self.compress)
         work = self._irecv(out, src, tag)
-        self.stats.bytes_received += out.numel() * out.element_size()
+        self.stats.received_bytes += out.numel() * out.element_size()
         return work
 
     def wait_all(self, works: list[Work]) -> None:
@@ -334,7 +334,7 @@ class PeerTransport:
         self._header_buf.fill_(-1)
         t0 = self.wire.now()
         self._recv(self._header_buf, src, TAG_REPLY)
-        self.stats.bytes_received += HEADER_BYTES
+        self.stats.received_bytes += HEADER_BYTES
         header = Header.from_tensor(self._header_buf)
         if header.kind != Kind.REPLY:
             raise MessageError(f"expected a reply from rank {src}, got {header.kind.name}")
@@ -347,12 +347,12 @@ class PeerTransport:
             if self.compress != "none":
                 packed = self._packed_buffer(header.numel)
                 self._recv(packed, src, TAG_REPLY_PAYLOAD)
-                self.stats.bytes_received += packed.numel()
+                self.stats.received_bytes += packed.numel()
                 out.copy_(decode(packed, header.numel, self.compress))
             else:
                 out[-1] = math.nan
                 self._recv(out, src, TAG_REPLY_PAYLOAD)
-                self.stats.bytes_received += header.numel * 4
+                self.stats.received_bytes += header.numel * 4
         self.stats.wait_s += self.wire.now() - t0
         return header
 
@@ -362,7 +362,7 @@ class PeerTransport:
         t0 = self.wire.now()
         self._recv(self._header_buf, src, TAG_FINAL)
         self.stats.wait_s += self.wire.now() - t0
-        self.stats.bytes_received += HEADER_BYTES
+        self.stats.received_bytes += HEADER_BYTES
         header = Header.from_tensor(self._header_buf)
         if header.kind != Kind.FINAL or header.numel != numel:
             raise MessageError(

@@ -6,17 +6,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+#: Counters renamed (unit as a suffix); checkpoints may hold the old names.
+RENAMED = {"bytes_sent": "sent_bytes", "bytes_received": "received_bytes"}
+
 
 @dataclass
 class CommStats:
     """Counters every transport keeps: bytes moved and seconds blocked waiting on peers."""
 
-    bytes_sent: int = 0
-    bytes_received: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
     wait_s: float = 0.0
     messages_rejected: int = 0
     # Bytes moved by collectives/messages whose group spans nodes, and by the rest (both are
-    # also in bytes_sent/received); collectives counted as a ring all-reduce moves them.
+    # also in sent_bytes/received_bytes); collectives counted as a ring all-reduce moves them.
     inter_node_bytes: int = 0
     intra_node_bytes: int = 0
     emulated_link_s: float = 0.0  # time the emulated inter-node link held this rank back
@@ -35,13 +38,14 @@ class CommStats:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         names = {f.name for f in fields(self)}
         for key, value in state.items():
+            key = RENAMED.get(key, key)  # a checkpoint written before the renaming
             if key in names:
                 setattr(self, key, dict(value) if isinstance(value, dict) else value)
 
     def as_dict(self) -> dict[str, float]:
         d = {
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_received,
+            "sent_bytes": self.sent_bytes,
+            "received_bytes": self.received_bytes,
             "comm_wait_s": round(self.wait_s, 6),
             "messages_rejected": self.messages_rejected,
             "inter_node_bytes": self.inter_node_bytes,
@@ -61,8 +65,8 @@ def ring_bytes(numel: int, element_size: int, group_size: int) -> int:
 
 
 def count_collective(stats: CommStats, moved: int, spans_nodes: bool) -> None:
-    stats.bytes_sent += moved
-    stats.bytes_received += moved
+    stats.sent_bytes += moved
+    stats.received_bytes += moved
     if spans_nodes:
         stats.inter_node_bytes += moved
     else:

@@ -361,7 +361,7 @@ class AsgdStrategy(Strategy):
             pushes=self.pushes,
             pushes_rejected=self.pushes_rejected,
             pushes_dropped_stale=self.pushes_dropped,
-            staleness_sum=self.staleness_sum,
-            staleness_max=self.staleness_max,
+            staleness_sum_versions=self.staleness_sum,
+            staleness_max_versions=self.staleness_max,
         )
         return r

@@ -327,7 +327,7 @@ class GossipStrategy(Strategy):
             messages_folded=self.messages_folded,
             final_consensus_distance=self.final_consensus_distance,
             consensus_history=self.consensus_history,
-            consensus_bytes=self.measure_stats.bytes_sent,
+            consensus_bytes=self.measure_stats.sent_bytes,
         )
         if self.push_sum:
             r["push_sum_weight"] = self.weight

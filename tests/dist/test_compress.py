@@ -77,7 +77,7 @@ def _hooks(rank: int) -> dict:
         for opt in opts:
             opt.step()
     result["powersgd_same"] = same
-    result["powersgd_bytes"] = state.stats.bytes_sent
+    result["powersgd_bytes"] = state.stats.sent_bytes
 
     # int8: the DDP hook's averaged gradient, against the exact average.
     model, exact = _model(), _model()
@@ -89,7 +89,7 @@ def _hooks(rank: int) -> dict:
         nn.functional.cross_entropy(m(x), y).backward()
     result["int8_grad"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
     result["exact_grad"] = torch.cat([p.grad.reshape(-1) for p in exact.parameters()]).tolist()
-    result["int8_bytes"] = state.stats.bytes_sent
+    result["int8_bytes"] = state.stats.sent_bytes
 
     # The quantised all-reduce of the outer syncs, through the real transport (all-gather).
     g = torch.Generator().manual_seed(rank)

@@ -25,7 +25,7 @@ def test_asgd_int8_pushes_and_fetches_over_gloo_match_the_simulator(tmp_path):
     assert_same_params(trained(tmp_path / "int8"), trained(sim))
     real, virtual = read_summary(tmp_path / "int8"), read_summary(sim)
     assert real["pushes_rejected"] == 0 and real["messages_rejected"] == 0
-    assert real["bytes_sent"] == virtual["bytes_sent"]
+    assert real["sent_bytes"] == virtual["sent_bytes"]
     plain = tmp_path / "none"
     cli("train", *_args(plain, "none"))
-    assert 0.25 < real["bytes_sent"] / read_summary(plain)["bytes_sent"] < 0.3
+    assert 0.25 < real["sent_bytes"] / read_summary(plain)["sent_bytes"] < 0.3

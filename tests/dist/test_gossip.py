@@ -98,9 +98,9 @@ def test_pull_is_the_exact_average_served_by_a_busy_then_a_finished_peer(tmp_pat
         assert r["fetches_served"] == 1 and r["pushes_received"] == 0
         # One FETCH header out, one reply (header + θ) in; one reply out, one FETCH in; DONE.
         theta_bytes = NUMEL * 4 + 64
-        assert r["bytes_sent"] == 64 + theta_bytes + 64  # FETCH, reply, DONE
-        assert r["bytes_received"] == theta_bytes + 64 + 64
-        assert r["intra_node_bytes"] == r["bytes_sent"] and r["inter_node_bytes"] == 0
+        assert r["sent_bytes"] == 64 + theta_bytes + 64  # FETCH, reply, DONE
+        assert r["received_bytes"] == theta_bytes + 64 + 64
+        assert r["intra_node_bytes"] == r["sent_bytes"] and r["inter_node_bytes"] == 0
         assert r["consensus_bytes"] > 0  # the final measurement, counted apart
     # The final consensus distance: mean_i ‖θ_i − θ̄‖ = ‖θ_0 − θ_1‖ / 2.
     d = sum((x - y) ** 2 for x, y in zip(w0["theta"], w1["theta"], strict=True)) ** 0.5 / 2
@@ -177,9 +177,9 @@ def _common_checks(out, proc, rounds: int, log_every: int = 10) -> dict:
     s = read_summary(out)
     assert s["strategy"] == "gossip" and s["lost_workers"] == []
     assert s["final_test_accuracy"] > 0.5
-    assert s["samples"] == 4 * 60 * 64 and s["bytes_sent"] > 0
+    assert s["samples"] == 4 * 60 * 64 and s["sent_bytes"] > 0
     # Every byte sent is counted once as inter- or intra-node (the consensus apart).
-    assert s["inter_node_bytes"] + s["intra_node_bytes"] == s["bytes_sent"]
+    assert s["inter_node_bytes"] + s["intra_node_bytes"] == s["sent_bytes"]
     # Replicas differ at the end: each one's accuracy is reported, the model is their mean.
     assert len(s["replica_accuracies"]) == 4
     assert s["worst_replica_accuracy"] == min(s["replica_accuracies"])

@@ -48,7 +48,7 @@ def test_post_local_sgd_warmup_then_local_steps_over_an_emulated_link(tmp_path):
     assert s["steps_skipped_nonfinite"] == 1 and s["nodes"] == 2
     # Each average is a ring all-reduce of θ in fp32 over 2 workers: each sends |θ|·4 bytes,
     # all of it across the node boundary.
-    assert s["bytes_sent"] == s["inter_node_bytes"] == 2 * averages * numel * 4
+    assert s["sent_bytes"] == s["inter_node_bytes"] == 2 * averages * numel * 4
     assert s["intra_node_bytes"] == 0
     # The emulated link charged each worker the README's cost for each average: a ring
     # all-reduce of n = 2 ranks, 2(n − 1) latencies and 2(n − 1)/n of its bytes.
@@ -79,7 +79,7 @@ def test_diloco_outer_optimizer_without_nesterov(tmp_path):
     assert_params_differ(expected, diloco(32, 2, nesterov=True, **settings)[0])
     s = read_summary(out)
     # One all-reduce of θ per outer step: 1/5 of sync's per-step gradient traffic, + 1.
-    assert s["bytes_sent"] == 2 * outer_steps * _numel() * 4
+    assert s["sent_bytes"] == 2 * outer_steps * _numel() * 4
     assert [final_record(out, r)["averages"] for r in (0, 1)] == [outer_steps] * 2
 
 
@@ -100,5 +100,5 @@ def test_streaming_diloco_two_fragments_one_step_delay(tmp_path):
     assert_same_params(trained(out), expected)
     assert_same_params(trained(sim), trained(out))  # the simulator == gloo
     s = read_summary(out)
-    assert s["bytes_sent"] == s["inter_node_bytes"] == 2 * 4 * (4 * _numel())
+    assert s["sent_bytes"] == s["inter_node_bytes"] == 2 * 4 * (4 * _numel())
     assert [final_record(out, r)["averages"] for r in (0, 1)] == [syncs] * 2

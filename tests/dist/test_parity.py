@@ -58,7 +58,7 @@ def test_sync_adam_weight_decay_cosine_equals_one_model_on_the_double_batch(tmp_
 
 
 def _push_records(out, server):
-    return [(e["status"], e["staleness"]) for e in rank_events(out, server, "push")]
+    return [(e["status"], e["staleness_versions"]) for e in rank_events(out, server, "push")]
 
 
 def test_asgd_add_rule_staleness_bound_and_scaling_over_two_shards(tmp_path):
@@ -83,8 +83,8 @@ def test_asgd_add_rule_staleness_bound_and_scaling_over_two_shards(tmp_path):
     s = read_summary(out)
     assert server.dropped == 10 and server.version == 30
     assert s["pushes_dropped_stale"] == 2 * server.dropped  # counted by each shard
-    assert s["max_staleness"] == server.staleness_max == 2
-    assert s["mean_staleness"] == pytest.approx(server.staleness_sum / server.version)
+    assert s["max_staleness_versions"] == server.staleness_max == 2
+    assert s["mean_staleness_versions"] == pytest.approx(server.staleness_sum / server.version)
     assert s["samples_applied"] == server.version * 16 and s["pushes_rejected"] == 0
 
 

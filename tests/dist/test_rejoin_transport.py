@@ -46,6 +46,6 @@ def test_requests_and_replies_name_global_ranks():
     assert got["src"] == WORKER and got["header"].kind == Kind.PUSH
     assert got["payload"] == [1.0, 2.0]
     assert reply.kind == Kind.REPLY and out.tolist() == [7.0, 8.0, 9.0]
-    assert worker.stats.bytes_sent == server.stats.bytes_received
+    assert worker.stats.sent_bytes == server.stats.received_bytes
     with pytest.raises(ValueError, match="not a member"):
         worker.send(3, Header(Kind.FETCH))

@@ -48,7 +48,7 @@ def _scripted(rank: int, out: str) -> dict:
         result = {
             "stats": loop.stats(),
             "theta": loop.shard.theta.tolist(),
-            "push_staleness": [p["staleness"] for p in pushes],
+            "push_staleness": [p["staleness_versions"] for p in pushes],
             "push_status": [p["status"] for p in pushes],
             "push_version": [p["version"] for p in pushes],
         }
@@ -117,8 +117,8 @@ def test_staleness_rejection_and_finish_over_gloo(tmp_path):
     assert server["push_staleness"] == [1, 2, 0]
     assert server["push_status"] == ["OK", "OK", "REJECTED"]
     assert server["push_version"] == [2, 4, 4]
-    assert server["stats"]["version"] == 4 and server["stats"]["staleness_sum"] == 5
-    assert server["stats"]["staleness_max"] == 2
+    assert server["stats"]["version"] == 4 and server["stats"]["staleness_sum_versions"] == 5
+    assert server["stats"]["staleness_max_versions"] == 2
     assert server["stats"]["rejected_nonfinite"] == 1
     assert server["stats"]["messages_rejected"] == 1  # the wrong-shard request, once
     assert server["stats"]["dropped_peers"] == []  # one fault is not enough to drop a worker

@@ -32,11 +32,11 @@ SUMMARY_FIELDS = {
     "wall_time_s",
     "time_to_target_s",
     "samples",
-    "bytes_sent",
-    "bytes_received",
+    "sent_bytes",
+    "received_bytes",
     "comm_wait_s",
-    "mean_staleness",
-    "max_staleness",
+    "mean_staleness_versions",
+    "max_staleness_versions",
     "pushes_rejected",
     "lost_workers",
     "device",
@@ -48,9 +48,9 @@ STEP_FIELDS = {
     "time_s",
     "samples",
     "loss",
-    "staleness",
-    "bytes_sent",
-    "bytes_received",
+    "staleness_versions",
+    "sent_bytes",
+    "received_bytes",
     "comm_wait_s",
 }
 
@@ -135,14 +135,14 @@ def test_summary_metrics_and_logs(asgd_run):
         steps = rank_events(out, rank, "step")
         assert STEP_FIELDS <= set(steps[-1]) and [r["step"] for r in steps][-1] == STEPS
     finals = [final_record(out, r) for r in range(3)]
-    assert s["bytes_sent"] == sum(f["bytes_sent"] for f in finals) > 0
+    assert s["sent_bytes"] == sum(f["sent_bytes"] for f in finals) > 0
     assert s["comm_wait_s"] == pytest.approx(sum(f["comm_wait_s"] for f in finals))
     # Staleness: every push is in the server's records (--push-log-every 1).
     pushes = rank_events(out, 0, "push")
     assert len(pushes) == 2 * STEPS // 4
-    applied = [p["staleness"] for p in pushes if p["status"] == "OK"]
-    assert s["max_staleness"] == max(applied)
-    assert s["mean_staleness"] == pytest.approx(sum(applied) / len(applied))
+    applied = [p["staleness_versions"] for p in pushes if p["status"] == "OK"]
+    assert s["max_staleness_versions"] == max(applied)
+    assert s["mean_staleness_versions"] == pytest.approx(sum(applied) / len(applied))
     assert s["samples_applied"] == pushes[-1]["samples"]
     # The time to target: the first evaluation of the global model at 50 % or more.
     evals = sorted(

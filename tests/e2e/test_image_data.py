@@ -98,7 +98,7 @@ def test_imagefolder_with_the_convnet_and_tensorboard(tmp_path):
     events = EventAccumulator(str(out / "tensorboard" / "worker0"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"step/loss", "eval/test_accuracy", "step/bytes_sent"} <= tags
+    assert {"step/loss", "eval/test_accuracy", "step/sent_bytes"} <= tags
     assert [e.step for e in events.Scalars("step/loss")] == list(range(1, 7))
 
 

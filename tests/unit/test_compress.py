@@ -188,7 +188,7 @@ def test_a_compressed_all_reduce_gives_every_rank_the_same_sum_counted_as_sent(m
             y, None, stats, method, feedback=ErrorFeedback(), key="k", async_op=True, comm=comm
         )
         pending.wait()
-        return x, y, stats.bytes_sent
+        return x, y, stats.sent_bytes
 
     results = _on_threads(size, rank_fn)
     true = sum(r[0] for r in results)
@@ -290,4 +290,4 @@ def test_compressed_runs_learn_and_count_compressed_bytes(tmp_path, strategy, me
         per_value = packed_bytes(numel, method) / (4 * numel)
         # (each fragment pads its last block: a little more with several)
         assert per_value * 0.999 < ratio < per_value * 1.06
-    assert packed["inter_node_bytes"] == packed["bytes_sent"]
+    assert packed["inter_node_bytes"] == packed["sent_bytes"]

@@ -135,7 +135,7 @@ def test_a_compressed_push_cut_short_or_with_a_bad_scale_is_rejected_and_a_good_
     assert loop.shard.rejected_nonfinite == 2 and loop.shard.version == 1
     assert torch.equal(loop.shard.theta, torch.full((NUMEL,), 0.5))
     # Bytes received: three headers and three payloads of the size θ implies (not the header).
-    assert transport.stats.bytes_received == 3 * 64 + 3 * payload_bytes(NUMEL, "int8")
+    assert transport.stats.received_bytes == 3 * 64 + 3 * payload_bytes(NUMEL, "int8")
 
 
 def test_a_compressed_transport_refuses_a_packet_of_the_wrong_size_before_sending():
@@ -184,7 +184,7 @@ def test_the_server_applies_exactly_the_decompressed_updates_the_worker_kept(
 def _bytes_and_accuracy(tmp_path, strategy: str, compress: str, **kw) -> tuple[int, float]:
     out = tmp_path / f"{strategy}-{compress}"
     summary = _sim(_cfg(out, strategy, 2, 120, servers=1, compress=compress, **kw))
-    return summary["bytes_sent"], summary["final_test_accuracy"]
+    return summary["sent_bytes"], summary["final_test_accuracy"]
 
 
 @pytest.mark.parametrize(
@@ -292,4 +292,4 @@ def test_stats_count_what_is_sent():
     transport = PeerTransport(compress="bf16", stats=CommStats())
     _Wire(transport, [])
     transport.send(0, Header(Kind.PUSH, numel=NUMEL), torch.ones(NUMEL))
-    assert transport.stats.bytes_sent == 64 + 2 * NUMEL
+    assert transport.stats.sent_bytes == 64 + 2 * NUMEL

@@ -244,7 +244,7 @@ def test_messages_to_another_node_leave_once_the_link_has_carried_them(clock):
     stats = transport.stats
     assert stats.intra_node_bytes == 1_250_000
     assert stats.inter_node_bytes == 2 * 1_250_000 + HEADER_BYTES
-    assert stats.bytes_sent == 3 * 1_250_000 + HEADER_BYTES
+    assert stats.sent_bytes == 3 * 1_250_000 + HEADER_BYTES
     assert stats.emulated_link_s == close(0.022 + header_only)
     assert stats.wait_s == close(0.022 + header_only)  # the sender was held back that long
     # An overlapped payload (isend) waits for the link as well: 4 MB, 1 ms + 32 ms.

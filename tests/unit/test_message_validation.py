@@ -327,8 +327,8 @@ def test_push_records_are_sampled_and_the_staleness_statistics_count_every_push(
         (20, "OK"),
     ]
     stats = loop.stats()
-    assert stats["version"] == 25 and stats["staleness_sum"] == sum(range(25))
-    assert stats["staleness_max"] == 24 and stats["rejected_nonfinite"] == 1
+    assert stats["version"] == 25 and stats["staleness_sum_versions"] == sum(range(25))
+    assert stats["staleness_max_versions"] == 24 and stats["rejected_nonfinite"] == 1
 
 
 def test_a_failed_receive_loses_the_workers_of_that_group_not_the_server():

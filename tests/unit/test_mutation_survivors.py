@@ -201,7 +201,7 @@ def test_local_sgd_strategy_follows_the_reference_with_a_final_average(monkeypat
     assert [s.report()["averages"] for s in job.strategies] == [3, 3]
     assert len(job.group.calls) == 6
     # each average: a ring all-reduce of 75 fp32 values over 2 workers, 2·(2−1)/2·300 bytes
-    assert [s.report()["bytes_sent"] for s in job.strategies] == [3 * 300, 3 * 300]
+    assert [s.report()["sent_bytes"] for s in job.strategies] == [3 * 300, 3 * 300]
 
 
 def _reference_args(workers: int):
@@ -774,13 +774,13 @@ def test_a_fresh_shard_counts_nothing_and_a_push_without_samples_counts_none():
         "version": 0,
         "samples": 0,
         "pushes_applied": 0,
-        "staleness_sum": 0,
-        "staleness_max": 0,
+        "staleness_sum_versions": 0,
+        "staleness_max_versions": 0,
         "dropped_stale": 0,
         "rejected_nonfinite": 0,
     }
     shard.apply_push(torch.ones(2), 0)
-    assert shard.stats()["samples"] == 0 and shard.stats()["staleness_max"] == 0
+    assert shard.stats()["samples"] == 0 and shard.stats()["staleness_max_versions"] == 0
 
 
 def test_rejected_and_dropped_pushes_report_their_staleness_and_are_all_counted():
@@ -839,9 +839,10 @@ def test_a_second_init_is_refused_with_its_reason():
 
 
 def test_mean_staleness_counts_missing_fields_as_zero_and_nothing_as_nan():
-    assert mean_staleness([{"pushes_applied": 2, "staleness_sum": 3}, {}]) == 1.5
-    assert mean_staleness([{"pushes_applied": 2, "staleness_sum": 4}, {"pushes_applied": 2}]) == 1
-    assert math.isnan(mean_staleness([{"pushes_applied": 0, "staleness_sum": 0}]))
+    assert mean_staleness([{"pushes_applied": 2, "staleness_sum_versions": 3}, {}]) == 1.5
+    two = [{"pushes_applied": 2, "staleness_sum_versions": 4}, {"pushes_applied": 2}]
+    assert mean_staleness(two) == 1
+    assert math.isnan(mean_staleness([{"pushes_applied": 0, "staleness_sum_versions": 0}]))
     assert math.isnan(mean_staleness([]))
 
 
@@ -973,7 +974,8 @@ def test_asgd_sums_the_staleness_of_its_pushes():
     for worker in (0, 1, 0, 1):  # staleness: w0 0, w1 1, w0 1, w1 1
         _steps(job, replicas, worker)
     report = [w.report() for w in job.workers]
-    assert [(r["staleness_sum"], r["staleness_max"], r["pushes"]) for r in report] == [
+    counts = [(r["staleness_sum_versions"], r["staleness_max_versions"]) for r in report]
+    assert [(*c, r["pushes"]) for c, r in zip(counts, report, strict=True)] == [
         (1, 1, 2),
         (2, 1, 2),
     ]

@@ -210,6 +210,6 @@ def test_streaming_diloco_on_the_simulator_matches_the_reference(tmp_path):
     assert_same_params(trained(tmp_path), expected)
     cnn_numel = sum(p.numel() for p in trained(tmp_path).parameters())
     # each fragment synced 4 times, an fp32 ring all-reduce of 2 ranks each: 4 θ per worker
-    assert summary["bytes_sent"] == 2 * 4 * (4 * cnn_numel)
+    assert summary["sent_bytes"] == 2 * 4 * (4 * cnn_numel)
     unmixed, _ = streaming_diloco(20, 2, **{**settings, "alpha": 0.0})
     assert_params_differ(expected, unmixed)
