@@ -182,16 +182,29 @@ def new_powersgd_state(group, spec: str):
     )
 
 
-def counted_ddp(model: torch.nn.Module, group, device: torch.device, state, hook=None):
+def counted_ddp(
+    model: torch.nn.Module, group, device: torch.device, state, hook=None, one_bucket=False
+):
     """``model`` in DDP over ``group`` with a counting comm hook on ``state`` (by default
     :func:`counting_allreduce_hook`; ``hook(state, bucket)`` otherwise): the one place sync,
-    DASO's node-local part and the benchmarks' PyTorch peer build their DDP."""
+    DASO's node-local part and the benchmarks' PyTorch peer build their DDP. ``one_bucket``:
+    every gradient in one bucket (PowerSGD's hook needs it on gloo, see below)."""
     from torch.nn.parallel import DistributedDataParallel
 
+    options = {}
+    if one_bucket:
+        # PyTorch's powerSGD_hook issues its P and Q all-reduces from future callbacks; with
+        # more than one bucket they interleave with the next bucket's all-reduce in a
+        # different order on different ranks, which gloo reports as a collective mismatch
+        # (or hangs). One bucket as large as the model avoids it.
+        model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        options["bucket_cap_mb"] = model_mb + 1
+        options["gradient_as_bucket_view"] = False
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=group,
+        **options,
     )
     ddp.register_comm_hook(state, hook or counting_allreduce_hook)
     return ddp
@@ -229,7 +242,9 @@ class TorchDataParallel:
 
     def __init__(self, model: torch.nn.Module, group, device: torch.device, state):
         self.state = state
-        self.ddp = counted_ddp(model, group, device, state, hook=compressed_hook(state))
+        powersgd = state.compress.startswith("powersgd")
+        hook = compressed_hook(state)
+        self.ddp = counted_ddp(model, group, device, state, hook=hook, one_bucket=powersgd)
         self.module = self.ddp
 
     def after_backward(self) -> None:

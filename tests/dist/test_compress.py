@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import spawn
+from tests.helpers import cli, read_summary, spawn
 
 pytestmark = pytest.mark.dist
 
@@ -131,3 +131,15 @@ def test_sync_hooks_and_the_quantised_all_reduce_on_gloo(tmp_path):
     true = sum(torch.tensor(r["own"]) for r in results)
     assert torch.equal(sums[0], sums[1])
     assert float((sums[0] - true).abs().max()) < 0.1
+
+
+def test_powersgd_with_a_model_of_several_ddp_buckets_trains_on_gloo(tmp_path):
+    # The wide CNN's gradients (2.1 MB) span two DDP buckets by default; PyTorch's
+    # powerSGD_hook then interleaves its P/Q all-reduces with the next bucket's on gloo
+    # (a collective mismatch at W = 2, a hang at W = 4). cloudburst gives it one bucket.
+    out = tmp_path / "powersgd"
+    cli("train", "--strategy", "sync", "--compress", "powersgd:1", "--workers", "2",
+        "--model", "benchmarks.bench_models:mnist1d_wide_cnn", "--steps", "12",
+        "--eval-every-s", "1000", "--no-progress", "--out", str(out), timeout_s=180)  # fmt: skip
+    s = read_summary(out)
+    assert s["steps_per_worker"] == 12 and s["sent_bytes"] > 0
