@@ -219,14 +219,17 @@ def summary_rows(
     rows = []
     for key, recs in groups_of(records, keys).items():
         ends = [end_time(r) for r in recs]
-        steps = recs[0]["summary"]["steps_per_worker"]
         rows.append(
             [
                 *key,
                 fmt_tt([time_to(r, target) for r in recs], ends),
                 fmt_tt([time_to(r, 0.9) for r in recs], ends),
                 fmt_mean_sd([r["summary"]["final_test_accuracy"] for r in recs], 100),
-                fmt_mean_sd([e / steps for e in ends], 1, 3),
+                fmt_mean_sd(
+                    [e / r["summary"]["steps_per_worker"] for e, r in zip(ends, recs, strict=True)],
+                    1,
+                    3,
+                ),
                 fmt_mean_sd(ends, 1, 0),
             ]
         )
@@ -414,10 +417,9 @@ def _tt_plot(ax, records, xkey, series_key, target, xlabel):
                 continue
             got = [time_to(r, target) for r in recs]
             reached = [v for v in got if v is not None]
-            if reached:
-                xs.append(x)
-                ys.append(statistics.mean(reached))
-                es.append(statistics.stdev(reached) if len(reached) > 1 else 0)
+            xs.append(x)  # NaN where no seed reached it: the line breaks, never bridges a gap
+            ys.append(statistics.mean(reached) if reached else math.nan)
+            es.append(statistics.stdev(reached) if len(reached) > 1 else 0)
             if len(reached) < len(got):
                 cx.append(x)
                 cy.append(max(end_time(r) for r in recs))
@@ -883,6 +885,28 @@ def write_experiment(exp: Experiment, records, meta, wall_s: float) -> None:
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
 
 
+def rebuild_experiment(exp: Experiment, path: Path) -> None:
+    """Tables, verdict and plot again from the runs stored in ``path`` (no run is repeated);
+    the runs' own provenance stays, the rebuild's is added."""
+    data = json.loads(path.read_text())
+    meta, records = data["meta"], data["records"]
+    lines, verdict = exp.report(records, meta)
+    meta["verdict"], meta["report_lines"] = verdict, lines
+    meta["rebuilt"] = (
+        f"tables, verdict and plot rebuilt from these runs (none re-run) by "
+        f"`{benchutil.command_line()}` at commit `{benchutil.git_revision()}`"
+    )
+    if not any(ln.startswith("- tables, verdict and plot rebuilt") for ln in meta["provenance"]):
+        meta["provenance"].append("- " + meta["rebuilt"])
+    else:
+        meta["provenance"] = [
+            ("- " + meta["rebuilt"]) if ln.startswith("- tables, verdict and plot rebuilt") else ln
+            for ln in meta["provenance"]
+        ]
+    exp.plot(records, meta, path.with_suffix(".png"))
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
 def rebuild_markdown() -> Path:
     kept = ""
     if MD.exists() and KEEP_MARK in MD.read_text():
@@ -965,6 +989,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-steps", type=int, default=150)
     args = ap.parse_args(argv)
     if args.experiment == "report":
+        for name, exp in EXPERIMENTS.items():
+            path = benchutil.RESULTS / f"sim_seeds_{name}.json"
+            if path.exists():
+                rebuild_experiment(exp, path)
         print(rebuild_markdown())
         return 0
     exp = EXPERIMENTS[args.experiment]
