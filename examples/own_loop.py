@@ -73,7 +73,7 @@ def main() -> None:
         optimizer.step()
         job.after_step(len(x), loss.item())  # cloudburst
     report = job.finish()  # cloudburst
-    print(f"worker {job.worker_index}: loss {loss.item():.3f}, sent {report['bytes_sent']} bytes")
+    print(f"worker {job.worker_index}: loss {loss.item():.3f}, sent {report['sent_bytes']} bytes")
 
 
 if __name__ == "__main__":
