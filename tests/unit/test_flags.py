@@ -339,7 +339,7 @@ def _run_daso(cfg: RunConfig, monkeypatch, steps: int = 20):
     monkeypatch.setattr(
         allreduce_module,
         "counted_ddp",
-        lambda model, group, device, state, hook=None: _FakeDDP(model, process_group=group),
+        lambda model, group, device, state, hook=None, **kw: _FakeDDP(model, process_group=group),
     )
     monkeypatch.setattr(daso, "all_reduce_sum", all_reduce_sum)
     monkeypatch.setattr(daso, "broadcast", lambda *a, **kw: None)
