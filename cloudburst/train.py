@@ -229,7 +229,11 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     if cfg.warm_start_steps and ctx.worker_index == 0 and not resumed:
         # Warm start (GPU A-SGD experiment 3): this worker trains alone, then seeds the servers.
         for i in range(cfg.warm_start_steps):
+            t_start = ctx.comm.now()
             loss = train_step()
+            # A warm-up step takes the emulated device's time too (and its modelled time on
+            # the virtual cluster), so that a time-to-target includes the warm start.
+            ctx.comm.step_done(ctx.comm.now() - t_start, cfg.min_step_time_s, factor)
             if (i + 1) % cfg.log_every_steps == 0:
                 metrics.log("warmup", step=i + 1, time_s=ctx.elapsed_s(), loss=loss)
     strategy.start()

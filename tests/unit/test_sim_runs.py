@@ -192,3 +192,11 @@ def test_gossip_keeps_its_own_pace_beside_a_straggler_until_a_consensus_measurem
     fast = [STEP_S * k for k in range(1, 10)] + [3 * STEP_S * 10 + STEP_S * k for k in (0, 1, 2)]
     assert _step_times(tmp_path, 0) == pytest.approx(fast)
     assert _step_times(tmp_path, 1) == pytest.approx([3 * STEP_S * k for k in range(1, 13)])
+
+
+def test_warm_start_steps_take_their_modelled_time(tmp_path):
+    # Worker 0 trains 5 steps alone before seeding the server: its first step after the warm
+    # start ends at 6 T, as on a real device.
+    cfg = _cfg(tmp_path, "asgd", 1, 10, warm_start_steps=5, log_every_steps=1)
+    _sim(cfg, server_apply_gbyte_per_s=1e6)
+    assert _step_times(tmp_path, 1) == pytest.approx([STEP_S * (5 + k) for k in range(1, 11)])
