@@ -55,12 +55,9 @@ class EasgdStrategy(AsgdStrategy):
         if self.local_steps % self.cfg.easgd_tau != 0:
             self._elastic_round()
 
-    def _elastic_round(self) -> None:
-        if self.compress != "none":
-            self._compressed_elastic_round()
-            return
-        flat = flatten_params(self.model, out=self._flat)
-        theta = self._to_host(flat)  # θ_i in host memory (itself on a CPU replica)
+    def _exchange(self, payloads: list[torch.Tensor]) -> torch.Tensor:
+        """Send shard k its PUSH_FETCH header and ``payloads[k]`` while its centre comes back;
+        returns the centre's host buffer (the replies' headers are still to be read)."""
         centre = self._fetch_host if self.on_gpu else self._spare
         started = []
         for k, (a, b) in enumerate(self.bounds):
@@ -73,9 +70,18 @@ class EasgdStrategy(AsgdStrategy):
                 aux=self.local_steps,
             )
             self.transport.send(k, header)
-            started.append(self.transport.isend_payload(k, theta[a:b], reply=False))
+            started.append(self.transport.isend_payload(k, payloads[k], reply=False))
             started.append(self.transport.irecv_payload(k, centre[a:b], reply=True))
         self.transport.wait_all(started)
+        return centre
+
+    def _elastic_round(self) -> None:
+        if self.compress != "none":
+            self._compressed_elastic_round()
+            return
+        flat = flatten_params(self.model, out=self._flat)
+        theta = self._to_host(flat)  # θ_i in host memory (itself on a CPU replica)
+        centre = self._exchange([theta[a:b] for a, b in self.bounds])
         alpha = self.cfg.easgd_alpha_value
         for k, (a, b) in enumerate(self.bounds):
             reply = self.transport.recv_reply(k)
@@ -98,21 +104,7 @@ class EasgdStrategy(AsgdStrategy):
         elastic = torch.sub(flat, self.reference, out=self._delta).mul_(self.cfg.easgd_alpha_value)
         sent = self._to_host(elastic)
         packets = self._compress_push(sent)  # sent becomes what the shards will add
-        centre = self._fetch_host if self.on_gpu else self._spare
-        started = []
-        for k, (a, b) in enumerate(self.bounds):
-            header = Header(
-                Kind.PUSH_FETCH,
-                shard=k,
-                version=self.versions[k],
-                numel=b - a,
-                samples=self._samples_since_push,
-                aux=self.local_steps,
-            )
-            self.transport.send(k, header)
-            started.append(self.transport.isend_payload(k, packets[k], reply=False))
-            started.append(self.transport.irecv_payload(k, centre[a:b], reply=True))
-        self.transport.wait_all(started)
+        centre = self._exchange(packets)
         moved, reset = [], []
         for k, (a, b) in enumerate(self.bounds):
             reply = self.transport.recv_reply(k)
