@@ -89,8 +89,6 @@ class Task:
             if not sched._aborting:
                 for joiner in self._joiners:
                     sched.wake(joiner, self.clock)
-                for listener in list(sched.on_task_end):
-                    listener(self)
             sched._leave(self)
 
     # ----------------------------------------------------------------- joining
@@ -117,12 +115,10 @@ class Scheduler:
         self.tasks: list[Task] = []
         self.current: Task | None = None
         self.switches = 0  # task switches (the simulator's overhead)
-        self.on_task_end: list[Callable[[Task], None]] = []
         self._heap: list[tuple[float, int, int]] = []
         self._done = threading.Event()
         self._aborting = False
         self._error: BaseException | None = None
-        self._failed: Task | None = None
         self.stalled = ""  # set when a deadline fires with every task waiting (a deadlock)
         self._lock = threading.Lock()
         self._released = False
@@ -208,10 +204,6 @@ class Scheduler:
             self._schedule(task, at, blocked=True)
             task._waking = True
 
-    def yield_now(self) -> None:
-        """Let tasks at the same virtual time with lower ids run first."""
-        self.advance(0.0)
-
     # ----------------------------------------------------------------- internals
     def _schedule(self, task: Task, at: float, blocked: bool = False) -> None:
         task._waking = False
@@ -283,7 +275,6 @@ class Scheduler:
     def _fail(self, task: Task, error: BaseException) -> None:
         if self._error is None:
             self._error = error
-            self._failed = task
         self._aborting = True
 
     def _abort_all(self) -> None:

@@ -39,7 +39,6 @@ import torch
 from torch import nn
 
 from cloudburst.comm.allreduce import count_collective, ring_bytes
-from cloudburst.comm.flat import flatten_params
 from cloudburst.sim.network import (
     PeerDied,
     SimGroup,
@@ -235,7 +234,6 @@ class SimTransport:
         self.sched = net.sched
         self.factor = factor
         self.steps = 0  # training steps charged (the jitter's index)
-        self.compute_s = 0.0
         self._charged = False  # this step's compute was charged before its all-reduce
 
     # ------------------------------------------------------------------ the clock
@@ -264,7 +262,6 @@ class SimTransport:
     def _charge(self, factor: float) -> None:
         self.steps += 1
         dt = self.net.clock.step_s(self.worker_index or 0, self.steps, factor)
-        self.compute_s += dt
         self.sched.advance(dt)
 
     def apply_done(self, nbytes: int) -> None:
@@ -390,7 +387,3 @@ class SimTransport:
 
     def liveness_monitor(self, store, ranks, timeout_s) -> SimLiveness:
         return SimLiveness(self.net, ranks, timeout_s)
-
-
-def replica_numel(model: nn.Module) -> int:
-    return flatten_params(model).numel()
