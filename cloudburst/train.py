@@ -214,6 +214,16 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
             scheduler.step()
         return loss
 
+    def on_device(step_fn, *args) -> float:
+        """One training step, then the emulated device's time for it: its compute (the
+        step's time less what it waited for communication), padded and slowed by the
+        transport (the virtual cluster charges its modelled step time instead)."""
+        t_start, waited_before = ctx.comm.now(), strategy.stats.wait_s
+        loss = step_fn(*args)
+        compute_s = ctx.comm.now() - t_start - (strategy.stats.wait_s - waited_before)
+        ctx.comm.step_done(compute_s, cfg.min_step_time_s, factor)
+        return loss
+
     evaluator = Evaluator(ctx, model, data, metrics) if strategy.is_evaluator else None
     resumed = resume_worker(ctx, model, optimizer, scheduler, strategy, stream, evaluator)
     start_step = resumed["step"] if resumed else 0
@@ -229,11 +239,9 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     if cfg.warm_start_steps and ctx.worker_index == 0 and not resumed:
         # Warm start (GPU A-SGD experiment 3): this worker trains alone, then seeds the servers.
         for i in range(cfg.warm_start_steps):
-            t_start = ctx.comm.now()
-            loss = train_step()
             # A warm-up step takes the emulated device's time too (and its modelled time on
             # the virtual cluster), so that a time-to-target includes the warm start.
-            ctx.comm.step_done(ctx.comm.now() - t_start, cfg.min_step_time_s, factor)
+            loss = on_device(train_step)
             if (i + 1) % cfg.log_every_steps == 0:
                 metrics.log("warmup", step=i + 1, time_s=ctx.elapsed_s(), loss=loss)
     strategy.start()
@@ -246,11 +254,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     loss = math.nan
     checkpoint_due = False
     for step in range(start_step + 1, total + 1):
-        t_start = ctx.comm.now()
-        waited_before = strategy.stats.wait_s
-        loss = train_step_scheduled(step)
-        compute_s = ctx.comm.now() - t_start - (strategy.stats.wait_s - waited_before)
-        ctx.comm.step_done(compute_s, cfg.min_step_time_s, factor)
+        loss = on_device(train_step_scheduled, step)
         strategy.record_loss(loss)
         strategy.after_step(cfg.batch_size)
         samples += cfg.batch_size
