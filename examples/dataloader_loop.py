@@ -52,7 +52,8 @@ def main() -> None:
             final = job.serve(model)  # cloudburst
             if final is not None:
                 acc = (final(data.x_test).argmax(1) == data.y_test).float().mean().item()
-                print(f"final global model: test accuracy {acc:.3f}")
+                # (the newline in the text, flushed: one write, whole lines between ranks)
+                print(f"final global model: test accuracy {acc:.3f}\n", end="", flush=True)
             return
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         model = job.wrap(model, optimizer)  # cloudburst
@@ -72,7 +73,8 @@ def main() -> None:
         model.eval()
         with torch.no_grad():
             acc = (model(data.x_test).argmax(1) == data.y_test).float().mean().item()
-        print(f"worker {job.worker_index}: replica test accuracy {acc:.3f}")
+        # (the newline in the text, flushed: one write, whole lines between ranks)
+        print(f"worker {job.worker_index}: replica test accuracy {acc:.3f}\n", end="", flush=True)
 
 
 if __name__ == "__main__":

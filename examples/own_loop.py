@@ -52,7 +52,8 @@ def main() -> None:
         final = job.serve(model)  # cloudburst
         if final is not None:
             acc = (final(x_test).argmax(1) == y_test).float().mean().item()
-            print(f"final global model: test accuracy {acc:.3f}")
+            # (the newline in the text, flushed: one write, whole lines between ranks)
+            print(f"final global model: test accuracy {acc:.3f}\n", end="", flush=True)
         return
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -73,7 +74,9 @@ def main() -> None:
         optimizer.step()
         job.after_step(len(x), loss.item())  # cloudburst
     report = job.finish()  # cloudburst
-    print(f"worker {job.worker_index}: loss {loss.item():.3f}, sent {report['sent_bytes']} bytes")
+    # (the newline in the text, flushed: one write, whole lines between ranks)
+    line = f"worker {job.worker_index}: loss {loss.item():.3f}, sent {report['sent_bytes']} bytes"
+    print(line + "\n", end="", flush=True)
 
 
 if __name__ == "__main__":
