@@ -66,6 +66,7 @@ COMPRESSIBLE = {
     "asgd": ("none", "bf16", "fp8", "int8"),
     "easgd": ("none", "bf16", "fp8", "int8"),
     "gossip": ("none", "bf16", "fp8", "int8"),
+    "daso": ("none", "bf16", "fp8", "int8"),
 }
 
 
@@ -100,8 +101,8 @@ class ClusterConfig:
     compress: str = option(
         "none",
         "compress what is sent (docs/algorithms.md#compression): bf16, fp8 or int8 "
-        "(block-wise scales, error feedback) for sync, local_sgd, diloco, asgd, easgd and "
-        "gossip; powersgd[:RANK] "
+        "(block-wise scales, error feedback) for sync, local_sgd, diloco, asgd, easgd, "
+        "gossip and daso's global syncs; powersgd[:RANK] "
         "for sync (PyTorch's DDP hook)",
         metavar="none|bf16|fp8|int8|powersgd[:RANK]",
     )
@@ -138,11 +139,16 @@ class ClusterConfig:
             raise ConfigError(
                 f"compress: {self.compress!r} is not available for strategy {self.strategy!r}; "
                 f"use {', '.join(allowed)}"
-                + (
-                    " (DASO's averages are cast with --daso-downcast / --daso-cycling-downcast)"
-                    if self.strategy == "daso"
-                    else ""
-                )
+            )
+        casts = (
+            getattr(self, "daso_downcast", "bf16"),
+            getattr(self, "daso_cycling_downcast", "none"),
+        )
+        if self.strategy == "daso" and method != "none" and casts != ("bf16", "none"):
+            raise ConfigError(
+                f"compress: {self.compress!r} sends every DASO global sync as {method}; "
+                f"--daso-downcast {casts[0]} / --daso-cycling-downcast {casts[1]} apply only "
+                "with --compress none (leave them at bf16 / none)"
             )
 
 

@@ -19,6 +19,16 @@ Synchronous inside a node; across nodes, a global sync is waited for S batches a
 started, so the θ merged is S batches stale. Staleness: S (in batches). A dead rank: its
 node's and its global group's collectives raise, and the job stops, as for ``sync``.
 
+``compress`` (docs/algorithms.md#compression): ``--compress bf16`` sends every global sync,
+blocking and non-blocking, as bf16 (summed in bf16, no error feedback: what ``--daso-downcast
+bf16`` does for the blocking ones); ``int8`` / ``fp8`` send θ quantised block-wise
+(:func:`~cloudburst.comm.compress.compressed_all_reduce_sum`: an all-gather of every node's
+codes and scales, dequantised and summed in fp32) with error feedback, the residual kept per
+rank (each rank sends only at its own turns of the rotation) and checkpointed. A merge's
+rounding stays in θ for good, so without feedback the roundings of successive syncs would add
+up; with it each sync also sends what the rank's previous one left out. ``--compress`` and a
+non-default ``--daso-downcast`` / ``--daso-cycling-downcast`` are refused together.
+
 Differences from Heat: the cast is configurable for each kind of sync; the schedule is an
 explicit, checkpointable object (Heat keeps loose counters and has no ``state_dict``); "stable"
 means no relative improvement of ``stability_level`` for ``patience`` epochs in a row (Heat's
@@ -36,6 +46,12 @@ from torch import nn
 
 from cloudburst.comm.allreduce import AllreduceHookState, data_parallel
 from cloudburst.comm.collectives import Pending, all_reduce_sum, broadcast, world_sum
+from cloudburst.comm.compress import (
+    Compression,
+    ErrorFeedback,
+    compressed_all_reduce_sum,
+    payload_bytes,
+)
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.strategies.base import Strategy
 
@@ -149,6 +165,10 @@ class DasoStrategy(Strategy):
         self.local_rank = self.node_ranks.index(ctx.rank)
         self.blocking_dtype = DTYPES[self.cfg.daso_downcast]
         self.cycling_dtype = DTYPES[self.cfg.daso_cycling_downcast]
+        self.compression = Compression.parse(getattr(self.cfg, "compress", "none"))
+        if self.compression.method == "bf16":  # both kinds of sync cast, as --daso-downcast
+            self.blocking_dtype = self.cycling_dtype = torch.bfloat16
+        self.feedback = ErrorFeedback()  # int8 / fp8: what this rank's last send left out
         self.schedule: DasoSchedule | None = None
         self.steps_per_epoch = 1
         self.syncs = 0  # global syncs started (all ranks count alike: the rotation)
@@ -244,6 +264,24 @@ class DasoStrategy(Strategy):
             self.pending = _Pending(torch.empty(0), None, self.local_steps + s, s, sender)
             return
         flat = flatten_params(self.model, out=self._flat)
+        if self.compression.quantised:
+            buffer = flat.clone()  # summed in place, in fp32, from every node's codes
+            method = self.compression.method
+            self.global_bytes += payload_bytes(buffer.numel(), method)
+            work = compressed_all_reduce_sum(
+                buffer,
+                self.ctx.global_group,
+                self.stats,
+                method,
+                feedback=self.feedback,
+                key="theta",
+                link=self.ctx.link,
+                spans_nodes=self.nodes > 1,
+                async_op=True,
+                comm=self.ctx.comm,
+            )
+            self.pending = _Pending(buffer, work, self.local_steps + s, s, sender)
+            return
         dtype = self.blocking_dtype if s == 0 else self.cycling_dtype
         buffer = flat.to(dtype) if dtype != torch.float32 else flat.clone()
         self.global_bytes += buffer.numel() * buffer.element_size()
@@ -296,10 +334,15 @@ class DasoStrategy(Strategy):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The schedule and the rotation (a checkpoint is taken with no sync in flight)."""
+        """The schedule, the rotation and (int8 / fp8) this rank's error-feedback residual (a
+        checkpoint is taken with no sync in flight)."""
         if self.pending is not None:
             raise RuntimeError("DASO state is checkpointed between global syncs only")
+        state = {}
+        if self.compression.quantised:
+            state["compress_feedback"] = self.feedback.state_dict()
         return {
+            **state,
             **super().state_dict(),
             "schedule": self.schedule.state_dict(),
             "syncs": self.syncs,
@@ -320,6 +363,8 @@ class DasoStrategy(Strategy):
         self.syncs = int(state["syncs"])
         self.local_steps = int(state["local_steps"])
         self.epoch_loss_sum, self.epoch_loss_n = state["epoch_loss"]
+        if "compress_feedback" in state:
+            self.feedback.load_state_dict(state["compress_feedback"])
 
     # ------------------------------------------------------------------ reporting
     def step_info(self) -> dict[str, Any]:

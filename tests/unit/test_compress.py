@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,8 +25,10 @@ from cloudburst.comm.compress import (
     quantise,
     round_trip,
 )
+from cloudburst.comm.link import Topology
 from cloudburst.comm.p2p import CommStats
 from cloudburst.config import ConfigError, RunConfig
+from cloudburst.strategies.daso import DasoStrategy
 from cloudburst.strategies.local_sgd import DilocoStrategy
 from tests import reference as ref
 from tests.dist.simulate import trained
@@ -213,8 +216,13 @@ def test_a_compressed_all_reduce_gives_every_rank_the_same_sum_counted_as_sent(m
 # ---------------------------------------------------------------------------- the config
 def test_compress_is_refused_where_it_is_not_built():
     assert RunConfig(strategy="sync", workers=2, compress="powersgd:2").compress == "powersgd:2"
-    with pytest.raises(ConfigError, match="compress: 'int8' is not available for strategy"):
-        RunConfig(strategy="daso", workers=2, compress="int8")
+    assert RunConfig(strategy="daso", workers=2, compress="int8").compress == "int8"
+    with pytest.raises(ConfigError, match="compress: 'powersgd' is not available for strategy"):
+        RunConfig(strategy="daso", workers=2, compress="powersgd")
+    with pytest.raises(ConfigError, match="--daso-downcast fp16 / --daso-cycling-downcast none"):
+        RunConfig(strategy="daso", workers=2, compress="int8", daso_downcast="fp16")
+    with pytest.raises(ConfigError, match="apply only with --compress none"):
+        RunConfig(strategy="daso", workers=2, compress="bf16", daso_cycling_downcast="bf16")
     with pytest.raises(ConfigError, match="compress: 'powersgd' is not available"):
         RunConfig(strategy="diloco", workers=2, compress="powersgd")
     with pytest.raises(ConfigError, match="compress: 'zip' is not allowed"):
@@ -250,6 +258,69 @@ def test_diloco_checkpoints_its_residuals_and_a_restored_worker_continues_alike(
             r.step(0, step)
             s.after_step(8)
     assert torch.equal(ref.flat(replicas.models[0]), ref.flat(twin_replicas.models[0]))
+
+
+def test_daso_checkpoints_its_residual_and_a_restored_rank_continues_alike():
+    # One rank, one node: DASO's int8 global sync over a group of one (the merge
+    # (2S·θ + C(θ + e)) / (2S + 1)) still rounds, and leaves a residual.
+    def build(seed: int):
+        replicas = ref.Replicas(1, ref.sgd(), seed=seed)
+        cfg = _cfg("daso", 1, compress="int8", daso_global_skip=2, daso_batches_to_wait=1,
+                   daso_adaptive=False, daso_epoch_end_sync=False)  # fmt: skip
+        ctx = SimpleNamespace(
+            cfg=cfg, topology=Topology((0,)), node=0, rank=0, node_group=None,
+            global_group=None, comm=_Comm(_Group(1), 0), link=None, device=torch.device("cpu"),
+        )  # fmt: skip
+        strategy = DasoStrategy(ctx)
+        strategy.wrap(replicas.models[0], replicas.optimizers[0])
+        return replicas, strategy
+
+    replicas, strategy = build(0)
+    for step in range(1, 7):  # syncs start at steps 2, 4, 6 and merge a step later
+        replicas.step(0, step)
+        strategy.after_step(8)
+        if step == 6:
+            strategy._merge()
+    saved = copy.deepcopy(strategy.state_dict())
+    assert set(saved["compress_feedback"]) == {"theta"}
+    assert saved["compress_feedback"]["theta"].abs().sum() > 0
+    assert strategy.global_bytes == 3 * packed_bytes(strategy.numel, "int8")
+
+    twin_replicas, twin = build(3)
+    ref.set_flat(twin_replicas.models[0], ref.flat(replicas.models[0]))
+    twin_replicas.optimizers[0].load_state_dict(copy.deepcopy(replicas.optimizers[0].state_dict()))
+    twin.load_state_dict(saved)
+    for step in range(7, 14):
+        for r, s in ((replicas, strategy), (twin_replicas, twin)):
+            r.step(0, step)
+            s.after_step(8)
+    assert torch.equal(ref.flat(replicas.models[0]), ref.flat(twin_replicas.models[0]))
+
+
+def _daso_cfg(out, **kw) -> RunConfig:
+    schedule = dict(daso_warmup_epochs=0.25, daso_cooldown_epochs=0.25, daso_global_skip=4)
+    return _sim_cfg(out, "daso", 4, 120, nodes=2, **schedule, **kw)
+
+
+def test_daso_none_is_the_uncompressed_run_bit_for_bit(tmp_path):
+    _sim(_daso_cfg(tmp_path / "default"))
+    _sim(_daso_cfg(tmp_path / "none", compress="none"))
+    a, b = trained(tmp_path / "default"), trained(tmp_path / "none")
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("method", ["int8", "bf16"])
+def test_compressed_daso_learns_and_sends_its_global_syncs_compressed(tmp_path, method):
+    # fp32 global syncs (both kinds) against the compressed ones: the inter-node bytes are
+    # DASO's global syncs (and the epoch-loss all-reduces, 8 bytes each).
+    plain = _sim(_daso_cfg(tmp_path / "plain", daso_downcast="none"))
+    packed = _sim(_daso_cfg(tmp_path / "packed", compress=method))
+    assert _accuracy(packed) >= _accuracy(plain) - 0.05
+    assert _accuracy(packed) > 0.5
+    ratio = packed["inter_node_bytes"] / plain["inter_node_bytes"]
+    numel = sum(p.numel() for p in trained(tmp_path / "plain").parameters())
+    per_value = 0.5 if method == "bf16" else packed_bytes(numel, method) / (4 * numel)
+    assert per_value * 0.99 < ratio < per_value * 1.01
 
 
 def _accuracy(summary: dict) -> float:
