@@ -1,0 +1,613 @@
+"""The one harness every benchmark uses: provenance, interleaved runs with an A/A control,
+honest statistics (time to target held for k evaluations, censored runs counted, bootstrap
+intervals) and one report template (``results/<name>.md`` + ``.json`` with the claims that
+``benchmarks/evidence.py`` turns into the README's evidence table).
+
+A benchmark script is, in outline::
+
+    args = harness.parse_args(__doc__)
+    prov = harness.Provenance.capture(args)           # refuses a dirty tree / busy machine
+    runs = harness.interleave(arms, seeds, control="sync", prov=prov)
+    report = harness.Report("stragglers", "Time to 90 % ...", prov)
+    report.claim(...); report.table(...); report.write(runs)
+
+Rules (benchmarks/README.md says why): arms run A, B, A', … per seed, the order rotated by one
+per seed; every timed comparison carries an A/A pair (the control arm run twice); a time to
+target is the first evaluation from which the accuracy stays at or above the target for ``k``
+consecutive evaluations; runs that never get there are censored at the budget and counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+QUICK_RESULTS = REPO / "runs" / "bench-quick"  # --quick output: a smoke test, never evidence
+RUNS = REPO / "runs" / "bench"
+BUSY_FRACTION = 0.25  # other processes using more than this share of all cores = a busy machine
+K_CONSECUTIVE = 3  # evaluations a time to target must hold for
+
+
+def parse_args(
+    description: str | None, add: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
+    """The flags every benchmark has (``--quick``, ``--seeds``, ``--force``, ``--out``) plus
+    the script's own, added by ``add(parser)``. ``--seeds`` defaults to ``None``: the script
+    picks (≥ 5 for a time to target, fewer only under ``--quick``)."""
+    p = argparse.ArgumentParser(
+        description=(description or "").strip().splitlines()[0] if description else None
+    )
+    p.add_argument("--quick", action="store_true", help="a small smoke subset; not evidence")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per arm (script's default)")
+    p.add_argument("--force", action="store_true", help="run on a dirty tree or a busy machine")
+    p.add_argument("--out", default=None, help="report path (default results/<name>.md)")
+    if add is not None:
+        add(p)
+    args = p.parse_args()
+    if args.seeds is not None and args.seeds < 1:
+        p.error(f"--seeds must be >= 1, got {args.seeds}")
+    return args
+
+
+# ---------------------------------------------------------------------------- provenance
+def _git(*argv: str) -> str:
+    proc = subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True, check=False)
+    return proc.stdout
+
+
+def git_commit() -> tuple[str, list[str]]:
+    """(short commit, changed paths): tracked or untracked changes outside the result files
+    and ``runs/``. ``CLOUDBURST_GIT_REVISION`` names the commit of a tree copied without .git."""
+    if os.environ.get("CLOUDBURST_GIT_REVISION"):
+        return os.environ["CLOUDBURST_GIT_REVISION"] + " (given; tree without .git)", []
+    commit = _git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    changed = [
+        line[3:]
+        for line in _git("status", "--porcelain").splitlines()
+        if not line[3:].startswith(("benchmarks/results/", "runs/"))
+    ]
+    return commit, changed
+
+
+def cpu_busy_fraction(interval_s: float = 1.0) -> float:
+    """Share of all cores busy over ``interval_s`` (from /proc/stat; this process sleeps).
+
+    The 1-minute load average lags: it stays high for minutes after the previous benchmark
+    ended, so it is recorded, not used to refuse."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(interval_s)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    return 1.0 - (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def load1() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _gpu_model() -> str | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return None
+
+
+@dataclass
+class Provenance:
+    """Where and how a result was made: command, commit, machine, load. See :meth:`capture`."""
+
+    command: str
+    cwd: str
+    commit: str
+    dirty: list[str]
+    forced: bool
+    quick: bool
+    started_utc: str
+    python: str
+    torch: str
+    cpu: str
+    nproc: int
+    gpu: str | None
+    host: str
+    platform: str
+    busy_fraction_before: float
+    load_before: float
+    loads: list[float] = field(default_factory=list)
+    load_after: float | None = None
+    commit_after: str | None = None
+    args: Any = field(default=None, repr=False)
+
+    @classmethod
+    def capture(cls, args: argparse.Namespace) -> Provenance:
+        """Record the provenance; exit with one line on a dirty tree or a busy machine
+        (other processes using more than ``BUSY_FRACTION`` of the cores) unless ``--force``."""
+        import torch
+
+        commit, dirty = git_commit()
+        force = bool(getattr(args, "force", False))
+        if dirty and not force:
+            sys.exit(
+                f"benchmark refused: the tree has {len(dirty)} uncommitted change(s) "
+                f"({', '.join(dirty[:3])}{', …' if len(dirty) > 3 else ''}); commit them or "
+                "pass --force (the result is then marked dirty)"
+            )
+        busy = cpu_busy_fraction()
+        if busy > BUSY_FRACTION and not force:
+            sys.exit(
+                f"benchmark refused: the machine is busy ({100 * busy:.0f} % of "
+                f"{os.cpu_count()} cores in use by other processes, limit "
+                f"{100 * BUSY_FRACTION:.0f} %); wait, or pass --force"
+            )
+        return cls(
+            command=shlex.join(sys.orig_argv),
+            cwd=os.getcwd(),
+            commit=commit + ("+dirty" if dirty else ""),
+            dirty=dirty,
+            forced=force,
+            quick=bool(getattr(args, "quick", False)),
+            started_utc=datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
+            python=platform.python_version(),
+            torch=torch.__version__,
+            cpu=_cpu_model(),
+            nproc=os.cpu_count() or 1,
+            gpu=_gpu_model(),
+            host=socket.gethostname(),
+            platform=platform.platform(),
+            busy_fraction_before=round(busy, 3),
+            load_before=load1(),
+            args=args,
+        )
+
+    def sample_load(self) -> float:
+        """Record the 1-min load average now (after each run) and return it."""
+        self.loads.append(load1())
+        return self.loads[-1]
+
+    def finish(self) -> None:
+        self.load_after = load1()
+        self.commit_after = git_commit()[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("args")
+        return d
+
+
+# ---------------------------------------------------------------------------- runs
+@dataclass(frozen=True)
+class Arm:
+    """One configuration: ``cloudburst train`` flags without ``--out``/``--seed`` (or, for a
+    custom ``run`` callable, whatever it reads from ``argv``)."""
+
+    name: str
+    argv: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "argv", tuple(self.argv))
+
+
+@dataclass
+class Run:
+    """One run of one arm. ``evals`` are ``(time_s, samples, accuracy)`` of the global model,
+    time on the training clock (evaluation excluded where the run records it); ``values`` holds
+    what a non-training benchmark measured. A failed run is kept, with ``failed`` set."""
+
+    arm: str
+    seed: int
+    wall_s: float
+    summary: dict[str, Any] = field(default_factory=dict)
+    evals: list[tuple[float, int, float]] = field(default_factory=list)
+    failed: str | None = None
+    load_before: float | None = None
+    load_after: float | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+    out_dir: str | None = None
+
+    @property
+    def final_accuracy(self) -> float | None:
+        return self.summary.get("final_test_accuracy")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read_evals(out_dir: str | Path) -> list[tuple[float, int, float]]:
+    """The eval records of a run directory as ``(time_s, samples, accuracy)``, sorted by time.
+    The time is ``train_time_s`` (the training clock with evaluation taken out) where the
+    records carry it, else ``time_s``."""
+    evals = []
+    for path in sorted(Path(out_dir, "metrics").glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a killed run
+            if r.get("event") == "eval" and isinstance(r.get("test_accuracy"), int | float):
+                t = r.get("train_time_s", r["time_s"])
+                evals.append((float(t), int(r.get("samples", 0)), float(r["test_accuracy"])))
+    return sorted(evals)
+
+
+def run_train(arm: Arm, seed: int, out_dir: str | Path, timeout_s: float = 900.0) -> Run:
+    """``python -m cloudburst train <argv> --seed S --out D --no-progress`` in a subprocess
+    (``OMP_NUM_THREADS=1``). A non-zero exit or a timeout gives a Run with ``failed`` set."""
+    out_dir = Path(out_dir)
+    cmd = [sys.executable, "-m", "cloudburst", "train", *arm.argv]
+    cmd += ["--seed", str(seed), "--out", str(out_dir), "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    failed = None
+    try:
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            failed = f"exit {proc.returncode}: {tail[0][:300]}"
+    except subprocess.TimeoutExpired:
+        failed = f"timed out after {timeout_s:g} s"
+    wall = time.monotonic() - started
+    summary_path = out_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary.pop("config", None)
+    evals = read_evals(out_dir) if (out_dir / "metrics").is_dir() else []
+    return Run(arm.name, seed, round(wall, 3), summary, evals, failed, out_dir=str(out_dir))
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "arm"
+
+
+def interleave(
+    arms: Sequence[Arm],
+    seeds: Sequence[int],
+    control: str | None = None,
+    run: Callable[[Arm, int], Run] | None = None,
+    *,
+    prov: Provenance | None = None,
+    out_root: str | Path | None = None,
+    timeout_s: float = 900.0,
+) -> list[Run]:
+    """Run every arm once per seed, seed by seed, the order rotated by one per seed
+    (A B C, B C A, C A B, …). ``control`` names an arm that is run a second time per seed as
+    ``"<name> (A/A)"`` at the other end of the rotation: the A/A pair. ``run(arm, seed)``
+    defaults to :func:`run_train` into ``out_root/<arm>/seed<S>`` (default ``runs/bench/``).
+    Each Run gets the 1-min load average before and after it; failed runs are kept."""
+    arms = list(arms)
+    if control is not None:
+        base = next((a for a in arms if a.name == control), None)
+        if base is None:
+            raise ValueError(f"control arm {control!r} is not among {[a.name for a in arms]}")
+        arms.append(Arm(aa_name(control), base.argv))
+    if len({a.name for a in arms}) != len(arms):
+        raise ValueError(f"arm names must be unique, got {[a.name for a in arms]}")
+    if run is None:
+        root = Path(out_root) if out_root is not None else RUNS
+
+        def run(arm: Arm, seed: int) -> Run:
+            return run_train(arm, seed, root / _slug(arm.name) / f"seed{seed}", timeout_s)
+
+    runs = []
+    for i, seed in enumerate(seeds):
+        order = arms[i % len(arms) :] + arms[: i % len(arms)]
+        for arm in order:
+            before = load1()
+            r = run(arm, seed)
+            r.load_before = before
+            r.load_after = prov.sample_load() if prov is not None else load1()
+            runs.append(r)
+            print(f"  {arm.name} seed {seed}: {describe(r)}", flush=True)
+    return runs
+
+
+def aa_name(control: str) -> str:
+    return f"{control} (A/A)"
+
+
+def describe(r: Run) -> str:
+    if r.failed:
+        return f"FAILED ({r.failed})"
+    acc = r.final_accuracy
+    parts = [f"wall {r.wall_s:.1f} s"]
+    if acc is not None:
+        parts.append(f"final acc {100 * acc:.1f} %")
+    parts += [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.values.items()]
+    return ", ".join(parts)
+
+
+def by_arm(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    """Runs grouped by arm name, each group in seed order."""
+    out: dict[str, list[Run]] = {}
+    for r in sorted(runs, key=lambda r: r.seed):
+        out.setdefault(r.arm, []).append(r)
+    return out
+
+
+# ---------------------------------------------------------------------------- statistics
+def time_to_target(
+    evals: Sequence[tuple[float, int, float]], target: float, k: int = K_CONSECUTIVE
+) -> float | None:
+    """The time of the first evaluation from which the accuracy is ≥ ``target`` for ``k``
+    consecutive evaluations (that one included); ``None`` (censored) if no such run of ``k``
+    exists, also when the run ended fewer than ``k`` evaluations after reaching it."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    held = 0
+    for i, (_, _, acc) in enumerate(evals):
+        held = held + 1 if acc >= target else 0
+        if held == k:
+            return evals[i - k + 1][0]
+    return None
+
+
+def censored_median(times: Sequence[float | None], budget_s: float) -> tuple[float | str, int]:
+    """(median, how many censored): censored values (``None``) sort above every time; when
+    the median falls on a censored value the median is the string ``"> <budget> s"``."""
+    if not times:
+        raise ValueError("censored_median of no runs")
+    n_censored = sum(t is None for t in times)
+    ordered = sorted(float("inf") if t is None else t for t in times)
+    med = statistics.median(ordered)
+    return (f"> {budget_s:.4g} s" if med == float("inf") else med), n_censored
+
+
+def _uncensor(values: Sequence[float | None], budget_s: float | None) -> list[float]:
+    if any(v is None for v in values) and budget_s is None:
+        raise ValueError("censored values (None) need budget_s")
+    return [budget_s if v is None else float(v) for v in values]  # type: ignore[misc]
+
+
+def bootstrap_ratio(
+    a: Sequence[float | None],
+    b: Sequence[float | None],
+    n: int = 2000,
+    seed: int = 0,
+    budget_s: float | None = None,
+) -> tuple[float, float, float]:
+    """(median(a) ÷ median(b), 2.5th, 97.5th percentile) of the ratio of medians over ``n``
+    bootstrap resamples (a and b resampled independently, ``random.Random(seed)``: the same
+    inputs give the same interval). Censored values (``None``) count as ``budget_s``, so a
+    ratio with censored runs is a bound, which the report says."""
+    xa, xb = _uncensor(a, budget_s), _uncensor(b, budget_s)
+    if not xa or not xb:
+        raise ValueError("bootstrap_ratio needs at least one value on each side")
+    if statistics.median(xb) == 0:
+        raise ValueError("bootstrap_ratio: the denominator's median is 0")
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(n):
+        mb = statistics.median(rng.choices(xb, k=len(xb)))
+        ma = statistics.median(rng.choices(xa, k=len(xa)))
+        ratios.append(ma / mb if mb else float("inf"))
+    ratios.sort()
+    lo = ratios[int(0.025 * (n - 1))]
+    hi = ratios[-int(0.025 * (n - 1)) - 1]
+    return statistics.median(xa) / statistics.median(xb), lo, hi
+
+
+def times_to(runs: Sequence[Run], target: float, k: int = K_CONSECUTIVE) -> list[float | None]:
+    """Each run's :func:`time_to_target` (a failed run counts as censored)."""
+    return [None if r.failed else time_to_target(r.evals, target, k) for r in runs]
+
+
+def budget_of(runs: Sequence[Run]) -> float:
+    """The censoring budget: the longest training time any of ``runs`` recorded."""
+    return max((r.evals[-1][0] for r in runs if r.evals), default=0.0) or max(
+        (r.wall_s for r in runs), default=0.0
+    )
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """A number to ``digits`` significant figures; ``None`` as ``-``; strings as they are."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    return f"{value:.{digits}g}" if abs(value) < 10**digits else f"{value:.0f}"
+
+
+def pct(acc: float | None) -> str:
+    return "-" if acc is None else f"{100 * acc:.1f}"
+
+
+# ---------------------------------------------------------------------------- the report
+@dataclass
+class Claim:
+    """One verdict row: ``value`` against ``target`` (text such as ``"≤ 0.75"``); ``aa`` the
+    A/A control's value beside it, ``interval`` the 95 % bootstrap interval."""
+
+    name: str
+    value: float | str | None
+    target: str
+    ok: bool | None
+    aa: float | str | None = None
+    interval: tuple[float, float] | None = None
+    seeds: int | None = None
+    note: str = ""
+
+    @property
+    def verdict(self) -> str:
+        return "-" if self.ok is None else ("PASS" if self.ok else "MISS")
+
+    def row(self) -> list[str]:
+        interval = (
+            "-" if self.interval is None else f"{fmt(self.interval[0])}–{fmt(self.interval[1])}"
+        )
+        return [
+            self.name,
+            f"**{fmt(self.value)}**",
+            self.target,
+            fmt(self.aa),
+            interval,
+            fmt(self.seeds),
+            self.verdict + (f" ({self.note})" if self.note else ""),
+        ]
+
+
+CLAIM_HEADERS = ["claim", "value", "target", "A/A", "95 % interval", "seeds", "verdict"]
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return lines + ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+
+
+def ratio_claim(
+    report: Report,
+    name: str,
+    a: Sequence[float | None],
+    b: Sequence[float | None],
+    aa: Sequence[float | None] | None,
+    target: str,
+    ok: Callable[[float], bool],
+    budget_s: float | None = None,
+) -> Claim:
+    """Add the claim median(a) ÷ median(b) with its bootstrap interval and, beside it, the
+    A/A ratio median(aa) ÷ median(b); censored values count as ``budget_s`` (noted)."""
+    ratio, lo, hi = bootstrap_ratio(a, b, budget_s=budget_s)
+    aa_ratio = None if not aa else bootstrap_ratio(aa, b, budget_s=budget_s)[0]
+    censored = sum(v is None for v in (*a, *b, *(aa or ())))
+    note = f"{censored} censored runs counted at the {fmt(budget_s)} s budget" if censored else ""
+    return report.claim(
+        name, ratio, target, ok(ratio), aa_ratio, (lo, hi), min(len(a), len(b)), note
+    )
+
+
+class Report:
+    """The one template: title, provenance header, claims, then the sections in the order
+    added. :meth:`write` makes ``<out>.md`` and ``<out>.json`` (provenance, claims, data,
+    runs); ``--quick`` writes under ``runs/bench-quick/`` unless ``--out`` says otherwise."""
+
+    def __init__(self, name: str, title: str, prov: Provenance):
+        self.name, self.title, self.prov = name, title, prov
+        self.claims: list[Claim] = []
+        self.body: list[str] = []
+        self.data: dict[str, Any] = {}
+
+    def claim(
+        self,
+        name: str,
+        value: float | str | None,
+        target: str,
+        ok: bool | None,
+        aa: float | str | None = None,
+        interval: tuple[float, float] | None = None,
+        seeds: int | None = None,
+        note: str = "",
+    ) -> Claim:
+        c = Claim(name, value, target, ok, aa, interval, seeds, note)
+        self.claims.append(c)
+        return c
+
+    def settings(self, text: str) -> Report:
+        self.body += ["## Settings", "", text.strip(), ""]
+        return self
+
+    def section(self, heading: str) -> Report:
+        self.body += [f"## {heading}", ""]
+        return self
+
+    def table(self, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Report:
+        self.body += [*md_table(headers, rows), ""]
+        return self
+
+    def text(self, text: str) -> Report:
+        self.body += [text.strip(), ""]
+        return self
+
+    def figure(self, path: str | Path, caption: str = "") -> Report:
+        self.body += [f"![{caption or Path(path).stem}]({Path(path).name})", ""]
+        return self
+
+    def path(self) -> Path:
+        out = getattr(self.prov.args, "out", None)
+        if out:
+            return Path(out).with_suffix(".md")
+        return (QUICK_RESULTS if self.prov.quick else RESULTS) / f"{self.name}.md"
+
+    def header(self) -> list[str]:
+        p = self.prov
+        loads = ", ".join(f"{x:.2f}" for x in p.loads) or "-"
+        lines = [
+            f"# {self.title}",
+            "",
+            f"- command: `{p.command}` (cwd `{p.cwd}`), started {p.started_utc} UTC",
+            f"- commit: `{p.commit}`"
+            + (
+                f" — **changed during the run** to `{p.commit_after}`"
+                if p.commit_after and p.commit_after != p.commit.removesuffix("+dirty")
+                else ""
+            )
+            + (" — **forced** (dirty tree or busy machine allowed)" if p.forced else ""),
+            f"- machine: {p.cpu}, {p.nproc} cores, GPU {p.gpu or 'none'}, host `{p.host}`, "
+            f"`{p.platform}`",
+            f"- python {p.python}, torch {p.torch}",
+            f"- load (1-min average): {p.load_before:.2f} before, "
+            f"{fmt(p.load_after)} after; after each run: {loads}; other processes' CPU share "
+            f"at the start {100 * p.busy_fraction_before:.0f} %",
+        ]
+        if p.quick:
+            lines.append("- **--quick smoke run: not a result**")
+        return [*lines, ""]
+
+    def markdown(self) -> str:
+        lines = self.header()
+        if self.claims:
+            lines += ["## Claims", "", *md_table(CLAIM_HEADERS, [c.row() for c in self.claims]), ""]
+        return "\n".join([*lines, *self.body]).rstrip() + "\n"
+
+    def write(self, runs: Sequence[Run] = ()) -> Path:
+        self.prov.finish()
+        md = self.path()
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(self.markdown())
+        data = {
+            "name": self.name,
+            "title": self.title,
+            "provenance": self.prov.to_dict(),
+            "claims": [asdict(c) for c in self.claims],
+            "data": self.data,
+            "runs": [r.to_dict() for r in runs],
+        }
+        md.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+        print(f"wrote {md.relative_to(REPO) if md.is_relative_to(REPO) else md}", flush=True)
+        return md

@@ -1,0 +1,157 @@
+"""The benchmark harness's statistics and bookkeeping on scripted curves (no processes).
+
+Expected values are worked out by hand in the comments.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import harness
+from benchmarks.harness import Arm, Run
+
+
+def curve(*accuracies: float) -> list[tuple[float, int, float]]:
+    """Evaluations at t = 1, 2, 3, … s (samples = 100 t)."""
+    return [(float(t), 100 * t, a) for t, a in enumerate(accuracies, 1)]
+
+
+NOISY = curve(0.85, 0.91, 0.89, 0.90, 0.92, 0.93, 0.88)
+
+
+def test_time_to_target_is_the_first_evaluation_held_for_k():
+    # 0.91 at t = 2 drops to 0.89 at t = 3; from t = 4 on: 0.90, 0.92, 0.93 (three) then 0.88.
+    assert harness.time_to_target(NOISY, 0.9, k=1) == 2.0
+    assert harness.time_to_target(NOISY, 0.9, k=2) == 4.0
+    assert harness.time_to_target(NOISY, 0.9, k=3) == 4.0
+    assert harness.time_to_target(NOISY, 0.9, k=4) is None  # 0.88 at t = 7 breaks the run
+    assert harness.time_to_target(NOISY, 0.9) == 4.0  # k = 3 by default
+
+
+def test_time_to_target_censors_a_run_that_ends_before_k_evaluations():
+    # reached at t = 2 but only two evaluations remain: not held for 3
+    assert harness.time_to_target(curve(0.8, 0.95, 0.96), 0.9, k=3) is None
+    assert harness.time_to_target(curve(0.8, 0.95, 0.96), 0.9, k=2) == 2.0
+    assert harness.time_to_target([], 0.9) is None
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        harness.time_to_target(NOISY, 0.9, k=0)
+
+
+def test_censored_median_counts_censored_runs_above_every_time():
+    assert harness.censored_median([10.0, None, 30.0], 100) == (30.0, 1)
+    assert harness.censored_median([10.0, 20.0, 30.0, None], 100) == (25.0, 1)
+    # half censored: the median is the mean of 20 and a censored value, so above the budget
+    assert harness.censored_median([10.0, 20.0, None, None], 100) == ("> 100 s", 2)
+    assert harness.censored_median([None, None, 5.0], 42.5) == ("> 42.5 s", 2)
+    with pytest.raises(ValueError):
+        harness.censored_median([], 100)
+
+
+def test_bootstrap_ratio_is_exact_on_constants_and_counts_censored_as_the_budget():
+    assert harness.bootstrap_ratio([2.0] * 3, [1.0] * 3) == (2.0, 2.0, 2.0)
+    # a = [budget 10, 4, 4] has median 4; a censored majority [10, 10, 4] has median 10
+    assert harness.bootstrap_ratio([None, 4.0, 4.0], [2.0] * 3, budget_s=10)[0] == 2.0
+    assert harness.bootstrap_ratio([None, None, 4.0], [2.0] * 3, budget_s=10)[0] == 5.0
+    with pytest.raises(ValueError, match="budget_s"):
+        harness.bootstrap_ratio([None, 4.0], [2.0])
+    with pytest.raises(ValueError, match="median is 0"):
+        harness.bootstrap_ratio([1.0], [0.0])
+
+
+def test_bootstrap_ratio_is_deterministic_for_a_seed_and_bounded_by_the_data():
+    a, b = [3.0, 4.0, 5.0, 9.0, 4.5], [2.0, 2.5, 3.0, 2.2, 6.0]
+    first = harness.bootstrap_ratio(a, b, n=500, seed=7)
+    assert harness.bootstrap_ratio(a, b, n=500, seed=7) == first
+    ratio, lo, hi = first
+    assert ratio == 4.5 / 2.5
+    # any resample's median lies within the data: 3/6 <= ratio <= 9/2
+    assert 0.5 <= lo <= ratio <= hi <= 4.5
+    assert lo < hi  # the data vary, so must the resampled ratio
+    assert harness.bootstrap_ratio(a, b, n=500, seed=8) != first
+
+
+def test_interleave_rotates_the_order_per_seed_and_adds_the_aa_arm():
+    calls = []
+
+    def fake(arm: Arm, seed: int) -> Run:
+        calls.append((arm.name, arm.argv, seed))
+        return Run(arm.name, seed, wall_s=1.0, values={"x": 1.0})
+
+    arms = [Arm("sync", ["--strategy", "sync"]), Arm("asgd", ["--strategy", "asgd"])]
+    runs = harness.interleave(arms, [0, 1, 2], control="sync", run=fake)
+    assert [(n, s) for n, _, s in calls] == [
+        ("sync", 0), ("asgd", 0), ("sync (A/A)", 0),
+        ("asgd", 1), ("sync (A/A)", 1), ("sync", 1),
+        ("sync (A/A)", 2), ("sync", 2), ("asgd", 2),
+    ]  # fmt: skip
+    assert all(argv == ("--strategy", "sync") for n, argv, _ in calls if n.startswith("sync"))
+    assert all(r.load_before is not None and r.load_after is not None for r in runs)
+    assert list(harness.by_arm(runs)) == ["sync", "asgd", "sync (A/A)"]
+    with pytest.raises(ValueError, match="control arm 'ddp'"):
+        harness.interleave(arms, [0], control="ddp", run=fake)
+
+
+def test_read_evals_prefers_the_training_clock(tmp_path):
+    (tmp_path / "metrics").mkdir()
+    records = [
+        {"event": "step", "time_s": 0.5},
+        {"event": "eval", "time_s": 2.0, "train_time_s": 1.5, "samples": 64, "test_accuracy": 0.5},
+        {"event": "eval", "time_s": 1.0, "samples": 32, "test_accuracy": 0.25},
+    ]
+    text = "\n".join(json.dumps(r) for r in records) + '\n{"event": "ev'  # a cut-off line
+    (tmp_path / "metrics" / "rank0.jsonl").write_text(text)
+    assert harness.read_evals(tmp_path) == [(1.0, 32, 0.25), (1.5, 64, 0.5)]
+
+
+def provenance(tmp_path, monkeypatch) -> harness.Provenance:
+    monkeypatch.setattr(harness, "git_commit", lambda: ("abc1234", []))
+    return harness.Provenance(
+        command="bench", cwd="/", commit="abc1234", dirty=[], forced=False, quick=False,
+        started_utc="2026-01-01 00:00:00", python="3.11", torch="2.13.0", cpu="cpu", nproc=2,
+        gpu=None, host="h", platform="p", busy_fraction_before=0.0, load_before=0.1,
+        args=SimpleNamespace(out=str(tmp_path / "demo.md")),
+    )  # fmt: skip
+
+
+def test_report_writes_claims_with_the_aa_ratio_and_censoring(tmp_path, monkeypatch):
+    prov = provenance(tmp_path, monkeypatch)
+    report = harness.Report("demo", "A demo", prov)
+    # a: one censored run (counted as the 10 s budget) and two at 4 s; b and aa at 2 s
+    claim = harness.ratio_claim(
+        report, "time to 90 %, a ÷ b", [None, 4.0, 4.0], [2.0] * 3, [2.0] * 3, "≤ 0.75",
+        lambda r: r <= 0.75, budget_s=10,
+    )  # fmt: skip
+    assert (claim.value, claim.aa, claim.interval, claim.seeds) == (2.0, 1.0, (2.0, 5.0), 3)
+    assert claim.verdict == "MISS" and "1 censored" in claim.note
+    report.table(["run", "s"], [["a", 1.5], ["b", None]])
+    path = report.write([Run("a", 0, 1.0, failed="exit 1: boom")])
+    text = path.read_text()
+    assert "| time to 90 %, a ÷ b | **2** | ≤ 0.75 | 1 | 2–5 | 3 | MISS (1 censored" in text
+    assert "| a | 1.5 |" in text and "| b | - |" in text and "commit: `abc1234`" in text
+    data = json.loads(path.with_suffix(".json").read_text())
+    assert data["claims"][0]["value"] == 2.0 and data["claims"][0]["aa"] == 1.0
+    assert data["runs"][0]["failed"] == "exit 1: boom"
+    assert data["provenance"]["commit"] == "abc1234"
+
+
+def test_evidence_table_replaces_only_the_text_between_the_markers(tmp_path, monkeypatch):
+    from benchmarks import evidence
+
+    prov = provenance(tmp_path, monkeypatch)
+    report = harness.Report("demo", "A demo", prov)
+    report.claim("step ÷ DDP", 0.98, "≤ 1.05", True, aa=1.01, seeds=5)
+    report.write()
+    (tmp_path / "other.json").write_text('{"no": "claims"}')  # ignored
+    lines = evidence.table(tmp_path)
+    assert (
+        len(lines) == 3 and "| step ÷ DDP | **0.98** | ≤ 1.05 | 1.01 | - | 5 | PASS |" in lines[2]
+    )
+    readme = f"intro\n{evidence.BEGIN}\nold\n{evidence.END}\nrest\n"
+    assert (
+        evidence.splice(readme, ["new"]) == f"intro\n{evidence.BEGIN}\nnew\n{evidence.END}\nrest\n"
+    )
+    with pytest.raises(SystemExit, match="exactly one"):
+        evidence.splice("no markers", ["new"])
