@@ -4,8 +4,11 @@ Each rank appends one JSON object per line to ``OUT/metrics/rank{R}.jsonl``:
 
 - ``{"event": "step", "step", "time_s", "samples", "loss", "staleness_versions", "sent_bytes",
   "received_bytes", "comm_wait_s"}`` every ``log_every_steps`` (counters are cumulative);
-- ``{"event": "eval", "time_s", "samples", "test_accuracy", "test_loss"}`` for the global model
-  (``samples`` counts all workers' training samples behind it);
+- ``{"event": "eval", "time_s", "train_time_s", "eval_s", "samples", "test_accuracy",
+  "test_loss"}`` for the global model (``samples`` counts all workers' training samples behind
+  it; ``train_time_s`` is ``time_s`` less all earlier evaluations' time, ``eval_s`` this one's:
+  evaluation off the clock, the same rule for every strategy, see
+  :class:`cloudburst.train.Evaluator`);
 - ``{"event": "push", ...}`` on servers, one every ``push_log_every`` applied pushes and one for
   each push not applied; ``{"event": "peer_dropped", "worker", "reason"}`` when a server drops a
   worker that sent bad messages; and ``{"event": "final", ...}`` once at the end.

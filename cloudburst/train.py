@@ -32,9 +32,10 @@ from cloudburst.data import (
     load_dataset,
     worker_source,
 )
+from cloudburst.device_emulation import DeviceEmulator
 from cloudburst.faults import FaultInjector, parse_faults
 from cloudburst.liveness import EXIT_PEER_LOST, Watchdog, mark_done, watched_peers
-from cloudburst.metrics import MetricsWriter, write_json_atomic
+from cloudburst.metrics import MetricsWriter, iter_jsonl, write_json_atomic
 from cloudburst.models import build_model
 from cloudburst.resilience import capture_worker_state, resume_worker, save_worker_state
 from cloudburst.runtime import (
@@ -214,17 +215,30 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
             scheduler.step()
         return loss
 
+    evaluator = Evaluator(ctx, model, data, metrics) if strategy.is_evaluator else None
+    # The emulated device (--min-step-time-s, a straggler's factor): its padding is slept in
+    # per-layer forward and backward hooks (cloudburst.device_emulation), so communication
+    # overlaps with it where it would on a device. Installed after the evaluator copied the
+    # model (the copy has no hooks). The virtual cluster charges its modelled time instead.
+    emulator = None
+    if not ctx.comm.simulated and (cfg.min_step_time_s > 0 or factor > 1):
+        emulator = DeviceEmulator(model, cfg.min_step_time_s, factor, ctx.comm.sleep, ctx.comm.now)
+
     def on_device(step_fn, *args) -> float:
-        """One training step, then the emulated device's time for it: its compute (the
-        step's time less what it waited for communication), padded and slowed by the
-        transport (the virtual cluster charges its modelled step time instead)."""
+        """One training step on the emulated device: its compute (the step's time less what
+        it waited for communication) padded to the device's time, in the step's layers
+        (real runs) or by the transport (the virtual cluster's modelled step time)."""
         t_start, waited_before = ctx.comm.now(), strategy.stats.wait_s
+        if emulator is not None:
+            emulator.begin_step()
         loss = step_fn(*args)
-        compute_s = ctx.comm.now() - t_start - (strategy.stats.wait_s - waited_before)
-        ctx.comm.step_done(compute_s, cfg.min_step_time_s, factor)
+        busy_s = ctx.comm.now() - t_start - (strategy.stats.wait_s - waited_before)
+        if emulator is not None:
+            emulator.end_step(busy_s)
+        else:
+            ctx.comm.step_done(busy_s, cfg.min_step_time_s, factor)
         return loss
 
-    evaluator = Evaluator(ctx, model, data, metrics) if strategy.is_evaluator else None
     resumed = resume_worker(ctx, model, optimizer, scheduler, strategy, stream, evaluator)
     start_step = resumed["step"] if resumed else 0
     samples = resumed["samples"] if resumed else 0
@@ -236,6 +250,8 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     # Everything above is set-up (the first optimizer alone imports for ~2 s): the clock that
     # measures training starts now, on every rank at once (a resumed run's clock continues).
     ctx.start_clock(resumed["elapsed_s"] if resumed else 0.0)
+    if resumed and evaluator:
+        evaluator.restore_clock(resumed["elapsed_s"])
     if cfg.warm_start_steps and ctx.worker_index == 0 and not resumed:
         # Warm start (GPU A-SGD experiment 3): this worker trains alone, then seeds the servers.
         for i in range(cfg.warm_start_steps):
@@ -360,7 +376,21 @@ def _progress_bar(ctx: Context, total: int):
 
 
 class Evaluator:
-    """Evaluates the global model on the test set every ``eval_every_s`` seconds."""
+    """Evaluates the global model on the test set every ``eval_every_s`` seconds.
+
+    Evaluation is off the clock: each ``eval`` record has ``time_s`` (the job's clock at the
+    snapshot) and ``train_time_s``, the same clock less all the time this worker spent
+    evaluating before (fetching the snapshot of the global model and scoring it; ``eval_s``
+    is this evaluation's). One rule for every strategy: under lockstep strategies (sync,
+    local SGD, DiLoCo, DASO, gossip) every other worker waits at its next collective for
+    worker 0 while it evaluates, so the whole job stalls by that time and ``train_time_s`` is
+    every rank's clock without the stall. Under the asynchronous ones (asgd, EASGD) only
+    worker 0 stops; the others keep training, so ``train_time_s`` credits them with up to a
+    fraction ``Σ eval_s / time_s`` more training than the clock says (the record carries both,
+    so a report can show the fraction; it is small when evaluations are short against
+    ``eval_every_s``). Not subtracting would instead charge the evaluations to the lockstep
+    strategies in full.
+    """
 
     def __init__(self, ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWriter):
         self.ctx, self.data, self.metrics = ctx, data, metrics
@@ -369,12 +399,24 @@ class Evaluator:
         self.test = in_memory(data.test)
         self.preprocess = data.preprocess(augment=False)
         self.last_s = -math.inf
+        self.eval_s = 0.0  # time spent evaluating so far (what train_time_s leaves out)
         self.history: list[list[float]] = []  # [time_s, samples, accuracy]
+
+    def restore_clock(self, elapsed_s: float) -> None:
+        """A resumed run: the evaluation time already spent before ``elapsed_s``, read back
+        from this rank's eval records (its metrics file is appended to across restarts)."""
+        self.eval_s = 0.0
+        if not self.metrics.path.exists():
+            return
+        for r in iter_jsonl(self.metrics.path):
+            if r.get("event") == "eval" and "train_time_s" in r and r["time_s"] <= elapsed_s:
+                self.eval_s = r["time_s"] - r["train_time_s"] + r.get("eval_s", 0.0)
 
     def maybe_eval(self, strategy, force: bool = False) -> None:
         now = self.ctx.elapsed_s()
         if not force and now - self.last_s < self.ctx.cfg.eval_every_s:
             return
+        t_start = self.ctx.comm.now()
         with self.ctx.comm.measuring():  # a measurement: no virtual time in a simulation
             flat, samples = strategy.fetch_global_params()
         self.last_s = now
@@ -389,7 +431,17 @@ class Evaluator:
             autocast=self.ctx.cfg.autocast == "bf16",
         )
         self.history.append([now, samples, acc])
-        self.metrics.log("eval", time_s=now, samples=samples, test_accuracy=acc, test_loss=loss)
+        eval_s = self.ctx.comm.now() - t_start
+        self.metrics.log(
+            "eval",
+            time_s=now,
+            train_time_s=now - self.eval_s,
+            eval_s=eval_s,
+            samples=samples,
+            test_accuracy=acc,
+            test_loss=loss,
+        )
+        self.eval_s += eval_s
 
 
 # ---------------------------------------------------------------------------- servers
