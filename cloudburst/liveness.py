@@ -200,6 +200,11 @@ class RejoinBoard:
                 "there is no running job to rejoin"
             )
 
+    def skip(self) -> None:
+        """Server side: take every announcement made so far as read (a restarted shard: the
+        workers restarted before it do not rejoin it through the board)."""
+        self._seen = self._store.add(self.COUNT, 0) % self.CLOSED
+
     def poll(self) -> list[tuple[int, int]]:
         """Server side: (rank, incarnation) of the announcements since the last call."""
         return self._read(self._store.add(self.COUNT, 0) % self.CLOSED)
@@ -250,3 +255,44 @@ def _announcement(record: object) -> tuple[int, int]:
     if not all(type(v) is int and 0 <= v < 1 << 31 for v in (rank, incarnation)):
         raise ValueError(f"bad rank/incarnation {rank!r}/{incarnation!r}")
     return rank, incarnation
+
+
+# ---------------------------------------------------------------------------- restarted shards
+SHARD_BACK_KEY = "shard/{shard}/back/{incarnation}"  # the version a restarted shard restored
+SHARD_ACKED_KEY = "shard/{shard}/back/{incarnation}/acked/{rank}"  # a worker's last ack
+SHARD_RESTARTS_KEY = "shard/restarts"  # how many shard restarts the job has seen
+
+
+def announce_shard(store: dist.Store, shard: int, incarnation: int, version: int) -> None:
+    """A restarted shard says it is serving again, at the ``version`` it restored."""
+    store.add(SHARD_RESTARTS_KEY, 1)
+    store.set(SHARD_BACK_KEY.format(shard=shard, incarnation=incarnation), str(version))
+
+
+def shard_restarted(store: dist.Store) -> bool:
+    """Whether any shard of the job was restarted (the servers' own group lacks it then)."""
+    return store.add(SHARD_RESTARTS_KEY, 0) > 0
+
+
+def await_shard(store: dist.Store, shard: int, incarnation: int, timeout_s: float) -> int:
+    """Worker side: wait until shard ``shard`` announces restart ``incarnation``; returns the
+    version it restored. Raises RuntimeError after ``timeout_s`` (the watchdog usually ends
+    the rank before: a shard that is not restarted stops beating)."""
+    key = SHARD_BACK_KEY.format(shard=shard, incarnation=incarnation)
+    store.wait([key], datetime.timedelta(seconds=timeout_s))
+    return int(store.get(key))
+
+
+def report_acked(store: dist.Store, shard: int, incarnation: int, rank: int, version: int) -> None:
+    """Worker side: the last version of ``shard`` this worker saw acknowledged before the
+    shard's restart ``incarnation`` (the shard counts the pushes it lost from these)."""
+    key = SHARD_ACKED_KEY.format(shard=shard, incarnation=incarnation, rank=rank)
+    store.set(key, str(version))
+
+
+def acked_version(store: dist.Store, shard: int, incarnation: int, rank: int) -> int | None:
+    """Shard side: what :func:`report_acked` left for ``rank``, or None."""
+    key = SHARD_ACKED_KEY.format(shard=shard, incarnation=incarnation, rank=rank)
+    if not store.check([key]):
+        return None
+    return int(store.get(key))

@@ -68,6 +68,9 @@ class Context:
     # A worker that rejoined a running asgd/easgd job after a restart talks to the servers on
     # a gloo group of its own (see rejoin_group); it never joined the world group.
     rejoin_group: dist.ProcessGroupGloo | None = None
+    # A server shard that its agent restarted (its restart count; 0 in a first attempt): it
+    # is in no group of the job, and talks to each peer on a pair group (shard_pair_group).
+    shard_incarnation: int = 0
     # This rank's heartbeat (a rejoined worker's started before it rejoined), and the store
     # connection it and the watchdog use.
     heartbeat: Heartbeat | None = None
@@ -122,6 +125,16 @@ class Context:
             stats, group=group, members=rejoin_members(self.num_servers, worker_rank)
         )
 
+    def shard_link(self, shard: int, incarnation: int, peer: int, stats=None):
+        """The transport between restarted shard ``shard`` (its restart ``incarnation``) and
+        ``peer`` (a worker, or server 0 at the end): a pair group built now by both
+        (:func:`shard_pair_group`); raises RuntimeError if the other side does not come
+        within ``comm_timeout_s``."""
+        group = shard_pair_group(
+            self.store, shard, incarnation, peer, self.rank == shard, self.cfg.comm_timeout_s
+        )
+        return self.transport(stats, group=group, members=[shard, peer])
+
     @property
     def node(self) -> int:
         return self.topology.node_of[self.rank] if self.topology else 0
@@ -162,7 +175,7 @@ class Context:
         that rejoined a running job takes the origin the others agreed on (no barrier: they
         are training).
         """
-        if self.rejoined:
+        if self.rejoined or self.shard_incarnation:
             self.t0 = float(self.store.get("t0").decode())
             return
         self.comm.barrier()
@@ -180,7 +193,8 @@ def init_distributed(cfg: RunConfig, strategy_cls: type | None = None) -> Contex
 
     A worker of an asgd/easgd job that its agent restarted alone (``TORCHELASTIC_RESTART_COUNT``
     > 0) cannot re-enter the world group the others still hold: it rejoins on a group with the
-    servers instead (:func:`_rejoin_job`). A restarted server cannot, and fails at once.
+    servers instead (:func:`_rejoin_job`). A restarted server shard restores its checkpoint
+    and talks to each worker on a pair group of its own (:func:`_restart_shard`).
     """
     traits = _traits(cfg, strategy_cls)
     world = int(os.environ["WORLD_SIZE"])
@@ -200,11 +214,13 @@ def init_distributed(cfg: RunConfig, strategy_cls: type | None = None) -> Contex
         # This rank alone was restarted (one agent per rank); the others are still running
         # and will not enter init_process_group again.
         if rank < cfg.servers:
-            raise RuntimeError(
-                f"parameter-server rank {rank} was restarted, but a shard cannot rejoin a "
-                "running job (its workers lost their connections to it); restart the whole "
-                "job from its checkpoints with --resume OUT"
-            )
+            if not traits.shards_restart_in_place:
+                raise RuntimeError(
+                    f"parameter-server rank {rank} was restarted, but a {cfg.strategy} shard "
+                    "cannot rejoin a running job; restart the whole job from its checkpoints "
+                    "with --resume OUT"
+                )
+            return _restart_shard(cfg, rank, world, device, backend)
         return _rejoin_job(cfg, rank, world, device, backend)
     if not dist.is_initialized():
         _init_world_group(rank, world, timeout)
@@ -276,6 +292,7 @@ class StrategyTraits:
 
     survives_worker_loss: bool = False
     process_groups: tuple[str, ...] = ()
+    shards_restart_in_place: bool = False  # a restarted server shard rejoins the job
 
 
 def _traits(cfg: RunConfig, strategy_cls: type | None) -> StrategyTraits:
@@ -290,6 +307,7 @@ def _traits(cfg: RunConfig, strategy_cls: type | None) -> StrategyTraits:
     return StrategyTraits(
         bool(getattr(strategy_cls, "survives_worker_loss", False)),
         tuple(getattr(strategy_cls, "process_groups", ())),
+        bool(getattr(strategy_cls, "shards_restart_in_place", False)),
     )
 
 
@@ -347,6 +365,50 @@ def _rejoin_job(
         rejoin_group=group,
         heartbeat=heartbeat,
         liveness_store=store,
+    )
+
+
+def _restart_shard(
+    cfg: RunConfig, rank: int, world: int, device: torch.device, backend: str
+) -> Context:
+    """A restarted server shard of an asgd/easgd job: heartbeats at once (its watchers give it
+    ``heartbeat_timeout_s`` to beat again), no process group; the shard loop announces it once
+    its checkpoint is restored, and builds a pair group with each worker that reconnects
+    (:func:`shard_pair_group`)."""
+    store = _job_store(cfg, survives_worker_loss=True)
+    _configure_logging(rank, "server")
+    heartbeat = Heartbeat(store, rank, heartbeat_interval_s(cfg)).start()
+    log.info("restart %d of server shard %d: rejoining the running job", restart_count(), rank)
+    return _context(
+        cfg,
+        rank,
+        world,
+        store,
+        device,
+        backend,
+        resolve_topology(cfg, world),
+        workers_group=None,
+        shard_incarnation=restart_count(),
+        heartbeat=heartbeat,
+        liveness_store=store,
+    )
+
+
+def shard_pair_group(
+    store: dist.Store,
+    shard: int,
+    incarnation: int,
+    peer: int,
+    is_shard: bool,
+    timeout_s: float,
+) -> dist.ProcessGroupGloo:
+    """The gloo group of restarted shard ``shard`` (restart ``incarnation``; group rank 0) and
+    one ``peer`` (group rank 1), outside torch.distributed's registry: built by the two of
+    them through the job ``store`` within ``timeout_s``, which every operation on it has too.
+    One pair per peer, so that a dead or finished worker holds up no other's."""
+    prefixed = dist.PrefixStore(f"shardpair/{shard}/{incarnation}/{peer}/", store.clone())
+    return dist.ProcessGroupGloo(
+        prefixed, 0 if is_shard else 1, 2, datetime.timedelta(seconds=timeout_s)
     )
 
 

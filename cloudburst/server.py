@@ -49,6 +49,7 @@ from cloudburst.checkpoint import save_checkpoint
 from cloudburst.comm.flat import shard_bounds
 from cloudburst.comm.p2p import CommStats, Header, Kind, PeerFaults, Status, worth_logging
 from cloudburst.config import RunConfig
+from cloudburst.liveness import shard_restarted
 from cloudburst.resilience import identity
 from cloudburst.serving import RequestServing, _first_line
 from cloudburst.shard import (  # noqa: F401 - the shard maths, also importable from here
@@ -129,7 +130,12 @@ class ServerLoop(RequestServing):
         self.bounds = shard_bounds(full_theta.numel(), cfg.servers)
         a, b = self.bounds[ctx.server_index]
         self.shard = make_shard(cfg, full_theta[a:b])
-        self.transport = ctx.transport()  # on the world group
+        # On the world group; a restarted shard has none: each worker reconnects to it on a
+        # pair group of their own (reconnect_workers).
+        self.incarnation = getattr(ctx, "shard_incarnation", 0)
+        self.transport = None if self.incarnation else ctx.transport()
+        self.restored_version: int | None = None  # a restarted shard's, from its checkpoint
+        self.acked_before_restart = 0  # the highest version workers saw acknowledged before
         # PUSH_FETCH replies overlap with the push when the worker can rebuild θ_after from
         # θ_before (the add rule); an optimizer rule's state lives only here.
         self.overlap_replies = overlapped_push_fetch(cfg)
@@ -363,7 +369,8 @@ class ServerLoop(RequestServing):
 
     def stats(self) -> dict[str, Any]:
         s = self.shard.stats()
-        s.update(_sum_stats([self.transport.stats, *self._rejoin_stats]).as_dict())
+        own = [] if self.transport is None else [self.transport.stats]
+        s.update(_sum_stats([*own, *self._rejoin_stats]).as_dict())
         # Every refused request once (the transports count only the unreadable headers, which
         # the faults count too), and those of dropped senders, which are not read.
         s["messages_rejected"] = self.faults.rejected + self.faults.ignored
@@ -371,7 +378,19 @@ class ServerLoop(RequestServing):
         s["lost_workers"] = sorted(self.lost)
         s["rejoined_workers"] = sorted(self.rejoined)
         s["rejoins"] = self.rejoins
+        s["shard_restarts"] = self.incarnation
+        s["pushes_lost"] = self.pushes_lost
         return s
+
+    @property
+    def pushes_lost(self) -> int:
+        """Pushes this shard had applied (and acknowledged) after its last checkpoint when it
+        died: the highest version any reconnected worker saw acknowledged, minus the version
+        restored. Pushes in flight at the death, never acknowledged, are not counted (their
+        workers never learned that they were applied)."""
+        if self.restored_version is None:
+            return 0
+        return max(0, self.acked_before_restart - self.restored_version)
 
     # ---------------------------------------------------------------- end of run
     def gather_final_theta(self) -> torch.Tensor | None:
@@ -380,6 +399,9 @@ class ServerLoop(RequestServing):
         On the servers' own group: the world group may have been left with a receive that
         timed out (every worker served on it gone), which breaks its connections.
         """
+        if self.cfg.servers > 1 and shard_restarted(self.ctx.store):
+            # A restarted shard is not in the servers' group: a pair group per shard k > 0.
+            return self._gather_on_pairs()
         group = getattr(self.ctx, "servers_group", None)
         transport = (
             self.transport
@@ -402,6 +424,30 @@ class ServerLoop(RequestServing):
             _, theta = transport.recv_final(k, b - a)
             parts.append(theta)
         return torch.cat(parts)
+
+    def _gather_on_pairs(self) -> torch.Tensor | None:
+        """:meth:`gather_final_theta` on one pair group per shard k > 0 (k and server 0)."""
+        k = self.ctx.server_index
+        if k != 0:
+            link = self.ctx.shard_link(k, FINAL_PAIR, 0)
+            h = Header(
+                Kind.FINAL,
+                shard=k,
+                version=self.shard.version,
+                numel=self.numel,
+                samples=self.shard.samples,
+            )
+            link.send(0, h, self.shard.theta, final=True)
+            return None
+        parts = [self.shard.theta]
+        for j in range(1, self.cfg.servers):
+            a, b = self.bounds[j]
+            _, theta = self.ctx.shard_link(j, FINAL_PAIR, 0).recv_final(j, b - a)
+            parts.append(theta)
+        return torch.cat(parts)
+
+
+FINAL_PAIR = 0  # the pair groups of the final gather use restart number 0 (no restart has it)
 
 
 def _sum_stats(parts: list[CommStats]) -> CommStats:
@@ -444,9 +490,16 @@ def serve_shard(ctx, theta0: torch.Tensor, metrics) -> ServerLoop:
             raise CheckpointError(f"checkpoint {str(path)!r} was written for other shard bounds")
         loop.shard.load_state_dict(state)
         loop.awaiting_init = False
+        loop.restored_version = loop.shard.version
         elapsed_s = float(state.get("elapsed_s", 0.0))
         metrics.log("resume", version=loop.shard.version, attempt=restart_count(), wall=time.time())
         log.info("shard %d resumed at version %d", ctx.server_index, loop.shard.version)
+    if loop.incarnation:
+        # Died before its first checkpoint: θ0 at version 0 (a warm start's θ is lost too).
+        loop.awaiting_init = False
+        if loop.restored_version is None:
+            loop.restored_version = 0
+            metrics.log("resume", version=0, attempt=restart_count(), wall=time.time())
     ctx.start_clock(elapsed_s)
     loop.run()
     return loop

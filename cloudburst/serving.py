@@ -18,7 +18,7 @@ import threading
 import torch
 
 from cloudburst.comm.p2p import CommStats, Header
-from cloudburst.liveness import RejoinBoard
+from cloudburst.liveness import DONE_KEY, RejoinBoard, acked_version, announce_shard
 
 log = logging.getLogger("cloudburst.server")
 
@@ -37,16 +37,23 @@ class RequestServing:
     def _run_with_rejoins(self) -> None:
         """Serve the world group on a thread, admit rejoining workers on this one, until
         every worker is finished or lost."""
-        self._serve_in_thread(self.transport, None)
         # The board waits in the store (for an announcement being written): a connection of
         # its own, so that the serving threads' liveness checks never wait behind it.
         board = RejoinBoard(self.ctx.store.clone(), self.cfg.comm_timeout_s)
+        if self.transport is None:
+            # A restarted shard: workers restarted before it rejoined a group that held its
+            # previous incarnation; they reconnect like the others (reconnect_workers).
+            board.skip()
+            self._reconnect_workers()
+        else:
+            self._serve_in_thread(self.transport, None)
         try:
             while True:
                 for rank, incarnation in board.poll():
                     self._admit(rank, incarnation)
                 with self._changed:
                     self._raise_if_failed()
+                    self._finished_elsewhere()
                     if self.finished | self.lost != self.workers:
                         self._changed.wait(REJOIN_POLL_S)
                         continue
@@ -180,6 +187,72 @@ class RequestServing:
                     self.lost.add(dst)
                     self._changed.notify_all()
                 return
+
+    # ---------------------------------------------------------------- a restarted shard
+    def _reconnect_workers(self) -> None:
+        """This shard was restarted and restored its checkpoint: announce it (the version it
+        restored), then build a pair group with each worker as it reconnects, each on a thread
+        of its own (one that never comes holds up no other), and serve it there."""
+        k, incarnation = self.ctx.server_index, self.incarnation
+        with self._changed:
+            for rank in self.workers:
+                self._routes[rank] = _ADMITTING
+        announce_shard(self.ctx.store, k, incarnation, self.shard.version)
+        self.metrics.log(
+            "shard_restored",
+            time_s=self.ctx.elapsed_s(),
+            incarnation=incarnation,
+            version=self.shard.version,
+        )
+        log.info(
+            "shard %d serving again at version %d (restart %d)", k, self.shard.version, incarnation
+        )
+        for rank in sorted(self.workers):
+            threading.Thread(
+                target=self._reconnect,
+                args=(rank,),
+                name=f"cloudburst-reconnect-rank{rank}",
+                daemon=True,
+            ).start()
+
+    def _reconnect(self, rank: int) -> None:
+        stats = CommStats()
+        try:
+            transport = self.ctx.shard_link(self.ctx.server_index, self.incarnation, rank, stats)
+        except RuntimeError as e:  # it died, finished, or timed out: comm_timeout_s
+            with self._changed:
+                if rank not in self.finished:
+                    log.error("worker rank %d did not reconnect: %s", rank, _first_line(e))
+                    self.lost.add(rank)
+                self._changed.notify_all()
+            return
+        acked = acked_version(self.ctx.store, self.ctx.server_index, self.incarnation, rank)
+        with self._changed:
+            self._routes[rank] = transport
+            self._rejoin_stats.append(stats)
+            if acked is not None:
+                self.acked_before_restart = max(self.acked_before_restart, acked)
+            self.lost.discard(rank)
+        log.info("worker rank %d reconnected (it had seen version %s)", rank, acked)
+        self.metrics.log(
+            "reconnect",
+            time_s=self.ctx.elapsed_s(),
+            worker=rank,
+            acked_version=acked,
+            pushes_lost=self.pushes_lost,
+        )
+        self._serve_in_thread(transport, rank)
+
+    def _finished_elsewhere(self) -> None:
+        """A restarted shard (under the lock): workers not reconnected yet that have ended
+        their run (they finished with this shard before its death) are finished."""
+        if self.transport is not None:
+            return
+        for rank in self.workers - self.finished - self.lost:
+            if self._routes.get(rank) is _ADMITTING and self.ctx.store.check(
+                [DONE_KEY.format(rank=rank)]
+            ):
+                self.finished.add(rank)
 
     # ---------------------------------------------------------------- rejoining workers
     def _admit(self, rank: int, incarnation: int) -> None:

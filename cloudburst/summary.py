@@ -236,6 +236,10 @@ def finalize_run(
         ),
         "lost_workers": sorted(lost_set),
         "rejoined_workers": sorted({r for s in servers for r in s.get("rejoined_workers", [])}),
+        # Server shards restarted in place, and the acknowledged pushes they lost (applied
+        # after their last checkpoint).
+        "shard_restarts": sum(s.get("shard_restarts", 0) for s in servers),
+        "pushes_lost": sum(s.get("pushes_lost", 0) for s in servers),
         "steps_skipped_nonfinite": sum(w.get("steps_skipped_nonfinite", 0) for w in workers),
         **_replica_summary(workers),
         "config": cfg.to_dict(),

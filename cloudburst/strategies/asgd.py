@@ -58,7 +58,7 @@ from cloudburst.comm.compress import ErrorFeedback, decode, encode
 from cloudburst.comm.flat import assign_flat, flatten_params, shard_bounds
 from cloudburst.comm.p2p import Header, Kind, Status
 from cloudburst.comm.quantise import message_method
-from cloudburst.liveness import Heartbeat, heartbeat_interval_s
+from cloudburst.liveness import Heartbeat, await_shard, heartbeat_interval_s, report_acked
 from cloudburst.shard import add_rule_alpha, overlapped_push_fetch
 from cloudburst.strategies.base import Strategy
 
@@ -71,6 +71,9 @@ SEEDED_KEY = "warm_start/seeded"  # in the job store once the warm-start worker 
 class AsgdStrategy(Strategy):
     name = "asgd"
     survives_worker_loss = True
+    # A shard that its agent restarts (--max-restarts) restores its checkpoint, and the workers
+    # reconnect to it (_reconnect_shard) instead of failing.
+    shards_restart_in_place = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -90,6 +93,13 @@ class AsgdStrategy(Strategy):
         self._samples_since_push = 0
         self.compress = message_method(ctx.cfg.compress, self.name)
         self.feedback = ErrorFeedback()  # residuals of compressed pushes, by shard
+        # Restarted shards: each one's restart number and transport (a pair group), the last
+        # version each shard acknowledged to this worker, and the reconnections to report.
+        self._links: dict[int, object] = {}
+        self._shard_incarnation = [0] * self.num_servers
+        self._acked = [0] * self.num_servers
+        self.shard_reconnects = 0
+        self._reconnected: list[dict] = []
 
     # ------------------------------------------------------------------ set-up
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
@@ -216,7 +226,8 @@ class AsgdStrategy(Strategy):
         # travels the other way; we then add our own Δ exactly as the server does.
         overlapped = kind == Kind.PUSH_FETCH and self.overlap
         fetched = (self._fetch_host if self.on_gpu else self._spare) if fetch else None
-        started = []
+        started: dict[int, list] = {}
+        broken: set[int] = set()  # shards that died during this round (restarted: reconnect)
         for k, (a, b) in enumerate(self.bounds):
             header = Header(
                 kind,
@@ -227,16 +238,34 @@ class AsgdStrategy(Strategy):
                 aux=self.local_steps,
             )
             payload = (packets[k] if packets is not None else delta[a:b]) if push else None
-            if overlapped:
-                self.transport.send(k, header)
-                started.append(self.transport.isend_payload(k, payload, reply=False))
-                started.append(self.transport.irecv_payload(k, fetched[a:b], reply=True))
-            else:
-                self.transport.send(k, header, payload)
-        self.transport.wait_all(started)
+            link = self._link(k)
+            try:
+                if overlapped:
+                    link.send(k, header)
+                    started[k] = [
+                        link.isend_payload(k, payload, reply=False),
+                        link.irecv_payload(k, fetched[a:b], reply=True),
+                    ]
+                else:
+                    link.send(k, header, payload)
+            except RuntimeError as e:
+                self._shard_failed(k, e, broken)
+        for k, works in started.items():
+            try:
+                self._link(k).wait_all(works)
+            except RuntimeError as e:
+                self._shard_failed(k, e, broken)
         rejected = False
         for k, (a, b) in enumerate(self.bounds):
-            reply = self.transport.recv_reply(k, fetched[a:b] if fetch and not overlapped else None)
+            if k in broken:
+                continue
+            try:
+                reply = self._link(k).recv_reply(
+                    k, fetched[a:b] if fetch and not overlapped else None
+                )
+            except RuntimeError as e:
+                self._shard_failed(k, e, broken)
+                continue
             self._check(reply, k)
             if push:
                 self._account_push(reply)
@@ -246,6 +275,7 @@ class AsgdStrategy(Strategy):
                 fetched[a:b].add_(delta[a:b], alpha=alpha)
             if fetch:
                 self.versions[k] = reply.version
+            self._acked[k] = max(self._acked[k], reply.version)
             if k == 0:
                 self.global_samples = reply.samples
         if push:
@@ -255,6 +285,7 @@ class AsgdStrategy(Strategy):
         if rejected and not fetch:
             # The servers refused our update (non-finite): start again from their θ.
             log.warning("the servers rejected this worker's push; re-fetching θ")
+            self._recover(broken)
             self._round(push=False, fetch=True, keep_local=False)
             return
         if fetch:
@@ -267,6 +298,70 @@ class AsgdStrategy(Strategy):
             self._fresh = fetched
         else:
             self.reference.copy_(flat)
+        self._recover(broken)
+
+    # ------------------------------------------------------------------ restarted shards
+    def _link(self, k: int):
+        """The transport to shard ``k``: a pair group once it was restarted."""
+        return self._links.get(k, self.transport)
+
+    def _shard_failed(self, k: int, e: RuntimeError, broken: set[int]) -> None:
+        """Talking to shard ``k`` failed: with restarts (--max-restarts), it is reconnected
+        after the round; without, the error stands (the watchdog names the silent shard)."""
+        if not self.cfg.max_restarts:
+            raise e
+        if k not in broken:
+            log.warning("lost the connection to shard %d: %s", k, str(e).splitlines()[0][:200])
+        broken.add(k)
+
+    def _recover(self, broken: set[int]) -> None:
+        """Reconnect to each restarted shard in ``broken`` and take its θ_k as this worker's
+        (replica and reference, so the fetched θ too): what this round pushed to it,
+        unacknowledged, is gone with everything it applied after its checkpoint."""
+        if not broken:
+            return
+        flat = flatten_params(self.model, out=self._flat)
+        for k in sorted(broken):
+            a, b = self.bounds[k]
+            theta_k = self._reconnect_shard(k).to(flat.device)
+            flat[a:b].copy_(theta_k)
+            self.reference[a:b].copy_(theta_k)
+        assign_flat(self.model, flat)
+
+    def _reconnect_shard(self, k: int) -> torch.Tensor:
+        """Wait for shard ``k``'s next restart to announce itself (RuntimeError after
+        ``comm_timeout_s``; the watchdog ends this rank sooner if the shard stops beating),
+        tell it the last version it acknowledged here, build the pair group, fetch θ_k."""
+        incarnation = self._shard_incarnation[k] + 1
+        store, rank = self.ctx.store, self.ctx.rank
+        report_acked(store, k, incarnation, rank, self._acked[k])
+        restored = await_shard(store, k, incarnation, self.cfg.comm_timeout_s)
+        link = self.ctx.shard_link(k, incarnation, rank, self.stats)
+        self._links[k], self._shard_incarnation[k] = link, incarnation
+        a, b = self.bounds[k]
+        theta_k = torch.empty(b - a)
+        link.send(k, Header(Kind.FETCH, shard=k))
+        reply = link.recv_reply(k, theta_k)
+        self._check(reply, k)
+        log.warning(
+            "shard %d restarted (restart %d) at version %d; this worker had seen version %d",
+            k,
+            incarnation,
+            restored,
+            self._acked[k],
+        )
+        self._reconnected.append(
+            {"shard": k, "restart": incarnation, "version": restored, "acked": self._acked[k]}
+        )
+        self.versions[k] = self._acked[k] = reply.version
+        self.shard_reconnects += 1
+        return theta_k
+
+    def step_info(self) -> dict:
+        info = super().step_info()
+        if self._reconnected:
+            info["shard_reconnected"], self._reconnected = self._reconnected, []
+        return info
 
     def _account_push(self, reply: Header) -> None:
         self.pushes += 1
@@ -300,13 +395,28 @@ class AsgdStrategy(Strategy):
             return self._fresh, self.global_samples
         if self._peek is None:
             self._peek = torch.empty(self.numel)
+        broken: set[int] = set()
         for k in range(self.num_servers):
-            self.transport.send(k, Header(Kind.FETCH, shard=k))
+            try:
+                self._link(k).send(k, Header(Kind.FETCH, shard=k))
+            except RuntimeError as e:
+                self._shard_failed(k, e, broken)
         for k, (a, b) in enumerate(self.bounds):
-            reply = self.transport.recv_reply(k, self._peek[a:b])
+            if k in broken:
+                continue
+            try:
+                reply = self._link(k).recv_reply(k, self._peek[a:b])
+            except RuntimeError as e:
+                self._shard_failed(k, e, broken)
+                continue
             self._check(reply, k)
+            self._acked[k] = max(self._acked[k], reply.version)
             if k == 0:
                 self.global_samples = reply.samples
+        self._recover(broken)  # the replica takes a restarted shard's θ_k
+        for k in broken:
+            a, b = self.bounds[k]
+            self._peek[a:b].copy_(self.reference[a:b])
         return self._peek, self.global_samples
 
     # ------------------------------------------------------------------ the end
@@ -319,16 +429,26 @@ class AsgdStrategy(Strategy):
         """Push what is left, then tell every shard we are done and wait for it to finish."""
         self._flush()
         pending = set(range(self.num_servers))
-        kind = Kind.DONE
+        told: set[int] = set()  # shards that have our DONE (a restarted one has not)
         while pending:
+            broken: set[int] = set()
             for k in sorted(pending):
-                self.transport.send(k, Header(kind, shard=k))
-            for k in sorted(pending):
-                reply = self.transport.recv_reply(k)
+                try:
+                    self._link(k).send(k, Header(Kind.PING if k in told else Kind.DONE, shard=k))
+                except RuntimeError as e:
+                    self._shard_failed(k, e, broken)
+            for k in sorted(pending - broken):
+                try:
+                    reply = self._link(k).recv_reply(k)
+                except RuntimeError as e:
+                    self._shard_failed(k, e, broken)
+                    continue
+                told.add(k)
                 if reply.status == Status.FINISHED:
                     pending.discard(k)
-            kind = Kind.PING
-            if pending:
+            self._recover(broken)
+            told -= broken
+            if pending and not broken:
                 self.ctx.comm.sleep(FINISH_POLL_S)
         if self._heartbeat is not None:
             self._heartbeat.stop()
@@ -363,5 +483,6 @@ class AsgdStrategy(Strategy):
             pushes_dropped_stale=self.pushes_dropped,
             staleness_sum_versions=self.staleness_sum,
             staleness_max_versions=self.staleness_max,
+            shard_reconnects=self.shard_reconnects,
         )
         return r

@@ -43,6 +43,9 @@ from cloudburst.strategies.asgd import AsgdStrategy
 class EasgdStrategy(AsgdStrategy):
     name = "easgd"
     survives_worker_loss = True
+    # Its exchanges do not reconnect to a restarted shard (yet): a restarted shard fails at
+    # once, and the job stops as without restarts (resume it with --resume).
+    shards_restart_in_place = False
 
     def after_step(self, samples: int) -> None:
         self.local_steps += 1
