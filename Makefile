@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.cloudburst-installed
 TORCH  := torch==2.13.0
 
-.PHONY: demo test test-fast lint bench clean mutation
+.PHONY: demo test test-fast lint bench bench-quick clean mutation
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,33 @@ test: $(STAMP)
 ## The inner loop: the unit tests only (no processes, comm faked; under a minute on 2 cores)
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "unit and not spawns" tests/unit
+
+## Every benchmark at HEAD, one after another (benchmarks/README.md), then the README's evidence
+## table from the results' claims. Keeps going past a failing script; fails at the end, naming it.
+## Each entry: script[:subcommand]; the minutes in comments are each script's budget (≤ 50 in all).
+BENCH := reliability compress experiments:accuracy experiments:stragglers defaults daso \
+	local_sgd transport overhead throughput startup sim_fidelity sim_scale sim_seeds wire
+# reliability 7, compress 8, experiments + defaults 12, daso 6, local_sgd 5, transport 2,
+# overhead + throughput + startup 3, sim_* 8, wire 1 (minutes)
+BENCH_FLAGS ?=
+BENCH_TIMEOUT_S ?= 1200
+EVIDENCE_FLAGS ?=
+
+bench: $(STAMP)
+	@failed=""; for entry in $(BENCH); do \
+		script=$${entry%%:*}; sub=$$(echo "$$entry" | sed -n 's/^[^:]*://p'); \
+		echo "== benchmarks/$$script.py $$sub $(BENCH_FLAGS)"; \
+		OMP_NUM_THREADS=1 timeout $(BENCH_TIMEOUT_S) $(BIN)/python benchmarks/$$script.py \
+			$$sub $(BENCH_FLAGS) || failed="$$failed $$entry"; \
+	done; \
+	$(BIN)/python benchmarks/evidence.py $(EVIDENCE_FLAGS) || failed="$$failed evidence"; \
+	if [ -n "$$failed" ]; then echo "make bench: FAILED:$$failed" >&2; exit 1; fi
+
+## The same scripts in --quick mode (a smoke test, ≤ 10 min; results under runs/bench-quick/,
+## never evidence: the README is not touched)
+bench-quick: $(STAMP)
+	@$(MAKE) --no-print-directory bench BENCH_FLAGS=--quick BENCH_TIMEOUT_S=300 \
+		EVIDENCE_FLAGS="--results runs/bench-quick --print"
 
 ## Mutation score of the algorithmic core against the fast tests (benchmarks/results/mutation.md).
 ## mutmut mutates a copy (mutants/), one mutant at a time (2 shared cores): 25-40 min here.

@@ -159,11 +159,13 @@ class Provenance:
     @classmethod
     def capture(cls, args: argparse.Namespace) -> Provenance:
         """Record the provenance; exit with one line on a dirty tree or a busy machine
-        (other processes using more than ``BUSY_FRACTION`` of the cores) unless ``--force``."""
+        (other processes using more than ``BUSY_FRACTION`` of the cores) unless ``--force``
+        or ``--quick`` (a smoke run, never evidence; its report says so)."""
         import torch
 
         commit, dirty = git_commit()
-        force = bool(getattr(args, "force", False))
+        quick = bool(getattr(args, "quick", False))
+        force = bool(getattr(args, "force", False)) or quick
         if dirty and not force:
             sys.exit(
                 f"benchmark refused: the tree has {len(dirty)} uncommitted change(s) "
@@ -183,7 +185,7 @@ class Provenance:
             commit=commit + ("+dirty" if dirty else ""),
             dirty=dirty,
             forced=force,
-            quick=bool(getattr(args, "quick", False)),
+            quick=quick,
             started_utc=datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
             python=platform.python_version(),
             torch=torch.__version__,
@@ -396,6 +398,25 @@ def _uncensor(values: Sequence[float | None], budget_s: float | None) -> list[fl
     return [budget_s if v is None else float(v) for v in values]  # type: ignore[misc]
 
 
+def _bootstrap(
+    a: Sequence[float | None],
+    b: Sequence[float | None],
+    combine: Callable[[list[float], list[float]], float],
+    n: int,
+    seed: int,
+    budget_s: float | None,
+) -> tuple[float, float, float]:
+    xa, xb = _uncensor(a, budget_s), _uncensor(b, budget_s)
+    if not xa or not xb:
+        raise ValueError("a bootstrap needs at least one value on each side")
+    rng = random.Random(seed)
+    stats = sorted(
+        combine(rng.choices(xa, k=len(xa)), rng.choices(xb, k=len(xb))) for _ in range(n)
+    )
+    cut = int(0.025 * (n - 1))
+    return combine(xa, xb), stats[cut], stats[-cut - 1]
+
+
 def bootstrap_ratio(
     a: Sequence[float | None],
     b: Sequence[float | None],
@@ -407,21 +428,24 @@ def bootstrap_ratio(
     bootstrap resamples (a and b resampled independently, ``random.Random(seed)``: the same
     inputs give the same interval). Censored values (``None``) count as ``budget_s``, so a
     ratio with censored runs is a bound, which the report says."""
-    xa, xb = _uncensor(a, budget_s), _uncensor(b, budget_s)
-    if not xa or not xb:
-        raise ValueError("bootstrap_ratio needs at least one value on each side")
-    if statistics.median(xb) == 0:
+    if statistics.median(_uncensor(b, budget_s) or [1.0]) == 0:
         raise ValueError("bootstrap_ratio: the denominator's median is 0")
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(n):
-        mb = statistics.median(rng.choices(xb, k=len(xb)))
-        ma = statistics.median(rng.choices(xa, k=len(xa)))
-        ratios.append(ma / mb if mb else float("inf"))
-    ratios.sort()
-    lo = ratios[int(0.025 * (n - 1))]
-    hi = ratios[-int(0.025 * (n - 1)) - 1]
-    return statistics.median(xa) / statistics.median(xb), lo, hi
+
+    def ratio(xa: list[float], xb: list[float]) -> float:
+        mb = statistics.median(xb)
+        return statistics.median(xa) / mb if mb else float("inf")
+
+    return _bootstrap(a, b, ratio, n, seed, budget_s)
+
+
+def bootstrap_difference(
+    a: Sequence[float], b: Sequence[float], n: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """(mean(a) − mean(b), 2.5th, 97.5th percentile) over ``n`` bootstrap resamples, as
+    :func:`bootstrap_ratio` (for accuracies, where the mean is the quantity of interest)."""
+    return _bootstrap(
+        a, b, lambda xa, xb: statistics.fmean(xa) - statistics.fmean(xb), n, seed, None
+    )
 
 
 def times_to(runs: Sequence[Run], target: float, k: int = K_CONSECUTIVE) -> list[float | None]:
@@ -507,9 +531,16 @@ def ratio_claim(
     aa_ratio = None if not aa else bootstrap_ratio(aa, b, budget_s=budget_s)[0]
     censored = sum(v is None for v in (*a, *b, *(aa or ())))
     note = f"{censored} censored runs counted at the {fmt(budget_s)} s budget" if censored else ""
-    return report.claim(
-        name, ratio, target, ok(ratio), aa_ratio, (lo, hi), min(len(a), len(b)), note
-    )
+    value: float | str = ratio
+    verdict = ok(ratio)
+    a_out, b_out = (isinstance(censored_median(x, 0)[0], str) for x in (a, b))
+    if a_out and b_out:  # neither side's median reached the target: no ratio at all
+        value, verdict = "both censored", False if verdict is not None else None
+    elif a_out:  # a's median is beyond the budget: the ratio is a lower bound
+        value, verdict = f"≥ {fmt(ratio)}", False if verdict is not None else None
+    elif b_out:  # b's is: the ratio is an upper bound (a pass stands, a miss is unknown)
+        value, verdict = f"≤ {fmt(ratio)}", True if verdict else None
+    return report.claim(name, value, target, verdict, aa_ratio, (lo, hi), min(len(a), len(b)), note)
 
 
 class Report:

@@ -155,3 +155,24 @@ def test_evidence_table_replaces_only_the_text_between_the_markers(tmp_path, mon
     )
     with pytest.raises(SystemExit, match="exactly one"):
         evidence.splice("no markers", ["new"])
+
+
+def test_bootstrap_difference_of_means():
+    # means 0.92 and 0.90: the difference 0.02 on constants, no spread
+    diff, lo, hi = harness.bootstrap_difference([0.92] * 5, [0.90] * 5)
+    assert (round(diff, 12), round(lo, 12), round(hi, 12)) == (0.02, 0.02, 0.02)
+    diff, lo, hi = harness.bootstrap_difference([0.9, 0.94], [0.9, 0.9], n=400, seed=3)
+    assert round(diff, 12) == 0.02 and round(lo, 12) == 0.0 and round(hi, 12) == 0.04
+
+
+def test_ratio_claim_turns_a_censored_median_into_a_bound(tmp_path, monkeypatch):
+    report = harness.Report("demo", "A demo", provenance(tmp_path, monkeypatch))
+    at_most = lambda r: r <= 0.75  # noqa: E731
+    # a's median censored (counted as 10): 10 / 4 = 2.5 is a lower bound, a MISS
+    c = harness.ratio_claim(report, "x", [None, None, 1.0], [4.0] * 3, None, "≤ 0.75", at_most, 10)
+    assert (c.value, c.ok) == ("≥ 2.5", False)
+    # b's median censored: 2 / 10 = 0.2 is an upper bound, and ≤ 0.75 holds
+    c = harness.ratio_claim(report, "x", [2.0] * 3, [None, None, 1.0], None, "≤ 0.75", at_most, 10)
+    assert (c.value, c.ok) == ("≤ 0.2", True)
+    c = harness.ratio_claim(report, "x", [None] * 2, [None] * 2, None, "≤ 0.75", at_most, 10)
+    assert (c.value, c.ok) == ("both censored", False)
