@@ -29,6 +29,21 @@ Compressed payloads (``compress``: bf16, int8, fp8; docs/algorithms.md#compressi
     finiteness checks, as does a block whose scale is not finite and positive. FINAL payloads
     (one server's θ to another at the end) are always exact fp32.
 
+Chunked payloads (the real wire)
+    An fp32 payload of more than ``chunk_numel`` values (:data:`CHUNK_NUMEL`, 4 MiB) travels
+    as consecutive messages of at most that many values on the payload's tag (gloo keeps the
+    messages of one tag between two peers in order). Both ends derive the chunks from the size
+    they know (never from a peer's header), and every chunk's last element is poisoned with NaN
+    before its receive, so a short chunk fails the receivers' finiteness checks as a short
+    message did. Chunks let each side work on one part of a payload while the next is on the
+    wire: :meth:`PeerTransport.isend_payload`'s ``prepare`` fills chunk i just before it is
+    sent (a worker computes Δ while earlier chunks travel), :meth:`~PeerTransport.recv_payload`
+    and :meth:`~PeerTransport.recv_reply` call ``on_chunk`` as each chunk arrives (a server
+    checks Δ while the rest arrives), and :meth:`~PeerTransport.irecv_payload` returns a
+    :class:`PayloadReceive` whose :meth:`~PayloadReceive.arrived` yields the chunks in order.
+    Compressed payloads and the simulator's wire (whose link model prices each message) travel
+    in one message.
+
 Tags keep the streams apart, so a server can receive headers from *any* source (gloo's
 ``recv`` without ``src`` returns the sender) while payloads and replies are matched to one peer.
 Every blocking call runs under the process group's timeout (set at ``init_process_group``);
@@ -44,6 +59,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -52,7 +68,7 @@ import torch
 
 from cloudburst.comm.quantise import decode, encode, payload_bytes
 from cloudburst.comm.stats import CommStats  # noqa: F401 - also importable from here
-from cloudburst.comm.transport import REAL, Transport, Work, member_group
+from cloudburst.comm.transport import REAL, TorchTransport, Transport, Work, member_group
 
 MAGIC = 0x0C10_0DB5
 HEADER_LEN = 8
@@ -62,6 +78,11 @@ TAG_REPLY = 13
 TAG_REPLY_PAYLOAD = 14
 TAG_FINAL = 15
 TAG_FINAL_PAYLOAD = 16
+
+#: fp32 payloads on the real wire travel in messages of at most this many values (4 MiB): big
+#: enough that gloo's per-message cost is small, small enough that the work on one chunk (a
+#: subtraction, a finiteness check, an add) overlaps with the next one on the wire.
+CHUNK_NUMEL = 1 << 20
 
 #: A sender whose messages fail validation this many times is dropped (nothing more from it is
 #: read or answered). Honest peers send none; a few are tolerated as a peer's bug, not an attack.
@@ -137,6 +158,57 @@ class Header:
 
 HEADER_BYTES = HEADER_LEN * 8
 
+#: Called with a chunk's ``[start, stop)`` range of a payload (see the module docstring).
+ChunkFn = Callable[[int, int], None]
+
+
+def chunk_bounds(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` ranges a payload of ``numel`` values travels in: one range when
+    ``chunk_numel`` is 0 or not smaller than ``numel``; the last chunk may be shorter."""
+    if numel < 0 or chunk_numel < 0:
+        raise ValueError(f"numel and chunk_numel must be >= 0, got {numel} and {chunk_numel}")
+    if chunk_numel == 0 or numel <= chunk_numel:
+        return [(0, numel)]
+    return [(a, min(a + chunk_numel, numel)) for a in range(0, numel, chunk_numel)]
+
+
+class PayloadReceive:
+    """A started receive of one payload, possibly in chunks: :meth:`arrived` yields each
+    chunk's range as it arrives (in order), :meth:`wait` waits for all of it."""
+
+    def __init__(self, parts: list[tuple[int, int, Work]]):
+        self._parts = parts
+        self._next = 0  # chunks before this one have arrived (and were yielded)
+
+    def arrived(self) -> Iterator[tuple[int, int]]:
+        """Wait for the chunks one by one, yielding each ``(start, stop)`` once it is in."""
+        while self._next < len(self._parts):
+            a, b, work = self._parts[self._next]
+            work.wait()
+            self._next += 1
+            yield a, b
+
+    def wait(self) -> None:
+        for _ in self.arrived():
+            pass
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for _, _, work in self._parts[self._next :])
+
+
+class _Sends:
+    """Started sends of one payload's chunks, waited for together."""
+
+    def __init__(self, works: list[Work]):
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
 
 class PeerTransport:
     """Header + payload messages over point-to-point gloo send/recv, counted and timed.
@@ -155,6 +227,7 @@ class PeerTransport:
         members: list[int] | None = None,
         wire: Transport = REAL,
         compress: str = "none",
+        chunk_numel: int | None = None,
     ):
         """``link`` (a :class:`~cloudburst.comm.link.LinkEmulator`) and ``crosses(peer)``
         (True when ``peer`` is on another node) emulate a slow link between nodes: a message
@@ -162,7 +235,9 @@ class PeerTransport:
         itself (held back on the sender; both directions of a link are independent).
         ``wire`` moves the tensors (:mod:`cloudburst.comm.transport`; the simulator's in a
         virtual cluster). ``compress``: how request and reply payloads travel (module
-        docstring; ``none``: fp32)."""
+        docstring; ``none``: fp32). ``chunk_numel``: the most values of an fp32 payload in
+        one message (0: whole payloads; None: :data:`CHUNK_NUMEL` on the real wire, whole
+        payloads on the simulator's); both ends of a conversation must use the same."""
         if compress not in ("none", "bf16", "int8", "fp8"):
             raise ValueError(f"point-to-point payloads cannot be sent as {compress!r}")
         self.compress = compress
@@ -175,6 +250,11 @@ class PeerTransport:
         self.link = link if link is not None and link.active else None
         self.crosses = crosses or (lambda peer: False)
         self._header_buf = torch.empty(HEADER_LEN, dtype=torch.int64)
+        if chunk_numel is None:
+            chunk_numel = CHUNK_NUMEL if isinstance(wire, TorchTransport) else 0
+        if chunk_numel < 0:
+            raise ValueError(f"chunk_numel must be >= 0 (0: whole payloads), got {chunk_numel}")
+        self.chunk_numel = chunk_numel
 
     def _leave(self, dst: int, nbytes: int) -> None:
         """Count ``nbytes`` to ``dst`` as intra/inter-node; hold them back on a slow link."""
@@ -201,6 +281,47 @@ class PeerTransport:
         """Receive from ``src`` (None: from any peer); returns the sender's global rank."""
         return self.wire.recv(tensor, src, tag, self.group)
 
+    def _isend_chunks(
+        self, wire: torch.Tensor, dst: int, tag: int, prepare: ChunkFn | None = None
+    ) -> _Sends:
+        """Send ``wire`` (1-D) in chunks (fp32) or whole (compressed bytes); ``prepare(a, b)``
+        fills ``wire[a:b]`` just before that chunk leaves."""
+        chunk = self.chunk_numel if wire.dtype == torch.float32 else 0
+        works = []
+        for a, b in chunk_bounds(wire.numel(), chunk):
+            if prepare is not None:
+                prepare(a, b)
+            works.append(self._isend(wire[a:b], dst, tag))
+        return _Sends(works)
+
+    def _irecv_chunks(self, buf: torch.Tensor, src: int, tag: int) -> list[tuple[int, int, Work]]:
+        """Start receiving ``buf`` (1-D fp32) in the chunks its sender sends, each chunk's last
+        element NaN until its message arrives (a short message leaves it so)."""
+        parts = []
+        for a, b in chunk_bounds(buf.numel(), self.chunk_numel):
+            if b > a:
+                buf[b - 1] = math.nan
+            parts.append((a, b, self._irecv(buf[a:b], src, tag)))
+        return parts
+
+    def _recv_chunks(
+        self, buf: torch.Tensor, src: int, tag: int, on_chunk: ChunkFn | None = None
+    ) -> None:
+        """Receive ``buf`` (1-D fp32) in chunks, calling ``on_chunk(a, b)`` as each arrives
+        (all receives are posted first: the wire never waits for ``on_chunk``)."""
+        bounds = chunk_bounds(buf.numel(), self.chunk_numel)
+        if len(bounds) == 1:  # one message: a blocking receive
+            if buf.numel():
+                buf[-1] = math.nan
+            self._recv(buf, src, tag)
+            if on_chunk is not None:
+                on_chunk(0, buf.numel())
+            return
+        parts = self._irecv_chunks(buf, src, tag)
+        for a, b in PayloadReceive(parts).arrived():
+            if on_chunk is not None:
+                on_chunk(a, b)
+
     # --------------------------------------------------------------- sending
     def send(
         self, dst: int, header: Header, payload: torch.Tensor | None = None, final: bool = False
@@ -214,7 +335,7 @@ class PeerTransport:
         self._send(header.to_tensor(), dst, tag)
         self.stats.sent_bytes += HEADER_BYTES
         if wire is not None and header.numel:
-            self._send(wire, dst, payload_tag)
+            self._isend_chunks(wire.view(-1), dst, payload_tag).wait()
             self.stats.sent_bytes += nbytes
         self.stats.wait_s += self.wire.now() - t0
 
@@ -267,55 +388,77 @@ class PeerTransport:
             return src, None
 
     def recv_payload(
-        self, src: int, numel: int, final: bool = False, out: torch.Tensor | None = None
+        self,
+        src: int,
+        numel: int,
+        final: bool = False,
+        out: torch.Tensor | None = None,
+        on_chunk: ChunkFn | None = None,
     ) -> torch.Tensor:
         """Receive ``numel`` fp32 values from ``src`` (into ``out`` when given: no allocation).
 
         ``numel`` must be a size the caller knows (never one read from a peer's header alone).
-        A shorter message leaves the last element NaN: callers check the payload is finite.
+        A shorter message leaves the last element of its chunk NaN: callers check the payload
+        is finite. ``on_chunk(a, b)`` is called as each chunk ``out[a:b]`` arrives, while the
+        next ones are on the wire (once, for the whole payload, when it travels in one message).
         """
         buf = torch.empty(numel, dtype=torch.float32) if out is None else out
         if buf.numel() != numel:
             raise ValueError(f"receive buffer has {buf.numel()} elements, expected {numel}")
         tag = TAG_FINAL_PAYLOAD if final else TAG_REQUEST_PAYLOAD
+        t0 = self.wire.now()
         if self.compress != "none" and not final and numel:
             packed = self._packed_buffer(numel)
-            t0 = self.wire.now()
             self._recv(packed, src, tag)
-            self.stats.wait_s += self.wire.now() - t0
             self.stats.received_bytes += packed.numel()
             buf.copy_(decode(packed, numel, self.compress))
-            return buf
-        if numel:
-            buf[-1] = math.nan
-        t0 = self.wire.now()
-        self._recv(buf, src, tag)
+            if on_chunk is not None:
+                on_chunk(0, numel)
+        elif numel:
+            self._recv_chunks(buf.view(-1), src, tag, on_chunk)
+            self.stats.received_bytes += numel * 4
         self.stats.wait_s += self.wire.now() - t0
-        self.stats.received_bytes += numel * 4
         return buf
 
     # --------------------------------------------------------------- overlapped payloads
-    def isend_payload(self, dst: int, payload: torch.Tensor, reply: bool) -> Work:
-        """Start sending a payload without blocking (request or reply stream)."""
+    def isend_payload(
+        self, dst: int, payload: torch.Tensor, reply: bool, prepare: ChunkFn | None = None
+    ) -> Work:
+        """Start sending a payload without blocking (request or reply stream).
+
+        ``prepare(a, b)``, when given, fills ``payload[a:b]`` just before that chunk is sent
+        (``payload`` must then be a contiguous fp32 tensor, sent as is; compressed: the whole
+        payload is prepared, then encoded), so that computing it overlaps with sending it.
+        """
         tag = TAG_REPLY_PAYLOAD if reply else TAG_REQUEST_PAYLOAD
-        wire = self._outgoing(payload, None, exact=False)
-        self._leave(dst, wire.numel() * wire.element_size())
-        work = self._isend(wire, dst, tag)
-        self.stats.sent_bytes += wire.numel() * wire.element_size()
+        if prepare is not None:
+            if payload.dtype != torch.float32 or not payload.is_contiguous():
+                raise ValueError("a payload prepared chunk by chunk must be contiguous fp32")
+            if self.compress != "none":
+                prepare(0, payload.numel())
+                prepare = None
+        wire = payload.detach().view(-1) if prepare is not None else None
+        if wire is None:
+            wire = self._outgoing(payload, None, exact=False).view(-1)
+        nbytes = wire.numel() * wire.element_size()
+        self._leave(dst, nbytes)
+        work = self._isend_chunks(wire, dst, tag, prepare)
+        self.stats.sent_bytes += nbytes
         return work
 
-    def irecv_payload(self, src: int, out: torch.Tensor, reply: bool) -> Work:
+    def irecv_payload(self, src: int, out: torch.Tensor, reply: bool) -> PayloadReceive:
         """Start receiving a payload into ``out`` without blocking (compressed: decoded into
-        ``out`` by the returned work's ``wait``)."""
+        ``out`` once it is in); the result's ``arrived()`` yields each chunk as it arrives."""
         tag = TAG_REPLY_PAYLOAD if reply else TAG_REQUEST_PAYLOAD
         if self.compress != "none" and out.numel():
             packed = self._packed_buffer(out.numel())
             work = self._irecv(packed, src, tag)
             self.stats.received_bytes += packed.numel()
-            return _Decoding(work, packed, out, self.compress)
-        work = self._irecv(out, src, tag)
+            decoding = _Decoding(work, packed, out, self.compress)
+            return PayloadReceive([(0, out.numel(), decoding)])
+        parts = self._irecv_chunks(out.view(-1), src, tag) if out.numel() else []
         self.stats.received_bytes += out.numel() * out.element_size()
-        return work
+        return PayloadReceive(parts)
 
     def wait_all(self, works: list[Work]) -> None:
         """Wait for started sends/receives (each under the group's timeout), timing the wait."""
@@ -324,12 +467,15 @@ class PeerTransport:
             work.wait()
         self.stats.wait_s += self.wire.now() - t0
 
-    def recv_reply(self, src: int, out: torch.Tensor | None = None) -> Header:
-        """Receive the reply header from ``src`` and, if it has a payload, copy it into ``out``.
+    def recv_reply(
+        self, src: int, out: torch.Tensor | None = None, on_chunk: ChunkFn | None = None
+    ) -> Header:
+        """Receive the reply header from ``src`` and, if it has a payload, copy it into ``out``
+        (``on_chunk(a, b)`` is called as each chunk ``out[a:b]`` arrives).
 
         Raises :class:`MessageError` for a malformed header, another kind, or a payload of
         another size than ``out`` (then not read: ``src``'s reply stream is out of step). A
-        shorter payload leaves ``out``'s last element NaN.
+        shorter payload leaves the last element of its chunk of ``out`` NaN.
         """
         self._header_buf.fill_(-1)
         t0 = self.wire.now()
@@ -349,9 +495,10 @@ class PeerTransport:
                 self._recv(packed, src, TAG_REPLY_PAYLOAD)
                 self.stats.received_bytes += packed.numel()
                 out.copy_(decode(packed, header.numel, self.compress))
+                if on_chunk is not None:
+                    on_chunk(0, header.numel)
             else:
-                out[-1] = math.nan
-                self._recv(out, src, TAG_REPLY_PAYLOAD)
+                self._recv_chunks(out.view(-1), src, TAG_REPLY_PAYLOAD, on_chunk)
                 self.stats.received_bytes += header.numel * 4
         self.stats.wait_s += self.wire.now() - t0
         return header
