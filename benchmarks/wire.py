@@ -1,0 +1,346 @@
+"""Bytes on the wire, counted by the OS, beside cloudburst's own counters (issue 18 item 4).
+
+Each strategy's job runs alone in a fresh network namespace (``unshare -rn``: a user and a
+network namespace, no privileges needed; only its loopback device, brought up inside), so
+every socket there is the job's. Two OS counts:
+
+- **per process**: ``ss -tinpH`` every ``--sample-s`` — each TCP socket's ``bytes_sent`` and
+  ``bytes_received`` (TCP_INFO: payload bytes, no headers), its process and ports; a socket's
+  last sample is its count. Sockets are split into the store's (to and from a port listened
+  on by the launcher or named by a rank's ``MASTER_PORT``: rendezvous, liveness heartbeats,
+  the end-of-run reports) and the data connections between ranks (gloo's pairs);
+- **the namespace's total**: the loopback device's bytes and packets from ``/proc/net/dev``
+  after the job ended (every byte, nothing lost to sampling); its payload is the bytes less
+  ``HEADER_BYTES`` per packet, and less the store's bytes (from the samples) it is the data
+  the ranks sent each other — the job-wide figure the claim compares with the counters.
+
+The claim compares the job's total (exact) with the sum of cloudburst's counters (each
+rank's ``sent_bytes``, its ``final`` metrics record); the per-rank table sets each rank's
+sampled data bytes beside its counters, a lower bound: traffic after a socket's last sample
+is lost when it closes (``ss -E``'s destroy events do not reach an unprivileged namespace
+here), which a short job's whole traffic can be. Wire and counters differ by gloo's framing
+of each message, by traffic the counters leave out by design (start-up broadcasts of the
+parameters, the end of the run's measurement collectives) and, per rank, by sampling.
+
+    .venv/bin/python benchmarks/wire.py [--quick] [--force]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+from cloudburst.models import build_model  # noqa: E402
+
+#: Every strategy at W = 2 (asgd with one server shard, DASO on two emulated nodes), the
+#: MNIST-1D MLP; ``--steps`` per worker.
+STRATEGIES = {
+    "sync": ["--strategy", "sync"],
+    "local_sgd": ["--strategy", "local_sgd"],
+    "diloco": ["--strategy", "diloco"],
+    "daso": ["--strategy", "daso", "--nodes", "2"],
+    "asgd": ["--strategy", "asgd", "--servers", "1"],
+}
+COMMON = ["--workers", "2", "--model", "mlp", "--eval-every-s", "1000", "--checkpoint-every", "0"]
+
+#: Bytes a loopback packet carries besides its payload: Ethernet 14 + IPv4 20 + TCP with the
+#: timestamp option 32 (Linux's default; the handshake's few packets carry 8 more).
+HEADER_BYTES = 14 + 20 + 32
+
+_SOCKET = re.compile(
+    r"^(?P<state>\S+)\s+\d+\s+\d+\s+(?P<local>\S+)\s+(?P<peer>\S+)\s*(?P<rest>.*)$"
+)
+_PID = re.compile(r"pid=(\d+)")
+_BYTES = re.compile(r"\b(bytes_sent|bytes_received):(\d+)")
+
+
+def parse_ss(text: str) -> list[dict]:
+    """``ss -tinpH`` output as one dict per socket: local, peer, pid, bytes_sent,
+    bytes_received (a socket's line, then its tab-indented TCP_INFO line)."""
+    sockets: list[dict] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        m = _SOCKET.match(line) if not line[0].isspace() else None
+        if m:
+            pid = _PID.search(m["rest"])
+            sockets.append(
+                {
+                    "local": m["local"],
+                    "peer": m["peer"],
+                    "pid": int(pid[1]) if pid else None,
+                    "bytes_sent": 0,
+                    "bytes_received": 0,
+                }
+            )
+        elif sockets:
+            for key, value in _BYTES.findall(line):
+                sockets[-1][key] = int(value)
+    return sockets
+
+
+def port(addr: str) -> int:
+    return int(addr.rsplit(":", 1)[1])
+
+
+def lo_counters() -> dict[str, int]:
+    """The loopback device's received and transmitted bytes and packets (/proc/net/dev)."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, fields = line.partition(":")
+        if name.strip() == "lo":
+            f = [int(x) for x in fields.split()]
+            return {"rx_bytes": f[0], "rx_packets": f[1], "tx_bytes": f[8], "tx_packets": f[9]}
+    raise RuntimeError("no loopback device in /proc/net/dev")
+
+
+def probe(out: Path, sample_s: float, argv: list[str]) -> int:
+    """Inside the namespace: bring lo up, run the job, sample its sockets until it exits."""
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    job = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    last: dict[tuple, dict] = {}  # (local, peer, pid) -> the socket's latest sample
+    listeners: dict[int, int | None] = {}  # listening port -> pid
+    master_ports: set[int] = set()
+    samples = 0
+    while job.poll() is None:
+        text = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout
+        for s in parse_ss(text):
+            last[s["local"], s["peer"], s["pid"]] = s
+        listen = subprocess.run(["ss", "-tlnpH"], capture_output=True, text=True).stdout
+        for s in parse_ss(listen):
+            listeners.setdefault(port(s["local"]), s["pid"])
+        for s in last.values():
+            master_ports |= _master_port(s["pid"])
+        samples += 1
+        time.sleep(sample_s)
+    stderr = job.stderr.read() if job.stderr else ""
+    result = {
+        "returncode": job.returncode,
+        "stderr_tail": stderr.strip().splitlines()[-3:],
+        "samples": samples,
+        "sockets": list(last.values()),
+        "listeners": {str(k): v for k, v in listeners.items()},
+        "master_ports": sorted(master_ports),
+        "lo": lo_counters(),
+    }
+    out.write_text(json.dumps(result))
+    return job.returncode
+
+
+_ENV_CACHE: dict[int, set[int]] = {}
+
+
+def _master_port(pid: int | None) -> set[int]:
+    if pid is None:
+        return set()
+    if pid not in _ENV_CACHE:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return set()
+        _ENV_CACHE[pid] = {int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"MASTER_PORT=")}
+    return _ENV_CACHE[pid]
+
+
+def rank_records(out_dir: Path) -> dict[int, dict]:
+    """Per rank: its pid (the ``start`` record) and its counters (the ``final`` record)."""
+    ranks: dict[int, dict] = {}
+    for path in sorted((out_dir / "metrics").glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rank = ranks.setdefault(int(r["rank"]), {"role": r.get("role")})
+            if r.get("event") == "start":
+                rank["pid"] = r["pid"]
+            elif r.get("event") == "final":
+                rank["sent_bytes"] = r.get("sent_bytes")
+                rank["received_bytes"] = r.get("received_bytes")
+    return ranks
+
+
+def account(result: dict, ranks: dict[int, dict]) -> dict:
+    """Split the sampled sockets into store and data bytes per rank; beside the counters."""
+    pid_rank = {r["pid"]: rank for rank, r in ranks.items() if "pid" in r}
+    store_ports = set(result["master_ports"]) | {
+        int(p) for p, pid in result["listeners"].items() if pid not in pid_rank
+    }
+    per_rank = {
+        rank: {"data_sent": 0, "data_received": 0, "store_sent": 0, "store_received": 0}
+        for rank in ranks
+    }
+    other = {"sent": 0, "received": 0}  # the launcher's side of the store connections
+    for s in result["sockets"]:
+        rank = pid_rank.get(s["pid"])
+        if rank is None:
+            other["sent"] += s["bytes_sent"]
+            other["received"] += s["bytes_received"]
+            continue
+        kind = "store" if {port(s["local"]), port(s["peer"])} & store_ports else "data"
+        per_rank[rank][f"{kind}_sent"] += s["bytes_sent"]
+        per_rank[rank][f"{kind}_received"] += s["bytes_received"]
+    rows = []
+    for rank, r in sorted(ranks.items()):
+        wire = per_rank[rank]
+        rows.append(
+            {
+                "rank": rank,
+                "role": r.get("role"),
+                "counted_sent": r.get("sent_bytes"),
+                "counted_received": r.get("received_bytes"),
+                **wire,
+            }
+        )
+    lo = result["lo"]
+    store = sum(r["store_sent"] for r in per_rank.values()) + other["sent"]
+    lo_payload = lo["tx_bytes"] - lo["tx_packets"] * HEADER_BYTES
+    return {
+        "ranks": rows,
+        "other": other,
+        "socket_payload_sent": sum(s["bytes_sent"] for s in result["sockets"]),
+        "store_sent": store,
+        "lo": lo,
+        "lo_payload": lo_payload,
+        "lo_data": lo_payload - store,  # every rank's data connections, nothing missed
+        "counted_sent": sum(r.get("sent_bytes") or 0 for r in ranks.values()),
+        "samples": result["samples"],
+    }
+
+
+def run_wire(arm: harness.Arm, seed: int, steps: int, sample_s: float) -> harness.Run:
+    out_dir = harness.RUNS / "wire" / arm.name / f"seed{seed}"
+    probe_json = out_dir.parent / f"seed{seed}.probe.json"
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    train = [sys.executable, "-m", "cloudburst", "train", *arm.argv, *COMMON]
+    train += ["--steps", str(steps), "--seed", str(seed), "--out", str(out_dir), "--no-progress"]
+    cmd = ["unshare", "-rn", sys.executable, __file__, "--probe", str(probe_json)]
+    cmd += ["--sample-s", str(sample_s), "--", *train]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    proc = subprocess.run(cmd, cwd=harness.REPO, env=env, capture_output=True, text=True)
+    wall = time.monotonic() - started
+    if proc.returncode != 0 or not probe_json.is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        return harness.Run(arm.name, seed, wall, failed=f"exit {proc.returncode}: {tail[0]}")
+    result = json.loads(probe_json.read_text())
+    values = account(result, rank_records(out_dir))
+    return harness.Run(arm.name, seed, round(wall, 3), values=values, out_dir=str(out_dir))
+
+
+def ratio(a: int | None, b: int | None) -> float | None:
+    return None if not a or not b else a / b
+
+
+def main() -> None:
+    if "--probe" in sys.argv:  # the part that runs inside the namespace
+        i = sys.argv.index("--probe")
+        sep = sys.argv.index("--")
+        sample_s = float(sys.argv[sys.argv.index("--sample-s") + 1])
+        sys.exit(probe(Path(sys.argv[i + 1]), sample_s, sys.argv[sep + 1 :]))
+
+    def add(p) -> None:
+        p.add_argument("--steps", type=int, default=None, help="steps per worker (200; quick 40)")
+        p.add_argument("--sample-s", type=float, default=0.05, help="ss sampling period (s)")
+        p.add_argument("--only", nargs="*", default=None, choices=list(STRATEGIES))
+
+    args = harness.parse_args(__doc__, add)
+    prov = harness.Provenance.capture(args)
+    model = build_model("mlp", (40,), 10, 0)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    steps = args.steps or (40 if args.quick else 200)
+    names = args.only or list(STRATEGIES)
+    arms = [harness.Arm(n, STRATEGIES[n]) for n in names]
+    runs = harness.interleave(
+        arms, [0], prov=prov, run=lambda arm, seed: run_wire(arm, seed, steps, args.sample_s)
+    )
+    report = harness.Report("wire", "Bytes on the wire (OS) beside cloudburst's counters", prov)
+    report.settings(
+        f"W = 2, MNIST-1D MLP, {steps} steps per worker, seed 0; each job alone in a network "
+        f"namespace; `ss -tinpH` every {args.sample_s:g} s (per-socket payload bytes), "
+        "`/proc/net/dev` lo after the job (all bytes, headers included)."
+    )
+    rows, jobs = [], []
+    for r in runs:
+        if r.failed:
+            jobs.append([r.arm, "FAILED", r.failed, "", "", "", ""])
+            continue
+        v = report.data[r.arm] = r.values
+        wire_ratio = ratio(v["lo_data"], v["counted_sent"])
+        jobs.append(
+            [
+                r.arm,
+                v["counted_sent"],
+                v["lo_data"],
+                harness.fmt(wire_ratio, 4),
+                v["store_sent"],
+                v["lo"]["tx_packets"],
+                v["samples"],
+            ]
+        )
+        report.claim(
+            f"wire ÷ counted bytes, {r.arm}",
+            wire_ratio,
+            "1 ± 0.05",
+            None if wire_ratio is None else abs(wire_ratio - 1) <= 0.05,
+            seeds=1,
+        )
+        for x in v["ranks"]:
+            rows.append(
+                [
+                    r.arm,
+                    x["rank"],
+                    x["role"],
+                    x["counted_sent"],
+                    x["data_sent"],
+                    harness.fmt(ratio(x["data_sent"], x["counted_sent"]), 4),
+                    x["counted_received"],
+                    x["data_received"],
+                    harness.fmt(ratio(x["data_received"], x["counted_received"]), 4),
+                ]
+            )
+    report.section("Job totals: loopback payload less the store's vs the counters")
+    report.table(
+        [
+            "strategy",
+            "counted sent",
+            "wire data (lo)",
+            "wire ÷ counted",
+            "store bytes",
+            "lo packets",
+            "ss samples",
+        ],
+        jobs,
+    )
+    report.section("Per rank: sampled sockets (payload) vs the counters")
+    report.text(
+        f"The model's parameters are {model_bytes} bytes: a start-up broadcast of them (DDP, "
+        "the strategies' initial sync) is on the wire and not in the counters. A socket's "
+        "traffic after its last sample is missing here (not in the lo totals)."
+    )
+    report.table(
+        [
+            "strategy",
+            "rank",
+            "role",
+            "counted sent",
+            "wire sent",
+            "÷",
+            "counted received",
+            "wire received",
+            "÷",
+        ],
+        rows,
+    )
+    report.write(runs)
+
+
+if __name__ == "__main__":
+    main()
