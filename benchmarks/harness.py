@@ -199,6 +199,14 @@ class Provenance:
             args=args,
         )
 
+    def results_dir(self) -> Path:
+        """Where reports go: ``benchmarks/results/``, or ``runs/bench-quick/`` for --quick."""
+        return QUICK_RESULTS if self.quick else RESULTS
+
+    def runs_dir(self, name: str) -> Path:
+        """Where the run directories of benchmark ``name`` go (git-ignored)."""
+        return (QUICK_RESULTS / "runs" if self.quick else RUNS) / name
+
     def sample_load(self) -> float:
         """Record the 1-min load average now (after each run) and return it."""
         self.loads.append(load1())
@@ -593,7 +601,7 @@ class Report:
         out = getattr(self.prov.args, "out", None)
         if out:
             return Path(out).with_suffix(".md")
-        return (QUICK_RESULTS if self.prov.quick else RESULTS) / f"{self.name}.md"
+        return self.prov.results_dir() / f"{self.name}.md"
 
     def header(self) -> list[str]:
         p = self.prov
