@@ -230,6 +230,24 @@ def test_compress_is_refused_where_it_is_not_built():
 
 
 # ---------------------------------------------------------------------------- strategies
+def _train(pairs, steps: range) -> None:
+    for step in steps:
+        for replicas, strategy in pairs:
+            replicas.step(0, step)
+            strategy.after_step(8)
+
+
+def _restored_twin_continues_alike(build, saved: dict, replicas, strategy, steps: range) -> None:
+    """A twin built from another seed, given the replica, its optimizer and ``saved``, then
+    trained on as the original is, ends with the same bits."""
+    twin_replicas, twin = build(3)
+    ref.set_flat(twin_replicas.models[0], ref.flat(replicas.models[0]))
+    twin_replicas.optimizers[0].load_state_dict(copy.deepcopy(replicas.optimizers[0].state_dict()))
+    twin.load_state_dict(saved)
+    _train([(replicas, strategy), (twin_replicas, twin)], steps)
+    assert torch.equal(ref.flat(replicas.models[0]), ref.flat(twin_replicas.models[0]))
+
+
 def test_diloco_checkpoints_its_residuals_and_a_restored_worker_continues_alike():
     # One worker over a group of one: the int8 round trip and its residual are still real.
     kw = dict(period=2, fragments=2, diloco_outer_lr=0.7, compress="int8")
@@ -242,22 +260,11 @@ def test_diloco_checkpoints_its_residuals_and_a_restored_worker_continues_alike(
         return replicas, strategy
 
     replicas, strategy = build(0)
-    for step in range(1, 6):
-        replicas.step(0, step)
-        strategy.after_step(8)
+    _train([(replicas, strategy)], range(1, 6))
     saved = copy.deepcopy(strategy.state_dict())
     assert set(saved["compress_feedback"]) == {"fragment0", "fragment1"}
     assert any(r.abs().sum() > 0 for r in saved["compress_feedback"].values())
-
-    twin_replicas, twin = build(3)
-    ref.set_flat(twin_replicas.models[0], ref.flat(replicas.models[0]))
-    twin_replicas.optimizers[0].load_state_dict(copy.deepcopy(replicas.optimizers[0].state_dict()))
-    twin.load_state_dict(saved)
-    for step in range(6, 12):
-        for r, s in ((replicas, strategy), (twin_replicas, twin)):
-            r.step(0, step)
-            s.after_step(8)
-    assert torch.equal(ref.flat(replicas.models[0]), ref.flat(twin_replicas.models[0]))
+    _restored_twin_continues_alike(build, saved, replicas, strategy, range(6, 12))
 
 
 def test_daso_checkpoints_its_residual_and_a_restored_rank_continues_alike():
@@ -276,25 +283,13 @@ def test_daso_checkpoints_its_residual_and_a_restored_rank_continues_alike():
         return replicas, strategy
 
     replicas, strategy = build(0)
-    for step in range(1, 7):  # syncs start at steps 2, 4, 6 and merge a step later
-        replicas.step(0, step)
-        strategy.after_step(8)
-        if step == 6:
-            strategy._merge()
+    _train([(replicas, strategy)], range(1, 7))  # syncs start at steps 2, 4, 6 ...
+    strategy._merge()  # ... and merge a step later: the one of step 6 now
     saved = copy.deepcopy(strategy.state_dict())
     assert set(saved["compress_feedback"]) == {"theta"}
     assert saved["compress_feedback"]["theta"].abs().sum() > 0
     assert strategy.global_bytes == 3 * packed_bytes(strategy.numel, "int8")
-
-    twin_replicas, twin = build(3)
-    ref.set_flat(twin_replicas.models[0], ref.flat(replicas.models[0]))
-    twin_replicas.optimizers[0].load_state_dict(copy.deepcopy(replicas.optimizers[0].state_dict()))
-    twin.load_state_dict(saved)
-    for step in range(7, 14):
-        for r, s in ((replicas, strategy), (twin_replicas, twin)):
-            r.step(0, step)
-            s.after_step(8)
-    assert torch.equal(ref.flat(replicas.models[0]), ref.flat(twin_replicas.models[0]))
+    _restored_twin_continues_alike(build, saved, replicas, strategy, range(7, 14))
 
 
 def _daso_cfg(out, **kw) -> RunConfig:
