@@ -26,8 +26,9 @@ bf16`` does for the blocking ones); ``int8`` / ``fp8`` send θ quantised block-w
 codes and scales, dequantised and summed in fp32) with error feedback, the residual kept per
 rank (each rank sends only at its own turns of the rotation) and checkpointed. A merge's
 rounding stays in θ for good, so without feedback the roundings of successive syncs would add
-up; with it each sync also sends what the rank's previous one left out. ``--compress`` and a
-non-default ``--daso-downcast`` / ``--daso-cycling-downcast`` are refused together.
+up; with it each sync also sends what the rank's previous one left out. A quantised sync is one
+all-gather (``daso_chunk_elements`` does not split it). ``--compress`` and a non-default
+``--daso-downcast`` / ``--daso-cycling-downcast`` are refused together.
 
 Differences from Heat: the cast is configurable for each kind of sync; the schedule is an
 explicit, checkpointable object (Heat keeps loose counters and has no ``state_dict``); "stable"
