@@ -87,12 +87,18 @@ NUMEL = 6
 
 class _Wire:
     """gloo, faked for one PeerTransport: queued messages fill the front of the buffer they
-    are received into (a shorter one leaves the rest as it was), sends are recorded."""
+    are received into (a shorter one leaves the rest as it was), sends (blocking or not, done
+    at once) are recorded."""
 
     def __init__(self, transport: PeerTransport, messages: list[tuple[int, torch.Tensor]]):
         self.messages, self.sent = list(messages), []
         transport._recv = self.recv
         transport._send = lambda tensor, dst, tag: self.sent.append((dst, tag, tensor.clone()))
+        transport._isend = self.isend
+
+    def isend(self, tensor, dst, tag):
+        self.sent.append((dst, tag, tensor.clone()))
+        return SimpleNamespace(wait=lambda: True, is_completed=lambda: True)
 
     def recv(self, tensor, src, tag):
         want, message = self.messages.pop(0)
