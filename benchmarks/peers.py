@@ -1,46 +1,42 @@
-"""Peers run through cloudburst's own training loop, as registered strategies.
+"""PyTorch's own local-SGD schemes as cloudburst strategies: the peers that ``daso.py`` and
+``local_sgd.py`` time against, run through cloudburst's loop (same data, evaluation, counters
+and emulated link), so that only the averaging mechanism differs.
 
-``torch_hierarchical`` — PyTorch's two-level blocking scheme, post-local SGD (Lin et al. 2020,
-"Don't use large mini-batches, use local SGD"; ``torch.distributed.algorithms``):
+- ``torch_post_local``: DDP with ``post_localSGD_hook`` (``PostLocalSGDState``: gradients
+  all-reduced over every worker for the warm-up, then only inside the node) and
+  ``PeriodicModelAverager(period=B)``, a blocking fp32 average of θ over all W workers every B
+  steps after the warm-up: torch's documented pairing (Lin et al. 2020).
+- ``torch_hierarchical``: the same warm-up, then purely local steps and
+  ``HierarchicalModelAverager({1: node size, B: W})``: θ averaged inside the node every step and
+  over all workers every B steps.
+- ``torch_periodic``: ``PeriodicModelAverager(period=H, warmup_steps=H - 1)`` alone, which
+  averages after steps H, 2H, ...: cloudburst's ``local_sgd`` schedule (``--period``), for
+  timing the averaging mechanism against cloudburst's.
 
-- DDP over all workers with ``post_localSGD_hook`` and ``PostLocalSGDState(process_group=None,
-  subgroup=<this node's group>, start_localSGD_iter=warm-up steps)``: for the warm-up steps the
-  gradients are all-reduced over every worker (plain DDP); afterwards only inside the node.
-- ``PeriodicModelAverager(period, warmup_steps=<the same>)``: after each optimizer step from the
-  end of the warm-up on, every ``period``-th call averages θ over all workers with one blocking
-  fp32 all-reduce (``average_parameters(model.parameters())``).
+Warm-up = ``daso_warmup_epochs`` epochs and B = ``daso_global_skip``, DASO's defaults. ``finish``
+averages once more so every replica ends on one θ. A global average (or warm-up gradient
+all-reduce) that spans nodes is counted as a ring all-reduce and charged to the emulated link
+(``cloudburst.comm.link``) as cloudburst's own are. Synchronous throughout; a dead worker makes
+the next collective raise and the job stops.
 
-Why ``PeriodicModelAverager`` and not ``HierarchicalModelAverager``: with the hook's subgroup
-all-reduce every step, the replicas of one node are identical after every step, so an
-intra-node level of model averaging (what ``HierarchicalModelAverager`` adds) would move bytes
-and change nothing; the one level left is the global average, which is what
-``PeriodicModelAverager`` does. It is also the pairing torch's own documentation shows.
+    python benchmarks/peers.py torch_post_local <cloudburst train flags>   # one job
 
-Both knobs mirror DASO's defaults from the run's config: warm-up = ``daso_warmup_epochs`` epochs
-(blocking, every step, like DASO's warm-up), period = ``daso_global_skip`` (B) steps. Unlike
-DASO, the average is blocking, fp32, over all W workers, and there is no cool-down. ``finish``
-does one more global average so every replica ends with the same θ (as DASO's ``finish`` does).
-
-Synchronous everywhere (nothing is stale); a dead worker makes the next collective raise and
-the job stops, as for ``sync``.
-
-The emulated inter-node link (``cloudburst.comm.link``) is applied to this peer's traffic that
-crosses nodes exactly as to cloudburst's: a global gradient all-reduce reserves
-``link.allreduce_s(bucket_bytes, W)`` when launched and its future completes no earlier than
-that (as ``cloudburst.comm.allreduce.counting_allreduce_hook``); a global model average
-reserves ``link.allreduce_s(θ_bytes, W)`` from the moment it starts and returns no earlier.
-Bytes are counted as ``cloudburst.comm.allreduce.count_collective`` counts them (ring
-all-reduce: 2(n-1)/n of the tensor, sent and received; inter-node when the group spans nodes).
-
-Importing this module registers the strategy (``RunConfig(strategy="torch_hierarchical")``).
+:func:`run_arm` runs a harness arm: ``cloudburst train`` for the built-in strategies, this file
+for the peers (``--strategy torch_post_local`` in the arm's flags).
 
 (No ``from __future__ import annotations``: DDP checks the comm hook's real annotations.)
 """
 
+import dataclasses
 import datetime
+import json
 import math
+import os
+import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +48,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
 )
 from torch.distributed.algorithms.model_averaging import utils as averaging_utils
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+    HierarchicalModelAverager,
+)
 
 from cloudburst.comm.allreduce import (
     charge_unoverlapped_wait,
@@ -59,49 +58,39 @@ from cloudburst.comm.allreduce import (
     counted_ddp,
     ring_bytes,
 )
-from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.link import LinkEmulator
 from cloudburst.comm.p2p import CommStats
 from cloudburst.strategies import STRATEGY_CLASSES, Strategy, register_strategy
 
 
-@dataclass
-class CountedPostLocalSGDState:
+@dataclasses.dataclass
+class HookState:
     """torch's ``PostLocalSGDState`` plus what cloudburst counts and emulates around it."""
 
     inner: PostLocalSGDState
     stats: CommStats
     link: LinkEmulator | None
     world_size: int
-    node_size: int
-    spans_nodes: bool  # the global group's ranks are on more than one node
+    local_size: int  # ranks in the post-warm-up subgroup
+    spans_nodes: bool
     last_launch: float = 0.0
-    global_buckets: int = 0
-    local_buckets: int = 0
 
 
 def counted_post_localSGD_hook(
-    state: CountedPostLocalSGDState, bucket: dist.GradBucket
+    state: HookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """``post_localSGD_hook``, its bytes counted and its global all-reduces on the slow link."""
     tensor = bucket.buffer()
-    nbytes = tensor.numel() * tensor.element_size()
-    # Decided before the call: torch's hook advances ``iter`` on the iteration's last bucket.
-    is_global = state.inner.iter < state.inner.start_localSGD_iter
-    if is_global:
-        state.global_buckets += 1
-        moved = ring_bytes(tensor.numel(), tensor.element_size(), state.world_size)
-        count_collective(state.stats, moved, state.spans_nodes)
-    else:
-        state.local_buckets += 1
-        moved = ring_bytes(tensor.numel(), tensor.element_size(), state.node_size)
-        count_collective(state.stats, moved, False)
+    is_global = state.inner.iter < state.inner.start_localSGD_iter  # the hook advances iter
+    group = state.world_size if is_global else state.local_size
+    moved = ring_bytes(tensor.numel(), tensor.element_size(), group)
+    count_collective(state.stats, moved, is_global and state.spans_nodes)
     state.last_launch = time.perf_counter()
     fut = post_localSGD_hook(state.inner, bucket)
     link = state.link
     if not is_global or link is None or not link.active or not state.spans_nodes:
         return fut
-    cost = link.allreduce_s(nbytes, state.world_size)
+    cost = link.allreduce_s(tensor.numel() * tensor.element_size(), state.world_size)
     deadline = link.reserve(cost)
     state.stats.emulated_link_s += cost
 
@@ -112,117 +101,208 @@ def counted_post_localSGD_hook(
     return fut.then(done)
 
 
-def averaging_due(averager: PeriodicModelAverager) -> bool:
-    """Whether ``averager.average_parameters`` will all-reduce on its next call (its own rule)."""
-    step, warmup = averager.step, averager.warmup_steps
-    return step >= warmup and (step - warmup) % averager.period == 0
+class TorchPeerStrategy(Strategy):
+    """Shared by the three peers: averaging through a torch averager, counted and timed."""
 
-
-class TorchHierarchicalStrategy(Strategy):
-    """PyTorch's post-local SGD with periodic global model averaging (see the module doc)."""
-
-    name = "torch_hierarchical"
+    lockstep = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.steps_per_epoch = 1
-        self.total_steps: int | None = None
         self.warmup_steps = 0
-        self.period = max(1, self.cfg.daso_global_skip)
-        self.averages = 0  # global model averages done (the final one included)
-        self.average_log: list[int] = []  # the step after which each average was done
+        self.averages = 0  # global averages (the final one included)
 
     def configure(self, steps_per_epoch: int, total_steps: int) -> None:
-        self.steps_per_epoch = max(1, steps_per_epoch)
-        self.total_steps = total_steps
         # DASO's warm-up covers the epochs e < daso_warmup_epochs (its epoch counter is whole).
-        warmup_epochs = math.ceil(self.cfg.daso_warmup_epochs)
-        self.warmup_steps = min(total_steps, warmup_epochs * self.steps_per_epoch)
+        epochs = math.ceil(self.cfg.daso_warmup_epochs)
+        self.warmup_steps = min(total_steps, epochs * max(1, steps_per_epoch))
 
-    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
-        self.model = model
-        ctx = self.ctx
-        topology = ctx.topology
-        nodes = [topology.ranks_on(n) for n in range(topology.num_nodes)]
-        if len({len(r) for r in nodes}) != 1:
-            raise RuntimeError(f"torch_hierarchical needs equal nodes, got ranks {nodes}")
-        if ctx.num_servers:
-            raise RuntimeError("torch_hierarchical runs without parameter servers (--servers 0)")
-        # Every rank takes part in creating every node's group.
-        self.node_group, _ = dist.new_subgroups_by_enumeration(
-            nodes,
-            timeout=datetime.timedelta(seconds=self.cfg.comm_timeout_s),
-            backend="gloo",
-        )
-        self.hook_state = CountedPostLocalSGDState(
-            inner=PostLocalSGDState(
-                process_group=None,
-                subgroup=self.node_group,
-                start_localSGD_iter=self.warmup_steps,
-            ),
+    def _groups(self, groups: list[list[int]]):
+        timeout = datetime.timedelta(seconds=self.cfg.comm_timeout_s)
+        return dist.new_subgroups_by_enumeration(groups, timeout=timeout, backend="gloo")[0]
+
+    def _post_local_ddp(self, model: nn.Module, subgroups: list[list[int]]) -> nn.Module:
+        """DDP whose gradients go over every worker for the warm-up, then over ``subgroups``."""
+        topo, ctx = self.ctx.topology, self.ctx
+        if ctx.num_servers or topo is None:
+            raise RuntimeError(f"{self.name} needs --servers 0 and --nodes")
+        self.hook_state = HookState(
+            inner=PostLocalSGDState(None, self._groups(subgroups), self.warmup_steps),
             stats=self.stats,
             link=ctx.link,
             world_size=ctx.world_size,
-            node_size=len(nodes[0]),
-            spans_nodes=topology.num_nodes > 1,
+            local_size=len(subgroups[0]),
+            spans_nodes=topo.num_nodes > 1,
         )
-        self.averager = PeriodicModelAverager(
-            period=self.period, warmup_steps=self.warmup_steps, process_group=None
-        )
-        self.ddp = counted_ddp(model, None, ctx.device, self.hook_state, counted_post_localSGD_hook)
-        return self.ddp
+        return counted_ddp(model, None, ctx.device, self.hook_state, counted_post_localSGD_hook)
 
     def after_backward(self) -> None:
-        charge_unoverlapped_wait(self.hook_state)
+        if hasattr(self, "hook_state"):
+            charge_unoverlapped_wait(self.hook_state)
 
     def after_step(self, samples: int) -> None:
         self.local_steps += 1
-        if averaging_due(self.averager):
-            self._global_average(lambda: self.averager.average_parameters(self.model.parameters()))
-        else:
-            self.averager.average_parameters(self.model.parameters())  # only counts the step
+        self._average(self.world > 1 and self.global_due(self.averager.step))
 
-    def _global_average(self, average) -> None:
-        """Run ``average`` (a blocking fp32 all-reduce of θ over all W workers), counted, and
-        return no earlier than the emulated link could have carried it."""
-        numel = sum(p.numel() for p in self.model.parameters() if p.grad is not None)
-        world = self.ctx.world_size
-        spans = self.hook_state.spans_nodes
-        count_collective(self.stats, ring_bytes(numel, 4, world), spans)
+    def global_due(self, call: int) -> bool:
+        """Whether the averager's ``call``-th call (0-based) averages over all workers."""
+        raise NotImplementedError
+
+    def _average(self, is_global: bool, group=None) -> None:
+        """The averager's call (or, with ``group``, one average over it); a global one counted
+        as a fp32 ring over W and returned no earlier than the emulated link carries it."""
+        params = list(self.model.parameters())
+        if not is_global:
+            self.averager.average_parameters(params)  # counts the step; maybe a node average
+            return
+        numel = sum(p.numel() for p in params)
+        spans = self.ctx.topology is not None and self.ctx.topology.num_nodes > 1
+        count_collective(self.stats, ring_bytes(numel, 4, self.world), spans)
         t0 = time.perf_counter()
-        average()
+        if group is None:
+            self.averager.average_parameters(params)
+        else:
+            averaging_utils.average_parameters(iter(params), group)
         link = self.ctx.link
         if link is not None and link.active and spans:
-            cost = link.allreduce_s(numel * 4, world)
+            cost = link.allreduce_s(numel * 4, self.world)
             self.stats.emulated_link_s += cost
             link.wait_until(link.reserve(cost, start=t0))
         self.stats.wait_s += time.perf_counter() - t0
         self.averages += 1
-        self.average_log.append(self.local_steps)
+
+    @property
+    def world(self) -> int:
+        return self.cfg.workers
 
     def global_params(self) -> tuple[torch.Tensor, int]:
-        samples = self.local_steps * self.cfg.batch_size * self.cfg.workers
-        return flatten_params(self.model), samples
+        return self.replica_params()
 
     def finish(self) -> None:
-        # A last global average (outside torch's scheme) so every replica ends with the same θ.
-        self._global_average(
-            lambda: averaging_utils.average_parameters(iter(list(self.model.parameters())), None)
-        )
+        if self.world > 1:  # one more average, so every replica ends on one θ
+            self._average(True, group=self.ctx.workers_group)
 
     def report(self) -> dict[str, Any]:
-        r = super().report()
-        r.update(
-            warmup_steps=self.warmup_steps,
-            period=self.period,
-            global_averages=self.averages,
-            average_log=self.average_log,
-            global_grad_buckets=self.hook_state.global_buckets,
-            local_grad_buckets=self.hook_state.local_buckets,
-            global_grad_steps=self.hook_state.inner.iter,
+        return {**super().report(), "warmup_steps": self.warmup_steps, "averages": self.averages}
+
+
+class TorchPostLocalStrategy(TorchPeerStrategy):
+    name = "torch_post_local"
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        self.model = model
+        topo = self.ctx.topology
+        self.global_period = max(1, self.cfg.daso_global_skip)
+        ddp = self._post_local_ddp(model, [topo.ranks_on(n) for n in range(topo.num_nodes)])
+        self.averager = PeriodicModelAverager(self.global_period, self.warmup_steps)
+        return ddp
+
+    def global_due(self, call: int) -> bool:  # torch's own rule
+        return call >= self.warmup_steps and (call - self.warmup_steps) % self.global_period == 0
+
+
+class TorchHierarchicalStrategy(TorchPeerStrategy):
+    name = "torch_hierarchical"
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        self.model = model
+        topo = self.ctx.topology
+        node = len(topo.ranks_on(0))
+        if topo.ranks_on(0) != list(range(node)):
+            raise RuntimeError("torch_hierarchical needs consecutive ranks per node")
+        self.global_period = max(1, self.cfg.daso_global_skip)
+        ddp = self._post_local_ddp(model, [[r] for r in range(self.world)])  # local steps
+        periods = OrderedDict([(1, node), (self.global_period, self.world)])
+        self.averager = HierarchicalModelAverager(periods, self.warmup_steps)
+        self.node_bytes = ring_bytes(sum(p.numel() for p in model.parameters()), 4, node)
+        return ddp
+
+    def global_due(self, call: int) -> bool:  # torch's own rule (the largest period wins)
+        due = call >= self.warmup_steps
+        if due and call % self.global_period:
+            count_collective(self.stats, self.node_bytes, False)  # a node average
+        return due and call % self.global_period == 0
+
+
+class TorchPeriodicStrategy(TorchPeerStrategy):
+    name = "torch_periodic"
+
+    def configure(self, steps_per_epoch: int, total_steps: int) -> None:
+        pass  # no warm-up: cloudburst's local_sgd schedule
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        self.model = model
+        self.global_period = self.cfg.period
+        # Call c (0-based) averages when c >= H - 1 and (c - H + 1) % H == 0: after steps H, 2H.
+        self.averager = PeriodicModelAverager(self.cfg.period, self.cfg.period - 1)
+        return model
+
+    def global_due(self, call: int) -> bool:
+        return (call + 1) % self.cfg.period == 0
+
+    def finish(self) -> None:
+        if self.local_steps % self.cfg.period:  # as local_sgd: average what is left
+            super().finish()
+
+
+for _cls in (TorchPostLocalStrategy, TorchHierarchicalStrategy, TorchPeriodicStrategy):
+    if _cls.name not in STRATEGY_CLASSES:
+        register_strategy(_cls)
+
+
+PEERS = ("torch_post_local", "torch_hierarchical", "torch_periodic")
+
+
+def run_arm(arm, seed: int, out_dir: Path, timeout_s: float = 900.0):
+    """``harness.run_train`` for an arm whose flags name a built-in strategy; for a peer
+    (``--strategy torch_…``) the same run and record through this file instead."""
+    import harness
+
+    argv = list(arm.argv)
+    at = argv.index("--strategy") + 1 if "--strategy" in argv else 0
+    if not at or argv[at] not in PEERS:
+        return harness.run_train(arm, seed, out_dir, timeout_s)
+    peer, argv[at] = argv[at], "sync"  # parsed as sync, then replaced (main)
+    cmd = [sys.executable, __file__, peer, *argv, "--seed", str(seed), "--out", str(out_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(harness.REPO)}
+    started, failed = time.monotonic(), None
+    try:
+        proc = subprocess.run(
+            [*cmd, "--no-progress"],
+            cwd=harness.REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
         )
-        return r
+        if proc.returncode:
+            failed = f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-300:]}"
+    except subprocess.TimeoutExpired:
+        failed = f"timed out after {timeout_s:g} s"
+    summary_path = Path(out_dir, "summary.json")
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary.pop("config", None)
+    evals = harness.read_evals(out_dir) if Path(out_dir, "metrics").is_dir() else []
+    wall = round(time.monotonic() - started, 3)
+    return harness.Run(arm.name, seed, wall, summary, evals, failed, out_dir=str(out_dir))
 
 
-if TorchHierarchicalStrategy.name not in STRATEGY_CLASSES:
-    register_strategy(TorchHierarchicalStrategy)
+def main(argv: list[str]) -> int:
+    """Run one job of a peer strategy: ``STRATEGY`` then ``cloudburst train``'s flags (the
+    ranks are forked from a server that imports this file as ``__mp_main__``, so they know it)."""
+    from cloudburst.cli import build_config, build_parser, launch_and_report
+    from cloudburst.config import RunConfig
+    from cloudburst.forkserver import start_forkserver, stop_forkserver
+
+    strategy, *flags = argv
+    if strategy not in STRATEGY_CLASSES:
+        raise SystemExit(f"peers.py: unknown strategy {strategy!r}; use one of {STRATEGY_CLASSES}")
+    start_forkserver()
+    try:
+        cfg = build_config(build_parser().parse_args(["train", *flags]))
+        return launch_and_report(RunConfig.from_dict({**cfg.to_dict(), "strategy": strategy}))
+    finally:
+        stop_forkserver()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
