@@ -202,8 +202,8 @@ def torchft_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
         except (torchft_peer.TorchftFailed, OSError, ValueError) as e:
             return harness.Run(arm.name, seed, 0.0, failed=str(e)[-300:], out_dir=str(out))
         step = torchft_peer.median_step_s(summ["step_times"], skip_steps=32)
-        return harness.Run(arm.name, seed, summ["wall_time_s"], summ, values={"step_s": step},
-                           out_dir=str(out))  # fmt: skip
+        wall = summ["launch_to_summary_s"]  # the command, as a cloudburst run's wall_s
+        return harness.Run(arm.name, seed, wall, summ, values={"step_s": step}, out_dir=str(out))
 
     return harness.interleave(arms, s["seeds"], control=s["torchft_arms"][0], run=run, prov=prov)
 
