@@ -7,12 +7,20 @@ import pytest
 import torch
 
 from tests.dist.simulate import COMMON, assert_same_params, sync_sgd, trained
-from tests.helpers import simulated, cli, final_record, rank_events, read_summary, saved_state, spawn
+from tests.helpers import (
+    cli,
+    final_record,
+    rank_events,
+    read_summary,
+    saved_state,
+    simulated,
+    spawn,
+)
 
 pytestmark = pytest.mark.dist
 
 
-def _merge_rank(rank: int, out: str, nodes: int, waits: list[int]) -> dict:
+def _merge_rank(rank: int, out: str, nodes: int, waits: list[int], compress: str) -> dict:
     from torch import nn
 
     from cloudburst.comm.flat import flatten_params
@@ -22,7 +30,8 @@ def _merge_rank(rank: int, out: str, nodes: int, waits: list[int]) -> dict:
 
     world = int(__import__("os").environ["WORLD_SIZE"])
     cfg = RunConfig(strategy="daso", workers=world, nodes=nodes, dataset="synthetic",
-                    daso_downcast="none", out=out, comm_timeout_s=60)  # fmt: skip
+                    daso_downcast="none" if compress == "none" else "bf16", compress=compress,
+                    out=out, comm_timeout_s=60)  # fmt: skip
     ctx = init_distributed(cfg)
     model = nn.Linear(2, 2)  # 6 parameters
     strategy = DasoStrategy(ctx)
@@ -43,14 +52,20 @@ def _merge_rank(rank: int, out: str, nodes: int, waits: list[int]) -> dict:
         strategy._merge()
         results.append(flatten_params(model).tolist())
     shutdown(ctx)
-    return {"node": ctx.node, "senders": senders, "results": results}
+    return {"node": ctx.node, "senders": senders, "results": results,
+            "global_bytes": strategy.global_bytes,
+            "inter_node_bytes": strategy.stats.inter_node_bytes}  # fmt: skip
 
 
 # Two nodes of two ranks (waits S = 0, 2, 0, 2: every local rank sends twice), and three
-# nodes of one rank each.
-@pytest.mark.parametrize("nodes, per_node, waits", [(2, 2, [0, 2, 0, 2]), (3, 1, [1, 1])])
-def test_merge_and_rotation_over_gloo(tmp_path, nodes, per_node, waits):
-    results = spawn(_merge_rank, nodes * per_node, tmp_path, str(tmp_path), nodes, waits)
+# nodes of one rank each; int8 (θ constant per node: exact in int8, a block's absmax ↦ 127).
+@pytest.mark.parametrize(
+    "nodes, per_node, waits, compress",
+    [(2, 2, [0, 2, 0, 2], "none"), (3, 1, [1, 1], "none"), (2, 2, [0, 2, 0, 2], "int8")],
+)
+def test_merge_and_rotation_over_gloo(tmp_path, nodes, per_node, waits, compress):
+    world = nodes * per_node
+    results = spawn(_merge_rank, world, tmp_path, str(tmp_path), nodes, waits, compress)
     for r in results:
         for k, s in enumerate(waits):
             sent_sum = sum(n + 1 + 10 * k for n in range(nodes))
@@ -58,6 +73,13 @@ def test_merge_and_rotation_over_gloo(tmp_path, nodes, per_node, waits):
             assert r["results"][k] == pytest.approx([expected] * 6)
         # The k-th sync of a node is sent by its local rank k mod G (global rank node·G + k).
         assert r["senders"] == [r["node"] * per_node + k % per_node for k in range(len(waits))]
+    # Bytes put on the global syncs, summed over ranks: one θ (6 values) per node and sync,
+    # fp32, or one int8 block (padded to 256 values) and its scale.
+    per_sync = 6 * 4 if compress == "none" else 256 + 4
+    assert sum(r["global_bytes"] for r in results) == nodes * len(waits) * per_sync
+    if compress == "int8":  # counted as sent: an all-gather, (nodes − 1) pieces per sender
+        inter = sum(r["inter_node_bytes"] for r in results)
+        assert inter == nodes * len(waits) * (nodes - 1) * per_sync
 
 
 def test_daso_blocking_every_batch_in_chunks_equals_sync_sgd(tmp_path):
