@@ -1,91 +1,60 @@
-"""Training throughput per strategy on ResNet-20 (and the cuda-convnet-style ConvNet), and the
-parameter-server staging rate against a plain pinned host<->device copy.
+"""Training throughput per strategy on ResNet-20, and (on a GPU) the parameter-server
+worker's staging rate against a plain pinned host<->device copy.
 
-What runs: ``cloudburst train`` itself (through :func:`cloudburst.launch.run_local_job`), on a
-CIFAR-10-format directory of random images written to a temporary folder (throughput does not
-depend on the pixels; nothing is downloaded), batch 128 per worker, SGD, no evaluation during
-training. Each configuration runs ``--steps`` steps per worker; samples/s is measured from the
-workers' step logs between 25% and 100% of the steps (start-up, cuDNN autotuning and the
-DataLoader's first batches excluded) and summed over workers.
+What runs: ``cloudburst train`` itself (harness.run_train), on a CIFAR-10-format directory of
+random images made in a temporary folder (throughput does not depend on the pixels), SGD, no
+evaluation during training, the arms interleaved with an A/A copy of ``sync W=1``. Samples/s
+come from the workers' step records between 25 % and 100 % of the steps (start-up and the
+DataLoader's first batches left out), summed over workers.
 
-The staging rate is the GPU A-SGD worker's own copy of Δ to pinned host memory and of the
-fetched θ back to the GPU (``staging_bytes / staging_s`` of the worker's report: each copy is
-one non-blocking copy timed by CUDA events around it), divided by a plain pinned copy of the
-same number of bytes (device->pinned host, pinned host->device, timed the same way, median of
-50) measured in this process after the jobs of the same run. Target >= 0.8.
+On ``--device cuda`` the asgd worker's own staging counters (``staging_bytes / staging_s``:
+its device→pinned copy of Δ and pinned→device copy of θ, each timed by CUDA events) are divided
+by a plain pinned copy of the same bytes timed the same way in this process after the jobs
+(median of 50 pairs); target ≥ 0.8. With one GPU the workers share it (``sync`` reduces over
+gloo then).
 
-The whole round trip of a push+fetch through the CPU-side server (gloo over 127.0.0.1) is
-reported as well, as bytes moved per second of the worker's communication wait.
-
-    python benchmarks/throughput.py --device cuda    # on a GPU machine
-    .venv/bin/python benchmarks/throughput.py --device cpu --steps 40
-
-With one GPU, several workers share it: ``sync`` then reduces over gloo (NCCL cannot run two
-ranks on one GPU), and each number's backend is in the table.
+    .venv/bin/python benchmarks/throughput.py [--quick] [--force] [--device cuda]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import harness  # noqa: E402
 
-from benchmarks.benchutil import RESULTS, provenance_lines, table, verdict, write_markdown  # noqa: E402
-from cloudburst.config import RunConfig  # noqa: E402
-from cloudburst.launch import JobFailed, run_local_job  # noqa: E402
 from cloudburst.metrics import read_run  # noqa: E402
 from cloudburst.models import build_model  # noqa: E402
 from tests.datagen import write_cifar10  # noqa: E402
 
-CONFIGS = [
-    # (label, model, strategy, workers, extra config)
-    ("sync W=1", "resnet20", "sync", 1, {}),
-    ("sync W=2", "resnet20", "sync", 2, {}),
-    ("asgd W=1 S=1 n_sync=1", "resnet20", "asgd", 1, {"servers": 1, "n_sync": 1}),
-    ("asgd W=2 S=1 n_sync=1", "resnet20", "asgd", 2, {"servers": 1, "n_sync": 1}),
-    ("asgd W=2 S=1 n_sync=10", "resnet20", "asgd", 2, {"servers": 1, "n_sync": 10}),
-    ("sync W=1", "convnet", "sync", 1, {}),
-    ("asgd W=1 S=1 n_sync=1", "convnet", "asgd", 1, {"servers": 1, "n_sync": 1}),
-]
+ARMS = {  # label: cloudburst train flags
+    "sync W=1": ["--strategy", "sync", "--workers", "1"],
+    "sync W=2": ["--strategy", "sync", "--workers", "2"],
+    "asgd W=2 S=1": ["--strategy", "asgd", "--workers", "2", "--servers", "1"],
+}
+STAGING_TARGET = 0.8
 
 
-def steady_rate(out: Path, steps: int) -> float:
-    """Samples/s summed over workers, between 25% and 100% of each worker's steps."""
+def steady_rate(out: Path, steps: int) -> float | None:
+    """Samples/s of every worker between 25 % and 100 % of its steps, summed."""
     total = 0.0
     for records in read_run(out).values():
         logs = [r for r in records if r["event"] == "step"]
-        if not logs:
+        first = next((r for r in logs if r["step"] >= steps // 4), None)
+        if first is None or logs[-1]["time_s"] <= first["time_s"]:
             continue
-        first = next(r for r in logs if r["step"] >= steps // 4)
-        last = logs[-1]
-        if last["time_s"] > first["time_s"]:
-            total += (last["samples"] - first["samples"]) / (last["time_s"] - first["time_s"])
-    return total
-
-
-def worker_finals(out: Path) -> list[dict]:
-    return [
-        r
-        for records in read_run(out).values()
-        for r in records
-        if r["event"] == "final" and r.get("role") == "worker"
-    ]
+        total += (logs[-1]["samples"] - first["samples"]) / (logs[-1]["time_s"] - first["time_s"])
+    return total or None
 
 
 def pinned_copy_rate(numel: int, reps: int = 50) -> float:
-    """Bytes/s of a plain device->pinned and pinned->device copy, timed like the worker's.
-
-    Each copy is timed with CUDA events around it (as the worker's staging counters are);
-    the median of ``reps`` pairs.
-    """
+    """Bytes/s of a device→pinned→device copy pair of ``numel`` floats (CUDA events, median)."""
     dev = torch.randn(numel, device="cuda")
     host = torch.empty(numel, pin_memory=True)
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
@@ -100,145 +69,83 @@ def pinned_copy_rate(numel: int, reps: int = 50) -> float:
         ev[3].record()
         ev[3].synchronize()
         times.append((ev[0].elapsed_time(ev[1]) + ev[2].elapsed_time(ev[3])) / 1e3)
-    times = sorted(times[5:])
-    return 2 * numel * 4 / times[len(times) // 2]
+    return 2 * numel * 4 / sorted(times[5:])[reps // 2]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--batch-size", type=int, default=128)
-    ap.add_argument("--only", nargs="*", help="labels of configurations to run (default all)")
-    ap.add_argument("--out", default=None, help="Markdown file (default: results/)")
-    args = ap.parse_args()
-    # Ask NVML, not the CUDA runtime: a CUDA context here would be inherited by forked ranks.
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    def add(p) -> None:
+        p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+        p.add_argument("--steps", type=int, default=None, help="steps per worker (24; quick 8)")
+        p.add_argument("--batch-size", type=int, default=64)
+
+    args = harness.parse_args(__doc__, add)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("throughput: --device cuda but no CUDA device is visible")
-    md = Path(args.out or RESULTS / f"throughput_{args.device}.md")
-    rows, records = [], []
+    # Ask NVML, not the CUDA runtime: a CUDA context here would be inherited by forked ranks.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    prov = harness.Provenance.capture(args)
+    steps = args.steps or (8 if args.quick else 24)
+    seeds = list(range(args.seeds or 1))
     with tempfile.TemporaryDirectory() as tmp:
-        per_batch = max(args.batch_size * 4 // 5, 64) * 10  # 5 batches: 8 x batch per worker
-        data = write_cifar10(Path(tmp) / "data", per_batch=per_batch, test=256)
-        for label, model, strategy, workers, extra in CONFIGS:
-            if args.only and label not in args.only:
-                continue
-            out = Path(tmp) / f"{model}-{label.replace(' ', '_').replace('=', '')}"
-            cfg = RunConfig(
-                strategy=strategy,
-                workers=workers,
-                dataset=f"cifar10:{data}",
-                model=model,
-                steps=args.steps,
-                batch_size=args.batch_size,
-                lr=0.02,
-                momentum=0.9,
-                server_lr=1.0 / workers,
-                device=args.device,
-                eval_every_s=1e9,
-                log_every_steps=10,
-                checkpoint_every=0,
-                progress=False,
-                out=str(out),
-                **extra,
-            )
-            t0 = time.perf_counter()
-            try:
-                summary = run_local_job(cfg, progress=False)
-            except JobFailed as e:
-                print(f"{label} {model}: {e}", flush=True)
-                for log in sorted(out.glob("logs/**/*.log")):
-                    print(f"--- {log}\n{log.read_text()[-3000:]}", flush=True)
-                continue
-            wall = time.perf_counter() - t0
-            rate = steady_rate(out, args.steps)
-            finals = worker_finals(out)
-            staged_bytes = sum(f.get("staging_bytes", 0) for f in finals)
-            staged_s = sum(f.get("staging_s", 0.0) for f in finals)
-            numel = sum(p.numel() for p in build_model(model, (3, 32, 32), 10, 0).parameters())
-            row = {
-                "label": label,
-                "model": model,
-                "strategy": strategy,
-                "workers": workers,
-                "device": summary["device"],
-                "backend": summary["backend"] if strategy == "sync" and workers > 1 else "-",
-                "samples_per_s": rate,
-                "final_test_accuracy": summary["final_test_accuracy"],
-                "job_wall_s": wall,
-            }
-            row["parameters"] = numel
-            if staged_s > 0:
-                row["staging_GBps"] = staged_bytes / staged_s / 1e9
-            if strategy == "asgd":
-                wait = sum(f["comm_wait_s"] for f in finals)
-                moved = sum(f["sent_bytes"] + f["received_bytes"] for f in finals)
-                row["round_trip_GBps"] = moved / wait / 1e9 if wait else None
-            records.append(row)
-            print(json.dumps(row), flush=True)
-    # After the jobs: CUDA initialised in this process would break the next job's forked ranks.
-    for r in records:
-        if "staging_GBps" in r:
-            r["pinned_copy_GBps"] = pinned_copy_rate(r["parameters"]) / 1e9
-            r["staging_ratio"] = r["staging_GBps"] / r["pinned_copy_GBps"]
-    for r in records:
-        rows.append(
-            [
-                r["model"],
-                r["label"],
-                r["device"],
-                r["backend"],
-                f"{r['samples_per_s']:.0f}",
-                f"{r['staging_GBps']:.2f}" if "staging_GBps" in r else "-",
-                f"{r['pinned_copy_GBps']:.2f}" if "pinned_copy_GBps" in r else "-",
-                f"{r['staging_ratio']:.2f} {verdict(r['staging_ratio'], 0.8, True)}"
-                if "staging_ratio" in r
-                else "-",
-                f"{r['round_trip_GBps']:.2f}" if r.get("round_trip_GBps") else "-",
-            ]
+        data = write_cifar10(Path(tmp) / "data", per_batch=args.batch_size * 4, test=64)
+        common = [
+            *("--dataset", f"cifar10:{data}", "--model", "resnet20", "--steps", str(steps)),
+            *("--batch-size", str(args.batch_size), "--lr", "0.02", "--device", args.device),
+            *("--eval-every-s", "1e9", "--log-every-steps", "2", "--checkpoint-every", "0"),
+        ]
+        arms = [harness.Arm(label, [*flags, *common]) for label, flags in ARMS.items()]
+        runs = harness.interleave(
+            arms, seeds, control="sync W=1", prov=prov, out_root=Path(tmp) / "runs"
         )
-    lines = [
-        f"# Throughput per strategy ({args.device})",
-        "",
-        *provenance_lines(),
-    ]
-    if args.device == "cuda":
-        lines.append(f"- GPU: `{torch.cuda.get_device_name(0)}` x {torch.cuda.device_count()}")
-    lines += [
-        f"- settings: batch {args.batch_size} per worker, {args.steps} steps per worker, "
-        "CIFAR-10-format random images (32x32), augmentation on, 2 DataLoader processes per "
-        "worker, SGD lr 0.02 momentum 0.9, asgd add rule with lambda = 1/W; samples/s between "
-        "25% and 100% of the steps, summed over workers",
-        "",
-        *table(
-            [
-                "model",
-                "run",
-                "device",
-                "sync backend",
-                "samples/s",
-                "staging GB/s",
-                "pinned copy GB/s",
-                "staging / pinned (target >= 0.8)",
-                "push+fetch round trip GB/s",
-            ],
-            rows,
-        ),
-        "",
-        "staging: the asgd worker's device->pinned copy of Δ and pinned->device copy of the "
-        "fetched θ (one non-blocking copy each, timed by CUDA events around it), from its own "
-        "counters over the whole run; pinned copy: the same bytes copied device->pinned->device "
-        "by this script after the jobs, timed the same way. With W=2 both workers share one GPU "
-        "and their copies compete with the other worker's kernels. Round trip: bytes pushed and "
-        "fetched per second of the worker's communication wait, through a CPU server over gloo "
-        "on 127.0.0.1.",
-    ]
-    write_markdown(md, lines)
-    md.with_suffix(".json").write_text(json.dumps(records, indent=2) + "\n")
-    print(f"wrote {md}")
+        for r in runs:
+            if not r.failed:
+                r.values["samples_per_s"] = steady_rate(Path(r.out_dir), steps)
+                finals = [
+                    rec
+                    for recs in read_run(r.out_dir).values()
+                    for rec in recs
+                    if rec["event"] == "final" and rec.get("role") == "worker"
+                ]
+                staged_s = sum(f.get("staging_s", 0.0) for f in finals)
+                if staged_s > 0:
+                    r.values["staging_Bps"] = sum(f["staging_bytes"] for f in finals) / staged_s
+    groups = harness.by_arm(runs)
+    report = harness.Report(
+        f"throughput_{args.device}", f"Training throughput per strategy ({args.device})", prov
+    )
+    report.settings(
+        f"ResNet-20 on random CIFAR-10-format images, batch {args.batch_size} per worker, "
+        f"{steps} steps per worker, {len(seeds)} seed(s), interleaved with an A/A copy of "
+        "sync W=1; samples/s between 25 % and 100 % of the steps, summed over workers."
+    )
+    rate = {
+        arm: [r.values.get("samples_per_s") for r in rs if not r.failed]
+        for arm, rs in groups.items()
+    }
+    report.table(
+        ["arm", "samples/s (median)", "runs", "failed"],
+        [
+            [arm, harness.fmt(_median(rate[arm])), len(rs), sum(bool(r.failed) for r in rs)]
+            for arm, rs in groups.items()
+        ],
+    )
+    base, aa = _median(rate["sync W=1"]), _median(rate[harness.aa_name("sync W=1")])
+    if base and aa:
+        report.text(f"A/A: sync W=1 ÷ its copy = {harness.fmt(aa / base, 4)} (the noise floor).")
+    staged = [r.values["staging_Bps"] for r in runs if "staging_Bps" in r.values]
+    if staged:  # after the jobs: CUDA in this process would break a later job's forked ranks
+        numel = sum(p.numel() for p in build_model("resnet20", (3, 32, 32), 10, 0).parameters())
+        ratio = _median(staged) / pinned_copy_rate(numel)
+        report.claim("asgd staging ÷ pinned copy", ratio, f"≥ {STAGING_TARGET}", ratio >= 0.8)
+    report.write(runs)
+
+
+def _median(values: list[float | None]) -> float | None:
+    import statistics
+
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
