@@ -96,3 +96,23 @@ def adopt_flat(module: nn.Module | list[torch.Tensor], flat: torch.Tensor) -> No
         return
     for p, chunk in zip(params, flat.split(sizes), strict=True):
         p.data = chunk.view_as(p)
+
+
+def is_flat_view(module: nn.Module | list[torch.Tensor], flat: torch.Tensor) -> bool:
+    """Whether the parameters are, in order, the consecutive views of ``flat`` that
+    :func:`adopt_flat` made (nothing has replaced a parameter's storage since): then ``flat``
+    *is* the parameters, and :func:`flatten_params` / :func:`assign_flat` need no copy."""
+    params = _params(module)
+    if sum(p.numel() for p in params) != flat.numel() or flat.dim() != 1:
+        return False
+    offset, base = 0, flat.data_ptr()
+    for p in params:
+        if (
+            p.dtype != flat.dtype
+            or p.device != flat.device
+            or not p.is_contiguous()
+            or p.data_ptr() != base + offset * flat.element_size()
+        ):
+            return False
+        offset += p.numel()
+    return True
