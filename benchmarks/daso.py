@@ -77,10 +77,10 @@ def main() -> None:
         return peers.run_arm(arm, seed, root / harness._slug(arm.name) / f"seed{seed}")
 
     runs = harness.interleave(arms, seeds, control="sync", run=run, prov=prov)
-    report(args, prov, runs, length, list(seeds))
+    report(prov, runs, length, list(seeds))
 
 
-def report(args, prov, runs: list[harness.Run], length: list[str], seeds: list[int]) -> None:
+def report(prov, runs: list[harness.Run], length: list[str], seeds: list[int]) -> None:
     groups = harness.by_arm(runs)
     budget = harness.budget_of(runs)
     times = {name: harness.times_to(rs, TARGET) for name, rs in groups.items()}
