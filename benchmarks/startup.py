@@ -1,20 +1,16 @@
 """How long from ``cloudburst train`` to the first training step of a local 4-worker job,
-against ``python -c "import torch"`` measured in the same run, interleaved.
+against ``python -c "import torch"``, interleaved with an A/A copy of the import.
 
-    .venv/bin/python benchmarks/startup.py --before /tmp/cb-before --repeats 5
+The first step is seen from outside — the first ``step`` record in the metrics
+(``--log-every-steps 1``), polled every 10 ms — and the job is then stopped. The ranks' own
+records split the time: until every rank joined the job (``start``), and until the first step
+(``first_step``). Target: first step ≤ 2.5 × import torch.
 
-``--before DIR`` is a checkout of an older commit (``git worktree add DIR COMMIT``) run with the
-same interpreter (``PYTHONPATH=DIR``); each round runs import torch, the older tree, this tree,
-in that order. The first step is seen from outside — the first ``step`` record in the metrics
-(``--log-every-steps 1``), polled every 10 ms — so both trees are measured alike; the job is
-then stopped. For this tree, the ranks' own records also split the time: until every rank has
-joined the job (``start``), and until the first step (``first_step``). Writes
-results/startup.{md,json}.
+    .venv/bin/python benchmarks/startup.py [--quick] [--force] [--seeds N]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -25,25 +21,26 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchutil import RESULTS, git_revision, provenance_lines, table, write_markdown
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-ARGS = ["--workers", "4", "--steps", "100000", "--log-every-steps", "1", "--no-progress"]
+TRAIN = ["--workers", "4", "--steps", "100000", "--log-every-steps", "1", "--no-progress"]
+TARGET = 2.5  # first step ÷ import torch, at most
 
 
-def import_torch() -> float:
+def import_torch() -> dict[str, float]:
     started = time.monotonic()
     subprocess.run([sys.executable, "-c", "import torch"], check=True)
-    return time.monotonic() - started
+    return {"seconds": time.monotonic() - started}
 
 
-def first_step(tree: Path, out: Path) -> dict[str, float]:
-    """Seconds from the command to its first step record (and this tree's phases)."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+def first_step(out: Path) -> dict[str, float]:
+    """Seconds from the command to its first step record, and the ranks' own phases."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started_wall, started = time.time(), time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cloudburst", "train", *ARGS, "--out", str(out)],
-        cwd=tree,
+        [sys.executable, "-m", "cloudburst", "train", *TRAIN, "--out", str(out)],
+        cwd=harness.REPO,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -51,7 +48,7 @@ def first_step(tree: Path, out: Path) -> dict[str, float]:
     )
     seen = None
     try:
-        while seen is None and time.monotonic() - started < 120:
+        while seen is None and time.monotonic() - started < 120 and proc.poll() is None:
             for path in (out / "metrics").glob("rank*.jsonl"):
                 if '"event": "step"' in path.read_text(errors="ignore"):
                     seen = time.monotonic() - started
@@ -60,7 +57,9 @@ def first_step(tree: Path, out: Path) -> dict[str, float]:
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    result = {"first_step_s": seen if seen is not None else float("nan")}
+    if seen is None:
+        raise RuntimeError(f"no step record within 120 s (exit {proc.returncode})")
+    result = {"seconds": seen}
     starts, firsts = [], []
     for path in (out / "metrics").glob("rank*.jsonl"):
         for line in path.read_text(errors="ignore").splitlines():
@@ -68,9 +67,9 @@ def first_step(tree: Path, out: Path) -> dict[str, float]:
                 r = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if r.get("event") == "start" and "wall" in r:
+            if r.get("event") == "start":
                 starts.append(r["wall"])
-            if r.get("event") == "first_step":
+            elif r.get("event") == "first_step":
                 firsts.append(r["wall"])
     if starts:
         result["ranks_joined_s"] = max(starts) - started_wall
@@ -80,60 +79,66 @@ def first_step(tree: Path, out: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--before", type=Path, required=True, help="checkout of the older commit")
-    p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
-    before_rev = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=args.before, capture_output=True, text=True
-    ).stdout.strip()
-    rows: dict[str, list[dict[str, float]]] = {"import torch": [], "before": [], "after": []}
+    args = harness.parse_args(__doc__)
+    prov = harness.Provenance.capture(args)
+    seeds = list(range(args.seeds or (1 if args.quick else 5)))
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeats):
-            rows["import torch"].append({"first_step_s": import_torch()})
-            rows["before"].append(first_step(args.before, Path(tmp) / f"before{i}"))
-            rows["after"].append(first_step(REPO, Path(tmp) / f"after{i}"))
-            print(json.dumps({k: v[-1] for k, v in rows.items()}), flush=True)
-    (RESULTS / "startup.json").write_text(json.dumps(rows, indent=2) + "\n")
 
-    def med(name: str, key: str) -> float:
-        values = [r[key] for r in rows[name] if key in r]
-        return statistics.median(values) if values else float("nan")
+        def run(arm: harness.Arm, seed: int) -> harness.Run:
+            started = time.monotonic()
+            try:
+                if arm.name.startswith("import torch"):
+                    values = import_torch()
+                else:
+                    values = first_step(Path(tmp) / f"seed{seed}")
+            except (RuntimeError, subprocess.CalledProcessError) as e:
+                return harness.Run(arm.name, seed, time.monotonic() - started, failed=str(e))
+            return harness.Run(arm.name, seed, values["seconds"], values=values)
 
-    base = med("import torch", "first_step_s")
-    lines = [
-        "# Start-up: from `cloudburst train` to the first training step",
-        "",
-        *provenance_lines(),
-        f"- before: commit `{before_rev}` (a worktree, same interpreter); after: "
-        f"`{git_revision()}`",
-        "",
-        f"A local job of 4 workers (MNIST-1D CNN, the default dataset, cached), "
-        f"`cloudburst train {' '.join(ARGS)}`; the first step is the first `step` record in "
-        f"its metrics, polled every 10 ms from outside. Median of {args.repeats} launches each, "
-        "interleaved (import torch, before, after, ...).",
-        "",
-        *table(
-            ["", "median s", "÷ import torch", "runs (s)"],
-            [
-                [
-                    name,
-                    f"{med(name, 'first_step_s'):.2f}",
-                    f"{med(name, 'first_step_s') / base:.2f}",
-                    ", ".join(f"{r['first_step_s']:.2f}" for r in rows[name]),
-                ]
-                for name in rows
-            ],
-        ),
-        "",
-        f"Target: ≤ 2.5 × import torch = {2.5 * base:.2f} s → "
-        f"{'PASS' if med('after', 'first_step_s') <= 2.5 * base else 'MISS'}.",
-        "",
-        "After, from the ranks' own records (median s from the command): every rank joined "
-        f"the job {med('after', 'ranks_joined_s'):.2f}, first step done "
-        f"{med('after', 'first_step_own_s'):.2f}.",
-    ]
-    write_markdown(RESULTS / "startup.md", lines)
+        arms = [harness.Arm("import torch"), harness.Arm("cloudburst train")]
+        runs = harness.interleave(arms, seeds, control="import torch", run=run, prov=prov)
+    groups = harness.by_arm(runs)
+
+    def seconds(arm: str, key: str = "seconds") -> list[float]:
+        return [r.values[key] for r in groups.get(arm, []) if not r.failed and key in r.values]
+
+    base = seconds("import torch")
+    report = harness.Report("startup", "Start-up: from `cloudburst train` to the first step", prov)
+    report.settings(
+        f"A local job, `cloudburst train {' '.join(TRAIN)}` (MNIST-1D CNN, the default data "
+        f"set, cached); {len(seeds)} launch(es) of each, interleaved with an A/A import."
+    )
+    train = seconds("cloudburst train")
+    if base and train:
+        ratio, lo, hi = harness.bootstrap_ratio(train, base)
+        aa = harness.bootstrap_ratio(seconds(harness.aa_name("import torch")), base)[0]
+        report.claim(
+            "first step ÷ import torch",
+            ratio,
+            f"≤ {TARGET}",
+            ratio <= TARGET,
+            aa=aa,
+            interval=(lo, hi),
+            seeds=len(train),
+        )
+    report.table(
+        ["arm", "median s", "runs (s)"],
+        [
+            [arm, statistics.median(seconds(arm)) if seconds(arm) else None]
+            + [", ".join(f"{s:.2f}" for s in seconds(arm))]
+            for arm in groups
+        ],
+    )
+    joined, own = (
+        seconds("cloudburst train", "ranks_joined_s"),
+        seconds("cloudburst train", "first_step_own_s"),
+    )
+    if joined and own:
+        report.text(
+            f"From the ranks' own records (median s from the command): every rank joined "
+            f"{statistics.median(joined):.2f}, first step done {statistics.median(own):.2f}."
+        )
+    report.write(runs)
 
 
 if __name__ == "__main__":
