@@ -67,6 +67,12 @@ class StepPlan:
     backward_s: float = 0.0
     slept_forward_s: float = 0.0
     slept_backward_s: float = 0.0
+    # set by end_step: the step's compute, the debt before and after it, and the remainder
+    # asked for at its end (so slept_s + remainder_s = padding − debt_before + debt_after)
+    compute_s: float = 0.0
+    debt_before_s: float = 0.0
+    debt_after_s: float = 0.0
+    remainder_s: float = 0.0
     #: (phase, module name) in the order the hooks slept (for tests and inspection)
     events: list[tuple[str, str]] = field(default_factory=list)
 
@@ -125,11 +131,13 @@ class DeviceEmulator:
         included): its compute is ``busy_s`` less what the hooks slept; sleep what its
         padding still lacks, or keep the excess as debt. Returns the seconds slept here."""
         plan, self.plan = self.plan or StepPlan(), None
-        compute_s = max(0.0, busy_s - plan.slept_s)
+        plan.compute_s = compute_s = max(0.0, busy_s - plan.slept_s)
+        plan.debt_before_s = self.debt_s
         owed = padding_s(compute_s, self.min_step_time_s, self.factor) - self.debt_s
         remainder = owed - plan.slept_s
-        self.debt_s = max(0.0, -remainder)
-        slept = self._timed_sleep(remainder) if remainder > 0 else 0.0
+        plan.debt_after_s = self.debt_s = max(0.0, -remainder)
+        plan.remainder_s = max(0.0, remainder)
+        slept = self._timed_sleep(plan.remainder_s) if plan.remainder_s > 0 else 0.0
         self.predicted_compute_s = compute_s
         self.last, self.last_remainder_s = plan, slept
         return slept

@@ -82,6 +82,11 @@ def test_every_step_totals_the_device_time_and_overshoot_is_repaid() -> None:
         step(model, emulator, clock, compute_s)
         owed += padding_s(compute_s, 0.5, 1.5)
         assert sum(clock.sleeps) == pytest.approx(owed + emulator.debt_s)
+        last = emulator.last  # the step's own account (what an instrumented run records)
+        assert last.compute_s == pytest.approx(compute_s)
+        assert last.slept_s + last.remainder_s == pytest.approx(
+            padding_s(compute_s, 0.5, 1.5) - last.debt_before_s + last.debt_after_s
+        )
         assert emulator.debt_s <= padding_s(0.01, 0.5, 1.5) + 1e-12
     # A step of exactly predicted compute and no debt needs no remainder after the hooks.
     step(model, emulator, clock, 0.6)
