@@ -94,7 +94,9 @@ class Watchdog:
         watching = set(self._watched)
         while not self._stop.wait(self._interval_s):
             try:
-                watching -= {r for r in watching if self._store.check([DONE_KEY.format(rank=r)])}
+                watching -= {
+                    r for r in watching if any(self._store.check([k]) for k in _settled_keys(r))
+                }
                 dead = monitor.dead(watching)
             except Exception as e:  # noqa: BLE001 - the store's host is gone: the job is over
                 if not self._stop.is_set():
@@ -104,6 +106,12 @@ class Watchdog:
                 rank = min(dead)
                 self._on_lost(rank, self._watched[rank])
                 return
+
+
+def _settled_keys(rank: int) -> list[str]:
+    """Keys whose presence says that ``rank``'s silence is no loss: it finished, or (a server
+    shard) its standby took it over."""
+    return [DONE_KEY.format(rank=rank), FAILOVER_KEY.format(shard=rank)]
 
 
 def heartbeat_interval_s(cfg: RunConfig) -> float:
@@ -261,6 +269,7 @@ def _announcement(record: object) -> tuple[int, int]:
 SHARD_BACK_KEY = "shard/{shard}/back/{incarnation}"  # the version a restarted shard restored
 SHARD_ACKED_KEY = "shard/{shard}/back/{incarnation}/acked/{rank}"  # a worker's last ack
 SHARD_RESTARTS_KEY = "shard/restarts"  # how many shard restarts the job has seen
+FAILOVER_KEY = "shard/{shard}/failover"  # the server rank whose standby took shard over
 
 
 def announce_shard(store: dist.Store, shard: int, incarnation: int, version: int) -> None:

@@ -84,12 +84,15 @@ class Context:
         """True in a worker that rejoined the job after a restart (not in the world group)."""
         return self.rejoin_group is not None
 
-    def transport(self, stats=None, group=None, members: list[int] | None = None):
+    def transport(
+        self, stats=None, group=None, members: list[int] | None = None, exact: bool = False
+    ):
         """A point-to-point transport that knows which peers are on other nodes (for the
         byte accounting and the emulated inter-node link).
 
         On the world group by default; a rejoined worker's on its rejoin group. ``group`` and
-        ``members`` pick another one (``members``: see :class:`PeerTransport`).
+        ``members`` pick another one (``members``: see :class:`PeerTransport`). ``exact``:
+        payloads travel uncompressed whatever ``--compress`` says (a shard's standby copy).
         """
         from cloudburst.comm.p2p import PeerTransport
         from cloudburst.comm.quantise import message_method
@@ -105,7 +108,7 @@ class Context:
             crosses=crosses,
             members=members,
             wire=self.comm,
-            compress=message_method(self.cfg.compress, self.cfg.strategy),
+            compress="none" if exact else message_method(self.cfg.compress, self.cfg.strategy),
         )
 
     def rejoin_transport(self, worker_rank: int, incarnation: int, stats=None):
@@ -375,8 +378,12 @@ def _restart_shard(
     ``heartbeat_timeout_s`` to beat again), no process group; the shard loop announces it once
     its checkpoint is restored, and builds a pair group with each worker that reconnects
     (:func:`shard_pair_group`)."""
-    store = _job_store(cfg, survives_worker_loss=True)
     _configure_logging(rank, "server")
+    if cfg.shard_standby and rank != 0:
+        # Its standby took over when it died (a shard has one owner); nothing is left to do.
+        log.info("restart %d of server shard %d: its standby serves it", restart_count(), rank)
+        raise SystemExit(0)
+    store = _job_store(cfg, survives_worker_loss=True)
     heartbeat = Heartbeat(store, rank, heartbeat_interval_s(cfg)).start()
     log.info("restart %d of server shard %d: rejoining the running job", restart_count(), rank)
     return _context(
@@ -410,6 +417,23 @@ def shard_pair_group(
     return dist.ProcessGroupGloo(
         prefixed, 0 if is_shard else 1, 2, datetime.timedelta(seconds=timeout_s)
     )
+
+
+def standby_link(ctx: Context, primary: int, stats=None):
+    """The exact transport between shard ``primary``'s server and its standby (the server
+    after it, :func:`standby_of`), on a gloo pair group built by both (primary: group rank 0),
+    with ``comm_timeout_s``."""
+    from cloudburst.shard import standby_of
+
+    standby = standby_of(primary, ctx.num_servers)
+    prefixed = dist.PrefixStore(f"standby/{primary}/", ctx.store.clone())
+    group = dist.ProcessGroupGloo(
+        prefixed,
+        0 if ctx.rank == primary else 1,
+        2,
+        datetime.timedelta(seconds=ctx.cfg.comm_timeout_s),
+    )
+    return ctx.transport(stats, group=group, members=[primary, standby], exact=True)
 
 
 def rejoin_group(

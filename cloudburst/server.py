@@ -17,6 +17,20 @@ finishes it as any other's. Each server receives on every group from its own thr
 handles one request at a time (one lock), so pushes are still applied one by one. After the
 servers have finished, a restarted worker is refused (it fails with a one-line error).
 
+A killed shard under ``--max-restarts`` (asgd) is restarted by its agent: it restores its last
+checkpoint (θ, rule state, version clock), announces the version it restored in the job store,
+and serves each worker on a gloo pair group of their own (:func:`cloudburst.runtime.
+shard_pair_group`), built when the worker, finding its connection broken, reconnects; the
+workers do not restart. Each worker tells it the last version it saw acknowledged, so the shard
+counts exactly the acknowledged pushes it lost (``pushes_lost``: that version minus the one
+restored). With ``--shard-standby`` every server s also keeps a :class:`Standby` copy of shard
+s − 1 (mod S): each applied push (and INIT) is forwarded and applied there before the worker's
+reply leaves, so the copy never lacks an acknowledged push; when the shard's server dies, s
+takes the shard over the same way (no push lost, nothing restarted). Cost: one extra
+round trip of |θ_k| per push, inside the shard's lock (see benchmarks/reliability.py). Shard 0
+is not taken over (its server writes the summary): its death stops the job, or restarts it in
+place under ``--max-restarts``.
+
 Requests are checked before anything is applied (:func:`request_problem`): kind, shard, length
 against the shard's own, version, ``samples`` in 0..``MAX_PUSH_SAMPLES``, and INIT only from
 the warm-start worker while the shard awaits it. A rejected request's payload is read into the
@@ -37,6 +51,8 @@ shard's counters, which count every push.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import threading
 import time
@@ -49,7 +65,7 @@ from cloudburst.checkpoint import save_checkpoint
 from cloudburst.comm.flat import shard_bounds
 from cloudburst.comm.p2p import CommStats, Header, Kind, PeerFaults, Status, worth_logging
 from cloudburst.config import RunConfig
-from cloudburst.liveness import shard_restarted
+from cloudburst.liveness import FAILOVER_KEY, shard_restarted
 from cloudburst.resilience import identity
 from cloudburst.serving import RequestServing, _first_line
 from cloudburst.shard import (  # noqa: F401 - the shard maths, also importable from here
@@ -63,6 +79,7 @@ from cloudburst.shard import (  # noqa: F401 - the shard maths, also importable 
     overlapped_push_fetch,
     server_rule,
     shard_checkpoint_path,
+    standby_of,
 )
 
 log = logging.getLogger(__name__)
@@ -135,6 +152,12 @@ class ServerLoop(RequestServing):
         self.incarnation = getattr(ctx, "shard_incarnation", 0)
         self.transport = None if self.incarnation else ctx.transport()
         self.restored_version: int | None = None  # a restarted shard's, from its checkpoint
+        self.failed_over = False  # served by its standby after its own server died
+        self.theta0 = full_theta
+        # --shard-standby: the exact link to this shard's standby (None: none, or it is lost),
+        # and the standby copy this server keeps of the shard before it.
+        self.standby_link = None
+        self.standby: Standby | None = None
         self.acked_before_restart = 0  # the highest version workers saw acknowledged before
         # PUSH_FETCH replies overlap with the push when the worker can rebuild θ_after from
         # θ_before (the add rule); an optimizer rule's state lives only here.
@@ -159,6 +182,8 @@ class ServerLoop(RequestServing):
         self._rejoin_stats: list[CommStats] = []
         # Guards everything above once serving threads run; notified when a worker finishes
         # or is lost, and when a serving thread fails.
+        self._standby_stats = CommStats()  # of the standby links
+        self.error: BaseException | None = None  # a taken-over shard's serving failed
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._error: BaseException | None = None
@@ -180,6 +205,7 @@ class ServerLoop(RequestServing):
             self._raise_if_failed()
         else:
             self._run_with_rejoins()
+        self._forward(Kind.DONE)  # the standby's copy is final: it stops listening
         self._checkpoint()
         log.info(
             "server %d finished: version %d, %d lost workers %s, %d rejoins",
@@ -273,6 +299,9 @@ class ServerLoop(RequestServing):
                 transport.wait_all([send_theta])  # θ must not change while it is sent
             result = self.shard.apply_push(delta, h.version, h.samples)
             self.ctx.comm.apply_done(delta.numel() * delta.element_size())
+            # The standby applies the same push before the worker learns of it: no push that
+            # a worker saw acknowledged is missing from the standby's copy.
+            self._forward(Kind.PUSH, delta, h.version, h.samples)
             if result.status == Status.REJECTED and worth_logging(self.shard.rejected_nonfinite):
                 # Not a fault: an honest worker's diverged replica pushes the same.
                 log.warning(
@@ -316,6 +345,7 @@ class ServerLoop(RequestServing):
                     self._reply(src, Status.REJECTED)  # the shard still awaits its θ
                 return
             self.shard.set_theta(theta)
+            self._forward(Kind.INIT, theta)
             self.awaiting_init = False
             self._reply(src, Status.OK)
             for waiting in self.deferred_fetches:
@@ -354,6 +384,33 @@ class ServerLoop(RequestServing):
             return
         self._peer(dst).send(dst, header, self.shard.theta if with_theta else None)
 
+    def _forward(
+        self, kind: Kind, payload: torch.Tensor | None = None, version: int = 0, samples: int = 0
+    ) -> None:
+        """Send one applied request to this shard's standby and wait for its reply (it has
+        applied it too). A standby that cannot be reached is lost: the shard goes on alone."""
+        if self.standby_link is None:
+            return
+        k = self.ctx.server_index
+        peer = standby_of(k, self.cfg.servers)
+        # REPLY-tagged, so that the standby receives from this server only (a receive from
+        # any source is not woken when its peer dies); the request's kind travels in aux.
+        header = Header(
+            Kind.REPLY,
+            shard=k,
+            version=version,
+            numel=0 if payload is None else payload.numel(),
+            samples=samples,
+            aux=int(kind),
+        )
+        try:
+            self.standby_link.send(peer, header, payload)
+            self.standby_link.recv_reply(peer)
+        except RuntimeError as e:
+            log.error("lost the standby of shard %d (rank %d): %s", k, peer, _first_line(e))
+            self.standby_link = None
+            self.metrics.log("standby_lost", time_s=self.ctx.elapsed_s(), standby=peer)
+
     def _checkpoint(self) -> None:
         save_checkpoint(
             shard_checkpoint_path(self.cfg.out, self.ctx.server_index),
@@ -370,7 +427,7 @@ class ServerLoop(RequestServing):
     def stats(self) -> dict[str, Any]:
         s = self.shard.stats()
         own = [] if self.transport is None else [self.transport.stats]
-        s.update(_sum_stats([*own, *self._rejoin_stats]).as_dict())
+        s.update(_sum_stats([*own, *self._rejoin_stats, self._standby_stats]).as_dict())
         # Every refused request once (the transports count only the unreadable headers, which
         # the faults count too), and those of dropped senders, which are not read.
         s["messages_rejected"] = self.faults.rejected + self.faults.ignored
@@ -378,7 +435,9 @@ class ServerLoop(RequestServing):
         s["lost_workers"] = sorted(self.lost)
         s["rejoined_workers"] = sorted(self.rejoined)
         s["rejoins"] = self.rejoins
-        s["shard_restarts"] = self.incarnation
+        s["shard"] = self.ctx.server_index
+        s["shard_restarts"] = 0 if self.failed_over else self.incarnation
+        s["shard_failovers"] = int(self.failed_over)
         s["pushes_lost"] = self.pushes_lost
         return s
 
@@ -427,20 +486,26 @@ class ServerLoop(RequestServing):
 
     def _gather_on_pairs(self) -> torch.Tensor | None:
         """:meth:`gather_final_theta` on one pair group per shard k > 0 (k and server 0)."""
-        k = self.ctx.server_index
-        if k != 0:
-            link = self.ctx.shard_link(k, FINAL_PAIR, 0)
-            h = Header(
-                Kind.FINAL,
-                shard=k,
-                version=self.shard.version,
-                numel=self.numel,
-                samples=self.shard.samples,
-            )
-            link.send(0, h, self.shard.theta, final=True)
+        held = {self.ctx.server_index: self}  # the shards this server serves at the end
+        if self.standby is not None and self.standby.promoted is not None:
+            held[self.standby.primary] = self.standby.promoted
+        if self.ctx.server_index != 0:
+            for _, loop in sorted(held.items()):
+                k = loop.ctx.server_index
+                h = Header(
+                    Kind.FINAL,
+                    shard=k,
+                    version=loop.shard.version,
+                    numel=loop.numel,
+                    samples=loop.shard.samples,
+                )
+                loop.ctx.shard_link(k, FINAL_PAIR, 0).send(0, h, loop.shard.theta, final=True)
             return None
         parts = [self.shard.theta]
         for j in range(1, self.cfg.servers):
+            if j in held:
+                parts.append(held[j].shard.theta)
+                continue
             a, b = self.bounds[j]
             _, theta = self.ctx.shard_link(j, FINAL_PAIR, 0).recv_final(j, b - a)
             parts.append(theta)
@@ -448,6 +513,113 @@ class ServerLoop(RequestServing):
 
 
 FINAL_PAIR = 0  # the pair groups of the final gather use restart number 0 (no restart has it)
+
+
+_FORWARDED = {int(Kind.PUSH), int(Kind.INIT), int(Kind.DONE)}
+
+
+class Standby:
+    """Server s's hot copy of shard p = s − 1 (mod S), kept by applying every request that
+    p's server forwards (PUSH with the push's base version and samples, INIT), in p's order,
+    before p replies to the worker; each forward is answered once applied.
+
+    When p's server dies (the link breaks), this server takes shard p over: it marks p as
+    failed over in the job store (the watchdogs stop watching p), and serves the copy as a
+    restarted shard would (:meth:`ServerLoop._reconnect_workers`): the workers reconnect, and
+    since the copy holds every push a worker saw acknowledged, none is lost. Shard 0 is not
+    taken over: its server (rank 0) writes the run's summary, and its death stops the job.
+    """
+
+    def __init__(self, loop: ServerLoop, primary: int, link):
+        self.loop, self.primary, self.link = loop, primary, link
+        a, b = loop.bounds[primary]
+        self.replica = make_shard(loop.cfg, loop.theta0[a:b])
+        self._buf = torch.empty(b - a)
+        self.promoted: ServerLoop | None = None
+        self._promoted_thread: threading.Thread | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"cloudburst-standby-{primary}", daemon=True
+        )
+
+    def start(self) -> Standby:
+        self._thread.start()
+        return self
+
+    def join(self) -> None:
+        """Until the primary said it is done, or (taken over) the promoted shard finished."""
+        self._thread.join()
+        if self._promoted_thread is not None:
+            self._promoted_thread.join()
+            if self.promoted is not None and self.promoted.error is not None:
+                raise self.promoted.error
+
+    def _run(self) -> None:
+        p = self.primary
+        while True:
+            try:
+                h = self.link.recv_reply(p, self._buf)
+                kind = Kind(h.aux) if h.aux in _FORWARDED else None
+                if h.shard != p or kind is None or h.numel not in (0, self._buf.numel()):
+                    raise RuntimeError(f"not a forwarded request from shard {p}'s server: {h}")
+                if kind == Kind.INIT:
+                    self.replica.set_theta(self._buf)
+                elif kind == Kind.PUSH:
+                    self.replica.apply_push(self._buf, h.version, h.samples)
+                self.link.send(p, Header(Kind.REPLY, shard=p, version=self.replica.version))
+                if kind == Kind.DONE:
+                    return
+            except (RuntimeError, ValueError) as e:
+                log.error("shard %d's server is lost (%s)", p, _first_line(e))
+                self._take_over()
+                return
+
+    def _take_over(self) -> None:
+        p, loop = self.primary, self.loop
+        if p == 0:
+            log.error("shard 0 is not taken over (its server writes the summary)")
+            return
+        ctx = dataclasses.replace(loop.ctx, rank=p, shard_incarnation=1)
+        liveness = ctx.comm.liveness_monitor(
+            ctx.store, ctx.worker_ranks, loop.cfg.heartbeat_timeout_s
+        )
+        promoted = ServerLoop(ctx, loop.theta0, loop.metrics, liveness)
+        promoted.shard, promoted.awaiting_init = self.replica, False
+        promoted.restored_version, promoted.failed_over = self.replica.version, True
+        ctx.store.set(FAILOVER_KEY.format(shard=p), str(loop.ctx.rank))
+        loop.metrics.log("failover", time_s=ctx.elapsed_s(), shard=p, version=self.replica.version)
+        log.warning("took shard %d over at version %d", p, self.replica.version)
+        self.promoted = promoted
+
+        def serve() -> None:
+            try:
+                promoted.run()
+                ctx.store.set(f"stats/{p}", json.dumps({"role": "server", **promoted.stats()}))
+            except BaseException as e:  # noqa: BLE001 - raised again by join()
+                promoted.error = e
+
+        self._promoted_thread = threading.Thread(target=serve, name=f"cloudburst-shard{p}")
+        self._promoted_thread.start()
+
+
+def start_standby(loop: ServerLoop) -> None:
+    """--shard-standby: this server's link to its own shard's standby, and its standby copy
+    of the shard before it, both built now (in the order of the shard they serve, so that
+    every server builds its two pair groups in an order that never waits in a cycle)."""
+    from cloudburst.resilience import load_shard_state
+    from cloudburst.runtime import standby_link
+
+    cfg, ctx = loop.cfg, loop.ctx
+    own, before = ctx.server_index, (ctx.server_index - 1) % cfg.servers
+    for p in sorted({own, before}):
+        link = standby_link(ctx, p, loop._standby_stats)
+        if p == own:
+            loop.standby_link = link
+        else:
+            loop.standby = Standby(loop, p, link)
+    path = shard_checkpoint_path(cfg.out, before)
+    if cfg.resume and path.is_file():
+        loop.standby.replica.load_state_dict(load_shard_state(path, cfg))
+    loop.standby.start()
 
 
 def _sum_stats(parts: list[CommStats]) -> CommStats:
@@ -494,6 +666,8 @@ def serve_shard(ctx, theta0: torch.Tensor, metrics) -> ServerLoop:
         elapsed_s = float(state.get("elapsed_s", 0.0))
         metrics.log("resume", version=loop.shard.version, attempt=restart_count(), wall=time.time())
         log.info("shard %d resumed at version %d", ctx.server_index, loop.shard.version)
+    if cfg.shard_standby and not ctx.comm.simulated and not loop.incarnation:
+        start_standby(loop)
     if loop.incarnation:
         # Died before its first checkpoint: θ0 at version 0 (a warm start's θ is lost too).
         loop.awaiting_init = False
@@ -502,4 +676,6 @@ def serve_shard(ctx, theta0: torch.Tensor, metrics) -> ServerLoop:
             metrics.log("resume", version=0, attempt=restart_count(), wall=time.time())
     ctx.start_clock(elapsed_s)
     loop.run()
+    if loop.standby is not None:
+        loop.standby.join()
     return loop

@@ -180,6 +180,12 @@ def overlapped_push_fetch(cfg: RunConfig) -> bool:
 # Requests whose header is followed by a payload of the shard's size.
 
 
+def standby_of(shard: int, num_servers: int) -> int:
+    """The server rank that keeps shard ``shard``'s standby copy (``--shard-standby``): the
+    next one, cyclically."""
+    return (shard + 1) % num_servers
+
+
 def shard_checkpoint_path(out: str | Path, shard: int) -> Path:
     return Path(out) / "checkpoints" / f"server{shard}.pt"
 

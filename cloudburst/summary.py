@@ -240,6 +240,9 @@ def finalize_run(
         # after their last checkpoint).
         "shard_restarts": sum(s.get("shard_restarts", 0) for s in servers),
         "pushes_lost": sum(s.get("pushes_lost", 0) for s in servers),
+        "shard_failovers": sum(s.get("shard_failovers", 0) for s in servers),
+        # Each shard's version clock (pushes applied) at the end, by shard.
+        "shard_versions": [s["version"] for s in sorted(servers, key=lambda s: s.get("shard", 0))],
         "steps_skipped_nonfinite": sum(w.get("steps_skipped_nonfinite", 0) for w in workers),
         **_replica_summary(workers),
         "config": cfg.to_dict(),

@@ -52,6 +52,11 @@ class AsgdConfig:
     staleness_scaling: bool = option(
         False, "scale each push by 1/staleness (staleness-aware A-SGD)"
     )
+    shard_standby: bool = option(
+        False,
+        "keep a hot copy of each shard k on server (k+1) mod S, every applied push forwarded "
+        "before its reply: a killed shard fails over with no acknowledged push lost",
+    )
 
     def _validate_asgd(self) -> None:
         _check_int("n_fetch", self.n_fetch, 1)
@@ -61,6 +66,16 @@ class AsgdConfig:
         _check_float("server_momentum", self.server_momentum, 0.0, 1.0, high_open=True)
         if self.max_staleness is not None:
             _check_int("max_staleness", self.max_staleness, 0)
+        if self.shard_standby and self.strategy != "asgd":
+            raise ConfigError(
+                f"shard_standby: only asgd's shards keep a standby, not {self.strategy}'s; "
+                "drop --shard-standby"
+            )
+        if self.shard_standby and self.servers < 2:
+            raise ConfigError(
+                f"shard_standby: a standby lives on another server rank, but servers is "
+                f"{self.servers}; use --servers 2 or more"
+            )
 
 
 @dataclass

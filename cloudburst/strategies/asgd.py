@@ -14,7 +14,10 @@ and it is listed in ``lost_workers``. Restarted by its agent (``--max-restarts``
 the running job on a gloo group with the servers (the world group cannot be re-entered:
 ``cloudburst.runtime.rejoin_group``), resumes from its own checkpoint (optimizer, data
 position, step) and starts again from the servers' current θ, as at the start of a run; it is
-then not lost.
+then not lost. A dead shard: the job stops (summary ``failed``, the ``--resume`` command)
+unless its agent restarts it (``--max-restarts``) or its standby takes it over
+(``--shard-standby``); then each worker reconnects to it on a pair group, takes its θ_k, and
+goes on (its unacknowledged push to it is dropped; ``cloudburst.server``).
 
 Transport: with the add rule a PUSH_FETCH reply carries θ_k as it was *before* this push, sent
 while the push travels the other way; the worker then adds its own Δ with the same α as the
@@ -99,6 +102,7 @@ class AsgdStrategy(Strategy):
         self._shard_incarnation = [0] * self.num_servers
         self._acked = [0] * self.num_servers
         self.shard_reconnects = 0
+        self.pushes_acked = [0] * self.num_servers  # pushes each shard applied and said so
         self._reconnected: list[dict] = []
 
     # ------------------------------------------------------------------ set-up
@@ -269,6 +273,7 @@ class AsgdStrategy(Strategy):
             self._check(reply, k)
             if push:
                 self._account_push(reply)
+                self.pushes_acked[k] += reply.status == Status.OK
                 rejected |= reply.status == Status.REJECTED
             if overlapped and reply.status == Status.OK:
                 alpha = add_rule_alpha(self.cfg.server_lr, reply.aux, self.cfg.staleness_scaling)
@@ -306,9 +311,10 @@ class AsgdStrategy(Strategy):
         return self._links.get(k, self.transport)
 
     def _shard_failed(self, k: int, e: RuntimeError, broken: set[int]) -> None:
-        """Talking to shard ``k`` failed: with restarts (--max-restarts), it is reconnected
-        after the round; without, the error stands (the watchdog names the silent shard)."""
-        if not self.cfg.max_restarts:
+        """Talking to shard ``k`` failed: with restarts (--max-restarts) or a standby
+        (--shard-standby), it is reconnected after the round; without, the error stands (the
+        watchdog names the silent shard)."""
+        if not (self.cfg.max_restarts or self.cfg.shard_standby):
             raise e
         if k not in broken:
             log.warning("lost the connection to shard %d: %s", k, str(e).splitlines()[0][:200])
@@ -484,5 +490,6 @@ class AsgdStrategy(Strategy):
             staleness_sum_versions=self.staleness_sum,
             staleness_max_versions=self.staleness_max,
             shard_reconnects=self.shard_reconnects,
+            pushes_acked_by_shard=list(self.pushes_acked),
         )
         return r
