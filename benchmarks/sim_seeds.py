@@ -259,7 +259,7 @@ def main() -> None:
                 label = "-".join(f"{k}{v}" for k, v in group.items())
                 jobs.append((name, group, cfg, sim, seed, str(root / name / f"{label}-s{seed}")))
     ctx = get_context("forkserver")
-    with ProcessPoolExecutor(args.jobs, mp_context=ctx, max_tasks_per_child=4) as pool:
+    with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
         records = list(pool.map(simulate_point, *zip(*jobs, strict=True)))
     prov.sample_load()
     rep = harness.Report("sim_seeds", "The seed papers' findings on the virtual cluster", prov)
