@@ -217,10 +217,13 @@ class TorchHierarchicalStrategy(TorchPeerStrategy):
         return ddp
 
     def global_due(self, call: int) -> bool:  # torch's own rule (the largest period wins)
-        due = call >= self.warmup_steps
-        if due and call % self.global_period:
-            count_collective(self.stats, self.node_bytes, False)  # a node average
-        return due and call % self.global_period == 0
+        return call >= self.warmup_steps and call % self.global_period == 0
+
+    def after_step(self, samples: int) -> None:
+        call = self.averager.step
+        if call >= self.warmup_steps and not self.global_due(call):
+            count_collective(self.stats, self.node_bytes, False)  # θ averaged inside the node
+        super().after_step(samples)
 
 
 class TorchPeriodicStrategy(TorchPeerStrategy):
@@ -230,6 +233,8 @@ class TorchPeriodicStrategy(TorchPeerStrategy):
         pass  # no warm-up: cloudburst's local_sgd schedule
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        if self.cfg.local_sgd_warmup_steps:
+            raise ValueError("torch_periodic has no warm-up: leave --local-sgd-warmup-steps at 0")
         self.model = model
         self.global_period = self.cfg.period
         # Call c (0-based) averages when c >= H - 1 and (c - H + 1) % H == 0: after steps H, 2H.
