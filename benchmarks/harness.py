@@ -502,7 +502,7 @@ class Claim:
 
     def row(self) -> list[str]:
         interval = (
-            "-" if self.interval is None else f"{fmt(self.interval[0])}–{fmt(self.interval[1])}"
+            "-" if self.interval is None else f"[{fmt(self.interval[0])}, {fmt(self.interval[1])}]"
         )
         return [
             self.name,

@@ -129,7 +129,7 @@ def test_report_writes_claims_with_the_aa_ratio_and_censoring(tmp_path, monkeypa
     report.table(["run", "s"], [["a", 1.5], ["b", None]])
     path = report.write([Run("a", 0, 1.0, failed="exit 1: boom")])
     text = path.read_text()
-    assert "| time to 90 %, a ÷ b | **2** | ≤ 0.75 | 1 | 2–5 | 3 | MISS (1 censored" in text
+    assert "| time to 90 %, a ÷ b | **2** | ≤ 0.75 | 1 | [2, 5] | 3 | MISS (1 censored" in text
     assert "| a | 1.5 |" in text and "| b | - |" in text and "commit: `abc1234`" in text
     data = json.loads(path.with_suffix(".json").read_text())
     assert data["claims"][0]["value"] == 2.0 and data["claims"][0]["aa"] == 1.0
