@@ -39,8 +39,7 @@ COMMON = (
     f"--dataset mnist1d --model cnn --workers 4 --batch-size 64 --lr 0.1 --momentum 0.9 "
     f"--period {H} --eval-every-s 5 --log-every-steps 16"
 ).split()
-CLOUDBURST = {"sync": "sync", "local_sgd": "local_sgd", "diloco": "diloco"}
-CLOUDBURST["torch_periodic"] = "torch_periodic"
+CLOUDBURST = ("sync", "local_sgd", "diloco", "torch_periodic")  # arm = --strategy
 TORCHFT = {"torchft_localsgd": "localsgd", "torchft_diloco": "diloco"}
 STEP_CLAIMS = [  # (a, b): a's time per step ÷ b's, target ≤ 1
     ("local_sgd", "torch_periodic"),
@@ -61,7 +60,7 @@ def main() -> None:
     seeds = range(args.seeds or (1 if args.quick else 5))
     length = ["--steps", "48"] if args.quick else ["--epochs", str(args.epochs)]
     ft_steps = 48 if args.quick else args.torchft_steps
-    arms = [Arm(n, ["--strategy", s, *COMMON, *length]) for n, s in CLOUDBURST.items()]
+    arms = [Arm(n, ["--strategy", n, *COMMON, *length]) for n in CLOUDBURST]
     arms += [Arm(n, COMMON) for n in TORCHFT]
     versions = torchft_peer.peer_versions()
     root = harness.RUNS / "local_sgd"
