@@ -24,7 +24,7 @@ def test_killed_and_hung_asgd_workers_are_lost_and_the_others_finish(tmp_path):
     proc = cli(
         "train", "--strategy", "asgd", "--servers", "1", "--workers", "3", "--n-sync", "2",
         "--dataset", "synthetic", "--model", "mlp", "--batch-size", "64", "--steps", "100",
-        "--min-step-time-s", "0.02", "--heartbeat-timeout-s", "2", "--checkpoint-every", "20",
+        "--min-step-time-s", "0.01", "--heartbeat-timeout-s", "2", "--checkpoint-every", "20",
         "--no-progress", "--inject-fault", "kill:2@30", "--inject-fault", "stop:3@10",
         "--out", str(out),
     )  # fmt: skip

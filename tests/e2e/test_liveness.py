@@ -91,7 +91,9 @@ def _lost_records(out: Path) -> dict[int, str]:
 @pytest.mark.parametrize(("sig", "rank"), [(signal.SIGKILL, 1), (signal.SIGSTOP, 0)])
 def test_a_lost_shard_stops_the_job_with_a_summary_and_a_resume_command(tmp_path, sig, rank):
     """SIGKILL of shard 1; SIGSTOP of shard 0 (rank 0, whose agent held the job's store
-    before the launcher did)."""
+    before the launcher did). The printed ``--resume`` command is run once, after the kill:
+    both leave the same complete checkpoints (each is loaded here), and the resume path is
+    the same."""
     out = tmp_path / "run"
     proc = _start([*ASGD, *QUIET, *LIVENESS, "--steps", "2000", "--min-step-time-s", "0.01",
                    "--out", str(out)])  # fmt: skip
@@ -116,10 +118,11 @@ def test_a_lost_shard_stops_the_job_with_a_summary_and_a_resume_command(tmp_path
     while _session_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _session_alive(proc.pid) == []  # the hung shard too
-    done = max(summary["steps_done"].values())
-    cli("train", "--resume", str(out), "--steps", str(done + 40), "--no-progress")
-    resumed = read_summary(out)
-    assert "failed" not in resumed and resumed["final_test_accuracy"] > 0.5
+    if sig == signal.SIGKILL:  # (the same checkpoints either way: one resume is enough)
+        done = max(summary["steps_done"].values())
+        cli("train", "--resume", str(out), "--steps", str(done + 40), "--no-progress")
+        resumed = read_summary(out)
+        assert "failed" not in resumed and resumed["final_test_accuracy"] > 0.5
 
 
 def test_a_hung_lockstep_worker_is_found_and_the_job_restarts(tmp_path):

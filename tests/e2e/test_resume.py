@@ -245,7 +245,7 @@ def test_a_restarted_server_points_to_resume_which_continues_the_run(tmp_path):
            "2", "--servers", "2", "--easgd-tau", "2", "--dataset", "synthetic", "--model",
            "mlp", "--batch-size", "16", "--steps", "2000", "--min-step-time-s", "0.01",
            "--checkpoint-every", "10", "--max-restarts", "1", "--comm-timeout-s", "5",
-           "--heartbeat-timeout-s", "5", "--eval-every-s", "60", "--no-progress", "--out",
+           "--heartbeat-timeout-s", "3", "--eval-every-s", "60", "--no-progress", "--out",
            str(out)]  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env()
