@@ -107,3 +107,41 @@ def test_a_killed_shard_restarts_in_place_and_the_lost_pushes_are_counted(tmp_pa
     [final] = [r for r in shard if r["event"] == "final"]
     assert final["version"] == restored + len(after) == after[-1]["version"]
     assert summary["final_test_accuracy"] > 0.5
+
+
+def test_a_killed_shard_fails_over_to_its_standby_with_no_push_lost(tmp_path):
+    """--shard-standby, no restarts: shard 1's copy on server 0 takes it over."""
+    out = tmp_path / "run"
+    i = RUN.index("--max-restarts")
+    proc = _start([*RUN[:i], *RUN[i + 2 :], "--shard-standby", "--out", str(out)])
+    _kill_after_a_checkpoint(out, 1, proc)
+    try:
+        _, stderr = proc.communicate(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, stderr
+    summary = read_summary(out)
+    assert "failed" not in summary and summary["lost_workers"] == []
+    assert summary["pushes_lost"] == 0
+    assert (summary["shard_failovers"], summary["shard_restarts"]) == (1, 0)
+    # The standby (rank 0) took shard 1 over at the version of the last forwarded push, which
+    # the dead primary had applied and logged; the workers reconnected to it, unrestarted.
+    [failover] = [r for r in _records(out, 0) if r["event"] == "failover"]
+    assert failover["shard"] == 1
+    shard = _records(out, 1)
+    assert [r["event"] for r in shard].count("start") == 1
+    assert failover["version"] in {r["version"] for r in shard if r["event"] == "push"}
+    acked = 0
+    for rank in (2, 3):
+        records = _records(out, rank)
+        assert [r["event"] for r in records].count("start") == 1
+        reconnected = [x for r in records for x in r.get("shard_reconnected", [])]
+        assert [(x["shard"], x["version"]) for x in reconnected] == [(1, failover["version"])]
+        assert reconnected[0]["acked"] <= failover["version"]  # nothing acknowledged is lost
+        [final] = [r for r in records if r["event"] == "final"]
+        acked += final["pushes_acked_by_shard"][1]
+    # Every push a worker saw acknowledged is in shard 1's final version clock (and the
+    # pushes in flight at the kill, applied and forwarded but never acknowledged: at most one
+    # per worker).
+    assert acked <= summary["shard_versions"][1] <= acked + 2
