@@ -11,8 +11,8 @@ k = 3 evaluations; runs that never get there are censored and counted ("> T" med
   stand-in ResNet-50 on V100s; finding: asynchronous methods reach the target sooner at few
   workers, sync at many.
 - ``coquelin`` (Coquelin et al. 2021, DASO): DASO / sync / post-local SGD on P = 2, 4 nodes
-  × 4 GPUs (stand-in ResNet-50 on A100s, 10 Gbit/s between nodes); finding: DASO reaches the target in < 0.9 × sync's
-  time at equal accuracy (within 1 point).
+  × 4 GPUs (stand-in ResNet-50 on A100s, 10 Gbit/s between nodes); finding: DASO reaches the
+  target in < 0.9 × sync's time at equal accuracy (within 1 point).
 - ``paine`` (Paine et al. 2013, GPU A-SGD): 1–8 clients, warm and cold start, n_sync;
   findings: with a warm start more clients are faster; a cold start with 8 clients is slower
   early than 1 client.
