@@ -14,6 +14,12 @@ the worker of global rank ``VICTIM`` (the last worker) after step 175:
 - ``nan``: its loss (so its gradient) at step 175 is NaN;
 - ``slow``: every step of that worker takes 2× (``slow:RANK:2``, from the start).
 
+The standby's cost (``--shard-standby``, every applied push forwarded to another server and
+answered before the worker's reply): asgd, 4 workers, 2 shards, MNIST-1D MLP, steps padded to
+20 ms by sleeping, pushes every step (n_sync 1: the cost at its highest); arms without and with
+the standby interleaved per seed (3 seeds, rotated, with an A/A pair of the plain arm), pushes
+applied per second of training = the shards' final version clocks ÷ wall time.
+
 Columns: the outcome (completed / restarted from a checkpoint / rejoined / finished without
 the worker / failed), steps lost (the fault's step − the step training resumed from; for a
 worker that never came back, its steps not done), time to recover (wall clock from the fault
@@ -35,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchutil  # noqa: E402
+import harness  # noqa: E402
 
 from cloudburst.config import RunConfig  # noqa: E402
 from cloudburst.launch import JobFailed, run_local_job  # noqa: E402
@@ -145,11 +152,39 @@ def outcome(row, resumes, summary, strategy) -> str:
     return "completed"
 
 
+def standby_cost(quick: bool) -> tuple[list[str], list[dict[str, Any]]]:
+    """Pushes/s without and with --shard-standby, interleaved (see the module docstring)."""
+    steps = 40 if quick else 200
+    common = ["--strategy", "asgd", "--workers", "4", "--servers", "2", "--n-sync", "1",
+              "--dataset", "mnist1d", "--model", "mlp", "--batch-size", "32",
+              "--steps", str(steps), "--min-step-time-s", "0.02"]  # fmt: skip
+    arms = [harness.Arm("plain", common), harness.Arm("standby", [*common, "--shard-standby"])]
+    root = REPO / "runs" / "bench" / ("standby-quick" if quick else "standby")
+    runs = harness.interleave(arms, [0] if quick else [0, 1, 2], control="plain", out_root=root)
+    rate = {}
+    for r in runs:
+        if not r.failed and r.summary.get("wall_time_s"):
+            pushes = sum(r.summary.get("shard_versions", []))
+            rate.setdefault(r.arm, []).append(pushes / r.summary["wall_time_s"])
+    rows = [
+        [arm, len(v), f"{min(v):.0f}", f"{sorted(v)[len(v) // 2]:.0f}", f"{max(v):.0f}"]
+        for arm, v in rate.items()
+    ]
+    lines = [
+        "## The standby's throughput cost",
+        "",
+        *benchutil.table(["arm", "runs", "min pushes/s", "median", "max"], rows),
+        "",
+    ]
+    return lines, [r.to_dict() for r in runs]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--faults", default=",".join(FAULTS))
+    p.add_argument("--no-standby-cost", action="store_true", help="skip the standby's cost")
     args = p.parse_args()
     os.chdir(REPO)
     root = REPO / "runs" / "bench" / ("reliability-quick" if args.quick else "reliability")
@@ -207,9 +242,15 @@ def main() -> None:
         ),
         "",
     ]
+    standby_runs = []
+    if not args.no_standby_cost:
+        standby_lines, standby_runs = standby_cost(args.quick)
+        lines += standby_lines
     dest = REPO / "benchmarks" / "results" if not args.quick else root
     benchutil.write_markdown(dest / "reliability.md", lines)
-    (dest / "reliability.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (dest / "reliability.json").write_text(
+        json.dumps({"faults": rows, "standby_cost": standby_runs}, indent=2) + "\n"
+    )
     print("\n".join(lines))
 
 
