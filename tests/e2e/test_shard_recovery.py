@@ -106,7 +106,6 @@ def test_a_killed_shard_restarts_in_place_and_the_lost_pushes_are_counted(tmp_pa
     after = [r for r in shard[shard.index(starts[1]) :] if r["event"] == "push"]
     [final] = [r for r in shard if r["event"] == "final"]
     assert final["version"] == restored + len(after) == after[-1]["version"]
-    assert summary["final_test_accuracy"] > 0.5
 
 
 def test_a_killed_shard_fails_over_to_its_standby_with_no_push_lost(tmp_path):
