@@ -95,7 +95,7 @@ def test_a_killed_shard_restarts_in_place_and_the_lost_pushes_are_counted(tmp_pa
         acked.append(reconnected[0]["acked"])
     # Exactly: the highest version a worker saw acknowledged, minus the version restored;
     # and the dead shard had applied (logged: --push-log-every 1) every one of those versions.
-    assert summary["pushes_lost"] == max(acked) - restored > 0
+    assert summary["pushes_lost"] == max(acked) - restored >= 0  # > 0 unless killed at a checkpoint
     logged_before_kill = {
         r["version"] for r in shard[: shard.index(starts[1])] if r["event"] == "push"
     }
@@ -130,7 +130,9 @@ def test_a_killed_shard_fails_over_to_its_standby_with_no_push_lost(tmp_path):
     assert failover["shard"] == 1
     shard = _records(out, 1)
     assert [r["event"] for r in shard].count("start") == 1
-    assert failover["version"] in {r["version"] for r in shard if r["event"] == "push"}
+    # (every push the primary logged was forwarded first; one forwarded may not be logged yet)
+    logged = max(r["version"] for r in shard if r["event"] == "push")
+    assert logged <= failover["version"] <= logged + 1
     acked = 0
     for rank in (2, 3):
         records = _records(out, rank)
