@@ -53,44 +53,34 @@ def mlp(input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
     return MLP(math.prod(input_shape), num_classes)
 
 
-class _RecordingTime:
-    """The ``time`` module as the real transport sees it, with its sleeps written down."""
-
-    def __init__(self, real, path: Path):
-        self._real, self._path = real, path
-
-    def __getattr__(self, name: str):
-        return getattr(self._real, name)
-
-    def sleep(self, seconds: float) -> None:
-        _append(self._path, {"sleep": seconds})
-        self._real.sleep(seconds)
-
-
 def _record_device_emulation(path: Path) -> None:
-    import cloudburst.comm.transport as transport
+    from cloudburst.device_emulation import DeviceEmulator
 
-    # The loop's hook (fails loudly if it is renamed): TorchTransport.step_done.
-    emulate = transport.TorchTransport.step_done
-    if getattr(emulate, "recording", False):  # the model is built more than once
+    # The loop's hook (fails loudly if it is renamed): DeviceEmulator.end_step, once a step.
+    end_step = DeviceEmulator.end_step
+    if getattr(end_step, "recording", False):  # the model is built more than once
         return
-    real_time = transport.time
 
-    def recording(self, compute_s: float, min_step_time_s: float, factor: float) -> None:
+    def recording(self, busy_s: float) -> float:
+        slept = end_step(self, busy_s)
+        plan = self.last
         _append(
-            path, {"compute_s": compute_s, "min_step_time_s": min_step_time_s, "factor": factor}
+            path,
+            {
+                "compute_s": plan.compute_s,
+                "min_step_time_s": self.min_step_time_s,
+                "factor": self.factor,
+                "hooks_s": plan.slept_s,
+                "remainder_s": plan.remainder_s,
+                "debt_before_s": plan.debt_before_s,
+                "debt_after_s": plan.debt_after_s,
+            },
         )
-        # The sleeps this step's emulation asks for (other sleeps of the transport, such as
-        # asgd's finish polling, are not the device's).
-        transport.time = _RecordingTime(real_time, path)
-        try:
-            emulate(self, compute_s, min_step_time_s, factor)
-        finally:
-            transport.time = real_time
+        return slept
 
     recording.recording = True
     path.parent.mkdir(parents=True, exist_ok=True)
-    transport.TorchTransport.step_done = recording
+    DeviceEmulator.end_step = recording
 
 
 def _append(path: Path, record: dict) -> None:
@@ -98,21 +88,12 @@ def _append(path: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def read_emulation(path: Path) -> list[tuple[dict, float | None]]:
-    """(the step's emulation call, the sleep it asked for or None), step by step."""
-    steps: list[tuple[dict, float | None]] = []
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if "sleep" in record:
-            assert steps and steps[-1][1] is None, f"a sleep outside a step in {path}"
-            steps[-1] = (steps[-1][0], record["sleep"])
-        else:
-            steps.append((record, None))
-    return steps
+def read_emulation(path: Path) -> list[dict]:
+    """The device emulation's account of each step (see _record_device_emulation)."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def expected_sleep(call: dict) -> float | None:
+def expected_padding(call: dict) -> float:
     """What the README promises: the step is padded to ``--min-step-time-s``, then made
-    ``factor`` times longer: a sleep of max(compute, min)·factor − compute, if positive."""
-    target = max(call["compute_s"], call["min_step_time_s"]) * call["factor"]
-    return target - call["compute_s"] if target > call["compute_s"] else None
+    ``factor`` times longer: max(compute, min)·factor − compute."""
+    return max(call["compute_s"], call["min_step_time_s"]) * call["factor"] - call["compute_s"]
