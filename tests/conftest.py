@@ -8,6 +8,7 @@ test``. ``tests/dist`` and ``tests/e2e`` mark themselves (``dist``, ``e2e``).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -26,3 +27,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if UNIT_DIR in Path(str(item.path)).resolve().parents:
             item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Every test ends with the environment it started with: a variable a test left set
+    (``CLOUDBURST_LOCAL_JOB``, which the CLI sets for its forkserver, say) would reach the
+    jobs of tests run after it in the same test process."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)

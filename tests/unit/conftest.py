@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import multiprocessing.process
+import multiprocessing.util
 import os
 import subprocess
 
 import pytest
+
+from cloudburst import forkserver
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +23,11 @@ def _no_processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
             "(fake it, or mark the test @pytest.mark.spawns to keep it out of make test-fast)"
         )
 
+    # The CLI starts the forkserver of a local job's ranks before it checks the config (their
+    # imports overlap); a unit test reaching it launches nothing, so there is nothing to start.
+    monkeypatch.setattr(forkserver, "start_forkserver", lambda module="cloudburst.train": None)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", refuse)  # forkserver, trackers
     monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
     monkeypatch.setattr(os, "fork", refuse)
     if hasattr(os, "posix_spawn"):
