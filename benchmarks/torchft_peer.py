@@ -12,7 +12,7 @@ to ``cfg.min_step_time_s`` as cloudburst's loop pads it, then the final model's 
 Step times are recorded every ``cfg.log_every_steps`` steps.
 
 Used by ``benchmarks/compress.py`` (time per step against cloudburst's DiLoCo) and
-``benchmarks/peers_averaging.py`` (``local_sgd`` / ``diloco`` against torchft's)::
+``benchmarks/local_sgd.py`` (``local_sgd`` / ``diloco`` against torchft's)::
 
     python benchmarks/torchft_peer.py lighthouse --min-replicas 4         # (peer venv)
     python benchmarks/torchft_peer.py replica --algorithm diloco ...
