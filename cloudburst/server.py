@@ -294,10 +294,19 @@ class ServerLoop(RequestServing):
                 # θ before this push goes back while Δ comes in (both directions at once); the
                 # worker adds its own Δ exactly as apply_push will, unless the reply rejects it.
                 send_theta = transport.isend_payload(src, self.shard.theta, reply=True)
-            delta = transport.recv_payload(src, self.numel, out=self._recv_buf)
+            # Each chunk of Δ is checked as it arrives, while the next one is on the wire.
+            buf, finite = self._recv_buf, []
+            delta = transport.recv_payload(
+                src, self.numel, out=buf, on_chunk=lambda a, b: finite.append(all_finite(buf[a:b]))
+            )
             if overlapped:
                 transport.wait_all([send_theta])  # θ must not change while it is sent
-            result = self.shard.apply_push(delta, h.version, h.samples)
+            result = self.shard.apply_push(
+                delta,
+                h.version,
+                h.samples,
+                finite=all(finite) if finite else None,  # (None: checked in apply_push)
+            )
             self.ctx.comm.apply_done(delta.numel() * delta.element_size())
             # The standby applies the same push before the worker learns of it: no push that
             # a worker saw acknowledged is missing from the standby's copy.

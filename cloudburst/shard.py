@@ -103,8 +103,12 @@ class ShardState:
         """Replace θ_k (warm start); the version clock is not advanced."""
         self.param.data.copy_(theta)
 
-    def apply_push(self, delta: torch.Tensor, base_version: int, samples: int = 0) -> PushResult:
-        """Apply one push computed against ``base_version``; returns its status and staleness."""
+    def apply_push(
+        self, delta: torch.Tensor, base_version: int, samples: int = 0, finite: bool | None = None
+    ) -> PushResult:
+        """Apply one push computed against ``base_version``; returns its status and staleness.
+        ``finite``: whether ``delta`` is all finite, when the caller checked it already (chunk
+        by chunk as it arrived); None: checked here."""
         if delta.shape != self.param.shape:
             raise ValueError(
                 f"push of shape {tuple(delta.shape)} for shard {tuple(self.param.shape)}"
@@ -112,7 +116,7 @@ class ShardState:
         if not 0 <= base_version <= self.version:
             raise ValueError(f"push against version {base_version}, shard is at {self.version}")
         staleness = self.version - base_version
-        if not all_finite(delta):
+        if not (all_finite(delta) if finite is None else finite):
             self.rejected_nonfinite += 1
             return PushResult(Status.REJECTED, staleness)
         if self.max_staleness is not None and staleness > self.max_staleness:

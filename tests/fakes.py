@@ -81,12 +81,16 @@ class ServerSide:
     def __init__(self, net: FakeNetwork, k: int):
         self.net, self.k, self.stats = net, k, CommStats()
 
-    def recv_payload(self, src: int, numel: int, final: bool = False, out=None) -> torch.Tensor:
+    def recv_payload(
+        self, src: int, numel: int, final: bool = False, out=None, on_chunk=None
+    ) -> torch.Tensor:
         data = self.net.payloads[src, self.k].popleft()
         assert data.numel() == numel, f"payload of {data.numel()} elements, {numel} expected"
         return out.copy_(data) if out is not None else data
 
-    def isend_payload(self, dst: int, payload: torch.Tensor, reply: bool) -> _Done:
+    def isend_payload(self, dst: int, payload: torch.Tensor, reply: bool, prepare=None) -> _Done:
+        if prepare is not None:
+            prepare(0, payload.numel())
         self.net.reply_payloads[dst, self.k].append(payload.clone())  # θ as it is now
         return _Done()
 
@@ -112,7 +116,9 @@ class WorkerSide:
         if payload is not None:
             self.net.payloads[self.rank, k].append(payload.clone())
 
-    def isend_payload(self, k: int, payload: torch.Tensor, reply: bool) -> _Done:
+    def isend_payload(self, k: int, payload: torch.Tensor, reply: bool, prepare=None) -> _Done:
+        if prepare is not None:
+            prepare(0, payload.numel())
         self.net.payloads[self.rank, k].append(payload.clone())
         return _Done()
 

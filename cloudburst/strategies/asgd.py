@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from cloudburst.comm.compress import ErrorFeedback, decode, encode
-from cloudburst.comm.flat import assign_flat, flatten_params, shard_bounds
+from cloudburst.comm.flat import adopt_flat, assign_flat, flatten_params, is_flat_view, shard_bounds
 from cloudburst.comm.p2p import Header, Kind, Status
 from cloudburst.comm.quantise import message_method
 from cloudburst.liveness import Heartbeat, await_shard, heartbeat_interval_s, report_acked
@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 
 FINISH_POLL_S = 0.2
 SEEDED_KEY = "warm_start/seeded"  # in the job store once the warm-start worker seeded θ
+ADD_CHUNK_NUMEL = 1 << 16  # θ + αΔ, then into the parameters, 256 KiB at a time (in cache)
 
 
 class AsgdStrategy(Strategy):
@@ -112,7 +113,10 @@ class AsgdStrategy(Strategy):
         self.bounds = shard_bounds(self.numel, self.num_servers)
         self.versions = [0] * self.num_servers
         self.reference = flatten_params(model)
-        self._flat = torch.empty_like(self.reference)
+        self._flat = self.reference.clone()
+        # The parameters become views of one flat buffer (as PyTorch's model averager makes
+        # them): a round reads and writes them with no flatten/assign copies.
+        adopt_flat(model, self._flat)
         self._delta = torch.empty_like(self.reference)
         self._spare = torch.empty_like(self.reference)
         self.on_gpu = self.reference.device.type == "cuda"
@@ -220,15 +224,20 @@ class AsgdStrategy(Strategy):
         """
         # Persistent buffers: on large models fresh 4·|θ|-byte tensors per round cost more in
         # page faults than the copies themselves (benchmarks/results/transport.md).
-        flat = flatten_params(self.model, out=self._flat)
-        delta_dev = torch.sub(flat, self.reference, out=self._delta) if push else None
-        delta = self._to_host(delta_dev) if push else None
-        # Compressed: the bytes per shard, and delta becomes what the servers will apply.
-        packets = self._compress_push(delta) if push and self.compress != "none" else None
+        flat = self._params_flat()
         kind = Kind.PUSH_FETCH if push and fetch else Kind.PUSH if push else Kind.FETCH
         # With the add rule a PUSH_FETCH reply carries θ before our push, sent while our push
         # travels the other way; we then add our own Δ exactly as the server does.
         overlapped = kind == Kind.PUSH_FETCH and self.overlap
+        # Plain fp32 on the CPU: Δ is computed chunk by chunk just before each chunk is sent
+        # (PeerTransport.isend_payload's prepare), so the subtraction overlaps the wire.
+        lazy_delta = overlapped and not self.on_gpu and self.compress == "none"
+        if push and not lazy_delta:
+            delta = self._to_host(torch.sub(flat, self.reference, out=self._delta))
+        else:
+            delta = self._delta if push else None
+        # Compressed: the bytes per shard, and delta becomes what the servers will apply.
+        packets = self._compress_push(delta) if push and self.compress != "none" else None
         fetched = (self._fetch_host if self.on_gpu else self._spare) if fetch else None
         started: dict[int, list] = {}
         broken: set[int] = set()  # shards that died during this round (restarted: reconnect)
@@ -246,9 +255,10 @@ class AsgdStrategy(Strategy):
             try:
                 if overlapped:
                     link.send(k, header)
+                    prepare = self._delta_chunk(flat, a) if lazy_delta else None
                     started[k] = [
-                        link.isend_payload(k, payload, reply=False),
-                        link.irecv_payload(k, fetched[a:b], reply=True),
+                        link.irecv_payload(k, fetched[a:b], reply=True),  # θ flows meanwhile
+                        link.isend_payload(k, payload, reply=False, prepare=prepare),
                     ]
                 else:
                     link.send(k, header, payload)
@@ -260,6 +270,7 @@ class AsgdStrategy(Strategy):
             except RuntimeError as e:
                 self._shard_failed(k, e, broken)
         rejected = False
+        copied: set[int] = set()  # shards whose θ + αΔ is in the parameters already
         for k, (a, b) in enumerate(self.bounds):
             if k in broken:
                 continue
@@ -277,7 +288,14 @@ class AsgdStrategy(Strategy):
                 rejected |= reply.status == Status.REJECTED
             if overlapped and reply.status == Status.OK:
                 alpha = add_rule_alpha(self.cfg.server_lr, reply.aux, self.cfg.staleness_scaling)
-                fetched[a:b].add_(delta[a:b], alpha=alpha)
+                # θ + αΔ and, on a CPU replica, straight into the parameters, one cache-sized
+                # chunk at a time (the copy reads what the add has just written)
+                for i in range(a, b, ADD_CHUNK_NUMEL):
+                    j = min(b, i + ADD_CHUNK_NUMEL)
+                    fetched[i:j].add_(delta[i:j], alpha=alpha)
+                    if not self.on_gpu:
+                        flat[i:j].copy_(fetched[i:j])
+                copied.add(k)
             if fetch:
                 self.versions[k] = reply.version
             self._acked[k] = max(self._acked[k], reply.version)
@@ -297,13 +315,40 @@ class AsgdStrategy(Strategy):
             fetched = self._to_device(fetched)
             pending = (flat - self.reference) if keep_local and not push else None
             new_local = fetched if pending is None or rejected else fetched + pending
-            assign_flat(self.model, new_local)
+            if new_local is not fetched or self.on_gpu:
+                assign_flat(self.model, new_local)
+            else:  # the parameters are `flat`: copy the shards not written above
+                for k, (a, b) in enumerate(self.bounds):
+                    if k not in copied or rejected:
+                        flat[a:b].copy_(fetched[a:b])
             # The fetched θ becomes the reference; the old reference buffer receives next time.
             self._spare, self.reference = self.reference, fetched
             self._fresh = fetched
         else:
             self.reference.copy_(flat)
         self._recover(broken)
+
+    def _params_flat(self) -> torch.Tensor:
+        """The parameters as one flat vector: the buffer they are views of (no copy), or a
+        copy into it when something replaced a parameter's storage (a loaded checkpoint)."""
+        if self.on_gpu:
+            return flatten_params(self.model, out=self._flat)
+        if not is_flat_view(self.model, self._flat):
+            # (a fresh copy first: some parameters may still be views of the buffer)
+            self._flat.copy_(flatten_params(self.model))
+            adopt_flat(self.model, self._flat)  # views again from now on
+        return self._flat
+
+    def _delta_chunk(self, flat: torch.Tensor, start: int):
+        """``prepare`` of shard payload ``[start, …)``: Δ of its chunk [i, j) just before it
+        leaves."""
+        delta, reference = self._delta, self.reference
+
+        def prepare(i: int, j: int) -> None:
+            a, b = start + i, start + j
+            torch.sub(flat[a:b], reference[a:b], out=delta[a:b])
+
+        return prepare
 
     # ------------------------------------------------------------------ restarted shards
     def _link(self, k: int):
@@ -326,13 +371,14 @@ class AsgdStrategy(Strategy):
         unacknowledged, is gone with everything it applied after its checkpoint."""
         if not broken:
             return
-        flat = flatten_params(self.model, out=self._flat)
+        flat = self._params_flat()
         for k in sorted(broken):
             a, b = self.bounds[k]
             theta_k = self._reconnect_shard(k).to(flat.device)
             flat[a:b].copy_(theta_k)
             self.reference[a:b].copy_(theta_k)
-        assign_flat(self.model, flat)
+        if self.on_gpu:
+            assign_flat(self.model, flat)  # (on the CPU the parameters are views of flat)
 
     def _reconnect_shard(self, k: int) -> torch.Tensor:
         """Wait for shard ``k``'s next restart to announce itself (RuntimeError after

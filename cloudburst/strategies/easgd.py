@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from cloudburst.comm.compress import ErrorFeedback
-from cloudburst.comm.flat import assign_flat, flatten_params
+from cloudburst.comm.flat import assign_flat
 from cloudburst.comm.p2p import Header, Kind, Status
 from cloudburst.shard import add_rule_alpha, elastic_step
 from cloudburst.strategies.asgd import AsgdStrategy
@@ -82,7 +82,7 @@ class EasgdStrategy(AsgdStrategy):
         if self.compress != "none":
             self._compressed_elastic_round()
             return
-        flat = flatten_params(self.model, out=self._flat)
+        flat = self._params_flat()  # the parameters' own buffer
         theta = self._to_host(flat)  # θ_i in host memory (itself on a CPU replica)
         centre = self._exchange([theta[a:b] for a, b in self.bounds])
         alpha = self.cfg.easgd_alpha_value
@@ -102,7 +102,7 @@ class EasgdStrategy(AsgdStrategy):
 
     def _compressed_elastic_round(self) -> None:
         """One exchange sending e = α(θ_i − θ̃') compressed (the module docstring)."""
-        flat = flatten_params(self.model, out=self._flat)
+        flat = self._params_flat()  # the parameters' own buffer
         # e on the replica's device, against the centre of the last exchange (self.reference).
         elastic = torch.sub(flat, self.reference, out=self._delta).mul_(self.cfg.easgd_alpha_value)
         sent = self._to_host(elastic)

@@ -53,12 +53,14 @@ class _ServerSide:
     def __init__(self, net: FakeNet, k: int):
         self.net, self.k, self.stats = net, k, CommStats()
 
-    def recv_payload(self, src, numel, final=False, out=None):
+    def recv_payload(self, src, numel, final=False, out=None, on_chunk=None):
         data = self.net.payloads[self.k].popleft()
         assert data.numel() == numel
         return out.copy_(data) if out is not None else data
 
-    def isend_payload(self, dst, payload, reply):
+    def isend_payload(self, dst, payload, reply, prepare=None):
+        if prepare is not None:
+            prepare(0, payload.numel())
         self.net.reply_payloads[self.k].append(payload.clone())
         return _Done()
 
@@ -81,7 +83,9 @@ class _WorkerSide:
         if payload is not None:
             self.net.payloads[k].append(payload.clone())
 
-    def isend_payload(self, k, payload, reply):
+    def isend_payload(self, k, payload, reply, prepare=None):
+        if prepare is not None:
+            prepare(0, payload.numel())
         self.net.payloads[k].append(payload.clone())
         return _Done()
 

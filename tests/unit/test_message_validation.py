@@ -205,7 +205,7 @@ class _Script:
             self.stats.messages_rejected += 1  # as PeerTransport counts it
         return src, header
 
-    def recv_payload(self, src, numel, final=False, out=None):
+    def recv_payload(self, src, numel, final=False, out=None, on_chunk=None):
         assert out is not None and out.numel() == numel, "a payload read without a known buffer"
         queued = self.payloads[src].pop(0)
         assert queued.numel() == numel, f"read {numel} elements of a {queued.numel()} payload"
@@ -215,7 +215,9 @@ class _Script:
     def send(self, dst, header, payload=None, final=False):
         self.replies.append((dst, header, None if payload is None else payload.clone()))
 
-    def isend_payload(self, dst, payload, reply):
+    def isend_payload(self, dst, payload, reply, prepare=None):
+        if prepare is not None:
+            prepare(0, payload.numel())
         self.replies.append((dst, Header(Kind.REPLY), payload.clone()))
         return SimpleNamespace(wait=lambda: None)
 

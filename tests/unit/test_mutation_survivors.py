@@ -897,10 +897,12 @@ class _WireWorkerSide(WorkerSide):
     def send(self, k: int, header: Header, payload=None, final: bool = False) -> None:
         super().send(k, Header.from_tensor(header.to_tensor()), payload, final)
 
-    def isend_payload(self, k: int, payload: torch.Tensor, reply: bool):
+    def isend_payload(self, k: int, payload: torch.Tensor, reply: bool, prepare=None):
+        if prepare is not None:
+            prepare(0, payload.numel())
         if reply:
             raise AssertionError("a request's payload sent on the reply stream never arrives")
-        return super().isend_payload(k, payload, reply)
+        return super().isend_payload(k, payload, reply, prepare)
 
     def irecv_payload(self, k: int, out: torch.Tensor, reply: bool):
         if not reply:
