@@ -239,6 +239,8 @@ def _stop(
             pass
         except OSError as e:
             log.warning("could not stop process %d: %s", pid, e)
+    # A stopped process (SIGSTOP, a hung rank) cannot act on SIGTERM: no grace to wait for.
+    _kill([pid for pid in pids if _state(pid) in ("T", "t")])
     deadline = time.monotonic() + grace_s
     while not request.kill_now and time.monotonic() < deadline and any(map(_running, pids)):
         time.sleep(0.05)
@@ -249,13 +251,19 @@ def _stop(
         p.join(timeout=10)
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is alive and not a zombie."""
+def _state(pid: int) -> str | None:
+    """``pid``'s state letter from ``/proc`` (R, S, T for stopped, Z for a zombie...), or None
+    when it is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return text[text.rindex(")") + 2 :].split()[0] != "Z"
+        return None
+    return text[text.rindex(")") + 2 :].split()[0]
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is alive and not a zombie."""
+    return _state(pid) not in (None, "Z")
 
 
 def descendants(roots: list[int]) -> list[int]:

@@ -1,0 +1,43 @@
+"""Stopping a job: a SIGSTOPped (hung) process cannot act on SIGTERM, so ``_stop`` SIGKILLs it
+at once instead of waiting out the grace period."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from cloudburst import launch
+
+pytestmark = pytest.mark.spawns
+
+
+def _sleep_forever() -> None:
+    time.sleep(600)
+
+
+def test_a_stopped_process_is_killed_without_waiting_for_the_grace_period():
+    proc = mp.get_context("fork").Process(target=_sleep_forever)
+    proc.start()
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        while launch._state(proc.pid) not in ("T", "t"):
+            time.sleep(0.01)
+        # An unbounded grace: _stop returns only because the stopped process was killed.
+        launch._stop([proc], launch._StopRequest(), grace_s=float("inf"), announce=False)
+        assert proc.exitcode == -signal.SIGKILL
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_state_reads_proc():
+    assert launch._state(os.getpid()) in ("R", "S")
+    proc = mp.get_context("fork").Process(target=_sleep_forever)
+    proc.start()
+    proc.kill()
+    proc.join()
+    assert launch._state(proc.pid) is None
