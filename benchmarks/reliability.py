@@ -1,38 +1,50 @@
-"""The reliability table (issue 5): injected faults × strategies → what happened.
+"""Reliability (issues 5, 16): a fault × role × strategy table, and what the shard standby costs.
 
     .venv/bin/python benchmarks/reliability.py            # results/reliability.{md,json}
-    .venv/bin/python benchmarks/reliability.py --quick    # smoke test, under runs/bench/ only
+    .venv/bin/python benchmarks/reliability.py --quick    # smoke subset, runs/bench-quick/
 
-Every strategy runs once undisturbed and once per fault, same seed, same settings: MNIST-1D,
-the MNIST-1D CNN, 4 workers (asgd/easgd: + 1 server shard; daso: 2 emulated nodes × 2),
-batch 32, 480 steps per worker, each step padded to 20 ms by sleeping (4 ranks share 2 cores:
-compute is emulated, as everywhere in these benchmarks), a checkpoint every 50 steps,
-``--max-restarts 1``, ``--comm-timeout-s 10``, ``--heartbeat-timeout-s 3``. The faults hit
-the worker of global rank ``VICTIM`` (the last worker) after step 175:
+Every cell is one real run (MNIST-1D, the MLP, 3 workers; asgd/easgd + 2 server shards;
+batch 32, steps padded to 20 ms by sleeping: 5 ranks share 2 cores, so compute is emulated;
+a checkpoint every 20 steps/versions; ``--heartbeat-timeout-s 3``, ``--comm-timeout-s 20``),
+one seed, beside an undisturbed run of the same strategy. Roles: a **worker** (the last one),
+the **evaluator** (worker 0, which also evaluates; for lockstep strategies it is rank 0, whose
+store the launcher serves: the **store host** role of sync), a **shard** (server 1) and, for
+asgd, the **store host** (server 0 = rank 0). Faults: ``kill`` (SIGKILL), ``stop`` (SIGSTOP:
+a hung process), ``nan`` (its loss, so its gradient, is NaN), ``slow`` (every step 2×). Worker
+faults go through ``--inject-fault`` after step ``FAULT_STEP``; a server cannot be targeted
+by it, so this script signals the pid of the server's ``start`` record once worker 0 logged
+that step. Worker cells run with ``--max-restarts 1``; shard cells without restarts, with
+``--max-restarts 1``, and with ``--shard-standby``.
 
-- ``kill``: SIGKILL; ``stop``: SIGSTOP (a hung peer: only timeouts find it);
-- ``nan``: its loss (so its gradient) at step 175 is NaN;
-- ``slow``: every step of that worker takes 2× (``slow:RANK:2``, from the start).
+Columns: outcome (completed / restarted / rejoined / failed over / finished without the worker
+/ failed with the resume command / hung = killed by this script after ``TIMEOUT_S``);
+detection (s from the fault to the first record that shows a rank noticed it: a ``peer_lost``,
+``failover``, ``standby_lost`` or ``peer_dropped`` record, or the restarted rank's new
+``start``); recovery (s from the fault to the ``failover`` record, the restarted shard's last
+``reconnect``, the rejoined worker's ``rejoin``, the restarted job's ``resume``, or, for a
+failed job, its end); progress lost (``pushes_lost`` for shards, fault step − resumed step for
+a restarted lockstep job, the steps a lost worker never did); final accuracy beside the
+undisturbed run's (one seed: a point of difference is noise). A record's time is its own
+``wall`` clock where it has one (``fault``, ``start``, ``resume``), else the moment this script
+saw it (the files are polled every 0.1 s; under load a poll can come late).
 
-The standby's cost (``--shard-standby``, every applied push forwarded to another server and
-answered before the worker's reply): asgd, 4 workers, 2 shards, MNIST-1D MLP, steps padded to
-20 ms by sleeping, pushes every step (n_sync 1: the cost at its highest); arms without and with
-the standby interleaved per seed (3 seeds, rotated, with an A/A pair of the plain arm), pushes
-applied per second of training = the shards' final version clocks ÷ wall time.
+Cells not run, and why: ``nan``/``slow`` of a shard (a shard computes no loss; a non-finite
+push is rejected by the shard, which the worker ``nan`` rows exercise); the lockstep strategies
+other than sync (daso, local_sgd, diloco, gossip share sync's watchdog and restart path; the
+old per-strategy worker table is in git history); easgd beyond a shard kill (its shards and
+workers share asgd's server loop and liveness).
 
-Columns: the outcome (completed / restarted from a checkpoint / rejoined / finished without
-the worker / failed), steps lost (the fault's step − the step training resumed from; for a
-worker that never came back, its steps not done), time to recover (wall clock from the fault
-to the ``resume`` record of the restarted rank), the run's wall time ÷ the undisturbed run's,
-and final test accuracy against the undisturbed run's. Single seed: accuracy differences of a
-point are noise.
+The standby's cost: asgd, 4 workers, 2 shards, n_sync 1 (a push every step: the cost at its
+highest), arms without and with ``--shard-standby`` interleaved per seed with an A/A pair of
+the plain arm; pushes applied per second = the shards' final version clocks ÷ wall time.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,219 +52,281 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import benchutil  # noqa: E402
 import harness  # noqa: E402
 
-from cloudburst.config import RunConfig  # noqa: E402
-from cloudburst.launch import JobFailed, run_local_job  # noqa: E402
-from cloudburst.metrics import read_jsonl  # noqa: E402
-
-REPO = benchutil.REPO
-FAULT_STEP = 175
-STRATEGIES: dict[str, dict[str, Any]] = {
-    "sync": {},
-    "daso": dict(nodes=2, daso_global_skip=4, daso_batches_to_wait=1),
-    "local_sgd": dict(period=8),
-    "diloco": dict(period=8, diloco_outer_lr=0.1),
-    "gossip": dict(gossip_variant="pull"),
-    "asgd": dict(servers=1, n_sync=4, server_lr=0.25),
-    "easgd": dict(servers=1, easgd_tau=4),
+FAULT_STEP = 100
+TIMEOUT_S = 120.0  # a run still going then hangs: killed and reported as such
+HEARTBEAT_S = 3.0
+COMMON = ["--dataset", "mnist1d", "--model", "mlp", "--workers", "3", "--batch-size", "32",
+          "--lr", "0.05", "--momentum", "0.9", "--min-step-time-s", "0.02",
+          "--checkpoint-every", "20", "--heartbeat-timeout-s", str(HEARTBEAT_S),
+          "--comm-timeout-s", "20", "--eval-every-s", "2"]  # fmt: skip
+STRATEGY = {
+    "sync": ["--strategy", "sync"],
+    "asgd": ["--strategy", "asgd", "--servers", "2", "--n-sync", "4", "--server-lr", "0.25"],
+    "easgd": ["--strategy", "easgd", "--servers", "2", "--easgd-tau", "4"],
 }
-FAULTS = ("none", "kill", "stop", "nan", "slow")
+RESTARTS = ["--max-restarts", "1"]
+# (strategy, role, fault, recovery flags); the undisturbed runs are role "-" / fault "none".
+CELLS = [
+    ("sync", "-", "none", []),
+    ("asgd", "-", "none", []),
+    ("easgd", "-", "none", []),
+    *[("sync", "worker", f, RESTARTS) for f in ("kill", "stop", "nan", "slow")],
+    ("sync", "evaluator / store host", "kill", RESTARTS),
+    *[("asgd", "worker", f, RESTARTS) for f in ("kill", "stop", "nan", "slow")],
+    ("asgd", "evaluator", "kill", RESTARTS),
+    ("asgd", "shard", "kill", []),
+    ("asgd", "shard", "kill", RESTARTS),
+    ("asgd", "shard", "kill", ["--shard-standby"]),
+    ("asgd", "shard", "stop", []),
+    ("asgd", "shard", "stop", ["--shard-standby"]),
+    ("asgd", "store host", "kill", []),
+    ("asgd", "store host", "kill", RESTARTS),
+    ("easgd", "shard", "kill", RESTARTS),
+]
+QUICK = {1, 8, 13, 14, 15}  # indices of CELLS run under --quick
+DETECTED = ("peer_lost", "failover", "standby_lost", "peer_dropped")
 
 
-def settings(quick: bool) -> dict[str, Any]:
-    return dict(
-        dataset="mnist1d",
-        model="cnn",
-        workers=4,
-        batch_size=32,
-        lr=0.05,
-        momentum=0.9,
-        steps=60 if quick else 480,
-        min_step_time_s=0.02,
-        checkpoint_every=20 if quick else 50,
-        max_restarts=1,
-        comm_timeout_s=10.0,
-        heartbeat_timeout_s=3.0,
-        eval_every_s=2.0,
-        seed=0,
-        progress=False,
+def cell_name(strategy: str, role: str, fault: str, flags: list[str]) -> str:
+    how = {(): "", tuple(RESTARTS): " +restarts", ("--shard-standby",): " +standby"}
+    return f"{strategy} {role} {fault}{how[tuple(flags)]}".replace(" - none", " undisturbed")
+
+
+def victim_rank(strategy: str, role: str) -> int:
+    servers = 2 if strategy != "sync" else 0
+    return {"worker": servers + 2, "shard": 1, "store host": 0}.get(role, servers)
+
+
+class Records:
+    """The records of a run's metrics files, each stamped with the time it was first seen."""
+
+    def __init__(self, out: Path):
+        self.out, self.offsets, self.seen = out, {}, []
+
+    def poll(self) -> None:
+        for path in sorted((self.out / "metrics").glob("rank*.jsonl")):
+            with path.open() as f:
+                f.seek(self.offsets.get(path, 0))
+                chunk = f.read()
+            end = chunk.rfind("\n") + 1  # complete lines only
+            self.offsets[path] = self.offsets.get(path, 0) + len(chunk[:end].encode())
+            now = time.time()
+            for line in chunk[:end].splitlines():
+                record = json.loads(line)
+                self.seen.append((record.get("wall", now), record))  # its own clock if it has one
+
+    def find(self, event: str, **match: Any) -> list[tuple[float, dict]]:
+        return [
+            (t, r)
+            for t, r in self.seen
+            if r["event"] == event and all(r.get(k) == v for k, v in match.items())
+        ]
+
+
+def run_cell(arm: harness.Arm, seed: int, root: Path) -> harness.Run:
+    strategy, role, fault, flags = arm.argv
+    victim = victim_rank(strategy, role)
+    out = root / harness._slug(arm.name)
+    argv = [*COMMON, *STRATEGY[strategy], *flags, "--steps", str(STEPS), "--seed", str(seed)]
+    by_signal = role in ("shard", "store host")
+    if fault != "none" and not by_signal:
+        spec = f"slow:{victim}:2" if fault == "slow" else f"{fault}:{victim}@{FAULT_STEP}"
+        argv += ["--inject-fault", spec]
+    cmd = [sys.executable, "-m", "cloudburst", "train", *argv, "--out", str(out), "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = time.time()
+    proc = subprocess.Popen(
+        cmd, cwd=harness.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    rec, fault_t, hung = Records(out), None, False
+    while proc.poll() is None:
+        time.sleep(0.1)
+        rec.poll()
+        if time.time() - started > TIMEOUT_S:
+            os.killpg(proc.pid, signal.SIGKILL)
+            hung = True
+            break
+        first_worker = 2 if strategy != "sync" else 0
+        if by_signal and fault_t is None and fault != "none":
+            reached = [r for _, r in rec.find("step", rank=first_worker) if r["step"] >= FAULT_STEP]
+            starts = rec.find("start", rank=victim)
+            if reached and starts:
+                os.kill(starts[0][1]["pid"], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                fault_t = time.time()
+    _, stderr = proc.communicate()
+    ended = time.time()
+    rec.poll()
+    run = harness.Run(arm.name, seed, round(ended - started, 3), out_dir=str(out))
+    summary_path = out / "summary.json"
+    run.summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    run.summary.pop("config", None)
+    if hung or proc.returncode != 0:
+        run.failed = "hung" if hung else f"exit {proc.returncode}"
+    if not by_signal and rec.find("fault", rank=victim):
+        fault_t = rec.find("fault", rank=victim)[0][1]["wall"]
+    run.values = measure(rec, run, fault_t, ended, victim, by_signal, fault, stderr, hung)
+    return run
+
+
+def measure(
+    rec, run, fault_t, ended, victim, victim_is_server, fault, stderr, hung
+) -> dict[str, Any]:
+    s = run.summary
+    v: dict[str, Any] = {"outcome": outcome(rec, s, victim, fault, stderr, hung)}
+    if fault_t is None:
+        return v
+    restarted = [t for t, _ in rec.find("start", rank=victim)[1:]]
+    noticed = [t for e in DETECTED for t, _ in rec.find(e)] + restarted
+    v["detect_s"] = min(noticed) - fault_t if noticed else None
+    recovered = (
+        [t for t, _ in rec.find("failover")]
+        or [t for t, _ in rec.find("reconnect")][-1:]
+        or [t for t, r in rec.find("rejoin") if r.get("worker") == victim]
+        or [t for t, _ in rec.find("resume", rank=victim)[-1:]]
+        or ([ended] if s.get("failed") or run.failed else [])
     )
+    v["recover_s"] = recovered[0] - fault_t if recovered else None
+    resumes = rec.find("resume", rank=victim)
+    fired = rec.find("fault", rank=victim)
+    if s.get("failed"):
+        done = max((s.get("steps_done") or {0: 0}).values())
+        v["lost"] = f"stopped at step {done} of {STEPS}; resumable"
+    elif victim_is_server:
+        v["lost"] = f"{s.get('pushes_lost', 0)} pushes" if s else "-"
+    elif resumes and fired and "step" in resumes[-1][1]:
+        v["lost"] = f"{fired[0][1]['step'] - resumes[-1][1]['step']} steps"
+    elif victim in s.get("lost_workers", []) and fired:
+        v["lost"] = f"{STEPS - fired[0][1]['step']} steps (its own)"
+    return v
 
 
-def fault_spec(fault: str, victim: int, step: int) -> list[str]:
-    if fault == "none":
-        return []
-    if fault == "slow":
-        return [f"slow:{victim}:2"]
-    return [f"{fault}:{victim}@{step}"]
-
-
-def events(out: Path, rank: int) -> list[dict[str, Any]]:
-    path = out / "metrics" / f"rank{rank}.jsonl"
-    return read_jsonl(path) if path.is_file() else []
-
-
-def run_one(root: Path, strategy: str, fault: str, quick: bool) -> dict[str, Any]:
-    values = {**settings(quick), "strategy": strategy, **STRATEGIES[strategy]}
-    servers = values.get("servers", 0)
-    victim = servers + values["workers"] - 1
-    step = FAULT_STEP if not quick else 30
-    out = root / f"{strategy}-{fault}"
-    values.update(out=str(out), inject_fault=fault_spec(fault, victim, step))
-    cfg = RunConfig.from_dict(values)
-    print(f"== {strategy} / {fault}", flush=True)
-    t0 = time.monotonic()
-    try:
-        summary = run_local_job(cfg, progress=False)
-        failed = None
-    except JobFailed as e:
-        summary, failed = None, str(e)
-    wall = time.monotonic() - t0
-    victim_events = events(out, victim)
-    fired = [e for e in victim_events if e["event"] == "fault"]
-    resumes = [e for e in victim_events if e["event"] == "resume"]
-    starts = [e for e in victim_events if e["event"] == "start"]
-    finals = [e for e in victim_events if e["event"] == "final"]
-    total = cfg.steps
-    row: dict[str, Any] = {
-        "strategy": strategy,
-        "fault": fault,
-        "spec": cfg.inject_fault,
-        "launch_to_summary_s": wall,
-        "failed": failed,
-        "final_accuracy": summary["final_test_accuracy"] if summary else None,
-        "lost_workers": summary["lost_workers"] if summary else None,
-        "skipped_nonfinite": finals[-1].get("steps_skipped_nonfinite") if finals else None,
-        "victim_starts": len(starts),
-    }
-    if fired and fault in ("kill", "stop"):
-        if resumes:
-            row["steps_lost"] = fired[0]["step"] - resumes[-1]["step"]
-            row["recover_s"] = resumes[-1]["wall"] - fired[0]["wall"]
-        elif len(starts) > 1:  # restarted before its first checkpoint: from step 0
-            row["steps_lost"] = fired[0]["step"]
-        else:
-            row["steps_lost"] = total - fired[0]["step"]  # never came back
-    row["outcome"] = outcome(row, resumes, summary, strategy)
-    print(f"   {row['outcome']}; accuracy {row['final_accuracy']}; {wall:.1f} s", flush=True)
-    return row
-
-
-def outcome(row, resumes, summary, strategy) -> str:
-    if summary is None:
-        return "failed"
-    if row["lost_workers"]:
+def outcome(rec, s, victim, fault, stderr, hung) -> str:
+    if hung:
+        return f"hung (killed after {TIMEOUT_S:g} s)"
+    if s.get("failed"):
+        return "failed, resume command printed" if "--resume" in stderr else "failed, no resume"
+    if not s:
+        return "failed, no summary"
+    if s.get("shard_failovers"):
+        return "failed over to the standby"
+    if s.get("shard_restarts"):
+        return "shard restarted in place"
+    if victim in s.get("lost_workers", []):
         return "finished without the worker"
-    if resumes and row["victim_starts"] > 1:
-        return "rejoined" if strategy in ("asgd", "easgd") else "restarted from checkpoint"
-    if row["fault"] == "nan":
-        return f"completed, {row['skipped_nonfinite']} step(s) skipped"
+    if rec.find("rejoin"):
+        return "worker rejoined"
+    if len(rec.find("start", rank=victim)) > 1:
+        return "restarted from a checkpoint"
+    skipped = sum(r.get("steps_skipped_nonfinite", 0) for _, r in rec.find("final"))
+    if fault == "nan":
+        return f"completed, {skipped} step(s) skipped"
     return "completed"
 
 
-def standby_cost(quick: bool) -> tuple[list[str], list[dict[str, Any]]]:
-    """Pushes/s without and with --shard-standby, interleaved (see the module docstring)."""
-    steps = 40 if quick else 200
+def fault_table(prov: harness.Provenance, report: harness.Report, quick: bool) -> list:
+    cells = [c for i, c in enumerate(CELLS) if i in QUICK or not quick]
+    arms = [harness.Arm(cell_name(*c), c) for c in cells]
+    root = prov.runs_dir("reliability")
+    runs = harness.interleave(arms, [0], run=lambda a, s: run_cell(a, s, root), prov=prov)
+    base = {r.arm.split()[0]: r for r in runs if r.arm.endswith("undisturbed")}
+    rows = []
+    for r, (strategy, role, fault, flags) in zip(runs, cells, strict=True):
+        v = r.values
+        rows.append(
+            [
+                strategy,
+                role,
+                fault,
+                " ".join(flags) or "-",
+                v["outcome"],
+                v.get("detect_s"),
+                v.get("recover_s"),
+                v.get("lost", "-"),
+                harness.pct(r.summary.get("final_test_accuracy")),
+                harness.pct(
+                    base[strategy].summary.get("final_test_accuracy") if strategy in base else None
+                ),
+            ]
+        )
+    report.section("Faults × roles × strategies")
+    report.table(
+        [
+            "strategy",
+            "role",
+            "fault",
+            "flags",
+            "outcome",
+            "detection (s)",
+            "recovery (s)",
+            "progress lost",
+            "final acc (%)",
+            "undisturbed (%)",
+        ],
+        rows,
+    )
+    faulted = [r for r in runs if "detect_s" in r.values and r.values.get("detect_s") is not None]
+    worst = max((r.values["detect_s"] for r in faulted), default=None)
+    bound = HEARTBEAT_S + 5
+    report.claim(f"slowest detection (of {len(faulted)} faults noticed by a rank)",
+                 worst, f"≤ {bound:g} s (heartbeat timeout + 5 s)",
+                 None if worst is None else worst <= bound)  # fmt: skip
+    hung = [r.arm for r in runs if r.failed == "hung"]
+    report.claim("runs that hung", len(hung), "0", not hung, note=", ".join(hung))
+    standby = [r for r in runs if r.arm.endswith("+standby")]
+    lost = sum(r.summary.get("pushes_lost", 0) for r in standby)
+    report.claim(
+        "pushes lost with --shard-standby",
+        lost if standby else None,
+        "0",
+        (lost == 0 and all(not r.failed for r in standby)) if standby else None,
+    )
+    return runs
+
+
+def standby_cost(prov: harness.Provenance, report: harness.Report, quick: bool) -> list:
+    steps = "40" if quick else "150"
     common = ["--strategy", "asgd", "--workers", "4", "--servers", "2", "--n-sync", "1",
               "--dataset", "mnist1d", "--model", "mlp", "--batch-size", "32",
-              "--steps", str(steps), "--min-step-time-s", "0.02"]  # fmt: skip
+              "--steps", steps, "--min-step-time-s", "0.02"]  # fmt: skip
     arms = [harness.Arm("plain", common), harness.Arm("standby", [*common, "--shard-standby"])]
-    root = REPO / "runs" / "bench" / ("standby-quick" if quick else "standby")
-    runs = harness.interleave(arms, [0] if quick else [0, 1, 2], control="plain", out_root=root)
-    rate = {}
-    for r in runs:
-        if not r.failed and r.summary.get("wall_time_s"):
-            pushes = sum(r.summary.get("shard_versions", []))
-            rate.setdefault(r.arm, []).append(pushes / r.summary["wall_time_s"])
-    rows = [
-        [arm, len(v), f"{min(v):.0f}", f"{sorted(v)[len(v) // 2]:.0f}", f"{max(v):.0f}"]
-        for arm, v in rate.items()
-    ]
-    lines = [
-        "## The standby's throughput cost",
-        "",
-        *benchutil.table(["arm", "runs", "min pushes/s", "median", "max"], rows),
-        "",
-    ]
-    return lines, [r.to_dict() for r in runs]
+    seeds = [0] if quick else [0, 1, 2]
+    root = prov.runs_dir("reliability-standby")
+    runs = harness.interleave(arms, seeds, control="plain", prov=prov, out_root=root)
+    rate = {
+        arm: [
+            None
+            if r.failed or not r.summary.get("wall_time_s")
+            else sum(r.summary.get("shard_versions", [])) / r.summary["wall_time_s"]
+            for r in rs
+        ]
+        for arm, rs in harness.by_arm(runs).items()
+    }
+    report.section("The standby's throughput cost")
+    rows = [[arm, len(v), *(harness.fmt(f(x for x in v if x)) for f in (min, max))]
+            for arm, v in rate.items() if any(v)]  # fmt: skip
+    report.table(["arm", "runs", "min pushes/s", "max pushes/s"], rows)
+    aa = rate.get(harness.aa_name("plain"))
+    harness.ratio_claim(report, "pushes/s with the standby ÷ without", rate["standby"],
+                        rate["plain"], aa, "≥ 0.5", lambda x: x >= 0.5)  # fmt: skip
+    return runs
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--strategies", default=",".join(STRATEGIES))
-    p.add_argument("--faults", default=",".join(FAULTS))
-    p.add_argument("--no-standby-cost", action="store_true", help="skip the standby's cost")
-    args = p.parse_args()
-    os.chdir(REPO)
-    root = REPO / "runs" / "bench" / ("reliability-quick" if args.quick else "reliability")
-    rows = []
-    for strategy in args.strategies.split(","):
-        for fault in args.faults.split(","):
-            rows.append(run_one(root, strategy, fault, args.quick))
-    base = {r["strategy"]: r for r in rows if r["fault"] == "none"}
-    table_rows = []
-    for r in rows:
-        ref = base.get(r["strategy"])
-        ratio = (
-            r["launch_to_summary_s"] / ref["launch_to_summary_s"]
-            if ref and not r["failed"]
-            else None
-        )
-        table_rows.append(
-            [
-                r["strategy"],
-                r["fault"],
-                r["outcome"],
-                r.get("steps_lost", 0 if r["fault"] in ("none", "nan", "slow") else "-"),
-                f"{r['recover_s']:.1f}" if r.get("recover_s") is not None else "-",
-                f"{ratio:.2f}" if ratio else "-",
-                f"{100 * r['final_accuracy']:.1f}" if r["final_accuracy"] is not None else "-",
-                f"{100 * ref['final_accuracy']:.1f}" if ref and ref["final_accuracy"] else "-",
-            ]
-        )
-    s = settings(args.quick)
-    lines = [
-        "# Reliability: injected faults × strategies",
-        "",
-        *benchutil.provenance_lines(),
-        "",
-        f"MNIST-1D CNN, {s['workers']} workers, batch {s['batch_size']}, {s['steps']} steps "
-        f"per worker padded to {1000 * s['min_step_time_s']:.0f} ms (sleep: 4+ ranks share 2 "
-        f"cores), checkpoint every {s['checkpoint_every']} steps, --max-restarts "
-        f"{s['max_restarts']}, --comm-timeout-s {s['comm_timeout_s']:g}, "
-        f"--heartbeat-timeout-s {s['heartbeat_timeout_s']:g}; the fault hits the last worker "
-        f"after step {FAULT_STEP if not args.quick else 30} (slow: 2x from the start). "
-        "Settings per strategy: " + "; ".join(f"{k} {v}" for k, v in STRATEGIES.items() if v) + ".",
-        "",
-        *benchutil.table(
-            [
-                "strategy",
-                "fault",
-                "outcome",
-                "steps lost",
-                "time to recover (s)",
-                "wall ÷ undisturbed",
-                "final acc (%)",
-                "undisturbed acc (%)",
-            ],
-            table_rows,
-        ),
-        "",
-    ]
-    standby_runs = []
-    if not args.no_standby_cost:
-        standby_lines, standby_runs = standby_cost(args.quick)
-        lines += standby_lines
-    dest = REPO / "benchmarks" / "results" if not args.quick else root
-    benchutil.write_markdown(dest / "reliability.md", lines)
-    (dest / "reliability.json").write_text(
-        json.dumps({"faults": rows, "standby_cost": standby_runs}, indent=2) + "\n"
-    )
-    print("\n".join(lines))
+    global STEPS
+    args = harness.parse_args(__doc__)
+    prov = harness.Provenance.capture(args)
+    STEPS = 160 if args.quick else 300
+    report = harness.Report("reliability", "Reliability: faults × roles × strategies", prov)
+    report.settings(__doc__.split("\n\n", 2)[2].split("\n\nThe standby's cost")[0])
+    runs = fault_table(prov, report, args.quick)
+    runs += standby_cost(prov, report, args.quick)
+    report.write(runs)
 
+
+STEPS = 300
 
 if __name__ == "__main__":
     main()

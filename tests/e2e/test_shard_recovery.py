@@ -146,3 +146,82 @@ def test_a_killed_shard_fails_over_to_its_standby_with_no_push_lost(tmp_path):
     # pushes in flight at the kill, applied and forwarded but never acknowledged: at most one
     # per worker).
     assert acked <= summary["shard_versions"][1] <= acked + 2
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    """Wait for the job (a hang past ``BOUND_S`` fails the test); return its stderr."""
+    try:
+        _, stderr = proc.communicate(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return stderr
+
+
+def test_a_worker_killed_while_it_pushes_is_lost_and_every_applied_push_is_counted(tmp_path):
+    """n_sync 1 (a push every step), no restarts: SIGKILL worker rank 3 mid-run. The other
+    worker finishes, the summary names rank 3 lost, and each shard's version clock is exactly
+    the pushes it applied (logged one by one): those the survivor saw acknowledged, plus the
+    dead worker's (a push cut off mid-transfer is never applied)."""
+    out = tmp_path / "run"
+    i = RUN.index("--max-restarts")
+    n = RUN.index("--n-sync")
+    run = [*RUN[:n], "--n-sync", "1", *RUN[n + 2 : i], *RUN[i + 2 :], "--out", str(out)]
+    proc = _start(run)
+    deadline = time.monotonic() + BOUND_S
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "worker rank 3 never pushed"
+        if sum(r["event"] == "push" and r["worker"] == 3 for r in _records(out, 1)) > 20:
+            break
+        time.sleep(0.02)
+    [start] = [r for r in _records(out, 3) if r["event"] == "start"]
+    os.kill(start["pid"], signal.SIGKILL)
+    stderr = _finish(proc)
+    assert proc.returncode == 0, stderr
+    summary = read_summary(out)
+    assert "failed" not in summary and summary["lost_workers"] == [3]
+    assert not any(r["event"] == "final" for r in _records(out, 3))
+    [survivor] = [r for r in _records(out, 2) if r["event"] == "final"]
+    assert survivor["steps"] == 600
+    for shard in (0, 1):
+        records = _records(out, shard)
+        applied = [r for r in records if r["event"] == "push" and r["status"] == "OK"]
+        [final] = [r for r in records if r["event"] == "final"]
+        assert [r["version"] for r in applied] == list(range(1, final["version"] + 1))
+        by_worker = {w: sum(r["worker"] == w for r in applied) for w in (2, 3)}
+        assert by_worker[2] == survivor["pushes_acked_by_shard"][shard]
+        assert by_worker[3] > 0 and final["version"] == by_worker[2] + by_worker[3]
+        assert final["lost_workers"] == [3]
+    assert summary["shard_versions"] == [
+        max(r["version"] for r in _records(out, k) if r["event"] == "final") for k in (0, 1)
+    ]
+
+
+def test_a_shard_killed_again_after_its_last_restart_ends_the_job_with_the_resume_command(
+    tmp_path,
+):
+    """--max-restarts 1: shard 1 is restarted once; killed again, it never comes back. The
+    job ends (no hang) with ``failed`` naming the shard, its checkpoints kept, and the
+    ``--resume`` command in the summary and on stderr."""
+    out = tmp_path / "run"
+    proc = _start([*RUN, "--out", str(out)])
+    _kill_after_a_checkpoint(out, 1, proc)
+    deadline = time.monotonic() + BOUND_S
+    while not any(r["event"] == "shard_restored" for r in _records(out, 1)):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "shard 1 was not restarted"
+        time.sleep(0.02)
+    starts = [r for r in _records(out, 1) if r["event"] == "start"]
+    assert len(starts) == 2
+    os.kill(starts[1]["pid"], signal.SIGKILL)
+    stderr = _finish(proc)
+    assert proc.returncode != 0
+    summary = read_summary(out)
+    assert "server shard 1" in summary["failed"], summary["failed"]
+    assert summary["resume_command"] and summary["resume_command"] in stderr
+    assert "--resume" in summary["resume_command"]
+    assert (out / "checkpoints" / "server1.pt").is_file()
+    assert (out / "checkpoints" / "server0.pt").is_file()
+    # Nobody trained on: no worker logged a final record of a finished run.
+    assert not any(r["event"] == "final" for rank in (2, 3) for r in _records(out, rank))
