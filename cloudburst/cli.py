@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -225,12 +226,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
     try:
         run_comparison(runs, out)
     except JobInterrupted as e:
-        print(interrupted_message(e.summary), file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _interrupted(e.summary)
     except JobFailed as e:
         print(f"cloudburst: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _interrupted(summary: dict) -> int:
+    """Say how to continue an interrupted job and return its exit code. The job is stopped and
+    its summary written: from here a further Ctrl-C or SIGTERM (a second one sent while the
+    process exits, say) is ignored, so it cannot turn exit 130 into a kill or a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(interrupted_message(summary), file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 SWEEP_ONLY = ("sweep", "strategies", "seeds")
@@ -376,8 +386,7 @@ def launch_and_report(cfg: RunConfig) -> int:
         return 1
     except JobInterrupted as e:
         print(format_summary([e.summary]))
-        print(interrupted_message(e.summary), file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _interrupted(e.summary)
     print(format_summary([summary]))
     if summary.get("failed_agents"):
         print(
@@ -433,8 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run_demo(args.out, args.epochs, args.strategies)
             except JobInterrupted as e:
-                print(interrupted_message(e.summary), file=sys.stderr)
-                return EXIT_INTERRUPTED
+                return _interrupted(e.summary)
             return 0
         return cmd_plot(args)
     except ConfigError as e:

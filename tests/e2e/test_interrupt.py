@@ -113,7 +113,9 @@ def test_ctrl_c_stops_every_process_and_resume_continues(tmp_path):
     assert starts and starts[-1]["step"] >= 20
 
 
-def test_sigterm_twice_stops_servers_and_workers_at_once(tmp_path):
+def test_sigterm_stops_servers_workers_and_a_hung_rank(tmp_path):
+    """A SIGSTOPped rank cannot act on SIGTERM: the launcher SIGKILLs it at once; a second
+    SIGTERM, whenever it comes, neither kills the launcher nor loses the summary."""
     out = tmp_path / "run"
     args = [*QUIET, "--strategy", "asgd", "--servers", "1", "--workers", "2", "--n-sync", "2"]
     args += ["--steps", "400", "--min-step-time-s", "0.02", "--checkpoint-every", "10"]
@@ -123,13 +125,13 @@ def test_sigterm_twice_stops_servers_and_workers_at_once(tmp_path):
     while not _fired(out / "metrics" / "rank2.jsonl"):  # rank 2 is stopped (SIGSTOP) now
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)  # to the launcher only: it stops the rest ...
+    proc.send_signal(signal.SIGTERM)  # to the launcher only: it stops the rest
     time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)  # ... and the second one kills at once
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # during the stop or after it: exit 130 either way
     _, stderr = _finish(proc)
     assert proc.returncode == 130, stderr
     assert "Ctrl-C again to kill it at once" in stderr
-    assert "killing the job's processes" in stderr  # not waiting for the stopped rank
     assert _all_gone(proc.pid), _session_processes(proc.pid)
     assert read_summary(out)["interrupted"] is True
 

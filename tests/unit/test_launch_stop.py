@@ -41,3 +41,25 @@ def test_state_reads_proc():
     proc.kill()
     proc.join()
     assert launch._state(proc.pid) is None
+
+
+def _ignore_sigterm_forever(ready) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
+    time.sleep(600)
+
+
+def test_a_second_signal_kills_a_process_that_ignores_sigterm_at_once():
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_ignore_sigterm_forever, args=(ready,))
+    proc.start()
+    try:
+        assert ready.wait(60)
+        request = launch._StopRequest()
+        request.kill_now = True  # what a second Ctrl-C / SIGTERM during the stop sets
+        launch._stop([proc], request, grace_s=float("inf"), announce=False)
+        assert proc.exitcode == -signal.SIGKILL
+    finally:
+        if proc.is_alive():
+            proc.kill()
