@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,7 +115,10 @@ class Records:
             self.offsets[path] = self.offsets.get(path, 0) + len(chunk[:end].encode())
             now = time.time()
             for line in chunk[:end].splitlines():
-                record = json.loads(line)
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a killed rank
                 self.seen.append((record.get("wall", now), record))  # its own clock if it has one
 
     def find(self, event: str, **match: Any) -> list[tuple[float, dict]]:
@@ -129,6 +133,7 @@ def run_cell(arm: harness.Arm, seed: int, root: Path) -> harness.Run:
     strategy, role, fault, flags = arm.argv
     victim = victim_rank(strategy, role)
     out = root / harness._slug(arm.name)
+    shutil.rmtree(out, ignore_errors=True)  # this script's own run directory, from a last run
     argv = [*COMMON, *STRATEGY[strategy], *flags, "--steps", str(STEPS), "--seed", str(seed)]
     by_signal = role in ("shard", "store host")
     if fault != "none" and not by_signal:
