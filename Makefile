@@ -32,17 +32,18 @@ test-fast: $(STAMP)
 ## Every benchmark at HEAD, one after another (benchmarks/README.md), then the README's evidence
 ## table from the results' claims. Keeps going past a failing script; fails at the end, naming it.
 ## Each entry: script[:subcommand]; the minutes in comments are each script's budget (≤ 50 in all).
-BENCH := reliability compress experiments:accuracy experiments:stragglers defaults daso \
+BENCH := reliability compress experiments:accuracy experiments:stragglers defaults daso:--arms:sync,daso,torch_post_local \
 	local_sgd transport overhead throughput startup sim_fidelity sim_scale sim_seeds wire
-# reliability 7, compress 8, experiments + defaults 12, daso 6, local_sgd 5, transport 2,
-# overhead + throughput + startup 3, sim_* 8, wire 1 (minutes)
+# measured at 3da545d on the 2-core machine (minutes): reliability 6, compress 9, experiments +
+# defaults 17, daso 14 (3 arms; all 6: ~30, `benchmarks/daso.py`), local_sgd 4, transport 0.3,
+# overhead + throughput + startup 2, sim_* 5.5, wire 0.5 -- about 58 in all
 BENCH_FLAGS ?=
 BENCH_TIMEOUT_S ?= 1200
 EVIDENCE_FLAGS ?=
 
 bench: $(STAMP)
 	@failed=""; for entry in $(BENCH); do \
-		script=$${entry%%:*}; sub=$$(echo "$$entry" | sed -n 's/^[^:]*://p'); \
+		script=$${entry%%:*}; sub=$$(echo "$$entry" | sed -n 's/^[^:]*://p' | tr ':' ' '); \
 		echo "== benchmarks/$$script.py $$sub $(BENCH_FLAGS)"; \
 		OMP_NUM_THREADS=1 timeout $(BENCH_TIMEOUT_S) $(BIN)/python benchmarks/$$script.py \
 			$$sub $(BENCH_FLAGS) || failed="$$failed $$entry"; \
