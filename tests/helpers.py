@@ -7,6 +7,7 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -76,6 +77,31 @@ def spawn(fn, world: int, tmp_path: Path, *args: Any, timeout_s: float = 120) ->
 
 
 # ---------------------------------------------------------------------------- the CLI
+def start_job(args: list[str], cmd: list[str] | None = None, **popen_kw) -> subprocess.Popen:
+    """``python -m cloudburst train ARGS`` (or ``cmd``) in a session of its own, its output
+    captured: a test can signal the job's processes and kill the whole session."""
+    return subprocess.Popen(
+        cmd or [sys.executable, "-m", "cloudburst", "train", *args],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **popen_kw,
+    )
+
+
+def finish_job(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
+    """(stdout, stderr) of a job from :func:`start_job`; one still running after
+    ``timeout_s`` hangs: its whole session is SIGKILLed and the timeout raised."""
+    try:
+        return proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a CLI run: one thread per rank, and this repository importable in
     every rank (for ``--model tests.…:factory``)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from cloudburst.checkpoint import load_checkpoint
 from cloudburst.metrics import read_jsonl
-from tests.helpers import REPO, cli, read_summary
+from tests.helpers import cli, finish_job, read_summary, start_job
 
 QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")
 BOUND_S = 120  # a run that does not stop within this is a failure (not a timing measurement)
@@ -53,16 +53,7 @@ def _start(args: list[str], cmd: list[str] | None = None) -> subprocess.Popen:
     def default_sigint() -> None:  # a shell may start background jobs with SIGINT ignored
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    return subprocess.Popen(
-        cmd or [sys.executable, "-m", "cloudburst", "train", *args],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=default_sigint,
-    )
+    return start_job(args, cmd, preexec_fn=default_sigint)
 
 
 def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, name: str) -> None:
@@ -71,14 +62,6 @@ def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, name: str) -> None:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no checkpoint was written"
         time.sleep(0.1)
-
-
-def _finish(proc: subprocess.Popen) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=BOUND_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
 
 
 def test_ctrl_c_stops_every_process_and_resume_continues(tmp_path):
@@ -90,7 +73,7 @@ def test_ctrl_c_stops_every_process_and_resume_continues(tmp_path):
     proc = _start(args)
     _wait_for_checkpoint(out, proc, "worker1-step*.pt")
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole foreground group
-    stdout, stderr = _finish(proc)
+    stdout, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 130, stderr
     assert _all_gone(proc.pid), _session_processes(proc.pid)
     summary = read_summary(out)
@@ -129,7 +112,7 @@ def test_sigterm_stops_servers_workers_and_a_hung_rank(tmp_path):
     time.sleep(0.5)
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)  # during the stop or after it: exit 130 either way
-    _, stderr = _finish(proc)
+    _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 130, stderr
     assert "Ctrl-C again to kill it at once" in stderr
     assert _all_gone(proc.pid), _session_processes(proc.pid)
@@ -146,7 +129,7 @@ def test_under_torchrun_rank_0_writes_the_interrupted_summary(tmp_path):
     proc = _start([], cmd=cmd)
     _wait_for_checkpoint(out, proc, "worker1-step*.pt")
     os.killpg(proc.pid, signal.SIGINT)
-    _, stderr = _finish(proc)
+    _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode != 0
     assert _all_gone(proc.pid), _session_processes(proc.pid)
     summary = json.loads((out / "summary.json").read_text())

@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 
 from cloudburst.checkpoint import load_checkpoint
 from cloudburst.metrics import read_jsonl
-from tests.helpers import REPO, cli, read_summary
+from tests.helpers import cli, finish_job, read_summary, start_job
 
 pytestmark = pytest.mark.e2e
 
@@ -30,18 +29,6 @@ QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no
 BOUND_S = 180  # a job that has not ended by then hangs: a failure, not a measurement
 ASGD = ("--strategy", "asgd", "--workers", "2", "--servers", "2", "--n-sync", "2")
 LIVENESS = ("--heartbeat-timeout-s", "3", "--checkpoint-every", "10")
-
-
-def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "cloudburst", "train", *args],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
 
 
 def _pid(out: Path, rank: int, proc: subprocess.Popen) -> int:
@@ -55,14 +42,6 @@ def _pid(out: Path, rank: int, proc: subprocess.Popen) -> int:
         r for r in read_jsonl(out / "metrics" / f"rank{rank}.jsonl") if r["event"] == "start"
     ]
     return start["pid"]
-
-
-def _finish(proc: subprocess.Popen) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=BOUND_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
 
 
 def _session_alive(sid: int) -> list[int]:
@@ -95,10 +74,10 @@ def test_a_lost_shard_stops_the_job_with_a_summary_and_a_resume_command(tmp_path
     both leave the same complete checkpoints (each is loaded here), and the resume path is
     the same."""
     out = tmp_path / "run"
-    proc = _start([*ASGD, *QUIET, *LIVENESS, "--steps", "2000", "--min-step-time-s", "0.01",
+    proc = start_job([*ASGD, *QUIET, *LIVENESS, "--steps", "2000", "--min-step-time-s", "0.01",
                    "--out", str(out)])  # fmt: skip
     os.kill(_pid(out, rank, proc), sig)
-    _, stderr = _finish(proc)
+    _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 1, stderr
     summary = read_summary(out)
     assert re.fullmatch(
@@ -140,12 +119,12 @@ def test_a_hung_lockstep_worker_is_found_and_the_job_restarts(tmp_path):
 def test_two_jobs_on_one_machine_do_not_interfere(tmp_path):
     outs = [tmp_path / "a", tmp_path / "b"]
     procs = [
-        _start([*ASGD, *QUIET, "--steps", "150", "--out", str(outs[0])]),
-        _start(["--strategy", "sync", "--workers", "2", *QUIET, "--steps", "150",
+        start_job([*ASGD, *QUIET, "--steps", "150", "--out", str(outs[0])]),
+        start_job(["--strategy", "sync", "--workers", "2", *QUIET, "--steps", "150",
                 "--out", str(outs[1])]),
     ]  # fmt: skip
     for proc in procs:
-        _, stderr = _finish(proc)
+        _, stderr = finish_job(proc, BOUND_S)
         assert proc.returncode == 0, stderr
     a, b = (read_summary(o) for o in outs)
     assert (a["strategy"], b["strategy"]) == ("asgd", "sync")

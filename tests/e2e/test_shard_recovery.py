@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from cloudburst.metrics import read_jsonl
-from tests.helpers import REPO, read_summary
+from tests.helpers import finish_job, read_summary, start_job
 
 pytestmark = pytest.mark.e2e
 
@@ -28,18 +27,6 @@ RUN = (
     "--heartbeat-timeout-s", "5", "--checkpoint-every", "10", "--push-log-every", "1",
     "--max-restarts", "1", "--steps", "600", "--min-step-time-s", "0.01",
 )  # fmt: skip
-
-
-def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "cloudburst", "train", *args],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
 
 
 def _records(out: Path, rank: int) -> list[dict]:
@@ -66,13 +53,9 @@ def _kill_after_a_checkpoint(out: Path, rank: int, proc: subprocess.Popen) -> No
 
 def test_a_killed_shard_restarts_in_place_and_the_lost_pushes_are_counted(tmp_path):
     out = tmp_path / "run"
-    proc = _start([*RUN, "--out", str(out)])
+    proc = start_job([*RUN, "--out", str(out)])
     _kill_after_a_checkpoint(out, 1, proc)
-    try:
-        _, stderr = proc.communicate(timeout=BOUND_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
+    _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 0, stderr
     summary = read_summary(out)
     assert "failed" not in summary and summary["lost_workers"] == []
@@ -112,13 +95,9 @@ def test_a_killed_shard_fails_over_to_its_standby_with_no_push_lost(tmp_path):
     """--shard-standby, no restarts: shard 1's copy on server 0 takes it over."""
     out = tmp_path / "run"
     i = RUN.index("--max-restarts")
-    proc = _start([*RUN[:i], *RUN[i + 2 :], "--shard-standby", "--out", str(out)])
+    proc = start_job([*RUN[:i], *RUN[i + 2 :], "--shard-standby", "--out", str(out)])
     _kill_after_a_checkpoint(out, 1, proc)
-    try:
-        _, stderr = proc.communicate(timeout=BOUND_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
+    _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 0, stderr
     summary = read_summary(out)
     assert "failed" not in summary and summary["lost_workers"] == []
@@ -148,16 +127,6 @@ def test_a_killed_shard_fails_over_to_its_standby_with_no_push_lost(tmp_path):
     assert acked <= summary["shard_versions"][1] <= acked + 2
 
 
-def _finish(proc: subprocess.Popen) -> str:
-    """Wait for the job (a hang past ``BOUND_S`` fails the test); return its stderr."""
-    try:
-        _, stderr = proc.communicate(timeout=BOUND_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    return stderr
-
-
 def test_a_worker_killed_while_it_pushes_is_lost_and_every_applied_push_is_counted(tmp_path):
     """n_sync 1 (a push every step), no restarts: SIGKILL worker rank 3 mid-run. The other
     worker finishes, the summary names rank 3 lost, and each shard's version clock is exactly
@@ -168,7 +137,7 @@ def test_a_worker_killed_while_it_pushes_is_lost_and_every_applied_push_is_count
     n = RUN.index("--n-sync")
     run = [*RUN[:n], "--n-sync", "1", *RUN[n + 2 : i], *RUN[i + 2 :], "--out", str(out)]
     run[run.index("--steps") + 1] = "300"  # a push every step: shorter keeps it ≤ 20 s
-    proc = _start(run)
+    proc = start_job(run)
     deadline = time.monotonic() + BOUND_S
     while True:
         assert proc.poll() is None, proc.communicate()
@@ -178,7 +147,7 @@ def test_a_worker_killed_while_it_pushes_is_lost_and_every_applied_push_is_count
         time.sleep(0.02)
     [start] = [r for r in _records(out, 3) if r["event"] == "start"]
     os.kill(start["pid"], signal.SIGKILL)
-    stderr = _finish(proc)
+    _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 0, stderr
     summary = read_summary(out)
     assert "failed" not in summary and summary["lost_workers"] == [3]
@@ -206,7 +175,7 @@ def test_a_shard_killed_again_after_its_last_restart_ends_the_job_with_the_resum
     job ends (no hang) with ``failed`` naming the shard, its checkpoints kept, and the
     ``--resume`` command in the summary and on stderr."""
     out = tmp_path / "run"
-    proc = _start([*RUN, "--out", str(out)])
+    proc = start_job([*RUN, "--out", str(out)])
     _kill_after_a_checkpoint(out, 1, proc)
     deadline = time.monotonic() + BOUND_S
     while not any(r["event"] == "shard_restored" for r in _records(out, 1)):
@@ -216,7 +185,7 @@ def test_a_shard_killed_again_after_its_last_restart_ends_the_job_with_the_resum
     starts = [r for r in _records(out, 1) if r["event"] == "start"]
     assert len(starts) == 2
     os.kill(starts[1]["pid"], signal.SIGKILL)
-    stderr = _finish(proc)
+    _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode != 0
     summary = read_summary(out)
     assert "server shard 1" in summary["failed"], summary["failed"]
