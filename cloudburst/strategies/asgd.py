@@ -69,7 +69,10 @@ log = logging.getLogger(__name__)
 
 FINISH_POLL_S = 0.2
 SEEDED_KEY = "warm_start/seeded"  # in the job store once the warm-start worker seeded θ
-ADD_CHUNK_NUMEL = 1 << 16  # θ + αΔ, then into the parameters, 256 KiB at a time (in cache)
+# θ + αΔ, then into the parameters, 1 MiB at a time: the copy reads what the add has just
+# written from the core's L2 cache. Smaller chunks cost more in per-op overhead than they save
+# (10M values: 6.6 ms at 256 KiB, 5.2 ms at 1 MiB, 5.8 ms in two whole passes; one core).
+ADD_CHUNK_NUMEL = 1 << 18
 
 
 class AsgdStrategy(Strategy):
