@@ -4,33 +4,18 @@ accuracy, time to target, and time per step against torchft.
     .venv/bin/python benchmarks/compress.py            # results/compress.{md,json}, ~10 min
     .venv/bin/python benchmarks/compress.py --quick    # smoke test (~2 min), runs/bench-quick/
 
-On :mod:`benchmarks.harness` (arms interleaved and rotated per seed, an A/A control, time to
-target held for 3 evaluations with censored runs counted, bootstrap intervals). Three parts:
-
-``link`` — ``cloudburst train``, the wide CNN of ``bench_models.py`` (528 k parameters: bytes
-matter) on MNIST-1D, 4 workers on 2 emulated nodes joined by a 1 Gbit/s, 1 ms link, every step
-padded to 30 ms (an emulated device: 4 CPU-bound workers share 2 cores here). Arms: sync (DDP),
-sync + bf16 / PowerSGD rank 1 (PyTorch's hooks), Streaming DiLoCo F = 4 int8 at H = 8, and the
-configuration chosen for the 1/50 target (:data:`TARGET`). Bytes per sample = summary
-``inter_node_bytes`` ÷ ``samples`` (deterministic: they do not depend on the link).
-
-``torchft`` — time per step of cloudburst's ``diloco`` and Streaming DiLoCo F = 2 against
-torchft 0.2.0's ``DiLoCo`` (:mod:`benchmarks.torchft_peer`, the peer venv), with an A/A
-control; no emulated link (torchft has none), the same padding, no evaluation during training.
-
-``sim`` — ``cloudburst simulate`` of the same arms (PowerSGD runs only inside real DDP) at
-several link speeds, a few steps each: the virtual time per step, which, times the steps each
-arm needed to reach the target in ``link``, answers "what link speed makes compression worth
-it for this model?".
+The wide CNN of ``bench_models.py`` (528 k parameters: bytes matter) on MNIST-1D, 4 workers on
+2 emulated nodes. Arms: sync (DDP), sync + bf16 / PowerSGD rank 1 (PyTorch's hooks), Streaming
+DiLoCo F = 4 int8 at H = 8, and the configuration chosen for the 1/50 target (``TARGET``).
+Four parts, each described in its section of the result: inter-node bytes and accuracy on the
+virtual cluster, time to target over a 1 Gbit/s link (real runs), time per step against
+torchft 0.2.0's ``DiLoCo`` (``torchft_peer.py``), and the link speed that makes compression
+worth it (virtual cluster).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import statistics
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,10 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 import torchft_peer  # noqa: E402
 
-REPO = harness.REPO
-os.environ["PYTHONPATH"] = os.pathsep.join(  # the wide CNN lives in benchmarks/
-    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
-)
 WIDE = "benchmarks.bench_models:mnist1d_wide_cnn"
 WORKERS, BATCH, PAD_S, LINK = 4, 64, 0.03, "1,1"
 TARGET_ACCURACY = 0.8
@@ -59,15 +40,7 @@ ARMS = {
     "sync": ("--strategy", "sync"),
     "sync_bf16": ("--strategy", "sync", "--compress", "bf16"),
     "sync_powersgd1": ("--strategy", "sync", "--compress", "powersgd:1"),
-    "sdiloco_f4_int8_h8": (
-        *STREAM,
-        "--fragments",
-        "4",
-        "--fragment-delay",
-        "1",
-        "--compress",
-        "int8",
-    ),  # fmt: skip
+    "sdiloco_f4_int8_h8": (*STREAM, *"--fragments 4 --fragment-delay 1 --compress int8".split()),
     "sdiloco_f4_int8_h32": TARGET,
     "diloco": ("--strategy", "diloco"),
     "sdiloco_f2": (*STREAM, "--fragments", "2", "--fragment-delay", "2"),
@@ -99,21 +72,6 @@ def settings(quick: bool, seeds: int | None) -> dict:
 
 
 # ---------------------------------------------------------------------------- measuring
-def step_s(out_dir: str | Path, skip_steps: int = 32) -> float | None:
-    """Median over every rank's 16-step windows of Δtime ÷ Δsteps (windows from ``skip_steps``)."""
-    times: dict[str, list[list[float]]] = {}
-    for path in Path(out_dir, "metrics").glob("rank*.jsonl"):
-        for line in path.read_text().splitlines():
-            r = json.loads(line) if line.startswith("{") else {}
-            if r.get("event") == "step":
-                times.setdefault(path.name, []).append([r["step"], r["time_s"]])
-    return torchft_peer.median_step_s(times, skip_steps)
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
-
-
 def bytes_per_sample(r: harness.Run) -> float | None:
     s = r.summary
     return s["inter_node_bytes"] / s["samples"] if s.get("samples") else None
@@ -122,19 +80,11 @@ def bytes_per_sample(r: harness.Run) -> float | None:
 def simulate(arm: harness.Arm, seed: int, out: Path) -> harness.Run:
     """``cloudburst simulate`` of ``arm`` (in one process: the maths of a real run, the time
     modelled); ``values``: inter-node bytes per sample and the virtual time per step."""
-    cmd = [sys.executable, "-m", "cloudburst", "simulate", *arm.argv, "--seed", str(seed)]
-    cmd += ["--out", str(out), "--overwrite", "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode:
-        return harness.Run(arm.name, seed, 0.0, failed=proc.stderr.strip()[-300:])
-    summ = json.loads((out / "summary.json").read_text())
-    summ.pop("config", None)
-    r = harness.Run(arm.name, seed, 0.0, summ, out_dir=str(out))
-    r.values = {
-        "bytes_per_sample": bytes_per_sample(r),
-        "virtual_step_s": summ["wall_time_s"] / summ["steps_per_worker"],
-    }
+    r = harness.run_train(arm, seed, out, command=(*harness.CLI, "simulate", "--overwrite"))
+    if not r.failed:
+        s = r.summary
+        r.values = {"bytes_per_sample": bytes_per_sample(r),
+                    "virtual_step_s": s["wall_time_s"] / s["steps_per_worker"]}  # fmt: skip
     return r
 
 
@@ -146,7 +96,7 @@ def simulate_all(
     interleaving, and one process each uses one of the two cores."""
     jobs = [(arm, seed) for seed in seeds for arm in arms]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = list(pool.map(lambda j: simulate(j[0], j[1], root / f"{slug(j[0].name)}-{j[1]}"),
+        runs = list(pool.map(lambda j: simulate(*j, root / f"{harness.slug(j[0].name)}-{j[1]}"),
                              jobs))  # fmt: skip
     prov.sample_load()
     for r in runs:
@@ -169,9 +119,9 @@ def link_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
     arms = [harness.Arm(a, (*ARMS[a], *COMMON, *flags)) for a in s["link_arms"]]
 
     def run(arm: harness.Arm, seed: int) -> harness.Run:
-        out = harness.RUNS / "compress" / "link" / f"{slug(arm.name)}-{seed}"
+        out = harness.RUNS / "compress" / "link" / f"{harness.slug(arm.name)}-{seed}"
         r = harness.run_train(arm, seed, out)
-        r.values = {"step_s": step_s(r.out_dir), "bytes_per_sample": bytes_per_sample(r)}
+        r.values = {"step_s": harness.run_step_s(out), "bytes_per_sample": bytes_per_sample(r)}
         return r
 
     return harness.interleave(arms, s["seeds"], control="sync", run=run, prov=prov)
@@ -186,10 +136,10 @@ def torchft_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
     root = harness.RUNS / "compress" / "torchft"
 
     def run(arm: harness.Arm, seed: int) -> harness.Run:
-        out = root / f"{slug(arm.name)}-{seed}"
+        out = root / f"{harness.slug(arm.name)}-{seed}"
         if not arm.name.startswith("torchft "):
             r = harness.run_train(arm, seed, out)
-            r.values = {"step_s": step_s(r.out_dir)}
+            r.values = {"step_s": harness.run_step_s(out)}
             return r
         name = arm.name.removeprefix("torchft ")
         fragments = {"diloco": (1, 0, 0.0), "sdiloco_f2": (2, 2, 0.5)}[name]
@@ -197,13 +147,7 @@ def torchft_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
                         seed=seed, min_step_time_s=PAD_S, log_every_steps=16,
                         fragments=fragments[0], fragment_delay=fragments[1],
                         fragment_alpha=fragments[2], progress=False)  # fmt: skip
-        try:
-            summ = torchft_peer.run_torchft(cfg, "diloco", out, steps=s["torchft_steps"])
-        except (torchft_peer.TorchftFailed, OSError, ValueError) as e:
-            return harness.Run(arm.name, seed, 0.0, failed=str(e)[-300:], out_dir=str(out))
-        step = torchft_peer.median_step_s(summ["step_times"], skip_steps=32)
-        wall = summ["launch_to_summary_s"]  # the command, as a cloudburst run's wall_s
-        return harness.Run(arm.name, seed, wall, summ, values={"step_s": step}, out_dir=str(out))
+        return torchft_peer.run_arm(arm.name, seed, cfg, "diloco", out, s["torchft_steps"])
 
     return harness.interleave(arms, s["seeds"], control=s["torchft_arms"][0], run=run, prov=prov)
 
@@ -265,8 +209,8 @@ def report_bytes(report: harness.Report, runs: list[harness.Run], s: dict) -> No
         "counters, time modelled; no padding or CPU contention to wait for), 2 nodes. "
         "`÷ sync`: median inter-node bytes per sample ÷ sync's."
     )
-    report.table(["arm", "runs ok", "inter-node B/sample", "÷ sync", "final acc % per seed",
-                  "− sync (points, mean)"], rows)  # fmt: skip
+    report.table("arm | runs ok | inter-node B/sample | ÷ sync | final acc % per seed | "
+                 "− sync (points, mean)", rows)  # fmt: skip
 
 
 def report_link(report: harness.Report, runs: list[harness.Run], s: dict) -> dict:
@@ -300,9 +244,9 @@ def report_link(report: harness.Report, runs: list[harness.Run], s: dict) -> dic
         f"(a median past the {harness.fmt(budget)} s budget is shown as such); steps to target "
         "from the samples at that evaluation (link-independent)."
     )
-    report.table(["arm", "runs ok", "inter-node B/sample", "final acc % (mean)",
-                  "− sync (points)", "time to target s (median; reached)", "steps to target",
-                  "step ms (median)"], rows)  # fmt: skip
+    report.table("arm | runs ok | inter-node B/sample | final acc % (mean) | − sync (points) | "
+                 "time to target s (median; reached) | steps to target | step ms (median)",
+                 rows)  # fmt: skip
     return steps_to
 
 
@@ -324,11 +268,9 @@ def report_torchft(report: harness.Report, runs: list[harness.Run], s: dict) -> 
         "both run on the same real constraint (gloo over loopback), the same padding, no "
         "evaluation during training. `sdiloco_f2`: F = 2, τ = 2, α = 0.5 on both sides."
     )
-    report.table(
-        ["arm", "seed", "step ms", "wall s", "error"],
-        [[f"`{r.arm}`", r.seed, harness.fmt(1e3 * r.values["step_s"]) if r.values.get("step_s")
-          else "-", harness.fmt(r.wall_s), r.failed or ""] for r in runs],
-    )  # fmt: skip
+    report.table("arm | seed | step ms | wall s | error", [
+        [f"`{r.arm}`", r.seed, harness.fmt(1e3 * r.values["step_s"]) if r.values.get("step_s")
+         else "-", harness.fmt(r.wall_s), r.failed or ""] for r in runs])  # fmt: skip
 
 
 def report_sim(report: harness.Report, runs: list[harness.Run], s: dict, steps_to: dict) -> None:
@@ -352,8 +294,7 @@ def report_sim(report: harness.Report, runs: list[harness.Run], s: dict, steps_t
 
 
 def main() -> None:
-    args = harness.parse_args(__doc__)
-    prov = harness.Provenance.capture(args)
+    args, prov = harness.start(__doc__)
     s = settings(args.quick, args.seeds)
     versions = torchft_peer.peer_versions()
     print(f"torchft peer: {versions}", flush=True)

@@ -33,8 +33,7 @@ BAND_POINTS = 1.0
 
 
 def main() -> None:
-    args = harness.parse_args(__doc__)
-    prov = harness.Provenance.capture(args)
+    args, prov = harness.start(__doc__)
     source = prov.results_dir() / "accuracy.json"
     if not source.is_file():
         sys.exit(f"defaults: {source} does not exist; run experiments.py accuracy first")

@@ -45,11 +45,7 @@ def table(results: Path) -> list[str]:
 
 def splice(readme: str, lines: list[str]) -> str:
     """``readme`` with the text between the markers replaced by ``lines``."""
-    if (
-        readme.count(BEGIN) != 1
-        or readme.count(END) != 1
-        or readme.index(BEGIN) > readme.index(END)
-    ):
+    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.find(BEGIN) > readme.find(END):
         sys.exit(f"evidence: README.md needs exactly one {BEGIN} … {END} pair, in that order")
     head, rest = readme.split(BEGIN)
     _, tail = rest.split(END)

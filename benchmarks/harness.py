@@ -1,25 +1,19 @@
 """The one harness every benchmark uses: provenance, interleaved runs with an A/A control,
 honest statistics (time to target held for k evaluations, censored runs counted, bootstrap
 intervals) and one report template (``results/<name>.md`` + ``.json`` with the claims that
-``benchmarks/evidence.py`` turns into the README's evidence table).
+``benchmarks/evidence.py`` turns into the README's evidence table). The rules, and why:
+``benchmarks/README.md``. A benchmark script is, in outline::
 
-A benchmark script is, in outline::
-
-    args = harness.parse_args(__doc__)
-    prov = harness.Provenance.capture(args)           # refuses a dirty tree / busy machine
+    args, prov = harness.start(__doc__)              # refuses a dirty tree / busy machine
     runs = harness.interleave(arms, seeds, control="sync", prov=prov)
     report = harness.Report("stragglers", "Time to 90 % ...", prov)
     report.claim(...); report.table(...); report.write(runs)
-
-Rules (benchmarks/README.md says why): arms run A, B, A', … per seed, the order rotated by one
-per seed; every timed comparison carries an A/A pair (the control arm run twice); a time to
-target is the first evaluation from which the accuracy stays at or above the target for ``k``
-consecutive evaluations; runs that never get there are censored at the budget and counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -43,16 +37,16 @@ QUICK_RESULTS = REPO / "runs" / "bench-quick"  # --quick output: a smoke test, n
 RUNS = REPO / "runs" / "bench"
 BUSY_FRACTION = 0.25  # other processes using more than this share of all cores = a busy machine
 K_CONSECUTIVE = 3  # evaluations a time to target must hold for
+CLI = (sys.executable, "-m", "cloudburst")
 
 
 def parse_args(
     description: str | None, add: Callable[[argparse.ArgumentParser], None] | None = None
 ) -> argparse.Namespace:
     """The flags every benchmark has (``--quick``, ``--seeds``, ``--force``, ``--out``) plus
-    the script's own, added by ``add(parser)``. ``--seeds`` defaults to ``None``: the script
-    picks (≥ 5 for a time to target, fewer only under ``--quick``)."""
+    the script's own, added by ``add(parser)``; ``--seeds`` None = the script's default."""
     p = argparse.ArgumentParser(
-        description=(description or "").strip().splitlines()[0] if description else None
+        description=description.strip().splitlines()[0] if description else None
     )
     p.add_argument("--quick", action="store_true", help="a small smoke subset; not evidence")
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (script's default)")
@@ -64,6 +58,21 @@ def parse_args(
     if args.seeds is not None and args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
     return args
+
+
+def start(
+    description: str | None, add: Callable[[argparse.ArgumentParser], None] | None = None
+) -> tuple[argparse.Namespace, Provenance]:
+    """:func:`parse_args`, then :meth:`Provenance.capture` (which may refuse to start)."""
+    args = parse_args(description, add)
+    return args, Provenance.capture(args)
+
+
+def about(doc: str) -> str:
+    """A script's docstring as a result file's settings: without its first paragraph (the
+    title) and its indented command lines (``    .venv/bin/python ...``)."""
+    paragraphs = doc.strip().split("\n\n")[1:]
+    return "\n\n".join(p for p in paragraphs if not p.startswith("    ")).strip()
 
 
 # ---------------------------------------------------------------------------- provenance
@@ -87,10 +96,8 @@ def git_commit() -> tuple[str, list[str]]:
 
 
 def cpu_busy_fraction(interval_s: float = 1.0) -> float:
-    """Share of all cores busy over ``interval_s`` (from /proc/stat; this process sleeps).
-
-    The 1-minute load average lags: it stays high for minutes after the previous benchmark
-    ended, so it is recorded, not used to refuse."""
+    """Share of all cores busy over ``interval_s`` (/proc/stat; the 1-minute load average lags
+    by minutes, so it is recorded, not used to refuse)."""
 
     def sample() -> tuple[int, int]:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -159,8 +166,7 @@ class Provenance:
     @classmethod
     def capture(cls, args: argparse.Namespace) -> Provenance:
         """Record the provenance; exit with one line on a dirty tree or a busy machine
-        (other processes using more than ``BUSY_FRACTION`` of the cores) unless ``--force``
-        or ``--quick`` (a smoke run, never evidence; its report says so)."""
+        (other processes using > ``BUSY_FRACTION`` of the cores) unless --force or --quick."""
         import torch
 
         commit, dirty = git_commit()
@@ -277,13 +283,29 @@ def read_evals(out_dir: str | Path) -> list[tuple[float, int, float]]:
     return sorted(evals)
 
 
-def run_train(arm: Arm, seed: int, out_dir: str | Path, timeout_s: float = 900.0) -> Run:
-    """``python -m cloudburst train <argv> --seed S --out D --no-progress`` in a subprocess
-    (``OMP_NUM_THREADS=1``). A non-zero exit or a timeout gives a Run with ``failed`` set."""
+def read_summary(out_dir: str | Path) -> dict[str, Any]:
+    """A run directory's ``summary.json`` without its ``config`` (``{}`` if there is none)."""
+    path = Path(out_dir, "summary.json")
+    summary = json.loads(path.read_text()) if path.is_file() else {}
+    summary.pop("config", None)
+    return summary
+
+
+def run_train(
+    arm: Arm,
+    seed: int,
+    out_dir: str | Path,
+    timeout_s: float = 900.0,
+    command: Sequence[str] = (*CLI, "train"),
+) -> Run:
+    """``<command> <argv> --seed S --out D --no-progress`` in a subprocess (``OMP_NUM_THREADS=1``,
+    the repository on ``PYTHONPATH``); ``command`` defaults to ``python -m cloudburst train``
+    (``(*CLI, "simulate", "--overwrite")``, a peer's script, a wrapper ending in ``--``). A
+    non-zero exit, a timeout or a missing ``summary.json`` gives a Run with ``failed`` set."""
     out_dir = Path(out_dir)
-    cmd = [sys.executable, "-m", "cloudburst", "train", *arm.argv]
-    cmd += ["--seed", str(seed), "--out", str(out_dir), "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [*command, *arm.argv, "--seed", str(seed), "--out", str(out_dir), "--no-progress"]
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     started = time.monotonic()
     failed = None
     try:
@@ -296,15 +318,41 @@ def run_train(arm: Arm, seed: int, out_dir: str | Path, timeout_s: float = 900.0
     except subprocess.TimeoutExpired:
         failed = f"timed out after {timeout_s:g} s"
     wall = time.monotonic() - started
-    summary_path = out_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    summary.pop("config", None)
+    summary = read_summary(out_dir)
+    failed = failed or (None if summary else "no summary.json")
     evals = read_evals(out_dir) if (out_dir / "metrics").is_dir() else []
     return Run(arm.name, seed, round(wall, 3), summary, evals, failed, out_dir=str(out_dir))
 
 
-def _slug(name: str) -> str:
+def step_s(step_times: dict[str, list[list[float]]], skip_steps: int = 0) -> float | None:
+    """Median over every rank's logged windows ``[step, time_s]`` of Δtime ÷ Δsteps between
+    consecutive records, windows starting before ``skip_steps`` left out."""
+    per_step = [
+        (b[1] - a[1]) / (b[0] - a[0])
+        for times in step_times.values()
+        for a, b in itertools.pairwise(times)
+        if b[0] > a[0] and a[0] >= skip_steps
+    ]
+    return statistics.median(per_step) if per_step else None
+
+
+def run_step_s(out_dir: str | Path, skip_steps: int = 32) -> float | None:
+    """:func:`step_s` of a run directory's ``step`` records (every rank's)."""
+    times: dict[str, list[list[float]]] = {}
+    for path in Path(out_dir, "metrics").glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            r = json.loads(line) if line.startswith("{") and line.endswith("}") else {}
+            if r.get("event") == "step":
+                times.setdefault(path.name, []).append([r["step"], r["time_s"]])
+    return step_s(times, skip_steps)
+
+
+def slug(name: str) -> str:
+    """``name`` as a file name."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "arm"
+
+
+_slug = slug  # the name daso.py imports
 
 
 def interleave(
@@ -334,7 +382,7 @@ def interleave(
         root = Path(out_root) if out_root is not None else RUNS
 
         def run(arm: Arm, seed: int) -> Run:
-            return run_train(arm, seed, root / _slug(arm.name) / f"seed{seed}", timeout_s)
+            return run_train(arm, seed, root / slug(arm.name) / f"seed{seed}", timeout_s)
 
     runs = []
     for i, seed in enumerate(seeds):
@@ -528,16 +576,20 @@ def ratio_claim(
     name: str,
     a: Sequence[float | None],
     b: Sequence[float | None],
-    aa: Sequence[float | None] | None,
+    aa: Sequence[float | None] | float | None,
     target: str,
     ok: Callable[[float], bool],
     budget_s: float | None = None,
 ) -> Claim:
     """Add the claim median(a) ÷ median(b) with its bootstrap interval and, beside it, the
-    A/A ratio median(aa) ÷ median(b); censored values count as ``budget_s`` (noted)."""
+    A/A ratio median(aa) ÷ median(b) (or ``aa`` itself when it is a number, an A/A ratio
+    computed elsewhere); censored values count as ``budget_s`` (noted)."""
     ratio, lo, hi = bootstrap_ratio(a, b, budget_s=budget_s)
-    aa_ratio = None if not aa else bootstrap_ratio(aa, b, budget_s=budget_s)[0]
-    censored = sum(v is None for v in (*a, *b, *(aa or ())))
+    aa_runs = [] if aa is None or isinstance(aa, int | float) else list(aa)
+    aa_ratio = aa if isinstance(aa, int | float) else None
+    if aa_runs:
+        aa_ratio = bootstrap_ratio(aa_runs, b, budget_s=budget_s)[0]
+    censored = sum(v is None for v in (*a, *b, *aa_runs))
     note = f"{censored} censored runs counted at the {fmt(budget_s)} s budget" if censored else ""
     value: float | str = ratio
     verdict = ok(ratio)
@@ -585,7 +637,10 @@ class Report:
         self.body += [f"## {heading}", ""]
         return self
 
-    def table(self, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Report:
+    def table(self, headers: str | Sequence[str], rows: Sequence[Sequence[Any]]) -> Report:
+        """A table; ``headers`` as a list or as one string ``"a | b | c"``."""
+        if isinstance(headers, str):
+            headers = [h.strip() for h in headers.split("|")]
         self.body += [*md_table(headers, rows), ""]
         return self
 

@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 import peers  # noqa: E402
 import torchft_peer  # noqa: E402
-from compress import step_s  # noqa: E402
 from harness import Arm, fmt, pct  # noqa: E402
 
 from cloudburst.cli import build_config, build_parser  # noqa: E402
@@ -55,8 +54,7 @@ def main() -> None:
         p.add_argument("--epochs", type=int, default=24, help="epochs per worker (15 steps each)")
         p.add_argument("--torchft-steps", type=int, default=96, help="steps of the torchft arms")
 
-    args = harness.parse_args(__doc__, add)
-    prov = harness.Provenance.capture(args)
+    args, prov = harness.start(__doc__, add)
     seeds = range(args.seeds or (1 if args.quick else 5))
     length = ["--steps", "48"] if args.quick else ["--epochs", str(args.epochs)]
     ft_steps = 48 if args.quick else args.torchft_steps
@@ -66,31 +64,17 @@ def main() -> None:
     root = harness.RUNS / "local_sgd"
 
     def run(arm: Arm, seed: int) -> harness.Run:
-        out = root / harness._slug(arm.name) / f"seed{seed}"
+        out = root / harness.slug(arm.name) / f"seed{seed}"
         if arm.name not in TORCHFT:
             r = peers.run_arm(arm, seed, out)
-            r.values["step_s"] = None if r.failed else step_s(out)
+            r.values["step_s"] = None if r.failed else harness.run_step_s(out)
             return r
-        return torchft_run(arm, seed, out, ft_steps, versions.get("error"))
+        cfg = build_config(build_parser().parse_args(["train", *arm.argv, "--seed", str(seed)]))
+        error = versions.get("error")
+        return torchft_peer.run_arm(arm.name, seed, cfg, TORCHFT[arm.name], out, ft_steps, error)
 
     runs = harness.interleave(arms, seeds, control="local_sgd", run=run, prov=prov)
     report(prov, runs, length, list(seeds), ft_steps, versions)
-
-
-def torchft_run(arm: Arm, seed: int, out: Path, steps: int, error: str | None) -> harness.Run:
-    """One torchft run as a harness Run (``values["step_s"]``); a failure is kept, not raised."""
-    cfg = build_config(build_parser().parse_args(["train", *arm.argv, "--seed", str(seed)]))
-    summary, failed = {}, error
-    if not error:
-        try:
-            summary = torchft_peer.run_torchft(cfg, TORCHFT[arm.name], out, steps=steps)
-        except (torchft_peer.TorchftFailed, OSError, ValueError) as e:
-            failed = str(e)[-300:]
-    r = harness.Run(arm.name, seed, summary.get("launch_to_summary_s", 0.0), summary, [], failed)
-    if summary:
-        r.values["step_s"] = torchft_peer.median_step_s(summary["step_times"], skip_steps=32)
-    r.out_dir = str(out)
-    return r
 
 
 def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versions) -> None:
@@ -104,11 +88,8 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
         if not ok_a or not ok_b:
             rep.claim(f"time per step, {a} ÷ {b}", None, "≤ 1", False, note=f"{b} did not run")
             continue
-        ratio, lo, hi = harness.bootstrap_ratio(ok_a, ok_b)
-        rep.claim(
-            f"time per step, {a} ÷ {b}, W = 4, H = {H}", ratio, "≤ 1", ratio <= 1, aa_ratio,
-            (lo, hi), min(len(ok_a), len(ok_b)),
-        )  # fmt: skip
+        harness.ratio_claim(rep, f"time per step, {a} ÷ {b}, W = 4, H = {H}", ok_a, ok_b,
+                            aa_ratio, "≤ 1", lambda x: x <= 1)  # fmt: skip
     sync_rs = groups["sync"]
     for name in ("local_sgd", "diloco"):
         rs = groups[name]
@@ -135,7 +116,7 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
             )  # fmt: skip
     peer = versions.get("error") or f"torch {versions['torch']}, torchft {versions['torchft']}"
     rep.settings(
-        f"{__doc__.split(chr(10) * 2, 2)[2].strip()}\n\nFlags: `{' '.join(COMMON + length)}`; "
+        f"{harness.about(__doc__)}\n\nFlags: `{' '.join(COMMON + length)}`; "
         f"torchft: {ft_steps} steps ({peer}); seeds {seeds}. The A/A column is local_sgd (A/A) ÷ "
         "local_sgd: the distance from 1 this machine gives two identical arms."
     )

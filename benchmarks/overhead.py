@@ -1,23 +1,19 @@
 """Step-time overhead of cloudburst's ``sync``: ÷ raw DDP at W = 2 and 4, ÷ a plain loop at W = 1.
 
-Each world size is one set of gloo processes (``torch.multiprocessing``, 1 thread each) that
-holds every variant side by side, each with its own model (the MNIST-1D CNN, seed 0), SGD
-optimizer and the same batches (64 MNIST-1D samples a step, this rank's slice, made before
-timing so that no data loading is timed):
-
-- ``plain`` (W = 1 only): a loop without ``torch.distributed``;
-- ``ddp``: ``DistributedDataParallel`` with no comm hook (W = 1: over a one-rank group);
-- ``sync``: cloudburst's ``SyncStrategy``, called as ``cloudburst/train.py``'s loop calls it
-  (``after_backward``, ``after_step``; with one worker it returns the model itself);
-- the reference again as an A/A control (``plain (A/A)`` at W = 1, ``ddp (A/A)`` above).
+Each world size is one set of gloo processes (on 127.0.0.1, 1 thread each) that holds every
+variant side by side, each with its own model (the MNIST-1D CNN, seed 0), SGD optimizer and the
+same batches (64 samples a step split over the W ranks, made before timing): ``plain`` (W = 1
+only: no ``torch.distributed``); ``ddp`` (``DistributedDataParallel``, no comm hook; W = 1:
+over a one-rank group); ``sync`` (cloudburst's ``SyncStrategy``, called as the training loop
+calls it); the reference again as an A/A control (``plain (A/A)`` at W = 1, ``ddp (A/A)``
+above).
 
 A step is the loop's ``train_step``: forward, loss, ``zero_grad``, backward, optimizer step,
-``loss.item()``. In each of ``--rounds`` rounds every variant runs ``--warmup`` untimed and
-``--steps`` timed steps behind a barrier, the order rotated each round; a variant's round
-value is the median of its steps on rank 0. The ratio is that of the medians of the round
-values, with a bootstrap interval (benchmarks/harness.py); the A/A ratio beside it is the
-noise floor. Every variant sees the same batches, so its parameters must equal the
-reference's at the end: the largest difference is reported.
+``loss.item()``. In each round every variant runs its warm-up and timed steps behind a
+barrier, the order rotated each round; a variant's round value is the median of its steps on
+rank 0. Ratio = median ÷ median of the round values, with a 95 % bootstrap interval over
+rounds; the A/A ratio beside it is the noise floor. Every variant sees the same batches, so its
+parameters must equal the reference's at the end: the largest difference is reported.
 
     .venv/bin/python benchmarks/overhead.py [--quick] [--force]
 """
@@ -69,16 +65,8 @@ def _rank(rank: int, world: int, port: int, rounds: int, warmup: int, steps: int
     starts = range(rank * per, len(x) - BATCH + 1, BATCH)
     batches = [(x[i : i + per], y[i : i + per]) for i in starts]
     cfg = RunConfig(strategy="sync", workers=world, model="cnn", batch_size=per, lr=0.05)
-    ctx = Context(
-        cfg=cfg,
-        rank=rank,
-        world_size=world,
-        num_servers=0,
-        num_workers=world,
-        workers_group=None,
-        store=store,
-        t0=time.time(),
-    )
+    ctx = Context(cfg=cfg, rank=rank, world_size=world, num_servers=0, num_workers=world,
+                  workers_group=None, store=store, t0=time.time())  # fmt: skip
     loss_fn = nn.CrossEntropyLoss()
     setups = {}
     for name in variants(world):
@@ -149,16 +137,13 @@ def main() -> None:
         p.add_argument("--steps", type=int, default=None, help="timed steps a round (30; quick 5)")
         p.add_argument("--warmup", type=int, default=5)
 
-    args = harness.parse_args(__doc__, add)
-    prov = harness.Provenance.capture(args)
+    args, prov = harness.start(__doc__, add)
     rounds = args.rounds or (2 if args.quick else 12)
     steps = args.steps or (5 if args.quick else 30)
     report = harness.Report("overhead", "Step-time overhead of sync: ÷ DDP, ÷ a plain loop", prov)
     report.settings(
-        f"MNIST-1D CNN, {BATCH} samples a step split over the W ranks, SGD lr 0.05; {rounds} "
-        f"rounds, each variant {args.warmup} warm-up + {steps} timed steps a round, order "
-        "rotated; gloo on 127.0.0.1, 1 thread a rank. Ratio = median ÷ median of the round "
-        "medians (rank 0), 95 % bootstrap interval over rounds."
+        f"SGD lr 0.05; {rounds} rounds, each variant {args.warmup} warm-up + {steps} timed "
+        f"steps a round.\n\n{harness.about(__doc__)}"
     )
     rows, diffs = [], []
     for world in (1, 2, 4):
@@ -167,23 +152,12 @@ def main() -> None:
         med = result["round_median_s"]
         ref = "plain" if world == 1 else "ddp"
         report.data[f"W={world}"] = result
-        ratio, lo, hi = harness.bootstrap_ratio(med["sync"], med[ref])
-        aa = harness.bootstrap_ratio(med[harness.aa_name(ref)], med[ref])[0]
-        report.claim(
-            f"sync step ÷ {'plain loop' if world == 1 else 'raw DDP'}, W = {world}",
-            ratio,
-            f"≤ {TARGET}",
-            ratio <= TARGET,
-            aa=aa,
-            interval=(lo, hi),
-            seeds=rounds,
-        )
-        for name, values in med.items():
-            rows.append([world, name, 1e3 * statistics.median(values)])
-        diffs.append(
-            f"W = {world}: "
-            + ", ".join(f"{k} {v:.2g}" for k, v in result["max_param_diff"].items())
-        )
+        claim = f"sync step ÷ {'plain loop' if world == 1 else 'raw DDP'}, W = {world}"
+        harness.ratio_claim(report, claim, med["sync"], med[ref], med[harness.aa_name(ref)],
+                            f"≤ {TARGET}", lambda x: x <= TARGET)  # fmt: skip
+        rows += [[world, variant, 1e3 * statistics.median(v)] for variant, v in med.items()]
+        diff = ", ".join(f"{k} {v:.2g}" for k, v in result["max_param_diff"].items())
+        diffs.append(f"W = {world}: {diff}")
     report.table(["W", "variant", "median step (ms)"], rows)
     report.text("Largest |θ − θ_reference| after the same batches: " + "; ".join(diffs) + ".")
     report.write()

@@ -1,38 +1,28 @@
-"""PyTorch's own local-SGD schemes as cloudburst strategies: the peers that ``daso.py`` and
-``local_sgd.py`` time against, run through cloudburst's loop (same data, evaluation, counters
-and emulated link), so that only the averaging mechanism differs.
+"""PyTorch's own local-SGD schemes as cloudburst strategies, run through cloudburst's loop (same
+data, evaluation, counters and emulated link) so that only the averaging mechanism differs:
+the peers ``daso.py`` and ``local_sgd.py`` time against.
 
-- ``torch_post_local``: DDP with ``post_localSGD_hook`` (``PostLocalSGDState``: gradients
-  all-reduced over every worker for the warm-up, then only inside the node) and
-  ``PeriodicModelAverager(period=B)``, a blocking fp32 average of θ over all W workers every B
-  steps after the warm-up: torch's documented pairing (Lin et al. 2020).
-- ``torch_hierarchical``: the same warm-up, then purely local steps and
-  ``HierarchicalModelAverager({1: node size, B: W})``: θ averaged inside the node every step and
-  over all workers every B steps.
-- ``torch_periodic``: ``PeriodicModelAverager(period=H, warmup_steps=H - 1)`` alone, which
-  averages after steps H, 2H, ...: cloudburst's ``local_sgd`` schedule (``--period``), for
-  timing the averaging mechanism against cloudburst's.
+- ``torch_post_local``: DDP with ``post_localSGD_hook`` (gradients all-reduced over every
+  worker for the warm-up, then only inside the node) and ``PeriodicModelAverager(period=B)``,
+  a blocking fp32 average of θ over all W workers every B steps after it (Lin et al. 2020).
+- ``torch_hierarchical``: the same warm-up, then local steps and
+  ``HierarchicalModelAverager({1: node size, B: W})``.
+- ``torch_periodic``: ``PeriodicModelAverager(period=H, warmup_steps=H - 1)`` alone (averages
+  after steps H, 2H, ...): cloudburst's ``local_sgd`` schedule, to time the mechanism.
 
-Warm-up = ``daso_warmup_epochs`` epochs and B = ``daso_global_skip``, DASO's defaults. ``finish``
-averages once more so every replica ends on one θ. A global average (or warm-up gradient
-all-reduce) that spans nodes is counted as a ring all-reduce and charged to the emulated link
-(``cloudburst.comm.link``) as cloudburst's own are. Synchronous throughout; a dead worker makes
-the next collective raise and the job stops.
+Warm-up = ``daso_warmup_epochs``, B = ``daso_global_skip`` (DASO's defaults). ``finish``
+averages once more so every replica ends on one θ. Averages and warm-up all-reduces that span
+nodes are counted as rings and charged to the emulated link as cloudburst's own are.
+Synchronous: a dead worker makes the next collective raise.
 
     python benchmarks/peers.py torch_post_local <cloudburst train flags>   # one job
-
-:func:`run_arm` runs a harness arm: ``cloudburst train`` for the built-in strategies, this file
-for the peers (``--strategy torch_post_local`` in the arm's flags).
 
 (No ``from __future__ import annotations``: DDP checks the comm hook's real annotations.)
 """
 
 import dataclasses
 import datetime
-import json
 import math
-import os
-import subprocess
 import sys
 import time
 from collections import OrderedDict
@@ -258,8 +248,7 @@ PEERS = ("torch_post_local", "torch_hierarchical", "torch_periodic")
 
 
 def run_arm(arm, seed: int, out_dir: Path, timeout_s: float = 900.0):
-    """``harness.run_train`` for an arm whose flags name a built-in strategy; for a peer
-    (``--strategy torch_…``) the same run and record through this file instead."""
+    """``harness.run_train`` of an arm; a peer's (``--strategy torch_…``) through this file."""
     import harness
 
     argv = list(arm.argv)
@@ -267,28 +256,8 @@ def run_arm(arm, seed: int, out_dir: Path, timeout_s: float = 900.0):
     if not at or argv[at] not in PEERS:
         return harness.run_train(arm, seed, out_dir, timeout_s)
     peer, argv[at] = argv[at], "sync"  # parsed as sync, then replaced (main)
-    cmd = [sys.executable, __file__, peer, *argv, "--seed", str(seed), "--out", str(out_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(harness.REPO)}
-    started, failed = time.monotonic(), None
-    try:
-        proc = subprocess.run(
-            [*cmd, "--no-progress"],
-            cwd=harness.REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-        if proc.returncode:
-            failed = f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-300:]}"
-    except subprocess.TimeoutExpired:
-        failed = f"timed out after {timeout_s:g} s"
-    summary_path = Path(out_dir, "summary.json")
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    summary.pop("config", None)
-    evals = harness.read_evals(out_dir) if Path(out_dir, "metrics").is_dir() else []
-    wall = round(time.monotonic() - started, 3)
-    return harness.Run(arm.name, seed, wall, summary, evals, failed, out_dir=str(out_dir))
+    command = (sys.executable, __file__, peer)
+    return harness.run_train(harness.Arm(arm.name, argv), seed, out_dir, timeout_s, command)
 
 
 def main(argv: list[str]) -> int:

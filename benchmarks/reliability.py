@@ -132,7 +132,7 @@ class Records:
 def run_cell(arm: harness.Arm, seed: int, root: Path) -> harness.Run:
     strategy, role, fault, flags = arm.argv
     victim = victim_rank(strategy, role)
-    out = root / harness._slug(arm.name)
+    out = root / harness.slug(arm.name)
     shutil.rmtree(out, ignore_errors=True)  # this script's own run directory, from a last run
     argv = [*COMMON, *STRATEGY[strategy], *flags, "--steps", str(STEPS), "--seed", str(seed)]
     by_signal = role in ("shard", "store host")
@@ -164,10 +164,8 @@ def run_cell(arm: harness.Arm, seed: int, root: Path) -> harness.Run:
     _, stderr = proc.communicate()
     ended = time.time()
     rec.poll()
-    run = harness.Run(arm.name, seed, round(ended - started, 3), out_dir=str(out))
-    summary_path = out / "summary.json"
-    run.summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    run.summary.pop("config", None)
+    run = harness.Run(arm.name, seed, round(ended - started, 3), harness.read_summary(out))
+    run.out_dir = str(out)
     if hung or proc.returncode != 0:
         run.failed = "hung" if hung else f"exit {proc.returncode}"
     if not by_signal and rec.find("fault", rank=victim):
@@ -242,39 +240,14 @@ def fault_table(prov: harness.Provenance, report: harness.Report, args) -> list:
     base = {r.arm.split()[0]: r for r in runs if r.arm.endswith("undisturbed")}
     rows = []
     for r, (strategy, role, fault, flags) in zip(runs, cells, strict=True):
-        v = r.values
-        rows.append(
-            [
-                strategy,
-                role,
-                fault,
-                " ".join(flags) or "-",
-                v["outcome"],
-                v.get("detect_s"),
-                v.get("recover_s"),
-                v.get("lost", "-"),
-                harness.pct(r.summary.get("final_test_accuracy")),
-                harness.pct(
-                    base[strategy].summary.get("final_test_accuracy") if strategy in base else None
-                ),
-            ]
-        )
+        v, undisturbed = r.values, base[strategy].summary if strategy in base else {}
+        rows.append([strategy, role, fault, " ".join(flags) or "-", v["outcome"],
+                     v.get("detect_s"), v.get("recover_s"), v.get("lost", "-"),
+                     harness.pct(r.summary.get("final_test_accuracy")),
+                     harness.pct(undisturbed.get("final_test_accuracy"))])  # fmt: skip
     report.section("Faults × roles × strategies")
-    report.table(
-        [
-            "strategy",
-            "role",
-            "fault",
-            "flags",
-            "outcome",
-            "detection (s)",
-            "recovery (s)",
-            "progress lost",
-            "final acc (%)",
-            "undisturbed (%)",
-        ],
-        rows,
-    )
+    report.table("strategy | role | fault | flags | outcome | detection (s) | recovery (s) | "
+                 "progress lost | final acc (%) | undisturbed (%)", rows)  # fmt: skip
     faulted = [r for r in runs if "detect_s" in r.values and r.values.get("detect_s") is not None]
     worst = max((r.values["detect_s"] for r in faulted), default=None)
     bound = HEARTBEAT_S + 5
@@ -286,12 +259,8 @@ def fault_table(prov: harness.Provenance, report: harness.Report, args) -> list:
     standby = [r for r in runs if r.arm.endswith("kill +standby")]
     lost = sum(r.summary.get("pushes_lost", 0) for r in standby)
     ok = lost == 0 and all(r.values["outcome"].startswith("failed over") for r in standby)
-    report.claim(
-        "pushes lost when a shard is killed under --shard-standby",
-        lost if standby else None,
-        "0 (and failed over)",
-        ok if standby else None,
-    )
+    name = "pushes lost when a shard is killed under --shard-standby"
+    report.claim(name, lost if standby else None, "0 (and failed over)", ok if standby else None)
     return runs
 
 
@@ -330,11 +299,10 @@ def add_flags(p) -> None:
 
 def main() -> None:
     global STEPS
-    args = harness.parse_args(__doc__, add_flags)
-    prov = harness.Provenance.capture(args)
+    args, prov = harness.start(__doc__, add_flags)
     STEPS = 160 if args.quick else 300
     report = harness.Report("reliability", "Reliability: faults × roles × strategies", prov)
-    report.settings(__doc__.split("\n\n", 2)[2].split("\n\nThe standby's cost")[0])
+    report.settings(harness.about(__doc__))
     runs = fault_table(prov, report, args)
     if not args.no_standby_cost:
         runs += standby_cost(prov, report, args.quick)

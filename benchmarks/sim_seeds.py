@@ -1,21 +1,27 @@
 """The three seed papers' findings on the virtual cluster, scaled to fit the benchmark budget.
 
 Every run is ``cloudburst.sim.run.simulate`` (one process, virtual seconds, deterministic per
-seed): the MNIST-1D CNN's real training drives the maths, the clock charges a published large
-model's bytes and step time (the stand-in). Scaled down from issue 14's runs (fewer sizes,
-seeds and steps; the settings say which), so a finding that is not reproduced here may be one of
-scale. Time to target = the first evaluation from which the accuracy stays ≥ the target for
-k = 3 evaluations; runs that never get there are censored and counted ("> T" medians).
+seed): the MNIST-1D CNN's real training (batch 64, lr 0.1) drives the maths, the clock charges
+a published large model's bytes and step time (the stand-in; step-time jitter lognormal:0.1).
+Times count from the first evaluation (after a warm start: its end). Time to target = the first
+evaluation from which the accuracy stays ≥ 80 % for k = 3 evaluations; runs that never get
+there (or fail) are censored and counted ("> T" medians).
 
 - ``jin`` (Jin et al. 2016, gossiping SGD): sync / asgd / easgd / gossip at W = 2, 8, 32 on a
-  stand-in ResNet-50 on V100s; finding: asynchronous methods reach the target sooner at few
+  stand-in ResNet-50 on V100 fp32; finding: asynchronous methods reach the target sooner at few
   workers, sync at many.
 - ``coquelin`` (Coquelin et al. 2021, DASO): DASO / sync / post-local SGD on P = 2, 4 nodes
   × 4 GPUs (stand-in ResNet-50 on A100s, 10 Gbit/s between nodes); finding: DASO reaches the
   target in < 0.9 × sync's time at equal accuracy (within 1 point).
-- ``paine`` (Paine et al. 2013, GPU A-SGD): 1–8 clients, warm and cold start, n_sync;
-  findings: with a warm start more clients are faster; a cold start with 8 clients is slower
-  early than 1 client.
+- ``paine`` (Paine et al. 2013, GPU A-SGD): 1–8 clients (AlexNet-sized on K20X), warm and cold
+  start, n_sync; findings: with a warm start more clients are faster; a cold start with 8
+  clients is slower early than 1 client.
+
+Scaled down from issue 14's runs (3 seeds, up to 160,000 samples), so a finding not reproduced
+here may be one of scale: jin W = 2, 8, 32 (not up to 128), max(250, ⌈80,000 / 64W⌉) steps,
+equal steps (not equal time) per W; coquelin P = 2, 4 nodes (not 4–16) at 10 Gbit/s, 0.05 ms,
+30 epochs of 10 batches; paine W = 1, 2, 8 (not 4), 600 steps (not 1,500), n_sync 1 and 10
+(not 60).
 
     .venv/bin/python benchmarks/sim_seeds.py [jin|coquelin|paine ...] [--quick] [--force]
 """
@@ -41,19 +47,11 @@ K20X_STEP_S = 128 * 10.7 * 86400 / (90 * 1_281_167)  # ~1.03 s per batch of 128 
 
 
 def _base(steps: int, step_s: float, train_size: int) -> dict[str, Any]:
-    return {
-        "steps": steps,
-        "batch_size": 64,
-        "train_size": train_size,
-        "test_size": 1000,
-        "lr": 0.1,
-        "target_accuracy": TARGET,
-        "eval_every_s": max(1e-3, steps * step_s / 40),  # ~40 evaluations, free in virtual time
-        "log_every_steps": 10_000,
-        "comm_timeout_s": 3600.0,
-        "checkpoint_every": 0,
-        "progress": False,
-    }
+    # ~40 evaluations (free in virtual time)
+    return dict(steps=steps, batch_size=64, train_size=train_size, test_size=1000, lr=0.1,
+                target_accuracy=TARGET, log_every_steps=10_000, comm_timeout_s=3600.0,
+                checkpoint_every=0, progress=False,
+                eval_every_s=max(1e-3, steps * step_s / 40))  # fmt: skip
 
 
 def jin(q: bool) -> list[tuple[dict, dict, dict]]:
@@ -118,14 +116,9 @@ def simulate_point(name: str, group: dict, cfg: dict, sim: dict, seed: int, out:
     except Exception as e:  # kept and counted as censored, never dropped
         summary, failed = {}, f"{type(e).__name__}: {e}"[:300]
     keep = ("final_test_accuracy", "wall_time_s", "steps_per_worker", "simulator")
-    return {
-        "experiment": name,
-        "group": group,
-        "seed": seed,
-        "failed": failed,
-        "summary": {k: summary.get(k) for k in keep},
-        "evals": harness.read_evals(out) if not failed else [],
-    }
+    return {"experiment": name, "group": group, "seed": seed, "failed": failed,
+            "summary": {k: summary.get(k) for k in keep},
+            "evals": harness.read_evals(out) if not failed else []}  # fmt: skip
 
 
 def tt(rec: dict) -> float | None:
@@ -156,6 +149,12 @@ def finite(x: float | str) -> float:
     return x if isinstance(x, float | int) else math.inf
 
 
+def finding(rep: harness.Report, name: str, ok: bool | str, seeds: int, note: str = "") -> None:
+    """A claim that a paper's finding is ``ok`` (or a verdict such as "partly reproduced")."""
+    verdict = ok if isinstance(ok, str) else "reproduced" if ok else "not reproduced"
+    rep.claim(name, verdict, "reproduced", verdict == "reproduced", seeds=seeds, note=note)
+
+
 def report_jin(rep: harness.Report, recs: dict[tuple, list[dict]], n_seeds: int) -> None:
     ws = sorted({k[0] for k in recs})
     rows, ratio = [], {}
@@ -169,17 +168,16 @@ def report_jin(rep: harness.Report, recs: dict[tuple, list[dict]], n_seeds: int)
     many = [ratio[ws[-1]]] if ratio[ws[-1]] is not None else []
     async_few, sync_many = bool(few) and max(few) < 1, bool(many) and many[0] > 1
     verdict = {2: "reproduced", 1: "partly reproduced", 0: "not reproduced"}[async_few + sync_many]
-    rep.claim(
+    note = "fastest async ÷ sync per W: " + ", ".join(f"W={w}: {harness.fmt(ratio[w])}" for w in ws)
+    finding(
+        rep,
         "Jin et al.: async faster at few workers (W ≤ 8), sync at many (largest W)",
         verdict,
-        "reproduced",
-        verdict == "reproduced",
-        seeds=n_seeds,
-        note="fastest async ÷ sync per W: "
-        + ", ".join(f"W={w}: {harness.fmt(ratio[w])}" for w in ws),
+        n_seeds,
+        note,
     )
     rep.section("Jin et al. 2016: time to 80 % (virtual s)")
-    rep.table(["W", "strategy", "median", "censored", "seeds"], rows)
+    rep.table("W | strategy | median | censored | seeds", rows)
 
 
 def report_coquelin(rep: harness.Report, recs: dict[tuple, list[dict]], n_seeds: int) -> None:
@@ -197,12 +195,11 @@ def report_coquelin(rep: harness.Report, recs: dict[tuple, list[dict]], n_seeds:
         ok_all &= ok
         rows.append([p, 4 * p, *(m[s][0] for s in m), ratio, 100 * (acc["daso"] - acc["sync"])])
         strategies = list(m)
-    rep.claim(
+    finding(
+        rep,
         "Coquelin et al.: DASO ≤ 0.9 × sync's time to 80 %, accuracy within 1 point",
-        "reproduced" if ok_all else "not reproduced",
-        "reproduced",
         ok_all,
-        seeds=n_seeds,
+        n_seeds,
     )
     rep.section("Coquelin et al. 2021: median time to 80 % (virtual s)")
     rep.table(["P", "GPUs", *strategies, "daso ÷ sync", "daso − sync acc (points)"], rows)
@@ -230,13 +227,10 @@ def report_paine(rep: harness.Report, recs: dict[tuple, list[dict]], n_seeds: in
         (f"Paine et al.: cold start, W = {ws[-1]} slower early (error > 1 point above W = 1)",
          cold_slow),
     ]:  # fmt: skip
-        rep.claim(name, "reproduced" if ok else "not reproduced", "reproduced", ok, seeds=n_seeds)
+        finding(rep, name, ok, n_seeds)
     rep.section("Paine et al. 2013: GPU A-SGD, time to 80 % and test error (virtual s, %)")
-    rep.table(
-        ["start", "n_sync", "W", "median tt", "speed-up vs W=1", f"error at {early:.0f} s",
-         f"error at {horizon:.0f} s"],
-        rows,
-    )  # fmt: skip
+    rep.table(f"start | n_sync | W | median tt | speed-up vs W=1 | error at {early:.0f} s | "
+              f"error at {horizon:.0f} s", rows)  # fmt: skip
 
 
 REPORTS = {"jin": report_jin, "coquelin": report_coquelin, "paine": report_paine}
@@ -247,8 +241,7 @@ def main() -> None:
         p.add_argument("experiments", nargs="*", choices=[*EXPERIMENTS, []], default=[])
         p.add_argument("--jobs", type=int, default=2, help="simulations side by side")
 
-    args = harness.parse_args(__doc__, add)
-    prov = harness.Provenance.capture(args)
+    args, prov = harness.start(__doc__, add)
     names = args.experiments or list(EXPERIMENTS)
     seeds = list(range(args.seeds or 1))  # deterministic per seed; --seeds 3 for the spread
     root = prov.runs_dir("sim_seeds")
@@ -264,16 +257,9 @@ def main() -> None:
     prov.sample_load()
     rep = harness.Report("sim_seeds", "The seed papers' findings on the virtual cluster", prov)
     rep.settings(
-        f"{len(records)} simulations ({len(seeds)} seeds per point, {args.jobs} side by side); "
-        "times from the first evaluation (after a warm start: its end), in virtual seconds; "
-        "stand-ins: ResNet-50 on V100 fp32 (jin), on A100 (coquelin; 4 GPUs per node, "
-        "100 Gbit/s between nodes), AlexNet-sized on K20X (paine); step-time jitter "
-        "lognormal:0.1; MNIST-1D, batch 64, lr 0.1. "
-        + ("--quick: a few short runs, not a result. " if args.quick else "")
-        + "Scaled down from issue 14's runs (3 seeds, up to 160,000 samples): jin W = 2, 8, 32 "
-        "(not up to 128), max(250, ⌈80,000 / 64W⌉) steps, equal steps (not equal time) per W; "
-        "coquelin P = 2, 4 nodes (not 4–16) at 10 Gbit/s, 0.05 ms, 30 epochs of 10 batches; "
-        "paine W = 1, 2, 8 (not 4), 600 steps (not 1,500), n_sync 1 and 10 (not 60)."
+        f"{len(records)} simulations ({len(seeds)} seeds per point, {args.jobs} side by side)"
+        + ("; --quick: a few short runs, not a result" if args.quick else "")
+        + f".\n\n{harness.about(__doc__)}"
     )
     failed = [r for r in records if r["failed"]]
     if failed:

@@ -79,8 +79,7 @@ def first_step(out: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    args = harness.parse_args(__doc__)
-    prov = harness.Provenance.capture(args)
+    args, prov = harness.start(__doc__)
     seeds = list(range(args.seeds or (1 if args.quick else 5)))
     with tempfile.TemporaryDirectory() as tmp:
 
@@ -110,29 +109,14 @@ def main() -> None:
     )
     train = seconds("cloudburst train")
     if base and train:
-        ratio, lo, hi = harness.bootstrap_ratio(train, base)
-        aa = harness.bootstrap_ratio(seconds(harness.aa_name("import torch")), base)[0]
-        report.claim(
-            "first step ÷ import torch",
-            ratio,
-            f"≤ {TARGET}",
-            ratio <= TARGET,
-            aa=aa,
-            interval=(lo, hi),
-            seeds=len(train),
-        )
-    report.table(
-        ["arm", "median s", "runs (s)"],
-        [
-            [arm, statistics.median(seconds(arm)) if seconds(arm) else None]
-            + [", ".join(f"{s:.2f}" for s in seconds(arm))]
-            for arm in groups
-        ],
-    )
-    joined, own = (
-        seconds("cloudburst train", "ranks_joined_s"),
-        seconds("cloudburst train", "first_step_own_s"),
-    )
+        aa = seconds(harness.aa_name("import torch"))
+        harness.ratio_claim(report, "first step ÷ import torch", train, base, aa, f"≤ {TARGET}",
+                            lambda x: x <= TARGET)  # fmt: skip
+    rows = [[arm, statistics.median(seconds(arm)) if seconds(arm) else None,
+             ", ".join(f"{s:.2f}" for s in seconds(arm))] for arm in groups]  # fmt: skip
+    report.table("arm | median s | runs (s)", rows)
+    joined = seconds("cloudburst train", "ranks_joined_s")
+    own = seconds("cloudburst train", "first_step_own_s")
     if joined and own:
         report.text(
             f"From the ranks' own records (median s from the command): every rank joined "

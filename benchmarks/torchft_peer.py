@@ -1,18 +1,13 @@
-"""torchft 0.2.0 as a peer: ``LocalSGD`` and ``DiLoCo`` (streaming with fragments too), trained
-on cloudburst's own data, model and batches, one replica group per process.
+"""torchft 0.2.0 as a peer: ``LocalSGD`` and ``DiLoCo`` (streaming with fragments too) on
+cloudburst's own data, model and batches, one replica group per process.
 
 torchft needs a lighthouse and one ``Manager`` per replica group, so it cannot run inside
-cloudburst's loop. :func:`run_torchft` starts a lighthouse and ``cfg.workers`` replica groups
-of one process each on 127.0.0.1 with the *peer* virtual environment's python (torchft is never
-a dependency of the project; ``../shared/PEERS.md``). Each process runs
-:func:`torchft_replica`: cloudburst's data and model code with the run's ``RunConfig`` (shard,
-batch stream and seed of cloudburst's worker ``replica``), a plain training loop, torchft's
-algorithm as a context manager around it (its optimizer hooks synchronise), each step padded
-to ``cfg.min_step_time_s`` as cloudburst's loop pads it, then the final model's test accuracy.
-Step times are recorded every ``cfg.log_every_steps`` steps.
-
-Used by ``benchmarks/compress.py`` (time per step against cloudburst's DiLoCo) and
-``benchmarks/local_sgd.py`` (``local_sgd`` / ``diloco`` against torchft's)::
+cloudburst's loop: :func:`run_torchft` starts a lighthouse and ``cfg.workers`` replica groups
+on 127.0.0.1 with the peer virtual environment's python (torchft is never a dependency;
+``../shared/PEERS.md``). Each runs :func:`torchft_replica`: the batches of cloudburst's worker
+``replica``, a plain loop with torchft's algorithm around it, each step padded to
+``cfg.min_step_time_s`` as cloudburst pads, then the final model's test accuracy. Used by
+``compress.py`` and ``local_sgd.py``::
 
     python benchmarks/torchft_peer.py lighthouse --min-replicas 4         # (peer venv)
     python benchmarks/torchft_peer.py replica --algorithm diloco ...
@@ -21,9 +16,9 @@ Used by ``benchmarks/compress.py`` (time per step against cloudburst's DiLoCo) a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -55,12 +50,12 @@ def run_torchft(
     steps: int | None = None,
     timeout_s: float = 600.0,
 ) -> dict[str, Any]:
-    """Train ``cfg`` with torchft's ``algorithm`` (``diloco`` streams when ``cfg.fragments``
-    > 1): a lighthouse and ``cfg.workers`` replica groups run by ``python``, ``steps`` per
-    replica (default: ``cfg``'s). Returns a summary with the keys of cloudburst's
-    ``summary.json`` for the same numbers (``final_test_accuracy``, ``sent_bytes``,
-    ``samples``, ``wall_time_s``) plus every replica's step times and ``step_s`` (their
-    median, :func:`median_step_s`). Raises :class:`TorchftFailed` with the failing output."""
+    """Train ``cfg`` with torchft's ``algorithm`` (``diloco`` streams when ``cfg.fragments`` > 1),
+    ``steps`` per replica (default: ``cfg``'s). Returns a summary with the keys of cloudburst's
+    ``summary.json`` for the same numbers plus every replica's step times and ``step_s``, their
+    median (:func:`harness.step_s`). Raises :class:`TorchftFailed` with the failing output."""
+    import harness
+
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     out = Path(out_dir)
@@ -71,83 +66,86 @@ def run_torchft(
     script = str(Path(__file__).resolve())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     (out / "config.json").write_text(cfg.to_json() + "\n")
-    lh_log = open(out / "lighthouse.log", "w")  # noqa: SIM115 - closed in finally
-    lighthouse = subprocess.Popen(
-        [python, script, "lighthouse", "--min-replicas", str(cfg.workers)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=lh_log,
-        text=True,
-        env=env,
-        cwd=REPO,
-    )
-    replicas: list[subprocess.Popen] = []
-    logs = []
+    procs: list[subprocess.Popen] = []
     t0 = time.monotonic()
-    try:
-        address = lighthouse.stdout.readline().strip()
-        if not address.startswith("http"):
-            raise TorchftFailed(
-                f"torchft lighthouse did not start: {_tail(out / 'lighthouse.log')}"
+    with contextlib.ExitStack() as logs:
+
+        def start(name: str, *argv: str, **kw: Any) -> subprocess.Popen:
+            log = logs.enter_context(open(out / f"{name}.log", "w"))  # noqa: SIM115
+            kw = {"stdout": log, "stderr": log if "stdout" in kw else subprocess.STDOUT, **kw}
+            procs.append(subprocess.Popen([python, script, *argv], env=env, cwd=REPO, **kw))
+            return procs[-1]
+
+        def failed(what: str, name: str) -> TorchftFailed:
+            return TorchftFailed(f"torchft {what}: {_tail(out / f'{name}.log')}")
+
+        try:
+            lh = start("lighthouse", "lighthouse", "--min-replicas", str(cfg.workers),
+                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+            address = lh.stdout.readline().strip()
+            if not address.startswith("http"):
+                raise failed("lighthouse did not start", "lighthouse")
+            argv = ["--algorithm", algorithm, "--lighthouse", address, "--out", str(out)]
+            argv += ["--config", str(out / "config.json")] + (
+                ["--steps", str(steps)] if steps else []
             )
-        for i in range(cfg.workers):
-            log = open(out / f"replica{i}.log", "w")  # noqa: SIM115 - closed in finally
-            logs.append(log)
-            argv = [python, script, "replica", "--algorithm", algorithm, "--replica", str(i)]
-            argv += ["--lighthouse", address, "--config", str(out / "config.json")]
-            argv += ["--out", str(out)] + (["--steps", str(steps)] if steps else [])
-            replicas.append(
-                subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-            )
-        deadline = time.monotonic() + timeout_s
-        for i, p in enumerate(replicas):
-            try:
-                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise TorchftFailed(
-                    f"torchft {algorithm} replica {i} still running after {timeout_s:.0f} s: "
-                    f"{_tail(out / f'replica{i}.log')}"
-                ) from None
-            if rc != 0:
-                raise TorchftFailed(
-                    f"torchft {algorithm} replica {i} exited with {rc}: "
-                    f"{_tail(out / f'replica{i}.log')}"
-                )
-    finally:
-        for p in replicas:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        if lighthouse.poll() is None:
-            lighthouse.stdin.close()  # the lighthouse exits when its stdin closes
-            try:
-                lighthouse.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                lighthouse.kill()
-                lighthouse.wait()
-        lh_log.close()
-        for log in logs:
-            log.close()
+            replicas = [start(f"replica{i}", "replica", "--replica", str(i), *argv)
+                        for i in range(cfg.workers)]  # fmt: skip
+            deadline = time.monotonic() + timeout_s
+            for i, p in enumerate(replicas):
+                try:
+                    rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise failed(f"{algorithm} replica {i} still running after "
+                                 f"{timeout_s:.0f} s", f"replica{i}") from None  # fmt: skip
+                if rc != 0:
+                    raise failed(f"{algorithm} replica {i} exited with {rc}", f"replica{i}")
+        finally:
+            for p in procs[1:]:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            if procs and procs[0].poll() is None:
+                procs[0].stdin.close()  # the lighthouse exits when its stdin closes
+                try:
+                    procs[0].wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    procs[0].kill()
+                    procs[0].wait()
     reports = [json.loads((out / f"replica{i}.json").read_text()) for i in range(cfg.workers)]
-    accs = [r["final_test_accuracy"] for r in reports]
     step_times = {str(i): r["step_times"] for i, r in enumerate(reports)}
     summary = {
-        "strategy": f"torchft_{algorithm}",
-        "workers": cfg.workers,
-        "final_test_accuracy": accs[0],
-        "replica_accuracies": accs,
+        "strategy": f"torchft_{algorithm}", "workers": cfg.workers,
+        "final_test_accuracy": reports[0]["final_test_accuracy"],
+        "replica_accuracies": [r["final_test_accuracy"] for r in reports],
         "wall_time_s": max(r["wall_time_s"] for r in reports),
-        "samples": sum(r["samples"] for r in reports),
-        "sent_bytes": sum(r["sent_bytes"] for r in reports),
-        "syncs": reports[0]["syncs"],
-        "commit_failures": sum(r["commit_failures"] for r in reports),
-        "steps_per_worker": reports[0]["steps"],
-        "step_times": step_times,
-        "step_s": median_step_s(step_times),
+        **{k: sum(r[k] for r in reports) for k in ("samples", "sent_bytes", "commit_failures")},
+        "syncs": reports[0]["syncs"], "steps_per_worker": reports[0]["steps"],
+        "step_times": step_times, "step_s": harness.step_s(step_times),
         "launch_to_summary_s": time.monotonic() - t0,
-    }
+    }  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def run_arm(
+    name: str, seed: int, cfg: RunConfig, algorithm: str, out: Path, steps: int, error=None
+):
+    """One torchft run as a harness Run, ``values["step_s"]`` its step time (the first 32 steps
+    left out); a failure (or a peer venv ``error``) is kept in ``failed``, never raised."""
+    import harness
+
+    summary, failed = {}, error
+    if not error:
+        try:
+            summary = run_torchft(cfg, algorithm, out, steps=steps)
+        except (TorchftFailed, OSError, ValueError) as e:
+            failed = str(e)[-300:]
+    wall = summary.get("launch_to_summary_s", 0.0)  # the command, as a cloudburst run's wall_s
+    run = harness.Run(name, seed, wall, summary, failed=failed, out_dir=str(out))
+    if summary:
+        run.values["step_s"] = harness.step_s(summary["step_times"], skip_steps=32)
+    return run
 
 
 def peer_versions(python: str = PEER_PYTHON) -> dict[str, str]:
@@ -163,19 +161,6 @@ def peer_versions(python: str = PEER_PYTHON) -> dict[str, str]:
         return {"error": probe.stderr.strip()[-400:]}
     torch_v, torchft_v = probe.stdout.split()
     return {"python": python, "torch": torch_v, "torchft": torchft_v}
-
-
-def median_step_s(step_times: dict[str, list[list[float]]], skip_steps: int = 0) -> float | None:
-    """Median over every replica's logged windows of Δtime ÷ Δsteps between consecutive step
-    records, windows starting before ``skip_steps`` left out (the measure cloudburst's runs
-    get from their step records)."""
-    per_step = [
-        (b[1] - a[1]) / (b[0] - a[0])
-        for times in step_times.values()
-        for a, b in zip(times, times[1:], strict=False)
-        if b[0] > a[0] and a[0] >= skip_steps
-    ]
-    return statistics.median(per_step) if per_step else None
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -265,24 +250,15 @@ def torchft_replica(
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=cfg.comm_timeout_s)
+    # use_async_quorum=False: DiLoCo requires it (LocalSGD syncs right after its quorum);
+    # init_sync=False: every replica starts from the same seeded θ, as in cloudburst.
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=cfg.workers,
-        use_async_quorum=False,  # DiLoCo requires it; LocalSGD syncs right after its quorum
-        timeout=timeout,
-        quorum_timeout=timeout,
-        connect_timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=lighthouse,
-        replica_id=f"rg{replica}",
-        hostname="127.0.0.1",
-        init_sync=False,  # every replica starts from the same seeded θ, as in cloudburst
-    )
+        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
+        state_dict=state_dict, min_replica_size=cfg.workers, use_async_quorum=False,
+        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=0, world_size=1,
+        store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse,
+        replica_id=f"rg{replica}", hostname="127.0.0.1", init_sync=False,
+    )  # fmt: skip
     # Padding as cloudburst's loop pads (the step's compute — forward, backward and the inner
     # optimizer's step — takes at least min_step_time_s; the sync comes after it): a
     # post-hook registered before the algorithm's runs before its sync.
@@ -298,25 +274,14 @@ def torchft_replica(
         algo = LocalSGD(manager, model, optimizer, sync_every=cfg.period)
     else:
         fragments = fragments_of(model, cfg.fragments)
-        outers = [
-            torch.optim.SGD(
-                f.parameters(),
-                lr=cfg.diloco_outer_lr,
-                momentum=cfg.diloco_outer_momentum,
-                nesterov=cfg.diloco_nesterov and cfg.diloco_outer_momentum > 0,
-            )
-            for f in fragments
-        ]
-        algo = DiLoCo(
-            manager,
-            fragments,
-            optimizer,
-            outers if len(outers) > 1 else outers[0],
-            sync_every=cfg.period,
-            pin_memory=False,
-            fragment_sync_delay=cfg.fragment_delay,
-            fragment_update_alpha=cfg.fragment_alpha,
-        )
+        nesterov = cfg.diloco_nesterov and cfg.diloco_outer_momentum > 0
+        outers = [torch.optim.SGD(f.parameters(), lr=cfg.diloco_outer_lr,
+                                  momentum=cfg.diloco_outer_momentum, nesterov=nesterov)
+                  for f in fragments]  # fmt: skip
+        algo = DiLoCo(manager, fragments, optimizer, outers if len(outers) > 1 else outers[0],
+                      sync_every=cfg.period, pin_memory=False,
+                      fragment_sync_delay=cfg.fragment_delay,
+                      fragment_update_alpha=cfg.fragment_alpha)  # fmt: skip
     _file_barrier(out, replica, cfg.workers, timeout_s=120.0)
 
     loss_fn = nn.CrossEntropyLoss()
@@ -340,21 +305,13 @@ def torchft_replica(
     )
     syncs = manager.current_step()  # committed syncs
     numel = sum(p.numel() for p in model.parameters())
-    report = {
-        "replica": replica,
-        "algorithm": algorithm,
-        "steps": total,
-        "samples": total * cfg.batch_size,
-        "final_loss": loss,
-        "final_test_accuracy": acc,
-        "final_test_loss": test_loss,
-        "wall_time_s": wall_s,
-        "syncs": syncs,
-        "commit_failures": total // cfg.period - syncs,
-        # Counted as cloudburst counts an all-reduce of |θ| fp32 values (a ring).
-        "sent_bytes": syncs * ring_bytes(numel, 4, cfg.workers),
-        "step_times": step_times,
-    }
+    # sent_bytes: counted as cloudburst counts an all-reduce of |θ| fp32 values (a ring).
+    report = {"replica": replica, "algorithm": algorithm, "steps": total,
+              "samples": total * cfg.batch_size, "final_loss": loss,
+              "final_test_accuracy": acc, "final_test_loss": test_loss, "wall_time_s": wall_s,
+              "syncs": syncs, "commit_failures": total // cfg.period - syncs,
+              "sent_bytes": syncs * ring_bytes(numel, 4, cfg.workers),
+              "step_times": step_times}  # fmt: skip
     (out / f"replica{replica}.json").write_text(json.dumps(report) + "\n")
     manager.shutdown(wait=False)
 

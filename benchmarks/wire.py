@@ -28,7 +28,6 @@ parameters, the end of the run's measurement collectives) and, per rank, by samp
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -72,15 +71,9 @@ def parse_ss(text: str) -> list[dict]:
         m = _SOCKET.match(line) if not line[0].isspace() else None
         if m:
             pid = _PID.search(m["rest"])
-            sockets.append(
-                {
-                    "local": m["local"],
-                    "peer": m["peer"],
-                    "pid": int(pid[1]) if pid else None,
-                    "bytes_sent": 0,
-                    "bytes_received": 0,
-                }
-            )
+            pid = int(pid[1]) if pid else None
+            sockets.append({"local": m["local"], "peer": m["peer"], "pid": pid,
+                            "bytes_sent": 0, "bytes_received": 0})  # fmt: skip
         elif sockets:
             for key, value in _BYTES.findall(line):
                 sockets[-1][key] = int(value)
@@ -187,18 +180,9 @@ def account(result: dict, ranks: dict[int, dict]) -> dict:
         kind = "store" if {port(s["local"]), port(s["peer"])} & store_ports else "data"
         per_rank[rank][f"{kind}_sent"] += s["bytes_sent"]
         per_rank[rank][f"{kind}_received"] += s["bytes_received"]
-    rows = []
-    for rank, r in sorted(ranks.items()):
-        wire = per_rank[rank]
-        rows.append(
-            {
-                "rank": rank,
-                "role": r.get("role"),
-                "counted_sent": r.get("sent_bytes"),
-                "counted_received": r.get("received_bytes"),
-                **wire,
-            }
-        )
+    rows = [{"rank": rank, "role": r.get("role"), "counted_sent": r.get("sent_bytes"),
+             "counted_received": r.get("received_bytes"), **per_rank[rank]}
+            for rank, r in sorted(ranks.items())]  # fmt: skip
     lo = result["lo"]
     store = sum(r["store_sent"] for r in per_rank.values()) + other["sent"]
     lo_payload = lo["tx_bytes"] - lo["tx_packets"] * HEADER_BYTES
@@ -215,24 +199,19 @@ def account(result: dict, ranks: dict[int, dict]) -> dict:
     }
 
 
-def run_wire(arm: harness.Arm, seed: int, steps: int, sample_s: float) -> harness.Run:
-    out_dir = harness.RUNS / "wire" / arm.name / f"seed{seed}"
+def run_wire(arm: harness.Arm, seed: int, out_dir: Path, sample_s: float) -> harness.Run:
+    """The job alone in a new network namespace, its sockets sampled (:func:`probe`)."""
     probe_json = out_dir.parent / f"seed{seed}.probe.json"
+    probe_json.unlink(missing_ok=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    train = [sys.executable, "-m", "cloudburst", "train", *arm.argv, *COMMON]
-    train += ["--steps", str(steps), "--seed", str(seed), "--out", str(out_dir), "--no-progress"]
-    cmd = ["unshare", "-rn", sys.executable, __file__, "--probe", str(probe_json)]
-    cmd += ["--sample-s", str(sample_s), "--", *train]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    started = time.monotonic()
-    proc = subprocess.run(cmd, cwd=harness.REPO, env=env, capture_output=True, text=True)
-    wall = time.monotonic() - started
-    if proc.returncode != 0 or not probe_json.is_file():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        return harness.Run(arm.name, seed, wall, failed=f"exit {proc.returncode}: {tail[0]}")
-    result = json.loads(probe_json.read_text())
-    values = account(result, rank_records(out_dir))
-    return harness.Run(arm.name, seed, round(wall, 3), values=values, out_dir=str(out_dir))
+    wrap = ["unshare", "-rn", sys.executable, __file__, "--probe", str(probe_json)]
+    wrap += ["--sample-s", str(sample_s), "--", *harness.CLI, "train"]
+    r = harness.run_train(arm, seed, out_dir, command=wrap)
+    if not r.failed and not probe_json.is_file():
+        r.failed = "no probe output"
+    elif not r.failed:
+        r.values = account(json.loads(probe_json.read_text()), rank_records(out_dir))
+    return r
 
 
 def ratio(a: int | None, b: int | None) -> float | None:
@@ -251,21 +230,19 @@ def main() -> None:
         p.add_argument("--sample-s", type=float, default=0.05, help="ss sampling period (s)")
         p.add_argument("--only", nargs="*", default=None, choices=list(STRATEGIES))
 
-    args = harness.parse_args(__doc__, add)
-    prov = harness.Provenance.capture(args)
+    args, prov = harness.start(__doc__, add)
     model = build_model("mlp", (40,), 10, 0)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     steps = args.steps or (40 if args.quick else 200)
     names = args.only or list(STRATEGIES)
-    arms = [harness.Arm(n, STRATEGIES[n]) for n in names]
-    runs = harness.interleave(
-        arms, [0], prov=prov, run=lambda arm, seed: run_wire(arm, seed, steps, args.sample_s)
-    )
+    arms = [harness.Arm(n, [*STRATEGIES[n], *COMMON, "--steps", str(steps)]) for n in names]
+    root = harness.RUNS / "wire"
+    runs = harness.interleave(arms, [0], prov=prov, run=lambda arm, seed: run_wire(
+        arm, seed, root / arm.name / f"seed{seed}", args.sample_s))  # fmt: skip
     report = harness.Report("wire", "Bytes on the wire (OS) beside cloudburst's counters", prov)
     report.settings(
-        f"W = 2, MNIST-1D MLP, {steps} steps per worker, seed 0; each job alone in a network "
-        f"namespace; `ss -tinpH` every {args.sample_s:g} s (per-socket payload bytes), "
-        "`/proc/net/dev` lo after the job (all bytes, headers included)."
+        f"W = 2, MNIST-1D MLP, {steps} steps per worker, seed 0; `ss -tinpH` every "
+        f"{args.sample_s:g} s.\n\n{harness.about(__doc__)}"
     )
     rows, jobs = [], []
     for r in runs:
@@ -273,72 +250,32 @@ def main() -> None:
             jobs.append([r.arm, "FAILED", r.failed, "", "", "", ""])
             continue
         v = report.data[r.arm] = r.values
-        wire_ratio = ratio(v["lo_data"], v["counted_sent"])
-        jobs.append(
-            [
-                r.arm,
-                v["counted_sent"],
-                v["lo_data"],
-                harness.fmt(wire_ratio, 4),
-                v["store_sent"],
-                v["lo"]["tx_packets"],
-                v["samples"],
-            ]
-        )
-        report.claim(
-            f"wire ÷ counted bytes, {r.arm}",
-            wire_ratio,
-            "1 ± 0.05",
-            None if wire_ratio is None else abs(wire_ratio - 1) <= 0.05,
-            seeds=1,
-        )
+        wire = ratio(v["lo_data"], v["counted_sent"])
+        jobs.append([r.arm, v["counted_sent"], v["lo_data"], harness.fmt(wire, 4),
+                     v["store_sent"], v["lo"]["tx_packets"], v["samples"]])  # fmt: skip
+        ok = None if wire is None else abs(wire - 1) <= 0.05
+        report.claim(f"wire ÷ counted bytes, {r.arm}", wire, "1 ± 0.05", ok, seeds=1)
         for x in v["ranks"]:
+            pairs = [(x[f"counted_{w}"], x[f"data_{w}"]) for w in ("sent", "received")]
             rows.append(
                 [
                     r.arm,
                     x["rank"],
                     x["role"],
-                    x["counted_sent"],
-                    x["data_sent"],
-                    harness.fmt(ratio(x["data_sent"], x["counted_sent"]), 4),
-                    x["counted_received"],
-                    x["data_received"],
-                    harness.fmt(ratio(x["data_received"], x["counted_received"]), 4),
+                    *(y for c, d in pairs for y in (c, d, harness.fmt(ratio(d, c), 4))),
                 ]
             )
     report.section("Job totals: loopback payload less the store's vs the counters")
-    report.table(
-        [
-            "strategy",
-            "counted sent",
-            "wire data (lo)",
-            "wire ÷ counted",
-            "store bytes",
-            "lo packets",
-            "ss samples",
-        ],
-        jobs,
-    )
+    report.table("strategy | counted sent | wire data (lo) | wire ÷ counted | store bytes | "
+                 "lo packets | ss samples", jobs)  # fmt: skip
     report.section("Per rank: sampled sockets (payload) vs the counters")
     report.text(
         f"The model's parameters are {model_bytes} bytes: a start-up broadcast of them (DDP, "
         "the strategies' initial sync) is on the wire and not in the counters. A socket's "
         "traffic after its last sample is missing here (not in the lo totals)."
     )
-    report.table(
-        [
-            "strategy",
-            "rank",
-            "role",
-            "counted sent",
-            "wire sent",
-            "÷",
-            "counted received",
-            "wire received",
-            "÷",
-        ],
-        rows,
-    )
+    report.table("strategy | rank | role | counted sent | wire sent | ÷ | counted received | "
+                 "wire received | ÷", rows)  # fmt: skip
     report.write(runs)
 
 

@@ -6,6 +6,7 @@ Expected values are worked out by hand in the comments.
 from __future__ import annotations
 
 import json
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -176,3 +177,47 @@ def test_ratio_claim_turns_a_censored_median_into_a_bound(tmp_path, monkeypatch)
     assert (c.value, c.ok) == ("≤ 0.2", True)
     c = harness.ratio_claim(report, "x", [None] * 2, [None] * 2, None, "≤ 0.75", at_most, 10)
     assert (c.value, c.ok) == ("both censored", False)
+
+
+def test_ratio_claim_takes_an_aa_ratio_computed_elsewhere(tmp_path, monkeypatch):
+    report = harness.Report("demo", "A demo", provenance(tmp_path, monkeypatch))
+    c = harness.ratio_claim(report, "x", [2.0] * 3, [4.0] * 3, 1.03, "≤ 1", lambda r: r <= 1)
+    assert (c.value, c.aa, c.ok, c.seeds) == (0.5, 1.03, True, 3)
+
+
+def test_step_s_is_the_median_window_after_the_skipped_steps():
+    # rank a: steps 0→16 in 1.6 s (0.1 s a step), 16→32 in 3.2 s (0.2); rank b: 16→32 in 4.8 s
+    times = {"a": [[0, 0.0], [16, 1.6], [32, 4.8]], "b": [[16, 0.0], [32, 4.8]]}
+    assert harness.step_s(times) == pytest.approx(0.2)  # median of 0.1, 0.2, 0.3
+    assert harness.step_s(times, skip_steps=16) == pytest.approx(0.25)  # of 0.2, 0.3
+    assert harness.step_s(times, skip_steps=32) is None
+
+
+def test_about_drops_the_title_and_the_command_lines_and_tables_take_a_header_string(
+    tmp_path, monkeypatch
+):
+    doc = "Title line.\n\nFirst paragraph\ngoes on.\n\n    .venv/bin/python x.py\n\nLast one.\n"
+    assert harness.about(doc) == "First paragraph\ngoes on.\n\nLast one."
+    report = harness.Report("demo", "A demo", provenance(tmp_path, monkeypatch))
+    report.table("a | b c", [[1, "x"]])
+    assert report.body[:3] == ["| a | b c |", "|---|---|", "| 1 | x |"]
+
+
+@pytest.mark.spawns
+def test_run_train_runs_a_command_and_reads_its_run_directory(tmp_path):
+    # A stand-in for `cloudburst train`: writes the summary and one eval record where --out says.
+    script = (
+        "import json, pathlib, sys; a = sys.argv; out = pathlib.Path(a[a.index('--out') + 1]);"
+        "(out / 'metrics').mkdir(parents=True);"
+        "seed = a[a.index('--seed') + 1];"
+        "(out / 'summary.json').write_text(json.dumps({'config': {}, 'seed': seed}));"
+        "(out / 'metrics' / 'rank0.jsonl').write_text(json.dumps({'event': 'eval', 'time_s': 1.0,"
+        " 'samples': 8, 'test_accuracy': 0.5}) + '\\n')"
+    )  # fmt: skip
+    command = (sys.executable, "-c", script)
+    r = harness.run_train(Arm("a", ["--flag"]), 7, tmp_path / "run", command=command)
+    assert (r.failed, r.summary, r.evals) == (None, {"seed": "7"}, [(1.0, 8, 0.5)])
+    r = harness.run_train(Arm("b"), 7, tmp_path / "none", command=(sys.executable, "-c", "0"))
+    assert r.failed == "no summary.json"
+    r = harness.run_train(Arm("c"), 7, tmp_path / "x", command=(sys.executable, "-c", "exit(3)"))
+    assert r.failed.startswith("exit 3")
