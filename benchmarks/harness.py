@@ -614,20 +614,10 @@ class Report:
         self.body: list[str] = []
         self.data: dict[str, Any] = {}
 
-    def claim(
-        self,
-        name: str,
-        value: float | str | None,
-        target: str,
-        ok: bool | None,
-        aa: float | str | None = None,
-        interval: tuple[float, float] | None = None,
-        seeds: int | None = None,
-        note: str = "",
-    ) -> Claim:
-        c = Claim(name, value, target, ok, aa, interval, seeds, note)
-        self.claims.append(c)
-        return c
+    def claim(self, *args: Any, **kwargs: Any) -> Claim:
+        """Add a :class:`Claim` (its fields, in order or by name)."""
+        self.claims.append(Claim(*args, **kwargs))
+        return self.claims[-1]
 
     def settings(self, text: str) -> Report:
         self.body += ["## Settings", "", text.strip(), ""]
