@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -266,20 +266,25 @@ class Run:
         return asdict(self)
 
 
+def records(out_dir: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(file name, record) of every rank's metrics records, a line cut short by a kill left out."""
+    for path in sorted(Path(out_dir, "metrics").glob("rank*.jsonl")):
+        for line in path.read_text(errors="ignore").splitlines():
+            try:
+                yield path.name, json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
 def read_evals(out_dir: str | Path) -> list[tuple[float, int, float]]:
     """The eval records of a run directory as ``(time_s, samples, accuracy)``, sorted by time.
     The time is ``train_time_s`` (the training clock with evaluation taken out) where the
     records carry it, else ``time_s``."""
     evals = []
-    for path in sorted(Path(out_dir, "metrics").glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a killed run
-            if r.get("event") == "eval" and isinstance(r.get("test_accuracy"), int | float):
-                t = r.get("train_time_s", r["time_s"])
-                evals.append((float(t), int(r.get("samples", 0)), float(r["test_accuracy"])))
+    for _, r in records(out_dir):
+        if r.get("event") == "eval" and isinstance(r.get("test_accuracy"), int | float):
+            t = r.get("train_time_s", r["time_s"])
+            evals.append((float(t), int(r.get("samples", 0)), float(r["test_accuracy"])))
     return sorted(evals)
 
 
@@ -339,11 +344,9 @@ def step_s(step_times: dict[str, list[list[float]]], skip_steps: int = 0) -> flo
 def run_step_s(out_dir: str | Path, skip_steps: int = 32) -> float | None:
     """:func:`step_s` of a run directory's ``step`` records (every rank's)."""
     times: dict[str, list[list[float]]] = {}
-    for path in Path(out_dir, "metrics").glob("rank*.jsonl"):
-        for line in path.read_text().splitlines():
-            r = json.loads(line) if line.startswith("{") and line.endswith("}") else {}
-            if r.get("event") == "step":
-                times.setdefault(path.name, []).append([r["step"], r["time_s"]])
+    for rank, r in records(out_dir):
+        if r.get("event") == "step":
+            times.setdefault(rank, []).append([r["step"], r["time_s"]])
     return step_s(times, skip_steps)
 
 

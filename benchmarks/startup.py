@@ -11,7 +11,6 @@ records split the time: until every rank joined the job (``start``), and until t
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -61,16 +60,11 @@ def first_step(out: Path) -> dict[str, float]:
         raise RuntimeError(f"no step record within 120 s (exit {proc.returncode})")
     result = {"seconds": seen}
     starts, firsts = [], []
-    for path in (out / "metrics").glob("rank*.jsonl"):
-        for line in path.read_text(errors="ignore").splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if r.get("event") == "start":
-                starts.append(r["wall"])
-            elif r.get("event") == "first_step":
-                firsts.append(r["wall"])
+    for _, r in harness.records(out):
+        if r.get("event") == "start":
+            starts.append(r["wall"])
+        elif r.get("event") == "first_step":
+            firsts.append(r["wall"])
     if starts:
         result["ranks_joined_s"] = max(starts) - started_wall
     if firsts:

@@ -1,26 +1,24 @@
 """Bytes on the wire, counted by the OS, beside cloudburst's own counters (issue 18 item 4).
 
-Each strategy's job runs alone in a fresh network namespace (``unshare -rn``: a user and a
-network namespace, no privileges needed; only its loopback device, brought up inside), so
-every socket there is the job's. Two OS counts:
+Each strategy's job runs alone in a fresh network namespace (``unshare -rn``: no privileges
+needed; only its loopback device, brought up inside), so every socket there is the job's. Two
+OS counts:
 
-- **per process**: ``ss -tinpH`` every ``--sample-s`` — each TCP socket's ``bytes_sent`` and
-  ``bytes_received`` (TCP_INFO: payload bytes, no headers), its process and ports; a socket's
-  last sample is its count. Sockets are split into the store's (to and from a port listened
-  on by the launcher or named by a rank's ``MASTER_PORT``: rendezvous, liveness heartbeats,
-  the end-of-run reports) and the data connections between ranks (gloo's pairs);
-- **the namespace's total**: the loopback device's bytes and packets from ``/proc/net/dev``
-  after the job ended (every byte, nothing lost to sampling); its payload is the bytes less
-  ``HEADER_BYTES`` per packet, and less the store's bytes (from the samples) it is the data
-  the ranks sent each other — the job-wide figure the claim compares with the counters.
+- **per process**: ``ss -tinpH`` every ``--sample-s``: each TCP socket's ``bytes_sent`` and
+  ``bytes_received`` (TCP_INFO: payload, no headers), process and ports; a socket's last
+  sample is its count. Sockets to or from a port the launcher listens on or a rank's
+  ``MASTER_PORT`` names are the store's (rendezvous, heartbeats, end-of-run reports); the
+  rest are the data connections between ranks (gloo's pairs);
+- **the namespace's total**: the loopback device's bytes and packets (``/proc/net/dev``) after
+  the job (every byte); less ``HEADER_BYTES`` per packet and less the store's bytes, it is the
+  data the ranks sent each other: the figure the claim compares with the sum of the ranks'
+  ``sent_bytes`` counters (their ``final`` records).
 
-The claim compares the job's total (exact) with the sum of cloudburst's counters (each
-rank's ``sent_bytes``, its ``final`` metrics record); the per-rank table sets each rank's
-sampled data bytes beside its counters, a lower bound: traffic after a socket's last sample
-is lost when it closes (``ss -E``'s destroy events do not reach an unprivileged namespace
-here), which a short job's whole traffic can be. Wire and counters differ by gloo's framing
-of each message, by traffic the counters leave out by design (start-up broadcasts of the
-parameters, the end of the run's measurement collectives) and, per rank, by sampling.
+The per-rank table's sampled bytes are a lower bound: traffic after a socket's last sample is
+lost when it closes (``ss -E``'s destroy events do not reach an unprivileged namespace). Wire
+and counters differ by gloo's framing, by traffic the counters leave out by design (start-up
+broadcasts of the parameters, the end-of-run measurement collectives) and, per rank, by
+sampling.
 
     .venv/bin/python benchmarks/wire.py [--quick] [--force]
 """
@@ -145,18 +143,13 @@ def _master_port(pid: int | None) -> set[int]:
 def rank_records(out_dir: Path) -> dict[int, dict]:
     """Per rank: its pid (the ``start`` record) and its counters (the ``final`` record)."""
     ranks: dict[int, dict] = {}
-    for path in sorted((out_dir / "metrics").glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            rank = ranks.setdefault(int(r["rank"]), {"role": r.get("role")})
-            if r.get("event") == "start":
-                rank["pid"] = r["pid"]
-            elif r.get("event") == "final":
-                rank["sent_bytes"] = r.get("sent_bytes")
-                rank["received_bytes"] = r.get("received_bytes")
+    for _, r in harness.records(out_dir):
+        rank = ranks.setdefault(int(r["rank"]), {"role": r.get("role")})
+        if r.get("event") == "start":
+            rank["pid"] = r["pid"]
+        elif r.get("event") == "final":
+            rank["sent_bytes"] = r.get("sent_bytes")
+            rank["received_bytes"] = r.get("received_bytes")
     return ranks
 
 
