@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import json
 import logging
 import multiprocessing as mp
@@ -486,8 +487,15 @@ def _shorten_agent_stop_grace() -> None:
 
     ProcessContext.join = _join
 
+    # torch < 2.13's ``_shutdown(death_sig)`` has no timeout (its grace is ProcessContext's,
+    # shortened above); a GPU machine's own torch may be one of those.
+    takes_timeout = "timeout" in inspect.signature(original).parameters
+
     def _shutdown(self, death_sig=signal.SIGTERM, timeout: int = AGENT_STOP_GRACE_S) -> None:
-        original(self, death_sig, min(timeout, AGENT_STOP_GRACE_S))
+        if takes_timeout:
+            original(self, death_sig, min(timeout, AGENT_STOP_GRACE_S))
+        else:
+            original(self, death_sig)
 
     _shutdown._cloudburst = True
     LocalElasticAgent._shutdown = _shutdown

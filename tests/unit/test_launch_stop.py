@@ -63,3 +63,29 @@ def test_a_second_signal_kills_a_process_that_ignores_sigterm_at_once():
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+@pytest.mark.parametrize("with_timeout", [True, False])
+def test_the_agent_shutdown_patch_fits_either_torch_signature(monkeypatch, with_timeout):
+    """torch 2.13's ``LocalElasticAgent._shutdown(death_sig, timeout)`` and older torch's
+    ``_shutdown(death_sig)`` (a GPU machine's own torch): the shortened grace calls either
+    (an older torch got a third argument and crashed the agent after a rank failed)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.multiprocessing.spawn import ProcessContext
+
+    calls = []
+    if with_timeout:
+
+        def original(self, death_sig=signal.SIGTERM, timeout=30):
+            calls.append((death_sig, timeout))
+    else:
+
+        def original(self, death_sig=signal.SIGTERM):
+            calls.append((death_sig,))
+
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", original)
+    monkeypatch.setattr(ProcessContext, "join", ProcessContext.join)
+    launch._shorten_agent_stop_grace()
+    LocalElasticAgent._shutdown(object(), signal.SIGKILL)
+    expected = (signal.SIGKILL, launch.AGENT_STOP_GRACE_S) if with_timeout else (signal.SIGKILL,)
+    assert calls == [expected]
