@@ -389,11 +389,20 @@ def launch_and_report(cfg: RunConfig) -> int:
         return _interrupted(e.summary)
     print(format_summary([summary]))
     if summary.get("failed_agents"):
+        from cloudburst.launch import rank_errors
+
+        lost = summary.get("lost_workers") or []
         print(
             f"cloudburst: some ranks failed (agent exit codes {summary['failed_agents']}); "
-            f"lost workers: {summary['lost_workers']}",
+            f"lost workers: {lost}",
             file=sys.stderr,
         )
+        for line in rank_errors(Path(cfg.out))[:3]:
+            print(f"cloudburst: a rank failed with: {line}", file=sys.stderr)
+        print(f"cloudburst: logs in {os.path.join(cfg.out, 'logs')}", file=sys.stderr)
+        if len(lost) >= cfg.workers:  # nobody trained to the end: the model is not a result
+            print("cloudburst: every worker was lost; the run failed", file=sys.stderr)
+            return 1
     return 0
 
 

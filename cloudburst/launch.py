@@ -192,6 +192,22 @@ def failure_reason(out: Path) -> str | None:
     return None if first is None else first["reason"]
 
 
+def rank_errors(out: Path) -> list[str]:
+    """The exception each failed rank reported (torch's ``error.json`` under ``logs/``), one
+    line each, the first of every distinct message only."""
+    found: list[str] = []
+    for path in sorted((out / "logs").glob("**/error.json")):
+        try:
+            message = json.loads(path.read_text())["message"]
+            message = message["message"] if isinstance(message, dict) else message
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        line = str(message).strip().splitlines()[0] if str(message).strip() else ""
+        if line and line not in found:
+            found.append(line)
+    return found
+
+
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
