@@ -168,9 +168,9 @@ def _acc(runs: list[harness.Run]) -> list[float]:
     return [r.final_accuracy for r in runs if not r.failed and r.final_accuracy is not None]
 
 
-def _median(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+def _bps(runs: list[harness.Run]) -> float | None:
+    """The median inter-node bytes per sample of ``runs``."""
+    return harness.median(r.values.get("bytes_per_sample") for r in runs)
 
 
 def _minus(accs: list[float], sync_acc: list[float]) -> str:
@@ -182,18 +182,18 @@ def _minus(accs: list[float], sync_acc: list[float]) -> str:
 
 def report_bytes(report: harness.Report, runs: list[harness.Run], s: dict) -> None:
     groups = harness.by_arm(runs)
-    sync_bytes = _median([r.values.get("bytes_per_sample") for r in groups["sync"]])
+    sync_bytes = _bps(groups["sync"])
     sync_acc = _acc(groups["sync"])
     rows = []
     for arm, group in groups.items():
-        bps, accs = _median([r.values.get("bytes_per_sample") for r in group]), _acc(group)
+        bps, accs = _bps(group), _acc(group)
         ratio = bps / sync_bytes if bps and sync_bytes else None
         rows.append([f"`{arm}`", f"{len(accs)}/{len(group)}", harness.fmt(bps),
                      "1" if arm == "sync" else f"1/{1 / ratio:.1f}" if ratio else "-",
                      ", ".join(harness.pct(a) for a in accs),
                      _minus(accs, sync_acc)])  # fmt: skip
     target = groups.get("sdiloco_f4_int8_h32", [])
-    bps = _median([r.values.get("bytes_per_sample") for r in target])
+    bps = _bps(target)
     if bps and sync_bytes and _acc(target) and sync_acc:
         ratio = bps / sync_bytes
         report.claim("Streaming DiLoCo int8 (H = 32, F = 4): inter-node bytes ÷ sync's", ratio,
@@ -226,9 +226,9 @@ def report_link(report: harness.Report, runs: list[harness.Run], s: dict) -> dic
         reached = [next(e[1] for e in r.evals if e[0] == t)
                    for r, t in zip(group, times, strict=True) if t is not None]  # fmt: skip
         steps_to[arm] = round(statistics.median(reached) / (WORKERS * BATCH)) if reached else None
-        step_ms = _median([1e3 * r.values["step_s"] for r in group if r.values.get("step_s")])
+        step_ms = harness.median(1e3 * r.values["step_s"] for r in group if r.values.get("step_s"))
         rows.append([f"`{arm}`", f"{len(accs)}/{len(group)}",
-                     harness.fmt(_median([r.values.get("bytes_per_sample") for r in group])),
+                     harness.fmt(_bps(group)),
                      f"{harness.pct(statistics.fmean(accs))}" if accs else "-",
                      _minus(accs, sync_acc),
                      f"{harness.fmt(med)} ({len(times) - censored}/{len(times)})",

@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -505,6 +505,12 @@ def bootstrap_difference(
     return _bootstrap(
         a, b, lambda xa, xb: statistics.fmean(xa) - statistics.fmean(xb), n, seed, None
     )
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that are not ``None`` (``None`` if there are none)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def times_to(runs: Sequence[Run], target: float, k: int = K_CONSECUTIVE) -> list[float | None]:
