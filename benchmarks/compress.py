@@ -50,24 +50,24 @@ COMMON = ("--model", WIDE, "--dataset", "mnist1d", "--workers", str(WORKERS),
           "0", "--log-every-steps", "16")  # fmt: skip
 
 
+TARGET_ARM = "sdiloco_f4_int8_h32"
+SMALL = ["sync", TARGET_ARM]
+
+
 def settings(quick: bool, seeds: int | None) -> dict:
     """What runs: ≤ ~10 min in all on this 2-core machine (≤ ~2 min with ``--quick``)."""
     n = seeds or (1 if quick else 3)
     return {
         "seeds": list(range(n)),
         "bytes_steps": 64 if quick else 800,  # 25 outer steps at H = 32
-        "bytes_arms": ["sync", "sdiloco_f4_int8_h32"],
+        "bytes_arms": SMALL,
         "steps": 48 if quick else 288,  # sync reaches 80 % in ~200 (results/compress.md at 67bf9c1)
-        "link_arms": ["sync", "sdiloco_f4_int8_h32"]
-        if quick
-        else ["sync", "sync_bf16", "sync_powersgd1", "sdiloco_f4_int8_h32"],
+        "link_arms": SMALL if quick else ["sync", "sync_bf16", "sync_powersgd1", TARGET_ARM],
         "torchft_steps": 48 if quick else 96,  # the first 32 left out of the step time
         "torchft_arms": ["diloco"] if quick else ["diloco", "sdiloco_f2"],
         "sim_links": [1.0] if quick else [0.1, 1.0, 10.0],
         "sim_steps": 32,  # one period of H = 32
-        "sim_arms": ["sync", "sdiloco_f4_int8_h32"]
-        if quick
-        else ["sync", "sync_bf16", "sdiloco_f4_int8_h8", "sdiloco_f4_int8_h32"],
+        "sim_arms": SMALL if quick else ["sync", "sync_bf16", "sdiloco_f4_int8_h8", TARGET_ARM],
     }
 
 

@@ -558,18 +558,10 @@ class Claim:
         return "-" if self.ok is None else ("PASS" if self.ok else "MISS")
 
     def row(self) -> list[str]:
-        interval = (
-            "-" if self.interval is None else f"[{fmt(self.interval[0])}, {fmt(self.interval[1])}]"
-        )
-        return [
-            self.name,
-            f"**{fmt(self.value)}**",
-            self.target,
-            fmt(self.aa),
-            interval,
-            fmt(self.seeds),
-            self.verdict + (f" ({self.note})" if self.note else ""),
-        ]
+        iv, note = self.interval, f" ({self.note})" if self.note else ""
+        interval = "-" if iv is None else f"[{fmt(iv[0])}, {fmt(iv[1])}]"
+        return [self.name, f"**{fmt(self.value)}**", self.target, fmt(self.aa), interval,
+                fmt(self.seeds), self.verdict + note]  # fmt: skip
 
 
 CLAIM_HEADERS = ["claim", "value", "target", "A/A", "95 % interval", "seeds", "verdict"]
