@@ -340,12 +340,15 @@ def gossip_pull(
     peer: Callable[[int, int], int],
     every: int = 1,
     order: Sequence[int] | None = None,
+    full_step: bool = True,
 ) -> GossipRun:
     """Gossip, pull variant: every worker publishes θ at each step boundary; after every
     k-th (``every``) local step, in its round r (from 0) worker i pulls θ_j, j = peer(i, r), as
-    j last published it and sets θ_i ← (θ_i + θ_j)/2. Each step, workers act one after the
-    other in ``order`` (default 0..W−1), so a pull sees the peers before it in this step and
-    the others at their previous step."""
+    j last published it and sets θ_i ← θ_i + (θ_j − θ_i^b)/2, θ_i^b its own last published θ
+    (``full_step``: the boundaries averaged, its step since kept in full), else
+    θ_i ← (θ_i + θ_j)/2. Each step, workers act one after the other in ``order`` (default
+    0..W−1), so a pull sees the peers before it in this step and the others at their
+    previous step."""
     order = list(range(len(models))) if order is None else list(order)
     published = [(flat(m), 0) for m in models]  # (θ, step it was taken at)
     rounds = [0] * len(models)
@@ -358,7 +361,10 @@ def gossip_pull(
                 j = peer(w, rounds[w])
                 rounds[w] += 1
                 peer_theta, peer_step = published[j]
-                theta = (theta + peer_theta) / 2
+                if full_step:
+                    theta = theta + 0.5 * peer_theta - 0.5 * published[w][0]
+                else:
+                    theta = (theta + peer_theta) / 2
                 set_flat(models[w], theta)
                 run.pulls.append((w, j, step - peer_step))
             published[w] = (theta, step)

@@ -260,6 +260,13 @@ class GossipConfig:
         choices=GOSSIP_SCHEDULES,
     )
     gossip_every: int = option(1, "gossip every k local steps")
+    gossip_full_step: bool = option(
+        True,
+        "average the replicas as published at step boundaries and keep each worker's own "
+        "step since in full (off: average the post-step θ_i with the peer's θ_j, a step "
+        "older, which drops about half of every local step from the replicas' mean)",
+        flag="--gossip-no-full-step",
+    )
     gossip_push_sum: bool = option(
         False, "push-sum weights (Stochastic Gradient Push), with a push variant only"
     )

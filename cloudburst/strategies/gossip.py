@@ -3,8 +3,12 @@
 Algorithm (docs/algorithms.md#gossip; Jin, Yuan, Iandola, Keutzer 2016, "How to scale distributed
 deep learning?"; push-sum from Assran et al. 2019, Stochastic Gradient Push): every worker trains
 its own replica; every k = ``gossip_every`` steps it gossips with one peer j given by the schedule.
-*Pull*: fetch θ_j, set θ_i ← (θ_i + θ_j)/2. *Push*: send θ_i to j, which folds all it received at
-its next step boundary: θ_j ← (θ_j + Σ received)/(1 + n). *Push-sum* (SGP): each worker carries a
+*Pull*: fetch θ_j, set θ_i ← (θ_i^b + θ_j)/2 + (θ_i − θ_i^b). *Push*: send θ_i to j, which folds
+all it received at its next step boundary: θ_j ← (θ_j^b + Σ received)/(1 + n) + (θ_j − θ_j^b).
+θ^b is a worker's replica as it last published it (its last step boundary): a served θ_j is
+from j's last boundary, so the boundaries are averaged and the local step since is kept in
+full (``gossip_full_step``; without it, θ_i ← (θ_i + θ_j)/2 keeps half of every local step in
+the replicas' mean, docs/algorithms.md#gossip). *Push-sum* (SGP): each worker carries a
 weight w (1 at the start); sending, it keeps w/2 and sends the numerator θ·w/2 with the weight w/2;
 a receiver adds numerators (to its θ·w) and weights, and trains on the de-biased θ = numerator / w;
 Σ_i w_i = W and Σ_i w_i θ_i are kept exactly (messages in flight included), so the replicas agree on
@@ -95,16 +99,38 @@ class PeerSchedule:
 
 
 # ---------------------------------------------------------------------------- mixing: weights
-def pull_average(own: torch.Tensor, peer: torch.Tensor) -> torch.Tensor:
-    """Pull: (θ_i + θ_j) / 2 (in place into ``own``)."""
-    return own.add_(peer.to(own.device)).mul_(0.5)
+def pull_average(
+    own: torch.Tensor, peer: torch.Tensor, own_published: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Pull: (θ_i + θ_j) / 2 (in place into ``own``).
+
+    With ``own_published`` (θ_i^b, this replica at its last step boundary, the point a
+    peer's served θ_j is from): (θ_i^b + θ_j) / 2 + (θ_i − θ_i^b) = θ_i + (θ_j − θ_i^b) / 2,
+    the boundaries averaged and the local step since kept in full."""
+    peer = peer.to(own.device)
+    if own_published is None:
+        return own.add_(peer).mul_(0.5)
+    return own.add_(peer, alpha=0.5).sub_(own_published, alpha=0.5)
 
 
-def push_fold(own: torch.Tensor, received_sum: torch.Tensor, count: int) -> torch.Tensor:
-    """Push: (θ_j + Σ received) / (1 + n) (in place into ``own``; no-op when n = 0)."""
+def push_fold(
+    own: torch.Tensor,
+    received_sum: torch.Tensor,
+    count: int,
+    own_published: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Push: (θ_j + Σ received) / (1 + n) (in place into ``own``; no-op when n = 0).
+
+    With ``own_published`` (θ_j^b, this replica at its last step boundary):
+    (θ_j^b + Σ received) / (1 + n) + (θ_j − θ_j^b), the local step since kept in full."""
     if count == 0:
         return own
-    return own.add_(received_sum.to(own.device)).div_(1 + count)
+    received_sum = received_sum.to(own.device)
+    if own_published is None:
+        return own.add_(received_sum).div_(1 + count)
+    return own.add_(received_sum, alpha=1 / (1 + count)).sub_(
+        own_published, alpha=count / (1 + count)
+    )
 
 
 def push_sum_split(weight: float) -> tuple[float, float]:
@@ -139,6 +165,8 @@ class GossipStrategy(Strategy):
         self.graph = PeerSchedule(cfg.gossip_schedule, cfg.workers, cfg.seed)
         self.variant = cfg.gossip_variant
         self.push_sum = cfg.gossip_push_sum
+        # Average the replicas as published (step boundaries), the local step kept in full.
+        self.full_step = cfg.gossip_full_step and not self.push_sum
         self.measure_stats = CommStats()  # the consensus all-reduces, apart from gossip
         self.weight = 1.0  # push-sum weight w
         self.rounds = 0
@@ -160,6 +188,8 @@ class GossipStrategy(Strategy):
             )
         self.model = model
         self._flat = flatten_params(model)  # on the replica's device
+        # θ_i as last published (its last step boundary), what its peers average with.
+        self._published = self._flat.clone() if self.full_step else None
         numel = self._flat.numel()
         # Host buffers for gloo: what a pull brings, what a push sends.
         self._host = torch.empty(numel, dtype=torch.float32)
@@ -184,7 +214,7 @@ class GossipStrategy(Strategy):
         return model
 
     def start(self) -> None:
-        self.snapshot.publish(flatten_params(self.model, out=self._flat), self.local_steps)
+        self._publish(flatten_params(self.model, out=self._flat))
         self.transport.start(self.snapshot, self.mailbox)
 
     # ------------------------------------------------------------------ training
@@ -203,13 +233,19 @@ class GossipStrategy(Strategy):
                 self._push(flat, peer)
         if changed:
             assign_flat(self.model, flat)
-        self.snapshot.publish(flat, self.local_steps)
+        self._publish(flat)
         self.transport.keepalive()
         self.transport.merge_serving_stats()
         if self.local_steps % self.cfg.consensus_every_steps == 0:
             distance = self.consensus_distance()
             self.consensus_history.append([self.local_steps, distance])
             self._unreported = [self.local_steps, distance]
+
+    def _publish(self, flat: torch.Tensor) -> None:
+        """Serve ``flat`` to pullers from now on (this step boundary's θ_i), and keep it."""
+        self.snapshot.publish(flat, self.local_steps)
+        if self._published is not None:
+            self._published.copy_(flat)
 
     def _peer_rank(self, worker: int) -> int:
         return self.ctx.num_servers + worker
@@ -222,7 +258,7 @@ class GossipStrategy(Strategy):
             self.rounds_skipped += 1
             return False
         self.last_peer_lag_steps = self.local_steps - peer_step
-        pull_average(flat, self._host)
+        pull_average(flat, self._host, self._published)
         return True
 
     def _push(self, flat: torch.Tensor, peer: int) -> None:
@@ -243,7 +279,7 @@ class GossipStrategy(Strategy):
         if self.push_sum:
             _, self.weight = push_sum_fold(flat, self.weight, received, weight_sum)
         else:
-            push_fold(flat, received, count)
+            push_fold(flat, received, count, self._published)
         self.messages_folded += count
         return True
 
@@ -282,7 +318,7 @@ class GossipStrategy(Strategy):
         flat = flatten_params(self.model, out=self._flat)
         if self._fold_mailbox(flat):
             assign_flat(self.model, flat)
-        self.snapshot.publish(flat, self.local_steps)
+        self._publish(flat)
         self.final_consensus_distance = self.consensus_distance()
         if self.ctx.worker_index == 0:
             log.info("gossip: final consensus distance %.3g", self.final_consensus_distance)

@@ -55,6 +55,7 @@ USAGE = [
     "--fragment-delay FRAGMENT_DELAY",
     "--fragments FRAGMENTS",
     "--gossip-every GOSSIP_EVERY",
+    "--gossip-no-full-step",
     "--gossip-push-sum",
     "--gossip-schedule {random,ring,exponential}",
     "--gossip-variant {pull,push}",
@@ -112,7 +113,8 @@ FULL = """
 --nodes 2 --inter-node-link 1,2 --period 6 --local-sgd-warmup-steps 3 --diloco-outer-lr 0.4
 --diloco-outer-momentum 0.8 --diloco-no-nesterov --easgd-tau 4 --easgd-alpha 0.2 --easgd-beta 0.7
 --gossip-variant push --gossip-schedule ring --gossip-every 2 --gossip-push-sum
---consensus-every-steps 20 --daso-global-skip 6 --daso-batches-to-wait 2 --daso-local-skip 2
+--gossip-no-full-step --consensus-every-steps 20 --daso-global-skip 6 --daso-batches-to-wait 2
+--daso-local-skip 2
 --daso-max-global-skips 9 --daso-warmup-epochs 1.5 --daso-cooldown-epochs 2.5
 --daso-stability-level 0.1 --daso-patience 3 --daso-skip-reduction-factor 3 --daso-fixed
 --daso-downcast fp16 --daso-cycling-downcast bf16 --daso-no-epoch-end-sync
@@ -165,6 +167,7 @@ FULL_DICT = {
     "fragment_delay": 0,
     "fragments": 1,
     "gossip_every": 2,
+    "gossip_full_step": False,
     "gossip_push_sum": True,
     "gossip_schedule": "ring",
     "gossip_variant": "push",
@@ -251,6 +254,7 @@ DEFAULTS_DICT = {
     "fragment_delay": 0,
     "fragments": 1,
     "gossip_every": 1,
+    "gossip_full_step": True,
     "gossip_push_sum": False,
     "gossip_schedule": "exponential",
     "gossip_variant": "pull",
