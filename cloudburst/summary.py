@@ -166,6 +166,7 @@ def finalize_run(
             load_model_buffers(model, ctx.store.get("buffers"))
         except Exception as e:  # noqa: BLE001 - worker 0 was lost: keep the initial buffers
             log.warning("no model buffers from worker 0 (%s); evaluating with initial ones", e)
+    t_start = ctx.comm.now()
     acc, test_loss = evaluate_dataset(
         model,
         in_memory(data.test),
@@ -173,15 +174,7 @@ def finalize_run(
         ctx.device,
         autocast=cfg.autocast == "bf16",
     )
-    metrics.log(
-        "eval",
-        time_s=wall_time_s,
-        samples=global_samples,
-        test_accuracy=acc,
-        test_loss=test_loss,
-        final=True,
-    )
-    save_model(f"{cfg.out}/model.pt", model, {"config": cfg.to_dict(), "test_accuracy": acc})
+    eval_s = ctx.comm.now() - t_start
     reports = {0: own_report}
     for r in range(1, ctx.world_size):
         if r in lost:
@@ -194,6 +187,19 @@ def finalize_run(
             log.warning("no report from rank %d (%s); it is counted as lost", r, e)
             if r >= cfg.servers:
                 lost.append(r)
+    # As every evaluation record (cloudburst.train.Evaluator): the clock, and the clock less
+    # the time the evaluating worker spent on every earlier evaluation.
+    metrics.log(
+        "eval",
+        time_s=wall_time_s,
+        train_time_s=wall_time_s - evaluation_time_s(reports.values()),
+        eval_s=eval_s,
+        samples=global_samples,
+        test_accuracy=acc,
+        test_loss=test_loss,
+        final=True,
+    )
+    save_model(f"{cfg.out}/model.pt", model, {"config": cfg.to_dict(), "test_accuracy": acc})
     lost_set = set(lost) | {r for rep in reports.values() for r in rep.get("lost_workers", [])}
     evals = [e for rep in reports.values() for e in rep.get("evals", [])]
     evals.append([wall_time_s, global_samples, acc])
@@ -250,6 +256,12 @@ def finalize_run(
     write_json_atomic(f"{cfg.out}/summary.json", summary)
     log.info("summary written: accuracy %.4f in %.1f s", acc, wall_time_s)
     return summary
+
+
+def evaluation_time_s(reports) -> float:
+    """Seconds the evaluating worker spent on its evaluations during training (its report's
+    ``eval_time_s``; 0 when no report has one, e.g. its worker was lost)."""
+    return sum(float(rep.get("eval_time_s", 0.0)) for rep in reports)
 
 
 def _replica_summary(workers: list[dict[str, Any]]) -> dict[str, Any]:

@@ -316,6 +316,8 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         "resumed_from_step": start_step,
         **strategy.report(),
         "evals": evaluator.history if evaluator else [],
+        # What the final evaluation record's train_time_s leaves out (finalize_run).
+        "eval_time_s": evaluator.eval_s if evaluator else 0.0,
     }
     wall_time_s = ctx.elapsed_s()
     averaged = None
