@@ -8,6 +8,10 @@ act, reply. Workers never wait for each other; they wait only for the server's r
 that stops sending (killed, hung) simply stops being served; when the remaining workers have
 finished, the server asks the job store which of the silent ones still send heartbeats and
 records the others as lost. Shards are checkpointed every ``checkpoint_every`` applied pushes.
+A reply that carries no θ (a push's acknowledgement, an overlapped PUSH_FETCH's) leaves once the
+push is admitted (``ShardState.admit_push``), before θ moves (``add_push``): the worker's own
+θ + αΔ then runs while the server adds the same Δ, and the next request, handled after the add,
+sees it applied.
 
 A killed worker that its agent restarts (``--max-restarts``) *rejoins*: it cannot re-enter the
 world group, so it announces itself in the job store (:class:`cloudburst.runtime.RejoinBoard`)
@@ -292,7 +296,7 @@ class ServerLoop(RequestServing):
             overlapped = h.kind == Kind.PUSH_FETCH and self.overlap_replies
             if overlapped:
                 # θ before this push goes back while Δ comes in (both directions at once); the
-                # worker adds its own Δ exactly as apply_push will, unless the reply rejects it.
+                # worker adds its own Δ exactly as add_push will, unless the reply rejects it.
                 send_theta = transport.isend_payload(src, self.shard.theta, reply=True)
             # Each chunk of Δ is checked as it arrives, while the next one is on the wire.
             buf, finite = self._recv_buf, []
@@ -301,16 +305,26 @@ class ServerLoop(RequestServing):
             )
             if overlapped:
                 transport.wait_all([send_theta])  # θ must not change while it is sent
-            result = self.shard.apply_push(
+            result = self.shard.admit_push(
                 delta,
                 h.version,
                 h.samples,
-                finite=all(finite) if finite else None,  # (None: checked in apply_push)
+                finite=all(finite) if finite else None,  # (None: checked in admit_push)
             )
+            # A reply that carries no θ depends on the decision only: it leaves before θ
+            # moves, so that the worker's own θ + αΔ runs while this server adds the same Δ
+            # (both are off the wire, one after the other otherwise). Requests are still
+            # applied one at a time: the next one is handled after the add, under the lock.
+            with_theta = h.kind == Kind.PUSH_FETCH and not overlapped
+            if with_theta and result.status == Status.OK:
+                self.shard.add_push(delta, result.staleness)
             self.ctx.comm.apply_done(delta.numel() * delta.element_size())
             # The standby applies the same push before the worker learns of it: no push that
             # a worker saw acknowledged is missing from the standby's copy.
             self._forward(Kind.PUSH, delta, h.version, h.samples)
+            self._reply(src, result.status, staleness=result.staleness, with_theta=with_theta)
+            if not with_theta and result.status == Status.OK:
+                self.shard.add_push(delta, result.staleness)
             if result.status == Status.REJECTED and worth_logging(self.shard.rejected_nonfinite):
                 # Not a fault: an honest worker's diverged replica pushes the same.
                 log.warning(
@@ -328,12 +342,6 @@ class ServerLoop(RequestServing):
                     version=self.shard.version,
                     samples=self.shard.samples,
                 )
-            self._reply(
-                src,
-                result.status,
-                staleness=result.staleness,
-                with_theta=h.kind == Kind.PUSH_FETCH and not overlapped,
-            )
             if (
                 self.cfg.checkpoint_every
                 and result.status == Status.OK

@@ -109,6 +109,18 @@ class ShardState:
         """Apply one push computed against ``base_version``; returns its status and staleness.
         ``finite``: whether ``delta`` is all finite, when the caller checked it already (chunk
         by chunk as it arrived); None: checked here."""
+        result = self.admit_push(delta, base_version, samples, finite)
+        if result.status == Status.OK:
+            self.add_push(delta, result.staleness)
+        return result
+
+    def admit_push(
+        self, delta: torch.Tensor, base_version: int, samples: int = 0, finite: bool | None = None
+    ) -> PushResult:
+        """The bookkeeping half of :meth:`apply_push`: decide the push's status and, when it
+        is OK, count it (version, samples, staleness) as applied; θ is left alone until
+        :meth:`add_push` (a server acknowledges the push in between: what the reply says
+        depends on the decision only)."""
         if delta.shape != self.param.shape:
             raise ValueError(
                 f"push of shape {tuple(delta.shape)} for shard {tuple(self.param.shape)}"
@@ -122,6 +134,15 @@ class ShardState:
         if self.max_staleness is not None and staleness > self.max_staleness:
             self.dropped_stale += 1
             return PushResult(Status.STALE_DROPPED, staleness)
+        self.version += 1
+        self.samples += samples
+        self.staleness_sum += staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+        return PushResult(Status.OK, staleness)
+
+    def add_push(self, delta: torch.Tensor, staleness: int) -> None:
+        """The arithmetic half of :meth:`apply_push`: θ moves by a push that
+        :meth:`admit_push` accepted with ``staleness``."""
         with torch.no_grad():
             if self.rule == "elastic":
                 self.param.add_(elastic_step(self.lr, delta, self.param))
@@ -133,11 +154,6 @@ class ShardState:
                 self.param.grad = delta.mul(-scale)
                 self.optimizer.step()
                 self.param.grad = None
-        self.version += 1
-        self.samples += samples
-        self.staleness_sum += staleness
-        self.staleness_max = max(self.staleness_max, staleness)
-        return PushResult(Status.OK, staleness)
 
     def stats(self) -> dict[str, Any]:
         return {
