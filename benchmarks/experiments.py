@@ -10,17 +10,29 @@ interval; and every seed ≥ 90 % (the defaults train). No device emulation: thi
 accuracy, not speed.
 
 ``stragglers`` — time to 90 % (held for k = 3 evaluations), asgd ÷ sync, worker 0 2× slower,
-every step padded to an emulated 20 ms device step (4 CPU-bound workers and a server share 2
-cores here: without the padding compute contention, not the straggler, would decide). Ideal
-W / (s(W − 1) + 1) = 4/7 = 0.57 with s = 2: sync moves at the straggler's pace, asgd's
-throughput is that of 3.5 workers. Target ≤ 0.75. sync runs twice per seed (the A/A control);
-``--context`` adds both strategies without the straggler (the ratio an even machine gives).
+every step padded to an emulated 20 ms device step. Ideal W / (s(W − 1) + 1) = 4/7 = 0.57
+with s = 2: sync moves at the straggler's pace, asgd's throughput is that of 3.5 workers.
+Target ≤ 0.75. sync runs twice per seed (the A/A control); ``--context`` adds both strategies
+without the straggler. asgd gets 1.8× sync's steps (its fast workers step that much more
+often) and is stopped when its first worker is done (the straggler-only tail a time-boxed run
+would not have). The result says why the ratio is what it is, by measurement: one process's
+real compute per step against the padding, the CPU the job's processes used, samples/s
+while every worker trains against the ideal 1.75×, and the samples each arm needed.
 """
 
 from __future__ import annotations
 
+import bisect
+import json
+import os
+import shutil
+import signal
 import statistics
 import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,11 +47,13 @@ BAND_POINTS = 1.0  # each strategy's final accuracy within this many points of s
 MIN_STEP_S = 0.02
 RATIO_TARGET = 0.75
 IDEAL_RATIO = 4 / (2 * 3 + 1)
+IDEAL_THROUGHPUT = (3 + 1 / 2) / 2  # asgd: 3 fast workers + one at half pace; sync: 4 at half
 COMMON = ["--workers", "4"]
-
-
-def samples_per_s(r: harness.Run) -> float:
-    return r.summary.get("samples", 0) / (r.summary.get("wall_time_s") or float("inf"))
+BATCH = 64  # the CLI's default batch size
+# asgd's fast workers step about 1.8× as often as sync's lockstep (20 ms + push/fetch against
+# 40 ms + all-reduce), so asgd gets 1.8× the steps to train about as long as sync.
+ASGD_STEPS = 1.8
+STEPS = 600  # sync: ~27 s of training at the straggler's pace (46 ms), its 90 % at 17-25 s
 
 
 def accuracy(args) -> None:
@@ -107,19 +121,25 @@ def stragglers(args) -> None:
     prov = harness.Provenance.capture(args)
     seeds = range(args.seeds or (1 if args.quick else 5))
     steps = 40 if args.quick else args.steps
-    common = [*COMMON, "--steps", str(steps), "--min-step-time-s", str(MIN_STEP_S)]
-    common += ["--eval-every-s", "0.5"]
+    root = prov.runs_dir("stragglers")
+    compute_ms = step_compute_ms(root / "one_process", 100 if args.quick else 500)
+    common = [*COMMON, "--min-step-time-s", str(MIN_STEP_S), "--eval-every-s", "0.5"]
     conditions = {"straggler": ["--straggler", "0:2"]}
     if args.context:
         conditions["none"] = []
+    length = {"sync": steps, "asgd": round(ASGD_STEPS * steps)}
     arms = [
-        Arm(f"{s} {c}", ["--strategy", s, *common, *extra])
+        Arm(f"{s} {c}", ["--strategy", s, *common, "--steps", str(length[s]), *extra])
         for c, extra in conditions.items()
         for s in ("sync", "asgd")
     ]
-    runs = harness.interleave(
-        arms, seeds, control="sync straggler", prov=prov, out_root=prov.runs_dir("stragglers")
-    )
+
+    def run(arm: Arm, seed: int) -> harness.Run:
+        out = root / harness._slug(arm.name) / f"seed{seed}"
+        cut = length["asgd"] if arm.name == "asgd straggler" else 0
+        return measured_run(lambda: harness.run_train(arm, seed, out), out, BATCH, cut)
+
+    runs = harness.interleave(arms, seeds, control="sync straggler", run=run, prov=prov)
     groups = harness.by_arm(runs)
     budget = harness.budget_of(runs)
     times = {name: harness.times_to(rs, TARGET) for name, rs in groups.items()}
@@ -135,42 +155,388 @@ def stragglers(args) -> None:
             report, "time to 90 %, asgd ÷ sync, no straggler (context)",
             times["asgd none"], times["sync none"], None, "-", lambda r: None, budget,
         )  # fmt: skip
-    rows = []
-    for name, rs in groups.items():
-        median, censored = harness.censored_median(times[name], budget)
-        rows.append(
-            [name, " / ".join(fmt(t) for t in times[name]), fmt(median), censored,
-             " / ".join(pct(r.final_accuracy) for r in rs),
-             fmt(statistics.median(samples_per_s(r) for r in rs))]
-        )  # fmt: skip
     report.settings(
-        f"MNIST-1D, the paper's CNN, 4 workers (asgd: 1 server shard, λ = 1/W), {steps} steps "
-        f"per worker, every step padded by sleeping to ≥ {1000 * MIN_STEP_S:.0f} ms, worker 0's "
-        "step ×2 (`--straggler 0:2`), evaluation every 0.5 s on worker 0, off the clock. The "
+        f"MNIST-1D, the paper's CNN, 4 workers (asgd: 1 server shard, λ = 1/W), batch {BATCH}, "
+        f"every step padded by sleeping to ≥ {1000 * MIN_STEP_S:.0f} ms (in the layers' "
+        "forward and backward hooks), worker 0's step ×2 (`--straggler 0:2`), evaluation every "
+        "0.5 s on worker 0, off the clock. Steps per worker: sync "
+        f"{length['sync']}, asgd {length['asgd']} (its fast workers step about "
+        f"{ASGD_STEPS:g}× as often as sync's lockstep, so both arms train about as long). The "
         "straggler is the evaluator because under asgd the fast workers finish their steps "
-        "first: a fast evaluator would stop evaluating while the straggler still trains. "
-        "Time to 90 %: first "
-        f"evaluation held ≥ 90 % for {harness.K_CONSECUTIVE} evaluations; runs that never hold "
-        f"it are censored at {fmt(budget)} s and counted. Seeds {list(seeds)}, arms interleaved."
+        "first; the asgd job is stopped (SIGINT) when its first worker has finished: from "
+        "there on only the straggler would train, a tail a time-boxed run does not have. Time "
+        f"to 90 %: first evaluation held ≥ 90 % for {harness.K_CONSECUTIVE} evaluations; runs "
+        f"that never hold it are censored at {fmt(budget)} s (the longest run) and counted. "
+        f"Seeds {list(seeds)}, arms interleaved."
     )
+    why = explain(groups, compute_ms)
+    report.data.update(why)
+    report.section("Why: throughput, samples needed, CPU").text(why["text"])
     first = [rs[0] for rs in groups.values() if rs[0].out_dir and rs[0].evals]
     png = report.path().with_suffix(".png")
     png.parent.mkdir(parents=True, exist_ok=True)
     plot_runs([r.out_dir for r in first], str(png), "seed 0", [r.arm for r in first])
     report.figure(png, "test error against time and samples, seed 0")
+    rows = []
+    for name, rs in groups.items():
+        median, censored = harness.censored_median(times[name], budget)
+        rows.append(
+            [name, " / ".join(fmt(t) for t in times[name]), fmt(median), censored,
+             " / ".join(pct(r.evals[-1][2] if r.evals else None) for r in rs),
+             fmt(harness.median(samples_to(r) for r in rs)),
+             fmt(harness.median(r.values.get("samples/s") for r in rs)),
+             fmt(harness.median(r.values.get("ms/step w0") for r in rs)),
+             fmt(harness.median(fast_ms(r) for r in rs)),
+             fmt(harness.median(r.values.get("wait ms/step") for r in rs)),
+             fmt(harness.median(r.values.get("job cores") for r in rs)),
+             fmt(harness.median(r.values.get("CPU ms/step") for r in rs))]
+        )  # fmt: skip
     report.section("Every arm").table(
-        ["arm", "time to 90 % per seed (s)", "median (s)", "censored", "final acc %",
-         "samples/s (median)"],
+        ["arm", "time to 90 % per seed (s)", "median (s)", "censored", "last eval acc %",
+         "samples at 90 % (median)", "samples/s, all training", "ms/step straggler",
+         "ms/step others", "comm wait ms/step", "job's cores", "CPU ms/worker step"],
         rows,
     )  # fmt: skip
+    report.text(
+        "Medians over seeds. *All training*: the window from 1 s after the clock started to "
+        "the first worker's last step (every worker training). *ms/step*: the straggler "
+        f"(worker 0; padded to ≥ {2000 * MIN_STEP_S:.0f} ms) and the median of the others "
+        f"(≥ {1000 * MIN_STEP_S:.0f} ms under asgd, the straggler's pace under sync), "
+        "communication waits included. *Job's cores*: CPU time of all the job's processes "
+        "(/proc/<pid>/stat, the server's included) ÷ the window; *CPU ms/worker step*: the "
+        "same ÷ the workers' steps in it. *Samples at 90 %*: the global sample count at the "
+        "evaluation that starts the held run."
+    )
     report.write(runs)
+
+
+def step_compute_ms(out_dir: Path, steps: int, flags: Sequence[str] = ()) -> float | None:
+    """The real compute of one training step (``flags``: the model, data, batch): one
+    worker, no padding, ``steps`` steps (one process on an otherwise idle machine: its
+    training time is its CPU), in ms."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    argv = [*flags, "--strategy", "sync", "--workers", "1", "--steps", str(steps)]
+    r = harness.run_train(Arm("one process", [*argv, "--eval-every-s", "1e6"]), 0, out_dir)
+    wall = r.summary.get("wall_time_s")
+    return None if r.failed or not wall else 1000 * wall / steps
+
+
+def samples_to(r: harness.Run) -> int | None:
+    """The global samples at the evaluation where the held time to target starts."""
+    t = None if r.failed else harness.time_to_target(r.evals, TARGET)
+    return next((s for when, s, _ in r.evals if when == t), None)
+
+
+def fast_ms(r: harness.Run) -> float | None:
+    """The median ms/step of the workers other than worker 0 (the straggler)."""
+    return harness.median(
+        v for k, v in r.values.items() if k.startswith("ms/step w") and k != "ms/step w0"
+    )
+
+
+def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None) -> dict:
+    """The measured decomposition of the time ratio: asgd ÷ sync in samples/s while every
+    worker trains (ideal 1.75) and in samples needed to hold 90 %; and the CPU the job used."""
+    sync, asgd = groups["sync straggler"], groups["asgd straggler"]
+    med = lambda rs, key: harness.median(r.values.get(key) for r in rs)  # noqa: E731
+    thr = ratio(med(asgd, "samples/s"), med(sync, "samples/s"))
+    need = ratio(harness.median(map(samples_to, asgd)), harness.median(map(samples_to, sync)))
+    cores = harness.median(r.values.get("job cores") for r in sync + asgd)
+    machine = harness.median(r.values.get("machine cores") for r in sync + asgd)
+    ncores = os.cpu_count() or 1
+    padded = 1000 * MIN_STEP_S
+    out = {
+        "one_process_step_ms": compute_ms,
+        "throughput_ratio": thr,
+        "samples_needed_ratio": need,
+        "predicted_time_ratio": ratio(need, thr),
+        "job_cores": cores,
+        "machine_cores": machine,
+    }
+    lines = []
+    if compute_ms is not None:
+        share = 4 * compute_ms / (ncores * padded)
+        lines.append(
+            f"- **Compute vs padding.** One process, no padding: {fmt(compute_ms)} ms of real "
+            f"compute per step (batch {BATCH}). Four workers need 4 × {fmt(compute_ms)} ms per "
+            f"{fmt(padded)} ms padded step of the {ncores} cores' {fmt(ncores * padded)} ms: "
+            f"{100 * share:.0f} %, so the emulated step is "
+            + ("sleep, not compute." if share < 0.5 else "**not** sleep-dominated.")
+        )
+    if cores is not None:
+        lines.append(
+            f"- **CPU in the runs.** All the job's processes together kept {fmt(cores)} of "
+            f"the {ncores} cores busy while every worker trained (median over runs; CPU per "
+            f"worker step: sync {fmt(med(sync, 'CPU ms/step'))} ms, asgd "
+            f"{fmt(med(asgd, 'CPU ms/step'))} ms with its server, communication and evaluation "
+            f"included; the whole machine: {fmt(machine)} cores). "
+            + (
+                "The machine is not what limits either arm."
+                if cores < 0.6 * ncores
+                else "**The job is CPU-bound here**: its steps are longer than the padding."
+            )
+        )
+    if thr is not None:
+        lines.append(
+            f"- **Throughput.** While all four train, asgd processes {fmt(thr)}× sync's "
+            f"samples/s (ideal {IDEAL_THROUGHPUT:g}). asgd's fast workers take "
+            f"{fmt(harness.median(map(fast_ms, asgd)))} ms per step, not {fmt(padded)}: "
+            f"{fmt(med(asgd, 'wait ms/step'))} ms of it waiting for the push and fetch "
+            f"(sync's straggler pace: {fmt(med(sync, 'ms/step w0'))} ms per step, not "
+            f"{fmt(2 * padded)}, {fmt(med(sync, 'wait ms/step'))} ms of all-reduce wait on the "
+            "fast workers' side)."
+        )
+    if need is not None:
+        lines.append(
+            f"- **Samples needed.** asgd needs {fmt(need)}× sync's samples to hold 90 % "
+            "(median global samples at the held evaluation): its updates are stale (each "
+            "worker pushes a Δ computed on θ a few versions old) where sync's are not."
+        )
+    if thr and need:
+        lines.append(
+            f"- So the time ratio is about samples needed ÷ throughput = {fmt(need)} ÷ "
+            f"{fmt(thr)} = **{fmt(need / thr)}**; the ideal {IDEAL_RATIO:.2f} assumes equal "
+            f"samples and the full {IDEAL_THROUGHPUT:g}× throughput."
+        )
+    out["text"] = "\n".join(lines) or "(no measurements: every run failed)"
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# ---------------------------------------------------------------------------- what a run used
+TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def _process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used so far; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime, stime (fields 14, 15)
+
+
+class CpuSampler:
+    """CPU used over time, read from /proc every ``every_s`` by a thread (a context manager):
+    the machine's (all processes) and the job's own ranks' (their pids from the run
+    directory's ``start`` records), so a busy machine does not blur the job's share."""
+
+    def __init__(self, out_dir: str | Path, every_s: float = 0.1):
+        self.out_dir, self.every_s = Path(out_dir), every_s
+        self.pids: set[int] = set()
+        #: (wall, machine busy CPU-s, the job's CPU-s) per sample
+        self.samples: list[tuple[float, float, float]] = []
+        self._last_cpu: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _find_pids(self) -> None:
+        for path in self.out_dir.glob("metrics/rank*.jsonl"):
+            try:
+                with path.open() as f:
+                    first = json.loads(f.readline())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if first.get("event") == "start" and isinstance(first.get("pid"), int):
+                self.pids.add(first["pid"])
+
+    def _sample(self) -> None:
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        for pid in self.pids:
+            cpu = _process_cpu_s(pid)
+            if cpu is not None:  # an exited rank keeps its last reading
+                self._last_cpu[pid] = cpu
+        busy = (sum(fields) - idle) / TICKS_PER_S
+        self.samples.append((time.time(), busy, sum(self._last_cpu.values())))
+
+    def _loop(self) -> None:
+        while True:
+            self._find_pids()
+            self._sample()
+            if self._stop.wait(self.every_s):
+                return
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def cores(self, t0_wall: float, t1_wall: float) -> tuple[float, float] | None:
+        """(the machine's busy cores, the job's cores) on average between two wall times."""
+        inside = [s for s in self.samples if t0_wall <= s[0] <= t1_wall]
+        if len(inside) < 2:
+            return None
+        (w0, m0, j0), (w1, m1, j1) = inside[0], inside[-1]
+        return (m1 - m0) / (w1 - w0), (j1 - j0) / (w1 - w0)
+
+
+@dataclass
+class Pace:
+    """How a run trained while every worker was still training (the window from 1 s after
+    the clock started, or a quarter of the way in a short run, to the first worker's last
+    step): each worker's ms per step, all
+    workers' samples/s, and the cores the machine and the job's own processes kept busy."""
+
+    window_s: tuple[float, float]
+    ms_per_step: dict[int, float]  # worker index → ms per step in the window
+    wait_ms_per_step: dict[int, float]  # worker index → ms per step waiting for communication
+    samples_per_s: float
+    machine_cores: float | None
+    job_cores: float | None
+
+    def cpu_ms_per_step(self, batch_size: int) -> float | None:
+        """The job's CPU (every rank, servers included) per worker step, in ms."""
+        steps_per_s = self.samples_per_s / batch_size
+        return None if self.job_cores is None else 1000 * self.job_cores / steps_per_s
+
+
+def worker_records(out_dir: str | Path) -> dict[int, list[dict]]:
+    """Each worker's metrics records, by worker index (servers left out)."""
+    out: dict[int, list[dict]] = {}
+    for path in Path(out_dir, "metrics").glob("rank*.jsonl"):
+        recs = []
+        for line in path.read_text().splitlines():
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        role = next((r.get("role", "") for r in recs if r.get("event") == "start"), "")
+        if role.startswith("worker") and role[6:].isdigit():
+            out[int(role[6:])] = recs
+    return out
+
+
+def _interpolate(points: list[tuple[float, float]], t: float) -> float:
+    i = bisect.bisect_left([p[0] for p in points], t)
+    if i == 0 or i >= len(points):
+        return float(points[min(i, len(points) - 1)][1])
+    (t0, s0), (t1, s1) = points[i - 1], points[i]
+    return s0 + (s1 - s0) * (t - t0) / (t1 - t0)
+
+
+def pace(out_dir: str | Path, batch_size: int, cpu: CpuSampler | None) -> Pace | None:
+    """:class:`Pace` of a finished run from its step records (None without enough of them)."""
+    steps, waits, ends, firsts = {}, {}, [], []
+    for w, recs in worker_records(out_dir).items():
+        logged = [r for r in recs if r.get("event") == "step"]
+        steps[w] = [(0.0, 0)] + [(r["time_s"], r["step"]) for r in logged]
+        waits[w] = [(0.0, 0.0)] + [(r["time_s"], r.get("comm_wait_s", 0.0)) for r in logged]
+        ends.append(steps[w][-1][0])
+        firsts += [r["wall"] for r in recs if r.get("event") == "first_step"]
+    end = min(ends, default=0.0)
+    a, b = min(1.0, 0.25 * end), end - 0.2  # past the start-up, before the first worker's end
+    if not firsts or b - a < 0.5:
+        return None
+
+    def gain(points: list[tuple[float, float]]) -> float:
+        return _interpolate(points, b) - _interpolate(points, a)
+
+    rates = {w: gain(p) / (b - a) for w, p in sorted(steps.items())}
+    origin = min(firsts)  # the clock's origin, give or take the first step
+    cores = cpu.cores(origin + a, origin + b) if cpu is not None else None
+    return Pace(
+        (a, b),
+        {w: 1000 / r for w, r in rates.items() if r > 0},
+        {w: 1000 * gain(waits[w]) / (r * (b - a)) for w, r in rates.items() if r > 0},
+        sum(rates.values()) * batch_size,
+        *(cores or (None, None)),
+    )
+
+
+def _children() -> list[int]:
+    """The pids of this process's children (from /proc)."""
+    me, out = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _a_worker_finished(out_dir: Path, steps: int) -> bool:
+    """Whether a worker has logged its last step (``steps``) in ``out_dir``'s metrics (a
+    worker logs ``final`` only when the whole job hands in, so that record comes too late)."""
+    for path in out_dir.glob("metrics/rank*.jsonl"):
+        try:
+            with path.open("rb") as f:
+                f.seek(max(0, path.stat().st_size - 4096))
+                lines = f.read().decode(errors="replace").splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if r.get("event") == "step" and r.get("step") == steps:
+                return True
+    return False
+
+
+def measured_run(
+    run: Callable[[], harness.Run], out_dir: Path, batch_size: int, cut_at_step: int = 0
+) -> harness.Run:
+    """``run()`` (a training job into ``out_dir``) with its CPU sampled and its :class:`Pace`
+    in the Run's ``values``.
+
+    ``cut_at_step``: interrupt the job (SIGINT: it stops, writes its summary, exits 130) as
+    soon as its first worker has logged this step, its last. Under asgd with a straggler the
+    fast workers finish first and only the straggler trains on: a tail a time-boxed run
+    would not have, which would only make the run longer."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    stop, interrupted = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.1):
+            if _a_worker_finished(out_dir, cut_at_step):
+                for pid in _children():
+                    os.kill(pid, signal.SIGINT)
+                interrupted.set()
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    with CpuSampler(out_dir) as cpu:
+        if cut_at_step:
+            watcher.start()
+        r = run()
+        stop.set()
+    if interrupted.is_set() and r.failed and r.failed.startswith("exit 130"):
+        r.failed = None
+        r.values["cut at first worker's end"] = True
+    p = pace(out_dir, batch_size, cpu)
+    if p is not None:
+        r.values.update(
+            {
+                "samples/s": p.samples_per_s,
+                **{f"ms/step w{w}": v for w, v in p.ms_per_step.items()},
+                "wait ms/step": statistics.median(p.wait_ms_per_step.values()),
+                "job cores": p.job_cores,
+                "machine cores": p.machine_cores,
+                "CPU ms/step": p.cpu_ms_per_step(batch_size),
+            }
+        )
+    return r
 
 
 def main() -> None:
     def add(p) -> None:
         p.add_argument("experiment", choices=("accuracy", "stragglers"))
         p.add_argument("--epochs", type=int, help="accuracy: epochs per worker (the CLI's 64)")
-        p.add_argument("--steps", type=int, default=700, help="stragglers: steps per worker")
+        p.add_argument(
+            "--steps", type=int, default=STEPS, help="stragglers: sync's steps per worker"
+        )
         p.add_argument(
             "--context", action="store_true", help="stragglers: also run both with no straggler"
         )
