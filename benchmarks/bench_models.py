@@ -11,7 +11,8 @@ classifier:
 dense layer costs one multiply-add per parameter per sample, the fewest FLOPs a parameter can
 cost in a dense model (the convolutions cost 5-19 per parameter per sample), so the model is
 large where communication is concerned and small where the 2 CPU cores are concerned: about
-9.5 ms for a training step of batch 64 on one core (SGD with momentum included), against a
+7-10 ms for a training step of batch 64 on one core (SGD with momentum included; ``daso.py``
+measures it in every result: "one process, no padding"), against a
 ``sync`` gradient all-reduce of about 37 ms per step over an emulated 1 Gbit/s, 1 ms link
 (``benchmarks/daso.py`` has the arithmetic).
 

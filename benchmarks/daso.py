@@ -20,7 +20,10 @@ matter: sync's all-reduce costs ~37 ms of link per 50 ms step, one DASO sync (P 
 
 Reported: time to 90 % (held for k = 3 evaluations, evaluation off the clock; censored runs
 counted at the budget), DASO ÷ each arm with a bootstrap interval and the sync A/A ratio
-beside it; final accuracy − sync; inter-node bytes per training sample ÷ sync's (counters).
+beside it; final accuracy − sync; inter-node bytes per training sample ÷ sync's (counters);
+and why, measured: one process's real compute per step against the padding, the CPU each
+job's processes used (``/proc``), each arm's samples/s and ms per step, and the samples each
+needed to hold 90 % (time ≈ samples needed ÷ samples/s).
 """
 
 from __future__ import annotations
@@ -31,16 +34,22 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import experiments  # noqa: E402
 import harness  # noqa: E402
 import peers  # noqa: E402
+from experiments import ratio, samples_to  # noqa: E402
 from harness import Arm, fmt, pct  # noqa: E402
 
 from cloudburst.plot import plot_runs  # noqa: E402
 
 TARGET = 0.90
+BATCH = 64
+MIN_STEP_S = 0.05
+MODEL = ["--dataset", "mnist1d", "--model", "benchmarks.bench_models:mnist1d_wide_cnn"]
 COMMON = (
     "--dataset mnist1d --model benchmarks.bench_models:mnist1d_wide_cnn --device cpu "
-    "--workers 4 --nodes 2 --inter-node-link 1,1 --min-step-time-s 0.05 --batch-size 64 "
+    f"--workers 4 --nodes 2 --inter-node-link 1,1 --min-step-time-s {MIN_STEP_S} "
+    f"--batch-size {BATCH} "
     "--lr 0.1 --momentum 0.9 --eval-every-s 0.5 --target-accuracy 0.9"
 ).split()
 ARMS = {  # name: (flags, the target of daso ÷ this arm, why)
@@ -73,14 +82,21 @@ def main() -> None:
     root = harness.RUNS / "daso"
     os.environ["PYTHONPATH"] = str(harness.REPO)  # the runs import benchmarks.bench_models
 
+    compute_ms = experiments.step_compute_ms(
+        root / "one_process", 30 if args.quick else 200, [*MODEL, "--batch-size", str(BATCH)]
+    )
+
     def run(arm: Arm, seed: int) -> harness.Run:
-        return peers.run_arm(arm, seed, root / harness._slug(arm.name) / f"seed{seed}")
+        out = root / harness._slug(arm.name) / f"seed{seed}"
+        return experiments.measured_run(lambda: peers.run_arm(arm, seed, out), out, BATCH)
 
     runs = harness.interleave(arms, seeds, control="sync", run=run, prov=prov)
-    report(prov, runs, length, list(seeds))
+    report(prov, runs, length, list(seeds), compute_ms)
 
 
-def report(prov, runs: list[harness.Run], length: list[str], seeds: list[int]) -> None:
+def report(
+    prov, runs: list[harness.Run], length: list[str], seeds: list[int], compute_ms: float | None
+) -> None:
     groups = harness.by_arm(runs)
     budget = harness.budget_of(runs)
     times = {name: harness.times_to(rs, TARGET) for name, rs in groups.items()}
@@ -118,12 +134,25 @@ def report(prov, runs: list[harness.Run], length: list[str], seeds: list[int]) -
             [name, " / ".join(fmt(t) for t in times[name]), fmt(median), censored,
              " / ".join(pct(a) for a in final[name]), pct(statistics.fmean(accs) if accs else None),
              fmt(bytes_per_sample(rs)), fmt(ratio(bytes_per_sample(rs), sync_bytes)),
+             fmt(harness.median(map(samples_to, rs))), fmt(med(rs, "samples/s")),
+             fmt(harness.median(ms_per_step(r) for r in rs)), fmt(med(rs, "wait ms/step")),
+             fmt(med(rs, "job cores")), fmt(med(rs, "CPU ms/step")),
              "; ".join(f"seed {r.seed}: {r.failed}" for r in rs if r.failed) or "-"]
         )  # fmt: skip
+    rep.section("Why: throughput, samples needed, CPU").text(explain(groups, compute_ms))
     rep.section("Every arm").table(
         ["arm", "time to 90 % per seed (s)", "median (s)", "censored", "final acc % per seed",
-         "mean", "inter-node B/sample (median)", "÷ sync", "failed"],
+         "mean", "inter-node B/sample (median)", "÷ sync", "samples at 90 % (median)",
+         "samples/s", "ms/step", "comm wait ms/step", "job's cores", "CPU ms/worker step",
+         "failed"],
         rows,
+    )  # fmt: skip
+    rep.text(
+        "Medians over seeds. *samples/s*, *ms/step* (median over workers, communication waits "
+        "and evaluation stalls included), *comm wait*, *job's cores* (CPU time of all the "
+        "job's processes from /proc ÷ time) and *CPU ms/worker step*: measured from 1 s after "
+        "the clock started to the first worker's last step. *Samples at 90 %*: the global "
+        "sample count at the evaluation that starts the held run."
     )  # fmt: skip
     first = [rs[0] for rs in groups.values() if rs[0].out_dir and rs[0].evals]
     if first:
@@ -140,8 +169,55 @@ def bytes_per_sample(rs: list[harness.Run]) -> float | None:
     return statistics.median(v) if v else None
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
+def med(rs: list[harness.Run], key: str) -> float | None:
+    return harness.median(r.values.get(key) for r in rs)
+
+
+def ms_per_step(r: harness.Run) -> float | None:
+    """The median over workers of a run's ms per step (:func:`experiments.measured_run`)."""
+    return harness.median(v for k, v in r.values.items() if k.startswith("ms/step w"))
+
+
+def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None) -> str:
+    """Each ratio decomposed by measurement: time ≈ samples needed ÷ samples/s, against
+    sync and every other arm, and the CPU the jobs used against the padding."""
+    ncores = os.cpu_count() or 1
+    lines = []
+    if compute_ms is not None:
+        share = 4 * compute_ms / (ncores * 1000 * MIN_STEP_S)
+        lines.append(
+            f"- **Compute vs padding.** One process, no padding: {fmt(compute_ms)} ms of real "
+            f"compute per step (batch {BATCH}); four workers need {100 * share:.0f} % of the "
+            f"{ncores} cores during a {fmt(1000 * MIN_STEP_S)} ms padded step, so the emulated "
+            + ("step is mostly sleep." if share < 0.5 else "step is **not** sleep-dominated.")
+        )
+    cores = harness.median(r.values.get("job cores") for rs in groups.values() for r in rs)
+    if cores is not None:
+        lines.append(
+            f"- **CPU in the runs.** A job's processes kept {fmt(cores)} of the {ncores} cores "
+            "busy (median over runs; the per-arm CPU per worker step is in the table): "
+            + (
+                "the machine is not what limits the arms."
+                if cores < 0.6 * ncores
+                else "**CPU-bound**: compute contention, not the padding, sets the pace."
+            )
+        )
+    daso = groups["daso"]
+    for name, rs in groups.items():
+        if name in ("daso", harness.aa_name("sync")):
+            continue
+        thr = ratio(med(daso, "samples/s"), med(rs, "samples/s"))
+        need = ratio(harness.median(map(samples_to, daso)), harness.median(map(samples_to, rs)))
+        if thr is None:
+            continue
+        text = f"- **daso ÷ {name}**: {fmt(thr)}× the samples/s"
+        if need is not None:
+            text += (
+                f", {fmt(need)}× the samples to hold 90 % (runs that held it), so a time "
+                f"ratio of about {fmt(need)} ÷ {fmt(thr)} = **{fmt(need / thr)}**"
+            )
+        lines.append(text + ".")
+    return "\n".join(lines) or "(no measurements: every run failed)"
 
 
 if __name__ == "__main__":
