@@ -238,7 +238,10 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None) -> d
     """The measured decomposition of the time ratio: asgd ÷ sync in samples/s while every
     worker trains (ideal 1.75) and in samples needed to hold 90 %; and the CPU the job used."""
     sync, asgd = groups["sync straggler"], groups["asgd straggler"]
-    med = lambda rs, key: harness.median(r.values.get(key) for r in rs)  # noqa: E731
+
+    def med(rs: list[harness.Run], key: str) -> float | None:
+        return harness.median(r.values.get(key) for r in rs)
+
     thr = ratio(med(asgd, "samples/s"), med(sync, "samples/s"))
     need = ratio(harness.median(map(samples_to, asgd)), harness.median(map(samples_to, sync)))
     cores = harness.median(r.values.get("job cores") for r in sync + asgd)
