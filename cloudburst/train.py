@@ -302,6 +302,11 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
             bar.update(1)
     if bar is not None:
         bar.close()
+    if ctx.num_servers:
+        # The servers' θ moves on with the others' pushes: the evaluator keeps scoring it.
+        ctx.store.set(steps_over_key(ctx.rank), "1")
+        if evaluator:
+            evaluate_while_others_train(ctx, evaluator, strategy)
     strategy.finish()
     if hasattr(stream, "close"):
         stream.close()
@@ -343,6 +348,32 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         if averaged is not None:
             flat = averaged
         finalize_run(ctx, model, flat, data, metrics, report, [], wall_time_s, global_samples)
+
+
+def steps_over_key(rank: int) -> str:
+    """The store key a worker of a job with servers sets when its last step is done."""
+    return f"steps_over/{rank}"
+
+
+def evaluate_while_others_train(
+    ctx: Context, evaluator: Evaluator, strategy, poll_s: float = 0.05
+) -> None:
+    """asgd, easgd: the global model (the servers' θ) keeps moving after the evaluating
+    worker's last step, with the other workers' pushes. Keep evaluating it every
+    ``eval_every_s`` until every other worker's steps are over (its ``steps_over_key``) or it
+    is lost (its heartbeat silent for ``heartbeat_timeout_s``, as the servers decide), so that
+    a run whose evaluator finishes first is still seen to reach its target; the final
+    evaluation (``finalize_run``) follows once the servers finish."""
+    others = [r for r in ctx.worker_ranks if r != ctx.rank]
+    monitor = ctx.comm.liveness_monitor(ctx.store, others, ctx.cfg.heartbeat_timeout_s)
+    pending = set(others)
+    while True:
+        pending = {r for r in pending if not ctx.store.check([steps_over_key(r)])}
+        pending -= monitor.dead(pending)
+        if not pending:
+            return
+        evaluator.maybe_eval(strategy)
+        ctx.comm.sleep(poll_s)
 
 
 def grads_finite(optimizer: torch.optim.Optimizer) -> bool:
@@ -391,7 +422,8 @@ class Evaluator:
     fraction ``Σ eval_s / time_s`` more training than the clock says (the record carries both,
     so a report can show the fraction; it is small when evaluations are short against
     ``eval_every_s``). Not subtracting would instead charge the evaluations to the lockstep
-    strategies in full.
+    strategies in full. Under asgd and EASGD the evaluator goes on evaluating after its own
+    last step, until every other worker's steps are over (:func:`evaluate_while_others_train`).
     """
 
     def __init__(self, ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWriter):
