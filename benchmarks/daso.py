@@ -210,14 +210,26 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None) -> s
         need = ratio(harness.median(map(samples_to, daso)), harness.median(map(samples_to, rs)))
         if thr is None:
             continue
-        text = f"- **daso ÷ {name}**: {fmt(thr)}× the samples/s"
+        text = (
+            f"- **daso ÷ {name}**: {fmt(thr)}× the samples/s: with the same samples needed, "
+            f"a time ratio of 1 ÷ {fmt(thr)} = {fmt(1 / thr)}"
+        )
         if need is not None:
             text += (
-                f", {fmt(need)}× the samples to hold 90 % (runs that held it), so a time "
-                f"ratio of about {fmt(need)} ÷ {fmt(thr)} = **{fmt(need / thr)}**"
+                f"; it needed {fmt(need)}× the samples to hold 90 % (runs that held it): "
+                f"about {fmt(need)} ÷ {fmt(thr)} = **{fmt(need / thr)}**"
             )
         lines.append(text + ".")
-    return "\n".join(lines) or "(no measurements: every run failed)"
+    lines.append(
+        "- Every arm takes the same steps, so an arm with faster steps also trains for less "
+        "time: a censored run stopped short of the budget (runs' training time: "
+        + ", ".join(
+            f"{name} {fmt(harness.median(r.evals[-1][0] for r in rs if r.evals))} s"
+            for name, rs in groups.items()
+        )
+        + ")."
+    )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -282,12 +282,13 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None) -> d
     if thr is not None:
         lines.append(
             f"- **Throughput.** While all four train, asgd processes {fmt(thr)}× sync's "
-            f"samples/s (ideal {IDEAL_THROUGHPUT:g}). asgd's fast workers take "
+            f"samples/s (ideal {IDEAL_THROUGHPUT:g}; with the same samples needed, a time ratio "
+            f"of {fmt(1 / thr)}). asgd's fast workers take "
             f"{fmt(harness.median(map(fast_ms, asgd)))} ms per step, not {fmt(padded)}: "
             f"{fmt(med(asgd, 'wait ms/step'))} ms of it waiting for the push and fetch "
-            f"(sync's straggler pace: {fmt(med(sync, 'ms/step w0'))} ms per step, not "
-            f"{fmt(2 * padded)}, {fmt(med(sync, 'wait ms/step'))} ms of all-reduce wait on the "
-            "fast workers' side)."
+            f"(sync moves at the straggler's {fmt(med(sync, 'ms/step w0'))} ms per step, not "
+            f"{fmt(2 * padded)}: its all-reduce and the evaluations' stalls add to the padded "
+            "step)."
         )
     if need is not None:
         lines.append(
