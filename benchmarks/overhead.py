@@ -9,10 +9,12 @@ calls it); the reference again as an A/A control (``plain (A/A)`` at W = 1, ``dd
 above).
 
 A step is the loop's ``train_step``: forward, loss, ``zero_grad``, backward, optimizer step,
-``loss.item()``. In each round every variant runs its warm-up and timed steps behind a
-barrier, the order rotated each round; a variant's round value is the median of its steps on
-rank 0. Ratio = median ÷ median of the round values, with a 95 % bootstrap interval over
-rounds; the A/A ratio beside it is the noise floor. Every variant sees the same batches, so its
+``loss.item()``. In each round (behind a barrier) every variant runs its warm-up steps, then
+the variants take their timed steps in turn, one step each, the order rotated each round (a
+burst of load from elsewhere slows every variant alike, not one variant's block of steps); a
+variant's round value is the median of its steps on rank 0. Ratio = median ÷ median of the
+round values, with a 95 % bootstrap interval over rounds; the A/A ratio beside it is the noise
+floor. Every variant sees the same batches, so its
 parameters must equal the reference's at the end: the largest difference is reported.
 
     .venv/bin/python benchmarks/overhead.py [--quick] [--force]
@@ -101,16 +103,19 @@ def _rank(rank: int, world: int, port: int, rounds: int, warmup: int, steps: int
     names = list(setups)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            dist.barrier()
+        order = names[r % len(names) :] + names[: r % len(names)]
+        dist.barrier()
+        for name in order:
             for _ in range(warmup):
                 step(name)
-            spent = []
-            for _ in range(steps):
+        spent: dict[str, list[float]] = {n: [] for n in names}
+        for _ in range(steps):  # the variants in turn, step by step: each meets the same noise
+            for name in order:
                 t0 = time.perf_counter()
                 step(name)
-                spent.append(time.perf_counter() - t0)
-            times[name].append(statistics.median(spent))
+                spent[name].append(time.perf_counter() - t0)
+        for name in names:
+            times[name].append(statistics.median(spent[name]))
     reference = torch.nn.utils.parameters_to_vector(setups[names[0]][0].parameters())
     diff = {
         n: (torch.nn.utils.parameters_to_vector(s[0].parameters()) - reference).abs().max().item()
@@ -133,12 +138,12 @@ def measure(world: int, rounds: int, warmup: int, steps: int) -> dict:
 
 def main() -> None:
     def add(p) -> None:
-        p.add_argument("--rounds", type=int, default=None, help="rounds (12; quick 2)")
+        p.add_argument("--rounds", type=int, default=None, help="rounds (20; quick 2)")
         p.add_argument("--steps", type=int, default=None, help="timed steps a round (30; quick 5)")
         p.add_argument("--warmup", type=int, default=5)
 
     args, prov = harness.start(__doc__, add)
-    rounds = args.rounds or (2 if args.quick else 12)
+    rounds = args.rounds or (2 if args.quick else 20)
     steps = args.steps or (5 if args.quick else 30)
     report = harness.Report("overhead", "Step-time overhead of sync: ÷ DDP, ÷ a plain loop", prov)
     report.settings(
