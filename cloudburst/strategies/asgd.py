@@ -22,7 +22,8 @@ goes on (its unacknowledged push to it is dropped; ``cloudburst.server``).
 Transport: with the add rule a PUSH_FETCH reply carries θ_k as it was *before* this push, sent
 while the push travels the other way; the worker then adds its own Δ with the same α as the
 server (``add_rule_alpha``), bit for bit, unless the reply says the push was rejected or
-dropped. This equals "apply, then fetch", because a shard applies requests one at a time.
+dropped; the server's reply leaves before its own add, so both adds run at once. This equals
+"apply, then fetch", because a shard applies requests one at a time.
 Optimizer rules (sgd, adagrad) keep state only the server has: their replies follow the apply.
 Warm start (``warm_start_steps``; GPU A-SGD's experiment 3): worker 0 trains alone, then seeds
 every shard with INIT; a shard takes INIT once, from worker 0 only, while it awaits it (one
