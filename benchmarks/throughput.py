@@ -111,12 +111,11 @@ def main() -> None:
         p.add_argument("--steps", type=int, default=None, help="steps per worker (24; quick 8)")
         p.add_argument("--batch-size", type=int, default=64)
 
-    args = harness.parse_args(__doc__, add)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("throughput: --device cuda but no CUDA device is visible")
     # Ask NVML, not the CUDA runtime: a CUDA context here would be inherited by forked ranks.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    prov = harness.Provenance.capture(args)
+    args, prov = harness.start(__doc__, add)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("throughput: --device cuda but no CUDA device is visible")
     steps = args.steps or (8 if args.quick else 24)
     seeds = list(range(args.seeds or 1))
     with tempfile.TemporaryDirectory() as tmp:
@@ -158,20 +157,20 @@ def main() -> None:
     report.table(
         ["arm", "samples/s (median)", "runs", "failed"],
         [
-            [arm, harness.fmt(_median(rate[arm])), len(rs), sum(bool(r.failed) for r in rs)]
+            [arm, harness.fmt(harness.median(rate[arm])), len(rs), sum(bool(r.failed) for r in rs)]
             for arm, rs in groups.items()
         ],
     )
-    base, aa = _median(rate["sync W=1"]), _median(rate[harness.aa_name("sync W=1")])
+    base, aa = harness.median(rate["sync W=1"]), harness.median(rate[harness.aa_name("sync W=1")])
     if base and aa:
         report.text(f"A/A: sync W=1 ÷ its copy = {harness.fmt(aa / base, 4)} (the noise floor).")
     staged = [r.values["staging_Bps"] for r in runs if "staging_Bps" in r.values]
     if staged:
         report.text(
             "In the asgd jobs the worker's staging counters read "
-            f"{harness.fmt(_median(staged) / 1e9)} GB/s (one copy of Δ and one of θ per round,"
-            " amid training; with W = 2 both workers share the GPU). The claims time the same"
-            " method against a plain pinned copy side by side in one process."
+            f"{harness.fmt(harness.median(staged) / 1e9)} GB/s (one copy of Δ and one of θ per"
+            " round, amid training; with W = 2 both workers share the GPU). The claims time the"
+            " same method against a plain pinned copy side by side in one process."
         )
     if args.device == "cuda":  # after the jobs: CUDA in this process would break forked ranks
         staging_claims(report, reps=5 if not args.quick else 2, steps=40 if not args.quick else 5)
@@ -185,7 +184,7 @@ def staging_claims(report: harness.Report, reps: int, steps: int) -> None:
     for numel in (resnet, 10_000_000):
         for direction, rates in staging_check(numel, reps, steps).items():
             ratio, lo, hi = harness.bootstrap_ratio(rates["staging"], rates["pinned"])
-            aa = _median(rates[harness.aa_name("pinned")]) / _median(rates["pinned"])
+            aa = harness.median(rates[harness.aa_name("pinned")]) / harness.median(rates["pinned"])
             report.claim(
                 f"asgd staging ÷ pinned copy, {direction}, {numel * 4 / 1e6:.1f} MB",
                 ratio,
@@ -196,7 +195,7 @@ def staging_claims(report: harness.Report, reps: int, steps: int) -> None:
                 seeds=reps,
             )
             rows += [
-                [f"{numel * 4 / 1e6:.1f} MB", direction, arm, harness.fmt(_median(r) / 1e9)]
+                [f"{numel * 4 / 1e6:.1f} MB", direction, arm, harness.fmt(harness.median(r) / 1e9)]
                 + [harness.fmt(v / 1e9) for v in r]
                 for arm, r in rates.items()
             ]
@@ -212,13 +211,6 @@ def staging_claims(report: harness.Report, reps: int, steps: int) -> None:
         " the device and page-locked memory; its A/A copy is the noise floor. The interval is"
         " a 95 % bootstrap of the ratio of medians over repetitions."
     )
-
-
-def _median(values: list[float | None]) -> float | None:
-    import statistics
-
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
 
 
 if __name__ == "__main__":
