@@ -335,8 +335,6 @@ class AsgdStrategy(Strategy):
     def _params_flat(self) -> torch.Tensor:
         """The parameters as one flat vector: the buffer they are views of (no copy), or a
         copy into it when something replaced a parameter's storage (a loaded checkpoint)."""
-        if self.on_gpu:
-            return flatten_params(self.model, out=self._flat)
         if not is_flat_view(self.model, self._flat):
             # (a fresh copy first: some parameters may still be views of the buffer)
             self._flat.copy_(flatten_params(self.model))
