@@ -439,14 +439,17 @@ class AsgdStrategy(Strategy):
         return self._fresh, self.global_samples
 
     def fetch_global_params(self) -> tuple[torch.Tensor, int]:
-        """The servers' θ now: the one fetched this step, else a read-only fetch.
+        """The servers' θ now: the one fetched this step (handed out once), else a read-only
+        fetch — so the evaluator, scoring θ after its own last step while others still push,
+        fetches again each time instead of re-reading the θ of its last step.
 
         The read-only fetch leaves the replica, its reference and its versions alone, so
         evaluating between two rounds (n_sync can be hundreds of steps) does not change what
         this worker trains or pushes.
         """
         if self._fresh is not None:
-            return self._fresh, self.global_samples
+            fresh, self._fresh = self._fresh, None
+            return fresh, self.global_samples
         if self._peek is None:
             self._peek = torch.empty(self.numel)
         broken: set[int] = set()

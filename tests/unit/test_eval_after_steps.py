@@ -71,13 +71,14 @@ def test_nothing_to_wait_for_when_the_others_are_done() -> None:
     assert job.evaluations == []
 
 
-def test_the_evaluator_finishing_first_keeps_evaluating_the_servers(tmp_path) -> None:
+@pytest.mark.parametrize("strategy", [["easgd", "--easgd-tau", "2"], ["asgd", "--n-sync", "2"]])
+def test_the_evaluator_finishing_first_keeps_evaluating_the_servers(tmp_path, strategy) -> None:
     # Worker 1 is 4x slower: worker 0 (rank 1, the evaluator) ends its 60 steps at ~1.2
-    # virtual s, the job at ~4.9 s; the servers' θ trains on with worker 1's exchanges.
+    # virtual s, the job at ~4.9 s; the servers' θ trains on with worker 1's exchanges (asgd:
+    # each evaluation fetches it anew, not the θ of the evaluator's last step).
     out = simulated(
-        ["--strategy", "easgd", "--workers", "2", "--straggler", "1:4",
-         "--steps", "60", "--easgd-tau", "2", "--eval-every-s", "0.3", "--out",
-         str(tmp_path / "run")],
+        ["--strategy", *strategy, "--workers", "2", "--straggler", "1:4",
+         "--steps", "60", "--eval-every-s", "0.3", "--out", str(tmp_path / "run")],
         step_time_s=0.02,
     )  # fmt: skip
     last_step_s = rank_events(out, 1, "step")[-1]["time_s"]
