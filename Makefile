@@ -31,12 +31,13 @@ test-fast: $(STAMP)
 
 ## Every benchmark at HEAD, one after another (benchmarks/README.md), then the README's evidence
 ## table from the results' claims. Keeps going past a failing script; fails at the end, naming it.
-## Each entry: script[:subcommand]; the minutes in comments are each script's budget (≤ 50 in all).
+## Each entry: script[:subcommand]; the whole run must stay within 60 minutes on this machine.
 BENCH := reliability compress experiments:accuracy experiments:stragglers defaults daso:--arms:sync,daso,torch_post_local \
 	local_sgd transport overhead throughput startup sim_fidelity sim_scale sim_seeds wire
-# measured at 3da545d on the 2-core machine (minutes): reliability 6, compress 9, experiments +
-# defaults 17, daso 14 (3 arms; all 6: ~30, `benchmarks/daso.py`), local_sgd 4, transport 0.3,
-# overhead + throughput + startup 2, sim_* 5.5, wire 0.5 -- about 58 in all
+# measured at 33c712c on the 2-core machine, idle (minutes): reliability 5.7, compress 8.9,
+# experiments accuracy 6.7 + stragglers 7.5, defaults 1.0, daso 13.9 (3 arms; all 6: ~30,
+# `benchmarks/daso.py`), local_sgd 3.9, transport 0.7, overhead + throughput + startup 2.1,
+# sim_* 5.8, wire 0.5 -- 56.5 in all (`time make bench`)
 BENCH_FLAGS ?=
 BENCH_TIMEOUT_S ?= 1200
 EVIDENCE_FLAGS ?=
