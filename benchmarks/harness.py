@@ -464,16 +464,28 @@ def _bootstrap(
     n: int,
     seed: int,
     budget_s: float | None,
+    paired: bool = False,
 ) -> tuple[float, float, float]:
     xa, xb = _uncensor(a, budget_s), _uncensor(b, budget_s)
     if not xa or not xb:
         raise ValueError("a bootstrap needs at least one value on each side")
+    if paired and len(xa) != len(xb):
+        raise ValueError(f"a paired bootstrap needs pairs, got {len(xa)} and {len(xb)} values")
     rng = random.Random(seed)
-    stats = sorted(
-        combine(rng.choices(xa, k=len(xa)), rng.choices(xb, k=len(xb))) for _ in range(n)
-    )
+    if paired:  # resample whole pairs (seed i's a with seed i's b)
+        idx = range(len(xa))
+        picks = (rng.choices(idx, k=len(xa)) for _ in range(n))
+        stats = sorted(combine([xa[i] for i in p], [xb[i] for i in p]) for p in picks)
+    else:
+        stats = sorted(
+            combine(rng.choices(xa, k=len(xa)), rng.choices(xb, k=len(xb))) for _ in range(n)
+        )
     cut = int(0.025 * (n - 1))
     return combine(xa, xb), stats[cut], stats[-cut - 1]
+
+
+def _median_ratio(xa: list[float], xb: list[float]) -> float:
+    return statistics.median(x / y if y else float("inf") for x, y in zip(xa, xb, strict=True))
 
 
 def bootstrap_ratio(
@@ -482,11 +494,15 @@ def bootstrap_ratio(
     n: int = 2000,
     seed: int = 0,
     budget_s: float | None = None,
+    paired: bool = False,
 ) -> tuple[float, float, float]:
     """(median(a) ÷ median(b), 2.5th, 97.5th percentile) of the ratio of medians over ``n``
     bootstrap resamples (a and b resampled independently, ``random.Random(seed)``: the same
     inputs give the same interval). Censored values (``None``) count as ``budget_s``, so a
-    ratio with censored runs is a bound, which the report says."""
+    ratio with censored runs is a bound, which the report says. ``paired=True``: a and b are
+    pairs (seed i, or round i, on both sides), see :func:`paired_ratio`."""
+    if paired:
+        return paired_ratio(a, b, n, seed, budget_s)
     if statistics.median(_uncensor(b, budget_s) or [1.0]) == 0:
         raise ValueError("bootstrap_ratio: the denominator's median is 0")
 
@@ -497,13 +513,31 @@ def bootstrap_ratio(
     return _bootstrap(a, b, ratio, n, seed, budget_s)
 
 
+def paired_ratio(
+    a: Sequence[float | None],
+    b: Sequence[float | None],
+    n: int = 2000,
+    seed: int = 0,
+    budget_s: float | None = None,
+) -> tuple[float, float, float]:
+    """(the median of the per-pair ratios a[i] ÷ b[i], 2.5th, 97.5th percentile) over ``n``
+    bootstrap resamples of whole pairs: ``a[i]`` and ``b[i]`` ran with the same seed (or in
+    the same round), so what they share (the seed's data order, the machine's load at the
+    time) cancels in their ratio instead of widening the interval. Censored values as in
+    :func:`bootstrap_ratio`."""
+    if 0 in _uncensor(b, budget_s):
+        raise ValueError("paired_ratio: a denominator is 0")
+    return _bootstrap(a, b, _median_ratio, n, seed, budget_s, paired=True)
+
+
 def bootstrap_difference(
-    a: Sequence[float], b: Sequence[float], n: int = 2000, seed: int = 0
+    a: Sequence[float], b: Sequence[float], n: int = 2000, seed: int = 0, paired: bool = False
 ) -> tuple[float, float, float]:
     """(mean(a) − mean(b), 2.5th, 97.5th percentile) over ``n`` bootstrap resamples, as
-    :func:`bootstrap_ratio` (for accuracies, where the mean is the quantity of interest)."""
+    :func:`bootstrap_ratio` (for accuracies, where the mean is the quantity of interest);
+    ``paired=True`` resamples the pairs (a[i], b[i]) together (same seed on both sides)."""
     return _bootstrap(
-        a, b, lambda xa, xb: statistics.fmean(xa) - statistics.fmean(xb), n, seed, None
+        a, b, lambda xa, xb: statistics.fmean(xa) - statistics.fmean(xb), n, seed, None, paired
     )
 
 
@@ -538,11 +572,53 @@ def pct(acc: float | None) -> str:
     return "-" if acc is None else f"{100 * acc:.1f}"
 
 
+# ---------------------------------------------------------------------------- verdicts
+PASS, MISS, INCONCLUSIVE = "PASS", "MISS", "inconclusive"
+_NUM = r"([-−]?\d+(?:\.\d+)?)"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a target asks of a value: ``lo ≤ value ≤ hi`` (``None``: that side is open)."""
+
+    lo: float | None
+    hi: float | None
+
+
+def parse_target(target: str) -> Rule | None:
+    """The rule a claim's target text states: ``≤ x`` / ``< x``, ``≥ x`` / ``> x`` (a comment
+    in parentheses may follow: ``≤ 0.75 (ideal 0.57)``), ``within ±x`` (about 0), ``c ± x``
+    or ``c ± x %`` (anywhere: ``⌈T/H⌉/T = 0.125 ± 2 %``). ``None`` when it states none a
+    number can be judged by (``(reference)``, ``14 / 14``, ``reproduced``)."""
+    text = target.replace("−", "-").replace("<=", "≤").replace(">=", "≥").strip()
+    num = lambda m, i: float(m.group(i).replace("−", "-"))  # noqa: E731
+    if m := re.match(rf"^([≤<≥>])\s*{_NUM}", text):
+        x = num(m, 2)
+        return Rule(None, x) if m.group(1) in "≤<" else Rule(x, None)
+    if m := re.match(rf"^within\s*±\s*{_NUM}", text):
+        return Rule(-num(m, 1), num(m, 1))
+    if m := re.search(rf"{_NUM}\s*±\s*{_NUM}\s*(%?)", text):
+        c, x = num(m, 1), num(m, 2)
+        x = abs(c) * x / 100 if m.group(3) else x
+        return Rule(c - x, c + x)
+    return None
+
+
+def interval_verdict(rule: Rule, lo: float, hi: float) -> str:
+    """PASS when the whole interval ``[lo, hi]`` meets the rule (``≤ x``: the upper bound is
+    ≤ x), MISS when the whole interval is on the wrong side, else ``inconclusive``."""
+    inside = (rule.lo is None or lo >= rule.lo) and (rule.hi is None or hi <= rule.hi)
+    outside = (rule.lo is not None and hi < rule.lo) or (rule.hi is not None and lo > rule.hi)
+    return PASS if inside else MISS if outside else INCONCLUSIVE
+
+
 # ---------------------------------------------------------------------------- the report
 @dataclass
 class Claim:
     """One verdict row: ``value`` against ``target`` (text such as ``"≤ 0.75"``); ``aa`` the
-    A/A control's value beside it, ``interval`` the 95 % bootstrap interval."""
+    A/A control's value beside it, ``interval`` the 95 % bootstrap interval. :meth:`judge`
+    (which :meth:`Report.claim` calls) makes the verdict the interval's: ``inconclusive``
+    when it straddles the target. ``inputs``: the per-seed values it was computed from."""
 
     name: str
     value: float | str | None
@@ -552,10 +628,28 @@ class Claim:
     interval: tuple[float, float] | None = None
     seeds: int | None = None
     note: str = ""
+    inconclusive: bool = False
+    inputs: dict[str, Any] | None = None
 
     @property
     def verdict(self) -> str:
-        return "-" if self.ok is None else ("PASS" if self.ok else "MISS")
+        if self.inconclusive:
+            return INCONCLUSIVE
+        return "-" if self.ok is None else (PASS if self.ok else MISS)
+
+    def judge(self) -> Claim:
+        """Apply the interval rule: with an interval and a target :func:`parse_target` reads,
+        a PASS needs the whole interval on the right side (a MISS given for another reason
+        stands), the whole interval on the wrong side is a MISS, else ``inconclusive``."""
+        rule = parse_target(self.target)
+        if self.interval is None or self.ok is None or rule is None:
+            return self
+        verdict = interval_verdict(rule, *self.interval)
+        if verdict == MISS:
+            self.ok = False
+        elif verdict == INCONCLUSIVE:
+            self.ok, self.inconclusive = None, True
+        return self
 
     def row(self) -> list[str]:
         iv, note = self.interval, f" ({self.note})" if self.note else ""
@@ -581,27 +675,45 @@ def ratio_claim(
     target: str,
     ok: Callable[[float], bool],
     budget_s: float | None = None,
+    *,
+    paired: bool | None = None,
+    aa_of: str = "b",
 ) -> Claim:
-    """Add the claim median(a) ÷ median(b) with its bootstrap interval and, beside it, the
-    A/A ratio median(aa) ÷ median(b) (or ``aa`` itself when it is a number, an A/A ratio
-    computed elsewhere); censored values count as ``budget_s`` (noted)."""
-    ratio, lo, hi = bootstrap_ratio(a, b, budget_s=budget_s)
+    """Add the claim a ÷ b with its bootstrap interval and, beside it, the A/A ratio: the
+    control's repeat ``aa`` ÷ the side it repeats (``aa_of``: ``"b"``, or ``"a"`` when the
+    repeat is of a's arm), or ``aa`` itself when it is a number (computed elsewhere).
+    ``paired`` (default: when a and b have as many values, i.e. one per seed, in seed order):
+    the median of the per-seed ratios, pairs resampled together (:func:`paired_ratio`); else
+    the ratio of medians, each side resampled alone. Censored values count as ``budget_s``
+    (noted); the verdict is the interval's (:meth:`Claim.judge`), a censored median making
+    the ratio a bound: only the interval's informative side counts."""
+    if aa_of not in ("a", "b"):
+        raise ValueError(f"aa_of must be 'a' or 'b', got {aa_of!r}")
+    paired = len(a) == len(b) if paired is None else paired
+    ratio, lo, hi = bootstrap_ratio(a, b, budget_s=budget_s, paired=paired)
     aa_runs = [] if aa is None or isinstance(aa, int | float) else list(aa)
     aa_ratio = aa if isinstance(aa, int | float) else None
     if aa_runs:
-        aa_ratio = bootstrap_ratio(aa_runs, b, budget_s=budget_s)[0]
+        side = a if aa_of == "a" else b
+        aa_paired = paired and len(aa_runs) == len(side)
+        aa_ratio = bootstrap_ratio(aa_runs, side, budget_s=budget_s, paired=aa_paired)[0]
     censored = sum(v is None for v in (*a, *b, *aa_runs))
     note = f"{censored} censored runs counted at the {fmt(budget_s)} s budget" if censored else ""
     value: float | str = ratio
-    verdict = ok(ratio)
+    verdict, judged = ok(ratio), (lo, hi)
     a_out, b_out = (isinstance(censored_median(x, 0)[0], str) for x in (a, b))
     if a_out and b_out:  # neither side's median reached the target: no ratio at all
-        value, verdict = "both censored", False if verdict is not None else None
+        value, judged = "both censored", (-float("inf"), float("inf"))
     elif a_out:  # a's median is beyond the budget: the ratio is a lower bound
-        value, verdict = f"≥ {fmt(ratio)}", False if verdict is not None else None
-    elif b_out:  # b's is: the ratio is an upper bound (a pass stands, a miss is unknown)
-        value, verdict = f"≤ {fmt(ratio)}", True if verdict else None
-    return report.claim(name, value, target, verdict, aa_ratio, (lo, hi), min(len(a), len(b)), note)
+        value, judged = f"≥ {fmt(ratio)}", (lo, float("inf"))
+    elif b_out:  # b's is: the ratio is an upper bound
+        value, judged = f"≤ {fmt(ratio)}", (-float("inf"), hi)
+    claim = Claim(name, value, target, verdict, aa_ratio, judged, min(len(a), len(b)), note)
+    claim.inputs = {"a": list(a), "b": list(b), "aa": aa_runs or None, "aa_of": aa_of,
+                    "budget_s": budget_s, "paired": paired}  # fmt: skip
+    claim.judge().interval = (lo, hi)
+    report.claims.append(claim)
+    return claim
 
 
 class Report:
@@ -616,8 +728,9 @@ class Report:
         self.data: dict[str, Any] = {}
 
     def claim(self, *args: Any, **kwargs: Any) -> Claim:
-        """Add a :class:`Claim` (its fields, in order or by name)."""
-        self.claims.append(Claim(*args, **kwargs))
+        """Add a :class:`Claim` (its fields, in order or by name), judged by its interval
+        (:meth:`Claim.judge`)."""
+        self.claims.append(Claim(*args, **kwargs).judge())
         return self.claims[-1]
 
     def settings(self, text: str) -> Report:

@@ -169,20 +169,135 @@ def test_bootstrap_difference_of_means():
 def test_ratio_claim_turns_a_censored_median_into_a_bound(tmp_path, monkeypatch):
     report = harness.Report("demo", "A demo", provenance(tmp_path, monkeypatch))
     at_most = lambda r: r <= 0.75  # noqa: E731
-    # a's median censored (counted as 10): 10 / 4 = 2.5 is a lower bound, a MISS
-    c = harness.ratio_claim(report, "x", [None, None, 1.0], [4.0] * 3, None, "≤ 0.75", at_most, 10)
-    assert (c.value, c.ok) == ("≥ 2.5", False)
-    # b's median censored: 2 / 10 = 0.2 is an upper bound, and ≤ 0.75 holds
-    c = harness.ratio_claim(report, "x", [2.0] * 3, [None, None, 1.0], None, "≤ 0.75", at_most, 10)
-    assert (c.value, c.ok) == ("≤ 0.2", True)
-    c = harness.ratio_claim(report, "x", [None] * 2, [None] * 2, None, "≤ 0.75", at_most, 10)
-    assert (c.value, c.ok) == ("both censored", False)
+    claim = lambda a, b: harness.ratio_claim(report, "x", a, b, None, "≤ 0.75", at_most, 10)  # noqa: E731
+    # a censored on every seed (counted as 10): 10 / 4 = 2.5 on each pair, a lower bound: MISS
+    c = claim([None] * 3, [4.0] * 3)
+    assert (c.value, c.verdict, c.interval) == ("≥ 2.5", "MISS", (2.5, 2.5))
+    # a's median censored but one seed at 1 / 4: the resamples reach 0.25, below the target
+    c = claim([None, None, 1.0], [4.0] * 3)
+    assert (c.value, c.verdict) == ("≥ 2.5", "inconclusive")
+    # b censored on every seed: 2 / 10 = 0.2 an upper bound on each pair, ≤ 0.75 holds
+    c = claim([2.0] * 3, [None] * 3)
+    assert (c.value, c.verdict) == ("≤ 0.2", "PASS")
+    # b's median censored, one seed at 2 / 1: the upper bound's interval reaches 2
+    c = claim([2.0] * 3, [None, None, 1.0])
+    assert (c.value, c.verdict) == ("≤ 0.2", "inconclusive")
+    c = claim([None] * 2, [None] * 2)
+    assert (c.value, c.verdict) == ("both censored", "inconclusive")
 
 
 def test_ratio_claim_takes_an_aa_ratio_computed_elsewhere(tmp_path, monkeypatch):
     report = harness.Report("demo", "A demo", provenance(tmp_path, monkeypatch))
     c = harness.ratio_claim(report, "x", [2.0] * 3, [4.0] * 3, 1.03, "≤ 1", lambda r: r <= 1)
     assert (c.value, c.aa, c.ok, c.seeds) == (0.5, 1.03, True, 3)
+
+
+def test_ratio_claim_pairs_by_seed_and_divides_the_aa_by_the_side_it_repeats(tmp_path, monkeypatch):
+    report = harness.Report("demo", "A demo", provenance(tmp_path, monkeypatch))
+    # seed i's a is 0.8 × seed i's b, the seeds far apart: paired, every ratio is 0.8
+    b = [10.0, 20.0, 40.0, 80.0, 160.0]
+    a = [0.8 * x for x in b]
+    aa_of_a = [1.1 * x for x in a]
+    c = harness.ratio_claim(report, "x", a, b, aa_of_a, "≤ 0.9", lambda r: r <= 0.9, aa_of="a")
+    assert c.value == pytest.approx(0.8) and c.interval == pytest.approx((0.8, 0.8))
+    assert c.aa == pytest.approx(1.1)  # aa ÷ a, not aa ÷ b (0.88)
+    assert c.verdict == "PASS" and c.inputs["paired"] and c.inputs["a"] == a
+    # unpaired, the same data: the ratio of medians resampled alone straddles 0.9
+    c = harness.ratio_claim(report, "x", a, b, None, "≤ 0.9", lambda r: r <= 0.9, paired=False)
+    assert c.value == pytest.approx(0.8) and c.interval[1] > 0.9 and c.verdict == "inconclusive"
+    with pytest.raises(ValueError, match="aa_of"):
+        harness.ratio_claim(report, "x", a, b, None, "≤ 1", lambda r: r <= 1, aa_of="c")
+
+
+def test_paired_ratio_is_the_median_of_per_pair_ratios_resampled_by_pairs():
+    # per-pair ratios 0.5, 1, 2 (median 1), while the ratio of medians is 4 / 4 = 1 too
+    a, b = [1.0, 4.0, 16.0], [2.0, 4.0, 8.0]
+    ratio, lo, hi = harness.paired_ratio(a, b, n=500, seed=1)
+    assert ratio == 1.0 and 0.5 <= lo <= ratio <= hi <= 2.0 and lo < hi
+    assert harness.bootstrap_ratio(a, b, n=500, seed=1, paired=True) == (ratio, lo, hi)
+    # the stragglers shape: a/b = 0.77 each seed, seeds spread: unpaired the interval is wide
+    b = [20.1, 25.2, 20.8, 23.3, 20.6]
+    a = [0.77 * x for x in b]
+    assert harness.paired_ratio(a, b)[1:] == pytest.approx((0.77, 0.77))
+    _, lo, hi = harness.bootstrap_ratio(a, b)
+    assert hi - lo > 0.1
+    assert harness.paired_ratio([None, 2.0], [4.0, 4.0], budget_s=8)[0] == 1.25  # 2 and 0.5
+    with pytest.raises(ValueError, match="pairs"):
+        harness.paired_ratio([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="denominator is 0"):
+        harness.paired_ratio([1.0], [0.0])
+
+
+def test_bootstrap_difference_paired_resamples_the_seeds_together():
+    # seed effects of ±5 points shared by both sides; a − b = +0.5 on every seed
+    b = [0.85, 0.95, 0.90, 0.80, 1.0]
+    a = [x + 0.005 for x in b]
+    diff, lo, hi = harness.bootstrap_difference(a, b, paired=True)
+    assert (round(diff, 12), round(lo, 12), round(hi, 12)) == (0.005, 0.005, 0.005)
+    _, lo, hi = harness.bootstrap_difference(a, b)
+    assert lo < -0.01 and hi > 0.02  # unpaired: the seed effects swamp it
+    with pytest.raises(ValueError, match="pairs"):
+        harness.bootstrap_difference([0.9, 0.9], [0.9], paired=True)
+
+
+@pytest.mark.parametrize(
+    ("target", "rule"),
+    [
+        ("≤ 0.75 (ideal 0.57)", harness.Rule(None, 0.75)),
+        ("<= 1", harness.Rule(None, 1.0)),
+        ("≥ −1", harness.Rule(-1.0, None)),
+        ("> 0.85", harness.Rule(0.85, None)),
+        ("within ±1", harness.Rule(-1.0, 1.0)),
+        ("1 ± 0.05", harness.Rule(0.95, 1.05)),
+        ("⌈T/H⌉/T = 0.125 ± 2 %", harness.Rule(0.1225, 0.1275)),
+        ("(reference)", None),
+        ("(none: < 1 is faster)", None),
+        ("14 / 14", None),
+        ("reproduced", None),
+    ],
+)
+def test_parse_target_reads_the_rule_a_target_states(target, rule):
+    got = harness.parse_target(target)
+    if rule is None:
+        assert got is None
+    else:
+        assert got is not None
+        assert (got.lo, got.hi) == pytest.approx((rule.lo, rule.hi))
+
+
+@pytest.mark.parametrize(
+    ("target", "interval", "verdict"),
+    [
+        ("≤ 1.05", (0.95, 1.05), "PASS"),  # the upper bound on the line still passes
+        ("≤ 1.05", (0.84, 1.17), "inconclusive"),  # overhead W = 2 at 33c712c
+        ("≤ 1.05", (1.06, 1.2), "MISS"),
+        ("≥ 0.8", (0.8, 1.1), "PASS"),
+        ("≥ 0.8", (0.7, 0.9), "inconclusive"),
+        ("≥ 0.85", (0.51, 0.69), "MISS"),
+        ("within ±1", (-0.9, 0.88), "PASS"),
+        ("within ±1", (-1.28, -0.2), "inconclusive"),  # easgd − sync at 33c712c
+        ("within ±1", (-17.6, -9.3), "MISS"),
+        ("within ±1", (1.1, 2.0), "MISS"),
+        ("within ±1", (-2.0, 2.0), "inconclusive"),  # wider than the band on both sides
+    ],
+)
+def test_a_claim_passes_only_when_its_whole_interval_does(target, interval, verdict):
+    rule = harness.parse_target(target)
+    assert harness.interval_verdict(rule, *interval) == verdict
+    point = sum(interval) / 2
+    claim = harness.Claim("x", point, target, True, interval=interval).judge()
+    assert claim.verdict == verdict
+
+
+def test_judge_keeps_a_miss_given_for_another_reason_and_leaves_unjudgeable_claims():
+    # interval inside the band, but the caller's own condition failed (e.g. a seed < 90 %)
+    assert harness.Claim("x", 0.1, "within ±1", False, interval=(-0.5, 0.5)).judge().verdict == (
+        "MISS"
+    )
+    # no interval, no rule, no target: the caller's verdict as given
+    assert harness.Claim("x", 0.97, "≤ 1", True).judge().verdict == "PASS"
+    assert harness.Claim("x", 3, "14 / 14", True, interval=(1, 5)).judge().verdict == "PASS"
+    assert harness.Claim("x", 3, "≤ 1", None, interval=(1, 5)).judge().verdict == "-"
 
 
 def test_step_s_is_the_median_window_after_the_skipped_steps():
