@@ -17,6 +17,8 @@ References (ALGORITHMS.md section in brackets):
 - :class:`ParameterServer`, :func:`asgd` — the add rule θ ← θ + λΔ, version clock and
   staleness, with a scripted order of the workers' steps (§2, n_fetch = n_push = n_sync).
 - :func:`easgd` — elastic averaging against a centre, in a scripted order (§4).
+- :func:`daso` — node-local gradient averages, a global merge S steps after each sync with
+  the weight 2S, the rotating sender and the node broadcast (§3).
 - :func:`local_sgd` — average the replicas every H steps (§5).
 - :func:`diloco` — outer SGD with Nesterov momentum on the averaged pseudo-gradient (§5).
 - :func:`gossip_pull` — pull averaging with a fixed peer schedule, workers in a fixed order (§4).
@@ -321,6 +323,112 @@ def diloco(
         for w, m in enumerate(models):
             history[w].append(flat(m))
     return history
+
+
+# ---------------------------------------------------------------------------- 3. DASO
+def daso(
+    models: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    data: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+    nodes: int,
+    steps: int,
+    global_skip: int,
+    wait: int,
+    local_skip: int = 1,
+) -> list[list[torch.Tensor]]:
+    """DASO in its cycling phase with a fixed B = ``global_skip`` and S = ``wait``, in fp32
+    (§3). Ranks are contiguous: node n holds ranks n·G .. n·G + G − 1. Each step every rank
+    computes its gradient on ``data(rank, step)``; on steps t with t mod L = 0 the gradients
+    are averaged inside each node; every rank's optimizer steps. Then, if a sync is pending
+    and t ≥ its merge step, it is merged; if t mod B = 0 (a pending one merged first), the
+    k-th sync starts: local rank k mod G of every node sends its θ, to be merged at t + S
+    (at once if S = 0). A merge: node n's sender takes θ ← (2S·θ_sender + Σ_nodes θ_sent) /
+    (2S + P) and broadcasts it to its node. At the end a pending sync is merged, then one
+    blocking average (S = 0) by the next sender in the rotation. Returns θ of each rank after
+    each step, the final average replacing the last entry."""
+    world = len(models)
+    per_node = world // nodes
+    assert per_node * nodes == world, "every node has the same number of ranks"
+    syncs = 0
+    pending: tuple[list[torch.Tensor], int, int, int] | None = None  # sent, merge_at, S, sender
+
+    def start(s: int, step: int) -> None:
+        nonlocal syncs, pending
+        sender = syncs % per_node
+        syncs += 1
+        sent = [flat(models[n * per_node + sender]) for n in range(nodes)]
+        pending = (sent, step + s, s, sender)
+
+    def merge() -> None:
+        nonlocal pending
+        (sent, _, s, sender), pending = pending, None
+        total = torch.stack(sent).sum(0)
+        for n in range(nodes):
+            local = flat(models[n * per_node + sender])
+            merged = (2 * s * local + total) / (2 * s + nodes)
+            for r in range(n * per_node, (n + 1) * per_node):
+                set_flat(models[r], merged)
+
+    history: list[list[torch.Tensor]] = [[] for _ in models]
+    for step in range(1, steps + 1):
+        for r, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+            x, y = data(r, step)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+        if step % local_skip == 0:
+            for n in range(nodes):
+                ranks = models[n * per_node : (n + 1) * per_node]
+                for params in zip(*(m.parameters() for m in ranks), strict=True):
+                    average = torch.stack([p.grad for p in params]).sum(0) / per_node
+                    for p in params:
+                        p.grad.copy_(average)
+        for optimizer in optimizers:
+            optimizer.step()
+        if pending is not None and step >= pending[1]:
+            merge()
+        if step % global_skip == 0:
+            if pending is not None:
+                merge()
+            start(wait, step)
+            if wait == 0:
+                merge()
+        for r, model in enumerate(models):
+            history[r].append(flat(model))
+    if pending is not None:
+        merge()
+    start(0, steps)
+    merge()
+    for r, model in enumerate(models):
+        history[r][-1] = flat(model)
+    return history
+
+
+# ---------------------------------------------------------------------------- compression
+def quantise_round_trip(x: torch.Tensor, method: str, block: int = 256) -> torch.Tensor:
+    """What a receiver sees of ``x`` sent block-wise quantised (docs/algorithms.md#compression):
+    blocks of ``block`` values, one scale each, the block's absmax mapped to 127 (int8, codes
+    rounded to nearest) or to 448 (fp8 e4m3); an all-zero block has scale 1."""
+    values = x.reshape(-1).float()
+    pad = (-values.numel()) % block
+    blocks = torch.cat([values, values.new_zeros(pad)]).view(-1, block)
+    top = 127.0 if method == "int8" else 448.0
+    absmax = blocks.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(absmax > 0, absmax / top, torch.ones_like(absmax))
+    if method == "int8":
+        codes = (blocks / scale).round().clamp(-top, top)
+    else:
+        codes = (blocks / scale).clamp(-top, top).to(torch.float8_e4m3fn).float()
+    return (codes * scale).reshape(-1)[: values.numel()].view_as(x)
+
+
+def rounding_bound(x: torch.Tensor, method: str, block: int = 256) -> torch.Tensor:
+    """The most one block-wise rounding of ``x`` can be off, per value: absmax/254 of its
+    block (int8: half a step), absmax/16 (fp8: 3 mantissa bits, at the block's top)."""
+    values = x.reshape(-1).abs().float()
+    pad = (-values.numel()) % block
+    absmax = torch.cat([values, values.new_zeros(pad)]).view(-1, block).amax(dim=1)
+    per_block = absmax / 254 if method == "int8" else absmax / 16
+    return per_block.repeat_interleave(block)[: values.numel()].view_as(x)
 
 
 # ---------------------------------------------------------------------------- gossip

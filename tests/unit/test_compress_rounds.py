@@ -1,0 +1,68 @@
+"""Error feedback through the quantised all-reduce itself, over several rounds, on the virtual
+cluster: the running sum of what ``compressed_all_reduce_sum`` returns tracks the true running
+sum within one rounding per quantisation (what the last residuals hold), where the same rounds
+without feedback drift by one rounding per round. Written against the function's contract
+(docs/algorithms.md#compression), so it holds for the all-gather form and for the quantised
+reduce-scatter + all-gather (which rounds twice: the senders', then the chunk owner's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import reference as ref
+
+ROUNDS, NUMEL = 8, 1100  # 5 blocks of 256 (at W = 3: chunks of 2, 2, 1), the last partial
+
+
+def _inputs(rank: int) -> torch.Tensor:
+    # The same vector every round, with a bias: a rounding error repeats instead of averaging out.
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(NUMEL, generator=g) * (1.0 + rank) + 0.3
+
+
+def _rounds(ctx, method: str, feedback: bool) -> list[list[float]]:
+    from cloudburst.comm.compress import ErrorFeedback, compressed_all_reduce_sum
+    from cloudburst.comm.stats import CommStats
+
+    state = ErrorFeedback() if feedback else None
+    stats, outs = CommStats(), []
+    for _ in range(ROUNDS):
+        y = _inputs(ctx.rank).clone()
+        compressed_all_reduce_sum(y, None, stats, method, feedback=state, key="g", comm=ctx.comm)
+        outs.append(y.tolist())
+    return outs
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_error_feedback_keeps_the_running_sum_within_one_rounding(tmp_path, method, workers):
+    from cloudburst.config import RunConfig
+    from cloudburst.sim.run import run_ranks
+
+    cfg = RunConfig(strategy="sync", workers=workers, dataset="synthetic", out=str(tmp_path))
+    with_ef = run_ranks(cfg, _rounds, method, True)
+    without = run_ranks(cfg, _rounds, method, False)
+    for runs in (with_ef, without):
+        assert all(r == runs[0] for r in runs), "every rank gets the same bits every round"
+    inputs = [_inputs(r) for r in range(workers)]
+    true = torch.stack(inputs).sum(0)
+    # Σ_k out_k = k·Σx − (the last residuals): each sender's (one rounding of its vector)
+    # and, where the sum is re-quantised by a chunk owner, the owner's (one of the sum).
+    bound = 1.05 * (sum(ref.rounding_bound(x, method) for x in inputs)
+                    + ref.rounding_bound(true, method)) + 1e-5  # fmt: skip
+    running_ef, running_plain = torch.zeros(NUMEL), torch.zeros(NUMEL)
+    for k in range(ROUNDS):
+        running_ef += torch.tensor(with_ef[0][k])
+        running_plain += torch.tensor(without[0][k])
+        gap = (running_ef - (k + 1) * true).abs()
+        assert bool((gap <= bound).all()), f"round {k + 1}: off by {float((gap - bound).max())}"
+    # Without feedback the same rounding is lost every round: the drift grows with k.
+    gap_ef = (running_ef - ROUNDS * true).abs().sum()
+    gap_plain = (running_plain - ROUNDS * true).abs().sum()
+    assert gap_plain > 3 * gap_ef
+    # One round alone: the sum of the senders' reference round trips, within the owner's
+    # rounding of that sum (none in the all-gather form).
+    first = torch.tensor(without[0][0])
+    sent = torch.stack([ref.quantise_round_trip(x, method) for x in inputs]).sum(0)
+    assert bool(((first - sent).abs() <= ref.rounding_bound(sent, method) + 1e-5).all())
