@@ -1,7 +1,7 @@
 """DASO over real gloo groups: the merge and its rotation on scripted parameters; B = S = 0
-(a blocking average every batch, in chunks) against plain synchronous SGD; and a run whose
-adaptive schedule changes B and S every cycling epoch, with its phases in the step records
-and on the plot."""
+(a blocking average every batch, in chunks) against plain synchronous SGD; S = 2 against the
+plain-PyTorch reference (tests/reference.py's daso); and a run whose adaptive schedule changes
+B and S every cycling epoch, with its phases in the step records and on the plot."""
 
 import pytest
 import torch
@@ -80,6 +80,26 @@ def test_merge_and_rotation_over_gloo(tmp_path, nodes, per_node, waits, compress
     if compress == "int8":  # counted as sent: an all-gather, (nodes − 1) pieces per sender
         inter = sum(r["inter_node_bytes"] for r in results)
         assert inter == nodes * len(waits) * (nodes - 1) * per_sync
+
+
+def _reference_rank(rank: int, out: str, wait: int) -> list[list[float]]:
+    from cloudburst.runtime import init_distributed, shutdown
+    from tests.unit.test_daso_reference import daso_cfg, drive
+
+    ctx = init_distributed(daso_cfg(out, wait))
+    try:
+        return drive(ctx)
+    finally:
+        shutdown(ctx)
+
+
+def test_daso_with_a_delayed_merge_follows_the_reference_over_gloo(tmp_path):
+    # The virtual cluster's test (tests/unit/test_daso_reference.py) over real gloo groups and
+    # DDP inside each node: S = 2, B = 3, L = 2, four ranks on two nodes.
+    from tests.unit.test_daso_reference import assert_follows, reference_run
+
+    runs = spawn(_reference_rank, 4, tmp_path, str(tmp_path), 2)
+    assert_follows(runs, reference_run(2))
 
 
 def test_daso_blocking_every_batch_in_chunks_equals_sync_sgd(tmp_path):
