@@ -86,32 +86,32 @@ def bf16_hook(
 def quantised_hook(
     state: AllreduceHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """int8 / fp8: the bucket (plus its error-feedback residual) quantised block-wise, the
-    codes and scales all-gathered, every rank's dequantised and summed in fp32, divided by W
-    (:mod:`cloudburst.comm.compress`)."""
-    from cloudburst.comm import compress
+    """int8 / fp8: the bucket (plus its error-feedback residuals) through
+    :func:`cloudburst.comm.compress.compressed_all_reduce_sum` (an all-gather at W = 2, a
+    reduce-scatter and all-gather of quantised chunks above), divided by W. The two steps run
+    inside the hook, before it returns: a second collective started from a future's callback
+    would interleave with the next bucket's in a different order on different ranks (see
+    :func:`counted_ddp`). So a quantised bucket does not overlap with the backward pass."""
+    from cloudburst.comm.compress import compressed_all_reduce_sum
+    from cloudburst.comm.transport import REAL
 
     tensor = bucket.buffer()
     world = dist.get_world_size(state.group)
-    key = f"bucket{bucket.index()}"
-    x = state.feedback.compensate(key, tensor)
-    codes, scales = compress.quantise(x, state.compress)
-    state.feedback.remember(key, x, compress.dequantise(codes, scales, x.numel()))
-    packed = compress._pack(codes, scales)
-    gathered = packed.new_empty(world * packed.numel())
-    moved = compress.gather_cost_bytes(packed.numel(), world)
-    count_collective(state.stats, moved, state.spans_nodes)
-    state.last_launch = time.perf_counter()
-    fut = dist.all_gather_single(gathered, packed, group=state.group, async_op=True).get_future()
-
-    def decode(f):
-        pieces = gathered.view(world, -1)
-        total = compress._unpack(pieces[0], tensor.numel(), state.compress)
-        for r in range(1, world):
-            total += compress._unpack(pieces[r], tensor.numel(), state.compress)
-        return tensor.copy_(total.div_(world))
-
-    return _through_link(state, fut.then(decode), world * packed.numel() // 2, world)
+    compressed_all_reduce_sum(
+        tensor,
+        state.group,
+        state.stats,
+        state.compress,
+        feedback=state.feedback,
+        key=f"bucket{bucket.index()}",
+        link=state.link,
+        spans_nodes=state.spans_nodes,
+        comm=REAL,
+    )
+    state.last_launch = time.perf_counter()  # the wait is in the stats already
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(tensor.div_(world))
+    return fut
 
 
 def powersgd_numel(state, bucket: dist.GradBucket) -> int:

@@ -67,6 +67,17 @@ def all_reduce_sum(
     return pending
 
 
+def all_to_all_s(link: LinkEmulator, sent_bytes: float, group_size: int) -> float:
+    """Seconds an all-to-all of ``group_size`` ranks holds a link back when the busiest rank
+    sends ``sent_bytes`` to the others: a pairwise exchange, n − 1 rounds of one latency each,
+    and those bytes through the rank's link (0 on a free link or a group of one). The same
+    formula for the real run's emulated link and the virtual cluster's clock."""
+    spec = link.spec
+    if spec is None or group_size < 2:
+        return 0.0
+    return (group_size - 1) * spec.latency_s + sent_bytes / spec.bytes_per_s
+
+
 def broadcast(
     tensor: torch.Tensor,
     src: int,

@@ -18,20 +18,29 @@ they are re-exported here.
 - ``powersgd[:r]``: PowerSGD (Vogels et al. 2019), rank r (default 1), PyTorch's own DDP hook;
   ``sync`` only (it compresses gradient matrices inside DDP's buckets).
 
-Quantised (int8, fp8) all-reduces are an **all-gather** of every rank's quantised blocks and
-scales, each rank then dequantising and summing in fp32, in rank order (so every rank gets the
-same bits). Summing the quantised values themselves is wrong twice over: int8 sums overflow
-(W·127 does not fit in a byte) and every rank quantised with its own scales, so the integers
-of two ranks are not in the same unit. The price of the all-gather: each rank receives
-(W − 1) quantised vectors instead of a ring's 2(W − 1)/W fp32 ones, which still saves bytes
-(about 4× at W = 2, 2× at W = 4) until W is large; counted as sent.
+Quantised (int8, fp8) all-reduces (ALGORITHMS.md §8; torchft's and PRIME's design) are a
+**reduce-scatter then all-gather of quantised chunks**: each rank quantises its vector, cuts the
+blocks into W chunks and sends chunk j to rank j (an all-to-all); rank j dequantises the W
+pieces, sums them in fp32 in rank order, quantises the sum (with an owner-side residual) and
+every owner's chunk is all-gathered (another all-to-all). Every rank dequantises the same
+owner bits, so every rank gets the same result. Bytes per rank: 2(W − 1)/W of the quantised
+vector on average (:func:`quantised_sent_bytes`), about 0.25× an fp32 ring at every W. At
+W = 2 this equals one all-gather of the quantised vectors, which rounds once instead of twice
+and pays W − 1 latencies instead of 2(W − 1): there the all-gather form is kept
+(:data:`GATHER_MAX_W`); from W = 3 on the all-gather ((W − 1) vectors) costs more bytes
+(1.5× at W = 3, W/2× in general).
+Summing the quantised values themselves is wrong: int8 sums overflow and every rank's codes
+are in units of its own scales. Counted as sent, when started.
 
 Error feedback (Seide et al. 2014; Karimireddy et al. 2019): a lossy method whose error would
 otherwise be lost for good (int8, fp8; PowerSGD keeps its own) adds what it failed to send last
 time to what it sends now: x' = x + e, send C(x'), e ← x' − C(x'). Over k rounds the sent sum
 then differs from the true sum by the last residual only (bounded by one rounding), not by k of
-them. :class:`ErrorFeedback` holds the residuals of one worker, by key; its ``state_dict`` goes
-into the strategy's checkpoint.
+them. The reduce-scatter form rounds twice, so it keeps two residuals: the sender's (under
+``key``) and the chunk owner's (under ``key + OWNER``). :class:`ErrorFeedback` holds them by
+key; its ``state_dict`` goes into the strategy's checkpoint. A checkpoint written before the
+owner residual existed resumes with it at zero (that scheme rounded once: nothing was lost);
+a residual whose size does not fit (another W or model) is refused in one line.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from typing import Any
 
 import torch
 
-from cloudburst.comm.collectives import Pending, all_reduce_sum
+from cloudburst.comm.collectives import Pending, all_reduce_sum, all_to_all_s
 from cloudburst.comm.link import EmulatedWork, LinkEmulator
 from cloudburst.comm.quantise import (  # noqa: F401 - the stateless maths, also from here
     BLOCK,
@@ -109,7 +118,14 @@ class ErrorFeedback:
     def compensate(self, key: str, x: torch.Tensor) -> torch.Tensor:
         """x + e (a new tensor; e = 0 the first time)."""
         e = self.residuals.get(key)
-        return x + e if e is not None else x.clone()
+        if e is None:
+            return x.clone()
+        if e.numel() != x.numel():
+            raise ValueError(
+                f"error feedback {key!r}: the residual holds {e.numel()} values, this run sends "
+                f"{x.numel()} (a checkpoint of another model, worker count or compression)"
+            )
+        return x + e.view_as(x)
 
     def remember(self, key: str, intended: torch.Tensor, sent: torch.Tensor) -> None:
         """e ← intended − sent."""
@@ -142,6 +158,66 @@ def gather_cost_bytes(per_rank_bytes: int, group_size: int) -> int:
     return (group_size - 1) * per_rank_bytes
 
 
+#: Up to this group size a quantised all-reduce is an all-gather (see the module docstring).
+GATHER_MAX_W = 2
+#: The key suffix of a chunk owner's residual (the reduce-scatter form's second rounding).
+OWNER = ":owner"
+
+
+def chunk_blocks(numel: int, group_size: int) -> list[int]:
+    """Blocks of a ``numel``-value vector owned by each group position in the reduce-scatter
+    form: as even as whole blocks allow, the first positions one more (some none when the
+    vector has fewer blocks than ranks)."""
+    blocks = -(-numel // BLOCK)
+    base, extra = divmod(blocks, group_size)
+    return [base + (1 if j < extra else 0) for j in range(group_size)]
+
+
+def quantised_sent_bytes(numel: int, group_size: int, position: int) -> int:
+    """Bytes the rank at ``position`` sends (and receives) in a quantised all-reduce of
+    ``numel`` values: the all-gather's (W − 1) packed vectors up to :data:`GATHER_MAX_W`;
+    above, the other owners' chunks plus its own chunk to the W − 1 others. Summed over the
+    group: 2(W − 1) packed vectors, 2(W − 1)/W of one per rank on average."""
+    if group_size <= GATHER_MAX_W:
+        return gather_cost_bytes(packed_bytes(numel, "int8"), group_size)
+    blocks = chunk_blocks(numel, group_size)
+    mine = blocks[position]
+    return (sum(blocks) - mine + (group_size - 1) * mine) * (BLOCK + 4)
+
+
+def _slice_pack(codes: torch.Tensor, scales: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    return _pack(codes[a * BLOCK : b * BLOCK], scales[a:b])
+
+
+class _TwoPhase(Pending):
+    """A quantised all-reduce under way: the works of its first step, then ``finish`` (the
+    owner's sum, the second step and the decoding), the whole wait timed into the stats."""
+
+    def __init__(self, works: list, stats: CommStats, comm: Transport, finish: Callable[[], None]):
+        super().__init__(works, stats, comm)
+        self._finish: Callable[[], None] | None = finish
+
+    def wait(self) -> None:
+        if self._finish is None:
+            return
+        t0 = self.comm.now()
+        for w in self.works:
+            w.wait()
+        finish, self._finish = self._finish, None
+        finish()
+        self.stats.wait_s += self.comm.now() - t0
+
+
+def _emulate(link, stats: CommStats, work, sent_bytes: int, size: int, spans_nodes: bool):
+    """``work``, done no earlier than the emulated link carries this rank's ``sent_bytes`` of
+    an all-to-all (the real run; the virtual cluster charges its own clock)."""
+    if link is None or not link.active or not spans_nodes or size < 2:
+        return work
+    cost = all_to_all_s(link, sent_bytes, size)
+    stats.emulated_link_s += cost
+    return EmulatedWork(work, link.reserve(cost))
+
+
 def compressed_all_reduce_sum(
     tensor: torch.Tensor,
     group: Any,
@@ -155,9 +231,12 @@ def compressed_all_reduce_sum(
     comm: Transport = REAL,
 ) -> Pending:
     """Sum the fp32 ``tensor`` in place over ``group``, sending it compressed with ``method``
-    (see the module docstring); with ``feedback``, the residual under ``key`` is added before
-    compressing and the new one kept. Counted as the bytes actually sent. Every rank ends with
-    the same bits. ``none`` is :func:`~cloudburst.comm.collectives.all_reduce_sum` itself."""
+    (see the module docstring); with ``feedback``, the residuals under ``key`` (and, above
+    :data:`GATHER_MAX_W`, ``key + OWNER``) are added before compressing and the new ones kept.
+    Counted as the bytes actually sent. Every rank ends with the same bits. ``none`` is
+    :func:`~cloudburst.comm.collectives.all_reduce_sum` itself. With ``async_op`` the first
+    step (the gather, or the scatter of the chunks) overlaps until ``wait()``, which runs the
+    rest."""
     kw = dict(link=link, spans_nodes=spans_nodes, async_op=async_op, comm=comm)
     if method == "none":
         return all_reduce_sum(tensor, group, stats, **kw)
@@ -170,34 +249,97 @@ def compressed_all_reduce_sum(
         return pending
     if method not in QUANTISED:
         raise ValueError(f"compressed all-reduce: {method!r} is not bf16, fp8 or int8")
+    size = comm.group_size(group)
     x = feedback.compensate(key, tensor) if feedback is not None else tensor
     codes, scales = quantise(x, method)
     if feedback is not None:
         feedback.remember(key, x.reshape(-1), dequantise(codes, scales, x.numel()))
+    if size <= GATHER_MAX_W:
+        finish, work, first = _gather(tensor, codes, scales, group, method, comm)
+        position = 0
+    else:
+        finish, work, first = _reduce_scatter(
+            tensor, codes, scales, group, method, comm, feedback, key
+        )
+        position = comm.group_rank(group)
+    count_collective(stats, quantised_sent_bytes(tensor.numel(), size, position), spans_nodes)
+    work = _emulate(link, stats, work, first, size, spans_nodes)
+
+    def emulated_finish() -> None:
+        finish(lambda w, nbytes: _emulate(link, stats, w, nbytes, size, spans_nodes))
+
+    pending = _TwoPhase([work], stats, comm, emulated_finish)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def _gather(tensor, codes, scales, group, method, comm):
+    """W ≤ :data:`GATHER_MAX_W`: every rank's packed vector to every rank; each dequantises
+    them all and sums in fp32 in rank order. Returns (finish, the work, bytes it sends)."""
     packed = _pack(codes, scales)
     size = comm.group_size(group)
     gathered = packed.new_empty(size * packed.numel())
     work = comm.all_gather(gathered, packed, group, async_op=True)
-    count_collective(stats, gather_cost_bytes(packed.numel(), size), spans_nodes)
-    if link is not None and link.active and spans_nodes and size > 1:
-        # A ring all-gather carries (n − 1)/n of the n pieces: the bandwidth of an all-reduce
-        # of half their total (its 2(n − 1) latencies overstate the gather's n − 1).
-        cost = link.allreduce_s(size * packed.numel() // 2, size)
-        stats.emulated_link_s += cost
-        work = EmulatedWork(work, link.reserve(cost))
     numel = tensor.numel()
 
-    def finish() -> None:
+    def finish(_emulate_second) -> None:
         pieces = gathered.view(size, -1)
         total = _unpack(pieces[0], numel, method)
         for r in range(1, size):
             total += _unpack(pieces[r], numel, method)
         tensor.view(-1).copy_(total)
 
-    pending = _Finishing([work], stats, comm, finish)
-    if not async_op:
-        pending.wait()
-    return pending
+    return finish, work, (size - 1) * packed.numel()
+
+
+def _reduce_scatter(tensor, codes, scales, group, method, comm, feedback, key):
+    """W > :data:`GATHER_MAX_W`: chunk j (whole blocks, :func:`chunk_blocks`) to its owner j;
+    the owner's fp32 sum in rank order, re-quantised with its residual; all owners' chunks to
+    every rank (both steps all-to-alls)."""
+    size = comm.group_size(group)
+    me = comm.group_rank(group)
+    numel = tensor.numel()
+    blocks = chunk_blocks(numel, size)
+    bounds = [0]
+    for b in blocks:
+        bounds.append(bounds[-1] + b)
+    unit = BLOCK + 4  # bytes of one block: its codes and its scale
+    send = torch.cat([_slice_pack(codes, scales, bounds[j], bounds[j + 1]) for j in range(size)])
+    mine = blocks[me]
+    received = send.new_empty(size * mine * unit)
+    work = comm.all_to_all(
+        received, send, [mine * unit] * size, [b * unit for b in blocks], group, async_op=True
+    )
+
+    def finish(emulate_second) -> None:
+        pieces = received.view(size, mine * unit)
+        total = torch.zeros(mine * BLOCK, device=tensor.device)
+        for r in range(size if mine else 0):  # in rank order: the same bits on any owner
+            total += _unpack(pieces[r], mine * BLOCK, method)
+        owned = feedback.compensate(key + OWNER, total) if feedback is not None else total
+        own_codes, own_scales = quantise(owned, method)
+        if feedback is not None:
+            feedback.remember(key + OWNER, owned, dequantise(own_codes, own_scales, owned.numel()))
+        own = _pack(own_codes, own_scales)
+        gathered = own.new_empty(sum(blocks) * unit)
+        second = comm.all_to_all(
+            gathered,
+            own.repeat(size),
+            [b * unit for b in blocks],
+            [mine * unit] * size,
+            group,
+            async_op=True,
+        )
+        emulate_second(second, (size - 1) * mine * unit).wait()
+        values = [
+            _unpack(part, b * BLOCK, method)
+            for part, b in zip(gathered.split([b * unit for b in blocks]), blocks, strict=True)
+            if b  # (a rank owns no block when the vector has fewer blocks than ranks)
+        ]
+        tensor.view(-1).copy_(torch.cat(values)[:numel])
+
+    return finish, work, (sum(blocks) - mine) * unit
 
 
 def wire_bytes_per_value(method: str) -> float:
@@ -210,6 +352,9 @@ __all__ = [
     "METHODS",
     "Compression",
     "ErrorFeedback",
+    "GATHER_MAX_W",
+    "OWNER",
+    "chunk_blocks",
     "compressed_all_reduce_sum",
     "decode",
     "dequantise",
@@ -218,6 +363,7 @@ __all__ = [
     "packed_bytes",
     "payload_bytes",
     "quantise",
+    "quantised_sent_bytes",
     "ring_bytes",
     "round_trip",
     "wire_bytes_per_value",

@@ -107,6 +107,9 @@ class Transport(Protocol):
     # ------------------------------------------------------------------ collectives
     def group_size(self, group: Any = None) -> int: ...
 
+    def group_rank(self, group: Any = None) -> int:
+        """This rank's position in ``group`` (0 .. size − 1, the group's order)."""
+
     def all_reduce(self, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
         """Sum ``tensor`` in place over ``group``; a :class:`Work` when ``async_op``."""
 
@@ -115,6 +118,21 @@ class Transport(Protocol):
     ):
         """Every member's ``tensor`` (same size on all), concatenated in group order into
         ``output``; a :class:`Work` when ``async_op``. Used for quantised payloads."""
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        group: Any = None,
+        async_op: bool = False,
+    ):
+        """Piece j of ``tensor`` (``input_splits[j]`` elements, in order) goes to member j;
+        piece i of ``output`` (``output_splits[i]`` elements) comes from member i. The splits
+        must agree across members (what i sends j is what j expects from i). A :class:`Work`
+        when ``async_op``; bounded by the group's timeout like every collective. Used by the
+        quantised reduce-scatter all-reduce (:mod:`cloudburst.comm.compress`)."""
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None: ...
 
@@ -219,8 +237,25 @@ class TorchTransport:
     def all_reduce(self, tensor, group=None, async_op=False):
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
+    def group_rank(self, group=None) -> int:
+        if isinstance(group, _MemberGroup):
+            return group.group.rank()
+        return dist.get_rank(group)
+
     def all_gather(self, output, tensor, group=None, async_op=False):
         return dist.all_gather_single(output, tensor, group=group, async_op=async_op)
+
+    def all_to_all(self, output, tensor, output_splits, input_splits, group=None, async_op=False):
+        # torch.distributed's all_to_all_single: gloo (CPU, CUDA through the host) and NCCL,
+        # within the process group's timeout.
+        return dist.all_to_all_single(
+            output,
+            tensor,
+            output_split_sizes=list(output_splits),
+            input_split_sizes=list(input_splits),
+            group=group,
+            async_op=async_op,
+        )
 
     def broadcast(self, tensor, src, group=None) -> None:
         dist.broadcast(tensor, src=src, group=group)

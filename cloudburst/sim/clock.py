@@ -121,6 +121,14 @@ class ClockModel:
         """A ring all-reduce of n ranks: 2(n−1) latencies + 2(n−1)/n x bytes / bandwidth."""
         return self._emulator(spans_nodes).allreduce_s(nbytes, group_size)
 
+    def all_to_all_s(self, sent_bytes: float, group_size: int, spans_nodes: bool) -> float:
+        """An all-to-all of n ranks whose busiest rank sends ``sent_bytes`` (already
+        :meth:`wire_bytes`): (n−1) latencies + those bytes / bandwidth
+        (:func:`cloudburst.comm.collectives.all_to_all_s`)."""
+        from cloudburst.comm.collectives import all_to_all_s
+
+        return all_to_all_s(self._emulator(spans_nodes), sent_bytes, group_size)
+
     def broadcast_s(self, nbytes: float, group_size: int, spans_nodes: bool) -> float:
         """A broadcast to n ranks: ceil(log2 n) latencies + bytes / bandwidth."""
         return self._emulator(spans_nodes).broadcast_s(nbytes, group_size)

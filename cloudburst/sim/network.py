@@ -207,6 +207,8 @@ class SimNetwork:
             piece = op.arrivals[members[0]][1][0]
             nbytes = self.clock.wire_bytes(piece.numel() * piece.element_size(), True)
             cost = self.clock.allreduce_s(nbytes * group.size / 2, group.size, spans)
+        elif op.kind == "all_to_all":
+            cost = self._all_to_all(members, op, spans)
         elif op.kind == "broadcast":
             source = op.arrivals[op.src][1]
             for r in members:
@@ -222,6 +224,33 @@ class SimNetwork:
         for t in op.waiters:
             self.sched.wake(t, op.end)
         del group.ops[index]
+
+    def _all_to_all(self, members: list[int], op: _Collective, spans: bool) -> float:
+        """Deliver an all-to-all (member i's piece j to member j's piece i) and return its
+        cost: the busiest member's bytes to the others (a payload, scaled as one)."""
+        pieces = {}
+        for r in members:
+            tensor, _, splits, _ = op.arrivals[r][1]
+            if sum(splits) != tensor.numel() or len(splits) != len(members):
+                raise RuntimeError(f"all-to-all: rank {r}'s input splits {splits} do not fit")
+            pieces[r] = tensor.reshape(-1).split(splits)
+        busiest = 0.0
+        for i, r in enumerate(members):
+            _, output, _, splits = op.arrivals[r][1]
+            incoming = [pieces[s][i] for s in members]
+            if [p.numel() for p in incoming] != list(splits):
+                raise RuntimeError(
+                    f"all-to-all: rank {r} expects pieces of {splits}, "
+                    f"the others send {[p.numel() for p in incoming]}"
+                )
+            output.view(-1).copy_(torch.cat(incoming))
+            tensor = op.arrivals[r][1][0]
+            sent = sum(p.numel() for j, p in enumerate(pieces[r]) if j != i)
+            busiest = max(busiest, self._wire_n(sent * tensor.element_size(), tensor))
+        return self.clock.all_to_all_s(busiest, len(members), spans)
+
+    def _wire_n(self, nbytes: int, tensor: torch.Tensor) -> float:
+        return self.clock.wire_bytes(nbytes, is_payload(tensor))
 
     def _wire(self, tensor: torch.Tensor) -> float:
         return self.clock.wire_bytes(tensor.numel() * tensor.element_size(), is_payload(tensor))

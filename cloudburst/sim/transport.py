@@ -11,7 +11,8 @@ What each operation costs, in virtual time:
   non-blocking one at once;
 - a collective: it starts when the last member has called it and every member's link is free,
   and ends after the ring (all-reduce) or tree (broadcast) cost of its bytes on the slowest link
-  it spans; a blocking call returns then; a non-blocking one overlaps with whatever its caller
+  it spans (an all-to-all: n − 1 latencies + the busiest member's bytes to the others);
+  a blocking call returns then; a non-blocking one overlaps with whatever its caller
   does until ``wait()``: a wait after k steps of compute costs max(0, cost − k·T);
 - a server applying an update: bytes ÷ the modelled memory bandwidth;
 - evaluating the global model (inside :meth:`SimTransport.measuring`): nothing.
@@ -360,6 +361,19 @@ class SimTransport:
         group = group or self.net.world
         op = self.net.collective("all_gather", group, self.rank, (tensor, output))
         work = SimWork(lambda: self.net.wait_collective(op, f"all-gather over {group.name}"))
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def group_rank(self, group=None) -> int:
+        return (group or self.net.world).members.index(self.rank)
+
+    def all_to_all(self, output, tensor, output_splits, input_splits, group=None, async_op=False):
+        group = group or self.net.world
+        args = (tensor, output, list(input_splits), list(output_splits))
+        op = self.net.collective("all_to_all", group, self.rank, args)
+        work = SimWork(lambda: self.net.wait_collective(op, f"all-to-all over {group.name}"))
         if async_op:
             return work
         work.wait()

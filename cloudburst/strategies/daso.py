@@ -22,12 +22,14 @@ node's and its global group's collectives raise, and the job stops, as for ``syn
 ``compress`` (docs/algorithms.md#compression): ``--compress bf16`` sends every global sync,
 blocking and non-blocking, as bf16 (summed in bf16, no error feedback: what ``--daso-downcast
 bf16`` does for the blocking ones); ``int8`` / ``fp8`` send θ quantised block-wise
-(:func:`~cloudburst.comm.compress.compressed_all_reduce_sum`: an all-gather of every node's
-codes and scales, dequantised and summed in fp32) with error feedback, the residual kept per
-rank (each rank sends only at its own turns of the rotation) and checkpointed. A merge's
+(:func:`~cloudburst.comm.compress.compressed_all_reduce_sum`: from 3 nodes on a reduce-scatter
+of quantised chunks, owners summing in fp32, and an all-gather; with 2 an all-gather) with error
+feedback, the residuals kept per rank (each rank sends only at its own turns of the rotation)
+and checkpointed. A non-blocking sync overlaps its first step with the S batches; the second
+runs at the merge. A merge's
 rounding stays in θ for good, so without feedback the roundings of successive syncs would add
 up; with it each sync also sends what the rank's previous one left out. A quantised sync is one
-all-gather (``daso_chunk_elements`` does not split it). ``--compress`` and a non-default
+quantised all-reduce (``daso_chunk_elements`` does not split it). ``--compress`` and a non-default
 ``--daso-downcast`` / ``--daso-cycling-downcast`` are refused together.
 
 Differences from Heat: the cast is configurable for each kind of sync; the schedule is an

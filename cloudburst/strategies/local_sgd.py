@@ -21,8 +21,11 @@ F = 1, τ = 0 is ``diloco`` itself, bit for bit.
 
 ``compress`` (docs/algorithms.md#compression): the averages send each replica's drift
 θ_reference − θ_i (local SGD: from the last average; DiLoCo: the pseudo-gradient θ_global − θ_i)
-compressed, with error feedback for int8/fp8 (residuals per fragment, checkpointed); ``none``
-sends θ_i in fp32 as ever.
+compressed, with error feedback for int8/fp8 (residuals per fragment, the sender's and, from
+W = 3 on, the chunk owner's of :func:`~cloudburst.comm.compress.compressed_all_reduce_sum`'s
+reduce-scatter, checkpointed; its bytes 2(W−1)/W of the quantised vector); a delayed fragment
+overlaps the scatter with its τ steps and runs the gather when applied. ``none`` sends θ_i in
+fp32 as ever.
 
 Synchronous every H steps (a straggler stalls the others once per period; Streaming DiLoCo
 overlaps each fragment's all-reduce with τ inner steps); staleness 0 (Streaming DiLoCo: the

@@ -7,8 +7,10 @@ Synchronous: every step waits for all workers. Staleness: always 0.
 A dead worker: the all-reduce raises on every other rank and the job stops (torchrun tears it
 down); resume from a checkpoint.
 ``compress``: the gradient buckets go through PyTorch's ``bf16_compress_hook`` or
-``powerSGD_hook``, or cloudburst's int8/fp8 hook (block-wise quantised, all-gathered, error
-feedback per bucket); the residuals and PowerSGD's state are in the checkpoint.
+``powerSGD_hook``, or cloudburst's int8/fp8 hook (block-wise quantised; a reduce-scatter and
+all-gather of quantised chunks from W = 3 on, bytes 2(W−1)/W of the quantised bucket; error
+feedback per bucket, the sender's and the chunk owner's); the residuals and PowerSGD's state
+are in the checkpoint.
 On GPUs the all-reduce runs on NCCL when every worker has its own GPU, else on gloo (which
 reduces CUDA tensors through host memory); ``summary.json`` records which.
 """
