@@ -19,7 +19,7 @@ here. The model (``bench_models.py:mnist1d_wide_cnn``, 528 k parameters) makes c
 matter: sync's all-reduce costs ~37 ms of link per 50 ms step, one DASO sync (P = 2) 19 ms.
 
 Reported: time to 90 % (held for k = 3 evaluations, evaluation off the clock; censored runs
-counted at the budget), DASO ÷ each arm with a bootstrap interval and the sync A/A ratio
+counted at the budget), DASO ÷ each arm (median per-seed ratio, paired interval) and the sync A/A
 beside it; final accuracy − sync; inter-node bytes per training sample ÷ sync's (counters);
 and why, measured: one process's real compute per step against the padding, the CPU each
 job's processes used (``/proc``), each arm's samples/s and ms per step, and the samples each
@@ -102,7 +102,7 @@ def report(
     times = {name: harness.times_to(rs, TARGET) for name, rs in groups.items()}
     aa = harness.aa_name("sync")
     rep = harness.Report("daso", "DASO on 2 × 2 emulated nodes at 1 Gbit/s: time to 90 %", prov)
-    aa_ratio = harness.bootstrap_ratio(times[aa], times["sync"], budget_s=budget)[0]
+    aa_ratio = harness.paired_ratio(times[aa], times["sync"], budget_s=budget)[0]
     for name, (_, target, why) in ARMS.items():
         if name == "daso" or name not in groups:
             continue
@@ -114,7 +114,7 @@ def report(
         claim.aa = aa_ratio  # sync ÷ sync: the noise floor of every ratio here
     final = {name: [r.final_accuracy for r in rs] for name, rs in groups.items()}
     if all(a is not None for a in final["daso"] + final["sync"]):
-        diff, lo, hi = harness.bootstrap_difference(final["daso"], final["sync"])
+        diff, lo, hi = harness.bootstrap_difference(final["daso"], final["sync"], paired=True)
         rep.claim(
             "final accuracy, daso − sync (points), 2 × 2 nodes", round(100 * diff, 2),
             f"within ±{ACC_POINTS:g}", abs(100 * diff) <= ACC_POINTS,

@@ -13,7 +13,7 @@ emulated device or link: the CPU cost of each mechanism is what is timed.
 
 Reported: time per step (median over every rank's 16-step windows of Δtime ÷ Δsteps, the first
 32 steps left out; the same measure from torchft's step records) of local_sgd ÷ each peer and
-diloco ÷ torchft's, with a bootstrap interval over seeds and the local_sgd A/A ratio beside it;
+diloco ÷ torchft's (median per-seed ratio, seeds resampled as pairs) and the local_sgd A/A beside it;
 training bytes per sample (the counters) ÷ sync's against the schedule's ⌈T/H⌉ / T; final
 accuracy − sync. torchft runs fewer steps (its start-up is ~10 s): only its step time counts.
 """
@@ -81,11 +81,16 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
     groups = harness.by_arm(runs)
     rep = harness.Report("local_sgd", "local SGD and DiLoCo: bytes, accuracy, step time", prov)
     step = {n: [r.values.get("step_s") for r in rs] for n, rs in groups.items()}
-    aa = [x for x in step[harness.aa_name("local_sgd")] if x]
-    aa_ratio = harness.bootstrap_ratio(aa, step["local_sgd"])[0] if aa else None
+
+    def pairs(a: str, b: str) -> tuple[list[float], list[float]]:  # seed i on both sides
+        both = [(x, y) for x, y in zip(step[a], step[b], strict=True) if x and y]
+        return [x for x, _ in both], [y for _, y in both]
+
+    aa = pairs(harness.aa_name("local_sgd"), "local_sgd")
+    aa_ratio = harness.paired_ratio(*aa)[0] if aa[0] else None
     for a, b in STEP_CLAIMS:
-        ok_a, ok_b = [x for x in step[a] if x], [x for x in step[b] if x]
-        if not ok_a or not ok_b:
+        ok_a, ok_b = pairs(a, b)
+        if not ok_a:
             rep.claim(f"time per step, {a} ÷ {b}", None, "≤ 1", False, note=f"{b} did not run")
             continue
         harness.ratio_claim(rep, f"time per step, {a} ÷ {b}, W = 4, H = {H}", ok_a, ok_b,
@@ -108,7 +113,7 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
             )  # fmt: skip
         accs, sync_accs = [r.final_accuracy for r in rs], [r.final_accuracy for r in sync_rs]
         if None not in accs + sync_accs:
-            diff, lo, hi = harness.bootstrap_difference(accs, sync_accs)
+            diff, lo, hi = harness.bootstrap_difference(accs, sync_accs, paired=True)
             rep.claim(
                 f"final accuracy, {name} − sync (points), H = {H}", round(100 * diff, 2),
                 f"within ±{ACC_POINTS:g}", abs(100 * diff) <= ACC_POINTS,

@@ -12,8 +12,8 @@ A step is the loop's ``train_step``: forward, loss, ``zero_grad``, backward, opt
 ``loss.item()``. In each round (behind a barrier) every variant runs its warm-up steps, then
 the variants take their timed steps in turn, one step each, the order rotated each round (a
 burst of load from elsewhere slows every variant alike, not one variant's block of steps); a
-variant's round value is the median of its steps on rank 0. Ratio = median ÷ median of the
-round values, with a 95 % bootstrap interval over rounds; the A/A ratio beside it is the noise
+variant's round value is the median of its steps on rank 0. Ratio = the median of each
+round's ratios, with a 95 % bootstrap interval over rounds resampled whole; the A/A is the noise
 floor. Every variant sees the same batches, so its
 parameters must equal the reference's at the end: the largest difference is reported.
 
