@@ -13,7 +13,7 @@ emulated device or link: the CPU cost of each mechanism is what is timed.
 
 Reported: time per step (median over every rank's 16-step windows of Δtime ÷ Δsteps, the first
 32 steps left out; the same measure from torchft's step records) of local_sgd ÷ each peer and
-diloco ÷ torchft's (median per-seed ratio, seeds resampled as pairs) and the local_sgd A/A beside it;
+diloco ÷ torchft's (median per-seed ratio, seeds resampled as pairs), the local_sgd A/A beside;
 training bytes per sample (the counters) ÷ sync's against the schedule's ⌈T/H⌉ / T; final
 accuracy − sync. torchft runs fewer steps (its start-up is ~10 s): only its step time counts.
 """
