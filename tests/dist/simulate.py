@@ -1,9 +1,14 @@
 """Single-process simulations of each strategy's arithmetic, written from the algorithms'
 descriptions (README, ALGORITHMS.md), not from cloudburst's code: what a run must end with.
 
-Every simulation draws each worker's batches as the CLI does (worker ``w`` of ``W`` trains on
-its contiguous shard with the seed ``seed·1000 + w``) and applies each worker's local
-optimizer in plain PyTorch. ``nan`` names (worker, step) pairs whose loss an injected
+Independent of the package's data and model code: the raw synthetic split is the package's
+(the input), but the sharding and the batch order are computed here from the documented rule
+(worker ``w`` of ``W`` trains on the contiguous ``w``-th of ``W`` equal shards, the remainder
+unused; each epoch a fresh permutation of the shard seeded by ``seed·1000 + w``, the last
+incomplete batch dropped), and the models are defined here (the MNIST-1D paper's MLP and CNN,
+built after ``torch.manual_seed(seed)``: the same seed, the same initial θ). A sharding bug
+(every worker given the same shard, say) therefore fails the parity tests. Each worker's
+local optimizer is plain PyTorch. ``nan`` names (worker, step) pairs whose loss an injected
 ``nan:RANK@STEP`` fault makes NaN: that worker's step is not applied (its optimizer does not
 step; its data stream moves on).
 """
@@ -17,8 +22,7 @@ import torch
 from torch import nn
 
 from cloudburst.checkpoint import load_model_into
-from cloudburst.data import BatchStream, load_dataset, worker_shard
-from cloudburst.models import build_model
+from cloudburst.data import load_dataset
 
 # The flags every parity run shares; the simulations' defaults are the same values.
 SEED, BATCH, LR, MOMENTUM = 3, 16, 0.05, 0.9
@@ -27,14 +31,89 @@ COMMON = ["--dataset", "synthetic", "--model", "cnn", "--batch-size", str(BATCH)
           "--eval-every-s", "1000"]  # fmt: skip
 
 
-def _data(test_size: int = 1000):
+def _data(test_size: int = 1000) -> tuple[torch.Tensor, torch.Tensor]:
+    """The raw synthetic training split (40 features, 10 classes): the input, not the rule."""
     # (synthetic data draws its training samples after all labels: the test size matters)
-    return load_dataset("synthetic", 4000, test_size)
+    data = load_dataset("synthetic", 4000, test_size)
+    return data.x_train, data.y_train
+
+
+LENGTH, CLASSES = 40, 10
+
+
+class MLP(nn.Module):
+    """The MNIST-1D paper's MLP: 40 → 100 → 100 → 10, ReLU."""
+
+    def __init__(self, length: int = LENGTH, classes: int = CLASSES, hidden: int = 100):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(length, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                                 nn.ReLU(), nn.Linear(hidden, classes))  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.flatten(1))
+
+
+class CNN(nn.Module):
+    """The MNIST-1D paper's CNN: convolutions of 25 channels, kernels 5, 3, 3, stride 2,
+    padding 1, ReLU after each, and a linear head on the flattened 25 × 5 features."""
+
+    def __init__(self, length: int = LENGTH, classes: int = CLASSES, channels: int = 25):
+        super().__init__()
+        self.conv1 = nn.Conv1d(1, channels, 5, stride=2, padding=1)
+        self.conv2 = nn.Conv1d(channels, channels, 3, stride=2, padding=1)
+        self.conv3 = nn.Conv1d(channels, channels, 3, stride=2, padding=1)
+        self.linear = nn.Linear(channels * 5, classes)  # 40 → 19 → 10 → 5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(x.reshape(x.shape[0], 1, -1)).relu()
+        h = self.conv2(h).relu()
+        return self.linear(self.conv3(h).relu().flatten(1))
 
 
 def fresh_model(model: str = "cnn", seed: int = SEED) -> nn.Module:
-    data = _data()
-    return build_model(model, data.input_shape, data.num_classes, seed)
+    """Model ``model`` (``cnn`` or ``mlp``) with the initial θ every rank of a run starts from."""
+    torch.manual_seed(seed)
+    if model == "cnn":
+        return CNN()
+    if model == "mlp":
+        return MLP()
+    raise ValueError(f"no reference definition of model {model!r}")
+
+
+class Batches:
+    """One worker's endless mini-batches: each epoch a permutation of the shard drawn from a
+    generator seeded with ``seed·1_000_003 + epoch``; ``batch`` rows each, the rest of an
+    epoch dropped. ``state_dict``: the position (epoch, batch index), as a checkpoint keeps it."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch: int, seed: int):
+        self.x, self.y, self.batch, self.seed = x, y, batch, seed
+        self.epoch, self.index = 0, 0
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.index == self.x.shape[0] // self.batch:
+            self.epoch, self.index = self.epoch + 1, 0
+        if self._order is None or self._order[0] != self.epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self._order = (self.epoch, torch.randperm(self.x.shape[0], generator=g))
+        rows = self._order[1][self.index * self.batch : (self.index + 1) * self.batch]
+        self.index += 1
+        return self.x[rows], self.y[rows]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+def shard(x: torch.Tensor, y: torch.Tensor, worker: int, workers: int):
+    """Worker ``worker``'s contiguous, equal share of (x, y) (the remainder unused)."""
+    per = x.shape[0] // workers
+    return x[worker * per : (worker + 1) * per], y[worker * per : (worker + 1) * per]
 
 
 def trained(out, model: str = "cnn") -> nn.Module:
@@ -46,11 +125,9 @@ def trained(out, model: str = "cnn") -> nn.Module:
 
 def streams(
     workers: int, batch: int = BATCH, seed: int = SEED, test_size: int = 1000
-) -> list[BatchStream]:
-    data = _data(test_size)
-    return [
-        BatchStream(*worker_shard(data, w, workers), batch, seed * 1000 + w) for w in range(workers)
-    ]
+) -> list[Batches]:
+    x, y = _data(test_size)
+    return [Batches(*shard(x, y, w, workers), batch, seed * 1000 + w) for w in range(workers)]
 
 
 def assert_same_params(a: nn.Module, b: nn.Module) -> None:
