@@ -1,76 +1,326 @@
-"""Regenerate the README's evidence table from the claims in ``benchmarks/results/*.json``.
+"""The evidence table and the "Choosing a strategy" advice, generated from the claims in
+``benchmarks/results/*.json``; ``--rescore`` re-derives stored claims with the harness's rules.
 
-    .venv/bin/python benchmarks/evidence.py            # rewrite README.md between the markers
-    .venv/bin/python benchmarks/evidence.py --check    # print the table; exit 1 if README differs
+    .venv/bin/python benchmarks/evidence.py            # rewrite the text between the markers
+    .venv/bin/python benchmarks/evidence.py --check    # exit 1 if a marked block is stale
     .venv/bin/python benchmarks/evidence.py --results runs/bench-quick --print
+    .venv/bin/python benchmarks/evidence.py --rescore overhead local_sgd daso transport
 
-Only the text between ``<!-- evidence:begin -->`` and ``<!-- evidence:end -->`` is replaced:
-one row per claim (:meth:`harness.Report.claim`), with the A/A value, the interval, the seeds,
-the verdict and the result file's commit.
+The table goes between ``<!-- evidence:begin -->`` and ``<!-- evidence:end -->``, the advice
+between ``<!-- choosing:begin -->`` and ``<!-- choosing:end -->``, in whichever of README.md and
+docs/*.md holds each pair (one file each). A table row per claim (anchor ``c-<result>-<n>``)
+with its A/A, interval, seeds, verdict and commit; a stored verdict that its interval does not
+support is shown as the interval's (:meth:`Claim.judge`), marked "re-judged". Each advice
+sentence states one claim's number and verdict and links to its row (``ADVICE``); one whose
+claim is missing is left out. ``--rescore`` recomputes each claim of the named results from
+their stored runs (paired by seed or round, verdict from the interval) and writes it back,
+marking the files: the runs are the old commit's, the verdicts the new rules' (history).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.harness import CLAIM_HEADERS, REPO, RESULTS, Claim, md_table  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import CLAIM_HEADERS, REPO, RESULTS, Claim, fmt, md_table  # noqa: E402
 
 BEGIN, END = "<!-- evidence:begin -->", "<!-- evidence:end -->"
+CHOOSING = "<!-- choosing:begin -->", "<!-- choosing:end -->"
+ADVICE: list[tuple[str, list[tuple[str, str, str]]]] = [  # (situation, [(result, claim, text)])
+    ("Accuracy at the defaults (W = 4; final accuracy − sync's, points)", [
+        *((("accuracy", f"final accuracy, {s} − sync", f"`{s}`: {{value}} {{interval}}"))
+          for s in ("asgd", "easgd", "gossip", "local_sgd", "diloco", "daso")),
+        ("accuracy", "defaults train: every", "the worst seed of any strategy: {value} %"),
+    ]),
+    ("One worker of four 2× slower", [
+        ("stragglers", "time to 90 %, asgd ÷ sync",
+         "asgd held 90 % in {value}× sync's time {interval}, A/A {aa}"),
+    ]),
+    ("Bytes over a slow link", [
+        ("local_sgd", "bytes per sample, local_sgd ÷ sync",
+         "local SGD (H = 8) sent {value}× sync's bytes per sample"),
+        ("local_sgd", "final accuracy, local_sgd − sync",
+         "in a 24-epoch run it ended {value} points from sync {interval}"),
+        ("local_sgd", "final accuracy, diloco − sync",
+         "DiLoCo (H = 8) ended {value} points from sync there {interval}"),
+        ("compress", "Streaming DiLoCo int8",
+         "Streaming DiLoCo, int8, H = 32, F = 4 sent {value}× sync's inter-node bytes "
+         "(virtual cluster)"),
+        ("compress", "… at equal steps", "it ended {value} points from sync {interval}"),
+    ]),
+    ("Two nodes of two workers, 1 Gbit/s between them", [
+        ("daso", "time to 90 %, daso ÷ sync",
+         "DASO held 90 % in {value}× sync's time {interval}, A/A {aa}"),
+        ("daso", "time to 90 %, daso ÷ torch_post_local",
+         "it held 90 % in {value}× PyTorch's post-local SGD's time {interval}"),
+        ("daso", "final accuracy, daso − sync", "it ended {value} points from sync {interval}"),
+    ]),
+    ("Step time on a fast link", [
+        ("overhead", "sync step ÷ raw DDP, W = 4",
+         "sync's step took {value}× raw DDP's at W = 4 {interval}"),
+        ("local_sgd", "time per step, local_sgd ÷ torch_periodic",
+         "local SGD's step took {value}× PyTorch's PeriodicModelAverager's {interval}"),
+        ("transport", "asgd push+fetch ÷ raw gloo",
+         "asgd's push+fetch moved {value}× raw gloo's bytes per second {interval}"),
+    ]),
+    ("A parameter server on a GPU", [
+        ("throughput_cuda", "asgd's staging in the training job",
+         "asgd's device↔host staging inside training ran at {value}× the pinned-copy "
+         "bandwidth measured alone {interval}"),
+    ]),
+    ("Predicting a run on the virtual cluster", [
+        ("sim_fidelity", "unpadded time, real ÷ simulated",
+         "on configurations held out from its development, real communication and waiting "
+         "took {value}× the simulated {interval}"),
+        ("sim_seeds", "Jin et al.",
+         "Jin et al.'s crossover, at equal steps (not equal time): {value}"),
+    ]),
+]  # fmt: skip
 
 
-def table(results: Path) -> list[str]:
-    """The evidence table: every claim of every result file with claims, by file name."""
-    rows = []
+def load(results: Path) -> list[tuple[Path, dict]]:
+    """(json path, data) of every result file with claims, by file name."""
+    out = []
     for path in sorted(results.glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             sys.exit(f"evidence: cannot read {path}: {e}")
-        if not isinstance(data, dict) or not data.get("claims"):
-            continue
+        if isinstance(data, dict) and data.get("claims"):
+            out.append((path, data))
+    return out
+
+
+def claim_of(c: dict) -> Claim:
+    """A stored claim, judged by its interval ("re-judged" noted where that changed it)."""
+    claim = Claim(**{k: v for k, v in c.items() if k in Claim.__dataclass_fields__})
+    before = claim.verdict
+    if claim.judge().verdict != before:
+        claim.note = ", ".join(x for x in (f"re-judged from {before}", claim.note) if x)
+    return claim
+
+
+def link(path: Path, where: Path) -> str:
+    return os.path.relpath(path, where.parent).replace(os.sep, "/")
+
+
+def table(results: Path, where: Path = REPO / "README.md") -> list[str]:
+    """The evidence table, links relative to ``where`` (the file that will hold it)."""
+    rows = []
+    for path, data in load(results):
         md = path.with_suffix(".md")
-        link = f"[{path.stem}]({md.relative_to(REPO) if md.is_relative_to(REPO) else md})"
         commit = data.get("provenance", {}).get("commit", "?")
-        for c in data["claims"]:
-            claim = Claim(**{k: v for k, v in c.items() if k in Claim.__dataclass_fields__})
-            rows.append([link, *claim.row(), f"`{commit}`"])
+        for i, c in enumerate(data["claims"], 1):
+            anchor = f'<a id="c-{path.stem}-{i}"></a>'
+            rows.append(
+                [f"{anchor}[{path.stem}]({link(md, where)})", *claim_of(c).row(), f"`{commit}`"]
+            )
     if not rows:
         return ["(no result file has claims yet: run `make bench`)"]
     return md_table(["result", *CLAIM_HEADERS, "commit"], rows)
 
 
-def splice(readme: str, lines: list[str]) -> str:
+def choosing(results: Path, evidence_file: Path, where: Path) -> list[str]:
+    """The advice: per situation, one sentence per claim found, each linking to its row."""
+    found = {}
+    for path, data in load(results):
+        for i, c in enumerate(data["claims"], 1):
+            found.setdefault(path.stem, []).append((i, claim_of(c)))
+    target = link(evidence_file, where) if evidence_file != where else ""
+    phrase = {"PASS": "meets", "MISS": "misses", "inconclusive": "**inconclusive** against"}
+    lines = []
+    for situation, items in ADVICE:
+        sentences = []
+        for stem, prefix, text in items:
+            hit = next(((i, c) for i, c in found.get(stem, []) if c.name.startswith(prefix)), None)
+            if hit is None:
+                continue
+            i, c = hit
+            iv = f"(interval [{fmt(c.interval[0])}, {fmt(c.interval[1])}])" if c.interval else ""
+            said = text.format(value=fmt(c.value), interval=iv, aa=fmt(c.aa)).replace("  ", " ")
+            verdict = phrase.get(c.verdict, "has no verdict against") + f" its target {c.target}"
+            sentences.append(f"{said}: {verdict} ([{stem}]({target}#c-{stem}-{i})).")
+        if sentences:
+            lines.append(f"- **{situation}.** " + " ".join(s[0].upper() + s[1:] for s in sentences))
+    return lines or ["(no result file has the claims the advice rests on: run `make bench`)"]
+
+
+def splice(readme: str, lines: list[str], markers: tuple[str, str] = (BEGIN, END)) -> str:
     """``readme`` with the text between the markers replaced by ``lines``."""
-    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.find(BEGIN) > readme.find(END):
-        sys.exit(f"evidence: README.md needs exactly one {BEGIN} … {END} pair, in that order")
-    head, rest = readme.split(BEGIN)
-    _, tail = rest.split(END)
-    return head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + tail
+    begin, end = markers
+    if readme.count(begin) != 1 or readme.count(end) != 1 or readme.find(begin) > readme.find(end):
+        sys.exit(f"evidence: the file needs exactly one {begin} … {end} pair, in that order")
+    head, rest = readme.split(begin)
+    _, tail = rest.split(end)
+    return head + begin + "\n" + "\n".join(lines) + "\n" + end + tail
+
+
+def marked(markers: tuple[str, str], root: Path = REPO) -> Path | None:
+    """The one file of README.md and docs/*.md holding ``markers`` (None: none does)."""
+    holders = [p for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+               if p.is_file() and markers[0] in p.read_text()]  # fmt: skip
+    if len(holders) > 1:
+        sys.exit(f"evidence: {markers[0]} is in {len(holders)} files: {holders}")
+    return holders[0] if holders else None
+
+
+# ---------------------------------------------------------------------------- --rescore
+def _pairs(x: list, y: list) -> tuple[list[float], list[float]]:
+    """The seeds where both sides have a value, as two aligned lists."""
+    both = [(p, q) for p, q in zip(x, y, strict=True) if p and q]
+    return [p for p, _ in both], [q for _, q in both]
+
+
+def _recipes(stem: str, data: dict) -> dict[str, dict]:
+    """Claim name → its stored per-seed (per-round) inputs, for result files written before
+    claims kept them: ``{"a", "b", "aa", "budget_s"}`` (a ratio) or ``{"diff": (a, b)}``
+    (a difference, in points)."""
+    runs = [harness.Run(**r) for r in data.get("runs", [])]
+    groups = harness.by_arm(runs)
+
+    def value(arm: str, key: str) -> list:
+        return [r.values.get(key) for r in groups.get(arm, [])]
+
+    def acc(arm: str) -> list:
+        return [r.summary.get("final_test_accuracy") for r in groups.get(arm, [])]
+
+    out: dict[str, dict] = {}
+    if stem == "overhead":
+        for key, res in data["data"].items():
+            med, ref = res["round_median_s"], "plain" if key == "W=1" else "ddp"
+            name = f"sync step ÷ {'plain loop' if ref == 'plain' else 'raw DDP'}, W = {key[2:]}"
+            out[name] = {"a": med["sync"], "b": med[ref], "aa": med[f"{ref} (A/A)"]}
+    if stem == "transport":
+        g = {arm: value(arm, "gbps") for arm in groups}
+        out["asgd push+fetch ÷ raw gloo (throughput)"] = {
+            "a": g["asgd"], "b": g["raw"], "aa": g["raw (A/A)"]
+        }  # fmt: skip
+        for arm, what in (("duplex", "both directions at once"), ("pipelined", "not package code")):
+            out[f"{arm} reference ÷ raw gloo ({what})"] = {"a": g[arm], "b": g["raw"]}
+        out["asgd's CPU-bound ceiling ÷ raw gloo (raw ms × 2 cores ÷ asgd CPU ms)"] = {
+            "withdrawn": "asgd's own measurement rescaled, so it could not disagree (issue 25)"
+        }
+    budget = harness.budget_of(runs)
+    times = {arm: harness.times_to(rs, 0.9) for arm, rs in groups.items()}
+    for c in data["claims"] if stem in ("local_sgd", "daso") else []:
+        if m := re.match(r"time per step, (\S+) ÷ (\S+),", c["name"]):
+            aa = _pairs(value("local_sgd (A/A)", "step_s"), value("local_sgd", "step_s"))
+            a, b = _pairs(value(m[1], "step_s"), value(m[2], "step_s"))
+            out[c["name"]] = {"a": a, "b": b, "aa": harness.paired_ratio(*aa)[0]}
+        elif m := re.match(r"time to 90 %, daso ÷ (\S+),", c["name"]):
+            aa = harness.paired_ratio(times["sync (A/A)"], times["sync"], budget_s=budget)[0]
+            out[c["name"]] = {"a": times["daso"], "b": times[m[1]], "aa": aa, "budget_s": budget}
+        elif m := re.match(r"final accuracy, (\S+) − sync", c["name"]):
+            out[c["name"]] = {"diff": (acc(m[1]), acc("sync"))}
+    return out
+
+
+def rescore(path: Path, head: str) -> list[str]:
+    """Re-derive ``path``'s claims from its stored runs and write them back (json and the
+    md's claims table, both stamped); return the names of the claims that could not be."""
+    data = json.loads(path.read_text())
+    recipes = _recipes(path.stem, data)
+    report = harness.Report(path.stem, "", harness.Provenance.__new__(harness.Provenance))
+    claims, missing, withdrawn = [], [], []
+    for c in data["claims"]:
+        old = Claim(**{k: v for k, v in c.items() if k in Claim.__dataclass_fields__})
+        inputs, rule = recipes.get(old.name) or old.inputs, harness.parse_target(old.target)
+
+        def point(x: float, rule: harness.Rule | None = rule) -> bool | None:
+            return None if rule is None else rule.holds(x)
+
+        if inputs and "withdrawn" in inputs:
+            withdrawn.append(f"{old.name} ({fmt(old.value)}): {inputs['withdrawn']}")
+            continue
+        if inputs and "diff" in inputs:
+            d, lo, hi = (
+                round(100 * x, 2)
+                for x in harness.bootstrap_difference(*inputs["diff"], paired=True)
+            )
+            new = Claim(
+                old.name, d, old.target, point(d), interval=(lo, hi), seeds=old.seeds
+            ).judge()
+        elif inputs:
+            new = harness.ratio_claim(report, old.name, inputs["a"], inputs["b"], inputs.get("aa"),
+                                      old.target, point, inputs.get("budget_s"),
+                                      aa_of=inputs.get("aa_of", "b"))  # fmt: skip
+        else:
+            missing.append(old.name)
+            why = "no per-seed values stored" if old.interval else "no interval: a count, kept"
+            old.note = ", ".join(x for x in (old.note, f"not re-scored: {why}") if x)
+            claims.append(old)
+            continue
+        new.note = ", ".join(
+            x for x in (new.note, f"re-scored; was {fmt(old.value)} {old.verdict}") if x
+        )
+        claims.append(new)
+    data["claims"] = [json.loads(json.dumps(c.__dict__, default=list)) for c in claims]
+    stamp = (f"- **re-scored at `{head}`** (`benchmarks/evidence.py --rescore`): the runs are "
+             f"`{data.get('provenance', {}).get('commit', '?')}`'s, the statistics and verdicts "
+             "the harness's new rules (paired by seed or round; PASS only when the whole "
+             "interval meets the target): history, not new evidence"
+             + "".join(f"; withdrawn: {w}" for w in withdrawn))  # fmt: skip
+    data["rescored"] = stamp
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    md = path.with_suffix(".md")
+    rows = "\n".join(md_table(CLAIM_HEADERS, [c.row() for c in claims])) + "\n"
+    text = re.sub(r"## Claims\n\n(\|.*\n)+", lambda _: "## Claims\n\n" + rows, md.read_text())
+    text = re.sub(r"\n- \*\*re-scored at .*\n", "\n", text)
+    md.write_text(re.sub(r"(\n- commit: .*\n)", lambda m: m[1] + stamp + "\n", text, count=1))
+    return missing
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, default=RESULTS, help="folder of result .json files")
-    p.add_argument("--readme", type=Path, default=REPO / "README.md")
+    p.add_argument("--readme", type=Path, default=None, help="the file holding the table's markers")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--check", action="store_true", help="exit 1 if the README is stale")
+    group.add_argument("--check", action="store_true", help="exit 1 if a marked block is stale")
     group.add_argument("--print", action="store_true", help="print the table, write nothing")
+    group.add_argument("--rescore", nargs="+", metavar="RESULT", help="re-derive these results")
     args = p.parse_args()
-    lines = table(args.results)
+    if args.rescore:
+        head = harness.git_commit()[0]
+        for stem in args.rescore:
+            path = args.results / f"{stem}.json"
+            if not path.is_file():
+                sys.exit(f"evidence: no result {path}")
+            missing = rescore(path, head)
+            print(
+                f"evidence: {stem} re-scored" + (f"; not re-scored: {missing}" if missing else "")
+            )
+        return
+    table_file = args.readme or marked((BEGIN, END))
+    if table_file is None:
+        sys.exit(f"evidence: no file of README.md, docs/*.md holds {BEGIN}")
+    lines = table(args.results, table_file)
     if args.print:
         print("\n".join(lines))
         return
-    old = args.readme.read_text()
-    new = splice(old, lines)
-    if args.check:
-        print("\n".join(lines))
-        sys.exit(0 if new == old else f"evidence: {args.readme} is stale; run evidence.py")
-    args.readme.write_text(new)
-    print(f"evidence: {max(len(lines) - 2, 0)} claim rows written to {args.readme}")
+    advice_file = marked(CHOOSING)
+    stale = []
+    for file, markers, new_lines in [(table_file, (BEGIN, END), lines)] + (
+        [(advice_file, CHOOSING, choosing(args.results, table_file, advice_file))]
+        if advice_file
+        else []
+    ):
+        old = file.read_text()
+        new = splice(old, new_lines, markers)
+        if args.check:
+            stale += [str(file)] if new != old else []
+        elif new != old:
+            file.write_text(new)
+            print(f"evidence: {markers[0]} block of {file} rewritten")
+    if advice_file is None:
+        print(f"evidence: no file holds {CHOOSING[0]}: the advice was not written", file=sys.stderr)
+    if stale:
+        sys.exit(f"evidence: stale: {', '.join(stale)}; run benchmarks/evidence.py")
 
 
 if __name__ == "__main__":

@@ -584,6 +584,9 @@ class Rule:
     lo: float | None
     hi: float | None
 
+    def holds(self, x: float) -> bool:
+        return (self.lo is None or x >= self.lo) and (self.hi is None or x <= self.hi)
+
 
 def parse_target(target: str) -> Rule | None:
     """The rule a claim's target text states: ``≤ x`` / ``< x``, ``≥ x`` / ``> x`` (a comment

@@ -336,3 +336,86 @@ def test_run_train_runs_a_command_and_reads_its_run_directory(tmp_path):
     assert r.failed == "no summary.json"
     r = harness.run_train(Arm("c"), 7, tmp_path / "x", command=(sys.executable, "-c", "exit(3)"))
     assert r.failed.startswith("exit 3")
+
+
+def test_evidence_finds_the_markers_in_readme_or_docs_and_links_rows_from_there(tmp_path):
+    from benchmarks import evidence
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(
+        f"intro\n{evidence.CHOOSING[0]}\nx\n{evidence.CHOOSING[1]}\n"
+    )
+    (tmp_path / "docs" / "evidence.md").write_text(f"{evidence.BEGIN}\n{evidence.END}\n")
+    assert (
+        evidence.marked((evidence.BEGIN, evidence.END), tmp_path) == tmp_path / "docs/evidence.md"
+    )
+    assert evidence.marked(evidence.CHOOSING, tmp_path) == tmp_path / "README.md"
+    assert evidence.marked(("<!-- nowhere -->", ""), tmp_path) is None
+    (tmp_path / "docs" / "more.md").write_text(evidence.BEGIN)
+    with pytest.raises(SystemExit, match="in 2 files"):
+        evidence.marked((evidence.BEGIN, evidence.END), tmp_path)
+    readme = "a\n<!-- choosing:begin -->\nold\n<!-- choosing:end -->\nb\n"
+    assert evidence.splice(readme, ["new"], evidence.CHOOSING) == readme.replace("old", "new")
+
+
+def stored(tmp_path, name: str, claims: list[harness.Claim], **extra) -> None:
+    data = {"provenance": {"commit": "abc1234"}, "claims": [c.__dict__ for c in claims], **extra}
+    (tmp_path / "results").mkdir(exist_ok=True)
+    (tmp_path / "results" / f"{name}.json").write_text(json.dumps(data))
+    (tmp_path / "results" / f"{name}.md").write_text(
+        "# t\n\n- commit: `abc1234`\n- load\n\n## Claims\n\n| old |\n|---|\n| row |\n\n"
+        "## Settings\n"
+    )
+
+
+def test_the_table_rejudges_stored_verdicts_and_the_advice_links_each_sentence(tmp_path):
+    from benchmarks import evidence
+
+    claim = harness.Claim
+    stored(tmp_path, "stragglers", [
+        claim("time to 90 %, asgd ÷ sync, W = 4", 0.85, "≤ 0.75", False, 1.12, (0.68, 0.88), 5),
+    ])  # fmt: skip
+    stored(tmp_path, "overhead", [
+        claim("sync step ÷ plain loop, W = 1", 1.02, "≤ 1.05", True, 0.99, (0.99, 1.05), 20),
+        claim("sync step ÷ raw DDP, W = 4", 1.02, "≤ 1.05", True, 0.94, (0.94, 1.1), 20),
+    ])  # fmt: skip
+    where = tmp_path / "docs" / "evidence.md"
+    lines = evidence.table(tmp_path / "results", where)
+    assert lines[2].startswith('| <a id="c-overhead-1"></a>[overhead](../results/overhead.md) |')
+    assert "| [0.94, 1.1] | 20 | inconclusive (re-judged from PASS) | `abc1234` |" in lines[3]
+    assert "| [0.68, 0.88] | 5 | inconclusive (re-judged from MISS) |" in lines[4]
+    advice = evidence.choosing(tmp_path / "results", where, tmp_path / "README.md")
+    straggler = next(x for x in advice if x.startswith("- **One worker"))
+    assert "0.85× sync's time (interval [0.68, 0.88]), A/A 1.12: **inconclusive** against" in (
+        straggler
+    )
+    assert straggler.endswith("([stragglers](docs/evidence.md#c-stragglers-1)).")
+    step = next(x for x in advice if x.startswith("- **Step time"))
+    assert "(interval [0.94, 1.1]): **inconclusive** against its target ≤ 1.05" in step
+    assert "[overhead](docs/evidence.md#c-overhead-2)" in step
+    # every advice line carries a link to a claim row
+    assert all("#c-" in line for line in advice)
+
+
+def test_rescore_rederives_paired_claims_from_stored_inputs_and_stamps_the_files(tmp_path):
+    from benchmarks import evidence
+
+    b = [10.0, 20.0, 40.0, 80.0, 160.0]
+    inputs = {"a": [0.8 * x for x in b], "b": b, "aa": [1.01 * x for x in b], "budget_s": None}
+    # stored at the old rules: the ratio of medians, an interval from unpaired resampling
+    old = harness.Claim("x ÷ y", 0.8, "≤ 0.9", True, 1.01, (0.2, 3.2), 5, inputs=inputs)
+    count = harness.Claim("bytes ÷ sync", 0.125, "0.125 ± 2 %", True, seeds=5)
+    stored(tmp_path, "demo", [old, count])
+    path = tmp_path / "results" / "demo.json"
+    assert evidence.rescore(path, "def5678") == ["bytes ÷ sync"]
+    data = json.loads(path.read_text())
+    new = data["claims"][0]
+    assert new["value"] == pytest.approx(0.8) and new["interval"] == pytest.approx([0.8, 0.8])
+    assert new["aa"] == pytest.approx(1.01) and new["ok"] is True
+    assert "re-scored; was 0.8 PASS" in new["note"]  # as the file said it
+    assert "not re-scored: no interval" in data["claims"][1]["note"]
+    md = path.with_suffix(".md").read_text()
+    assert "re-scored at `def5678`" in md and "`abc1234`'s" in md and "| row |" not in md
+    assert "| x ÷ y | **0.8** | ≤ 0.9 | 1.01 | [0.8, 0.8] | 5 | PASS (re-scored" in md
+    evidence.rescore(path, "def5678")  # again: one stamp, not two
+    assert path.with_suffix(".md").read_text().count("re-scored at") == 1
