@@ -22,10 +22,62 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Ports for commands that bind a port themselves (torchrun's static rendezvous: its agent of
+# node 0 binds --master-port, so no socket can be handed over to it) come from below the
+# kernel's ephemeral range, where no port is handed out for outgoing connections or to a
+# bind of port 0; a lock file per port keeps two test processes from taking the same one.
+_PORT_RANGE = (20000, 32000)
+_PORT_LOCKS = Path(tempfile.gettempdir()) / "cloudburst-test-ports"
+_held_ports: list[Any] = []  # the lock files of this test process's ports, open until it exits
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that nothing listens on and that no other test process of this
+    machine is given, for a command that binds it itself (torchrun's ``--master-port``).
+    Outside the ephemeral range (so a connection's or a bind(0)'s port cannot land on it
+    between this check and the command's bind), reserved by a lock held until this process
+    ends. :func:`spawn` needs none of this: it binds its store's port and hands it over."""
+    import fcntl
+    import random
+
+    _PORT_LOCKS.mkdir(exist_ok=True)
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randrange(*_PORT_RANGE)
+        lock = open(_PORT_LOCKS / f"{port}.lock", "w")  # noqa: SIM115 - held until exit
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use by something else: keep it locked, try another
+                _held_ports.append(lock)
+                continue
+        _held_ports.append(lock)
+        return port
+    raise RuntimeError(f"no free port in {_PORT_RANGE} after 200 tries")
+
+
+def _store_server(world: int) -> tuple[Any, int]:
+    """A TCPStore server for a spawned job, on a port bound here and handed over as a
+    listening socket (as cloudburst's launcher does): no other process can take the port
+    between choosing it and listening on it. The ranks join as its clients
+    (``TORCHELASTIC_USE_AGENT_STORE``: torchrun's agent store), so none binds a port."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from cloudburst.launch import loopback_listener
+
+    listener = loopback_listener(0)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, world, True, datetime.timedelta(seconds=300),
+                          wait_for_workers=False, multi_tenant=True,
+                          master_listen_fd=listener.detach())  # fmt: skip
+    return store, port
 
 
 def _child(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
@@ -36,6 +88,8 @@ def _child(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
         OMP_NUM_THREADS="1",
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the store is the test's: every rank a client
+        TORCHELASTIC_RUN_ID=f"spawn-{port}",
     )
     try:
         result = fn(rank, *args)
@@ -56,24 +110,41 @@ def spawn(fn, world: int, tmp_path: Path, *args: Any, timeout_s: float = 120) ->
     ``fn`` must be importable (module level) and return something JSON-serialisable.
     """
     mp.set_forkserver_preload(_PRELOAD)
-    ctx = mp.start_processes(
-        _child,
-        args=(fn, world, free_port(), str(tmp_path), args),
-        nprocs=world,
-        join=False,
-        start_method="forkserver",
-    )
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"distributed test did not finish in {timeout_s} s")
+    store, port = _store_server(world)
+    try:
+        ctx = mp.start_processes(
+            _child,
+            args=(fn, world, port, str(tmp_path), args),
+            nprocs=world,
+            join=False,
+            start_method="forkserver",
+        )
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"distributed test did not finish in {timeout_s} s")
+    finally:
+        del store  # the server stops once the job is over
     results = []
     for r in range(world):  # None for a rank that left without a result (on purpose)
         path = Path(tmp_path, f"result{r}.json")
         results.append(json.loads(path.read_text()) if path.is_file() else None)
     return results
+
+
+def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.02) -> Any:
+    """Poll ``condition()`` until it is truthy; return its value. A test waits on what it
+    needs, not for a fixed time: ``timeout_s`` only bounds a hang (the failure names ``what``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
 
 
 # ---------------------------------------------------------------------------- the CLI

@@ -9,12 +9,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from cloudburst.checkpoint import load_checkpoint
 from cloudburst.metrics import read_jsonl
-from tests.helpers import cli, finish_job, read_summary, start_job
+from tests.helpers import cli, finish_job, read_summary, start_job, wait_until
 
 QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")
 BOUND_S = 120  # a run that does not stop within this is a failure (not a timing measurement)
@@ -108,11 +109,25 @@ def test_sigterm_stops_servers_workers_and_a_hung_rank(tmp_path):
     while not _fired(out / "metrics" / "rank2.jsonl"):  # rank 2 is stopped (SIGSTOP) now
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)
+    lines: list[str] = []  # the launcher's stderr, read as it comes (and its stdout drained)
+    readers = [threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, ""))),
+               threading.Thread(target=proc.stdout.read)]  # fmt: skip
+    for reader in readers:
+        reader.start()
     proc.send_signal(signal.SIGTERM)  # to the launcher only: it stops the rest
-    time.sleep(0.5)
+    # The second SIGTERM comes once the launcher says it is stopping the job (or has exited).
+    wait_until(lambda: proc.poll() is not None or any("Ctrl-C again" in x for x in lines),
+               timeout_s=BOUND_S, what="the launcher to announce the stop")  # fmt: skip
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)  # during the stop or after it: exit 130 either way
-    _, stderr = finish_job(proc, BOUND_S)
+    try:
+        proc.wait(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    for reader in readers:
+        reader.join(timeout=BOUND_S)
+    stderr = "".join(lines)
     assert proc.returncode == 130, stderr
     assert "Ctrl-C again to kill it at once" in stderr
     assert _all_gone(proc.pid), _session_processes(proc.pid)
