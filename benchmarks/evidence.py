@@ -36,47 +36,47 @@ ADVICE: list[tuple[str, list[tuple[str, str, str]]]] = [  # (situation, [(result
     ("Accuracy at the defaults (W = 4; final accuracy − sync's, points)", [
         *((("accuracy", f"final accuracy, {s} − sync", f"`{s}`: {{value}} {{interval}}"))
           for s in ("asgd", "easgd", "gossip", "local_sgd", "diloco", "daso")),
-        ("accuracy", "defaults train: every", "the worst seed of any strategy: {value} %"),
+        ("accuracy", "defaults train: every", "The worst seed of any strategy: {value} %"),
     ]),
     ("One worker of four 2× slower", [
         ("stragglers", "time to 90 %, asgd ÷ sync",
-         "asgd held 90 % in {value}× sync's time {interval}, A/A {aa}"),
+         "`asgd` held 90 % in {value}× sync's time {interval}, A/A {aa}"),
     ]),
     ("Bytes over a slow link", [
         ("local_sgd", "bytes per sample, local_sgd ÷ sync",
-         "local SGD (H = 8) sent {value}× sync's bytes per sample"),
+         "Local SGD (H = 8) sent {value}× sync's bytes per sample"),
         ("local_sgd", "final accuracy, local_sgd − sync",
-         "in a 24-epoch run it ended {value} points from sync {interval}"),
+         "In a 24-epoch run it ended {value} points from sync {interval}"),
         ("local_sgd", "final accuracy, diloco − sync",
          "DiLoCo (H = 8) ended {value} points from sync there {interval}"),
         ("compress", "Streaming DiLoCo int8",
          "Streaming DiLoCo, int8, H = 32, F = 4 sent {value}× sync's inter-node bytes "
          "(virtual cluster)"),
-        ("compress", "… at equal steps", "it ended {value} points from sync {interval}"),
+        ("compress", "… at equal steps", "It ended {value} points from sync {interval}"),
     ]),
     ("Two nodes of two workers, 1 Gbit/s between them", [
         ("daso", "time to 90 %, daso ÷ sync",
          "DASO held 90 % in {value}× sync's time {interval}, A/A {aa}"),
         ("daso", "time to 90 %, daso ÷ torch_post_local",
-         "it held 90 % in {value}× PyTorch's post-local SGD's time {interval}"),
-        ("daso", "final accuracy, daso − sync", "it ended {value} points from sync {interval}"),
+         "It held 90 % in {value}× PyTorch's post-local SGD's time {interval}"),
+        ("daso", "final accuracy, daso − sync", "It ended {value} points from sync {interval}"),
     ]),
     ("Step time on a fast link", [
         ("overhead", "sync step ÷ raw DDP, W = 4",
-         "sync's step took {value}× raw DDP's at W = 4 {interval}"),
+         "`sync`'s step took {value}× raw DDP's at W = 4 {interval}"),
         ("local_sgd", "time per step, local_sgd ÷ torch_periodic",
-         "local SGD's step took {value}× PyTorch's PeriodicModelAverager's {interval}"),
+         "Local SGD's step took {value}× PyTorch's PeriodicModelAverager's {interval}"),
         ("transport", "asgd push+fetch ÷ raw gloo",
-         "asgd's push+fetch moved {value}× raw gloo's bytes per second {interval}"),
+         "`asgd`'s push+fetch moved {value}× raw gloo's bytes per second {interval}"),
     ]),
     ("A parameter server on a GPU", [
         ("throughput_cuda", "asgd's staging in the training job",
-         "asgd's device↔host staging inside training ran at {value}× the pinned-copy "
+         "`asgd`'s device↔host staging inside training ran at {value}× the pinned-copy "
          "bandwidth measured alone {interval}"),
     ]),
     ("Predicting a run on the virtual cluster", [
         ("sim_fidelity", "unpadded time, real ÷ simulated",
-         "on configurations held out from its development, real communication and waiting "
+         "On configurations held out from its development, real communication and waiting "
          "took {value}× the simulated {interval}"),
         ("sim_seeds", "Jin et al.",
          "Jin et al.'s crossover, at equal steps (not equal time): {value}"),
@@ -133,7 +133,7 @@ def choosing(results: Path, evidence_file: Path, where: Path) -> list[str]:
         for i, c in enumerate(data["claims"], 1):
             found.setdefault(path.stem, []).append((i, claim_of(c)))
     target = link(evidence_file, where) if evidence_file != where else ""
-    phrase = {"PASS": "meets", "MISS": "misses", "inconclusive": "**inconclusive** against"}
+    phrase = {"PASS": "PASS", "MISS": "MISS", "inconclusive": "**inconclusive**"}
     lines = []
     for situation, items in ADVICE:
         sentences = []
@@ -144,10 +144,10 @@ def choosing(results: Path, evidence_file: Path, where: Path) -> list[str]:
             i, c = hit
             iv = f"(interval [{fmt(c.interval[0])}, {fmt(c.interval[1])}])" if c.interval else ""
             said = text.format(value=fmt(c.value), interval=iv, aa=fmt(c.aa)).replace("  ", " ")
-            verdict = phrase.get(c.verdict, "has no verdict against") + f" its target {c.target}"
-            sentences.append(f"{said}: {verdict} ([{stem}]({target}#c-{stem}-{i})).")
+            verdict = f"{phrase.get(c.verdict, 'no verdict')} (target {c.target})"
+            sentences.append(f"{said} — {verdict} ([{stem}]({target}#c-{stem}-{i})).")
         if sentences:
-            lines.append(f"- **{situation}.** " + " ".join(s[0].upper() + s[1:] for s in sentences))
+            lines.append(f"- **{situation}.** " + " ".join(sentences))
     return lines or ["(no result file has the claims the advice rests on: run `make bench`)"]
 
 

@@ -386,12 +386,12 @@ def test_the_table_rejudges_stored_verdicts_and_the_advice_links_each_sentence(t
     assert "| [0.68, 0.88] | 5 | inconclusive (re-judged from MISS) |" in lines[4]
     advice = evidence.choosing(tmp_path / "results", where, tmp_path / "README.md")
     straggler = next(x for x in advice if x.startswith("- **One worker"))
-    assert "0.85× sync's time (interval [0.68, 0.88]), A/A 1.12: **inconclusive** against" in (
+    assert "0.85× sync's time (interval [0.68, 0.88]), A/A 1.12 — **inconclusive** (target ≤" in (
         straggler
     )
     assert straggler.endswith("([stragglers](docs/evidence.md#c-stragglers-1)).")
     step = next(x for x in advice if x.startswith("- **Step time"))
-    assert "(interval [0.94, 1.1]): **inconclusive** against its target ≤ 1.05" in step
+    assert "(interval [0.94, 1.1]) — **inconclusive** (target ≤ 1.05)" in step
     assert "[overhead](docs/evidence.md#c-overhead-2)" in step
     # every advice line carries a link to a claim row
     assert all("#c-" in line for line in advice)
