@@ -3,29 +3,34 @@
 schedule, DASO's knobs unchanged), 4 workers, one ``compare`` call, its table and plot.
 
 The floors are what 6 epochs reached on every seed tried (0, 1, 2: benchmarks/results/
-defaults.md has the full-length runs), less a margin (0.15 for the asynchronous strategies,
-whose interleaving varies with the machine's load: asgd once ended at 0.242 on a busy
-machine); chance is 10 %.
+defaults.md has the full-length runs), less a margin of 0.05; chance is 10 %. None depends on
+the machine's load: the lockstep strategies compute the same run whatever the timing, and the
+asynchronous ones (whose real interleaving varies with the load: asgd once ended at 0.242 on a
+busy machine) are held to their floors on the virtual cluster, where the interleaving is the
+clock model's (the same defaults, one process, deterministic); their real runs in ``compare``
+are checked for everything but the accuracy.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers import cli, read_summary
+from tests.helpers import cli, read_summary, simulated
 
 pytestmark = pytest.mark.e2e
 
-# Lowest accuracy seen over seeds 0-2 after 6 epochs, less the margin.
+# Lowest accuracy seen over seeds 0-2 after 6 epochs, less the margin; the asynchronous
+# strategies' on the virtual cluster (`cloudburst simulate`, --step-time-s 0.01).
 FLOORS = {
     "sync": 0.445 - 0.05,
-    "asgd": 0.328 - 0.15,
-    "easgd": 0.413 - 0.15,
-    "gossip": 0.386 - 0.15,
+    "asgd": 0.226 - 0.05,
+    "easgd": 0.424 - 0.05,
+    "gossip": 0.430 - 0.05,
     "local_sgd": 0.424 - 0.05,
     "diloco": 0.266 - 0.05,
     "daso": 0.458 - 0.05,
 }
+ASYNCHRONOUS = ("asgd", "easgd", "gossip")
 
 
 def test_every_strategy_learns_with_its_defaults_and_compare_reports_them(tmp_path):
@@ -39,7 +44,12 @@ def test_every_strategy_learns_with_its_defaults_and_compare_reports_them(tmp_pa
         config = summary["config"]
         assert (config["lr"], config["momentum"], config["epochs"]) == (0.1, 0.9, 6.0)
         assert summary["servers"] == (1 if strategy in ("asgd", "easgd") else 0)
-        assert summary["final_test_accuracy"] >= floor, (strategy, summary["final_test_accuracy"])
+        accuracy = summary["final_test_accuracy"]
+        if strategy in ASYNCHRONOUS:  # its real interleaving depends on the load
+            args = ["--strategy", strategy, "--workers", "4", "--epochs", "6", "--no-progress"]
+            run = simulated([*args, "--out", str(tmp_path / strategy)])
+            accuracy = read_summary(run)["final_test_accuracy"]
+        assert accuracy >= floor, (strategy, accuracy)
     assert read_summary(out / "asgd")["config"]["server_lr"] == 0.25  # λ = 1/W
     assert read_summary(out / "diloco")["config"]["diloco_outer_lr"] == 0.1  # over SGD
     assert "warning" not in proc.stderr  # no default is a known-bad combination
