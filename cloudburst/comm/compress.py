@@ -185,8 +185,20 @@ def quantised_sent_bytes(numel: int, group_size: int, position: int) -> int:
     return (sum(blocks) - mine + (group_size - 1) * mine) * (BLOCK + 4)
 
 
-def _slice_pack(codes: torch.Tensor, scales: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    return _pack(codes[a * BLOCK : b * BLOCK], scales[a:b])
+def _rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The reduce-scatter's wire format: one row of BLOCK code bytes and the block's 4 scale
+    bytes per block (uint8, blocks × (BLOCK + 4)), so a run of blocks is a run of rows."""
+    blocks = scales.numel()
+    return torch.cat(
+        [codes.view(torch.uint8).view(blocks, BLOCK), scales.view(torch.uint8).view(blocks, 4)],
+        dim=1,
+    )
+
+
+def _from_rows(rows: torch.Tensor, method: str) -> torch.Tensor:
+    """The fp32 values (blocks × BLOCK) of :func:`_rows`' bytes."""
+    dtype = torch.int8 if method == "int8" else torch.float8_e4m3fn
+    return rows[:, :BLOCK].view(dtype).float() * rows[:, BLOCK:].view(torch.float32)
 
 
 class _TwoPhase(Pending):
@@ -305,7 +317,7 @@ def _reduce_scatter(tensor, codes, scales, group, method, comm, feedback, key):
     for b in blocks:
         bounds.append(bounds[-1] + b)
     unit = BLOCK + 4  # bytes of one block: its codes and its scale
-    send = torch.cat([_slice_pack(codes, scales, bounds[j], bounds[j + 1]) for j in range(size)])
+    send = _rows(codes, scales).view(-1)
     mine = blocks[me]
     received = send.new_empty(size * mine * unit)
     work = comm.all_to_all(
@@ -313,31 +325,23 @@ def _reduce_scatter(tensor, codes, scales, group, method, comm, feedback, key):
     )
 
     def finish(emulate_second) -> None:
-        pieces = received.view(size, mine * unit)
+        pieces = _from_rows(received.view(size * mine, unit), method).view(size, mine * BLOCK)
         total = torch.zeros(mine * BLOCK, device=tensor.device)
         for r in range(size if mine else 0):  # in rank order: the same bits on any owner
-            total += _unpack(pieces[r], mine * BLOCK, method)
+            total += pieces[r]
         owned = feedback.compensate(key + OWNER, total) if feedback is not None else total
         own_codes, own_scales = quantise(owned, method)
         if feedback is not None:
             feedback.remember(key + OWNER, owned, dequantise(own_codes, own_scales, owned.numel()))
-        own = _pack(own_codes, own_scales)
+        own = _rows(own_codes, own_scales).view(-1)
         gathered = own.new_empty(sum(blocks) * unit)
         second = comm.all_to_all(
-            gathered,
-            own.repeat(size),
-            [b * unit for b in blocks],
-            [mine * unit] * size,
-            group,
-            async_op=True,
-        )
+            gathered, own.repeat(size), [b * unit for b in blocks], [mine * unit] * size,
+            group, async_op=True,
+        )  # fmt: skip
         emulate_second(second, (size - 1) * mine * unit).wait()
-        values = [
-            _unpack(part, b * BLOCK, method)
-            for part, b in zip(gathered.split([b * unit for b in blocks]), blocks, strict=True)
-            if b  # (a rank owns no block when the vector has fewer blocks than ranks)
-        ]
-        tensor.view(-1).copy_(torch.cat(values)[:numel])
+        values = _from_rows(gathered.view(sum(blocks), unit), method)
+        tensor.view(-1).copy_(values.view(-1)[:numel])
 
     return finish, work, (sum(blocks) - mine) * unit
 

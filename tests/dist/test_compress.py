@@ -1,6 +1,7 @@
 """Compressed communication on real gloo processes: sync's DDP hooks (PowerSGD through our
 counting wrapper against torch's own hook used directly; our int8 hook) and the quantised
-all-gather all-reduce of local SGD / DiLoCo through the real transport."""
+all-gather all-reduce of local SGD / DiLoCo through the real transport (W = 2), and the
+reduce-scatter form at W = 3 and 4 against tests/reference.py, bit for bit."""
 
 from __future__ import annotations
 
@@ -143,3 +144,72 @@ def test_powersgd_with_a_model_of_several_ddp_buckets_trains_on_gloo(tmp_path):
         "--eval-every-s", "1000", "--no-progress", "--out", str(out), timeout_s=180)  # fmt: skip
     s = read_summary(out)
     assert s["steps_per_worker"] == 12 and s["sent_bytes"] > 0
+
+
+def _scatter(rank: int) -> dict:
+    """W ≥ 3: the quantised reduce-scatter all-reduce through the real transport (2 int8 rounds
+    with error feedback, one started non-blocking; 1 fp8 round), and sync's int8 DDP hook."""
+    import torch.distributed as dist
+
+    from cloudburst.comm.allreduce import AllreduceHookState, compressed_hook, counted_ddp
+    from cloudburst.comm.compress import ErrorFeedback, compressed_all_reduce_sum
+    from cloudburst.comm.p2p import CommStats
+    from cloudburst.comm.transport import REAL
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    result: dict = {"inputs": [], "outputs": []}
+    feedback, stats = ErrorFeedback(), CommStats()
+    for k, method in enumerate(("int8", "int8", "fp8")):
+        g = torch.Generator().manual_seed(10 * rank + k)
+        x = torch.randn(1000, generator=g) * (1 + rank)
+        y = x.clone()
+        fb = feedback if method == "int8" else ErrorFeedback()
+        compressed_all_reduce_sum(
+            y, None, stats, method, feedback=fb, key="t", async_op=k == 1, comm=REAL
+        ).wait()
+        result["inputs"].append(x.tolist())
+        result["outputs"].append(y.tolist())
+    result["bytes"] = stats.sent_bytes
+    result["residuals"] = {k: v.tolist() for k, v in feedback.state_dict().items()}
+
+    model = _model()
+    state = AllreduceHookState(None, CommStats(), compress="int8")
+    ddp = counted_ddp(model, None, torch.device("cpu"), state, hook=compressed_hook(state))
+    x, y = _batch(rank, 0)
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    result["grad"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
+    result["hook_bytes"] = state.stats.sent_bytes
+    dist.destroy_process_group()
+    return result
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_quantised_reduce_scatter_on_gloo_is_the_reference(tmp_path, world):
+    from cloudburst.comm.compress import OWNER, quantised_sent_bytes
+    from tests import reference as ref
+
+    results = spawn(_scatter, world, tmp_path)
+    sent: list = [None] * world
+    owner: list = [None] * world
+    for k, method in enumerate(("int8", "int8", "fp8")):
+        inputs = [torch.tensor(r["inputs"][k]) for r in results]
+        fresh = method == "fp8"
+        expected, new_sent, new_owner = ref.quantised_all_reduce(
+            inputs, method, [None] * world if fresh else sent, [None] * world if fresh else owner
+        )
+        if not fresh:
+            sent, owner = new_sent, new_owner
+        for r in results:  # the same bits on every rank, the reference's
+            assert torch.equal(torch.tensor(r["outputs"][k]), expected)
+    for rank, r in enumerate(results):
+        assert torch.equal(torch.tensor(r["residuals"]["t"]), sent[rank])
+        assert torch.equal(torch.tensor(r["residuals"]["t" + OWNER]), owner[rank])
+        assert r["bytes"] == 3 * quantised_sent_bytes(1000, world, rank)
+    # sync's int8 hook: one bucket (the model's 2762 gradients), the same on every rank
+    numel = 32 * 64 + 64 + 64 * 10 + 10
+    grads = [torch.tensor(r["grad"]) for r in results]
+    assert all(torch.equal(g, grads[0]) for g in grads)
+    assert [r["hook_bytes"] for r in results] == [
+        quantised_sent_bytes(numel, world, p) for p in range(world)
+    ]
