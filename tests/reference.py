@@ -273,19 +273,36 @@ def easgd(
 
 
 # ---------------------------------------------------------------------------- 5. local SGD
+#: ``reduce(vectors)``: the sum of the workers' vectors as a (compressed) all-reduce delivers it.
+Reduce = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+
+
 def local_sgd(
-    models: Sequence[nn.Module], local_step: LocalStep, steps: int, period: int
+    models: Sequence[nn.Module],
+    local_step: LocalStep,
+    steps: int,
+    period: int,
+    reduce: Reduce | None = None,
 ) -> list[list[torch.Tensor]]:
     """Local SGD: every worker takes its own steps; after every H = ``period``-th step all
     replicas are replaced by their average (optimizer states stay local). At the end, steps
     since the last average are averaged once more. Returns θ of each worker after each step
-    (the final average replaces the last entry)."""
+    (the final average replaces the last entry).
+
+    With ``reduce`` (compression, §8): the workers send their drifts d_i = θ_ref − θ_i from the
+    last average θ_ref (the initial θ at first); θ_ref ← θ_ref − reduce(d)/W replaces every
+    replica."""
     history: list[list[torch.Tensor]] = [[] for _ in models]
+    reference = flat(models[0])
     for step in range(1, steps + 1):
         for w in range(len(models)):
             local_step(w, step)
         if step % period == 0 or step == steps:
-            average = mean([flat(m) for m in models])
+            if reduce is None:
+                average = mean([flat(m) for m in models])
+            else:
+                drift = reduce([reference - flat(m) for m in models]) / len(models)
+                average = reference = reference - drift
             for m in models:
                 set_flat(m, average)
         for w, m in enumerate(models):
@@ -301,12 +318,15 @@ def diloco(
     outer_lr: float,
     outer_momentum: float,
     nesterov: bool = True,
+    reduce: Reduce | None = None,
 ) -> list[list[torch.Tensor]]:
     """DiLoCo: the local optimizers are the inner ones; after every H-th step (and at the end
     for a partial period) the pseudo-gradient g = θ_global − mean_w θ_w goes through an outer
     SGD with momentum μ: b ← g on the first outer step, b ← μb + g after; the step is
     d = g + μb with Nesterov, d = b without; θ_global ← θ_global − lr·d; every replica then
-    restarts from θ_global. Returns θ of each worker after each step."""
+    restarts from θ_global. Returns θ of each worker after each step. With ``reduce``
+    (compression): g = reduce(θ_global − θ_w for each w)/W, each worker's pseudo-gradient
+    sent."""
     theta_global = flat(models[0]).clone()
     buf: torch.Tensor | None = None
     history: list[list[torch.Tensor]] = [[] for _ in models]
@@ -314,7 +334,10 @@ def diloco(
         for w in range(len(models)):
             local_step(w, step)
         if step % period == 0 or step == steps:
-            g = theta_global - mean([flat(m) for m in models])
+            if reduce is None:
+                g = theta_global - mean([flat(m) for m in models])
+            else:
+                g = reduce([theta_global - flat(m) for m in models]) / len(models)
             buf = g.clone() if buf is None else outer_momentum * buf + g
             d = g + outer_momentum * buf if nesterov else buf
             theta_global = theta_global - outer_lr * d
@@ -421,6 +444,27 @@ def quantise_round_trip(x: torch.Tensor, method: str, block: int = 256) -> torch
     return (codes * scale).reshape(-1)[: values.numel()].view_as(x)
 
 
+class QuantisedSum:
+    """A :data:`Reduce` for two workers' quantised all-reduce (an all-gather of the quantised
+    vectors, §8's form for W ≤ 2) with error feedback: worker i sends C(v_i + e_i), keeps
+    e_i ← v_i + e_i − C⁻¹(C(v_i + e_i)); the sum is Σ_i C⁻¹(C(v_i + e_i)) in worker order."""
+
+    def __init__(self, method: str, feedback: bool = True):
+        self.method, self.feedback = method, feedback
+        self.residuals: dict[int, torch.Tensor] = {}
+
+    def __call__(self, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+        assert len(vectors) <= 2, "from W = 3 on the sum is re-quantised by chunk owners"
+        total = None
+        for i, v in enumerate(vectors):
+            x = v + self.residuals[i] if i in self.residuals else v.clone()
+            sent = quantise_round_trip(x, self.method)
+            if self.feedback:
+                self.residuals[i] = x - sent
+            total = sent.clone() if total is None else total + sent
+        return total
+
+
 def rounding_bound(x: torch.Tensor, method: str, block: int = 256) -> torch.Tensor:
     """The most one block-wise rounding of ``x`` can be off, per value: absmax/254 of its
     block (int8: half a step), absmax/16 (fp8: 3 mantissa bits, at the block's top)."""
@@ -480,7 +524,7 @@ def gossip_pull(
     return run
 
 
-# ---------------------------------------------------------------------------- 8. quantised all-reduce
+# -------------------------------------------------------------------------- 8. quantised all-reduce
 def quantised_all_reduce(
     vectors: Sequence[torch.Tensor],
     method: str,
