@@ -71,3 +71,37 @@ def test_compressed_averages_follow_the_reference_quantiser(tmp_path, strategy, 
     for other in (ref.QuantisedSum(method, feedback=False), None):
         gap = (torch.tensor(runs[0][-1]) - _reference(strategy, other)[0][-1]).abs().max()
         assert gap > 1e-4, other
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_asgd_pushes_are_the_reference_quantiser_with_a_residual_per_shard(method):
+    # Six pushes of the same Δ by one worker to two shards: each shard's slice (contiguous,
+    # sizes differing by at most one: docs/algorithms.md) goes as C(Δ_k + e_k); what the
+    # servers apply is C⁻¹ of it, and e_k keeps the rest. The bytes sent decode to that.
+    from cloudburst.comm.quantise import decode
+    from tests.fakes import ps_job
+    from tests.unit.test_references import cfg_for
+
+    cfg = cfg_for(strategy="asgd", workers=1, servers=2, compress=method)
+    [worker] = ps_job(cfg, [ref.tiny_model()]).workers
+    n, shards = ref.NUMEL, 2
+    sizes = [n // shards + (1 if k < n % shards else 0) for k in range(shards)]
+    bounds = [(sum(sizes[:k]), sum(sizes[: k + 1])) for k in range(shards)]
+    assert [tuple(b) for b in worker.bounds] == bounds
+    g = torch.Generator().manual_seed(5)
+    delta = torch.randn(n, generator=g) * 0.01 + 0.002
+    residuals = [torch.zeros(b - a) for a, b in bounds]
+    applied_sum = torch.zeros(n)
+    for _ in range(6):
+        sent = delta.clone()
+        packets = worker._compress_push(sent)
+        for k, (a, b) in enumerate(bounds):
+            x = delta[a:b] + residuals[k]
+            expected = ref.quantise_round_trip(x, method)
+            residuals[k] = x - expected
+            torch.testing.assert_close(sent[a:b], expected, rtol=0, atol=1e-7)
+            torch.testing.assert_close(decode(packets[k], b - a, method), expected, rtol=0,
+                                       atol=1e-7)  # fmt: skip
+        applied_sum += sent
+    # Over the rounds the servers applied 6Δ less the last residuals (one rounding).
+    torch.testing.assert_close(applied_sum + torch.cat(residuals), 6 * delta, rtol=0, atol=1e-6)
