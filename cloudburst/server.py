@@ -48,9 +48,11 @@ nothing more from it is read or answered (unless it rejoins after a restart). A 
 fails on the world group (its timeout: no worker sent anything for ``comm_timeout_s``) loses
 the workers served on it, not the server.
 
-Metrics: one ``push`` record every ``push_log_every`` applied pushes, and one for each push
-that was not applied (non-finite, too stale); the summary's staleness statistics come from the
-shard's counters, which count every push.
+Metrics: one ``push`` record every ``push_log_every`` applied pushes (its staleness and the
+scale the compensation applied), and one for each push that was not applied (non-finite, too
+stale); the summary's staleness statistics (mean, max, histogram and quantiles of staleness and
+of the applied scale) come from the shard's counters, which count every push. Under a
+per-coordinate compensator (dc, dc-adaptive, gap) PUSH_FETCH replies follow the apply.
 """
 
 from __future__ import annotations
@@ -339,6 +341,8 @@ class ServerLoop(RequestServing):
                     worker=src,
                     status=result.status.name,
                     staleness_versions=result.staleness,
+                    # the factor it was applied with (|Δ̃|/|Δ| under dc, dc-adaptive, gap)
+                    scale=self.shard.last_scale if result.status == Status.OK else 0.0,
                     version=self.shard.version,
                     samples=self.shard.samples,
                 )

@@ -1,17 +1,26 @@
 """One parameter-server shard's maths, with no communication: what a shard does with a push
-(:class:`ShardState`), the server rules, EASGD's elastic step, and the helpers the workers
-share with the servers (they import this module, never the server loop in
-:mod:`cloudburst.server`).
+(:class:`ShardState`), the server rules, EASGD's elastic step, the staleness compensators
+(:class:`Compensator`), and the helpers the workers share with the servers (they import this
+module, never the server loop in :mod:`cloudburst.server`).
 
 :class:`ShardState` applies pushes one at a time, in arrival order, keeps the version clock
-(number of applied pushes) and the per-push staleness, drops pushes staler than
-``max_staleness``, optionally scales a push by 1/staleness, and rejects non-finite pushes.
+(number of applied pushes), the per-push staleness and its distribution, drops pushes staler
+than ``max_staleness``, compensates a stale push (``--staleness-compensation``: 1/τ, DC-ASGD,
+gap-aware, delay-adaptive; docs/algorithms.md#staleness-compensation), and rejects non-finite
+pushes. Async DiLoCo's Delayed Nesterov outer rule (``dn``) lives here too.
+DC-ASGD and gap-aware need θ_then, the θ the pushing worker last fetched: the shard keeps a
+ring of its own θ after each of the last R versions (R = ``compensation_window``; memory
+R·|θ_k|), looked up by the push's base version. A ring, not DC-ASGD's per-worker backup,
+because it is a function of the applied pushes alone: a standby copy and a restored
+checkpoint rebuild it exactly, and a worker's read-only fetch (evaluation) cannot disturb it.
+A push older than the ring uses its oldest θ (counted: ``compensation_clamped``).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +28,17 @@ from typing import Any
 import torch
 
 from cloudburst.comm.p2p import Status
-from cloudburst.config import RunConfig
+from cloudburst.config import COMPENSATIONS, RunConfig
+
+# --staleness-compensation: the compensators (docs/algorithms.md#staleness-compensation).
+# Those whose factor is a function of the staleness alone: a worker rebuilds the server's θ
+# from an overlapped PUSH_FETCH reply with add_rule_alpha. The others need θ_then and keep
+# per-coordinate state: their replies follow the apply.
+SCALAR_COMPENSATIONS = ("none", "scale", "delay-adaptive")
+COMPENSATION_BETA = 0.95  # β of DC-ASGD's mean square and of gap-aware's mean step
+DC_EPSILON = 1e-7  # DC-ASGD-a's ε in λ0/√(m + ε) (Zheng et al. 2017, Algorithm 2)
+# The push-scale histogram: scales rounded to this many decimals, clipped to [0, this].
+SCALE_DECIMALS, SCALE_CLIP = 3, 10.0
 
 
 @dataclass
@@ -28,13 +47,31 @@ class PushResult:
     staleness: int
 
 
-def add_rule_alpha(lr: float, staleness: int, staleness_scaling: bool) -> float:
-    """The factor of the add rule, θ ← θ + αΔ: α = λ, or λ/staleness when scaling.
+def staleness_factor(compensation: str | bool, staleness: int, delay_threshold: int = 1) -> float:
+    """The scalar factor s of a push of ``staleness`` τ: 1/max(1, τ) (``scale``, Zhang et al.
+    2016), 1 while τ ≤ τ_C and τ_C/τ beyond (``delay-adaptive``, τ_C = ``delay_threshold``),
+    else 1. ``True``/``False`` stand for ``scale``/``none`` (``staleness_scaling``).
+
+    delay-adaptive: Koloskova et al. 2022 and Mishchenko et al. 2022 take η_t = η for
+    τ_t ≤ τ_C, else min(η, 1/(4Lτ_t)); with their η = 1/(4Lτ_C) the second branch is η·τ_C/τ_t,
+    free of L. Built from that rule as ALGORITHMS.md §6 states it: the papers' text was not
+    reachable here to confirm their section and equation numbers."""
+    if compensation is True or compensation == "scale":
+        return 1.0 / max(1, staleness)
+    if compensation == "delay-adaptive" and staleness > delay_threshold:
+        return delay_threshold / staleness
+    return 1.0
+
+
+def add_rule_alpha(
+    lr: float, staleness: int, compensation: str | bool = "none", delay_threshold: int = 1
+) -> float:
+    """The factor of the add rule, θ ← θ + αΔ: α = λ·s (:func:`staleness_factor`).
 
     Workers use the same function to rebuild the server's θ from an overlapped reply, so that
     both sides compute bit-identical results.
     """
-    return lr * (1.0 / max(1, staleness) if staleness_scaling else 1.0)
+    return lr * staleness_factor(compensation, staleness, delay_threshold)
 
 
 def elastic_step(alpha: float, theta_worker: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
@@ -54,6 +91,144 @@ def all_finite(t: torch.Tensor) -> bool:
     return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
 
 
+class Compensator:
+    """The state of a per-coordinate compensator on one shard: ``dc``, ``dc-adaptive``
+    (Zheng et al. 2017, "Asynchronous SGD with delay compensation", eq. 8 and Algorithm 2's
+    adaptive λ_t = λ0/√(m_t + ε)) or ``gap`` (Barkai et al. 2020, "Gap-aware mitigation of
+    gradient staleness", §4: G = 1 + |θ_now − θ_then|/C).
+
+    With g = −Δ/η the push's pseudo-gradient per unit of local lr η (``local_lr``; n_sync
+    local steps: g is their sum), DC-ASGD applies Δ̃ = −η·(g + λ·g⊙g⊙(θ_now − θ_then)), where
+    λ = ``dc_lambda``, or λ0/√(m_t + ε) with m_t ← β·m + (1−β)·g⊙g updated by this push first;
+    gap-aware applies Δ̃ = Δ / G with C the running mean (β) of |θ after − θ before| over the
+    applied pushes, the first one its start (G = 1 where C = 0).
+    """
+
+    def __init__(
+        self, method: str, theta: torch.Tensor, window: int, dc_lambda: float, local_lr: float
+    ):
+        if method not in ("dc", "dc-adaptive", "gap"):
+            raise ValueError(f"{method!r} is not a per-coordinate compensator")
+        self.method, self.window = method, max(1, int(window))
+        self.dc_lambda, self.local_lr = dc_lambda, local_lr
+        self.ring: deque[tuple[int, torch.Tensor]] = deque()
+        self.moment = None if method == "dc" else torch.zeros_like(theta)
+        self.updates = 0  # applied pushes seen (gap: whether C has its first value)
+        self.clamped = 0  # pushes older than the ring (their θ_then: its oldest)
+        self.reset(0, theta)
+
+    def reset(self, version: int, theta: torch.Tensor) -> None:
+        """θ was replaced (warm start): the ring holds it alone, as ``version``."""
+        self.ring.clear()
+        self.ring.append((version, theta.detach().clone()))
+
+    def theta_then(self, base_version: int) -> torch.Tensor:
+        oldest = self.ring[0][0]
+        if base_version < oldest:
+            self.clamped += 1
+            base_version = oldest
+        return self.ring[base_version - oldest][1]
+
+    def compensate(
+        self, delta: torch.Tensor, theta_now: torch.Tensor, base_version: int
+    ) -> torch.Tensor:
+        """Δ̃, the push to apply in place of ``delta`` (computed against ``base_version``)."""
+        diff = theta_now - self.theta_then(base_version)
+        if self.method == "gap":
+            ratio = torch.where(self.moment > 0, diff.abs_() / self.moment, 0.0)
+            return delta / ratio.add_(1.0)
+        g = delta / -self.local_lr
+        gg = g * g
+        if self.method == "dc-adaptive":
+            self.moment.mul_(COMPENSATION_BETA).add_(gg, alpha=1.0 - COMPENSATION_BETA)
+            lam = self.dc_lambda / torch.sqrt(self.moment + DC_EPSILON)
+            correction = lam * gg * diff
+        else:
+            correction = gg.mul_(diff).mul_(self.dc_lambda)
+        return (g + correction) * -self.local_lr
+
+    def record(self, version: int, theta: torch.Tensor) -> None:
+        """``theta`` is the shard's θ after the push that made ``version``."""
+        before = self.ring[-1][1]
+        if self.method == "gap":
+            step = (theta - before).abs_()
+            if self.updates == 0:
+                self.moment.copy_(step)
+            else:
+                self.moment.mul_(COMPENSATION_BETA).add_(step, alpha=1.0 - COMPENSATION_BETA)
+        self.updates += 1
+        if len(self.ring) >= self.window:
+            _, buf = self.ring.popleft()
+            buf.copy_(theta)
+        else:
+            buf = theta.detach().clone()
+        self.ring.append((version, buf))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "ring_versions": [v for v, _ in self.ring],
+            "ring": torch.stack([t for _, t in self.ring]).clone(),
+            "moment": None if self.moment is None else self.moment.clone(),
+            "updates": self.updates,
+            "clamped": self.clamped,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["method"] != self.method:
+            raise ValueError(f"compensator state of {state['method']!r}, not {self.method!r}")
+        versions = [int(v) for v in state["ring_versions"]][-self.window :]
+        ring = state["ring"][-len(versions) :]
+        self.ring = deque((v, t.clone()) for v, t in zip(versions, ring, strict=True))
+        if self.moment is not None:
+            self.moment.copy_(state["moment"])
+        self.updates, self.clamped = int(state["updates"]), int(state["clamped"])
+
+
+class DelayedNesterov:
+    """Asynchronous DiLoCo's outer optimizer on a shard: Delayed Nesterov (Liu et al. 2024,
+    "Asynchronous Local-SGD Training for Language Modeling", arXiv:2401.09135, §4.1 and its
+    Algorithm "DN"; as in the authors' group's utnslab/halos ``opt.py``). With g the push's
+    pseudo-gradient (−Δ), t the number of pushes applied before it, N = ``period``, η, β, c:
+
+        a ← a + g
+        (t+1) mod N = 0:  m ← β·m + a/N;  θ ← θ − η·(1 − c·N + c)·β·m − (η/N)·g;  a ← 0
+        otherwise:                         θ ← θ − η·c·β·m − (η/N)·g
+
+    c = 0 (the default) is the paper's DN: between momentum updates, plain SGD of lr η/N.
+    """
+
+    def __init__(self, param: torch.Tensor, lr: float, beta: float, period: int, c: float = 0.0):
+        self.param, self.lr, self.beta, self.period, self.c = param, lr, beta, period, c
+        self.momentum = torch.zeros_like(param)
+        self.accumulated = torch.zeros_like(param)
+        self.t = 0
+
+    def step(self, g: torch.Tensor) -> None:
+        self.accumulated.add_(g)
+        if (self.t + 1) % self.period == 0:
+            self.momentum.mul_(self.beta).add_(self.accumulated, alpha=1.0 / self.period)
+            coeff = (1.0 - self.c * self.period + self.c) * self.beta
+            self.param.add_(self.momentum, alpha=-self.lr * coeff)
+            self.accumulated.zero_()
+        elif self.c:
+            self.param.add_(self.momentum, alpha=-self.lr * self.c * self.beta)
+        self.param.add_(g, alpha=-self.lr / self.period)
+        self.t += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "momentum": self.momentum.clone(),
+            "accumulated": self.accumulated.clone(),
+            "t": self.t,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.momentum.copy_(state["momentum"])
+        self.accumulated.copy_(state["accumulated"])
+        self.t = int(state["t"])
+
+
 class ShardState:
     """One shard θ_k with its version clock and server rule.
 
@@ -61,9 +236,13 @@ class ShardState:
       - ``add``:     θ_k ← θ_k + λ·s·Δ_k                       (λ = ``lr``; DistBelief/GPU A-SGD)
       - ``sgd``:     SGD with momentum on the pseudo-gradient −s·Δ_k (``torch.optim.SGD``)
       - ``adagrad``: Adagrad on the pseudo-gradient −s·Δ_k (``torch.optim.Adagrad``)
+      - ``dn``:      async DiLoCo's Delayed Nesterov (:class:`DelayedNesterov`) on −s·Δ_k, with
+        lr λ, β = ``momentum`` and N = ``dn_period``
       - ``elastic``: EASGD's centre variable; the push carries the worker's θ_i (not Δ) and
         θ̃_k ← θ̃_k + α·(θ_i,k − θ̃_k) with α = ``lr`` (the worker moves by the same e, away)
-    where s = 1/max(1, staleness) with ``staleness_scaling``, else 1.
+    where s = :func:`staleness_factor` (``compensation``; ``staleness_scaling=True`` is
+    ``scale``), and Δ_k is first replaced by the :class:`Compensator`'s Δ̃ under ``dc``,
+    ``dc-adaptive`` and ``gap``.
     """
 
     def __init__(
@@ -74,24 +253,49 @@ class ShardState:
         momentum: float = 0.0,
         max_staleness: int | None = None,
         staleness_scaling: bool = False,
+        compensation: str | None = None,
+        dc_lambda: float = 0.04,
+        delay_threshold: int = 1,
+        compensation_window: int = 16,
+        local_lr: float = 1.0,
+        dn_period: int = 1,
+        dn_c: float = 0.0,
     ):
         self.param = torch.nn.Parameter(
             theta.detach().to(torch.float32).clone(), requires_grad=False
         )
         self.rule, self.lr = rule, lr
-        self.max_staleness, self.staleness_scaling = max_staleness, staleness_scaling
+        if compensation is None:
+            compensation = "scale" if staleness_scaling else "none"
+        if compensation not in COMPENSATIONS:
+            raise ValueError(f"unknown staleness compensation {compensation!r}")
+        self.compensation, self.delay_threshold = compensation, delay_threshold
+        self.staleness_scaling = compensation == "scale"
+        self.max_staleness = max_staleness
         self.version = 0  # pushes applied so far
         self.samples = 0  # training samples behind the applied pushes
         self.staleness_sum = 0
         self.staleness_max = 0
         self.dropped_stale = 0
         self.rejected_nonfinite = 0
+        # The distributions of every applied push's staleness and of the scale it was applied
+        # with (s, or |Δ̃|/|Δ| under a per-coordinate compensator), counted exactly.
+        self.staleness_hist: dict[int, int] = {}
+        self.scale_hist: dict[float, int] = {}
+        self.last_scale = 1.0
+        self.compensator = None
+        if compensation not in SCALAR_COMPENSATIONS:
+            self.compensator = Compensator(
+                compensation, self.param.data, compensation_window, dc_lambda, local_lr
+            )
         if rule in ("add", "elastic"):
             self.optimizer = None
         elif rule == "sgd":
             self.optimizer = torch.optim.SGD([self.param], lr=lr, momentum=momentum)
         elif rule == "adagrad":
             self.optimizer = torch.optim.Adagrad([self.param], lr=lr)
+        elif rule == "dn":
+            self.optimizer = DelayedNesterov(self.param.data, lr, momentum, dn_period, dn_c)
         else:
             raise ValueError(f"unknown server rule {rule!r}")
 
@@ -102,6 +306,8 @@ class ShardState:
     def set_theta(self, theta: torch.Tensor) -> None:
         """Replace θ_k (warm start); the version clock is not advanced."""
         self.param.data.copy_(theta)
+        if self.compensator is not None:
+            self.compensator.reset(self.version, self.param.data)
 
     def apply_push(
         self, delta: torch.Tensor, base_version: int, samples: int = 0, finite: bool | None = None
@@ -138,22 +344,40 @@ class ShardState:
         self.samples += samples
         self.staleness_sum += staleness
         self.staleness_max = max(self.staleness_max, staleness)
+        self.staleness_hist[staleness] = self.staleness_hist.get(staleness, 0) + 1
         return PushResult(Status.OK, staleness)
 
     def add_push(self, delta: torch.Tensor, staleness: int) -> None:
         """The arithmetic half of :meth:`apply_push`: θ moves by a push that
-        :meth:`admit_push` accepted with ``staleness``."""
+        :meth:`admit_push` accepted with ``staleness`` (right before: the push made the
+        current version, and was computed against the version ``staleness`` before it)."""
         with torch.no_grad():
             if self.rule == "elastic":
                 self.param.add_(elastic_step(self.lr, delta, self.param))
-            elif self.optimizer is None:
-                alpha = add_rule_alpha(self.lr, staleness, self.staleness_scaling)
-                self.param.add_(delta, alpha=alpha)
+                return
+            scale = staleness_factor(self.compensation, staleness, self.delay_threshold)
+            push = delta
+            if self.compensator is not None:
+                base = self.version - 1 - staleness
+                push = self.compensator.compensate(delta, self.param.data, base)
+                norm = float(delta.norm())
+                scale = float(push.norm()) / norm if norm > 0 else 1.0
+            if self.optimizer is None:
+                alpha = add_rule_alpha(self.lr, staleness, self.compensation, self.delay_threshold)
+                self.param.add_(push, alpha=alpha)
+            elif isinstance(self.optimizer, DelayedNesterov):
+                factor = staleness_factor(self.compensation, staleness, self.delay_threshold)
+                self.optimizer.step(push.mul(-factor))
             else:
-                scale = 1.0 / max(1, staleness) if self.staleness_scaling else 1.0
-                self.param.grad = delta.mul(-scale)
+                factor = staleness_factor(self.compensation, staleness, self.delay_threshold)
+                self.param.grad = push.mul(-factor)
                 self.optimizer.step()
                 self.param.grad = None
+            if self.compensator is not None:
+                self.compensator.record(self.version, self.param.data)
+            self.last_scale = scale
+            key = round(min(max(scale, 0.0), SCALE_CLIP), SCALE_DECIMALS)
+            self.scale_hist[key] = self.scale_hist.get(key, 0) + 1
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -164,13 +388,27 @@ class ShardState:
             "staleness_max_versions": self.staleness_max,
             "dropped_stale": self.dropped_stale,
             "rejected_nonfinite": self.rejected_nonfinite,
+            "staleness_compensation": self.compensation,
+            # JSON objects: keys are strings ("3": pushes applied with staleness 3).
+            "staleness_histogram_versions": {
+                str(k): v for k, v in sorted(self.staleness_hist.items())
+            },
+            "push_scale_histogram": {repr(k): v for k, v in sorted(self.scale_hist.items())},
+            "compensation_clamped": 0 if self.compensator is None else self.compensator.clamped,
         }
 
     def state_dict(self) -> dict[str, Any]:
+        if isinstance(self.optimizer, DelayedNesterov):
+            optimizer = self.optimizer.state_dict()
+        elif self.optimizer is not None:
+            # deepcopy: the optimizer's state_dict shares its buffers with the live optimizer
+            optimizer = copy.deepcopy(self.optimizer.state_dict())
+        else:
+            optimizer = {}
         return {
             "theta": self.param.data.clone(),
-            # deepcopy: the optimizer's state_dict shares its buffers with the live optimizer
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else {},
+            "optimizer": optimizer,
+            "compensator": None if self.compensator is None else self.compensator.state_dict(),
             **self.stats(),
         }
 
@@ -185,16 +423,31 @@ class ShardState:
         self.staleness_max = int(state.get("staleness_max_versions", state.get("staleness_max")))
         self.dropped_stale = int(state["dropped_stale"])
         self.rejected_nonfinite = int(state["rejected_nonfinite"])
+        hist = state.get("staleness_histogram_versions", {})
+        self.staleness_hist = {int(k): int(v) for k, v in hist.items()}
+        scales = state.get("push_scale_histogram", {})
+        self.scale_hist = {float(k): int(v) for k, v in scales.items()}
+        if self.compensator is not None:
+            if state.get("compensator"):
+                self.compensator.load_state_dict(state["compensator"])
+            else:  # a checkpoint written without compensation: the ring starts here
+                self.compensator.reset(self.version, self.param.data)
 
 
 def server_rule(cfg: RunConfig) -> tuple[str, float]:
-    """(rule, lr) of the shards: EASGD's elastic centre, or the configured asgd rule."""
+    """(rule, lr) of the shards: async DiLoCo's Delayed Nesterov, EASGD's elastic centre, or
+    the configured asgd rule."""
+    if cfg.strategy == "async_diloco":
+        return "dn", cfg.diloco_outer_lr
     return cfg.shard_rule
 
 
 def overlapped_push_fetch(cfg: RunConfig) -> bool:
     """Whether PUSH_FETCH replies carry θ before the push (sent while the push arrives)."""
-    return server_rule(cfg)[0] in ("add", "elastic")
+    return (
+        server_rule(cfg)[0] in ("add", "elastic")
+        and cfg.staleness_compensation in SCALAR_COMPENSATIONS
+    )
 
 
 # Requests whose header is followed by a payload of the shard's size.
@@ -216,10 +469,43 @@ def make_shard(cfg: RunConfig, theta: torch.Tensor) -> ShardState:
         theta,
         rule=rule,
         lr=lr,
-        momentum=cfg.server_momentum,
+        momentum=cfg.diloco_outer_momentum if rule == "dn" else cfg.server_momentum,
         max_staleness=cfg.max_staleness,
-        staleness_scaling=cfg.staleness_scaling,
+        compensation="none" if rule == "elastic" else cfg.staleness_compensation,
+        dc_lambda=cfg.dc_lambda_value,
+        delay_threshold=cfg.delay_threshold_value,
+        compensation_window=cfg.compensation_window_value,
+        local_lr=cfg.lr,
+        dn_period=cfg.dn_period_value,
+        dn_c=cfg.dn_c,
     )
+
+
+def merged_histogram(stats: list[dict[str, Any]], key: str) -> dict[float, int]:
+    """The shards' histograms under ``key`` added up (keys as numbers)."""
+    total: dict[float, int] = {}
+    for s in stats:
+        for k, v in (s.get(key) or {}).items():
+            total[float(k)] = total.get(float(k), 0) + int(v)
+    return dict(sorted(total.items()))
+
+
+def histogram_quantiles(hist: dict[float, int], qs=(0.5, 0.9, 0.99)) -> dict[str, float] | None:
+    """Exact quantiles (the smallest value with at least q of the counts at or below it) and
+    the maximum of a histogram; None when it is empty."""
+    n = sum(hist.values())
+    if not n:
+        return None
+    out: dict[str, float] = {}
+    for q in qs:
+        need, seen = q * n, 0
+        for value, count in hist.items():
+            seen += count
+            if seen >= need:
+                out[f"p{round(q * 100):d}"] = value
+                break
+    out["max"] = max(hist)
+    return out
 
 
 def mean_staleness(stats: list[dict[str, Any]]) -> float:

@@ -26,7 +26,7 @@ from cloudburst.config import RunConfig
 from cloudburst.data import Dataset, evaluate_dataset, in_memory
 from cloudburst.metrics import MetricsWriter, iter_jsonl, time_to_target, write_json_atomic
 from cloudburst.runtime import Context
-from cloudburst.shard import mean_staleness
+from cloudburst.shard import histogram_quantiles, mean_staleness, merged_histogram
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +234,7 @@ def finalize_run(
         "comm_wait_s": sum(rep["comm_wait_s"] for rep in reports.values()),
         "mean_staleness_versions": None if math.isnan(mean_st) else mean_st,
         "max_staleness_versions": max_st,
+        **_staleness_distribution(servers),
         "pushes_rejected": sum(s.get("rejected_nonfinite", 0) for s in servers),
         "pushes_dropped_stale": sum(s.get("dropped_stale", 0) for s in servers),
         "messages_rejected": sum(rep.get("messages_rejected", 0) for rep in reports.values()),
@@ -256,6 +257,23 @@ def finalize_run(
     write_json_atomic(f"{cfg.out}/summary.json", summary)
     log.info("summary written: accuracy %.4f in %.1f s", acc, wall_time_s)
     return summary
+
+
+def _staleness_distribution(servers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The applied pushes' staleness and applied scale over all shards, as histograms (value:
+    pushes) and quantiles (p50, p90, p99, max); none for strategies without shards."""
+    if not servers:
+        return {}
+    staleness = merged_histogram(servers, "staleness_histogram_versions")
+    scales = merged_histogram(servers, "push_scale_histogram")
+    return {
+        "staleness_compensation": servers[0].get("staleness_compensation", "none"),
+        "staleness_quantiles_versions": histogram_quantiles(staleness),
+        "staleness_histogram_versions": {str(int(k)): v for k, v in staleness.items()},
+        "push_scale_quantiles": histogram_quantiles(scales),
+        "push_scale_histogram": {repr(k): v for k, v in scales.items()},
+        "compensation_clamped": sum(s.get("compensation_clamped", 0) for s in servers),
+    }
 
 
 def evaluation_time_s(reports) -> float:

@@ -573,3 +573,101 @@ def quantised_all_reduce(
         result.append(c)
         new_owner.append(total - c)
     return torch.cat(result)[:n], new_sent, new_owner
+
+
+# ---------------------------------------------------------------------------- staleness (§6, §7)
+def compensated_server(
+    theta0: torch.Tensor,
+    script: Sequence[tuple],
+    method: str,
+    lr: float = 1.0,
+    local_lr: float = 0.1,
+    dc_lambda: float = 0.04,
+    threshold: int = 1,
+    window: int | None = None,
+    beta: float = 0.95,
+    eps: float = 1e-7,
+) -> tuple[torch.Tensor, list[int]]:
+    """One shard under the add rule θ ← θ + lr·Δ̃ with a staleness compensation (§6), in a
+    scripted order: ``("fetch", w)`` (w takes the current version) or ``("push", w, Δ)``.
+    Every θ the shard held is kept (``window``: only the last ``window`` versions may be
+    looked up; an older base version reads the oldest of them). Methods: none, scale (1/τ),
+    delay-adaptive (1 while τ ≤ threshold, else threshold/τ), dc and dc-adaptive (g = −Δ/η,
+    g̃ = g + λ·g²·(θ_now − θ_then), Δ̃ = −η·g̃; adaptive: m ← β·m + (1−β)·g², λ = λ0/√(m + ε)),
+    gap (Δ̃ = Δ / (1 + |θ_now − θ_then| / C), C the running mean of |θ_after − θ_before|,
+    started at the first push's; 1 where C is 0). Returns (θ, each push's staleness)."""
+    history = [theta0.clone().float()]
+    theta = history[0].clone()
+    fetched: dict = {}
+    mean_square = torch.zeros_like(theta)
+    mean_step = None
+    stalenesses = []
+    for event in script:
+        if event[0] == "fetch":
+            fetched[event[1]] = len(history) - 1
+            continue
+        _, worker, delta = event
+        now = len(history) - 1
+        base = fetched[worker]
+        tau = now - base
+        stalenesses.append(tau)
+        if window is not None:
+            base = max(base, now - window + 1)
+        then = history[base]
+        if method == "none":
+            update = delta
+        elif method == "scale":
+            update = delta * (1.0 / max(1, tau))
+        elif method == "delay-adaptive":
+            update = delta * (1.0 if tau <= threshold else threshold / tau)
+        elif method in ("dc", "dc-adaptive"):
+            g = -delta / local_lr
+            if method == "dc-adaptive":
+                mean_square = beta * mean_square + (1 - beta) * g * g
+                lam = dc_lambda / torch.sqrt(mean_square + eps)
+            else:
+                lam = dc_lambda
+            update = -local_lr * (g + lam * g * g * (theta - then))
+        elif method == "gap":
+            if mean_step is None:
+                penalty = torch.ones_like(theta)
+            else:
+                ratio = (theta - then).abs() / mean_step
+                penalty = 1 + torch.where(mean_step > 0, ratio, torch.zeros_like(ratio))
+            update = delta / penalty
+        else:
+            raise ValueError(method)
+        new = theta + lr * update
+        if method == "gap":
+            step = (new - theta).abs()
+            mean_step = step if mean_step is None else beta * mean_step + (1 - beta) * step
+        theta = new
+        history.append(theta.clone())
+    return theta, stalenesses
+
+
+def delayed_nesterov_server(
+    theta0: torch.Tensor,
+    pseudo_gradients: Sequence[torch.Tensor],
+    lr: float,
+    beta: float,
+    period: int,
+    c: float = 0.0,
+) -> torch.Tensor:
+    """Asynchronous DiLoCo's outer rule (§7; Liu et al. 2024, Algorithm DN), pushes applied
+    in the given order: the pseudo-gradients g are summed into a; every ``period``-th push
+    the momentum takes their mean (m ← β·m + a/N) and θ moves by η·(1 − cN + c)·β·m; every
+    push moves θ by η·g/N (plus η·c·β·m between momentum updates)."""
+    theta = theta0.clone().float()
+    m = torch.zeros_like(theta)
+    acc = torch.zeros_like(theta)
+    for t, g in enumerate(pseudo_gradients):
+        acc = acc + g
+        if (t + 1) % period == 0:
+            m = beta * m + acc / period
+            theta = theta - lr * (1 - c * period + c) * beta * m
+            acc = torch.zeros_like(theta)
+        else:
+            theta = theta - lr * c * beta * m
+        theta = theta - lr / period * g
+    return theta

@@ -40,6 +40,7 @@ from cloudburst.config.components import (  # noqa: F401
 from cloudburst.config.fields import (  # noqa: F401
     AUTOCASTS,
     BACKENDS,
+    COMPENSATIONS,
     DATASETS,
     DEFAULT_SIZES,
     DEVICES,
@@ -64,6 +65,7 @@ from cloudburst.config.fields import (  # noqa: F401
 from cloudburst.config.strategies import (  # noqa: F401
     _LOCAL_SGD_TITLE,
     AsgdConfig,
+    AsyncDilocoConfig,
     DasoConfig,
     DilocoConfig,
     EasgdConfig,
@@ -77,6 +79,7 @@ COMPONENTS: tuple[type, ...] = (
     DasoConfig,
     LocalSgdConfig,
     DilocoConfig,
+    AsyncDilocoConfig,
     EasgdConfig,
     GossipConfig,
     ClusterConfig,
@@ -100,6 +103,7 @@ class RunConfig(
     ClusterConfig,
     GossipConfig,
     EasgdConfig,
+    AsyncDilocoConfig,
     DilocoConfig,
     LocalSgdConfig,
     DasoConfig,
@@ -121,8 +125,9 @@ class RunConfig(
             self.n_fetch = default_period
         if self.n_push is None:
             self.n_push = default_period
+        self._asgd_defaults()  # --staleness-scaling is --staleness-compensation scale
         if self.diloco_outer_lr is None:
-            self.diloco_outer_lr = 0.7 if self.optimizer == "adam" else 0.1
+            self.diloco_outer_lr = 0.7 if self.optimizer in ("adam", "adamw") else 0.1
         if self.server_lr is None:
             # docs/algorithms.md#asgd: the W workers' pushes are averaged (λ = 1/W), not summed.
             self.server_lr = (
@@ -141,6 +146,7 @@ class RunConfig(
         self._validate_cluster()
         self._validate_local_sgd()
         self._validate_diloco()
+        self._validate_async_diloco()
         self._validate_easgd()
         self._validate_gossip()
         self._validate_daso()

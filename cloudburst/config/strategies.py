@@ -1,11 +1,14 @@
-"""Each strategy's knobs: A-SGD's parameter server, DASO, local SGD, DiLoCo, EASGD, gossip."""
+"""Each strategy's knobs: A-SGD's parameter server (and its staleness compensation), DASO,
+local SGD, DiLoCo, asynchronous DiLoCo, EASGD, gossip."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 from cloudburst.config.fields import (
+    COMPENSATIONS,
     DOWNCASTS,
     GOSSIP_SCHEDULES,
     GOSSIP_VARIANTS,
@@ -50,13 +53,64 @@ class AsgdConfig:
         shown="none, every push is applied",
     )
     staleness_scaling: bool = option(
-        False, "scale each push by 1/staleness (staleness-aware A-SGD)"
+        False,
+        "scale each push by 1/staleness (staleness-aware A-SGD); the same as "
+        "--staleness-compensation scale, kept as its alias",
+    )
+    staleness_compensation: str = option(
+        "none",
+        "how the shards compensate a stale push (docs/algorithms.md#staleness-compensation): "
+        "scale by 1/τ, DC-ASGD with a fixed or adaptive λ, gap-aware, a delay-adaptive step",
+        choices=COMPENSATIONS,
+    )
+    dc_lambda: float | None = option(
+        None,
+        "DC-ASGD's λ (dc), or λ0 of its adaptive λ_t = λ0/√(m_t) (dc-adaptive)",
+        shown="0.04 for dc, 2 for dc-adaptive (the paper's CIFAR-10 values)",
+    )
+    delay_threshold: int | None = option(
+        None,
+        "τ_C of delay-adaptive: full step while τ ≤ τ_C, τ_C/τ of it beyond",
+        shown="W, the number of workers",
+    )
+    compensation_window: int | None = option(
+        None,
+        "dc and gap: each shard keeps its θ of this many past versions (memory: as many "
+        "copies of the shard) to find the θ a push was computed against",
+        shown="4·W, or max_staleness + 1 when that is set",
     )
     shard_standby: bool = option(
         False,
         "keep a hot copy of each shard k on server (k+1) mod S, every applied push forwarded "
         "before its reply: a killed shard fails over with no acknowledged push lost",
     )
+
+    def _asgd_defaults(self) -> None:
+        """--staleness-scaling is --staleness-compensation scale: either sets both."""
+        if self.staleness_scaling and self.staleness_compensation == "none":
+            self.staleness_compensation = "scale"
+        elif self.staleness_compensation == "scale":
+            self.staleness_scaling = True
+
+    @property
+    def dc_lambda_value(self) -> float:
+        if self.dc_lambda is not None:
+            return self.dc_lambda
+        return 2.0 if self.staleness_compensation == "dc-adaptive" else 0.04
+
+    @property
+    def delay_threshold_value(self) -> int:
+        if self.delay_threshold is not None:
+            return self.delay_threshold
+        return self.workers if isinstance(self.workers, int) and self.workers > 0 else 1
+
+    @property
+    def compensation_window_value(self) -> int:
+        if self.compensation_window is not None:
+            return self.compensation_window
+        if self.max_staleness is not None:
+            return self.max_staleness + 1
+        return 4 * max(1, self.workers if isinstance(self.workers, int) else 1)
 
     def _validate_asgd(self) -> None:
         _check_int("n_fetch", self.n_fetch, 1)
@@ -66,10 +120,29 @@ class AsgdConfig:
         _check_float("server_momentum", self.server_momentum, 0.0, 1.0, high_open=True)
         if self.max_staleness is not None:
             _check_int("max_staleness", self.max_staleness, 0)
-        if self.shard_standby and self.strategy != "asgd":
+        _check_choice("staleness_compensation", self.staleness_compensation, COMPENSATIONS)
+        if self.staleness_scaling and self.staleness_compensation not in ("none", "scale"):
             raise ConfigError(
-                f"shard_standby: only asgd's shards keep a standby, not {self.strategy}'s; "
-                "drop --shard-standby"
+                f"staleness_scaling: it is --staleness-compensation scale, which contradicts "
+                f"--staleness-compensation {self.staleness_compensation}; give one of them"
+            )
+        if self.dc_lambda is not None:
+            _check_float("dc_lambda", self.dc_lambda, 0.0, None)
+        if self.delay_threshold is not None:
+            _check_int("delay_threshold", self.delay_threshold, 1)
+        if self.compensation_window is not None:
+            _check_int("compensation_window", self.compensation_window, 1)
+        if self.strategy == "easgd" and self.staleness_compensation not in ("none", "scale"):
+            raise ConfigError(
+                f"staleness_compensation: {self.staleness_compensation} applies to asgd's "
+                "pushes, not to EASGD's exchanges (the worker moves by the same elastic "
+                "difference the centre takes; a shard-side change would break that); use "
+                "none or scale"
+            )
+        if self.shard_standby and self.strategy not in ("asgd", "async_diloco"):
+            raise ConfigError(
+                f"shard_standby: only asgd's shards keep a standby, not {self.strategy}'s "
+                "(async_diloco's do too, on the same machinery); drop --shard-standby"
             )
         if self.shard_standby and self.servers < 2:
             raise ConfigError(
@@ -281,3 +354,73 @@ class GossipConfig:
         _check_int("consensus_every_steps", self.consensus_every_steps, 1)
         if self.strategy == "gossip" and self.workers < 2:
             raise ConfigError("workers: gossip needs at least 2 workers (a peer to average with)")
+
+
+@dataclass
+class AsyncDilocoConfig:
+    """Asynchronous DiLoCo (docs/algorithms.md#async_diloco; Liu et al. 2024): every H =
+    ``period`` inner steps a worker pushes its pseudo-gradient to the shards and fetches θ,
+    with no barrier; the shards' outer optimizer is Delayed Nesterov with DiLoCo's outer lr
+    and momentum (``diloco_outer_lr``, ``diloco_outer_momentum``)."""
+
+    section: ClassVar[str] = "async_diloco"
+    title: ClassVar[str] = "asynchronous DiLoCo (--strategy async_diloco, with --servers)"
+
+    dn_period: int | None = option(
+        None,
+        "N: Delayed Nesterov's momentum step every N pushes, plain SGD of lr η/N in between",
+        shown="W, the number of workers",
+    )
+    dn_c: float = option(
+        0.0, "c: the share of the momentum step also taken between momentum steps (0: DN)"
+    )
+    dylu: bool = option(
+        False,
+        "Dynamic Local Updates: worker i runs H_i = max(1, round(H·speed_i / max speed)) inner "
+        "steps per push, speed_i = 1 / its straggler factor",
+    )
+
+    @property
+    def dn_period_value(self) -> int:
+        if self.dn_period is not None:
+            return self.dn_period
+        return self.workers if isinstance(self.workers, int) and self.workers > 0 else 1
+
+    def inner_steps(self, worker: int) -> int:
+        """H_i, worker ``worker``'s inner steps per push: H, or under ``dylu`` H scaled by its
+        speed relative to the fastest worker's, rounded half up, at least 1."""
+        if not self.dylu:
+            return self.period
+        speeds = [1.0 / self.straggler_factor(w) for w in range(self.workers)]
+        return max(1, math.floor(self.period * speeds[worker] / max(speeds) + 0.5))
+
+    def _validate_async_diloco(self) -> None:
+        if self.dn_period is not None:
+            _check_int("dn_period", self.dn_period, 1)
+        _check_float("dn_c", self.dn_c, 0.0, 1.0)
+        if self.strategy != "async_diloco":
+            if self.dylu or self.dn_period is not None or self.dn_c:
+                raise ConfigError(
+                    f"dylu: Delayed Nesterov's and Dynamic Local Updates' settings apply to "
+                    f"--strategy async_diloco only, not {self.strategy!r}"
+                )
+            return
+        if self.n_sync is not None:
+            raise ConfigError(
+                "n_sync: async_diloco pushes every H = --period inner steps (and its fetch "
+                "with it); drop --n-sync"
+            )
+        if self.server_rule != "add":
+            raise ConfigError(
+                f"server_rule: async_diloco's shards run Delayed Nesterov, not "
+                f"{self.server_rule!r}; drop --server-rule"
+            )
+        if not self.diloco_nesterov:
+            raise ConfigError(
+                "diloco_nesterov: async_diloco's outer optimizer is Delayed Nesterov; drop "
+                "--diloco-no-nesterov"
+            )
+        if self.local_sgd_warmup_steps:
+            raise ConfigError(
+                "local_sgd_warmup_steps: async_diloco has no synchronous warm-up; leave it at 0"
+            )

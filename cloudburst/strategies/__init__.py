@@ -1,6 +1,7 @@
 """Strategies: when to communicate, and with whom. The training loop is the same for all."""
 
 from cloudburst.strategies.asgd import AsgdStrategy
+from cloudburst.strategies.async_diloco import AsyncDilocoStrategy
 from cloudburst.strategies.base import Strategy
 from cloudburst.strategies.daso import DasoSchedule, DasoStrategy
 from cloudburst.strategies.easgd import EasgdStrategy
@@ -16,6 +17,7 @@ STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     DilocoStrategy.name: DilocoStrategy,
     GossipStrategy.name: GossipStrategy,
     EasgdStrategy.name: EasgdStrategy,
+    AsyncDilocoStrategy.name: AsyncDilocoStrategy,
 }
 
 
@@ -40,6 +42,7 @@ def make_strategy(ctx) -> Strategy:
 __all__ = [
     "STRATEGY_CLASSES",
     "AsgdStrategy",
+    "AsyncDilocoStrategy",
     "DasoSchedule",
     "DasoStrategy",
     "DilocoStrategy",

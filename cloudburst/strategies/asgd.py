@@ -24,7 +24,9 @@ while the push travels the other way; the worker then adds its own Δ with the s
 server (``add_rule_alpha``), bit for bit, unless the reply says the push was rejected or
 dropped; the server's reply leaves before its own add, so both adds run at once. This equals
 "apply, then fetch", because a shard applies requests one at a time.
-Optimizer rules (sgd, adagrad) keep state only the server has: their replies follow the apply.
+Optimizer rules (sgd, adagrad) and the per-coordinate staleness compensators (dc,
+dc-adaptive, gap: ``cloudburst.shard.Compensator``) keep state only the server has: their
+replies follow the apply. Scalar compensators (scale, delay-adaptive) stay overlapped.
 Warm start (``warm_start_steps``; GPU A-SGD's experiment 3): worker 0 trains alone, then seeds
 every shard with INIT; a shard takes INIT once, from worker 0 only, while it awaits it (one
 resumed from its checkpoint keeps its θ and refuses the INIT a resumed worker 0 sends again).
@@ -291,7 +293,12 @@ class AsgdStrategy(Strategy):
                 self.pushes_acked[k] += reply.status == Status.OK
                 rejected |= reply.status == Status.REJECTED
             if overlapped and reply.status == Status.OK:
-                alpha = add_rule_alpha(self.cfg.server_lr, reply.aux, self.cfg.staleness_scaling)
+                alpha = add_rule_alpha(
+                    self.cfg.server_lr,
+                    reply.aux,
+                    self.cfg.staleness_compensation,
+                    self.cfg.delay_threshold_value,
+                )
                 # θ + αΔ and, on a CPU replica, straight into the parameters, one cache-sized
                 # chunk at a time (the copy reads what the add has just written)
                 for i in range(a, b, ADD_CHUNK_NUMEL):

@@ -114,7 +114,7 @@ class EasgdStrategy(AsgdStrategy):
             self._check(reply, k)
             self._account_push(reply)
             if reply.status == Status.OK:
-                alpha = add_rule_alpha(1.0, reply.aux, self.cfg.staleness_scaling)
+                alpha = add_rule_alpha(1.0, reply.aux, self.cfg.staleness_compensation)
                 centre[a:b].add_(sent[a:b], alpha=alpha)  # the shard's θ̃ after our push
                 moved.append((a, b, alpha))
             elif reply.status == Status.REJECTED:

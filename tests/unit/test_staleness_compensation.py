@@ -1,0 +1,270 @@
+"""Staleness compensation on the parameter-server shards (--staleness-compensation: scale,
+dc, dc-adaptive, gap, delay-adaptive; docs/algorithms.md#staleness-compensation) and async
+DiLoCo's Delayed Nesterov shard rule, each against the independent references in
+tests/reference.py under scripted push orders; their state through a checkpoint; their
+distributions in the summary; a short run of each on the virtual cluster."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from cloudburst.comm.p2p import Status
+from cloudburst.config import COMPENSATIONS, ConfigError, RunConfig, Straggler
+from cloudburst.config.simulation import SimulationConfig
+from cloudburst.shard import (
+    ShardState,
+    add_rule_alpha,
+    histogram_quantiles,
+    make_shard,
+    overlapped_push_fetch,
+)
+from cloudburst.sim.run import simulate
+from tests.reference import compensated_server, delayed_nesterov_server
+
+NUMEL = 50
+LOCAL_LR = 0.1
+SETTINGS = dict(lr=0.5, local_lr=LOCAL_LR, dc_lambda=0.5, threshold=2)
+
+
+def _script(workers: int = 4, pushes: int = 40, seed: int = 0) -> list[tuple]:
+    """A scripted interleaving: a random worker pushes; most pushes are followed by its fetch,
+    so stalenesses from 0 to well past the number of workers occur."""
+    g = torch.Generator().manual_seed(seed)
+    events: list[tuple] = [("fetch", w) for w in range(workers)]
+    for _ in range(pushes):
+        w = int(torch.randint(workers, (1,), generator=g))
+        events.append(("push", w, torch.randn(NUMEL, generator=g) * 0.05))
+        if float(torch.rand(1, generator=g)) < 0.7:
+            events.append(("fetch", w))
+    return events
+
+
+def _shard(method: str, theta0: torch.Tensor, window: int = 1000, **kw) -> ShardState:
+    return ShardState(
+        theta0,
+        lr=SETTINGS["lr"],
+        compensation=method,
+        dc_lambda=SETTINGS["dc_lambda"],
+        delay_threshold=SETTINGS["threshold"],
+        compensation_window=window,
+        local_lr=LOCAL_LR,
+        **kw,
+    )
+
+
+def _play(shard: ShardState, events) -> list[int]:
+    fetched, stalenesses = {}, []
+    for event in events:
+        if event[0] == "fetch":
+            fetched[event[1]] = shard.version
+        else:
+            result = shard.apply_push(event[2], fetched[event[1]], samples=1)
+            assert result.status == Status.OK
+            stalenesses.append(result.staleness)
+    return stalenesses
+
+
+def _theta0() -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("method", COMPENSATIONS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_compensator_matches_the_reference(method, seed):
+    events = _script(seed=seed)
+    shard = _shard(method, _theta0())
+    stalenesses = _play(shard, events)
+    expected, expected_staleness = compensated_server(_theta0(), events, method, **SETTINGS)
+    assert stalenesses == expected_staleness and max(stalenesses) > SETTINGS["threshold"]
+    torch.testing.assert_close(shard.theta, expected, rtol=1e-5, atol=1e-6)
+    if method != "none":  # the compensation changes the result: the comparison has teeth
+        plain, _ = compensated_server(_theta0(), events, "none", **SETTINGS)
+        assert (shard.theta - plain).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("method", ["dc", "gap"])
+def test_a_push_older_than_the_ring_reads_its_oldest_theta(method):
+    events = _script(seed=2)
+    shard = _shard(method, _theta0(), window=3)
+    stalenesses = _play(shard, events)
+    expected, _ = compensated_server(_theta0(), events, method, window=3, **SETTINGS)
+    torch.testing.assert_close(shard.theta, expected, rtol=1e-5, atol=1e-6)
+    assert shard.compensator.clamped == sum(s >= 3 for s in stalenesses) > 0
+    assert len(shard.compensator.ring) == 3
+
+
+@pytest.mark.parametrize("method", ["dc", "dc-adaptive", "gap"])
+def test_compensator_state_survives_a_checkpoint(method):
+    events = _script(seed=3)
+    half = len(events) // 2
+    whole = _shard(method, _theta0())
+    _play(whole, events)
+    first = _shard(method, _theta0())
+    fetched_before = {}
+    for event in events[:half]:
+        if event[0] == "fetch":
+            fetched_before[event[1]] = first.version
+        else:
+            first.apply_push(event[2], fetched_before[event[1]], samples=1)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = _shard(method, torch.zeros(NUMEL))
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    fetched = dict(fetched_before)
+    for event in events[half:]:
+        if event[0] == "fetch":
+            fetched[event[1]] = resumed.version
+        else:
+            resumed.apply_push(event[2], fetched[event[1]], samples=1)
+    assert torch.equal(resumed.theta, whole.theta)
+    assert resumed.stats() == whole.stats()
+
+
+def test_scalar_compensators_let_the_worker_rebuild_an_overlapped_reply_bit_for_bit():
+    g = torch.Generator().manual_seed(4)
+    for method in ("none", "scale", "delay-adaptive"):
+        shard = ShardState(
+            torch.randn(1000, generator=g), lr=0.3, compensation=method, delay_threshold=2
+        )
+        for _ in range(5):
+            shard.apply_push(torch.randn(1000, generator=g), shard.version)
+        delta = torch.randn(1000, generator=g)
+        before = shard.theta.clone()
+        result = shard.apply_push(delta, 1)  # staleness 4 > τ_C = 2
+        alpha = add_rule_alpha(0.3, result.staleness, method, 2)
+        assert torch.equal(before.add_(delta, alpha=alpha), shard.theta)
+    assert add_rule_alpha(0.5, 4, "delay-adaptive", 2) == 0.25
+    assert add_rule_alpha(0.5, 2, "delay-adaptive", 2) == 0.5
+    assert add_rule_alpha(0.5, 4, True) == 0.125  # the staleness_scaling spelling
+
+
+def test_per_coordinate_compensators_turn_the_overlapped_reply_off():
+    def cfg(method, strategy="asgd"):
+        return RunConfig(strategy=strategy, workers=2, staleness_compensation=method)
+
+    assert [overlapped_push_fetch(cfg(m)) for m in COMPENSATIONS] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        True,
+    ]
+
+
+def test_staleness_scaling_is_the_scale_compensation_and_contradictions_are_refused():
+    assert RunConfig(strategy="asgd", staleness_scaling=True).staleness_compensation == "scale"
+    assert RunConfig(strategy="asgd", staleness_compensation="scale").staleness_scaling
+    with pytest.raises(ConfigError, match="^staleness_scaling: .*contradicts") as e:
+        RunConfig(strategy="asgd", staleness_scaling=True, staleness_compensation="dc")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="^staleness_compensation: gap applies to asgd"):
+        RunConfig(strategy="easgd", workers=2, staleness_compensation="gap")
+    with pytest.raises(ConfigError, match="^staleness_compensation: 'dcx' is not allowed"):
+        RunConfig(strategy="asgd", staleness_compensation="dcx")
+    for bad in (dict(dc_lambda=-1.0), dict(delay_threshold=0), dict(compensation_window=0)):
+        with pytest.raises(ConfigError, match=f"^{next(iter(bad))}: "):
+            RunConfig(strategy="asgd", **bad)
+    cfg = RunConfig(strategy="asgd", workers=3, staleness_compensation="dc-adaptive")
+    assert (cfg.dc_lambda_value, cfg.delay_threshold_value, cfg.compensation_window_value) == (
+        2.0,
+        3,
+        12,
+    )
+    assert RunConfig(strategy="asgd", max_staleness=5).compensation_window_value == 6
+    shard = make_shard(
+        RunConfig(strategy="asgd", workers=3, staleness_compensation="gap", compensation_window=7),
+        torch.zeros(4),
+    )
+    assert (shard.compensation, shard.compensator.window) == ("gap", 7)
+
+
+def test_the_shard_counts_the_staleness_and_scale_distributions_exactly():
+    # SCHEDULE of tests/unit/test_server_shard.py: stalenesses 0, 1, 0, 1, 4
+    events = [
+        ("fetch", "A"),
+        ("fetch", "B"),
+        ("push", "A", torch.ones(2)),
+        ("push", "B", torch.ones(2)),
+        ("fetch", "C"),
+        ("fetch", "A"),
+        ("push", "C", torch.ones(2)),
+        ("push", "A", torch.ones(2)),
+        ("push", "B", torch.ones(2)),
+    ]
+    shard = ShardState(torch.zeros(2), compensation="scale")
+    assert _play(shard, events) == [0, 1, 0, 1, 4]
+    stats = shard.stats()
+    assert stats["staleness_histogram_versions"] == {"0": 2, "1": 2, "4": 1}
+    assert stats["push_scale_histogram"] == {"0.25": 1, "1.0": 4}
+    hist = {0.0: 2, 1.0: 2, 4.0: 1}
+    assert histogram_quantiles(hist) == {"p50": 1.0, "p90": 4.0, "p99": 4.0, "max": 4.0}
+    assert histogram_quantiles({}) is None
+
+
+@pytest.mark.parametrize("period,c", [(3, 0.0), (2, 0.5), (1, 0.0)])
+def test_delayed_nesterov_matches_the_reference(period, c):
+    g = torch.Generator().manual_seed(5)
+    deltas = [torch.randn(NUMEL, generator=g) for _ in range(10)]
+    shard = ShardState(_theta0(), rule="dn", lr=0.7, momentum=0.9, dn_period=period, dn_c=c)
+    for d in deltas:
+        shard.apply_push(d, shard.version)
+    # The pushes carry Δ = θ_local − θ_start: the pseudo-gradient is −Δ.
+    expected = delayed_nesterov_server(_theta0(), [-d for d in deltas], 0.7, 0.9, period, c)
+    torch.testing.assert_close(shard.theta, expected, rtol=1e-5, atol=1e-5)
+    if period == 1:  # N = 1 is torch's Nesterov SGD (dampening 0) on the pseudo-gradient
+        p = torch.nn.Parameter(_theta0())
+        opt = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
+        for d in deltas:
+            p.grad = -d
+            opt.step()
+        torch.testing.assert_close(shard.theta, p.data, rtol=1e-5, atol=1e-5)
+
+
+def test_delayed_nesterov_state_survives_a_checkpoint():
+    g = torch.Generator().manual_seed(6)
+    deltas = [torch.randn(NUMEL, generator=g) for _ in range(7)]
+    whole = ShardState(_theta0(), rule="dn", lr=0.7, momentum=0.9, dn_period=3)
+    first = ShardState(_theta0(), rule="dn", lr=0.7, momentum=0.9, dn_period=3)
+    for d in deltas:
+        whole.apply_push(d, whole.version)
+    for d in deltas[:4]:
+        first.apply_push(d, first.version)
+    resumed = ShardState(torch.zeros(NUMEL), rule="dn", lr=0.7, momentum=0.9, dn_period=3)
+    resumed.load_state_dict(first.state_dict())
+    for d in deltas[4:]:
+        resumed.apply_push(d, resumed.version)
+    assert torch.equal(resumed.theta, whole.theta)
+
+
+@pytest.mark.parametrize("method", [m for m in COMPENSATIONS if m != "none"])
+def test_each_compensator_learns_on_the_virtual_cluster(tmp_path, method):
+    cfg = RunConfig(
+        strategy="asgd",
+        workers=3,
+        steps=40,
+        dataset="synthetic",
+        model="mlp",
+        batch_size=32,
+        lr=0.05,
+        momentum=0.9,
+        seed=0,
+        eval_every_s=1000.0,
+        out=str(tmp_path),
+        staleness_compensation=method,
+        stragglers=[Straggler(2, 2.0)],
+    )
+    summary = simulate(cfg, SimulationConfig(step_time_s=0.01))
+    assert summary["staleness_compensation"] == method
+    assert summary["final_test_accuracy"] >= 0.9
+    quantiles = summary["staleness_quantiles_versions"]
+    assert quantiles["max"] == summary["max_staleness_versions"] >= 2
+    counts = summary["staleness_histogram_versions"]
+    assert sum(counts.values()) == sum(summary["shard_versions"])
+    scale = summary["push_scale_quantiles"]
+    if method in ("scale", "gap"):  # stale pushes are applied at less than their size
+        assert scale["p50"] < 1.0
