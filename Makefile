@@ -60,12 +60,30 @@ bench-quick: $(STAMP)
 
 ## Mutation score of the algorithmic core against the fast tests (benchmarks/results/mutation.md).
 ## mutmut mutates a copy (mutants/), one mutant at a time (2 shared cores): 25-40 min here.
-## server.py, daso.py and asgd.py also hold the server loop, DASO's collectives and the worker's
-## transport: only their maths is run (mutants not named below stay "not checked", uncounted).
+## server.py, daso.py, asgd.py, gossip.py and sim/network.py also hold the server loop, DASO's
+## collectives, the workers' transport and the virtual cluster's mailboxes: only their maths is
+## run (mutants not named below stay "not checked", uncounted).
 MUTANTS := 'cloudburst.comm.flat.*' 'cloudburst.comm.link.*' 'cloudburst.checkpoint.*' \
 	'cloudburst.shard.*' 'cloudburst.server.x_request_problem__*' \
 	'cloudburst.strategies.local_sgd.*' 'cloudburst.strategies.easgd.*' \
+	'cloudburst.comm.compress.*' 'cloudburst.comm.quantise.*' 'cloudburst.comm.collectives.*' \
+	'cloudburst.strategies.sync.*' 'cloudburst.strategies.gossip.x_p*' \
+	'cloudburst.strategies.gossip.x*PeerSchedule*' \
+	'cloudburst.strategies.gossip.x*GossipStrategy*after_step__*' \
+	'cloudburst.strategies.gossip.x*GossipStrategy*_fold_mailbox__*' \
+	'cloudburst.strategies.gossip.x*GossipStrategy*_publish__*' \
+	'cloudburst.strategies.gossip.x*GossipStrategy*_peer_rank__*' \
+	'cloudburst.strategies.gossip.x*GossipStrategy*consensus_distance__*' \
 	'cloudburst.strategies.daso.x_daso_merge__*' 'cloudburst.strategies.daso.x*DasoSchedule*' \
+	'cloudburst.strategies.daso.x*DasoStrategy*after_step__*' \
+	'cloudburst.strategies.daso.x*DasoStrategy*_merge__*' \
+	'cloudburst.strategies.daso.x*DasoStrategy*_start_sync__*' \
+	'cloudburst.sim.clock.x*ClockModel*' 'cloudburst.sim.clock.x_is_payload__*' \
+	'cloudburst.sim.clock.x_resolve_step_time__*' \
+	'cloudburst.sim.network.x*SimNetwork*post__*' 'cloudburst.sim.network.x*SimNetwork*take__*' \
+	'cloudburst.sim.network.x*SimNetwork*_complete__*' \
+	'cloudburst.sim.network.x*SimNetwork*_all_to_all__*' \
+	'cloudburst.sim.network.x*SimNetwork*_wire*' \
 	'cloudburst.strategies.asgd.x*AsgdStrategy*wrap__*' \
 	'cloudburst.strategies.asgd.x*AsgdStrategy*after_step__*' \
 	'cloudburst.strategies.asgd.x*AsgdStrategy*_round__*' \
