@@ -1,0 +1,81 @@
+"""Asynchronous DiLoCo through the Python API (``cloudburst.Job``), real gloo: a user's own
+loop with an Adam inner optimizer, one worker and one shard, ends with the θ of an
+independent plain-PyTorch DiLoCo (Adam inside, outer Nesterov SGD every H steps and at the
+end: Delayed Nesterov with N = W = 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cloudburst
+from cloudburst.data import synthetic
+from cloudburst.models import build_model
+from tests.helpers import spawn
+
+pytestmark = pytest.mark.dist
+
+STEPS, H, OUTER_LR, OUTER_MOMENTUM, LR, BATCH = 10, 3, 0.7, 0.9, 0.01, 16
+
+
+def _batches():
+    data = synthetic(400, 100)
+    return [
+        (data.x_train[BATCH * i : BATCH * (i + 1)], data.y_train[BATCH * i : BATCH * (i + 1)])
+        for i in range(STEPS)
+    ]
+
+
+def _api_job(rank: int, out: str) -> list[float] | int:
+    cfg = cloudburst.RunConfig(
+        strategy="async_diloco", workers=1, servers=1, dataset="synthetic", model="mlp",
+        seed=0, batch_size=BATCH, steps=STEPS, period=H, optimizer="adam", lr=LR,
+        diloco_outer_lr=OUTER_LR, diloco_outer_momentum=OUTER_MOMENTUM, out=out,
+    )  # fmt: skip
+    model = build_model("mlp", (40,), 10, seed=0)
+    with cloudburst.Job(cfg) as job:
+        if job.is_server:
+            final = job.serve(model)
+            return [
+                float(v) for v in torch.cat([p.detach().reshape(-1) for p in final.parameters()])
+            ]
+        optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+        net = job.wrap(model, optimizer)
+        for x, y in _batches():
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            optimizer.step()
+    return 0
+
+
+def _reference() -> torch.Tensor:
+    model = build_model("mlp", (40,), 10, seed=0)
+    inner = torch.optim.Adam(model.parameters(), lr=LR)
+    theta = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    outer = torch.optim.SGD([theta], lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+
+    def outer_step() -> None:
+        local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        theta.grad = theta.detach() - local
+        outer.step()
+        i = 0
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(theta[i : i + p.numel()].view_as(p))
+                i += p.numel()
+
+    for step, (x, y) in enumerate(_batches(), start=1):
+        inner.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        inner.step()
+        if step % H == 0:
+            outer_step()
+    if STEPS % H:
+        outer_step()
+    return theta.detach()
+
+
+def test_the_api_runs_async_diloco_and_ends_on_the_reference_theta(tmp_path):
+    server, worker = spawn(_api_job, 2, tmp_path, str(tmp_path / "run"))
+    assert worker == 0
+    torch.testing.assert_close(torch.tensor(server), _reference(), rtol=1e-4, atol=1e-5)
