@@ -1,8 +1,8 @@
 """Asynchronous DiLoCo in real runs (gloo, W = 2 workers and 2 shards): the CLI's job pushes
 every H_i inner steps (DyLU), the shards run Delayed Nesterov with their state in the shard
-checkpoints, DC-ASGD's ring with it; and with ``--shard-standby`` a SIGKILLed shard is taken
-over by its standby with no acknowledged push lost, as asgd's. Asserted through records,
-never timings."""
+checkpoints, DC-ASGD's ring with it; and with ``--shard-standby`` a SIGKILLed shard (under
+gap-aware compensation) is taken over by its standby with no acknowledged push lost, as
+asgd's. Asserted through records, never timings."""
 
 from __future__ import annotations
 
@@ -50,13 +50,16 @@ def test_a_real_run_pushes_per_dylu_and_checkpoints_the_outer_state(tmp_path):
 
 def test_a_killed_shard_fails_over_to_its_standby_with_no_push_lost(tmp_path):
     out = tmp_path / "run"
-    proc = start_job([*RUN, "--steps", str(STEPS), "--out", str(out)])
+    # gap-aware compensation: the standby's ring and running mean C are its own copy's
+    proc = start_job([*RUN, "--steps", str(STEPS), "--staleness-compensation", "gap",
+                      "--out", str(out)])  # fmt: skip
     _kill_after_a_checkpoint(out, 1, proc)
     _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 0, stderr
     summary = read_summary(out)
     assert "failed" not in summary and summary["lost_workers"] == []
     assert (summary["shard_failovers"], summary["pushes_lost"]) == (1, 0)
+    assert summary["staleness_compensation"] == "gap" and summary["compensation_clamped"] == 0
     # The standby applied every forwarded push through its own Delayed Nesterov: both shards
     # end with every push of both workers (none was in flight at the kill but unacknowledged
     # twice: at most one per worker is dropped).
