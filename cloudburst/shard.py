@@ -36,7 +36,7 @@ from cloudburst.config import COMPENSATIONS, RunConfig
 # per-coordinate state: their replies follow the apply.
 SCALAR_COMPENSATIONS = ("none", "scale", "delay-adaptive")
 COMPENSATION_BETA = 0.95  # β of DC-ASGD's mean square and of gap-aware's mean step
-DC_EPSILON = 1e-7  # DC-ASGD-a's ε in λ0/√(m + ε) (Zheng et al. 2017, Algorithm 2)
+DC_EPSILON = 1e-7  # DC-ASGD-a's ε in λ0/√(m + ε) (Zheng et al. 2017)
 # The push-scale histogram: scales rounded to this many decimals, clipped to [0, this].
 SCALE_DECIMALS, SCALE_CLIP = 3, 10.0
 
@@ -93,9 +93,10 @@ def all_finite(t: torch.Tensor) -> bool:
 
 class Compensator:
     """The state of a per-coordinate compensator on one shard: ``dc``, ``dc-adaptive``
-    (Zheng et al. 2017, "Asynchronous SGD with delay compensation", eq. 8 and Algorithm 2's
-    adaptive λ_t = λ0/√(m_t + ε)) or ``gap`` (Barkai et al. 2020, "Gap-aware mitigation of
-    gradient staleness", §4: G = 1 + |θ_now − θ_then|/C).
+    (Zheng et al. 2017, "Asynchronous SGD with delay compensation": its update rule, and its
+    adaptive λ_t = λ0/√(m_t + ε), DC-ASGD-a) or ``gap`` (Barkai et al. 2020, "Gap-aware
+    mitigation of gradient staleness": G = 1 + |θ_now − θ_then|/C). Section and equation
+    numbers are not cited: the papers' text was not reachable here to check them.
 
     With g = −Δ/η the push's pseudo-gradient per unit of local lr η (``local_lr``; n_sync
     local steps: g is their sum), DC-ASGD applies Δ̃ = −η·(g + λ·g⊙g⊙(θ_now − θ_then)), where
@@ -187,8 +188,9 @@ class Compensator:
 
 class DelayedNesterov:
     """Asynchronous DiLoCo's outer optimizer on a shard: Delayed Nesterov (Liu et al. 2024,
-    "Asynchronous Local-SGD Training for Language Modeling", arXiv:2401.09135, §4.1 and its
-    Algorithm "DN"; as in the authors' group's utnslab/halos ``opt.py``). With g the push's
+    "Asynchronous Local-SGD Training for Language Modeling", arXiv:2401.09135, its Delayed
+    Nesterov algorithm, as the HALoS authors' utnslab/halos ``src/halos/opt.py`` implements
+    it with the paper cited). With g the push's
     pseudo-gradient (−Δ), t the number of pushes applied before it, N = ``period``, η, β, c:
 
         a ← a + g
