@@ -12,46 +12,48 @@ import torch
 
 from tests import reference as ref
 
-ROUNDS, NUMEL = 8, 1100  # 5 blocks of 256 (at W = 3: chunks of 2, 2, 1), the last partial
+ROUNDS = 8
 
 
-def _inputs(rank: int) -> torch.Tensor:
+def _inputs(rank: int, numel: int) -> torch.Tensor:
     # The same vector every round, with a bias: a rounding error repeats instead of averaging out.
     g = torch.Generator().manual_seed(100 + rank)
-    return torch.randn(NUMEL, generator=g) * (1.0 + rank) + 0.3
+    return torch.randn(numel, generator=g) * (1.0 + rank) + 0.3
 
 
-def _rounds(ctx, method: str, feedback: bool) -> list[list[float]]:
+def _rounds(ctx, method: str, feedback: bool, numel: int) -> list[list[float]]:
     from cloudburst.comm.compress import ErrorFeedback, compressed_all_reduce_sum
     from cloudburst.comm.stats import CommStats
 
     state = ErrorFeedback() if feedback else None
     stats, outs = CommStats(), []
     for _ in range(ROUNDS):
-        y = _inputs(ctx.rank).clone()
+        y = _inputs(ctx.rank, numel).clone()
         compressed_all_reduce_sum(y, None, stats, method, feedback=state, key="g", comm=ctx.comm)
         outs.append(y.tolist())
     return outs
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+# 1100 values: 5 blocks of 256, the last partial (at W = 3 chunks of 2, 1, 1 blocks); 700 at
+# W = 4: 3 blocks, so one rank owns no chunk.
+@pytest.mark.parametrize("workers, numel", [(2, 1100), (3, 1100), (4, 700)])
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_error_feedback_keeps_the_running_sum_within_one_rounding(tmp_path, method, workers):
+def test_error_feedback_keeps_the_running_sum_within_one_rounding(tmp_path, method, workers, numel):
     from cloudburst.config import RunConfig
     from cloudburst.sim.run import run_ranks
 
     cfg = RunConfig(strategy="sync", workers=workers, dataset="synthetic", out=str(tmp_path))
-    with_ef = run_ranks(cfg, _rounds, method, True)
-    without = run_ranks(cfg, _rounds, method, False)
+    with_ef = run_ranks(cfg, _rounds, method, True, numel)
+    without = run_ranks(cfg, _rounds, method, False, numel)
     for runs in (with_ef, without):
         assert all(r == runs[0] for r in runs), "every rank gets the same bits every round"
-    inputs = [_inputs(r) for r in range(workers)]
+    inputs = [_inputs(r, numel) for r in range(workers)]
     true = torch.stack(inputs).sum(0)
     # Σ_k out_k = k·Σx − (the last residuals): each sender's (one rounding of its vector)
     # and, where the sum is re-quantised by a chunk owner, the owner's (one of the sum).
     bound = 1.05 * (sum(ref.rounding_bound(x, method) for x in inputs)
                     + ref.rounding_bound(true, method)) + 1e-5  # fmt: skip
-    running_ef, running_plain = torch.zeros(NUMEL), torch.zeros(NUMEL)
+    running_ef, running_plain = torch.zeros(numel), torch.zeros(numel)
     for k in range(ROUNDS):
         running_ef += torch.tensor(with_ef[0][k])
         running_plain += torch.tensor(without[0][k])
