@@ -1,7 +1,9 @@
 """Datasets and batches: MNIST-1D generated locally, a synthetic set, and user datasets.
 
-User datasets (CIFAR-10, ImageFolder, ``.npz``) are read from local paths by
-:mod:`cloudburst.datasets`; here they are ordered, sharded over workers and batched.
+User datasets (CIFAR-10, ImageFolder, ``.npz``, text) are read from local paths by
+:mod:`cloudburst.datasets`; here they are ordered, sharded over workers and batched. Text is a
+language-model dataset (``Dataset.is_lm``): byte tokens, windows of ``context`` tokens, the loss
+per token (:func:`lm_loss`) and bits per byte.
 
 MNIST-1D comes from the ``mnist1d`` package's ``make_dataset`` (its download path is never
 used); the generated arrays are cached as ``.npz`` under ``$CLOUDBURST_CACHE`` (default
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -26,9 +29,13 @@ from cloudburst.datasets import (
     DatasetError,
     Preprocess,
     TensorSource,
+    TokenStream,
+    TokenWindows,
     load_path_dataset,
+    load_text,
     parse_dataset_spec,
 )
+from cloudburst.datasets.text import DEFAULT_CONTEXT
 
 MNIST1D_DATA_SEED = 42  # the published dataset's generation seed
 
@@ -49,6 +56,11 @@ class Dataset:
     is_image: bool = False
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
+
+    @property
+    def is_lm(self) -> bool:
+        """A language-model dataset: next-token targets per position, loss per token."""
+        return isinstance(self.train, TokenStream)
 
     @property
     def input_length(self) -> int:
@@ -88,9 +100,16 @@ def _tensors(x_train, y_train, x_test, y_test, num_classes: int) -> Dataset:
 
 
 def load_dataset(
-    name: str, train_size: int | None = None, test_size: int | None = None, image_size: int = 32
+    name: str,
+    train_size: int | None = None,
+    test_size: int | None = None,
+    image_size: int = 32,
+    context: int = DEFAULT_CONTEXT,
 ) -> Dataset:
     """``name`` is a dataset spec: ``mnist1d``, ``synthetic`` or ``KIND:PATH``.
+
+    ``text:PATH``: ``context`` tokens per window, vocabulary 256; ``train_size`` caps the
+    training tokens at that many windows' worth, ``test_size`` is the number of test windows.
 
     A dataset read from a path is put in a fixed pseudo-random order first (the same on every
     rank), so that contiguous worker shards and ``train_size``/``test_size`` caps draw from
@@ -101,6 +120,9 @@ def load_dataset(
         return _mnist1d(train_size or 4000, test_size or 1000)
     if kind == "synthetic":
         return synthetic(train_size or 4000, test_size or 1000)
+    if kind == "text":
+        train, test = load_text(path, context, train_size, test_size)
+        return Dataset(train, test, 256, (context,))
     loaded = load_path_dataset(kind, path, image_size=image_size)
     train = _shuffled(loaded.train, train_size, seed=SOURCE_ORDER_SEED)
     test = _shuffled(loaded.test, test_size, seed=SOURCE_ORDER_SEED + 1)
@@ -148,7 +170,7 @@ def _shuffled(source, size: int | None, seed: int):
 
 def in_memory(source) -> TensorSource:
     """``source`` decoded once into memory (test sets are read many times)."""
-    if isinstance(source, TensorSource):
+    if isinstance(source, TensorSource | TokenWindows):
         return source
     x, y = source.get_batch(torch.arange(len(source)))
     return TensorSource(x, y)
@@ -213,6 +235,8 @@ def worker_shard(ds: Dataset, worker: int, num_workers: int) -> tuple[torch.Tens
 
 def worker_source(ds: Dataset, worker: int, num_workers: int):
     """Worker ``worker``'s disjoint, contiguous slice of the training set (equal sizes)."""
+    if isinstance(ds.train, TokenStream):
+        return ds.train.shard(worker, num_workers)
     per = len(ds.train) // num_workers
     if per < 1:
         raise DatasetError(
@@ -238,6 +262,8 @@ def batch_stream(
     everything else (decoding files, augmentation) runs in ``num_workers`` DataLoader
     processes. Both draw the same batches: a seeded permutation per epoch.
     """
+    if isinstance(source, TokenStream):
+        return TextStream(source, batch_size, seed)
     if len(source) < batch_size:
         raise DatasetError(
             f"batch_size {batch_size} is larger than this worker's shard of {len(source)} samples"
@@ -286,6 +312,61 @@ class BatchStream:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
         self._perm = self._permutation(self.epoch)
+
+
+class TextStream:
+    """Endless batches of random windows of one worker's tokens.
+
+    Batch ``g`` (0, 1, ...) is ``batch_size`` windows whose starts are drawn uniformly from
+    ``0 .. max_start`` by a generator seeded with ``seed · 1_000_003 + g``: a function of
+    (seed, batch index) alone, so a resumed stream repeats it. An "epoch" is ``len(source) //
+    batch_size`` batches (as many tokens as the shard holds); ``state_dict`` as BatchStream's.
+    """
+
+    def __init__(self, source: TokenStream, batch_size: int, seed: int):
+        self.source, self.batch_size, self.seed = source, batch_size, seed
+        self.batches_per_epoch = max(1, len(source) // batch_size)
+        self.consumed = 0
+
+    def batch(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + g)
+        starts = torch.randint(0, self.source.max_start + 1, (self.batch_size,), generator=gen)
+        return self.source.get_batch(starts)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.batch(self.consumed)
+        self.consumed += 1
+        return out
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed // self.batches_per_epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.consumed % self.batches_per_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed = int(state["epoch"]) * self.batches_per_epoch + int(state["index"])
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of [B, T, V] logits against [B, T] next tokens, over all B·T tokens."""
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, -2).float(), targets.flatten(), reduction=reduction
+    )
+
+
+def loss_function(data: Dataset):
+    """The training loss for ``data``: per token for a language model, else per sample."""
+    return lm_loss if data.is_lm else torch.nn.CrossEntropyLoss()
+
+
+def bits_per_byte(nats_per_token: float) -> float:
+    """Byte-level tokens: one token is one byte, so bits per byte = nats per token / ln 2."""
+    return nats_per_token / math.log(2)
 
 
 class _Batches(torch.utils.data.Dataset):
@@ -393,10 +474,18 @@ def evaluate_dataset(
     batch: int = 1000,
     autocast: bool = False,
 ) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``model`` on an in-memory test split."""
+    """(accuracy, mean cross-entropy) of ``model`` on an in-memory test split.
+
+    Test windows of a language model: (next-token accuracy, nats per token), over every
+    position of every window (sums in float64, so the mean does not depend on ``batch``).
+    """
     was_training = model.training
     model.eval()
     device = torch.device(device)
+    if isinstance(test, TokenWindows):
+        out = _evaluate_lm(model, test, device, max(1, batch // test.x.shape[1]), autocast)
+        model.train(was_training)
+        return out
     correct, loss, n = 0, 0.0, len(test)
     for i in range(0, n, batch):
         x, y = test.x[i : i + batch], test.y[i : i + batch]
@@ -409,4 +498,17 @@ def evaluate_dataset(
         loss += torch.nn.functional.cross_entropy(logits, y, reduction="sum").item()
         correct += (logits.argmax(1) == y).sum().item()
     model.train(was_training)
+    return correct / n, loss / n
+
+
+def _evaluate_lm(
+    model: torch.nn.Module, test: TokenWindows, device: torch.device, batch: int, autocast: bool
+) -> tuple[float, float]:
+    correct, loss, n = 0, 0.0, test.y.numel()
+    for i in range(0, len(test), batch):
+        x, y = test.x[i : i + batch].to(device), test.y[i : i + batch].to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(x)
+        loss += lm_loss(logits, y, reduction="sum").double().item()
+        correct += (logits.argmax(-1) == y).sum().item()
     return correct / n, loss / n

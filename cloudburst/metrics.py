@@ -8,7 +8,8 @@ Each rank appends one JSON object per line to ``OUT/metrics/rank{R}.jsonl``:
   "test_loss"}`` for the global model (``samples`` counts all workers' training samples behind
   it; ``train_time_s`` is ``time_s`` less all earlier evaluations' time, ``eval_s`` this one's:
   evaluation off the clock, the same rule for every strategy, see
-  :class:`cloudburst.train.Evaluator`);
+  :class:`cloudburst.train.Evaluator`); a language model's also carry ``bits_per_byte``
+  (``test_loss`` is then nats per token; byte tokens, so bits per byte = test_loss / ln 2);
 - ``{"event": "push", ...}`` on servers, one every ``push_log_every`` applied pushes and one for
   each push not applied; ``{"event": "peer_dropped", "worker", "reason"}`` when a server drops a
   worker that sent bad messages; and ``{"event": "final", ...}`` once at the end.
@@ -22,6 +23,7 @@ for evaluations): ``tensorboard --logdir OUT/tensorboard``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -40,6 +42,7 @@ class MetricsWriter:
         # Line-buffered (readable while running); never through a planted symlink.
         self._f = open_append_nofollow(self.path)
         self.rank, self.role = rank, role
+        self.language_model = False  # eval records get bits_per_byte from test_loss
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -47,6 +50,8 @@ class MetricsWriter:
             self._tb = SummaryWriter(log_dir=str(Path(out_dir) / "tensorboard" / role))
 
     def log(self, event: str, **values: Any) -> None:
+        if self.language_model and event == "eval" and "test_loss" in values:
+            values["bits_per_byte"] = values["test_loss"] / math.log(2)
         record = {"event": event, "rank": self.rank, "role": self.role, **values}
         self._f.write(json.dumps(record) + "\n")
         if self._tb is not None:
@@ -101,6 +106,26 @@ def time_to_target(evals: list[dict[str, Any]], target: float | None) -> float |
     for r in sorted(evals, key=lambda r: r["time_s"]):
         if r["test_accuracy"] >= target:
             return r["time_s"]
+    return None
+
+
+TARGET_HELD_EVALS = 3  # a loss target counts once held for this many evaluations in a row
+
+
+def time_to_target_loss(
+    evals: list[list[float]], target: float | None, k: int = TARGET_HELD_EVALS
+) -> float | None:
+    """The time of the first of ``k`` consecutive evaluations (by time) whose test loss is ≤
+    ``target``; None if no such run of ``k`` (also when fewer than ``k`` evaluations follow
+    the first one at or under it). ``evals``: ``[time_s, loss]`` pairs."""
+    if target is None:
+        return None
+    ordered = sorted(evals, key=lambda e: e[0])
+    held = 0
+    for i, (_, loss) in enumerate(ordered):
+        held = held + 1 if loss <= target else 0
+        if held == k:
+            return ordered[i - k + 1][0]
     return None
 
 

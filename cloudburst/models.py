@@ -6,6 +6,8 @@
 - ``resnet20``: He et al. 2016's CIFAR ResNet-20 (0.27 M parameters, batch norm).
 - ``convnet``: the cuda-convnet / TensorFlow-tutorial CIFAR-10 network (1.76 M parameters), the
   network family of the GPU A-SGD seed paper, for 32x32 images.
+- ``gpt`` / ``gpt:layers=L,width=D,heads=H``: a small decoder-only transformer
+  (:mod:`cloudburst.gpt`) over byte tokens; its context is the input shape (T,).
 - ``package.module:function``: any callable that returns an ``nn.Module``; ``build_model`` passes
   it those of ``num_classes``, ``input_shape`` and ``in_channels`` that it accepts.
 
@@ -23,6 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from cloudburst.gpt import GPT, is_gpt_spec, parse_gpt_spec
 
 MODEL_NAMES = ("mlp", "cnn", "resnet20", "convnet")
 FACTORY_FORM = "package.module:function"
@@ -265,13 +269,19 @@ def check_model(name: str, input_shape: int | Sequence[int], num_classes: int) -
     shape = _as_shape(input_shape)
     if not isinstance(num_classes, int) or num_classes < 1:
         raise ModelError(f"num_classes {num_classes!r} must be a positive int")
-    if is_factory_spec(name):
+    if is_gpt_spec(name):
+        parse_gpt_spec(name)
+        if len(shape) != 1:
+            raise ModelError(
+                f"model 'gpt' takes windows of tokens (a text dataset), got inputs of shape {shape}"
+            )
+    elif is_factory_spec(name):
         resolve_factory(name)
     elif name in MODEL_NAMES:
         _check_builtin(name, shape)
     else:
         raise ModelError(
-            f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)} "
+            f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}, gpt "
             f"or name a factory as {FACTORY_FORM}"
         )
 
@@ -331,6 +341,8 @@ def build_model(
             raise ModelError(f"model factory {name!r} returned a module with no parameters")
         return model
     torch.manual_seed(seed)
+    if is_gpt_spec(name):
+        return GPT(vocab=num_classes, context=shape[0], **parse_gpt_spec(name))
     if name == "mlp":
         return MLP(math.prod(shape), num_classes)
     if name == "cnn":

@@ -216,6 +216,7 @@ def finalize_run(
         "servers": cfg.servers,
         "final_test_accuracy": acc,
         "final_test_loss": test_loss,
+        **_loss_target(cfg, reports.values(), wall_time_s, test_loss),
         "wall_time_s": wall_time_s,
         "target_accuracy": cfg.target_accuracy,
         "time_to_target_s": time_to_target(
@@ -273,6 +274,23 @@ def _staleness_distribution(servers: list[dict[str, Any]]) -> dict[str, Any]:
         "push_scale_quantiles": histogram_quantiles(scales),
         "push_scale_histogram": {repr(k): v for k, v in scales.items()},
         "compensation_clamped": sum(s.get("compensation_clamped", 0) for s in servers),
+    }
+
+
+def _loss_target(cfg, reports, wall_time_s: float, test_loss: float) -> dict[str, Any]:
+    """Language models (docs/lm.md): bits per byte, and the time to ``target_loss`` held for
+    ``TARGET_HELD_EVALS`` evaluations (the final one included)."""
+    if cfg.dataset_kind_path()[0] != "text":
+        return {}
+    from cloudburst.metrics import time_to_target_loss
+
+    evals = [e for rep in reports for e in rep.get("loss_evals", [])]
+    return {
+        "final_bits_per_byte": test_loss / math.log(2),
+        "target_loss": cfg.target_loss,
+        "time_to_target_loss_s": time_to_target_loss(
+            [*evals, [wall_time_s, test_loss]], cfg.target_loss
+        ),
     }
 
 

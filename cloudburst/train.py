@@ -30,6 +30,7 @@ from cloudburst.data import (
     evaluate_dataset,
     in_memory,
     load_dataset,
+    loss_function,
     worker_source,
 )
 from cloudburst.device_emulation import DeviceEmulator
@@ -76,7 +77,9 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     watchdog = start_watchdog(ctx, metrics)
     try:
-        data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size)
+        data = load_dataset(
+            cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size, context=cfg.context
+        )
         model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
         if cfg.init_from:
             load_model_into(cfg.init_from, model)
@@ -144,6 +147,12 @@ def start_watchdog(ctx: Context, metrics: MetricsWriter) -> Watchdog:
 
 
 def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
+    """SGD (momentum, L2 decay), Adam (β1 = momentum, L2 decay) or AdamW (β1 = momentum,
+    decoupled decay: θ ← θ − lr·λ·θ before the Adam step)."""
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay
+        )
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -152,15 +161,35 @@ def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
 def make_scheduler(
     cfg: RunConfig, optimizer: torch.optim.Optimizer, total_steps: int
 ) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """The local learning-rate schedule over a worker's training steps (not the warm start)."""
+    """The local learning-rate schedule over a worker's training steps (not the warm start).
+
+    With ``warmup_steps`` N > 0: step k < N has lr·(1/N + (1 − 1/N)·k/N), then the schedule
+    (constant, or cosine from lr to 0 over the remaining steps).
+    """
+    warm = min(cfg.warmup_steps, max(0, total_steps - 1))
+    sched = torch.optim.lr_scheduler
+    after = None
     if cfg.lr_schedule == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    return None
+        after = sched.CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warm))
+    if not warm:
+        return after
+    ramp = sched.LinearLR(optimizer, start_factor=1.0 / warm, end_factor=1.0, total_iters=warm)
+    if after is None:
+        return ramp
+    return sched.SequentialLR(optimizer, [ramp, after], milestones=[warm])
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+    """Scale every gradient by min(1, max_norm / ‖g‖) (global L2 norm; 0: off)."""
+    if max_norm > 0:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 # ---------------------------------------------------------------------------- workers
 def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWriter) -> None:
     cfg = ctx.cfg
+    metrics.language_model = data.is_lm  # its eval records carry bits per byte
     strategy = make_strategy(ctx)
     optimizer = make_optimizer(cfg, model.parameters())
     device = ctx.device
@@ -184,7 +213,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         stop=ctx.comm.stop_self,
     )
     factor = cfg.straggler_factor(ctx.worker_index) * faults.slow_factor
-    loss_fn = nn.CrossEntropyLoss()
+    loss_fn = loss_function(data)
     scheduler = make_scheduler(cfg, optimizer, total)
     autocast = cfg.autocast == "bf16"
     skipped = 0  # steps whose gradient was not finite (not applied)
@@ -200,6 +229,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         strategy.after_backward()
+        clip_gradients(optimizer, cfg.clip_grad_norm)  # after sync's all-reduce: the same clip
         # A non-finite gradient (after sync's all-reduce: the same on every replica) is never
         # applied: the replica stays as it was, and the step is counted as skipped.
         if grads_finite(optimizer):
@@ -321,6 +351,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         "resumed_from_step": start_step,
         **strategy.report(),
         "evals": evaluator.history if evaluator else [],
+        "loss_evals": evaluator.loss_history if evaluator else [],
         # What the final evaluation record's train_time_s leaves out (finalize_run).
         "eval_time_s": evaluator.eval_s if evaluator else 0.0,
     }
@@ -435,16 +466,20 @@ class Evaluator:
         self.last_s = -math.inf
         self.eval_s = 0.0  # time spent evaluating so far (what train_time_s leaves out)
         self.history: list[list[float]] = []  # [time_s, samples, accuracy]
+        self.loss_history: list[list[float]] = []  # [time_s, test loss]
 
     def restore_clock(self, elapsed_s: float) -> None:
         """A resumed run: the evaluation time already spent before ``elapsed_s``, read back
         from this rank's eval records (its metrics file is appended to across restarts)."""
         self.eval_s = 0.0
+        self.loss_history = []
         if not self.metrics.path.exists():
             return
         for r in iter_jsonl(self.metrics.path):
             if r.get("event") == "eval" and "train_time_s" in r and r["time_s"] <= elapsed_s:
                 self.eval_s = r["time_s"] - r["train_time_s"] + r.get("eval_s", 0.0)
+                if not r.get("final") and "test_loss" in r:
+                    self.loss_history.append([r["time_s"], r["test_loss"]])
 
     def maybe_eval(self, strategy, force: bool = False) -> None:
         now = self.ctx.elapsed_s()
@@ -465,6 +500,7 @@ class Evaluator:
             autocast=self.ctx.cfg.autocast == "bf16",
         )
         self.history.append([now, samples, acc])
+        self.loss_history.append([now, loss])
         eval_s = self.ctx.comm.now() - t_start
         self.metrics.log(
             "eval",
@@ -480,6 +516,7 @@ class Evaluator:
 
 # ---------------------------------------------------------------------------- servers
 def run_server(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWriter) -> None:
+    metrics.language_model = data.is_lm  # rank 0's final eval record carries bits per byte
     loop = serve_shard(ctx, flatten_params(model), metrics)
     wall_time_s = ctx.elapsed_s()
     report = {"role": "server", **loop.stats()}

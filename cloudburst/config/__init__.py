@@ -126,6 +126,7 @@ class RunConfig(
         if self.n_push is None:
             self.n_push = default_period
         self._asgd_defaults()  # --staleness-scaling is --staleness-compensation scale
+        self._training_defaults()  # the GPT's recipe, or SGD's (config/components.py)
         if self.diloco_outer_lr is None:
             self.diloco_outer_lr = 0.7 if self.optimizer in ("adam", "adamw") else 0.1
         if self.server_lr is None:

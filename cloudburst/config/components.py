@@ -28,6 +28,30 @@ from cloudburst.config.fields import (
     option,
 )
 
+# Language models on text (docs/lm.md): the budget and evaluation interval measured for the
+# default GPT on text:stdlib; a test evaluation of the GPT takes about a second on a CPU.
+TEXT_DEFAULT_STEPS = 600
+TEXT_EVAL_EVERY_S = 15.0
+PLAIN_RECIPE = {
+    "batch_size": 64,
+    "optimizer": "sgd",
+    "lr": 0.1,
+    "lr_schedule": "constant",
+    "warmup_steps": 0,
+    "clip_grad_norm": 0.0,
+    "weight_decay": 0.0,
+}
+# AdamW, linear warm-up then cosine, clipping at 1 (nanoGPT's recipe; lr for a small model).
+GPT_RECIPE = {
+    "batch_size": 16,
+    "optimizer": "adamw",
+    "lr": 3e-3,
+    "lr_schedule": "cosine",
+    "warmup_steps": 30,
+    "clip_grad_norm": 1.0,
+    "weight_decay": 0.1,
+}
+
 
 @dataclass
 class JobConfig:
@@ -175,10 +199,14 @@ class DataConfig:
     data_workers: int | None = option(
         None, "DataLoader processes per worker", shown="2 for images, 0 otherwise"
     )
+    context: int = option(64, "text: tokens (bytes) per window, the GPT's context length")
 
     def _validate_data(self) -> None:
         kind, path = self.dataset_kind_path()
-        if path is not None and not Path(path).exists():
+        _check_int("context", self.context, 1)
+        if kind == "text" and path == "stdlib":
+            pass  # the running interpreter's standard library (cloudburst.datasets.text)
+        elif path is not None and not Path(path).exists():
             raise ConfigError(
                 f"dataset: {path!r} does not exist (datasets are read from local paths)"
             )
@@ -204,7 +232,8 @@ class ModelConfig:
 
     model: str = option(
         "cnn",
-        f"one of {', '.join(MODELS)} (32x32 images: resnet20, convnet), or package.module:function",
+        f"one of {', '.join(MODELS)} (32x32 images: resnet20, convnet; text: "
+        "gpt[:layers=L,width=D,heads=H]), or package.module:function",
         metavar="NAME",
     )
     device: str = option(
@@ -220,9 +249,20 @@ class ModelConfig:
     )
 
     def _validate_model(self) -> None:
-        from cloudburst.models import is_factory_spec
+        from cloudburst.gpt import is_gpt_spec, parse_gpt_spec
+        from cloudburst.models import ModelError, is_factory_spec
 
-        if self.model not in MODELS and not is_factory_spec(self.model):
+        if is_gpt_spec(self.model):
+            try:
+                parse_gpt_spec(self.model)
+            except ModelError as e:
+                raise ConfigError(f"model: {e}") from None
+            if self.dataset_kind_path()[0] != "text":
+                raise ConfigError(
+                    f"model: {self.model!r} is a language model; use --dataset text:PATH "
+                    "(e.g. text:stdlib)"
+                )
+        elif self.model not in MODELS and not is_factory_spec(self.model):
             raise ConfigError(
                 f"model: {self.model!r} is not allowed; choose one of {', '.join(MODELS)} "
                 "or name a factory as package.module:function"
@@ -242,19 +282,42 @@ class TrainingConfig:
     title: ClassVar[str] = "training"
 
     epochs: float | None = option(
-        None, "passes of each worker over its own shard", shown="64 unless --steps is given"
+        None,
+        "passes of each worker over its own shard",
+        shown="64 unless --steps is given (text: --steps)",
     )
     steps: int | None = option(
-        None, "local steps per worker (overrides --epochs)", shown="from --epochs"
+        None,
+        "local steps per worker (overrides --epochs)",
+        shown=f"from --epochs (text: {TEXT_DEFAULT_STEPS})",
     )
-    batch_size: int = option(64, "samples per step, per worker")
-    optimizer: str = option("sgd", "the local (worker) optimizer", choices=OPTIMIZERS)
-    lr: float = option(0.1, "the local optimizer's learning rate")
-    lr_schedule: str = option(
-        "constant", "constant, or cosine decay to 0 over each worker's steps", choices=LR_SCHEDULES
+    batch_size: int | None = option(
+        None, "samples (text: windows) per step, per worker", shown="64 (gpt: 16)"
+    )
+    optimizer: str | None = option(
+        None, "the local (worker) optimizer", choices=OPTIMIZERS, shown="sgd (gpt: adamw)"
+    )
+    lr: float | None = option(None, "the local optimizer's learning rate", shown="0.1 (gpt: 3e-3)")
+    lr_schedule: str | None = option(
+        None,
+        "constant, or cosine decay to 0 over each worker's steps (after --warmup-steps)",
+        choices=LR_SCHEDULES,
+        shown="constant (gpt: cosine)",
+    )
+    warmup_steps: int | None = option(
+        None,
+        "the lr rises linearly from lr/N to lr over the first N steps (then the schedule)",
+        shown="0 (gpt: 30)",
+    )
+    clip_grad_norm: float | None = option(
+        None, "clip each step's gradient to this global L2 norm (0: off)", shown="0 (gpt: 1)"
     )
     momentum: float = option(0.9, "the local optimizer's momentum (adam: β1)")
-    weight_decay: float = option(0.0, "L2 weight decay of the local optimizer")
+    weight_decay: float | None = option(
+        None,
+        "weight decay of the local optimizer (adamw: decoupled, else L2)",
+        shown="0 (gpt: 0.1)",
+    )
     seed: int = option(0, "seeds the model, the data order and the shards")
     warm_start_steps: int = option(
         0, "K: worker 0 trains alone for K steps, then all start from its θ"
@@ -265,9 +328,23 @@ class TrainingConfig:
         shown="none",
     )
 
+    def _training_defaults(self) -> None:
+        """The defaults left open: the GPT's recipe (docs/lm.md) for a gpt model, else SGD's."""
+        from cloudburst.gpt import is_gpt_spec
+
+        lm = isinstance(self.model, str) and is_gpt_spec(self.model)
+        recipe = GPT_RECIPE if lm else PLAIN_RECIPE
+        for name, value in recipe.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+
     def _validate_training(self) -> None:
+        self._training_defaults()
         if self.steps is None and self.epochs is None:
-            self.epochs = 64.0  # MNIST-1D's CNN reaches ≥ 90 % with every strategy
+            if self.dataset_kind_path()[0] == "text":
+                self.steps = TEXT_DEFAULT_STEPS  # docs/lm.md: the GPT's measured budget
+            else:
+                self.epochs = 64.0  # MNIST-1D's CNN reaches ≥ 90 % with every strategy
         if self.steps is not None:
             _check_int("steps", self.steps, 1)
         if self.epochs is not None:
@@ -284,6 +361,8 @@ class TrainingConfig:
         _check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _check_float("momentum", self.momentum, 0.0, 1.0, high_open=True)
         _check_float("weight_decay", self.weight_decay, 0.0, None)
+        _check_int("warmup_steps", self.warmup_steps, 0)
+        _check_float("clip_grad_norm", self.clip_grad_norm, 0.0, None)
         _check_int("seed", self.seed, 0)
         _check_int("warm_start_steps", self.warm_start_steps, 0)
         if self.warm_start_steps and self.init_from:
@@ -304,7 +383,16 @@ class MetricsConfig:
     target_accuracy: float | None = option(
         None, "report the time to reach this test accuracy (0..1)", shown="none"
     )
-    eval_every_s: float = option(1.0, "evaluate on the test set every this many seconds")
+    target_loss: float | None = option(
+        None,
+        "report the time to reach this test loss (nats per token, language models)",
+        shown="none",
+    )
+    eval_every_s: float | None = option(
+        None,
+        "evaluate on the test set every this many seconds",
+        shown=f"1, text: {TEXT_EVAL_EVERY_S:g}",
+    )
     log_every_steps: int = option(10, "workers log one step record every this many steps")
     # Bounded files; the staleness statistics in the summary count every push regardless.
     push_log_every: int = option(
@@ -315,6 +403,11 @@ class MetricsConfig:
     def _validate_metrics(self) -> None:
         if self.target_accuracy is not None:
             _check_float("target_accuracy", self.target_accuracy, 0.0, 1.0, low_open=True)
+        if self.target_loss is not None:
+            _check_float("target_loss", self.target_loss, 0.0, None, low_open=True)
+        if self.eval_every_s is None:
+            text = self.dataset_kind_path()[0] == "text"
+            self.eval_every_s = TEXT_EVAL_EVERY_S if text else 1.0
         _check_float("eval_every_s", self.eval_every_s, 0.0, None, low_open=True)
         _check_int("log_every_steps", self.log_every_steps, 1)
         _check_int("push_log_every", self.push_log_every, 1)

@@ -13,6 +13,8 @@ A dataset is named by a spec string, ``KIND`` or ``KIND:PATH`` (see ``parse_data
 - ``npz:PATH`` — arrays ``x_train, y_train[, x_test, y_test]`` (or ``x, y[, x_test, y_test]``),
   read with ``allow_pickle=False``. uint8 ``[N,C,H,W]``, ``[N,H,W,C]`` (C in {1, 3}) or
   ``[N,H,W]`` are images; anything else numeric is a float32 feature array.
+- ``text:PATH`` — byte tokens of a UTF-8 file or a directory of files; ``text:stdlib`` is the
+  running interpreter's standard library sources (:mod:`cloudburst.datasets.text`).
 
 Every failure is a ``DatasetError`` whose message is one line naming the path and the problem.
 Images come out as uint8 NCHW; ``Preprocess`` turns a batch into normalised float32, with random
@@ -52,11 +54,18 @@ from cloudburst.datasets.base import (  # noqa: F401
 from cloudburst.datasets.cifar import _cifar_dir, _load_cifar10
 from cloudburst.datasets.imagefolder import _imagefolder_splits, _load_imagefolder
 from cloudburst.datasets.npz import _load_npz, _npz_keys, _open_npz
+from cloudburst.datasets.text import (  # noqa: F401
+    STDLIB,
+    TokenStream,
+    TokenWindows,
+    corpus_files,
+    load_text,
+)
 
 # --------------------------------------------------------------------------------------------
 # Spec parsing and the entry points
 
-_SPEC_FORMS = "mnist1d, synthetic, cifar10:PATH, imagefolder:PATH, npz:PATH"
+_SPEC_FORMS = "mnist1d, synthetic, cifar10:PATH, imagefolder:PATH, npz:PATH, text:PATH|stdlib"
 
 
 def parse_dataset_spec(spec: str) -> tuple[str, str | None]:
@@ -84,6 +93,10 @@ def parse_dataset_spec(spec: str) -> tuple[str, str | None]:
 
 def check_dataset(kind: str, path: str) -> None:
     """Cheap preflight: PATH exists and has the layout of KIND. Decodes nothing."""
+    if kind == "text":
+        if not corpus_files(path):
+            raise DatasetError(f"text:{path}: the corpus is empty (no files)")
+        return
     root = _resolve(kind, path)
     if kind == "cifar10":
         _cifar_dir(root)
@@ -98,7 +111,10 @@ def load_path_dataset(
     kind: str, path: str, image_size: int = 32, test_fraction: float = 0.1
 ) -> LoadedData:
     """Read the dataset KIND at PATH. ``image_size`` applies to imagefolder only;
-    ``test_fraction`` only where the data brings no test split of its own."""
+    ``test_fraction`` only where the data brings no test split of its own. Text is read by
+    :func:`cloudburst.datasets.text.load_text` (it has no labels)."""
+    if kind == "text":
+        raise DatasetError(f"text:{path}: read text with cloudburst.data.load_dataset")
     root = _resolve(kind, path)
     if not 0.0 < test_fraction < 1.0:
         raise DatasetError(f"test_fraction must be in (0, 1), got {test_fraction}")

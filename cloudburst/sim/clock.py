@@ -194,14 +194,15 @@ def calibrate_step_time(cfg: RunConfig, steps: int = 20, warmup_steps: int = 3) 
     of the run's model on worker 0's shard, after ``warmup_steps`` untimed ones; on the GPU
     with ``--device cuda``, else on the CPU (the simulator's maths runs in this process)."""
     import torch
-    from torch import nn
 
-    from cloudburst.data import batch_stream, load_dataset, worker_source
+    from cloudburst.data import batch_stream, load_dataset, loss_function, worker_source
     from cloudburst.models import build_model
     from cloudburst.train import make_optimizer
 
     device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
-    data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size)
+    data = load_dataset(
+        cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size, context=cfg.context
+    )
     model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed).to(device)
     optimizer = make_optimizer(cfg, model.parameters())
     stream = batch_stream(
@@ -210,7 +211,7 @@ def calibrate_step_time(cfg: RunConfig, steps: int = 20, warmup_steps: int = 3) 
         seed=cfg.seed * 1000,
         preprocess=data.preprocess(augment=cfg.augment),
     )
-    loss_fn = nn.CrossEntropyLoss()
+    loss_fn = loss_function(data)  # per token for a language model
     autocast = cfg.autocast == "bf16"
 
     def one_step() -> None:

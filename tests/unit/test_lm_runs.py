@@ -1,0 +1,114 @@
+"""The GPT on text under every strategy, on the virtual cluster (in this process): each run
+trains (its test loss falls below the untrained model's), writes loss and bits per byte, and a
+sync run resumed from its checkpoint ends with the parameters of the undisturbed run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from cloudburst.checkpoint import load_model_into
+from cloudburst.config import RunConfig
+from cloudburst.config.fields import STRATEGIES
+from cloudburst.config.simulation import SimulationConfig
+from cloudburst.data import evaluate_dataset, in_memory, load_dataset
+from cloudburst.metrics import read_jsonl
+from cloudburst.models import build_model
+from cloudburst.sim.run import SimulationFailed, simulate
+
+SPEC = "gpt:layers=1,width=32,heads=2"
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    rng = random.Random(0)
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "None"]
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    path.write_text(" ".join(rng.choice(words) for _ in range(8000)))
+    return f"text:{path}"
+
+
+def _cfg(out, text: str, strategy: str, steps: int = 24, **kw) -> RunConfig:
+    return RunConfig(
+        strategy=strategy,
+        workers=kw.pop("workers", 2),
+        steps=steps,
+        model=SPEC,
+        dataset=text,
+        test_size=10,
+        batch_size=8,
+        lr=1e-2,
+        warmup_steps=4,
+        period=4,
+        eval_every_s=0.05,
+        seed=0,
+        out=str(out),
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def untrained_loss(text):
+    data = load_dataset(text, test_size=10)
+    model = build_model(SPEC, data.input_shape, data.num_classes, 0)
+    return evaluate_dataset(model, in_memory(data.test), None)[1]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_trains_the_gpt(tmp_path, text, untrained_loss, strategy):
+    summary = simulate(_cfg(tmp_path, text, strategy), SimulationConfig(step_time_s=0.01))
+    assert abs(untrained_loss - math.log(256)) < 0.1
+    assert summary["final_test_loss"] < untrained_loss - 0.5, strategy
+    bpb = summary["final_bits_per_byte"]
+    assert bpb == pytest.approx(summary["final_test_loss"] / math.log(2))
+    evals = [
+        r
+        for rank in (tmp_path / "metrics").glob("rank*.jsonl")
+        for r in read_jsonl(rank)
+        if r["event"] == "eval"
+    ]
+    assert len(evals) >= 2 and any(r.get("final") for r in evals)
+    for r in evals:
+        assert r["bits_per_byte"] == pytest.approx(r["test_loss"] / math.log(2))
+    assert summary["time_to_target_loss_s"] is None and summary["target_loss"] is None
+
+
+def test_a_loss_target_is_timed_and_a_resumed_sync_run_ends_where_an_undisturbed_one_does(
+    tmp_path, text
+):
+    sim = SimulationConfig(step_time_s=0.01)
+    whole = simulate(_cfg(tmp_path / "whole", text, "sync", target_loss=3.0), sim)
+    assert whole["time_to_target_loss_s"] is not None
+    evals = [
+        r
+        for r in read_jsonl(tmp_path / "whole" / "metrics" / "rank0.jsonl")
+        if r["event"] == "eval"
+    ]
+    held = [
+        i for i in range(len(evals) - 2) if all(e["test_loss"] <= 3.0 for e in evals[i : i + 3])
+    ]
+    assert whole["time_to_target_loss_s"] == evals[held[0]]["time_s"]
+    cut = _cfg(tmp_path / "cut", text, "sync", checkpoint_every=8, inject_fault=["kill:1@13"])
+    with pytest.raises(SimulationFailed):
+        simulate(cut, sim)
+    resumed = simulate(dataclasses.replace(cut, resume=True, inject_fault=[]), sim)
+    assert resumed["final_test_loss"] == whole["final_test_loss"]
+    models = []
+    for run in ("whole", "cut"):
+        data = load_dataset(text, test_size=10)
+        models.append(build_model(SPEC, data.input_shape, data.num_classes, seed=1))
+        load_model_into(tmp_path / run / "model.pt", models[-1])
+    pairs = zip(models[0].parameters(), models[1].parameters(), strict=True)
+    assert all(torch.equal(p, q) for p, q in pairs)
+    steps = [
+        r
+        for r in read_jsonl(tmp_path / "cut" / "metrics" / "rank0.jsonl")
+        if r["event"] == "resume"
+    ]
+    assert steps and steps[0]["step"] == 8
+    assert json.loads((tmp_path / "cut" / "config.json").read_text())["model"] == SPEC
