@@ -5,8 +5,9 @@ A run is named by a spec ``STRATEGY[:field=value[,field=value...]]`` — ``sync`
 ``asgd:n_sync=10,server_lr=0.25``, ``diloco:period=16`` — whose fields override the settings
 shared by every run (the ``train`` flags given to ``compare``). Every run's config is
 validated before the first one starts. Each run writes its own directory ``OUT/<label>``;
-the comparison writes ``OUT/curves.png`` (test error against wall time and against samples)
-and ``OUT/summary.md``.
+the comparison writes ``OUT/curves.png`` (test error against wall time and against samples;
+test loss for language models) and ``OUT/summary.md`` (language models: a table of final test
+loss, bits per byte and bytes sent besides).
 """
 
 from __future__ import annotations
@@ -60,6 +61,24 @@ def comparison_configs(
     return runs
 
 
+def loss_table(summaries: list[dict[str, Any]], labels: list[str]) -> str:
+    """Language-model runs: final test loss (nats per token), bits per byte, MB sent."""
+    rows = [("run", "test loss", "bits/byte", "MB sent", "to target loss s")]
+    for label, s in zip(labels, summaries, strict=True):
+        target = s.get("time_to_target_loss_s")
+        rows.append(
+            (
+                label,
+                f"{s['final_test_loss']:.4f}",
+                f"{s['final_bits_per_byte']:.4f}",
+                f"{s['sent_bytes'] / 1e6:.1f}",
+                "-" if target is None else f"{target:.1f}",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
 def run_comparison(
     runs: list[tuple[str, RunConfig]], out: str, title: str = "cloudburst compare"
 ) -> list[dict[str, Any]]:
@@ -86,6 +105,8 @@ def run_comparison(
             raise
         done.append(label)
     table = format_summary(summaries, labels=done)
+    if all("final_bits_per_byte" in s for s in summaries):
+        table += "\n\n" + loss_table(summaries, done)
     print(table)
     plot = plot_runs([cfg.out for _, cfg in runs], str(Path(out) / "curves.png"), title, done)
     lines = [f"# {title}", "", "```", table, "```", ""]

@@ -1,5 +1,6 @@
-"""Learning curves from run directories: test error against wall time and against samples.
-A simulated run's times are virtual seconds: its axis says so.
+"""Learning curves from run directories: test error against wall time and against samples;
+for language-model runs (their eval records carry ``bits_per_byte``) the test loss in nats per
+token instead. A simulated run's times are virtual seconds: its axis says so.
 
 Drawn from the JSONL metrics only (like the GPU A-SGD paper's figures 2-4), one line per run.
 DASO runs get their phases marked: where cycling begins and where cool-down begins (vertical
@@ -57,6 +58,22 @@ def is_simulated(run_dir: Path) -> bool:
     return path.is_file() and bool(json.loads(path.read_text()).get("simulated"))
 
 
+def is_language_model(run_dir: Path) -> bool:
+    """The run trained a language model: its evaluations carry bits per byte."""
+    return any("bits_per_byte" in e for e in eval_curve(run_dir))
+
+
+def curve_metric(runs: list[str]) -> str:
+    """``"loss"`` when every run is a language model, ``"error"`` when none is."""
+    kinds = {is_language_model(Path(run)) for run in runs if (Path(run) / "metrics").is_dir()}
+    if len(kinds) > 1:
+        raise ConfigError(
+            "plot: the runs mix language models (test loss) and classifiers (test error); "
+            "plot them separately"
+        )
+    return "loss" if kinds == {True} else "error"
+
+
 def time_axis_label(runs: list[str]) -> str:
     """Wall time for real runs, virtual time for simulated ones; a mix says which is which."""
     simulated = [is_simulated(Path(run)) for run in runs]
@@ -71,6 +88,7 @@ def plot_runs(
     runs: list[str], output: str, title: str | None = None, labels: list[str] | None = None
 ) -> Path:
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
+    metric = curve_metric(runs)
     for i, run in enumerate(runs):
         run_dir = Path(run)
         if not (run_dir / "metrics").is_dir():
@@ -79,7 +97,10 @@ def plot_runs(
         if not evals:
             continue
         label = labels[i] if labels else run_label(run_dir)
-        err = [100 * (1 - e["test_accuracy"]) for e in evals]
+        if metric == "loss":
+            err = [e["test_loss"] for e in evals]
+        else:
+            err = [100 * (1 - e["test_accuracy"]) for e in evals]
         ax_t.plot([e["time_s"] for e in evals], err, label=label, marker=".", markersize=3)
         by_samples = sorted(zip([e["samples"] for e in evals], err, strict=True))
         lines = ax_s.plot(
@@ -111,7 +132,7 @@ def plot_runs(
     ax_t.set_xlabel(time_axis_label(runs))
     ax_s.set_xlabel("training samples (all workers)")
     for ax in (ax_t, ax_s):
-        ax.set_ylabel("test error (%)")
+        ax.set_ylabel("test loss (nats per token)" if metric == "loss" else "test error (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if title:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cloudburst.checkpoint import load_model_into
-from cloudburst.config import RunConfig
+from cloudburst.config import ConfigError, RunConfig
 from cloudburst.config.fields import STRATEGIES
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.data import evaluate_dataset, in_memory, load_dataset
@@ -112,3 +112,40 @@ def test_a_loss_target_is_timed_and_a_resumed_sync_run_ends_where_an_undisturbed
     ]
     assert steps and steps[0]["step"] == 8
     assert json.loads((tmp_path / "cut" / "config.json").read_text())["model"] == SPEC
+
+
+def test_plot_and_compare_show_the_loss_of_language_models(tmp_path, text):
+    from cloudburst.compare import loss_table
+    from cloudburst.plot import curve_metric, plot_runs
+
+    sim = SimulationConfig(step_time_s=0.01)
+    lm = simulate(_cfg(tmp_path / "lm", text, "diloco", steps=8), sim)
+    classifier = RunConfig(
+        workers=2, steps=4, dataset="synthetic", model="mlp", out=str(tmp_path / "c")
+    )
+    simulate(classifier, sim)
+    assert curve_metric([str(tmp_path / "lm")]) == "loss"
+    assert curve_metric([str(tmp_path / "c")]) == "error"
+    with pytest.raises(ConfigError, match="mix language models"):
+        curve_metric([str(tmp_path / "lm"), str(tmp_path / "c")])
+    assert plot_runs([str(tmp_path / "lm")], str(tmp_path / "lm.png")).stat().st_size > 0
+    table = loss_table([lm], ["diloco"]).splitlines()
+    assert table[0].split() == [
+        "run",
+        "test",
+        "loss",
+        "bits/byte",
+        "MB",
+        "sent",
+        "to",
+        "target",
+        "loss",
+        "s",
+    ]
+    assert table[1].split() == [
+        "diloco",
+        f"{lm['final_test_loss']:.4f}",
+        f"{lm['final_test_loss'] / math.log(2):.4f}",
+        f"{lm['sent_bytes'] / 1e6:.1f}",
+        "-",
+    ]
