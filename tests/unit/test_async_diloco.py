@@ -144,3 +144,21 @@ def test_compressed_pushes_travel_as_asgds_with_error_feedback(tmp_path, monkeyp
     assert runs["int8"]["shard_versions"] == runs["none"]["shard_versions"] == [36]
     assert runs["int8"]["sent_bytes"] < 0.3 * runs["none"]["sent_bytes"]
     assert runs["int8"]["final_test_accuracy"] >= 0.9
+
+
+def test_without_momentum_it_is_asgd_with_n_sync_h_averaging_the_pushes(tmp_path):
+    # Delayed Nesterov with β = 0 and η = 1 adds Δ/N per push: asgd's add rule with λ = 1/W
+    # (N = W) and n_sync = H, the same pushes in the same order on the virtual cluster.
+    steps, period = 20, 4
+    simulate(
+        _cfg(tmp_path / "a", 3, steps, period=period, diloco_outer_lr=1.0,
+             diloco_outer_momentum=0.0, stragglers=[Straggler(2, 1.5)]),
+        SimulationConfig(step_time_s=0.01),
+    )  # fmt: skip
+    cfg = RunConfig(
+        strategy="asgd", workers=3, steps=steps, dataset="synthetic", model="cnn",
+        batch_size=BATCH, lr=LR, momentum=MOMENTUM, seed=SEED, eval_every_s=1000.0,
+        out=str(tmp_path / "b"), n_sync=period, stragglers=[Straggler(2, 1.5)],
+    )  # fmt: skip
+    simulate(cfg, SimulationConfig(step_time_s=0.01))
+    assert_same_params(trained(tmp_path / "a"), trained(tmp_path / "b"))
