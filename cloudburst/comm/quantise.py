@@ -17,7 +17,7 @@ INT8_MAX = 127.0
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 QUANTISED = ("int8", "fp8")
 #: Strategies whose point-to-point messages (θ, Δ) travel compressed with ``--compress``.
-MESSAGE_STRATEGIES = ("asgd", "easgd", "gossip")
+MESSAGE_STRATEGIES = ("asgd", "easgd", "gossip", "async_diloco")
 
 
 def message_method(compress: str, strategy: str) -> str:

@@ -89,6 +89,7 @@ COMPRESSIBLE = {
     "diloco": ("none", "bf16", "fp8", "int8"),
     "asgd": ("none", "bf16", "fp8", "int8"),
     "easgd": ("none", "bf16", "fp8", "int8"),
+    "async_diloco": ("none", "bf16", "fp8", "int8"),
     "gossip": ("none", "bf16", "fp8", "int8"),
     "daso": ("none", "bf16", "fp8", "int8"),
 }
