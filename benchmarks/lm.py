@@ -68,7 +68,13 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
-def virtual_rows(quick: bool) -> list[list[object]]:
+def _params(spec: str) -> int:
+    from cloudburst.models import build_model
+
+    return sum(p.numel() for p in build_model(spec, (64,), 256, 0).parameters())
+
+
+def virtual_rows(quick: bool, links: tuple[int, ...] = (1, 10)) -> list[list[object]]:
     import dataclasses
 
     from cloudburst.config import RunConfig
@@ -83,7 +89,7 @@ def virtual_rows(quick: bool) -> list[list[object]]:
         "streaming int8 H=16": dict(strategy="diloco", period=16, fragments=4, compress="int8"),
     }
     steps = 64
-    for gbit in (1, 10):
+    for gbit in links:
         for workers in (8, 16) if quick else (8, 16, 32, 64):
             for name, kw in arms.items():
                 cfg = RunConfig(
@@ -105,7 +111,9 @@ def virtual_rows(quick: bool) -> list[list[object]]:
                 sim = SimulationConfig(step_time_s=VIRTUAL_STEP_S, modelled_params=STAND_IN_PARAMS)
                 s = simulate(cfg, sim)
                 per_step = s["wall_time_s"] / steps
-                sent = s["sent_bytes"] / (workers * steps)
+                # the counters hold the tiny GPT's bytes; the clock charged GPT-2's
+                scale = STAND_IN_PARAMS / _params(cfg.model)
+                sent = s["sent_bytes"] * scale / (workers * steps)
                 rows.append(
                     [f"{gbit} Gbit/s", workers, name, f"{per_step:.3f}",
                      f"{VIRTUAL_STEP_S / per_step:.2f}", f"{sent / 1e6:.1f}"]
@@ -122,6 +130,7 @@ def main() -> None:
         p.add_argument("--steps", type=int, default=None, help="steps per worker (default 600)")
         p.add_argument("--virtual-only", action="store_true", help="only the virtual cluster")
         p.add_argument("--real-only", action="store_true", help="only the real runs")
+        p.add_argument("--links", default="1,10", help="virtual links in Gbit/s (comma list)")
         p.add_argument("--extra", default="", help="train flags for every real arm (--device cuda)")
 
     args, prov = harness.start(__doc__, add)
@@ -202,8 +211,8 @@ def main() -> None:
         "compute 0.071 s)"
     )
     report.table(
-        "link | W | arm | virtual s/step | compute share | MB sent per worker-step",
-        virtual_rows(args.quick),
+        "link | W | arm | virtual s/step | compute share | GPT-2 MB sent per worker-step",
+        virtual_rows(args.quick, tuple(int(x) for x in args.links.split(","))),
     )
     report.text(
         "What may not carry over: the GPT here has 0.83 M parameters and sees 2.5 M tokens per "
