@@ -207,7 +207,7 @@ class DataConfig:
         _check_int("context", self.context, 1)
         if kind == "text" and path == "stdlib":
             pass  # the running interpreter's standard library (cloudburst.datasets.text)
-        elif path is not None and not Path(path).exists():
+        elif path is not None and not Path(path).expanduser().exists():
             raise ConfigError(
                 f"dataset: {path!r} does not exist (datasets are read from local paths)"
             )

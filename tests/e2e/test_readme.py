@@ -40,10 +40,7 @@ SKIP = {
 
 #: Blocks that fail because of a known package bug, by a piece of their text: the bug. Strict:
 #: once the bug is fixed the block passes and its entry must go.
-KNOWN_BUGS = {
-    "cifar10:~/data": "RunConfig's dataset check tests the path without expanding '~' (the "
-    "reader expands it): the documented --dataset cifar10:~/… is refused",
-}
+KNOWN_BUGS: dict[str, str] = {}
 
 #: Files the commands refer to, as the text around them describes them (``~`` is the test's
 #: directory: a user's data under ``~/data`` is an empty directory of that name).
