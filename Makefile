@@ -33,7 +33,8 @@ test-fast: $(STAMP)
 ## table from the results' claims. Keeps going past a failing script; fails at the end, naming it.
 ## Each entry: script[:subcommand]; the whole run must stay within 60 minutes on this machine.
 BENCH := reliability compress experiments:accuracy experiments:stragglers defaults daso:--arms:sync,daso,torch_post_local \
-	local_sgd transport overhead throughput startup sim_fidelity sim_scale sim_seeds wire compress_scale
+	local_sgd transport overhead throughput startup sim_fidelity sim_scale sim_seeds wire compress_scale \
+	lm:--seeds:1:--steps:200
 # measured at 33c712c on the 2-core machine, idle (minutes): reliability 5.7, compress 8.9,
 # experiments accuracy 6.7 + stragglers 7.5, defaults 1.0, daso 13.9 (3 arms; all 6: ~30,
 # `benchmarks/daso.py`), local_sgd 3.9, transport 0.7, overhead + throughput + startup 2.1,
