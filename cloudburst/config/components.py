@@ -263,6 +263,11 @@ class ModelConfig:
                     f"model: {self.model!r} is a language model; use --dataset text:PATH "
                     "(e.g. text:stdlib)"
                 )
+        elif self.model in MODELS and self.dataset_kind_path()[0] == "text":
+            raise ConfigError(
+                f"model: {self.model!r} is not a language model; text datasets need --model gpt "
+                "(or a package.module:function factory of your own)"
+            )
         elif self.model not in MODELS and not is_factory_spec(self.model):
             raise ConfigError(
                 f"model: {self.model!r} is not allowed; choose one of {', '.join(MODELS)} "

@@ -99,6 +99,8 @@ def test_gpt_runs_default_to_the_recipe_and_other_models_do_not():
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="language model; use --dataset text"):
         RunConfig(model="gpt")
+    with pytest.raises(ConfigError, match="'cnn' is not a language model"):
+        RunConfig(model="cnn", dataset="text:stdlib")
     with pytest.raises(ConfigError, match="clip_grad_norm"):
         _cfg(clip_grad_norm=-1.0)
     with pytest.raises(ConfigError, match="target_loss"):
