@@ -45,7 +45,9 @@ def preflight(cfg: RunConfig) -> None:
                 "(pip install 'cloudburst[tensorboard]')"
             ) from None
     try:
-        data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size)
+        data = load_dataset(
+            cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size, context=cfg.context
+        )
     except DatasetError as e:
         raise ConfigError(field_message("dataset", e)) from None
     if cfg.train_size is None:
@@ -95,11 +97,14 @@ def _check_forward(cfg: RunConfig, model, data) -> None:
             f"model: {cfg.model!r} fails on this dataset's input of shape "
             f"{tuple(x.shape[1:])}: {first[:200]}"
         ) from None
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (x.shape[0], data.num_classes):
+    # A language model (text datasets) predicts every position: [B, T, vocabulary].
+    lm = getattr(data, "is_lm", False)
+    expected = (*x.shape, data.num_classes) if lm else (x.shape[0], data.num_classes)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ConfigError(
             f"model: {cfg.model!r} returns {shape} for a batch of {x.shape[0]}; this dataset "
-            f"needs logits of shape ({x.shape[0]}, {data.num_classes})"
+            f"needs logits of shape {expected}"
         )
 
 

@@ -128,7 +128,9 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "config.json", cfg.to_dict())
-    data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size)
+    data = load_dataset(
+        cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size, context=cfg.context
+    )
     probe = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
     actual_params = flatten_params(probe).numel()
     step_time_s, source = resolve_step_time(sim, cfg, calibrate_step_time)
