@@ -29,8 +29,9 @@ WORKERS, BATCH, PAD_S, LINK = 4, 64, 0.03, "1,1"
 TARGET_ACCURACY = 0.8
 STREAM = ("--strategy", "diloco", "--fragment-alpha", "0.5")  # the paper's mixing with τ > 0
 #: The configuration for "Streaming DiLoCo int8 ≤ 1/50 of sync's inter-node bytes at equal
-#: final accuracy (±1 point)": at W = 4 the int8 all-gather saves only ~2× (3 × 1.02 bytes a
-#: value against a ring's 6), so 1/50 needs H ≥ 26: H = 32, with an outer learning rate of 0.5
+#: final accuracy (±1 point)", chosen when int8 was an all-gather, which at W = 4 saved only
+#: ~2× (3 × 1.02 bytes a value against a ring's 6), so 1/50 needed H ≥ 26 (the reduce-scatter
+#: form since issue 27 saves ~4× at every W ≥ 3): H = 32, with an outer learning rate of 0.5
 #: (DiLoCo's default 0.1 is too timid for so few outer steps: 9 points below sync after 400
 #: steps on the virtual cluster; 0.5 and 0.7 were 1.7 and 2.8 below at 400, 0.5 level with
 #: sync at 800), over 800 steps: 25 outer steps, enough for the outer momentum to build up.
