@@ -114,6 +114,19 @@ def stream_argv(arm: list[str], workers: int, nodes: int, steps: int) -> list[st
             "--comm-timeout-s", "1e6"]  # fmt: skip
 
 
+TORCHFT = """torchft's `allreduce_quantized` (torchft/collectives.py, at commit 73dafea) does not
+run here: its quantisation kernels are Triton (CUDA) and it is written for NCCL ("not supposed
+to be used with gloo"). Its bytes, from the source: fp8 (e4m3) codes with one fp32 scale per
+row of each tensor (its 2-D view), each row's bytes padded to a multiple of 4 and each
+tensor's rows padded to a multiple of W; an `alltoall_base` of the whole buffer B, then an
+`allgather_into_tensor_coalesced` of each rank's 1/W of it: (W − 1)/W · B + (W − 1)/W · B =
+2(W − 1)/W · B per rank, B ≈ n · (1 + 4/columns). At W = 4: 1.5 · B ≈ 1.5 n bytes for wide
+rows, against cloudburst's 1.5 · n · (1 + 4/256) = 1.52 n (one scale per 256 values, whatever
+the tensor's shape) — the same protocol and the same scaling in W; torchft keeps no error
+feedback (cloudburst keeps both residuals) and does not say which rank's bits the owner
+sends back beyond its own reduction (the all-gather makes them the same everywhere, as here)."""
+
+
 # ---------------------------------------------------------------------------- 4. gloo
 REAL = ["--strategy", "local_sgd", "--period", "2", "--workers", "4", "--model", "mlp",
         "--eval-every-s", "1000", "--checkpoint-every", "0"]  # fmt: skip
@@ -260,6 +273,8 @@ def main() -> None:
     )
     report.table("arm | seed | counted sent | wire data (lo) | wire ÷ counted | final acc %",
                  real_rows)  # fmt: skip
+    report.section("5. torchft's quantised all-reduce, by its formula")
+    report.text(TORCHFT)
     report.write(runs)
 
 
