@@ -8,39 +8,24 @@ point-to-point message) live in :mod:`cloudburst.comm.quantise`, below
 :mod:`cloudburst.comm.p2p`, which sends asgd's, EASGD's and gossip's payloads compressed;
 they are re-exported here.
 
-- ``none``: fp32, the collectives as they always were (bit-identical).
-- ``bf16``: cast to bfloat16, all-reduce (summed in bf16, as PyTorch's ``bf16_compress_hook``
-  and DASO's downcast do), cast back: 2 bytes a value; relative error ≤ 2⁻⁸ per rounding.
-- ``fp8``: ``float8_e4m3fn`` with one fp32 scale per block of :data:`BLOCK` values (block
-  absmax ↦ 448): ~1 byte a value; relative error ≤ 2⁻⁴ per value (3 mantissa bits).
-- ``int8``: symmetric int8 with one fp32 scale per block (block absmax ↦ 127): ~1 byte a
-  value; absolute error ≤ absmax(block)/254 per value.
-- ``powersgd[:r]``: PowerSGD (Vogels et al. 2019), rank r (default 1), PyTorch's own DDP hook;
-  ``sync`` only (it compresses gradient matrices inside DDP's buckets).
+Methods (formats, error bounds, what each strategy sends: docs/algorithms.md#compression):
+``none`` (fp32, the plain collectives, bit-identical), ``bf16`` (summed in bf16, as PyTorch's
+``bf16_compress_hook``), ``fp8`` / ``int8`` (1 byte a value + one fp32 scale per :data:`BLOCK`
+values, with error feedback), ``powersgd[:r]`` (PyTorch's DDP hook; ``sync`` only).
 
-Quantised (int8, fp8) all-reduces (ALGORITHMS.md §8; torchft's and PRIME's design) are a
-**reduce-scatter then all-gather of quantised chunks**: each rank quantises its vector, cuts the
-blocks into W chunks and sends chunk j to rank j (an all-to-all); rank j dequantises the W
-pieces, sums them in fp32 in rank order, quantises the sum (with an owner-side residual) and
-every owner's chunk is all-gathered (another all-to-all). Every rank dequantises the same
-owner bits, so every rank gets the same result. Bytes per rank: 2(W − 1)/W of the quantised
-vector on average (:func:`quantised_sent_bytes`), about 0.25× an fp32 ring at every W. At
-W = 2 this equals one all-gather of the quantised vectors, which rounds once instead of twice
-and pays W − 1 latencies instead of 2(W − 1): there the all-gather form is kept
-(:data:`GATHER_MAX_W`); from W = 3 on the all-gather ((W − 1) vectors) costs more bytes
-(1.5× at W = 3, W/2× in general).
-Summing the quantised values themselves is wrong: int8 sums overflow and every rank's codes
-are in units of its own scales. Counted as sent, when started.
+The quantised all-reduce (ALGORITHMS.md §8) is a reduce-scatter then all-gather of quantised
+chunks (two all-to-alls): rank j owns chunk j, sums the W dequantised pieces in fp32 in rank
+order, re-quantises the sum and sends it to all, so every rank gets the owner's bits. Bytes
+per rank: 2(W − 1)/W of the packed vector on average (:func:`quantised_sent_bytes`), 0.254×
+an fp32 ring at every W. At W ≤ :data:`GATHER_MAX_W` (2) an all-gather of the packed vectors
+is kept: the same bytes, one rounding and W − 1 latencies. Counted as sent, when started.
 
-Error feedback (Seide et al. 2014; Karimireddy et al. 2019): a lossy method whose error would
-otherwise be lost for good (int8, fp8; PowerSGD keeps its own) adds what it failed to send last
-time to what it sends now: x' = x + e, send C(x'), e ← x' − C(x'). Over k rounds the sent sum
-then differs from the true sum by the last residual only (bounded by one rounding), not by k of
-them. The reduce-scatter form rounds twice, so it keeps two residuals: the sender's (under
-``key``) and the chunk owner's (under ``key + OWNER``). :class:`ErrorFeedback` holds them by
-key; its ``state_dict`` goes into the strategy's checkpoint. A checkpoint written before the
-owner residual existed resumes with it at zero (that scheme rounded once: nothing was lost);
-a residual whose size does not fit (another W or model) is refused in one line.
+Error feedback (Seide et al. 2014; Karimireddy et al. 2019): send C(x + e), keep
+e ← x + e − C(x + e), so k rounds differ from the true sum by one residual, not k. The
+reduce-scatter rounds twice and keeps two residuals: the sender's (``key``) and the chunk
+owner's (``key + OWNER``), both in :class:`ErrorFeedback`'s ``state_dict`` (the checkpoint).
+A checkpoint without the owner's resumes with it at zero (the all-gather rounded once); a
+residual whose size does not fit the run is refused in one line.
 """
 
 from __future__ import annotations
