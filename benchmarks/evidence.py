@@ -79,7 +79,7 @@ ADVICE: list[tuple[str, list[tuple[str, str, str]]]] = [  # (situation, [(result
          "On configurations held out from its development, real communication and waiting "
          "took {value}× the simulated {interval}"),
         ("sim_seeds", "Jin et al.",
-         "Jin et al.'s crossover, at equal steps (not equal time): {value}"),
+         "Jin et al.'s crossover, every method given the same virtual time: {value}"),
     ]),
 ]  # fmt: skip
 
