@@ -86,7 +86,7 @@ def accuracy(args) -> None:
         accs = [r.final_accuracy for r in rs]
         done = [a for a in accs if a is not None]
         if name != "sync" and done and all(a is not None for a in sync):
-            diff, lo, hi = harness.bootstrap_difference(done, sync)
+            diff, lo, hi = harness.bootstrap_difference(done, sync, paired=len(done) == len(sync))
             report.claim(
                 f"final accuracy, {name} − sync (points), W = 4, defaults",
                 round(100 * diff, 2), f"within ±{BAND_POINTS:g}",

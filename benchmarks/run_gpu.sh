@@ -11,5 +11,5 @@ nvidia-smi -L
 $PY -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -o addopts="" -q -m gpu tests/gpu -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 |
   tee "$OUT/gpu_tests.log"
-timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/throughput.py --device cuda \
+timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/throughput.py --device cuda --seeds 3 \
   --steps "${STEPS:-300}" --out "$OUT/throughput_cuda.md" 2>&1 | tee "$OUT/throughput.log"
