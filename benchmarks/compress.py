@@ -201,7 +201,8 @@ def report_bytes(report: harness.Report, runs: list[harness.Run], s: dict) -> No
                      "≤ 0.02 (1/50)", ratio <= 0.02, seeds=len(target),
                      note=f"1/{1 / ratio:.1f}")  # fmt: skip
         accs = _acc(target)  # seed i on both sides when no run failed
-        diff, lo, hi = harness.bootstrap_difference(accs, sync_acc, paired=len(accs) == len(sync_acc))
+        paired = len(accs) == len(sync_acc)
+        diff, lo, hi = harness.bootstrap_difference(accs, sync_acc, paired=paired)
         report.claim("… at equal steps, its final accuracy − sync's (points)", 100 * diff,
                      "within ±1", abs(100 * diff) <= 1, interval=(100 * lo, 100 * hi),
                      seeds=len(target))  # fmt: skip
