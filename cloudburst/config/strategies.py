@@ -3,7 +3,6 @@ local SGD, DiLoCo, asynchronous DiLoCo, EASGD, gossip."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -376,8 +375,8 @@ class AsyncDilocoConfig:
     )
     dylu: bool = option(
         False,
-        "Dynamic Local Updates: worker i runs H_i = max(1, round(H·speed_i / max speed)) inner "
-        "steps per push, speed_i = 1 / its straggler factor",
+        "Dynamic Local Updates: after each push, worker i runs H_i = max(1, round(H·speed_i / "
+        "max speed)) inner steps, speed_i its measured steps per second (the first round: H)",
     )
 
     @property
@@ -385,14 +384,6 @@ class AsyncDilocoConfig:
         if self.dn_period is not None:
             return self.dn_period
         return self.workers if isinstance(self.workers, int) and self.workers > 0 else 1
-
-    def inner_steps(self, worker: int) -> int:
-        """H_i, worker ``worker``'s inner steps per push: H, or under ``dylu`` H scaled by its
-        speed relative to the fastest worker's, rounded half up, at least 1."""
-        if not self.dylu:
-            return self.period
-        speeds = [1.0 / self.straggler_factor(w) for w in range(self.workers)]
-        return max(1, math.floor(self.period * speeds[worker] / max(speeds) + 0.5))
 
     def _validate_async_diloco(self) -> None:
         if self.dn_period is not None:

@@ -9,9 +9,13 @@ time with the Delayed Nesterov outer optimizer (``cloudburst.shard.DelayedNester
 SGD of lr η/N on each pseudo-gradient, and every N-th push a Nesterov momentum step on the
 mean of the last N (η = ``diloco_outer_lr``, β = ``diloco_outer_momentum``, N = ``dn_period``,
 W by default). H_i = H = ``period``, or under ``dylu`` (Dynamic Local Updates) H scaled by the
-worker's speed relative to the fastest, so that slow workers push as often as fast ones
-(``AsyncDilocoConfig.inner_steps``; the speed is the one the run models: 1 / the worker's
-``--straggler`` factor, deterministic on the virtual cluster).
+worker's *measured* speed relative to the fastest known, so that slow workers push as often as
+fast ones: each worker times its steps on the job's clock (between two ``after_step`` calls,
+its own round trips left out; virtual time on the virtual cluster, so deterministic there),
+takes the median of its last H step times, publishes its speed with ``store.set`` and reads the
+others' with ``store.check``/``get`` (never waiting for one), and after each push sets
+H_i = max(1, round(H·speed_i / max known speed)) (:func:`dylu_inner_steps`). The first round
+runs H. The report carries H_i per round (``inner_steps_rounds``, run-length).
 
 Everything else is asgd's (:class:`~cloudburst.strategies.asgd.AsgdStrategy`, whose transport,
 shards, warm start, restarts, shard standby, checkpoints and compression with error feedback it
@@ -22,8 +26,20 @@ outer optimizer's state lives on the shards only). A dead worker: the others go 
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
+
 from cloudburst.comm.quantise import message_method
 from cloudburst.strategies.asgd import AsgdStrategy
+
+SPEED_KEY = "async_diloco/speed/{}"  # worker i's measured steps per second, in the job store
+
+
+def dylu_inner_steps(period: int, speed: float, fastest: float) -> int:
+    """H_i = max(1, ⌊H·speed_i / fastest + ½⌋): Dynamic Local Updates' inner steps of a worker
+    of speed ``speed`` when the fastest known runs ``fastest`` (the same unit)."""
+    return max(1, math.floor(period * speed / fastest + 0.5))
 
 
 class AsyncDilocoStrategy(AsgdStrategy):
@@ -33,21 +49,88 @@ class AsyncDilocoStrategy(AsgdStrategy):
         super().__init__(ctx)
         # asgd's pushes, compressed as asgd's are (with error feedback).
         self.compress = message_method(ctx.cfg.compress, AsgdStrategy.name)
-        self.inner_steps = ctx.cfg.inner_steps(ctx.worker_index)
+        self.inner_steps = ctx.cfg.period  # H_i of the round under way
+        self._since_push = 0  # inner steps of the round under way
+        # DyLU's measurement: this worker's last H step times (the job's clock, its own round
+        # trips left out), and when its last step or round ended.
+        self._step_times: deque[float] = deque(maxlen=ctx.cfg.period)
+        self._mark: float | None = None
+        self.rounds: list[list[int]] = []  # [H_i, rounds], run-length, in order
+
+    def start(self) -> None:
+        super().start()
+        self._since_push = 0  # (a rejoined worker starts again from the servers' θ)
+        self._mark = self.ctx.comm.now()
 
     def after_step(self, samples: int) -> None:
+        now = self.ctx.comm.now()
+        if self._mark is not None:
+            self._step_times.append(now - self._mark)
         self.local_steps += 1
+        self._since_push += 1
         self._samples_since_push += samples
         self._fresh = None
-        if self.local_steps % self.inner_steps == 0:
-            self._round(push=True, fetch=True)
+        if self._since_push >= self.inner_steps:
+            self._end_round(fetch=True)
+            if self.cfg.dylu:
+                self.inner_steps = self._next_inner_steps()
+        self._mark = self.ctx.comm.now()
+
+    def _end_round(self, fetch: bool) -> None:
+        self._round(push=True, fetch=fetch)
+        if self.rounds and self.rounds[-1][0] == self._since_push:
+            self.rounds[-1][1] += 1
+        else:
+            self.rounds.append([self._since_push, 1])
+        self._since_push = 0
+
+    def measured_speed(self) -> float | None:
+        """This worker's steps per second: 1 / the median of its last H step times (an
+        evaluation or a checkpoint between two steps does not move it); None before any."""
+        if not self._step_times:
+            return None
+        median = statistics.median(self._step_times)
+        return 1.0 / median if median > 0 else None
+
+    def _next_inner_steps(self) -> int:
+        """Publish this worker's speed, read the others' published so far (no waiting), and
+        size the next round by DyLU's rule."""
+        mine = self.measured_speed()
+        if mine is None:
+            return self.inner_steps
+        store, me = self.ctx.store, self.ctx.worker_index
+        store.set(SPEED_KEY.format(me), repr(mine))
+        fastest = mine
+        for w in range(self.cfg.workers):
+            key = SPEED_KEY.format(w)
+            if w != me and store.check([key]):
+                fastest = max(fastest, float(store.get(key)))
+        return dylu_inner_steps(self.cfg.period, mine, fastest)
 
     def _flush(self) -> None:
         """Push the inner steps not pushed yet (a last, shorter round)."""
-        if self.local_steps % self.inner_steps != 0:
-            self._round(push=True, fetch=False)
+        if self._since_push:
+            self._end_round(fetch=False)
+
+    def step_info(self) -> dict:
+        info = super().step_info()
+        info["inner_steps"] = self.inner_steps
+        return info
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.update(inner_steps=self.inner_steps, inner_steps_rounds=self.rounds)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.inner_steps = int(state.get("inner_steps", self.cfg.period))
+        self.rounds = [list(r) for r in state.get("inner_steps_rounds", [])]
 
     def report(self) -> dict:
         r = super().report()
         r["inner_steps"] = self.inner_steps
+        r["inner_steps_rounds"] = [list(x) for x in self.rounds]
+        speed = self.measured_speed()
+        r["measured_steps_per_s"] = speed
         return r

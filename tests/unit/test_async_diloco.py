@@ -1,12 +1,11 @@
 """Asynchronous DiLoCo (--strategy async_diloco; docs/algorithms.md#async_diloco): its
 settings, Dynamic Local Updates' H_i, and whole jobs on the virtual cluster — one worker equals
 synchronous DiLoCo's independent reference (Delayed Nesterov with N = 1 is Nesterov SGD),
-several with a straggler push as DyLU says and learn. (The Delayed Nesterov shard rule against
+several with a straggler size H_i from their measured speeds (virtual time: exact), push as
+often per unit of time, and learn. (The Delayed Nesterov shard rule against
 tests/reference.py: tests/unit/test_staleness_compensation.py.)"""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from cloudburst.config import ConfigError, RunConfig, Straggler
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.shard import make_shard, overlapped_push_fetch
 from cloudburst.sim.run import simulate
+from cloudburst.strategies.async_diloco import dylu_inner_steps
 from tests.dist.simulate import (
     BATCH,
     LR,
@@ -25,6 +25,7 @@ from tests.dist.simulate import (
     diloco,
     trained,
 )
+from tests.helpers import final_record, rank_events
 
 
 def _cfg(out, workers: int, steps: int, **kw) -> RunConfig:
@@ -46,7 +47,7 @@ def _cfg(out, workers: int, steps: int, **kw) -> RunConfig:
 
 def test_settings_defaults_and_refusals():
     cfg = RunConfig(strategy="async_diloco", workers=3)
-    assert (cfg.servers, cfg.dn_period_value, cfg.inner_steps(2)) == (1, 3, cfg.period)
+    assert (cfg.servers, cfg.dn_period_value, cfg.dylu) == (1, 3, False)
     shard = make_shard(cfg, torch.zeros(4))
     assert (shard.rule, shard.lr, shard.optimizer.period) == ("dn", cfg.diloco_outer_lr, 3)
     assert shard.optimizer.beta == cfg.diloco_outer_momentum
@@ -67,17 +68,12 @@ def test_settings_defaults_and_refusals():
         RunConfig(strategy="diloco", workers=2, dylu=True)
 
 
-def test_dylu_sizes_each_workers_inner_steps_by_its_speed():
-    slow = [Straggler(3, 2.0), Straggler(1, 3.0)]
-    cfg = RunConfig(strategy="async_diloco", workers=4, period=8, stragglers=slow, dylu=True)
-    # speeds 1, 1/3, 1, 1/2 of the fastest: H·speed = 8, 2.67, 8, 4
-    assert [cfg.inner_steps(w) for w in range(4)] == [8, 3, 8, 4]
-    fixed = RunConfig(strategy="async_diloco", workers=4, period=8, stragglers=slow)
-    assert [fixed.inner_steps(w) for w in range(4)] == [8, 8, 8, 8]
-    tiny = RunConfig(
-        strategy="async_diloco", workers=2, period=2, dylu=True, stragglers=[Straggler(1, 10.0)]
-    )
-    assert tiny.inner_steps(1) == 1  # at least one inner step
+def test_dylu_rule_scales_h_by_speed_over_the_fastest_rounding_half_up():
+    # speeds 1, 1/3, 1, 1/2 of the fastest at H = 8: H·speed = 8, 2.67, 8, 4
+    assert [dylu_inner_steps(8, s, 6.0) for s in (6.0, 2.0, 6.0, 3.0)] == [8, 3, 8, 4]
+    assert dylu_inner_steps(8, 5.0, 6.0) == 7  # 6.67
+    assert dylu_inner_steps(4, 3.0, 8.0) == 2  # 1.5 rounds half up
+    assert dylu_inner_steps(2, 1.0, 10.0) == 1  # at least one inner step
 
 
 def test_one_worker_is_synchronous_diloco_with_nesterov(tmp_path):
@@ -89,32 +85,41 @@ def test_one_worker_is_synchronous_diloco_with_nesterov(tmp_path):
     assert_params_differ(expected, diloco(22, 1, 5, 0.5, 0.5, nesterov=False)[0])
 
 
-def test_with_a_straggler_dylu_evens_the_pushes_and_the_job_learns(tmp_path):
-    steps, period = 48, 8
-    stragglers = [Straggler(2, 4.0)]
+def _straggler_run(out, dylu: bool) -> dict:
+    """W = 3 on the virtual cluster, worker 2 2x slower, H = 8, 48 steps each; every push
+    logged by the shard."""
+    cfg = _cfg(out, 3, 48, model="mlp", period=8, optimizer="adam", lr=0.003,
+               stragglers=[Straggler(2, 2.0)], dylu=dylu, push_log_every=1)  # fmt: skip
+    return simulate(cfg, SimulationConfig(step_time_s=0.01))
+
+
+def test_with_a_straggler_dylu_measures_the_speeds_and_evens_the_pushes(tmp_path):
     runs = {}
     for dylu in (False, True):
-        cfg = _cfg(
-            tmp_path / str(dylu),
-            3,
-            steps,
-            model="mlp",
-            period=period,
-            optimizer="adam",
-            lr=0.003,
-            stragglers=stragglers,
-            dylu=dylu,
-        )
-        summary = simulate(cfg, SimulationConfig(step_time_s=0.01))
-        h = [cfg.inner_steps(w) for w in range(3)]
-        # every worker pushes after each H_i inner steps, and once more for a remainder
-        assert summary["shard_versions"] == [sum(math.ceil(steps / x) for x in h)]
+        out = tmp_path / str(dylu)
+        summary = _straggler_run(out, dylu)
+        workers = [final_record(out, rank) for rank in (1, 2, 3)]  # rank 0 is the shard
+        rounds = [w["inner_steps_rounds"] for w in workers]
+        # every round is in the records, and every step in a round
+        assert [sum(h * n for h, n in r) for r in rounds] == [48, 48, 48]
+        assert summary["shard_versions"] == [sum(n for r in rounds for _, n in r)]
         assert summary["final_test_accuracy"] >= 0.9
-        runs[dylu] = (h, summary)
-    assert runs[False][0] == [8, 8, 8] and runs[True][0] == [8, 8, 2]
-    # the 4x slower worker now pushes as often (per unit of time) as the others
-    assert runs[True][1]["shard_versions"][0] == 6 + 6 + 24
-    assert runs[True][1]["staleness_quantiles_versions"]["max"] >= 1
+        pushes = rank_events(out, 0, "push")
+        # pushes while the fast workers train (up to their last push)
+        end = max(p["time_s"] for p in pushes if p["worker"] != 3)
+        by_worker = [
+            sum(p["worker"] == r and p["time_s"] <= end for p in pushes) for r in (1, 2, 3)
+        ]
+        runs[dylu] = rounds, [w["measured_steps_per_s"] for w in workers], by_worker
+    assert runs[False][0] == [[[8, 6]], [[8, 6]], [[8, 6]]]
+    assert runs[False][2] == [6, 6, 3]  # the slow worker pushes half as often
+    rounds, speeds, by_worker = runs[True]
+    # measured on the virtual clock: 100 and 50 steps per second, exactly the modelled ones
+    assert speeds == pytest.approx([100.0, 100.0, 50.0], rel=1e-9)
+    # the first round runs H (nothing measured yet); then the slow worker H·50/100 = 4, the
+    # fast ones H (the slow one's speed is below their own)
+    assert rounds == [[[8, 6]], [[8, 6]], [[8, 1], [4, 10]]]
+    assert by_worker == [6, 6, 5]  # within one of each other (without DyLU: 6, 6, 3)
 
 
 def test_compressed_pushes_travel_as_asgds_with_error_feedback(tmp_path, monkeypatch):
