@@ -1,0 +1,168 @@
+"""The SLURM recipe (examples/slurm/cloudburst.sbatch, shown in docs/clusters.md) gives every
+task the torchrun arguments cloudburst expects.
+
+Nothing here can run SLURM. The script itself is run by bash with SLURM's environment for a
+2-node × 4-rank allocation and stand-ins for ``srun`` (starts each task with its
+``SLURM_PROCID``/``SLURM_NODEID``/``SLURM_LOCALID``, block distribution, as SLURM does by
+default), ``scontrol`` (the node list) and ``torchrun`` (records its arguments). The recorded
+arguments are parsed with torchrun's own parser and cloudburst's CLI, and checked: the world
+size matches the config, every node rank once, one rendezvous on the first node, the agent
+layout that ``cloudburst train`` uses locally (one agent per rank where the strategy survives a
+worker's death), and the roles each node's ranks get (servers on the store's node).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.spawns
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "slurm" / "cloudburst.sbatch"
+HOSTS = ["gpu-a17", "gpu-b02"]
+
+SRUN = r"""
+import os, subprocess, sys
+args = sys.argv[1:]
+per_node, ntasks = int(os.environ["SLURM_NTASKS_PER_NODE"]), None
+while args[0].startswith("--"):
+    opt = args.pop(0)
+    if opt.startswith("--kill-on-bad-exit"):
+        continue
+    value = int(args.pop(0))
+    if opt == "--ntasks-per-node":
+        per_node = value
+    elif opt == "--ntasks":
+        ntasks = value
+    else:
+        sys.exit(f"srun stand-in: unexpected option {opt}")
+nodes = int(os.environ["SLURM_NNODES"])
+ntasks = ntasks or nodes * per_node
+hosts = os.environ["FAKE_HOSTS"].split(",")
+for t in range(ntasks):
+    node = t // per_node
+    env = dict(os.environ, SLURM_PROCID=str(t), SLURM_NODEID=str(node),
+               SLURM_LOCALID=str(t % per_node), SLURM_NTASKS=str(ntasks),
+               SLURMD_NODENAME=hosts[node])
+    subprocess.run(args, env=env, check=True)
+"""
+
+TORCHRUN = r"""
+import json, os, sys
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({"argv": sys.argv[1:], "host": os.environ["SLURMD_NODENAME"],
+                        "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\n")
+"""
+
+
+def render(tmp_path: Path, cloudburst_args: list[str], agent_per_rank: bool) -> list[dict]:
+    """What each task's torchrun was given, for a 2 × 4 allocation with 4 GPUs per node."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    for name, body in (("srun", SRUN), ("torchrun", TORCHRUN)):
+        (bin_ / name).write_text(f"#!{sys.executable}\n{body}")
+    (bin_ / "scontrol").write_text(
+        f'#!/bin/sh\n[ "$1 $2 $3" = "show hostnames {",".join(HOSTS)}" ] || exit 3\n'
+        f"printf '%s\\n' {' '.join(HOSTS)}\n"
+    )
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / f"torchrun-{agent_per_rank}.jsonl"
+    env = {
+        "PATH": f"{bin_}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4711",
+        "SLURM_JOB_NODELIST": ",".join(HOSTS),
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS_PER_NODE": "4",
+        "SLURM_GPUS_ON_NODE": "4",
+        "FAKE_HOSTS": ",".join(HOSTS),
+        "FAKE_LOG": str(log),
+    }
+    if agent_per_rank:
+        env["CLOUDBURST_AGENT_PER_RANK"] = "1"
+    bash = shutil.which("bash")
+    assert bash, "bash is needed to run the recipe"
+    subprocess.run([bash, str(SCRIPT), *cloudburst_args], env=env, check=True, timeout=60)
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def check(tasks: list[dict], strategy_args: list[str]) -> tuple[object, list, dict]:
+    """Parse every task's arguments as torchrun and cloudburst do; the checks common to both
+    layouts. Returns the config, the agents (nnodes, node_rank, nproc) and each host's roles."""
+    from torch.distributed.run import get_args_parser
+
+    from cloudburst.cli import build_config, build_parser
+
+    parsed = [(t, get_args_parser().parse_args(t["argv"])) for t in tasks]
+    cfgs = []
+    for _, a in parsed:
+        assert a.module and a.training_script == "cloudburst"
+        assert a.training_script_args == strategy_args
+        cfgs.append(build_config(build_parser().parse_args(a.training_script_args)))
+    cfg = cfgs[0]
+    assert all(c == cfg for c in cfgs)
+    # One rendezvous: static, on the first node, one job id, every node rank once.
+    assert {(a.rdzv_backend, a.master_addr, a.master_port, a.rdzv_id) for _, a in parsed} == {
+        ("static", HOSTS[0], 29500, "4711")
+    }
+    nnodes = {int(a.nnodes) for _, a in parsed}
+    assert len(nnodes) == 1
+    (n,) = nnodes
+    assert sorted(a.node_rank for _, a in parsed) == list(range(n))
+    agents = sorted((n, a.node_rank, int(a.nproc_per_node)) for _, a in parsed)
+    # The world torchrun makes is the one the config needs (runtime refuses any other).
+    assert sum(nproc for *_, nproc in agents) == cfg.world_size
+    # Static rendezvous: global rank = node rank × nproc + local rank; ranks < S are servers.
+    roles: dict[str, list[str]] = {h: [] for h in HOSTS}
+    for t, a in parsed:
+        nproc = int(a.nproc_per_node)
+        for local in range(nproc):
+            rank = a.node_rank * nproc + local
+            roles[t["host"]].append("server" if rank < cfg.servers else "worker")
+    return cfg, agents, roles
+
+
+def test_sync_renders_one_torchrun_per_node_with_four_ranks_each(tmp_path):
+    from cloudburst.launch import agent_layout
+    from cloudburst.strategies import STRATEGY_CLASSES
+
+    args = ["train", "--strategy", "sync", "--workers", "8", "--out", "runs/sync-8"]
+    tasks = render(tmp_path, args, agent_per_rank=False)
+    cfg, agents, roles = check(tasks, args)
+    assert not STRATEGY_CLASSES["sync"].survives_worker_loss
+    assert len(agent_layout(cfg.world_size, False)) == 1  # locally: one agent for all ranks
+    assert agents == [(2, 0, 4), (2, 1, 4)]
+    assert roles == {HOSTS[0]: ["worker"] * 4, HOSTS[1]: ["worker"] * 4}
+    assert {t["cuda"] for t in tasks} == {None}  # torchrun's LOCAL_RANK picks the GPU
+
+
+def test_asgd_renders_one_agent_per_rank_as_the_local_launcher_does(tmp_path):
+    from cloudburst.launch import agent_layout
+    from cloudburst.strategies import STRATEGY_CLASSES
+
+    args = ["train", "--strategy", "asgd", "--workers", "7", "--servers", "1", "--out", "runs/a"]
+    tasks = render(tmp_path, args, agent_per_rank=True)
+    cfg, agents, roles = check(tasks, args)
+    assert STRATEGY_CLASSES["asgd"].survives_worker_loss
+    local = agent_layout(cfg.world_size, STRATEGY_CLASSES["asgd"].survives_worker_loss)
+    assert agents == sorted((s.nnodes, s.node_rank, s.nproc) for s in local)
+    assert agents == [(8, r, 1) for r in range(8)]
+    # The server shard is rank 0, on the node that holds the store; each node has 4 ranks.
+    assert roles == {HOSTS[0]: ["server"] + ["worker"] * 3, HOSTS[1]: ["worker"] * 4}
+    # Every agent has LOCAL_RANK 0: each task gets its own GPU by its SLURM local id.
+    by_host = {h: sorted(t["cuda"] for t in tasks if t["host"] == h) for h in HOSTS}
+    assert by_host == {h: ["0", "1", "2", "3"] for h in HOSTS}
+
+
+def test_a_world_that_does_not_match_the_config_is_caught(tmp_path):
+    args = ["train", "--strategy", "sync", "--workers", "6", "--out", "runs/sync-6"]
+    tasks = render(tmp_path, args, agent_per_rank=False)
+    with pytest.raises(AssertionError):
+        check(tasks, args)
