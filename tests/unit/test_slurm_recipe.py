@@ -37,7 +37,9 @@ while args[0].startswith("--"):
     if opt.startswith("--kill-on-bad-exit"):
         continue
     value = int(args.pop(0))
-    if opt == "--ntasks-per-node":
+    if opt == "--cpus-per-task":
+        os.environ["FAKE_CPUS_PER_TASK"] = str(value)
+    elif opt == "--ntasks-per-node":
         per_node = value
     elif opt == "--ntasks":
         ntasks = value
@@ -58,7 +60,8 @@ TORCHRUN = r"""
 import json, os, sys
 with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps({"argv": sys.argv[1:], "host": os.environ["SLURMD_NODENAME"],
-                        "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\n")
+                        "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                        "cpus": os.environ.get("FAKE_CPUS_PER_TASK")}) + "\n")
 """
 
 
@@ -82,6 +85,7 @@ def render(tmp_path: Path, cloudburst_args: list[str], agent_per_rank: bool) -> 
         "SLURM_NNODES": "2",
         "SLURM_NTASKS_PER_NODE": "4",
         "SLURM_GPUS_ON_NODE": "4",
+        "SLURM_CPUS_PER_TASK": "2",
         "FAKE_HOSTS": ",".join(HOSTS),
         "FAKE_LOG": str(log),
     }
@@ -141,6 +145,7 @@ def test_sync_renders_one_torchrun_per_node_with_four_ranks_each(tmp_path):
     assert agents == [(2, 0, 4), (2, 1, 4)]
     assert roles == {HOSTS[0]: ["worker"] * 4, HOSTS[1]: ["worker"] * 4}
     assert {t["cuda"] for t in tasks} == {None}  # torchrun's LOCAL_RANK picks the GPU
+    assert {t["cpus"] for t in tasks} == {"8"}  # the node's 4 ranks' CPUs (2 per task asked)
 
 
 def test_asgd_renders_one_agent_per_rank_as_the_local_launcher_does(tmp_path):
