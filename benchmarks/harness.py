@@ -1,7 +1,7 @@
 """The one harness every benchmark uses: provenance, interleaved runs with an A/A control,
 honest statistics (time to target held for k evaluations, censored runs counted, bootstrap
 intervals) and one report template (``results/<name>.md`` + ``.json`` with the claims that
-``benchmarks/evidence.py`` turns into the README's evidence table). The rules, and why:
+``benchmarks/evidence.py`` turns into the evidence table (docs/evidence.md)). The rules, and why:
 ``benchmarks/README.md``. A benchmark script is, in outline::
 
     args, prov = harness.start(__doc__)              # refuses a dirty tree / busy machine

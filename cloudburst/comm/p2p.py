@@ -16,7 +16,7 @@ Hostile or broken peers (what a receiver can and cannot do about them)
     unknown size is never read: its sender is dropped instead (:class:`PeerFaults`). A sender
     that announces a payload and never sends it, or never reads its reply, holds the receiver
     for up to the group's timeout. Neither can be helped above gloo: torch.distributed is for
-    networks you trust only (README, Security).
+    networks you trust only (docs/security.md).
 
 Compressed payloads (``compress``: bf16, int8, fp8; docs/algorithms.md#compression)
     A transport made with a compression method sends request and reply payloads as the bytes

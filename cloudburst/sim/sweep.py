@@ -25,7 +25,7 @@ from typing import Any
 from cloudburst.config import ConfigError, RunConfig, _aliases, _coerce
 from cloudburst.config.simulation import SimulationConfig
 
-# The accuracy the MNIST-1D CNN reaches with every strategy at the defaults (README, "Defaults
+# The accuracy the MNIST-1D CNN reaches with every strategy at the defaults (docs/cli.md, "Defaults
 # that train"); cloudburst demo reports its time-to-target for the same value.
 DEFAULT_TARGET_ACCURACY = 0.9
 # Set per point by the sweep itself, or meaningless to sweep.

@@ -1,6 +1,6 @@
 """The one interface every strategy implements; the training loop drives it.
 
-A user's own loop needs four added lines (see the README): ``model = strategy.wrap(model,
+A user's own loop needs four added lines (see docs/api.md): ``model = strategy.wrap(model,
 optimizer)``, ``strategy.start()``, ``strategy.after_step()`` after each optimizer step, and
 ``strategy.finish()``.
 """

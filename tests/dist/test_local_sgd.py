@@ -50,7 +50,7 @@ def test_post_local_sgd_warmup_then_local_steps_over_an_emulated_link(tmp_path):
     # all of it across the node boundary.
     assert s["sent_bytes"] == s["inter_node_bytes"] == 2 * averages * numel * 4
     assert s["intra_node_bytes"] == 0
-    # The emulated link charged each worker the README's cost for each average: a ring
+    # The emulated link charged each worker docs/cli.md's link cost for each average: a ring
     # all-reduce of n = 2 ranks, 2(n − 1) latencies and 2(n − 1)/n of its bytes.
     gbit_per_s, latency_ms = (float(v) for v in LINK.split(","))
     cost = 2 * latency_ms / 1e3 + numel * 4 / (gbit_per_s * 1e9 / 8)
