@@ -12,10 +12,10 @@ W by default). H_i = H = ``period``, or under ``dylu`` (Dynamic Local Updates) H
 worker's *measured* speed relative to the fastest known, so that slow workers push as often as
 fast ones: each worker times its steps on the job's clock (between two ``after_step`` calls,
 its own round trips left out; virtual time on the virtual cluster, so deterministic there),
-takes the median of its last H step times, publishes its speed with ``store.set`` and reads the
-others' with ``store.check``/``get`` (never waiting for one), and after each push sets
+takes the median of its last 4·H step times, publishes its speed with ``store.set``, reads
+the others' with ``store.check``/``get`` (never waiting for one), and after each push sets
 H_i = max(1, round(H·speed_i / max known speed)) (:func:`dylu_inner_steps`). The first round
-runs H. The report carries H_i per round (``inner_steps_rounds``, run-length).
+runs H; the last ends at the worker's last step. The report: H_i per round (run-length).
 
 Everything else is asgd's (:class:`~cloudburst.strategies.asgd.AsgdStrategy`, whose transport,
 shards, warm start, restarts, shard standby, checkpoints and compression with error feedback it
@@ -34,6 +34,7 @@ from cloudburst.comm.quantise import message_method
 from cloudburst.strategies.asgd import AsgdStrategy
 
 SPEED_KEY = "async_diloco/speed/{}"  # worker i's measured steps per second, in the job store
+STEP_WINDOW = 4  # DyLU's speed: the median of a worker's last STEP_WINDOW·H step times
 
 
 def dylu_inner_steps(period: int, speed: float, fastest: float) -> int:
@@ -51,11 +52,16 @@ class AsyncDilocoStrategy(AsgdStrategy):
         self.compress = message_method(ctx.cfg.compress, AsgdStrategy.name)
         self.inner_steps = ctx.cfg.period  # H_i of the round under way
         self._since_push = 0  # inner steps of the round under way
-        # DyLU's measurement: this worker's last H step times (the job's clock, its own round
-        # trips left out), and when its last step or round ended.
-        self._step_times: deque[float] = deque(maxlen=ctx.cfg.period)
+        self._total_steps: int | None = None  # the run's last step, when the loop says
+        # DyLU's measurement: this worker's last 4·H step times (the job's clock, its own round
+        # trips left out; several rounds, so that one slow moment moves no H_i), and when its
+        # last step or round ended.
+        self._step_times: deque[float] = deque(maxlen=STEP_WINDOW * ctx.cfg.period)
         self._mark: float | None = None
         self.rounds: list[list[int]] = []  # [H_i, rounds], run-length, in order
+
+    def configure(self, steps_per_epoch: int, total_steps: int) -> None:
+        self._total_steps = total_steps
 
     def start(self) -> None:
         super().start()
@@ -70,7 +76,11 @@ class AsyncDilocoStrategy(AsgdStrategy):
         self._since_push += 1
         self._samples_since_push += samples
         self._fresh = None
-        if self._since_push >= self.inner_steps:
+        if self.local_steps == self._total_steps:
+            # The last round ends with the last step (shorter if need be), pushed now: not
+            # after the evaluating worker has waited for the others, against a θ that old.
+            self._end_round(fetch=False)
+        elif self._since_push >= self.inner_steps:
             self._end_round(fetch=True)
             if self.cfg.dylu:
                 self.inner_steps = self._next_inner_steps()
@@ -85,7 +95,7 @@ class AsyncDilocoStrategy(AsgdStrategy):
         self._since_push = 0
 
     def measured_speed(self) -> float | None:
-        """This worker's steps per second: 1 / the median of its last H step times (an
+        """This worker's steps per second: 1 / the median of its last 4·H step times (an
         evaluation or a checkpoint between two steps does not move it); None before any."""
         if not self._step_times:
             return None

@@ -122,6 +122,21 @@ def test_with_a_straggler_dylu_measures_the_speeds_and_evens_the_pushes(tmp_path
     assert by_worker == [6, 6, 5]  # within one of each other (without DyLU: 6, 6, 3)
 
 
+def test_the_last_round_is_pushed_at_the_last_step_not_after_the_evaluator_waits(tmp_path):
+    # 30 steps at H = 8: a last round of 6 steps. Worker 0 (the evaluator) then evaluates until
+    # the 2x slower worker 1 is done; its last push must not wait for that (it would be
+    # computed against a θ the whole of worker 1's later pushes old).
+    cfg = _cfg(tmp_path, 2, 30, model="mlp", period=8, optimizer="adam", lr=0.003,
+               stragglers=[Straggler(1, 2.0)], push_log_every=1)  # fmt: skip
+    summary = simulate(cfg, SimulationConfig(step_time_s=0.01))
+    assert final_record(tmp_path, 1)["inner_steps_rounds"] == [[8, 3], [6, 1]]
+    pushes = rank_events(tmp_path, 0, "push")
+    assert summary["shard_versions"] == [len(pushes)] == [8]
+    last = [p for p in pushes if p["worker"] == 1][-1]
+    assert last["time_s"] == pytest.approx(0.30, abs=0.01)  # its 30 steps of 0.01 s
+    assert last["staleness_versions"] <= 1
+
+
 def test_compressed_pushes_travel_as_asgds_with_error_feedback(tmp_path, monkeypatch):
     # (the --compress check and the transport's list of message strategies name
     # async_diloco once the patch in the issue-28 report is applied; until then, here)
