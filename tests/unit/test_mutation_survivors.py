@@ -778,9 +778,15 @@ def test_a_fresh_shard_counts_nothing_and_a_push_without_samples_counts_none():
         "staleness_max_versions": 0,
         "dropped_stale": 0,
         "rejected_nonfinite": 0,
+        "staleness_compensation": "none",
+        "staleness_histogram_versions": {},
+        "push_scale_histogram": {},
+        "compensation_clamped": 0,
     }
     shard.apply_push(torch.ones(2), 0)
-    assert shard.stats()["samples"] == 0 and shard.stats()["staleness_max_versions"] == 0
+    stats = shard.stats()
+    assert stats["samples"] == 0 and stats["staleness_max_versions"] == 0
+    assert stats["staleness_histogram_versions"] == {"0": 1}
 
 
 def test_rejected_and_dropped_pushes_report_their_staleness_and_are_all_counted():
