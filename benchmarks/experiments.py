@@ -189,7 +189,9 @@ def stragglers(args) -> None:
     for name in [n for n in asyncs if n.startswith("async_diloco")] if levels else []:
         rs, base = groups[f"{name} straggler"], groups["diloco straggler"]
         mine = [time_to_level(r, lv) for r, lv in zip(rs, levels, strict=True)]
-        theirs = [time_to_level(r, lv) for r, lv in zip(base, levels, strict=True)]
+        # DiLoCo's own time to its final accuracy: its whole run (its last evaluation; a
+        # curve still rising at the end never holds final − 1 point for k evaluations)
+        theirs = [None if r.failed or not r.evals else r.evals[-1][0] for r in base]
         harness.ratio_claim(
             report, f"time to DiLoCo's final accuracy − {DILOCO_BAND:g} point, {name} ÷ "
             "diloco, W = 4, one worker 2× slower", mine, theirs, None,
@@ -201,7 +203,7 @@ def stragglers(args) -> None:
             diff, lo, hi = harness.bootstrap_difference(accs, finals, paired=True)
             report.claim(
                 f"final accuracy, {name} − diloco (points), W = 4, one worker 2× slower",
-                round(100 * diff, 2), f"within ±{DILOCO_BAND:g}", abs(100 * diff) <= DILOCO_BAND,
+                round(100 * diff, 2), f"≥ −{DILOCO_BAND:g}", 100 * diff >= -DILOCO_BAND,
                 interval=(round(100 * lo, 2), round(100 * hi, 2)), seeds=len(accs),
             )  # fmt: skip
     if "none" in suffix:
@@ -231,7 +233,8 @@ def stragglers(args) -> None:
         f"evaluations; runs that never hold it are censored at {fmt(budget)} s (the longest "
         f"run) and counted; samples likewise at {most} (the most any run processed). Async "
         "DiLoCo against DiLoCo: the level is each seed's DiLoCo final accuracy (last "
-        f"evaluation) − {DILOCO_BAND:g} point, held {harness.K_CONSECUTIVE} evaluations; "
+        f"evaluation) − {DILOCO_BAND:g} point, held {harness.K_CONSECUTIVE} evaluations, "
+        "against DiLoCo's whole run (the time it took to its final accuracy); "
         f"ratios are medians of per-seed ratios (paired). Seeds {list(seeds)}, arms "
         "interleaved. Targets fixed in the script before the run: the best asynchronous arm "
         f"≤ {BEST_RATIO_TARGET} × sync's time (PASS only when the interval's upper bound is), "
