@@ -74,7 +74,7 @@ def table_point(strategy: str, workers: int, method: str, link: float, out: Path
     steps = PERIOD if strategy == "local_sgd" else 1
     cfg = RunConfig(
         strategy=strategy, workers=workers, nodes=2, compress=method, steps=steps,
-        dataset="synthetic", model="mlp", batch_size=2, train_size=4 * workers,
+        dataset="synthetic", model="mlp", batch_size=2, train_size=max(16, 4 * workers),
         out=str(out), inter_node_link=f"{link:g}", period=PERIOD, comm_timeout_s=1e6,
     )  # fmt: skip
     sim = SimulationConfig(step_time_s=STEP_S)
