@@ -127,8 +127,16 @@ class RunConfig(
             self.n_push = default_period
         self._asgd_defaults()  # --staleness-scaling is --staleness-compensation scale
         self._training_defaults()  # the GPT's recipe, or SGD's (config/components.py)
+        # The GPT's outer step is plain averaging (lr 1, no momentum): at its budget the paper's
+        # Nesterov 0.7/0.9 ended 0.45-0.51 nats behind sync, averaging 0.07 (docs/lm.md).
+        from cloudburst.gpt import is_gpt_spec
+
+        lm = isinstance(self.model, str) and is_gpt_spec(self.model)
         if self.diloco_outer_lr is None:
-            self.diloco_outer_lr = 0.7 if self.optimizer in ("adam", "adamw") else 0.1
+            adam = self.optimizer in ("adam", "adamw")
+            self.diloco_outer_lr = 1.0 if lm else 0.7 if adam else 0.1
+        if self.diloco_outer_momentum is None:
+            self.diloco_outer_momentum = 0.0 if lm else 0.9
         if self.server_lr is None:
             # docs/algorithms.md#asgd: the W workers' pushes are averaged (λ = 1/W), not summed.
             self.server_lr = (

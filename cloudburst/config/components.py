@@ -30,7 +30,7 @@ from cloudburst.config.fields import (
 
 # Language models on text (docs/lm.md): the budget and evaluation interval measured for the
 # default GPT on text:stdlib; a test evaluation of the GPT takes about a second on a CPU.
-TEXT_DEFAULT_STEPS = 600
+TEXT_DEFAULT_STEPS = 300
 TEXT_EVAL_EVERY_S = 15.0
 PLAIN_RECIPE = {
     "batch_size": 64,

@@ -251,9 +251,11 @@ class DilocoConfig:
 
     # 0.7 (the paper's) over SGD diverged (benchmarks/results/defaults.md).
     diloco_outer_lr: float | None = option(
-        None, "outer SGD lr", shown="0.7 over --optimizer adam, 0.1 over sgd"
+        None, "outer SGD lr", shown="0.7 over --optimizer adam, 0.1 over sgd (gpt: 1)"
     )
-    diloco_outer_momentum: float = option(0.9, "outer momentum")
+    diloco_outer_momentum: float | None = option(
+        None, "outer momentum", shown="0.9 (gpt: 0, docs/lm.md)"
+    )
     diloco_nesterov: bool = option(
         True, "plain momentum in the outer optimizer", flag="--diloco-no-nesterov"
     )
