@@ -41,6 +41,15 @@ ADVICE: list[tuple[str, list[tuple[str, str, str]]]] = [  # (situation, [(result
     ("One worker of four 2× slower", [
         ("stragglers", "time to 90 %, asgd ÷ sync",
          "`asgd` held 90 % in {value}× sync's time {interval}, A/A {aa}"),
+        ("stragglers", "time to 90 %, asgd dc-adaptive ÷ sync",
+         "With DC-ASGD's adaptive compensation, {value}× {interval}"),
+        ("stragglers", "samples to hold 90 %, asgd dc-adaptive ÷ sync",
+         "It needed {value}× sync's samples (stale updates still cost)"),
+        ("stragglers", "time to 90 %, async_diloco ÷ sync",
+         "`async_diloco` held 90 % in {value}× sync's time {interval}"),
+        ("stragglers", "time to DiLoCo's final accuracy − 1 point, async_diloco dylu ÷ diloco",
+         "With `--dylu`, it reached synchronous DiLoCo's final accuracy − 1 point in {value}× "
+         "DiLoCo's time {interval}"),
     ]),
     ("Bytes over a slow link", [
         ("local_sgd", "bytes per sample, local_sgd ÷ sync",
@@ -53,6 +62,11 @@ ADVICE: list[tuple[str, list[tuple[str, str, str]]]] = [  # (situation, [(result
          "Streaming DiLoCo, int8, H = 32, F = 4 sent {value}× sync's inter-node bytes "
          "(virtual cluster)"),
         ("compress", "… at equal steps", "It ended {value} points from sync {interval}"),
+        ("compress_scale", "simulate local_sgd int8 ÷ none sent bytes, W = 256",
+         "`--compress int8` sends {value}× the uncompressed bytes at W = 256 (local SGD, virtual "
+         "cluster; 0.25-0.26 from W = 2 on)"),
+        ("compress_scale", "gloo W = 4: int8 − none final accuracy",
+         "On gloo at W = 4 int8 ended {value} points from `none` {interval}"),
     ]),
     ("Two nodes of two workers, 1 Gbit/s between them", [
         ("daso", "time to 90 %, daso ÷ sync",
