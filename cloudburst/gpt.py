@@ -24,6 +24,11 @@ from torch.nn import functional as F
 GPT_DEFAULTS = {"layers": 2, "width": 64, "heads": 4}
 
 
+class ModelError(ValueError):
+    """A model name, factory or input shape that cannot work; the message is one line.
+    (Re-exported by :mod:`cloudburst.models`, where every model's errors come from.)"""
+
+
 class Block(nn.Module):
     def __init__(self, width: int, heads: int):
         super().__init__()
@@ -56,8 +61,6 @@ class GPT(nn.Module):
         heads: int = 4,
     ):
         super().__init__()
-        from cloudburst.models import ModelError
-
         for name, value in (("vocab", vocab), ("context", context), ("layers", layers)):
             if not isinstance(value, int) or value < 1:
                 raise ModelError(f"gpt: {name} must be a positive integer, got {value!r}")
@@ -99,7 +102,6 @@ def is_gpt_spec(name: str) -> bool:
 
 def parse_gpt_spec(name: str) -> dict[str, int]:
     """``gpt`` → the defaults; ``gpt:layers=2,width=64`` → those two, the rest default."""
-    from cloudburst.models import ModelError
 
     sizes = dict(GPT_DEFAULTS)
     _, sep, rest = name.partition(":")

@@ -19,12 +19,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
-
-if TYPE_CHECKING:  # an annotation only: liveness sits below the configuration
-    from cloudburst.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +110,9 @@ def _settled_keys(rank: int) -> list[str]:
     return [DONE_KEY.format(rank=rank), FAILOVER_KEY.format(shard=rank)]
 
 
-def heartbeat_interval_s(cfg: RunConfig) -> float:
+def heartbeat_interval_s(heartbeat_timeout_s: float) -> float:
     """How often a worker bumps its heartbeat: five times per ``heartbeat_timeout_s``."""
-    return max(0.05, cfg.heartbeat_timeout_s / 5)
+    return max(0.05, heartbeat_timeout_s / 5)
 
 
 class Heartbeat:

@@ -26,14 +26,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cloudburst.gpt import GPT, is_gpt_spec, parse_gpt_spec
+# ModelError is defined beside the GPT (which models.py imports) so that gpt.py needs nothing
+# from this module: no import circle.
+from cloudburst.gpt import GPT, ModelError, is_gpt_spec, parse_gpt_spec
 
 MODEL_NAMES = ("mlp", "cnn", "resnet20", "convnet")
 FACTORY_FORM = "package.module:function"
-
-
-class ModelError(ValueError):
-    """A model name, factory or input shape that cannot work; the message is one line."""
 
 
 class MLP(nn.Module):

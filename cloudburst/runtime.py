@@ -261,7 +261,8 @@ def init_distributed(cfg: RunConfig, strategy_cls: type | None = None) -> Contex
     # Liveness on a connection of its own: the training thread's long store waits (a final
     # report, a checkpoint agreement) hold its client, and heartbeats must not wait for them.
     liveness_store = _job_store(cfg, traits.survives_worker_loss)
-    heartbeat = Heartbeat(liveness_store, rank, heartbeat_interval_s(cfg)).start()
+    interval_s = heartbeat_interval_s(cfg.heartbeat_timeout_s)
+    heartbeat = Heartbeat(liveness_store, rank, interval_s).start()
     _configure_logging(rank, "server" if rank < cfg.servers else "worker")
     if rank == cfg.servers:
         log.info(
@@ -348,7 +349,7 @@ def _rejoin_job(
     incarnation = restart_count()
     # Heartbeats from now on: the servers reset this worker's liveness clock when they admit
     # it, and it has data and a model to load before its strategy starts.
-    heartbeat = Heartbeat(store, rank, heartbeat_interval_s(cfg)).start()
+    heartbeat = Heartbeat(store, rank, heartbeat_interval_s(cfg.heartbeat_timeout_s)).start()
     try:
         RejoinBoard(store, cfg.comm_timeout_s).announce(rank, incarnation)
         group = rejoin_group(store, rank, incarnation, cfg.servers, cfg.servers, cfg.comm_timeout_s)
@@ -384,7 +385,7 @@ def _restart_shard(
         log.info("restart %d of server shard %d: its standby serves it", restart_count(), rank)
         raise SystemExit(0)
     store = _job_store(cfg, survives_worker_loss=True)
-    heartbeat = Heartbeat(store, rank, heartbeat_interval_s(cfg)).start()
+    heartbeat = Heartbeat(store, rank, heartbeat_interval_s(cfg.heartbeat_timeout_s)).start()
     log.info("restart %d of server shard %d: rejoining the running job", restart_count(), rank)
     return _context(
         cfg,

@@ -182,7 +182,7 @@ class AsgdStrategy(Strategy):
     def start(self) -> None:
         # A worker that rejoined after a restart has beaten since before it rejoined.
         self._heartbeat = getattr(self.ctx, "heartbeat", None) or self.ctx.comm.heartbeat(
-            self.ctx.store, self.ctx.rank, heartbeat_interval_s(self.cfg)
+            self.ctx.store, self.ctx.rank, heartbeat_interval_s(self.cfg.heartbeat_timeout_s)
         )
         if self.cfg.warm_start_steps and self.ctx.worker_index == 0 and not self._seeded():
             # The warm-start worker trained alone; its θ becomes every shard's starting point.

@@ -1,0 +1,130 @@
+"""The package's import graph (docs/architecture.md): no import circle, counting every
+``import`` and ``from … import`` — at the top, inside functions and under ``TYPE_CHECKING`` —
+and ``torch.distributed`` imported only by the modules the architecture page names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "cloudburst"
+#: The modules that import torch.distributed (docs/architecture.md, "What imports
+#: torch.distributed"); everything else reaches other ranks through the Transport.
+DISTRIBUTED = {
+    "cloudburst.comm.allreduce",
+    "cloudburst.comm.transport",
+    "cloudburst.runtime",
+    "cloudburst.liveness",
+    "cloudburst.launch",
+}
+
+
+def modules(root: Path) -> dict[str, Path]:
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], set[str]]:
+    """(the package's modules ``name`` imports, every module name it imports)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets: set[str] = set()
+    every: set[str] = set()
+
+    def resolve(dotted: str) -> str | None:
+        while dotted and dotted not in known:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
+            every.update(f"{base}.{a.name}" for a in node.names)
+        else:
+            continue
+        every.update(names)
+        for target in map(resolve, (n for n in names if n.startswith("cloudburst"))):
+            if target is not None and target != name:
+                targets.add(target)
+    return targets, every
+
+
+def graph(root: Path) -> dict[str, set[str]]:
+    known = modules(root)
+    return {name: imports(name, path, known)[0] for name, path in known.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_has_no_import_circle():
+    assert cycles(graph(PACKAGE)) == []
+
+
+def test_only_the_named_modules_import_torch_distributed():
+    known = modules(PACKAGE)
+    users = {
+        name
+        for name, path in known.items()
+        if any(m == "torch.distributed" or m.startswith("torch.distributed.")
+               for m in imports(name, path, known)[1])
+    }  # fmt: skip
+    assert users == DISTRIBUTED
+
+
+def test_a_circle_through_a_lazy_or_type_checking_import_is_found(tmp_path):
+    pkg = tmp_path / "cloudburst"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from cloudburst.sub import b\n")
+    (pkg / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cloudburst import c\n"
+    )
+    (pkg / "c.py").write_text("def f():\n    from cloudburst.a import x\n")
+    assert cycles(graph(pkg)) == [["cloudburst.a", "cloudburst.c", "cloudburst.sub.b"]]
+    (pkg / "c.py").write_text("def f():\n    return 1\n")
+    assert cycles(graph(pkg)) == []
