@@ -314,7 +314,25 @@ class BatchStream:
         self._perm = self._permutation(self.epoch)
 
 
-class TextStream:
+class _Position:
+    """A stream's position as the number of batches it has handed out; a checkpoint holds it as
+    (epoch, index), as :class:`BatchStream`'s does. Subclasses set ``batches_per_epoch``."""
+
+    batches_per_epoch: int
+    consumed: int = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed // self.batches_per_epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.consumed % self.batches_per_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed = int(state["epoch"]) * self.batches_per_epoch + int(state["index"])
+
+
+class TextStream(_Position):
     """Endless batches of random windows of one worker's tokens.
 
     Batch ``g`` (0, 1, ...) is ``batch_size`` windows whose starts are drawn uniformly from
@@ -340,16 +358,6 @@ class TextStream:
         out = self.batch(self.consumed)
         self.consumed += 1
         return out
-
-    @property
-    def epoch(self) -> int:
-        return self.consumed // self.batches_per_epoch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.consumed % self.batches_per_epoch}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.consumed = int(state["epoch"]) * self.batches_per_epoch + int(state["index"])
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -410,7 +418,7 @@ class _CountFrom(torch.utils.data.Sampler):
         return itertools.count(self.start)
 
 
-class LoaderStream:
+class LoaderStream(_Position):
     """Like :class:`BatchStream`, with loading and preprocessing in DataLoader processes."""
 
     def __init__(
@@ -450,15 +458,8 @@ class LoaderStream:
         self.consumed += 1
         return batch
 
-    @property
-    def epoch(self) -> int:
-        return self.consumed // self.batches_per_epoch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.consumed % self.batches_per_epoch}
-
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.consumed = int(state["epoch"]) * self.batches_per_epoch + int(state["index"])
+        super().load_state_dict(state)
         self._it = None  # restart the loader at the new position
 
     def close(self) -> None:
