@@ -45,8 +45,10 @@ dropped at once. A pushed Δ or INIT θ that is not finite is rejected. Each rej
 sender's fault: counted, logged at a bounded rate, and the sender dropped after
 ``MAX_PEER_FAULTS`` (:class:`~cloudburst.comm.p2p.PeerFaults`); a dropped worker is lost, and
 nothing more from it is read or answered (unless it rejoins after a restart). A receive that
-fails on the world group (its timeout: no worker sent anything for ``comm_timeout_s``) loses
-the workers served on it, not the server.
+fails on the world group loses the workers whose heartbeats stopped (a worker that died in the
+middle of a message) and goes on serving the others; with none dead (its timeout: no worker
+sent anything for ``comm_timeout_s``) it loses every worker served on it, not the server. A
+push received whole is applied and recorded even when its reply cannot be sent.
 
 Metrics: one ``push`` record every ``push_log_every`` applied pushes (its staleness and the
 scale the compensation applied), and one for each push that was not applied (non-finite, too
@@ -324,7 +326,15 @@ class ServerLoop(RequestServing):
             # The standby applies the same push before the worker learns of it: no push that
             # a worker saw acknowledged is missing from the standby's copy.
             self._forward(Kind.PUSH, delta, h.version, h.samples)
-            self._reply(src, result.status, staleness=result.staleness, with_theta=with_theta)
+            try:
+                self._reply(src, result.status, staleness=result.staleness, with_theta=with_theta)
+            except RuntimeError:
+                # Received whole and admitted (the version counts it, the standby has it):
+                # applied and recorded, though its worker never learns so.
+                if not with_theta and result.status == Status.OK:
+                    self.shard.add_push(delta, result.staleness)
+                self._record_push(src, result)
+                raise
             if not with_theta and result.status == Status.OK:
                 self.shard.add_push(delta, result.staleness)
             if result.status == Status.REJECTED and worth_logging(self.shard.rejected_nonfinite):
@@ -334,24 +344,7 @@ class ServerLoop(RequestServing):
                     src,
                     self.shard.rejected_nonfinite,
                 )
-            if result.status != Status.OK or self.shard.version % self.cfg.push_log_every == 0:
-                self.metrics.log(
-                    "push",
-                    time_s=self.ctx.elapsed_s(),
-                    worker=src,
-                    status=result.status.name,
-                    staleness_versions=result.staleness,
-                    # the factor it was applied with (|Δ̃|/|Δ| under dc, dc-adaptive, gap)
-                    scale=self.shard.last_scale if result.status == Status.OK else 0.0,
-                    version=self.shard.version,
-                    samples=self.shard.samples,
-                )
-            if (
-                self.cfg.checkpoint_every
-                and result.status == Status.OK
-                and self.shard.version % self.cfg.checkpoint_every == 0
-            ):
-                self._checkpoint()
+            self._record_push(src, result)
         elif h.kind == Kind.FETCH:
             if self.awaiting_init:
                 self.deferred_fetches.append(src)
@@ -386,6 +379,27 @@ class ServerLoop(RequestServing):
             else:
                 self._reply(src, Status.FINISHED)
                 self.finished.add(src)
+
+    def _record_push(self, src: int, result: PushResult) -> None:
+        """After a push was decided (and, if OK, applied): its record and the checkpoint."""
+        if result.status != Status.OK or self.shard.version % self.cfg.push_log_every == 0:
+            self.metrics.log(
+                "push",
+                time_s=self.ctx.elapsed_s(),
+                worker=src,
+                status=result.status.name,
+                staleness_versions=result.staleness,
+                # the factor it was applied with (|Δ̃|/|Δ| under dc, dc-adaptive, gap)
+                scale=self.shard.last_scale if result.status == Status.OK else 0.0,
+                version=self.shard.version,
+                samples=self.shard.samples,
+            )
+        if (
+            self.cfg.checkpoint_every
+            and result.status == Status.OK
+            and self.shard.version % self.cfg.checkpoint_every == 0
+        ):
+            self._checkpoint()
 
     def _reply(
         self, dst: int, status: Status, staleness: int = 0, with_theta: bool = False

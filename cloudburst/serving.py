@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import torch
 
@@ -22,6 +23,7 @@ from cloudburst.liveness import DONE_KEY, RejoinBoard, acked_version, announce_s
 
 log = logging.getLogger("cloudburst.server")
 
+LIVENESS_POLL_S = 0.2  # how often a failed receive asks the liveness monitor who died
 REJOIN_POLL_S = 0.5  # how often a server looks for restarted workers announcing themselves
 _ADMITTING = object()  # the route of a worker while its rejoin group is being built
 
@@ -122,6 +124,8 @@ class RequestServing:
                 try:
                     src, header = transport.recv_request_any()
                 except RuntimeError as e:
+                    if self._only_the_dead_failed(rank, e):
+                        continue
                     self._receive_failed(transport, rank, e)
                     return
                 with self._changed:
@@ -149,6 +153,37 @@ class RequestServing:
                 else:
                     self._error = e
                 self._changed.notify_all()
+
+    def _only_the_dead_failed(self, rank: int | None, e: RuntimeError) -> bool:
+        """A receive from any worker of the world group failed (gloo raises there when a
+        worker dies in the middle of a message, not only on its timeout). Within one heartbeat
+        timeout, the liveness monitor tells the dead workers from the others: those are lost
+        and the others served on. False (every worker served on the group is lost, as on a
+        timeout) when none is found dead, or the receive fails again without a new death."""
+        if rank is not None or self.liveness is None or self.ctx.comm.simulated:
+            return False
+        deadline = time.monotonic() + self.cfg.heartbeat_timeout_s * 1.5 + 1.0
+        while time.monotonic() < deadline:
+            with self._changed:
+                if self._stopped:
+                    return False
+                training = self.workers - self.finished - self.lost - self._routes.keys()
+                dead = self.liveness.dead(training) if training else set()
+                if dead:
+                    log.error(
+                        "receiving a request failed (%s): workers %s stopped sending "
+                        "heartbeats and are lost; serving the others",
+                        _first_line(e),
+                        sorted(dead),
+                    )
+                    self.lost |= dead
+                    self.deferred_fetches = [r for r in self.deferred_fetches if r not in dead]
+                    self._changed.notify_all()
+                    return True
+                if not training:
+                    return False
+            time.sleep(LIVENESS_POLL_S)
+        return False
 
     def _receive_failed(self, transport, rank: int | None, e: RuntimeError) -> None:
         """A request receive failed (gloo: its timeout, or a broken connection; either leaves

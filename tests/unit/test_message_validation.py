@@ -429,3 +429,78 @@ def test_a_bad_pulled_theta_is_refused_and_a_peer_out_of_step_is_no_longer_pulle
     assert transport.counters.replies_rejected == 2 == transport.stats.messages_rejected
     replies[1] = (Header(Kind.REPLY, shard=1, version=7, numel=NUMEL), torch.ones(NUMEL))
     assert transport.pull(1, out, step=5) == 7 and torch.equal(out, torch.ones(NUMEL))
+
+
+# ---------------------------------------------------------------------------- a worker dies
+class _DiesOnReply(_Script):
+    """The worker ``dead`` is gone by the time its reply is sent (gloo raises)."""
+
+    def __init__(self, messages, dead: int):
+        super().__init__(messages)
+        self.dead = dead
+
+    def send(self, dst, header, payload=None, final=False):
+        if dst == self.dead:
+            raise RuntimeError("Connection reset by peer")
+        super().send(dst, header, payload, final)
+
+
+@pytest.mark.parametrize("kind", [Kind.PUSH, Kind.PUSH_FETCH], ids=["push", "push_fetch"])
+def test_a_push_received_whole_is_applied_and_recorded_though_its_reply_fails(kind):
+    """The version counts it and θ holds it, so its record must exist (the clock stays
+    exactly the pushes logged), with or without θ in the reply."""
+    delta = torch.arange(NUMEL, dtype=torch.float32)
+    push = Header(kind, shard=0, version=0, numel=NUMEL, samples=8)
+    script = _DiesOnReply([(1, push, delta)], dead=1)
+    loop, metrics = _server(script, staleness_compensation="dc", push_log_every=1)
+    _serve(loop, script)
+    assert loop.shard.version == 1 and 1 in loop.lost
+    assert torch.equal(loop.shard.theta, delta)  # server_lr 1: θ = 0 + Δ
+    pushes = [kw for event, kw in metrics.records if event == "push"]
+    assert [(p["worker"], p["version"], p["status"]) for p in pushes] == [(1, 1, "OK")]
+
+
+class _Liveness:
+    def __init__(self, dead: set[int]):
+        self._dead, self.asked = dead, []
+
+    def dead(self, ranks):
+        self.asked.append(set(ranks))
+        return self._dead & set(ranks)
+
+
+class _ResetOnce(_Script):
+    """The world group's receive from any worker raises once (a worker died mid-message)."""
+
+    def __init__(self, messages):
+        super().__init__(messages)
+        self.failed = False
+
+    def recv_request_any(self):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("Read error: Connection reset by peer")
+        return super().recv_request_any()
+
+
+def test_a_failed_receive_from_any_loses_only_the_worker_the_heartbeats_name():
+    """Rank 2 dies; the receive from any worker fails. Rank 1 is still served (its push
+    applied, its DONE answered FINISHED) instead of being declared lost with it."""
+    script = _ResetOnce([(1, _push(version=0), torch.ones(NUMEL)), (1, Header(Kind.DONE), None)])
+    loop, _ = _server(script)
+    loop.liveness = _Liveness({2})
+    loop._serve(script, None)
+    assert loop.lost == {2} and loop.finished == {1} and loop._error is None
+    assert loop.shard.version == 1
+    assert [(dst, h.status) for dst, h, _ in script.replies] == [
+        (1, Status.OK),
+        (1, Status.FINISHED),
+    ]
+
+
+def test_a_failed_receive_with_every_worker_alive_loses_the_group_as_before():
+    script = _ResetOnce([(1, _push(version=0), torch.ones(NUMEL))])
+    loop, _ = _server(script, heartbeat_timeout_s=0.1)
+    loop.liveness = _Liveness(set())
+    loop._serve(script, None)
+    assert loop.lost == {1, 2} and loop.shard.version == 0 and script.reads == []
