@@ -64,6 +64,7 @@ from cloudburst.config.fields import (  # noqa: F401
 )
 from cloudburst.config.strategies import (  # noqa: F401
     _LOCAL_SGD_TITLE,
+    DEFAULT_N_SYNC,
     AsgdConfig,
     AsyncDilocoConfig,
     DasoConfig,
@@ -120,7 +121,8 @@ class RunConfig(
             _check_int("n_sync", self.n_sync, 1)
         if self.servers is None:
             self.servers = 1 if self.strategy in SERVER_STRATEGIES else 0
-        default_period = self.n_sync if self.n_sync is not None else 1
+        # asgd's default n_sync is 8: as accurate as 1 and half the time (docs/algorithms.md#asgd)
+        default_period = self.n_sync if self.n_sync is not None else DEFAULT_N_SYNC
         if self.n_fetch is None:
             self.n_fetch = default_period
         if self.n_push is None:

@@ -257,6 +257,7 @@ def test_each_compensator_learns_on_the_virtual_cluster(tmp_path, method):
         out=str(tmp_path),
         staleness_compensation=method,
         stragglers=[Straggler(2, 2.0)],
+        n_sync=1,  # a push every step: stale pushes to compensate
     )
     summary = simulate(cfg, SimulationConfig(step_time_s=0.01))
     assert summary["staleness_compensation"] == method
