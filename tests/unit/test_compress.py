@@ -306,6 +306,22 @@ def test_daso_checkpoints_its_residual_and_a_restored_rank_continues_alike():
     _restored_twin_continues_alike(build, saved, replicas, strategy, range(7, 14))
 
 
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The uncompressed reference runs, each made once per module and shared by the cases
+    that compare against the same one: ``plain_run(name, make_cfg)`` is ``(summary, out)``
+    of ``_sim(make_cfg(out))``."""
+    runs: dict[str, tuple[dict, object]] = {}
+
+    def get(name: str, make_cfg) -> tuple[dict, object]:
+        if name not in runs:
+            out = tmp_path_factory.mktemp(f"plain-{name}")
+            runs[name] = (_sim(make_cfg(out)), out)
+        return runs[name]
+
+    return get
+
+
 def _daso_cfg(out, **kw) -> RunConfig:
     schedule = dict(daso_warmup_epochs=0.25, daso_cooldown_epochs=0.25, daso_global_skip=4)
     return _sim_cfg(out, "daso", 4, 120, nodes=2, **schedule, **kw)
@@ -319,15 +335,16 @@ def test_daso_none_is_the_uncompressed_run_bit_for_bit(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["int8", "bf16"])
-def test_compressed_daso_learns_and_sends_its_global_syncs_compressed(tmp_path, method):
+def test_compressed_daso_learns_and_sends_its_global_syncs_compressed(tmp_path, plain_run, method):
     # fp32 global syncs (both kinds) against the compressed ones: the inter-node bytes are
-    # DASO's global syncs (and the epoch-loss all-reduces, 8 bytes each).
-    plain = _sim(_daso_cfg(tmp_path / "plain", daso_downcast="none"))
+    # DASO's global syncs (and the epoch-loss all-reduces, 8 bytes each). The fp32 run is
+    # shared by both methods.
+    plain, plain_out = plain_run("daso", lambda out: _daso_cfg(out, daso_downcast="none"))
     packed = _sim(_daso_cfg(tmp_path / "packed", compress=method))
     assert _accuracy(packed) >= _accuracy(plain) - 0.05
     assert _accuracy(packed) > 0.5
     ratio = packed["inter_node_bytes"] / plain["inter_node_bytes"]
-    numel = sum(p.numel() for p in trained(tmp_path / "plain").parameters())
+    numel = sum(p.numel() for p in trained(plain_out).parameters())
     per_value = 0.5 if method == "bf16" else packed_bytes(numel, method) / (4 * numel)
     assert per_value * 0.99 < ratio < per_value * 1.01
 
@@ -355,10 +372,16 @@ def test_none_is_the_uncompressed_run_bit_for_bit(tmp_path):
         ("diloco", "fp8", {"period": 4}),
     ],
 )
-def test_compressed_runs_learn_and_count_compressed_bytes(tmp_path, strategy, method, extra):
+def test_compressed_runs_learn_and_count_compressed_bytes(
+    tmp_path, plain_run, strategy, method, extra
+):
     steps, workers = 120, 2
     kw = dict(nodes=2, **extra)
-    plain = _sim(_sim_cfg(tmp_path / "plain", strategy, workers, steps, **kw))
+    # The uncompressed run of the same settings (sync's is shared by bf16 and int8)
+    plain, plain_out = plain_run(
+        f"{strategy}-{sorted(extra.items())}",
+        lambda out: _sim_cfg(out, strategy, workers, steps, **kw),
+    )
     packed = _sim(_sim_cfg(tmp_path / "packed", strategy, workers, steps, compress=method, **kw))
     assert _accuracy(packed) >= _accuracy(plain) - 0.05
     assert _accuracy(packed) > 0.5  # synthetic data, 10 classes: chance is 0.1
@@ -366,7 +389,7 @@ def test_compressed_runs_learn_and_count_compressed_bytes(tmp_path, strategy, me
     if method == "bf16":
         assert ratio == pytest.approx(0.5, rel=1e-3)
     else:  # all-gather of W = 2: one quantised copy against a ring's one fp32 copy
-        numel = sum(p.numel() for p in trained(tmp_path / "plain").parameters())
+        numel = sum(p.numel() for p in trained(plain_out).parameters())
         per_value = packed_bytes(numel, method) / (4 * numel)
         # (each fragment pads its last block: a little more with several)
         assert per_value * 0.999 < ratio < per_value * 1.06

@@ -1,6 +1,6 @@
 """The scale sweep (issue 27): every collective strategy × every ``--compress`` it runs on the
 virtual cluster, at W = 2, 8 and 64 (local SGD also at 256), driven by hand for a few steps
-(``run_ranks``; a 16,384-parameter linear model: 64 quantisation blocks). The bytes counted,
+(``run_ranks``; a 4,096-parameter linear model: 16 quantisation blocks). The bytes counted,
 summed over the workers, equal each strategy's formula exactly: ring all-reduce 2(W−1)/W·|θ|
 per rank (fp32 or bf16), the quantised all-reduce 2(W−1) packed vectors over the group, DASO's
 global syncs over its P node senders and its node-local part over G ranks. A strategy whose
@@ -24,8 +24,8 @@ from cloudburst.sim.run import run_ranks
 from cloudburst.strategies import make_strategy
 from cloudburst.strategies.local_sgd import split_fragments
 
-IN, OUT = 255, 64
-NUMEL = IN * OUT + OUT  # 16,384 = 64 blocks of 256
+IN, OUT = 63, 64
+NUMEL = IN * OUT + OUT  # 4,096 = 16 blocks of 256
 SIZES = (2, 8, 64)
 METHODS = ("none", "bf16", "int8", "fp8")
 STEPS = 4
