@@ -15,8 +15,9 @@ from tests.helpers import cli, spawn
 
 pytestmark = pytest.mark.dist
 
+# n_sync 1: a push every step (the versions below count steps)
 FLAGS = dict(strategy="asgd", workers=1, servers=1, dataset="synthetic", model="mlp", seed=0,
-             batch_size=16)  # fmt: skip
+             batch_size=16, n_sync=1)  # fmt: skip
 
 
 def _api_job(rank: int, out: str) -> int | None:
@@ -40,7 +41,7 @@ def _api_job(rank: int, out: str) -> int | None:
 def test_a_shard_served_through_the_api_resumes_from_its_checkpoint(tmp_path):
     out = tmp_path / "run"
     cli("train", "--strategy", "asgd", "--workers", "1", "--servers", "1", "--dataset",
-        "synthetic", "--model", "mlp", "--batch-size", "16", "--steps", "30",
+        "synthetic", "--model", "mlp", "--batch-size", "16", "--steps", "30", "--n-sync", "1",
         "--checkpoint-every", "5", "--no-progress", "--out", str(out))  # fmt: skip
     saved = load_checkpoint(out / "checkpoints" / "server0.pt", "server-shard")
     assert saved["version"] >= 25
