@@ -172,6 +172,19 @@ class SimulationConfig:
         metavar="GBIT_PER_S[,LATENCY_MS]",
         shown="free, no cost",
     )
+    nic_ingress_gbit_per_s: float | None = option(
+        None,
+        "a node NIC's ingress bandwidth (its egress is --inter-node-link's); messages into one "
+        "node queue there (incast)",
+        shown="--inter-node-link's",
+    )
+    network_model: str = option(
+        "flat",
+        "collectives: flat (a ring on the slowest link spanned; sync's all-reduce after "
+        "backward) or nccl (hierarchical with several ranks per node, ring/tree/halving-"
+        "doubling by size, DDP's 25 MB buckets overlapped with backward)",
+        choices=("flat", "nccl"),
+    )
     server_apply_gbyte_per_s: float = option(
         10.0,
         "a parameter-server shard applies an update at this many GB/s (cost: the update's "
@@ -222,6 +235,14 @@ class SimulationConfig:
                 LinkSpec.parse(self.intra_node_link)
             except ValueError as e:
                 raise ConfigError(f"intra_node_link: {e}") from None
+        if self.nic_ingress_gbit_per_s is not None:
+            _check_float(
+                "nic_ingress_gbit_per_s", self.nic_ingress_gbit_per_s, 0.0, None, low_open=True
+            )
+        if self.network_model not in ("flat", "nccl"):
+            raise ConfigError(
+                f"network_model: {self.network_model!r} is not allowed; choose flat or nccl"
+            )
         _check_float(
             "server_apply_gbyte_per_s", self.server_apply_gbyte_per_s, 0.0, None, low_open=True
         )

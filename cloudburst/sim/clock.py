@@ -8,13 +8,14 @@ broadcast, latency + bytes / bandwidth), so a simulated run and a real run with 
 link charge the same time for the same traffic, by construction.
 
 Modelled: each worker's compute time per step (given, from a profile, or calibrated; times a
-straggler's or a slow fault's factor; times seeded noise), the inter-node link
-(``--inter-node-link``) and the intra-node one (``--intra-node-link``, free by default), a
-parameter server's apply (bytes / memory bandwidth), and a stand-in model's message sizes.
-Not modelled: contention between the ranks of one node (shared memory bandwidth, PCIe, one
-NIC), NIC and switch limits when many transfers cross at once (each rank's link is its own),
-operating-system noise beyond the chosen jitter, the cost of evaluation and checkpoints, and a
-stand-in's convergence: the maths is the small model's.
+straggler's or a slow fault's factor; times seeded noise), each node's NIC (``--inter-node-link``
+is its egress; ``--nic-ingress-gbit-per-s`` its ingress), shared by the node's ranks, with
+messages into one node queued at its ingress (incast), the intra-node link
+(``--intra-node-link``, free by default, one per rank), a parameter server's apply (bytes /
+memory bandwidth), and a stand-in model's message sizes; with ``--network-model nccl`` also
+hierarchical all-reduce, the algorithm chosen by size, and DDP's overlap with backward
+(:mod:`cloudburst.comm.link`'s functions; docs/simulator.md). Not modelled: see
+:data:`NOT_MODELLED`.
 """
 
 from __future__ import annotations
@@ -27,13 +28,21 @@ from typing import Any
 
 import torch
 
-from cloudburst.comm.link import LinkEmulator, LinkSpec
+from cloudburst.comm.link import (
+    LinkEmulator,
+    LinkSpec,
+    best_allreduce_s,
+    ddp_overlap_end_s,
+    hierarchical_allreduce_s,
+    nic_transfer,
+)
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
 
 NOT_MODELLED = (
-    "contention between the ranks of one node (memory bandwidth, PCIe, a shared NIC)",
-    "NIC and switch limits when many transfers cross at once (each rank's link is its own)",
+    "contention between the ranks of one node for memory bandwidth and PCIe; intra-node "
+    "messages queue at their sender only",
+    "the switch fabric: oversubscription, congestion control, packet loss",
     "operating-system noise beyond the step-time jitter",
     "evaluation and checkpoint time",
     "a stand-in model's convergence (the maths is the run's own small model)",
@@ -121,6 +130,63 @@ class ClockModel:
         """A ring all-reduce of n ranks: 2(n−1) latencies + 2(n−1)/n x bytes / bandwidth."""
         return self._emulator(spans_nodes).allreduce_s(nbytes, group_size)
 
+    @property
+    def nccl(self) -> bool:
+        """``--network-model nccl``: hierarchical, size-chosen collectives and DDP's overlap."""
+        return self.sim.network_model == "nccl"
+
+    def nic_send(self, start_s: float, ingress_free_s: float, nbytes: float):
+        """A message between nodes: (egress free, arrival), :func:`~cloudburst.comm.link.
+        nic_transfer` on the NIC (free links: (start, start))."""
+        spec = self.inter.spec
+        if spec is None:
+            return start_s, start_s
+        ingress = self.sim.nic_ingress_gbit_per_s
+        ingress_bps = spec.bytes_per_s if ingress is None else ingress * 1e9 / 8
+        return nic_transfer(
+            start_s, ingress_free_s, nbytes, spec.latency_s, spec.bytes_per_s, ingress_bps
+        )
+
+    def group_allreduce_s(self, nbytes: float, ranks_per_node: list[int]) -> float:
+        """An all-reduce of a group with ``ranks_per_node[i]`` members on its i-th node.
+        ``flat``: :meth:`allreduce_s` (a ring on the slowest link spanned). ``nccl``: within one
+        node, :func:`~cloudburst.comm.link.best_allreduce_s` on the intra-node link; across
+        nodes, the cheaper of that flat choice on the NIC and
+        :func:`~cloudburst.comm.link.hierarchical_allreduce_s`."""
+        n, nodes = sum(ranks_per_node), len(ranks_per_node)
+        if not self.nccl:
+            return self.allreduce_s(nbytes, n, nodes > 1)
+        link = self._emulator(nodes > 1).spec
+        flat = (
+            0.0
+            if link is None
+            else best_allreduce_s(nbytes, n, link.latency_s, link.bytes_per_s)[0]
+        )
+        if nodes == 1 or max(ranks_per_node) == 1:
+            return flat
+        hier = hierarchical_allreduce_s(
+            nbytes, nodes, max(ranks_per_node), self.intra.spec, self.inter.spec
+        )
+        return min(flat, hier)
+
+    def ddp_end_s(
+        self, step_s: float, nbytes: float, ranks_per_node: list[int], link_free_s: float = 0.0
+    ) -> float:
+        """When DDP's overlapped gradient all-reduce of a step of ``step_s`` ends, from the
+        step's start: :func:`~cloudburst.comm.link.ddp_overlap_end_s` with forward = step/3,
+        backward = 2·step/3 (device_emulation's FORWARD_SHARE) and each bucket costing
+        :meth:`group_allreduce_s`."""
+        from cloudburst.device_emulation import FORWARD_SHARE
+
+        forward = step_s * FORWARD_SHARE
+        return ddp_overlap_end_s(
+            forward,
+            step_s - forward,
+            nbytes,
+            lambda b: self.group_allreduce_s(b, ranks_per_node),
+            link_free_s=link_free_s,
+        )
+
     def all_to_all_s(self, sent_bytes: float, group_size: int, spans_nodes: bool) -> float:
         """An all-to-all of n ranks whose busiest rank sends ``sent_bytes`` (already
         :meth:`wire_bytes`): (n−1) latencies + those bytes / bandwidth
@@ -150,6 +216,8 @@ class ClockModel:
             "intra_node_link": _describe_link(self.intra),
             "link_model": "ring all-reduce, log2 broadcast, latency + bytes/bandwidth "
             "(cloudburst.comm.link.LinkEmulator); no link given: free",
+            "network_model": self.sim.network_model,
+            "nic_ingress_gbit_per_s": self.sim.nic_ingress_gbit_per_s,
             "server_apply_gbyte_per_s": self.sim.server_apply_gbyte_per_s,
             "actual_params": self.actual_params,
             "modelled_params": self.sim.stand_in_params,

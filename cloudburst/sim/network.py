@@ -48,6 +48,7 @@ class _Collective:
     src: int | None = None
     end: float | None = None
     error: str | None = None
+    steps: dict[int, float] = field(default_factory=dict)  # DDP overlap: member -> step time
     waiters: list[Task] = field(default_factory=list)
 
 
@@ -73,8 +74,9 @@ class SimNetwork:
         self.receivers: dict[int, list[tuple[Task, Any, int, int | None]]] = {
             r: [] for r in self.world.members
         }
-        # When each rank's egress link is free again: (intra-node, inter-node).
-        self.link_free: dict[tuple[int, bool], float] = {}
+        # When each link is free again: (rank, False) a rank's intra-node link, ("out", node)
+        # and ("in", node) a node's NIC, egress and ingress (shared by the node's ranks).
+        self.link_free: dict[tuple[Any, Any], float] = {}
         self.died_at: dict[int, float] = {}  # killed ranks: their peers' calls fail at once
         self.stopped_at: dict[int, float] = {}  # stopped ranks: their peers' calls time out
         self.groups: list[SimGroup] = [self.world]
@@ -133,10 +135,7 @@ class SimNetwork:
             nbytes = self.clock.wire_bytes(
                 tensor.numel() * tensor.element_size(), is_payload(tensor)
             )
-            key = (src, crosses)
-            start = max(now, self.link_free.get(key, 0.0))
-            arrival = start + self.clock.p2p_s(nbytes, crosses)
-            self.link_free[key] = arrival
+            arrival = self._send(src, dst, crosses, nbytes, now)
         msg = _Message(src, tag, group, tensor.detach().clone(), arrival, next(self._seq), measure)
         self.mailbox[dst].append(msg)
         self.messages += 1
@@ -144,6 +143,42 @@ class SimNetwork:
             if g is group and t == tag and s in (None, src):
                 sched.wake(task, arrival)
         return arrival
+
+    def _send(self, src: int, dst: int, crosses: bool, nbytes: float, now: float) -> float:
+        """Queue a message on its links; return its arrival. Within a node: the sender's
+        intra-node link (latency + bytes / bandwidth). Across nodes: the sender node's NIC
+        egress, then the receiver node's ingress (:meth:`ClockModel.nic_send`)."""
+        if not crosses:
+            key = (src, False)
+            start = max(now, self.link_free.get(key, 0.0))
+            arrival = start + self.clock.p2p_s(nbytes, False)
+            self.link_free[key] = arrival
+            return arrival
+        out = ("out", self.topology.node_of[src])
+        into = ("in", self.topology.node_of[dst])
+        start = max(now, self.link_free.get(out, 0.0))
+        nic_send = getattr(self.clock, "nic_send", None)
+        if nic_send is None:  # a clock without a NIC model (a test's): the sender's queue only
+            self.link_free[out] = arrival = start + self.clock.p2p_s(nbytes, True)
+            return arrival
+        egress_free, arrival = nic_send(start, self.link_free.get(into, 0.0), nbytes)
+        self.link_free[out], self.link_free[into] = egress_free, arrival
+        return arrival
+
+    def _links(self, members: list[int], spans: bool) -> list[tuple[Any, Any]]:
+        """The links a collective occupies: its nodes' NICs (both ways) when it spans nodes,
+        else its members' intra-node links."""
+        if not spans:
+            return [(r, False) for r in members]
+        nodes = sorted({self.topology.node_of[r] for r in members})
+        return [(d, n) for n in nodes for d in ("out", "in")]
+
+    def ranks_per_node(self, members: list[int]) -> list[int]:
+        """How many of ``members`` each of their nodes holds (in node order)."""
+        counts: dict[int, int] = {}
+        for r in members:
+            counts[self.topology.node_of[r]] = counts.get(self.topology.node_of[r], 0) + 1
+        return [counts[n] for n in sorted(counts)]
 
     def take(self, dst: int, src: int | None, tag: int, group: Any, now: float):
         """The earliest message for ``dst`` that matches, if it has arrived by ``now``;
@@ -162,13 +197,24 @@ class SimNetwork:
 
     # ------------------------------------------------------------------ collectives
     def collective(
-        self, kind: str, group: SimGroup, rank: int, tensor: torch.Tensor | None, src=None
+        self,
+        kind: str,
+        group: SimGroup,
+        rank: int,
+        tensor: torch.Tensor | None,
+        src=None,
+        step_s: float | None = None,
     ) -> _Collective:
+        """``step_s`` (an all-reduce of gradients under ``--network-model nccl``): the caller's
+        step just took this long; the all-reduce is DDP's, overlapped with the backward of the
+        member that arrived last (:meth:`ClockModel.ddp_end_s`)."""
         index = group.calls.get(rank, 0)
         group.calls[rank] = index + 1
         op = group.ops.get(index)
         if op is None:
             op = group.ops[index] = _Collective(kind, src=src)
+        if step_s is not None:
+            op.steps[rank] = step_s
         if op.kind != kind:
             raise RuntimeError(
                 f"collective mismatch in group {group.name}: rank {rank} called {kind}, "
@@ -184,10 +230,11 @@ class SimNetwork:
 
     def _complete(self, group: SimGroup, index: int, op: _Collective) -> None:
         members = group.members
-        start = max(t for t, _ in op.arrivals.values())
+        last = max(t for t, _ in op.arrivals.values())
         spans = self.spans(group)
-        keys = [(r, spans) for r in members]
-        start = max([start] + [self.link_free.get(k, 0.0) for k in keys])
+        keys = self._links(members, spans)
+        free = max([0.0] + [self.link_free.get(k, 0.0) for k in keys])
+        start = max(last, free)
         if op.kind == "all_reduce":
             tensors = [op.arrivals[r][1] for r in members]
             total = tensors[0].detach().clone()
@@ -196,7 +243,16 @@ class SimNetwork:
             for t in tensors:
                 t.copy_(total)
             nbytes = self._wire(tensors[0])
-            cost = self.clock.allreduce_s(nbytes, group.size, spans)
+            per_node = self.ranks_per_node(members)
+            if len(op.steps) == group.size:  # DDP: buckets overlapped with the last backward
+                latest = max(members, key=lambda r: op.arrivals[r][0])  # first of ties
+                step = op.steps[latest]
+                start = last - step  # that member's step began here
+                cost = self.clock.ddp_end_s(step, nbytes, per_node, free - start)
+            elif hasattr(self.clock, "group_allreduce_s"):
+                cost = self.clock.group_allreduce_s(nbytes, per_node)
+            else:  # a clock without the group model (a test's): the flat ring
+                cost = self.clock.allreduce_s(nbytes, group.size, spans)
         elif op.kind == "all_gather":
             output = torch.cat([op.arrivals[r][1][0].reshape(-1) for r in members])
             for r in members:

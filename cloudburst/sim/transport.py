@@ -5,13 +5,19 @@ cluster. Real tensors move between ranks (the maths is real); time is modelled b
 What each operation costs, in virtual time:
 
 - a training step: the clock model's step time (× straggler / slow-fault factor × jitter);
-- a point-to-point message: it occupies the sender's link (intra- or inter-node, one queue
-  each) from ``max(now, link free)`` for latency + bytes ÷ bandwidth, and arrives when that
-  ends; a blocking send returns then (as the real link emulator holds the sender back), a
-  non-blocking one at once;
-- a collective: it starts when the last member has called it and every member's link is free,
-  and ends after the ring (all-reduce) or tree (broadcast) cost of its bytes on the slowest link
-  it spans (an all-to-all: n − 1 latencies + the busiest member's bytes to the others);
+- a point-to-point message: within a node it occupies the sender's intra-node link from
+  ``max(now, link free)`` for latency + bytes ÷ bandwidth and arrives when that ends; across
+  nodes it occupies the sender node's NIC egress (shared by the node's ranks) the same way and
+  arrives no earlier than the receiver node's ingress has carried it after the messages before
+  (incast: :func:`cloudburst.comm.link.nic_transfer`); a blocking send returns at its
+  arrival (as the real link emulator holds the sender back), a non-blocking one at once;
+- a collective: it starts when the last member has called it and every link it occupies (its
+  nodes' NICs, or within a node its members' links) is free, and ends after the ring
+  (all-reduce) or tree (broadcast) cost of its bytes on the slowest link it spans (an
+  all-to-all: n − 1 latencies + the busiest member's bytes to the others); with
+  ``--network-model nccl`` an all-reduce is hierarchical / size-chosen and sync's gradient
+  all-reduce is DDP's buckets overlapped with backward (:meth:`ClockModel.group_allreduce_s`,
+  :meth:`ClockModel.ddp_end_s`);
   a blocking call returns then; a non-blocking one overlaps with whatever its caller
   does until ``wait()``: a wait after k steps of compute costs max(0, cost − k·T);
 - a server applying an update: bytes ÷ the modelled memory bandwidth;
@@ -27,8 +33,8 @@ formulas it shares: the emulator adds the modelled time *on top of* the real tra
 loopback here), the simulator charges the modelled time alone; the emulator holds back only the
 sender's own link, while a simulated collective occupies every member's link until it ends;
 and DDP overlaps its bucketed gradient all-reduce with the backward pass, while the simulated
-average is one all-reduce after it. benchmarks/results/sim_fidelity.md measures what these
-differences amount to.
+average is one all-reduce after it (``--network-model flat``) or modelled buckets (``nccl``).
+benchmarks/results/sim_fidelity.md measures what these differences amount to.
 """
 
 from __future__ import annotations
@@ -104,7 +110,16 @@ class SimDataParallel:
             self.state.spans_nodes,
         )
         t0 = self.comm.now()
-        self.comm.all_reduce(flat, self.group)
+        comm = self.comm
+        if getattr(
+            comm.net.clock, "nccl", False
+        ):  # DDP's buckets, overlapped with this step's backward
+            op = comm.net.collective(
+                "all_reduce", self.group, comm.rank, flat, step_s=comm.last_step_s
+            )
+            comm.net.wait_collective(op, f"DDP all-reduce over {self.group.name}")
+        else:
+            comm.all_reduce(flat, self.group)
         self.state.stats.wait_s += self.comm.now() - t0
         flat.div_(n)
 
@@ -236,6 +251,7 @@ class SimTransport:
         self.factor = factor
         self.steps = 0  # training steps charged (the jitter's index)
         self._charged = False  # this step's compute was charged before its all-reduce
+        self.last_step_s = 0.0  # the last step's compute (DDP's overlap under nccl)
 
     # ------------------------------------------------------------------ the clock
     def now(self) -> float:
@@ -263,6 +279,7 @@ class SimTransport:
     def _charge(self, factor: float) -> None:
         self.steps += 1
         dt = self.net.clock.step_s(self.worker_index or 0, self.steps, factor)
+        self.last_step_s = dt
         self.sched.advance(dt)
 
     def apply_done(self, nbytes: int) -> None:
