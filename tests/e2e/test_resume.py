@@ -21,7 +21,6 @@ from tests.helpers import (
     REPO,
     cli,
     cli_env,
-    cli_many,
     copy_run,
     final_record,
     rank_events,
@@ -136,8 +135,11 @@ def _files(run) -> dict[str, bytes]:
     return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
 
 
-def test_resume_refuses_corrupt_foreign_and_changed_runs_and_touches_nothing(tmp_path):
-    from cloudburst.cli import build_config, build_parser
+def test_resume_refuses_corrupt_foreign_and_changed_runs_and_touches_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    from cloudburst import forkserver
+    from cloudburst.cli import build_config, build_parser, main
     from cloudburst.config import ConfigError
 
     ref = _reference("sync")
@@ -166,10 +168,16 @@ def test_resume_refuses_corrupt_foreign_and_changed_runs_and_touches_nothing(tmp
         spoil(runs[name] / "checkpoints" / ckpt_name)
     runs["changes"] = copy_run(ref, tmp_path / "changes")
     before = {name: _files(run) for name, run in runs.items()}
-    procs = cli_many([["train", "--resume", str(runs[name])] for name in bad_files])
-    for what, proc in zip(bad_files, procs, strict=True):
-        assert proc.returncode == 2, (what, proc.stderr)
-        lines = proc.stderr.strip().splitlines()
+    # The CLI's entry point, in this process (a refusal launches nothing: no forkserver
+    # either, which this test process's own spawns may be using)
+    monkeypatch.setattr(forkserver, "start_forkserver", lambda: None)
+    monkeypatch.setattr(forkserver, "stop_forkserver", lambda: None)
+    capsys.readouterr()
+    for what in bad_files:
+        assert main(["train", "--resume", str(runs[what])]) == 2, what
+        captured = capsys.readouterr()
+        assert captured.out == "", (what, captured.out)
+        lines = captured.err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("cloudburst: invalid config: resume: ")
         assert expected[what] in lines[0], lines
     # What makes a run's identity cannot change when it resumes: refused by the CLI's parser
