@@ -13,7 +13,7 @@ from cloudburst.models import build_model
 from tests.datagen import write_cifar10, write_imagefolder, write_npz
 from tests.dist import simulate as sim
 from tests.dist.simulate import COMMON
-from tests.helpers import cli, cli_many, rank_events, read_summary
+from tests.helpers import cli, rank_events, read_summary
 
 pytestmark = pytest.mark.e2e
 
@@ -197,7 +197,10 @@ def test_bf16_autocast_on_the_cpu_equals_its_simulation(tmp_path):
     assert round(acc * 300) == acc * 300  # out of 300 samples
 
 
-def test_bad_datasets_and_models_are_one_line_errors_before_launch(tmp_path):
+def test_bad_datasets_and_models_are_one_line_errors_before_launch(tmp_path, monkeypatch, capsys):
+    from cloudburst import forkserver
+    from cloudburst.cli import main
+
     cifar = write_cifar10(tmp_path / "c", per_batch=30, test=10)
     evil = tmp_path / "evil" / "cifar-10-batches-py"
     evil.mkdir(parents=True)
@@ -215,7 +218,8 @@ def test_bad_datasets_and_models_are_one_line_errors_before_launch(tmp_path):
     out = tmp_path / "never"
     # (every reader's and model's own messages are unit-tested; here, the way through the CLI
     # before launch: a pickle that would run code, a model that does not fit the data, a
-    # device that is not there)
+    # device that is not there; the CLI's main() in this process: a refusal launches nothing,
+    # no forkserver either, which this test process's own spawns may be using)
     cases = [
         (["--dataset", f"cifar10:{evil}"], "refuses to unpickle"),
         (["--dataset", f"cifar10:{cifar}", "--model", "cnn"], "1-D"),
@@ -224,10 +228,14 @@ def test_bad_datasets_and_models_are_one_line_errors_before_launch(tmp_path):
             "device" if not torch.cuda.is_available() else "workers",
         ),
     ]
-    runs = cli_many([["train", *args, "--out", str(out)] for args, _ in cases])
-    for (args, words), proc in zip(cases, runs, strict=True):
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2, (args, proc.stderr)
-        assert len(lines) == 1 and words in lines[0] and "Traceback" not in proc.stderr, args
+    monkeypatch.setattr(forkserver, "start_forkserver", lambda: None)
+    monkeypatch.setattr(forkserver, "stop_forkserver", lambda: None)
+    capsys.readouterr()
+    for args, words in cases:
+        code = main(["train", *args, "--out", str(out)])
+        stderr = capsys.readouterr().err
+        lines = stderr.strip().splitlines()
+        assert code == 2, (args, stderr)
+        assert len(lines) == 1 and words in lines[0] and "Traceback" not in stderr, args
         assert not out.exists()
     assert not marker.exists()
