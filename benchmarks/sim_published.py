@@ -61,6 +61,40 @@ NCCL_TESTS = {
 # Fig. 6): 90 % for Inception V3 and ResNet-101, 68 % for VGG-16.
 HELD_OUT = {"nodes": 128, "efficiency": {"Inception V3": 0.90, "ResNet-101": 0.90, "VGG-16": 0.68}}
 PS_SHARDS = (1, 2, 4, 8, 16)
+EXPLAINED = """
+Written after the predictions; each term is a number the model leaves out, not a fitted one.
+
+- **Horovod 16 GPUs (1.04 / 1.07 / 1.12, PASS).** The model overlaps every bucket but the last
+  with backward at line rate, so it is an upper bound on the speed-up; the gap grows with the
+  gradient (95 → 178 → 553 MB): per-message software costs (Tensor Fusion's copies in and out,
+  the MPI/NCCL negotiation each cycle) that the α-β model has no term for. Over TCP the
+  published VGG-16 drops to 10.0×: the model has no TCP term (only one latency per message).
+- **Parameter server.** The published ring ÷ PS factors for Inception V3 and ResNet-101 (1.50,
+  1.82) are what the model gives for S ≥ 4 shards (1.56 / 1.94 at S = 4, 1.52 / 1.87 at
+  S = 8): the busier NIC is a worker node's (4 ranks × M) once 16·M/S < 4·M. VGG-16's 23.9 is
+  not reached by any S (13.8 at S = 1): TensorFlow placed each variable whole on one shard, and
+  VGG-16's fc6 weight (102.8 M parameters, 411 MB) alone puts 16 × 411 MB through one shard's
+  ingress each way whatever S is: 2 × 2.10 s + its apply 0.66 s + the 0.49 s step ≈ 5.4 s, a
+  factor ≈ 10.4 against the ring (by hand, the model's NIC formula); the rest (≈ 2.3×) is beyond
+  bandwidth (gRPC serialisation of a 411 MB tensor).
+- **Goyal et al. (rise 3.3 % against 12 %, MISS).** The model's iteration grows only by the last
+  bucket's longer inter-node all-reduce (44 servers' tree or ring at 50 Gbit/s line rate). Not in
+  it: the wait for the slowest of 352 GPUs each iteration (with step-time noise of CV c the
+  expected maximum of W steps grows like c·√(2 ln W): from W = 8 to 352 that is 1.38 c of a
+  step, so c ≈ 6 % alone would add the missing 8.7 %), and Gloo over TCP below line rate.
+- **nccl-tests (8 B 0.67, 64 MiB 0.70 MISS; 2 GiB 1.08 PASS).** Small: the assumed latencies
+  (5 µs an NVLink step, 20 µs an EFA message) are one-way wire figures; 164 µs for 8 bytes is
+  NCCL's proxy thread and the OFI plug-in per step (2·7·5 + 2·20 = 110 µs here; 2·7·5 +
+  2·47 = 164 µs would match). 64 MiB: NCCL reaches 47.6 GB/s bus bandwidth there, 61 % of its
+  2 GiB figure, the pipeline not yet full; the α-β model is at its asymptote at once. 2 GiB:
+  the model adds the in-node reduce-scatter and all-gather (12.6 ms) to the inter-node part
+  (43.0 ms) while NCCL pipelines them: 51.4 ms measured lies between 43.0 and 55.6.
+- **Held out, Horovod at 512 GPUs (1.09 / 1.08 PASS, VGG-16 1.34 MISS).** The model lets the
+  512-GPU all-reduce take the cheapest algorithm (the tree between 128 servers), which the
+  NCCL 2.0/2.1 of 2017-18 did not have: it ran one flat ring over all 512 ranks, 2 × 511
+  latencies a bucket. The last column (computed after the verdict, so not a prediction) is that
+  ring: it moves VGG-16 towards the published 68 %; the same straggler term as Goyal's applies.
+"""
 TOLERANCE = {"horovod": 20, "goyal": 20, "nccl": 25, "held_out": 20}  # ± % of the ratio
 
 
@@ -90,6 +124,15 @@ def ps_iteration_s(c, step_s: float, params: int, workers: int, per_node: int, s
     busiest = max(per_node * m, workers * m / shards)
     transfer = spec.latency_s + busiest / spec.bytes_per_s
     return step_s + 2 * transfer + c.apply_s(workers * m / shards)
+
+
+def ring_only_iteration_s(c, step_s: float, params: int, gpus: int) -> float:
+    """:func:`iteration_s` with every bucket a flat ring over all ``gpus`` on the NIC."""
+    from cloudburst.comm.link import ddp_overlap_end_s, ring_allreduce_s
+
+    spec = c.inter.spec
+    cost = lambda b: ring_allreduce_s(b, gpus, spec.latency_s, spec.bytes_per_s)  # noqa: E731
+    return ddp_overlap_end_s(step_s / 3, 2 * step_s / 3, 4.0 * params, cost)
 
 
 def within(ratio: float, pct: float) -> bool:
@@ -138,8 +181,18 @@ def main() -> None:
         # Held out: 512 GPUs on 128 servers.
         it512 = iteration_s(c, step, params, HELD_OUT["nodes"], HOROVOD["per_node"])
         eff, pub = step / it512, HELD_OUT["efficiency"][name]
+        # After the verdict (post hoc, not the held-out prediction): the flat ring over all
+        # 512 GPUs that NCCL 2.0/2.1 ran in 2017-18 (trees came with NCCL 2.4).
+        ring_it = ring_only_iteration_s(c, step, params, HELD_OUT["nodes"] * 4)
         held_rows.append(
-            [name, f"{it512 * 1e3:.1f}", f"{eff:.3f}", f"{pub:.2f}", f"{eff / pub:.3f}"]
+            [
+                name,
+                f"{it512 * 1e3:.1f}",
+                f"{eff:.3f}",
+                f"{pub:.2f}",
+                f"{eff / pub:.3f}",
+                f"{step / ring_it / pub:.3f}",
+            ]
         )
         tol = TOLERANCE["held_out"]
         rep.claim(
@@ -156,11 +209,21 @@ def main() -> None:
     rise = times[352] / times[8]
     eff256 = times[8] / times[256]
     tol = TOLERANCE["goyal"]
+    # The claim is the rise itself (12 %) within 20 %: the ratio of the two iteration times
+    # (1.12) within 20 % would pass any rise from −10 % to +34 %.
+    pub_rise = GOYAL["rise_352"] - 1
     rep.claim(
-        "Goyal et al.: time per iteration 352 ÷ 8 GPUs, predicted ÷ published (1.12)",
-        rise / GOYAL["rise_352"],
+        "Goyal et al.: rise in time per iteration 8 → 352 GPUs, predicted ÷ published (12 %)",
+        (rise - 1) / pub_rise,
         f"1 ± {tol} %",
-        within(rise / GOYAL["rise_352"], tol),
+        within((rise - 1) / pub_rise, tol),
+        note=f"time per iteration 352 ÷ 8: {rise:.3f} against 1.12",
+    )
+    rep.claim(
+        "Goyal et al.: scaling efficiency 8 → 256 GPUs, predicted ÷ published (≈ 90 %)",
+        eff256 / GOYAL["efficiency_256"],
+        "(reference)",
+        None,
     )
     goyal_rows = [[f"{n} ({n // 8} servers)", f"{t * 1e3:.1f}"] for n, t in times.items()]
 
@@ -223,7 +286,13 @@ def main() -> None:
     )
     rep.table("bytes | predicted µs | published µs | ratio | predicted bus GB/s", nccl_rows)
     rep.section("Held out: Horovod, 512 GPUs (128 servers × 4)")
-    rep.table("model | iteration ms | predicted efficiency | published | ratio", held_rows)
+    rep.table(
+        "model | iteration ms | predicted efficiency | published | ratio | post hoc: "
+        "flat ring over 512, ratio",
+        held_rows,
+    )
+    rep.section("What explains the differences")
+    rep.text(EXPLAINED)
     rep.write()
 
 
