@@ -187,7 +187,7 @@ def test_hierarchical_all_reduce_on_the_cluster(tmp_path):
     t = _run(_all_reduce, 8, 2, tmp_path, intra_node_link="16,0.5", network_model="nccl")
     assert t == [[pytest.approx(hier, abs=1e-12), 8.0]] * 8
     # --network-model flat (the default): the ring over 8 on the inter-node link, as before.
-    t = _run(_all_reduce, 8, 2, tmp_path, intra_node_link="16,0.5")
+    t = _run(_all_reduce, 8, 2, tmp_path, intra_node_link="16,0.5", network_model="flat")
     assert t[0][0] == pytest.approx(14 * LAT + 14 / 8 * nbytes / BW, abs=1e-12)
 
 
@@ -202,6 +202,22 @@ def _ddp_step(ctx):
     dp = ctx.comm.data_parallel(model, None, None, state)
     dp.after_backward()
     return [ctx.comm.now(), model.bias.grad[0].item()]
+
+
+def test_network_model_is_checked_and_described():
+    from cloudburst.config import ConfigError, RunConfig
+    from cloudburst.config.simulation import SimulationConfig
+    from cloudburst.sim.clock import ClockModel
+
+    with pytest.raises(ConfigError, match="network_model: 'ncl' is not allowed"):
+        SimulationConfig(network_model="ncl")
+    with pytest.raises(ConfigError, match="nic_ingress_gbit_per_s"):
+        SimulationConfig(nic_ingress_gbit_per_s=0.0)
+    assert SimulationConfig().network_model == "flat"
+    sim = SimulationConfig(network_model="nccl", nic_ingress_gbit_per_s=4.0)
+    cfg = RunConfig.from_dict({"out": "unused", "inter_node_link": "8,2"})
+    d = ClockModel(sim, cfg, 1, 0.1).describe()
+    assert (d["network_model"], d["nic_ingress_gbit_per_s"]) == ("nccl", 4.0)
 
 
 def test_ddp_buckets_overlap_with_backward(tmp_path):
@@ -219,5 +235,5 @@ def test_ddp_buckets_overlap_with_backward(tmp_path):
     t = _run(_ddp_step, 2, 2, tmp_path, network_model="nccl", **kw)
     assert t == [[pytest.approx(end, abs=1e-12), 1.5]] * 2
     # flat: one all-reduce of all 1e8 bytes after the step, 0.3 + 2 L + 1e8 / β.
-    t = _run(_ddp_step, 2, 2, tmp_path, **kw)
+    t = _run(_ddp_step, 2, 2, tmp_path, network_model="flat", **kw)
     assert t[0] == [pytest.approx(0.3 + 2 * LAT + M / BW, abs=1e-12), 1.5]
