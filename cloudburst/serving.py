@@ -167,7 +167,7 @@ class RequestServing:
             with self._changed:
                 if self._stopped:
                     return False
-                training = self.workers - self.finished - self.lost - self._routes.keys()
+                training = self._world_training()
                 dead = self.liveness.dead(training) if training else set()
                 if dead:
                     log.error(
@@ -176,9 +176,7 @@ class RequestServing:
                         _first_line(e),
                         sorted(dead),
                     )
-                    self.lost |= dead
-                    self.deferred_fetches = [r for r in self.deferred_fetches if r not in dead]
-                    self._changed.notify_all()
+                    self._lose(dead)
                     return True
                 if not training:
                     return False
@@ -194,22 +192,23 @@ class RequestServing:
                 group = "the world" if rank is None else f"rank {rank}"
                 log.debug("the serving thread of %s's group ends: %s", group, _first_line(e))
                 return
-            if rank is None:
-                silent = {
-                    r
-                    for r in self.workers - self._routes.keys()
-                    if r not in self.finished and r not in self.lost
-                }
-            else:
-                silent = {rank}
+            silent = self._world_training() if rank is None else {rank}
             log.error(
                 "receiving a request failed (%s): workers %s, served on that group, are lost",
                 _first_line(e),
                 sorted(silent),
             )
-            self.lost |= silent
-            self.deferred_fetches = [r for r in self.deferred_fetches if r not in silent]
-            self._changed.notify_all()
+            self._lose(silent)
+
+    def _world_training(self) -> set[int]:
+        """(Under the lock) the workers served on the world group, neither finished nor lost."""
+        return self.workers - self._routes.keys() - self.finished - self.lost
+
+    def _lose(self, ranks: set[int]) -> None:
+        """(Under the lock) ``ranks`` are lost: no deferred fetch is answered to them."""
+        self.lost |= ranks
+        self.deferred_fetches = [r for r in self.deferred_fetches if r not in ranks]
+        self._changed.notify_all()
 
     def _send_replies(self, outbox: list[tuple[int, Header, torch.Tensor | None]]) -> None:
         """Send a rejoined worker's replies (outside the lock)."""
