@@ -47,6 +47,7 @@ from cloudburst.plot import plot_runs  # noqa: E402
 STRATEGIES = ("sync", "asgd", "easgd", "gossip", "local_sgd", "diloco", "daso")
 TARGET = 0.90
 BAND_POINTS = 1.0  # each strategy's final accuracy within this many points of sync's
+ASGD_BAND, ASGD_FLOOR = 0.5, 0.91  # issue 28: asgd at its defaults, and its worst seed
 MIN_STEP_S = 0.02
 RATIO_TARGET = 0.75  # asgd at its defaults ÷ sync (the earlier target, kept)
 # issue 28's targets, fixed before any run: the best asynchronous arm ÷ sync (time to 90 %),
@@ -65,15 +66,32 @@ ASGD_STEPS = 1.8
 STEPS = 600  # sync: ~27 s of training at the straggler's pace (46 ms), its 90 % at 17-25 s
 
 
+def seed_range(args) -> range:
+    """``--seeds`` seeds from ``--first-seed``: fresh seeds confirm what others chose."""
+    return range(args.first_seed, args.first_seed + (args.seeds or (1 if args.quick else 5)))
+
+
+def within_band(lo: float, hi: float, band: float) -> bool:
+    """The whole interval (points) inside ±band: a point estimate inside is not enough."""
+    return -band <= lo and hi <= band
+
+
 def accuracy(args) -> None:
     prov = harness.Provenance.capture(args)
-    seeds = range(args.seeds or (1 if args.quick else 5))
+    seeds = seed_range(args)
     budget = ["--steps", "30"] if args.quick else []
     if args.epochs and not args.quick:
         budget = ["--epochs", str(args.epochs)]
     budget += ["--eval-every-s", "10"]  # only the final accuracy counts here
     names = ("sync", "asgd") if args.quick else STRATEGIES
-    arms = [Arm(s, ["--strategy", s, *COMMON, *budget]) for s in names]
+    if args.arms:
+        names = tuple(dict.fromkeys(["sync", *args.arms.split(",")]))
+    unknown = [n for n in names if n not in STRATEGIES and n not in STRAGGLER_ARMS]
+    if unknown:
+        sys.exit(f"accuracy: unknown arm(s) {unknown}; known: {', '.join(STRAGGLER_ARMS)}, "
+                 f"{', '.join(STRATEGIES)}")  # fmt: skip
+    flags = {n: STRAGGLER_ARMS[n][0] if n in STRAGGLER_ARMS else ["--strategy", n] for n in names}
+    arms = [Arm(n, [*flags[n], *COMMON, *budget]) for n in names]
     runs = harness.interleave(arms, seeds, prov=prov, out_root=prov.runs_dir("accuracy"))
     groups = harness.by_arm(runs)
     report = harness.Report(
@@ -90,7 +108,7 @@ def accuracy(args) -> None:
             report.claim(
                 f"final accuracy, {name} − sync (points), W = 4, defaults",
                 round(100 * diff, 2), f"within ±{BAND_POINTS:g}",
-                abs(100 * diff) <= BAND_POINTS and len(done) == len(accs),
+                within_band(100 * lo, 100 * hi, BAND_POINTS) and len(done) == len(accs),
                 interval=(round(100 * lo, 2), round(100 * hi, 2)), seeds=len(accs),
                 note="" if len(done) == len(accs) else f"{len(accs) - len(done)} runs failed",
             )  # fmt: skip
@@ -105,6 +123,19 @@ def accuracy(args) -> None:
                 fmt(statistics.median(r.wall_s for r in rs)),
             ]
         )
+        if name == "asgd" and done and all(a is not None for a in sync):
+            # issue 28's stricter targets for asgd at its defaults, fixed before the run
+            report.claim(
+                f"final accuracy, asgd − sync (points), W = 4, defaults, within ±{ASGD_BAND:g}",
+                round(100 * diff, 2), f"within ±{ASGD_BAND:g}",
+                within_band(100 * lo, 100 * hi, ASGD_BAND) and len(done) == len(accs),
+                interval=(round(100 * lo, 2), round(100 * hi, 2)), seeds=len(accs),
+            )  # fmt: skip
+            report.claim(
+                f"asgd at its defaults: every seed ≥ {100 * ASGD_FLOOR:.0f} %",
+                pct(min((a or 0.0) for a in accs)), f"≥ {100 * ASGD_FLOOR:.0f}",
+                all(a is not None and a >= ASGD_FLOOR for a in accs), seeds=len(accs),
+            )  # fmt: skip
     worst = [min((r.final_accuracy or 0.0) for r in rs) for rs in groups.values()]
     report.claim(
         f"defaults train: every strategy, every seed ≥ {100 * TARGET:.0f} %",
@@ -114,7 +145,8 @@ def accuracy(args) -> None:
         f"MNIST-1D (4000 train / 1000 test), the paper's CNN, 4 workers, every strategy's "
         f"defaults, `{' '.join(budget)}`, seeds {list(seeds)}, arms interleaved (order rotated "
         "per seed). Final = the global model at the end (asgd/easgd: the servers' θ). The "
-        "interval is a bootstrap 95 % interval of the difference of means (seeds resampled). "
+        "interval is a bootstrap 95 % interval of the difference of means (seeds resampled, "
+        "paired by seed); \"within ±b\" is a PASS only when the whole interval is. "
         "No A/A pair: sync is deterministic on CPU for its seed (twice gives the same run), "
         "so the noise is the seed-to-seed spread, which the interval carries."
     )
@@ -128,7 +160,7 @@ def accuracy(args) -> None:
 
 def stragglers(args) -> None:
     prov = harness.Provenance.capture(args)
-    seeds = range(args.seeds or (1 if args.quick else 5))
+    seeds = seed_range(args)
     steps = 40 if args.quick else args.steps
     root = prov.runs_dir("stragglers")
     compute_ms = step_compute_ms(root / "one_process", 100 if args.quick else 500)
@@ -203,7 +235,7 @@ def stragglers(args) -> None:
             diff, lo, hi = harness.bootstrap_difference(accs, finals, paired=True)
             report.claim(
                 f"final accuracy, {name} − diloco (points), W = 4, one worker 2× slower",
-                round(100 * diff, 2), f"≥ −{DILOCO_BAND:g}", 100 * diff >= -DILOCO_BAND,
+                round(100 * diff, 2), f"≥ −{DILOCO_BAND:g}", 100 * lo >= -DILOCO_BAND,
                 interval=(round(100 * lo, 2), round(100 * hi, 2)), seeds=len(accs),
             )  # fmt: skip
     if "none" in suffix:
@@ -697,12 +729,16 @@ def main() -> None:
             "--steps", type=int, default=STEPS, help="stragglers: sync's steps per worker"
         )
         p.add_argument(
+            "--first-seed", type=int, default=0,
+            help="the first seed (fresh seeds confirm a choice made on others)",
+        )
+        p.add_argument(
             "--context", action="store_true", help="stragglers: also run both with no straggler"
         )
         p.add_argument(
             "--arms",
-            help=f"stragglers: comma-separated, of {', '.join(STRAGGLER_ARMS)}, or all "
-            f"(default: {','.join(DEFAULT_ARMS)})",
+            help=f"comma-separated, of {', '.join(STRAGGLER_ARMS)}, or all (stragglers' "
+            f"default: {','.join(DEFAULT_ARMS)}; accuracy's: every strategy, and sync always)",
         )
 
     args = harness.parse_args(__doc__, add)
