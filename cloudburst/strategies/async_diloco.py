@@ -14,7 +14,10 @@ fast ones: each worker times its steps on the job's clock (between two ``after_s
 its own round trips left out; virtual time on the virtual cluster, so deterministic there),
 takes the median of its last 4·H step times, publishes its speed with ``store.set``, reads
 the others' with ``store.check``/``get`` (never waiting for one), and after each push sets
-H_i = max(1, round(H·speed_i / max known speed)) (:func:`dylu_inner_steps`). The first round
+H_i = max(1, round(H·speed_i / max known speed)) (:func:`dylu_inner_steps`). A speed counts
+while it is fresh: each publication carries a sequence number, and one its reader has not
+seen renewed for ``STALE_ROUNDS`` of that worker's rounds (H / its speed each, on the reader's
+clock) is a dead or stalled worker's and left out (:func:`fastest_fresh`). The first round
 runs H; the last ends at the worker's last step. The report: H_i per round (run-length).
 
 Everything else is asgd's (:class:`~cloudburst.strategies.asgd.AsgdStrategy`, whose transport,
@@ -35,12 +38,29 @@ from cloudburst.strategies.asgd import AsgdStrategy
 
 SPEED_KEY = "async_diloco/speed/{}"  # worker i's measured steps per second, in the job store
 STEP_WINDOW = 4  # DyLU's speed: the median of a worker's last STEP_WINDOW·H step times
+STALE_ROUNDS = 4  # a published speed not renewed within this many of its worker's rounds is gone
 
 
 def dylu_inner_steps(period: int, speed: float, fastest: float) -> int:
     """H_i = max(1, ⌊H·speed_i / fastest + ½⌋): Dynamic Local Updates' inner steps of a worker
     of speed ``speed`` when the fastest known runs ``fastest`` (the same unit)."""
     return max(1, math.floor(period * speed / fastest + 0.5))
+
+
+def fastest_fresh(
+    mine: float, seen: dict[int, tuple[str, float]], now: float, period: int
+) -> float:
+    """The fastest of ``mine`` and the others' fresh speeds. ``seen[w]`` = (worker w's
+    publication ``"<speed> <seq>"``, the reader's clock when it last changed). A worker
+    publishes once per round, and its round lasts at most H / its speed: a publication
+    unchanged for ``STALE_ROUNDS`` such rounds is a dead (or stalled) worker's, whose speed
+    would otherwise shrink every live worker's H_i for the rest of the run."""
+    fastest = mine
+    for raw, since in seen.values():
+        speed = float(raw.split()[0])
+        if speed > 0 and now - since <= STALE_ROUNDS * period / speed:
+            fastest = max(fastest, speed)
+    return fastest
 
 
 class AsyncDilocoStrategy(AsgdStrategy):
@@ -58,6 +78,8 @@ class AsyncDilocoStrategy(AsgdStrategy):
         # last step or round ended.
         self._step_times: deque[float] = deque(maxlen=STEP_WINDOW * ctx.cfg.period)
         self._mark: float | None = None
+        self._published = 0  # this worker's speed publications (their sequence number)
+        self._seen: dict[int, tuple[str, float]] = {}  # the others': see fastest_fresh
         self.rounds: list[list[int]] = []  # [H_i, rounds], run-length, in order
 
     def configure(self, steps_per_epoch: int, total_steps: int) -> None:
@@ -108,14 +130,18 @@ class AsyncDilocoStrategy(AsgdStrategy):
         mine = self.measured_speed()
         if mine is None:
             return self.inner_steps
-        store, me = self.ctx.store, self.ctx.worker_index
-        store.set(SPEED_KEY.format(me), repr(mine))
-        fastest = mine
+        store, me, now = self.ctx.store, self.ctx.worker_index, self.ctx.comm.now()
+        self._published += 1
+        store.set(SPEED_KEY.format(me), f"{mine!r} {self._published}")
         for w in range(self.cfg.workers):
             key = SPEED_KEY.format(w)
             if w != me and store.check([key]):
-                fastest = max(fastest, float(store.get(key)))
-        return dylu_inner_steps(self.cfg.period, mine, fastest)
+                raw = bytes(store.get(key)).decode()
+                if self._seen.get(w, ("",))[0] != raw:
+                    self._seen[w] = (raw, now)
+        return dylu_inner_steps(
+            self.cfg.period, mine, fastest_fresh(mine, self._seen, now, self.cfg.period)
+        )
 
     def _flush(self) -> None:
         """Push the inner steps not pushed yet (a last, shorter round)."""

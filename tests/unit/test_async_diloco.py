@@ -7,6 +7,8 @@ tests/reference.py: tests/unit/test_staleness_compensation.py.)"""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,7 +16,12 @@ from cloudburst.config import ConfigError, RunConfig, Straggler
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.shard import make_shard, overlapped_push_fetch
 from cloudburst.sim.run import simulate
-from cloudburst.strategies.async_diloco import dylu_inner_steps
+from cloudburst.strategies.async_diloco import (
+    STALE_ROUNDS,
+    AsyncDilocoStrategy,
+    dylu_inner_steps,
+    fastest_fresh,
+)
 from tests.dist.simulate import (
     BATCH,
     LR,
@@ -74,6 +81,58 @@ def test_dylu_rule_scales_h_by_speed_over_the_fastest_rounding_half_up():
     assert dylu_inner_steps(8, 5.0, 6.0) == 7  # 6.67
     assert dylu_inner_steps(4, 3.0, 8.0) == 2  # 1.5 rounds half up
     assert dylu_inner_steps(2, 1.0, 10.0) == 1  # at least one inner step
+
+
+class _Store:
+    """The job store's check/get/set over a dict (values as the store returns them: bytes)."""
+
+    def __init__(self):
+        self.kv: dict[str, bytes] = {}
+
+    def set(self, key, value):
+        self.kv[key] = value.encode()
+
+    def check(self, keys):
+        return all(k in self.kv for k in keys)
+
+    def get(self, key):
+        return self.kv[key]
+
+
+def _reader(store, clock, me=0, workers=3, period=8, speed=2.0):
+    """Worker ``me``'s DyLU state, enough for _next_inner_steps (its own speed ``speed``)."""
+    ctx = SimpleNamespace(store=store, worker_index=me, comm=SimpleNamespace(now=lambda: clock[0]))
+    return SimpleNamespace(
+        ctx=ctx, cfg=SimpleNamespace(period=period, workers=workers), inner_steps=period,
+        _published=0, _seen={}, measured_speed=lambda: speed,
+    )  # fmt: skip
+
+
+def test_fastest_fresh_leaves_out_a_speed_not_renewed_within_stale_rounds_of_its_rounds():
+    # worker 1 at 4 steps/s with H = 8: a round lasts ≤ 2 s, so its speed is stale after 8 s
+    seen = {1: ("4.0 7", 10.0), 2: ("1.0 3", 0.0)}
+    assert fastest_fresh(2.0, seen, now=10.0 + STALE_ROUNDS * 8 / 4.0, period=8) == 4.0
+    assert fastest_fresh(2.0, seen, now=10.0 + STALE_ROUNDS * 8 / 4.0 + 0.01, period=8) == 2.0
+    assert fastest_fresh(0.5, {2: ("1.0 3", 0.0)}, now=32.0, period=8) == 1.0  # 4·8/1 s: fresh
+    assert fastest_fresh(0.5, {2: ("1.0 3", 0.0)}, now=32.5, period=8) == 0.5
+
+
+def test_a_dead_workers_published_speed_stops_shrinking_the_live_workers_h():
+    store, clock = _Store(), [0.0]
+    me = _reader(store, clock)  # 2 steps/s
+    store.set("async_diloco/speed/1", "8.0 1")  # a worker 4x faster, which then dies
+    store.set("async_diloco/speed/2", "2.0 1")
+    assert AsyncDilocoStrategy._next_inner_steps(me) == 2  # 8 · 2/8
+    assert store.kv["async_diloco/speed/0"] == b"2.0 1"  # published with its sequence number
+    clock[0] = STALE_ROUNDS * 8 / 8.0  # worker 1 silent for 4 of its rounds: still counted
+    store.set("async_diloco/speed/2", "2.0 2")
+    assert AsyncDilocoStrategy._next_inner_steps(me) == 2
+    clock[0] += 0.5  # ... and past them: gone, the fastest live worker is as fast as me
+    assert AsyncDilocoStrategy._next_inner_steps(me) == 8
+    store.set("async_diloco/speed/1", "8.0 1")  # the same publication again is not a renewal
+    assert AsyncDilocoStrategy._next_inner_steps(me) == 8
+    store.set("async_diloco/speed/1", "8.0 2")  # renewed (it rejoined): counted again
+    assert AsyncDilocoStrategy._next_inner_steps(me) == 2
 
 
 def test_one_worker_is_synchronous_diloco_with_nesterov(tmp_path):
