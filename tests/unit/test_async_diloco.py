@@ -196,17 +196,7 @@ def test_the_last_round_is_pushed_at_the_last_step_not_after_the_evaluator_waits
     assert last["staleness_versions"] <= 1
 
 
-def test_compressed_pushes_travel_as_asgds_with_error_feedback(tmp_path, monkeypatch):
-    # (the --compress check and the transport's list of message strategies name
-    # async_diloco once the patch in the issue-28 report is applied; until then, here)
-    from cloudburst.comm import quantise
-    from cloudburst.config import components
-
-    if "async_diloco" not in quantise.MESSAGE_STRATEGIES:
-        monkeypatch.setattr(
-            quantise, "MESSAGE_STRATEGIES", (*quantise.MESSAGE_STRATEGIES, "async_diloco")
-        )
-    monkeypatch.setitem(components.COMPRESSIBLE, "async_diloco", ("none", "bf16", "fp8", "int8"))
+def test_compressed_pushes_travel_as_asgds_with_error_feedback(tmp_path):
     runs = {}
     for compress in ("none", "int8"):
         cfg = _cfg(
