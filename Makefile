@@ -66,31 +66,33 @@ bench-quick: $(STAMP)
 ## run (mutants not named below stay "not checked", uncounted).
 MUTANTS := 'cloudburst.comm.flat.*' 'cloudburst.comm.link.*' 'cloudburst.checkpoint.*' \
 	'cloudburst.shard.*' 'cloudburst.server.x_request_problem__*' \
-	'cloudburst.strategies.local_sgd.*' 'cloudburst.strategies.easgd.*' \
+	'cloudburst.strategies.local_sgd.worker.*' 'cloudburst.strategies.diloco.worker.*' \
+	'cloudburst.strategies.easgd.worker.*' \
 	'cloudburst.comm.compress.*' 'cloudburst.comm.quantise.*' 'cloudburst.comm.collectives.*' \
-	'cloudburst.strategies.sync.*' 'cloudburst.strategies.gossip.x_p*' \
-	'cloudburst.strategies.gossip.x*PeerSchedule*' \
-	'cloudburst.strategies.gossip.x*GossipStrategy*after_step__*' \
-	'cloudburst.strategies.gossip.x*GossipStrategy*_fold_mailbox__*' \
-	'cloudburst.strategies.gossip.x*GossipStrategy*_publish__*' \
-	'cloudburst.strategies.gossip.x*GossipStrategy*_peer_rank__*' \
-	'cloudburst.strategies.gossip.x*GossipStrategy*consensus_distance__*' \
-	'cloudburst.strategies.daso.x_daso_merge__*' 'cloudburst.strategies.daso.x*DasoSchedule*' \
-	'cloudburst.strategies.daso.x*DasoStrategy*after_step__*' \
-	'cloudburst.strategies.daso.x*DasoStrategy*_merge__*' \
-	'cloudburst.strategies.daso.x*DasoStrategy*_start_sync__*' \
+	'cloudburst.strategies.sync.worker.*' 'cloudburst.strategies.gossip.worker.x_p*' \
+	'cloudburst.strategies.gossip.worker.x*PeerSchedule*' \
+	'cloudburst.strategies.gossip.worker.x*GossipStrategy*after_step__*' \
+	'cloudburst.strategies.gossip.worker.x*GossipStrategy*_fold_mailbox__*' \
+	'cloudburst.strategies.gossip.worker.x*GossipStrategy*_publish__*' \
+	'cloudburst.strategies.gossip.worker.x*GossipStrategy*_peer_rank__*' \
+	'cloudburst.strategies.gossip.worker.x*GossipStrategy*consensus_distance__*' \
+	'cloudburst.strategies.daso.worker.x_daso_merge__*' \
+	'cloudburst.strategies.daso.worker.x*DasoSchedule*' \
+	'cloudburst.strategies.daso.worker.x*DasoStrategy*after_step__*' \
+	'cloudburst.strategies.daso.worker.x*DasoStrategy*_merge__*' \
+	'cloudburst.strategies.daso.worker.x*DasoStrategy*_start_sync__*' \
 	'cloudburst.sim.clock.x*ClockModel*' 'cloudburst.sim.clock.x_is_payload__*' \
 	'cloudburst.sim.clock.x_resolve_step_time__*' \
 	'cloudburst.sim.network.x*SimNetwork*post__*' 'cloudburst.sim.network.x*SimNetwork*take__*' \
 	'cloudburst.sim.network.x*SimNetwork*_complete__*' \
 	'cloudburst.sim.network.x*SimNetwork*_all_to_all__*' \
 	'cloudburst.sim.network.x*SimNetwork*_wire*' \
-	'cloudburst.strategies.asgd.x*AsgdStrategy*wrap__*' \
-	'cloudburst.strategies.asgd.x*AsgdStrategy*after_step__*' \
-	'cloudburst.strategies.asgd.x*AsgdStrategy*_round__*' \
-	'cloudburst.strategies.asgd.x*AsgdStrategy*_account_push__*' \
-	'cloudburst.strategies.asgd.x*AsgdStrategy*_flush__*' \
-	'cloudburst.strategies.asgd.x*AsgdStrategy*global_params__*'
+	'cloudburst.strategies.asgd.worker.x*AsgdStrategy*wrap__*' \
+	'cloudburst.strategies.asgd.worker.x*AsgdStrategy*after_step__*' \
+	'cloudburst.strategies.asgd.worker.x*AsgdStrategy*_round__*' \
+	'cloudburst.strategies.asgd.worker.x*AsgdStrategy*_account_push__*' \
+	'cloudburst.strategies.asgd.worker.x*AsgdStrategy*_flush__*' \
+	'cloudburst.strategies.asgd.worker.x*AsgdStrategy*global_params__*'
 
 mutation: $(STAMP)
 	rm -rf mutants && mkdir mutants

@@ -38,7 +38,8 @@ from cloudburst.metrics import MetricsWriter
 from cloudburst.rundir import prepare_run_dir
 from cloudburst.runtime import Context, init_distributed, shutdown
 from cloudburst.server import serve_shard
-from cloudburst.strategies import STRATEGY_CLASSES, Strategy, make_strategy
+from cloudburst.strategies import make_strategy
+from cloudburst.strategies.base import Strategy
 
 
 class Job:
@@ -50,7 +51,7 @@ class Job:
             # Before the others join (they wait for rank 0 in init_distributed): a new,
             # empty or earlier run's directory, its old files removed by name.
             prepare_run_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
-        self.ctx: Context = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
+        self.ctx: Context = init_distributed(cfg, cfg.strategy_spec)
         self.metrics = MetricsWriter(cfg.out, self.ctx.rank, self.ctx.role)
         self.strategy: Strategy | None = None
         self._hooks: _LoopHooks | None = None

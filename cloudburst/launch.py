@@ -27,7 +27,6 @@ from cloudburst.forkserver import adopt_forkserver, forkserver_pid, start_forkse
 from cloudburst.metrics import iter_jsonl, write_json_atomic
 from cloudburst.rundir import open_append_nofollow, prepare_run_dir
 from cloudburst.runtime import is_loopback
-from cloudburst.strategies import STRATEGY_CLASSES
 from cloudburst.summary import write_partial_summary
 
 AGENT_GRACE_S = 5.0
@@ -76,8 +75,8 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
     (out / "summary.json").unlink(missing_ok=True)
     # A strategy that survives a worker's death gets one agent per rank: torch's agent tears
     # down every rank it started when one of them dies.
-    strategy = STRATEGY_CLASSES[cfg.strategy]
-    procs, store = start_local_job(cfg, run_rank, agent_per_rank=strategy.survives_worker_loss)
+    survives = cfg.strategy_spec.survives_worker_loss
+    procs, store = start_local_job(cfg, run_rank, agent_per_rank=survives)
     show = cfg.progress if progress is None else progress
     try:
         total = cfg.steps_per_worker() * cfg.workers

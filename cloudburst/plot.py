@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from cloudburst.config import ConfigError  # noqa: E402
 from cloudburst.metrics import eval_curve, read_run  # noqa: E402
+from cloudburst.strategies import strategy_spec  # noqa: E402
 
 
 def run_label(run_dir: Path) -> str:
@@ -26,16 +27,8 @@ def run_label(run_dir: Path) -> str:
     if not summary_path.is_file():
         return run_dir.name
     s = json.loads(summary_path.read_text())
-    cfg = s.get("config", {})
     label = f"{s['strategy']} W={s['workers']}" + (" (simulated)" if s.get("simulated") else "")
-    if s["strategy"] == "daso":
-        label += f" nodes={s.get('nodes', 1)}"
-    if s["strategy"] == "asgd":
-        n = cfg.get("n_fetch"), cfg.get("n_push")
-        label += (
-            f" S={s['servers']} n_sync={n[0]}" if n[0] == n[1] else f" n_fetch={n[0]} n_push={n[1]}"
-        )
-    return label
+    return label + strategy_spec(s["strategy"]).run_label(s)
 
 
 def phase_changes(run_dir: Path) -> list[tuple[str, float, int]]:

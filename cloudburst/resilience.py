@@ -34,7 +34,6 @@ from cloudburst.config import ConfigError, RunConfig, refuse_code_from_file
 from cloudburst.rundir import run_nonce
 from cloudburst.runtime import restart_count
 from cloudburst.shard import shard_checkpoint_path
-from cloudburst.strategies import STRATEGY_CLASSES
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +172,7 @@ def check_resumable(cfg: RunConfig) -> str:
             load_shard_state(path, cfg)
     if not any(found.values()) and not any(p.is_file() for p in shards):
         raise CheckpointError(f"no checkpoints under {str(checkpoint_dir(cfg.out))!r} to resume")
-    if STRATEGY_CLASSES[cfg.strategy].lockstep:
+    if cfg.strategy_spec.lockstep:
         common = set.intersection(*(set(s) for s in found.values()))
         return f"resuming every worker from step {max(common, default=0)}"
     latest = {w: (s[-1] if s else 0) for w, s in found.items()}

@@ -30,6 +30,7 @@ from cloudburst.liveness import (  # noqa: F401 - also importable from here
     RejoinRefused,
     heartbeat_interval_s,
 )
+from cloudburst.strategies.spec import StrategySpec
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,6 @@ class Context:
         payloads travel uncompressed whatever ``--compress`` says (a shard's standby copy).
         """
         from cloudburst.comm.p2p import PeerTransport
-        from cloudburst.comm.quantise import message_method
 
         if group is None and self.rejoin_group is not None:
             group, members = self.rejoin_group, rejoin_members(self.num_servers, self.rank)
@@ -108,7 +108,7 @@ class Context:
             crosses=crosses,
             members=members,
             wire=self.comm,
-            compress="none" if exact else message_method(self.cfg.compress, self.cfg.strategy),
+            compress="none" if exact else self.cfg.strategy_spec.message_method(self.cfg.compress),
         )
 
     def rejoin_transport(self, worker_rank: int, incarnation: int, stats=None):
@@ -187,7 +187,7 @@ class Context:
         self.t0 = float(self.store.get("t0").decode())
 
 
-def init_distributed(cfg: RunConfig, strategy_cls: type | None = None) -> Context:
+def init_distributed(cfg: RunConfig, strategy_cls: type[StrategySpec] | None = None) -> Context:
     """Join the job started by torchrun: process groups with a timeout, roles, device, store.
 
     The world group is gloo (servers, point-to-point traffic, barriers). The workers' group
@@ -199,7 +199,7 @@ def init_distributed(cfg: RunConfig, strategy_cls: type | None = None) -> Contex
     servers instead (:func:`_rejoin_job`). A restarted server shard restores its checkpoint
     and talks to each worker on a pair group of its own (:func:`_restart_shard`).
     """
-    traits = _traits(cfg, strategy_cls)
+    traits = strategy_cls if strategy_cls is not None else cfg.strategy_spec
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     if world != cfg.world_size:
@@ -287,31 +287,6 @@ def init_distributed(cfg: RunConfig, strategy_cls: type | None = None) -> Contex
         servers_group=servers_group,
         heartbeat=heartbeat,
         liveness_store=liveness_store,
-    )
-
-
-@dataclass(frozen=True)
-class StrategyTraits:
-    """What the runtime needs to know of a strategy (its class attributes)."""
-
-    survives_worker_loss: bool = False
-    process_groups: tuple[str, ...] = ()
-    shards_restart_in_place: bool = False  # a restarted server shard rejoins the job
-
-
-def _traits(cfg: RunConfig, strategy_cls: type | None) -> StrategyTraits:
-    if strategy_cls is None:
-        # Callers that build their own strategy objects pass the class; the registry is the
-        # fallback for those that do not (it imports every strategy: a layer above this one).
-        import importlib
-
-        strategy_cls = importlib.import_module("cloudburst.strategies").STRATEGY_CLASSES[
-            cfg.strategy
-        ]
-    return StrategyTraits(
-        bool(getattr(strategy_cls, "survives_worker_loss", False)),
-        tuple(getattr(strategy_cls, "process_groups", ())),
-        bool(getattr(strategy_cls, "shards_restart_in_place", False)),
     )
 
 

@@ -85,7 +85,6 @@ from cloudburst.shard import (  # noqa: F401 - the shard maths, also importable 
     make_shard,
     mean_staleness,
     overlapped_push_fetch,
-    server_rule,
     shard_checkpoint_path,
     standby_of,
 )

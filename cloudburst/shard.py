@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from cloudburst.comm.p2p import Status
-from cloudburst.config import COMPENSATIONS, RunConfig
+from cloudburst.config import RunConfig
+from cloudburst.strategies.asgd.settings import COMPENSATIONS
 
 # --staleness-compensation: the compensators (docs/algorithms.md#staleness-compensation).
 # Those whose factor is a function of the staleness alone: a worker rebuilds the server's θ
@@ -436,18 +437,10 @@ class ShardState:
                 self.compensator.reset(self.version, self.param.data)
 
 
-def server_rule(cfg: RunConfig) -> tuple[str, float]:
-    """(rule, lr) of the shards: async DiLoCo's Delayed Nesterov, EASGD's elastic centre, or
-    the configured asgd rule."""
-    if cfg.strategy == "async_diloco":
-        return "dn", cfg.diloco_outer_lr
-    return cfg.shard_rule
-
-
 def overlapped_push_fetch(cfg: RunConfig) -> bool:
     """Whether PUSH_FETCH replies carry θ before the push (sent while the push arrives)."""
     return (
-        server_rule(cfg)[0] in ("add", "elastic")
+        cfg.shard_rule[0] in ("add", "elastic")
         and cfg.staleness_compensation in SCALAR_COMPENSATIONS
     )
 
@@ -466,7 +459,7 @@ def shard_checkpoint_path(out: str | Path, shard: int) -> Path:
 
 
 def make_shard(cfg: RunConfig, theta: torch.Tensor) -> ShardState:
-    rule, lr = server_rule(cfg)
+    rule, lr = cfg.shard_rule
     return ShardState(
         theta,
         rule=rule,

@@ -46,7 +46,7 @@ from cloudburst.runtime import (
     shutdown,
 )
 from cloudburst.server import serve_shard
-from cloudburst.strategies import STRATEGY_CLASSES, make_strategy
+from cloudburst.strategies import make_strategy
 from cloudburst.summary import (
     failed_message,
     finalize_run,
@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 def run_rank(cfg_dict: dict[str, Any]) -> None:
     """Entry point of one rank. ``cfg_dict`` is a :meth:`RunConfig.to_dict`."""
     cfg = RunConfig.from_dict(cfg_dict)
-    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
+    ctx = init_distributed(cfg, cfg.strategy_spec)
     if ctx.rank == 0:  # what --resume reads back (the local launcher also writes it)
         write_json_atomic(f"{cfg.out}/config.json", cfg.to_dict())
     metrics = MetricsWriter(cfg.out, ctx.rank, ctx.role, tensorboard=cfg.tensorboard)
@@ -128,7 +128,7 @@ def start_watchdog(ctx: Context, metrics: MetricsWriter) -> Watchdog:
     run's summary (a local job's launcher writes it), then exit."""
     cfg = ctx.cfg
     watched = watched_peers(
-        ctx.rank, ctx.world_size, cfg.servers, STRATEGY_CLASSES[cfg.strategy].survives_worker_loss
+        ctx.rank, ctx.world_size, cfg.servers, cfg.strategy_spec.survives_worker_loss
     )
 
     def on_lost(rank: int | None, role: str) -> None:

@@ -100,8 +100,9 @@ def _child(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
 
 
 # The processes fork from one server that has imported torch and cloudburst once per test
-# session: a fresh interpreter per rank would import them again (seconds of CPU each).
-_PRELOAD = ["torch", "torch.distributed", "cloudburst.runtime", "cloudburst.strategies"]
+# session (the strategies' worker classes with cloudburst._warm): a fresh interpreter per rank
+# would import them again (seconds of CPU each).
+_PRELOAD = ["torch", "torch.distributed", "cloudburst.runtime", "cloudburst._warm"]
 
 
 def spawn(fn, world: int, tmp_path: Path, *args: Any, timeout_s: float = 120) -> list[Any]:

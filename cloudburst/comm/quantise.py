@@ -16,17 +16,6 @@ BLOCK = 256
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 QUANTISED = ("int8", "fp8")
-#: Strategies whose point-to-point messages (θ, Δ) travel compressed with ``--compress``.
-MESSAGE_STRATEGIES = ("asgd", "easgd", "gossip", "async_diloco")
-
-
-def message_method(compress: str, strategy: str) -> str:
-    """How ``strategy``'s point-to-point payloads travel under ``--compress compress``:
-    bf16, int8 or fp8, or ``none`` (fp32) for the strategies that send no such messages."""
-    method = compress.partition(":")[0]
-    if strategy in MESSAGE_STRATEGIES and method in ("bf16", *QUANTISED):
-        return method
-    return "none"
 
 
 # ---------------------------------------------------------------------------- stateless maths

@@ -3,10 +3,13 @@ validated once, before any process starts.
 
 Each concern (the job, A-SGD's parameter server, DASO, the data, faults, ...) is a dataclass
 whose fields carry their help in ``field(metadata=...)`` (written with :func:`option`) and whose
-``_validate_<concern>`` sits next to them. ``cloudburst train``'s flags are generated from these
-fields (:mod:`cloudburst.cli`), so a new setting is one field (and its check). :class:`RunConfig`
-inherits every concern: its attributes stay flat (``cfg.daso_global_skip``, ``cfg.lr``), and so
-do :meth:`RunConfig.to_dict` and a run's config.json.
+``_validate_<concern>`` (and ``_defaults_<concern>``, for a strategy's) sits next to them. The
+strategies' settings live in their packages (``strategies/<name>/settings.py``) and come here
+through the registry; what differs between strategies is a trait or hook of their spec
+(``cfg.strategy_spec``), never a branch on the name. ``cloudburst train``'s flags are generated
+from these fields (:mod:`cloudburst.cli`), so a new setting is one field (and its check).
+:class:`RunConfig` inherits every concern: its attributes stay flat (``cfg.daso_global_skip``,
+``cfg.lr``), and so do :meth:`RunConfig.to_dict` and a run's config.json.
 
 A bad value raises :class:`ConfigError` whose message is one line naming the field, the value
 and what is allowed; the CLI prints it and exits with code 2 without launching anything.
@@ -40,20 +43,12 @@ from cloudburst.config.components import (  # noqa: F401
 from cloudburst.config.fields import (  # noqa: F401
     AUTOCASTS,
     BACKENDS,
-    COMPENSATIONS,
     DATASETS,
     DEFAULT_SIZES,
     DEVICES,
-    DOWNCASTS,
-    GOSSIP_SCHEDULES,
-    GOSSIP_VARIANTS,
     LR_SCHEDULES,
     MODELS,
     OPTIMIZERS,
-    REGISTERED_STRATEGIES,
-    SERVER_RULES,
-    SERVER_STRATEGIES,
-    STRATEGIES,
     ConfigError,
     Straggler,
     _check_choice,
@@ -62,27 +57,15 @@ from cloudburst.config.fields import (  # noqa: F401
     field_message,
     option,
 )
-from cloudburst.config.strategies import (  # noqa: F401
-    _LOCAL_SGD_TITLE,
-    DEFAULT_N_SYNC,
-    AsgdConfig,
-    AsyncDilocoConfig,
-    DasoConfig,
-    DilocoConfig,
-    EasgdConfig,
-    GossipConfig,
-    LocalSgdConfig,
-)
+from cloudburst.strategies import settings_classes, strategy_spec
+from cloudburst.strategies.spec import StrategySpec
 
+#: The strategies' settings (one section each, from the registry), between the job's and the
+#: cluster's in --help.
+STRATEGY_SETTINGS: tuple[type, ...] = settings_classes()
 COMPONENTS: tuple[type, ...] = (
     JobConfig,
-    AsgdConfig,
-    DasoConfig,
-    LocalSgdConfig,
-    DilocoConfig,
-    AsyncDilocoConfig,
-    EasgdConfig,
-    GossipConfig,
+    *STRATEGY_SETTINGS,
     ClusterConfig,
     DataConfig,
     ModelConfig,
@@ -102,13 +85,7 @@ class RunConfig(
     ModelConfig,
     DataConfig,
     ClusterConfig,
-    GossipConfig,
-    EasgdConfig,
-    AsyncDilocoConfig,
-    DilocoConfig,
-    LocalSgdConfig,
-    DasoConfig,
-    AsgdConfig,
+    *reversed(STRATEGY_SETTINGS),
     JobConfig,
 ):
     """Everything one training run needs: every concern's fields, flat (``cfg.lr``)."""
@@ -117,98 +94,44 @@ class RunConfig(
         if isinstance(self.inject_fault, str):
             self.inject_fault = [self.inject_fault]
         # Defaults that depend on another concern's value.
-        if self.n_sync is not None:
-            _check_int("n_sync", self.n_sync, 1)
         if self.servers is None:
-            self.servers = 1 if self.strategy in SERVER_STRATEGIES else 0
-        # asgd's default n_sync is 8: as accurate as 1 and half the time (docs/algorithms.md#asgd)
-        default_period = self.n_sync if self.n_sync is not None else DEFAULT_N_SYNC
-        if self.n_fetch is None:
-            self.n_fetch = default_period
-        if self.n_push is None:
-            self.n_push = default_period
-        self._asgd_defaults()  # --staleness-scaling is --staleness-compensation scale
+            self.servers = 1 if self.strategy_spec.needs_servers else 0
         self._training_defaults()  # the GPT's recipe, or SGD's (config/components.py)
-        # The GPT's outer step is plain averaging (lr 1, no momentum): at its budget the paper's
-        # Nesterov 0.7/0.9 ended 0.45-0.51 nats behind sync, averaging 0.07 (docs/lm.md).
-        from cloudburst.gpt import is_gpt_spec
-
-        lm = isinstance(self.model, str) and is_gpt_spec(self.model)
-        if self.diloco_outer_lr is None:
-            adam = self.optimizer in ("adam", "adamw")
-            self.diloco_outer_lr = 1.0 if lm else 0.7 if adam else 0.1
-        if self.diloco_outer_momentum is None:
-            self.diloco_outer_momentum = 0.0 if lm else 0.9
-        if self.server_lr is None:
-            # docs/algorithms.md#asgd: the W workers' pushes are averaged (λ = 1/W), not summed.
-            self.server_lr = (
-                1.0 / self.workers if isinstance(self.workers, int) and (self.workers > 0) else 1.0
-            )
+        for part in STRATEGY_SETTINGS:  # asgd's n_sync and λ, DiLoCo's outer lr, ...
+            defaults = getattr(self, f"_defaults_{part.section}", None)
+            if defaults is not None:
+                defaults()
         self.validate()
+
+    @property
+    def strategy_spec(self) -> type[StrategySpec]:
+        """The strategy's traits and rules (:mod:`cloudburst.strategies`)."""
+        return strategy_spec(self.strategy)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Each concern's checks, in this order (a later one may rely on an earlier one's
-        defaults: the batch size on the data's size)."""
+        defaults: the batch size on the data's size); the strategies' settings in the
+        registry's order."""
         self._validate_job()
-        self._validate_asgd()
         self._validate_data()
         self._validate_model()
         self._validate_cluster()
-        self._validate_local_sgd()
-        self._validate_diloco()
-        self._validate_async_diloco()
-        self._validate_easgd()
-        self._validate_gossip()
-        self._validate_daso()
+        for part in STRATEGY_SETTINGS:
+            getattr(self, f"_validate_{part.section}")()
         self._validate_training()
         self._validate_metrics()
         self._validate_faults()
 
     def warnings(self) -> list[str]:
         """Valid settings that are known to train badly (printed by the CLI, one line each)."""
-        out = []
-        if (
-            self.strategy == "asgd"
-            and self.server_rule == "add"
-            and self.workers >= 2
-            and self.server_lr * self.workers > 1.5
-        ):
-            out.append(
-                f"asgd: server lr λ = {self.server_lr:g} with {self.workers} workers adds up "
-                f"their pushes ({self.server_lr * self.workers:g}x one worker's step) and "
-                f"diverged in our measurements (benchmarks/results/defaults.md); the default "
-                f"λ = 1/W = {1 / self.workers:g} averages them"
-            )
-        if (
-            self.strategy == "diloco"
-            and self.optimizer == "sgd"
-            and self.diloco_outer_lr * (1 + self.diloco_outer_momentum) > 1.0
-        ):
-            out.append(
-                f"diloco: outer lr {self.diloco_outer_lr:g} with momentum "
-                f"{self.diloco_outer_momentum:g} over an SGD inner optimizer diverged in our "
-                "measurements (benchmarks/results/local_sgd.md); DiLoCo's defaults assume an "
-                "Adam inner optimizer (--optimizer adam), or use --diloco-outer-lr 0.1"
-            )
-        return out
+        return self.strategy_spec.warnings(self)
 
     @property
     def shard_rule(self) -> tuple[str, float]:
-        """(rule, lr) of the parameter-server shards: EASGD's elastic centre (α), or asgd's."""
-        if self.strategy == "easgd":
-            from cloudburst.comm.quantise import message_method
-
-            if message_method(self.compress, self.strategy) != "none":
-                # Compressed, the worker computes e = α(θ_i − θ̃) and sends it: the centre adds.
-                return "add", 1.0
-            return "elastic", self.easgd_alpha_value
-        return self.server_rule, self.server_lr
-
-    @property
-    def easgd_alpha_value(self) -> float:
-        """α of EASGD: as given, else β / W."""
-        return self.easgd_alpha if self.easgd_alpha is not None else self.easgd_beta / self.workers
+        """(rule, lr) of the parameter-server shards: the strategy's (EASGD's elastic centre,
+        async DiLoCo's Delayed Nesterov), or the configured asgd rule."""
+        return self.strategy_spec.shard_rule(self)
 
     # ------------------------------------------------------------------ derived values
     @property

@@ -17,9 +17,6 @@ from cloudburst.config.fields import (
     LR_SCHEDULES,
     MODELS,
     OPTIMIZERS,
-    REGISTERED_STRATEGIES,
-    SERVER_STRATEGIES,
-    STRATEGIES,
     ConfigError,
     Straggler,
     _check_choice,
@@ -27,6 +24,7 @@ from cloudburst.config.fields import (
     _check_int,
     option,
 )
+from cloudburst.strategies import BUILT_IN, REGISTRY
 
 # Language models on text (docs/lm.md): the budget and evaluation interval measured for the
 # default GPT on text:stdlib; a test evaluation of the GPT takes about a second on a CPU.
@@ -60,39 +58,26 @@ class JobConfig:
     section: ClassVar[str] = "job"
     title: ClassVar[str] = "job"
 
-    strategy: str = option("sync", "the data-parallel algorithm", choices=STRATEGIES)
+    strategy: str = option("sync", "the data-parallel algorithm", choices=BUILT_IN)
     workers: int = option(2, "W, training ranks")
     servers: int | None = option(
         None, "S, parameter-server shards (asgd, easgd)", shown="1 for asgd and easgd, 0 otherwise"
     )
 
     def _validate_job(self) -> None:
-        _check_choice("strategy", self.strategy, STRATEGIES + tuple(REGISTERED_STRATEGIES))
+        _check_choice("strategy", self.strategy, tuple(REGISTRY))
         _check_int("workers", self.workers, 1)
         _check_int("servers", self.servers, 0)
-        if self.strategy in SERVER_STRATEGIES and self.servers < 1:
+        if self.strategy_spec.needs_servers and self.servers < 1:
             raise ConfigError(
                 f"servers: {self.servers} is not allowed for strategy {self.strategy!r}; "
                 "use --servers 1 or more"
             )
-        if self.strategy not in SERVER_STRATEGIES and self.servers != 0:
+        if not self.strategy_spec.needs_servers and self.servers != 0:
             raise ConfigError(
                 f"servers: {self.servers} is not allowed for strategy {self.strategy!r}, "
                 "which uses no parameter server; use --servers 0"
             )
-
-
-# What --compress can do for each strategy (the rest send fp32 as ever).
-COMPRESSIBLE = {
-    "sync": ("none", "bf16", "fp8", "int8", "powersgd"),
-    "local_sgd": ("none", "bf16", "fp8", "int8"),
-    "diloco": ("none", "bf16", "fp8", "int8"),
-    "asgd": ("none", "bf16", "fp8", "int8"),
-    "easgd": ("none", "bf16", "fp8", "int8"),
-    "async_diloco": ("none", "bf16", "fp8", "int8"),
-    "gossip": ("none", "bf16", "fp8", "int8"),
-    "daso": ("none", "bf16", "fp8", "int8"),
-}
 
 
 @dataclass
@@ -159,22 +144,13 @@ class ClusterConfig:
             method = Compression.parse(self.compress).method
         except ValueError as e:
             raise ConfigError(f"compress: {e}") from None
-        allowed = COMPRESSIBLE.get(self.strategy, ("none",))
+        allowed = self.strategy_spec.compression
         if method not in allowed:
             raise ConfigError(
                 f"compress: {self.compress!r} is not available for strategy {self.strategy!r}; "
                 f"use {', '.join(allowed)}"
             )
-        casts = (
-            getattr(self, "daso_downcast", "bf16"),
-            getattr(self, "daso_cycling_downcast", "none"),
-        )
-        if self.strategy == "daso" and method != "none" and casts != ("bf16", "none"):
-            raise ConfigError(
-                f"compress: {self.compress!r} sends every DASO global sync as {method}; "
-                f"--daso-downcast {casts[0]} / --daso-cycling-downcast {casts[1]} apply only "
-                "with --compress none (leave them at bf16 / none)"
-            )
+        self.strategy_spec.validate_compress(self, method)
 
 
 @dataclass

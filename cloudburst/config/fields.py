@@ -9,12 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-STRATEGIES = ("sync", "asgd", "daso", "local_sgd", "diloco", "easgd", "gossip", "async_diloco")
-# Names added by cloudburst.strategies.register_strategy (plug-ins, benchmark adapters).
-REGISTERED_STRATEGIES: list[str] = []
-SERVER_RULES = ("add", "sgd", "adagrad")
-# --staleness-compensation (cloudburst.shard; docs/algorithms.md#staleness-compensation).
-COMPENSATIONS = ("none", "scale", "dc", "dc-adaptive", "gap", "delay-adaptive")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
 MODELS = ("mlp", "cnn", "resnet20", "convnet", "gpt")  # or a "package.module:function" factory
@@ -22,13 +16,8 @@ DATASETS = ("mnist1d", "synthetic", "cifar10:PATH", "imagefolder:PATH", "npz:PAT
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 AUTOCASTS = ("none", "bf16")
-DOWNCASTS = ("bf16", "fp16", "none")
 # Built-in datasets' default sizes; a dataset read from a path uses all of it by default.
 DEFAULT_SIZES = {"mnist1d": (4000, 1000), "synthetic": (4000, 1000)}
-# Strategies whose workers talk to parameter-server shards.
-SERVER_STRATEGIES = ("asgd", "easgd", "async_diloco")
-GOSSIP_VARIANTS = ("pull", "push")
-GOSSIP_SCHEDULES = ("random", "ring", "exponential")
 
 
 class ConfigError(ValueError):

@@ -188,9 +188,7 @@ def _groups(net: SimNetwork, cfg: RunConfig, topology):
     servers_group = net.new_group("servers", list(range(cfg.servers))) if cfg.servers > 1 else None
     node_of: dict[int, SimGroup] = {}
     across_of: dict[int, SimGroup] = {}
-    from cloudburst.strategies import STRATEGY_CLASSES
-
-    declared = getattr(STRATEGY_CLASSES[cfg.strategy], "process_groups", ())
+    declared = cfg.strategy_spec.process_groups
     if "node_and_across" in declared:
         nodes = [topology.ranks_on(n) for n in range(topology.num_nodes)]
         if len({len(r) for r in nodes}) != 1:

@@ -8,30 +8,23 @@ optimizer)``, ``strategy.start()``, ``strategy.after_step()`` after each optimiz
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.p2p import CommStats
+from cloudburst.strategies.spec import StrategySpec
 
 
-class Strategy(ABC):
-    name: ClassVar[str]
-    #: True when the job keeps going if a worker dies (launched with one agent per rank).
-    survives_worker_loss: ClassVar[bool] = False
-    #: True when replicas may still differ at the end (gossip): the loop then reports each
-    #: replica's test accuracy and makes the final model their average.
-    decentralised: ClassVar[bool] = False
-    #: True when the replicas move together (every worker at the same step is needed to
-    #: resume): a resumed run starts every worker from the latest step all of them saved.
-    lockstep: ClassVar[bool] = False
-    #: The extra process groups this strategy needs, by name, built once by every rank when
-    #: the job starts (:func:`cloudburst.runtime.init_distributed`): "node_and_across" (one
-    #: group per node, one per local rank across the nodes: DASO), "gossip_pair" (two gloo
-    #: groups of the workers: gossip's requests and replies).
-    process_groups: ClassVar[tuple[str, ...]] = ()
+class Strategy(StrategySpec, ABC):
+    """A worker's side of a strategy; its traits (class attributes) come from its package's
+    :class:`~cloudburst.strategies.spec.StrategySpec`, which it inherits."""
+
+    @classmethod
+    def worker_class(cls) -> type[Strategy]:
+        return cls
 
     def __init__(self, ctx):
         self.ctx = ctx

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-import cloudburst.strategies.asgd as asgd
+import cloudburst.strategies.asgd.worker as asgd
 from cloudburst.comm.flat import flatten_params
 from tests.unit.test_asgd_worker import cfg_for, train
 

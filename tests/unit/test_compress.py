@@ -29,7 +29,7 @@ from cloudburst.comm.link import Topology
 from cloudburst.comm.p2p import CommStats
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.strategies.daso import DasoStrategy
-from cloudburst.strategies.local_sgd import DilocoStrategy
+from cloudburst.strategies.diloco import DilocoStrategy
 from tests import reference as ref
 from tests.dist.simulate import trained
 from tests.unit.test_mutation_survivors import _cfg, _Ctx

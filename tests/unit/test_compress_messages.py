@@ -25,12 +25,12 @@ from cloudburst.comm.p2p import (
     PeerTransport,
     Status,
 )
-from cloudburst.comm.quantise import message_method
 from cloudburst.comm.transport import REAL
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.server import ServerLoop
 from cloudburst.sim.clock import is_payload
 from cloudburst.sim.run import run_ranks
+from cloudburst.strategies import strategy_spec
 from cloudburst.strategies.asgd import AsgdStrategy
 from cloudburst.strategies.gossip import GossipStrategy
 from tests.dist.simulate import trained
@@ -71,8 +71,11 @@ def test_a_block_with_a_scale_not_finite_and_positive_decodes_to_nan(method, sca
 
 
 def test_message_compression_is_for_the_message_strategies_and_refuses_powersgd():
-    assert message_method("int8", "asgd") == "int8" and message_method("bf16", "gossip") == "bf16"
-    assert message_method("int8", "sync") == "none" and message_method("none", "easgd") == "none"
+    method = {
+        name: strategy_spec(name).message_method for name in ("asgd", "gossip", "sync", "easgd")
+    }
+    assert method["asgd"]("int8") == "int8" and method["gossip"]("bf16") == "bf16"
+    assert method["sync"]("int8") == "none" and method["easgd"]("none") == "none"
     for strategy in ("asgd", "easgd", "gossip"):
         assert RunConfig(strategy=strategy, workers=2, compress="fp8").compress == "fp8"
         with pytest.raises(ConfigError, match="compress: 'powersgd' is not available"):

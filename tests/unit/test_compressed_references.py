@@ -19,7 +19,8 @@ def _drive(ctx, strategy_name: str) -> list[list[float]]:
     from torch import nn
 
     from cloudburst.comm.flat import flatten_params
-    from cloudburst.strategies.local_sgd import DilocoStrategy, LocalSgdStrategy
+    from cloudburst.strategies.diloco import DilocoStrategy
+    from cloudburst.strategies.local_sgd import LocalSgdStrategy
 
     cls = DilocoStrategy if strategy_name == "diloco" else LocalSgdStrategy
     model = ref.tiny_model()

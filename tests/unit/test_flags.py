@@ -23,8 +23,8 @@ from cloudburst.comm.p2p import Status
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig, Straggler
 from cloudburst.server import make_shard
-from cloudburst.strategies import daso
 from cloudburst.strategies.daso import COOLDOWN, CYCLING, WARMUP, DasoSchedule, DasoStrategy
+from cloudburst.strategies.daso import worker as daso
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import torch
 
 from cloudburst.checkpoint import load_model_into
 from cloudburst.config import ConfigError, RunConfig
-from cloudburst.config.fields import STRATEGIES
+from cloudburst.strategies import BUILT_IN as STRATEGIES
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.data import evaluate_dataset, in_memory, load_dataset
 from cloudburst.metrics import read_jsonl

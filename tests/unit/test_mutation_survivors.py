@@ -55,9 +55,10 @@ from cloudburst.shard import (
     overlapped_push_fetch,
     shard_checkpoint_path,
 )
-from cloudburst.strategies import local_sgd
 from cloudburst.strategies.daso import DasoSchedule
-from cloudburst.strategies.local_sgd import DilocoStrategy, LocalSgdStrategy
+from cloudburst.strategies.diloco import DilocoStrategy
+from cloudburst.strategies.local_sgd import LocalSgdStrategy
+from cloudburst.strategies.local_sgd import worker as local_sgd
 from tests import reference as ref
 from tests.fakes import WorkerSide, flush, ps_job
 
@@ -1001,7 +1002,7 @@ def test_asgd_counts_each_dropped_push():
 def test_asgd_restarts_from_the_servers_theta_after_each_rejected_push(caplog):
     job, replicas = _ps("asgd", 1, servers=1, n_push=1, n_fetch=4)
     worker, model = job.workers[0], replicas.models[0]
-    with caplog.at_level(logging.WARNING, logger="cloudburst.strategies.asgd"):
+    with caplog.at_level(logging.WARNING, logger="cloudburst.strategies.asgd.worker"):
         for step in (1, 2):
             replicas.step(0, step)
             with torch.no_grad():
@@ -1009,7 +1010,9 @@ def test_asgd_restarts_from_the_servers_theta_after_each_rejected_push(caplog):
             worker.after_step(BATCH)
             assert torch.equal(ref.flat(model), job.server_theta)
     assert worker.pushes_rejected == 2
-    messages = [r.getMessage() for r in caplog.records if r.name == "cloudburst.strategies.asgd"]
+    messages = [
+        r.getMessage() for r in caplog.records if r.name == "cloudburst.strategies.asgd.worker"
+    ]
     assert messages == ["the servers rejected this worker's push; re-fetching θ"] * 2
 
 

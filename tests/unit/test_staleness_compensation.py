@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cloudburst.comm.p2p import Status
-from cloudburst.config import COMPENSATIONS, ConfigError, RunConfig, Straggler
+from cloudburst.config import ConfigError, RunConfig, Straggler
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.shard import (
     ShardState,
@@ -22,6 +22,7 @@ from cloudburst.shard import (
     overlapped_push_fetch,
 )
 from cloudburst.sim.run import simulate
+from cloudburst.strategies.asgd.settings import COMPENSATIONS
 from tests.reference import compensated_server, delayed_nesterov_server
 
 NUMEL = 50

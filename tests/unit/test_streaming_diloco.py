@@ -10,8 +10,9 @@ import copy
 import pytest
 import torch
 
-from cloudburst.strategies import local_sgd
-from cloudburst.strategies.local_sgd import DilocoStrategy, split_fragments
+from cloudburst.strategies.diloco import DilocoStrategy
+from cloudburst.strategies.local_sgd import split_fragments
+from cloudburst.strategies.local_sgd import worker as local_sgd
 from tests import reference as ref
 from tests.dist.simulate import (
     assert_params_differ,

@@ -33,8 +33,8 @@ import math
 import statistics
 from collections import deque
 
-from cloudburst.comm.quantise import message_method
-from cloudburst.strategies.asgd import AsgdStrategy
+from cloudburst.strategies.asgd.worker import AsgdStrategy
+from cloudburst.strategies.async_diloco import AsyncDiloco
 
 SPEED_KEY = "async_diloco/speed/{}"  # worker i's measured steps per second, in the job store
 STEP_WINDOW = 4  # DyLU's speed: the median of a worker's last STEP_WINDOW·H step times
@@ -63,13 +63,11 @@ def fastest_fresh(
     return fastest
 
 
-class AsyncDilocoStrategy(AsgdStrategy):
-    name = "async_diloco"
-
+class AsyncDilocoStrategy(AsyncDiloco, AsgdStrategy):
     def __init__(self, ctx):
         super().__init__(ctx)
         # asgd's pushes, compressed as asgd's are (with error feedback).
-        self.compress = message_method(ctx.cfg.compress, AsgdStrategy.name)
+        self.compress = AsgdStrategy.message_method(ctx.cfg.compress)
         self.inner_steps = ctx.cfg.period  # H_i of the round under way
         self._since_push = 0  # inner steps of the round under way
         self._total_steps: int | None = None  # the run's last step, when the loop says

@@ -57,6 +57,7 @@ from cloudburst.comm.compress import (
 )
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.strategies.base import Strategy
+from cloudburst.strategies.daso import Daso
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": torch.float32}
 
@@ -154,11 +155,7 @@ class _Pending:
     sender: int  # global rank that started it (it merges, then broadcasts to its node)
 
 
-class DasoStrategy(Strategy):
-    name = "daso"
-    lockstep = True
-    process_groups = ("node_and_across",)
-
+class DasoStrategy(Daso, Strategy):
     def __init__(self, ctx):
         super().__init__(ctx)
         topo = ctx.topology

@@ -37,16 +37,11 @@ from cloudburst.comm.compress import ErrorFeedback
 from cloudburst.comm.flat import assign_flat
 from cloudburst.comm.p2p import Header, Kind, Status
 from cloudburst.shard import add_rule_alpha, elastic_step
-from cloudburst.strategies.asgd import AsgdStrategy
+from cloudburst.strategies.asgd.worker import AsgdStrategy
+from cloudburst.strategies.easgd import Easgd
 
 
-class EasgdStrategy(AsgdStrategy):
-    name = "easgd"
-    survives_worker_loss = True
-    # Its exchanges do not reconnect to a restarted shard (yet): a restarted shard fails at
-    # once, and the job stops as without restarts (resume it with --resume).
-    shards_restart_in_place = False
-
+class EasgdStrategy(Easgd, AsgdStrategy):
     def after_step(self, samples: int) -> None:
         self.local_steps += 1
         self._samples_since_push += samples

@@ -29,12 +29,10 @@ from cloudburst.comm.allreduce import (
     powersgd_state_dict,
 )
 from cloudburst.strategies.base import Strategy
+from cloudburst.strategies.sync import Sync
 
 
-class SyncStrategy(Strategy):
-    name = "sync"
-    lockstep = True
-
+class SyncStrategy(Sync, Strategy):
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         self.model = model
         topology = self.ctx.topology

@@ -58,9 +58,9 @@ from cloudburst.comm.collectives import all_reduce_sum
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.comm.gossip import GossipTransport, Mailbox, Snapshot
 from cloudburst.comm.p2p import CommStats
-from cloudburst.comm.quantise import message_method
-from cloudburst.config import GOSSIP_SCHEDULES
 from cloudburst.strategies.base import Strategy
+from cloudburst.strategies.gossip import Gossip
+from cloudburst.strategies.gossip.settings import GOSSIP_SCHEDULES
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +152,9 @@ def push_sum_fold(
 
 
 # ---------------------------------------------------------------------------- the strategy
-class GossipStrategy(Strategy):
-    name = "gossip"
-    decentralised = True
-    # Resumed from a common step: the consensus measurements are all-reduces matched by count.
-    lockstep = True
-    process_groups = ("gossip_pair",)
+class GossipStrategy(Gossip, Strategy):
+    # lockstep (Gossip): resumed from a common step, as the consensus measurements are
+    # all-reduces matched by count.
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -208,7 +205,7 @@ class GossipStrategy(Strategy):
             link=ctx.link,
             crosses=(lambda peer: topo.crosses(rank, peer)) if topo is not None else None,
             wire=ctx.comm,
-            compress=message_method(self.cfg.compress, self.name),
+            compress=self.message_method(self.cfg.compress),
         )
         self.spans_nodes = topo is not None and topo.spans_nodes(ctx.worker_ranks)
         return model

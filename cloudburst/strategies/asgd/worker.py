@@ -63,9 +63,9 @@ from torch import nn
 from cloudburst.comm.compress import ErrorFeedback, decode, encode
 from cloudburst.comm.flat import adopt_flat, assign_flat, flatten_params, is_flat_view, shard_bounds
 from cloudburst.comm.p2p import Header, Kind, Status
-from cloudburst.comm.quantise import message_method
 from cloudburst.liveness import Heartbeat, await_shard, heartbeat_interval_s, report_acked
 from cloudburst.shard import add_rule_alpha, overlapped_push_fetch
+from cloudburst.strategies.asgd import Asgd
 from cloudburst.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
@@ -78,13 +78,7 @@ SEEDED_KEY = "warm_start/seeded"  # in the job store once the warm-start worker 
 ADD_CHUNK_NUMEL = 1 << 18
 
 
-class AsgdStrategy(Strategy):
-    name = "asgd"
-    survives_worker_loss = True
-    # A shard that its agent restarts (--max-restarts) restores its checkpoint, and the workers
-    # reconnect to it (_reconnect_shard) instead of failing.
-    shards_restart_in_place = True
-
+class AsgdStrategy(Asgd, Strategy):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.transport = ctx.transport(self.stats)
@@ -101,7 +95,7 @@ class AsgdStrategy(Strategy):
         self._peek: torch.Tensor | None = None  # read-only fetches for evaluation
         self._heartbeat: Heartbeat | None = None
         self._samples_since_push = 0
-        self.compress = message_method(ctx.cfg.compress, self.name)
+        self.compress = self.message_method(ctx.cfg.compress)
         self.feedback = ErrorFeedback()  # residuals of compressed pushes, by shard
         # Restarted shards: each one's restart number and transport (a pair group), the last
         # version each shard acknowledged to this worker, and the reconnections to report.

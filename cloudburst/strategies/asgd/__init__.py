@@ -1,0 +1,42 @@
+"""``asgd``: asynchronous SGD with a sharded parameter server (Downpour; GPU A-SGD)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cloudburst.strategies.asgd.settings import AsgdConfig
+from cloudburst.strategies.spec import StrategySpec, worker_attributes
+
+
+class Asgd(StrategySpec):
+    name = "asgd"
+    worker = "cloudburst.strategies.asgd.worker:AsgdStrategy"
+    settings = (AsgdConfig,)
+    needs_servers = True
+    compression = ("none", "bf16", "fp8", "int8")
+    compresses_messages = True
+    survives_worker_loss = True
+    shards_restart_in_place = True
+    standby_shards = True
+
+    @classmethod
+    def warnings(cls, cfg: Any) -> list[str]:
+        if cfg.server_rule == "add" and cfg.workers >= 2 and cfg.server_lr * cfg.workers > 1.5:
+            return [
+                f"asgd: server lr λ = {cfg.server_lr:g} with {cfg.workers} workers adds up "
+                f"their pushes ({cfg.server_lr * cfg.workers:g}x one worker's step) and "
+                f"diverged in our measurements (benchmarks/results/defaults.md); the default "
+                f"λ = 1/W = {1 / cfg.workers:g} averages them"
+            ]
+        return []
+
+    @classmethod
+    def run_label(cls, summary: dict[str, Any]) -> str:
+        config = summary.get("config", {})
+        n = config.get("n_fetch"), config.get("n_push")
+        if n[0] == n[1]:
+            return f" S={summary['servers']} n_sync={n[0]}"
+        return f" n_fetch={n[0]} n_push={n[1]}"
+
+
+__getattr__ = worker_attributes(__name__)

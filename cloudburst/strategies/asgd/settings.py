@@ -1,0 +1,163 @@
+"""A-SGD's parameter-server settings (``[asgd]``, ``--n-sync`` ...), shared by the strategies
+whose workers talk to the shards (asgd, easgd, async_diloco). Torch-free: the CLI imports it
+before torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from cloudburst.config.fields import ConfigError, _check_choice, _check_float, _check_int, option
+
+SERVER_RULES = ("add", "sgd", "adagrad")
+# --staleness-compensation (cloudburst.shard; docs/algorithms.md#staleness-compensation).
+COMPENSATIONS = ("none", "scale", "dc", "dc-adaptive", "gap", "delay-adaptive")
+# asgd's n_fetch = n_push when neither nor --n-sync is given: at W = 4 as accurate as 1 in
+# about half the time (benchmarks/results/defaults.md); --n-sync 1 is DistBelief's every step.
+DEFAULT_N_SYNC = 8
+
+
+@dataclass
+class AsgdConfig:
+    """GPU A-SGD (docs/algorithms.md#asgd): every n_fetch local steps a worker fetches θ from
+    the shards, every n_push steps it pushes its Δ; the shards apply each push by their rule."""
+
+    section: ClassVar[str] = "asgd"
+    title: ClassVar[str] = "A-SGD parameter server (--strategy asgd, with --servers)"
+
+    n_sync: int | None = option(
+        None,
+        "GPU A-SGD n_sync: sets --n-fetch and --n-push (1: DistBelief's every step)",
+        shown=f"none, so both are {DEFAULT_N_SYNC}",
+    )
+    n_fetch: int | None = option(
+        None, "fetch θ every this many local steps", shown=f"--n-sync, or {DEFAULT_N_SYNC}"
+    )
+    n_push: int | None = option(
+        None, "push Δ every this many local steps", shown=f"--n-sync, or {DEFAULT_N_SYNC}"
+    )
+    server_rule: str = option(
+        "add",
+        "add: θ ← θ + λΔ; sgd and adagrad treat −Δ as a pseudo-gradient",
+        choices=SERVER_RULES,
+    )
+    server_lr: float | None = option(
+        None,
+        "λ of the add rule; the server optimizer's lr otherwise",
+        shown="1/W, which averages the workers' pushes",
+    )
+    server_momentum: float = option(0.0, "momentum of the sgd server rule")
+    max_staleness: int | None = option(
+        None,
+        "drop pushes staler than this many shard versions",
+        shown="none, every push is applied",
+    )
+    staleness_scaling: bool = option(
+        False,
+        "scale each push by 1/staleness (staleness-aware A-SGD); the same as "
+        "--staleness-compensation scale, kept as its alias",
+    )
+    staleness_compensation: str = option(
+        "none",
+        "how the shards compensate a stale push (docs/algorithms.md#staleness-compensation): "
+        "scale by 1/τ, DC-ASGD with a fixed or adaptive λ, gap-aware, a delay-adaptive step",
+        choices=COMPENSATIONS,
+    )
+    dc_lambda: float | None = option(
+        None,
+        "DC-ASGD's λ (dc), or λ0 of its adaptive λ_t = λ0/√(m_t) (dc-adaptive)",
+        shown="0.04 for dc, 2 for dc-adaptive (the paper's CIFAR-10 values)",
+    )
+    delay_threshold: int | None = option(
+        None,
+        "τ_C of delay-adaptive: full step while τ ≤ τ_C, τ_C/τ of it beyond",
+        shown="W, the number of workers",
+    )
+    compensation_window: int | None = option(
+        None,
+        "dc and gap: each shard keeps its θ of this many past versions (memory: as many "
+        "copies of the shard) to find the θ a push was computed against",
+        shown="4·W, or max_staleness + 1 when that is set",
+    )
+    shard_standby: bool = option(
+        False,
+        "keep a hot copy of each shard k on server (k+1) mod S, every applied push forwarded "
+        "before its reply: a killed shard fails over with no acknowledged push lost",
+    )
+
+    def _defaults_asgd(self) -> None:
+        """n_fetch and n_push from n_sync (or 8: as accurate as 1 in half the time,
+        docs/algorithms.md#asgd); --staleness-scaling is --staleness-compensation scale; λ = 1/W."""
+        if self.n_sync is not None:
+            _check_int("n_sync", self.n_sync, 1)
+        default_period = self.n_sync if self.n_sync is not None else DEFAULT_N_SYNC
+        if self.n_fetch is None:
+            self.n_fetch = default_period
+        if self.n_push is None:
+            self.n_push = default_period
+        if self.staleness_scaling and self.staleness_compensation == "none":
+            self.staleness_compensation = "scale"
+        elif self.staleness_compensation == "scale":
+            self.staleness_scaling = True
+        if self.server_lr is None:
+            # docs/algorithms.md#asgd: the W workers' pushes are averaged (λ = 1/W), not summed.
+            self.server_lr = (
+                1.0 / self.workers if isinstance(self.workers, int) and (self.workers > 0) else 1.0
+            )
+
+    @property
+    def dc_lambda_value(self) -> float:
+        if self.dc_lambda is not None:
+            return self.dc_lambda
+        return 2.0 if self.staleness_compensation == "dc-adaptive" else 0.04
+
+    @property
+    def delay_threshold_value(self) -> int:
+        if self.delay_threshold is not None:
+            return self.delay_threshold
+        return self.workers if isinstance(self.workers, int) and self.workers > 0 else 1
+
+    @property
+    def compensation_window_value(self) -> int:
+        if self.compensation_window is not None:
+            return self.compensation_window
+        if self.max_staleness is not None:
+            return self.max_staleness + 1
+        return 4 * max(1, self.workers if isinstance(self.workers, int) else 1)
+
+    def _validate_asgd(self) -> None:
+        _check_int("n_fetch", self.n_fetch, 1)
+        _check_int("n_push", self.n_push, 1)
+        _check_choice("server_rule", self.server_rule, SERVER_RULES)
+        _check_float("server_lr", self.server_lr, 0.0, None, low_open=True)
+        _check_float("server_momentum", self.server_momentum, 0.0, 1.0, high_open=True)
+        if self.max_staleness is not None:
+            _check_int("max_staleness", self.max_staleness, 0)
+        _check_choice("staleness_compensation", self.staleness_compensation, COMPENSATIONS)
+        if self.staleness_scaling and self.staleness_compensation not in ("none", "scale"):
+            raise ConfigError(
+                f"staleness_scaling: it is --staleness-compensation scale, which contradicts "
+                f"--staleness-compensation {self.staleness_compensation}; give one of them"
+            )
+        if self.dc_lambda is not None:
+            _check_float("dc_lambda", self.dc_lambda, 0.0, None)
+        if self.delay_threshold is not None:
+            _check_int("delay_threshold", self.delay_threshold, 1)
+        if self.compensation_window is not None:
+            _check_int("compensation_window", self.compensation_window, 1)
+        refused = self.strategy_spec.compensation_refused
+        if refused and self.staleness_compensation not in ("none", "scale"):
+            raise ConfigError(
+                f"staleness_compensation: {self.staleness_compensation} {refused}; use none or "
+                "scale"
+            )
+        if self.shard_standby and not self.strategy_spec.standby_shards:
+            raise ConfigError(
+                f"shard_standby: only asgd's shards keep a standby, not {self.strategy}'s "
+                "(async_diloco's do too, on the same machinery); drop --shard-standby"
+            )
+        if self.shard_standby and self.servers < 2:
+            raise ConfigError(
+                f"shard_standby: a standby lives on another server rank, but servers is "
+                f"{self.servers}; use --servers 2 or more"
+            )

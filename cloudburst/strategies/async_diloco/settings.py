@@ -1,0 +1,72 @@
+"""Asynchronous DiLoCo's settings (``[async_diloco]``: Delayed Nesterov's N and c, DyLU), with
+its checks of the asgd, local SGD and DiLoCo settings it reads. Torch-free: the CLI imports it
+before torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from cloudburst.config.fields import ConfigError, _check_float, _check_int, option
+
+
+@dataclass
+class AsyncDilocoConfig:
+    """Asynchronous DiLoCo (docs/algorithms.md#async_diloco; Liu et al. 2024): every H =
+    ``period`` inner steps a worker pushes its pseudo-gradient to the shards and fetches θ,
+    with no barrier; the shards' outer optimizer is Delayed Nesterov with DiLoCo's outer lr
+    and momentum (``diloco_outer_lr``, ``diloco_outer_momentum``)."""
+
+    section: ClassVar[str] = "async_diloco"
+    title: ClassVar[str] = "asynchronous DiLoCo (--strategy async_diloco, with --servers)"
+
+    dn_period: int | None = option(
+        None,
+        "N: Delayed Nesterov's momentum step every N pushes, plain SGD of lr η/N in between",
+        shown="W, the number of workers",
+    )
+    dn_c: float = option(
+        0.0, "c: the share of the momentum step also taken between momentum steps (0: DN)"
+    )
+    dylu: bool = option(
+        False,
+        "Dynamic Local Updates: after each push, worker i runs H_i = max(1, round(H·speed_i / "
+        "max speed)) inner steps, speed_i its measured steps per second (the first round: H)",
+    )
+
+    @property
+    def dn_period_value(self) -> int:
+        if self.dn_period is not None:
+            return self.dn_period
+        return self.workers if isinstance(self.workers, int) and self.workers > 0 else 1
+
+    def _validate_async_diloco(self) -> None:
+        if self.dn_period is not None:
+            _check_int("dn_period", self.dn_period, 1)
+        _check_float("dn_c", self.dn_c, 0.0, 1.0)
+        if self.strategy != "async_diloco":
+            if self.dylu or self.dn_period is not None or self.dn_c:
+                raise ConfigError(
+                    f"dylu: Delayed Nesterov's and Dynamic Local Updates' settings apply to "
+                    f"--strategy async_diloco only, not {self.strategy!r}"
+                )
+            return
+        if self.n_sync is not None:
+            raise ConfigError(
+                "n_sync: async_diloco pushes every H = --period inner steps (and its fetch "
+                "with it); drop --n-sync"
+            )
+        if self.server_rule != "add":
+            raise ConfigError(
+                f"server_rule: async_diloco's shards run Delayed Nesterov, not "
+                f"{self.server_rule!r}; drop --server-rule"
+            )
+        if not self.diloco_nesterov:
+            raise ConfigError(
+                "diloco_nesterov: async_diloco's outer optimizer is Delayed Nesterov; drop "
+                "--diloco-no-nesterov"
+            )
+        if self.local_sgd_warmup_steps:
+            raise ConfigError(
+                "local_sgd_warmup_steps: async_diloco has no synchronous warm-up; leave it at 0"
+            )

@@ -1,0 +1,38 @@
+"""``daso``: DASO (Coquelin et al. 2021), node-local synchronous, global asynchronous."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cloudburst.config.fields import ConfigError
+from cloudburst.strategies.daso.settings import DasoConfig
+from cloudburst.strategies.spec import StrategySpec, worker_attributes
+
+
+class Daso(StrategySpec):
+    name = "daso"
+    worker = "cloudburst.strategies.daso.worker:DasoStrategy"
+    settings = (DasoConfig,)
+    compression = ("none", "bf16", "fp8", "int8")
+    lockstep = True
+    process_groups = ("node_and_across",)
+
+    @classmethod
+    def validate_compress(cls, cfg: Any, method: str) -> None:
+        casts = (
+            getattr(cfg, "daso_downcast", "bf16"),
+            getattr(cfg, "daso_cycling_downcast", "none"),
+        )
+        if method != "none" and casts != ("bf16", "none"):
+            raise ConfigError(
+                f"compress: {cfg.compress!r} sends every DASO global sync as {method}; "
+                f"--daso-downcast {casts[0]} / --daso-cycling-downcast {casts[1]} apply only "
+                "with --compress none (leave them at bf16 / none)"
+            )
+
+    @classmethod
+    def run_label(cls, summary: dict[str, Any]) -> str:
+        return f" nodes={summary.get('nodes', 1)}"
+
+
+__getattr__ = worker_attributes(__name__)

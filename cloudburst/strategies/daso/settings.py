@@ -1,0 +1,76 @@
+"""DASO's settings (``[daso]``, ``--daso-*``; Heat's DASO knobs). Torch-free: the CLI imports
+it before torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from cloudburst.config.fields import ConfigError, _check_choice, _check_float, _check_int, option
+
+DOWNCASTS = ("bf16", "fp16", "none")
+
+
+@dataclass
+class DasoConfig:
+    """DASO (docs/algorithms.md#daso; Heat's DASO knobs): B = global_skip batches between
+    global syncs, each waited for S = batches_to_wait batches later; blocking warm-up and
+    cool-down."""
+
+    section: ClassVar[str] = "daso"
+    title: ClassVar[str] = "DASO (--strategy daso)"
+
+    daso_global_skip: int = option(4, "B at the start of cycling (0: blocking every batch)")
+    daso_batches_to_wait: int = option(1, "S at the start of cycling")
+    daso_local_skip: int = option(1, "L: node-local gradient all-reduce every L batches")
+    daso_max_global_skips: int = option(8, "B after a reset")
+    daso_warmup_epochs: float = option(4.0, "epochs of a blocking global average every batch")
+    daso_cooldown_epochs: float = option(4.0, "the same at the end")
+    daso_stability_level: float = option(
+        0.05, "plateau threshold: a relative improvement below it is not one"
+    )
+    daso_patience: int = option(2, "epochs without improvement before B and S shrink")
+    daso_skip_reduction_factor: int = option(2, "B and S are divided by this on a plateau")
+    daso_adaptive: bool = option(True, "keep B and S at their starting values", flag="--daso-fixed")
+    daso_downcast: str = option("bf16", "blocking averages' dtype", choices=DOWNCASTS)
+    daso_cycling_downcast: str = option(
+        "none", "non-blocking syncs' dtype (none = fp32, as Heat)", choices=DOWNCASTS
+    )
+    daso_epoch_end_sync: bool = option(
+        True,
+        "no blocking average on the last batch of each cycling epoch (Heat has one)",
+        flag="--daso-no-epoch-end-sync",
+    )
+    daso_chunk_elements: int = option(
+        10_000_000, "global all-reduces go in chunks of this many values"
+    )
+
+    def _validate_daso(self) -> None:
+        _check_int("daso_global_skip", self.daso_global_skip, 0)
+        _check_int("daso_batches_to_wait", self.daso_batches_to_wait, 0)
+        if self.daso_global_skip == 0 and self.daso_batches_to_wait != 0:
+            raise ConfigError(
+                "daso_batches_to_wait: must be 0 when daso_global_skip is 0 (blocking every batch)"
+            )
+        if self.daso_batches_to_wait > max(self.daso_global_skip, 1):
+            raise ConfigError(
+                f"daso_batches_to_wait: {self.daso_batches_to_wait} is more than "
+                f"daso_global_skip {self.daso_global_skip}; a sync must be merged before the next"
+            )
+        _check_int("daso_local_skip", self.daso_local_skip, 1)
+        _check_int("daso_max_global_skips", self.daso_max_global_skips, 1)
+        _check_float("daso_warmup_epochs", self.daso_warmup_epochs, 0.0, None)
+        _check_float("daso_cooldown_epochs", self.daso_cooldown_epochs, 0.0, None)
+        _check_float("daso_stability_level", self.daso_stability_level, 0.0, 1.0, high_open=True)
+        _check_int("daso_patience", self.daso_patience, 1)
+        _check_int("daso_skip_reduction_factor", self.daso_skip_reduction_factor, 2)
+        _check_choice("daso_downcast", self.daso_downcast, DOWNCASTS)
+        _check_choice("daso_cycling_downcast", self.daso_cycling_downcast, DOWNCASTS)
+        _check_int("daso_chunk_elements", self.daso_chunk_elements, 1)
+        if self.strategy == "daso":
+            nodes = self.nodes or 1
+            if self.workers % nodes:
+                raise ConfigError(
+                    f"nodes: {self.workers} workers do not split evenly over {nodes} nodes "
+                    "(DASO needs the same number of ranks on every node)"
+                )

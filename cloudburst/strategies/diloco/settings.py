@@ -1,0 +1,84 @@
+"""DiLoCo's settings (``[diloco]``: the outer optimizer, Streaming DiLoCo's fragments), read
+by async_diloco too. Torch-free: the CLI imports it before torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from cloudburst.config.fields import ConfigError, _check_float, _check_int, option
+from cloudburst.strategies.local_sgd.settings import _LOCAL_SGD_TITLE
+
+
+@dataclass
+class DilocoConfig:
+    """DiLoCo (docs/algorithms.md#local_sgd-and-diloco): every H steps the averaged Δ is an
+    outer optimizer's gradient (SGD with Nesterov momentum)."""
+
+    section: ClassVar[str] = "diloco"
+    title: ClassVar[str] = _LOCAL_SGD_TITLE
+
+    # 0.7 (the paper's) over SGD diverged (benchmarks/results/defaults.md).
+    diloco_outer_lr: float | None = option(
+        None, "outer SGD lr", shown="0.7 over --optimizer adam, 0.1 over sgd (gpt: 1)"
+    )
+    diloco_outer_momentum: float | None = option(
+        None, "outer momentum", shown="0.9 (gpt: 0, docs/lm.md)"
+    )
+    diloco_nesterov: bool = option(
+        True, "plain momentum in the outer optimizer", flag="--diloco-no-nesterov"
+    )
+    # Streaming DiLoCo (Douillard et al. 2025): F = 1, τ = 0 is DiLoCo itself.
+    fragments: int = option(
+        1,
+        "Streaming DiLoCo: F fragments of contiguous parameter tensors (module order, "
+        "balanced by element count), fragment k synchronised at offset (k+1)·H/F",
+    )
+    fragment_delay: int = option(
+        0, "τ: a fragment's all-reduce is applied τ inner steps after it starts (< H/F)"
+    )
+    fragment_alpha: float = option(
+        0.0, "α: θ_fragment ← α·θ_local + (1−α)·θ_global after its outer step (0: DiLoCo's)"
+    )
+
+    def _defaults_diloco(self) -> None:
+        """The outer step's lr and momentum left open: the GPT's outer step is plain averaging
+        (lr 1, no momentum): at its budget the paper's Nesterov 0.7/0.9 ended 0.45-0.51 nats
+        behind sync, averaging 0.07 (docs/lm.md); over SGD 0.1, over Adam the paper's 0.7."""
+        from cloudburst.gpt import is_gpt_spec
+
+        lm = isinstance(self.model, str) and is_gpt_spec(self.model)
+        if self.diloco_outer_lr is None:
+            adam = self.optimizer in ("adam", "adamw")
+            self.diloco_outer_lr = 1.0 if lm else 0.7 if adam else 0.1
+        if self.diloco_outer_momentum is None:
+            self.diloco_outer_momentum = 0.0 if lm else 0.9
+
+    def _validate_diloco(self) -> None:
+        if self.strategy == "diloco" and self.local_sgd_warmup_steps:
+            raise ConfigError(
+                "local_sgd_warmup_steps: diloco has no synchronous warm-up (it is local_sgd's "
+                "post-local SGD); leave it at 0"
+            )
+        _check_float("diloco_outer_lr", self.diloco_outer_lr, 0.0, None, low_open=True)
+        _check_float("diloco_outer_momentum", self.diloco_outer_momentum, 0.0, 1.0, high_open=True)
+        _check_int("fragments", self.fragments, 1)
+        _check_int("fragment_delay", self.fragment_delay, 0)
+        _check_float("fragment_alpha", self.fragment_alpha, 0.0, 1.0)
+        streaming = (self.fragments, self.fragment_delay, self.fragment_alpha) != (1, 0, 0.0)
+        if streaming and self.strategy != "diloco":
+            raise ConfigError(
+                f"fragments: Streaming DiLoCo's fragments, fragment_delay and fragment_alpha "
+                f"apply to --strategy diloco only, not {self.strategy!r}"
+            )
+        if self.fragments > self.period:
+            raise ConfigError(
+                f"fragments: {self.fragments} is more than the period H = {self.period}; "
+                f"use 1..{self.period} (each fragment needs a step of its own)"
+            )
+        if self.fragment_delay >= max(1, self.period // self.fragments):
+            raise ConfigError(
+                f"fragment_delay: {self.fragment_delay} is not allowed with H = {self.period} and "
+                f"{self.fragments} fragments; use 0..{self.period // self.fragments - 1} "
+                "(< H/F: one fragment in flight at a time)"
+            )

@@ -1,0 +1,97 @@
+"""What the config, the launcher and the runtime know of a strategy before torch is imported.
+
+Each strategy package (``strategies/<name>/``) declares one :class:`StrategySpec` subclass in
+its ``__init__.py``: its name, its settings (config sections), its traits, and the checks and
+defaults that depend on which strategy runs. Its worker class (``worker.py``) inherits it, so
+the traits are the worker class's attributes too, written once. Torch-free: the CLI validates a
+config with it before the forkserver imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+#: The ``--compress`` methods a point-to-point message (θ, Δ) can travel in.
+MESSAGE_METHODS = ("bf16", "fp8", "int8")
+
+
+class StrategySpec:
+    name: ClassVar[str]
+    #: "module:Class" of the worker class, imported (with torch) when a rank builds it.
+    worker: ClassVar[str] = ""
+    #: The settings dataclasses (config sections, flags) this strategy brings; RunConfig is
+    #: composed of every registered strategy's.
+    settings: ClassVar[tuple[type, ...]] = ()
+    #: Its workers talk to parameter-server shards (``--servers`` 1 or more; 0 otherwise).
+    needs_servers: ClassVar[bool] = False
+    #: The ``--compress`` methods it supports (the rest of the strategies send fp32).
+    compression: ClassVar[tuple[str, ...]] = ("none",)
+    #: Its point-to-point messages (θ, Δ) travel compressed under ``--compress``.
+    compresses_messages: ClassVar[bool] = False
+    #: True when the job keeps going if a worker dies (launched with one agent per rank).
+    survives_worker_loss: ClassVar[bool] = False
+    #: A shard that its agent restarts (--max-restarts) restores its checkpoint, and the
+    #: workers reconnect to it instead of failing.
+    shards_restart_in_place: ClassVar[bool] = False
+    #: Its shards can keep a hot standby copy (``--shard-standby``).
+    standby_shards: ClassVar[bool] = False
+    #: Why its shards refuse a staleness compensator other than none and scale ("" if not).
+    compensation_refused: ClassVar[str] = ""
+    #: True when the replicas move together (every worker at the same step is needed to
+    #: resume): a resumed run starts every worker from the latest step all of them saved.
+    lockstep: ClassVar[bool] = False
+    #: True when replicas may still differ at the end (gossip): the loop then reports each
+    #: replica's test accuracy and makes the final model their average.
+    decentralised: ClassVar[bool] = False
+    #: The extra process groups it needs, by name, built once by every rank when the job
+    #: starts (:func:`cloudburst.runtime.init_distributed`): "node_and_across" (one group per
+    #: node, one per local rank across the nodes: DASO), "gossip_pair" (two gloo groups of the
+    #: workers: gossip's requests and replies).
+    process_groups: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def worker_class(cls) -> type:
+        """The worker class (a :class:`~cloudburst.strategies.base.Strategy`)."""
+        module, _, name = cls.worker.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    @classmethod
+    def message_method(cls, compress: str) -> str:
+        """How its point-to-point payloads travel under ``--compress compress``: bf16, fp8 or
+        int8, or ``none`` (fp32) for a strategy that sends no such messages."""
+        method = compress.partition(":")[0]
+        return method if cls.compresses_messages and method in MESSAGE_METHODS else "none"
+
+    @classmethod
+    def shard_rule(cls, cfg: Any) -> tuple[str, float]:
+        """(rule, lr) of its parameter-server shards: the configured asgd rule by default."""
+        return cfg.server_rule, cfg.server_lr
+
+    @classmethod
+    def validate_compress(cls, cfg: Any, method: str) -> None:
+        """Its own rules on ``--compress`` (``method``, already allowed); raises ConfigError."""
+
+    @classmethod
+    def warnings(cls, cfg: Any) -> list[str]:
+        """Valid settings known to train badly with it (the CLI prints each, one line)."""
+        return []
+
+    @classmethod
+    def run_label(cls, summary: dict[str, Any]) -> str:
+        """What a plot's legend adds to "strategy W=…" for one of its runs' summary.json."""
+        return ""
+
+
+def worker_attributes(package: str) -> Callable[[str], Any]:
+    """A strategy package's ``__getattr__``: the names of its ``worker`` module (the worker
+    class and its helpers), imported with torch on first use, so that importing the package
+    for its spec and settings stays torch-free."""
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(importlib.import_module(f"{package}.worker"), name)
+
+    return __getattr__

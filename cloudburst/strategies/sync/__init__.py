@@ -1,0 +1,13 @@
+"""``sync``: synchronous all-reduce with ``DistributedDataParallel`` itself (the baseline)."""
+
+from cloudburst.strategies.spec import StrategySpec, worker_attributes
+
+
+class Sync(StrategySpec):
+    name = "sync"
+    worker = "cloudburst.strategies.sync.worker:SyncStrategy"
+    compression = ("none", "bf16", "fp8", "int8", "powersgd")
+    lockstep = True
+
+
+__getattr__ = worker_attributes(__name__)
