@@ -14,12 +14,12 @@ import torch
 
 from cloudburst.checkpoint import load_model_into
 from cloudburst.config import ConfigError, RunConfig
-from cloudburst.strategies import BUILT_IN as STRATEGIES
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.data import evaluate_dataset, in_memory, load_dataset
 from cloudburst.metrics import read_jsonl
 from cloudburst.models import build_model
 from cloudburst.sim.run import SimulationFailed, simulate
+from cloudburst.strategies import BUILT_IN as STRATEGIES
 
 SPEC = "gpt:layers=1,width=32,heads=2"
 
