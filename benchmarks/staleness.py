@@ -25,6 +25,7 @@ import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from statistics import NormalDist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
@@ -41,11 +42,27 @@ BEST_RATIO_TARGET, SAMPLES_TARGET, DILOCO_RATIO_TARGET, BAND = 0.70, 1.2, 0.75, 
 ARMS = ("sync", "asgd", "asgd dc-adaptive", "diloco", "async_diloco", "async_diloco dylu")
 
 
+def slowest(n: int, jitter: str) -> float:
+    """The expected largest of ``n`` draws of ``jitter`` (mean 1): a lockstep step waits for it.
+    Pareto(α): x_m·Γ(n+1)Γ(1−1/α)/Γ(n+1−1/α), x_m = (α−1)/α; lognormal(CV): its quantile at
+    n/(n+1), an approximation (both only size a run's steps, never a result)."""
+    kind, _, value = jitter.partition(":")
+    if n < 1:
+        return 1.0
+    if kind == "pareto":
+        a = float(value)
+        lg = math.lgamma(n + 1) + math.lgamma(1 - 1 / a) - math.lgamma(n + 1 - 1 / a)
+        return (a - 1) / a * math.exp(lg)
+    sigma = math.sqrt(math.log1p(float(value) ** 2))
+    return math.exp(-sigma * sigma / 2 + sigma * NormalDist().inv_cdf(n / (n + 1)))
+
+
 def argv(name: str, w: int, jitter: str, budget_s: float) -> list[str]:
     flags, kind = STRAGGLER_ARMS[name]
     # an asynchronous arm's fast worker steps about once per STEP_S (jitter mean 1: margin
-    # 1.3), a lockstep arm at the straggler's pace at best; both then outlast the budget
-    pace = STEP_S if kind == "async" else SLOW * STEP_S * 0.8
+    # 1.3), a lockstep arm at its slowest worker's pace at best (the 4× straggler, or the
+    # largest of the others' W − 1 draws at W = 64); both then outlast the budget
+    pace = STEP_S if kind == "async" else max(SLOW, slowest(w - 1, jitter)) * STEP_S * 0.8
     steps = math.ceil(1.3 * budget_s / pace)
     return [*flags, "--workers", str(w), "--steps", str(steps), "--train-size", "40000",
             "--straggler", f"0:{SLOW:g}", "--step-time-s", str(STEP_S),
@@ -89,6 +106,10 @@ def main() -> None:
         p.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(STRAGGLER_ARMS)}")
         p.add_argument("--budget-s", type=float, default=BUDGET_S, help="virtual s per arm")
         p.add_argument("--jobs", type=int, default=2, help="simulations side by side")
+        p.add_argument(
+            "--timeout-s", type=float, default=3600.0,
+            help="one simulation's wall-clock limit (W = 64 asynchronous: ~15 min idle)",
+        )  # fmt: skip
 
     args, prov = harness.start(__doc__, add)
     budget = 3.0 if args.quick else args.budget_s
@@ -109,7 +130,7 @@ def main() -> None:
     def one(job: tuple[Arm, int]) -> harness.Run:
         arm, seed = job
         out = root / harness.slug(arm.name) / f"seed{seed}"
-        r = harness.run_train(arm, seed, out, command=command)
+        r = harness.run_train(arm, seed, out, args.timeout_s, command=command)
         print(f"  {arm.name} seed {seed}: {harness.describe(r)}", flush=True)
         return r
 

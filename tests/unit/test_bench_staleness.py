@@ -6,6 +6,10 @@ Expected values are worked out by hand in the comments.
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from benchmarks import experiments, staleness
 from benchmarks.harness import Run
 
@@ -77,3 +81,13 @@ def test_why_gives_each_arm_its_throughput_and_samples_ratio_to_sync():
                  "predicted_time_ratio": 3.0 / 1.8}
     }  # fmt: skip
     assert "| asgd | 1.8 | 3 | 1.67 |" in why["text"]
+
+
+def test_a_lockstep_arm_is_sized_by_its_slowest_worker_the_straggler_or_the_largest_draw():
+    assert staleness.slowest(1, "pareto:2") == pytest.approx(1.0)  # one draw: the mean
+    # E[max of 3 Pareto(2) draws, x_m = 1/2] = ½·Γ(4)Γ(½)/Γ(3½) = ½·6·√π/(15√π/8) = 1.6
+    assert staleness.slowest(3, "pareto:2") == pytest.approx(1.6)
+    assert staleness.slowest(1, "lognormal:0.3") == pytest.approx(1 / (1 + 0.09) ** 0.5)
+    steps = {w: int(staleness.argv("sync", w, "pareto:2", 30.0)[5]) for w in (16, 64)}
+    # W = 16: the 4× straggler is the slowest (as before); W = 64: the largest of 63 draws
+    assert steps == {16: math.ceil(1.3 * 30 / (4 * 0.02 * 0.8)), 64: 346}
