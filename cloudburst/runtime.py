@@ -16,6 +16,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -227,42 +228,15 @@ def init_distributed(cfg: RunConfig, strategy_cls: type[StrategySpec] | None = N
         return _rejoin_job(cfg, rank, world, device, backend)
     if not dist.is_initialized():
         _init_world_group(rank, world, timeout)
-    workers_group = None
-    if cfg.servers or backend != "gloo":
-        # Every rank must take part in creating a group, servers included.
-        workers_group = (
-            dist.new_group(
-                list(range(cfg.servers, world)),
-                timeout=timeout,
-                backend=backend,
-                use_local_synchronization=True,
-            )
-            if rank >= cfg.servers
-            else None
-        )
-    servers_group = None
-    if cfg.servers > 1 and rank < cfg.servers:
-        # Only the servers take part (hashed group name): workers skip it.
-        servers_group = dist.new_group(
-            list(range(cfg.servers)), timeout=timeout, use_local_synchronization=True
-        )
     topology = resolve_topology(cfg, world)
-    node_group = global_group = None
-    if "node_and_across" in traits.process_groups:
-        node_group, global_group = _node_and_across_groups(topology, backend, timeout)
-    gossip_groups: tuple[dist.ProcessGroup | None, ...] = (None, None)
-    if "gossip_pair" in traits.process_groups:
-        # Two gloo groups of the workers, created once by every rank in the same order.
-        workers = list(range(cfg.servers, world))
-        gossip_groups = tuple(
-            dist.new_group(workers, timeout=timeout, backend="gloo") for _ in range(2)
-        )
     store = _job_store(cfg, traits.survives_worker_loss)
     # Liveness on a connection of its own: the training thread's long store waits (a final
     # report, a checkpoint agreement) hold its client, and heartbeats must not wait for them.
     liveness_store = _job_store(cfg, traits.survives_worker_loss)
+    fields = _real_rank(cfg, store, device, backend, topology)
+    ctx = build_context(cfg, rank, REAL, traits=traits, liveness_store=liveness_store, **fields)
     interval_s = heartbeat_interval_s(cfg.heartbeat_timeout_s)
-    heartbeat = Heartbeat(liveness_store, rank, interval_s).start()
+    ctx.heartbeat = Heartbeat(liveness_store, rank, interval_s).start()
     _configure_logging(rank, "server" if rank < cfg.servers else "worker")
     if rank == cfg.servers:
         log.info(
@@ -271,40 +245,80 @@ def init_distributed(cfg: RunConfig, strategy_cls: type[StrategySpec] | None = N
             backend,
             topology.num_nodes,
         )
-    return _context(
-        cfg,
-        rank,
-        world,
-        store,
-        device,
-        backend,
-        topology,
-        workers_group=workers_group,
-        node_group=node_group,
-        global_group=global_group,
-        gossip_request_group=gossip_groups[0],
-        gossip_reply_group=gossip_groups[1],
-        servers_group=servers_group,
-        heartbeat=heartbeat,
-        liveness_store=liveness_store,
-    )
+    return ctx
 
 
-def _context(cfg, rank, world, store, device, backend, topology, **groups) -> Context:
-    """The Context both ways into a job build (joining it, or rejoining after a restart)."""
+def build_context(
+    cfg: RunConfig,
+    rank: int,
+    comm: Transport,
+    *,
+    traits: type[StrategySpec] | None = None,
+    **fields: Any,
+) -> Context:
+    """Rank ``rank``'s Context, with the process groups the job needs (the workers', the
+    servers', and those its strategy declares), made through ``comm.new_group`` in the same
+    order on every rank: one set-up for the real job (:func:`init_distributed`) and the
+    virtual cluster (:mod:`cloudburst.sim.run`). ``fields``: the rest of the Context (store,
+    device, backend, topology, t0, link, heartbeat, ...)."""
+    traits = traits if traits is not None else cfg.strategy_spec
+    world, timeout_s, backend = cfg.world_size, cfg.comm_timeout_s, fields["backend"]
+    workers = list(range(cfg.servers, world))
+    is_worker = rank >= cfg.servers
+    groups: dict[str, Any] = {"workers_group": None}
+    if (cfg.servers or backend == "nccl") and is_worker:
+        # Only the workers take part (on gloo without servers, the world is theirs).
+        groups["workers_group"] = comm.new_group("workers", workers, timeout_s, backend)
+    if cfg.servers > 1 and not is_worker:
+        groups["servers_group"] = comm.new_group("servers", list(range(cfg.servers)), timeout_s)
+    if "node_and_across" in traits.process_groups:
+        # One group per node, and one per local rank across the nodes (DASO's), every rank
+        # taking part in each.
+        topology: Topology = fields["topology"]
+        nodes = [topology.ranks_on(n) for n in range(topology.num_nodes)]
+        if len({len(r) for r in nodes}) != 1:
+            raise RuntimeError(f"DASO needs the same number of ranks on every node, got {nodes}")
+        across = [[ranks[g] for ranks in nodes] for g in range(len(nodes[0]))]
+        for kind, key, members in (
+            ("node", "node_group", nodes),
+            ("across", "global_group", across),
+        ):
+            for i, ranks in enumerate(members):
+                group = comm.new_group(f"{kind}{i}", ranks, timeout_s, backend, every_rank=True)
+                if rank in ranks:
+                    groups[key] = group
+    if "gossip_pair" in traits.process_groups:
+        # Two gloo groups of the workers, created once by every rank in the same order.
+        for key, name in (("gossip_request_group", "gossip-requests"),
+                          ("gossip_reply_group", "gossip-replies")):  # fmt: skip
+            groups[key] = comm.new_group(name, workers, timeout_s, "gloo", every_rank=True)
+    return _rank_context(cfg, rank, comm, **groups, **fields)
+
+
+def _rank_context(cfg: RunConfig, rank: int, comm: Transport, **fields: Any) -> Context:
     return Context(
         cfg=cfg,
         rank=rank,
-        world_size=world,
+        world_size=cfg.world_size,
         num_servers=cfg.servers,
         num_workers=cfg.workers,
-        store=store,
-        t0=time.time(),
-        device=device,
-        backend=backend,
-        topology=topology,
-        link=LinkEmulator(LinkSpec.parse(cfg.inter_node_link) if cfg.inter_node_link else None),
-        **groups,
+        comm=comm,
+        **fields,
+    )
+
+
+def _real_rank(cfg: RunConfig, store, device, backend: str, topology: Topology) -> dict[str, Any]:
+    """A real rank's Context fields: the clock's start now, the emulated inter-node link."""
+    link = LinkEmulator(LinkSpec.parse(cfg.inter_node_link) if cfg.inter_node_link else None)
+    return dict(
+        store=store, device=device, backend=backend, topology=topology, t0=time.time(), link=link
+    )
+
+
+def _context(cfg, rank, store, device, backend, topology, **groups) -> Context:
+    """A real rank's Context outside the job's groups (rejoining it after a restart)."""
+    return _rank_context(
+        cfg, rank, REAL, **_real_rank(cfg, store, device, backend, topology), **groups
     )
 
 
@@ -335,7 +349,6 @@ def _rejoin_job(
     return _context(
         cfg,
         rank,
-        world,
         store,
         device,
         backend,
@@ -365,7 +378,6 @@ def _restart_shard(
     return _context(
         cfg,
         rank,
-        world,
         store,
         device,
         backend,
@@ -469,20 +481,6 @@ def resolve_topology(cfg: RunConfig, world: int) -> Topology:
     if nodes > 1:
         return Topology(tuple(r // local for r in range(world)))
     return Topology.contiguous(world, cfg.nodes or 1)
-
-
-def _node_and_across_groups(
-    topology: Topology, backend: str, timeout: datetime.timedelta
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """One group per node, and one per local rank across the nodes (DASO's), built once."""
-    nodes = [topology.ranks_on(n) for n in range(topology.num_nodes)]
-    if len({len(r) for r in nodes}) != 1:
-        raise RuntimeError(f"DASO needs the same number of ranks on every node, got {nodes}")
-    per_node = len(nodes[0])
-    across = [[ranks[g] for ranks in nodes] for g in range(per_node)]
-    node_group, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend=backend)
-    global_group, _ = dist.new_subgroups_by_enumeration(across, timeout=timeout, backend=backend)
-    return node_group, global_group
 
 
 def _choose_gloo_interface(master_addr: str) -> None:

@@ -33,7 +33,6 @@ from cloudburst.data import (
     loss_function,
     worker_source,
 )
-from cloudburst.device_emulation import DeviceEmulator
 from cloudburst.faults import FaultInjector, parse_faults
 from cloudburst.liveness import EXIT_PEER_LOST, Watchdog, mark_done, watched_peers
 from cloudburst.metrics import MetricsWriter, iter_jsonl, write_json_atomic
@@ -250,9 +249,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     # per-layer forward and backward hooks (cloudburst.device_emulation), so communication
     # overlaps with it where it would on a device. Installed after the evaluator copied the
     # model (the copy has no hooks). The virtual cluster charges its modelled time instead.
-    emulator = None
-    if not ctx.comm.simulated and (cfg.min_step_time_s > 0 or factor > 1):
-        emulator = DeviceEmulator(model, cfg.min_step_time_s, factor, ctx.comm.sleep, ctx.comm.now)
+    emulator = ctx.comm.device_emulator(model, cfg.min_step_time_s, factor)
 
     def on_device(step_fn, *args) -> float:
         """One training step on the emulated device: its compute (the step's time less what

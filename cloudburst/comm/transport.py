@@ -18,6 +18,7 @@ is the business of :mod:`cloudburst.comm.p2p` above this layer, so both transpor
 from __future__ import annotations
 
 import contextlib
+import datetime
 import threading
 import time
 from collections.abc import Callable
@@ -90,6 +91,12 @@ class Transport(Protocol):
     def stop_self(self, kind: str) -> None:
         """An injected fault: ``"kill"`` this rank (SIGKILL) or ``"stop"`` it (SIGSTOP)."""
 
+    def device_emulator(self, model: nn.Module, min_step_time_s: float, factor: float) -> Any:
+        """The emulated device of a worker's ``model`` (``--min-step-time-s``, a straggler's
+        ``factor``): a :class:`~cloudburst.device_emulation.DeviceEmulator` sleeping its
+        padding in the layers' hooks, or None when there is nothing to pad or the transport
+        charges the modelled step time itself (the simulator: :meth:`step_done`)."""
+
     def apply_done(self, nbytes: int) -> None:
         """A parameter server applied an update of ``nbytes`` (the real apply took its own
         time; the simulator charges the modelled cost)."""
@@ -105,6 +112,19 @@ class Transport(Protocol):
         """Receive into ``tensor`` from ``src`` (None: any member); returns the sender."""
 
     # ------------------------------------------------------------------ collectives
+    def new_group(
+        self,
+        name: str,
+        ranks: list[int],
+        timeout_s: float,
+        backend: str | None = None,
+        every_rank: bool = False,
+    ) -> Any:
+        """The group of ``ranks`` (global ranks, in that order; operations on it time out
+        after ``timeout_s``), called in the same order by each of them, or by every rank of
+        the world when ``every_rank`` (non-members get no usable group); ``name`` names it
+        where the transport names groups, ``backend`` the real one's (None: the world's)."""
+
     def group_size(self, group: Any = None) -> int: ...
 
     def group_rank(self, group: Any = None) -> int:
@@ -192,6 +212,13 @@ class TorchTransport:
         if target_s > compute_s:
             time.sleep(target_s - compute_s)
 
+    def device_emulator(self, model, min_step_time_s, factor):
+        if min_step_time_s <= 0 and factor <= 1:
+            return None
+        from cloudburst.device_emulation import DeviceEmulator
+
+        return DeviceEmulator(model, min_step_time_s, factor, self.sleep, self.now)
+
     def apply_done(self, nbytes: int) -> None:
         pass
 
@@ -202,6 +229,18 @@ class TorchTransport:
         from cloudburst.faults import signal_self
 
         signal_self(kind)
+
+    # ------------------------------------------------------------------ groups
+    def new_group(self, name, ranks, timeout_s, backend=None, every_rank=False):
+        # Groups of some ranks only are synchronised among their members (their name hashed
+        # from the ranks); those every rank makes are numbered in creation order (two groups
+        # of the same ranks, gossip's pair, need that).
+        return dist.new_group(
+            list(ranks),
+            timeout=datetime.timedelta(seconds=timeout_s),
+            backend=backend,
+            use_local_synchronization=not every_rank,
+        )
 
     # ------------------------------------------------------------------ point to point
     def isend(self, tensor, dst, tag, group=None):

@@ -106,6 +106,13 @@ class SimNetwork:
         return [g for g in self.groups if rank in g.members]
 
     def new_group(self, name: str, members: list[int]) -> SimGroup:
+        """The group ``name`` of ``members``: made by the first member that asks, the same
+        object for the others (each rank makes the job's groups as a real rank does)."""
+        for group in self.groups:
+            if group.name == name:
+                if group.members != list(members):
+                    raise ValueError(f"group {name!r} is {group.members}, not {list(members)}")
+                return group
         group = SimGroup(name, list(members))
         self.groups.append(group)
         return group

@@ -30,9 +30,9 @@ from cloudburst.data import load_dataset
 from cloudburst.faults import FaultInjector, parse_faults
 from cloudburst.metrics import MetricsWriter, write_json_atomic
 from cloudburst.models import build_model
-from cloudburst.runtime import Context
+from cloudburst.runtime import Context, build_context
 from cloudburst.sim.clock import ClockModel, calibrate_step_time, resolve_step_time
-from cloudburst.sim.network import SimGroup, SimNetwork
+from cloudburst.sim.network import SimNetwork
 from cloudburst.sim.scheduler import Scheduler
 from cloudburst.sim.transport import NullHeartbeat, SimStore, SimTransport
 
@@ -57,21 +57,20 @@ class VirtualCluster:
         self.sched = Scheduler()
         self.net = SimNetwork(self.sched, clock, self.topology, cfg.comm_timeout_s)
         self.store = SimStore(self.net)
-        self._groups = _groups(self.net, cfg, self.topology)
         self._faults = parse_faults(cfg.inject_fault, cfg.servers, self.world)
 
     def context(self, rank: int) -> Context:
+        """Rank ``rank``'s Context, its groups made as a real rank makes them (through its
+        transport): called on the rank's own task."""
         cfg = self.cfg
         worker = rank >= cfg.servers
         index = rank - cfg.servers if worker else None
         slow = FaultInjector(self._faults, rank, active=False).slow_factor
         factor = cfg.straggler_factor(index) * slow if worker else 1.0
-        return Context(
-            cfg=cfg,
-            rank=rank,
-            world_size=self.world,
-            num_servers=cfg.servers,
-            num_workers=cfg.workers,
+        return build_context(
+            cfg,
+            rank,
+            SimTransport(self.net, rank, index, factor),
             store=self.store,
             t0=0.0,
             device=torch.device("cpu"),
@@ -79,8 +78,6 @@ class VirtualCluster:
             topology=self.topology,
             link=None,  # the clock model is the link
             heartbeat=NullHeartbeat(),
-            comm=SimTransport(self.net, rank, index, factor),
-            **self._groups(rank),
         )
 
     def run(self, rank_main: Callable[[int], Any]) -> list[Any]:
@@ -178,44 +175,6 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     }
     write_json_atomic(summary_path, summary)
     return summary
-
-
-def _groups(net: SimNetwork, cfg: RunConfig, topology):
-    """The process groups every rank's Context holds, made as init_distributed makes them."""
-    world = cfg.world_size
-    workers = list(range(cfg.servers, world))
-    workers_group = net.new_group("workers", workers) if cfg.servers else None
-    servers_group = net.new_group("servers", list(range(cfg.servers))) if cfg.servers > 1 else None
-    node_of: dict[int, SimGroup] = {}
-    across_of: dict[int, SimGroup] = {}
-    declared = cfg.strategy_spec.process_groups
-    if "node_and_across" in declared:
-        nodes = [topology.ranks_on(n) for n in range(topology.num_nodes)]
-        if len({len(r) for r in nodes}) != 1:
-            raise ValueError(f"DASO needs the same number of ranks on every node, got {nodes}")
-        for n, ranks in enumerate(nodes):
-            g = net.new_group(f"node{n}", ranks)
-            node_of.update(dict.fromkeys(ranks, g))
-        for local in range(len(nodes[0])):
-            ranks = [r[local] for r in nodes]
-            g = net.new_group(f"across{local}", ranks)
-            across_of.update(dict.fromkeys(ranks, g))
-    gossip = "gossip_pair" in declared
-    requests = net.new_group("gossip-requests", workers) if gossip else None
-    replies = net.new_group("gossip-replies", workers) if gossip else None
-
-    def of(rank: int) -> dict[str, Any]:
-        is_worker = rank >= cfg.servers
-        return {
-            "workers_group": workers_group if is_worker else None,
-            "servers_group": servers_group if rank < cfg.servers else None,
-            "node_group": node_of.get(rank),
-            "global_group": across_of.get(rank),
-            "gossip_request_group": requests,
-            "gossip_reply_group": replies,
-        }
-
-    return of
 
 
 def _first_line(e: BaseException) -> str:

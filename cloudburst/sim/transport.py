@@ -263,6 +263,9 @@ class SimTransport:
     def sleep(self, seconds: float) -> None:
         self.sched.advance(max(0.0, seconds))
 
+    def device_emulator(self, model, min_step_time_s, factor) -> None:
+        return None  # the modelled step time is charged in step_done
+
     def step_done(self, compute_s: float, min_step_time_s: float, factor: float) -> None:
         if self._charged:  # at the gradient all-reduce, where the compute ended
             self._charged = False
@@ -362,6 +365,9 @@ class SimTransport:
         return msg.src
 
     # ------------------------------------------------------------------ collectives
+    def new_group(self, name, ranks, timeout_s, backend=None, every_rank=False) -> SimGroup:
+        return self.net.new_group(name, ranks)  # the network's timeout is comm_timeout_s
+
     def group_size(self, group=None) -> int:
         return (group or self.net.world).size
 
