@@ -146,7 +146,7 @@ def accuracy(args) -> None:
         f"defaults, `{' '.join(budget)}`, seeds {list(seeds)}, arms interleaved (order rotated "
         "per seed). Final = the global model at the end (asgd/easgd: the servers' θ). The "
         "interval is a bootstrap 95 % interval of the difference of means (seeds resampled, "
-        "paired by seed); \"within ±b\" is a PASS only when the whole interval is. "
+        'paired by seed); "within ±b" is a PASS only when the whole interval is. '
         "No A/A pair: sync is deterministic on CPU for its seed (twice gives the same run), "
         "so the noise is the seed-to-seed spread, which the interval carries."
     )
@@ -729,7 +729,9 @@ def main() -> None:
             "--steps", type=int, default=STEPS, help="stragglers: sync's steps per worker"
         )
         p.add_argument(
-            "--first-seed", type=int, default=0,
+            "--first-seed",
+            type=int,
+            default=0,
             help="the first seed (fresh seeds confirm a choice made on others)",
         )
         p.add_argument(

@@ -176,8 +176,10 @@ def test_with_a_straggler_dylu_measures_the_speeds_and_evens_the_pushes(tmp_path
     # measured on the virtual clock: 100 and 50 steps per second, exactly the modelled ones
     assert speeds == pytest.approx([100.0, 100.0, 50.0], rel=1e-9)
     # the first round runs H (nothing measured yet); then the slow worker H·50/100 = 4, the
-    # fast ones H (the slow one's speed is below their own)
-    assert rounds == [[[8, 6]], [[8, 6]], [[8, 1], [4, 10]]]
+    # fast ones H (the slow one's speed is below their own). The fast workers' last speeds
+    # (published at ~0.48 s) go stale 4·8/100 = 0.32 s later: from then on the slow worker is
+    # the fastest live one and its last round runs H again
+    assert rounds == [[[8, 6]], [[8, 6]], [[8, 1], [4, 8], [8, 1]]]
     assert by_worker == [6, 6, 5]  # within one of each other (without DyLU: 6, 6, 3)
 
 
