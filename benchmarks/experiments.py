@@ -196,7 +196,10 @@ def stragglers(args) -> None:
     budget = harness.budget_of(runs)
     times = {name: harness.times_to(rs, TARGET) for name, rs in groups.items()}
     samples = {name: [samples_to(r) for r in rs] for name, rs in groups.items()}
-    most = max((r.evals[-1][1] for r in runs if r.evals), default=0)
+    # a censored run's samples to hold 90 % count as the fewest any censored run processed
+    # (each one's true count is at least its own): an upper bound when sync is censored
+    ends = [r.evals[-1][1] for r in runs if r.evals and samples_to(r) is None]
+    most = min(ends, default=max((r.evals[-1][1] for r in runs if r.evals), default=0))
     report = harness.Report(
         "stragglers", "Time to 90 % with a 2× straggler: asynchronous methods ÷ sync", prov
     )
@@ -216,7 +219,7 @@ def stragglers(args) -> None:
             samples[harness.aa_name("sync straggler")], f"≤ {SAMPLES_TARGET}",
             lambda r: r <= SAMPLES_TARGET, most,
         )  # fmt: skip
-        c.note = c.note.replace(" s budget", " samples (the most any run processed)")
+        c.note = c.note.replace(" s budget", " samples (the fewest any censored run processed)")
     levels = diloco_levels(groups.get("diloco straggler", []))
     for name in [n for n in asyncs if n.startswith("async_diloco")] if levels else []:
         rs, base = groups[f"{name} straggler"], groups["diloco straggler"]
@@ -263,7 +266,8 @@ def stragglers(args) -> None:
         "from there on only the straggler would train, a tail a time-boxed run does not "
         f"have. Time to 90 %: first evaluation held ≥ 90 % for {harness.K_CONSECUTIVE} "
         f"evaluations; runs that never hold it are censored at {fmt(budget)} s (the longest "
-        f"run) and counted; samples likewise at {most} (the most any run processed). Async "
+        f"run) and counted; samples at {most} (the fewest any censored run processed, a "
+        "lower bound of each). Async "
         "DiLoCo against DiLoCo: the level is each seed's DiLoCo final accuracy (last "
         f"evaluation) − {DILOCO_BAND:g} point, held {harness.K_CONSECUTIVE} evaluations, "
         "against DiLoCo's whole run (the time it took to its final accuracy); "

@@ -91,3 +91,14 @@ def test_a_lockstep_arm_is_sized_by_its_slowest_worker_the_straggler_or_the_larg
     steps = {w: int(staleness.argv("sync", w, "pareto:2", 30.0)[5]) for w in (16, 64)}
     # W = 16: the 4× straggler is the slowest (as before); W = 64: the largest of 63 draws
     assert steps == {16: math.ceil(1.3 * 30 / (4 * 0.02 * 0.8)), 64: 346}
+
+
+def test_a_censored_runs_samples_count_at_the_fewest_any_censored_run_processed_by_the_budget():
+    # sync never holds 80 % within 10 s (it processed 400 and 300 samples by then); async does
+    # at 900 samples and goes on to 5000: the censored count is 300, a lower bound of both
+    # sync runs (the most any run processed, 5000, would overstate sync and flatter the ratio)
+    sync = [run("sync", [(0.0, 0, 0.1), (5.0, 200, 0.5), (10.0, s, 0.6)]) for s in (400, 300)]
+    fast = run("async", [(0.0, 0, 0.1), (2.0, 900, 0.85), (3.0, 1200, 0.86), (4.0, 1500, 0.87),
+                         (10.0, 5000, 0.9)])  # fmt: skip
+    assert staleness.censored_floor([*sync, fast], 10.0) == 300
+    assert staleness.censored_floor([fast], 10.0) == 5000  # none censored: any value will do
