@@ -20,7 +20,8 @@ what belongs after each step (:meth:`Job.after_step`, with the samples the train
 passes saw since the last step). ``wrap(..., hooks=False)`` keeps the explicit calls instead;
 DASO's adaptive schedule also wants each step's loss (:meth:`Job.record_loss`).
 
-The CLI's loop (:mod:`cloudburst.train`) is built from the same objects.
+The CLI's loop (:mod:`cloudburst.train`) takes the same path: the after-step call, the
+strategy's finish and report, and a server's serving come from :mod:`cloudburst.loop`.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from cloudburst.comm.flat import assign_flat, flatten_params
+from cloudburst.comm.flat import assign_flat
 from cloudburst.config import RunConfig
+from cloudburst.loop.finish import finish_strategy, serve
+from cloudburst.loop.step import step_done
 from cloudburst.metrics import MetricsWriter
 from cloudburst.rundir import prepare_run_dir
 from cloudburst.runtime import Context, init_distributed, shutdown
-from cloudburst.server import serve_shard
 from cloudburst.strategies import make_strategy
 from cloudburst.strategies.base import Strategy
 
@@ -128,9 +130,7 @@ class Job:
         """After each optimizer step; ``loss`` (the step's training loss) feeds schedules
         that watch it (DASO's plateau rule)."""
         self._refuse_explicit("after_step")
-        if loss is not None:
-            self.record_loss(loss)
-        self._require_strategy().after_step(samples)
+        step_done(self._require_strategy(), samples, None if loss is None else float(loss))
 
     def record_loss(self, loss: float | torch.Tensor) -> None:
         """The step's training loss, for schedules that watch it (DASO's plateau rule)."""
@@ -161,8 +161,7 @@ class Job:
         if self._finished:
             raise RuntimeError("finish() was called already")
         self._finished = True
-        strategy.finish()
-        report = {"role": "worker", **strategy.report()}
+        report = finish_strategy(strategy)
         self.metrics.log("final", time_s=self.ctx.elapsed_s(), **report)
         self.close()
         return report
@@ -176,8 +175,8 @@ class Job:
         """
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks; a worker calls wrap()")
-        loop = serve_shard(self.ctx, flatten_params(model), self.metrics)
-        self.metrics.log("final", time_s=self.ctx.elapsed_s(), role="server", **loop.stats())
+        loop, report, wall_time_s = serve(self.ctx, model, self.metrics)
+        self.metrics.log("final", time_s=wall_time_s, **report)
         theta = loop.gather_final_theta()
         self.close()
         if theta is None:
@@ -225,7 +224,7 @@ class _LoopHooks:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         samples, self.samples = self.samples, 0
-        self.job._require_strategy().after_step(samples)
+        step_done(self.job._require_strategy(), samples)
 
     def remove(self) -> None:
         for handle in self.handles:

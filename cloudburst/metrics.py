@@ -8,7 +8,7 @@ Each rank appends one JSON object per line to ``OUT/metrics/rank{R}.jsonl``:
   "test_loss"}`` for the global model (``samples`` counts all workers' training samples behind
   it; ``train_time_s`` is ``time_s`` less all earlier evaluations' time, ``eval_s`` this one's:
   evaluation off the clock, the same rule for every strategy, see
-  :class:`cloudburst.train.Evaluator`); a language model's also carry ``bits_per_byte``
+  :class:`cloudburst.loop.evaluator.Evaluator`); a language model's also carry ``bits_per_byte``
   (``test_loss`` is then nats per token; byte tokens, so bits per byte = test_loss / ln 2);
 - ``{"event": "push", ...}`` on servers, one every ``push_log_every`` applied pushes and one for
   each push not applied; ``{"event": "peer_dropped", "worker", "reason"}`` when a server drops a

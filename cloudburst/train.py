@@ -7,7 +7,6 @@ a replica through the strategy chosen in the config. The loop is the same for ev
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import os
@@ -19,32 +18,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from cloudburst.checkpoint import load_model_into, model_buffers_bytes
-from cloudburst.comm.collectives import all_reduce_sum
-from cloudburst.comm.flat import assign_flat, flatten_params
-from cloudburst.comm.p2p import CommStats
+from cloudburst.checkpoint import load_model_into
 from cloudburst.config import RunConfig
-from cloudburst.data import (
-    Dataset,
-    batch_stream,
-    evaluate_dataset,
-    in_memory,
-    load_dataset,
-    loss_function,
-    worker_source,
-)
-from cloudburst.faults import FaultInjector, parse_faults
+from cloudburst.data import Dataset, batch_stream, load_dataset, loss_function, worker_source
 from cloudburst.liveness import EXIT_PEER_LOST, Watchdog, mark_done, watched_peers
-from cloudburst.metrics import MetricsWriter, iter_jsonl, write_json_atomic
+from cloudburst.loop.checkpointer import Checkpointer
+from cloudburst.loop.evaluator import Evaluator, announce_steps_over, eval_report
+from cloudburst.loop.faults import worker_faults
+from cloudburst.loop.finish import finish_strategy, finish_worker, serve
+from cloudburst.loop.step import StepClock, progress_bar, step_done
+from cloudburst.metrics import MetricsWriter, write_json_atomic
 from cloudburst.models import build_model
-from cloudburst.resilience import capture_worker_state, resume_worker, save_worker_state
-from cloudburst.runtime import (
-    Context,
-    init_distributed,
-    restart_count,
-    shutdown,
-)
-from cloudburst.server import serve_shard
+from cloudburst.runtime import Context, init_distributed, shutdown
 from cloudburst.strategies import make_strategy
 from cloudburst.summary import (
     failed_message,
@@ -187,11 +172,11 @@ def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> None:
 
 # ---------------------------------------------------------------------------- workers
 def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWriter) -> None:
+    """One worker: set up, resume or warm-start, train its steps, finish (see loop/)."""
     cfg = ctx.cfg
     metrics.language_model = data.is_lm  # its eval records carry bits per byte
     strategy = make_strategy(ctx)
     optimizer = make_optimizer(cfg, model.parameters())
-    device = ctx.device
     shard = worker_source(data, ctx.worker_index, cfg.workers)
     total = cfg.steps_per_worker(len(data.train))
     strategy.configure(max(1, len(shard) // cfg.batch_size), total)
@@ -202,118 +187,42 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         seed=cfg.seed * 1000 + ctx.worker_index,
         preprocess=data.preprocess(augment=cfg.augment),
         num_workers=data_workers(cfg, data),
-        pin_memory=device.type == "cuda",
+        pin_memory=ctx.device.type == "cuda",
     )
-    faults = FaultInjector(
-        parse_faults(cfg.inject_fault, cfg.servers, cfg.world_size),
-        ctx.rank,
-        active=restart_count() == 0 and not cfg.resume,
-        on_fire=lambda f, step: metrics.log("fault", step=step, kind=f.kind, wall=time.time()),
-        stop=ctx.comm.stop_self,
-    )
+    faults = worker_faults(ctx, metrics)
     factor = cfg.straggler_factor(ctx.worker_index) * faults.slow_factor
     loss_fn = loss_function(data)
     scheduler = make_scheduler(cfg, optimizer, total)
-    autocast = cfg.autocast == "bf16"
-    skipped = 0  # steps whose gradient was not finite (not applied)
-
-    def train_step(step: int = 0) -> float:
-        nonlocal skipped
-        xb, yb = next(stream)
-        xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = loss_fn(net(xb), yb)
-        if step and faults.corrupt_loss(step):
-            loss = loss * float("nan")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        strategy.after_backward()
-        clip_gradients(optimizer, cfg.clip_grad_norm)  # after sync's all-reduce: the same clip
-        # A non-finite gradient (after sync's all-reduce: the same on every replica) is never
-        # applied: the replica stays as it was, and the step is counted as skipped.
-        if grads_finite(optimizer):
-            optimizer.step()
-        else:
-            skipped += 1
-            log.warning("step %d: non-finite gradient, not applied", step)
-        return loss.item()
-
-    def train_step_scheduled(step: int) -> float:
-        loss = train_step(step)
-        if scheduler is not None:
-            scheduler.step()
-        return loss
-
+    train_step = TrainStep(ctx, net, optimizer, scheduler, strategy, stream, loss_fn, faults)
     evaluator = Evaluator(ctx, model, data, metrics) if strategy.is_evaluator else None
-    # The emulated device (--min-step-time-s, a straggler's factor): its padding is slept in
-    # per-layer forward and backward hooks (cloudburst.device_emulation), so communication
-    # overlaps with it where it would on a device. Installed after the evaluator copied the
-    # model (the copy has no hooks). The virtual cluster charges its modelled time instead.
-    emulator = ctx.comm.device_emulator(model, cfg.min_step_time_s, factor)
-
-    def on_device(step_fn, *args) -> float:
-        """One training step on the emulated device: its compute (the step's time less what
-        it waited for communication) padded to the device's time, in the step's layers
-        (real runs) or by the transport (the virtual cluster's modelled step time)."""
-        t_start, waited_before = ctx.comm.now(), strategy.stats.wait_s
-        if emulator is not None:
-            emulator.begin_step()
-        loss = step_fn(*args)
-        busy_s = ctx.comm.now() - t_start - (strategy.stats.wait_s - waited_before)
-        if emulator is not None:
-            emulator.end_step(busy_s)
-        else:
-            ctx.comm.step_done(busy_s, cfg.min_step_time_s, factor)
-        return loss
-
-    resumed = resume_worker(ctx, model, optimizer, scheduler, strategy, stream, evaluator)
-    start_step = resumed["step"] if resumed else 0
-    samples = resumed["samples"] if resumed else 0
-    skipped = resumed["skipped"] if resumed else 0
-    if resumed:
-        metrics.log(
-            "resume", step=start_step, attempt=restart_count(), samples=samples, wall=time.time()
-        )
-    # Everything above is set-up (the first optimizer alone imports for ~2 s): the clock that
-    # measures training starts now, on every rank at once (a resumed run's clock continues).
-    ctx.start_clock(resumed["elapsed_s"] if resumed else 0.0)
-    if resumed and evaluator:
-        evaluator.restore_clock(resumed["elapsed_s"])
-    if cfg.warm_start_steps and ctx.worker_index == 0 and not resumed:
-        # Warm start (GPU A-SGD experiment 3): this worker trains alone, then seeds the servers.
-        for i in range(cfg.warm_start_steps):
-            # A warm-up step takes the emulated device's time too (and its modelled time on
-            # the virtual cluster), so that a time-to-target includes the warm start.
-            loss = on_device(train_step)
-            if (i + 1) % cfg.log_every_steps == 0:
-                metrics.log("warmup", step=i + 1, time_s=ctx.elapsed_s(), loss=loss)
+    clock = StepClock(ctx, strategy, model, factor)  # after the evaluator's copy of the model
+    checkpointer = Checkpointer(
+        ctx, metrics, model, optimizer, scheduler, strategy, stream, evaluator
+    )
+    start = checkpointer.resume()
+    train_step.skipped, samples = start.skipped, start.samples
+    # Everything above is set-up (the first optimizer alone imports for ~2 s).
+    clock.start(start.elapsed_s)
+    if start.resumed and evaluator:
+        evaluator.restore_clock(start.elapsed_s)
+    if cfg.warm_start_steps and ctx.worker_index == 0 and not start.resumed:
+        warm_start(ctx, metrics, clock, train_step)
     strategy.start()
     if evaluator:
         evaluator.maybe_eval(strategy, force=True)
 
-    bar = _progress_bar(ctx, total)
-    if bar is not None:
-        bar.update(start_step)
+    bar = progress_bar(ctx, total, start.step)
     loss = math.nan
-    checkpoint_due = False
-    for step in range(start_step + 1, total + 1):
-        loss = on_device(train_step_scheduled, step)
-        strategy.record_loss(loss)
-        strategy.after_step(cfg.batch_size)
+    for step in range(start.step + 1, total + 1):
+        loss = clock.run(train_step, step)
+        step_done(strategy, cfg.batch_size, loss)
         samples += cfg.batch_size
-        if step == start_step + 1:  # when training really began (the launch's cost ends here)
+        if step == start.step + 1:  # when training really began (the launch's cost ends here)
             metrics.log("first_step", step=step, wall=time.time())
         if evaluator:
             evaluator.maybe_eval(strategy)
         faults.after_step(step)
-        checkpoint_due |= bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0
-        if checkpoint_due and step < total and strategy.checkpoint_ready():
-            checkpoint_due = False
-            state = capture_worker_state(
-                ctx, samples, skipped, model, optimizer, scheduler, strategy, stream, evaluator
-            )
-            save_worker_state(cfg, ctx.worker_index, step, state)
-            metrics.log("checkpoint", step=step, time_s=ctx.elapsed_s())
+        checkpointer.after_step(step, total, samples, train_step.skipped)
         if step % cfg.log_every_steps == 0 or step == total:
             metrics.log(
                 "step",
@@ -325,83 +234,65 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
                 **strategy.stats.as_dict(),
                 **strategy.step_info(),
             )
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    if ctx.num_servers:
-        # The servers' θ moves on with the others' pushes: the evaluator keeps scoring it.
-        ctx.store.set(steps_over_key(ctx.rank), "1")
-        if evaluator:
-            evaluate_while_others_train(ctx, evaluator, strategy)
-    strategy.finish()
-    if hasattr(stream, "close"):
-        stream.close()
-
-    report = {
-        "role": "worker",
-        "device": str(device),
-        "steps": total,
-        "samples": samples,
-        "final_loss": loss,
-        "steps_skipped_nonfinite": skipped,
-        "resumed_from_step": start_step,
-        **strategy.report(),
-        "evals": evaluator.history if evaluator else [],
-        "loss_evals": evaluator.loss_history if evaluator else [],
-        # What the final evaluation record's train_time_s leaves out (finalize_run).
-        "eval_time_s": evaluator.eval_s if evaluator else 0.0,
-    }
-    wall_time_s = ctx.elapsed_s()
-    averaged = None
-    if strategy.decentralised:
-        # Replicas differ at the end (gossip): report each one's accuracy, and make the final
-        # model their average (a measurement collective, not counted as the strategy's traffic).
-        report["replica_accuracy"], _ = evaluate_dataset(
-            model, in_memory(data.test), data.preprocess(augment=False), device
-        )
-        # Push-sum replicas carry weights: the average that preserves the mass is
-        # Σ w_i θ_i / Σ w_i (every w_i = 1 otherwise).
-        weight = float(strategy.report().get("push_sum_weight", 1.0))
-        averaged = torch.cat([flatten_params(model) * weight, torch.tensor([weight])])
-        all_reduce_sum(averaged, ctx.workers_group, CommStats(), comm=ctx.comm)
-        averaged = averaged[:-1] / averaged[-1]
-    if ctx.worker_index == 0 and ctx.num_servers and any(True for _ in model.buffers()):
-        # The servers hold parameters only: the model's buffers (batch-norm statistics) that
-        # the final evaluation needs come from worker 0's replica.
-        ctx.store.set("buffers", model_buffers_bytes(model))
-    hand_in(ctx, metrics, report, wall_time_s)
-    if ctx.rank == 0:  # no servers: worker 0 is rank 0 and writes the summary
-        flat, global_samples = strategy.global_params()
-        if averaged is not None:
-            flat = averaged
-        finalize_run(ctx, model, flat, data, metrics, report, [], wall_time_s, global_samples)
+        bar.update(1)
+    bar.close()
+    announce_steps_over(ctx, evaluator, strategy)
+    report = finish_strategy(
+        strategy,
+        stream,
+        device=str(ctx.device),
+        steps=total,
+        samples=samples,
+        final_loss=loss,
+        steps_skipped_nonfinite=train_step.skipped,
+        resumed_from_step=start.step,
+    )
+    finish_worker(ctx, model, data, metrics, strategy, report | eval_report(evaluator))
 
 
-def steps_over_key(rank: int) -> str:
-    """The store key a worker of a job with servers sets when its last step is done."""
-    return f"steps_over/{rank}"
+class TrainStep:
+    """``train_step(step)``: one optimizer step on the replica's next batch. A non-finite
+    gradient (after sync's all-reduce: the same on every replica) is never applied: the
+    replica stays as it was, and the step is counted in ``skipped``. Step 0 is a warm-start
+    step: no injected fault, no learning-rate schedule."""
+
+    def __init__(self, ctx: Context, net, optimizer, scheduler, strategy, stream, loss_fn, faults):
+        self.cfg, self.device = ctx.cfg, ctx.device
+        self.net, self.optimizer, self.scheduler = net, optimizer, scheduler
+        self.strategy, self.stream, self.loss_fn, self.faults = strategy, stream, loss_fn, faults
+        self.skipped = 0
+
+    def __call__(self, step: int = 0) -> float:
+        xb, yb = next(self.stream)
+        xb, yb = xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True)
+        autocast = self.cfg.autocast == "bf16"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = self.loss_fn(self.net(xb), yb)
+        if step and self.faults.corrupt_loss(step):
+            loss = loss * float("nan")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.strategy.after_backward()
+        clip_gradients(self.optimizer, self.cfg.clip_grad_norm)  # after sync's all-reduce
+        if grads_finite(self.optimizer):
+            self.optimizer.step()
+        else:
+            self.skipped += 1
+            log.warning("step %d: non-finite gradient, not applied", step)
+        loss_value = loss.item()
+        if step and self.scheduler is not None:
+            self.scheduler.step()
+        return loss_value
 
 
-def evaluate_while_others_train(
-    ctx: Context, evaluator: Evaluator, strategy, poll_s: float = 0.05
-) -> None:
-    """asgd, easgd: the global model (the servers' θ) keeps moving after the evaluating
-    worker's last step, with the other workers' pushes. Keep evaluating it every
-    ``eval_every_s`` until every other worker's steps are over (its ``steps_over_key``) or it
-    is lost (its heartbeat silent for ``heartbeat_timeout_s``, as the servers decide), so that
-    a run whose evaluator finishes first is still seen to reach its target; the final
-    evaluation (``finalize_run``) follows once the servers finish."""
-    others = [r for r in ctx.worker_ranks if r != ctx.rank]
-    monitor = ctx.comm.liveness_monitor(ctx.store, others, ctx.cfg.heartbeat_timeout_s)
-    pending = set(others)
-    while True:
-        pending = {r for r in pending if not ctx.store.check([steps_over_key(r)])}
-        pending -= monitor.dead(pending)
-        if not pending:
-            return
-        evaluator.maybe_eval(strategy)
-        ctx.comm.sleep(poll_s)
+def warm_start(ctx: Context, metrics: MetricsWriter, clock: StepClock, train_step) -> None:
+    """Warm start (GPU A-SGD experiment 3): worker 0 trains alone, then seeds the servers
+    (when the strategy starts). A warm-up step takes the emulated device's time too (and its
+    modelled time on the virtual cluster), so that a time-to-target includes the warm start."""
+    for i in range(ctx.cfg.warm_start_steps):
+        loss = clock.run(train_step)
+        if (i + 1) % ctx.cfg.log_every_steps == 0:
+            metrics.log("warmup", step=i + 1, time_s=ctx.elapsed_s(), loss=loss)
 
 
 def grads_finite(optimizer: torch.optim.Optimizer) -> bool:
@@ -419,104 +310,10 @@ def data_workers(cfg: RunConfig, data: Dataset) -> int:
     return 2 if data.is_image else 0
 
 
-def copy_buffers(src: nn.Module, dst: nn.Module) -> None:
-    """Copy ``src``'s buffers (batch-norm running statistics) into ``dst`` of the same shape."""
-    with torch.no_grad():
-        for a, b in zip(src.buffers(), dst.buffers(), strict=True):
-            b.copy_(a)
-
-
-def _progress_bar(ctx: Context, total: int):
-    # Under `cloudburst train` the launcher draws the bar from the metrics files; under a
-    # user's torchrun, worker 0 draws one when it has a terminal.
-    if ctx.worker_index != 0 or not ctx.cfg.progress or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=f"{ctx.cfg.strategy} worker0", unit="step")
-
-
-class Evaluator:
-    """Evaluates the global model on the test set every ``eval_every_s`` seconds.
-
-    Evaluation is off the clock: each ``eval`` record has ``time_s`` (the job's clock at the
-    snapshot) and ``train_time_s``, the same clock less all the time this worker spent
-    evaluating before (fetching the snapshot of the global model and scoring it; ``eval_s``
-    is this evaluation's). One rule for every strategy: under lockstep strategies (sync,
-    local SGD, DiLoCo, DASO, gossip) every other worker waits at its next collective for
-    worker 0 while it evaluates, so the whole job stalls by that time and ``train_time_s`` is
-    every rank's clock without the stall. Under the asynchronous ones (asgd, EASGD) only
-    worker 0 stops; the others keep training, so ``train_time_s`` credits them with up to a
-    fraction ``Σ eval_s / time_s`` more training than the clock says (the record carries both,
-    so a report can show the fraction; it is small when evaluations are short against
-    ``eval_every_s``). Not subtracting would instead charge the evaluations to the lockstep
-    strategies in full. Under asgd and EASGD the evaluator goes on evaluating after its own
-    last step, until every other worker's steps are over (:func:`evaluate_while_others_train`).
-    """
-
-    def __init__(self, ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWriter):
-        self.ctx, self.data, self.metrics = ctx, data, metrics
-        self.replica = model
-        self.model = copy.deepcopy(model)
-        self.test = in_memory(data.test)
-        self.preprocess = data.preprocess(augment=False)
-        self.last_s = -math.inf
-        self.eval_s = 0.0  # time spent evaluating so far (what train_time_s leaves out)
-        self.history: list[list[float]] = []  # [time_s, samples, accuracy]
-        self.loss_history: list[list[float]] = []  # [time_s, test loss]
-
-    def restore_clock(self, elapsed_s: float) -> None:
-        """A resumed run: the evaluation time already spent before ``elapsed_s``, read back
-        from this rank's eval records (its metrics file is appended to across restarts)."""
-        self.eval_s = 0.0
-        self.loss_history = []
-        if not self.metrics.path.exists():
-            return
-        for r in iter_jsonl(self.metrics.path):
-            if r.get("event") == "eval" and "train_time_s" in r and r["time_s"] <= elapsed_s:
-                self.eval_s = r["time_s"] - r["train_time_s"] + r.get("eval_s", 0.0)
-                if not r.get("final") and "test_loss" in r:
-                    self.loss_history.append([r["time_s"], r["test_loss"]])
-
-    def maybe_eval(self, strategy, force: bool = False) -> None:
-        now = self.ctx.elapsed_s()
-        if not force and now - self.last_s < self.ctx.cfg.eval_every_s:
-            return
-        t_start = self.ctx.comm.now()
-        with self.ctx.comm.measuring():  # a measurement: no virtual time in a simulation
-            flat, samples = strategy.fetch_global_params()
-        self.last_s = now
-        assign_flat(self.model, flat)
-        # Global parameters; buffers (batch-norm statistics) from this worker's replica.
-        copy_buffers(self.replica, self.model)
-        acc, loss = evaluate_dataset(
-            self.model,
-            self.test,
-            self.preprocess,
-            self.ctx.device,
-            autocast=self.ctx.cfg.autocast == "bf16",
-        )
-        self.history.append([now, samples, acc])
-        self.loss_history.append([now, loss])
-        eval_s = self.ctx.comm.now() - t_start
-        self.metrics.log(
-            "eval",
-            time_s=now,
-            train_time_s=now - self.eval_s,
-            eval_s=eval_s,
-            samples=samples,
-            test_accuracy=acc,
-            test_loss=loss,
-        )
-        self.eval_s += eval_s
-
-
 # ---------------------------------------------------------------------------- servers
 def run_server(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWriter) -> None:
     metrics.language_model = data.is_lm  # rank 0's final eval record carries bits per byte
-    loop = serve_shard(ctx, flatten_params(model), metrics)
-    wall_time_s = ctx.elapsed_s()
-    report = {"role": "server", **loop.stats()}
+    loop, report, wall_time_s = serve(ctx, model, metrics)
     hand_in(ctx, metrics, report, wall_time_s)
     theta = loop.gather_final_theta()
     if ctx.rank == 0:

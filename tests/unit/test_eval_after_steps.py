@@ -1,5 +1,5 @@
 """asgd/easgd: the evaluating worker keeps scoring the servers' θ after its own last step,
-until every other worker's steps are over or it is lost (cloudburst.train.
+until every other worker's steps are over or it is lost (cloudburst.loop.evaluator.
 evaluate_while_others_train): on a fake store, clock and liveness monitor, and in a whole
 easgd run with a straggler on the virtual cluster."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from cloudburst.train import evaluate_while_others_train, steps_over_key
+from cloudburst.loop.evaluator import evaluate_while_others_train, steps_over_key
 from tests.helpers import rank_events, read_summary, simulated
 
 pytestmark = pytest.mark.unit

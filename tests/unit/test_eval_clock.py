@@ -1,5 +1,5 @@
 """Evaluation off the clock: each eval record's ``train_time_s`` is the job's clock less the
-time worker 0 spent evaluating before it (cloudburst.train.Evaluator), on a fake clock."""
+time worker 0 spent evaluating before it (cloudburst.loop.evaluator.Evaluator), on a fake clock."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from cloudburst.comm.flat import flatten_params
 from cloudburst.data import synthetic
 from cloudburst.metrics import MetricsWriter, read_jsonl
 from cloudburst.models import build_model
-from cloudburst.train import Evaluator
+from cloudburst.loop.evaluator import Evaluator
 
 
 class FakeComm:

@@ -1,0 +1,21 @@
+"""This worker's injected faults (``--inject-fault``): armed on a first attempt only."""
+
+from __future__ import annotations
+
+import time
+
+from cloudburst.faults import FaultInjector, parse_faults
+from cloudburst.metrics import MetricsWriter
+from cloudburst.runtime import Context, restart_count
+
+
+def worker_faults(ctx: Context, metrics: MetricsWriter) -> FaultInjector:
+    """The faults aimed at this rank; a restarted or resumed run fires none again."""
+    cfg = ctx.cfg
+    return FaultInjector(
+        parse_faults(cfg.inject_fault, cfg.servers, cfg.world_size),
+        ctx.rank,
+        active=restart_count() == 0 and not cfg.resume,
+        on_fire=lambda f, step: metrics.log("fault", step=step, kind=f.kind, wall=time.time()),
+        stop=ctx.comm.stop_self,
+    )
