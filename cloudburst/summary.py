@@ -187,8 +187,8 @@ def finalize_run(
             log.warning("no report from rank %d (%s); it is counted as lost", r, e)
             if r >= cfg.servers:
                 lost.append(r)
-    # As every evaluation record (cloudburst.loop.evaluator.Evaluator): the clock, and the clock less
-    # the time the evaluating worker spent on every earlier evaluation.
+    # As every evaluation record (cloudburst.loop.evaluator.Evaluator): the clock, and the
+    # clock less the time the evaluating worker spent on every earlier evaluation.
     metrics.log(
         "eval",
         time_s=wall_time_s,

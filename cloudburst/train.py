@@ -2,7 +2,10 @@
 
 :func:`run_rank` is what every process of a job runs (under ``cloudburst train`` or a user's
 ``torchrun``): it joins the job, takes its role, and either serves a parameter shard or trains
-a replica through the strategy chosen in the config. The loop is the same for every strategy.
+a replica through the strategy chosen in the config. The loop is the same for every strategy:
+:func:`run_worker` is its driver, read top to bottom; :class:`TrainStep` is one optimizer step;
+the components around them (clock, faults, checkpoints, evaluation, finish) are in
+:mod:`cloudburst.loop`, shared with :class:`cloudburst.api.Job`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,6 +25,7 @@ from torch import nn
 from cloudburst.checkpoint import load_model_into
 from cloudburst.config import RunConfig
 from cloudburst.data import Dataset, batch_stream, load_dataset, loss_function, worker_source
+from cloudburst.faults import FaultInjector
 from cloudburst.liveness import EXIT_PEER_LOST, Watchdog, mark_done, watched_peers
 from cloudburst.loop.checkpointer import Checkpointer
 from cloudburst.loop.evaluator import Evaluator, announce_steps_over, eval_report
@@ -31,6 +36,7 @@ from cloudburst.metrics import MetricsWriter, write_json_atomic
 from cloudburst.models import build_model
 from cloudburst.runtime import Context, init_distributed, shutdown
 from cloudburst.strategies import make_strategy
+from cloudburst.strategies.base import Strategy
 from cloudburst.summary import (
     failed_message,
     finalize_run,
@@ -256,7 +262,17 @@ class TrainStep:
     replica stays as it was, and the step is counted in ``skipped``. Step 0 is a warm-start
     step: no injected fault, no learning-rate schedule."""
 
-    def __init__(self, ctx: Context, net, optimizer, scheduler, strategy, stream, loss_fn, faults):
+    def __init__(
+        self,
+        ctx: Context,
+        net: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        strategy: Strategy,
+        stream: Iterator[tuple[torch.Tensor, torch.Tensor]],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        faults: FaultInjector,
+    ):
         self.cfg, self.device = ctx.cfg, ctx.device
         self.net, self.optimizer, self.scheduler = net, optimizer, scheduler
         self.strategy, self.stream, self.loss_fn, self.faults = strategy, stream, loss_fn, faults
@@ -285,7 +301,9 @@ class TrainStep:
         return loss_value
 
 
-def warm_start(ctx: Context, metrics: MetricsWriter, clock: StepClock, train_step) -> None:
+def warm_start(
+    ctx: Context, metrics: MetricsWriter, clock: StepClock, train_step: TrainStep
+) -> None:
     """Warm start (GPU A-SGD experiment 3): worker 0 trains alone, then seeds the servers
     (when the strategy starts). A warm-up step takes the emulated device's time too (and its
     modelled time on the virtual cluster), so that a time-to-target includes the warm start."""

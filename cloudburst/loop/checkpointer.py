@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cloudburst.loop.evaluator import Evaluator
 from cloudburst.metrics import MetricsWriter
 from cloudburst.resilience import capture_worker_state, resume_worker, save_worker_state
 from cloudburst.runtime import Context, restart_count
@@ -36,10 +37,10 @@ class Checkpointer:
         metrics: MetricsWriter,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        scheduler: Any,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
         strategy: Strategy,
-        stream: Any,
-        evaluator: Any,
+        stream: Any,  # the batch stream (its state_dict: where in the epoch it is)
+        evaluator: Evaluator | None,
     ):
         self.ctx, self.metrics = ctx, metrics
         self.parts = (model, optimizer, scheduler, strategy, stream, evaluator)

@@ -1,5 +1,6 @@
 """Evaluation off the clock: each eval record's ``train_time_s`` is the job's clock less the
-time worker 0 spent evaluating before it (cloudburst.loop.evaluator.Evaluator), on a fake clock."""
+time worker 0 spent evaluating before it (cloudburst.loop.evaluator.Evaluator), on a fake
+clock."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import torch
 
 from cloudburst.comm.flat import flatten_params
 from cloudburst.data import synthetic
+from cloudburst.loop.evaluator import Evaluator
 from cloudburst.metrics import MetricsWriter, read_jsonl
 from cloudburst.models import build_model
-from cloudburst.loop.evaluator import Evaluator
 
 
 class FakeComm:
