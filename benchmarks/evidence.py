@@ -74,6 +74,10 @@ ADVICE: list[tuple[str, list[tuple[str, str, str]]]] = [  # (situation, [(result
          "{interval}"),
     ]),
     ("Sixty-four workers, Pareto step times, one 4× slower (virtual cluster)", [
+        ("staleness_w64_asgd", "time to 80 %, asgd ÷ sync",
+         "`asgd` held 80 % in {value}× sync's virtual time {interval}"),
+        ("staleness_w64_asgd", "samples to 80 %, asgd ÷ sync",
+         "with {value}× sync's samples {interval}"),
         ("staleness_w64", "time to 80 %, async_diloco ÷ sync",
          "`async_diloco` held 80 % in {value}× sync's virtual time {interval}"),
         ("staleness_w64", "time to DiLoCo's accuracy − 1 point, async_diloco ÷ diloco",
