@@ -559,6 +559,21 @@ def budget_of(runs: Sequence[Run]) -> float:
     )
 
 
+CENSORED_SAMPLES = "the fewest any censored run had processed by its budget: a lower bound of each"
+
+
+def censored_floor(runs: Iterable[tuple[int | None, int]]) -> int:
+    """What a censored run's samples to target count as, from (samples to target or None,
+    samples processed within the budget) per run: the fewest any run that never held the
+    target had processed. Each such run's true count is at least its own, so at least this:
+    a censored denominator makes the ratio an upper bound (a count larger than a run
+    processed, e.g. the most any run processed, would not). With none censored: the fewest
+    processed (unused)."""
+    runs = list(runs)
+    ends = [done for to, done in runs if to is None]
+    return min(ends or [done for _, done in runs], default=1)
+
+
 def fmt(value: Any, digits: int = 3) -> str:
     """A number to ``digits`` significant figures; ``None`` as ``-``; strings as they are."""
     if value is None:

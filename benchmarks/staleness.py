@@ -21,7 +21,6 @@ point (target ≤ 0.75). Targets fixed here before any run.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import sys
@@ -90,20 +89,6 @@ def samples_to(r: harness.Run, level: float, budget_s: float) -> int | None:
     return next((s for when, s, _ in ev if when == t), None)
 
 
-FLOOR_NOTE = "the fewest any censored run had processed by its budget: a lower bound of each"
-
-
-def censored_floor(runs: list[harness.Run], budget_s: float) -> int:
-    """What a censored run's samples to target count as: the fewest samples any run that
-    never held the target had processed within the budget. Each such run's true count is at
-    least its own, so at least this: a censored denominator makes the ratio an upper bound
-    (a count larger than the run processed, e.g. the most any run processed, would not)."""
-    seen = [ev[-1][1] for r in runs if (ev := within(r, budget_s))]
-    ends = [ev[-1][1] for r in runs if (ev := within(r, budget_s)) and
-            samples_to(r, TARGET, budget_s) is None]  # fmt: skip
-    return min(ends, default=min(seen, default=1))
-
-
 def acc_at(r: harness.Run, budget_s: float) -> float | None:
     ev = within(r, budget_s)
     return ev[-1][2] if ev else None
@@ -159,9 +144,7 @@ def main() -> None:
         with ThreadPoolExecutor(args.jobs) as pool:
             runs = list(pool.map(one, jobs))
     else:
-        fields = {f.name for f in dataclasses.fields(harness.Run)}
-        runs = [harness.Run(**{k: v for k, v in r.items() if k in fields})
-                for r in stored["runs"]]  # fmt: skip
+        runs = [harness.Run(**r) for r in stored["runs"]]
     prov.sample_load()
     rep = harness.Report("staleness", "Staleness at scale on the virtual cluster", prov)
     groups = harness.by_arm(runs)
@@ -172,7 +155,10 @@ def main() -> None:
             where = f"W = {w}, {j}, one worker {SLOW:g}× slower"
             t = {n: [time_to(r, TARGET, budget) for r in rs] for n, rs in g.items()}
             smp = {n: [samples_to(r, TARGET, budget) for r in rs] for n, rs in g.items()}
-            floor = censored_floor([r for rs in g.values() for r in rs], budget)
+            floor = harness.censored_floor(
+                (samples_to(r, TARGET, budget), ev[-1][1])
+                for rs in g.values() for r in rs if (ev := within(r, budget))
+            )  # fmt: skip
             for n in names:
                 if STRAGGLER_ARMS[n][1] != "async":
                     continue
@@ -185,7 +171,7 @@ def main() -> None:
                     smp["sync"], None, f"≤ {SAMPLES_TARGET}",
                     lambda r: r <= SAMPLES_TARGET, floor,
                 )  # fmt: skip
-                c.note = c.note.replace(" s budget", f" samples ({FLOOR_NOTE})")
+                c.note = c.note.replace(" s budget", f" samples ({harness.CENSORED_SAMPLES})")
             for n in names:
                 med, cens = harness.censored_median(t[n], budget)
                 rows.append([w, j, n, " / ".join(fmt(x) for x in t[n]), fmt(med), cens,

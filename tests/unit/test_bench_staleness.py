@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from benchmarks import experiments, staleness
+from benchmarks import experiments, harness, staleness
 from benchmarks.harness import Run
 
 
@@ -100,5 +100,11 @@ def test_a_censored_runs_samples_count_at_the_fewest_any_censored_run_processed_
     sync = [run("sync", [(0.0, 0, 0.1), (5.0, 200, 0.5), (10.0, s, 0.6)]) for s in (400, 300)]
     fast = run("async", [(0.0, 0, 0.1), (2.0, 900, 0.85), (3.0, 1200, 0.86), (4.0, 1500, 0.87),
                          (10.0, 5000, 0.9)])  # fmt: skip
-    assert staleness.censored_floor([*sync, fast], 10.0) == 300
-    assert staleness.censored_floor([fast], 10.0) == 5000  # none censored: any value will do
+
+    def floor(runs):  # as staleness.py and experiments.py call it
+        return harness.censored_floor(
+            (staleness.samples_to(r, 0.8, 10.0), staleness.within(r, 10.0)[-1][1]) for r in runs
+        )
+
+    assert floor([*sync, fast]) == 300
+    assert floor([fast]) == 5000  # none censored: any value will do
