@@ -99,8 +99,23 @@ def _hooks(rank: int) -> dict:
     compressed_all_reduce_sum(y, None, CommStats(), "int8", async_op=True, comm=REAL).wait()
     result["gathered_sum"] = y.tolist()
     result["own"] = x.tolist()
-    dist.destroy_process_group()
+    del ours, theirs, ddp, plain  # before the group goes: see _teardown
+    _teardown()
     return result
+
+
+def _teardown() -> None:
+    """Destroy the process group once the caller has dropped its DDP modules: the order
+    cloudburst's workers follow. A DDP Reducer freed after ``destroy_process_group`` frees the
+    group's last reference while holding the GIL, and ProcessGroupGloo's destructor joins its
+    work threads, one of which may still be releasing a finished collective's Python tensors,
+    for which it needs the GIL: a deadlock (torch 2.13; here 1 run in 4 at W = 4)."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()  # a DDP module in a reference cycle
+    dist.destroy_process_group()
 
 
 def test_sync_hooks_and_the_quantised_all_reduce_on_gloo(tmp_path):
@@ -180,7 +195,8 @@ def _scatter(rank: int) -> dict:
     nn.functional.cross_entropy(ddp(x), y).backward()
     result["grad"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
     result["hook_bytes"] = state.stats.sent_bytes
-    dist.destroy_process_group()
+    del ddp  # before the group goes: see _teardown
+    _teardown()
     return result
 
 
