@@ -65,7 +65,7 @@ bench-quick: $(STAMP)
 ## collectives, the workers' transport and the virtual cluster's mailboxes: only their maths is
 ## run (mutants not named below stay "not checked", uncounted).
 MUTANTS := 'cloudburst.comm.flat.*' 'cloudburst.comm.link.*' 'cloudburst.checkpoint.*' \
-	'cloudburst.shard.*' 'cloudburst.server.x_request_problem__*' \
+	'cloudburst.strategies.asgd.shard.*' 'cloudburst.strategies.asgd.server.x_request_problem__*' \
 	'cloudburst.strategies.local_sgd.worker.*' 'cloudburst.strategies.diloco.worker.*' \
 	'cloudburst.strategies.easgd.worker.*' \
 	'cloudburst.comm.compress.*' 'cloudburst.comm.quantise.*' 'cloudburst.comm.collectives.*' \

@@ -8,8 +8,9 @@ per repetition) with ``raw`` run twice (the A/A control):
 - ``raw``: ``dist.send`` then ``dist.recv`` of preallocated tensors (the floor of any gloo path);
 - ``duplex`` (reference): raw with both directions at once (``irecv`` posted, then ``send``),
   the wire pattern of asgd's overlapped round trip;
-- ``asgd``: the package: :class:`~cloudburst.server.ServerLoop` on rank 0, ``AsgdStrategy``'s
-  PUSH_FETCH round (``_round(push=True, fetch=True)``) on rank 1, a session per repetition;
+- ``asgd``: the package: :class:`~cloudburst.strategies.asgd.server.ServerLoop` on rank 0,
+  ``AsgdStrategy``'s PUSH_FETCH round (``_round(push=True, fetch=True)``) on rank 1, a session
+  per repetition;
 - ``rpc``: the PyTorch tutorial's RPC parameter server (``rpc_sync`` of push-and-fetch);
 - ``pipelined`` (reference, benchmark code on the package's comm API, no target): a PUSH_FETCH
   round as asgd and the server would run it with chunked payloads — Δ computed chunk by chunk as
@@ -57,8 +58,8 @@ from cloudburst.config import RunConfig  # noqa: E402
 from cloudburst.launch import free_port  # noqa: E402
 from cloudburst.metrics import MetricsWriter  # noqa: E402
 from cloudburst.runtime import Context, LivenessMonitor  # noqa: E402
-from cloudburst.server import ServerLoop  # noqa: E402
 from cloudburst.strategies.asgd import AsgdStrategy  # noqa: E402
+from cloudburst.strategies.asgd.server import ServerLoop  # noqa: E402
 
 SERVER, WORKER = 0, 1
 ARMS = ("raw", "duplex", "asgd", "rpc", "pipelined")

@@ -6,7 +6,8 @@ depends on: the replica, the optimizer and learning-rate schedule, the strategy'
 schedule, DiLoCo's outer optimizer, gossip's rounds and push-sum weight, ...), the data
 stream's position, the RNG state, the counters and the evaluations so far. The last
 ``KEEP`` files of each worker are kept, so a worker killed while writing still has the one
-before. Parameter-server shards checkpoint themselves (``server{k}.pt``, cloudburst.server).
+before. Parameter-server shards checkpoint themselves (``server{k}.pt``,
+cloudburst.strategies.asgd.server).
 
 A run resumes (``--resume OUT``, or by itself after a restart under ``--max-restarts``) from:
 
@@ -33,7 +34,7 @@ from cloudburst.checkpoint import CheckpointError, load_checkpoint, save_checkpo
 from cloudburst.config import ConfigError, RunConfig, refuse_code_from_file
 from cloudburst.rundir import run_nonce
 from cloudburst.runtime import restart_count
-from cloudburst.shard import shard_checkpoint_path
+from cloudburst.strategies.asgd.shard import shard_checkpoint_path
 
 log = logging.getLogger(__name__)
 

@@ -411,7 +411,7 @@ def standby_link(ctx: Context, primary: int, stats=None):
     """The exact transport between shard ``primary``'s server and its standby (the server
     after it, :func:`standby_of`), on a gloo pair group built by both (primary: group rank 0),
     with ``comm_timeout_s``."""
-    from cloudburst.shard import standby_of
+    from cloudburst.strategies.asgd.shard import standby_of
 
     standby = standby_of(primary, ctx.num_servers)
     prefixed = dist.PrefixStore(f"standby/{primary}/", ctx.store.clone())

@@ -26,7 +26,7 @@ from cloudburst.config import RunConfig
 from cloudburst.data import Dataset, evaluate_dataset, in_memory
 from cloudburst.metrics import MetricsWriter, iter_jsonl, time_to_target, write_json_atomic
 from cloudburst.runtime import Context
-from cloudburst.shard import histogram_quantiles, mean_staleness, merged_histogram
+from cloudburst.strategies.asgd.shard import histogram_quantiles, mean_staleness, merged_histogram
 
 log = logging.getLogger(__name__)
 

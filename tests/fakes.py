@@ -1,12 +1,12 @@
 """An in-process fake of the point-to-point comm layer: parameter-server jobs with no processes.
 
 :class:`FakeNetwork` stands in for gloo between the workers of a parameter-server strategy
-(``asgd``, ``easgd``) and the real :class:`~cloudburst.server.ServerLoop` of each shard. A
-worker's requests are queued per shard; a shard handles its queue (with the loop's own request
-handling: validation, the shard rule, the reply) when a worker waits for one of its answers.
-Everything runs in the calling thread, so the order in which the test calls the workers'
-``after_step`` *is* the order in which the shards see their pushes: a scripted interleaving,
-with no timing in it.
+(``asgd``, ``easgd``) and the real :class:`~cloudburst.strategies.asgd.server.ServerLoop` of
+each shard. A worker's requests are queued per shard; a shard handles its queue (with the
+loop's own request handling: validation, the shard rule, the reply) when a worker waits for one
+of its answers. Everything runs in the calling thread, so the order in which the test calls the
+workers' ``after_step`` *is* the order in which the shards see their pushes: a scripted
+interleaving, with no timing in it.
 
 :func:`ps_job` builds such a job from a config: W strategy objects (the class named by
 ``cfg.strategy``) wrapped around their replicas, and S server loops. What the fake does not do:
@@ -28,9 +28,9 @@ from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.p2p import CommStats, Header
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
-from cloudburst.server import ServerLoop
 from cloudburst.strategies import STRATEGY_CLASSES
 from cloudburst.strategies.asgd import AsgdStrategy
+from cloudburst.strategies.asgd.server import ServerLoop
 
 
 class _Done:

@@ -16,7 +16,7 @@ from cloudburst.comm.p2p import CommStats
 from cloudburst.data import Dataset, evaluate_dataset, in_memory
 from cloudburst.metrics import MetricsWriter
 from cloudburst.runtime import Context
-from cloudburst.server import ServerLoop, serve_shard
+from cloudburst.strategies.asgd.server import ServerLoop, serve_shard
 from cloudburst.strategies.base import Strategy
 from cloudburst.summary import finalize_run, hand_in
 

@@ -4,7 +4,7 @@ between a worker and two server shards over gloo, and a CLI run against its simu
 import pytest
 import torch
 
-from cloudburst.server import ShardState
+from cloudburst.strategies.asgd.server import ShardState
 from tests.dist.simulate import (
     COMMON,
     assert_params_differ,
@@ -38,7 +38,7 @@ def _exchange(rank: int, out: str, servers: int) -> dict:
     from cloudburst.config import RunConfig
     from cloudburst.metrics import MetricsWriter
     from cloudburst.runtime import LivenessMonitor, init_distributed, shutdown
-    from cloudburst.server import ServerLoop
+    from cloudburst.strategies.asgd.server import ServerLoop
     from cloudburst.strategies.easgd import EasgdStrategy
 
     cfg = RunConfig(

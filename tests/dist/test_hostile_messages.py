@@ -43,7 +43,7 @@ def _server_job(rank: int, out: str) -> dict:
     from cloudburst.config import RunConfig
     from cloudburst.metrics import MetricsWriter, read_jsonl
     from cloudburst.runtime import LivenessMonitor, init_distributed, shutdown
-    from cloudburst.server import ServerLoop
+    from cloudburst.strategies.asgd.server import ServerLoop
     from cloudburst.strategies import STRATEGY_CLASSES
 
     cfg = RunConfig(

@@ -220,7 +220,7 @@ def _easgd(rank: int, out: str) -> dict:
     from cloudburst.config import RunConfig
     from cloudburst.metrics import MetricsWriter
     from cloudburst.runtime import LivenessMonitor, init_distributed, shutdown
-    from cloudburst.server import ServerLoop
+    from cloudburst.strategies.asgd.server import ServerLoop
     from cloudburst.strategies import STRATEGY_CLASSES
     from cloudburst.strategies.easgd import EasgdStrategy
 

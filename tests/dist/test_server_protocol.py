@@ -31,7 +31,7 @@ def _cfg(out: str) -> RunConfig:
 def _scripted(rank: int, out: str) -> dict:
     from cloudburst.metrics import MetricsWriter, read_jsonl
     from cloudburst.runtime import Heartbeat, LivenessMonitor, init_distributed, shutdown
-    from cloudburst.server import ServerLoop
+    from cloudburst.strategies.asgd.server import ServerLoop
     from cloudburst.strategies import STRATEGY_CLASSES
 
     cfg = _cfg(out)
@@ -149,7 +149,7 @@ def _dies_mid_request(rank: int, out: str) -> dict:
 
     from cloudburst.metrics import MetricsWriter
     from cloudburst.runtime import Heartbeat, LivenessMonitor, init_distributed, shutdown
-    from cloudburst.server import ServerLoop
+    from cloudburst.strategies.asgd.server import ServerLoop
     from cloudburst.strategies import STRATEGY_CLASSES
 
     cfg = _cfg(out)

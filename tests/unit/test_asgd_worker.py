@@ -19,8 +19,8 @@ from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
 from cloudburst.data import BatchStream, synthetic
 from cloudburst.models import build_model
-from cloudburst.server import ServerLoop
 from cloudburst.strategies.asgd import AsgdStrategy
+from cloudburst.strategies.asgd.server import ServerLoop
 
 WORKER = 1  # the worker's rank; shards are ranks 0..S-1
 
@@ -42,7 +42,7 @@ class FakeNet:
         self.replies = [collections.deque() for _ in loops]  # shard → worker: headers
         self.reply_payloads = [collections.deque() for _ in loops]
         for k, loop in enumerate(loops):
-            loop.transport = _ServerSide(self, k)
+            loop.serving.transport = _ServerSide(self, k)
 
     def pump(self, k: int) -> None:
         while self.requests[k]:

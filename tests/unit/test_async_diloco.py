@@ -14,8 +14,8 @@ import torch
 
 from cloudburst.config import ConfigError, RunConfig, Straggler
 from cloudburst.config.simulation import SimulationConfig
-from cloudburst.shard import make_shard, overlapped_push_fetch
 from cloudburst.sim.run import simulate
+from cloudburst.strategies.asgd.shard import make_shard, overlapped_push_fetch
 from cloudburst.strategies.async_diloco import (
     STALE_ROUNDS,
     AsyncDilocoStrategy,

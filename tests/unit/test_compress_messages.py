@@ -27,11 +27,11 @@ from cloudburst.comm.p2p import (
 )
 from cloudburst.comm.transport import REAL
 from cloudburst.config import ConfigError, RunConfig
-from cloudburst.server import ServerLoop
 from cloudburst.sim.clock import is_payload
 from cloudburst.sim.run import run_ranks
 from cloudburst.strategies import strategy_spec
 from cloudburst.strategies.asgd import AsgdStrategy
+from cloudburst.strategies.asgd.server import ServerLoop
 from cloudburst.strategies.gossip import GossipStrategy
 from tests.dist.simulate import trained
 from tests.unit.test_sim_runs import _cfg, _sim

@@ -35,7 +35,7 @@ from cloudburst.comm.p2p import (
 )
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
-from cloudburst.server import MAX_PUSH_SAMPLES, ServerLoop, request_problem
+from cloudburst.strategies.asgd.server import MAX_PUSH_SAMPLES, ServerLoop, request_problem
 
 NUMEL = 6
 
@@ -336,8 +336,8 @@ def test_push_records_are_sampled_and_the_staleness_statistics_count_every_push(
 def test_a_failed_receive_loses_the_workers_of_that_group_not_the_server():
     script = _Script([])  # its receive times out at once
     loop, _ = _server(script)
-    loop._serve(script, None)  # the world group's serving thread
-    assert loop._error is None
+    loop.serving._serve(script, None)  # the world group's serving thread
+    assert loop.serving._error is None
     assert loop.lost == {1, 2}
 
 
@@ -488,9 +488,9 @@ def test_a_failed_receive_from_any_loses_only_the_worker_the_heartbeats_name():
     applied, its DONE answered FINISHED) instead of being declared lost with it."""
     script = _ResetOnce([(1, _push(version=0), torch.ones(NUMEL)), (1, Header(Kind.DONE), None)])
     loop, _ = _server(script)
-    loop.liveness = _Liveness({2})
-    loop._serve(script, None)
-    assert loop.lost == {2} and loop.finished == {1} and loop._error is None
+    loop.serving.liveness = _Liveness({2})
+    loop.serving._serve(script, None)
+    assert loop.lost == {2} and loop.finished == {1} and loop.serving._error is None
     assert loop.shard.version == 1
     assert [(dst, h.status) for dst, h, _ in script.replies] == [
         (1, Status.OK),
@@ -501,6 +501,6 @@ def test_a_failed_receive_from_any_loses_only_the_worker_the_heartbeats_name():
 def test_a_failed_receive_with_every_worker_alive_loses_the_group_as_before():
     script = _ResetOnce([(1, _push(version=0), torch.ones(NUMEL))])
     loop, _ = _server(script, heartbeat_timeout_s=0.1)
-    loop.liveness = _Liveness(set())
-    loop._serve(script, None)
+    loop.serving.liveness = _Liveness(set())
+    loop.serving._serve(script, None)
     assert loop.lost == {1, 2} and loop.shard.version == 0 and script.reads == []

@@ -46,8 +46,8 @@ from cloudburst.comm.link import EmulatedWork, LinkEmulator, LinkSpec, Topology
 from cloudburst.comm.p2p import Header, Kind, Status
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
-from cloudburst.server import MAX_PUSH_SAMPLES, request_problem
-from cloudburst.shard import (
+from cloudburst.strategies.asgd.server import MAX_PUSH_SAMPLES, request_problem
+from cloudburst.strategies.asgd.shard import (
     PushResult,
     ShardState,
     all_finite,

@@ -276,17 +276,17 @@ def test_forged_or_replayed_rejoin_announcements_are_ignored():
     (1..max_restarts, each once, in order) is admitted."""
     from types import SimpleNamespace
 
-    from cloudburst.server import ServerLoop
+    from cloudburst.strategies.asgd.serving import RequestServing
 
     server = SimpleNamespace(workers={1, 2}, _incarnations={}, cfg=SimpleNamespace(max_restarts=2))
     for rank, incarnation in [(1, 0), (1, 3), (5, 1), (2, -1)]:
-        assert ServerLoop._admit(server, rank, incarnation) is None  # ignored, nothing touched
+        assert RequestServing._admit(server, rank, incarnation) is None  # ignored, nothing touched
     assert server._incarnations == {}
     with pytest.raises(AttributeError):  # admitted: it goes on to take the lock (not faked)
-        ServerLoop._admit(server, 1, 1)
+        RequestServing._admit(server, 1, 1)
     assert server._incarnations == {1: 1}
-    assert ServerLoop._admit(server, 1, 1) is None  # a replay of the same restart
+    assert RequestServing._admit(server, 1, 1) is None  # a replay of the same restart
     no_restarts = SimpleNamespace(
         workers={1}, _incarnations={}, cfg=SimpleNamespace(max_restarts=0)
     )
-    assert ServerLoop._admit(no_restarts, 1, 1) is None and no_restarts._incarnations == {}
+    assert RequestServing._admit(no_restarts, 1, 1) is None and no_restarts._incarnations == {}

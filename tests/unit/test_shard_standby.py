@@ -19,7 +19,7 @@ from cloudburst.liveness import (
     report_acked,
     shard_restarted,
 )
-from cloudburst.shard import make_shard, standby_of
+from cloudburst.strategies.asgd.shard import make_shard, standby_of
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.unit
@@ -42,7 +42,7 @@ def test_a_restarted_shard_announces_the_version_it_restored():
 
 
 def test_pushes_lost_is_the_highest_acknowledged_version_minus_the_restored_one():
-    from cloudburst.server import ServerLoop
+    from cloudburst.strategies.asgd.server import ServerLoop
 
     class Loop:  # the two fields the count reads
         pushes_lost = ServerLoop.pushes_lost

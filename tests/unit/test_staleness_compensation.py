@@ -14,15 +14,15 @@ import torch
 from cloudburst.comm.p2p import Status
 from cloudburst.config import ConfigError, RunConfig, Straggler
 from cloudburst.config.simulation import SimulationConfig
-from cloudburst.shard import (
+from cloudburst.sim.run import simulate
+from cloudburst.strategies.asgd.settings import COMPENSATIONS
+from cloudburst.strategies.asgd.shard import (
     ShardState,
     add_rule_alpha,
     histogram_quantiles,
     make_shard,
     overlapped_push_fetch,
 )
-from cloudburst.sim.run import simulate
-from cloudburst.strategies.asgd.settings import COMPENSATIONS
 from tests.reference import compensated_server, delayed_nesterov_server
 
 NUMEL = 50

@@ -10,7 +10,7 @@ from typing import ClassVar
 from cloudburst.config.fields import ConfigError, _check_choice, _check_float, _check_int, option
 
 SERVER_RULES = ("add", "sgd", "adagrad")
-# --staleness-compensation (cloudburst.shard; docs/algorithms.md#staleness-compensation).
+# --staleness-compensation (strategies/asgd/shard.py; docs/algorithms.md#staleness-compensation).
 COMPENSATIONS = ("none", "scale", "dc", "dc-adaptive", "gap", "delay-adaptive")
 # asgd's n_fetch = n_push when neither nor --n-sync is given: at W = 4 as accurate as 1 in
 # about half the time (benchmarks/results/defaults.md); --n-sync 1 is DistBelief's every step.

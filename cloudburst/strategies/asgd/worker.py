@@ -4,7 +4,7 @@ Algorithm (docs/algorithms.md#asgd; Dean et al. 2012, Paine et al. 2013): each w
 replica with its local optimizer; every ``n_push`` local steps it pushes its accumulated update
 Δ = θ_local − θ_reference to the S server shards, every ``n_fetch`` steps it fetches θ from them
 (``n_sync`` sets both: GPU A-SGD's n_sync local steps, then push and fetch in one round trip).
-Servers apply pushes one at a time in arrival order (``cloudburst.server``).
+Servers apply pushes one at a time in arrival order (``cloudburst.strategies.asgd.server``).
 
 Synchronous: nothing between workers; a worker waits only for its own round trip to the
 shards. Staleness: the number of pushes (from any worker) a shard applied between this
@@ -17,7 +17,7 @@ position, step) and starts again from the servers' current θ, as at the start o
 then not lost. A dead shard: the job stops (summary ``failed``, the ``--resume`` command)
 unless its agent restarts it (``--max-restarts``) or its standby takes it over
 (``--shard-standby``); then each worker reconnects to it on a pair group, takes its θ_k, and
-goes on (its unacknowledged push to it is dropped; ``cloudburst.server``).
+goes on (its unacknowledged push to it is dropped; ``cloudburst.strategies.asgd.server``).
 
 Transport: with the add rule a PUSH_FETCH reply carries θ_k as it was *before* this push, sent
 while the push travels the other way; the worker then adds its own Δ with the same α as the
@@ -25,8 +25,8 @@ server (``add_rule_alpha``), bit for bit, unless the reply says the push was rej
 dropped; the server's reply leaves before its own add, so both adds run at once. This equals
 "apply, then fetch", because a shard applies requests one at a time.
 Optimizer rules (sgd, adagrad) and the per-coordinate staleness compensators (dc,
-dc-adaptive, gap: ``cloudburst.shard.Compensator``) keep state only the server has: their
-replies follow the apply. Scalar compensators (scale, delay-adaptive) stay overlapped.
+dc-adaptive, gap: ``cloudburst.strategies.asgd.shard.Compensator``) keep state only the server
+has: their replies follow the apply. Scalar compensators (scale, delay-adaptive) stay overlapped.
 Warm start (``warm_start_steps``; GPU A-SGD's experiment 3): worker 0 trains alone, then seeds
 every shard with INIT; a shard takes INIT once, from worker 0 only, while it awaits it (one
 resumed from its checkpoint keeps its θ and refuses the INIT a resumed worker 0 sends again).
@@ -64,8 +64,8 @@ from cloudburst.comm.compress import ErrorFeedback, decode, encode
 from cloudburst.comm.flat import adopt_flat, assign_flat, flatten_params, is_flat_view, shard_bounds
 from cloudburst.comm.p2p import Header, Kind, Status
 from cloudburst.liveness import Heartbeat, await_shard, heartbeat_interval_s, report_acked
-from cloudburst.shard import add_rule_alpha, overlapped_push_fetch
 from cloudburst.strategies.asgd import Asgd
+from cloudburst.strategies.asgd.shard import add_rule_alpha, overlapped_push_fetch
 from cloudburst.strategies.base import Strategy
 
 log = logging.getLogger(__name__)

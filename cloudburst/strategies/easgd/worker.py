@@ -8,8 +8,9 @@ move θ̃ ← θ̃ + e. α = ``easgd_alpha``, by default β/W with β = ``easgd_
 Transport: one round trip per shard (a PUSH_FETCH of the ``elastic`` server rule): the worker
 sends θ_i while the shard sends θ̃ as it was before this push; the shard applies
 θ̃ += α(θ_i − θ̃) and the worker subtracts the same e, computed by the same function on the
-same values (:func:`cloudburst.server.elastic_step`). A shard handles one request at a time,
-so each exchange is atomic per shard; shards are independent (as in Downpour).
+same values (:func:`cloudburst.strategies.asgd.shard.elastic_step`). A shard handles one
+request at a time, so each exchange is atomic per shard; shards are independent (as in
+Downpour).
 
 Synchronous: nothing between workers. Staleness: the shard versions that passed since this
 worker's previous exchange (the centre it uses is current). The global model is θ̃ (worker 0
@@ -36,7 +37,7 @@ import torch
 from cloudburst.comm.compress import ErrorFeedback
 from cloudburst.comm.flat import assign_flat
 from cloudburst.comm.p2p import Header, Kind, Status
-from cloudburst.shard import add_rule_alpha, elastic_step
+from cloudburst.strategies.asgd.shard import add_rule_alpha, elastic_step
 from cloudburst.strategies.asgd.worker import AsgdStrategy
 from cloudburst.strategies.easgd import Easgd
 

@@ -1,7 +1,7 @@
 """One parameter-server shard's maths, with no communication: what a shard does with a push
 (:class:`ShardState`), the server rules, EASGD's elastic step, the staleness compensators
 (:class:`Compensator`), and the helpers the workers share with the servers (they import this
-module, never the server loop in :mod:`cloudburst.server`).
+module, never the server loop in :mod:`cloudburst.strategies.asgd.server`).
 
 :class:`ShardState` applies pushes one at a time, in arrival order, keeps the version clock
 (number of applied pushes), the per-push staleness and its distribution, drops pushes staler

@@ -1,7 +1,7 @@
 """Parameter-server shards for asynchronous SGD (DistBelief Downpour, GPU A-SGD).
 
-:class:`~cloudburst.shard.ShardState` (in :mod:`cloudburst.shard`) is the pure algorithm for
-one shard k of θ; this module is the loop around it.
+:class:`~cloudburst.strategies.asgd.shard.ShardState` is the pure algorithm for one shard k
+of θ; this module is the loop around it.
 
 :class:`ServerLoop` is what a server rank runs: receive a request header from *any* worker,
 act, reply. Workers never wait for each other; they wait only for the server's reply. A worker
@@ -75,8 +75,8 @@ from cloudburst.comm.p2p import CommStats, Header, Kind, PeerFaults, Status, wor
 from cloudburst.config import RunConfig
 from cloudburst.liveness import FAILOVER_KEY, shard_restarted
 from cloudburst.resilience import identity
-from cloudburst.serving import RequestServing, _first_line
-from cloudburst.shard import (  # noqa: F401 - the shard maths, also importable from here
+from cloudburst.strategies.asgd.serving import RequestServing, _first_line
+from cloudburst.strategies.asgd.shard import (  # noqa: F401 - the shard maths, also importable from here
     PushResult,
     ShardState,
     add_rule_alpha,
@@ -137,27 +137,26 @@ def request_problem(
     return None
 
 
-class ServerLoop(RequestServing):
-    """The request loop of server shard k. See the module docstring for the protocol.
+class ServerLoop:
+    """The request protocol of server shard k. See the module docstring.
 
-    :meth:`run` serves on threads: one per group that requests arrive on (the world group, and
-    one group per worker that rejoined after a restart), each receiving from any member and
-    handling one request at a time under one lock, so that requests are still applied one at
-    a time whatever group they came on (a rejoined worker's replies leave after the lock is
-    released: see :meth:`_serve`). The calling thread admits rejoining workers and waits until
-    every worker is finished or lost.
+    How requests reach it is its :class:`~cloudburst.strategies.asgd.serving.RequestServing`
+    (``self.serving``): one task per group that requests arrive on, each handing a request to
+    :meth:`_serve_one` under one lock, so that requests are applied one at a time whatever
+    group they came on; the serving also keeps how each worker stands (``lost``,
+    ``finished``), which the protocol adds to under that lock.
     """
 
     def __init__(self, ctx, full_theta: torch.Tensor, metrics, liveness):
         cfg: RunConfig = ctx.cfg
-        self.ctx, self.cfg, self.metrics, self.liveness = ctx, cfg, metrics, liveness
+        self.ctx, self.cfg, self.metrics = ctx, cfg, metrics
         self.bounds = shard_bounds(full_theta.numel(), cfg.servers)
         a, b = self.bounds[ctx.server_index]
         self.shard = make_shard(cfg, full_theta[a:b])
         # On the world group; a restarted shard has none: each worker reconnects to it on a
         # pair group of their own (reconnect_workers).
         self.incarnation = getattr(ctx, "shard_incarnation", 0)
-        self.transport = None if self.incarnation else ctx.transport()
+        transport = None if self.incarnation else ctx.transport()
         self.restored_version: int | None = None  # a restarted shard's, from its checkpoint
         self.failed_over = False  # served by its standby after its own server died
         self.theta0 = full_theta
@@ -174,44 +173,46 @@ class ServerLoop(RequestServing):
         self.awaiting_init = cfg.warm_start_steps > 0
         # Worker 0 trains alone, then seeds every shard with INIT (cloudburst.train).
         self.warm_start_rank = ctx.worker_ranks[0] if ctx.worker_ranks else None
+        # Guarded by the serving's lock once serving tasks run, as the workers' standing is.
         self.deferred_fetches: list[int] = []
-        self.workers = set(ctx.worker_ranks)
         self.done: set[int] = set()  # workers that sent DONE
-        self.finished: set[int] = set()  # workers told FINISHED (they exit)
-        self.lost: set[int] = set()  # dropped workers too
         self.faults = PeerFaults(log, f"server {ctx.server_index}")
-        self.rejoined: set[int] = set()  # workers that rejoined after a restart
-        self.rejoins = 0
-        self._incarnations: dict[int, int] = {}  # rank -> the last restart admitted
-        # Where each rejoined worker is served now (the others: self.transport). A worker being
-        # admitted maps to _ADMITTING: nothing from its previous incarnation is served.
-        self._routes: dict[int, Any] = {}
-        self._rejoin_stats: list[CommStats] = []
-        # Guards everything above once serving threads run; notified when a worker finishes
-        # or is lost, and when a serving thread fails.
         self._standby_stats = CommStats()  # of the standby links
         self.error: BaseException | None = None  # a taken-over shard's serving failed
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._error: BaseException | None = None
-        self._stopped = False
-        # While a rejoin group's thread handles a request: the rejoined worker, and its replies
-        # (sent once the lock is released; see _serve).
-        self._outbox_for: int | None = None
-        self._outbox: list[tuple[int, Header, torch.Tensor | None]] = []
+        self.serving = RequestServing(
+            ctx,
+            metrics,
+            liveness,
+            transport,
+            self.incarnation,
+            handle=self._serve_one,
+            on_lost=self._forget,
+            on_admit=self._admitted,
+            on_reconnect=self._reconnected,
+            version=lambda: self.shard.version,
+        )
 
     @property
     def numel(self) -> int:
         return self.shard.theta.numel()
 
+    @property
+    def transport(self):
+        """The world group's transport (None for a restarted shard): the serving's."""
+        return self.serving.transport
+
+    @property
+    def lost(self) -> set[int]:
+        """Workers lost (dropped ones too): the serving's set, added to under its lock."""
+        return self.serving.lost
+
+    @property
+    def finished(self) -> set[int]:
+        """Workers told FINISHED (they exit): the serving's set."""
+        return self.serving.finished
+
     def run(self) -> None:
-        if self.ctx.comm.simulated:
-            # The virtual cluster restarts nothing: its one serving task, and no rejoin board.
-            self._serve(self.transport, None)
-            self._stopped = True
-            self._raise_if_failed()
-        else:
-            self._run_with_rejoins()
+        self.serving.run()
         self._forward(Kind.DONE)  # the standby's copy is final: it stops listening
         self._checkpoint()
         log.info(
@@ -220,7 +221,32 @@ class ServerLoop(RequestServing):
             self.shard.version,
             len(self.lost),
             sorted(self.lost),
-            self.rejoins,
+            self.serving.rejoins,
+        )
+
+    # ---------------------------------------------------------------- the serving's callbacks
+    def _forget(self, ranks: set[int]) -> None:
+        """(Under the lock) ``ranks`` are lost: no deferred fetch is answered to them."""
+        self.deferred_fetches = [r for r in self.deferred_fetches if r not in ranks]
+
+    def _admitted(self, rank: int) -> None:
+        """(Under the lock) a restarted worker is admitted on a new group: a new process,
+        whose stream starts in step whatever the old one sent, and which has not sent DONE."""
+        self.faults.forgive(rank)
+        self.done.discard(rank)
+        self.deferred_fetches = [r for r in self.deferred_fetches if r != rank]
+
+    def _reconnected(self, rank: int, acked: int | None) -> None:
+        """(Under the lock) a worker reconnected to this restarted shard, having seen
+        ``acked`` acknowledged before the restart (None: nothing)."""
+        if acked is not None:
+            self.acked_before_restart = max(self.acked_before_restart, acked)
+        self.metrics.log(
+            "reconnect",
+            time_s=self.ctx.elapsed_s(),
+            worker=rank,
+            acked_version=acked,
+            pushes_lost=self.pushes_lost,
         )
 
     # ---------------------------------------------------------------- the protocol
@@ -229,11 +255,11 @@ class ServerLoop(RequestServing):
         if self.faults.is_dropped(src):
             self.faults.ignore(src)  # its payloads stay unread: none is ever applied
             return
-        if src not in self.workers:
+        if src not in self.serving.workers:
             # Not a worker: whether a payload follows is unknown, so nothing more is read.
             self.faults.reject(src, "a request from a rank that is not a worker", in_step=False)
             return
-        if self._routes.get(src, self.transport) is not transport:
+        if self.serving.peer(src) is not transport:
             # Sent by a previous incarnation of a worker that has since rejoined.
             log.warning("ignored a request from rank %d before its restart", src)
             return
@@ -279,7 +305,7 @@ class ServerLoop(RequestServing):
             self._drop(src)  # too many: its payload stays unread
             return
         if h.numel:
-            self._peer(src).recv_payload(src, h.numel, out=self._recv_buf[: h.numel])
+            self.serving.peer(src).recv_payload(src, h.numel, out=self._recv_buf[: h.numel])
         self._reply(src, Status.REJECTED)
 
     def _drop(self, src: int) -> None:
@@ -294,7 +320,7 @@ class ServerLoop(RequestServing):
         )
 
     def _handle(self, src: int, h: Header) -> None:
-        transport = self._peer(src)
+        transport = self.serving.peer(src)
         if h.kind in (Kind.PUSH, Kind.PUSH_FETCH):
             overlapped = h.kind == Kind.PUSH_FETCH and self.overlap_replies
             if overlapped:
@@ -368,10 +394,10 @@ class ServerLoop(RequestServing):
             self.done.add(src)
             training = set(self.ctx.worker_ranks) - self.done - self.lost
             if training:
-                newly_lost = self.liveness.dead(training)
+                newly_lost = self.serving.liveness.dead(training)
                 for r in sorted(newly_lost):
                     log.warning("worker rank %d stopped sending heartbeats: declared lost", r)
-                self.lost |= newly_lost
+                self.lost.update(newly_lost)
                 training -= newly_lost
             if training:
                 self._reply(src, Status.WAIT)
@@ -412,11 +438,7 @@ class ServerLoop(RequestServing):
             status=status,
             aux=staleness,
         )
-        if dst == self._outbox_for:
-            # Later, outside the lock: a copy of θ, which other requests may change meanwhile.
-            self._outbox.append((dst, header, self.shard.theta.clone() if with_theta else None))
-            return
-        self._peer(dst).send(dst, header, self.shard.theta if with_theta else None)
+        self.serving.reply(dst, header, self.shard.theta if with_theta else None)
 
     def _forward(
         self, kind: Kind, payload: torch.Tensor | None = None, version: int = 0, samples: int = 0
@@ -461,14 +483,14 @@ class ServerLoop(RequestServing):
     def stats(self) -> dict[str, Any]:
         s = self.shard.stats()
         own = [] if self.transport is None else [self.transport.stats]
-        s.update(_sum_stats([*own, *self._rejoin_stats, self._standby_stats]).as_dict())
+        s.update(_sum_stats([*own, *self.serving.rejoin_stats, self._standby_stats]).as_dict())
         # Every refused request once (the transports count only the unreadable headers, which
         # the faults count too), and those of dropped senders, which are not read.
         s["messages_rejected"] = self.faults.rejected + self.faults.ignored
         s["dropped_peers"] = self.faults.dropped_peers()
         s["lost_workers"] = sorted(self.lost)
-        s["rejoined_workers"] = sorted(self.rejoined)
-        s["rejoins"] = self.rejoins
+        s["rejoined_workers"] = sorted(self.serving.rejoined)
+        s["rejoins"] = self.serving.rejoins
         s["shard"] = self.ctx.server_index
         s["shard_restarts"] = 0 if self.failed_over else self.incarnation
         s["shard_failovers"] = int(self.failed_over)

@@ -1,13 +1,16 @@
-"""How requests reach a parameter shard: its serving threads, and the admission of workers
-that rejoin after a restart (:class:`RequestServing`, the half of
-:class:`~cloudburst.server.ServerLoop` that is not the protocol).
+"""How requests reach a parameter shard (:class:`RequestServing`): its serving tasks, which
+worker is served on which group, how each worker stands (finished, lost), and the admission of
+workers that rejoin after a restart.
 
-One thread per group that requests arrive on (the world group, and one group per worker that
-rejoined after a restart) receives from any member and hands each request to the protocol
-(``ServerLoop._handle``) under one lock, so that requests are applied one at a time whatever
-group they came on. The calling thread admits rejoining workers (from the job store's
-:class:`~cloudburst.liveness.RejoinBoard`) and waits until every worker is finished or lost.
-On the virtual cluster there are no restarts: the shard serves on its one task instead.
+A :class:`~cloudburst.strategies.asgd.server.ServerLoop` owns one and hands it the protocol as
+callbacks (``handle``: one request, under the lock; ``on_lost``, ``on_admit``,
+``on_reconnect``, ``version``); nothing here reads a request's content. One task per group
+that requests arrive on (the world group, and one group per worker that rejoined after a
+restart) receives from any member and hands each request to ``handle`` under one lock, so that
+requests are applied one at a time whatever group they came on. The calling task admits
+rejoining workers (from the job store's :class:`~cloudburst.liveness.RejoinBoard`) and waits
+until every worker is finished or lost. On the virtual cluster there are no restarts: the
+shard serves on its one task instead.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from cloudburst.comm.p2p import CommStats, Header
 from cloudburst.liveness import DONE_KEY, RejoinBoard, acked_version, announce_shard
 
-log = logging.getLogger("cloudburst.server")
+log = logging.getLogger("cloudburst.strategies.asgd.server")  # the shard's one log
 
 LIVENESS_POLL_S = 0.2  # how often a failed receive asks the liveness monitor who died
 REJOIN_POLL_S = 0.5  # how often a server looks for restarted workers announcing themselves
@@ -34,13 +39,79 @@ def _first_line(e: BaseException) -> str:
 
 
 class RequestServing:
-    """Serving threads and rejoin admission; the state lives in ``ServerLoop.__init__``."""
+    """A shard's serving tasks, its workers' standing and rejoin admission (module docstring).
+
+    ``transport``: the world group's (None for a restarted shard: each worker reconnects on a
+    pair group of its own); ``incarnation``: the shard's restart count. Everything below is
+    guarded by one lock, whose condition is notified when a worker finishes or is lost, and when a
+    serving task fails.
+    """
+
+    def __init__(
+        self,
+        ctx,
+        metrics,
+        liveness,
+        transport,
+        incarnation: int,
+        *,
+        handle: Callable[[Any, int, Header | None], None],
+        on_lost: Callable[[set[int]], None],
+        on_admit: Callable[[int], None],
+        on_reconnect: Callable[[int, int | None], None],
+        version: Callable[[], int],
+    ):
+        self.ctx, self.cfg, self.metrics, self.liveness = ctx, ctx.cfg, metrics, liveness
+        self.transport, self.incarnation = transport, incarnation
+        self._handle, self._on_lost, self._on_admit = handle, on_lost, on_admit
+        self._on_reconnect, self._version = on_reconnect, version
+        self.workers = set(ctx.worker_ranks)
+        self.finished: set[int] = set()  # workers told FINISHED (they exit)
+        self.lost: set[int] = set()  # dropped workers too
+        self.rejoined: set[int] = set()  # workers that rejoined after a restart
+        self.rejoins = 0
+        self.rejoin_stats: list[CommStats] = []  # of the rejoin and reconnect groups
+        self._incarnations: dict[int, int] = {}  # rank -> the last restart admitted
+        # Where each rejoined worker is served now (the others: self.transport). A worker being
+        # admitted maps to _ADMITTING: nothing from its previous incarnation is served.
+        self._routes: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._error: BaseException | None = None
+        self._stopped = False
+        # While a rejoin group's task handles a request: the rejoined worker, and its replies
+        # (sent once the lock is released; see _serve).
+        self._outbox_for: int | None = None
+        self._outbox: list[tuple[int, Header, torch.Tensor | None]] = []
+
+    def run(self) -> None:
+        """Serve until every worker is finished or lost; raises what a serving task raised."""
+        if not self.ctx.comm.simulated:
+            self._run_with_rejoins()
+            return
+        # The virtual cluster restarts nothing: its one serving task, and no rejoin board.
+        self._serve(self.transport, None)
+        self._stopped = True
+        self._raise_if_failed()
+
+    def peer(self, src: int):
+        """The transport that ``src`` is served on."""
+        return self._routes.get(src, self.transport)
+
+    def reply(self, dst: int, header: Header, payload: torch.Tensor | None) -> None:
+        """Send a reply to ``dst`` (under the lock). A rejoined worker's, while its group's task
+        handles its request, leaves after the lock is released (see :meth:`_serve`), with a
+        copy of ``payload`` (θ, which other requests may change meanwhile)."""
+        if dst == self._outbox_for:
+            self._outbox.append((dst, header, None if payload is None else payload.clone()))
+            return
+        self.peer(dst).send(dst, header, payload)
 
     def _run_with_rejoins(self) -> None:
-        """Serve the world group on a thread, admit rejoining workers on this one, until
+        """Serve the world group on a task, admit rejoining workers on this one, until
         every worker is finished or lost."""
         # The board waits in the store (for an announcement being written): a connection of
-        # its own, so that the serving threads' liveness checks never wait behind it.
+        # its own, so that the serving tasks' liveness checks never wait behind it.
         board = RejoinBoard(self.ctx.store.clone(), self.cfg.comm_timeout_s)
         if self.transport is None:
             # A restarted shard: workers restarted before it rejoined a group that held its
@@ -74,7 +145,7 @@ class RequestServing:
         if self._error is not None:
             raise self._error
 
-    # ---------------------------------------------------------------- serving threads
+    # ---------------------------------------------------------------- serving tasks
     def _serve_in_thread(self, transport, rank: int | None) -> None:
         name = "world" if rank is None else f"rank{rank}"
         threading.Thread(
@@ -135,7 +206,7 @@ class RequestServing:
                     ended = len(self.finished) + len(self.lost)
                     self._outbox_for, self._outbox = rank, []
                     try:
-                        self._serve_one(transport, src, header)
+                        self._handle(transport, src, header)
                     finally:
                         outbox, self._outbox_for, self._outbox = self._outbox, None, []
                     if len(self.finished) + len(self.lost) != ended:
@@ -207,14 +278,14 @@ class RequestServing:
     def _lose(self, ranks: set[int]) -> None:
         """(Under the lock) ``ranks`` are lost: no deferred fetch is answered to them."""
         self.lost |= ranks
-        self.deferred_fetches = [r for r in self.deferred_fetches if r not in ranks]
+        self._on_lost(ranks)
         self._changed.notify_all()
 
     def _send_replies(self, outbox: list[tuple[int, Header, torch.Tensor | None]]) -> None:
         """Send a rejoined worker's replies (outside the lock)."""
         for dst, header, payload in outbox:
             try:
-                self._peer(dst).send(dst, header, payload)
+                self.peer(dst).send(dst, header, payload)
             except RuntimeError as e:
                 with self._changed:
                     log.error("lost worker rank %d during a reply: %s", dst, _first_line(e))
@@ -227,20 +298,18 @@ class RequestServing:
         """This shard was restarted and restored its checkpoint: announce it (the version it
         restored), then build a pair group with each worker as it reconnects, each on a thread
         of its own (one that never comes holds up no other), and serve it there."""
-        k, incarnation = self.ctx.server_index, self.incarnation
+        k, incarnation, version = self.ctx.server_index, self.incarnation, self._version()
         with self._changed:
             for rank in self.workers:
                 self._routes[rank] = _ADMITTING
-        announce_shard(self.ctx.store, k, incarnation, self.shard.version)
+        announce_shard(self.ctx.store, k, incarnation, version)
         self.metrics.log(
             "shard_restored",
             time_s=self.ctx.elapsed_s(),
             incarnation=incarnation,
-            version=self.shard.version,
+            version=version,
         )
-        log.info(
-            "shard %d serving again at version %d (restart %d)", k, self.shard.version, incarnation
-        )
+        log.info("shard %d serving again at version %d (restart %d)", k, version, incarnation)
         for rank in sorted(self.workers):
             threading.Thread(
                 target=self._reconnect,
@@ -263,18 +332,10 @@ class RequestServing:
         acked = acked_version(self.ctx.store, self.ctx.server_index, self.incarnation, rank)
         with self._changed:
             self._routes[rank] = transport
-            self._rejoin_stats.append(stats)
-            if acked is not None:
-                self.acked_before_restart = max(self.acked_before_restart, acked)
+            self.rejoin_stats.append(stats)
             self.lost.discard(rank)
+            self._on_reconnect(rank, acked)
         log.info("worker rank %d reconnected (it had seen version %s)", rank, acked)
-        self.metrics.log(
-            "reconnect",
-            time_s=self.ctx.elapsed_s(),
-            worker=rank,
-            acked_version=acked,
-            pushes_lost=self.pushes_lost,
-        )
         self._serve_in_thread(transport, rank)
 
     def _finished_elsewhere(self) -> None:
@@ -314,11 +375,10 @@ class RequestServing:
         self._incarnations[rank] = incarnation
         with self._changed:
             # A new process on a new group: its stream starts in step, whatever the old sent.
-            self.faults.forgive(rank)
+            self._on_admit(rank)
             self._routes[rank] = _ADMITTING
-            for ranks in (self.lost, self.done, self.finished):
+            for ranks in (self.lost, self.finished):
                 ranks.discard(rank)
-            self.deferred_fetches = [r for r in self.deferred_fetches if r != rank]
             if self.liveness is not None:
                 self.liveness.revive(rank)
         stats = CommStats()
@@ -332,7 +392,7 @@ class RequestServing:
             return
         with self._changed:
             self._routes[rank] = transport
-            self._rejoin_stats.append(stats)
+            self.rejoin_stats.append(stats)
             self.rejoined.add(rank)
             self.rejoins += 1
             self.metrics.log(
@@ -340,7 +400,3 @@ class RequestServing:
             )
         log.info("worker rank %d rejoined after restart %d", rank, incarnation)
         self._serve_in_thread(transport, rank)
-
-    def _peer(self, src: int):
-        """The transport that ``src`` is served on."""
-        return self._routes.get(src, self.transport)
