@@ -13,6 +13,9 @@ Groups are the handles the transport made when the job started (``ctx.workers_gr
 ``ctx.node_group``, ...; ``None`` is the world): code passes them through and never looks
 inside. Ranks are always global ranks. Message *content* (headers, validation, byte counting)
 is the business of :mod:`cloudburst.comm.p2p` above this layer, so both transports count alike.
+Where the two clusters differ in what a rank may expect, the transport says so as a capability
+(``restarts_ranks``, ``breaks_on_peer_death``): nothing outside ``comm/`` and ``sim/`` asks
+which cluster it runs on (``tests/unit/test_import_graph.py``).
 """
 
 from __future__ import annotations
@@ -66,8 +69,14 @@ class DataParallel(Protocol):
 class Transport(Protocol):
     """What one rank does to communicate, wait and keep time. See the module docstring."""
 
-    #: True for the virtual cluster: times are virtual seconds.
-    simulated: bool
+    #: Whether a rank that dies can come back while the job runs: its agent restarts it
+    #: (``--max-restarts``) and it rejoins, or a standby takes its shard over
+    #: (``--shard-standby``). False on the virtual cluster, where a dead rank stays dead.
+    restarts_ranks: bool
+    #: Whether a receive from any member fails at once when one member dies in the middle of
+    #: a message (gloo's does), so that the liveness monitor must tell who died. False on the
+    #: virtual cluster: a message arrives whole, and a receive fails only at its timeout.
+    breaks_on_peer_death: bool
 
     # ------------------------------------------------------------------ the clock
     def now(self) -> float:
@@ -159,8 +168,10 @@ class Transport(Protocol):
     def barrier(self, group: Any = None) -> None: ...
 
     # ------------------------------------------------------------------ tasks
-    def spawn(self, target: Callable[[], None], name: str) -> Task:
-        """Run ``target`` beside this rank's main task (daemon)."""
+    def spawn(self, target: Callable[[], None], name: str, daemon: bool = True) -> Task:
+        """Run ``target`` beside this rank's main task. Every background task of a rank is
+        started here (a shard's serving tasks, gossip's, a standby's). ``daemon=False``: the
+        process waits for it to end before it exits (a taken-over shard still serving)."""
 
     # ------------------------------------------------------------------ liveness
     def heartbeat(self, store, rank: int, interval_s: float):
@@ -194,7 +205,8 @@ def member_group(group: dist.ProcessGroupGloo, members: list[int]) -> _MemberGro
 class TorchTransport:
     """The real transport: ``torch.distributed``, the wall clock and OS threads."""
 
-    simulated = False
+    restarts_ranks = True
+    breaks_on_peer_death = True
 
     # ------------------------------------------------------------------ the clock
     def now(self) -> float:
@@ -303,8 +315,8 @@ class TorchTransport:
         dist.barrier(group=group)
 
     # ------------------------------------------------------------------ tasks
-    def spawn(self, target, name) -> threading.Thread:
-        thread = threading.Thread(target=target, name=name, daemon=True)
+    def spawn(self, target, name, daemon=True) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, daemon=daemon)
         thread.start()
         return thread
 

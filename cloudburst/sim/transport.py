@@ -242,7 +242,8 @@ class SimLiveness:
 class SimTransport:
     """One rank's :class:`~cloudburst.comm.transport.Transport` in the virtual cluster."""
 
-    simulated = True
+    restarts_ranks = False  # a killed rank stays dead: nothing restarts or takes it over
+    breaks_on_peer_death = False  # messages arrive whole; a receive fails at its timeout
 
     def __init__(self, net: SimNetwork, rank: int, worker_index: int | None, factor: float = 1.0):
         """``factor``: this worker's slowness (straggler × slow fault), as the loop's."""
@@ -416,7 +417,8 @@ class SimTransport:
         return SimDataParallel(self, model, group or self.net.world, state)
 
     # ------------------------------------------------------------------ tasks, liveness
-    def spawn(self, target, name) -> Task:
+    def spawn(self, target, name, daemon=True) -> Task:
+        # Every task of the virtual cluster ends with the run: none is waited for at exit.
         return self.sched.spawn(target, name, self.rank)
 
     def heartbeat(self, store, rank, interval_s) -> NullHeartbeat:

@@ -62,7 +62,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import threading
 import time
 from dataclasses import fields
 from typing import Any
@@ -72,6 +71,7 @@ import torch
 from cloudburst.checkpoint import save_checkpoint
 from cloudburst.comm.flat import shard_bounds
 from cloudburst.comm.p2p import CommStats, Header, Kind, PeerFaults, Status, worth_logging
+from cloudburst.comm.transport import Task
 from cloudburst.config import RunConfig
 from cloudburst.liveness import FAILOVER_KEY, shard_restarted
 from cloudburst.resilience import identity
@@ -581,7 +581,7 @@ class Standby:
 
     When p's server dies (the link breaks), this server takes shard p over: it marks p as
     failed over in the job store (the watchdogs stop watching p), and serves the copy as a
-    restarted shard would (:meth:`ServerLoop._reconnect_workers`): the workers reconnect, and
+    restarted shard would (:meth:`RequestServing._reconnect_workers`): the workers reconnect, and
     since the copy holds every push a worker saw acknowledged, none is lost. Shard 0 is not
     taken over: its server (rank 0) writes the run's summary, and its death stops the job.
     """
@@ -592,20 +592,18 @@ class Standby:
         self.replica = make_shard(loop.cfg, loop.theta0[a:b])
         self._buf = torch.empty(b - a)
         self.promoted: ServerLoop | None = None
-        self._promoted_thread: threading.Thread | None = None
-        self._thread = threading.Thread(
-            target=self._run, name=f"cloudburst-standby-{primary}", daemon=True
-        )
+        self._task: Task | None = None
+        self._promoted_task: Task | None = None
 
     def start(self) -> Standby:
-        self._thread.start()
+        self._task = self.loop.ctx.comm.spawn(self._run, f"cloudburst-standby-{self.primary}")
         return self
 
     def join(self) -> None:
         """Until the primary said it is done, or (taken over) the promoted shard finished."""
-        self._thread.join()
-        if self._promoted_thread is not None:
-            self._promoted_thread.join()
+        self._task.join()
+        if self._promoted_task is not None:
+            self._promoted_task.join()
             if self.promoted is not None and self.promoted.error is not None:
                 raise self.promoted.error
 
@@ -653,8 +651,8 @@ class Standby:
             except BaseException as e:  # noqa: BLE001 - raised again by join()
                 promoted.error = e
 
-        self._promoted_thread = threading.Thread(target=serve, name=f"cloudburst-shard{p}")
-        self._promoted_thread.start()
+        # Not a daemon: the process serves the taken-over shard's workers to their end.
+        self._promoted_task = ctx.comm.spawn(serve, f"cloudburst-shard{p}", daemon=False)
 
 
 def start_standby(loop: ServerLoop) -> None:
@@ -722,7 +720,7 @@ def serve_shard(ctx, theta0: torch.Tensor, metrics) -> ServerLoop:
         elapsed_s = float(state.get("elapsed_s", 0.0))
         metrics.log("resume", version=loop.shard.version, attempt=restart_count(), wall=time.time())
         log.info("shard %d resumed at version %d", ctx.server_index, loop.shard.version)
-    if cfg.shard_standby and not ctx.comm.simulated and not loop.incarnation:
+    if cfg.shard_standby and ctx.comm.restarts_ranks and not loop.incarnation:
         start_standby(loop)
     if loop.incarnation:
         # Died before its first checkpoint: θ0 at version 0 (a warm start's θ is lost too).

@@ -9,15 +9,15 @@ that requests arrive on (the world group, and one group per worker that rejoined
 restart) receives from any member and hands each request to ``handle`` under one lock, so that
 requests are applied one at a time whatever group they came on. The calling task admits
 rejoining workers (from the job store's :class:`~cloudburst.liveness.RejoinBoard`) and waits
-until every worker is finished or lost. On the virtual cluster there are no restarts: the
-shard serves on its one task instead.
+until every worker is finished or lost. Tasks are started through the transport
+(``ctx.comm.spawn``); where it restarts no rank (``ctx.comm.restarts_ranks`` is False: the
+virtual cluster) the shard serves on its one task, with no rejoin board.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -86,10 +86,10 @@ class RequestServing:
 
     def run(self) -> None:
         """Serve until every worker is finished or lost; raises what a serving task raised."""
-        if not self.ctx.comm.simulated:
+        if self.ctx.comm.restarts_ranks:
             self._run_with_rejoins()
             return
-        # The virtual cluster restarts nothing: its one serving task, and no rejoin board.
+        # Nothing is restarted: its one serving task, and no rejoin board.
         self._serve(self.transport, None)
         self._stopped = True
         self._raise_if_failed()
@@ -148,12 +148,7 @@ class RequestServing:
     # ---------------------------------------------------------------- serving tasks
     def _serve_in_thread(self, transport, rank: int | None) -> None:
         name = "world" if rank is None else f"rank{rank}"
-        threading.Thread(
-            target=self._serve,
-            args=(transport, rank),
-            name=f"cloudburst-serve-{name}",
-            daemon=True,
-        ).start()
+        self.ctx.comm.spawn(lambda: self._serve(transport, rank), f"cloudburst-serve-{name}")
 
     def _expects_requests(self, transport, rank: int | None) -> bool:
         """Whether a worker served on ``transport`` may still send: one that is neither
@@ -231,10 +226,11 @@ class RequestServing:
         timeout, the liveness monitor tells the dead workers from the others: those are lost
         and the others served on. False (every worker served on the group is lost, as on a
         timeout) when none is found dead, or the receive fails again without a new death."""
-        if rank is not None or self.liveness is None or self.ctx.comm.simulated:
+        comm = self.ctx.comm
+        if rank is not None or self.liveness is None or not comm.breaks_on_peer_death:
             return False
-        deadline = time.monotonic() + self.cfg.heartbeat_timeout_s * 1.5 + 1.0
-        while time.monotonic() < deadline:
+        deadline = comm.now() + self.cfg.heartbeat_timeout_s * 1.5 + 1.0
+        while comm.now() < deadline:
             with self._changed:
                 if self._stopped:
                     return False
@@ -251,7 +247,7 @@ class RequestServing:
                     return True
                 if not training:
                     return False
-            time.sleep(LIVENESS_POLL_S)
+            comm.sleep(LIVENESS_POLL_S)
         return False
 
     def _receive_failed(self, transport, rank: int | None, e: RuntimeError) -> None:
@@ -311,12 +307,9 @@ class RequestServing:
         )
         log.info("shard %d serving again at version %d (restart %d)", k, version, incarnation)
         for rank in sorted(self.workers):
-            threading.Thread(
-                target=self._reconnect,
-                args=(rank,),
-                name=f"cloudburst-reconnect-rank{rank}",
-                daemon=True,
-            ).start()
+            self.ctx.comm.spawn(
+                lambda rank=rank: self._reconnect(rank), f"cloudburst-reconnect-rank{rank}"
+            )
 
     def _reconnect(self, rank: int) -> None:
         stats = CommStats()
