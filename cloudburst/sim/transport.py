@@ -2,39 +2,23 @@
 cluster. Real tensors move between ranks (the maths is real); time is modelled by a
 :class:`~cloudburst.sim.clock.ClockModel` and kept by the :mod:`~cloudburst.sim.scheduler`.
 
-What each operation costs, in virtual time:
+What each operation costs, in virtual time (formulas: docs/simulator.md, "The network model"):
 
 - a training step: the clock model's step time (× straggler / slow-fault factor × jitter);
-- a point-to-point message: within a node it occupies the sender's intra-node link from
-  ``max(now, link free)`` for latency + bytes ÷ bandwidth and arrives when that ends; across
-  nodes it occupies the sender node's NIC egress (shared by the node's ranks) the same way and
-  arrives no earlier than the receiver node's ingress has carried it after the messages before
-  (incast: :func:`cloudburst.comm.link.nic_transfer`); a blocking send returns at its
-  arrival (as the real link emulator holds the sender back), a non-blocking one at once;
-- a collective: it starts when the last member has called it and every link it occupies (its
-  nodes' NICs, or within a node its members' links) is free, and ends after the ring
-  (all-reduce) or tree (broadcast) cost of its bytes on the slowest link it spans (an
-  all-to-all: n − 1 latencies + the busiest member's bytes to the others); with
-  ``--network-model nccl`` an all-reduce is hierarchical / size-chosen and sync's gradient
-  all-reduce is DDP's buckets overlapped with backward (:meth:`ClockModel.group_allreduce_s`,
-  :meth:`ClockModel.ddp_end_s`);
-  a blocking call returns then; a non-blocking one overlaps with whatever its caller
-  does until ``wait()``: a wait after k steps of compute costs max(0, cost − k·T);
+- a point-to-point message: it holds the sender's intra-node link, or across nodes its node's
+  NIC egress and then the receiver node's ingress (incast), for latency + bytes ÷ bandwidth; a
+  blocking send returns at its arrival, a non-blocking one at once;
+- a collective: it starts when the last member has called it and every link it occupies is
+  free, and costs its ring / tree (or, under ``--network-model nccl``, hierarchical and DDP's
+  overlapped buckets) time on the slowest link it spans; a non-blocking one overlaps with its
+  caller's work until ``wait()``;
 - a server applying an update: bytes ÷ the modelled memory bandwidth;
 - evaluating the global model (inside :meth:`SimTransport.measuring`): nothing.
 
-The stand-in model: payloads (floating point, or the uint8 bytes of a compressed one:
-:func:`cloudburst.sim.clock.is_payload`) are charged as ``modelled_params / actual_params``
-times their bytes (int64 headers as they are), so a small model's real training drives a large
-model's communication.
-
-Where this differs from the real run's link emulator (:mod:`cloudburst.comm.link`), whose cost
-formulas it shares: the emulator adds the modelled time *on top of* the real transfer (over
-loopback here), the simulator charges the modelled time alone; the emulator holds back only the
-sender's own link, while a simulated collective occupies every member's link until it ends;
-and DDP overlaps its bucketed gradient all-reduce with the backward pass, while the simulated
-average is one all-reduce after it (``--network-model flat``) or modelled buckets (``nccl``).
-benchmarks/results/sim_fidelity.md measures what these differences amount to.
+Payloads (:func:`cloudburst.sim.clock.is_payload`) are charged as ``modelled_params /
+actual_params`` times their bytes, so a small model's training drives a stand-in's traffic.
+Nothing restarts and a message arrives whole (``restarts_ranks``, ``breaks_on_peer_death``:
+False). How this differs from the real run's link emulator: docs/simulator.md.
 """
 
 from __future__ import annotations

@@ -1,60 +1,24 @@
-"""Parameter-server shards for asynchronous SGD (DistBelief Downpour, GPU A-SGD).
+"""Parameter-server shards for asynchronous SGD (DistBelief Downpour, GPU A-SGD); async_diloco
+and easgd serve on them too.
 
-:class:`~cloudburst.strategies.asgd.shard.ShardState` is the pure algorithm for one shard k
-of θ; this module is the loop around it.
+:class:`ServerLoop` is what a server rank runs for its shard k of θ: receive a request header
+from *any* worker, check it, act, reply. Workers never wait for each other, only for a shard's
+reply. How requests arrive (one serving task per group, rejoins, reconnects, which workers are
+finished or lost) is its :class:`~cloudburst.strategies.asgd.serving.RequestServing`; the maths
+of a push is :class:`~cloudburst.strategies.asgd.shard.ShardState`. Contract:
 
-:class:`ServerLoop` is what a server rank runs: receive a request header from *any* worker,
-act, reply. Workers never wait for each other; they wait only for the server's reply. A worker
-that stops sending (killed, hung) simply stops being served; when the remaining workers have
-finished, the server asks the job store which of the silent ones still send heartbeats and
-records the others as lost. Shards are checkpointed every ``checkpoint_every`` applied pushes.
-A reply that carries no θ (a push's acknowledgement, an overlapped PUSH_FETCH's) leaves once the
-push is admitted (``ShardState.admit_push``), before θ moves (``add_push``): the worker's own
-θ + αΔ then runs while the server adds the same Δ, and the next request, handled after the add,
-sees it applied.
+- Requests are applied one at a time, under the serving's lock, in arrival order.
+- Nothing is applied before :func:`request_problem` and the finiteness checks pass; a refused
+  payload is read and discarded (its size checked first), so the stream stays in step; each
+  refusal is its sender's fault, and after ``MAX_PEER_FAULTS`` the sender is dropped (lost).
+- A reply with no θ leaves once the push is admitted, before θ moves; under ``--shard-standby``
+  every applied push reaches the standby (:class:`Standby`) before its worker's reply.
+- A push received whole is applied and recorded even when its reply cannot be sent.
+- Shards checkpoint every ``checkpoint_every`` applied pushes; one ``push`` record every
+  ``push_log_every`` (and one per push not applied).
 
-A killed worker that its agent restarts (``--max-restarts``) *rejoins*: it cannot re-enter the
-world group, so it announces itself in the job store (:class:`cloudburst.runtime.RejoinBoard`)
-and it and every server build a gloo group of their own, on which the servers serve it from
-then on with the same protocol and checks. An admitted worker is no longer lost; its DONE
-finishes it as any other's. Each server receives on every group from its own thread and
-handles one request at a time (one lock), so pushes are still applied one by one. After the
-servers have finished, a restarted worker is refused (it fails with a one-line error).
-
-A killed shard under ``--max-restarts`` (asgd) is restarted by its agent: it restores its last
-checkpoint (θ, rule state, version clock), announces the version it restored in the job store,
-and serves each worker on a gloo pair group of their own (:func:`cloudburst.runtime.
-shard_pair_group`), built when the worker, finding its connection broken, reconnects; the
-workers do not restart. Each worker tells it the last version it saw acknowledged, so the shard
-counts exactly the acknowledged pushes it lost (``pushes_lost``: that version minus the one
-restored). With ``--shard-standby`` every server s also keeps a :class:`Standby` copy of shard
-s − 1 (mod S): each applied push (and INIT) is forwarded and applied there before the worker's
-reply leaves, so the copy never lacks an acknowledged push; when the shard's server dies, s
-takes the shard over the same way (no push lost, nothing restarted). Cost: one extra
-round trip of |θ_k| per push, inside the shard's lock (see benchmarks/reliability.py). Shard 0
-is not taken over (its server writes the summary): its death stops the job, or restarts it in
-place under ``--max-restarts``.
-
-Requests are checked before anything is applied (:func:`request_problem`): kind, shard, length
-against the shard's own, version, ``samples`` in 0..``MAX_PUSH_SAMPLES``, and INIT only from
-the warm-start worker while the shard awaits it. A rejected request's payload is read into the
-receive buffer and discarded (its size is checked first: nothing is allocated from a peer's
-header), so the stream stays in step and the payload is never applied; a sender whose header
-is unreadable or announces a larger payload than the shard's cannot be kept in step and is
-dropped at once. A pushed Δ or INIT θ that is not finite is rejected. Each rejection is that
-sender's fault: counted, logged at a bounded rate, and the sender dropped after
-``MAX_PEER_FAULTS`` (:class:`~cloudburst.comm.p2p.PeerFaults`); a dropped worker is lost, and
-nothing more from it is read or answered (unless it rejoins after a restart). A receive that
-fails on the world group loses the workers whose heartbeats stopped (a worker that died in the
-middle of a message) and goes on serving the others; with none dead (its timeout: no worker
-sent anything for ``comm_timeout_s``) it loses every worker served on it, not the server. A
-push received whole is applied and recorded even when its reply cannot be sent.
-
-Metrics: one ``push`` record every ``push_log_every`` applied pushes (its staleness and the
-scale the compensation applied), and one for each push that was not applied (non-finite, too
-stale); the summary's staleness statistics (mean, max, histogram and quantiles of staleness and
-of the applied scale) come from the shard's counters, which count every push. Under a
-per-coordinate compensator (dc, dc-adaptive, gap) PUSH_FETCH replies follow the apply.
+The protocol, step by step: docs/algorithms.md#asgd; rejoins, restarted shards, standbys and
+lost workers: docs/failures.md; what is validated and why: docs/security.md.
 """
 
 from __future__ import annotations

@@ -1,56 +1,26 @@
 """``asgd``: asynchronous SGD with a sharded parameter server (Downpour; GPU A-SGD).
 
-Algorithm (docs/algorithms.md#asgd; Dean et al. 2012, Paine et al. 2013): each worker trains its own
-replica with its local optimizer; every ``n_push`` local steps it pushes its accumulated update
-Δ = θ_local − θ_reference to the S server shards, every ``n_fetch`` steps it fetches θ from them
-(``n_sync`` sets both: GPU A-SGD's n_sync local steps, then push and fetch in one round trip).
-Servers apply pushes one at a time in arrival order (``cloudburst.strategies.asgd.server``).
+Algorithm (docs/algorithms.md#asgd; Dean et al. 2012, Paine et al. 2013): each worker trains
+its own replica; every ``n_push`` local steps it pushes Δ = θ_local − θ_reference to the S
+shards, every ``n_fetch`` steps it fetches θ (``n_sync`` sets both: GPU A-SGD's n_sync local
+steps, then push and fetch in one round trip). Shards apply pushes one at a time in arrival
+order (:mod:`cloudburst.strategies.asgd.server`).
 
 Synchronous: nothing between workers; a worker waits only for its own round trip to the
-shards. Staleness: the number of pushes (from any worker) a shard applied between this
-worker's fetch and its push; unbounded unless ``max_staleness`` drops older pushes.
-A dead worker: the servers keep serving the others; the dead worker's unpushed steps are lost
-and it is listed in ``lost_workers``. Restarted by its agent (``--max-restarts``), it rejoins
-the running job on a gloo group with the servers (the world group cannot be re-entered:
-``cloudburst.runtime.rejoin_group``), resumes from its own checkpoint (optimizer, data
-position, step) and starts again from the servers' current θ, as at the start of a run; it is
-then not lost. A dead shard: the job stops (summary ``failed``, the ``--resume`` command)
-unless its agent restarts it (``--max-restarts``) or its standby takes it over
-(``--shard-standby``); then each worker reconnects to it on a pair group, takes its θ_k, and
-goes on (its unacknowledged push to it is dropped; ``cloudburst.strategies.asgd.server``).
+shards. Staleness: the pushes (from any worker) a shard applied between this worker's fetch
+and its push; unbounded unless ``max_staleness`` drops older ones. A dead worker: the shards
+serve the others, its unpushed steps are lost (``lost_workers``); restarted by its agent
+(``--max-restarts``) it rejoins on a gloo group with the shards, resumes from its checkpoint and
+starts again from their θ. A dead shard stops the job unless it is restarted in place or its
+standby takes it over (``--shard-standby``); then each worker reconnects and takes its θ_k.
 
-Transport: with the add rule a PUSH_FETCH reply carries θ_k as it was *before* this push, sent
-while the push travels the other way; the worker then adds its own Δ with the same α as the
-server (``add_rule_alpha``), bit for bit, unless the reply says the push was rejected or
-dropped; the server's reply leaves before its own add, so both adds run at once. This equals
-"apply, then fetch", because a shard applies requests one at a time.
-Optimizer rules (sgd, adagrad) and the per-coordinate staleness compensators (dc,
-dc-adaptive, gap: ``cloudburst.strategies.asgd.shard.Compensator``) keep state only the server
-has: their replies follow the apply. Scalar compensators (scale, delay-adaptive) stay overlapped.
-Warm start (``warm_start_steps``; GPU A-SGD's experiment 3): worker 0 trains alone, then seeds
-every shard with INIT; a shard takes INIT once, from worker 0 only, while it awaits it (one
-resumed from its checkpoint keeps its θ and refuses the INIT a resumed worker 0 sends again).
-The evaluating worker reads θ from the servers (a read-only fetch) when an evaluation falls
-between two rounds.
-
-On a GPU (the seed's setting) the replica, its reference θ and Δ stay on the device; every
-round Δ goes to a pinned host buffer and the fetched θ comes back from one, with one
-non-blocking copy each way (the GPU→CPU transfer every n_sync of GPU A-SGD). Servers are CPU
-processes and the wire is gloo.
-
-Differences from the papers, noted as docs/algorithms.md does: when ``n_fetch`` and ``n_push``
-differ, a fetch keeps the not-yet-pushed local progress (θ_local ← θ_server + pending Δ) so
-that it is pushed later rather than lost; Δ is always "progress since the last push". A push
-the servers reject (non-finite) is dropped and the worker restarts from the servers' θ.
-With W workers the plain sum (λ = 1) can diverge where the single-worker learning rate is
-stable (it does for the MNIST-1D CNN at lr 0.1); λ = 1/W averages the updates instead.
-
-Compression (``--compress bf16|fp8|int8``, docs/algorithms.md#compression): a push sends
-C(Δ + e) per shard, with error feedback e ← Δ + e − C⁻¹(C(Δ + e)) (residuals per shard, in
-the checkpoint); the server applies exactly C⁻¹(C(Δ + e)), and an overlapped PUSH_FETCH adds
-that same decompressed Δ to the fetched θ. Fetched θ travels compressed too, with no error
-feedback (a fetch replaces the replica, so its rounding does not accumulate: the replica
-starts each round at most one rounding of θ away from the server's).
+Contract with the shards: an overlapped PUSH_FETCH (add rule, scalar compensators) returns θ_k
+*before* the push, and the worker adds its own Δ with the shard's α (``add_rule_alpha``), bit
+for bit — "apply, then fetch"; rules with state only the shard has reply after the apply. Warm
+start: worker 0 trains alone, then seeds every shard with INIT. Under ``--compress`` a push
+sends C(Δ + e) with error feedback and the worker adds the same decoded Δ. On a GPU, Δ and θ
+cross to and from pinned host buffers. Details and where this departs from the papers:
+docs/algorithms.md#asgd and #compression.
 """
 
 from __future__ import annotations

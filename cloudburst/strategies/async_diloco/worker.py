@@ -6,20 +6,14 @@ optimizer (the inner optimizer, its state kept across rounds), then pushes its p
 Δ = θ_local − θ_fetched to the S shards and fetches θ in one round trip (asgd's PUSH_FETCH),
 with no barrier: a fast worker never waits for a slow one. Each shard applies pushes one at a
 time with the Delayed Nesterov outer optimizer
-(``cloudburst.strategies.asgd.shard.DelayedNesterov``): plain SGD of lr η/N on each
+(:class:`~cloudburst.strategies.asgd.shard.DelayedNesterov`): plain SGD of lr η/N on each
 pseudo-gradient, and every N-th push a Nesterov momentum step on the mean of the last N (η =
-``diloco_outer_lr``, β = ``diloco_outer_momentum``, N = ``dn_period``, W by default). H_i = H =
-``period``, or under ``dylu`` (Dynamic Local Updates) H scaled by the worker's *measured* speed
-relative to the fastest known, so that slow workers push as often as fast ones: each worker
-times its steps on the job's clock (between two ``after_step`` calls, its own round trips left
-out; virtual time on the virtual cluster, so deterministic there), takes the median of its last
-4·H step times, publishes its speed with ``store.set``, reads the others' with
-``store.check``/``get`` (never waiting for one), and after each push sets H_i = max(1,
-round(H·speed_i / max known speed)) (:func:`dylu_inner_steps`). A speed counts while it is
-fresh: each publication carries a sequence number, and one its reader has not seen renewed for
-``STALE_ROUNDS`` of that worker's rounds (H / its speed each, on the reader's clock) is a dead
-or stalled worker's and left out (:func:`fastest_fresh`). The first round runs H; the last ends
-at the worker's last step. The report: H_i per round (run-length).
+``diloco_outer_lr``, β = ``diloco_outer_momentum``, N = ``dn_period``, W by default).
+
+H_i = H = ``period``, or under ``dylu`` (Dynamic Local Updates) H scaled by the worker's
+*measured* speed relative to the fastest one still publishing (:func:`dylu_inner_steps`,
+:func:`fastest_fresh`), so that slow workers push as often as fast ones; speeds are timed on
+the job's clock and shared through the job store, never waited for.
 
 Everything else is asgd's (:class:`~cloudburst.strategies.asgd.AsgdStrategy`, whose transport,
 shards, warm start, restarts, shard standby, checkpoints and compression with error feedback it

@@ -6,11 +6,9 @@ centre variable θ̃ held by the parameter-server shards, moves θ_i ← θ_i �
 move θ̃ ← θ̃ + e. α = ``easgd_alpha``, by default β/W with β = ``easgd_beta`` (0.9).
 
 Transport: one round trip per shard (a PUSH_FETCH of the ``elastic`` server rule): the worker
-sends θ_i while the shard sends θ̃ as it was before this push; the shard applies
-θ̃ += α(θ_i − θ̃) and the worker subtracts the same e, computed by the same function on the
-same values (:func:`cloudburst.strategies.asgd.shard.elastic_step`). A shard handles one
-request at a time, so each exchange is atomic per shard; shards are independent (as in
-Downpour).
+sends θ_i while the shard sends θ̃ as it was before this push; both compute the same e with
+:func:`~cloudburst.strategies.asgd.shard.elastic_step` on the same values. A shard handles one
+request at a time, so each exchange is atomic per shard; shards are independent.
 
 Synchronous: nothing between workers. Staleness: the shard versions that passed since this
 worker's previous exchange (the centre it uses is current). The global model is θ̃ (worker 0
@@ -19,15 +17,9 @@ as for ``asgd``; restarted by its agent, it rejoins as for ``asgd`` and starts a
 centre θ̃ (θ_i ← θ̃, as at the start of a run), with its checkpoint's optimizer, data position
 and step. A rejected push (non-finite θ_i) resets the replica to the centre.
 
-Compressed (``--compress bf16|fp8|int8``): θ_i itself is not worth compressing (its rounding
-error is relative to |θ|, and sending it with error feedback makes no sense), so the worker
-sends the elastic difference instead: e = α(θ_i − θ̃') against θ̃', the centre as of its
-previous exchange (one τ period stale: the asynchronous EASGD of Zhang et al., where the
-centre is read, then updated), compressed with error feedback (residuals per shard,
-checkpointed). The shards add what they receive, C⁻¹(C(e + r)) (the ``add`` rule, λ = 1)
-and send θ̃ before it, compressed (no error feedback: it is replaced every exchange); the
-worker subtracts exactly the same C⁻¹(C(e + r)), so the elastic move stays symmetric, and
-takes θ̃ + C⁻¹(C(e + r)) as its θ̃' for next time.
+Compressed (``--compress bf16|fp8|int8``): the worker sends the elastic difference against the
+centre of its previous exchange, with error feedback, not θ_i; the shards add exactly what the
+worker subtracts (docs/algorithms.md#compression).
 """
 
 from __future__ import annotations
