@@ -35,6 +35,7 @@ from torch.utils.data import Dataset, Subset
 
 from cloudburst.comm.flat import assign_flat
 from cloudburst.config import RunConfig
+from cloudburst.loop.budget import TimeBudget
 from cloudburst.loop.finish import finish_strategy, serve
 from cloudburst.loop.step import step_done
 from cloudburst.metrics import MetricsWriter
@@ -57,6 +58,8 @@ class Job:
         self.metrics = MetricsWriter(cfg.out, self.ctx.rank, self.ctx.role)
         self.strategy: Strategy | None = None
         self._hooks: _LoopHooks | None = None
+        self._budget: TimeBudget | None = None
+        self._steps = 0
         self._started = self._finished = self._closed = False
 
     def __enter__(self) -> Job:
@@ -110,6 +113,7 @@ class Job:
         if steps_per_epoch is not None and total_steps is not None:
             self.strategy.configure(steps_per_epoch, total_steps)
         module = self.strategy.wrap(model, optimizer)
+        self._budget = TimeBudget(self.ctx, self.strategy)
         if hooks:
             self._hooks = _LoopHooks(self, module, optimizer)
         return module
@@ -130,11 +134,23 @@ class Job:
         """After each optimizer step; ``loss`` (the step's training loss) feeds schedules
         that watch it (DASO's plateau rule)."""
         self._refuse_explicit("after_step")
-        step_done(self._require_strategy(), samples, None if loss is None else float(loss))
+        self._step_done(samples, None if loss is None else float(loss))
+
+    def should_stop(self) -> bool:
+        """True once the config's ``max_train_time_s`` is spent (the clock since the first
+        step; never without a budget): break out of the loop, and finish as usual. Under a
+        lockstep strategy it turns True after the same step on every worker."""
+        return self._budget is not None and self._budget.reached
 
     def record_loss(self, loss: float | torch.Tensor) -> None:
         """The step's training loss, for schedules that watch it (DASO's plateau rule)."""
         self._require_strategy().record_loss(float(loss))
+
+    def _step_done(self, samples: int, loss: float | None = None) -> None:
+        step_done(self._require_strategy(), samples, loss)
+        self._steps += 1
+        if self._budget is not None:
+            self._budget.over(self._steps)
 
     def _start(self) -> None:
         self.ctx.start_clock()
@@ -161,7 +177,8 @@ class Job:
         if self._finished:
             raise RuntimeError("finish() was called already")
         self._finished = True
-        report = finish_strategy(strategy)
+        stopped_by = self._budget.stopped_by() if self._budget else "steps"
+        report = finish_strategy(strategy, steps=self._steps, stopped_by=stopped_by)
         self.metrics.log("final", time_s=self.ctx.elapsed_s(), **report)
         self.close()
         return report
@@ -224,7 +241,7 @@ class _LoopHooks:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         samples, self.samples = self.samples, 0
-        step_done(self.job._require_strategy(), samples)
+        self.job._step_done(samples)
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -225,6 +225,13 @@ def finalize_run(
         "samples": sum(w["samples"] for w in workers),
         "samples_applied": global_samples,
         "steps_per_worker": cfg.steps_per_worker(len(data.train)),
+        # Each worker's steps (fewer than steps_per_worker when the time budget ended it).
+        "steps_done": {
+            str(r): rep.get("steps") for r, rep in reports.items() if rep.get("role") == "worker"
+        },
+        "train_time_s": wall_time_s - evaluation_time_s(reports.values()),
+        "max_train_time_s": cfg.max_train_time_s,
+        "stopped_by": stopped_by(workers),
         "device": str(ctx.device if not ctx.is_server else _worker_device(reports)),
         "backend": ctx.backend,
         "nodes": ctx.num_nodes,
@@ -292,6 +299,13 @@ def _loss_target(cfg, reports, wall_time_s: float, test_loss: float) -> dict[str
             [*evals, [wall_time_s, test_loss]], cfg.target_loss
         ),
     }
+
+
+def stopped_by(workers: list[dict[str, Any]]) -> str:
+    """``time_budget`` when --max-train-time-s ended a worker's training, else ``steps`` (its
+    --steps or --epochs ran out)."""
+    budget = any(w.get("stopped_by") == "time_budget" for w in workers)
+    return "time_budget" if budget else "steps"
 
 
 def evaluation_time_s(reports) -> float:

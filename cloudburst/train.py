@@ -27,6 +27,7 @@ from cloudburst.config import RunConfig
 from cloudburst.data import Dataset, batch_stream, load_dataset, loss_function, worker_source
 from cloudburst.faults import FaultInjector
 from cloudburst.liveness import EXIT_PEER_LOST, Watchdog, mark_done, watched_peers
+from cloudburst.loop.budget import TimeBudget
 from cloudburst.loop.checkpointer import Checkpointer
 from cloudburst.loop.evaluator import Evaluator, announce_steps_over, eval_report
 from cloudburst.loop.faults import worker_faults
@@ -205,6 +206,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     checkpointer = Checkpointer(
         ctx, metrics, model, optimizer, scheduler, strategy, stream, evaluator
     )
+    budget = TimeBudget(ctx, strategy, evaluator)
     start = checkpointer.resume()
     train_step.skipped, samples = start.skipped, start.samples
     # Everything above is set-up (the first optimizer alone imports for ~2 s).
@@ -218,18 +220,19 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         evaluator.maybe_eval(strategy, force=True)
 
     bar = progress_bar(ctx, total, start.step)
-    loss = math.nan
+    loss, last = math.nan, start.step
     for step in range(start.step + 1, total + 1):
         loss = clock.run(train_step, step)
         step_done(strategy, cfg.batch_size, loss)
-        samples += cfg.batch_size
+        samples, last = samples + cfg.batch_size, step
         if step == start.step + 1:  # when training really began (the launch's cost ends here)
             metrics.log("first_step", step=step, wall=time.time())
         if evaluator:
             evaluator.maybe_eval(strategy)
         faults.after_step(step)
-        checkpointer.after_step(step, total, samples, train_step.skipped)
-        if step % cfg.log_every_steps == 0 or step == total:
+        stop = budget.over(step, total)  # --max-train-time-s: this is the last step
+        checkpointer.after_step(step, step if stop else total, samples, train_step.skipped)
+        if step % cfg.log_every_steps == 0 or step == total or stop:
             metrics.log(
                 "step",
                 step=step,
@@ -241,13 +244,16 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
                 **strategy.step_info(),
             )
         bar.update(1)
+        if stop:
+            break
     bar.close()
     announce_steps_over(ctx, evaluator, strategy)
     report = finish_strategy(
         strategy,
         stream,
         device=str(ctx.device),
-        steps=total,
+        steps=last,
+        stopped_by=budget.stopped_by(),
         samples=samples,
         final_loss=loss,
         steps_skipped_nonfinite=train_step.skipped,

@@ -273,6 +273,11 @@ class TrainingConfig:
         "local steps per worker (overrides --epochs)",
         shown=f"from --epochs (text: {TEXT_DEFAULT_STEPS})",
     )
+    max_train_time_s: float = option(
+        0.0,
+        "end training once its clock (evaluations left out; simulate: virtual seconds) "
+        "reaches this, then finish as after the last step (0: no budget)",
+    )
     batch_size: int | None = option(
         None, "samples (text: windows) per step, per worker", shown="64 (gpt: 16)"
     )
@@ -331,6 +336,7 @@ class TrainingConfig:
             _check_int("steps", self.steps, 1)
         if self.epochs is not None:
             _check_float("epochs", self.epochs, 0.0, None, low_open=True)
+        _check_float("max_train_time_s", self.max_train_time_s, 0.0, None)
         _check_int("batch_size", self.batch_size, 1)
         shard = (self.train_size or 0) // self.workers
         if self.train_size is not None and self.batch_size > shard:

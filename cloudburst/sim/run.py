@@ -158,7 +158,9 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     wall_s = time.perf_counter() - started
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text())
-    worker_steps = cfg.workers * cfg.steps_per_worker(len(data.train))
+    worker_steps = sum(n or 0 for n in summary.get("steps_done", {}).values()) or (
+        cfg.workers * cfg.steps_per_worker(len(data.train))
+    )
     sched, net = cluster.sched, cluster.net
     summary["simulated"] = True
     summary["time_unit"] = "virtual seconds"

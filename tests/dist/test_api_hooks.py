@@ -1,11 +1,13 @@
 """``job.wrap`` hooks: an unchanged PyTorch loop ends with exactly the parameters of the loop
 that calls ``start`` / ``after_backward`` / ``after_step`` itself (sync, asgd with one worker,
-local SGD), and the example on a real DataLoader runs under torchrun."""
+local SGD), the example on a real DataLoader runs under torchrun, and ``job.should_stop()``
+ends a time-budgeted sync loop after the same step on both workers."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -98,3 +100,31 @@ def test_the_dataloader_example_runs_under_torchrun(tmp_path):
     assert workers == ["worker 0", "worker 1"]
     [final] = [line for line in lines if line.startswith("final global model")]
     assert float(final.rsplit(" ", 1)[1]) > 0.6  # 4 epochs of the synthetic set learn it
+
+
+def _budget_loop(rank: int, out: str) -> list:
+    cfg = cloudburst.RunConfig(
+        strategy="sync", workers=2, steps=100_000, dataset="synthetic", out=out,
+        checkpoint_every=0, max_train_time_s=0.5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 3))
+    with cloudburst.Job(cfg) as job:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        net = job.wrap(model, optimizer)
+        steps = 0
+        while not job.should_stop():
+            x, y = torch.randn(BATCH, 6), torch.randint(0, 3, (BATCH,))
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            optimizer.step()
+            steps += 1
+            time.sleep(0.005 * (1 + rank))  # the workers' own (unequal) pace
+        report = job.finish()
+    return [steps, report["steps"], report["stopped_by"]]
+
+
+def test_should_stop_ends_every_lockstep_worker_after_the_same_step(tmp_path):
+    first, second = spawn(_budget_loop, 2, tmp_path, str(tmp_path / "out"))
+    assert first == second
+    assert first[0] == first[1] and first[2] == "time_budget"

@@ -78,6 +78,7 @@ USAGE = [
     "--lr-schedule {constant,cosine}",
     "--max-restarts MAX_RESTARTS",
     "--max-staleness MAX_STALENESS",
+    "--max-train-time-s MAX_TRAIN_TIME_S",
     "--min-step-time-s MIN_STEP_TIME_S",
     "--model NAME",
     "--momentum MOMENTUM",
@@ -136,7 +137,7 @@ FULL = """
 --straggler 1:2 --straggler 3:1.5 --min-step-time-s 0.01 --eval-every-s 2 --log-every-steps 5
 --push-log-every 3 --comm-timeout-s 60 --heartbeat-timeout-s 5 --checkpoint-every 50
 --max-restarts 2 --inject-fault kill:3@10 --inject-fault slow:2:2.0 --out runs/flags
---overwrite --no-progress
+--overwrite --no-progress --max-train-time-s 120
 """.split()
 
 # RunConfig.to_dict() of FULL, as the hand-written parser built it.
@@ -201,6 +202,7 @@ FULL_DICT = {
     "lr_schedule": "cosine",
     "max_restarts": 2,
     "max_staleness": 7,
+    "max_train_time_s": 120.0,
     "min_step_time_s": 0.01,
     "model": "mlp",
     "momentum": 0.8,
@@ -299,6 +301,7 @@ DEFAULTS_DICT = {
     "lr_schedule": "constant",
     "max_restarts": 0,
     "max_staleness": None,
+    "max_train_time_s": 0.0,
     "min_step_time_s": 0.0,
     "model": "cnn",
     "momentum": 0.9,

@@ -1,0 +1,53 @@
+"""``--max-train-time-s`` on a real gloo job: two DiLoCo workers, whose steps the emulated
+device makes take real time, end by the budget long before their steps run out, at the same
+step (they all-reduce worker 0's training clock to agree on it), and finish cleanly."""
+
+import pytest
+
+from tests.helpers import cli, rank_events, read_summary
+
+pytestmark = pytest.mark.e2e
+
+BUDGET_S = 1.5
+STEPS = 100_000  # far more than the budget allows
+
+
+def test_lockstep_workers_stop_by_the_budget_at_the_same_step(tmp_path):
+    out = tmp_path / "run"
+    cli(
+        "train", "--strategy", "diloco", "--workers", "2", "--period", "4",
+        "--dataset", "synthetic", "--model", "mlp", "--no-progress", "--eval-every-s", "0.5",
+        "--steps", str(STEPS), "--min-step-time-s", "0.02",
+        "--max-train-time-s", str(BUDGET_S), "--out", str(out),
+    )  # fmt: skip
+    summary = read_summary(out)
+    assert summary["stopped_by"] == "time_budget"
+    assert summary["max_train_time_s"] == BUDGET_S
+    assert summary["train_time_s"] >= BUDGET_S
+    done = summary["steps_done"]
+    assert set(done) == {"0", "1"} and done["0"] == done["1"] < STEPS
+    for rank in (0, 1):  # each rank's last step record is the agreed step
+        assert rank_events(out, rank, "step")[-1]["step"] == done["0"]
+    assert summary["final_test_accuracy"] is not None
+
+
+def test_a_restarted_job_counts_the_training_time_of_its_first_attempt(tmp_path):
+    # Worker rank 1 dies after step 61 (~1.2 s of a 2 s budget); the job restarts from the
+    # checkpoint of step 60, whose clock it continues: the second attempt trains what is
+    # left of the budget, not a fresh 2 s.
+    out, budget_s = tmp_path / "run", 2.0
+    cli(
+        "train", "--strategy", "sync", "--workers", "2", "--dataset", "synthetic",
+        "--model", "mlp", "--no-progress", "--eval-every-s", "60", "--steps", str(STEPS),
+        "--min-step-time-s", "0.02", "--checkpoint-every", "20", "--max-restarts", "1",
+        "--inject-fault", "kill:1@61", "--max-train-time-s", str(budget_s), "--out", str(out),
+    )  # fmt: skip
+    summary = read_summary(out)
+    assert summary["stopped_by"] == "time_budget"
+    (resume,) = rank_events(out, 0, "resume")
+    assert resume["step"] == 60
+    steps = rank_events(out, 0, "step")
+    resumed_at_s = next(r["time_s"] for r in steps if r["step"] == 60)
+    last = steps[-1]
+    assert last["step"] == summary["steps_done"]["0"] == summary["steps_done"]["1"]
+    assert budget_s <= summary["train_time_s"] < budget_s + resumed_at_s / 2

@@ -1,0 +1,169 @@
+"""``--max-train-time-s``: the config's check, the lockstep workers' agreement (which steps
+check, where it stops) against a fake transport, and whole jobs on the virtual cluster,
+whose virtual seconds make every stopping step exact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from cloudburst.comm.stats import CommStats
+from cloudburst.config import ConfigError, RunConfig, Straggler
+from cloudburst.config.simulation import SimulationConfig
+from cloudburst.loop.budget import MAX_CHECK_INTERVAL, TimeBudget
+from cloudburst.sim.run import simulate
+
+STEP_S = 0.01  # the modelled step time of the simulated runs
+
+
+# ---------------------------------------------------------------------------- config
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), "10"])
+def test_a_negative_or_non_finite_budget_is_one_line_naming_the_field(value):
+    with pytest.raises(ConfigError) as err:
+        RunConfig(max_train_time_s=value)
+    message = str(err.value)
+    assert message.startswith("max_train_time_s: ") and ">= 0" in message
+    assert "\n" not in message
+
+
+def test_no_budget_by_default_and_a_budget_is_kept():
+    assert RunConfig().max_train_time_s == 0
+    assert RunConfig(max_train_time_s=2.5).to_dict()["max_train_time_s"] == 2.5
+
+
+# ---------------------------------------------------------------------------- the agreement
+class _FakeComm:
+    """One worker's view of a lockstep job's transport: the all-reduce adds nothing (the
+    other workers contribute 0 to worker 0's clock) and is counted."""
+
+    def __init__(self):
+        self.all_reduces = 0
+
+    def group_size(self, group=None) -> int:
+        return 2
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        self.all_reduces += 1
+
+    def now(self) -> float:
+        return 0.0
+
+
+def _lockstep_budget(budget_s: float, clock):
+    comm = _FakeComm()
+    ctx = SimpleNamespace(
+        cfg=SimpleNamespace(max_train_time_s=budget_s),
+        comm=comm,
+        num_workers=2,
+        worker_index=0,
+        num_servers=0,
+        link=None,
+        num_nodes=1,
+        elapsed_s=clock,
+    )
+    strategy = SimpleNamespace(lockstep=True, stats=CommStats())
+    return TimeBudget(ctx, strategy), comm, strategy
+
+
+def _run(budget: TimeBudget, steps: int, now: list[float], step_s) -> tuple[int, list[int]]:
+    checked = []
+    for step in range(1, steps + 1):
+        now[0] += step_s(step)
+        before = budget.checks
+        if budget.over(step, steps):
+            return step, checked + [step]
+        if budget.checks > before:
+            checked.append(step)
+    return steps, checked
+
+
+def test_lockstep_workers_check_rarely_and_stop_at_the_first_step_past_the_budget():
+    now = [0.0]
+    budget, comm, strategy = _lockstep_budget(7.005, lambda: now[0])
+    last, checked = _run(budget, 100_000, now, lambda step: 0.01)
+    assert last == 701  # 7.01 s: the first step whose end is past 7.005 s
+    assert budget.stopped_by() == "time_budget"
+    # Checks: the first two steps (the pace), every MAX_CHECK_INTERVAL steps while the end
+    # is far, then at halvings of what is left, every step at the very end.
+    assert checked[:3] == [1, 2, 2 + MAX_CHECK_INTERVAL] and checked[-3:] == [699, 700, 701]
+    assert len(checked) == comm.all_reduces <= 701 // MAX_CHECK_INTERVAL + 12
+    assert all(b - a <= MAX_CHECK_INTERVAL for a, b in zip(checked, checked[1:], strict=False))
+    assert strategy.stats.sent_bytes > 0  # the check is traffic, counted
+
+
+def test_lockstep_checks_still_stop_at_the_first_step_past_when_steps_slow_down_less_than_2x():
+    now = [0.0]
+    budget, _, _ = _lockstep_budget(10.0, lambda: now[0])
+    # 1.9x slower steps from step 300 on: every time crossing 10 s is still checked.
+    last, _ = _run(budget, 100_000, now, lambda step: 0.019 if step >= 300 else 0.01)
+    crossing = next(s for s in range(1, 100_000) if 2.99 + 0.019 * (s - 299) >= 10.0)
+    assert last == crossing
+
+
+def test_no_budget_never_checks_and_the_last_step_is_never_checked():
+    now = [0.0]
+    budget, comm, _ = _lockstep_budget(0.0, lambda: now[0])
+    assert _run(budget, 50, now, lambda step: 1.0) == (50, [])
+    budget, comm, _ = _lockstep_budget(1e9, lambda: now[0])
+    last, checked = _run(budget, 3, now, lambda step: 1.0)
+    assert last == 3 and checked == [1, 2] and budget.stopped_by() == "steps"
+
+
+# ---------------------------------------------------------------------------- virtual cluster
+def _sim(out: Path, strategy: str, workers: int, budget_s: float, **kw) -> dict:
+    cfg = RunConfig(
+        strategy=strategy,
+        workers=workers,
+        steps=kw.pop("steps", 200),
+        dataset="synthetic",
+        model="mlp",
+        batch_size=8,
+        eval_every_s=1000.0,
+        log_every_steps=1,
+        max_train_time_s=budget_s,
+        out=str(out),
+        **kw,
+    )
+    return simulate(cfg, SimulationConfig(step_time_s=STEP_S, server_apply_gbyte_per_s=1e6))
+
+
+def _steps(out: Path, rank: int) -> list[dict]:
+    lines = (out / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == "step"]
+
+
+def test_sync_workers_stop_together_at_the_first_step_past_the_budget(tmp_path):
+    # W = 4, worker 3 twice as slow: every sync step takes 2T = 0.02 virtual s. A budget of
+    # 0.305 s ends training after step 16 (0.32 s), on every rank.
+    summary = _sim(tmp_path, "sync", 4, 0.305, stragglers=[Straggler(3, 2.0)])
+    for rank in range(4):
+        records = _steps(tmp_path, rank)
+        assert [r["step"] for r in records] == list(range(1, 17))
+        assert records[-2]["time_s"] < 0.305 <= records[-1]["time_s"]
+    assert summary["stopped_by"] == "time_budget"
+    assert summary["max_train_time_s"] == 0.305
+    assert summary["steps_done"] == {"0": 16, "1": 16, "2": 16, "3": 16}
+    assert summary["steps_per_worker"] == 200
+    assert summary["samples"] == 4 * 16 * 8
+
+
+def test_asgd_workers_stop_each_on_its_own_clock(tmp_path):
+    # Workers 0-2 take T = 0.01 s a step, worker 3 twice that: with a 0.205 s budget the
+    # first three stop after step 21, the straggler after step 11; the shard then finishes
+    # as when the workers' steps run out.
+    summary = _sim(tmp_path, "asgd", 4, 0.205, servers=1, stragglers=[Straggler(3, 2.0)])
+    assert summary["steps_done"] == {"1": 21, "2": 21, "3": 21, "4": 11}
+    for rank in (1, 2, 3, 4):
+        records = _steps(tmp_path, rank)
+        assert records[-2]["time_s"] < 0.205 <= records[-1]["time_s"]
+    assert summary["stopped_by"] == "time_budget"
+    assert summary["samples"] == (3 * 21 + 11) * 8
+
+
+def test_a_budget_the_steps_end_before_changes_nothing(tmp_path):
+    summary = _sim(tmp_path, "sync", 2, 100.0, steps=20)
+    assert summary["stopped_by"] == "steps"
+    assert summary["steps_done"] == {"0": 20, "1": 20}
