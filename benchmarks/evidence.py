@@ -84,6 +84,22 @@ ADVICE: list[tuple[str, list[tuple[str, str, str]]]] = [  # (situation, [(result
          "It reached synchronous DiLoCo's accuracy at the budget − 1 point in {value}× "
          "DiLoCo's time {interval}"),
     ]),
+    ("Lognormal step times (CV 0.3), one worker 4× slower (virtual cluster)", [
+        ("staleness_lognormal", "time to 80 %, asgd ÷ sync",
+         "W = 16: `asgd` held 80 % in {value}× sync's virtual time {interval}"),
+        ("staleness_lognormal", "time to DiLoCo's accuracy − 1 point, async_diloco ÷ diloco",
+         "`async_diloco` reached synchronous DiLoCo's accuracy − 1 point in {value}× DiLoCo's "
+         "time {interval}"),
+        ("staleness_w64_lognormal", "time to 80 %, asgd ÷ sync",
+         "W = 64: `asgd` {value}× sync's time {interval}"),
+        ("staleness_w64_lognormal", "samples to 80 %, asgd ÷ sync",
+         "with {value}× sync's samples {interval}"),
+        ("staleness_w64_lognormal", "time to 80 %, async_diloco ÷ sync",
+         "`async_diloco` {value}× sync's time {interval}"),
+        ("staleness_w64_lognormal",
+         "time to DiLoCo's accuracy − 1 point, async_diloco ÷ diloco",
+         "and {value}× synchronous DiLoCo's {interval}"),
+    ]),
     ("Bytes over a slow link", [
         ("local_sgd", "bytes per sample, local_sgd ÷ sync",
          "Local SGD (H = 8) sent {value}× sync's bytes per sample"),
