@@ -192,7 +192,8 @@ def test_the_server_applies_exactly_the_decompressed_updates_the_worker_kept(
 
 def _bytes_and_accuracy(tmp_path, strategy: str, compress: str, **kw) -> tuple[int, float]:
     out = tmp_path / f"{strategy}-{compress}"
-    summary = _sim(_cfg(out, strategy, 2, 120, servers=1, compress=compress, **kw))
+    # 40 steps learn to ~0.99 (asgd and EASGD, each compression), far above the floor of 0.5
+    summary = _sim(_cfg(out, strategy, 2, 40, servers=1, compress=compress, **kw))
     return summary["sent_bytes"], summary["final_test_accuracy"]
 
 
