@@ -5,7 +5,8 @@ summed over the workers, equal each strategy's formula exactly: ring all-reduce 
 per rank (fp32 or bf16), the quantised all-reduce 2(W−1) packed vectors over the group, DASO's
 global syncs over its P node senders and its node-local part over G ranks. A strategy whose
 bytes grew faster than its formula (the old all-gather's W − 1 packed vectors per rank) fails
-here; so does int8 or fp8 above 0.3× the uncompressed bytes at any W.
+here; so does int8 above 0.3× the uncompressed bytes at any W (fp8, which takes int8's path
+with another code dtype and the same packed bytes, at W = 2 and 8).
 
 asgd, EASGD and gossip send point-to-point messages whose bytes do not depend on W (their
 counts are tests/unit/test_compress_messages.py's).
@@ -131,19 +132,22 @@ def expected(strategy: str, workers: int, method: str) -> dict[str, int]:
 
 @pytest.mark.parametrize(
     ("strategy", "sizes", "methods"),
-    [(s, SIZES, METHODS) for s in SETTINGS] + [("local_sgd", (256,), ("none", "int8", "fp8"))],
+    [(s, SIZES, METHODS) for s in SETTINGS] + [("local_sgd", (256,), ("none", "int8"))],
 )
 def test_bytes_per_worker_step_are_the_formula_at_every_w_and_compression_stays_small(
     strategy, sizes, methods, tmp_path
 ):
     for workers in sizes:
         counted = {}
-        for method in methods:
+        # fp8 and int8 take one path through every collective: the codes' dtype is the only
+        # difference (comm/quantise.py), their packed bytes are equal, and the partition into
+        # W ranges does not look at the method. fp8 is run at W = 2 and 8; int8 at every W.
+        for method in (m for m in methods if m != "fp8" or workers < 64):
             got = _run(strategy, workers, method, tmp_path / f"{workers}{method}")
             want = expected(strategy, workers, method)
             assert {k: got[k] for k in want} == want, (strategy, workers, method)
             counted[method] = got["inter"] if strategy == "daso" else got["sent"]
-        for method in ("int8", "fp8"):
+        for method in {"int8", "fp8"} & set(counted):
             assert counted[method] <= 0.3 * counted["none"], (strategy, workers, method)
         if "bf16" in counted:
             assert counted["bf16"] <= 0.5 * counted["none"] + 1, (strategy, workers)
