@@ -61,7 +61,10 @@ def untrained_loss(text):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_strategy_trains_the_gpt(tmp_path, text, untrained_loss, strategy):
-    summary = simulate(_cfg(tmp_path, text, strategy), SimulationConfig(step_time_s=0.01))
+    # 12 steps (3 evaluations, 3 averages at period 4): every strategy's loss falls by 2.1
+    # (EASGD) to 2.9, far past the 0.5 asked
+    cfg = _cfg(tmp_path, text, strategy, steps=12)
+    summary = simulate(cfg, SimulationConfig(step_time_s=0.01))
     assert abs(untrained_loss - math.log(256)) < 0.1
     assert summary["final_test_loss"] < untrained_loss - 0.5, strategy
     bpb = summary["final_bits_per_byte"]
