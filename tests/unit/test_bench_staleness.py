@@ -10,15 +10,34 @@ import math
 
 import pytest
 
-from benchmarks import experiments, harness, staleness
+from benchmarks import harness
 from benchmarks.harness import Run
+
+
+# benchmarks.experiments imports matplotlib (~0.9 CPU-s; staleness imports experiments): as
+# fixtures, only the test process that runs these tests pays for it, not every xdist worker
+# at collection.
+@pytest.fixture(scope="module")
+def experiments():
+    from benchmarks import experiments
+
+    return experiments
+
+
+@pytest.fixture(scope="module")
+def staleness():
+    from benchmarks import staleness
+
+    return staleness
 
 
 def run(arm: str, evals: list[tuple[float, int, float]], **values: float) -> Run:
     return Run(arm, 0, 1.0, {"final_test_accuracy": evals[-1][2]}, evals, values=values)
 
 
-def test_supported_arms_follow_the_help_text_and_scale_falls_back_to_the_old_flag(monkeypatch):
+def test_supported_arms_follow_the_help_text_and_scale_falls_back_to_the_old_flag(
+    monkeypatch, experiments
+):
     monkeypatch.setattr(experiments, "STRAGGLER_ARMS", dict(experiments.STRAGGLER_ARMS))
     old = "--strategy {sync,asgd,diloco} --staleness-scaling --period"
     ok, missing = experiments.supported(
@@ -35,7 +54,7 @@ def test_supported_arms_follow_the_help_text_and_scale_falls_back_to_the_old_fla
     assert (ok, missing) == (["asgd dc", "async_diloco dylu"], ["asgd gap"])
 
 
-def test_async_diloco_is_timed_to_diloco_final_accuracy_less_one_point():
+def test_async_diloco_is_timed_to_diloco_final_accuracy_less_one_point(experiments):
     diloco = run("diloco straggler", [(1.0, 10, 0.80), (2.0, 20, 0.925), (3.0, 30, 0.93),
                                       (4.0, 40, 0.935), (5.0, 50, 0.93)])  # fmt: skip
     levels = experiments.diloco_levels([diloco])
@@ -50,7 +69,7 @@ def test_async_diloco_is_timed_to_diloco_final_accuracy_less_one_point():
     assert experiments.diloco_levels([diloco, failed]) is None
 
 
-def test_the_virtual_budget_cuts_evaluations_and_counts_from_the_first():
+def test_the_virtual_budget_cuts_evaluations_and_counts_from_the_first(staleness):
     # first evaluation at 10 s: times from there; budget 3 s keeps t ≤ 13
     r = run("x", [(10.0, 0, 0.1), (11.0, 64, 0.81), (12.0, 128, 0.82), (13.0, 192, 0.83),
                   (14.0, 256, 0.9)])  # fmt: skip
@@ -66,7 +85,7 @@ def test_the_virtual_budget_cuts_evaluations_and_counts_from_the_first():
     assert staleness.acc_at_samples(r, 63) == 0.1
 
 
-def test_why_gives_each_arm_its_throughput_and_samples_ratio_to_sync():
+def test_why_gives_each_arm_its_throughput_and_samples_ratio_to_sync(experiments):
     sync_evals = [(t, 1000 * t, a) for t, a in [(1, 0.9), (2, 0.91), (3, 0.92)]]
     asgd_evals = [(t, 1500 * t, a) for t, a in [(1, 0.5), (2, 0.9), (3, 0.9), (4, 0.9)]]
     groups = {
@@ -83,7 +102,7 @@ def test_why_gives_each_arm_its_throughput_and_samples_ratio_to_sync():
     assert "| asgd | 1.8 | 3 | 1.67 |" in why["text"]
 
 
-def test_a_lockstep_arm_is_sized_by_its_slowest_worker_the_straggler_or_the_largest_draw():
+def test_a_lockstep_arm_is_sized_by_its_slowest_worker_the_straggler_or_the_largest_draw(staleness):
     assert staleness.slowest(1, "pareto:2") == pytest.approx(1.0)  # one draw: the mean
     # E[max of 3 Pareto(2) draws, x_m = 1/2] = ½·Γ(4)Γ(½)/Γ(3½) = ½·6·√π/(15√π/8) = 1.6
     assert staleness.slowest(3, "pareto:2") == pytest.approx(1.6)
@@ -93,7 +112,9 @@ def test_a_lockstep_arm_is_sized_by_its_slowest_worker_the_straggler_or_the_larg
     assert steps == {16: math.ceil(1.3 * 30 / (4 * 0.02 * 0.8)), 64: 346}
 
 
-def test_a_censored_runs_samples_count_at_the_fewest_any_censored_run_processed_by_the_budget():
+def test_a_censored_runs_samples_count_at_the_fewest_any_censored_run_processed_by_the_budget(
+    experiments, staleness
+):
     # sync never holds 80 % within 10 s (it processed 400 and 300 samples by then); async does
     # at 900 samples and goes on to 5000: the censored count is 300, a lower bound of both
     # sync runs (the most any run processed, 5000, would overstate sync and flatter the ratio)
