@@ -25,8 +25,11 @@ RUN = (
     "--strategy", "asgd", "--workers", "2", "--servers", "2", "--n-sync", "2",
     "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress",
     "--heartbeat-timeout-s", "5", "--checkpoint-every", "10", "--push-log-every", "1",
-    "--max-restarts", "1", "--steps", "600", "--min-step-time-s", "0.01",
+    "--max-restarts", "1", "--steps", "250", "--min-step-time-s", "0.01",
 )  # fmt: skip
+# 250 steps of at least 10 ms: the kills land at a version of ~30 (about step 30), long before
+# the end; every step more costs CPU (~20 ms a step over the 4 ranks), and buys nothing.
+SHORT_STEPS = 150  # a push every step: the worker is killed after ~20 of them
 
 
 def _records(out: Path, rank: int) -> list[dict]:
@@ -138,7 +141,7 @@ def test_a_worker_killed_while_it_pushes_is_lost_and_every_applied_push_is_count
     i = RUN.index("--max-restarts")
     n = RUN.index("--n-sync")
     run = [*RUN[:n], "--n-sync", "1", *RUN[n + 2 : i], *RUN[i + 2 :], "--out", str(out)]
-    run[run.index("--steps") + 1] = "300"  # a push every step: shorter keeps it ≤ 20 s
+    run[run.index("--steps") + 1] = str(SHORT_STEPS)
     proc = start_job(run)
     deadline = time.monotonic() + BOUND_S
     while True:
@@ -155,7 +158,7 @@ def test_a_worker_killed_while_it_pushes_is_lost_and_every_applied_push_is_count
     assert "failed" not in summary and summary["lost_workers"] == [3]
     assert not any(r["event"] == "final" for r in _records(out, 3))
     [survivor] = [r for r in _records(out, 2) if r["event"] == "final"]
-    assert survivor["steps"] == 300
+    assert survivor["steps"] == SHORT_STEPS
     for shard in (0, 1):
         records = _records(out, shard)
         applied = [r for r in records if r["event"] == "push" and r["status"] == "OK"]
