@@ -205,24 +205,28 @@ def cli(
     return proc
 
 
-def cli_many(runs: list[list[str]], timeout_s: float = 120) -> list[subprocess.CompletedProcess]:
-    """Several short CLI calls (refusals before launch) side by side; their results in order."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "cloudburst", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-            env=cli_env(),
-        )
-        for args in runs
-    ]
-    done = []
-    for args, p in zip(runs, procs, strict=True):
-        out, err = p.communicate(timeout=timeout_s)
-        done.append(subprocess.CompletedProcess(args, p.returncode, out, err))
-    return done
+def refused(args: list[str], monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """``cloudburst ARGS`` for a command the CLI refuses before it launches anything, through
+    its entry point ``main()`` in this process: what :func:`cli` checks (exit code, stdout,
+    stderr) without a fresh interpreter importing torch (~2 CPU-s a call). The forkserver the
+    CLI starts first is not started (this test process's own spawns may use one), and a
+    command that gets as far as launching a job fails the test."""
+    from cloudburst import cli as cli_module
+    from cloudburst import forkserver
+
+    def launched(cfg):
+        raise AssertionError(f"cloudburst {' '.join(args)} launched a job")
+
+    monkeypatch.setattr(forkserver, "start_forkserver", lambda *a, **k: None)
+    monkeypatch.setattr(forkserver, "stop_forkserver", lambda: None)
+    monkeypatch.setattr(cli_module, "launch_and_report", launched)
+    capsys.readouterr()
+    try:
+        code = cli_module.main(args)
+    except SystemExit as e:  # argparse's refusals exit
+        code = e.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
 
 
 # ---------------------------------------------------------------------------- shared runs

@@ -13,11 +13,11 @@ from cloudburst.models import MLP
 from tests.e2e.instrumented import POISON_ENV, RECORD_ENV, expected_padding, read_emulation
 from tests.helpers import (
     cli,
-    cli_many,
     final_record,
     rank_events,
     rank_logs,
     read_summary,
+    refused,
     saved_state,
 )
 
@@ -55,20 +55,20 @@ STEP_FIELDS = {
 }
 
 
-def test_invalid_config_is_one_line_exit_2_and_launches_nothing(tmp_path):
+def test_invalid_config_is_one_line_exit_2_and_launches_nothing(tmp_path, monkeypatch, capsys):
     out = tmp_path / "never"
     other_model = tmp_path / "mlp.pt"  # a real model file, of another model
     save_model(other_model, MLP(40, 10), {})
-    # (the unit tests check every field's message; here, the real entry point: a flag, and a
-    # check before launch that needs the model)
+    # (the unit tests check every field's message; here, the real entry point, main(), in this
+    # process: a flag, and a check before launch that needs the model)
     cases = [
         (["--workers", "0"], "workers: 0"),
         (["--init-from", str(other_model), "--dataset", "synthetic"], "does not fit"),
     ]
-    for (args, words), proc in zip(
-        cases, cli_many([["train", *args, "--out", str(out)] for args, _ in cases]), strict=True
-    ):
+    for args, words in cases:
+        proc = refused(["train", *args, "--out", str(out)], monkeypatch, capsys)
         assert proc.returncode == 2, (args, proc.stderr)
+        assert proc.stdout == "", (args, proc.stdout)
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in proc.stderr, (args, proc.stderr)
         assert lines[0].startswith("cloudburst: invalid config: ") and words in lines[0], args

@@ -18,7 +18,7 @@ import pytest
 
 from cloudburst.config import RunConfig
 from cloudburst.metrics import read_jsonl
-from tests.helpers import REPO, cli, read_summary
+from tests.helpers import REPO, cli, read_summary, refused
 
 QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")
 
@@ -31,7 +31,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_a_run_directory_with_a_planted_module_never_runs_it(tmp_path):
+def test_a_run_directory_with_a_planted_module_never_runs_it(tmp_path, monkeypatch, capsys):
     """``cd shared_run && python -m cloudburst train --resume .``: the config.json there names
     ``evil:net`` and ``evil.py`` lies beside it. Without --trust-config the factory is refused;
     with it, the current directory is still not on the import path."""
@@ -41,9 +41,16 @@ def test_a_run_directory_with_a_planted_module_never_runs_it(tmp_path):
     (run / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\ndef net(**kw): ...\n")
     cfg = RunConfig(model="evil:net", dataset="synthetic", steps=5, out=str(run))
     (run / "config.json").write_text(json.dumps(cfg.to_dict()))
-    refused = cli("train", "--resume", ".", cwd=run, check=False)
-    assert refused.returncode == 2 and not marker.exists()
-    assert refused.stderr.strip().splitlines() == [
+    # The refusal, through the CLI's main() in this process, in the run directory and with it
+    # on the import path (where ``python -m`` puts it, before __main__ takes it off): refused
+    # before anything is imported, or evil.py would run here. (The path itself: the
+    # --trust-config run below, a real ``python -m cloudburst`` there.)
+    monkeypatch.chdir(run)
+    monkeypatch.syspath_prepend(str(run))
+    refusal = refused(["train", "--resume", "."], monkeypatch, capsys)
+    assert refusal.returncode == 2 and not marker.exists()
+    assert "evil" not in sys.modules
+    assert refusal.stderr.strip().splitlines() == [
         "cloudburst: invalid config: model: --resume . (its config.json) names the factory "
         "'evil:net', which would import and run that code; pass --model evil:net (or "
         "--trust-config) if you mean to run it"
@@ -61,11 +68,12 @@ def test_a_run_directory_with_a_planted_module_never_runs_it(tmp_path):
     assert "cannot import module 'evil'" in trusted.stderr
 
 
-def test_a_refused_output_directory_loses_nothing(tmp_path):
+def test_a_refused_output_directory_loses_nothing(tmp_path, monkeypatch, capsys):
     out = tmp_path / "project"
     (out / "metrics").mkdir(parents=True)
     (out / "metrics" / "results.csv").write_text("mine")
-    proc = cli("train", *QUIET, "--steps", "5", "--out", str(out), check=False)
+    # (the CLI's entry point in this process: the refusal comes before any launch)
+    proc = refused(["train", *QUIET, "--steps", "5", "--out", str(out)], monkeypatch, capsys)
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"cloudburst: invalid config: out: {str(out)!r} is not empty")
     assert [p.name for p in out.rglob("*")] == ["metrics", "results.csv"]
