@@ -247,7 +247,7 @@ def test_each_compensator_learns_on_the_virtual_cluster(tmp_path, method):
     cfg = RunConfig(
         strategy="asgd",
         workers=3,
-        steps=40,
+        steps=24,  # accuracy >= 0.997 for each, staleness up to 4 (40 steps: 1.0, 4)
         dataset="synthetic",
         model="mlp",
         batch_size=32,
