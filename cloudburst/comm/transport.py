@@ -15,7 +15,7 @@ inside. Ranks are always global ranks. Message *content* (headers, validation, b
 is the business of :mod:`cloudburst.comm.p2p` above this layer, so both transports count alike.
 Where the two clusters differ in what a rank may expect, the transport says so as a capability
 (``restarts_ranks``, ``breaks_on_peer_death``): nothing outside ``comm/`` and ``sim/`` asks
-which cluster it runs on (``tests/unit/test_import_graph.py``).
+which cluster it runs on (``tests/unit/test_transport_seam.py``).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from tests.helpers import (
     rank_logs,
     read_events,
     read_summary,
+    refused,
     saved_state,
     shared_run,
 )
@@ -138,8 +139,7 @@ def _files(run) -> dict[str, bytes]:
 def test_resume_refuses_corrupt_foreign_and_changed_runs_and_touches_nothing(
     tmp_path, monkeypatch, capsys
 ):
-    from cloudburst import forkserver
-    from cloudburst.cli import build_config, build_parser, main
+    from cloudburst.cli import build_config, build_parser
     from cloudburst.config import ConfigError
 
     ref = _reference("sync")
@@ -168,16 +168,12 @@ def test_resume_refuses_corrupt_foreign_and_changed_runs_and_touches_nothing(
         spoil(runs[name] / "checkpoints" / ckpt_name)
     runs["changes"] = copy_run(ref, tmp_path / "changes")
     before = {name: _files(run) for name, run in runs.items()}
-    # The CLI's entry point, in this process (a refusal launches nothing: no forkserver
-    # either, which this test process's own spawns may be using)
-    monkeypatch.setattr(forkserver, "start_forkserver", lambda: None)
-    monkeypatch.setattr(forkserver, "stop_forkserver", lambda: None)
-    capsys.readouterr()
+    # The CLI's entry point, in this process (a refusal launches nothing)
     for what in bad_files:
-        assert main(["train", "--resume", str(runs[what])]) == 2, what
-        captured = capsys.readouterr()
-        assert captured.out == "", (what, captured.out)
-        lines = captured.err.strip().splitlines()
+        done = refused(["train", "--resume", str(runs[what])], monkeypatch, capsys)
+        assert done.returncode == 2, what
+        assert done.stdout == "", (what, done.stdout)
+        lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("cloudburst: invalid config: resume: ")
         assert expected[what] in lines[0], lines
     # What makes a run's identity cannot change when it resumes: refused by the CLI's parser
