@@ -10,6 +10,7 @@ torchrun, torchrun's store is used. Liveness (heartbeats, watchdogs, rejoining) 
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -587,10 +588,25 @@ def select_backend(cfg: RunConfig) -> str:
     return "nccl" if own_gpu and cfg.workers > 1 else "gloo"
 
 
+#: The process groups DDP may run on, kept from a finished job until the process exits (let go
+#: at its start, while the interpreter is whole and their work threads long idle).
+_RETIRED_GROUPS: list[Any] = []
+atexit.register(_RETIRED_GROUPS.clear)
+
+
 def shutdown(ctx: Context | None) -> None:
     if ctx is not None and ctx.heartbeat is not None:
         ctx.heartbeat.stop()
     if dist.is_initialized():
+        # A DDP model (sync's, DASO's in a node) that outlives its job holds its group; freed
+        # after destroy_process_group, its Reducer would drop the group's last reference with
+        # the GIL held, and ProcessGroupGloo's destructor joins its work threads, one of which
+        # may still need the GIL to free the last collective's tensors: a deadlock (torch
+        # 2.13; tests/dist/test_api_hooks.py hung on it). Kept here, the groups go at exit.
+        groups = [dist.group.WORLD]
+        if ctx is not None:
+            groups += [ctx.workers_group, ctx.node_group]
+        _RETIRED_GROUPS.extend(g for g in groups if g is not None)
         dist.destroy_process_group()
 
 
