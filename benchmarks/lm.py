@@ -3,14 +3,16 @@
     .venv/bin/python benchmarks/lm.py [--quick] [--seeds N] [--steps T] [--force]
     .venv/bin/python benchmarks/lm.py --virtual-only      # the virtual-cluster table alone
 
-Real runs, interleaved per seed with an A/A copy of sync: W = 4 workers, the default GPT
-(2 layers, width 64, 4 heads, context 64: 120,576 parameters) and recipe (AdamW 3e-3, weight
-decay 0.1, warm-up 30 + cosine, clip 1, 16 windows per worker-step), T steps per worker, so
-every arm sees the same tokens (4 × 16 × 64 × T): ``sync``; ``local_sgd`` (H = 16);
-``diloco`` (H = 16 and 64; the GPT's outer step, lr 1, momentum 0: docs/lm.md); Streaming
-DiLoCo (H = 16, 4 fragments, int8); ``async_diloco`` (H = 16, one shard). Reported: final
-test loss (nats per byte token) and bits per byte on the held-out tail, bytes sent, wall time;
-the claim is DiLoCo H = 16's final loss − sync's (paired by seed), target ≤ 0.05 nats.
+Real runs of ``cloudburst train``, interleaved per seed with an A/A copy of sync: W = 4
+workers, the default GPT (2 layers, width 64, 4 heads, context 64: 120,576 parameters) and
+recipe (AdamW 3e-3, weight decay 0.1, warm-up 30 + cosine, clip 1, 16 windows per
+worker-step), T steps per worker, so every arm sees the same tokens (4 × 16 × 64 × T):
+``sync``; ``local_sgd`` (H = 16); ``diloco`` at its defaults (H = 8; the GPT's outer step, lr
+1, momentum 0: docs/lm.md) and at H = 16 and 64; Streaming DiLoCo (H = 16, 4 fragments,
+int8); ``async_diloco`` (H = 16, one shard). Reported: final test loss (nats per byte token)
+and bits per byte on the held-out tail, bytes sent, wall time. The claim (issue 29's
+done-when) is DiLoCo-at-its-defaults' final loss − sync's, paired by seed, target ≤ 0.05
+nats, on seeds 2, 3, 4: the defaults were chosen on seeds 0 and 1 (docs/lm.md).
 
 Virtual cluster: GPT-2 small (124,439,808 parameters) at a published throughput stands in —
 llm.c's GPT-2 (124M) reproduction trained 10 B tokens in 90 minutes on one 8× A100 80GB SXM
@@ -19,10 +21,6 @@ a step of 16 windows of 1024 tokens is charged 16384 / 231481 = 0.0708 s. The ma
 GPT's (the clock charges the stand-in's bytes); W = 8, 16, 32, 64 over 1 and 10 Gbit/s links
 (1 ms), 64 steps: sync, DiLoCo H = 16 and 64, Streaming DiLoCo int8: virtual seconds per step
 and bytes sent per worker-step.
-
-The CLI's preflight checks that a model returns (batch, classes) logits, which a language model
-does not; until it knows LM outputs (see docs/lm.md), the real runs go through the same config
-and launcher without that one check (``_train`` below).
 """
 
 from __future__ import annotations
@@ -43,29 +41,15 @@ COMMON = "--model gpt --dataset text:stdlib --workers 4 --log-every-steps 20".sp
 ARMS = {
     "sync": ["--strategy", "sync"],
     "local_sgd H=16": ["--strategy", "local_sgd", "--period", "16"],
+    "diloco (defaults, H=8)": ["--strategy", "diloco"],
     "diloco H=16": ["--strategy", "diloco", "--period", "16"],
     "diloco H=64": ["--strategy", "diloco", "--period", "64"],
     "streaming int8 H=16": "--strategy diloco --period 16 --fragments 4 --compress int8".split(),
     "async_diloco H=16": ["--strategy", "async_diloco", "--period", "16"],
 }
 CLAIM_NATS = 0.05
-
-
-def _train(argv: list[str]) -> int:
-    """``cloudburst train ARGV`` without the preflight forward check (see the docstring)."""
-    from cloudburst.forkserver import start_forkserver
-
-    start_forkserver()
-    from cloudburst.cli import build_config, build_parser
-    from cloudburst.launch import JobFailed, run_local_job
-
-    cfg = build_config(build_parser().parse_args(["train", *argv]))
-    try:
-        run_local_job(cfg, progress=False)
-    except JobFailed as e:
-        print(f"lm.py: {e}", file=sys.stderr)
-        return 1
-    return 0
+CLAIM_ARM = "diloco (defaults, H=8)"
+FIRST_HELD_OUT_SEED = 2  # seeds 0 and 1 chose the GPT's DiLoCo defaults (docs/lm.md)
 
 
 def _params(spec: str) -> int:
@@ -135,7 +119,8 @@ def main() -> None:
 
     args, prov = harness.start(__doc__, add)
     steps = args.steps or (40 if args.quick else 300)
-    seeds = range(args.seeds or (1 if args.quick else 3))
+    n = args.seeds or (1 if args.quick else 3)
+    seeds = range(FIRST_HELD_OUT_SEED, FIRST_HELD_OUT_SEED + n)
     report = harness.Report(
         "lm", "A small GPT on the standard library: sync vs the DiLoCo family", prov
     )
@@ -147,12 +132,11 @@ def main() -> None:
             Arm(name, [*COMMON, *argv, "--steps", str(steps), *extra])
             for name, argv in ARMS.items()
         ]
-        command = (sys.executable, str(Path(__file__).resolve()), "_train")
         root = harness.QUICK_RESULTS / "lm-runs" if args.quick else harness.RUNS / "lm"
 
         def run(arm: Arm, seed: int):
             out = root / harness.slug(arm.name) / f"seed{seed}"
-            return harness.run_train(arm, seed, out, timeout_s=3600, command=command)
+            return harness.run_train(arm, seed, out, timeout_s=3600)
 
         runs = harness.interleave(arms, seeds, control="sync", run=run, prov=prov)
         by = harness.by_arm(runs)
@@ -173,7 +157,7 @@ def main() -> None:
         )
         pairs = [
             (d.summary["final_test_loss"], s.summary["final_test_loss"])
-            for d in by.get("diloco H=16", [])
+            for d in by.get(CLAIM_ARM, [])
             for s in by.get("sync", [])
             if d.seed == s.seed and not d.failed and not s.failed
         ]
@@ -193,7 +177,7 @@ def main() -> None:
                 else None
             )
             report.claim(
-                "diloco H=16 − sync: final test loss (nats)",
+                "diloco at its defaults − sync: final test loss (nats)",
                 round(diff, 4),
                 f"≤ {CLAIM_NATS}",
                 diff <= CLAIM_NATS,
@@ -228,6 +212,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "_train":
-        raise SystemExit(_train(sys.argv[2:]))
     main()
