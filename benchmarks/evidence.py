@@ -138,9 +138,12 @@ ADVICE: list[tuple[str, list[tuple[str, str, str]]]] = [  # (situation, [(result
          "bandwidth measured alone {interval}"),
     ]),
     ("Predicting a run on the virtual cluster", [
-        ("sim_fidelity", "unpadded time, real ÷ simulated",
-         "On configurations held out from its development, real communication and waiting "
-         "took {value}× the simulated {interval}"),
+        ("sim_fidelity", "time the link adds, real ÷ simulated",
+         "On configurations held out from its development, the time an emulated link added to "
+         "real runs was {value}× what it added to simulated ones {interval}"),
+        ("sim_fidelity", "unpadded time (host overhead included)",
+         "Counting this machine's host overhead, which the simulator does not model, real "
+         "communication and waiting took {value}× the simulated {interval}"),
         ("sim_seeds", "Jin et al.",
          "Jin et al.'s crossover, every method given the same virtual time: {value}"),
     ]),
