@@ -16,13 +16,21 @@ import logging
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cloudburst.comm.link import LinkEmulator, LinkSpec, Topology
+from cloudburst.comm.link import (
+    LinkEmulator,
+    LinkSpec,
+    NicState,
+    Topology,
+    nic_dir,
+    shared_clock_ok,
+)
 from cloudburst.comm.transport import REAL, Transport
 from cloudburst.config import RunConfig
 from cloudburst.liveness import (  # noqa: F401 - also importable from here
@@ -184,6 +192,8 @@ class Context:
             self.t0 = float(self.store.get("t0").decode())
             return
         self.comm.barrier()
+        if self.link is not None:
+            self.link.release_name()  # every rank has the shared NIC record open by now
         if self.rank == 0:
             self.store.set("t0", repr(self.comm.wall() - elapsed_s))
         self.t0 = float(self.store.get("t0").decode())
@@ -234,7 +244,7 @@ def init_distributed(cfg: RunConfig, strategy_cls: type[StrategySpec] | None = N
     # Liveness on a connection of its own: the training thread's long store waits (a final
     # report, a checkpoint agreement) hold its client, and heartbeats must not wait for them.
     liveness_store = _job_store(cfg, traits.survives_worker_loss)
-    fields = _real_rank(cfg, store, device, backend, topology)
+    fields = _real_rank(cfg, rank, store, device, backend, topology, share_nic=True)
     ctx = build_context(cfg, rank, REAL, traits=traits, liveness_store=liveness_store, **fields)
     interval_s = heartbeat_interval_s(cfg.heartbeat_timeout_s)
     ctx.heartbeat = Heartbeat(liveness_store, rank, interval_s).start()
@@ -308,18 +318,57 @@ def _rank_context(cfg: RunConfig, rank: int, comm: Transport, **fields: Any) -> 
     )
 
 
-def _real_rank(cfg: RunConfig, store, device, backend: str, topology: Topology) -> dict[str, Any]:
-    """A real rank's Context fields: the clock's start now, the emulated inter-node link."""
-    link = LinkEmulator(LinkSpec.parse(cfg.inter_node_link) if cfg.inter_node_link else None)
+def _real_rank(
+    cfg: RunConfig,
+    rank: int,
+    store,
+    device,
+    backend: str,
+    topology: Topology,
+    share_nic: bool = False,
+) -> dict[str, Any]:
+    """A real rank's Context fields: the clock's start now, the emulated inter-node link
+    (``share_nic``: each node's NIC shared by its ranks, :func:`shared_nic`)."""
+    spec = LinkSpec.parse(cfg.inter_node_link) if cfg.inter_node_link else None
+    nic = shared_nic(cfg, store, topology) if share_nic and spec is not None else None
+    link = LinkEmulator(spec, topology=topology, rank=rank, nic=nic)
     return dict(
         store=store, device=device, backend=backend, topology=topology, t0=time.time(), link=link
     )
 
 
+#: The job-store key under which the ranks agree on the shared NIC record's name.
+NIC_RECORD_KEY = "nic-record"
+
+
+def shared_nic(cfg: RunConfig, store: dist.Store, topology: Topology) -> NicState | None:
+    """The emulated NICs of the job's nodes, shared by the ranks of this machine
+    (:class:`~cloudburst.comm.link.NicState`); None on one node, or (with one warning line)
+    where it cannot be opened: each rank then keeps a link of its own.
+
+    Its name, ``cloudburst-nic-<uid>-<nonce>`` in ``/dev/shm`` (else the temp dir): the nonce
+    is the first one any rank put under :data:`NIC_RECORD_KEY` in the job store (the store is
+    per run and attempt, so every rank of one attempt, on any machine, agrees on it, and no
+    other job or earlier attempt shares it). The name goes once every rank has the record
+    open (:meth:`Context.start_clock`'s barrier) and again at :func:`shutdown`."""
+    if topology.num_nodes < 2:
+        return None
+    try:
+        if not shared_clock_ok():
+            raise OSError("time.perf_counter is not the machine-wide CLOCK_MONOTONIC here")
+        nonce = store.compare_set(NIC_RECORD_KEY, "", uuid.uuid4().hex).decode()
+        path = os.path.join(nic_dir(), f"cloudburst-nic-{os.getuid()}-{nonce}")
+        return NicState(path, topology.num_nodes, lock_timeout_s=cfg.comm_timeout_s)
+    except (OSError, RuntimeError, ValueError) as err:
+        log.warning("emulated link: each rank keeps its own (no shared node NIC: %s)", err)
+        return None
+
+
 def _context(cfg, rank, store, device, backend, topology, **groups) -> Context:
-    """A real rank's Context outside the job's groups (rejoining it after a restart)."""
+    """A real rank's Context outside the job's groups (rejoining it after a restart): its
+    emulated link is its own (the others' shared NIC record is gone by then)."""
     return _rank_context(
-        cfg, rank, REAL, **_real_rank(cfg, store, device, backend, topology), **groups
+        cfg, rank, REAL, **_real_rank(cfg, rank, store, device, backend, topology), **groups
     )
 
 
@@ -597,6 +646,8 @@ atexit.register(_RETIRED_GROUPS.clear)
 def shutdown(ctx: Context | None) -> None:
     if ctx is not None and ctx.heartbeat is not None:
         ctx.heartbeat.stop()
+    if ctx is not None and ctx.link is not None:
+        ctx.link.release_name()
     if dist.is_initialized():
         # A DDP model (sync's, DASO's in a node) that outlives its job holds its group; freed
         # after destroy_process_group, its Reducer would drop the group's last reference with

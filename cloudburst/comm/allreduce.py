@@ -59,7 +59,7 @@ def _through_link(state: AllreduceHookState, fut, wire_bytes: int, world: int):
     if link is None or not link.active or not state.spans_nodes:
         return fut
     cost = link.allreduce_s(wire_bytes, world)
-    deadline = link.reserve(cost)
+    deadline = link.book_collective(cost, state.group)
     state.stats.emulated_link_s += cost
 
     def done(f):

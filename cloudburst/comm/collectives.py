@@ -39,7 +39,8 @@ def all_reduce_sum(
 ) -> Pending:
     """Sum ``tensor`` in place over ``group``; returns the pending works (already waited for
     unless ``async_op``). Counted as a ring all-reduce moves it; when the group spans nodes
-    and a link is emulated, complete no earlier than that link could carry it."""
+    and a link is emulated, complete no earlier than that link could carry it (booked once
+    per collective on the nodes' NICs where they are shared: ``LinkEmulator.book_collective``)."""
     size = comm.group_size(group)
     chunk = chunk_elements or tensor.numel()
     emulate = link is not None and link.active and spans_nodes and size > 1
@@ -60,7 +61,7 @@ def all_reduce_sum(
     if emulate:
         cost = link.allreduce_s(tensor.numel() * tensor.element_size(), size)
         stats.emulated_link_s += cost
-        works[-1] = EmulatedWork(works[-1], link.reserve(cost))
+        works[-1] = EmulatedWork(works[-1], link.book_collective(cost, group))
     pending = Pending(works, stats, comm)
     if not async_op:
         pending.wait()

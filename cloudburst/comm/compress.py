@@ -205,14 +205,16 @@ class _TwoPhase(Pending):
         self.stats.wait_s += self.comm.now() - t0
 
 
-def _emulate(link, stats: CommStats, work, sent_bytes: int, size: int, spans_nodes: bool):
+def _emulate(
+    link, stats: CommStats, work, sent_bytes: int, size: int, spans_nodes: bool, group: Any
+):
     """``work``, done no earlier than the emulated link carries this rank's ``sent_bytes`` of
-    an all-to-all (the real run; the virtual cluster charges its own clock)."""
+    an all-to-all over ``group`` (the real run; the virtual cluster charges its own clock)."""
     if link is None or not link.active or not spans_nodes or size < 2:
         return work
     cost = all_to_all_s(link, sent_bytes, size)
     stats.emulated_link_s += cost
-    return EmulatedWork(work, link.reserve(cost))
+    return EmulatedWork(work, link.book_collective(cost, group))
 
 
 def compressed_all_reduce_sum(
@@ -260,10 +262,10 @@ def compressed_all_reduce_sum(
         )
         position = comm.group_rank(group)
     count_collective(stats, quantised_sent_bytes(tensor.numel(), size, position), spans_nodes)
-    work = _emulate(link, stats, work, first, size, spans_nodes)
+    work = _emulate(link, stats, work, first, size, spans_nodes, group)
 
     def emulated_finish() -> None:
-        finish(lambda w, nbytes: _emulate(link, stats, w, nbytes, size, spans_nodes))
+        finish(lambda w, nbytes: _emulate(link, stats, w, nbytes, size, spans_nodes, group))
 
     pending = _TwoPhase([work], stats, comm, emulated_finish)
     if not async_op:

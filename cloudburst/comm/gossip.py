@@ -75,7 +75,7 @@ Timeouts
 Accounting
     Bytes go to the caller's :class:`CommStats`: inter- or intra-node by the peer's node, and
     messages to another node are held back by the emulated link (``PeerTransport._leave``) —
-    replies from the serving thread too, since they share this rank's link. The serving
+    replies from the serving thread too, since they share this rank's node NIC. The serving
     thread counts into its own stats (one writer per counter, no lost updates) and settles
     them after each whole message; :meth:`GossipTransport.merge_serving_stats` adds what was
     settled since the last merge into the caller's stats at a step boundary. The serving

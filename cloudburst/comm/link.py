@@ -16,9 +16,24 @@ Cost model (what is charged to the slow link):
 - a broadcast over a group spanning nodes: ``log2(n)`` rounds of latency + the tensor's bytes;
 - a point-to-point message to a rank on another node: one latency + its bytes.
 
-Transfers from one rank share that rank's link: each one starts when the previous one has
-finished (``busy_until``), so back-to-back buckets queue as they would on a real wire, while a
+Transfers share the node's NIC, as in the virtual cluster (:class:`NicState`, issue 30):
+the ranks of a job on one machine keep, in one small shared file, each node's egress and
+ingress free times and the collectives booked recently. A collective across nodes is booked
+once, by the first member that gets to it (``(group name, global ranks, this rank's i-th
+booking on the group)`` names it on every member), from max(now, every NIC of its nodes free,
+both ways), and holds them all until it ends; the other members get the same end. So two
+collectives of different groups on one node (DASO's global groups) queue, as do back-to-back
+buckets. A message across nodes waits for its node's egress and queues at the receiving
+node's ingress (:func:`nic_transfer`, incast); the sender is held until it arrives. A
 non-blocking collective overlaps with compute exactly as much as the real one could.
+
+Not shared: between machines (each machine's ranks share a record of their own, so a node
+on another machine sees only this machine's traffic into it), with a rank that rejoined a
+running job after a restart (its link is its own), and wherever the record cannot be opened
+(one warning; each rank then queues on a link of its own, as before issue 30, which is also
+what ``LinkEmulator(spec)`` alone does). The time charged for each transfer
+(``emulated_link_s``) is its cost; the queueing behind the node's other ranks shows in the
+time waited (``comm_wait_s``), as in the virtual cluster.
 
 The module-level functions below (issue 30) are the rest of the shared physics, pure functions
 of their arguments, used by the virtual cluster (:mod:`cloudburst.sim.clock`): a node NIC with
@@ -30,11 +45,19 @@ choice among them by size (:func:`best_allreduce_s`), the hierarchical all-reduc
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import math
+import mmap
+import os
+import struct
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -96,21 +119,177 @@ class Topology:
         return self.node_of[a] != self.node_of[b]
 
 
+#: The most collectives the shared record remembers (the oldest booking goes first): far more
+#: than can be in flight at once, so a late member always finds its op.
+NIC_OPS = 512
+_NIC_MAGIC = b"CBNIC001"
+_HEADER = struct.Struct("<8sII")  # magic, nodes, op slots
+_NODE = struct.Struct("<dd")  # egress free, ingress free (perf_counter seconds)
+_OP = struct.Struct("<16sdd")  # op key (zeros: empty), booked at, ends at
+# The lock's own clock and sleep, bound once (the unit tests replace this module's ``time``).
+_lock_clock, _lock_sleep = time.monotonic, time.sleep
+
+
+def nic_dir() -> str:
+    """Where a shared NIC record lives: ``/dev/shm`` (memory) when present, else the temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def shared_clock_ok() -> bool:
+    """Whether ``time.perf_counter`` reads one clock for every process of the machine
+    (CLOCK_MONOTONIC on Linux), so that free times written by one rank mean the same to
+    another."""
+    return "CLOCK_MONOTONIC" in time.get_clock_info("perf_counter").implementation
+
+
+class NicState:
+    """The NICs of a job's nodes, in a small file shared by the ranks of one machine: per node
+    its egress and ingress free times, and a table of the recent collective bookings (an op's
+    key, when it was booked, when it ends). Every read and write is under an exclusive
+    ``flock`` of the file (and a thread lock), taken within ``lock_timeout_s``.
+
+    Made, it has created the file at ``path`` (zeros: every link free, no booking) or attached
+    to the one another rank created. ``unlink`` removes its name; the ranks that have it open
+    keep using it (the memory goes when the last one closes)."""
+
+    def __init__(self, path: str, num_nodes: int, lock_timeout_s: float = 30.0):
+        if num_nodes < 1:
+            raise ValueError(f"num_nodes: {num_nodes} must be >= 1")
+        self.path, self.num_nodes, self.lock_timeout_s = path, num_nodes, lock_timeout_s
+        self._threads = threading.Lock()  # flock excludes other processes, not our threads
+        self._nodes_at = _HEADER.size
+        self._ops_at = self._nodes_at + num_nodes * _NODE.size
+        size = self._ops_at + NIC_OPS * _OP.size
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self._fd = fd
+            with self._flock():
+                current = os.fstat(fd).st_size
+                if current == 0:
+                    os.ftruncate(fd, size)
+                elif current != size:
+                    raise OSError(
+                        f"{path} holds {current} bytes, not a record of {num_nodes} nodes"
+                    )
+                self._map = mmap.mmap(fd, size)
+                magic, nodes, ops = _HEADER.unpack_from(self._map, 0)
+                if magic == bytes(8):
+                    _HEADER.pack_into(self._map, 0, _NIC_MAGIC, num_nodes, NIC_OPS)
+                elif (magic, nodes, ops) != (_NIC_MAGIC, num_nodes, NIC_OPS):
+                    raise OSError(f"{path} is not a NIC record of {num_nodes} nodes")
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @contextmanager
+    def _flock(self):
+        if not self._threads.acquire(timeout=self.lock_timeout_s):
+            raise TimeoutError(f"the shared NIC record {self.path} stayed locked (a thread)")
+        try:
+            with self._file_lock():
+                yield
+        finally:
+            self._threads.release()
+
+    @contextmanager
+    def _file_lock(self):
+        deadline = _lock_clock() + self.lock_timeout_s
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if _lock_clock() > deadline:
+                    raise TimeoutError(
+                        f"the shared NIC record {self.path} stayed locked for "
+                        f"{self.lock_timeout_s:g} s"
+                    ) from None
+                _lock_sleep(0.0002)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def locked(self):
+        """The record, held for one booking (a context manager)."""
+        return self._flock()
+
+    # ------------------------------------------------------------------ under locked()
+    def free(self, node: int) -> tuple[float, float]:
+        """(egress free, ingress free) of ``node``."""
+        return _NODE.unpack_from(self._map, self._nodes_at + node * _NODE.size)
+
+    def set_free(self, node: int, egress_s: float, ingress_s: float) -> None:
+        _NODE.pack_into(self._map, self._nodes_at + node * _NODE.size, egress_s, ingress_s)
+
+    def op_end(self, key: bytes) -> float | None:
+        """When the op ``key`` (16 bytes) that another member booked ends; None if unbooked."""
+        for i in range(NIC_OPS):
+            k, _, end = _OP.unpack_from(self._map, self._ops_at + i * _OP.size)
+            if k == key:
+                return end
+        return None
+
+    def add_op(self, key: bytes, booked_s: float, end_s: float) -> None:
+        """Remember op ``key``: in an empty slot, else in place of the oldest booking."""
+        oldest, oldest_at = 0, math.inf
+        for i in range(NIC_OPS):
+            k, at, _ = _OP.unpack_from(self._map, self._ops_at + i * _OP.size)
+            if k == bytes(16):
+                oldest = i
+                break
+            if at < oldest_at:
+                oldest, oldest_at = i, at
+        _OP.pack_into(self._map, self._ops_at + oldest * _OP.size, key, booked_s, end_s)
+
+    # ------------------------------------------------------------------ lifetime
+    def unlink(self) -> None:
+        """Remove the record's name (idempotent; every rank of the job may call it)."""
+        with suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self._map.close()
+            os.close(self._fd)
+            self._fd = None
+
+
 class LinkEmulator:
     """Holds back this rank's traffic across nodes as the emulated link would.
 
-    One per process. ``spec=None`` emulates nothing (every delay is 0).
+    One per process. ``spec=None`` emulates nothing (every delay is 0). Alone (no ``nic``),
+    this rank's transfers queue on a link of its own (``reserve``). With ``nic`` (a
+    :class:`NicState` shared by the ranks of the machine), ``topology`` and this ``rank``,
+    the node's NIC is shared as the virtual cluster shares it (:meth:`book_collective`,
+    :meth:`book_send`).
     """
 
-    def __init__(self, spec: LinkSpec | None):
+    def __init__(
+        self,
+        spec: LinkSpec | None,
+        topology: Topology | None = None,
+        rank: int | None = None,
+        nic: NicState | None = None,
+    ):
         self.spec = spec
         self._busy_until = 0.0
         self._lock = threading.Lock()
         self.emulated_s = 0.0  # total link time charged (for reports)
+        if nic is not None and (topology is None or rank is None):
+            raise ValueError("a shared NIC needs the topology and this rank")
+        self.topology, self.rank = topology, rank
+        self.nic = nic if spec is not None else None
+        self._calls: dict[tuple[str, tuple[int, ...]], int] = {}  # group -> ops booked on it
 
     @property
     def active(self) -> bool:
         return self.spec is not None
+
+    @property
+    def shared(self) -> bool:
+        """Whether this rank's node NIC is shared with the other ranks (a :class:`NicState`)."""
+        return self.nic is not None
 
     # ------------------------------------------------------------------ cost model
     def allreduce_s(self, nbytes: int, group_size: int) -> float:
@@ -138,6 +317,70 @@ class LinkEmulator:
             self._busy_until = begin + seconds
             self.emulated_s += seconds
             return self._busy_until
+
+    def book_collective(self, seconds: float, group: Any, start: float | None = None) -> float:
+        """Book a collective of ``seconds`` across nodes over ``group`` (a process group, None
+        for the world, or its ``(name, global ranks)``) from ``start`` (now); return when it
+        ends. Alone: :meth:`reserve`. Shared: the op is this rank's i-th booking on the
+        group; the first member to book it starts it at max(now, the free times of every NIC
+        of its nodes, both ways), holds them until start + ``seconds``, and the other members
+        get the same end (the virtual cluster's ``SimNetwork._complete``)."""
+        if self.nic is None:
+            return self.reserve(seconds, start)
+        if isinstance(group, tuple):
+            name, ranks = group
+        else:
+            from cloudburst.comm.transport import group_members
+
+            name, ranks = group_members(group)
+        nodes = sorted({self.topology.node_of[r] for r in ranks})
+        now = time.perf_counter() if start is None else start
+        with self._lock:
+            index = self._calls.get((name, ranks), 0)
+            self._calls[(name, ranks)] = index + 1
+            key = hashlib.blake2b(f"{name}|{ranks}|{index}".encode(), digest_size=16).digest()
+            with self.nic.locked():
+                end = self.nic.op_end(key)
+                if end is None:
+                    free = [t for n in nodes for t in self.nic.free(n)]
+                    end = max([now, *free]) + seconds
+                    for n in nodes:
+                        self.nic.set_free(n, end, end)
+                    self.nic.add_op(key, now, end)
+            self._busy_until = max(self._busy_until, end)
+            self.emulated_s += seconds
+            return end
+
+    def book_send(self, nbytes: float, dst: int, start: float | None = None) -> float:
+        """Book a message of ``nbytes`` to global rank ``dst`` on another node from ``start``
+        (now); return its arrival. Alone: :meth:`reserve` of :meth:`p2p_s`. Shared: it waits
+        for this node's egress and queues at ``dst``'s node's ingress
+        (:func:`nic_transfer`, the virtual cluster's ``SimNetwork._send``)."""
+        out = into = 0
+        if self.nic is not None:
+            out, into = self.topology.node_of[self.rank], self.topology.node_of[dst]
+        if out == into:  # alone (or, never asked, within a node): this rank's own link
+            return self.reserve(self.p2p_s(nbytes), start)
+        spec = self.spec
+        now = time.perf_counter() if start is None else start
+        with self._lock, self.nic.locked():
+            egress, out_ingress = self.nic.free(out)
+            into_egress, ingress = self.nic.free(into)
+            bps = spec.bytes_per_s
+            egress_free, arrival = nic_transfer(
+                max(now, egress), ingress, nbytes, spec.latency_s, bps, bps
+            )
+            self.nic.set_free(out, egress_free, out_ingress)
+            self.nic.set_free(into, into_egress, arrival)
+            self._busy_until = max(self._busy_until, arrival)
+            self.emulated_s += self.p2p_s(nbytes)
+            return arrival
+
+    def release_name(self) -> None:
+        """Remove the shared record's name once every rank has it open (after the job's
+        start barrier) and again at the end: nothing is left behind in /dev/shm."""
+        if self.nic is not None:
+            self.nic.unlink()
 
     @staticmethod
     def wait_until(deadline: float) -> float:

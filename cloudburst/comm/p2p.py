@@ -232,7 +232,9 @@ class PeerTransport:
         """``link`` (a :class:`~cloudburst.comm.link.LinkEmulator`) and ``crosses(peer)``
         (True when ``peer`` is on another node) emulate a slow link between nodes: a message
         to another node leaves only once the emulated link has carried the one before it and
-        itself (held back on the sender; both directions of a link are independent).
+        itself (held back on the sender until it arrives; where the node's NIC is shared,
+        behind the node's egress and the receiving node's ingress:
+        ``LinkEmulator.book_send``).
         ``wire`` moves the tensors (:mod:`cloudburst.comm.transport`; the simulator's in a
         virtual cluster). ``compress``: how request and reply payloads travel (module
         docstring; ``none``: fp32). ``chunk_numel``: the most values of an fp32 payload in
@@ -265,7 +267,7 @@ class PeerTransport:
         if self.link is not None:
             cost = self.link.p2p_s(nbytes)
             self.stats.emulated_link_s += cost
-            self.link.wait_until(self.link.reserve(cost))
+            self.link.wait_until(self.link.book_send(nbytes, dst))
 
     # --------------------------------------------------------------- the wire
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:

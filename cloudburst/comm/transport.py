@@ -334,3 +334,11 @@ class TorchTransport:
 
 #: The real transport, for code used outside a job's Context (tests, benchmarks, the API).
 REAL = TorchTransport()
+
+
+def group_members(group: Any) -> tuple[str, tuple[int, ...]]:
+    """(name, global ranks) of a torch.distributed process group (None: the world): what
+    names a collective's group the same way on every member (the emulated link's
+    ``LinkEmulator.book_collective``)."""
+    pg = dist.group.WORLD if group is None else group
+    return str(getattr(pg, "group_name", "")), tuple(dist.get_process_group_ranks(pg))

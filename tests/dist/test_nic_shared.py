@@ -1,0 +1,58 @@
+"""The shared NIC record across processes: two ranks of one node, each in a process of its own,
+book through one :class:`~cloudburst.comm.link.NicState` file (explicit start times; the
+hand-computed ends are those of tests/unit/test_nic_sharing.py)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+from cloudburst.comm.link import LinkEmulator, LinkSpec, NicState, Topology
+
+pytestmark = pytest.mark.dist
+
+TIMEOUT_S = 60
+
+
+def _rank(path: str, rank: int, go, done, results) -> None:
+    """Rank ``rank`` of 4 on 2 nodes: books its DASO global group's op once ``go`` is set."""
+    nic = NicState(path, 2)
+    emu = LinkEmulator(LinkSpec(1.0, 1.0), topology=Topology.contiguous(4, 2), rank=rank, nic=nic)
+    if not go.wait(TIMEOUT_S):
+        results.put((rank, "never told to go"))
+        return
+    group = ("across0", (0, 2)) if rank in (0, 2) else ("across1", (1, 3))
+    results.put((rank, emu.book_collective(0.5, group, start=10.0)))
+    done.set()
+    nic.close()
+
+
+def test_ranks_in_two_processes_share_the_node_nic(tmp_path):
+    ctx = mp.get_context("fork")
+    path = str(tmp_path / "nic")
+    results = ctx.Queue()
+    go, first_done, second_done = ctx.Event(), ctx.Event(), ctx.Event()
+    first = ctx.Process(target=_rank, args=(path, 0, go, first_done, results))
+    # Rank 1 (node 0, the other global group) books only after rank 0 has: it must queue.
+    second = ctx.Process(target=_rank, args=(path, 1, first_done, second_done, results))
+    first.start()
+    second.start()
+    go.set()
+    try:
+        got = dict(results.get(timeout=TIMEOUT_S) for _ in range(2))
+    finally:
+        for p in (first, second):
+            p.join(TIMEOUT_S)
+            if p.is_alive():
+                p.kill()
+    assert got == {0: 10.5, 1: 11.0}
+    # A third rank (here, in this process) of node 1, rank 2, joins op across0: its end.
+    nic = NicState(path, 2)
+    late = LinkEmulator(LinkSpec(1.0, 1.0), topology=Topology.contiguous(4, 2), rank=2, nic=nic)
+    assert late.book_collective(0.5, ("across0", (0, 2)), start=10.2) == 10.5
+    with nic.locked():
+        assert nic.free(0) == nic.free(1) == (11.0, 11.0)
+    nic.unlink()
+    nic.close()
+    assert list(tmp_path.iterdir()) == []
