@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cloudburst.comm.link import LinkEmulator
+from cloudburst.comm.link import LinkEmulator, resolve_end
 from cloudburst.comm.stats import (  # noqa: F401 - the counting, also importable from here
     CommStats,
     count_collective,
@@ -63,7 +63,7 @@ def _through_link(state: AllreduceHookState, fut, wire_bytes: int, world: int):
     state.stats.emulated_link_s += cost
 
     def done(f):
-        LinkEmulator.wait_until(deadline)
+        LinkEmulator.wait_until(resolve_end(deadline))
         return f.value()
 
     return fut.then(done)

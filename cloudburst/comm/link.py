@@ -18,10 +18,11 @@ Cost model (what is charged to the slow link):
 
 Transfers share the node's NIC, as in the virtual cluster (:class:`NicState`, issue 30):
 the ranks of a job on one machine keep, in one small shared file, each node's egress and
-ingress free times and the collectives booked recently. A collective across nodes is booked
-once, by the first member that gets to it (``(group name, global ranks, this rank's i-th
-booking on the group)`` names it on every member), from max(now, every NIC of its nodes free,
-both ways), and holds them all until it ends; the other members get the same end. So two
+ingress free times and the collectives booked recently. A collective across nodes
+(``(group name, global ranks, this rank's i-th booking on the group)`` names it on every
+member) starts once its last member has booked it and every NIC of its nodes is free (both
+ways), and holds them all until it ends; every member gets that end (the earlier ones wait
+for it, :class:`PendingEnd`): a ring cannot finish before its last member joins. So two
 collectives of different groups on one node (DASO's global groups) queue, as do back-to-back
 buckets. A message across nodes waits for its node's egress and queues at the receiving
 node's ingress (:func:`nic_transfer`, incast); the sender is held until it arrives. A
@@ -125,7 +126,7 @@ NIC_OPS = 512
 _NIC_MAGIC = b"CBNIC001"
 _HEADER = struct.Struct("<8sII")  # magic, nodes, op slots
 _NODE = struct.Struct("<dd")  # egress free, ingress free (perf_counter seconds)
-_OP = struct.Struct("<16sdd")  # op key (zeros: empty), booked at, ends at
+_OP = struct.Struct("<16sddI")  # op key (zeros: empty), last arrival, end (NaN: open), members in
 # The lock's own clock and sleep, bound once (the unit tests replace this module's ``time``).
 _lock_clock, _lock_sleep = time.monotonic, time.sleep
 
@@ -222,25 +223,43 @@ class NicState:
     def set_free(self, node: int, egress_s: float, ingress_s: float) -> None:
         _NODE.pack_into(self._map, self._nodes_at + node * _NODE.size, egress_s, ingress_s)
 
-    def op_end(self, key: bytes) -> float | None:
-        """When the op ``key`` (16 bytes) that another member booked ends; None if unbooked."""
+    def _find(self, key: bytes) -> int | None:
         for i in range(NIC_OPS):
-            k, _, end = _OP.unpack_from(self._map, self._ops_at + i * _OP.size)
-            if k == key:
-                return end
+            if _OP.unpack_from(self._map, self._ops_at + i * _OP.size)[0] == key:
+                return i
         return None
 
+    def op(self, key: bytes) -> tuple[float, float, int] | None:
+        """Op ``key`` (16 bytes): (its last member's arrival so far, its end — NaN while
+        members are still to come —, how many members have arrived); None if unbooked."""
+        i = self._find(key)
+        return None if i is None else _OP.unpack_from(self._map, self._ops_at + i * _OP.size)[1:]
+
+    def op_end(self, key: bytes) -> float | None:
+        """When op ``key`` ends; None if it is unbooked or members are still to come."""
+        op = self.op(key)
+        return None if op is None or math.isnan(op[1]) else op[1]
+
+    def set_op(self, key: bytes, arrival_s: float, end_s: float, members: int) -> None:
+        """Write op ``key``: in its slot, else an empty one, else in place of the closed op
+        whose last member arrived first (an open op is never dropped)."""
+        slot, oldest, oldest_at = self._find(key), None, math.inf
+        if slot is None:
+            for i in range(NIC_OPS):
+                k, at, end, _ = _OP.unpack_from(self._map, self._ops_at + i * _OP.size)
+                if k == bytes(16):
+                    oldest = i
+                    break
+                if not math.isnan(end) and at < oldest_at:
+                    oldest, oldest_at = i, at
+            if oldest is None:
+                raise RuntimeError(f"the shared NIC record {self.path} has {NIC_OPS} open ops")
+            slot = oldest
+        _OP.pack_into(self._map, self._ops_at + slot * _OP.size, key, arrival_s, end_s, members)
+
     def add_op(self, key: bytes, booked_s: float, end_s: float) -> None:
-        """Remember op ``key``: in an empty slot, else in place of the oldest booking."""
-        oldest, oldest_at = 0, math.inf
-        for i in range(NIC_OPS):
-            k, at, _ = _OP.unpack_from(self._map, self._ops_at + i * _OP.size)
-            if k == bytes(16):
-                oldest = i
-                break
-            if at < oldest_at:
-                oldest, oldest_at = i, at
-        _OP.pack_into(self._map, self._ops_at + oldest * _OP.size, key, booked_s, end_s)
+        """Remember op ``key`` as closed: booked (its last member in) at ``booked_s``."""
+        self.set_op(key, booked_s, end_s, 0)
 
     # ------------------------------------------------------------------ lifetime
     def unlink(self) -> None:
@@ -318,13 +337,16 @@ class LinkEmulator:
             self.emulated_s += seconds
             return self._busy_until
 
-    def book_collective(self, seconds: float, group: Any, start: float | None = None) -> float:
+    def book_collective(
+        self, seconds: float, group: Any, start: float | None = None
+    ) -> float | PendingEnd:
         """Book a collective of ``seconds`` across nodes over ``group`` (a process group, None
-        for the world, or its ``(name, global ranks)``) from ``start`` (now); return when it
-        ends. Alone: :meth:`reserve`. Shared: the op is this rank's i-th booking on the
-        group; the first member to book it starts it at max(now, the free times of every NIC
-        of its nodes, both ways), holds them until start + ``seconds``, and the other members
-        get the same end (the virtual cluster's ``SimNetwork._complete``)."""
+        for the world, or its ``(name, global ranks)``), this member arriving at ``start``
+        (now). Alone: :meth:`reserve`, the end. Shared, as the virtual cluster's
+        ``SimNetwork._complete``: the op is this rank's i-th booking on the group; it starts
+        when its last member has arrived and every NIC of its nodes is free (both ways), and
+        holds them until start + ``seconds``. The last member gets that end; the others a
+        :class:`PendingEnd` (:func:`resolve_end` waits for it)."""
         if self.nic is None:
             return self.reserve(seconds, start)
         if isinstance(group, tuple):
@@ -339,16 +361,19 @@ class LinkEmulator:
             index = self._calls.get((name, ranks), 0)
             self._calls[(name, ranks)] = index + 1
             key = hashlib.blake2b(f"{name}|{ranks}|{index}".encode(), digest_size=16).digest()
-            with self.nic.locked():
-                end = self.nic.op_end(key)
-                if end is None:
-                    free = [t for n in nodes for t in self.nic.free(n)]
-                    end = max([now, *free]) + seconds
-                    for n in nodes:
-                        self.nic.set_free(n, end, end)
-                    self.nic.add_op(key, now, end)
-            self._busy_until = max(self._busy_until, end)
             self.emulated_s += seconds
+            with self.nic.locked():
+                last, _, members = self.nic.op(key) or (now, math.nan, 0)
+                last, members = max(last, now), members + 1
+                if members < len(ranks):
+                    self.nic.set_op(key, last, math.nan, members)
+                    return PendingEnd(self.nic, key, f"{name} {ranks} #{index}")
+                free = [t for n in nodes for t in self.nic.free(n)]
+                end = max([last, *free]) + seconds
+                for n in nodes:
+                    self.nic.set_free(n, end, end)
+                self.nic.set_op(key, last, end, members)
+            self._busy_until = max(self._busy_until, end)
             return end
 
     def book_send(self, nbytes: float, dst: int, start: float | None = None) -> float:
@@ -392,21 +417,55 @@ class LinkEmulator:
         return 0.0
 
 
-class EmulatedWork:
-    """A collective's work handle that completes no earlier than the emulated link allows."""
+class PendingEnd:
+    """The end of a shared collective whose other members are still to book it: known once
+    the last one has (:func:`resolve_end`)."""
 
-    def __init__(self, work, deadline: float):
+    #: the most a member waits for the others' bookings once the real collective is done
+    #: (they book right after launching it, so a miss means one of them is gone)
+    TIMEOUT_S = 60.0
+
+    def __init__(self, nic: NicState, key: bytes, name: str):
+        self.nic, self.key, self.name = nic, key, name
+
+    def peek(self) -> float | None:
+        with self.nic.locked():
+            return self.nic.op_end(self.key)
+
+    def wait(self, timeout_s: float | None = None) -> float:
+        deadline = _lock_clock() + (self.TIMEOUT_S if timeout_s is None else timeout_s)
+        while (end := self.peek()) is None:
+            if _lock_clock() > deadline:
+                raise TimeoutError(
+                    f"emulated link: collective {self.name} still had members to come "
+                    f"{self.TIMEOUT_S if timeout_s is None else timeout_s:g} s after it ran"
+                )
+            _lock_sleep(0.0002)
+        return end
+
+
+def resolve_end(end: float | PendingEnd) -> float:
+    """A booking's end: itself, or a :class:`PendingEnd` waited for."""
+    return end.wait() if isinstance(end, PendingEnd) else end
+
+
+class EmulatedWork:
+    """A collective's work handle that completes no earlier than the emulated link allows
+    (``deadline``: a booking's end, perhaps still pending on the other members)."""
+
+    def __init__(self, work, deadline: float | PendingEnd):
         self.work, self.deadline = work, deadline
 
     def wait(self) -> bool:
         if self.work is not None:
             self.work.wait()
-        LinkEmulator.wait_until(self.deadline)
+        LinkEmulator.wait_until(resolve_end(self.deadline))
         return True
 
     def is_completed(self) -> bool:
         done = self.work is None or self.work.is_completed()
-        return done and time.perf_counter() >= self.deadline
+        end = self.deadline.peek() if isinstance(self.deadline, PendingEnd) else self.deadline
+        return done and end is not None and time.perf_counter() >= end
 
 
 # ---------------------------------------------------------------------------- issue 30 physics

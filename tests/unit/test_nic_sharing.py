@@ -13,7 +13,15 @@ import torch
 
 from cloudburst.comm import link
 from cloudburst.comm.collectives import all_reduce_sum
-from cloudburst.comm.link import LinkEmulator, LinkSpec, NicState, Topology, nic_dir
+from cloudburst.comm.link import (
+    LinkEmulator,
+    LinkSpec,
+    NicState,
+    PendingEnd,
+    Topology,
+    nic_dir,
+    resolve_end,
+)
 from cloudburst.comm.p2p import CommStats
 
 pytestmark = pytest.mark.unit
@@ -54,16 +62,19 @@ def test_two_collectives_of_different_groups_on_one_node_serialise(record):
     topo = Topology.contiguous(4, 2)
     r = ranks(topo, record(2))
     across0, across1 = ("across0", (0, 2)), ("across1", (1, 3))
-    assert r[0].book_collective(0.5, across0, start=10.0) == close(10.5)
-    # Issued at the same time on the other local rank: it waits for the NICs.
-    assert r[1].book_collective(0.5, across1, start=10.0) == close(11.0)
-    # The later members of each op get the op's end, whenever they call.
-    assert r[2].book_collective(0.5, across0, start=10.2) == close(10.5)
-    assert r[3].book_collective(0.5, across1, start=10.3) == close(11.0)
+    # An op starts when its last member is in: the first ones get a pending end.
+    first0 = r[0].book_collective(0.5, across0, start=10.0)
+    first1 = r[1].book_collective(0.5, across1, start=10.0)
+    assert isinstance(first0, PendingEnd) and first0.peek() is None
+    assert r[2].book_collective(0.5, across0, start=10.2) == close(10.7)
+    # Its last member is in at 10.3, but node 0's and node 1's NICs are busy until 10.7.
+    assert r[3].book_collective(0.5, across1, start=10.3) == close(11.2)
+    assert resolve_end(first0) == close(10.7) and resolve_end(first1) == close(11.2)
     # The next op of group 0 (the second on it) queues behind both.
-    assert r[2].book_collective(0.5, across0, start=10.6) == close(11.5)
-    assert r[0].book_collective(0.5, across0, start=10.7) == close(11.5)
-    assert r[0].nic.free(0) == r[0].nic.free(1) == (close(11.5), close(11.5))
+    second = r[2].book_collective(0.5, across0, start=10.6)
+    assert r[0].book_collective(0.5, across0, start=10.7) == close(11.7)
+    assert resolve_end(second) == close(11.7)
+    assert r[0].nic.free(0) == r[0].nic.free(1) == (close(11.7), close(11.7))
     # Each rank is charged its ops' cost (the queueing shows in the time it waits).
     assert [e.emulated_s for e in r] == [close(1.0), close(0.5), close(1.0), close(0.5)]
 
@@ -72,13 +83,16 @@ def test_a_collective_with_two_members_on_one_node_is_booked_once(record):
     topo = Topology.contiguous(4, 2)
     r = ranks(topo, record(2))
     world = ("0", (0, 1, 2, 3))
-    assert r[0].book_collective(0.5, world, start=10.0) == close(10.5)
-    assert r[1].book_collective(0.5, world, start=10.1) == close(10.5)  # node 0 again: once
-    assert r[3].book_collective(0.5, world, start=10.2) == close(10.5)
-    assert r[2].book_collective(0.5, world, start=10.4) == close(10.5)
-    # Booked once: the NICs are free at 10.5, not 10.5 + 3 · 0.5.
-    assert r[0].nic.free(0) == r[0].nic.free(1) == (close(10.5), close(10.5))
-    assert r[1].book_collective(0.25, ("across1", (1, 3)), start=10.2) == close(10.75)
+    early = [
+        r[i].book_collective(0.5, world, start=t) for i, t in ((0, 10.0), (1, 10.1), (3, 10.2))
+    ]
+    assert r[2].book_collective(0.5, world, start=10.4) == close(10.9)  # the last one in
+    assert [resolve_end(e) for e in early] == [close(10.9)] * 3
+    # Booked once: the NICs are free at 10.9, not 10.4 + 4 · 0.5.
+    assert r[0].nic.free(0) == r[0].nic.free(1) == (close(10.9), close(10.9))
+    pending = r[1].book_collective(0.25, ("across1", (1, 3)), start=10.2)
+    assert r[3].book_collective(0.25, ("across1", (1, 3)), start=10.3) == close(11.15)
+    assert resolve_end(pending) == close(11.15)
 
 
 def test_a_collective_holds_only_its_own_nodes_nics(record):
@@ -87,8 +101,10 @@ def test_a_collective_holds_only_its_own_nodes_nics(record):
     # for node 0.
     topo = Topology.contiguous(6, 3)
     r = ranks(topo, record(3))
-    assert r[0].book_collective(0.5, ("a", (0, 2)), start=10.0) == close(10.5)
-    assert r[1].book_collective(0.5, ("b", (1, 4)), start=10.0) == close(11.0)
+    r[0].book_collective(0.5, ("a", (0, 2)), start=10.0)
+    assert r[2].book_collective(0.5, ("a", (0, 2)), start=10.0) == close(10.5)
+    r[1].book_collective(0.5, ("b", (1, 4)), start=10.0)
+    assert r[4].book_collective(0.5, ("b", (1, 4)), start=10.0) == close(11.0)
     assert r[0].nic.free(1) == (close(10.5), close(10.5))
     assert r[0].nic.free(2) == (close(11.0), close(11.0))
 
@@ -123,7 +139,8 @@ def test_two_nodes_sending_to_one_node_queue_at_its_ingress(record):
 def test_messages_and_collectives_share_the_nic(record):
     topo = Topology.contiguous(4, 2)
     r = ranks(topo, record(2))
-    assert r[1].book_collective(0.5, ("across1", (1, 3)), start=10.0) == close(10.5)
+    r[1].book_collective(0.5, ("across1", (1, 3)), start=10.0)
+    assert r[3].book_collective(0.5, ("across1", (1, 3)), start=10.0) == close(10.5)
     assert r[0].book_send(MB, 2, start=10.0) == close(10.511)  # node 0's egress is busy
 
 
@@ -166,13 +183,22 @@ def test_all_reduce_sum_books_the_collective_of_its_group(record, monkeypatch):
 
     tensor = torch.zeros(1_000_000)  # 4 MB over 2 ranks: 2 ms + 4 MB / 125 MB/s = 0.034 s
     ends = []
-    for rank, group in ((0, ("a", (0, 2))), (1, ("b", (1, 3))), (2, ("a", (0, 2)))):
+    a, b = ("a", (0, 2)), ("b", (1, 3))
+    for rank, group in ((0, a), (1, b), (2, a), (3, b)):
         pending = all_reduce_sum(
             tensor, group, CommStats(), link=r[rank], spans_nodes=True, async_op=True,
             comm=Comm(),
         )  # fmt: skip
         ends.append(pending.works[-1].deadline)
-    assert ends == [close(10.034), close(10.068), close(10.034)]
+    assert isinstance(ends[0], PendingEnd) and ends[2] == close(10.034)
+    assert [resolve_end(e) for e in ends] == [close(10.034), close(10.068)] * 2
+
+
+def test_a_member_that_never_books_times_out_in_one_line(record):
+    r = ranks(Topology.contiguous(4, 2), record(2))
+    pending = r[0].book_collective(0.5, ("a", (0, 2)), start=10.0)
+    with pytest.raises(TimeoutError, match=r"collective a \(0, 2\) #0 still had members"):
+        pending.wait(timeout_s=0.01)
 
 
 # ---------------------------------------------------------------------------- the record
@@ -236,8 +262,9 @@ def test_the_ranks_of_a_job_open_one_record_named_through_the_store(tmp_path, mo
     a, b = (f["link"] for f in fields)
     assert a.shared and b.shared and a.nic.path == b.nic.path
     assert a.nic.path.startswith(str(tmp_path / "cloudburst-nic-"))
-    assert a.book_collective(0.5, ("g", (0, 2)), start=1.0) == 1.5
-    assert b.book_collective(0.5, ("g", (0, 2)), start=1.2) == 1.5  # the same op, once
+    pending = a.book_collective(0.5, ("g", (0, 2)), start=1.0)
+    assert b.book_collective(0.5, ("g", (0, 2)), start=1.2) == 1.7  # the same op, once
+    assert resolve_end(pending) == 1.7
     # Another job (another store) gets a record of its own.
     other = runtime._real_rank(cfg, 0, _Store(), None, "gloo", topo, share_nic=True)["link"]
     assert other.nic.path != a.nic.path
