@@ -18,7 +18,8 @@ included, to show what that overhead is worth.
 
 Held out: ``HELD_OUT`` names the configurations before any run; the model was developed on
 ``DEVELOPED`` (W = 2 and 4 over a 50 Mbit/s, 1 ms link), so these use W = 3 and links of other
-bandwidth and latency. The A/A control runs the first configuration for real with its link a
+bandwidth and latency. Their first run (at 43f3704) led to one change of the emulator, so
+``FRESH`` names two more, never run before that change, scored on their own too. The A/A control runs the first configuration for real with its link a
 second time per seed: its ratio (against the same no-link run) is the noise floor of the real
 side. A failed run is kept and counted as outside the tolerance.
 
@@ -40,6 +41,10 @@ HELD_OUT = (  # (strategy, W, --inter-node-link Gbit/s,ms): named before the run
     ("easgd", 3, "0.02,2"),
     ("daso", 4, "0.02,2"),
 )
+# Named on 2026-11-27 after the run at 43f3704 had shown the emulator hiding the ranks' skew in
+# the link time (fixed since: a collective starts at its last member), before any run of them:
+# the four above have now informed one change of the emulator, these have not.
+FRESH = (("gossip", 3, "0.1,3"), ("diloco", 4, "0.1,3"))
 PADDING_S = 0.04
 TOLERANCE = 0.15
 WAYS = ("real", "real, no link", "sim", "sim, no link")
@@ -68,7 +73,7 @@ def main() -> None:
     args, prov = harness.start(__doc__, add)
     steps = args.steps or (20 if args.quick else 100)
     padding = steps * PADDING_S
-    configs = HELD_OUT[:2] if args.quick else HELD_OUT
+    configs = HELD_OUT[:2] if args.quick else HELD_OUT + FRESH
     label = {c: f"{c[0]} W{c[1]} link {c[2]}" for c in configs}
     arms = [
         harness.Arm(f"{label[c]} {way}", argv(*c[:2], None if "no link" in way else c[2], steps))
@@ -132,12 +137,18 @@ def main() -> None:
     for i, c in enumerate(configs):
         claim(f"… {label[c]}", added["real"][i * n : (i + 1) * n],
               added["sim"][i * n : (i + 1) * n], aa)  # fmt: skip
+    fresh = [i for i, c in enumerate(configs) if c in FRESH]
+    if fresh:
+        pick = [j for i in fresh for j in range(i * n, (i + 1) * n)]
+        claim(f"… the {len(fresh)} configurations named after the first run (never used)",
+              [added["real"][j] for j in pick], [added["sim"][j] for j in pick], aa)  # fmt: skip
     claim(f"unpadded time (host overhead included), real ÷ simulated, {len(configs)} held-out "
           "configurations", unpadded["real"], unpadded["sim"], None)  # fmt: skip
     rep.settings(
         f"MNIST-1D, the default CNN, {steps} steps per worker, batch 64, `--min-step-time-s "
         f"{PADDING_S}` (padding {padding:g} s a run), `--nodes 2`, `--eval-every-s 1e6`; seeds "
-        f"{seeds}. Held out (named before the run): {', '.join(label.values())}. Developed on: "
+        f"{seeds}. Held out (named before the run): {', '.join(label.values())} (the last "
+        f"{len([c for c in configs if c in FRESH])} named after the first run). Developed on: "
         f"{DEVELOPED}. A/A: {control}, repeated.\n\n{harness.about(__doc__)}"
     )
     rep.table("configuration | seed | real wall s | real wall s, no link | link adds, real s | "
