@@ -19,9 +19,10 @@ included, to show what that overhead is worth.
 Held out: ``HELD_OUT`` names the configurations before any run; the model was developed on
 ``DEVELOPED`` (W = 2 and 4 over a 50 Mbit/s, 1 ms link), so these use W = 3 and links of other
 bandwidth and latency. Their first run (at 43f3704) led to one change of the emulator, so
-``FRESH`` names two more, never run before that change, scored on their own too. The A/A control runs the first configuration for real with its link a
-second time per seed: its ratio (against the same no-link run) is the noise floor of the real
-side. A failed run is kept and counted as outside the tolerance.
+``FRESH`` names two more, never run before that change, scored on their own too. The A/A
+control runs the first configuration for real with its link a second time per seed: its ratio
+(against the same no-link run) is the noise floor of the real side. A failed run is kept and
+counted as outside the tolerance.
 
     .venv/bin/python benchmarks/sim_fidelity.py [--quick] [--force] [--steps N] [--seeds N]
 """
