@@ -137,6 +137,11 @@ ADVICE: list[tuple[str, list[tuple[str, str, str]]]] = [  # (situation, [(result
          "`asgd`'s device↔host staging inside training ran at {value}× the pinned-copy "
          "bandwidth measured alone {interval}"),
     ]),
+    ("A language model (the small GPT on the standard library, W = 4, equal tokens)", [
+        ("lm", "diloco at its defaults − sync",
+         "DiLoCo at its defaults (H = 8, the outer step plain averaging) ended {value} nats "
+         "per byte behind sync's test loss {interval}"),
+    ]),
     ("Predicting a run on the virtual cluster", [
         ("sim_fidelity", "time the link adds, real ÷ simulated",
          "On configurations held out from its development, the time an emulated link added to "
