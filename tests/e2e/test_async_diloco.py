@@ -25,6 +25,9 @@ RUN = (
     "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress",
     "--heartbeat-timeout-s", "5", "--checkpoint-every", "10", "--push-log-every", "1",
     "--shard-standby", "--min-step-time-s", "0.005",
+    # a wait that stalls fails the job in one line (naming it) well inside BOUND_S, instead
+    # of outlasting it at the default 300 s
+    "--comm-timeout-s", "60",
 )  # fmt: skip
 
 
