@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import faulthandler
 import logging
 import os
+import signal
 import socket
 import time
 import uuid
@@ -712,3 +714,6 @@ def _configure_logging(rank: int, role: str) -> None:
         format=f"[%(asctime)s rank{rank} {role}] %(levelname)s %(name)s: %(message)s",
         force=True,
     )
+    # `kill -USR1 <pid>` prints every thread's stack to the rank's log (a hung rank, live).
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)

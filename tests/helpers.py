@@ -4,6 +4,7 @@ shared between tests, and strict readers of what a run writes."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -166,12 +167,49 @@ def start_job(args: list[str], cmd: list[str] | None = None, **popen_kw) -> subp
 
 def finish_job(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
     """(stdout, stderr) of a job from :func:`start_job`; one still running after
-    ``timeout_s`` hangs: its whole session is SIGKILLed and the timeout raised."""
+    ``timeout_s`` hangs: each rank prints its threads' stacks to its log (SIGUSR1, see
+    ``runtime._configure_logging``), the whole session is SIGKILLed, and the failure carries
+    the tail of every rank's log, so that a rare hang in CI says where each rank waited."""
     try:
         return proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        out = _option(proc.args, "--out")
+        for pid in _rank_pids(out):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(2)
         os.killpg(proc.pid, signal.SIGKILL)
-        raise
+        proc.communicate()
+        raise AssertionError(
+            f"the job hung for {timeout_s:g} s; its ranks' logs end with:\n{_log_tails(out)}"
+        ) from None
+
+
+def _option(args, name: str) -> Path | None:
+    args = [str(a) for a in args]
+    return Path(args[args.index(name) + 1]) if name in args[:-1] else None
+
+
+def _rank_pids(out: Path | None) -> list[int]:
+    """The pids in the ``start`` records of a run's metrics (every incarnation's)."""
+    pids = []
+    for path in sorted((out / "metrics").glob("rank*.jsonl")) if out else []:
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if record.get("event") == "start" and isinstance(record.get("pid"), int):
+                    pids.append(record["pid"])
+    return pids
+
+
+def _log_tails(out: Path | None, lines: int = 60) -> str:
+    if out is None or not (out / "logs").is_dir():
+        return "(no logs)"
+    parts = []
+    for path in sorted((out / "logs").rglob("stderr.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {path.relative_to(out)}\n" + "\n".join(tail))
+    return "\n".join(parts) or "(no rank logs)"
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:

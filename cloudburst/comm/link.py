@@ -257,10 +257,6 @@ class NicState:
             slot = oldest
         _OP.pack_into(self._map, self._ops_at + slot * _OP.size, key, arrival_s, end_s, members)
 
-    def add_op(self, key: bytes, booked_s: float, end_s: float) -> None:
-        """Remember op ``key`` as closed: booked (its last member in) at ``booked_s``."""
-        self.set_op(key, booked_s, end_s, 0)
-
     # ------------------------------------------------------------------ lifetime
     def unlink(self) -> None:
         """Remove the record's name (idempotent; every rank of the job may call it)."""
@@ -433,12 +429,13 @@ class PendingEnd:
             return self.nic.op_end(self.key)
 
     def wait(self, timeout_s: float | None = None) -> float:
-        deadline = _lock_clock() + (self.TIMEOUT_S if timeout_s is None else timeout_s)
+        limit = self.TIMEOUT_S if timeout_s is None else timeout_s
+        deadline = _lock_clock() + limit
         while (end := self.peek()) is None:
             if _lock_clock() > deadline:
                 raise TimeoutError(
                     f"emulated link: collective {self.name} still had members to come "
-                    f"{self.TIMEOUT_S if timeout_s is None else timeout_s:g} s after it ran"
+                    f"{limit:g} s after it ran"
                 )
             _lock_sleep(0.0002)
         return end

@@ -371,16 +371,22 @@ class PeerTransport:
         return TAG_REQUEST, TAG_REQUEST_PAYLOAD
 
     # --------------------------------------------------------------- receiving
-    def recv_request_any(self) -> tuple[int, Header | None]:
-        """Block until any peer sends a request header. Returns (sender, header or None).
+    def recv_request_any(self, src: int | None = None) -> tuple[int, Header | None]:
+        """Block until any peer (or ``src``) sends a request header. Returns (sender, header
+        or None).
 
         A header that fails validation is counted and returned as None; its sender is known,
         but not whether a payload follows (nor its size): the caller drops that sender.
+
+        On the real wire, a peer that dies after announcing a request (its send posted, the
+        receive not yet) makes every later receive from any source on the group fail: gloo
+        keeps the dead sender's announcement and finds it first each time
+        (tests/dist/test_request_poison.py). A receive from a named live peer still works.
         """
         # A short message (gloo accepts one) leaves -1s: a negative field, or bad magic.
         self._header_buf.fill_(-1)
         t0 = self.wire.now()
-        src = self._recv(self._header_buf, None, TAG_REQUEST)
+        src = self._recv(self._header_buf, src, TAG_REQUEST)
         self.stats.wait_s += self.wire.now() - t0
         self.stats.received_bytes += HEADER_BYTES
         try:

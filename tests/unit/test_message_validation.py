@@ -233,16 +233,16 @@ class _Metrics:
         self.records.append((event, kw))
 
 
-def _server(script: _Script, **cfg) -> tuple[ServerLoop, _Metrics]:
+def _server(script: _Script, workers: int = 2, **cfg) -> tuple[ServerLoop, _Metrics]:
     config = RunConfig(
-        strategy="asgd", workers=2, servers=1, dataset="synthetic", server_lr=1.0, **cfg
+        strategy="asgd", workers=workers, servers=1, dataset="synthetic", server_lr=1.0, **cfg
     )
     ctx = SimpleNamespace(
         comm=REAL,
         cfg=config,
         rank=0,
         server_index=0,
-        worker_ranks=[1, 2],
+        worker_ranks=list(range(1, workers + 1)),
         elapsed_s=lambda: 0.0,
         transport=lambda *a, **kw: script,
     )
@@ -504,3 +504,47 @@ def test_a_failed_receive_with_every_worker_alive_loses_the_group_as_before():
     loop.serving.liveness = _Liveness(set())
     loop.serving._serve(script, None)
     assert loop.lost == {1, 2} and loop.shard.version == 0 and script.reads == []
+
+
+class _Poisoned(_Script):
+    """A worker died with a request announced (torch's gloo, tests/dist/test_request_poison):
+    every receive from any source fails from then on; one from a named worker still works."""
+
+    def __init__(self, messages):
+        super().__init__(messages)
+        self.sources: list[int | None] = []
+
+    def recv_request_any(self, src=None):
+        self.sources.append(src)
+        if src is None:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:4242")
+        assert self.messages and self.messages[0][0] == src, "read from the wrong worker"
+        return super().recv_request_any()
+
+
+def test_a_poisoned_receive_from_any_serves_the_one_worker_left_on_its_own_receives():
+    """Rank 2 died with a request announced: rank 2 is lost once its heartbeats stop, every
+    receive from any source keeps failing, and rank 1, the one still training, is served on
+    receives from it alone (its push applied, its DONE answered FINISHED)."""
+    script = _Poisoned([(1, _push(version=0), torch.ones(NUMEL)), (1, Header(Kind.DONE), None)])
+    loop, _ = _server(script, heartbeat_timeout_s=0.1)
+    loop.serving.liveness = _Liveness({2})
+    loop.serving._serve(script, None)
+    assert loop.lost == {2} and loop.finished == {1} and loop.serving._error is None
+    assert loop.shard.version == 1 and script.reads == [(1, NUMEL)]
+    assert script.sources == [None, None, 1, 1]  # the death, the poison, then rank 1 alone
+    assert [(dst, h.status) for dst, h, _ in script.replies] == [
+        (1, Status.OK),
+        (1, Status.FINISHED),
+    ]
+
+
+def test_a_poisoned_receive_from_any_with_several_workers_left_stops_the_shard():
+    """Two workers still training cannot be served apart: the shard stops (restarted in place
+    under --max-restarts) instead of losing them or waiting on one of them."""
+    script = _Poisoned([(1, _push(version=0), torch.ones(NUMEL))])
+    loop, _ = _server(script, workers=3, heartbeat_timeout_s=0.1)
+    loop.serving.liveness = _Liveness({3})
+    loop.serving._serve(script, None)
+    assert loop.lost == {3} and loop.finished == set() and loop.shard.version == 0
+    assert "workers [1, 2] cannot be served apart" in str(loop.serving._error)

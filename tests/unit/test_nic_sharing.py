@@ -226,7 +226,8 @@ def test_a_full_table_forgets_the_oldest_booking(record):
     nic = record(2)
     with nic.locked():
         for i in range(link.NIC_OPS + 1):
-            nic.add_op(i.to_bytes(16, "big") if i else b"\xff" * 16, float(i), float(i) + 1)
+            key = i.to_bytes(16, "big") if i else b"\xff" * 16
+            nic.set_op(key, float(i), float(i) + 1, 0)  # closed: its last member in at i
         assert nic.op_end(b"\xff" * 16) is None  # booked first (at 0.0): forgotten
         assert nic.op_end((1).to_bytes(16, "big")) == 2.0
         assert nic.op_end(link.NIC_OPS.to_bytes(16, "big")) == link.NIC_OPS + 1.0

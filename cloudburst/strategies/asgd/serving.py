@@ -79,6 +79,9 @@ class RequestServing:
         self._changed = threading.Condition(self._lock)
         self._error: BaseException | None = None
         self._stopped = False
+        # The one world worker still served, on receives from it alone, once the world group's
+        # receive from any source broke (see _receive_failed); None: from any source.
+        self._sole_sender: int | None = None
         # While a rejoin group's task handles a request: the rejoined worker, and its replies
         # (sent once the lock is released; see _serve).
         self._outbox_for: int | None = None
@@ -187,12 +190,17 @@ class RequestServing:
                 with self._lock:
                     if not self._expects_requests(transport, rank):
                         return
+                sole = self._sole_sender if rank is None else None
                 try:
-                    src, header = transport.recv_request_any()
+                    if sole is None:
+                        src, header = transport.recv_request_any()
+                    else:
+                        src, header = transport.recv_request_any(sole)
                 except RuntimeError as e:
                     if self._only_the_dead_failed(rank, e):
                         continue
-                    self._receive_failed(transport, rank, e)
+                    if self._receive_failed(transport, rank, e):
+                        continue
                     return
                 with self._changed:
                     if self._stopped:  # run() has returned: θ is final, nothing is applied
@@ -250,22 +258,56 @@ class RequestServing:
             comm.sleep(LIVENESS_POLL_S)
         return False
 
-    def _receive_failed(self, transport, rank: int | None, e: RuntimeError) -> None:
-        """A request receive failed (gloo: its timeout, or a broken connection; either leaves
-        the group unusable). The sender is unknown: the workers served on the group are lost,
-        not the server, which goes on serving the others until they finish."""
+    def _receive_failed(self, transport, rank: int | None, e: RuntimeError) -> bool:
+        """A request receive failed (gloo: its timeout, or a broken connection). The sender is
+        unknown: the workers served on the group are lost, not the server, which goes on
+        serving the others until they finish. True: serve on (see below).
+
+        The world group's receive from any source also fails, at once and for good, once a
+        worker died with a request announced but not received (p2p.recv_request_any): after
+        a lost world worker, a failure that is no timeout is that. One worker still training
+        is then served with receives from it alone; several cannot be (a receive posted for
+        one would hold the others, which can wait on each other through the other shards), so
+        this shard stops: restarted in place under --max-restarts (the workers reconnect on
+        groups of their own), else the job ends with its resume command.
+        """
         with self._changed:
             if not self._expects_requests(transport, rank):
                 group = "the world" if rank is None else f"rank {rank}"
                 log.debug("the serving thread of %s's group ends: %s", group, _first_line(e))
-                return
+                return False
             silent = self._world_training() if rank is None else {rank}
+            poisoned = (
+                rank is None
+                and self._sole_sender is None
+                and "timed out" not in str(e).lower()
+                and bool(self.lost & (self.workers - self._routes.keys()))
+            )
+            if poisoned and len(silent) == 1:
+                [self._sole_sender] = silent
+                log.warning(
+                    "receiving from any worker fails since workers %s were lost (%s): serving "
+                    "worker %d, the one still training, on receives from it alone",
+                    sorted(self.lost),
+                    _first_line(e),
+                    self._sole_sender,
+                )
+                return True
+            if poisoned:
+                self._error = RuntimeError(
+                    f"receiving from any worker fails since workers {sorted(self.lost)} were "
+                    f"lost ({_first_line(e)}); workers {sorted(silent)} cannot be served apart: "
+                    "this shard stops"
+                )
+                self._changed.notify_all()
+                return False
             log.error(
                 "receiving a request failed (%s): workers %s, served on that group, are lost",
                 _first_line(e),
                 sorted(silent),
             )
             self._lose(silent)
+            return False
 
     def _world_training(self) -> set[int]:
         """(Under the lock) the workers served on the world group, neither finished nor lost."""
