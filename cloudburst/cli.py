@@ -207,7 +207,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError("compare: run it directly, not under torchrun (it launches its jobs)")
     from cloudburst.forkserver import start_forkserver
 
-    start_forkserver()
+    start_forkserver(fork=True)
     from cloudburst.compare import comparison_configs, run_comparison
     from cloudburst.launch import JobFailed, JobInterrupted
 
@@ -341,7 +341,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not _under_torchrun():
         from cloudburst.forkserver import start_forkserver
 
-        start_forkserver()  # first: its imports overlap this process's own and the checks
+        start_forkserver(fork=True)  # first: its imports overlap the checks
     from cloudburst.runtime import in_torchrun
 
     cfg = build_config(args)
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from cloudburst.forkserver import start_forkserver
 
-            start_forkserver()
+            start_forkserver(fork=True)
             from cloudburst.demo import run_demo
             from cloudburst.launch import JobInterrupted
 

@@ -1,31 +1,38 @@
 """The forkserver that a local job's ranks are forked from, and its lifetime.
 
-No torch here: the CLI starts the forkserver before it imports torch itself, so that the
-server's imports (torch, the training code, and a warm-up, :mod:`cloudburst._warm`) run on the
-other core while the CLI checks the config.
+The CLI forks it from itself once it has imported torch (``fork=True``): the server then only
+imports the training code and a warm-up (:mod:`cloudburst._warm`), on the other core while the
+CLI checks the config, instead of a fresh interpreter importing torch as well (about 2 s of CPU
+per job). Any other caller (the Python API, in a process that may run threads of its own) gets
+multiprocessing's own server, started from a fresh interpreter.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import multiprocessing as mp
 import os
 import signal
-from multiprocessing import forkserver, resource_tracker
+import socket
+import threading
+from multiprocessing import connection, forkserver, resource_tracker, util
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 
-def start_forkserver(module: str = "cloudburst.train") -> None:
+def start_forkserver(module: str = "cloudburst.train", fork: bool = False) -> None:
     """Start (once) the forkserver that local jobs' ranks are forked from, preloading
-    ``module``; the CLI calls this early so that the server's imports overlap its checks."""
+    ``module``; the CLI calls this early so that the server's imports overlap its checks.
+    ``fork``: fork it from this process (one thread of Python, torch imported: the CLI)."""
     # Ranks forked from it take its environment, not their agent's: this marks them as ranks
     # of a local job (every rank on this machine; the launcher writes a failed run's summary).
     os.environ["CLOUDBURST_LOCAL_JOB"] = "1"
-    mp.set_forkserver_preload(
-        [module, "torch.distributed.elastic.multiprocessing", "cloudburst._warm"]
-    )
+    preload = [module, "torch.distributed.elastic.multiprocessing", "cloudburst._warm"]
+    mp.set_forkserver_preload(preload)
+    if fork and _fork_server(preload):
+        return
     # The server and the ranks it forks must not hold this process's stdout/stderr: a rank
     # that never exits (a SIGSTOPped one) would keep a caller's pipes open. Ranks write to
     # their log files (the agents redirect them).
@@ -40,6 +47,52 @@ def start_forkserver(module: str = "cloudburst.train") -> None:
             os.dup2(copy, fd)
             os.close(copy)
         os.close(devnull)
+
+
+def _fork_server(preload: list[str]) -> bool:
+    """Run multiprocessing's forkserver loop in a child forked from this process, registered
+    as this process's forkserver; False (nothing done) where that loop's signature is not the
+    one this was written for, or a server runs already."""
+    server = forkserver._forkserver
+    if (
+        server._forkserver_pid is not None
+        or threading.active_count() > 1
+        or list(inspect.signature(forkserver.main).parameters)
+        != ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+    ):
+        return False
+    # (One thread: nothing else holds a lock the child would inherit held.)
+    resource_tracker.ensure_running()
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        # Every client holds the write end of the "alive" pipe: the server exits once all
+        # of them have.
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the server: never returns into the caller's frames
+            code = 1
+            try:
+                os.close(alive_w)
+                # Neither it nor the ranks it forks may hold the caller's stdout/stderr:
+                # a rank that never exits (a SIGSTOPped one) would keep its pipes open.
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                for fd in (1, 2):
+                    os.dup2(devnull, fd)
+                forkserver.main(listener.fileno(), alive_r, preload)
+                code = 0
+            except SystemExit as e:  # the loop's way out: every client has gone
+                code = e.code if isinstance(e.code, int) else 0
+            finally:
+                os._exit(code)
+        os.close(alive_r)
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
+    return True
 
 
 def forkserver_pid() -> int | None:

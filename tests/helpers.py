@@ -365,3 +365,8 @@ def simulated(args: list[str] | tuple[str, ...], step_time_s: float = 0.01) -> P
     args[at] = str(out)
     assert main(["simulate", *args, "--step-time-s", str(step_time_s)]) == 0
     return out
+
+
+def write_parent_pid(path: str) -> None:
+    """(A forkserver child's target) Write this process's parent pid to ``path``."""
+    Path(path).write_text(str(os.getppid()))

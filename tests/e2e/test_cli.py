@@ -4,6 +4,8 @@ metrics, logs, plot), stragglers, a replica gone bad, warm starts, the demo, bad
 Most tests read one shared asgd run (``asgd_run``), each checking another part of it."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +14,9 @@ from cloudburst.checkpoint import save_model
 from cloudburst.models import MLP
 from tests.e2e.instrumented import POISON_ENV, RECORD_ENV, expected_padding, read_emulation
 from tests.helpers import (
+    REPO,
     cli,
+    cli_env,
     final_record,
     rank_events,
     rank_logs,
@@ -256,3 +260,39 @@ def test_demo_runs_sync_and_asgd_and_writes_a_table_and_curves(tmp_path):
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary_md = (out / "summary.md").read_text()
     assert "sync" in summary_md and "asgd" in summary_md
+
+
+_FORKED_SERVER = """
+import multiprocessing as mp, os, sys
+import cloudburst.cli  # torch imported, as in the CLI when it starts its forkserver
+from cloudburst.forkserver import forkserver_pid, start_forkserver, stop_forkserver
+from tests.helpers import write_parent_pid
+
+start_forkserver(fork=True)
+server = forkserver_pid()
+ctx = mp.get_context("forkserver")
+p = ctx.Process(target=write_parent_pid, args=(sys.argv[1],))
+p.start()
+p.join(60)
+same_argv = open(f"/proc/{server}/cmdline").read() == open("/proc/self/cmdline").read()
+stop_forkserver()
+print(server, p.exitcode, same_argv, os.path.exists(f"/proc/{server}"))
+"""
+
+
+def test_the_cli_forks_its_forkserver_from_itself_and_ranks_come_from_it(tmp_path):
+    """The CLI's forkserver is a fork of the CLI (the same command line: torch is not imported
+    a second time), a process started in the forkserver context is its child, and
+    stop_forkserver leaves no server behind."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FORKED_SERVER, str(tmp_path / "ppid")],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    server, exitcode, same_argv, alive = out.stdout.split()
+    assert exitcode == "0" and same_argv == "True" and alive == "False"
+    assert (tmp_path / "ppid").read_text() == server

@@ -228,7 +228,7 @@ def test_bad_datasets_and_models_are_one_line_errors_before_launch(tmp_path, mon
             "device" if not torch.cuda.is_available() else "workers",
         ),
     ]
-    monkeypatch.setattr(forkserver, "start_forkserver", lambda: None)
+    monkeypatch.setattr(forkserver, "start_forkserver", lambda *a, **k: None)
     monkeypatch.setattr(forkserver, "stop_forkserver", lambda: None)
     capsys.readouterr()
     for args, words in cases:

@@ -25,7 +25,7 @@ def _no_processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 
     # The CLI starts the forkserver of a local job's ranks before it checks the config (their
     # imports overlap); a unit test reaching it launches nothing, so there is nothing to start.
-    monkeypatch.setattr(forkserver, "start_forkserver", lambda module="cloudburst.train": None)
+    monkeypatch.setattr(forkserver, "start_forkserver", lambda *a, **k: None)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
     monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", refuse)  # forkserver, trackers
     monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
