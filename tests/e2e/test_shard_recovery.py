@@ -25,11 +25,14 @@ RUN = (
     "--strategy", "asgd", "--workers", "2", "--servers", "2", "--n-sync", "2",
     "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress",
     "--heartbeat-timeout-s", "5", "--checkpoint-every", "10", "--push-log-every", "1",
-    "--max-restarts", "1", "--steps", "250", "--min-step-time-s", "0.01",
+    "--max-restarts", "1", "--steps", "140", "--min-step-time-s", "0.02",
 )  # fmt: skip
-# 250 steps of at least 10 ms: the kills land at a version of ~30 (about step 30), long before
-# the end; every step more costs CPU (~20 ms a step over the 4 ranks), and buys nothing.
-SHORT_STEPS = 150  # a push every step: the worker is killed after ~20 of them
+# 140 steps of at least 20 ms: the kills land at a version of ~30 (about step 30), and the
+# ~110 steps left after them take at least 2.2 s (as the ~220 of 10 ms left at 250 steps
+# did): the same time for the test to see its kill land, or the restart, before the end. A
+# step's padding is a sleep, its compute costs CPU (~15 ms a step over the 4 ranks): fewer,
+# longer steps keep that margin for less CPU.
+SHORT_STEPS = 85  # a push every step: the worker is killed after ~20 of them (1.3 s left)
 
 
 def _records(out: Path, rank: int) -> list[dict]:
