@@ -16,15 +16,17 @@ from tests.helpers import final_record, finish_job, read_summary, start_job
 
 pytestmark = pytest.mark.e2e
 
-# The failover run's length: its kill lands at a version of ~30 of ~150 (and each step costs
-# CPU; the first test reaches its accuracy in 60).
-STEPS = 200
+# The failover run's length: its kill lands at a version of ~30 of ~95, with ~110 steps of
+# at least 8 ms left to the fast worker (as ~165 of 5 ms were at 200 steps: the time it has
+# to push again, and reconnect, after the kill). A padded step sleeps; each step costs CPU
+# (~35 ms over the 4 ranks). The first test reaches its accuracy in 60.
+STEPS = 150
 RUN = (
     "--strategy", "async_diloco", "--workers", "2", "--servers", "2", "--period", "4",
     "--optimizer", "adam", "--lr", "0.003", "--straggler", "1:2", "--dylu",
     "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress",
     "--heartbeat-timeout-s", "5", "--checkpoint-every", "10", "--push-log-every", "1",
-    "--shard-standby", "--min-step-time-s", "0.005",
+    "--shard-standby", "--min-step-time-s", "0.008",
     # a wait that stalls fails the job in one line (naming it) well inside BOUND_S, instead
     # of outlasting it at the default 300 s
     "--comm-timeout-s", "60",
@@ -92,7 +94,7 @@ def test_a_killed_shard_restarts_in_place_with_its_delayed_nesterov_state(tmp_pa
     reconnect to it unrestarted, and the pushes it had acknowledged since are pushes_lost."""
     out = tmp_path / "run"
     i = RUN.index("--shard-standby")
-    run = [*RUN[:i], *RUN[i + 1 :], "--max-restarts", "1", "--steps", "200", "--out", str(out)]
+    run = [*RUN[:i], *RUN[i + 1 :], "--max-restarts", "1", "--steps", str(STEPS), "--out", str(out)]
     proc = start_job(run)
     _kill_after_a_checkpoint(out, 1, proc)
     _, stderr = finish_job(proc, BOUND_S)
