@@ -98,6 +98,7 @@ def test_a_restarted_worker_rejoins_and_trains_to_the_end(tmp_path, strategy, se
 
 # ---------------------------------------------------------------------------- too late
 LAUNCH_ENV = "CLOUDBURST_TEST_LAUNCH"  # a token in every process this test starts: to end them
+LATE_STEPS = 100
 
 
 def _kill_marked(token: str) -> None:
@@ -120,8 +121,11 @@ def test_a_worker_restarted_after_the_servers_finished_is_refused(tmp_path):
     server has declared the worker lost and finished: the restarted worker is refused in
     one line, and the run's result stands."""
     out, token, port = tmp_path / "run", uuid.uuid4().hex, free_port()
+    # The victim is killed at about step 20; the other worker then has LATE_STEPS - 20 steps
+    # of at least 40 ms left (3.2 s, as 180 of 20 ms left: a padded step sleeps, a step's
+    # compute costs CPU).
     args = ["train", "--strategy", "asgd", "--workers", "2", "--servers", "1", "--n-sync", "2",
-            "--steps", "200", "--min-step-time-s", "0.02", "--dataset", "synthetic",
+            "--steps", str(LATE_STEPS), "--min-step-time-s", "0.04", "--dataset", "synthetic",
             "--model", "mlp", "--checkpoint-every", "10", "--heartbeat-timeout-s", "2",
             "--eval-every-s", "60", "--no-progress", "--out", str(out)]  # fmt: skip
     env = cli_env({LAUNCH_ENV: token, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
@@ -168,4 +172,4 @@ def test_a_worker_restarted_after_the_servers_finished_is_refused(tmp_path):
     assert f"rank {victim} was restarted after the parameter servers had finished" in refusal[0]
     summary = read_summary(out)
     assert summary["lost_workers"] == [victim] and summary["rejoined_workers"] == []
-    assert [e["step"] for e in rank_events(out, 1, "step")][-1] == 200
+    assert [e["step"] for e in rank_events(out, 1, "step")][-1] == LATE_STEPS
