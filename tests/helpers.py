@@ -7,12 +7,14 @@ import atexit
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -226,21 +228,121 @@ def cli(
     env: dict[str, str] | None = None,
     **kw,
 ) -> subprocess.CompletedProcess:
-    """Run ``python -m cloudburst ARGS`` in a fresh process (``env``: added variables)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "cloudburst", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        cwd=kw.pop("cwd", REPO),
-        env=cli_env(env),
-        **kw,
-    )
+    """Run ``python -m cloudburst ARGS`` (``env``: added variables): forked from this test
+    process's zygote (tests/zygote.py: the CLI imported once), or a fresh process where the
+    zygote cannot stand in for one (other options, an environment read at start-up,
+    ``CLOUDBURST_TEST_FRESH_CLI=1``)."""
+    cwd, full_env = kw.pop("cwd", REPO), cli_env(env)
+    proc = None if kw else _zygote_run(list(args), Path(cwd), full_env, timeout_s)
+    if proc is None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "cloudburst", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            cwd=cwd,
+            env=full_env,
+            **kw,
+        )
     if check and proc.returncode != 0:
         raise AssertionError(
             f"cloudburst {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
         )
     return proc
+
+
+class _Zygote:
+    """This test process's zygote (tests/zygote.py) and the one job it runs at a time."""
+
+    def __init__(self):
+        self.env = cli_env()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.zygote"],
+            cwd=REPO,
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.lock = threading.Lock()
+        self.runs = 0  # jobs it ran
+        self._buffer = b""
+        atexit.register(self.close)
+        if self._read(120.0) != {"ready": True}:
+            raise RuntimeError("the zygote did not start")
+
+    def _read(self, timeout_s: float | None) -> dict:
+        fd = self.proc.stdout.fileno()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                raise TimeoutError
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError("the zygote exited")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, args: list[str], cwd: Path, env: dict[str, str], timeout_s: float):
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            request = {"args": args, "cwd": str(cwd), "env": env}
+            request.update(stdout=str(out), stderr=str(err))
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            pid = self._read(60.0)["pid"]
+            self.runs += 1
+            try:
+                code = self._read(timeout_s)["code"]
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                self._read(60.0)  # its exit
+                raise subprocess.TimeoutExpired(
+                    ["cloudburst", *args], timeout_s, out.read_text(), err.read_text()
+                ) from None
+            return subprocess.CompletedProcess(
+                [sys.executable, "-m", "cloudburst", *args],
+                code,
+                out.read_text(errors="replace"),
+                err.read_text(errors="replace"),
+            )
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_zygote: _Zygote | None = None
+_zygote_failed = False
+
+
+def _zygote_run(args, cwd: Path, env: dict[str, str], timeout_s: float):
+    """``cloudburst ARGS`` forked from the zygote; None where a fresh process must run it."""
+    global _zygote, _zygote_failed
+    from tests.zygote import startup_env
+
+    if _zygote_failed or os.environ.get("CLOUDBURST_TEST_FRESH_CLI") == "1":
+        return None
+    try:
+        if _zygote is None:
+            _zygote = _Zygote()
+    except (OSError, RuntimeError, TimeoutError, ValueError):
+        _zygote_failed = True
+        return None
+    if startup_env(env) != startup_env(_zygote.env) or not _zygote.lock.acquire(blocking=False):
+        return None  # read at start-up; or a job running already (another thread)
+    try:
+        return _zygote.run(args, cwd, env, timeout_s)
+    except (OSError, RuntimeError, ValueError):  # the zygote died: fresh processes from now
+        _zygote_failed = True
+        return None
+    finally:
+        _zygote.lock.release()
 
 
 def refused(args: list[str], monkeypatch, capsys) -> subprocess.CompletedProcess:

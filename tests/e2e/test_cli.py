@@ -296,3 +296,23 @@ def test_the_cli_forks_its_forkserver_from_itself_and_ranks_come_from_it(tmp_pat
     server, exitcode, same_argv, alive = out.stdout.split()
     assert exitcode == "0" and same_argv == "True" and alive == "False"
     assert (tmp_path / "ppid").read_text() == server
+
+
+def test_a_cli_call_forked_from_the_zygote_matches_a_fresh_interpreter(tmp_path, monkeypatch):
+    """tests.helpers.cli forks its jobs from a zygote that imported the CLI once: for the same
+    command (a refused resume, and the help of train) it must give what a fresh
+    ``python -m cloudburst`` gives: exit code, stdout and stderr, byte for byte."""
+    from tests import helpers
+
+    missing = str(tmp_path / "nothing-here")
+    calls = [("train", "--resume", missing), ("train", "--help")]
+    forked = [cli(*args, check=False) for args in calls]
+    assert helpers._zygote is not None and not helpers._zygote_failed
+    runs = helpers._zygote.runs
+    monkeypatch.setenv("CLOUDBURST_TEST_FRESH_CLI", "1")
+    fresh = [cli(*args, check=False) for args in calls]
+    assert helpers._zygote.runs == runs  # those ran in fresh interpreters
+    assert runs >= len(calls)
+    for a, b in zip(forked, fresh, strict=True):
+        assert (a.returncode, a.stdout, a.stderr) == (b.returncode, b.stdout, b.stderr)
+    assert forked[0].returncode != 0 and missing in forked[0].stderr

@@ -1,0 +1,106 @@
+"""A process that has imported the CLI once, and forks one child per :func:`tests.helpers.cli`
+call: each child runs ``cloudburst ARGS`` as ``python -m cloudburst ARGS`` would, without a
+fresh interpreter importing torch and the training code again (about 4.5 CPU-s a job, most of
+the suite's CPU on a 2-core machine).
+
+What a child shares with a fresh ``python -m cloudburst``: the command line (``sys.argv``), the
+working directory, the environment (``os.environ`` replaced; ``PYTHONPATH``'s entries put first
+on ``sys.path``, where the interpreter would have put them), stdin from /dev/null, stdout and
+stderr to files, a session of its own, and a state untouched by any earlier job (every child is
+a fork of the zygote, which never runs one). What it cannot share: variables read while the
+interpreter or torch start (``PYTHON*``, thread counts); :func:`usable` sends a call whose
+environment differs there to a fresh process instead, as it does a call with other options.
+
+Protocol, one job at a time, JSON lines: the client writes {"args", "cwd", "env", "stdout",
+"stderr"}; the zygote answers {"pid"} once it forked, then {"code"} once the child exited.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import traceback
+
+# Read when the interpreter or torch start: a child cannot change them.
+STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "LD_", "CUDA", "MALLOC")
+
+
+def startup_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and k != "PYTHONPATH"}
+
+
+def _child(request: dict, base_path: list[str]) -> None:
+    code = 1
+    try:
+        os.setsid()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [*extra, *base_path]
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(target, fd)
+            os.close(target)
+        entry = importlib.util.find_spec("cloudburst.__main__").origin  # python -m's argv[0]
+    except BaseException:  # noqa: BLE001 - the child's setup failed: say so on its stderr
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(code)
+    try:
+        from cloudburst.cli import main
+
+        sys.argv = [entry, *request["args"]]
+        code = main(request["args"])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - as an interpreter would: the traceback, exit 1
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve() -> None:
+    """The zygote's loop (``python -m tests.zygote``, from the repository)."""
+    # As cloudburst/__main__.py does for ``python -m``: the working directory is not importable.
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
+    base_path = list(sys.path)
+    # The CLI and what its forkserver preloads (cloudburst.forkserver.start_forkserver): a
+    # child's forkserver, forked from it, then imports nothing.
+    import torch.distributed.elastic.multiprocessing  # noqa: F401
+
+    import cloudburst._warm  # noqa: F401
+    import cloudburst.cli  # noqa: F401
+    import cloudburst.train  # noqa: F401
+
+    channel = os.fdopen(os.dup(1), "w")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing else may write to the channel
+    channel.write(json.dumps({"ready": True}) + "\n")
+    channel.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            channel.close()
+            _child(request, base_path)
+        channel.write(json.dumps({"pid": pid}) + "\n")
+        channel.flush()
+        _, status = os.waitpid(pid, 0)
+        channel.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
+        channel.flush()
+
+
+if __name__ == "__main__":
+    serve()
