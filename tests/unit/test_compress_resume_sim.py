@@ -1,0 +1,85 @@
+"""A compressed run killed and resumed from its checkpoint ends exactly where the undisturbed
+run of the same seed ends, for the lockstep strategies that keep compression state between
+rounds (the error-feedback residuals; PowerSGD is not on the virtual cluster, and asynchronous
+strategies finish without a killed worker), on the virtual cluster in this process: a checkpoint
+that dropped that state, or a restore that did not put it back, sends different bytes from the
+restart on. The same property over real processes: tests/e2e/test_compress_resume.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cloudburst.checkpoint import load_checkpoint, load_model_into
+from cloudburst.config import RunConfig
+from cloudburst.config.simulation import SimulationConfig
+from cloudburst.data import load_dataset
+from cloudburst.models import build_model
+from cloudburst.sim.run import SimulationFailed, simulate
+
+pytestmark = pytest.mark.unit
+
+# sync with int8 resumes elsewhere than the undisturbed run (bf16 and no compression resume
+# exactly): a defect, kept visible here. The residuals are kept per DDP bucket as the bucket's flat
+# buffer; the likely cause is that a restarted DDP's first iteration lays its buckets out in
+# parameter order, before it rebuilds them in the gradients' ready order, so the restored residual
+# is added to other elements than those it was computed for.
+SYNC_INT8 = pytest.param(
+    dict(strategy="sync", compress="int8"),
+    marks=pytest.mark.xfail(strict=True, reason="sync int8 residuals vs DDP's bucket rebuild"),
+    id="sync-int8",
+)
+CASES = [
+    SYNC_INT8,
+    pytest.param(dict(strategy="sync", compress="bf16"), id="sync-bf16"),
+    pytest.param(dict(strategy="local_sgd", compress="int8", period=3), id="local_sgd-int8"),
+    pytest.param(dict(strategy="diloco", compress="fp8", period=3), id="diloco-fp8"),
+]
+KILL_AT, CHECKPOINT_EVERY = 13, 8
+
+
+def _cfg(out, **kw) -> RunConfig:
+    return RunConfig(
+        dataset="synthetic",
+        model="mlp",
+        workers=2,
+        steps=20,
+        batch_size=16,
+        test_size=64,
+        eval_every_s=60,
+        seed=3,
+        out=str(out),
+        **kw,
+    )
+
+
+def _final_params(out) -> list[torch.Tensor]:
+    data = load_dataset("synthetic", test_size=64)
+    model = build_model("mlp", data.input_shape, data.num_classes, seed=3)
+    load_model_into(out / "model.pt", model)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_compressed_run_killed_and_resumed_ends_where_the_undisturbed_one_does(tmp_path, case):
+    sim = SimulationConfig(step_time_s=0.01)
+    whole = simulate(_cfg(tmp_path / "whole", **case), sim)
+    cut = _cfg(
+        tmp_path / "cut",
+        checkpoint_every=CHECKPOINT_EVERY,
+        inject_fault=[f"kill:1@{KILL_AT}"],
+        **case,
+    )
+    with pytest.raises(SimulationFailed):
+        simulate(cut, sim)
+    # The checkpoint resumed from carries the compression state (bf16 has none).
+    [path] = (tmp_path / "cut" / "checkpoints").glob(f"worker1-step{CHECKPOINT_EVERY:08d}.pt")
+    strategy_state = load_checkpoint(path)["strategy"]
+    kept = [k for k in strategy_state if k.startswith("compress_")]
+    assert bool(kept) == (case["compress"] != "bf16"), sorted(strategy_state)
+    resumed = simulate(dataclasses.replace(cut, resume=True, inject_fault=[]), sim)
+    assert resumed["final_test_loss"] == whole["final_test_loss"]
+    pairs = zip(_final_params(tmp_path / "whole"), _final_params(tmp_path / "cut"), strict=True)
+    assert all(torch.equal(p, q) for p, q in pairs)
