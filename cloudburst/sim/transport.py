@@ -66,6 +66,12 @@ class SimDataParallel:
     def __init__(self, comm: SimTransport, model: nn.Module, group: SimGroup, state):
         self.comm, self.module, self.group, self.state = comm, model, group, state
         self.sync = True
+        if state.compress in ("int8", "fp8") and state.feedback is None:
+            from cloudburst.comm.compress import ErrorFeedback
+
+            # Made here, as the real DDP hook's is (allreduce.compressed_hook), not at the
+            # first step: a resumed worker loads its residuals into it before that step.
+            state.feedback = ErrorFeedback()
 
     def after_backward(self) -> None:
         self.comm.charge_compute()
@@ -111,13 +117,11 @@ class SimDataParallel:
         """``--compress`` bf16 / int8 / fp8: the same maths as the real DDP hooks, on the one
         flat gradient (one error-feedback residual, not one per DDP bucket), counted and
         charged as the compressed bytes. PowerSGD runs inside DDP only."""
-        from cloudburst.comm.compress import ErrorFeedback, compressed_all_reduce_sum
+        from cloudburst.comm.compress import compressed_all_reduce_sum
 
         method = self.state.compress
         if method not in ("bf16", "int8", "fp8"):
             raise ValueError(f"compress: {method!r} is not available on the virtual cluster")
-        if method != "bf16" and self.state.feedback is None:
-            self.state.feedback = ErrorFeedback()
         if method == "bf16":  # as PyTorch's bf16_compress_hook: divide in bf16, then sum
             low = flat.to(torch.bfloat16).div_(n)
             compressed_all_reduce_sum(
