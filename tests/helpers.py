@@ -194,14 +194,10 @@ def _option(args, name: str) -> Path | None:
 
 def _rank_pids(out: Path | None) -> list[int]:
     """The pids in the ``start`` records of a run's metrics (every incarnation's)."""
-    pids = []
-    for path in sorted((out / "metrics").glob("rank*.jsonl")) if out else []:
-        for line in path.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if record.get("event") == "start" and isinstance(record.get("pid"), int):
-                    pids.append(record["pid"])
-    return pids
+    from cloudburst.metrics import read_run  # skips a line cut short, as a hung run may leave
+
+    records = [r for rs in read_run(out).values() for r in rs] if out else []
+    return [r["pid"] for r in records if r["event"] == "start" and isinstance(r.get("pid"), int)]
 
 
 def _log_tails(out: Path | None, lines: int = 60) -> str:

@@ -8,8 +8,9 @@ working directory, the environment (``os.environ`` replaced; ``PYTHONPATH``'s en
 on ``sys.path``, where the interpreter would have put them), stdin from /dev/null, stdout and
 stderr to files, a session of its own, and a state untouched by any earlier job (every child is
 a fork of the zygote, which never runs one). What it cannot share: variables read while the
-interpreter or torch start (``PYTHON*``, thread counts); :func:`usable` sends a call whose
-environment differs there to a fresh process instead, as it does a call with other options.
+interpreter or torch start (``PYTHON*``, thread counts); ``tests.helpers.cli`` sends a call
+whose environment differs there (:func:`startup_env`) to a fresh process instead, as it does a
+call with other options.
 
 Protocol, one job at a time, JSON lines: the client writes {"args", "cwd", "env", "stdout",
 "stderr"}; the zygote answers {"pid"} once it forked, then {"code"} once the child exited.
