@@ -57,11 +57,18 @@ def _start(args: list[str], cmd: list[str] | None = None) -> subprocess.Popen:
     return start_job(args, cmd, preexec_fn=default_sigint)
 
 
-def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, name: str) -> None:
+def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, workers: int = 2) -> None:
+    """Until every worker has saved the same step: a lockstep run resumes from a step all its
+    workers hold, so an interrupt before the slower worker's save would resume from step 0."""
+
+    def steps(worker: int) -> set[str]:
+        saved = (out / "checkpoints").glob(f"worker{worker}-step*.pt")
+        return {p.name.split("-")[1] for p in saved}
+
     deadline = time.monotonic() + BOUND_S
-    while not list((out / "checkpoints").glob(name)):
+    while not set.intersection(*(steps(w) for w in range(workers))):
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no checkpoint was written"
+        assert time.monotonic() < deadline, "no checkpoint was written by every worker"
         time.sleep(0.1)
 
 
@@ -72,7 +79,7 @@ def test_ctrl_c_stops_every_process_and_resume_continues(tmp_path):
     args = [*QUIET, "--workers", "2", "--steps", "150", "--min-step-time-s", "0.02"]
     args += ["--checkpoint-every", "20", "--out", str(out)]
     proc = _start(args)
-    _wait_for_checkpoint(out, proc, "worker1-step*.pt")
+    _wait_for_checkpoint(out, proc)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole foreground group
     stdout, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 130, stderr
@@ -142,7 +149,7 @@ def test_under_torchrun_rank_0_writes_the_interrupted_summary(tmp_path):
         "--min-step-time-s", "0.02", "--checkpoint-every", "20", "--out", str(out),
     ]  # fmt: skip
     proc = _start([], cmd=cmd)
-    _wait_for_checkpoint(out, proc, "worker1-step*.pt")
+    _wait_for_checkpoint(out, proc)
     os.killpg(proc.pid, signal.SIGINT)
     _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode != 0
