@@ -34,7 +34,9 @@ def quantise(x: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     blocks, _ = _blocks(x)
     absmax = blocks.abs().amax(dim=1)
     top = INT8_MAX if method == "int8" else FP8_MAX
-    scales = torch.where(absmax > 0, absmax / top, torch.ones_like(absmax))
+    # An all-zero block gets scale 1; a block holding NaN or ±inf keeps a non-finite scale, so
+    # it decodes to NaN and the receivers' finiteness checks see it (a NaN cast to a code is 0).
+    scales = torch.where(absmax == 0, torch.ones_like(absmax), absmax / top)
     scaled = blocks / scales[:, None]
     if method == "int8":
         codes = scaled.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)

@@ -1,7 +1,8 @@
 """The point-to-point payload sizes and the decoding of an empty payload (the quantise module's
 edges that a mutation run on the fast tier found unchecked): an fp32 payload is 4 bytes a
 value, bf16 2, a quantised one 1 per padded value plus a 4-byte scale per block; nothing
-decodes to an empty vector."""
+decodes to an empty vector; a block holding a NaN or an infinity arrives NaN, as it would
+uncompressed (a finiteness check downstream must see it)."""
 
 import pytest
 import torch
@@ -26,3 +27,13 @@ def test_an_empty_payload_decodes_to_an_empty_vector(method):
     assert packed.numel() == 0
     out = decode(packed, 0, method)
     assert out.shape == (0,) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_block_holding_a_non_finite_value_arrives_nan(method, bad):
+    x = torch.linspace(-1.0, 1.0, 2 * BLOCK + 7)
+    x[BLOCK + 3] = bad  # in the second of three blocks
+    out = decode(encode(x, method), x.numel(), method)
+    assert bool(out[BLOCK : 2 * BLOCK].isnan().all())
+    assert bool(torch.isfinite(out[:BLOCK]).all()) and bool(torch.isfinite(out[2 * BLOCK :]).all())
