@@ -1,0 +1,419 @@
+"""A parameter-server shard's state, pinned exactly: the staleness compensators' ring, moments
+and counters (:class:`Compensator`), Delayed Nesterov's default, ``set_theta``, the caller's
+finiteness verdict in ``apply_push``, and ``state_dict``/``load_state_dict`` (a restored shard
+behaves bit for bit as the uninterrupted one; older and compensation-free checkpoints load;
+a mismatched state is refused). References are written out here in plain PyTorch, most with
+dyadic values so that every float is exact."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from cloudburst.comm.p2p import Status
+from cloudburst.strategies.asgd.shard import Compensator, DelayedNesterov, PushResult, ShardState
+
+BETA = 0.95  # the documented β of DC-ASGD-a's mean square and gap-aware's mean step
+EPS = 1e-7  # DC-ASGD-a's ε
+
+
+def _t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-6, atol: float = 0.0) -> bool:
+    return a.shape == b.shape and torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol)
+
+
+def _same(a, b) -> bool:
+    """Deep, bit-exact equality of state dicts (tensors by value, dtype and shape)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+# ------------------------------------------------------------------------------- Compensator
+
+
+def test_a_compensator_refuses_a_method_that_is_not_per_coordinate():
+    """Only dc, dc-adaptive and gap keep per-coordinate state; the error names the method."""
+    with pytest.raises(ValueError, match=r"^'scale' is not a per-coordinate compensator$"):
+        Compensator("scale", torch.zeros(2), 4, 0.1, 1.0)
+
+
+@pytest.mark.parametrize("window", [0, 1])
+def test_a_window_of_one_keeps_only_the_latest_theta(window):
+    """The ring holds max(1, window) versions: with one, a push against the version before
+    the latest reads the latest θ and is counted as clamped."""
+    comp = Compensator("dc", _t(0.0, 0.0), window, 0.25, 1.0)
+    assert comp.window == 1
+    comp.record(1, _t(1.0, 2.0))
+    comp.record(2, _t(3.0, 4.0))
+    assert comp.state_dict()["ring_versions"] == [2]
+    assert torch.equal(comp.theta_then(1), _t(3.0, 4.0))
+    assert comp.clamped == 1
+
+
+def test_a_window_of_two_keeps_the_two_latest_thetas():
+    comp = Compensator("dc", _t(0.0), 2, 0.25, 1.0)
+    for v in (1, 2, 3):
+        comp.record(v, _t(float(v)))
+    assert comp.state_dict()["ring_versions"] == [2, 3]
+    assert torch.equal(comp.theta_then(2), _t(2.0)) and comp.clamped == 0
+
+
+def test_plain_dc_keeps_no_moment_while_adaptive_dc_and_gap_start_from_zeros():
+    """DC-ASGD with a fixed λ has no running mean: none is kept or saved (a state from it loads
+    into another dc shard without one); dc-adaptive and gap start theirs at zero."""
+    theta = _t(1.0, -2.0, 3.0)
+    dc = Compensator("dc", theta, 4, 0.25, 1.0)
+    assert dc.moment is None and dc.state_dict()["moment"] is None
+    for method in ("dc-adaptive", "gap"):
+        comp = Compensator(method, theta, 4, 0.25, 1.0)
+        assert torch.equal(comp.moment, torch.zeros(3)) and comp.moment is not theta
+
+
+def test_record_counts_every_applied_push_and_gap_keeps_the_running_mean_step():
+    """``updates`` counts the recorded pushes; gap's C starts at the first |θ after − θ before|
+    and then is the running mean β·C + (1−β)·|step|."""
+    comp = Compensator("gap", _t(0.0, 0.0), 8, 0.0, 1.0)
+    thetas = [_t(1.0, -2.0), _t(1.5, -2.0), _t(0.5, 2.0)]
+    mean = None
+    previous = _t(0.0, 0.0)
+    for version, theta in enumerate(thetas, start=1):
+        comp.record(version, theta)
+        step = (theta - previous).abs()
+        mean = step.clone() if mean is None else BETA * mean + (1 - BETA) * step
+        previous = theta
+        assert comp.updates == version
+        assert comp.state_dict()["updates"] == version
+        assert _close(comp.moment, mean)
+    assert comp.state_dict()["ring_versions"] == [0, 1, 2, 3]
+    # the ring holds copies: changing a recorded tensor afterwards does not reach it
+    thetas[0].fill_(99.0)
+    assert torch.equal(comp.theta_then(1), _t(1.0, -2.0))
+
+
+def test_record_counts_pushes_under_dc_too():
+    comp = Compensator("dc", _t(0.0), 8, 0.25, 1.0)
+    for v in (1, 2, 3, 4):
+        comp.record(v, _t(float(v)))
+    assert comp.updates == 4 and comp.state_dict()["updates"] == 4
+
+
+def test_dc_compensates_with_its_documented_formula():
+    """DC-ASGD: g = −Δ/η, Δ̃ = −η·(g + λ·g⊙g⊙(θ_now − θ_then)); dyadic values, exact."""
+    eta, lam = 0.5, 0.25
+    comp = Compensator("dc", _t(1.0, 2.0, -1.0), 4, lam, eta)
+    comp.record(1, _t(1.5, 2.0, -2.0))
+    theta_now = _t(2.0, 0.0, -2.0)
+    delta = _t(0.5, -1.0, 0.25)
+    g = -delta / eta
+    expected = -eta * (g + lam * g * g * (theta_now - _t(1.0, 2.0, -1.0)))
+    assert torch.equal(comp.compensate(delta, theta_now, 0), expected)
+    g1 = -delta / eta  # against version 1: θ_then is the recorded θ
+    expected1 = -eta * (g1 + lam * g1 * g1 * (theta_now - _t(1.5, 2.0, -2.0)))
+    assert torch.equal(comp.compensate(delta, theta_now, 1), expected1)
+
+
+def test_adaptive_dc_updates_its_mean_square_first():
+    """DC-ASGD-a: m ← β·m + (1−β)·g⊙g with this push's g, then λ = λ0/√(m + ε)."""
+    eta, lam0 = 0.5, 0.25
+    theta0 = _t(1.0, 2.0, -1.0)
+    comp = Compensator("dc-adaptive", theta0, 4, lam0, eta)
+    theta_now = _t(2.0, 0.0, -2.0)
+    m = torch.zeros(3, dtype=torch.float64)
+    for delta in (_t(0.5, -1.0, 0.25), _t(-0.25, 0.5, 2.0)):
+        got = comp.compensate(delta, theta_now, 0)
+        g = -delta.double() / eta
+        m = BETA * m + (1 - BETA) * g * g
+        lam = lam0 / torch.sqrt(m + EPS)
+        expected = -eta * (g + lam * g * g * (theta_now - theta0).double())
+        assert _close(got, expected, atol=1e-7)
+        assert _close(comp.moment, m)
+
+
+def test_gap_divides_by_one_plus_the_gap_over_the_mean_step():
+    """Gap-aware: Δ̃ = Δ / (1 + |θ_now − θ_then| / C); G = 1 where C = 0."""
+    comp = Compensator("gap", _t(0.0, 0.0, 0.0), 4, 0.0, 1.0)
+    comp.record(1, _t(2.0, 4.0, 0.0))  # C = |step| = (2, 4, 0)
+    theta_now = _t(4.0, 0.0, 8.0)
+    delta = _t(1.0, 3.0, 5.0)
+    # against version 0: gap (4, 0, 8) over C (2, 4, 0) -> G = (3, 1, 1)
+    assert torch.equal(comp.compensate(delta, theta_now, 0), _t(1.0 / 3.0, 3.0, 5.0))
+
+
+def test_a_compensator_refuses_the_state_of_another_method():
+    gap = Compensator("gap", _t(0.0), 4, 0.25, 1.0)
+    with pytest.raises(ValueError, match=r"^compensator state of 'dc', not 'gap'$"):
+        gap.load_state_dict(Compensator("dc", _t(0.0), 4, 0.25, 1.0).state_dict())
+
+
+def test_a_compensator_refuses_a_ring_with_fewer_thetas_than_versions():
+    """Each ring version needs its θ: a state whose ring is short of its version list is an
+    error, not a ring silently paired up wrong."""
+    comp = Compensator("dc", _t(0.0, 0.0), 8, 0.25, 1.0)
+    state = {
+        "method": "dc",
+        "ring_versions": [3, 4, 5],
+        "ring": torch.stack([_t(1.0, 1.0), _t(2.0, 2.0)]),
+        "moment": None,
+        "updates": 5,
+        "clamped": 0,
+    }
+    with pytest.raises(ValueError):
+        comp.load_state_dict(state)
+
+
+def test_a_compensator_loads_a_longer_ring_into_a_shorter_window_keeping_the_latest():
+    """A ring saved with a larger window loads into a smaller one: its last versions, each
+    with its own θ (copied, not shared with the state)."""
+    big = Compensator("gap", _t(0.0), 5, 0.0, 1.0)
+    for v in (1, 2, 3, 4):
+        big.record(v, _t(float(10 * v)))
+    state = big.state_dict()
+    small = Compensator("gap", _t(7.0), 2, 0.0, 1.0)
+    small.load_state_dict(state)
+    assert small.state_dict()["ring_versions"] == [3, 4]
+    assert torch.equal(small.theta_then(3), _t(30.0)) and torch.equal(small.theta_then(4), _t(40.0))
+    assert torch.equal(small.moment, big.moment) and small.updates == 4
+    small.record(5, _t(50.0))  # reuses the popped buffer: the saved state must not change
+    assert torch.equal(state["ring"], torch.stack([_t(float(10 * v)) for v in range(5)]))
+
+
+# --------------------------------------------------------------------------- DelayedNesterov
+
+
+def test_delayed_nesterov_defaults_to_the_papers_rule_c_zero():
+    """Without ``c``: between momentum updates plain SGD of lr η/N, and at the N-th push
+    θ ← θ − η·β·m − (η/N)·g (c = 0). N = 2, η = β = 1/2: exact."""
+    param = _t(1.0, -1.0)
+    dn = DelayedNesterov(param, lr=0.5, beta=0.5, period=2)
+    assert dn.c == 0.0
+    g1, g2, g3 = _t(1.0, 2.0), _t(3.0, -2.0), _t(4.0, 8.0)
+    theta = _t(1.0, -1.0)
+    dn.step(g1)
+    theta = theta - 0.25 * g1
+    assert torch.equal(param, theta)
+    dn.step(g2)
+    m = (g1 + g2) / 2
+    theta = theta - 0.5 * 0.5 * m - 0.25 * g2
+    assert torch.equal(param, theta)
+    dn.step(g3)  # momentum is non-zero now; c = 0 applies none of it between updates
+    theta = theta - 0.25 * g3
+    assert torch.equal(param, theta)
+
+
+# ------------------------------------------------------------------------------- ShardState
+
+
+def test_set_theta_replaces_theta_without_advancing_the_clock():
+    shard = ShardState(_t(0.0, 0.0))
+    shard.apply_push(_t(1.0, 1.0), 0)
+    source = _t(5.0, -3.0)
+    shard.set_theta(source)
+    assert torch.equal(shard.theta, _t(5.0, -3.0)) and shard.version == 1
+    source.fill_(0.0)  # a copy, not the caller's tensor
+    assert torch.equal(shard.theta, _t(5.0, -3.0))
+
+
+def test_set_theta_restarts_the_compensators_ring_at_the_current_version():
+    """After a warm start the ring holds the new θ alone, as the current version: a push
+    against that version sees no gap, and the next one's θ_then is the new θ."""
+    eta, lam = 0.5, 0.25
+    shard = ShardState(_t(0.0, 0.0), compensation="dc", dc_lambda=lam, local_lr=eta)
+    shard.apply_push(_t(1.0, 1.0), 0)
+    shard.apply_push(_t(1.0, -1.0), 1)
+    shard.set_theta(_t(4.0, -2.0))
+    state = shard.compensator.state_dict()
+    assert state["ring_versions"] == [2]
+    assert torch.equal(state["ring"], _t(4.0, -2.0)[None])
+    d1 = _t(0.5, -0.25)
+    assert shard.apply_push(d1, 2) == PushResult(Status.OK, 0)
+    theta1 = _t(4.0, -2.0) + d1  # no gap: Δ̃ = Δ (λ = 1)
+    assert torch.equal(shard.theta, theta1)
+    d2 = _t(-1.0, 0.5)
+    assert shard.apply_push(d2, 2) == PushResult(Status.OK, 1)
+    g = -d2 / eta
+    expected = theta1 + -eta * (g + lam * g * g * (theta1 - _t(4.0, -2.0)))
+    assert torch.equal(shard.theta, expected)
+    assert shard.compensator.clamped == 0
+
+
+def test_apply_push_takes_the_callers_finiteness_verdict():
+    """``finite`` given: the caller checked the push already; its verdict decides, unchecked
+    here (a push it calls non-finite is rejected even when finite, and vice versa)."""
+    shard = ShardState(_t(0.0, 0.0, 0.0))
+    assert shard.apply_push(_t(1.0, 2.0, 3.0), 0, finite=False) == PushResult(Status.REJECTED, 0)
+    assert shard.rejected_nonfinite == 1 and shard.version == 0
+    assert torch.equal(shard.theta, torch.zeros(3))
+    assert shard.apply_push(_t(1.0, 2.0, 3.0), 0, finite=True) == PushResult(Status.OK, 0)
+    assert torch.equal(shard.theta, _t(1.0, 2.0, 3.0))
+    inf = _t(float("inf"), 0.0, 0.0)
+    assert shard.apply_push(inf, 1, finite=True) == PushResult(Status.OK, 0)
+    assert shard.apply_push(inf, 2) == PushResult(Status.REJECTED, 0)
+    assert shard.rejected_nonfinite == 2 and shard.version == 2
+
+
+def test_apply_push_add_rule_arithmetic():
+    """θ ← θ + λ·s·Δ with s = 1/max(1, τ) under ``scale``; staleness counted exactly."""
+    shard = ShardState(_t(1.0, -1.0), lr=0.5, compensation="scale")
+    pushes = [(_t(2.0, 4.0), 0), (_t(-4.0, 8.0), 0), (_t(8.0, 16.0), 0), (_t(1.0, 1.0), 2)]
+    theta = _t(1.0, -1.0)
+    for delta, base in pushes:
+        tau = shard.version - base
+        assert shard.apply_push(delta, base, samples=3) == PushResult(Status.OK, tau)
+        theta = theta + 0.5 * (1.0 / max(1, tau)) * delta
+        assert torch.equal(shard.theta, theta)
+    assert shard.version == 4 and shard.samples == 12
+    assert shard.staleness_sum == 4 and shard.staleness_max == 2
+    assert shard.staleness_hist == {0: 1, 1: 2, 2: 1}
+    assert shard.scale_hist == {1.0: 3, 0.5: 1}
+
+
+def _script(n: int, numel: int, seed: int) -> list[tuple[torch.Tensor, int]]:
+    """n pushes as (Δ, staleness): stalenesses up to 5, past a window of 3."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        tau = int(torch.randint(0, 6, (1,), generator=g)) if i else 0
+        out.append((torch.randn(numel, generator=g) * 0.1, tau))
+    return out
+
+
+def _run(shard: ShardState, script) -> None:
+    for delta, tau in script:
+        base = max(0, shard.version - tau)
+        assert shard.apply_push(delta, base, samples=2).status == Status.OK
+
+
+def _shard(theta, rule: str, compensation: str) -> ShardState:
+    return ShardState(
+        theta,
+        rule=rule,
+        lr=0.3,
+        momentum=0.5,
+        compensation=compensation,
+        dc_lambda=0.5,
+        compensation_window=3,
+        local_lr=0.1,
+        dn_period=3,
+        dn_c=0.25,
+        delay_threshold=2,
+    )
+
+
+@pytest.mark.parametrize("rule", ["add", "sgd", "adagrad", "dn"])
+@pytest.mark.parametrize("compensation", ["none", "scale", "dc", "dc-adaptive", "gap"])
+def test_a_restored_shard_continues_bit_for_bit(rule, compensation):
+    """state_dict → load_state_dict into a fresh shard (another θ): the same state, and the
+    same θ, counters, histograms and compensator state after further pushes as the shard
+    that was never interrupted. The saved state is a snapshot: later pushes leave it unchanged
+    (the restored shard's torch optimizer adopts the loaded tensors, torch's own
+    ``load_state_dict``: it gets a copy here)."""
+    before, after = _script(12, 6, seed=1), _script(8, 6, seed=2)
+    live = _shard(torch.randn(6, generator=torch.Generator().manual_seed(0)), rule, compensation)
+    _run(live, before)
+    state = live.state_dict()
+    snapshot = copy.deepcopy(state)
+    restored = _shard(torch.zeros(6), rule, compensation)
+    restored.load_state_dict(copy.deepcopy(state) if rule in ("sgd", "adagrad") else state)
+    assert _same(restored.state_dict(), snapshot)
+    _run(live, after)
+    _run(restored, after)
+    assert torch.equal(restored.theta, live.theta)
+    assert _same(restored.state_dict(), live.state_dict())
+    assert _same(state, snapshot)
+
+
+def test_a_dc_state_without_moment_restores_into_a_dc_shard():
+    """A plain-dc checkpoint carries no moment; it restores into a dc shard and continues."""
+    live = _shard(torch.ones(4), "add", "dc")
+    _run(live, _script(5, 4, seed=3))
+    state = live.state_dict()
+    assert state["compensator"]["moment"] is None
+    restored = _shard(torch.zeros(4), "add", "dc")
+    restored.load_state_dict(state)
+    _run(live, _script(3, 4, seed=4))
+    _run(restored, _script(3, 4, seed=4))
+    assert torch.equal(restored.theta, live.theta)
+
+
+def test_loading_another_compensators_state_into_a_shard_is_refused():
+    state = _shard(torch.ones(4), "add", "dc").state_dict()
+    with pytest.raises(ValueError, match=r"^compensator state of 'dc', not 'gap'$"):
+        _shard(torch.ones(4), "add", "gap").load_state_dict(state)
+
+
+def test_a_checkpoint_with_the_old_staleness_keys_loads():
+    """Checkpoints written before the metrics carried their unit say ``staleness_sum`` and
+    ``staleness_max``; where both spellings are present the new one wins."""
+    live = ShardState(_t(0.0))
+    for base in (0, 0, 0, 1):
+        live.apply_push(_t(1.0), base)
+    state = live.state_dict()
+    assert (state["staleness_sum_versions"], state["staleness_max_versions"]) == (5, 2)
+    old = dict(state)
+    old["staleness_sum"] = old.pop("staleness_sum_versions")
+    old["staleness_max"] = old.pop("staleness_max_versions")
+    restored = ShardState(_t(0.0))
+    restored.load_state_dict(old)
+    assert (restored.staleness_sum, restored.staleness_max) == (5, 2)
+    both = dict(state, staleness_sum=100, staleness_max=100)
+    restored.load_state_dict(both)
+    assert (restored.staleness_sum, restored.staleness_max) == (5, 2)
+
+
+def test_a_checkpoint_without_histograms_loads_with_empty_ones():
+    """Checkpoints written before the staleness and scale histograms existed load with both
+    empty; the shard then counts the pushes it applies."""
+    live = ShardState(_t(0.0))
+    live.apply_push(_t(1.0), 0)
+    state = live.state_dict()
+    del state["staleness_histogram_versions"], state["push_scale_histogram"]
+    restored = ShardState(_t(0.0))
+    restored.staleness_hist, restored.scale_hist = {7: 1}, {0.5: 1}
+    restored.load_state_dict(state)
+    assert restored.staleness_hist == {} and restored.scale_hist == {}
+    assert restored.version == 1 and torch.equal(restored.theta, _t(1.0))
+    restored.apply_push(_t(1.0), 0)
+    assert restored.staleness_hist == {1: 1} and restored.scale_hist == {1.0: 1}
+
+
+@pytest.mark.parametrize("saved", ["none", "missing"])
+def test_a_checkpoint_without_compensation_starts_the_ring_at_its_version(saved):
+    """A checkpoint from a shard without a per-coordinate compensator (``compensator``: None
+    or absent) loaded into a dc shard: the ring holds the loaded θ alone, as the loaded
+    version, and the next pushes are compensated against it."""
+    eta, lam = 0.5, 0.25
+    plain = ShardState(_t(0.0, 0.0))
+    plain.apply_push(_t(1.0, 2.0), 0)
+    plain.apply_push(_t(1.0, -4.0), 1)
+    state = plain.state_dict()
+    assert state["compensator"] is None
+    if saved == "missing":
+        del state["compensator"]
+    shard = ShardState(_t(9.0, 9.0), compensation="dc", dc_lambda=lam, local_lr=eta)
+    shard.load_state_dict(state)
+    comp = shard.compensator.state_dict()
+    assert comp["ring_versions"] == [2]
+    assert torch.equal(comp["ring"], _t(2.0, -2.0)[None])
+    d1 = _t(0.5, 0.25)
+    shard.apply_push(d1, 2)
+    theta1 = _t(2.0, -2.0) + d1
+    assert torch.equal(shard.theta, theta1)
+    d2 = _t(-0.5, 1.0)
+    assert shard.apply_push(d2, 2) == PushResult(Status.OK, 1)
+    g = -d2 / eta
+    assert torch.equal(shard.theta, theta1 + -eta * (g + lam * g * g * (theta1 - _t(2.0, -2.0))))
