@@ -1,0 +1,381 @@
+"""The emulated link's shared NIC record, its bookings and its pure cost functions, each against
+a value worked out by hand from the cost model (cloudburst/comm/link.py's docstring and
+docs/simulator.md).
+
+No real time passes: every clock the code reads (``link.time``, and the lock/wait clock
+``link._lock_clock`` / ``link._lock_sleep``) is a fake that moves only when the test moves it
+or something sleeps. Link: 1 Gbit/s (125,000,000 bytes/s) and 1 ms, so a message of 1.25 MB
+holds a link for 1 ms + 10 ms.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from types import SimpleNamespace
+
+import pytest
+
+import cloudburst.comm.transport as transport_module
+from cloudburst.comm import link
+from cloudburst.comm.link import (
+    EmulatedWork,
+    LinkEmulator,
+    LinkSpec,
+    NicState,
+    PendingEnd,
+    Topology,
+    ddp_overlap_end_s,
+    halving_doubling_allreduce_s,
+    hierarchical_allreduce_s,
+    nic_dir,
+    nic_transfer,
+)
+
+pytestmark = pytest.mark.unit
+
+SPEC = LinkSpec(1.0, 1.0)
+MB = 1_250_000  # 1 ms + 10 ms on the link
+
+
+def close(x: float) -> pytest.approx:
+    return pytest.approx(x, abs=1e-12)
+
+
+class FakeTime:
+    """A clock that moves only when told to (``advance``) or when something sleeps; each sleep
+    asks for a duration (recorded) and moves the clock by ``step`` (the asked duration when
+    None), and may run ``on_sleep`` (another rank booking meanwhile). More than
+    ``MAX_SLEEPS`` sleeps is a wait that never ends: it fails at once rather than spin."""
+
+    MAX_SLEEPS = 1000
+
+    def __init__(self, now: float, step: float | None = None) -> None:
+        self.now, self.step = now, step
+        self.sleeps: list[float] = []
+        self.on_sleep = None
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    monotonic = perf_counter
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        assert len(self.sleeps) <= self.MAX_SLEEPS, "still polling after 1000 sleeps"
+        self.now += seconds if self.step is None else self.step
+        if self.on_sleep is not None:
+            self.on_sleep(len(self.sleeps))
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def record(tmp_path):
+    """A factory of shared records (closed at the end; their files live in tmp_path)."""
+    opened: list[NicState] = []
+
+    def make(num_nodes: int, name: str = "nic") -> NicState:
+        opened.append(NicState(str(tmp_path / name), num_nodes))
+        return opened[-1]
+
+    yield make
+    for nic in opened:
+        nic.close()
+
+
+def ranks(topology: Topology, nic: NicState) -> list[LinkEmulator]:
+    return [
+        LinkEmulator(SPEC, topology=topology, rank=r, nic=nic) for r in range(len(topology.node_of))
+    ]
+
+
+def wait_clock(monkeypatch, now: float, step: float | None = None) -> FakeTime:
+    """Replace the clock and sleep that PendingEnd.wait (and the record's lock) use."""
+    fake = FakeTime(now, step)
+    monkeypatch.setattr(link, "_lock_clock", fake.monotonic)
+    monkeypatch.setattr(link, "_lock_sleep", fake.sleep)
+    return fake
+
+
+# ---------------------------------------------------------------------------- where it lives
+def test_the_record_lives_in_dev_shm_when_present_else_in_the_temp_dir(monkeypatch):
+    monkeypatch.setattr(link.tempfile, "gettempdir", lambda: "/the/temp/dir")
+    monkeypatch.setattr(link.os.path, "isdir", lambda p: p == "/dev/shm")
+    assert nic_dir() == "/dev/shm"
+    monkeypatch.setattr(link.os.path, "isdir", lambda p: False)
+    assert nic_dir() == "/the/temp/dir"
+
+
+# ---------------------------------------------------------------------------- the record
+def test_a_record_of_one_node_is_made_private_to_its_owner_with_a_30_s_lock(tmp_path):
+    path = str(tmp_path / "nic")
+    old = os.umask(0)  # the mode as asked for, not as the umask trims it
+    try:
+        nic = NicState(path, 1)  # one node is a valid record
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert nic.lock_timeout_s == 30.0 and nic.num_nodes == 1
+        with nic.locked():
+            assert nic.free(0) == (0.0, 0.0)
+    finally:
+        nic.close()
+
+
+def test_a_record_of_no_nodes_is_refused_naming_the_count(tmp_path):
+    with pytest.raises(ValueError, match=r"num_nodes: 0 must be >= 1"):
+        NicState(str(tmp_path / "nic"), 0)
+
+
+def test_a_file_of_the_right_size_but_not_a_record_is_refused(tmp_path):
+    path = str(tmp_path / "nic")
+    NicState(path, 2).close()
+    with open(path, "r+b") as f:
+        f.write(b"NOTANIC!")  # the magic overwritten; the size still fits 2 nodes
+    with pytest.raises(OSError, match=r"nic is not a NIC record of 2 nodes"):
+        NicState(path, 2)
+
+
+def test_closing_releases_the_file_and_is_idempotent(tmp_path):
+    nic = NicState(str(tmp_path / "nic"), 2)
+    fd, mapping = nic._fd, nic._map
+    nic.close()
+    assert nic._fd is None and mapping.closed
+    with pytest.raises(OSError):
+        os.fstat(fd)  # the descriptor is closed
+    nic.close()  # a second close does nothing
+    assert nic._fd is None
+
+
+def test_an_op_is_unbooked_open_or_closed(record):
+    nic = record(2)
+    key = b"k" * 16
+    with nic.locked():
+        assert nic.op(key) is None and nic.op_end(key) is None  # unbooked
+        nic.set_op(key, 3.0, math.nan, 1)  # one member in, others to come
+        arrival, end, members = nic.op(key)
+        assert (arrival, members) == (3.0, 1) and math.isnan(end)
+        assert nic.op_end(key) is None
+        nic.set_op(key, 4.0, 9.5, 2)  # rewritten in its own slot: the last member is in
+        assert nic.op(key) == (4.0, 9.5, 2) and nic.op_end(key) == 9.5
+        assert nic.op_end(b"x" * 16) is None
+
+
+def test_a_new_op_takes_an_empty_slot_before_any_booked_one(record):
+    nic = record(2)
+    first, second = b"a" * 16, b"b" * 16
+    with nic.locked():
+        # A closed op whose last member came in at 0.0 (or earlier) is still kept while the
+        # table has room.
+        nic.set_op(first, 0.0, 1.0, 2)
+        nic.set_op(second, -1.0, 2.0, 2)
+        assert nic.op(first) == (0.0, 1.0, 2) and nic.op(second) == (-1.0, 2.0, 2)
+
+
+def test_a_full_table_forgets_the_first_of_the_earliest_closed_ops(record, monkeypatch):
+    monkeypatch.setattr(link, "NIC_OPS", 4)  # a table of 4 slots
+    nic = record(2)
+    keys = [bytes([i + 1]) * 16 for i in range(5)]
+    with nic.locked():
+        for key in keys[:4]:
+            nic.set_op(key, 1.0, 2.0, 2)  # all closed, all last joined at 1.0
+        nic.set_op(keys[4], 1.5, 2.5, 2)
+        # Ties on the arrival: the first slot goes.
+        assert nic.op(keys[0]) is None
+        assert [nic.op_end(k) for k in keys[1:]] == [2.0, 2.0, 2.0, 2.5]
+
+
+def test_a_table_full_of_open_ops_refuses_a_new_one(record, monkeypatch):
+    monkeypatch.setattr(link, "NIC_OPS", 4)
+    nic = record(2)
+    with nic.locked():
+        for i in range(4):
+            nic.set_op(bytes([i + 1]) * 16, 1.0, math.nan, 1)
+        with pytest.raises(RuntimeError, match=r"has 4 open ops"):
+            nic.set_op(b"z" * 16, 2.0, 3.0, 2)
+
+
+# ---------------------------------------------------------------------------- collectives
+def test_a_member_s_bookings_on_a_group_are_numbered_0_1_2(record, monkeypatch):
+    topo = Topology.contiguous(4, 2)
+    r = ranks(topo, record(2))
+    group = ("g", (0, 2))
+    pendings = [r[0].book_collective(0.5, group, start=10.0) for _ in range(3)]
+    assert [p.name for p in pendings] == ["g (0, 2) #0", "g (0, 2) #1", "g (0, 2) #2"]
+    wait_clock(monkeypatch, 0.0, step=1.0)
+    with pytest.raises(TimeoutError, match=r"collective g \(0, 2\) #1 still had members"):
+        pendings[1].wait(timeout_s=0.5)
+    # Rank 2's bookings pair with rank 0's in order: each op starts once both are in and the
+    # NICs are free, and lasts 0.5 s.
+    assert r[2].book_collective(0.5, group, start=10.2) == close(10.7)
+    assert r[2].book_collective(0.5, group, start=10.4) == close(11.2)  # #1: after #0
+    assert [p.peek() for p in pendings[:2]] == [close(10.7), close(11.2)]
+    assert pendings[2].peek() is None
+
+
+def test_a_process_group_is_named_by_its_own_members(record, monkeypatch):
+    world = SimpleNamespace(group_name="0", ranks=(0, 1, 2, 3))
+    across = SimpleNamespace(group_name="7", ranks=(1, 3))
+    fake_dist = SimpleNamespace(
+        group=SimpleNamespace(WORLD=world), get_process_group_ranks=lambda pg: list(pg.ranks)
+    )
+    monkeypatch.setattr(transport_module, "dist", fake_dist)
+    r = ranks(Topology.contiguous(4, 2), record(2))
+    pending = r[1].book_collective(0.5, across, start=10.0)
+    assert isinstance(pending, PendingEnd) and pending.name == "7 (1, 3) #0"
+    assert r[3].book_collective(0.5, across, start=10.25) == close(10.75)  # 2 members: done
+    assert pending.peek() == close(10.75)
+
+
+def test_a_pending_end_is_known_once_the_last_member_books(record, monkeypatch):
+    r = ranks(Topology.contiguous(4, 2), record(2))
+    group = ("g", (0, 2))
+    pending = r[0].book_collective(0.5, group, start=10.0)
+    assert pending.peek() is None
+    assert r[2].book_collective(0.5, group, start=10.3) == close(10.8)
+    assert pending.peek() == close(10.8)
+    fake = wait_clock(monkeypatch, 50.0)
+    assert pending.wait() == close(10.8) and fake.sleeps == []  # known: no wait
+    # Both nodes' NICs are held, both ways, until the end.
+    assert r[0].nic.free(0) == r[0].nic.free(1) == (close(10.8), close(10.8))
+    assert [e.emulated_s for e in r] == [0.5, 0.0, 0.5, 0.0]
+
+
+def test_a_rank_s_own_link_is_busy_until_its_shared_collective_and_message_end(record):
+    r = ranks(Topology.contiguous(4, 2), record(2))
+    r[0].book_collective(0.5, ("g", (0, 2)), start=10.0)
+    assert r[2].book_collective(0.5, ("g", (0, 2)), start=10.0) == close(10.5)
+    # Rank 2 books 0.1 s of its own link at 10.0: after the collective's end.
+    assert r[2].reserve(0.1, start=10.0) == close(10.6)
+    # A message within node 0 (rank 0 to rank 1) after a message across: rank 0's own link.
+    assert r[0].book_send(MB, 2, start=20.0) == close(20.011)
+    assert r[0].book_send(MB, 1, start=20.0) == close(20.022)
+
+
+def test_each_shared_message_adds_its_cost_to_the_rank_s_charge(record):
+    r = ranks(Topology.contiguous(4, 2), record(2))
+    r[0].book_collective(0.5, ("g", (0, 2)), start=10.0)
+    r[2].book_collective(0.5, ("g", (0, 2)), start=10.0)
+    assert r[0].book_send(MB, 2, start=11.0) == close(11.011)
+    assert r[0].book_send(MB, 3, start=11.0) == close(11.022)  # queued at node 0's egress
+    assert r[0].emulated_s == close(0.5 + 2 * 0.011)
+
+
+def test_a_shared_message_without_a_start_leaves_now(record, monkeypatch):
+    fake = FakeTime(30.0)
+    monkeypatch.setattr(link, "time", fake)
+    r = ranks(Topology.contiguous(4, 2), record(2))
+    assert r[0].book_send(MB, 2) == close(30.011)
+    assert r[0].nic.free(0)[0] == close(30.011) and r[0].nic.free(1)[1] == close(30.011)
+
+
+# ---------------------------------------------------------------------------- waiting
+def test_waiting_polls_every_0_2_ms_until_the_last_member_books(record, monkeypatch):
+    r = ranks(Topology.contiguous(4, 2), record(2))
+    group = ("g", (0, 2))
+    pending = r[0].book_collective(0.5, group, start=10.0)
+    fake = wait_clock(monkeypatch, 100.0)
+
+    def third_poll(count: int) -> None:
+        assert count <= 3, "still polling after the last member booked"
+        if count == 3:
+            r[2].book_collective(0.5, group, start=10.25)
+
+    fake.on_sleep = third_poll
+    assert pending.wait(timeout_s=5.0) == close(10.75)
+    assert fake.sleeps == [0.0002] * 3
+
+
+def test_waiting_gives_up_only_past_the_timeout_it_was_given(record, monkeypatch):
+    r = ranks(Topology.contiguous(4, 2), record(2))
+    pending = r[0].book_collective(0.5, ("g", (0, 2)), start=10.0)
+    # Each poll moves the clock 0.25 s (exact in binary): the deadline 101.0 is reached at the
+    # fifth look, which still waits; the sixth, at 101.25, gives up.
+    fake = wait_clock(monkeypatch, 100.0, step=0.25)
+    with pytest.raises(TimeoutError, match=r"#0 still had members to come 1 s after it ran"):
+        pending.wait(timeout_s=1.0)
+    assert fake.sleeps == [0.0002] * 5 and fake.now == 101.25
+
+
+def test_waiting_without_a_timeout_gives_up_after_60_s(record, monkeypatch):
+    r = ranks(Topology.contiguous(4, 2), record(2))
+    pending = r[0].book_collective(0.5, ("g", (0, 2)), start=10.0)
+    fake = wait_clock(monkeypatch, 0.0, step=10.0)
+    with pytest.raises(TimeoutError, match=r"60 s after it ran"):
+        pending.wait()
+    assert len(fake.sleeps) == 7 and fake.now == 70.0  # looked at 0, 10, ..., 60 and 70
+
+
+def test_emulated_work_is_complete_once_its_pending_end_is_known_and_past(record, monkeypatch):
+    fake = FakeTime(10.0)
+    monkeypatch.setattr(link, "time", fake)
+    r = ranks(Topology.contiguous(4, 2), record(2))
+    group = ("g", (0, 2))
+    work = EmulatedWork(None, r[0].book_collective(0.5, group, start=10.0))
+    assert not work.is_completed()  # the end is not known yet
+    r[2].book_collective(0.5, group, start=10.2)  # ends at 10.7
+    fake.advance(0.6)
+    assert not work.is_completed()  # 10.6 < 10.7
+    fake.advance(0.1)
+    assert work.is_completed()
+    busy = EmulatedWork(SimpleNamespace(is_completed=lambda: False), 10.0)
+    assert not busy.is_completed()  # the real transfer is not done
+    assert EmulatedWork(None, 10.7).is_completed()
+
+
+# ---------------------------------------------------------------------------- pure costs
+def test_halving_doubling_only_for_powers_of_two():
+    lat, bw = 0.002, 1e9
+    for n in (3, 5, 6, 7, 9, 10, 12, 15):
+        assert halving_doubling_allreduce_s(1e6, n, lat, bw) is None, n
+    for n, log2n in ((2, 1), (4, 2), (8, 3), (16, 4)):
+        expected = 2 * log2n * lat + 2 * (n - 1) / n * 1e6 / bw
+        assert halving_doubling_allreduce_s(1e6, n, lat, bw) == pytest.approx(expected, abs=1e-15)
+
+
+def test_hierarchical_all_reduce_with_two_ranks_a_node():
+    # Intra 16 Gbit/s (2e9 B/s), 0.5 ms; inter 8 Gbit/s (1e9 B/s), 2 ms. 4 MB, 2 nodes x 2:
+    # in the node 2 · (1 · 0.5 ms + 1/2 · 4 MB / 2e9) = 3 ms; between the 2 nodes a ring of 2
+    # (2 ms · 2 + 4 ms) = 8 ms.
+    intra, inter = LinkSpec(16, 0.5), LinkSpec(8, 2)
+    assert hierarchical_allreduce_s(4e6, 2, 2, intra, inter) == pytest.approx(0.011, abs=1e-15)
+    assert hierarchical_allreduce_s(4e6, 1, 2, intra, inter) == pytest.approx(0.003, abs=1e-15)
+    assert hierarchical_allreduce_s(4e6, 1, 1, intra, inter) == 0.0
+
+
+def test_nic_transfer_by_hand():
+    # 1 MB, 2 ms, egress 1e9 B/s, ingress 0.5e9 B/s, leaving at 5.0: the egress is held
+    # 2 ms + 1 ms; alone it arrives after 2 ms + 2 ms (the slower side)...
+    assert nic_transfer(5.0, 0.0, 1e6, 0.002, 1e9, 0.5e9) == (close(5.003), close(5.004))
+    # ... and behind an ingress busy until 5.01, 2 ms of ingress after that.
+    assert nic_transfer(5.0, 5.01, 1e6, 0.002, 1e9, 0.5e9) == (close(5.003), close(5.012))
+
+
+def test_ddp_overlap_starts_from_a_free_link_by_default():
+    cost = lambda b: 0.001 * b  # noqa: E731
+    # Nothing to send: forward + backward.
+    assert ddp_overlap_end_s(0.1, 0.2, 0, cost) == close(0.3)
+    # Buckets of 25 of 60 units: 25, 25, 10, ready at 0.1 + 0.2 · 25/60, 0.1 + 0.2 · 50/60, 0.3.
+    e0 = 0.1 + 0.2 * 25 / 60 + 0.025
+    e1 = max(0.1 + 0.2 * 50 / 60, e0) + 0.025
+    e2 = max(0.3, e1) + 0.010
+    assert ddp_overlap_end_s(0.1, 0.2, 60, cost, bucket_bytes=25) == close(e2)
+    # One byte is one bucket, sent once backward is done.
+    assert ddp_overlap_end_s(0.1, 0.2, 1, cost, bucket_bytes=25) == close(0.301)
+
+
+def test_the_clock_model_s_ddp_end_waits_for_the_link_it_is_given():
+    from cloudburst.config import RunConfig
+    from cloudburst.config.simulation import SimulationConfig
+    from cloudburst.sim.clock import ClockModel
+
+    cfg = RunConfig.from_dict({"out": "unused", "inter_node_link": "8,2"})
+    c = ClockModel(SimulationConfig(), cfg, 1000, 0.3)
+    # One rank on each of 2 nodes, 1 MB: one bucket, ready when the 0.3 s step ends; a ring of
+    # 2 on 8 Gbit/s, 2 ms: 2 · 2 ms + 1 ms.
+    assert c.ddp_end_s(0.3, 1e6, [1, 1]) == close(0.305)
+    assert c.ddp_end_s(0.3, 1e6, [1, 1], link_free_s=2.0) == close(2.005)
