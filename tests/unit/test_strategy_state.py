@@ -1,0 +1,341 @@
+"""A strategy's ``state_dict`` → ``load_state_dict`` into a freshly built strategy of the same
+configuration restores its state exactly, and a checkpoint of another compression (or
+fragment count) is treated as the code means to: for ``sync`` (the int8/fp8 residuals of its
+buckets, PowerSGD's state), ``local_sgd`` (the residuals and the compressed averages' θ
+reference) and ``diloco`` (θ_global, one outer optimizer per fragment, and each fragment's last
+outer step, which decides what the final outer step of :meth:`finish` covers).
+
+Checked against values set or recorded by hand and against the same worker left
+uninterrupted; the whole-run property on the virtual cluster is
+tests/unit/test_compress_resume_sim.py."""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cloudburst.comm.allreduce import compressed_hook
+from cloudburst.config import RunConfig
+from cloudburst.strategies.diloco import DilocoStrategy
+from cloudburst.strategies.local_sgd import LocalSgdStrategy
+from cloudburst.strategies.sync import SyncStrategy
+from tests import reference as ref
+from tests.unit.test_compress import _Comm, _Group
+
+BATCH = 8
+
+
+def _cfg(strategy: str, workers: int, **kw) -> RunConfig:
+    return RunConfig(strategy=strategy, workers=workers, dataset="synthetic", train_size=512, **kw)
+
+
+def _ctx(cfg: RunConfig, worker: int, comm) -> SimpleNamespace:
+    return SimpleNamespace(
+        cfg=cfg,
+        worker_index=worker,
+        workers_group=None,
+        worker_ranks=list(range(cfg.workers)),
+        topology=None,
+        link=None,
+        comm=comm,
+        device=torch.device("cpu"),
+    )
+
+
+def _vec(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------- sync
+class _DdpSetup:
+    """A transport whose gradient average is set up as DDP's is (the compressing hook's state
+    made at wrap time, :func:`compressed_hook`), without a process group."""
+
+    def data_parallel(self, model, group, device, state):
+        compressed_hook(state)
+        return SimpleNamespace(module=model)
+
+
+def _sync(compress: str) -> SyncStrategy:
+    strategy = SyncStrategy(_ctx(_cfg("sync", 2, compress=compress), 0, _DdpSetup()))
+    model = ref.tiny_model()
+    strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return strategy
+
+
+def _saved(strategy) -> dict:
+    """``state_dict()`` as a checkpoint file gives it back (no tensor shared with the worker)."""
+    return copy.deepcopy(strategy.state_dict())
+
+
+def test_sync_int8_residuals_round_trip_into_a_fresh_worker():
+    a = _sync("int8")
+    intended, sent = _vec(40, 0), _vec(40, 1)
+    a.hook_state.feedback.remember("0", intended, sent)
+    a.hook_state.feedback.remember("0:owner", sent, intended)
+    a.local_steps = 7
+    state = _saved(a)
+    assert "compress_powersgd" not in state
+    assert set(state["compress_feedback"]) == {"0", "0:owner"}
+    assert torch.equal(state["compress_feedback"]["0"], intended - sent)
+    b = _sync("int8")
+    b.load_state_dict(state)
+    assert b.local_steps == 7
+    residuals = b.hook_state.feedback.residuals
+    assert set(residuals) == {"0", "0:owner"}
+    assert torch.equal(residuals["0"], intended - sent)
+    assert torch.equal(residuals["0:owner"], sent - intended)
+
+
+def _fill_powersgd(psgd) -> dict:
+    """PowerSGD's state as its hook leaves it after some steps (iteration, residual, warm-start
+    P and Q of bucket 0); returns the values set."""
+    values = {"iter": 5, "error": _vec(75, 2), "p": _vec(16, 3), "q": _vec(10, 4)}
+    psgd.iter = values["iter"]
+    psgd.error_dict = {0: values["error"].clone()}
+    psgd.p_memory_dict = {0: values["p"].clone()}
+    psgd.q_memory_dict = {0: values["q"].clone()}
+    return values
+
+
+def test_sync_powersgd_state_round_trips_into_a_fresh_worker():
+    a = _sync("powersgd:2")
+    values = _fill_powersgd(a.hook_state.powersgd)
+    state = _saved(a)
+    assert "compress_feedback" not in state
+    saved = state["compress_powersgd"]
+    assert saved["iter"] == 5
+    assert torch.equal(saved["error_dict"][0], values["error"])
+    b = _sync("powersgd:2")
+    assert b.hook_state.powersgd.iter == 0 and not b.hook_state.powersgd.error_dict
+    b.load_state_dict(state)
+    psgd = b.hook_state.powersgd
+    assert psgd.iter == 5
+    assert list(psgd.error_dict) == list(psgd.p_memory_dict) == list(psgd.q_memory_dict) == [0]
+    assert torch.equal(psgd.error_dict[0], values["error"])
+    assert torch.equal(psgd.p_memory_dict[0], values["p"])
+    assert torch.equal(psgd.q_memory_dict[0], values["q"])
+
+
+def test_sync_compression_state_of_another_method_is_ignored_on_load():
+    # A checkpoint of another --compress restores the steps, and leaves this worker's own
+    # compression state as a fresh one has it (nothing for a method it does not run).
+    quantised, powersgd = _sync("int8"), _sync("powersgd:2")
+    quantised.hook_state.feedback.remember("0", _vec(40, 0), _vec(40, 1))
+    quantised.local_steps = 3
+    _fill_powersgd(powersgd.hook_state.powersgd)
+    powersgd.local_steps = 4
+    for method in ("none", "bf16"):
+        plain = _sync(method)
+        plain.load_state_dict(_saved(quantised))
+        assert plain.local_steps == 3
+        assert plain.hook_state.feedback is None and plain.hook_state.powersgd is None
+        plain.load_state_dict(_saved(powersgd))
+        assert plain.local_steps == 4
+        assert plain.hook_state.feedback is None and plain.hook_state.powersgd is None
+    for source in (_sync("none"), powersgd):
+        fresh = _sync("int8")
+        fresh.load_state_dict(_saved(source))
+        assert fresh.hook_state.feedback.residuals == {}
+    for source in (_sync("bf16"), quantised):
+        fresh = _sync("powersgd:2")
+        fresh.load_state_dict(_saved(source))
+        psgd = fresh.hook_state.powersgd
+        assert psgd.iter == 0 and not psgd.error_dict and not psgd.p_memory_dict
+
+
+# ---------------------------------------------------------------------------- local_sgd
+class _LocalJob:
+    """W local SGD workers of ``cfg`` on threads of one group (the real compressed all-reduce
+    over :class:`_Comm`), their replicas made from ``seed``."""
+
+    def __init__(self, cfg: RunConfig, seed: int):
+        group = _Group(cfg.workers)
+        self.replicas = ref.Replicas(cfg.workers, ref.sgd(), seed=seed)
+        self.strategies = [
+            LocalSgdStrategy(_ctx(cfg, w, _Comm(group, w))) for w in range(cfg.workers)
+        ]
+        for s, model, opt in zip(
+            self.strategies, self.replicas.models, self.replicas.optimizers, strict=True
+        ):
+            s.wrap(model, opt)
+
+    def train(self, steps: range) -> None:
+        def worker(w: int) -> None:
+            for step in steps:
+                self.replicas.step(w, step)
+                self.strategies[w].after_step(BATCH)
+
+        with ThreadPoolExecutor(len(self.strategies)) as pool:
+            list(pool.map(worker, range(len(self.strategies))))
+
+    def flats(self) -> list[torch.Tensor]:
+        return [ref.flat(m) for m in self.replicas.models]
+
+
+def test_local_sgd_int8_reference_and_residuals_round_trip_and_the_run_continues_alike():
+    cfg = _cfg("local_sgd", 2, period=3, compress="int8")
+    job = _LocalJob(cfg, seed=0)
+    job.train(range(1, 4))  # the average after step 3: the replicas start again from it
+    averaged = job.flats()
+    assert torch.equal(averaged[0], averaged[1])
+    job.train(range(4, 6))  # and drift away from it
+    saved = [_saved(s) for s in job.strategies]
+    for state in saved:
+        assert state["averages"] == 1
+        assert torch.equal(state["compress_reference"], averaged[0])
+        assert set(state["compress_feedback"]) == {"theta"}
+        assert state["compress_feedback"]["theta"].abs().sum() > 0
+
+    twin = _LocalJob(cfg, seed=3)  # other initial θ: another reference until loaded
+    for w, (strategy, state) in enumerate(zip(twin.strategies, saved, strict=True)):
+        assert not torch.equal(strategy._reference, averaged[0])
+        ref.set_flat(twin.replicas.models[w], job.flats()[w])
+        twin.replicas.optimizers[w].load_state_dict(
+            copy.deepcopy(job.replicas.optimizers[w].state_dict())
+        )
+        strategy.load_state_dict(copy.deepcopy(state))
+        assert strategy.local_steps == 5 and strategy.averages == 1
+        assert torch.equal(strategy._reference, averaged[0])
+        assert torch.equal(
+            strategy.feedback.residuals["theta"], state["compress_feedback"]["theta"]
+        )
+    job.train(range(6, 10))
+    twin.train(range(6, 10))
+    for mine, theirs in zip(job.flats(), twin.flats(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def _local_sgd(compress: str, seed: int = 0) -> LocalSgdStrategy:
+    cfg = _cfg("local_sgd", 1, period=3, compress=compress)
+    strategy = LocalSgdStrategy(_ctx(cfg, 0, _Comm(_Group(1), 0)))
+    model = ref.tiny_model(seed)
+    strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return strategy
+
+
+def test_local_sgd_loads_a_checkpoint_of_another_compression_keeping_its_own_reference():
+    compressed = _local_sgd("int8", seed=1)
+    compressed.feedback.remember("theta", _vec(75, 0), _vec(75, 1))
+    compressed._reference.copy_(_vec(75, 2))
+    compressed.local_steps, compressed.averages = 6, 2
+    state = _saved(compressed)
+    assert torch.equal(state["compress_reference"], _vec(75, 2))
+    # into an uncompressed worker: the steps and averages, no reference made up
+    plain = _local_sgd("none")
+    plain.load_state_dict(state)
+    assert (plain.local_steps, plain.averages, plain._reference) == (6, 2, None)
+    # an uncompressed checkpoint into a compressed worker: its reference stays the replica's
+    # θ at wrap time (on a resume, the checkpoint's model), no residuals
+    plain.local_steps, plain.averages = 4, 1
+    state = _saved(plain)
+    assert not any(k.startswith("compress_") for k in state)
+    fresh = _local_sgd("int8", seed=5)
+    fresh.load_state_dict(state)
+    assert (fresh.local_steps, fresh.averages) == (4, 1)
+    assert torch.equal(fresh._reference, ref.flat(ref.tiny_model(5)))
+    assert fresh.feedback.residuals == {}
+
+
+# ---------------------------------------------------------------------------- diloco
+def _diloco(seed: int = 0, **kw) -> tuple[DilocoStrategy, ref.Replicas]:
+    """One DiLoCo worker (a group of one: its outer step is still real) over a replica."""
+    kw = dict(period=4, diloco_outer_lr=0.7, diloco_outer_momentum=0.9) | kw
+    replicas = ref.Replicas(1, ref.sgd(), seed=seed)
+    strategy = DilocoStrategy(_ctx(_cfg("diloco", 1, **kw), 0, _Comm(_Group(1), 0)))
+    strategy.wrap(replicas.models[0], replicas.optimizers[0])
+    return strategy, replicas
+
+
+def _train(strategy: DilocoStrategy, replicas: ref.Replicas, steps: range) -> None:
+    for step in steps:
+        replicas.step(0, step)
+        strategy.after_step(BATCH)
+
+
+def _replica(replicas: ref.Replicas) -> tuple[torch.Tensor, dict]:
+    """What a worker checkpoint holds of the replica: θ and the inner optimizer's state."""
+    return ref.flat(replicas.models[0]), copy.deepcopy(replicas.optimizers[0].state_dict())
+
+
+def _restore(saved: dict, replica: tuple[torch.Tensor, dict], **kw):
+    """A worker built from another seed, given the saved replica (as a resume loads it) and
+    then the strategy state ``saved``."""
+    strategy, twin = _diloco(seed=3, **kw)
+    ref.set_flat(twin.models[0], replica[0])
+    twin.optimizers[0].load_state_dict(copy.deepcopy(replica[1]))
+    strategy.load_state_dict(saved)
+    return strategy, twin
+
+
+def test_a_diloco_checkpoint_holds_the_outer_state_under_outer_and_a_list_only_for_fragments():
+    one, replicas = _diloco(fragments=1)
+    _train(one, replicas, range(1, 5))
+    state = one.state_dict()
+    assert set(state) == {"local_steps", "stats", "averages", "global_theta", "outer"}
+    two, replicas = _diloco(fragments=2)
+    _train(two, replicas, range(1, 5))
+    state = two.state_dict()
+    keys = {"local_steps", "stats", "averages", "global_theta", "outer", "outer_fragments"}
+    assert set(state) == keys
+    assert len(state["outer_fragments"]) == 2
+
+
+def test_a_diloco_checkpoint_of_another_fragment_count_is_refused():
+    one, replicas = _diloco(fragments=1)
+    _train(one, replicas, range(1, 5))
+    two, replicas = _diloco(fragments=2)
+    _train(two, replicas, range(1, 5))
+    with pytest.raises(ValueError):
+        _diloco(fragments=1)[0].load_state_dict(_saved(two))
+    with pytest.raises(ValueError):
+        _diloco(fragments=2)[0].load_state_dict(_saved(one))
+
+
+# Streaming DiLoCo, H = 4, F = 2, τ = 1: fragment 0 (offset 2) is started after steps 2, 6,
+# 10 and applied after 3, 7, 11; fragment 1 (offset 0) started after 4, 8, 12, applied after
+# 5, 9, 13. A checkpoint is taken only with no fragment in flight.
+STREAMING = dict(fragments=2, fragment_delay=1)
+LAST_OUTER_STEP = {0: [0, 0], 1: [0, 0], 3: [3, 0], 5: [3, 5], 7: [7, 5], 9: [7, 9], 11: [11, 9]}
+
+
+@pytest.mark.parametrize("step", sorted(LAST_OUTER_STEP))
+def test_a_diloco_worker_restored_at_any_checkpoint_finishes_as_the_uninterrupted_one(step):
+    # finish() ends with an outer step on each fragment that moved since its last one: the
+    # restored worker must know when that was (no fragment's is in the checkpoint).
+    strategy, replicas = _diloco(**STREAMING)
+    _train(strategy, replicas, range(1, step + 1))
+    assert strategy.checkpoint_ready()
+    saved = _saved(strategy)
+    restored, twin = _restore(saved, _replica(replicas), **STREAMING)
+    assert restored.synced_at == LAST_OUTER_STEP[step]
+    strategy.finish()
+    restored.finish()
+    moved = sum(last != step for last in LAST_OUTER_STEP[step])
+    assert strategy.averages == restored.averages == saved["averages"] + moved
+    assert torch.equal(ref.flat(twin.models[0]), ref.flat(replicas.models[0]))
+
+
+def test_a_diloco_state_dict_is_a_snapshot_the_worker_continues_from():
+    # Saved after step 5 (both fragments have had an outer step: momentum in each outer
+    # optimizer); the worker trains on, which must not change what was saved.
+    strategy, replicas = _diloco(**STREAMING)
+    _train(strategy, replicas, range(1, 6))
+    saved = strategy.state_dict()
+    snapshot, replica = copy.deepcopy(saved), _replica(replicas)
+    _train(strategy, replicas, range(6, 14))
+    strategy.finish()
+    for now, then in zip(saved["outer_fragments"], snapshot["outer_fragments"], strict=True):
+        buffer = now["state"][0]["momentum_buffer"]
+        assert torch.equal(buffer, then["state"][0]["momentum_buffer"])
+    assert torch.equal(saved["global_theta"], snapshot["global_theta"])
+    # ... and a worker restored from it ends where the uninterrupted one did
+    restored, twin = _restore(saved, replica, **STREAMING)
+    _train(restored, twin, range(6, 14))
+    restored.finish()
+    assert restored.averages == strategy.averages
+    assert torch.equal(ref.flat(twin.models[0]), ref.flat(replicas.models[0]))
