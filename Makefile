@@ -31,9 +31,9 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(TESTENV) $(BIN)/pytest -q
 
-## The inner loop: the unit tests only (no processes, comm faked; under a minute on 2 cores)
+## The inner loop: the unit tests (no processes, comm faked) but the slow ones (30 s on 2 cores)
 test-fast: $(STAMP)
-	$(TESTENV) $(BIN)/pytest -q -m "unit and not spawns" tests/unit
+	$(TESTENV) $(BIN)/pytest -q -m "unit and not spawns and not slow" tests/unit
 
 ## Every benchmark at HEAD, one after another (benchmarks/README.md), then the README's evidence
 ## table from the results' claims. Keeps going past a failing script; fails at the end, naming it.

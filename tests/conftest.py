@@ -1,9 +1,11 @@
 """Test tiers, by directory.
 
 ``tests/unit`` tests start no processes and fake the comm layer; they are marked ``unit`` here
-and are what ``make test-fast`` runs (the inner loop, well under a minute). A unit test that
-must start processes (DataLoader workers, say) is marked ``spawns`` and is left to ``make
-test``. ``tests/dist`` and ``tests/e2e`` mark themselves (``dist``, ``e2e``).
+and are what ``make test-fast`` runs (the inner loop, 30 s on 2 cores). A unit test that must
+start processes (DataLoader workers, say) is marked ``spawns``, and one that trains for a
+while on the virtual cluster (about a CPU-second or more: the learning runs, the W = 64/256
+byte sweep) ``slow``; both are left to ``make test`` (``make mutation`` runs the slow ones
+too). ``tests/dist`` and ``tests/e2e`` mark themselves (``dist``, ``e2e``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "unit: starts no processes, comm faked (tests/unit)")
     config.addinivalue_line(
         "markers", "spawns: a tests/unit test that starts processes (not in make test-fast)"
+    )
+    config.addinivalue_line(
+        "markers", "slow: a tests/unit test of about a CPU-second or more (not in make test-fast)"
     )
 
 

@@ -87,10 +87,10 @@ def test_two_torchrun_launches_on_localhost(tmp_path, nproc, args):
 
 
 def test_python_api_example_under_torchrun(tmp_path):
-    for args, nproc in [
-        (["--strategy", "asgd", "--servers", "1", "--n-sync", "5"], 3),
-        (["--strategy", "sync"], 2),  # the README's command
-    ]:
+    # asgd: servers and workers in one launch. The README's sync command is parsed by
+    # test_readme.py; a lockstep Job under torchrun runs there (README.md's block) and
+    # sync's hooks in tests/dist/test_api_hooks.py.
+    for args, nproc in [(["--strategy", "asgd", "--servers", "1", "--n-sync", "5"], 3)]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(free_port()), str(REPO / "examples" / "own_loop.py"),
                *args, "--steps", "40", "--out", str(tmp_path / args[1])]  # fmt: skip

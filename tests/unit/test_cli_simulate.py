@@ -147,6 +147,7 @@ def test_a_single_run_calls_simulate_and_prints_virtual_seconds(
     assert "virtual s" in table and "wall s" not in table
 
 
+@pytest.mark.slow
 def test_a_sweep_writes_the_table_json_and_plots(simulated, tmp_path, capsys):
     out = tmp_path / "sweep"
     argv = ["simulate", *SMALL, "--out", str(out), "--step-time-s", "0.1"]

@@ -339,6 +339,7 @@ def test_daso_none_is_the_uncompressed_run_bit_for_bit(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["int8", "bf16"])
 def test_compressed_daso_learns_and_sends_its_global_syncs_compressed(tmp_path, plain_run, method):
     # fp32 global syncs (both kinds) against the compressed ones: the inter-node bytes are
@@ -367,6 +368,7 @@ def test_none_is_the_uncompressed_run_bit_for_bit(tmp_path):
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "method", "extra"),
     [

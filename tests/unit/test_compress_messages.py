@@ -197,6 +197,7 @@ def _bytes_and_accuracy(tmp_path, strategy: str, compress: str, **kw) -> tuple[i
     return summary["sent_bytes"], summary["final_test_accuracy"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "extra"), [("asgd", {"server_lr": 0.5}), ("easgd", {"easgd_tau": 4})]
 )

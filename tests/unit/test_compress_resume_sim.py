@@ -54,6 +54,7 @@ def _final_params(out) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_a_compressed_run_killed_and_resumed_ends_where_the_undisturbed_one_does(tmp_path, case):
     sim = SimulationConfig(step_time_s=0.01)

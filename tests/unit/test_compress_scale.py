@@ -130,6 +130,7 @@ def expected(strategy: str, workers: int, method: str) -> dict[str, int]:
     return {"sent": inter + intra, "inter": inter}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "sizes", "methods"),
     [(s, SIZES, METHODS) for s in SETTINGS] + [("local_sgd", (256,), ("none", "int8"))],

@@ -28,6 +28,7 @@ def test_batch_stream_is_deterministic_and_resumable():
     assert torch.equal(next(c)[1], nxt)
 
 
+@pytest.mark.slow
 def test_mnist1d_is_generated_locally_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("CLOUDBURST_CACHE", str(tmp_path))
     ds = load_dataset("mnist1d", 400, 100)

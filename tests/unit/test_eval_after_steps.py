@@ -71,6 +71,7 @@ def test_nothing_to_wait_for_when_the_others_are_done() -> None:
     assert job.evaluations == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [["easgd", "--easgd-tau", "2"], ["asgd", "--n-sync", "2"]])
 def test_the_evaluator_finishing_first_keeps_evaluating_the_servers(tmp_path, strategy) -> None:
     # Worker 1 is 4x slower: worker 0 (rank 1, the evaluator) ends its 60 steps at ~1.2

@@ -59,6 +59,7 @@ def untrained_loss(text):
     return evaluate_dataset(model, in_memory(data.test), None)[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_strategy_trains_the_gpt(tmp_path, text, untrained_loss, strategy):
     # 12 steps (3 evaluations, 3 averages at period 4): every strategy's loss falls by 2.1
@@ -81,6 +82,7 @@ def test_every_strategy_trains_the_gpt(tmp_path, text, untrained_loss, strategy)
     assert summary["time_to_target_loss_s"] is None and summary["target_loss"] is None
 
 
+@pytest.mark.slow
 def test_a_loss_target_is_timed_and_a_resumed_sync_run_ends_where_an_undisturbed_one_does(
     tmp_path, text
 ):
@@ -117,6 +119,7 @@ def test_a_loss_target_is_timed_and_a_resumed_sync_run_ends_where_an_undisturbed
     assert json.loads((tmp_path / "cut" / "config.json").read_text())["model"] == SPEC
 
 
+@pytest.mark.slow
 def test_plot_and_compare_show_the_loss_of_language_models(tmp_path, text):
     from cloudburst.compare import loss_table
     from cloudburst.plot import curve_metric, plot_runs

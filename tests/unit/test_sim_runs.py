@@ -109,6 +109,7 @@ def _metrics(out: Path) -> dict[str, list[dict]]:
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_runs_with_one_seed_write_the_same_summary_and_metrics(tmp_path, strategy):
     # Jittered steps, a slow link between two nodes, frequent evaluations: everything that

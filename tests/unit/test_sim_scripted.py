@@ -53,6 +53,7 @@ def _consensus(ctx) -> list[dict]:
     return results
 
 
+@pytest.mark.slow
 def test_consensus_distance_falls_to_zero_for_every_schedule_and_variant(tmp_path):
     cfg = RunConfig(strategy="gossip", workers=4, dataset="synthetic", out=str(tmp_path))
     ranks = run_ranks(cfg, _consensus)

@@ -242,6 +242,7 @@ def test_delayed_nesterov_state_survives_a_checkpoint():
     assert torch.equal(resumed.theta, whole.theta)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", [m for m in COMPENSATIONS if m != "none"])
 def test_each_compensator_learns_on_the_virtual_cluster(tmp_path, method):
     cfg = RunConfig(
