@@ -22,6 +22,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def forkserver_preload(module: str = "cloudburst.train") -> list[str]:
+    """What the forkserver imports before it forks a rank (``module``: the ranks' entry)."""
+    return [module, "torch.distributed.elastic.multiprocessing", "cloudburst._warm"]
+
+
 def start_forkserver(module: str = "cloudburst.train", fork: bool = False) -> None:
     """Start (once) the forkserver that local jobs' ranks are forked from, preloading
     ``module``; the CLI calls this early so that the server's imports overlap its checks.
@@ -29,7 +34,7 @@ def start_forkserver(module: str = "cloudburst.train", fork: bool = False) -> No
     # Ranks forked from it take its environment, not their agent's: this marks them as ranks
     # of a local job (every rank on this machine; the launcher writes a failed run's summary).
     os.environ["CLOUDBURST_LOCAL_JOB"] = "1"
-    preload = [module, "torch.distributed.elastic.multiprocessing", "cloudburst._warm"]
+    preload = forkserver_preload(module)
     mp.set_forkserver_preload(preload)
     if fork and _fork_server(preload):
         return

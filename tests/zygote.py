@@ -76,13 +76,13 @@ def serve() -> None:
     if sys.path and sys.path[0] in ("", os.getcwd()):
         del sys.path[0]
     base_path = list(sys.path)
-    # The CLI and what its forkserver preloads (cloudburst.forkserver.start_forkserver): a
-    # child's forkserver, forked from it, then imports nothing.
-    import torch.distributed.elastic.multiprocessing  # noqa: F401
-
-    import cloudburst._warm  # noqa: F401
+    # The CLI and what its forkserver preloads: a child's forkserver, forked from it, then
+    # imports nothing.
     import cloudburst.cli  # noqa: F401
-    import cloudburst.train  # noqa: F401
+    from cloudburst.forkserver import forkserver_preload
+
+    for module in forkserver_preload():
+        importlib.import_module(module)
 
     channel = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing else may write to the channel
