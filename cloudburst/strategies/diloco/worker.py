@@ -50,9 +50,6 @@ class _InFlight:
 class DilocoStrategy(Diloco, LocalSgdStrategy):
     needs_peers = False
 
-    def _due(self, step: int) -> bool:
-        return step % self.period() == 0
-
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         super().wrap(model, optimizer)
         self._reference = None  # the drift DiLoCo sends is its pseudo-gradient θ_global − θ_i
