@@ -152,18 +152,34 @@ def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.02)
 
 
 # ---------------------------------------------------------------------------- the CLI
-def start_job(args: list[str], cmd: list[str] | None = None, **popen_kw) -> subprocess.Popen:
+def start_job(args: list[str], cmd: list[str] | None = None, sigint_default: bool = False):
     """``python -m cloudburst train ARGS`` (or ``cmd``) in a session of its own, its output
-    captured: a test can signal the job's processes and kill the whole session."""
+    captured (a ``subprocess.Popen``, or its stand-in forked from the zygote): a test can
+    signal the job's processes and kill the whole session. ``sigint_default``: the job
+    starts with SIGINT's default disposition (a shell may start background jobs with it
+    ignored)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if cmd is None:
+        zygote = _zygote_acquire(env)
+        if zygote is not None:
+            try:
+                return _ZygoteJob(zygote, ["train", *args], env, sigint_default)
+            except BaseException:
+                zygote.lock.release()
+                raise
+
+    def default_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     return subprocess.Popen(
         cmd or [sys.executable, "-m", "cloudburst", "train", *args],
         cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        **popen_kw,
+        preexec_fn=default_sigint if sigint_default else None,
     )
 
 
@@ -317,8 +333,8 @@ _zygote: _Zygote | None = None
 _zygote_failed = False
 
 
-def _zygote_run(args, cwd: Path, env: dict[str, str], timeout_s: float):
-    """``cloudburst ARGS`` forked from the zygote; None where a fresh process must run it."""
+def _zygote_acquire(env: dict[str, str]) -> _Zygote | None:
+    """The zygote, locked for one job; None where a fresh process must run it."""
     global _zygote, _zygote_failed
     from tests.zygote import startup_env
 
@@ -332,13 +348,95 @@ def _zygote_run(args, cwd: Path, env: dict[str, str], timeout_s: float):
         return None
     if startup_env(env) != startup_env(_zygote.env) or not _zygote.lock.acquire(blocking=False):
         return None  # read at start-up; or a job running already (another thread)
+    return _zygote
+
+
+def _zygote_run(args, cwd: Path, env: dict[str, str], timeout_s: float):
+    """``cloudburst ARGS`` forked from the zygote; None where a fresh process must run it."""
+    global _zygote_failed
+    zygote = _zygote_acquire(env)
+    if zygote is None:
+        return None
     try:
-        return _zygote.run(args, cwd, env, timeout_s)
+        return zygote.run(args, cwd, env, timeout_s)
     except (OSError, RuntimeError, ValueError):  # the zygote died: fresh processes from now
         _zygote_failed = True
         return None
     finally:
-        _zygote.lock.release()
+        zygote.lock.release()
+
+
+class _ZygoteJob:
+    """A :func:`start_job` job forked from the zygote, with what the tests use of a
+    ``subprocess.Popen`` (``stdout=stderr=PIPE``, text): ``pid`` (a session leader), ``args``,
+    ``stdout``/``stderr``, ``poll``, ``wait``, ``communicate``, ``send_signal``, ``kill``,
+    ``returncode``. The zygote is locked until the job's exit is read."""
+
+    def __init__(self, zygote: _Zygote, args: list[str], env: dict[str, str], sigint: bool):
+        self._zygote, self.returncode = zygote, None
+        self.args = [sys.executable, "-m", "cloudburst", *args]
+        self._tmp = tempfile.TemporaryDirectory()
+        paths = [Path(self._tmp.name, name) for name in ("stdout", "stderr")]
+        for path in paths:
+            os.mkfifo(path, 0o600)
+        # Read ends first (non-blocking: no writer yet), so the zygote's opens do not block.
+        fds = [os.open(path, os.O_RDONLY | os.O_NONBLOCK) for path in paths]
+        request = {"args": args, "cwd": str(REPO), "env": env, "fifo": True}
+        request.update(stdout=str(paths[0]), stderr=str(paths[1]), sigint_default=sigint)
+        zygote.proc.stdin.write((json.dumps(request) + "\n").encode())
+        zygote.proc.stdin.flush()
+        self.pid = zygote._read(60.0)["pid"]  # the child holds the write ends from here
+        zygote.runs += 1
+        for fd in fds:
+            os.set_blocking(fd, True)
+        self.stdout, self.stderr = (os.fdopen(fd, errors="replace") for fd in fds)
+        self._readers: list[threading.Thread] | None = None
+        self._read: dict[str, list[str]] = {"stdout": [], "stderr": []}
+
+    def poll(self) -> int | None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.wait(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            try:
+                code = self._zygote._read(timeout)["code"]
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            self.returncode = code
+            self._zygote.lock.release()
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        if self._readers is None:  # kept across calls, as Popen keeps what it read
+            self._readers = [
+                threading.Thread(target=self._drain, args=(name,), daemon=True)
+                for name in ("stdout", "stderr")
+            ]
+            for reader in self._readers:
+                reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._tmp.cleanup()
+        return "".join(self._read["stdout"]), "".join(self._read["stderr"])
+
+    def _drain(self, name: str) -> None:
+        stream = getattr(self, name)
+        self._read[name].append(stream.read())
+        stream.close()
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def refused(args: list[str], monkeypatch, capsys) -> subprocess.CompletedProcess:

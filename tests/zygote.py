@@ -13,7 +13,10 @@ whose environment differs there (:func:`startup_env`) to a fresh process instead
 call with other options.
 
 Protocol, one job at a time, JSON lines: the client writes {"args", "cwd", "env", "stdout",
-"stderr"}; the zygote answers {"pid"} once it forked, then {"code"} once the child exited.
+"stderr"} (and optionally "fifo": stdout and stderr are FIFOs the client reads, as a
+``subprocess.PIPE``; "sigint_default": SIGINT as an interpreter started with its default
+disposition has it); the zygote answers {"pid"} once it forked, then {"code"} once the child
+exited.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import sys
 import traceback
 
@@ -32,10 +36,12 @@ def startup_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and k != "PYTHONPATH"}
 
 
-def _child(request: dict, base_path: list[str]) -> None:
+def _child(request: dict, base_path: list[str], outputs: list[int] | None) -> None:
     code = 1
     try:
         os.setsid()
+        if request.get("sigint_default"):  # as an interpreter started with SIGINT's default
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -44,7 +50,10 @@ def _child(request: dict, base_path: list[str]) -> None:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            if outputs is None:
+                target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            else:
+                target = outputs[fd - 1]
             os.dup2(target, fd)
             os.close(target)
         entry = importlib.util.find_spec("cloudburst.__main__").origin  # python -m's argv[0]
@@ -92,10 +101,17 @@ def serve() -> None:
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
+        # Pipes (FIFOs the client reads): opened here, before the fork, so that the child
+        # holds their write ends by the time the client hears its pid.
+        outputs = None
+        if request.get("fifo"):
+            outputs = [os.open(request[k], os.O_WRONLY) for k in ("stdout", "stderr")]
         pid = os.fork()
         if pid == 0:
             channel.close()
-            _child(request, base_path)
+            _child(request, base_path, outputs)
+        for fd in outputs or ():
+            os.close(fd)
         channel.write(json.dumps({"pid": pid}) + "\n")
         channel.flush()
         _, status = os.waitpid(pid, 0)

@@ -51,10 +51,8 @@ def _fired(path: Path) -> bool:
 
 
 def _start(args: list[str], cmd: list[str] | None = None) -> subprocess.Popen:
-    def default_sigint() -> None:  # a shell may start background jobs with SIGINT ignored
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-    return start_job(args, cmd, preexec_fn=default_sigint)
+    # SIGINT at its default: a shell may start background jobs with it ignored.
+    return start_job(args, cmd, sigint_default=True)
 
 
 def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, workers: int = 2) -> None:
