@@ -66,7 +66,7 @@ bench-quick: $(STAMP)
 		EVIDENCE_FLAGS="--results runs/bench-quick --print"
 
 ## Mutation score of the algorithmic core against the fast tests (benchmarks/results/mutation.md).
-## mutmut mutates a copy (mutants/), one mutant at a time (2 shared cores): 25-40 min here.
+## mutmut mutates a copy (mutants/), two mutants at a time against the make test-fast tier.
 ## server.py, daso.py, asgd.py, gossip.py and sim/network.py also hold the server loop, DASO's
 ## collectives, the workers' transport and the virtual cluster's mailboxes: only their maths is
 ## run (mutants not named below stay "not checked", uncounted).
@@ -102,7 +102,7 @@ MUTANTS := 'cloudburst.comm.flat.*' 'cloudburst.comm.link.*' 'cloudburst.checkpo
 
 mutation: $(STAMP)
 	rm -rf mutants && mkdir mutants
-	OMP_NUM_THREADS=1 $(BIN)/mutmut run --max-children 1 $(MUTANTS) > mutants/run.log 2>&1
+	OMP_NUM_THREADS=1 $(BIN)/mutmut run --max-children 2 $(MUTANTS) > mutants/run.log 2>&1
 	@$(BIN)/mutmut results --all true | awk -F': ' '$$2 != "not checked" { \
 		f = $$1; sub(/^ +/, "", f); sub(/\.[^.]*$$/, "", f); n[f, $$2]++; files[f]; \
 		all++; dead += $$2 == "killed" || $$2 == "timeout"; if ($$2 != "killed") print } \
