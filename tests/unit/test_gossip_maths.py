@@ -249,17 +249,6 @@ def test_a_step_with_nothing_received_and_no_pull_leaves_the_parameters_untouche
     assert fake.pulls == [] and len(fake.pushes) == (0 if variant == "pull" else 2)
 
 
-def test_a_step_flattens_the_replica_into_the_strategys_one_buffer():
-    # No fresh vector per step (comm/flat.py: on large models the allocation costs more than
-    # the copy): after_step refreshes the buffer wrap made, in place (consensus_distance too:
-    # checked with the measurement below).
-    strategy, model, _ = _worker([1.0, 2.0], gossip_variant="push")
-    buffer = strategy._flat
-    _set(model, [3.0, 4.0])
-    strategy.after_step(8)
-    assert strategy._flat is buffer and buffer.tolist() == [3.0, 4.0]
-
-
 # ---------------------------------------------------------------------------- consensus distance
 # Four replicas of two values; worker 1 is driven, the others' θ are given.
 REPLICAS = [[0.0, 0.0], [3.0, 0.0], [0.0, 6.0], [5.0, 2.0]]
@@ -310,8 +299,6 @@ def test_consensus_distance_is_the_mean_distance_to_the_average_over_the_workers
     ]
     assert [type(c[4]) for c in others.calls] == [bool, bool]
     assert all(c[5] == {"comm": ctx.comm} for c in others.calls)
-    # It flattens the replica as it is now, into the strategy's buffer.
-    assert strategy._flat.tolist() == REPLICAS[ME]
 
 
 def test_a_measurement_is_reported_once_at_the_step_it_was_made(monkeypatch):
