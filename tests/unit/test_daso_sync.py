@@ -1,0 +1,259 @@
+"""DASO's global syncs as they cross the wire, on the virtual cluster (``run_ranks``, a
+3-parameter linear model, lr 0 so that only the syncs move θ):
+
+- which rank of each node sends at the k-th sync (local rank k mod G, rotating: 0, 1, 2, 0, …
+  with G = 3), over which group, in which dtype (blocking bf16, non-blocking fp32), the θ it
+  holds at that moment, the count of syncs started and the bytes each rank sent;
+- when a sync is merged (S steps after it started, fp32 and int8) and that its sender
+  broadcasts the merge over its node;
+- that a non-blocking sync does not hold its sender back (its virtual clock does not move
+  when the sync starts; fp32 and int8), while a blocking one does;
+- the emulated inter-node link (the real run's ``--link``) charges every global sync, fp32,
+  bf16 and int8, exactly the link model's time for its bytes;
+- the phase of every step counted from where the step started (a fractional warm-up), and
+  the phase each sync logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from cloudburst.comm.link import LinkEmulator, LinkSpec
+from cloudburst.config import RunConfig
+from cloudburst.sim.run import run_ranks
+from cloudburst.strategies.daso import DasoStrategy
+
+NUMEL = 3  # nn.Linear(2, 1)
+
+
+def _cfg(tmp_path, workers: int, nodes: int, **kw) -> RunConfig:
+    settings = dict(
+        daso_global_skip=1, daso_batches_to_wait=1, daso_local_skip=1, daso_warmup_epochs=0.0,
+        daso_cooldown_epochs=0.0, daso_adaptive=False, daso_epoch_end_sync=False,
+    )  # fmt: skip
+    settings.update(kw)
+    return RunConfig(
+        strategy="daso", workers=workers, nodes=nodes, dataset="synthetic", out=str(tmp_path),
+        comm_timeout_s=60, **settings,
+    )  # fmt: skip
+
+
+def _model(rank: int) -> nn.Module:
+    """θ = (10r, 10r + 1, 10r + 2) on rank r: every rank's θ differs."""
+    model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[10.0 * rank, 10.0 * rank + 1]]))
+        model.bias.fill_(10.0 * rank + 2)
+    return model
+
+
+def _theta(model: nn.Module) -> torch.Tensor:
+    return torch.cat([model.weight.detach().reshape(-1), model.bias.detach().reshape(-1)])
+
+
+def _drive(ctx, steps: int, steps_per_epoch: int, total_steps: int, on_step=None, record=None):
+    """``steps`` steps of one rank as the training loop runs them (lr 0), then the finish.
+    ``record(strategy, model)``: wraps the transport before training (sees the wire);
+    ``on_step(step, strategy, before, after)``: the virtual clock around each after_step."""
+    model = _model(ctx.rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    strategy = DasoStrategy(ctx)
+    strategy.configure(steps_per_epoch, total_steps)
+    net = strategy.wrap(model, optimizer)
+    strategy.start()
+    if record is not None:
+        record(strategy, model)
+    x, y = torch.ones(4, 2), torch.zeros(4, 1)
+    for step in range(1, steps + 1):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        strategy.after_backward()
+        optimizer.step()
+        ctx.comm.step_done(0.0, 0.0, 1.0)
+        strategy.record_loss(loss.item())
+        before = ctx.comm.now()
+        strategy.after_step(4)
+        if on_step is not None:
+            on_step(step, strategy, before, ctx.comm.now())
+    strategy.finish()
+    return strategy
+
+
+# ---------------------------------------------------------------------------- the wire
+def test_each_sync_is_sent_by_the_rotating_local_rank_over_its_global_group_in_its_dtype(
+    tmp_path,
+):
+    """G = 3, P = 2, B = 1, S = 1, six steps and the finish: the k-th sync is sent by local
+    rank k mod 3 of each node (0, 1, 2, 0, 1, 2, then the finish's blocking one by 0), over
+    the group {g, g + 3}; the non-blocking ones in fp32 (daso_cycling_downcast none), the
+    finish's blocking one in bf16 (daso_downcast bf16); each is the sender's θ of the moment.
+    Seven syncs are counted on every rank, and each rank counts the bytes it sent."""
+    cfg = _cfg(tmp_path, workers=6, nodes=2, daso_downcast="bf16", daso_cycling_downcast="none")
+    wire: list[tuple[int, int, tuple[int, ...], torch.dtype, bool]] = []
+    sent_is_theta: list[bool] = []
+
+    def record(strategy, model):
+        ctx = strategy.ctx
+        real = ctx.comm.all_reduce
+
+        def all_reduce(tensor, group=None, async_op=False):
+            if group is ctx.global_group:
+                members = tuple(group.members)
+                wire.append((strategy.local_steps, ctx.rank, members, tensor.dtype, async_op))
+                sent_is_theta.append(torch.equal(tensor, _theta(model).to(tensor.dtype)))
+            return real(tensor, group, async_op=async_op)
+
+        ctx.comm.all_reduce = all_reduce
+
+    def drive(ctx):
+        s = _drive(ctx, 6, 1000, 6, record=record)
+        return s.syncs, s.report()["global_syncs"], s.report()["global_bytes"]
+
+    counts = run_ranks(cfg, drive)
+    # Bytes of θ each rank put on the global all-reduces: local rank 0 two fp32 syncs and
+    # the bf16 one (3 · 4 + 3 · 4 + 3 · 2), local ranks 1 and 2 two fp32 syncs each.
+    assert counts == [(7, 7, 30), (7, 7, 24), (7, 7, 24)] * 2
+    assert all(sent_is_theta) and len(sent_is_theta) == 14
+    got = sorted(wire)
+    want = []
+    for k, step in enumerate([1, 2, 3, 4, 5, 6, 6]):
+        g = k % 3
+        dtype = torch.bfloat16 if k == 6 else torch.float32
+        for node in range(2):
+            want.append((step, 3 * node + g, (g, g + 3), dtype, True))
+    assert got == sorted(want)
+
+
+# ---------------------------------------------------------------------------- overlap
+@pytest.mark.parametrize("compress", ["none", "int8"])
+def test_a_non_blocking_sync_does_not_hold_its_sender_when_it_starts(tmp_path, compress):
+    """B = 2, S = 1 on 2 nodes × 2 across a 1 Gbit/s, 1 ms inter-node link: the syncs start
+    after steps 2 and 4. Starting one costs no rank virtual time (the all-reduce overlaps the
+    next step); the finish, which waits for the second and runs a blocking one, does."""
+    extra = {} if compress != "none" else {"daso_downcast": "none"}
+    cfg = _cfg(
+        tmp_path, workers=4, nodes=2, daso_global_skip=2, compress=compress,
+        inter_node_link="1,1", **extra,
+    )  # fmt: skip
+
+    def drive(ctx):
+        spent, ends = {}, []  # virtual seconds each after_step took; when the last ended
+
+        def on_step(step, strategy, before, after):
+            spent[step] = after - before
+            ends.append(after)
+
+        _drive(ctx, 4, 1000, 4, on_step=on_step)
+        return spent, ctx.comm.now() - ends[-1]
+
+    for rank, (spent, finish) in enumerate(run_ranks(cfg, drive)):
+        assert spent[2] == 0.0 and spent[4] == 0.0, rank  # the steps that start a sync
+        assert finish >= 2e-3, rank  # at least the blocking sync's two latencies
+
+
+# ---------------------------------------------------------------------------- the merge
+@pytest.mark.parametrize("compress", ["none", "int8"])
+def test_a_sync_is_merged_s_steps_after_it_started_and_broadcast_by_its_sender(tmp_path, compress):
+    """B = 3, S = 2 on 2 nodes × 2, six steps and the finish: the sync started after step 3
+    (by local rank 0) is merged after step 5 and broadcast over the node from its sender; the
+    one started after step 6 (local rank 1) at the finish, then the finish's blocking one
+    (local rank 0). Uncompressed (fp32), rank 2n + i holds after step 5 its node sender's
+    merge (2S·θ_2n + θ_0 + θ_2) / (2S + P) = (5·θ_2n + θ_2(1−n)) / 6."""
+    extra = {"daso_downcast": "none"} if compress == "none" else {}
+    cfg = _cfg(
+        tmp_path, workers=4, nodes=2, daso_global_skip=3, daso_batches_to_wait=2,
+        compress=compress, **extra,
+    )  # fmt: skip
+
+    def drive(ctx):
+        broadcasts, thetas, models = [], [], []
+
+        def record(strategy, model):
+            real = ctx.comm.broadcast
+
+            def broadcast(tensor, src, group=None):
+                if group is ctx.node_group:
+                    broadcasts.append((strategy.local_steps, src))
+                return real(tensor, src, group)
+
+            ctx.comm.broadcast = broadcast
+            models.append(model)
+
+        def on_step(step, strategy, before, after):
+            thetas.append(_theta(models[0]).clone())
+
+        _drive(ctx, 6, 1000, 6, on_step=on_step, record=record)
+        return broadcasts, thetas
+
+    results = run_ranks(cfg, drive)
+    initial = [_theta(_model(r)) for r in range(4)]
+    for rank, (broadcasts, thetas) in enumerate(results):
+        node = rank // 2
+        assert broadcasts == [(5, 2 * node), (6, 2 * node + 1), (6, 2 * node)], rank
+        for step in range(1, 5):  # nothing merged before step 5: lr 0, θ as it started
+            assert torch.equal(thetas[step - 1], initial[rank]), (rank, step)
+        if compress == "none":
+            want = (5 * initial[2 * node] + initial[2 * (1 - node)]) / 6
+            torch.testing.assert_close(thetas[4], want, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- the link
+GBIT, LATENCY_MS = 1e6, 1e-6  # a link so fast that its emulated waits are nanoseconds
+
+
+@pytest.mark.parametrize("compress", ["none", "int8"])
+def test_the_emulated_link_charges_every_global_sync_its_time(tmp_path, compress):
+    """The real run's link emulator (given to the context as ``--link`` does): on 2 nodes
+    × 2, B = 2, S = 1, four steps and the finish, local rank 0 of each node sends twice (the
+    sync after step 2, fp32 (uncompressed) or int8; the finish's blocking one, bf16 or int8)
+    and local rank 1 once (after step 4). Each sync is charged on its sender the link's time:
+    a ring all-reduce over P = 2 of its bytes, 2(P−1)·latency + 2(P−1)/P·bytes/bandwidth; an
+    int8 one the all-gather of one packed vector, (P−1)·latency + 260 bytes/bandwidth (3
+    codes padded to a 256-value block, and its 4-byte scale)."""
+    extra = {} if compress != "none" else {"daso_downcast": "bf16"}
+    cfg = _cfg(tmp_path, workers=4, nodes=2, daso_global_skip=2, compress=compress, **extra)
+    bw, lat = GBIT * 1e9 / 8, LATENCY_MS / 1e3
+
+    def drive(ctx):
+        link = LinkEmulator(LinkSpec(GBIT, LATENCY_MS))
+        s = _drive(dataclasses.replace(ctx, link=link), 4, 1000, 4)
+        return s.stats.emulated_link_s
+
+    charged = run_ranks(cfg, drive)
+    if compress == "none":
+        fp32, bf16 = 2 * lat + NUMEL * 4 / bw, 2 * lat + NUMEL * 2 / bw
+        want = [fp32 + bf16, fp32, fp32 + bf16, fp32]
+    else:
+        one = lat + 260 / bw
+        want = [2 * one, one, 2 * one, one]
+    assert charged == pytest.approx(want, rel=1e-9, abs=0.0)
+
+
+# ---------------------------------------------------------------------------- phases
+def test_phases_are_counted_per_step_from_where_the_step_started(tmp_path):
+    """4 steps an epoch, 16 steps (4 epochs), warm-up 0.5 epochs, cool-down 1: steps 1–2
+    are warm-up (blocking syncs), 3–12 cycling (B = 2, S = 1: syncs after 4, 6, 8, 10, 12),
+    13–16 cool-down (blocking); the finish adds a blocking sync at step 16. The counts of
+    steps per phase and the log of syncs (step, phase, B, S) follow each step's start
+    position, not the middle of its epoch (which would call steps 1–2 cycling)."""
+    cfg = _cfg(
+        tmp_path, workers=4, nodes=2, daso_global_skip=2, daso_warmup_epochs=0.5,
+        daso_cooldown_epochs=1.0,
+    )  # fmt: skip
+
+    def drive(ctx):
+        s = _drive(ctx, 16, 4, 16)
+        return s.report()["phase_steps"], s.sync_log
+
+    results = run_ranks(cfg, drive)
+    want_log = [(1, "warmup", 2, 0), (2, "warmup", 2, 0)]
+    want_log += [(t, "cycling", 2, 1) for t in (4, 6, 8, 10, 12)]
+    want_log += [(t, "cooldown", 2, 0) for t in (13, 14, 15, 16, 16)]
+    for phase_steps, log in results:
+        assert phase_steps == {"warmup": 2, "cycling": 10, "cooldown": 4}
+        assert log == want_log
