@@ -36,7 +36,10 @@ def quantise(x: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     top = INT8_MAX if method == "int8" else FP8_MAX
     # An all-zero block gets scale 1; a block holding NaN or ±inf keeps a non-finite scale, so
     # it decodes to NaN and the receivers' finiteness checks see it (a NaN cast to a code is 0).
-    scales = torch.where(absmax == 0, torch.ones_like(absmax), absmax / top)
+    # A scale never underflows to 0 (a block of values below ~1e-42 would decode to NaN): at
+    # least the smallest normal float, its values then round to code 0.
+    tiny = torch.finfo(torch.float32).tiny
+    scales = torch.where(absmax == 0, torch.ones_like(absmax), (absmax / top).clamp_(min=tiny))
     scaled = blocks / scales[:, None]
     if method == "int8":
         codes = scaled.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)

@@ -37,3 +37,12 @@ def test_a_block_holding_a_non_finite_value_arrives_nan(method, bad):
     out = decode(encode(x, method), x.numel(), method)
     assert bool(out[BLOCK : 2 * BLOCK].isnan().all())
     assert bool(torch.isfinite(out[:BLOCK]).all()) and bool(torch.isfinite(out[2 * BLOCK :]).all())
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_a_block_of_denormal_values_arrives_finite(method):
+    # Its absmax / 127 (or / 448) underflows to 0 in fp32; a 0 scale decodes to NaN.
+    x = torch.cat([torch.full((BLOCK,), 1e-44), torch.linspace(-1.0, 1.0, BLOCK)])
+    out = decode(encode(x, method), x.numel(), method)
+    assert bool(torch.isfinite(out).all())
+    assert bool((out[:BLOCK].abs() <= 1e-38).all())  # within one rounding of the tiny scale
