@@ -1,0 +1,462 @@
+"""The compressed all-reduce (cloudburst/comm/compress.py) on a group handle of its own, exactly:
+every transport call goes to the group it was given (a transport here refuses any other, the
+world's ``None`` included), the quantised forms' results bit for bit against the plain-PyTorch
+reference (tests/reference.py) at W = 2 and W = 3 with uneven chunks, each rank's bytes by the
+formula, the two-phase pending work (the first step started, the rest run by ``wait``, timed
+once on the transport's clock), what the emulated link is charged for each all-to-all and on
+which group, and the ``none`` / ``bf16`` forms passing the link, the node span, ``async_op``
+and the group on to the plain all-reduce.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from cloudburst.comm.collectives import all_to_all_s
+from cloudburst.comm.compress import (
+    BLOCK,
+    OWNER,
+    ErrorFeedback,
+    compressed_all_reduce_sum,
+    quantised_sent_bytes,
+)
+from cloudburst.comm.stats import CommStats
+from tests import reference as ref
+
+GROUP = object()  # the group handle: the only one the transports below accept
+UNIT = BLOCK + 4  # wire bytes of one block: its codes and its fp32 scale
+
+
+def _vector(n: int, seed: int) -> torch.Tensor:
+    """Values of very different magnitudes by block, one zero block, any length."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 2, n)
+    x[BLOCK : 2 * BLOCK] = 0
+    return x
+
+
+def _stats() -> CommStats:
+    """Counters holding earlier totals (all distinct), so an overwrite or a subtraction shows."""
+    return CommStats(
+        sent_bytes=1000, received_bytes=2000, wait_s=1.0, inter_node_bytes=3000,
+        intra_node_bytes=4000, emulated_link_s=0.25,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- W threads
+class _Board:
+    """What W threads exchange: each rank's tensor, between two barriers."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=10)
+        self.parts: dict[int, torch.Tensor] = {}
+
+
+class _Work:
+    """A finished work handle that records its wait in its transport's calls."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def wait(self) -> bool:
+        self.calls.append(("wait",))
+        return True
+
+
+class _GroupComm:
+    """Rank ``rank`` of a W-thread group reachable only as :data:`GROUP`; its clock reads
+    ``start``, ``start + tick``, ... (one reading a call); records every collective."""
+
+    def __init__(self, board: _Board, rank: int, start: float = 10.0, tick: float = 0.5):
+        self.board, self.rank = board, rank
+        self.clock, self.tick = start, tick
+        self.calls: list[tuple] = []
+
+    @staticmethod
+    def _check(group: Any) -> None:
+        if group is not GROUP:
+            raise AssertionError(f"a collective over {group!r}, not the group it was given")
+
+    def now(self) -> float:
+        reading = self.clock
+        self.clock += self.tick
+        return reading
+
+    def group_size(self, group: Any = None) -> int:
+        self._check(group)
+        return self.board.size
+
+    def group_rank(self, group: Any = None) -> int:
+        self._check(group)
+        return self.rank
+
+    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.board.parts[self.rank] = tensor.clone()
+        self.board.barrier.wait()
+        parts = [self.board.parts[r] for r in range(self.board.size)]
+        self.board.barrier.wait()
+        return parts
+
+    def all_gather(self, output, tensor, group=None, async_op=False):
+        self._check(group)
+        self.calls.append(("all_gather", tensor.numel(), async_op))
+        output.copy_(torch.cat(self._exchange(tensor)))
+        return _Work(self.calls)
+
+    def all_to_all(self, output, tensor, output_splits, input_splits, group=None, async_op=False):
+        self._check(group)
+        self.calls.append(("all_to_all", list(input_splits), list(output_splits), async_op))
+        sent = self._exchange(tensor)
+        splits = self._exchange(torch.tensor(input_splits, device="cpu"))
+        pieces = [sent[r].split(splits[r].tolist())[self.rank] for r in range(self.board.size)]
+        assert [p.numel() for p in pieces] == list(output_splits)
+        output.copy_(torch.cat(pieces))
+        return _Work(self.calls)
+
+
+def _on_threads(size: int, fn) -> list:
+    """``fn(rank, comm)`` on ``size`` threads, one :class:`_GroupComm` each; their results."""
+    board = _Board(size)
+    results: list = [None] * size
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, _GroupComm(board, rank))
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+            board.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+class _Spec:
+    latency_s = 0.125
+    bytes_per_s = 1024.0
+
+
+class _FakeLink:
+    """An emulated link (``active`` or not) of latency 1/8 s and 1024 bytes/s whose bookings
+    end at perf_counter 0 (long past: waiting never sleeps); records what it was asked."""
+
+    spec = _Spec()
+
+    def __init__(self, active: bool = True, allreduce_cost_s: float = 0.0625):
+        self.active = active
+        self.allreduce_cost_s = allreduce_cost_s
+        self.asked: list[tuple] = []
+        self.booked: list[tuple] = []
+
+    def allreduce_s(self, nbytes: int, group_size: int) -> float:
+        self.asked.append((nbytes, group_size))
+        return self.allreduce_cost_s
+
+    def book_collective(self, seconds: float, group: Any, start: float | None = None) -> float:
+        self.booked.append((seconds, group))
+        return 0.0
+
+
+# ---------------------------------------------------------------------------- W = 3: scatter
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("n", [1000, 300])
+def test_the_reduce_scatter_over_a_group_is_the_reference_on_every_rank(method, n):
+    """W = 3 over :data:`GROUP`: 1000 values are 4 blocks owned [2, 1, 1], 300 values 2 blocks
+    owned [1, 1, 0] (the last rank owns none); every rank ends with the reference's bits, both
+    residuals are the reference's, and each rank made exactly the scatter then the gather,
+    both asynchronous, with the splits of its share."""
+    size = 3
+    blocks = [2, 1, 1] if n == 1000 else [1, 1, 0]
+
+    def rank_fn(rank: int, comm: _GroupComm):
+        feedback = ErrorFeedback()
+        x = _vector(n, seed=rank) * (1 + rank)
+        y = x.clone()
+        compressed_all_reduce_sum(y, GROUP, CommStats(), method, feedback, key="t", comm=comm)
+        return x, y, feedback, comm.calls
+
+    results = _on_threads(size, rank_fn)
+    expected, sent, owner = ref.quantised_all_reduce(
+        [r[0] for r in results], method, [None] * size, [None] * size
+    )
+    for rank, (_, y, feedback, calls) in enumerate(results):
+        assert torch.equal(y, expected)
+        assert torch.equal(feedback.residuals["t"], sent[rank])
+        assert torch.equal(feedback.residuals["t" + OWNER], owner[rank])
+        mine = blocks[rank] * UNIT
+        others = [b * UNIT for b in blocks]
+        assert calls == [
+            ("all_to_all", others, [mine] * size, True),
+            ("wait",),
+            ("all_to_all", [mine] * size, others, True),
+            ("wait",),
+        ]
+
+
+def test_the_quantised_bytes_follow_the_formula_and_total_2_w_minus_1_packed_vectors():
+    """Each rank's count is its scatter (the others' chunks) plus its own chunk to the W − 1
+    others, in blocks of 260 bytes; over the group 2(W − 1) packed vectors (blocks × 260); at
+    W ≤ 2 the all-gather's W − 1 packed vectors for every rank, 0 for a group of one."""
+    # 1000 values: 4 blocks; W = 3 owns [2, 1, 1]
+    assert [quantised_sent_bytes(1000, 3, p) for p in range(3)] == [
+        (2 + 2 * 2) * 260,
+        (3 + 2 * 1) * 260,
+        (3 + 2 * 1) * 260,
+    ]
+    for n, size in [(1000, 3), (300, 3), (5000, 4), (1, 5), (123_457, 7)]:
+        blocks = -(-n // 256)
+        total = sum(quantised_sent_bytes(n, size, p) for p in range(size))
+        assert total == 2 * (size - 1) * blocks * 260
+    assert [quantised_sent_bytes(1000, 2, p) for p in range(2)] == [4 * 260] * 2
+    assert quantised_sent_bytes(1000, 1, 0) == 0
+
+
+# ---------------------------------------------------------------------------- W = 2: gather
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_a_pair_all_gathers_over_the_group_and_keeps_the_residual_under_the_default_key(method):
+    """W = 2: one asynchronous all-gather of the packed vectors over the group; both ranks get
+    the reference's rank-order sum of the two round trips; the sender's residual is kept under
+    the default key, the empty string (no owner's residual); counted as one packed vector."""
+    n = 700  # 3 blocks, the last one padded
+
+    def rank_fn(rank: int, comm: _GroupComm):
+        feedback = ErrorFeedback()
+        stats = _stats()
+        x = _vector(n, seed=10 + rank) * (1 + rank)
+        y = x.clone()
+        compressed_all_reduce_sum(y, GROUP, stats, method, feedback, comm=comm)
+        return x, y, feedback, comm.calls, stats
+
+    results = _on_threads(2, rank_fn)
+    expected = ref.QuantisedSum(method)([r[0] for r in results])
+    for x, y, feedback, calls, stats in results:
+        assert torch.equal(y, expected)
+        assert set(feedback.residuals) == {""}
+        assert torch.equal(feedback.residuals[""], x - ref.quantise_round_trip(x, method))
+        assert calls == [("all_gather", 3 * BLOCK + 3 * 4, True), ("wait",)]
+        assert stats.sent_bytes == 1000 + 3 * 260
+        assert stats.intra_node_bytes == 4000 + 3 * 260 and stats.inter_node_bytes == 3000
+
+
+# ---------------------------------------------------------------------------- two phases
+def test_the_two_phase_work_runs_the_rest_in_wait_timed_once_on_the_transports_clock():
+    """With ``async_op`` only the scatter has started when the call returns (the tensor is
+    untouched, nothing waited); ``wait`` waits for it, runs the gather, writes the sum, and adds
+    exactly one reading-to-reading interval of the transport's clock (0.5 s) to wait_s; a
+    second ``wait`` does nothing (no clock reading, no call)."""
+    n = 1000
+
+    def rank_fn(rank: int, comm: _GroupComm):
+        stats = _stats()
+        x = _vector(n, seed=rank)
+        y = x.clone()
+        pending = compressed_all_reduce_sum(
+            y, GROUP, stats, "int8", ErrorFeedback(), key="g", async_op=True, comm=comm
+        )
+        started = (list(comm.calls), torch.equal(y, x), stats.wait_s)
+        pending.wait()
+        after = (len(comm.calls), stats.wait_s, comm.clock, y.clone())
+        pending.wait()
+        again = (len(comm.calls), stats.wait_s, comm.clock)
+        return x, started, after, again, stats
+
+    results = _on_threads(3, rank_fn)
+    expected, _, _ = ref.quantised_all_reduce(
+        [r[0] for r in results], "int8", [None] * 3, [None] * 3
+    )
+    for _, started, after, again, stats in results:
+        calls, untouched, wait_s = started
+        assert [c[0] for c in calls] == ["all_to_all"] and untouched and wait_s == 1.0
+        assert after[0] == 4 and after[1] == 1.0 + 0.5 and after[2] == 10.0 + 2 * 0.5
+        assert torch.equal(after[3], expected)
+        assert again == after[:3]
+        assert stats.emulated_link_s == 0.25
+
+
+def test_a_blocking_quantised_all_reduce_adds_its_wait_to_the_earlier_total():
+    """Without ``async_op`` the call waits itself: wait_s grows by one clock tick (0.75 s)."""
+
+    def rank_fn(rank: int, comm: _GroupComm):
+        comm.clock, comm.tick = 100.0, 0.75
+        stats = _stats()
+        compressed_all_reduce_sum(_vector(600, seed=rank), GROUP, stats, "fp8", comm=comm)
+        return stats.wait_s
+
+    assert _on_threads(3, rank_fn) == [1.0 + 0.75] * 3
+
+
+# ---------------------------------------------------------------------------- the link
+def test_each_all_to_all_is_charged_on_the_group_for_this_ranks_bytes():
+    """Across nodes on an active link, W = 3, 1000 values owned [2, 1, 1]: the scatter is
+    charged 2 latencies + the others' chunks this rank sends, the gather 2 latencies + its own
+    chunk to 2 ranks, each booked once on the group and both added to emulated_link_s; the
+    link's completion is waited for on top of each transport work; the bytes count as
+    inter-node."""
+    blocks = [2, 1, 1]
+    link_of = [_FakeLink() for _ in range(3)]
+
+    def rank_fn(rank: int, comm: _GroupComm):
+        stats = _stats()
+        y = _vector(1000, seed=rank)
+        compressed_all_reduce_sum(
+            y, GROUP, stats, "int8", link=link_of[rank], spans_nodes=True, comm=comm
+        )
+        return stats, comm.calls
+
+    results = _on_threads(3, rank_fn)
+    for rank, (stats, calls) in enumerate(results):
+        mine = blocks[rank]
+        scatter = 2 * 0.125 + (4 - mine) * 260 / 1024
+        gather = 2 * 0.125 + 2 * mine * 260 / 1024
+        assert link_of[rank].booked == [(scatter, GROUP), (gather, GROUP)]
+        assert stats.emulated_link_s == 0.25 + scatter + gather
+        assert [c[0] for c in calls] == ["all_to_all", "wait", "all_to_all", "wait"]
+        moved = quantised_sent_bytes(1000, 3, rank)
+        assert stats.inter_node_bytes == 3000 + moved and stats.intra_node_bytes == 4000
+
+
+@pytest.mark.parametrize(("active", "spans_nodes"), [(True, False), (False, True)])
+def test_the_link_is_not_charged_unless_active_and_spanning_nodes(active, spans_nodes):
+    """An active link within a node, or an inactive one across nodes, is neither booked nor
+    added to emulated_link_s (W = 3 and W = 2 alike)."""
+    for size in (2, 3):
+        links = [_FakeLink(active=active) for _ in range(size)]
+
+        def rank_fn(rank: int, comm: _GroupComm, links=links):
+            stats = _stats()
+            compressed_all_reduce_sum(
+                _vector(600, seed=rank), GROUP, stats, "int8", link=links[rank],
+                spans_nodes=spans_nodes, comm=comm,
+            )  # fmt: skip
+            return stats.emulated_link_s
+
+        assert _on_threads(size, rank_fn) == [0.25] * size
+        assert all(link.booked == [] for link in links)
+
+
+def test_an_all_to_all_of_one_rank_or_on_a_free_link_costs_nothing():
+    """all_to_all_s: (n − 1) latencies + bytes / bandwidth; exactly 0 for a group of one or a
+    link without a spec."""
+    link = _FakeLink()
+    assert all_to_all_s(link, 512, 3) == 2 * 0.125 + 0.5
+    assert all_to_all_s(link, 512, 1) == 0.0
+    assert all_to_all_s(link, 512, 0) == 0.0
+    free = _FakeLink()
+    free.spec = None
+    assert all_to_all_s(free, 512, 4) == 0.0
+
+
+# ---------------------------------------------------------------------------- device
+def test_the_owners_sum_is_made_on_the_tensors_device_whatever_the_default_device():
+    """The reduce-scatter's temporaries live on the tensor's device, not on the default one: a
+    W = 3 all-reduce of CPU tensors while each thread's default device is ``meta`` gives the
+    reference's sum."""
+
+    def rank_fn(rank: int, comm: _GroupComm):
+        x = _vector(1000, seed=rank)
+        y = x.clone()
+        with torch.device("meta"):
+            compressed_all_reduce_sum(y, GROUP, CommStats(), "int8", comm=comm)
+        return x, y
+
+    results = _on_threads(3, rank_fn)
+    expected, _, _ = ref.quantised_all_reduce(
+        [r[0] for r in results], "int8", [None] * 3, [None] * 3
+    )
+    assert all(torch.equal(y, expected) for _, y in results)
+
+
+# ---------------------------------------------------------------------------- none and bf16
+class _OneRank:
+    """One rank of a ``size``-rank group reachable only as :data:`GROUP`: its all-reduce adds
+    ``peers`` (the others' sum); a scripted clock as :class:`_GroupComm`'s; records calls."""
+
+    def __init__(self, peers: torch.Tensor, size: int = 4, start: float = 10.0, tick=0.5):
+        self.peers, self.size, self.clock, self.tick = peers, size, start, tick
+        self.calls: list[tuple] = []
+
+    def now(self) -> float:
+        reading = self.clock
+        self.clock += self.tick
+        return reading
+
+    def group_size(self, group: Any = None) -> int:
+        _GroupComm._check(group)
+        return self.size
+
+    def all_reduce(self, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
+        _GroupComm._check(group)
+        self.calls.append(("all_reduce", tensor.dtype, tensor.numel(), async_op))
+        tensor.add_(self.peers.to(tensor.dtype))
+        return _Work(self.calls) if async_op else None
+
+
+def test_none_passes_the_link_the_span_and_the_group_to_the_plain_all_reduce():
+    """``none`` across nodes on an active link: the plain all-reduce over the group, asked of
+    the link for 3 × 4 bytes over 4 ranks, booked on the group, counted inter-node as a ring
+    (2·3/4 · 12 = 18 bytes); with ``async_op`` nothing is waited for until ``wait``."""
+    link = _FakeLink(allreduce_cost_s=0.0625)
+    comm = _OneRank(torch.tensor([1.0, 2.0, 3.0]))
+    stats = _stats()
+    y = torch.tensor([0.5, 0.25, -1.0])
+    pending = compressed_all_reduce_sum(
+        y, GROUP, stats, "none", link=link, spans_nodes=True, async_op=True, comm=comm
+    )
+    assert torch.equal(y, torch.tensor([1.5, 2.25, 2.0]))
+    assert comm.calls == [("all_reduce", torch.float32, 3, True)]
+    assert stats.wait_s == 1.0  # not waited yet
+    assert link.asked == [(12, 4)] and link.booked == [(0.0625, GROUP)]
+    assert stats.emulated_link_s == 0.25 + 0.0625
+    assert stats.inter_node_bytes == 3000 + 18 and stats.intra_node_bytes == 4000
+    pending.wait()
+    assert stats.wait_s == 1.0 + 0.5 and comm.calls[-1] == ("wait",)
+
+
+def test_none_without_a_link_keeps_async_op():
+    """``none`` with ``async_op`` and no link: one asynchronous all-reduce, not waited for."""
+    comm = _OneRank(torch.tensor([1.0, 1.0]), size=2)
+    stats = _stats()
+    y = torch.tensor([2.0, 3.0])
+    compressed_all_reduce_sum(y, GROUP, stats, "none", async_op=True, comm=comm)
+    assert comm.calls == [("all_reduce", torch.float32, 2, True)]
+    assert stats.wait_s == 1.0 and torch.equal(y, torch.tensor([3.0, 4.0]))
+    assert stats.intra_node_bytes == 4000 + 8 and stats.inter_node_bytes == 3000
+
+
+def test_bf16_passes_the_link_and_the_group_to_the_plain_all_reduce():
+    """``bf16`` across nodes on an active link: one asynchronous bf16 all-reduce over the group,
+    the link asked for 4 × 2 bytes over 4 ranks and booked on the group, counted inter-node
+    (2·3/4 · 8 = 12 bytes); the bf16 sum copied back."""
+    link = _FakeLink(allreduce_cost_s=0.125)
+    comm = _OneRank(torch.tensor([0.5, 0.5, 0.5, 0.5]))
+    stats = _stats()
+    y = torch.tensor([1.0, 2.0, -0.5, 3.0])
+    compressed_all_reduce_sum(y, GROUP, stats, "bf16", link=link, spans_nodes=True, comm=comm)
+    assert torch.equal(y, torch.tensor([1.5, 2.5, 0.0, 3.5]))
+    assert comm.calls == [("all_reduce", torch.bfloat16, 4, True), ("wait",)]
+    assert link.asked == [(8, 4)] and link.booked == [(0.125, GROUP)]
+    assert stats.emulated_link_s == 0.25 + 0.125
+    assert stats.inter_node_bytes == 3000 + 12 and stats.intra_node_bytes == 4000
+
+
+def test_a_method_without_an_all_reduce_is_refused_by_name():
+    """PowerSGD (a DDP hook) or an unknown name is refused in one line naming it, before any
+    transport call."""
+    comm = _OneRank(torch.zeros(2))
+    for method in ("powersgd", "int4"):
+        with pytest.raises(
+            ValueError, match=rf"^compressed all-reduce: '{method}' is not bf16, fp8 or int8$"
+        ):
+            compressed_all_reduce_sum(torch.zeros(2), GROUP, CommStats(), method, comm=comm)
+    assert comm.calls == []
