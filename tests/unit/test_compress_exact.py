@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from cloudburst.comm.collectives import all_to_all_s
+from cloudburst.comm.collectives import all_reduce_sum, all_to_all_s
 from cloudburst.comm.compress import (
     BLOCK,
     OWNER,
@@ -460,3 +460,33 @@ def test_a_method_without_an_all_reduce_is_refused_by_name():
         ):
             compressed_all_reduce_sum(torch.zeros(2), GROUP, CommStats(), method, comm=comm)
     assert comm.calls == []
+
+
+# ---------------------------------------------------------------------------- plain all-reduce
+def test_a_blocking_plain_all_reduce_runs_on_the_group_within_a_node_by_default():
+    """``all_reduce_sum`` with its defaults: one blocking all-reduce over the group, counted as
+    intra-node ring bytes (2·3/4 · 8 = 12); its wait timed on the transport's clock (one tick);
+    the pending it returns waits on that same clock (one more tick, no works)."""
+    comm = _OneRank(torch.tensor([1.0, -1.0]))
+    stats = _stats()
+    y = torch.tensor([0.5, 0.5])
+    pending = all_reduce_sum(y, GROUP, stats, comm=comm)
+    assert torch.equal(y, torch.tensor([1.5, -0.5]))
+    assert comm.calls == [("all_reduce", torch.float32, 2, False)]
+    assert stats.intra_node_bytes == 4000 + 12 and stats.inter_node_bytes == 3000
+    assert stats.wait_s == 1.0 + 0.5
+    pending.wait()
+    assert stats.wait_s == 1.0 + 0.5 + 0.5 and comm.calls == [
+        ("all_reduce", torch.float32, 2, False)
+    ]
+
+
+def test_a_group_of_one_is_not_charged_to_the_link():
+    """A one-rank group across nodes on an active link: the blocking all-reduce as usual (not
+    asynchronous), the link neither asked nor booked."""
+    link = _FakeLink(allreduce_cost_s=0.0625)
+    comm = _OneRank(torch.tensor([0.0, 0.0, 0.0]), size=1)
+    stats = _stats()
+    all_reduce_sum(torch.ones(3), GROUP, stats, link=link, spans_nodes=True, comm=comm)
+    assert comm.calls == [("all_reduce", torch.float32, 3, False)]
+    assert link.asked == [] and link.booked == [] and stats.emulated_link_s == 0.25
