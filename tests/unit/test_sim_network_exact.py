@@ -241,3 +241,98 @@ def test_inconsistent_splits_fail_the_all_to_all_with_what_is_wrong(
                     inter_node_link="8,2", out=str(tmp_path))  # fmt: skip
     with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
         run_ranks(cfg, _bad, inputs, sends, receives)
+
+
+# ---------------------------------------------------------------------------- messages
+def _p2p_cfg(tmp_path) -> RunConfig:
+    # Ranks 0, 1 on node 0; 2, 3 on node 1; the intra-node link is free (no delay).
+    return RunConfig(strategy="sync", workers=4, nodes=2, dataset="synthetic",
+                     inter_node_link="8,2", out=str(tmp_path))  # fmt: skip
+
+
+def _measurement(ctx) -> dict[str, float]:
+    """Rank 0 asks rank 2 inside ``measuring()``; rank 2 replies, then sends rank 1 a message
+    of its own (1e6 bytes)."""
+    comm, rank, t = ctx.comm, ctx.rank, {}
+    if rank == 0:
+        with comm.measuring():
+            comm.send(torch.ones(10), 2, tag=3)
+            reply = torch.zeros(10)
+            comm.recv(reply, 2, tag=4)
+            t["inside"], t["reply"] = comm.now(), reply[0].item()
+        t["after"] = comm.now()
+    elif rank == 2:
+        request = torch.zeros(10)
+        comm.recv(request, 0, tag=3)
+        t["got_request"] = comm.now()
+        comm.send(request * 5, 0, tag=4)  # the reply to a measurement: free
+        t["replied"] = comm.now()
+        comm.send(torch.zeros(250_000), 1, tag=4)  # to another rank: charged
+        t["sent_other"] = comm.now()
+    elif rank == 1:
+        comm.recv(torch.zeros(250_000), 2, tag=4)
+        t["got_other"] = comm.now()
+    comm.barrier()
+    t["messages"] = comm.net.messages
+    return t
+
+
+def test_a_measurement_and_its_reply_are_free_and_other_traffic_is_not(tmp_path):
+    """A measurement's request and the reply to it arrive at once, on no link's time (the
+    asker's clock is back where it was afterwards); the replier's next message to another
+    rank costs latency + bytes / bandwidth as usual. Every message is counted once."""
+    runs = run_ranks(_p2p_cfg(tmp_path), _measurement)
+    one = LAT + 1e6 / BW
+    assert runs[0] == {"inside": 0.0, "reply": 5.0, "after": 0.0, "messages": 3}
+    assert runs[2] == {
+        "got_request": 0.0, "replied": 0.0, "sent_other": close(one), "messages": 3
+    }  # fmt: skip
+    assert runs[1] == {"got_other": close(one), "messages": 3}
+
+
+def _tags(ctx) -> list[float]:
+    """Rank 0 sends rank 1 (same node, a free link: all arrive at t = 0) tag 6, then tag 5
+    twice; rank 1 receives tag 5, tag 5, tag 6."""
+    comm = ctx.comm
+    if ctx.rank == 0:
+        for value, tag in ((6.0, 6), (1.0, 5), (2.0, 5)):
+            comm.send(torch.full((3,), value), 1, tag=tag)
+    if ctx.rank != 1:
+        return []
+    got = []
+    for tag in (5, 5, 6):
+        buf = torch.zeros(3)
+        comm.recv(buf, 0, tag=tag)
+        got.append(buf[0].item())
+    return got + [comm.now()]
+
+
+def test_a_receive_takes_its_tags_messages_in_the_order_they_were_sent(tmp_path):
+    """A receive matches the tag (a message of another tag in the same group waits), and of
+    messages arriving at the same time takes the one sent first."""
+    runs = run_ranks(_p2p_cfg(tmp_path), _tags)
+    assert runs[1] == [1.0, 2.0, 6.0, 0.0]
+
+
+def _other_tag_first(ctx, send_other: bool) -> int:
+    """Rank 1 waits for rank 0's tag-5 message, sent at 2 ms; with ``send_other`` rank 0 sends
+    it a tag-6 message (never received) at 1 ms. Returns the scheduler's task switches."""
+    comm = ctx.comm
+    if ctx.rank == 0:
+        comm.sleep(0.001)
+        if send_other:
+            comm.send(torch.zeros(3), 1, tag=6)
+        comm.sleep(0.001)
+        comm.send(torch.ones(3), 1, tag=5)
+    elif ctx.rank == 1:
+        comm.recv(torch.zeros(3), 0, tag=5)
+    comm.barrier()
+    return comm.sched.switches
+
+
+def test_a_message_for_another_tag_wakes_no_waiting_receiver(tmp_path):
+    """A waiting receiver is woken only by a message it matches (group, tag and sender): the
+    job takes as many task switches with an unmatched message sent to it as without."""
+    plain = run_ranks(_p2p_cfg(tmp_path), _other_tag_first, False)
+    other = run_ranks(_p2p_cfg(tmp_path), _other_tag_first, True)
+    assert other == plain
