@@ -336,3 +336,41 @@ def test_a_message_for_another_tag_wakes_no_waiting_receiver(tmp_path):
     plain = run_ranks(_p2p_cfg(tmp_path), _other_tag_first, False)
     other = run_ranks(_p2p_cfg(tmp_path), _other_tag_first, True)
     assert other == plain
+
+
+# ---------------------------------------------------------------------------- group all-reduce
+def _clock(network_model: str, intra: str | None = "16,0.5"):
+    from cloudburst.sim.clock import ClockModel
+
+    cfg = RunConfig(strategy="sync", workers=4, nodes=2, dataset="synthetic",
+                    inter_node_link="8,2", out="unused")  # fmt: skip
+    sim = SimulationConfig(step_time_s=0.01, intra_node_link=intra, network_model=network_model)
+    return ClockModel(sim, cfg, 1, 0.01)
+
+
+B = 1e8  # bytes all-reduced: 0.1 s on the inter-node link, 0.05 s on the intra-node one
+
+
+@pytest.mark.parametrize("model", ["flat", "nccl"])
+def test_a_group_on_one_node_all_reduces_on_the_intra_node_link(model):
+    """Three ranks on one node: flat, a ring on the intra-node link, 4 latencies + 4/3 x bytes /
+    bandwidth; nccl, the cheapest of ring and tree (2 x 2 latencies + 2 x bytes / bandwidth)
+    there: the ring at this size. Not the inter-node link."""
+    ring = 4 * LAT_IN + 4 / 3 * B / BW_IN
+    assert 4 * LAT_IN + 2 * B / BW_IN > ring
+    assert _clock(model).group_allreduce_s(B, [3]) == close(ring)
+
+
+def test_a_group_on_one_node_with_a_free_intra_node_link_all_reduces_for_nothing():
+    assert _clock("nccl", intra=None).group_allreduce_s(B, [3]) == 0.0
+
+
+def test_nccl_takes_the_hierarchical_all_reduce_when_it_is_cheaper():
+    """Two ranks on each of two nodes, nccl: flat on the NIC, the cheapest of ring (6 latencies
+    + 1.5 x bytes / bw), tree (4 latencies + 2 x) and halving-doubling (4 latencies + 1.5 x):
+    0.158 s; hierarchical, a ring of 2 in each node twice (2 x (0.5 ms + 0.025 s)) and an
+    all-reduce of 2 nodes on the NIC (2 latencies + bytes / bw): 0.155 s, the cheaper."""
+    flat = 4 * LAT + 1.5 * B / BW
+    hier = 2 * (LAT_IN + 0.5 * B / BW_IN) + 2 * LAT + B / BW
+    assert hier < flat
+    assert _clock("nccl").group_allreduce_s(B, [2, 2]) == close(hier)
