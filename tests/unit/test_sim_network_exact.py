@@ -141,27 +141,6 @@ def test_the_busiest_member_is_the_one_that_sends_most_to_others(tmp_path):
     assert [runs[r] for r in (0, 1, 2)] == [(close(end), outs[p]) for p in range(3)]
 
 
-@pytest.mark.parametrize(
-    "dtype, out_dtype, wire_bytes",
-    [
-        (torch.float32, torch.float64, 4 * SCALE),  # 4-byte payload sent, 8-byte buffer
-        (torch.int64, torch.float64, 8),  # control data sent, into a floating buffer
-    ],
-    ids=["float32-into-float64", "int64-into-float64"],
-)
-def test_the_cost_counts_what_is_sent_not_the_receiving_buffer(
-    tmp_path, dtype, out_dtype, wire_bytes
-):
-    """The bytes charged are the senders' inputs' (their element size, payload or control
-    data): an output buffer of another dtype changes the values' type only."""
-    splits = _splits(2)
-    runs = _run(tmp_path, [0, 7], dtype, out_dtype)
-    sent = max(sum(row) - row[s] for s, row in enumerate(splits))
-    end = 2 * STAGGER + LAT + sent * wire_bytes / BW
-    outs = _expected_outputs(2, splits)
-    assert [runs[0], runs[7]] == [(close(end), [float(v) for v in o]) for o in outs]
-
-
 def test_split_sizes_in_a_narrow_integer_tensor_work_as_python_ints(tmp_path):
     """Split sizes may come as the elements of an int16 tensor (counts a caller computed with
     torch): the same pieces and the same time as Python ints."""
