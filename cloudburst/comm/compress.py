@@ -300,9 +300,6 @@ def _reduce_scatter(tensor, codes, scales, group, method, comm, feedback, key):
     me = comm.group_rank(group)
     numel = tensor.numel()
     blocks = chunk_blocks(numel, size)
-    bounds = [0]
-    for b in blocks:
-        bounds.append(bounds[-1] + b)
     unit = BLOCK + 4  # bytes of one block: its codes and its scale
     send = _rows(codes, scales).view(-1)
     mine = blocks[me]
