@@ -7,7 +7,7 @@ uncompressed (a finiteness check downstream must see it)."""
 import pytest
 import torch
 
-from cloudburst.comm.quantise import BLOCK, decode, encode, payload_bytes
+from cloudburst.comm.quantise import BLOCK, decode, encode, payload_bytes, quantise
 
 
 @pytest.mark.parametrize("numel", [0, 1, 3, BLOCK, BLOCK + 1])
@@ -46,3 +46,9 @@ def test_a_block_of_denormal_values_arrives_finite(method):
     out = decode(encode(x, method), x.numel(), method)
     assert bool(torch.isfinite(out).all())
     assert bool((out[:BLOCK].abs() <= 1e-38).all())  # within one rounding of the tiny scale
+
+
+@pytest.mark.parametrize("method", ["bf16", "none", "int4"])
+def test_quantising_to_a_method_without_codes_is_refused_by_name(method):
+    with pytest.raises(ValueError, match=rf"^not a quantised method: '{method}'$"):
+        quantise(torch.ones(3), method)
