@@ -17,6 +17,7 @@ call :func:`flush` to push what a worker has left, as ``finish`` does first.
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -265,3 +266,26 @@ def ps_job(cfg: RunConfig, models: list[nn.Module], theta: torch.Tensor | None =
 def flush(strategy: AsgdStrategy) -> None:
     """What ``finish`` does before its DONE handshake: push the steps not pushed yet."""
     strategy._flush()
+
+
+def run_on_threads(size: int, barrier: threading.Barrier, make_comm, fn) -> list:
+    """``fn(rank, make_comm(rank))`` on ``size`` threads that meet at ``barrier`` (aborted when
+    one fails, so the others stop waiting); their results, or the first error raised."""
+    results: list = [None] * size
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, make_comm(rank))
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results

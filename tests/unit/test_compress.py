@@ -32,6 +32,7 @@ from cloudburst.strategies.daso import DasoStrategy
 from cloudburst.strategies.diloco import DilocoStrategy
 from tests import reference as ref
 from tests.dist.simulate import trained
+from tests.fakes import run_on_threads
 from tests.unit.test_mutation_survivors import _cfg, _Ctx
 from tests.unit.test_sim_runs import _cfg as _sim_cfg
 from tests.unit.test_sim_runs import _sim
@@ -172,24 +173,7 @@ class _Done:
 
 def _on_threads(size: int, fn) -> list:
     group = _Group(size)
-    results: list = [None] * size
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = fn(rank, _Comm(group, rank))
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-            group.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+    return run_on_threads(size, group.barrier, lambda rank: _Comm(group, rank), fn)
 
 
 @pytest.mark.parametrize("method", ["none", "bf16", "int8", "fp8"])

@@ -26,6 +26,7 @@ from cloudburst.comm.compress import (
 )
 from cloudburst.comm.stats import CommStats
 from tests import reference as ref
+from tests.fakes import run_on_threads
 
 GROUP = object()  # the group handle: the only one the transports below accept
 UNIT = BLOCK + 4  # wire bytes of one block: its codes and its fp32 scale
@@ -122,24 +123,7 @@ class _GroupComm:
 def _on_threads(size: int, fn) -> list:
     """``fn(rank, comm)`` on ``size`` threads, one :class:`_GroupComm` each; their results."""
     board = _Board(size)
-    results: list = [None] * size
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = fn(rank, _GroupComm(board, rank))
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-            board.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+    return run_on_threads(size, board.barrier, lambda rank: _GroupComm(board, rank), fn)
 
 
 class _Spec:
