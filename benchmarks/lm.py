@@ -5,7 +5,7 @@
 
 Real runs of ``cloudburst train``, interleaved per seed with an A/A copy of sync: W = 4
 workers, the default GPT (2 layers, width 64, 4 heads, context 64: 120,576 parameters) and
-recipe (AdamW 3e-3, weight decay 0.1, warm-up 30 + cosine, clip 1, 16 windows per
+recipe (AdamW 4.2e-3, weight decay 0.1, warm-up 30 + cosine, clip 1, 16 windows per
 worker-step), T steps per worker, so every arm sees the same tokens (4 × 16 × 64 × T):
 ``sync``; ``local_sgd`` (H = 16); ``diloco`` at its defaults (H = 8; the GPT's outer step, lr
 1, momentum 0: docs/lm.md) and at H = 16 and 64; Streaming DiLoCo (H = 16, 4 fragments,

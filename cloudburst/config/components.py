@@ -43,7 +43,7 @@ PLAIN_RECIPE = {
 GPT_RECIPE = {
     "batch_size": 16,
     "optimizer": "adamw",
-    "lr": 3e-3,
+    "lr": 4.2e-3,
     "lr_schedule": "cosine",
     "warmup_steps": 30,
     "clip_grad_norm": 1.0,
@@ -284,7 +284,7 @@ class TrainingConfig:
     optimizer: str | None = option(
         None, "the local (worker) optimizer", choices=OPTIMIZERS, shown="sgd (gpt: adamw)"
     )
-    lr: float | None = option(None, "the local optimizer's learning rate", shown="0.1 (gpt: 3e-3)")
+    lr: float | None = option(None, "the local optimizer's learning rate", shown="0.1 (gpt: 4.2e-3)")
     lr_schedule: str | None = option(
         None,
         "constant, or cosine decay to 0 over each worker's steps (after --warmup-steps)",

@@ -80,7 +80,7 @@ def test_gpt_runs_default_to_the_recipe_and_other_models_do_not():
     cfg = _cfg(strategy="diloco", workers=4)
     assert (cfg.optimizer, cfg.lr, cfg.lr_schedule, cfg.warmup_steps) == (
         "adamw",
-        3e-3,
+        4.2e-3,
         "cosine",
         30,
     )
