@@ -1,6 +1,7 @@
 """The asgd worker's read-only fetch of θ (``fetch_global_params``, what the evaluator and the
 final checkpoint read) when a shard's connection breaks; and what a round hands the transport:
-host buffers only on a GPU replica, Δ computed chunk by chunk as it leaves on a CPU one.
+Δ computed chunk by chunk as it leaves on a CPU replica (the GPU staging path is
+tests/gpu's: a CUDA replica through pinned buffers).
 
 A job of three shards and one worker runs over :mod:`tests.fakes`; the shards' θ, versions and
 sample counts are set by hand, so every value the fetch returns is known without running the
@@ -162,76 +163,6 @@ def test_a_fetch_with_every_shard_reachable_reads_each_shard_into_its_slice():
     assert torch.equal(ref.flat(model), _values(50.0))
     assert torch.equal(worker.reference, _values(1.0)) and worker.versions == [3, 5, 7]
     assert worker.shard_reconnects == 0
-
-
-# ------------------------------------------------------------------- a GPU replica's staging
-class _HostOnlyLink(WorkerSide):
-    """A worker transport that, like gloo with a CUDA replica, must be handed host memory only:
-    every payload sent and every buffer received into lies in one of ``host`` (the worker's
-    pinned staging buffers)."""
-
-    host: tuple[torch.Tensor, ...] = ()
-
-    def _on_host(self, t: torch.Tensor | None, what: str) -> None:
-        if t is not None:
-            ptr = t.untyped_storage().data_ptr()
-            assert any(ptr == h.untyped_storage().data_ptr() for h in self.host), what
-
-    def send(self, k: int, header: Header, payload=None, final: bool = False) -> None:
-        self._on_host(payload, "a payload sent from the replica's device")
-        super().send(k, header, payload, final)
-
-    def isend_payload(self, k: int, payload: torch.Tensor, reply: bool, prepare=None):
-        self._on_host(payload, "a payload sent from the replica's device")
-        return super().isend_payload(k, payload, reply, prepare)
-
-    def irecv_payload(self, k: int, out: torch.Tensor, reply: bool):
-        self._on_host(out, "θ received straight into the replica's device")
-        return super().irecv_payload(k, out, reply)
-
-    def recv_reply(self, k: int, out: torch.Tensor | None = None) -> Header:
-        self._on_host(out, "θ received straight into the replica's device")
-        return super().recv_reply(k, out)
-
-
-def test_a_gpu_replica_sends_delta_and_receives_theta_through_the_host_buffers():
-    """On a GPU replica (simulated on the CPU: the replica's memory plays the device, and a
-    staged copy is a plain copy that is recorded), the transport only ever sees the host
-    staging buffers; the first fetch moves θ to the device once, and each push-and-fetch round
-    moves Δ to the host once and θ back once; the replica and the shards end at θ₀ + Δ."""
-    cfg = RunConfig(
-        strategy="asgd", workers=1, servers=3, dataset="synthetic", train_size=512, n_sync=1
-    )
-    model = nn.Linear(2, 3)
-    ref.set_flat(model, _values(1.0))
-    job = ps_job(cfg, [model])
-    worker = job.workers[0]
-    delta_host, fetch_host = torch.empty(9), torch.empty(9)
-    worker.on_gpu, worker._delta_host, worker._fetch_host = True, delta_host, fetch_host
-    link = _HostOnlyLink(worker.transport.net, worker.transport.rank, worker.stats)
-    link.host = (delta_host, fetch_host)
-    worker.transport = link
-    moves = []
-
-    def name(t: torch.Tensor) -> str:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr == delta_host.untyped_storage().data_ptr():
-            return "Δ host"
-        return "θ host" if ptr == fetch_host.untyped_storage().data_ptr() else "device"
-
-    def staged_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        moves.append((name(src), name(dst)))
-        return dst.copy_(src)
-
-    worker._staged_copy = staged_copy
-    worker.start()
-    assert moves == [("θ host", "device")]
-    ref.set_flat(model, _values(50.0))  # the local step: Δ = 49 everywhere
-    worker.after_step(8)
-    assert moves == [("θ host", "device"), ("device", "Δ host"), ("θ host", "device")]
-    assert torch.equal(torch.cat([loop.shard.theta for loop in job.loops]), _values(50.0))
-    assert torch.equal(ref.flat(model), _values(50.0))
-    assert torch.equal(worker.reference, _values(50.0))
 
 
 # ------------------------------------------------------------------- Δ computed as it leaves
