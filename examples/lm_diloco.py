@@ -40,7 +40,7 @@ def main() -> None:
         steps=args.steps,
         period=args.period,
         out=args.out,
-    )  # AdamW 4.2e-3, wd 0.1, warm-up + cosine, clip 1, outer averaging (lr 1, no momentum): defaults
+    )  # AdamW 4.2e-3, wd 0.1, warm-up + cosine, clip 1, outer averaging (lr 1, momentum 0)
     job = cloudburst.Job(cfg)  # cloudburst
 
     data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, context=cfg.context)

@@ -284,7 +284,9 @@ class TrainingConfig:
     optimizer: str | None = option(
         None, "the local (worker) optimizer", choices=OPTIMIZERS, shown="sgd (gpt: adamw)"
     )
-    lr: float | None = option(None, "the local optimizer's learning rate", shown="0.1 (gpt: 4.2e-3)")
+    lr: float | None = option(
+        None, "the local optimizer's learning rate", shown="0.1 (gpt: 4.2e-3)"
+    )
     lr_schedule: str | None = option(
         None,
         "constant, or cosine decay to 0 over each worker's steps (after --warmup-steps)",
