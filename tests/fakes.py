@@ -289,3 +289,38 @@ def run_on_threads(size: int, barrier: threading.Barrier, make_comm, fn) -> list
     if errors:
         raise errors[0]
     return results
+
+
+def prior_stats() -> CommStats:
+    """Counters holding earlier totals (all distinct), so an overwrite or a subtraction shows."""
+    return CommStats(
+        sent_bytes=1000, received_bytes=2000, wait_s=1.0, inter_node_bytes=3000,
+        intra_node_bytes=4000, emulated_link_s=0.25,
+    )  # fmt: skip
+
+
+class _LinkSpec:
+    latency_s = 0.125
+    bytes_per_s = 1024.0
+
+
+class RecordingLink:
+    """An emulated link (``active`` or not) of latency 1/8 s and 1024 bytes/s that charges
+    ``allreduce_cost_s`` for any all-reduce; records each cost asked (bytes, group size) and
+    each booking (seconds, group); its bookings end at perf_counter 0 (long past: waiting for
+    them never sleeps)."""
+
+    spec = _LinkSpec()
+
+    def __init__(self, active: bool = True, allreduce_cost_s: float = 0.0625):
+        self.active, self.allreduce_cost_s = active, allreduce_cost_s
+        self.asked: list[tuple] = []
+        self.booked: list[tuple] = []
+
+    def allreduce_s(self, nbytes: int, group_size: int) -> float:
+        self.asked.append((nbytes, group_size))
+        return self.allreduce_cost_s
+
+    def book_collective(self, seconds: float, group: Any, start: float | None = None) -> float:
+        self.booked.append((seconds, group))
+        return 0.0

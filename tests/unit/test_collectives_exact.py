@@ -13,6 +13,7 @@ import torch
 from cloudburst.comm.collectives import broadcast, world_sum
 from cloudburst.comm.compress import compressed_all_reduce_sum
 from cloudburst.comm.stats import CommStats
+from tests.fakes import RecordingLink, prior_stats
 
 GROUP = object()  # an opaque group handle: passed through, never looked inside
 
@@ -60,42 +61,13 @@ class _ScriptedComm:
         tensor.copy_(self.source)
 
 
-class _FakeLink:
-    """An active emulated link charging ``cost_s`` for any all-reduce; its bookings end at
-    perf_counter 0 (long past), so waiting for them never sleeps."""
-
-    active = True
-
-    def __init__(self, cost_s: float):
-        self.cost_s = cost_s
-        self.asked: list[tuple] = []
-        self.booked: list[tuple] = []
-
-    def allreduce_s(self, nbytes: int, group_size: int) -> float:
-        self.asked.append((nbytes, group_size))
-        return self.cost_s
-
-    def book_collective(self, seconds: float, group: Any, start: float | None = None) -> float:
-        self.booked.append((seconds, group))
-        return 0.0
-
-
-def _stats() -> CommStats:
-    """Counters already holding a previous run's totals (all distinct), so that an update that
-    overwrites or subtracts instead of adding shows."""
-    return CommStats(
-        sent_bytes=1000, received_bytes=2000, wait_s=1.0, inter_node_bytes=3000,
-        intra_node_bytes=4000, emulated_link_s=0.25,
-    )  # fmt: skip
-
-
 # ---------------------------------------------------------------------------- broadcast
 def test_broadcast_from_this_rank_counts_its_bytes_as_sent_within_the_group():
     """The source adds numel × element size to sent and intra-node bytes (received untouched)
     and the transport-clock seconds of the call to wait_s; the tensor holds the source's."""
     source = torch.tensor([1.5, -2.0, 3.25], dtype=torch.float64)
     comm = _ScriptedComm(start=10.0, tick=0.5, source=source)
-    stats = _stats()
+    stats = prior_stats()
     t = torch.zeros(3, dtype=torch.float64)
     assert broadcast(t, 2, GROUP, stats, rank=2, comm=comm) is None
     assert torch.equal(t, source)
@@ -113,7 +85,7 @@ def test_broadcast_to_another_rank_counts_what_it_received():
     """A receiving rank adds the bytes to received only (not to sent or intra-node bytes)."""
     source = torch.arange(5, dtype=torch.float32)
     comm = _ScriptedComm(start=3.0, tick=0.25, source=source)
-    stats = _stats()
+    stats = prior_stats()
     t = torch.full((5,), 7.0)
     broadcast(t, 0, None, stats, rank=1, comm=comm)
     assert torch.equal(t, source)
@@ -146,7 +118,7 @@ def test_world_sum_adds_in_float64_over_the_world_and_counts_a_ring_within_a_nod
     default; the wait is the transport clock's."""
     peers = torch.tensor([0.2, 1.0], dtype=torch.float64)
     comm = _ScriptedComm(size=4, start=2.0, tick=0.75, peers=peers)
-    stats = _stats()
+    stats = prior_stats()
     out = world_sum([0.1, 3.0], stats, comm=comm)
     assert out == [0.1 + 0.2, 4.0]
     assert all(type(v) is float for v in out)
@@ -160,7 +132,7 @@ def test_world_sum_adds_in_float64_over_the_world_and_counts_a_ring_within_a_nod
 def test_world_sum_across_nodes_counts_inter_node_bytes():
     """``spans_nodes=True`` (no link emulated) moves the same bytes into inter-node bytes."""
     comm = _ScriptedComm(size=2, peers=torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
-    stats = _stats()
+    stats = prior_stats()
     assert world_sum([1.0, 1.0, 1.0], stats, spans_nodes=True, comm=comm) == [2.0, 3.0, 4.0]
     moved = 2 * 1 * 3 * 8 // 2  # a ring of 2: (2·1/2) × 24 bytes
     assert stats.inter_node_bytes == 3000 + moved and stats.intra_node_bytes == 4000
@@ -171,11 +143,11 @@ def test_world_sum_across_nodes_waits_for_the_emulated_link():
     """With an active link and the group spanning nodes, the link is asked for the cost of an
     all-reduce of the float64 bytes over the world's size, that cost is added to
     emulated_link_s and booked once on the world group; the sum is unchanged."""
-    link = _FakeLink(cost_s=0.0625)
+    link = RecordingLink(allreduce_cost_s=0.0625)
     comm = _ScriptedComm(
         size=4, start=5.0, tick=0.5, peers=torch.tensor([3.0, 3.0], dtype=torch.float64)
     )
-    stats = _stats()
+    stats = prior_stats()
     out = world_sum([1.0, -1.0], stats, link=link, spans_nodes=True, comm=comm)
     assert out == [4.0, 2.0]
     assert link.asked == [(2 * 8, 4)]
@@ -188,7 +160,7 @@ def test_world_sum_across_nodes_waits_for_the_emulated_link():
 
 def test_world_sum_within_a_node_ignores_the_link():
     """An active link is not charged when the world does not span nodes."""
-    link = _FakeLink(cost_s=0.0625)
+    link = RecordingLink(allreduce_cost_s=0.0625)
     comm = _ScriptedComm(size=4, peers=torch.tensor([1.0], dtype=torch.float64))
     stats = CommStats()
     assert world_sum([2.0], stats, link=link, comm=comm) == [3.0]

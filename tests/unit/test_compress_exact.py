@@ -26,7 +26,7 @@ from cloudburst.comm.compress import (
 )
 from cloudburst.comm.stats import CommStats
 from tests import reference as ref
-from tests.fakes import run_on_threads
+from tests.fakes import RecordingLink, prior_stats, run_on_threads
 
 GROUP = object()  # the group handle: the only one the transports below accept
 UNIT = BLOCK + 4  # wire bytes of one block: its codes and its fp32 scale
@@ -38,14 +38,6 @@ def _vector(n: int, seed: int) -> torch.Tensor:
     x = torch.randn(n, generator=g) * torch.logspace(-3, 2, n)
     x[BLOCK : 2 * BLOCK] = 0
     return x
-
-
-def _stats() -> CommStats:
-    """Counters holding earlier totals (all distinct), so an overwrite or a subtraction shows."""
-    return CommStats(
-        sent_bytes=1000, received_bytes=2000, wait_s=1.0, inter_node_bytes=3000,
-        intra_node_bytes=4000, emulated_link_s=0.25,
-    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- W threads
@@ -126,32 +118,6 @@ def _on_threads(size: int, fn) -> list:
     return run_on_threads(size, board.barrier, lambda rank: _GroupComm(board, rank), fn)
 
 
-class _Spec:
-    latency_s = 0.125
-    bytes_per_s = 1024.0
-
-
-class _FakeLink:
-    """An emulated link (``active`` or not) of latency 1/8 s and 1024 bytes/s whose bookings
-    end at perf_counter 0 (long past: waiting never sleeps); records what it was asked."""
-
-    spec = _Spec()
-
-    def __init__(self, active: bool = True, allreduce_cost_s: float = 0.0625):
-        self.active = active
-        self.allreduce_cost_s = allreduce_cost_s
-        self.asked: list[tuple] = []
-        self.booked: list[tuple] = []
-
-    def allreduce_s(self, nbytes: int, group_size: int) -> float:
-        self.asked.append((nbytes, group_size))
-        return self.allreduce_cost_s
-
-    def book_collective(self, seconds: float, group: Any, start: float | None = None) -> float:
-        self.booked.append((seconds, group))
-        return 0.0
-
-
 # ---------------------------------------------------------------------------- W = 3: scatter
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 @pytest.mark.parametrize("n", [1000, 300])
@@ -216,7 +182,7 @@ def test_a_pair_all_gathers_over_the_group_and_keeps_the_residual_under_the_defa
 
     def rank_fn(rank: int, comm: _GroupComm):
         feedback = ErrorFeedback()
-        stats = _stats()
+        stats = prior_stats()
         x = _vector(n, seed=10 + rank) * (1 + rank)
         y = x.clone()
         compressed_all_reduce_sum(y, GROUP, stats, method, feedback, comm=comm)
@@ -242,7 +208,7 @@ def test_the_two_phase_work_runs_the_rest_in_wait_timed_once_on_the_transports_c
     n = 1000
 
     def rank_fn(rank: int, comm: _GroupComm):
-        stats = _stats()
+        stats = prior_stats()
         x = _vector(n, seed=rank)
         y = x.clone()
         pending = compressed_all_reduce_sum(
@@ -273,7 +239,7 @@ def test_a_blocking_quantised_all_reduce_adds_its_wait_to_the_earlier_total():
 
     def rank_fn(rank: int, comm: _GroupComm):
         comm.clock, comm.tick = 100.0, 0.75
-        stats = _stats()
+        stats = prior_stats()
         compressed_all_reduce_sum(_vector(600, seed=rank), GROUP, stats, "fp8", comm=comm)
         return stats.wait_s
 
@@ -288,10 +254,10 @@ def test_each_all_to_all_is_charged_on_the_group_for_this_ranks_bytes():
     link's completion is waited for on top of each transport work; the bytes count as
     inter-node."""
     blocks = [2, 1, 1]
-    link_of = [_FakeLink() for _ in range(3)]
+    link_of = [RecordingLink() for _ in range(3)]
 
     def rank_fn(rank: int, comm: _GroupComm):
-        stats = _stats()
+        stats = prior_stats()
         y = _vector(1000, seed=rank)
         compressed_all_reduce_sum(
             y, GROUP, stats, "int8", link=link_of[rank], spans_nodes=True, comm=comm
@@ -315,10 +281,10 @@ def test_the_link_is_not_charged_unless_active_and_spanning_nodes(active, spans_
     """An active link within a node, or an inactive one across nodes, is neither booked nor
     added to emulated_link_s (W = 3 and W = 2 alike)."""
     for size in (2, 3):
-        links = [_FakeLink(active=active) for _ in range(size)]
+        links = [RecordingLink(active=active) for _ in range(size)]
 
         def rank_fn(rank: int, comm: _GroupComm, links=links):
-            stats = _stats()
+            stats = prior_stats()
             compressed_all_reduce_sum(
                 _vector(600, seed=rank), GROUP, stats, "int8", link=links[rank],
                 spans_nodes=spans_nodes, comm=comm,
@@ -332,11 +298,11 @@ def test_the_link_is_not_charged_unless_active_and_spanning_nodes(active, spans_
 def test_an_all_to_all_of_one_rank_or_on_a_free_link_costs_nothing():
     """all_to_all_s: (n − 1) latencies + bytes / bandwidth; exactly 0 for a group of one or a
     link without a spec."""
-    link = _FakeLink()
+    link = RecordingLink()
     assert all_to_all_s(link, 512, 3) == 2 * 0.125 + 0.5
     assert all_to_all_s(link, 512, 1) == 0.0
     assert all_to_all_s(link, 512, 0) == 0.0
-    free = _FakeLink()
+    free = RecordingLink()
     free.spec = None
     assert all_to_all_s(free, 512, 4) == 0.0
 
@@ -390,9 +356,9 @@ def test_none_passes_the_link_the_span_and_the_group_to_the_plain_all_reduce():
     """``none`` across nodes on an active link: the plain all-reduce over the group, asked of
     the link for 3 × 4 bytes over 4 ranks, booked on the group, counted inter-node as a ring
     (2·3/4 · 12 = 18 bytes); with ``async_op`` nothing is waited for until ``wait``."""
-    link = _FakeLink(allreduce_cost_s=0.0625)
+    link = RecordingLink(allreduce_cost_s=0.0625)
     comm = _OneRank(torch.tensor([1.0, 2.0, 3.0]))
-    stats = _stats()
+    stats = prior_stats()
     y = torch.tensor([0.5, 0.25, -1.0])
     pending = compressed_all_reduce_sum(
         y, GROUP, stats, "none", link=link, spans_nodes=True, async_op=True, comm=comm
@@ -410,7 +376,7 @@ def test_none_passes_the_link_the_span_and_the_group_to_the_plain_all_reduce():
 def test_none_without_a_link_keeps_async_op():
     """``none`` with ``async_op`` and no link: one asynchronous all-reduce, not waited for."""
     comm = _OneRank(torch.tensor([1.0, 1.0]), size=2)
-    stats = _stats()
+    stats = prior_stats()
     y = torch.tensor([2.0, 3.0])
     compressed_all_reduce_sum(y, GROUP, stats, "none", async_op=True, comm=comm)
     assert comm.calls == [("all_reduce", torch.float32, 2, True)]
@@ -422,9 +388,9 @@ def test_bf16_passes_the_link_and_the_group_to_the_plain_all_reduce():
     """``bf16`` across nodes on an active link: one asynchronous bf16 all-reduce over the group,
     the link asked for 4 × 2 bytes over 4 ranks and booked on the group, counted inter-node
     (2·3/4 · 8 = 12 bytes); the bf16 sum copied back."""
-    link = _FakeLink(allreduce_cost_s=0.125)
+    link = RecordingLink(allreduce_cost_s=0.125)
     comm = _OneRank(torch.tensor([0.5, 0.5, 0.5, 0.5]))
-    stats = _stats()
+    stats = prior_stats()
     y = torch.tensor([1.0, 2.0, -0.5, 3.0])
     compressed_all_reduce_sum(y, GROUP, stats, "bf16", link=link, spans_nodes=True, comm=comm)
     assert torch.equal(y, torch.tensor([1.5, 2.5, 0.0, 3.5]))
@@ -452,7 +418,7 @@ def test_a_blocking_plain_all_reduce_runs_on_the_group_within_a_node_by_default(
     intra-node ring bytes (2·3/4 · 8 = 12); its wait timed on the transport's clock (one tick);
     the pending it returns waits on that same clock (one more tick, no works)."""
     comm = _OneRank(torch.tensor([1.0, -1.0]))
-    stats = _stats()
+    stats = prior_stats()
     y = torch.tensor([0.5, 0.5])
     pending = all_reduce_sum(y, GROUP, stats, comm=comm)
     assert torch.equal(y, torch.tensor([1.5, -0.5]))
@@ -468,9 +434,9 @@ def test_a_blocking_plain_all_reduce_runs_on_the_group_within_a_node_by_default(
 def test_a_group_of_one_is_not_charged_to_the_link():
     """A one-rank group across nodes on an active link: the blocking all-reduce as usual (not
     asynchronous), the link neither asked nor booked."""
-    link = _FakeLink(allreduce_cost_s=0.0625)
+    link = RecordingLink(allreduce_cost_s=0.0625)
     comm = _OneRank(torch.tensor([0.0, 0.0, 0.0]), size=1)
-    stats = _stats()
+    stats = prior_stats()
     all_reduce_sum(torch.ones(3), GROUP, stats, link=link, spans_nodes=True, comm=comm)
     assert comm.calls == [("all_reduce", torch.float32, 3, False)]
     assert link.asked == [] and link.booked == [] and stats.emulated_link_s == 0.25

@@ -18,7 +18,7 @@ import torch
 from cloudburst.comm.compress import BLOCK, ErrorFeedback, compressed_all_reduce_sum
 from cloudburst.comm.stats import CommStats
 from tests import reference as ref
-from tests.fakes import run_on_threads
+from tests.fakes import RecordingLink, prior_stats, run_on_threads
 
 GROUP = object()  # the only group handle the fakes below accept
 UNIT = BLOCK + 4  # wire bytes of one quantised block: its codes and its fp32 scale
@@ -27,14 +27,6 @@ UNIT = BLOCK + 4  # wire bytes of one quantised block: its codes and its fp32 sc
 def _check(group: Any) -> None:
     if group is not GROUP:
         raise AssertionError(f"a call over {group!r}, not the group it was given")
-
-
-def _stats() -> CommStats:
-    """Earlier totals, all distinct, so an overwrite or a subtraction shows."""
-    return CommStats(
-        sent_bytes=1000, received_bytes=2000, wait_s=1.0, inter_node_bytes=3000,
-        intra_node_bytes=4000, emulated_link_s=0.25,
-    )  # fmt: skip
 
 
 def _vector(n: int, seed: int) -> torch.Tensor:
@@ -153,37 +145,13 @@ def _on_threads(size: int, fn) -> list:
     return run_on_threads(size, board.barrier, lambda rank: _Member(board, rank), fn)
 
 
-class _Spec:
-    latency_s = 0.125
-    bytes_per_s = 1024.0
-
-
-class _Link:
-    """An emulated link of latency 1/8 s and 1024 bytes/s; records each booking (its seconds
-    and its group) and each all-reduce cost asked; its bookings end long ago (no sleep)."""
-
-    spec = _Spec()
-
-    def __init__(self, active: bool = True, allreduce_cost_s: float = 0.0625):
-        self.active, self.allreduce_cost_s = active, allreduce_cost_s
-        self.asked: list[tuple] = []
-        self.booked: list[tuple] = []
-
-    def allreduce_s(self, nbytes: int, group_size: int) -> float:
-        self.asked.append((nbytes, group_size))
-        return self.allreduce_cost_s
-
-    def book_collective(self, seconds: float, group: Any, start: float | None = None) -> float:
-        self.booked.append((seconds, group))
-        return 0.0
-
-
 # ---------------------------------------------------------------------------- none and bf16
 def test_none_hands_the_group_link_span_and_async_op_to_the_plain_all_reduce():
     """``none``, asynchronous, across nodes on an active link, 4 ranks: one asynchronous fp32
     all-reduce over the group; the link asked for 3 × 4 bytes over 4 ranks and booked once on
     the group; 2·3/4 · 12 = 18 ring bytes counted inter-node; nothing waited until ``wait``."""
-    link, comm, stats = _Link(allreduce_cost_s=0.0625), _OneOfMany(torch.ones(3)), _stats()
+    link, comm = RecordingLink(allreduce_cost_s=0.0625), _OneOfMany(torch.ones(3))
+    stats = prior_stats()
     y = torch.tensor([0.5, -2.0, 4.0])
     pending = compressed_all_reduce_sum(
         y, GROUP, stats, "none", link=link, spans_nodes=True, async_op=True, comm=comm
@@ -201,7 +169,7 @@ def test_none_hands_the_group_link_span_and_async_op_to_the_plain_all_reduce():
 def test_none_keeps_async_op_without_a_link():
     """``none``, asynchronous, no link, within a node: the all-reduce is started asynchronously
     and not waited for (no clock reading); 2·3/4 · 8 = 12 bytes counted intra-node."""
-    comm, stats = _OneOfMany(torch.ones(2)), _stats()
+    comm, stats = _OneOfMany(torch.ones(2)), prior_stats()
     compressed_all_reduce_sum(torch.zeros(2), GROUP, stats, "none", async_op=True, comm=comm)
     assert comm.calls == [("all_reduce", torch.float32, True)]
     assert stats.wait_s == 1.0 and comm.clock == 10.0
@@ -212,7 +180,8 @@ def test_bf16_hands_the_group_link_and_span_to_the_plain_all_reduce():
     """``bf16`` across nodes on an active link, 4 ranks: one bf16 all-reduce over the group,
     the link asked for 4 × 2 bytes and booked on the group, 2·3/4 · 8 = 12 bytes counted
     inter-node, the bf16 sum copied back."""
-    link, comm, stats = _Link(allreduce_cost_s=0.125), _OneOfMany(torch.full((4,), 0.5)), _stats()
+    link, comm = RecordingLink(allreduce_cost_s=0.125), _OneOfMany(torch.full((4,), 0.5))
+    stats = prior_stats()
     y = torch.tensor([1.0, 2.0, -0.5, 3.0])
     compressed_all_reduce_sum(y, GROUP, stats, "bf16", link=link, spans_nodes=True, comm=comm)
     assert torch.equal(y, torch.tensor([1.5, 2.5, 0.0, 3.5]))
@@ -235,10 +204,10 @@ def test_each_all_to_all_is_booked_on_the_group_for_the_bytes_this_rank_sends():
     its own chunk to the 2 others; both booked on the group, both added to emulated_link_s,
     and the transport's work of each waited for under the link's; the default key keeps the
     sender's residual under "" and the owner's under ":owner"."""
-    links = [_Link() for _ in range(3)]
+    links = [RecordingLink() for _ in range(3)]
 
     def rank_fn(rank: int, comm: _Member):
-        stats, feedback = _stats(), ErrorFeedback()
+        stats, feedback = prior_stats(), ErrorFeedback()
         compressed_all_reduce_sum(
             _vector(1000, seed=rank), GROUP, stats, "int8", feedback, link=links[rank],
             spans_nodes=True, comm=comm,
@@ -265,10 +234,10 @@ def test_nothing_is_booked_off_an_active_link_across_nodes_of_two_or_more(
 ):
     """The link is booked only when active, spanning nodes and shared by 2 or more ranks:
     otherwise nothing is booked and emulated_link_s keeps its earlier total."""
-    links = [_Link(active=active) for _ in range(size)]
+    links = [RecordingLink(active=active) for _ in range(size)]
 
     def rank_fn(rank: int, comm: _Member):
-        stats = _stats()
+        stats = prior_stats()
         compressed_all_reduce_sum(
             _vector(600, seed=rank), GROUP, stats, "int8", link=links[rank],
             spans_nodes=spans_nodes, comm=comm,
@@ -284,7 +253,7 @@ def test_two_waits_each_add_their_interval_on_the_transports_clock():
     """Two asynchronous quantised all-reduces on one stats, waited one after the other: each
     wait reads the transport's clock twice (t0, then t0 + 0.5) and adds now − t0 = 0.5 s to
     the running total, 1.0 + 0.5 + 0.5; a second wait of the same pending reads nothing."""
-    comm, stats = _Alone(start=10.0, tick=0.5), _stats()
+    comm, stats = _Alone(start=10.0, tick=0.5), prior_stats()
     first = compressed_all_reduce_sum(
         _vector(300, seed=1), GROUP, stats, "int8", async_op=True, comm=comm
     )
