@@ -1,15 +1,19 @@
-"""DASO against sync and PyTorch's post-local SGD, 2 × 2 emulated nodes at 1 Gbit/s (issue 3).
+"""DASO, local SGD and DiLoCo against sync and its baselines, 2 × 2 emulated nodes at 1 Gbit/s.
 
-    .venv/bin/python benchmarks/daso.py [--quick] [--seeds N] [--epochs E] [--force]
+    .venv/bin/python benchmarks/daso.py [--quick] [--seeds N] [--budget-s B] [--arms …] [--force]
 
-Arms, interleaved per seed (the order rotated), all on the same model, data, seed, lr, batch and
-steps: ``sync`` (DDP, fp32 gradients every step) and its A/A copy; ``daso`` (its defaults:
-4 blocking warm-up and cool-down epochs, cycling from B = 4, S = 1); PyTorch's post-local SGD
-(``torch_post_local``: DDP's ``post_localSGD_hook`` + ``PeriodicModelAverager`` every B steps
-after DASO's warm-up) and ``torch_hierarchical`` (``HierarchicalModelAverager``: θ averaged in
-the node every step, over all every B steps), both ``benchmarks/peers.py``; the compressed
-synchronous baselines ``sync --compress bf16`` (DDP's ``bf16_compress_hook``) and
-``sync --compress powersgd`` (``powerSGD_hook``, rank 1, one bucket).
+Arms, interleaved per seed (the order rotated), all on the same model, data, seed, lr and
+batch, and **the same training-time budget** (``--max-train-time-s``, agreed across the
+lockstep ranks; evaluation off the clock) with more epochs than any arm finishes in it:
+``sync`` (DDP, fp32 gradients every step) and its A/A copy; ``daso`` (its defaults: 4 blocking
+warm-up epochs, cycling from B = 4, S = 1; its 4 cool-down epochs fall after the budget, so
+they do not run); PyTorch's post-local SGD (``torch_post_local``: DDP's
+``post_localSGD_hook`` + ``PeriodicModelAverager`` every B steps after DASO's warm-up) and
+``torch_hierarchical`` (``HierarchicalModelAverager``: θ averaged in the node every step, over
+all every B steps), both ``benchmarks/peers.py``; the compressed synchronous baselines
+``sync --compress bf16`` (DDP's ``bf16_compress_hook``) and ``sync --compress powersgd``
+(``powerSGD_hook``, rank 1, one bucket); ``local_sgd`` and ``diloco`` at their defaults
+(H = 8; DiLoCo's outer Nesterov lr 0.1, momentum 0.9 over SGD).
 
 4 workers on 2 emulated nodes; traffic between the nodes is delayed as a 1 Gbit/s, 1 ms link
 would (``--inter-node-link 1,1``, ``cloudburst/comm/link.py``). The device is emulated by
@@ -18,12 +22,14 @@ backward passes, ``cloudburst/device_emulation.py``), since 4 CPU-bound ranks sh
 here. The model (``bench_models.py:mnist1d_wide_cnn``, 528 k parameters) makes communication
 matter: sync's all-reduce costs ~37 ms of link per 50 ms step, one DASO sync (P = 2) 19 ms.
 
-Reported: time to 90 % (held for k = 3 evaluations, evaluation off the clock; censored runs
-counted at the budget), DASO ÷ each arm (median per-seed ratio, paired interval) and the sync A/A
-beside it; final accuracy − sync; inter-node bytes per training sample ÷ sync's (counters);
-and why, measured: one process's real compute per step against the padding, the CPU each
-job's processes used (``/proc``), each arm's samples/s and ms per step, and the samples each
-needed to hold 90 % (time ≈ samples needed ÷ samples/s).
+Reported: time to 85 % (named before the run, below every arm's final accuracy in the last
+run: 89.6-90.8 %; held for k = 3 evaluations; censored runs counted at the budget) with time
+to 80 % and 90 % as sensitivity lines; DASO ÷ each baseline, local SGD and DiLoCo ÷ sync
+(median per-seed ratio, paired interval) and the sync A/A beside them; final accuracy − sync at
+the budget; inter-node bytes per training sample ÷ sync's (counters); and why, measured: one
+process's real compute per step against the padding, the CPU each job's processes used
+(``/proc``), each arm's samples/s and ms per step, and the samples each needed to hold 85 %
+(time ≈ samples needed ÷ samples/s).
 """
 
 from __future__ import annotations
@@ -37,12 +43,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import experiments  # noqa: E402
 import harness  # noqa: E402
 import peers  # noqa: E402
-from experiments import ratio, samples_to  # noqa: E402
+from experiments import ratio  # noqa: E402
 from harness import Arm, fmt, pct  # noqa: E402
 
 from cloudburst.plot import plot_runs  # noqa: E402
 
-TARGET = 0.90
+TARGET = 0.85
+SENSITIVITY = (0.80, 0.90)  # further targets, named before the run
+BUDGET_S = 40.0  # training seconds for every arm: sync's 32 epochs took 40.9 s at 33c712c
+EPOCHS = 64  # more than any arm trains in the budget (DASO did 32 epochs in 29.3 s)
 BATCH = 64
 MIN_STEP_S = 0.05
 MODEL = ["--dataset", "mnist1d", "--model", "benchmarks.bench_models:mnist1d_wide_cnn"]
@@ -50,22 +59,29 @@ COMMON = (
     "--dataset mnist1d --model benchmarks.bench_models:mnist1d_wide_cnn --device cpu "
     f"--workers 4 --nodes 2 --inter-node-link 1,1 --min-step-time-s {MIN_STEP_S} "
     f"--batch-size {BATCH} "
-    "--lr 0.1 --momentum 0.9 --eval-every-s 0.5 --target-accuracy 0.9"
+    f"--lr 0.1 --momentum 0.9 --eval-every-s 0.5 --target-accuracy {TARGET}"
 ).split()
-ARMS = {  # name: (flags, the target of daso ÷ this arm, why)
-    "sync": (["--strategy", "sync"], 0.66, "the paper's 0.66"),
-    "torch_post_local": (["--strategy", "torch_post_local"], 0.85, "issue 3"),
-    "torch_hierarchical": (["--strategy", "torch_hierarchical"], 1.0, "a strong baseline"),
-    "sync_bf16": (["--strategy", "sync", "--compress", "bf16"], 1.0, "a strong baseline"),
-    "sync_powersgd": (["--strategy", "sync", "--compress", "powersgd"], 1.0, "a strong baseline"),
-    "daso": (["--strategy", "daso"], None, ""),
+ARMS = {  # name: (flags, (the claim's numerator arm, its target, why) or None)
+    "sync": (["--strategy", "sync"], ("daso", 0.66, "the paper's 0.66")),
+    "torch_post_local": (["--strategy", "torch_post_local"], ("daso", 0.85, "issue 3")),
+    "torch_hierarchical": (["--strategy", "torch_hierarchical"], ("daso", 1.0, "a baseline")),
+    "sync_bf16": (["--strategy", "sync", "--compress", "bf16"], ("daso", 1.0, "a baseline")),
+    "sync_powersgd": (
+        ["--strategy", "sync", "--compress", "powersgd"],
+        ("daso", 1.0, "a baseline"),
+    ),
+    "daso": (["--strategy", "daso"], None),
+    "local_sgd": (["--strategy", "local_sgd"], None),
+    "diloco": (["--strategy", "diloco"], None),
 }
+#: local SGD and DiLoCo ÷ sync on the slow link: "faster than sync" is the advice to test.
+SLOW_LINK = {"local_sgd": 1.0, "diloco": 1.0}
 ACC_POINTS = 1.0
 
 
 def main() -> None:
     def add(p) -> None:
-        p.add_argument("--epochs", type=int, default=32, help="epochs per worker (15 steps each)")
+        p.add_argument("--budget-s", type=float, default=BUDGET_S, help="training s per arm")
         p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of arms")
 
     args = harness.parse_args(__doc__, add)
@@ -77,7 +93,7 @@ def main() -> None:
     # --quick: 3 epochs with a 1-epoch warm-up and cool-down, so every DASO phase happens.
     length = ["--epochs", "3", "--daso-warmup-epochs", "1", "--daso-cooldown-epochs", "1"]
     if not args.quick:
-        length = ["--epochs", str(args.epochs)]
+        length = ["--epochs", str(EPOCHS), "--max-train-time-s", f"{args.budget_s:g}"]
     arms = [Arm(n, [*ARMS[n][0], *COMMON, *length]) for n in names]
     root = harness.RUNS / "daso"
     os.environ["PYTHONPATH"] = str(harness.REPO)  # the runs import benchmarks.bench_models
@@ -101,29 +117,47 @@ def report(
     budget = harness.budget_of(runs)
     times = {name: harness.times_to(rs, TARGET) for name, rs in groups.items()}
     aa = harness.aa_name("sync")
-    rep = harness.Report("daso", "DASO on 2 × 2 emulated nodes at 1 Gbit/s: time to 90 %", prov)
+    rep = harness.Report(
+        "daso", f"DASO, local SGD and DiLoCo on 2 × 2 emulated nodes at 1 Gbit/s: time to "
+        f"{100 * TARGET:g} % within one time budget", prov,
+    )  # fmt: skip
     aa_ratio = harness.paired_ratio(times[aa], times["sync"], budget_s=budget)[0]
-    for name, (_, target, why) in ARMS.items():
-        if name == "daso" or name not in groups:
-            continue
+    for num, den, target, why in claimed_ratios(groups):
         claim = harness.ratio_claim(
-            rep, f"time to 90 %, daso ÷ {name}, 2 × 2 nodes, 1 Gbit/s ({why})",
-            times["daso"], times[name], None, f"≤ {target:g}", lambda r, t=target: r <= t,
-            budget,
+            rep, f"time to {100 * TARGET:g} %, {num} ÷ {den}, 2 × 2 nodes, 1 Gbit/s ({why})",
+            times[num], times[den], None, f"≤ {target:g}", lambda r, t=target: r <= t, budget,
         )  # fmt: skip
         claim.aa = aa_ratio  # sync ÷ sync: the noise floor of every ratio here
     final = {name: [r.final_accuracy for r in rs] for name, rs in groups.items()}
     if all(a is not None for a in final["daso"] + final["sync"]):
         diff, lo, hi = harness.bootstrap_difference(final["daso"], final["sync"], paired=True)
         rep.claim(
-            "final accuracy, daso − sync (points), 2 × 2 nodes", round(100 * diff, 2),
+            "final accuracy, daso − sync (points), 2 × 2 nodes, at the budget",
+            round(100 * diff, 2),
             f"within ±{ACC_POINTS:g}", abs(100 * diff) <= ACC_POINTS,
             interval=(round(100 * lo, 2), round(100 * hi, 2)), seeds=len(final["daso"]),
         )  # fmt: skip
     rep.settings(
         f"{__doc__.split(chr(10) * 2, 2)[2].strip()}\n\nFlags: `{' '.join(COMMON + length)}`; "
-        f"seeds {seeds}. Censoring budget: {fmt(budget)} s of training time. Every ratio's A/A "
+        f"seeds {seeds}. Censoring budget: {fmt(budget)} s of training time (the longest any "
+        "run trained: the budget plus the steps to the next agreed check). Every ratio's A/A "
         "column is sync (A/A) ÷ sync, the distance from 1 this machine gives two identical arms."
+    )
+    sens = []
+    for num, den, _, _ in claimed_ratios(groups):
+        cells = []
+        for t in sorted((*SENSITIVITY, TARGET)):
+            a, b = (harness.times_to(groups[x], t) for x in (num, den))
+            r, lo, hi = harness.bootstrap_ratio(a, b, budget_s=budget, paired=True)
+            n = sum(v is None for v in (*a, *b))
+            cells.append(f"{fmt(r)} [{fmt(lo)}, {fmt(hi)}]" + (f", {n} censored" if n else ""))
+        sens.append([f"{num} ÷ {den}", *cells])
+    rep.section("Sensitivity to the target").table(
+        ["ratio", *(f"time to {100 * t:g} %" for t in sorted((*SENSITIVITY, TARGET)))], sens
+    )
+    rep.text(
+        "The same paired median ratio and interval at the other targets named before the run "
+        "(censored runs counted at the budget)."
     )
     rows = []
     sync_bytes = bytes_per_sample(groups["sync"])
@@ -141,8 +175,9 @@ def report(
         )  # fmt: skip
     rep.section("Why: throughput, samples needed, CPU").text(explain(groups, compute_ms))
     rep.section("Every arm").table(
-        ["arm", "time to 90 % per seed (s)", "median (s)", "censored", "final acc % per seed",
-         "mean", "inter-node B/sample (median)", "÷ sync", "samples at 90 % (median)",
+        ["arm", f"time to {100 * TARGET:g} % per seed (s)", "median (s)", "censored",
+         "final acc % per seed", "mean", "inter-node B/sample (median)", "÷ sync",
+         f"samples at {100 * TARGET:g} % (median)",
          "samples/s", "ms/step", "comm wait ms/step", "job's cores", "CPU ms/worker step",
          "failed"],
         rows,
@@ -151,7 +186,7 @@ def report(
         "Medians over seeds. *samples/s*, *ms/step* (median over workers, communication waits "
         "and evaluation stalls included), *comm wait*, *job's cores* (CPU time of all the "
         "job's processes from /proc ÷ time) and *CPU ms/worker step*: measured from 1 s after "
-        "the clock started to the first worker's last step. *Samples at 90 %*: the global "
+        "the clock started to the first worker's last step. *Samples at the target*: the global "
         "sample count at the evaluation that starts the held run."
     )  # fmt: skip
     first = [rs[0] for rs in groups.values() if rs[0].out_dir and rs[0].evals]
@@ -161,6 +196,19 @@ def report(
         plot_runs([r.out_dir for r in first], str(png), f"seed {seeds[0]}", [r.arm for r in first])
         rep.figure(png, f"test error against time and samples, seed {seeds[0]}")
     rep.write(runs)
+
+
+def claimed_ratios(groups) -> list[tuple[str, str, float, str]]:
+    """(numerator, denominator, target, why) of each time claim whose two arms ran."""
+    out = [(c[0], n, c[1], c[2]) for n, (_, c) in ARMS.items() if c]
+    out += [(n, "sync", t, "the advice for slow links") for n, t in SLOW_LINK.items()]
+    return [c for c in out if c[0] in groups and c[1] in groups]
+
+
+def samples_to(r: harness.Run) -> int | None:
+    """The global samples at the evaluation where the held time to TARGET starts."""
+    t = None if r.failed else harness.time_to_target(r.evals, TARGET)
+    return next((s for when, s, _ in r.evals if when == t), None)
 
 
 def bytes_per_sample(rs: list[harness.Run]) -> float | None:
@@ -202,27 +250,25 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None) -> s
                 else "**CPU-bound**: compute contention, not the padding, sets the pace."
             )
         )
-    daso = groups["daso"]
-    for name, rs in groups.items():
-        if name in ("daso", harness.aa_name("sync")):
-            continue
-        thr = ratio(med(daso, "samples/s"), med(rs, "samples/s"))
-        need = ratio(harness.median(map(samples_to, daso)), harness.median(map(samples_to, rs)))
+    for num, den, _, _ in claimed_ratios(groups):
+        a, b = groups[num], groups[den]
+        thr = ratio(med(a, "samples/s"), med(b, "samples/s"))
+        need = ratio(harness.median(map(samples_to, a)), harness.median(map(samples_to, b)))
         if thr is None:
             continue
         text = (
-            f"- **daso ÷ {name}**: {fmt(thr)}× the samples/s: with the same samples needed, "
+            f"- **{num} ÷ {den}**: {fmt(thr)}× the samples/s: with the same samples needed, "
             f"a time ratio of 1 ÷ {fmt(thr)} = {fmt(1 / thr)}"
         )
         if need is not None:
             text += (
-                f"; it needed {fmt(need)}× the samples to hold 90 % (runs that held it): "
-                f"about {fmt(need)} ÷ {fmt(thr)} = **{fmt(need / thr)}**"
+                f"; it needed {fmt(need)}× the samples to hold {100 * TARGET:g} % (runs that "
+                f"held it): about {fmt(need)} ÷ {fmt(thr)} = **{fmt(need / thr)}**"
             )
         lines.append(text + ".")
     lines.append(
-        "- Every arm takes the same steps, so an arm with faster steps also trains for less "
-        "time: a censored run stopped short of the budget (runs' training time: "
+        "- Every arm has the same training-time budget, so an arm with faster steps takes more "
+        "of them (runs' training time, median: "
         + ", ".join(
             f"{name} {fmt(harness.median(r.evals[-1][0] for r in rs if r.evals))} s"
             for name, rs in groups.items()
