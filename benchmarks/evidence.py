@@ -111,6 +111,15 @@ ADVICE: list[tuple[str, list[tuple[str, str, str]]]] = [  # (situation, [(result
          "Streaming DiLoCo, int8, H = 32, F = 4 sent {value}× sync's inter-node bytes "
          "(virtual cluster)"),
         ("compress", "… at equal steps", "It ended {value} points from sync {interval}"),
+        ("compress", "Streaming DiLoCo int8 (H = 32, F = 4): inter-node bytes ÷ sync's, real",
+         "Where it was not chosen (seeds 3-7): in real runs over the emulated link it sent "
+         "{value}× sync's inter-node bytes"),
+        ("compress", "… at equal steps, its final accuracy − sync's (points), real",
+         "and ended {value} points from sync {interval}"),
+        ("compress", "Streaming DiLoCo int8 (H = 32, F = 4): inter-node bytes ÷ sync's, sim",
+         "At W = 8 on the virtual cluster it sent {value}× sync's"),
+        ("compress", "… at equal steps, its final accuracy − sync's (points), sim",
+         "and ended {value} points from sync {interval}"),
         ("compress_scale", "simulate local_sgd int8 ÷ none sent bytes, W = 256",
          "`--compress int8` sends {value}× the uncompressed bytes at W = 256 (local SGD, virtual "
          "cluster; 0.25-0.26 from W = 2 on)"),
