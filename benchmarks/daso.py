@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import experiments  # noqa: E402
 import harness  # noqa: E402
 import peers  # noqa: E402
-from experiments import ratio  # noqa: E402
+from experiments import ratio, samples_to  # noqa: E402
 from harness import Arm, fmt, pct  # noqa: E402
 
 from cloudburst.plot import plot_runs  # noqa: E402
@@ -168,7 +168,7 @@ def report(
             [name, " / ".join(fmt(t) for t in times[name]), fmt(median), censored,
              " / ".join(pct(a) for a in final[name]), pct(statistics.fmean(accs) if accs else None),
              fmt(bytes_per_sample(rs)), fmt(ratio(bytes_per_sample(rs), sync_bytes)),
-             fmt(harness.median(map(samples_to, rs))), fmt(med(rs, "samples/s")),
+             fmt(harness.median(samples_to(r, TARGET) for r in rs)), fmt(med(rs, "samples/s")),
              fmt(harness.median(ms_per_step(r) for r in rs)), fmt(med(rs, "wait ms/step")),
              fmt(med(rs, "job cores")), fmt(med(rs, "CPU ms/step")),
              "; ".join(f"seed {r.seed}: {r.failed}" for r in rs if r.failed) or "-"]
@@ -203,12 +203,6 @@ def claimed_ratios(groups) -> list[tuple[str, str, float, str]]:
     out = [(c[0], n, c[1], c[2]) for n, (_, c) in ARMS.items() if c]
     out += [(n, "sync", t, "the advice for slow links") for n, t in SLOW_LINK.items()]
     return [c for c in out if c[0] in groups and c[1] in groups]
-
-
-def samples_to(r: harness.Run) -> int | None:
-    """The global samples at the evaluation where the held time to TARGET starts."""
-    t = None if r.failed else harness.time_to_target(r.evals, TARGET)
-    return next((s for when, s, _ in r.evals if when == t), None)
 
 
 def bytes_per_sample(rs: list[harness.Run]) -> float | None:
@@ -253,7 +247,7 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None) -> s
     for num, den, _, _ in claimed_ratios(groups):
         a, b = groups[num], groups[den]
         thr = ratio(med(a, "samples/s"), med(b, "samples/s"))
-        need = ratio(harness.median(map(samples_to, a)), harness.median(map(samples_to, b)))
+        need = ratio(*(harness.median(samples_to(r, TARGET) for r in x) for x in (a, b)))
         if thr is None:
             continue
         text = (

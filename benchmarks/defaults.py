@@ -31,7 +31,7 @@ from harness import Arm, fmt, pct  # noqa: E402
 
 #: The best known alternatives to each default (issue 25 item 4), named before the run:
 #: DiLoCo's outer lr over SGD (default 0.1) and over Adam (inner lr 1e-3; 0.7 is its default
-#: there), EASGD's communication period τ = 4 (default 1), gossip's random peers. asgd's
+#: there), EASGD's communication period τ = 4 (default 10), gossip's random peers. asgd's
 #: candidates (``--n-sync 1``, a compensator) are the ``asgd`` part's.
 ADAM = ["--optimizer", "adam", "--lr", "0.001"]
 CANDIDATES: dict[str, list[list[str]]] = {

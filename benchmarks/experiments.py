@@ -398,9 +398,9 @@ def step_compute_ms(out_dir: Path, steps: int, flags: Sequence[str] = ()) -> flo
     return None if r.failed or not wall else 1000 * wall / steps
 
 
-def samples_to(r: harness.Run) -> int | None:
-    """The global samples at the evaluation where the held time to target starts."""
-    t = None if r.failed else harness.time_to_target(r.evals, TARGET)
+def samples_to(r: harness.Run, target: float = TARGET) -> int | None:
+    """The global samples at the evaluation where the held time to ``target`` starts."""
+    t = None if r.failed else harness.time_to_target(r.evals, target)
     return next((s for when, s, _ in r.evals if when == t), None)
 
 
