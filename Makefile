@@ -69,8 +69,8 @@ bench: $(STAMP)
 bench-all: $(STAMP)
 	@$(MAKE) --no-print-directory bench BENCH="$(BENCH_ALL)" BENCH_RESULTS= EVIDENCE_FLAGS=
 
-## The same scripts in --quick mode (a smoke test, ≤ 10 min: 6.1 min at 0703ae6; results under runs/bench-quick/,
-## never evidence: the README is not touched)
+## Every script (BENCH_ALL) in --quick mode (a smoke test, ≤ 10 min: 6.1 min at 0703ae6, fewer
+## scripts then; results under runs/bench-quick/, never evidence: the README is not touched)
 bench-quick: $(STAMP)
 	@$(MAKE) --no-print-directory bench BENCH="$(BENCH_ALL)" BENCH_FLAGS=--quick \
 		BENCH_TIMEOUT_S=300 EVIDENCE_FLAGS="--results runs/bench-quick --print"
