@@ -42,9 +42,10 @@ test-fast: $(STAMP)
 BENCH := experiments:accuracy:--first-seed:5:--seeds:3 experiments:stragglers:--seeds:3 \
 	daso:--arms:sync,daso,local_sgd:--seeds:3 compress:--seeds:2 local_sgd transport overhead \
 	lm:--seeds:1:--steps:200
-# ~59 min, estimated from each script's runs at this stop (2-core machine, idle; minutes):
-# accuracy 6.4, stragglers 17.3, daso 10 (4 arms with the A/A), compress 16, local_sgd 3.8,
-# transport + overhead 1.4, lm 3.7. Not timed end to end.
+# Timed end to end: 55.7 min (3,342 s) at f90e9ec, in a clean worktree on the 2-core machine,
+# with two editing sessions beside it (load 2.6-4.3); exit 0. Per script (minutes, from the
+# results' start times): accuracy 5.5, stragglers 11.1, daso 10.5, compress 13.5, local_sgd 5.4,
+# transport + overhead 2.1, lm (with its virtual-cluster table) and the evidence 10.
 ## Every script at its own settings into benchmarks/results/, then the README's evidence
 ## (about 3.5 hours; the staleness, compensator and confirmation results' own commands are in
 ## their files' headers).
