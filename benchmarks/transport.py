@@ -2,28 +2,24 @@
 
 One worker (rank 1) and one server (rank 0) on 127.0.0.1 move ``--numel`` fp32 values (default
 10M, 40 MB) each way per round trip; throughput = 2·numel·4 bytes ÷ the worker's wall time per
-round trip (``--iters`` timed after ``--warmup``). Arms, interleaved by the harness (order rotated
+round trip (``--iters`` timed after a warm-up). Arms, interleaved by the harness (order rotated
 per repetition) with ``raw`` run twice (the A/A control):
 
 - ``raw``: ``dist.send`` then ``dist.recv`` of preallocated tensors (the floor of any gloo path);
 - ``duplex`` (reference): raw with both directions at once (``irecv`` posted, then ``send``),
   the wire pattern of asgd's overlapped round trip;
-- ``asgd``: the package: :class:`~cloudburst.strategies.asgd.server.ServerLoop` on rank 0,
-  ``AsgdStrategy``'s PUSH_FETCH round (``_round(push=True, fetch=True)``) on rank 1, a session
-  per repetition;
+- ``asgd``: the package: ``ServerLoop`` on rank 0, ``AsgdStrategy``'s PUSH_FETCH round
+  (``_round(push=True, fetch=True)``) on rank 1, a session per repetition;
 - ``rpc``: the PyTorch tutorial's RPC parameter server (``rpc_sync`` of push-and-fetch);
 - ``pipelined`` (reference, benchmark code on the package's comm API, no target): a PUSH_FETCH
-  round as asgd and the server would run it with chunked payloads — Δ computed chunk by chunk as
-  it is sent (``isend_payload(prepare=)``), θ sent while Δ arrives, Δ checked chunk by chunk as
-  it arrives (``recv_payload(on_chunk=)``), the parameters a view of one flat buffer (no
-  flatten/assign copies), θ + Δ written into them as each θ chunk arrives. It shows what the
-  asgd path can reach.
+  round with chunked payloads — Δ computed chunk by chunk as it is sent, θ sent while Δ
+  arrives, Δ checked chunk by chunk as it arrives, the parameters a view of one flat buffer,
+  θ + Δ written into them as each θ chunk arrives. It shows what the asgd path can reach.
 
-Probes: for asgd and pipelined, the worker's time blocked in the transport per round (the
-transport's ``wait_s`` counter, or timed around the waits) and the rest of the round; for every
-arm, the CPU time of both processes (all threads, user + system) per round trip, read by the
-worker from its own clock and the server's ``/proc/<pid>/stat``: context, no claim rests on it
-(a "ceiling" from asgd's own CPU time would rescale asgd's own measurement).
+Probes (context, no claim rests on them): for asgd and pipelined, the worker's time blocked in
+the transport per round (asgd's ``wait_s`` counter, or timed around the waits); for every arm,
+the CPU time of both processes (all threads, user + system) per round trip, read by the worker
+from its own clock and the server's ``/proc/<pid>/stat``.
 
     .venv/bin/python benchmarks/transport.py [--quick] [--force] [--numel N] [--reps R]
 """
@@ -34,12 +30,13 @@ import datetime
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -66,26 +63,23 @@ ARMS = ("raw", "duplex", "asgd", "rpc", "pipelined")
 CONTROL = "raw"
 TAG_COMMAND = 99  # worker → server: which arm runs next (-1: stop)
 TARGET_VS_RAW = 0.85
+Timing = tuple[float, float, float]  # on the worker: seconds, seconds blocked, CPU seconds
 
 
-class CpuProbe:
-    """CPU seconds (user + system, every thread) of the worker and the server processes
-    together, read by the worker: its own from ``time.process_time``, the server's from
-    ``/proc/<pid>/stat`` (Linux; clock ticks, 10 ms). None where /proc is missing."""
+def cpu_probe(server_pid: int) -> Callable[[], float]:
+    """CPU seconds (user + system, every thread) of the worker and the server together: its own
+    ``time.process_time``, the server's ``/proc/<pid>/stat`` (clock ticks, 10 ms); NaN without
+    /proc."""
+    stat = Path(f"/proc/{server_pid}/stat")
+    tick_s = 1.0 / os.sysconf("SC_CLK_TCK") if stat.exists() else 0.0
 
-    def __init__(self, server_pid: int):
-        self.stat = Path(f"/proc/{server_pid}/stat")
-        self.tick_s = 1.0 / os.sysconf("SC_CLK_TCK") if self.stat.exists() else 0.0
-
-    def __call__(self) -> float:
-        if not self.tick_s:
+    def cpu() -> float:
+        if not tick_s:
             return math.nan
-        fields = self.stat.read_text().rsplit(")", 1)[1].split()
-        return time.process_time() + (int(fields[11]) + int(fields[12])) * self.tick_s
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return time.process_time() + (int(fields[11]) + int(fields[12])) * tick_s
 
-
-def _no_probe() -> float:
-    return 0.0
+    return cpu
 
 
 class FlatParams(nn.Module):
@@ -95,37 +89,36 @@ class FlatParams(nn.Module):
 
 
 # ---------------------------------------------------------------------------- the arms
-# Each returns, on the worker, (seconds for `iters` round trips, seconds blocked in the
-# transport, CPU seconds both processes spent meanwhile); ``s["cpu"]`` reads the CPU clock.
-Timing = tuple[float, float, float]
+def timed(
+    s: dict, trip: Callable[[], object], blocked: Callable[[], float] | None = None
+) -> Timing:
+    """``trip()`` ``warmup`` times, then ``iters`` timed: (seconds, seconds blocked in the
+    transport (``blocked()``'s increase; without it, all), CPU seconds of both processes)."""
+    for _ in range(s["warmup"]):
+        trip()
+    waited, t0, c0 = blocked() if blocked else 0.0, time.perf_counter(), s["cpu"]()
+    for _ in range(s["iters"]):
+        trip()
+    elapsed, cpu = time.perf_counter() - t0, s["cpu"]() - c0
+    return elapsed, blocked() - waited if blocked else elapsed, cpu
 
 
 def run_raw(rank: int, s: dict, bufs: dict) -> Timing:
-    t0 = c0 = 0.0
-    for i in range(s["warmup"] + s["iters"]):
-        if i == s["warmup"]:
-            t0, c0 = time.perf_counter(), s["cpu"]()
-        if rank == SERVER:
-            dist.recv(bufs["b"], src=WORKER)
-            dist.send(bufs["a"], dst=WORKER)
-        else:
-            dist.send(bufs["a"], dst=SERVER)
-            dist.recv(bufs["b"], src=SERVER)
-    elapsed = time.perf_counter() - t0
-    return elapsed, elapsed, s["cpu"]() - c0
+    peer = WORKER if rank == SERVER else SERVER
+    send, recv = lambda: dist.send(bufs["a"], peer), lambda: dist.recv(bufs["b"], peer)
+    ops = (recv, send) if rank == SERVER else (send, recv)  # the server receives first
+    return timed(s, lambda: [op() for op in ops])
 
 
 def run_duplex(rank: int, s: dict, bufs: dict) -> Timing:
     peer = WORKER if rank == SERVER else SERVER
-    t0 = c0 = 0.0
-    for i in range(s["warmup"] + s["iters"]):
-        if i == s["warmup"]:
-            t0, c0 = time.perf_counter(), s["cpu"]()
+
+    def trip() -> None:
         receiving = dist.irecv(bufs["b"], src=peer)
         dist.send(bufs["a"], dst=peer)
         receiving.wait()
-    elapsed = time.perf_counter() - t0
-    return elapsed, elapsed, s["cpu"]() - c0
+
+    return timed(s, trip)
 
 
 def run_asgd(rank: int, s: dict, ctx: Context) -> Timing:
@@ -141,15 +134,9 @@ def run_asgd(rank: int, s: dict, ctx: Context) -> Timing:
     strategy = AsgdStrategy(ctx)
     strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
     strategy.start()
-    for _ in range(s["warmup"]):
-        strategy._round(push=True, fetch=True)
-    waited, t0, c0 = strategy.stats.wait_s, time.perf_counter(), s["cpu"]()
-    for _ in range(s["iters"]):
-        strategy._round(push=True, fetch=True)
-    elapsed, waited = time.perf_counter() - t0, strategy.stats.wait_s - waited
-    cpu = s["cpu"]() - c0
+    timing = timed(s, lambda: strategy._round(push=True, fetch=True), lambda: strategy.stats.wait_s)
     strategy.finish()
-    return elapsed, waited, cpu
+    return timing
 
 
 class ParameterServer:
@@ -170,51 +157,40 @@ class ParameterServer:
 def run_rpc(rank: int, s: dict, state: dict) -> Timing:
     if rank == SERVER:
         return 0.0, 0.0, 0.0  # served by the RPC agent's threads
-    t0 = c0 = 0.0
-    for i in range(s["warmup"] + s["iters"]):
-        if i == s["warmup"]:
-            t0, c0 = time.perf_counter(), s["cpu"]()
-        rpc.rpc_sync(
-            state["ps_rref"].owner(),
-            ParameterServer.push_and_fetch,
-            args=(state["ps_rref"], state["delta"]),
-        )
-    elapsed = time.perf_counter() - t0
-    return elapsed, elapsed, s["cpu"]() - c0
+    ps_rref = state["ps_rref"]
+    return timed(s, lambda: rpc.rpc_sync(ps_rref.owner(), ParameterServer.push_and_fetch,
+                                         args=(ps_rref, state["delta"])))  # fmt: skip
 
 
 def run_pipelined(rank: int, s: dict, bufs: dict) -> Timing:
     """See the module docstring; buffers allocated once per process."""
-    t = PeerTransport()
-    n = s["numel"]
+    t, n = PeerTransport(), s["numel"]
     if rank == SERVER:
         theta, delta = bufs["theta"], bufs["delta"]
-        for _ in range(s["warmup"] + s["iters"]):
+
+        def serve() -> None:
             src, header = t.recv_request_any()
             assert header is not None and header.kind == Kind.PUSH_FETCH
             sending = t.isend_payload(src, theta, reply=True)  # θ before the push
             finite: list[bool] = []
-            t.recv_payload(
-                src,
-                n,
-                out=delta,
-                on_chunk=lambda a, b, ok=finite: ok.append(math.isfinite(float(delta[a:b].sum()))),
-            )
+            t.recv_payload(src, n, out=delta, on_chunk=lambda a, b: finite.append(
+                math.isfinite(float(delta[a:b].sum()))))  # fmt: skip
             sending.wait()  # θ must not change while it is sent
             status = Status.OK if all(finite) else Status.REJECTED
             if status == Status.OK:
                 theta.add_(delta)
             t.send(src, Header(Kind.REPLY, version=header.version + 1, status=status))
-        return 0.0, 0.0, 0.0
-    flat, reference, delta, fetched = bufs["flat"], bufs["ref"], bufs["delta"], bufs["fetched"]
-    version, waited, t0, c0 = 0, 0.0, 0.0, 0.0
-    for i in range(s["warmup"] + s["iters"]):
-        if i == s["warmup"]:
-            t0, waited, c0 = time.perf_counter(), 0.0, s["cpu"]()
-        t.send(SERVER, Header(Kind.PUSH_FETCH, version=version, numel=n))
 
-        def prepare(a: int, b: int, ref: torch.Tensor = reference) -> None:
-            torch.sub(flat[a:b], ref[a:b], out=delta[a:b])
+        timed(s, serve)
+        return 0.0, 0.0, 0.0
+    flat, delta, state = bufs["flat"], bufs["delta"], {"version": 0, "waited": 0.0}
+
+    def trip() -> None:
+        reference, fetched = bufs["ref"], bufs["fetched"]
+        t.send(SERVER, Header(Kind.PUSH_FETCH, version=state["version"], numel=n))
+
+        def prepare(a: int, b: int) -> None:
+            torch.sub(flat[a:b], reference[a:b], out=delta[a:b])
 
         receiving = t.irecv_payload(SERVER, fetched, reply=True)  # θ may flow meanwhile
         sending = t.isend_payload(SERVER, delta, reply=False, prepare=prepare)
@@ -225,70 +201,45 @@ def run_pipelined(rank: int, s: dict, bufs: dict) -> Timing:
             fetched[a:b].add_(delta[a:b])
             flat[a:b].copy_(fetched[a:b])
         sending.wait()
-        version = t.recv_reply(SERVER).version
-        waited += time.perf_counter() - w0
-        reference, fetched = fetched, reference
-    bufs["ref"], bufs["fetched"] = reference, fetched
-    return time.perf_counter() - t0, waited, s["cpu"]() - c0
+        state["version"] = t.recv_reply(SERVER).version
+        state["waited"] += time.perf_counter() - w0
+        bufs["ref"], bufs["fetched"] = fetched, reference
+
+    return timed(s, trip, lambda: state["waited"])
 
 
 # ---------------------------------------------------------------------------- one rank
 def rank_main(rank: int, s: dict, prov: harness.Provenance) -> None:
     torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", s["store_port"], 2, is_master=rank == SERVER)
-    dist.init_process_group(
-        "gloo", store=dist.PrefixStore("pg/", store), rank=rank, world_size=2, timeout=timeout
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    cfg = RunConfig(strategy="asgd", workers=1, servers=1, dataset="synthetic", train_size=1000,
+                    test_size=100, steps=1, checkpoint_every=0, comm_timeout_s=120.0,
+                    out=str(Path(s["workdir"]) / "asgd"), progress=False)  # fmt: skip
+    ctx = Context(cfg=cfg, rank=rank, world_size=2, num_servers=1, num_workers=1,
+                  workers_group=None, store=dist.PrefixStore("cloudburst/bench/", store),
+                  t0=time.time())  # fmt: skip
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{s['rpc_port']}", num_worker_threads=4
     )
-    cfg = RunConfig(
-        strategy="asgd",
-        workers=1,
-        servers=1,
-        dataset="synthetic",
-        train_size=1000,
-        test_size=100,
-        steps=1,
-        checkpoint_every=0,
-        comm_timeout_s=120.0,
-        out=str(Path(s["workdir"]) / "asgd"),
-        progress=False,
-    )
-    ctx = Context(
-        cfg=cfg,
-        rank=rank,
-        world_size=2,
-        num_servers=1,
-        num_workers=1,
-        workers_group=None,
-        store=dist.PrefixStore("cloudburst/bench/", store),
-        t0=time.time(),
-    )
-    rpc.init_rpc(
-        "server" if rank == SERVER else "worker",
-        rank=rank,
-        world_size=2,
-        rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
-            init_method=f"tcp://127.0.0.1:{s['rpc_port']}", num_worker_threads=4
-        ),
-    )
+    name = "server" if rank == SERVER else "worker"
+    rpc.init_rpc(name, rank=rank, world_size=2, rpc_backend_options=options)
     if rank == SERVER:
         store.set("server_pid", str(os.getpid()))
-        s["cpu"] = _no_probe
+        s["cpu"] = lambda: 0.0
     else:
-        s["cpu"] = CpuProbe(int(store.get("server_pid")))
+        s["cpu"] = cpu_probe(int(store.get("server_pid")))
     n = s["numel"]
     raw = {"a": torch.ones(n), "b": torch.zeros(n)}
+    rpc_state: dict = {}
     if rank == SERVER:
         pipe = {"theta": torch.zeros(n), "delta": torch.zeros(n)}
-        rpc_state: dict[str, Any] = {}
     else:
-        model = FlatParams(n)
         pipe = {k: torch.zeros(n) for k in ("flat", "ref", "delta", "fetched")}
-        adopt_flat(model, pipe["flat"])  # the parameters are views of one flat buffer
-        rpc_state = {
-            "ps_rref": rpc.remote("server", ParameterServer, args=(n,)),
-            "delta": torch.zeros(n),
-        }
+        adopt_flat(FlatParams(n), pipe["flat"])  # the parameters are views of one flat buffer
+        rpc_state = {"ps_rref": rpc.remote("server", ParameterServer, args=(n,)),
+                     "delta": torch.zeros(n)}  # fmt: skip
     runners = {
         "raw": lambda: run_raw(rank, s, raw),
         "duplex": lambda: run_duplex(rank, s, raw),
@@ -308,26 +259,19 @@ def rank_main(rank: int, s: dict, prov: harness.Provenance) -> None:
 
         def one(arm: harness.Arm, seed: int) -> harness.Run:
             base = arm.name.removesuffix(" (A/A)")
-            command.fill_(ARMS.index(base))
-            dist.send(command, dst=SERVER, tag=TAG_COMMAND)
+            dist.send(command.fill_(ARMS.index(base)), dst=SERVER, tag=TAG_COMMAND)
             elapsed, waited, cpu = runners[base]()
             dist.barrier()
-            per_trip = elapsed / s["iters"]
-            values = {
-                "gbps": 2 * n * 4 / per_trip / 1e9,
-                "ms_per_trip": 1e3 * per_trip,
-                "blocked_ms": 1e3 * waited / s["iters"],
-                "cpu_ms": 1e3 * cpu / s["iters"],
-            }
+            per_trip, iters = elapsed / s["iters"], s["iters"]
+            values = {"gbps": 2 * n * 4 / per_trip / 1e9, "ms_per_trip": 1e3 * per_trip,
+                      "blocked_ms": 1e3 * waited / iters, "cpu_ms": 1e3 * cpu / iters}  # fmt: skip
             return harness.Run(arm.name, seed, round(elapsed, 4), values=values)
 
         arms = [harness.Arm(a) for a in ARMS]
         runs = harness.interleave(arms, range(s["reps"]), control=CONTROL, run=one, prov=prov)
-        command.fill_(-1)
-        dist.send(command, dst=SERVER, tag=TAG_COMMAND)
-        Path(s["workdir"], "runs.json").write_text(
-            json.dumps({"runs": [r.to_dict() for r in runs], "loads": prov.loads})
-        )
+        dist.send(command.fill_(-1), dst=SERVER, tag=TAG_COMMAND)
+        out = {"runs": [r.to_dict() for r in runs], "loads": prov.loads}
+        Path(s["workdir"], "runs.json").write_text(json.dumps(out))
     rpc.shutdown()
     dist.destroy_process_group()
 
@@ -337,25 +281,14 @@ def report(prov: harness.Provenance, s: dict, runs: list[harness.Run]) -> None:
     rep = harness.Report("transport", "Transport: raw gloo vs asgd's push+fetch vs torch RPC", prov)
     groups = harness.by_arm(runs)
     gbps = {arm: [r.values["gbps"] for r in rs] for arm, rs in groups.items()}
-    aa = gbps[harness.aa_name(CONTROL)]
     harness.ratio_claim(
-        rep, "asgd push+fetch ÷ raw gloo (throughput)", gbps["asgd"], gbps["raw"], aa,
-        f"≥ {TARGET_VS_RAW}", lambda x: x >= TARGET_VS_RAW,
+        rep, "asgd push+fetch ÷ raw gloo (throughput)", gbps["asgd"], gbps["raw"],
+        gbps[harness.aa_name(CONTROL)], f"≥ {TARGET_VS_RAW}", lambda x: x >= TARGET_VS_RAW,
     )  # fmt: skip
     for arm, what in (("duplex", "both directions at once"), ("pipelined", "not package code")):
         value, *interval = harness.paired_ratio(gbps[arm], gbps["raw"])
-        rep.claim(
-            f"{arm} reference ÷ raw gloo ({what})",
-            value,
-            "(reference)",
-            None,
-            interval=interval,
-            seeds=s["reps"],
-        )
-    med = {
-        arm: {k: harness.statistics.median(r.values[k] for r in rs) for k in rs[0].values}
-        for arm, rs in groups.items()
-    }
+        rep.claim(f"{arm} reference ÷ raw gloo ({what})", value, "(reference)", None,
+                  interval=interval, seeds=s["reps"])  # fmt: skip
     # No "CPU-bound ceiling" claim: raw ms × cores ÷ asgd's CPU ms is asgd's own measurement
     # rescaled (issue 25), so it cannot disagree with the ratio above; the CPU columns below
     # stay as context.
@@ -368,20 +301,13 @@ def report(prov: harness.Provenance, s: dict, runs: list[harness.Run]) -> None:
         "ran back to back: resampled as pairs)."
     )
     rows = []
-    for arm, m in med.items():
-        probed = arm in ("asgd", "pipelined")
-        rows.append(
-            [
-                arm,
-                m["gbps"],
-                m["ms_per_trip"],
-                m["blocked_ms"] if probed else "-",
-                m["ms_per_trip"] - m["blocked_ms"] if probed else "-",
-                m["cpu_ms"],
-                m["cpu_ms"] / m["ms_per_trip"],
-                ", ".join(harness.fmt(x) for x in gbps[arm]),
-            ]
-        )
+    for arm, rs in groups.items():
+        m = {k: statistics.median(r.values[k] for r in rs) for k in rs[0].values}
+        blocked = (m["blocked_ms"], m["ms_per_trip"] - m["blocked_ms"])
+        rows.append([arm, m["gbps"], m["ms_per_trip"],
+                     *(blocked if arm in ("asgd", "pipelined") else ("-", "-")), m["cpu_ms"],
+                     m["cpu_ms"] / m["ms_per_trip"],
+                     ", ".join(harness.fmt(x) for x in gbps[arm])])  # fmt: skip
     rep.section("Arms (medians over repetitions)").table(
         ["arm", "GB/s", "ms / round trip", "worker blocked in transport (ms)",
          "worker outside transport (ms)", "CPU ms / round trip (both processes)",
@@ -409,24 +335,20 @@ def main() -> None:
         p.add_argument("--reps", type=int, default=None, help="repetitions per arm (12)")
         p.add_argument("--iters", type=int, default=None, help="timed round trips (10)")
 
-    args = harness.parse_args(__doc__, add)
-    prov = harness.Provenance.capture(args)
+    args, prov = harness.start(__doc__, add)
     quick = args.quick
     s = {
         "numel": args.numel or (2_000_000 if quick else 10_000_000),
         "reps": args.reps or args.seeds or (2 if quick else 12),
         "iters": args.iters or (3 if quick else 10),
         "warmup": 1 if quick else 3,
-        "store_port": free_port(),
-        "rpc_port": free_port(),
     }
-    while s["rpc_port"] == s["store_port"]:
-        s["rpc_port"] = free_port()
+    store_port = free_port()
+    rpc_port = next(p for p in iter(free_port, None) if p != store_port)
     with tempfile.TemporaryDirectory(prefix="cloudburst-transport-") as workdir:
-        s["workdir"] = workdir
-        mp.spawn(rank_main, args=(s, prov), nprocs=2, join=True)
+        ranks = {**s, "store_port": store_port, "rpc_port": rpc_port, "workdir": workdir}
+        mp.spawn(rank_main, args=(ranks, prov), nprocs=2, join=True)
         out = json.loads(Path(workdir, "runs.json").read_text())
-    del s["workdir"], s["store_port"], s["rpc_port"]
     prov.loads = out["loads"]
     report(prov, s, [harness.Run(**r) for r in out["runs"]])
 
