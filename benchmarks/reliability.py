@@ -40,6 +40,7 @@ plain arm; pushes applied per second = the shards' final version clocks ÷ wall 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -107,45 +108,41 @@ class Records:
 
     def poll(self) -> None:
         for path in sorted((self.out / "metrics").glob("rank*.jsonl")):
-            with path.open() as f:
+            with path.open("rb") as f:
                 f.seek(self.offsets.get(path, 0))
                 chunk = f.read()
-            end = chunk.rfind("\n") + 1  # complete lines only
-            self.offsets[path] = self.offsets.get(path, 0) + len(chunk[:end].encode())
+            chunk = chunk[: chunk.rfind(b"\n") + 1]  # complete lines only
+            self.offsets[path] = self.offsets.get(path, 0) + len(chunk)
             now = time.time()
-            for line in chunk[:end].splitlines():
-                try:
+            for line in chunk.decode(errors="ignore").splitlines():
+                with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a kill
                     record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut short by a killed rank
-                self.seen.append((record.get("wall", now), record))  # its own clock if it has one
+                    self.seen.append((record.get("wall", now), record))  # its own clock first
 
     def find(self, event: str, **match: Any) -> list[tuple[float, dict]]:
-        return [
-            (t, r)
-            for t, r in self.seen
-            if r["event"] == event and all(r.get(k) == v for k, v in match.items())
-        ]
+        match["event"] = event
+        return [(t, r) for t, r in self.seen if all(r.get(k) == v for k, v in match.items())]
+
+    def times(self, event: str, **match: Any) -> list[float]:
+        return [t for t, _ in self.find(event, **match)]
 
 
 def run_cell(arm: harness.Arm, seed: int, root: Path) -> harness.Run:
     strategy, role, fault, flags = arm.argv
-    victim = victim_rank(strategy, role)
-    out = root / harness.slug(arm.name)
+    victim, out = victim_rank(strategy, role), root / harness.slug(arm.name)
     shutil.rmtree(out, ignore_errors=True)  # this script's own run directory, from a last run
     argv = [*COMMON, *STRATEGY[strategy], *flags, "--steps", str(STEPS), "--seed", str(seed)]
     by_signal = role in ("shard", "store host")
     if fault != "none" and not by_signal:
         spec = f"slow:{victim}:2" if fault == "slow" else f"{fault}:{victim}@{FAULT_STEP}"
         argv += ["--inject-fault", spec]
-    cmd = [sys.executable, "-m", "cloudburst", "train", *argv, "--out", str(out), "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [*harness.CLI, "train", *argv, "--out", str(out), "--no-progress"]
     started = time.time()
-    proc = subprocess.Popen(
-        cmd, cwd=harness.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=harness.REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
     rec, fault_t, hung = Records(out), None, False
+    first_worker = 2 if strategy != "sync" else 0
     while proc.poll() is None:
         time.sleep(0.1)
         rec.poll()
@@ -153,7 +150,6 @@ def run_cell(arm: harness.Arm, seed: int, root: Path) -> harness.Run:
             os.killpg(proc.pid, signal.SIGKILL)
             hung = True
             break
-        first_worker = 2 if strategy != "sync" else 0
         if by_signal and fault_t is None and fault != "none":
             reached = [r for _, r in rec.find("step", rank=first_worker) if r["step"] >= FAULT_STEP]
             starts = rec.find("start", rank=victim)
@@ -173,26 +169,22 @@ def run_cell(arm: harness.Arm, seed: int, root: Path) -> harness.Run:
     return run
 
 
-def measure(
-    rec, run, fault_t, ended, victim, victim_is_server, fault, stderr, hung
-) -> dict[str, Any]:
+def measure(rec, run, fault_t, ended, victim, victim_is_server, fault, stderr, hung) -> dict:
     s = run.summary
     v: dict[str, Any] = {"outcome": outcome(rec, s, victim, fault, stderr, hung)}
     if fault_t is None:
         return v
-    restarted = [t for t, _ in rec.find("start", rank=victim)[1:]]
-    noticed = [t for e in DETECTED for t, _ in rec.find(e)] + restarted
+    noticed = [t for e in DETECTED for t in rec.times(e)] + rec.times("start", rank=victim)[1:]
     v["detect_s"] = min(noticed) - fault_t if noticed else None
     recovered = (
-        [t for t, _ in rec.find("failover")]
-        or [t for t, _ in rec.find("reconnect")][-1:]
+        rec.times("failover")
+        or rec.times("reconnect")[-1:]
         or [t for t, r in rec.find("rejoin") if r.get("worker") == victim]
-        or [t for t, _ in rec.find("resume", rank=victim)[-1:]]
+        or rec.times("resume", rank=victim)[-1:]
         or ([ended] if s.get("failed") or run.failed else [])
     )
     v["recover_s"] = recovered[0] - fault_t if recovered else None
-    resumes = rec.find("resume", rank=victim)
-    fired = rec.find("fault", rank=victim)
+    resumes, fired = rec.find("resume", rank=victim), rec.find("fault", rank=victim)
     if s.get("failed"):
         done = max((s.get("steps_done") or {0: 0}).values())
         v["lost"] = f"stopped at step {done} of {STEPS}; resumable"
@@ -222,8 +214,8 @@ def outcome(rec, s, victim, fault, stderr, hung) -> str:
         return "worker rejoined"
     if len(rec.find("start", rank=victim)) > 1:
         return "restarted from a checkpoint"
-    skipped = sum(r.get("steps_skipped_nonfinite", 0) for _, r in rec.find("final"))
     if fault == "nan":
+        skipped = sum(r.get("steps_skipped_nonfinite", 0) for _, r in rec.find("final"))
         return f"completed, {skipped} step(s) skipped"
     return "completed"
 
@@ -236,20 +228,17 @@ def fault_table(prov: harness.Provenance, report: harness.Report, args) -> list:
     arms = [harness.Arm(cell_name(*c), c) for c in cells]
     root = prov.runs_dir("reliability")
     runs = harness.interleave(arms, [0], run=lambda a, s: run_cell(a, s, root), prov=prov)
-    base = {r.arm.split()[0]: r for r in runs if r.arm.endswith("undisturbed")}
-    rows = []
-    for r, (strategy, role, fault, flags) in zip(runs, cells, strict=True):
-        v, undisturbed = r.values, base[strategy].summary if strategy in base else {}
-        rows.append([strategy, role, fault, " ".join(flags) or "-", v["outcome"],
-                     v.get("detect_s"), v.get("recover_s"), v.get("lost", "-"),
-                     harness.pct(r.summary.get("final_test_accuracy")),
-                     harness.pct(undisturbed.get("final_test_accuracy"))])  # fmt: skip
+    base = {r.arm.split()[0]: r.summary for r in runs if r.arm.endswith("undisturbed")}
+    rows = [[strategy, role, fault, " ".join(flags) or "-", r.values["outcome"],
+             r.values.get("detect_s"), r.values.get("recover_s"), r.values.get("lost", "-"),
+             harness.pct(r.summary.get("final_test_accuracy")),
+             harness.pct(base.get(strategy, {}).get("final_test_accuracy"))]
+            for r, (strategy, role, fault, flags) in zip(runs, cells, strict=True)]  # fmt: skip
     report.section("Faults × roles × strategies")
     report.table("strategy | role | fault | flags | outcome | detection (s) | recovery (s) | "
                  "progress lost | final acc (%) | undisturbed (%)", rows)  # fmt: skip
-    faulted = [r for r in runs if "detect_s" in r.values and r.values.get("detect_s") is not None]
-    worst = max((r.values["detect_s"] for r in faulted), default=None)
-    bound = HEARTBEAT_S + 5
+    faulted = [r.values["detect_s"] for r in runs if r.values.get("detect_s") is not None]
+    worst, bound = max(faulted, default=None), HEARTBEAT_S + 5
     report.claim(f"slowest detection (of {len(faulted)} faults noticed by a rank)",
                  worst, f"≤ {bound:g} s (heartbeat timeout + 5 s)",
                  None if worst is None else worst <= bound)  # fmt: skip
@@ -264,41 +253,34 @@ def fault_table(prov: harness.Provenance, report: harness.Report, args) -> list:
 
 
 def standby_cost(prov: harness.Provenance, report: harness.Report, quick: bool) -> list:
-    steps = "40" if quick else "150"
     common = ["--strategy", "asgd", "--workers", "4", "--servers", "2", "--n-sync", "1",
               "--dataset", "mnist1d", "--model", "mlp", "--batch-size", "32",
-              "--steps", steps, "--min-step-time-s", "0.02"]  # fmt: skip
+              "--steps", "40" if quick else "150", "--min-step-time-s", "0.02"]  # fmt: skip
     arms = [harness.Arm("plain", common), harness.Arm("standby", [*common, "--shard-standby"])]
-    seeds = [0] if quick else [0, 1, 2]
     root = prov.runs_dir("reliability-standby")
-    runs = harness.interleave(arms, seeds, control="plain", prov=prov, out_root=root)
-    rate = {
-        arm: [
-            None
-            if r.failed or not r.summary.get("wall_time_s")
-            else sum(r.summary.get("shard_versions", [])) / r.summary["wall_time_s"]
-            for r in rs
-        ]
-        for arm, rs in harness.by_arm(runs).items()
-    }
+    runs = harness.interleave(arms, [0] if quick else [0, 1, 2], control="plain", prov=prov,
+                              out_root=root)  # fmt: skip
+    rate = {arm: [None if r.failed or not r.summary.get("wall_time_s")
+                  else sum(r.summary.get("shard_versions", [])) / r.summary["wall_time_s"]
+                  for r in rs] for arm, rs in harness.by_arm(runs).items()}  # fmt: skip
     report.section("The standby's throughput cost")
     rows = [[arm, len(v), *(harness.fmt(f(x for x in v if x)) for f in (min, max))]
             for arm, v in rate.items() if any(v)]  # fmt: skip
     report.table(["arm", "runs", "min pushes/s", "max pushes/s"], rows)
-    aa = rate.get(harness.aa_name("plain"))
     harness.ratio_claim(report, "pushes/s with the standby ÷ without", rate["standby"],
-                        rate["plain"], aa, "≥ 0.5", lambda x: x >= 0.5)  # fmt: skip
+                        rate["plain"], rate.get(harness.aa_name("plain")), "≥ 0.5",
+                        lambda x: x >= 0.5)  # fmt: skip
     return runs
-
-
-def add_flags(p) -> None:
-    p.add_argument("--cells", default=None, help="indices into CELLS, e.g. 9,16 (a check)")
-    p.add_argument("--no-standby-cost", action="store_true", help="skip the standby's cost")
 
 
 def main() -> None:
     global STEPS
-    args, prov = harness.start(__doc__, add_flags)
+
+    def add(p) -> None:
+        p.add_argument("--cells", default=None, help="indices into CELLS, e.g. 9,16 (a check)")
+        p.add_argument("--no-standby-cost", action="store_true", help="skip the standby's cost")
+
+    args, prov = harness.start(__doc__, add)
     STEPS = 160 if args.quick else 300
     report = harness.Report("reliability", "Reliability: faults × roles × strategies", prov)
     report.settings(harness.about(__doc__))
