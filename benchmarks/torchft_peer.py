@@ -26,7 +26,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+SCRIPT = str(Path(__file__).resolve())
+REPO = Path(SCRIPT).parent.parent
 if str(REPO) not in sys.path:  # run as a script by the peer venv's python
     sys.path.insert(0, str(REPO))
 
@@ -35,6 +36,7 @@ from cloudburst.config import RunConfig  # noqa: E402
 
 PEER_PYTHON = os.environ.get("CLOUDBURST_PEER_PYTHON", "/work/peers-venv/bin/python")
 ALGORITHMS = ("localsgd", "diloco")
+TIMEOUT_S, READY_S = 600.0, 120.0  # for every replica to finish; to start together
 
 
 class TorchftFailed(RuntimeError):
@@ -42,14 +44,7 @@ class TorchftFailed(RuntimeError):
 
 
 # ---------------------------------------------------------------------------- the launcher
-def run_torchft(
-    cfg: RunConfig,
-    algorithm: str,
-    out_dir: str | Path,
-    python: str = PEER_PYTHON,
-    steps: int | None = None,
-    timeout_s: float = 600.0,
-) -> dict[str, Any]:
+def run_torchft(cfg: RunConfig, algorithm: str, out_dir: str | Path, steps: int | None = None):
     """Train ``cfg`` with torchft's ``algorithm`` (``diloco`` streams when ``cfg.fragments`` > 1),
     ``steps`` per replica (default: ``cfg``'s). Returns a summary with the keys of cloudburst's
     ``summary.json`` for the same numbers plus every replica's step times and ``step_s``, their
@@ -60,10 +55,8 @@ def run_torchft(
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("*"):
-        if stale.is_file():
-            stale.unlink()
-    script = str(Path(__file__).resolve())
+    for stale in (p for p in out.glob("*") if p.is_file()):
+        stale.unlink()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     (out / "config.json").write_text(cfg.to_json() + "\n")
     procs: list[subprocess.Popen] = []
@@ -73,11 +66,15 @@ def run_torchft(
         def start(name: str, *argv: str, **kw: Any) -> subprocess.Popen:
             log = logs.enter_context(open(out / f"{name}.log", "w"))  # noqa: SIM115
             kw = {"stdout": log, "stderr": log if "stdout" in kw else subprocess.STDOUT, **kw}
-            procs.append(subprocess.Popen([python, script, *argv], env=env, cwd=REPO, **kw))
+            procs.append(subprocess.Popen([PEER_PYTHON, SCRIPT, *argv], env=env, cwd=REPO, **kw))
             return procs[-1]
 
         def failed(what: str, name: str) -> TorchftFailed:
-            return TorchftFailed(f"torchft {what}: {_tail(out / f'{name}.log')}")
+            try:
+                tail = " | ".join((out / f"{name}.log").read_text().strip().splitlines()[-15:])
+            except OSError as e:
+                tail = f"(no output: {e})"
+            return TorchftFailed(f"torchft {what}: {tail or '(no output)'}")
 
         try:
             lh = start("lighthouse", "lighthouse", "--min-replicas", str(cfg.workers),
@@ -85,19 +82,18 @@ def run_torchft(
             address = lh.stdout.readline().strip()
             if not address.startswith("http"):
                 raise failed("lighthouse did not start", "lighthouse")
-            argv = ["--algorithm", algorithm, "--lighthouse", address, "--out", str(out)]
-            argv += ["--config", str(out / "config.json")] + (
-                ["--steps", str(steps)] if steps else []
-            )
+            argv = ["--algorithm", algorithm, "--lighthouse", address, "--out", str(out),
+                    "--config", str(out / "config.json")]  # fmt: skip
+            argv += ["--steps", str(steps)] if steps else []
             replicas = [start(f"replica{i}", "replica", "--replica", str(i), *argv)
                         for i in range(cfg.workers)]  # fmt: skip
-            deadline = time.monotonic() + timeout_s
+            deadline = time.monotonic() + TIMEOUT_S
             for i, p in enumerate(replicas):
                 try:
                     rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     raise failed(f"{algorithm} replica {i} still running after "
-                                 f"{timeout_s:.0f} s", f"replica{i}") from None  # fmt: skip
+                                 f"{TIMEOUT_S:.0f} s", f"replica{i}") from None  # fmt: skip
                 if rc != 0:
                     raise failed(f"{algorithm} replica {i} exited with {rc}", f"replica{i}")
         finally:
@@ -148,27 +144,19 @@ def run_arm(
     return run
 
 
-def peer_versions(python: str = PEER_PYTHON) -> dict[str, str]:
+def peer_versions() -> dict[str, str]:
     """The peer venv's torch and torchft versions, or ``{"error": ...}``."""
-    if not Path(python).exists():
-        return {"error": f"peer python {python} not found (see ../shared/PEERS.md)"}
+    if not Path(PEER_PYTHON).exists():
+        return {"error": f"peer python {PEER_PYTHON} not found (see ../shared/PEERS.md)"}
     probe = subprocess.run(
-        [python, "-c", "import torch, importlib.metadata as m; "
+        [PEER_PYTHON, "-c", "import torch, importlib.metadata as m; "
          "print(torch.__version__, m.version('torchft'))"],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     if probe.returncode:
         return {"error": probe.stderr.strip()[-400:]}
     torch_v, torchft_v = probe.stdout.split()
-    return {"python": python, "torch": torch_v, "torchft": torchft_v}
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text().strip().splitlines()
-    except OSError as e:
-        return f"(no output: {e})"
-    return " | ".join(text[-lines:]) or "(no output)"
+    return {"python": PEER_PYTHON, "torch": torch_v, "torchft": torchft_v}
 
 
 # ---------------------------------------------------------------------------- the processes
@@ -192,13 +180,12 @@ def fragments_of(model, fragments: int) -> list:
 
     if fragments == 1:
         return [model]
-    named = list(model.named_parameters())
-    out, i = [], 0
-    for group in split_fragments([p for _, p in named], fragments):
+    names = {id(p): name.replace(".", "_") for name, p in model.named_parameters()}
+    out = []
+    for group in split_fragments(list(model.parameters()), fragments):
         holder = nn.Module()
         for p in group:
-            holder.register_parameter(named[i][0].replace(".", "_"), p)
-            i += 1
+            holder.register_parameter(names[id(p)], p)
         out.append(holder)
     return out
 
@@ -228,21 +215,15 @@ def torchft_replica(
     model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
     optimizer = make_optimizer(cfg, model.parameters())
     # Exactly the batches cloudburst's worker ``replica`` draws (train.run_worker).
-    stream = batch_stream(
-        worker_source(data, replica, cfg.workers),
-        cfg.batch_size,
-        seed=cfg.seed * 1000 + replica,
-        preprocess=data.preprocess(augment=cfg.augment),
-    )
+    stream = batch_stream(worker_source(data, replica, cfg.workers), cfg.batch_size,
+                          seed=cfg.seed * 1000 + replica,
+                          preprocess=data.preprocess(augment=cfg.augment))  # fmt: skip
     total = steps or cfg.steps_per_worker(len(data.train))
     if total % cfg.period:
         raise ValueError(
             f"torchft runs need steps ({total}) to be a multiple of period ({cfg.period}): "
             "torchft's algorithms end on one model only after a sync"
         )
-
-    def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
     def load_state_dict(state: dict[str, Any]) -> None:
         model.load_state_dict(state["model"])
@@ -254,7 +235,8 @@ def torchft_replica(
     # init_sync=False: every replica starts from the same seeded θ, as in cloudburst.
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
-        state_dict=state_dict, min_replica_size=cfg.workers, use_async_quorum=False,
+        state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
+        min_replica_size=cfg.workers, use_async_quorum=False,
         timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=0, world_size=1,
         store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse,
         replica_id=f"rg{replica}", hostname="127.0.0.1", init_sync=False,
@@ -282,7 +264,13 @@ def torchft_replica(
                       sync_every=cfg.period, pin_memory=False,
                       fragment_sync_delay=cfg.fragment_delay,
                       fragment_update_alpha=cfg.fragment_alpha)  # fmt: skip
-    _file_barrier(out, replica, cfg.workers, timeout_s=120.0)
+    # Start training together (set-up differs per process): wait for every ``ready<i>``.
+    (out / f"ready{replica}").touch()
+    deadline, n = time.monotonic() + READY_S, cfg.workers
+    while not all((out / f"ready{i}").exists() for i in range(n)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replica {replica}: not all {n} replicas ready in {READY_S} s")
+        time.sleep(0.01)
 
     loss_fn = nn.CrossEntropyLoss()
     step_times: list[list[float]] = []
@@ -300,9 +288,8 @@ def torchft_replica(
             if step % cfg.log_every_steps == 0 or step == total:
                 step_times.append([step, time.perf_counter() - t0])
     wall_s = time.perf_counter() - t0
-    acc, test_loss = evaluate_dataset(
-        model, in_memory(data.test), data.preprocess(augment=False), "cpu"
-    )
+    acc, test_loss = evaluate_dataset(model, in_memory(data.test), data.preprocess(augment=False),
+                                      "cpu")  # fmt: skip
     syncs = manager.current_step()  # committed syncs
     numel = sum(p.numel() for p in model.parameters())
     # sent_bytes: counted as cloudburst counts an all-reduce of |θ| fp32 values (a ring).
@@ -316,32 +303,19 @@ def torchft_replica(
     manager.shutdown(wait=False)
 
 
-def _file_barrier(out: Path, replica: int, n: int, timeout_s: float) -> None:
-    """Start training together (set-up differs per process): wait for every ``ready<i>``."""
-    (out / f"ready{replica}").touch()
-    deadline = time.monotonic() + timeout_s
-    while not all((out / f"ready{i}").exists() for i in range(n)):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"replica {replica}: not all {n} replicas ready in {timeout_s} s")
-        time.sleep(0.01)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description="torchft peer processes (run by the peer venv)")
     sub = p.add_subparsers(dest="command", required=True)
-    lh = sub.add_parser("lighthouse")
-    lh.add_argument("--min-replicas", type=int, required=True)
+    sub.add_parser("lighthouse").add_argument("--min-replicas", type=int, required=True)
     rp = sub.add_parser("replica")
     rp.add_argument("--algorithm", choices=ALGORITHMS, required=True)
     rp.add_argument("--replica", type=int, required=True)
-    rp.add_argument("--lighthouse", required=True)
-    rp.add_argument("--config", required=True)
-    rp.add_argument("--out", required=True)
+    for flag in ("--lighthouse", "--config", "--out"):
+        rp.add_argument(flag, required=True)
     rp.add_argument("--steps", type=int, default=None)
     args = p.parse_args()
     if args.command == "lighthouse":
-        lighthouse_main(args.min_replicas)
-        return
+        return lighthouse_main(args.min_replicas)
     cfg = RunConfig.from_dict(json.loads(Path(args.config).read_text()))
     torchft_replica(args.algorithm, args.replica, args.lighthouse, cfg, Path(args.out), args.steps)
 
