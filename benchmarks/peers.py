@@ -32,24 +32,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
-    PostLocalSGDState,
-    post_localSGD_hook,
-)
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
+from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as hier
 from torch.distributed.algorithms.model_averaging import utils as averaging_utils
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
-    HierarchicalModelAverager,
-)
 
-from cloudburst.comm.allreduce import (
-    charge_unoverlapped_wait,
-    count_collective,
-    counted_ddp,
-    ring_bytes,
-)
+from cloudburst.comm.allreduce import charge_unoverlapped_wait, counted_ddp
 from cloudburst.comm.link import LinkEmulator
-from cloudburst.comm.p2p import CommStats
+from cloudburst.comm.stats import CommStats, count_collective, ring_bytes
 from cloudburst.strategies import STRATEGY_CLASSES, Strategy, register_strategy
 
 
@@ -57,7 +47,7 @@ from cloudburst.strategies import STRATEGY_CLASSES, Strategy, register_strategy
 class HookState:
     """torch's ``PostLocalSGDState`` plus what cloudburst counts and emulates around it."""
 
-    inner: PostLocalSGDState
+    inner: post_local.PostLocalSGDState
     stats: CommStats
     link: LinkEmulator | None
     world_size: int
@@ -76,7 +66,7 @@ def counted_post_localSGD_hook(
     moved = ring_bytes(tensor.numel(), tensor.element_size(), group)
     count_collective(state.stats, moved, is_global and state.spans_nodes)
     state.last_launch = time.perf_counter()
-    fut = post_localSGD_hook(state.inner, bucket)
+    fut = post_local.post_localSGD_hook(state.inner, bucket)
     link = state.link
     if not is_global or link is None or not link.active or not state.spans_nodes:
         return fut
@@ -95,11 +85,8 @@ class TorchPeerStrategy(Strategy):
     """Shared by the three peers: averaging through a torch averager, counted and timed."""
 
     lockstep = True
-
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        self.warmup_steps = 0
-        self.averages = 0  # global averages (the final one included)
+    warmup_steps = 0
+    averages = 0  # global averages (the final one included)
 
     def configure(self, steps_per_epoch: int, total_steps: int) -> None:
         # DASO's warm-up covers the epochs e < daso_warmup_epochs (its epoch counter is whole).
@@ -115,14 +102,9 @@ class TorchPeerStrategy(Strategy):
         topo, ctx = self.ctx.topology, self.ctx
         if ctx.num_servers or topo is None:
             raise RuntimeError(f"{self.name} needs --servers 0 and --nodes")
-        self.hook_state = HookState(
-            inner=PostLocalSGDState(None, self._groups(subgroups), self.warmup_steps),
-            stats=self.stats,
-            link=ctx.link,
-            world_size=ctx.world_size,
-            local_size=len(subgroups[0]),
-            spans_nodes=topo.num_nodes > 1,
-        )
+        inner = post_local.PostLocalSGDState(None, self._groups(subgroups), self.warmup_steps)
+        self.hook_state = HookState(inner, self.stats, ctx.link, ctx.world_size,
+                                    len(subgroups[0]), spans_nodes=topo.num_nodes > 1)  # fmt: skip
         return counted_ddp(model, None, ctx.device, self.hook_state, counted_post_localSGD_hook)
 
     def after_backward(self) -> None:
@@ -202,7 +184,7 @@ class TorchHierarchicalStrategy(TorchPeerStrategy):
         self.global_period = max(1, self.cfg.daso_global_skip)
         ddp = self._post_local_ddp(model, [[r] for r in range(self.world)])  # local steps
         periods = OrderedDict([(1, node), (self.global_period, self.world)])
-        self.averager = HierarchicalModelAverager(periods, self.warmup_steps)
+        self.averager = hier.HierarchicalModelAverager(periods, self.warmup_steps)
         self.node_bytes = ring_bytes(sum(p.numel() for p in model.parameters()), 4, node)
         return ddp
 
@@ -239,25 +221,24 @@ class TorchPeriodicStrategy(TorchPeerStrategy):
             super().finish()
 
 
-for _cls in (TorchPostLocalStrategy, TorchHierarchicalStrategy, TorchPeriodicStrategy):
-    if _cls.name not in STRATEGY_CLASSES:
+PEERS = {c.name: c for c in (TorchPostLocalStrategy, TorchHierarchicalStrategy,
+                              TorchPeriodicStrategy)}  # fmt: skip
+for _name, _cls in PEERS.items():
+    if _name not in STRATEGY_CLASSES:
         register_strategy(_cls)
 
 
-PEERS = ("torch_post_local", "torch_hierarchical", "torch_periodic")
-
-
-def run_arm(arm, seed: int, out_dir: Path, timeout_s: float = 900.0):
+def run_arm(arm, seed: int, out_dir: Path):
     """``harness.run_train`` of an arm; a peer's (``--strategy torch_…``) through this file."""
     import harness
 
     argv = list(arm.argv)
     at = argv.index("--strategy") + 1 if "--strategy" in argv else 0
     if not at or argv[at] not in PEERS:
-        return harness.run_train(arm, seed, out_dir, timeout_s)
+        return harness.run_train(arm, seed, out_dir)
     peer, argv[at] = argv[at], "sync"  # parsed as sync, then replaced (main)
     command = (sys.executable, __file__, peer)
-    return harness.run_train(harness.Arm(arm.name, argv), seed, out_dir, timeout_s, command)
+    return harness.run_train(harness.Arm(arm.name, argv), seed, out_dir, command=command)
 
 
 def main(argv: list[str]) -> int:
