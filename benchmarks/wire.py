@@ -63,19 +63,18 @@ def parse_ss(text: str) -> list[dict]:
     """``ss -tinpH`` output as one dict per socket: local, peer, pid, bytes_sent,
     bytes_received (a socket's line, then its tab-indented TCP_INFO line)."""
     sockets: list[dict] = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        m = _SOCKET.match(line) if not line[0].isspace() else None
-        if m:
+    for line in filter(str.strip, text.splitlines()):
+        if m := (_SOCKET.match(line) if not line[0].isspace() else None):
             pid = _PID.search(m["rest"])
-            pid = int(pid[1]) if pid else None
-            sockets.append({"local": m["local"], "peer": m["peer"], "pid": pid,
+            sockets.append({"local": m["local"], "peer": m["peer"], "pid": pid and int(pid[1]),
                             "bytes_sent": 0, "bytes_received": 0})  # fmt: skip
         elif sockets:
-            for key, value in _BYTES.findall(line):
-                sockets[-1][key] = int(value)
+            sockets[-1].update((key, int(value)) for key, value in _BYTES.findall(line))
     return sockets
+
+
+def ss(flags: str) -> list[dict]:
+    return parse_ss(subprocess.run(["ss", flags], capture_output=True, text=True).stdout)
 
 
 def port(addr: str) -> int:
@@ -101,26 +100,18 @@ def probe(out: Path, sample_s: float, argv: list[str]) -> int:
     master_ports: set[int] = set()
     samples = 0
     while job.poll() is None:
-        text = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout
-        for s in parse_ss(text):
-            last[s["local"], s["peer"], s["pid"]] = s
-        listen = subprocess.run(["ss", "-tlnpH"], capture_output=True, text=True).stdout
-        for s in parse_ss(listen):
+        last.update(((s["local"], s["peer"], s["pid"]), s) for s in ss("-tinpH"))
+        for s in ss("-tlnpH"):
             listeners.setdefault(port(s["local"]), s["pid"])
         for s in last.values():
             master_ports |= _master_port(s["pid"])
         samples += 1
         time.sleep(sample_s)
     stderr = job.stderr.read() if job.stderr else ""
-    result = {
-        "returncode": job.returncode,
-        "stderr_tail": stderr.strip().splitlines()[-3:],
-        "samples": samples,
-        "sockets": list(last.values()),
-        "listeners": {str(k): v for k, v in listeners.items()},
-        "master_ports": sorted(master_ports),
-        "lo": lo_counters(),
-    }
+    result = {"returncode": job.returncode, "stderr_tail": stderr.strip().splitlines()[-3:],
+              "samples": samples, "sockets": list(last.values()),
+              "listeners": {str(k): v for k, v in listeners.items()},
+              "master_ports": sorted(master_ports), "lo": lo_counters()}  # fmt: skip
     out.write_text(json.dumps(result))
     return job.returncode
 
@@ -129,15 +120,13 @@ _ENV_CACHE: dict[int, set[int]] = {}
 
 
 def _master_port(pid: int | None) -> set[int]:
-    if pid is None:
-        return set()
-    if pid not in _ENV_CACHE:
+    if pid is not None and pid not in _ENV_CACHE:
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             return set()
         _ENV_CACHE[pid] = {int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"MASTER_PORT=")}
-    return _ENV_CACHE[pid]
+    return _ENV_CACHE.get(pid, set())
 
 
 def rank_records(out_dir: Path) -> dict[int, dict]:
@@ -148,8 +137,7 @@ def rank_records(out_dir: Path) -> dict[int, dict]:
         if r.get("event") == "start":
             rank["pid"] = r["pid"]
         elif r.get("event") == "final":
-            rank["sent_bytes"] = r.get("sent_bytes")
-            rank["received_bytes"] = r.get("received_bytes")
+            rank.update(sent_bytes=r.get("sent_bytes"), received_bytes=r.get("received_bytes"))
     return ranks
 
 
@@ -159,37 +147,30 @@ def account(result: dict, ranks: dict[int, dict]) -> dict:
     store_ports = set(result["master_ports"]) | {
         int(p) for p, pid in result["listeners"].items() if pid not in pid_rank
     }
-    per_rank = {
-        rank: {"data_sent": 0, "data_received": 0, "store_sent": 0, "store_received": 0}
-        for rank in ranks
-    }
+    keys = ("data_sent", "data_received", "store_sent", "store_received")
+    per_rank = {rank: dict.fromkeys(keys, 0) for rank in ranks}
     other = {"sent": 0, "received": 0}  # the launcher's side of the store connections
     for s in result["sockets"]:
         rank = pid_rank.get(s["pid"])
         if rank is None:
-            other["sent"] += s["bytes_sent"]
-            other["received"] += s["bytes_received"]
-            continue
-        kind = "store" if {port(s["local"]), port(s["peer"])} & store_ports else "data"
-        per_rank[rank][f"{kind}_sent"] += s["bytes_sent"]
-        per_rank[rank][f"{kind}_received"] += s["bytes_received"]
+            into, kind = other, ""
+        else:
+            ports = {port(s["local"]), port(s["peer"])}
+            into, kind = per_rank[rank], "store_" if ports & store_ports else "data_"
+        into[f"{kind}sent"] += s["bytes_sent"]
+        into[f"{kind}received"] += s["bytes_received"]
     rows = [{"rank": rank, "role": r.get("role"), "counted_sent": r.get("sent_bytes"),
              "counted_received": r.get("received_bytes"), **per_rank[rank]}
             for rank, r in sorted(ranks.items())]  # fmt: skip
     lo = result["lo"]
     store = sum(r["store_sent"] for r in per_rank.values()) + other["sent"]
     lo_payload = lo["tx_bytes"] - lo["tx_packets"] * HEADER_BYTES
-    return {
-        "ranks": rows,
-        "other": other,
-        "socket_payload_sent": sum(s["bytes_sent"] for s in result["sockets"]),
-        "store_sent": store,
-        "lo": lo,
-        "lo_payload": lo_payload,
-        "lo_data": lo_payload - store,  # every rank's data connections, nothing missed
-        "counted_sent": sum(r.get("sent_bytes") or 0 for r in ranks.values()),
-        "samples": result["samples"],
-    }
+    return {"ranks": rows, "other": other,
+            "socket_payload_sent": sum(s["bytes_sent"] for s in result["sockets"]),
+            "store_sent": store, "lo": lo, "lo_payload": lo_payload,
+            "lo_data": lo_payload - store,  # every rank's data connections, nothing missed
+            "counted_sent": sum(r.get("sent_bytes") or 0 for r in ranks.values()),
+            "samples": result["samples"]}  # fmt: skip
 
 
 def run_wire(arm: harness.Arm, seed: int, out_dir: Path, sample_s: float) -> harness.Run:
@@ -213,10 +194,11 @@ def ratio(a: int | None, b: int | None) -> float | None:
 
 def main() -> None:
     if "--probe" in sys.argv:  # the part that runs inside the namespace
-        i = sys.argv.index("--probe")
-        sep = sys.argv.index("--")
-        sample_s = float(sys.argv[sys.argv.index("--sample-s") + 1])
-        sys.exit(probe(Path(sys.argv[i + 1]), sample_s, sys.argv[sep + 1 :]))
+        argv = sys.argv
+        sample_s = float(argv[argv.index("--sample-s") + 1])
+        sys.exit(
+            probe(Path(argv[argv.index("--probe") + 1]), sample_s, argv[argv.index("--") + 1 :])
+        )
 
     def add(p) -> None:
         p.add_argument("--steps", type=int, default=None, help="steps per worker (200; quick 40)")
@@ -250,14 +232,8 @@ def main() -> None:
         report.claim(f"wire ÷ counted bytes, {r.arm}", wire, "1 ± 0.05", ok, seeds=1)
         for x in v["ranks"]:
             pairs = [(x[f"counted_{w}"], x[f"data_{w}"]) for w in ("sent", "received")]
-            rows.append(
-                [
-                    r.arm,
-                    x["rank"],
-                    x["role"],
-                    *(y for c, d in pairs for y in (c, d, harness.fmt(ratio(d, c), 4))),
-                ]
-            )
+            cells = (y for c, d in pairs for y in (c, d, harness.fmt(ratio(d, c), 4)))
+            rows.append([r.arm, x["rank"], x["role"], *cells])
     report.section("Job totals: loopback payload less the store's vs the counters")
     report.table("strategy | counted sent | wire data (lo) | wire ÷ counted | store bytes | "
                  "lo packets | ss samples", jobs)  # fmt: skip
