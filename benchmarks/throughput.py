@@ -100,13 +100,8 @@ def staging_claim(report: harness.Report, runs: list[harness.Run], reps: int, st
     bw = copy_bandwidth(numel, reps, steps)
     # a round stages Δ (device→host) and θ (host→device), as many bytes each way: both
     # copies together move bytes at 2 ÷ (1/bw_d2h + 1/bw_h2d)
-    both = {
-        arm: [
-            2 / (1 / d + 1 / h)
-            for d, h in zip(bw["device→host"][arm], bw["host→device"][arm], strict=True)
-        ]
-        for arm in bw["device→host"]
-    }
+    both = {arm: [2 / (1 / d + 1 / h) for d, h in zip(d2h, bw["host→device"][arm], strict=True)]
+            for arm, d2h in bw["device→host"].items()}  # fmt: skip
     jobs = [x for r in runs for x in r.values.get("staging_Bps_workers", [])]
     name = "asgd's staging in the training job ÷ its bytes at the measured pinned-copy bandwidth"
     if not jobs:
@@ -156,44 +151,29 @@ def main() -> None:
             *("--eval-every-s", "1e9", "--log-every-steps", "2", "--checkpoint-every", "0"),
         ]
         arms = [harness.Arm(label, [*flags, *common]) for label, flags in ARMS.items()]
-        runs = harness.interleave(
-            arms, seeds, control="sync W=1", prov=prov, out_root=Path(tmp) / "runs"
-        )
-        for r in runs:
-            if not r.failed:
-                r.values["samples_per_s"] = steady_rate(Path(r.out_dir), steps)
-                finals = [
-                    rec
-                    for recs in read_run(r.out_dir).values()
-                    for rec in recs
-                    if rec["event"] == "final" and rec.get("role") == "worker"
-                ]
-                staged_s = sum(f.get("staging_s", 0.0) for f in finals)
-                if staged_s > 0:
-                    r.values["staging_Bps"] = sum(f["staging_bytes"] for f in finals) / staged_s
-                    r.values["staging_Bps_workers"] = [
-                        f["staging_bytes"] / f["staging_s"] for f in finals if f.get("staging_s")
-                    ]
+        root = Path(tmp) / "runs"
+        runs = harness.interleave(arms, seeds, control="sync W=1", prov=prov, out_root=root)
+        for r in (r for r in runs if not r.failed):
+            r.values["samples_per_s"] = steady_rate(Path(r.out_dir), steps)
+            finals = [rec for recs in read_run(r.out_dir).values() for rec in recs
+                      if rec["event"] == "final" and rec.get("role") == "worker"]  # fmt: skip
+            if (staged_s := sum(f.get("staging_s", 0.0) for f in finals)) > 0:
+                r.values["staging_Bps"] = sum(f["staging_bytes"] for f in finals) / staged_s
+                per = [f["staging_bytes"] / f["staging_s"] for f in finals if f.get("staging_s")]
+                r.values["staging_Bps_workers"] = per
     groups = harness.by_arm(runs)
-    report = harness.Report(
-        f"throughput_{args.device}", f"Training throughput per strategy ({args.device})", prov
-    )
+    name, title = f"throughput_{args.device}", f"Training throughput per strategy ({args.device})"
+    report = harness.Report(name, title, prov)
     report.settings(
         f"ResNet-20 on random CIFAR-10-format images, batch {args.batch_size} per worker, "
         f"{steps} steps per worker, {len(seeds)} seed(s), interleaved with an A/A copy of "
         "sync W=1; samples/s between 25 % and 100 % of the steps, summed over workers."
     )
-    rate = {
-        arm: [r.values.get("samples_per_s") for r in rs if not r.failed]
-        for arm, rs in groups.items()
-    }
-    report.table(
-        ["arm", "samples/s (median)", "runs", "failed"],
-        [
-            [arm, harness.fmt(harness.median(rate[arm])), len(rs), sum(bool(r.failed) for r in rs)]
-            for arm, rs in groups.items()
-        ],
-    )
+    rate = {arm: [r.values.get("samples_per_s") for r in rs if not r.failed]
+            for arm, rs in groups.items()}  # fmt: skip
+    rows = [[arm, harness.fmt(harness.median(rate[arm])), len(rs), sum(bool(r.failed) for r in rs)]
+            for arm, rs in groups.items()]  # fmt: skip
+    report.table(["arm", "samples/s (median)", "runs", "failed"], rows)
     base, aa = harness.median(rate["sync W=1"]), harness.median(rate[harness.aa_name("sync W=1")])
     if base and aa:
         report.text(f"A/A: sync W=1 ÷ its copy = {harness.fmt(aa / base, 4)} (the noise floor).")
