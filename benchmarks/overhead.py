@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -44,6 +43,7 @@ import harness  # noqa: E402
 
 from cloudburst.config import RunConfig  # noqa: E402
 from cloudburst.data import load_dataset  # noqa: E402
+from cloudburst.launch import free_port  # noqa: E402
 from cloudburst.models import build_model  # noqa: E402
 from cloudburst.runtime import Context  # noqa: E402
 from cloudburst.strategies import make_strategy  # noqa: E402
@@ -74,15 +74,13 @@ def _rank(rank: int, world: int, port: int, rounds: int, warmup: int, steps: int
     for name in variants(world):
         model = build_model("cnn", data.input_shape, data.num_classes, 0)
         optimizer = make_optimizer(cfg, model.parameters())
-        strategy = None
+        net, strategy = model, None
         if name.startswith("ddp"):
             net = DistributedDataParallel(model)
         elif name == "sync":
             strategy = make_strategy(ctx)
             net = strategy.wrap(model, optimizer)
             strategy.start()
-        else:
-            net = model
         setups[name] = (model, net, optimizer, strategy)
     done = dict.fromkeys(setups, 0)
 
@@ -116,23 +114,17 @@ def _rank(rank: int, world: int, port: int, rounds: int, warmup: int, steps: int
                 spent[name].append(time.perf_counter() - t0)
         for name in names:
             times[name].append(statistics.median(spent[name]))
-    reference = torch.nn.utils.parameters_to_vector(setups[names[0]][0].parameters())
-    diff = {
-        n: (torch.nn.utils.parameters_to_vector(s[0].parameters()) - reference).abs().max().item()
-        for n, s in setups.items()
-    }
+    flat = {n: torch.nn.utils.parameters_to_vector(s[0].parameters()) for n, s in setups.items()}
+    diff = {n: (v - flat[names[0]]).abs().max().item() for n, v in flat.items()}
     if rank == 0:
         Path(out).write_text(json.dumps({"round_median_s": times, "max_param_diff": diff}))
     dist.destroy_process_group()
 
 
 def measure(world: int, rounds: int, warmup: int, steps: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+    with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank0.json")
-        mp.spawn(_rank, args=(world, port, rounds, warmup, steps, out), nprocs=world)
+        mp.spawn(_rank, args=(world, free_port(), rounds, warmup, steps, out), nprocs=world)
         return json.loads(Path(out).read_text())
 
 
@@ -154,8 +146,7 @@ def main() -> None:
     for world in (1, 2, 4):
         result = measure(world, rounds, args.warmup, steps)
         prov.sample_load()
-        med = result["round_median_s"]
-        ref = "plain" if world == 1 else "ddp"
+        med, ref = result["round_median_s"], "plain" if world == 1 else "ddp"
         report.data[f"W={world}"] = result
         claim = f"sync step ÷ {'plain loop' if world == 1 else 'raw DDP'}, W = {world}"
         harness.ratio_claim(report, claim, med["sync"], med[ref], med[harness.aa_name(ref)],
