@@ -35,16 +35,10 @@ def import_torch() -> dict[str, float]:
 
 def first_step(out: Path) -> dict[str, float]:
     """Seconds from the command to its first step record, and the ranks' own phases."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started_wall, started = time.time(), time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cloudburst", "train", *TRAIN, "--out", str(out)],
-        cwd=harness.REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = subprocess.Popen([*harness.CLI, "train", *TRAIN, "--out", str(out)], cwd=harness.REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     seen = None
     try:
         while seen is None and time.monotonic() - started < 120 and proc.poll() is None:
@@ -58,17 +52,15 @@ def first_step(out: Path) -> dict[str, float]:
         proc.wait()
     if seen is None:
         raise RuntimeError(f"no step record within 120 s (exit {proc.returncode})")
-    result = {"seconds": seen}
-    starts, firsts = [], []
+    walls = {"start": [], "first_step": []}
     for _, r in harness.records(out):
-        if r.get("event") == "start":
-            starts.append(r["wall"])
-        elif r.get("event") == "first_step":
-            firsts.append(r["wall"])
-    if starts:
-        result["ranks_joined_s"] = max(starts) - started_wall
-    if firsts:
-        result["first_step_own_s"] = min(firsts) - started_wall
+        if r.get("event") in walls:
+            walls[r["event"]].append(r["wall"])
+    result = {"seconds": seen}
+    if walls["start"]:
+        result["ranks_joined_s"] = max(walls["start"]) - started_wall
+    if walls["first_step"]:
+        result["first_step_own_s"] = min(walls["first_step"]) - started_wall
     return result
 
 
@@ -95,19 +87,18 @@ def main() -> None:
     def seconds(arm: str, key: str = "seconds") -> list[float]:
         return [r.values[key] for r in groups.get(arm, []) if not r.failed and key in r.values]
 
-    base = seconds("import torch")
+    base, train = seconds("import torch"), seconds("cloudburst train")
     report = harness.Report("startup", "Start-up: from `cloudburst train` to the first step", prov)
     report.settings(
         f"A local job, `cloudburst train {' '.join(TRAIN)}` (MNIST-1D CNN, the default data "
         f"set, cached); {len(seeds)} launch(es) of each, interleaved with an A/A import."
     )
-    train = seconds("cloudburst train")
     if base and train:
         aa = seconds(harness.aa_name("import torch"))
         harness.ratio_claim(report, "first step ÷ import torch", train, base, aa, f"≤ {TARGET}",
                             lambda x: x <= TARGET)  # fmt: skip
-    rows = [[arm, statistics.median(seconds(arm)) if seconds(arm) else None,
-             ", ".join(f"{s:.2f}" for s in seconds(arm))] for arm in groups]  # fmt: skip
+    rows = [[arm, harness.median(seconds(arm)), ", ".join(f"{s:.2f}" for s in seconds(arm))]
+            for arm in groups]  # fmt: skip
     report.table("arm | median s | runs (s)", rows)
     joined = seconds("cloudburst train", "ranks_joined_s")
     own = seconds("cloudburst train", "first_step_own_s")
