@@ -1,20 +1,16 @@
 """Step-time overhead of cloudburst's ``sync``: ÷ raw DDP at W = 2 and 4, ÷ a plain loop at W = 1.
 
-Each world size is one set of gloo processes (on 127.0.0.1, 1 thread each) that holds every
-variant side by side, each with its own model (the MNIST-1D CNN, seed 0), SGD optimizer and the
-same batches (64 samples a step split over the W ranks, made before timing): ``plain`` (W = 1
-only: no ``torch.distributed``); ``ddp`` (``DistributedDataParallel``, no comm hook; W = 1:
-over a one-rank group); ``sync`` (cloudburst's ``SyncStrategy``, called as the training loop
-calls it); the reference again as an A/A control (``plain (A/A)`` at W = 1, ``ddp (A/A)``
-above).
+Each world size is one set of gloo processes (127.0.0.1, 1 thread each) holding every variant
+side by side, each with its own model (the MNIST-1D CNN, seed 0), SGD optimizer and the same
+batches (64 samples a step split over the W ranks): ``plain`` (W = 1: no ``torch.distributed``);
+``ddp`` (``DistributedDataParallel``, no comm hook); ``sync`` (``SyncStrategy``, called as the
+training loop calls it); the reference again as the A/A control.
 
-A step is the loop's ``train_step``: forward, loss, ``zero_grad``, backward, optimizer step,
-``loss.item()``. In each round (behind a barrier) every variant runs its warm-up steps, then
-the variants take their timed steps in turn, one step each, the order rotated each round (a
-burst of load from elsewhere slows every variant alike, not one variant's block of steps); a
-variant's round value is the median of its steps on rank 0. Ratio = the median of each
-round's ratios, with a 95 % bootstrap interval over rounds resampled whole; the A/A is the noise
-floor. Every variant sees the same batches, so its
+A step is the loop's: forward, loss, ``zero_grad``, backward, optimizer step, ``loss.item()``.
+Each round (behind a barrier) every variant warms up, then the variants take their timed steps
+in turn, the order rotated each round, so load from elsewhere slows every variant alike; a
+variant's round value is the median of its steps on rank 0. Ratio = the median of the rounds'
+ratios, 95 % bootstrap interval over rounds. Every variant sees the same batches, so its
 parameters must equal the reference's at the end: the largest difference is reported.
 
     .venv/bin/python benchmarks/overhead.py [--quick] [--force]

@@ -2,18 +2,14 @@
 data, evaluation, counters and emulated link) so that only the averaging mechanism differs:
 the peers ``daso.py`` and ``local_sgd.py`` time against.
 
-- ``torch_post_local``: DDP with ``post_localSGD_hook`` (gradients all-reduced over every
-  worker for the warm-up, then only inside the node) and ``PeriodicModelAverager(period=B)``,
-  a blocking fp32 average of θ over all W workers every B steps after it (Lin et al. 2020).
-- ``torch_hierarchical``: the same warm-up, then local steps and
-  ``HierarchicalModelAverager({1: node size, B: W})``.
-- ``torch_periodic``: ``PeriodicModelAverager(period=H, warmup_steps=H - 1)`` alone (averages
-  after steps H, 2H, ...): cloudburst's ``local_sgd`` schedule, to time the mechanism.
+- ``torch_post_local``: DDP with ``post_localSGD_hook`` (all-reduce over every worker for the
+  warm-up, then inside the node) and ``PeriodicModelAverager(period=B)`` (Lin et al. 2020);
+- ``torch_hierarchical``: the same warm-up, then ``HierarchicalModelAverager({1: node, B: W})``;
+- ``torch_periodic``: ``PeriodicModelAverager(period=H, warmup_steps=H - 1)``, local_sgd's
+  schedule.
 
-Warm-up = ``daso_warmup_epochs``, B = ``daso_global_skip`` (DASO's defaults). ``finish``
-averages once more so every replica ends on one θ. Averages and warm-up all-reduces that span
-nodes are counted as rings and charged to the emulated link as cloudburst's own are.
-Synchronous: a dead worker makes the next collective raise.
+Warm-up = ``daso_warmup_epochs``, B = ``daso_global_skip``; ``finish`` averages once more.
+Averages spanning nodes are counted and charged to the emulated link as cloudburst's own.
 
     python benchmarks/peers.py torch_post_local <cloudburst train flags>   # one job
 

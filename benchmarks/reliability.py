@@ -5,37 +5,31 @@
 
 Every cell is one real run, one seed, beside an undisturbed run of the same strategy: MNIST-1D,
 the MLP, 3 workers (asgd/easgd + 2 server shards), batch 32, steps padded to 20 ms by sleeping
-(5 ranks share 2 cores: compute is emulated), a checkpoint every 20 steps/versions,
-``--heartbeat-timeout-s 3 --comm-timeout-s 20``. Roles: a **worker** (the last one), the
-**evaluator** (worker 0; for lockstep strategies rank 0, whose store the launcher serves: sync's
-**store host**), a **shard** (server 1) and asgd's **store host** (server 0 = rank 0). Faults:
-``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hung process), ``nan`` (its loss, so its gradient),
-``slow`` (every step 2×). Worker faults go through ``--inject-fault`` after step
-``FAULT_STEP``; a server cannot be targeted by it, so this script signals the pid of the
-server's ``start`` record once worker 0 logged that step. Worker cells run with
-``--max-restarts 1``; shard cells without restarts, with ``--max-restarts 1`` and with
-``--shard-standby``.
+(5 ranks share 2 cores), a checkpoint every 20 steps/versions, ``--heartbeat-timeout-s 3
+--comm-timeout-s 20``. Roles: a **worker** (the last one), the **evaluator** (worker 0; for
+lockstep strategies rank 0, sync's **store host**), a **shard** (server 1) and asgd's **store
+host** (server 0). Faults: ``kill`` (SIGKILL), ``stop`` (SIGSTOP), ``nan`` (its loss), ``slow``
+(every step 2×), after step ``FAULT_STEP``: a worker's by ``--inject-fault``, a server's by this
+script's signal to its pid. Worker cells run with ``--max-restarts 1``; shard cells without
+restarts, with ``--max-restarts 1`` and with ``--shard-standby``.
 
 Columns: outcome (completed / restarted / rejoined / failed over / finished without the worker
 / failed with the resume command / hung = killed after ``TIMEOUT_S``); detection (s from the
-fault to the first record showing a rank noticed: ``peer_lost``, ``failover``,
-``standby_lost``, ``peer_dropped``, or the restarted rank's new ``start``); recovery (s to the
-``failover``, the restarted shard's last ``reconnect``, the rejoined worker's ``rejoin``, the
-restarted job's ``resume``, or a failed job's end); progress lost (``pushes_lost`` for shards,
-fault step − resumed step for a restarted lockstep job, the steps a lost worker never did);
-final accuracy beside the undisturbed run's (one seed: a point of difference is noise). A
-record's time is its own ``wall`` clock where it has one (``fault``, ``start``, ``resume``),
-else when this script saw it (files polled every 0.1 s; under load a poll can come late).
+fault to the first ``peer_lost``, ``failover``, ``standby_lost``, ``peer_dropped`` or the
+restarted rank's new ``start``); recovery (s to the ``failover``, the restarted shard's last
+``reconnect``, the rejoined worker's ``rejoin``, the restarted job's ``resume``, or a failed
+job's end); progress lost (``pushes_lost`` for shards, fault step − resumed step for a
+restarted lockstep job, the steps a lost worker never did); final accuracy beside the
+undisturbed run's (one seed: a point of difference is noise). A record's time is its own
+``wall`` clock where it has one, else when this script saw it (files polled every 0.1 s).
 
-Cells not run, and why: ``nan``/``slow`` of a shard (a shard computes no loss; the shard
-rejects a non-finite push, which the worker ``nan`` rows exercise); lockstep strategies other
-than sync (daso, local_sgd, diloco, gossip share sync's watchdog and restart path; the old
-per-strategy table is in git history); easgd beyond a shard kill (it shares asgd's server loop
-and liveness).
+Not run: ``nan``/``slow`` of a shard (it computes no loss; the worker ``nan`` rows exercise its
+rejection of a non-finite push); lockstep strategies other than sync (they share its watchdog
+and restart path); easgd beyond a shard kill (it shares asgd's server loop and liveness).
 
-The standby's cost: asgd, 4 workers, 2 shards, n_sync 1 (a push every step: the cost at its
-highest), without and with ``--shard-standby`` interleaved per seed with an A/A pair of the
-plain arm; pushes applied per second = the shards' final version clocks ÷ wall time.
+The standby's cost: asgd, 4 workers, 2 shards, n_sync 1 (a push every step), without and with
+``--shard-standby`` interleaved per seed with an A/A pair of the plain arm; pushes applied per
+second = the shards' final version clocks ÷ wall time.
 """
 
 from __future__ import annotations

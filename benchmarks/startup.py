@@ -1,10 +1,8 @@
 """How long from ``cloudburst train`` to the first training step of a local 4-worker job,
 against ``python -c "import torch"``, interleaved with an A/A copy of the import.
 
-The first step is seen from outside — the first ``step`` record in the metrics
-(``--log-every-steps 1``), polled every 10 ms — and the job is then stopped. The ranks' own
-records split the time: until every rank joined the job (``start``), and until the first step
-(``first_step``). Target: first step ≤ 2.5 × import torch.
+The first step is the first ``step`` record in the metrics, polled every 10 ms; the ranks'
+``start`` and ``first_step`` records split the time. Target: first step ≤ 2.5 × import torch.
 
     .venv/bin/python benchmarks/startup.py [--quick] [--force] [--seeds N]
 """

@@ -1,19 +1,12 @@
 """Training throughput per strategy on ResNet-20, and (on a GPU) the parameter-server
 worker's staging rate against a plain pinned host<->device copy.
 
-What runs: ``cloudburst train`` itself (harness.run_train), on a CIFAR-10-format directory of
-random images made in a temporary folder (throughput does not depend on the pixels), SGD, no
-evaluation during training, the arms interleaved with an A/A copy of ``sync W=1``. Samples/s
-come from the workers' step records between 25 % and 100 % of the steps (start-up and the
-DataLoader's first batches left out), summed over workers.
-
-On ``--device cuda`` the claim: the asgd workers' staging inside the training job (their
-``staging_s`` counters: the device↔pinned copies of Δ and θ, timed by CUDA events) against what
-the same bytes need at the copy bandwidth measured alone after the jobs (a plain pinned
-``copy_`` of ResNet-20's size each way, between ResNet-20 steps, with an A/A copy:
-``copy_bandwidth``); need ÷ staging time, target ≥ 0.8. The two sides are different
-measurements: the job's copies meet the other worker and the training kernels, the reference
-does not. With one GPU the workers share it (``sync`` reduces over gloo).
+``cloudburst train`` itself on random CIFAR-10-format images (made in a temporary folder), no
+evaluation, the arms interleaved with an A/A copy of ``sync W=1``; samples/s from the workers'
+step records between 25 % and 100 % of the steps, summed over workers. On ``--device cuda`` the
+claim: the bytes the asgd workers staged in the job (``staging_s``: device↔pinned copies of Δ
+and θ) at the copy bandwidth measured alone after the jobs (``copy_bandwidth``, with an A/A
+copy) ÷ their staging time, target ≥ 0.8.
 
     .venv/bin/python benchmarks/throughput.py [--quick] [--force] [--device cuda --seeds 3]
 """

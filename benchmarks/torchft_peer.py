@@ -1,13 +1,11 @@
 """torchft 0.2.0 as a peer: ``LocalSGD`` and ``DiLoCo`` (streaming with fragments too) on
 cloudburst's own data, model and batches, one replica group per process.
 
-torchft needs a lighthouse and one ``Manager`` per replica group, so it cannot run inside
-cloudburst's loop: :func:`run_torchft` starts a lighthouse and ``cfg.workers`` replica groups
-on 127.0.0.1 with the peer virtual environment's python (torchft is never a dependency;
-``../shared/PEERS.md``). Each runs :func:`torchft_replica`: the batches of cloudburst's worker
-``replica``, a plain loop with torchft's algorithm around it, each step padded to
-``cfg.min_step_time_s`` as cloudburst pads, then the final model's test accuracy. Used by
-``compress.py`` and ``local_sgd.py``::
+torchft needs a lighthouse and one ``Manager`` per replica group, so :func:`run_torchft` starts
+them on 127.0.0.1 with the peer venv's python (torchft is never a dependency;
+``../shared/PEERS.md``); each replica trains on the batches of cloudburst's worker ``replica``,
+steps padded to ``cfg.min_step_time_s`` as cloudburst pads. Used by ``compress.py`` and
+``local_sgd.py``::
 
     python benchmarks/torchft_peer.py lighthouse --min-replicas 4         # (peer venv)
     python benchmarks/torchft_peer.py replica --algorithm diloco ...

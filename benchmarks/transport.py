@@ -1,25 +1,13 @@
 """Parameter-server transport: raw gloo vs cloudburst's asgd vs a torch RPC parameter server.
 
-One worker (rank 1) and one server (rank 0) on 127.0.0.1 move ``--numel`` fp32 values (default
-10M, 40 MB) each way per round trip; throughput = 2·numel·4 bytes ÷ the worker's wall time per
-round trip (``--iters`` timed after a warm-up). Arms, interleaved by the harness (order rotated
-per repetition) with ``raw`` run twice (the A/A control):
-
-- ``raw``: ``dist.send`` then ``dist.recv`` of preallocated tensors (the floor of any gloo path);
-- ``duplex`` (reference): raw with both directions at once (``irecv`` posted, then ``send``),
-  the wire pattern of asgd's overlapped round trip;
-- ``asgd``: the package: ``ServerLoop`` on rank 0, ``AsgdStrategy``'s PUSH_FETCH round
-  (``_round(push=True, fetch=True)``) on rank 1, a session per repetition;
-- ``rpc``: the PyTorch tutorial's RPC parameter server (``rpc_sync`` of push-and-fetch);
-- ``pipelined`` (reference, benchmark code on the package's comm API, no target): a PUSH_FETCH
-  round with chunked payloads — Δ computed chunk by chunk as it is sent, θ sent while Δ
-  arrives, Δ checked chunk by chunk as it arrives, the parameters a view of one flat buffer,
-  θ + Δ written into them as each θ chunk arrives. It shows what the asgd path can reach.
-
-Probes (context, no claim rests on them): for asgd and pipelined, the worker's time blocked in
-the transport per round (asgd's ``wait_s`` counter, or timed around the waits); for every arm,
-the CPU time of both processes (all threads, user + system) per round trip, read by the worker
-from its own clock and the server's ``/proc/<pid>/stat``.
+A worker (rank 1) and a server (rank 0) on 127.0.0.1 move ``--numel`` fp32 values (10M, 40 MB)
+each way per round trip; GB/s = 2·numel·4 bytes ÷ the worker's wall time per round trip. Arms,
+interleaved and rotated per repetition, ``raw`` twice (A/A): ``raw`` (``dist.send`` then
+``dist.recv``, the floor of any gloo path); ``duplex`` (reference: both directions at once, the
+wire pattern of asgd's round trip); ``asgd`` (``ServerLoop`` and ``AsgdStrategy``'s PUSH_FETCH
+round, a session per repetition); ``rpc`` (the PyTorch tutorial's RPC parameter server);
+``pipelined`` (reference, no target: what asgd's round could reach with chunked payloads).
+Context, no claim: the worker's time blocked in the transport, both processes' CPU time.
 
     .venv/bin/python benchmarks/transport.py [--quick] [--force] [--numel N] [--reps R]
 """

@@ -1,24 +1,19 @@
 """Bytes on the wire, counted by the OS, beside cloudburst's own counters (issue 18 item 4).
 
-Each strategy's job runs alone in a fresh network namespace (``unshare -rn``: no privileges
-needed; only its loopback device, brought up inside), so every socket there is the job's. Two
-OS counts:
+Each strategy's job runs alone in a fresh network namespace (``unshare -rn``, no privileges; only
+its loopback device), so every socket there is the job's. Two OS counts:
 
 - **per process**: ``ss -tinpH`` every ``--sample-s``: each TCP socket's ``bytes_sent`` and
-  ``bytes_received`` (TCP_INFO: payload, no headers), process and ports; a socket's last
-  sample is its count. Sockets to or from a port the launcher listens on or a rank's
-  ``MASTER_PORT`` names are the store's (rendezvous, heartbeats, end-of-run reports); the
-  rest are the data connections between ranks (gloo's pairs);
+  ``bytes_received`` (payload), process and ports, its last sample its count. Sockets to or
+  from a port the launcher listens on or a rank's ``MASTER_PORT`` are the store's; the rest
+  are the data connections between ranks (gloo's pairs);
 - **the namespace's total**: the loopback device's bytes and packets (``/proc/net/dev``) after
-  the job (every byte); less ``HEADER_BYTES`` per packet and less the store's bytes, it is the
-  data the ranks sent each other: the figure the claim compares with the sum of the ranks'
-  ``sent_bytes`` counters (their ``final`` records).
+  the job; less ``HEADER_BYTES`` per packet and the store's bytes, it is the data the ranks
+  sent each other, which the claim compares with the sum of their ``sent_bytes`` counters.
 
-The per-rank table's sampled bytes are a lower bound: traffic after a socket's last sample is
-lost when it closes (``ss -E``'s destroy events do not reach an unprivileged namespace). Wire
-and counters differ by gloo's framing, by traffic the counters leave out by design (start-up
-broadcasts of the parameters, the end-of-run measurement collectives) and, per rank, by
-sampling.
+Sampled bytes are a lower bound (a socket's traffic after its last sample is lost when it
+closes). Wire and counters differ by gloo's framing, by what the counters leave out by design
+(start-up broadcasts, end-of-run measurement collectives) and, per rank, by sampling.
 
     .venv/bin/python benchmarks/wire.py [--quick] [--force]
 """
