@@ -49,10 +49,6 @@ TARGET = 1.05  # sync ÷ reference, at most
 BATCH = 64
 
 
-def variants(world: int) -> list[str]:
-    return ["plain", "ddp", "sync", "plain (A/A)"] if world == 1 else ["ddp", "sync", "ddp (A/A)"]
-
-
 def _rank(rank: int, world: int, port: int, rounds: int, warmup: int, steps: int, out: str):
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
@@ -67,7 +63,8 @@ def _rank(rank: int, world: int, port: int, rounds: int, warmup: int, steps: int
                   workers_group=None, store=store, t0=time.time())  # fmt: skip
     loss_fn = nn.CrossEntropyLoss()
     setups = {}
-    for name in variants(world):
+    names = ["plain", "ddp", "sync", "plain (A/A)"] if world == 1 else ["ddp", "sync", "ddp (A/A)"]
+    for name in names:
         model = build_model("cnn", data.input_shape, data.num_classes, 0)
         optimizer = make_optimizer(cfg, model.parameters())
         net, strategy = model, None
@@ -94,7 +91,6 @@ def _rank(rank: int, world: int, port: int, rounds: int, warmup: int, steps: int
         if strategy is not None:
             strategy.after_step(per)
 
-    names = list(setups)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]

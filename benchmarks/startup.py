@@ -25,12 +25,6 @@ TRAIN = ["--workers", "4", "--steps", "100000", "--log-every-steps", "1", "--no-
 TARGET = 2.5  # first step ÷ import torch, at most
 
 
-def import_torch() -> dict[str, float]:
-    started = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import torch"], check=True)
-    return {"seconds": time.monotonic() - started}
-
-
 def first_step(out: Path) -> dict[str, float]:
     """Seconds from the command to its first step record, and the ranks' own phases."""
     started_wall, started = time.time(), time.monotonic()
@@ -71,7 +65,8 @@ def main() -> None:
             started = time.monotonic()
             try:
                 if arm.name.startswith("import torch"):
-                    values = import_torch()
+                    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+                    values = {"seconds": time.monotonic() - started}
                 else:
                     values = first_step(Path(tmp) / f"seed{seed}")
             except (RuntimeError, subprocess.CalledProcessError) as e:

@@ -158,17 +158,6 @@ def peer_versions() -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------- the processes
-def lighthouse_main(min_replicas: int) -> None:
-    """Serve a torchft lighthouse on 127.0.0.1 (a free port); print its address; exit when
-    stdin closes (the launcher's signal)."""
-    from torchft._torchft import LighthouseServer
-
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas)
-    print(server.address(), flush=True)
-    sys.stdin.read()
-    server.shutdown()
-
-
 def fragments_of(model, fragments: int) -> list:
     """cloudburst's split (whole tensors, module order, balanced by element count) as the
     ``nn.Module`` fragments torchft's ``DiLoCo`` takes: each holds the model's own tensors."""
@@ -312,8 +301,13 @@ def main() -> None:
         rp.add_argument(flag, required=True)
     rp.add_argument("--steps", type=int, default=None)
     args = p.parse_args()
-    if args.command == "lighthouse":
-        return lighthouse_main(args.min_replicas)
+    if args.command == "lighthouse":  # on a free port; print its address; exit when stdin closes
+        from torchft._torchft import LighthouseServer
+
+        server = LighthouseServer(bind="127.0.0.1:0", min_replicas=args.min_replicas)
+        print(server.address(), flush=True)
+        sys.stdin.read()
+        return server.shutdown()
     cfg = RunConfig.from_dict(json.loads(Path(args.config).read_text()))
     torchft_replica(args.algorithm, args.replica, args.lighthouse, cfg, Path(args.out), args.steps)
 
