@@ -89,16 +89,14 @@ class TorchPeerStrategy(Strategy):
         epochs = math.ceil(self.cfg.daso_warmup_epochs)
         self.warmup_steps = min(total_steps, epochs * max(1, steps_per_epoch))
 
-    def _groups(self, groups: list[list[int]]):
-        timeout = datetime.timedelta(seconds=self.cfg.comm_timeout_s)
-        return dist.new_subgroups_by_enumeration(groups, timeout=timeout, backend="gloo")[0]
-
     def _post_local_ddp(self, model: nn.Module, subgroups: list[list[int]]) -> nn.Module:
         """DDP whose gradients go over every worker for the warm-up, then over ``subgroups``."""
         topo, ctx = self.ctx.topology, self.ctx
         if ctx.num_servers or topo is None:
             raise RuntimeError(f"{self.name} needs --servers 0 and --nodes")
-        inner = post_local.PostLocalSGDState(None, self._groups(subgroups), self.warmup_steps)
+        timeout = datetime.timedelta(seconds=self.cfg.comm_timeout_s)
+        group = dist.new_subgroups_by_enumeration(subgroups, timeout=timeout, backend="gloo")[0]
+        inner = post_local.PostLocalSGDState(None, group, self.warmup_steps)
         self.hook_state = HookState(inner, self.stats, ctx.link, ctx.world_size,
                                     len(subgroups[0]), spans_nodes=topo.num_nodes > 1)  # fmt: skip
         return counted_ddp(model, None, ctx.device, self.hook_state, counted_post_localSGD_hook)
@@ -109,7 +107,7 @@ class TorchPeerStrategy(Strategy):
 
     def after_step(self, samples: int) -> None:
         self.local_steps += 1
-        self._average(self.world > 1 and self.global_due(self.averager.step))
+        self._average(self.cfg.workers > 1 and self.global_due(self.averager.step))
 
     def global_due(self, call: int) -> bool:
         """Whether the averager's ``call``-th call (0-based) averages over all workers."""
@@ -124,7 +122,7 @@ class TorchPeerStrategy(Strategy):
             return
         numel = sum(p.numel() for p in params)
         spans = self.ctx.topology is not None and self.ctx.topology.num_nodes > 1
-        count_collective(self.stats, ring_bytes(numel, 4, self.world), spans)
+        count_collective(self.stats, ring_bytes(numel, 4, self.cfg.workers), spans)
         t0 = time.perf_counter()
         if group is None:
             self.averager.average_parameters(params)
@@ -132,21 +130,17 @@ class TorchPeerStrategy(Strategy):
             averaging_utils.average_parameters(iter(params), group)
         link = self.ctx.link
         if link is not None and link.active and spans:
-            cost = link.allreduce_s(numel * 4, self.world)
+            cost = link.allreduce_s(numel * 4, self.cfg.workers)
             self.stats.emulated_link_s += cost
             link.wait_until(link.reserve(cost, start=t0))
         self.stats.wait_s += time.perf_counter() - t0
         self.averages += 1
 
-    @property
-    def world(self) -> int:
-        return self.cfg.workers
-
     def global_params(self) -> tuple[torch.Tensor, int]:
         return self.replica_params()
 
     def finish(self) -> None:
-        if self.world > 1:  # one more average, so every replica ends on one θ
+        if self.cfg.workers > 1:  # one more average, so every replica ends on one θ
             self._average(True, group=self.ctx.workers_group)
 
     def report(self) -> dict[str, Any]:
@@ -178,8 +172,8 @@ class TorchHierarchicalStrategy(TorchPeerStrategy):
         if topo.ranks_on(0) != list(range(node)):
             raise RuntimeError("torch_hierarchical needs consecutive ranks per node")
         self.global_period = max(1, self.cfg.daso_global_skip)
-        ddp = self._post_local_ddp(model, [[r] for r in range(self.world)])  # local steps
-        periods = OrderedDict([(1, node), (self.global_period, self.world)])
+        ddp = self._post_local_ddp(model, [[r] for r in range(self.cfg.workers)])  # local steps
+        periods = OrderedDict([(1, node), (self.global_period, self.cfg.workers)])
         self.averager = hier.HierarchicalModelAverager(periods, self.warmup_steps)
         self.node_bytes = ring_bytes(sum(p.numel() for p in model.parameters()), 4, node)
         return ddp

@@ -89,11 +89,6 @@ def cell_name(strategy: str, role: str, fault: str, flags: list[str]) -> str:
     return f"{strategy} {role} {fault}{how[tuple(flags)]}".replace(" - none", " undisturbed")
 
 
-def victim_rank(strategy: str, role: str) -> int:
-    servers = 2 if strategy != "sync" else 0
-    return {"worker": servers + 2, "shard": 1, "store host": 0}.get(role, servers)
-
-
 class Records:
     """The records of a run's metrics files, each stamped with the time it was first seen."""
 
@@ -123,7 +118,8 @@ class Records:
 
 def run_cell(arm: harness.Arm, seed: int, root: Path) -> harness.Run:
     strategy, role, fault, flags = arm.argv
-    victim, out = victim_rank(strategy, role), root / harness.slug(arm.name)
+    first_worker, out = 2 if strategy != "sync" else 0, root / harness.slug(arm.name)  # 2 shards
+    victim = {"worker": first_worker + 2, "shard": 1, "store host": 0}.get(role, first_worker)
     shutil.rmtree(out, ignore_errors=True)  # this script's own run directory, from a last run
     argv = [*COMMON, *STRATEGY[strategy], *flags, "--steps", str(STEPS), "--seed", str(seed)]
     by_signal = role in ("shard", "store host")
@@ -136,7 +132,6 @@ def run_cell(arm: harness.Arm, seed: int, root: Path) -> harness.Run:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     rec, fault_t, hung = Records(out), None, False
-    first_worker = 2 if strategy != "sync" else 0
     while proc.poll() is None:
         time.sleep(0.1)
         rec.poll()

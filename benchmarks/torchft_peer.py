@@ -29,6 +29,8 @@ REPO = Path(SCRIPT).parent.parent
 if str(REPO) not in sys.path:  # run as a script by the peer venv's python
     sys.path.insert(0, str(REPO))
 
+import harness  # noqa: E402 (benchmarks/ is on the path: this folder, or the importer's)
+
 from cloudburst.comm.stats import ring_bytes  # noqa: E402
 from cloudburst.config import RunConfig  # noqa: E402
 
@@ -47,8 +49,6 @@ def run_torchft(cfg: RunConfig, algorithm: str, out_dir: str | Path, steps: int 
     ``steps`` per replica (default: ``cfg``'s). Returns a summary with the keys of cloudburst's
     ``summary.json`` for the same numbers plus every replica's step times and ``step_s``, their
     median (:func:`harness.step_s`). Raises :class:`TorchftFailed` with the failing output."""
-    import harness
-
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     out = Path(out_dir)
@@ -96,9 +96,8 @@ def run_torchft(cfg: RunConfig, algorithm: str, out_dir: str | Path, steps: int 
                     raise failed(f"{algorithm} replica {i} exited with {rc}", f"replica{i}")
         finally:
             for p in procs[1:]:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+                p.kill()  # nothing if it has exited
+                p.wait()
             if procs and procs[0].poll() is None:
                 procs[0].stdin.close()  # the lighthouse exits when its stdin closes
                 try:
@@ -122,13 +121,9 @@ def run_torchft(cfg: RunConfig, algorithm: str, out_dir: str | Path, steps: int 
     return summary
 
 
-def run_arm(
-    name: str, seed: int, cfg: RunConfig, algorithm: str, out: Path, steps: int, error=None
-):
+def run_arm(name, seed: int, cfg: RunConfig, algorithm: str, out: Path, steps: int, error=None):
     """One torchft run as a harness Run, ``values["step_s"]`` its step time (the first 32 steps
     left out); a failure (or a peer venv ``error``) is kept in ``failed``, never raised."""
-    import harness
-
     summary, failed = {}, error
     if not error:
         try:

@@ -208,11 +208,10 @@ def rank_main(rank: int, s: dict, prov: harness.Provenance) -> None:
     ctx = Context(cfg=cfg, rank=rank, world_size=2, num_servers=1, num_workers=1,
                   workers_group=None, store=dist.PrefixStore("cloudburst/bench/", store),
                   t0=time.time())  # fmt: skip
-    options = rpc.TensorPipeRpcBackendOptions(
-        init_method=f"tcp://127.0.0.1:{s['rpc_port']}", num_worker_threads=4
-    )
-    name = "server" if rank == SERVER else "worker"
-    rpc.init_rpc(name, rank=rank, world_size=2, rpc_backend_options=options)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{s['rpc_port']}",
+                                              num_worker_threads=4)  # fmt: skip
+    rpc.init_rpc("server" if rank == SERVER else "worker", rank=rank, world_size=2,
+                 rpc_backend_options=options)  # fmt: skip
     if rank == SERVER:
         store.set("server_pid", str(os.getpid()))
         s["cpu"] = lambda: 0.0
