@@ -77,9 +77,7 @@ class FlatParams(nn.Module):
 
 
 # ---------------------------------------------------------------------------- the arms
-def timed(
-    s: dict, trip: Callable[[], object], blocked: Callable[[], float] | None = None
-) -> Timing:
+def timed(s: dict, trip: Callable, blocked: Callable[[], float] | None = None) -> Timing:
     """``trip()`` ``warmup`` times, then ``iters`` timed: (seconds, seconds blocked in the
     transport (``blocked()``'s increase; without it, all), CPU seconds of both processes)."""
     for _ in range(s["warmup"]):
@@ -277,8 +275,7 @@ def report(prov: harness.Provenance, s: dict, runs: list[harness.Run]) -> None:
         rep.claim(f"{arm} reference ÷ raw gloo ({what})", value, "(reference)", None,
                   interval=interval, seeds=s["reps"])  # fmt: skip
     # No "CPU-bound ceiling" claim: raw ms × cores ÷ asgd's CPU ms is asgd's own measurement
-    # rescaled (issue 25), so it cannot disagree with the ratio above; the CPU columns below
-    # stay as context.
+    # rescaled (issue 25), so it cannot disagree with the ratio above; CPU columns are context.
     rep.settings(
         f"{s['numel']:,} fp32 values ({s['numel'] * 4 / 1e6:.0f} MB) each way, 1 worker + 1 "
         f"server on 127.0.0.1, {s['reps']} repetitions × {s['iters']} timed round trips (after "
