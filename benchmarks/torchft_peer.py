@@ -177,29 +177,22 @@ def torchft_replica(
 ) -> None:
     """One replica group (one process): train ``cfg`` with torchft's ``algorithm``."""
     import torch
-    from torch import nn
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo, LocalSGD
 
-    from cloudburst.data import (
-        batch_stream,
-        evaluate_dataset,
-        in_memory,
-        load_dataset,
-        worker_source,
-    )
+    from cloudburst import data as cb
     from cloudburst.models import build_model
     from cloudburst.train import make_optimizer
 
     torch.set_num_threads(1)
-    data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size)
+    data = cb.load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size)
     model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
     optimizer = make_optimizer(cfg, model.parameters())
     # Exactly the batches cloudburst's worker ``replica`` draws (train.run_worker).
-    stream = batch_stream(worker_source(data, replica, cfg.workers), cfg.batch_size,
-                          seed=cfg.seed * 1000 + replica,
-                          preprocess=data.preprocess(augment=cfg.augment))  # fmt: skip
+    stream = cb.batch_stream(cb.worker_source(data, replica, cfg.workers), cfg.batch_size,
+                             seed=cfg.seed * 1000 + replica,
+                             preprocess=data.preprocess(augment=cfg.augment))  # fmt: skip
     total = steps or cfg.steps_per_worker(len(data.train))
     if total % cfg.period:
         raise ValueError(
@@ -254,7 +247,7 @@ def torchft_replica(
             raise TimeoutError(f"replica {replica}: not all {n} replicas ready in {READY_S} s")
         time.sleep(0.01)
 
-    loss_fn = nn.CrossEntropyLoss()
+    loss_fn = torch.nn.CrossEntropyLoss()
     step_times: list[list[float]] = []
     t0 = time.perf_counter()
     loss = float("nan")
@@ -270,8 +263,8 @@ def torchft_replica(
             if step % cfg.log_every_steps == 0 or step == total:
                 step_times.append([step, time.perf_counter() - t0])
     wall_s = time.perf_counter() - t0
-    acc, test_loss = evaluate_dataset(model, in_memory(data.test), data.preprocess(augment=False),
-                                      "cpu")  # fmt: skip
+    test = cb.in_memory(data.test)
+    acc, test_loss = cb.evaluate_dataset(model, test, data.preprocess(augment=False), "cpu")
     syncs = manager.current_step()  # committed syncs
     numel = sum(p.numel() for p in model.parameters())
     # sent_bytes: counted as cloudburst counts an all-reduce of |θ| fp32 values (a ring).
