@@ -47,6 +47,7 @@ from cloudburst.train import make_optimizer  # noqa: E402
 
 TARGET = 1.05  # sync ÷ reference, at most
 BATCH = 64
+WARMUP = 5  # steps of each variant a round before its timed steps
 
 
 def _rank(rank: int, world: int, port: int, rounds: int, warmup: int, steps: int, out: str):
@@ -121,22 +122,16 @@ def measure(world: int, rounds: int, warmup: int, steps: int) -> dict:
 
 
 def main() -> None:
-    def add(p) -> None:
-        p.add_argument("--rounds", type=int, default=None, help="rounds (20; quick 2)")
-        p.add_argument("--steps", type=int, default=None, help="timed steps a round (30; quick 5)")
-        p.add_argument("--warmup", type=int, default=5)
-
-    args, prov = harness.start(__doc__, add)
-    rounds = args.rounds or (2 if args.quick else 20)
-    steps = args.steps or (5 if args.quick else 30)
+    args, prov = harness.start(__doc__)
+    rounds, steps = (2, 5) if args.quick else (20, 30)  # timed steps a round, after WARMUP
     report = harness.Report("overhead", "Step-time overhead of sync: ÷ DDP, ÷ a plain loop", prov)
     report.settings(
-        f"SGD lr 0.05; {rounds} rounds, each variant {args.warmup} warm-up + {steps} timed "
+        f"SGD lr 0.05; {rounds} rounds, each variant {WARMUP} warm-up + {steps} timed "
         f"steps a round.\n\n{harness.about(__doc__)}"
     )
     rows, diffs = [], []
     for world in (1, 2, 4):
-        result = measure(world, rounds, args.warmup, steps)
+        result = measure(world, rounds, WARMUP, steps)
         prov.sample_load()
         med, ref = result["round_median_s"], "plain" if world == 1 else "ddp"
         report.data[f"W={world}"] = result

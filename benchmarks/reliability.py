@@ -209,11 +209,8 @@ def outcome(rec, s, victim, fault, stderr, hung) -> str:
     return "completed"
 
 
-def fault_table(prov: harness.Provenance, report: harness.Report, args) -> list:
-    chosen = QUICK if args.quick else set(range(len(CELLS)))
-    if args.cells:
-        chosen = {int(i) for i in args.cells.split(",")}
-    cells = [c for i, c in enumerate(CELLS) if i in chosen]
+def fault_table(prov: harness.Provenance, report: harness.Report, quick: bool) -> list:
+    cells = [c for i, c in enumerate(CELLS) if i in QUICK or not quick]
     arms = [harness.Arm(cell_name(*c), c) for c in cells]
     root = prov.runs_dir("reliability")
     runs = harness.interleave(arms, [0], run=lambda a, s: run_cell(a, s, root), prov=prov)
@@ -265,18 +262,12 @@ def standby_cost(prov: harness.Provenance, report: harness.Report, quick: bool) 
 def main() -> None:
     global STEPS
 
-    def add(p) -> None:
-        p.add_argument("--cells", default=None, help="indices into CELLS, e.g. 9,16 (a check)")
-        p.add_argument("--no-standby-cost", action="store_true", help="skip the standby's cost")
-
-    args, prov = harness.start(__doc__, add)
+    args, prov = harness.start(__doc__)
     STEPS = 160 if args.quick else 300
     report = harness.Report("reliability", "Reliability: faults × roles × strategies", prov)
     report.settings(harness.about(__doc__))
-    runs = fault_table(prov, report, args)
-    if not args.no_standby_cost:
-        runs += standby_cost(prov, report, args.quick)
-    report.write(runs)
+    runs = fault_table(prov, report, args.quick)
+    report.write(runs + standby_cost(prov, report, args.quick))
 
 
 STEPS = 300

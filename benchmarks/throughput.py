@@ -35,6 +35,7 @@ ARMS = {  # label: cloudburst train flags
     "asgd W=2 S=1": ["--strategy", "asgd", "--workers", "2", "--servers", "1"],
 }
 STAGING_TARGET = 0.8
+BATCH = 64  # per worker
 
 
 def steady_rate(out: Path, steps: int) -> float | None:
@@ -127,7 +128,6 @@ def main() -> None:
     def add(p) -> None:
         p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
         p.add_argument("--steps", type=int, default=None, help="steps per worker (24; quick 8)")
-        p.add_argument("--batch-size", type=int, default=64)
 
     # Ask NVML, not the CUDA runtime: a CUDA context here would be inherited by forked ranks.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -137,10 +137,10 @@ def main() -> None:
     steps = args.steps or (8 if args.quick else 24)
     seeds = list(range(args.seeds or 1))
     with tempfile.TemporaryDirectory() as tmp:
-        data = write_cifar10(Path(tmp) / "data", per_batch=args.batch_size * 4, test=64)
+        data = write_cifar10(Path(tmp) / "data", per_batch=BATCH * 4, test=64)
         common = [
             *("--dataset", f"cifar10:{data}", "--model", "resnet20", "--steps", str(steps)),
-            *("--batch-size", str(args.batch_size), "--lr", "0.02", "--device", args.device),
+            *("--batch-size", str(BATCH), "--lr", "0.02", "--device", args.device),
             *("--eval-every-s", "1e9", "--log-every-steps", "2", "--checkpoint-every", "0"),
         ]
         arms = [harness.Arm(label, [*flags, *common]) for label, flags in ARMS.items()]
@@ -158,7 +158,7 @@ def main() -> None:
     name, title = f"throughput_{args.device}", f"Training throughput per strategy ({args.device})"
     report = harness.Report(name, title, prov)
     report.settings(
-        f"ResNet-20 on random CIFAR-10-format images, batch {args.batch_size} per worker, "
+        f"ResNet-20 on random CIFAR-10-format images, batch {BATCH} per worker, "
         f"{steps} steps per worker, {len(seeds)} seed(s), interleaved with an A/A copy of "
         "sync W=1; samples/s between 25 % and 100 % of the steps, summed over workers."
     )

@@ -9,7 +9,7 @@ round, a session per repetition); ``rpc`` (the PyTorch tutorial's RPC parameter 
 ``pipelined`` (reference, no target: what asgd's round could reach with chunked payloads).
 Context, no claim: the worker's time blocked in the transport, both processes' CPU time.
 
-    .venv/bin/python benchmarks/transport.py [--quick] [--force] [--numel N] [--reps R]
+    .venv/bin/python benchmarks/transport.py [--quick] [--force] [--numel N] [--seeds REPS]
 """
 
 from __future__ import annotations
@@ -314,17 +314,13 @@ def report(prov: harness.Provenance, s: dict, runs: list[harness.Run]) -> None:
 
 
 def main() -> None:
-    def add(p):
-        p.add_argument("--numel", type=int, default=None, help="values each way (10M)")
-        p.add_argument("--reps", type=int, default=None, help="repetitions per arm (12)")
-        p.add_argument("--iters", type=int, default=None, help="timed round trips (10)")
-
-    args, prov = harness.start(__doc__, add)
+    args, prov = harness.start(__doc__, lambda p: p.add_argument(
+        "--numel", type=int, default=None, help="values each way (10M)"))  # fmt: skip
     quick = args.quick
     s = {
         "numel": args.numel or (2_000_000 if quick else 10_000_000),
-        "reps": args.reps or args.seeds or (2 if quick else 12),
-        "iters": args.iters or (3 if quick else 10),
+        "reps": args.seeds or (2 if quick else 12),  # repetitions per arm
+        "iters": 3 if quick else 10,  # timed round trips per repetition
         "warmup": 1 if quick else 3,
     }
     store_port = free_port()

@@ -3,7 +3,7 @@
 Each strategy's job runs alone in a fresh network namespace (``unshare -rn``, no privileges; only
 its loopback device), so every socket there is the job's. Two OS counts:
 
-- **per process**: ``ss -tinpH`` every ``--sample-s``: each TCP socket's ``bytes_sent`` and
+- **per process**: ``ss -tinpH`` every ``SAMPLE_S``: each TCP socket's ``bytes_sent`` and
   ``bytes_received`` (payload), process and ports, its last sample its count. Sockets to or
   from a port the launcher listens on or a rank's ``MASTER_PORT`` are the store's; the rest
   are the data connections between ranks (gloo's pairs);
@@ -46,6 +46,7 @@ COMMON = ["--workers", "2", "--model", "mlp", "--eval-every-s", "1000", "--check
 #: Bytes a loopback packet carries besides its payload: Ethernet 14 + IPv4 20 + TCP with the
 #: timestamp option 32 (Linux's default; the handshake's few packets carry 8 more).
 HEADER_BYTES = 14 + 20 + 32
+SAMPLE_S = 0.05  # ss's sampling period
 
 _SOCKET = re.compile(
     r"^(?P<state>\S+)\s+\d+\s+\d+\s+(?P<local>\S+)\s+(?P<peer>\S+)\s*(?P<rest>.*)$"
@@ -195,24 +196,21 @@ def main() -> None:
             probe(Path(argv[argv.index("--probe") + 1]), sample_s, argv[argv.index("--") + 1 :])
         )
 
-    def add(p) -> None:
-        p.add_argument("--steps", type=int, default=None, help="steps per worker (200; quick 40)")
-        p.add_argument("--sample-s", type=float, default=0.05, help="ss sampling period (s)")
-        p.add_argument("--only", nargs="*", default=None, choices=list(STRATEGIES))
-
-    args, prov = harness.start(__doc__, add)
+    args, prov = harness.start(__doc__, lambda p: p.add_argument(
+        "--steps", type=int, default=None, help="steps per worker (200; quick 40)"))  # fmt: skip
     model = build_model("mlp", (40,), 10, 0)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     steps = args.steps or (40 if args.quick else 200)
-    names = args.only or list(STRATEGIES)
-    arms = [harness.Arm(n, [*STRATEGIES[n], *COMMON, "--steps", str(steps)]) for n in names]
+    arms = [
+        harness.Arm(n, [*argv, *COMMON, "--steps", str(steps)]) for n, argv in STRATEGIES.items()
+    ]
     root = harness.RUNS / "wire"
     runs = harness.interleave(arms, [0], prov=prov, run=lambda arm, seed: run_wire(
-        arm, seed, root / arm.name / f"seed{seed}", args.sample_s))  # fmt: skip
+        arm, seed, root / arm.name / f"seed{seed}", SAMPLE_S))  # fmt: skip
     report = harness.Report("wire", "Bytes on the wire (OS) beside cloudburst's counters", prov)
     report.settings(
         f"W = 2, MNIST-1D MLP, {steps} steps per worker, seed 0; `ss -tinpH` every "
-        f"{args.sample_s:g} s.\n\n{harness.about(__doc__)}"
+        f"{SAMPLE_S:g} s.\n\n{harness.about(__doc__)}"
     )
     rows, jobs = [], []
     for r in runs:
