@@ -201,9 +201,7 @@ def main() -> None:
     model = build_model("mlp", (40,), 10, 0)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     steps = args.steps or (40 if args.quick else 200)
-    arms = [
-        harness.Arm(n, [*argv, *COMMON, "--steps", str(steps)]) for n, argv in STRATEGIES.items()
-    ]
+    arms = [harness.Arm(n, [*f, *COMMON, "--steps", str(steps)]) for n, f in STRATEGIES.items()]
     root = harness.RUNS / "wire"
     runs = harness.interleave(arms, [0], prov=prov, run=lambda arm, seed: run_wire(
         arm, seed, root / arm.name / f"seed{seed}", SAMPLE_S))  # fmt: skip
