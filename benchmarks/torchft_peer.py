@@ -57,15 +57,15 @@ def run_torchft(cfg: RunConfig, algorithm: str, out_dir: str | Path, steps: int 
         stale.unlink()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     (out / "config.json").write_text(cfg.to_json() + "\n")
-    procs: list[subprocess.Popen] = []
     t0 = time.monotonic()
-    with contextlib.ExitStack() as logs:
+    with contextlib.ExitStack() as stack:  # on the way out: replicas killed, then the lighthouse
 
         def start(name: str, *argv: str, **kw: Any) -> subprocess.Popen:
-            log = logs.enter_context(open(out / f"{name}.log", "w"))  # noqa: SIM115
+            log = stack.enter_context(open(out / f"{name}.log", "w"))  # noqa: SIM115
             kw = {"stdout": log, "stderr": log if "stdout" in kw else subprocess.STDOUT, **kw}
-            procs.append(subprocess.Popen([PEER_PYTHON, SCRIPT, *argv], env=env, cwd=REPO, **kw))
-            return procs[-1]
+            proc = subprocess.Popen([PEER_PYTHON, SCRIPT, *argv], env=env, cwd=REPO, **kw)
+            stack.callback(_stop, proc)
+            return proc
 
         def failed(what: str, name: str) -> TorchftFailed:
             try:
@@ -74,37 +74,25 @@ def run_torchft(cfg: RunConfig, algorithm: str, out_dir: str | Path, steps: int 
                 tail = f"(no output: {e})"
             return TorchftFailed(f"torchft {what}: {tail or '(no output)'}")
 
-        try:
-            lh = start("lighthouse", "lighthouse", "--min-replicas", str(cfg.workers),
-                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-            address = lh.stdout.readline().strip()
-            if not address.startswith("http"):
-                raise failed("lighthouse did not start", "lighthouse")
-            argv = ["--algorithm", algorithm, "--lighthouse", address, "--out", str(out),
-                    "--config", str(out / "config.json")]  # fmt: skip
-            argv += ["--steps", str(steps)] if steps else []
-            replicas = [start(f"replica{i}", "replica", "--replica", str(i), *argv)
-                        for i in range(cfg.workers)]  # fmt: skip
-            deadline = time.monotonic() + TIMEOUT_S
-            for i, p in enumerate(replicas):
-                try:
-                    rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    raise failed(f"{algorithm} replica {i} still running after "
-                                 f"{TIMEOUT_S:.0f} s", f"replica{i}") from None  # fmt: skip
-                if rc != 0:
-                    raise failed(f"{algorithm} replica {i} exited with {rc}", f"replica{i}")
-        finally:
-            for p in procs[1:]:
-                p.kill()  # nothing if it has exited
-                p.wait()
-            if procs and procs[0].poll() is None:
-                procs[0].stdin.close()  # the lighthouse exits when its stdin closes
-                try:
-                    procs[0].wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    procs[0].kill()
-                    procs[0].wait()
+        lh = start("lighthouse", "lighthouse", "--min-replicas", str(cfg.workers),
+                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        address = lh.stdout.readline().strip()
+        if not address.startswith("http"):
+            raise failed("lighthouse did not start", "lighthouse")
+        argv = ["--algorithm", algorithm, "--lighthouse", address, "--out", str(out),
+                "--config", str(out / "config.json")]  # fmt: skip
+        argv += ["--steps", str(steps)] if steps else []
+        replicas = [start(f"replica{i}", "replica", "--replica", str(i), *argv)
+                    for i in range(cfg.workers)]  # fmt: skip
+        deadline = time.monotonic() + TIMEOUT_S
+        for i, p in enumerate(replicas):
+            try:
+                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise failed(f"{algorithm} replica {i} still running after {TIMEOUT_S:.0f} s",
+                             f"replica{i}") from None  # fmt: skip
+            if rc != 0:
+                raise failed(f"{algorithm} replica {i} exited with {rc}", f"replica{i}")
     reports = [json.loads((out / f"replica{i}.json").read_text()) for i in range(cfg.workers)]
     step_times = {str(i): r["step_times"] for i, r in enumerate(reports)}
     summary = {
@@ -119,6 +107,16 @@ def run_torchft(cfg: RunConfig, algorithm: str, out_dir: str | Path, steps: int 
     }  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """A replica killed; the lighthouse given 10 s to exit once its stdin closes, then killed."""
+    if proc.stdin is not None and proc.poll() is None:
+        proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+    proc.kill()  # nothing if it has exited
+    proc.wait()
 
 
 def run_arm(name, seed: int, cfg: RunConfig, algorithm: str, out: Path, steps: int, error=None):
