@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import harness  # noqa: E402
 
 FAULT_STEP = 100
@@ -61,23 +60,17 @@ STRATEGY = {
     "asgd": ["--strategy", "asgd", "--servers", "2", "--n-sync", "4", "--server-lr", "0.25"],
     "easgd": ["--strategy", "easgd", "--servers", "2", "--easgd-tau", "4"],
 }
-RESTARTS = ["--max-restarts", "1"]
+RESTARTS, STANDBY = ["--max-restarts", "1"], ["--shard-standby"]
 # (strategy, role, fault, recovery flags); the undisturbed runs are role "-" / fault "none".
 CELLS = [
-    ("sync", "-", "none", []),
-    ("asgd", "-", "none", []),
-    ("easgd", "-", "none", []),
+    *[(s, "-", "none", []) for s in ("sync", "asgd", "easgd")],
     *[("sync", "worker", f, RESTARTS) for f in ("kill", "stop", "nan", "slow")],
     ("sync", "evaluator / store host", "kill", RESTARTS),
     *[("asgd", "worker", f, RESTARTS) for f in ("kill", "stop", "nan", "slow")],
     ("asgd", "evaluator", "kill", RESTARTS),
-    ("asgd", "shard", "kill", []),
-    ("asgd", "shard", "kill", RESTARTS),
-    ("asgd", "shard", "kill", ["--shard-standby"]),
-    ("asgd", "shard", "stop", []),
-    ("asgd", "shard", "stop", ["--shard-standby"]),
-    ("asgd", "store host", "kill", []),
-    ("asgd", "store host", "kill", RESTARTS),
+    *[("asgd", "shard", "kill", flags) for flags in ([], RESTARTS, STANDBY)],
+    *[("asgd", "shard", "stop", flags) for flags in ([], STANDBY)],
+    *[("asgd", "store host", "kill", flags) for flags in ([], RESTARTS)],
     ("easgd", "shard", "kill", RESTARTS),
 ]
 QUICK = {1, 8, 13, 14, 15}  # indices of CELLS run under --quick
@@ -85,7 +78,7 @@ DETECTED = ("peer_lost", "failover", "standby_lost", "peer_dropped")
 
 
 def cell_name(strategy: str, role: str, fault: str, flags: list[str]) -> str:
-    how = {(): "", tuple(RESTARTS): " +restarts", ("--shard-standby",): " +standby"}
+    how = {(): "", tuple(RESTARTS): " +restarts", tuple(STANDBY): " +standby"}
     return f"{strategy} {role} {fault}{how[tuple(flags)]}".replace(" - none", " undisturbed")
 
 
