@@ -50,7 +50,7 @@ BATCH = 64
 WARMUP = 5  # steps of each variant a round before its timed steps
 
 
-def _rank(rank: int, world: int, port: int, rounds: int, warmup: int, steps: int, out: str):
+def _rank(rank: int, world: int, port: int, rounds: int, steps: int, out: str):
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -97,7 +97,7 @@ def _rank(rank: int, world: int, port: int, rounds: int, warmup: int, steps: int
         order = names[r % len(names) :] + names[: r % len(names)]
         dist.barrier()
         for name in order:
-            for _ in range(warmup):
+            for _ in range(WARMUP):
                 step(name)
         spent: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(steps):  # the variants in turn, step by step: each meets the same noise
@@ -114,10 +114,10 @@ def _rank(rank: int, world: int, port: int, rounds: int, warmup: int, steps: int
     dist.destroy_process_group()
 
 
-def measure(world: int, rounds: int, warmup: int, steps: int) -> dict:
+def measure(world: int, rounds: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank0.json")
-        mp.spawn(_rank, args=(world, free_port(), rounds, warmup, steps, out), nprocs=world)
+        mp.spawn(_rank, args=(world, free_port(), rounds, steps, out), nprocs=world)
         return json.loads(Path(out).read_text())
 
 
@@ -131,7 +131,7 @@ def main() -> None:
     )
     rows, diffs = [], []
     for world in (1, 2, 4):
-        result = measure(world, rounds, WARMUP, steps)
+        result = measure(world, rounds, steps)
         prov.sample_load()
         med, ref = result["round_median_s"], "plain" if world == 1 else "ddp"
         report.data[f"W={world}"] = result
