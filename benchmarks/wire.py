@@ -196,11 +196,10 @@ def main() -> None:
             probe(Path(argv[argv.index("--probe") + 1]), sample_s, argv[argv.index("--") + 1 :])
         )
 
-    args, prov = harness.start(__doc__, lambda p: p.add_argument(
-        "--steps", type=int, default=None, help="steps per worker (200; quick 40)"))  # fmt: skip
+    args, prov = harness.start(__doc__)
     model = build_model("mlp", (40,), 10, 0)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    steps = args.steps or (40 if args.quick else 200)
+    steps = 40 if args.quick else 200  # per worker
     arms = [harness.Arm(n, [*f, *COMMON, "--steps", str(steps)]) for n, f in STRATEGIES.items()]
     root = harness.RUNS / "wire"
     runs = harness.interleave(arms, [0], prov=prov, run=lambda arm, seed: run_wire(
