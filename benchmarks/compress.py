@@ -4,22 +4,17 @@ accuracy, time to target, and time per step against torchft.
     .venv/bin/python benchmarks/compress.py            # results/compress.{md,json}, ~20 min
     .venv/bin/python benchmarks/compress.py --quick    # smoke test (~3 min), runs/bench-quick/
 
-The wide CNN of ``bench_models.py`` (528 k parameters: bytes matter) on MNIST-1D, 4 workers on
-2 emulated nodes. Arms: sync (DDP), sync + bf16 / PowerSGD rank 1 (PyTorch's hooks), Streaming
-DiLoCo F = 4 int8 at H = 8, and the configuration chosen for the 1/50 target (``TARGET``).
-Five parts, each described in its section of the result: inter-node bytes and accuracy on the
-virtual cluster, time to target over a 1 Gbit/s link (real runs), time per step against
-torchft 0.2.0's ``DiLoCo`` (``torchft_peer.py``), the link speed that makes compression
-worth it (virtual cluster), and the 1/50 headline confirmed where it was not chosen
-(``CONFIRM``, named before its run: other seeds, real runs over the emulated link, and 8
-workers on 4 nodes on the virtual cluster).
+The wide CNN of ``bench_models.py`` on MNIST-1D, 4 workers on 2 emulated nodes; arms in
+``ARMS``. Five parts, each in its section of the result: bytes and accuracy (virtual cluster),
+time to target over a 1 Gbit/s link (real runs), time per step against torchft 0.2.0's
+``DiLoCo``, the link speed that makes compression worth it, and the 1/50 headline confirmed
+where it was not chosen (``CONFIRM``, named before its run).
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,8 +46,6 @@ ARMS = {
 COMMON = ("--model", WIDE, "--dataset", "mnist1d", "--workers", str(WORKERS),
           "--batch-size", str(BATCH), "--min-step-time-s", str(PAD_S), "--checkpoint-every",
           "0", "--log-every-steps", "16")  # fmt: skip
-
-
 TARGET_ARM = "sdiloco_f4_int8_h32"
 SMALL = ["sync", TARGET_ARM]
 #: Where the 1/50 configuration is confirmed, named before the run: seeds 3-7 (it was chosen
@@ -87,30 +80,18 @@ def bytes_per_sample(r: harness.Run) -> float | None:
     return s["inter_node_bytes"] / s["samples"] if s.get("samples") else None
 
 
-def simulate(arm: harness.Arm, seed: int, out: Path) -> harness.Run:
-    """``cloudburst simulate`` of ``arm`` (in one process: the maths of a real run, the time
-    modelled); ``values``: inter-node bytes per sample and the virtual time per step."""
-    r = harness.run_train(arm, seed, out, command=(*harness.CLI, "simulate", "--overwrite"))
-    if not r.failed:
-        s = r.summary
-        r.values = {"bytes_per_sample": bytes_per_sample(r),
-                    "virtual_step_s": s["wall_time_s"] / s["steps_per_worker"]}  # fmt: skip
-    return r
-
-
 def simulate_all(
     arms: list[harness.Arm], seeds: list[int], root: Path, prov: harness.Provenance
 ) -> list[harness.Run]:
-    """Every (arm, seed) on the virtual cluster, two at a time: a simulation's results (its
-    maths, bytes and virtual times) do not depend on the machine's load, so they need no
-    interleaving, and one process each uses one of the two cores."""
-    jobs = [(arm, seed) for seed in seeds for arm in arms]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = list(pool.map(lambda j: simulate(*j, root / f"{harness.slug(j[0].name)}-{j[1]}"),
-                             jobs))  # fmt: skip
-    prov.sample_load()
+    """Every (arm, seed) on the virtual cluster (:func:`harness.simulate_all`), ``values``:
+    inter-node bytes per sample and the virtual time per step."""
+    jobs = [(a, seed, root / f"{harness.slug(a.name)}-{seed}") for seed in seeds for a in arms]
+    runs = harness.simulate_all(jobs, prov)
     for r in runs:
-        print(f"  {r.arm} seed {r.seed}: {harness.describe(r)}", flush=True)
+        if not r.failed:
+            s = r.summary
+            r.values = {"bytes_per_sample": bytes_per_sample(r),
+                        "virtual_step_s": s["wall_time_s"] / s["steps_per_worker"]}  # fmt: skip
     return runs
 
 
@@ -230,9 +211,8 @@ def report_bytes(report: harness.Report, runs: list[harness.Run], s: dict) -> No
         "On the virtual cluster (`cloudburst simulate`: the strategies' own maths and byte "
         "counters, time modelled; no padding or CPU contention to wait for), 2 nodes. "
         "`÷ sync`: median inter-node bytes per sample ÷ sync's."
-    )
-    report.table("arm | runs ok | inter-node B/sample | ÷ sync | final acc % per seed | "
-                 "− sync (points, mean)", rows)  # fmt: skip
+    ).table("arm | runs ok | inter-node B/sample | ÷ sync | final acc % per seed | "
+            "− sync (points, mean)", rows)  # fmt: skip
 
 
 def headline_claims(
@@ -247,11 +227,10 @@ def headline_claims(
     report.claim(f"Streaming DiLoCo int8 (H = 32, F = 4): inter-node bytes ÷ sync's{where}",
                  ratio, "≤ 0.02 (1/50)", ratio <= 0.02, seeds=len(target),
                  note=f"1/{1 / ratio:.1f}")  # fmt: skip
-    paired = len(accs) == len(sync_acc)  # seed i on both sides when no run failed
-    diff, lo, hi = harness.bootstrap_difference(accs, sync_acc, paired=paired)
-    report.claim(f"… at equal steps, its final accuracy − sync's (points){where}", 100 * diff,
-                 "within ±1", abs(100 * diff) <= 1, interval=(100 * lo, 100 * hi),
-                 seeds=len(target))  # fmt: skip
+    harness.diff_claim(report, f"… at equal steps, its final accuracy − sync's (points){where}",
+                       accs, sync_acc, "within ±1", lambda d, lo, hi: abs(d) <= 1,
+                       paired=len(accs) == len(sync_acc),  # seed i on both sides if none failed
+                       digits=None, seeds=len(target))  # fmt: skip
 
 
 def report_confirm(report: harness.Report, runs: list[harness.Run], s: dict) -> None:
@@ -262,18 +241,15 @@ def report_confirm(report: harness.Report, runs: list[harness.Run], s: dict) -> 
         headline_claims(report, target, sync, f", {where}, seeds {s['confirm_seeds']}")
         for arm, group in (("sync", sync), (TARGET_ARM, target)):
             rows.append([where, f"`{arm}`", f"{len(_acc(group))}/{len(group)}",
-                         harness.fmt(_bps(group)),
-                         ", ".join(harness.pct(a) for a in _acc(group)),
+                         harness.fmt(_bps(group)), ", ".join(harness.pct(a) for a in _acc(group)),
                          _minus(_acc(group), _acc(sync))])  # fmt: skip
-    report.section("5. The 1/50 headline where it was not chosen")
-    report.text(
+    report.section("5. The 1/50 headline where it was not chosen").text(
         f"`{TARGET_ARM}` and sync, {s['bytes_steps']} steps, seeds {s['confirm_seeds']} (the "
         "configuration was chosen on seeds 0-2 at W = 4 on the virtual cluster), named before "
         "the run: real `cloudburst train` runs over the emulated 1 Gbit/s link at W = 4 (2 "
         "nodes, interleaved), and W = 8 on 4 nodes of 2 on the virtual cluster."
-    )
-    report.table("where | arm | runs ok | inter-node B/sample | final acc % per seed | "
-                 "− sync (points, mean)", rows)  # fmt: skip
+    ).table("where | arm | runs ok | inter-node B/sample | final acc % per seed | "
+            "− sync (points, mean)", rows)  # fmt: skip
 
 
 def report_link(report: harness.Report, runs: list[harness.Run], s: dict) -> dict:
@@ -290,26 +266,22 @@ def report_link(report: harness.Report, runs: list[harness.Run], s: dict) -> dic
                    for r, t in zip(group, times, strict=True) if t is not None]  # fmt: skip
         steps_to[arm] = round(statistics.median(reached) / (WORKERS * BATCH)) if reached else None
         step_ms = harness.median(1e3 * r.values["step_s"] for r in group if r.values.get("step_s"))
-        rows.append([f"`{arm}`", f"{len(accs)}/{len(group)}",
-                     harness.fmt(_bps(group)),
-                     f"{harness.pct(statistics.fmean(accs))}" if accs else "-",
-                     _minus(accs, sync_acc),
+        rows.append([f"`{arm}`", f"{len(accs)}/{len(group)}", harness.fmt(_bps(group)),
+                     harness.pct(statistics.fmean(accs)) if accs else "-", _minus(accs, sync_acc),
                      f"{harness.fmt(med)} ({len(times) - censored}/{len(times)})",
                      harness.fmt(steps_to[arm]), harness.fmt(step_ms)])  # fmt: skip
         if arm != "sync" and not arm.startswith("sync ("):
             harness.ratio_claim(report, f"time to {100 * TARGET_ACCURACY:g} %: `{arm}` ÷ `sync`",
                                 times, sync_times, aa_times or None, "(none: < 1 is faster)",
                                 lambda _: None, budget)  # fmt: skip
-    report.section(f"2. Time to {100 * TARGET_ACCURACY:g} % over a 1 Gbit/s link (real runs)")
-    report.text(
+    report.section(f"2. Time to {100 * TARGET_ACCURACY:g} % over a 1 Gbit/s link (real runs)").text(
         f"`cloudburst train`, {s['steps']} steps, 2 emulated nodes joined by 1 Gbit/s + 1 ms. "
         "Time to target: held for 3 evaluations, on the training clock; censored runs counted "
         f"(a median past the {harness.fmt(budget)} s budget is shown as such); steps to target "
         "from the samples at that evaluation (link-independent)."
-    )
-    report.table("arm | runs ok | inter-node B/sample | final acc % (mean) | − sync (points) | "
-                 "time to target s (median; reached) | steps to target | step ms (median)",
-                 rows)  # fmt: skip
+    ).table("arm | runs ok | inter-node B/sample | final acc % (mean) | − sync (points) | "
+            "time to target s (median; reached) | steps to target | step ms (median)",
+            rows)  # fmt: skip
     return steps_to
 
 
@@ -325,13 +297,11 @@ def report_torchft(report: harness.Report, runs: list[harness.Run], s: dict) -> 
             harness.ratio_claim(report, f"time per step: `{arm}` ÷ torchft's", steps(arm),
                                 steps(f"torchft {arm}"), aa if arm == "diloco" else None, "≤ 1",
                                 lambda x: x <= 1, aa_of="a")  # fmt: skip
-    report.section("3. Time per step against torchft 0.2.0 (no emulated link)")
-    report.text(
+    report.section("3. Time per step against torchft 0.2.0 (no emulated link)").text(
         f"{s['torchft_steps']} steps, the first 32 left out; torchft has no link emulator, so "
         "both run on the same real constraint (gloo over loopback), the same padding, no "
         "evaluation during training. `sdiloco_f2`: F = 2, τ = 2, α = 0.5 on both sides."
-    )
-    report.table("arm | seed | step ms | wall s | error", [
+    ).table("arm | seed | step ms | wall s | error", [
         [f"`{r.arm}`", r.seed, harness.fmt(1e3 * r.values["step_s"]) if r.values.get("step_s")
          else "-", harness.fmt(r.wall_s), r.failed or ""] for r in runs])  # fmt: skip
 
@@ -347,13 +317,11 @@ def report_sim(report: harness.Report, runs: list[harness.Run], s: dict, steps_t
             cell = "-" if t is None else f"{1e3 * t:.1f} ms"
             row.append(cell + (f" → {t * n:.1f} s" if t is not None and n else ""))
         rows.append(row)
-    report.section("4. What link speed makes compression worth it (virtual cluster)")
-    report.text(
+    report.section("4. What link speed makes compression worth it (virtual cluster)").text(
         f"`cloudburst simulate`, {s['sim_steps']} steps: the virtual time per step "
         "(deterministic), → × the median steps to target of §2 = a modelled time to target. "
         "PowerSGD runs only inside real DDP, so it is not here."
-    )
-    report.table(["link Gbit/s", *(f"`{a}`" for a in s["sim_arms"])], rows)
+    ).table(["link Gbit/s", *(f"`{a}`" for a in s["sim_arms"])], rows)
 
 
 def main() -> None:

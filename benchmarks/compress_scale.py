@@ -164,16 +164,14 @@ def main() -> None:
                 report.claim(f"{strategy} {m} ÷ none bytes per worker-step, W = {w}", ratio,
                              "≤ 0.3", ratio <= 0.3)  # fmt: skip
     report.data["table"] = table
-    report.section("1. Bytes and virtual time per step, W = 2 to 256 (virtual cluster)")
-    report.text(
+    report.section("1. Bytes and virtual time per step, W = 2 to 256 (virtual cluster)").text(
         f"{NUMEL:,} parameters ({4 * NUMEL / 1e6:.2f} MB in fp32); bytes are counted per "
         "worker and averaged over the workers and the steps (local SGD: one average in "
         f"{PERIOD} steps); virtual seconds per step include the {STEP_S} s of compute. The "
         "quantised all-reduce is an all-gather at W = 2 and a reduce-scatter + all-gather of "
         "quantised chunks from W = 3 on: 2(W − 1)/W × 1.016 bytes a value per rank against "
         "the fp32 ring's 2(W − 1)/W × 4."
-    )
-    report.table(
+    ).table(
         "strategy | W | none bytes/worker-step | int8 ÷ none | fp8 ÷ none | "
         + " | ".join(f"s/step {m} {lk:g} Gbit/s" for lk in LINKS for m in methods),
         rows,
@@ -195,12 +193,10 @@ def main() -> None:
         report.claim(f"simulate local_sgd int8 ÷ none sent bytes, W = {w}", ratio, "≤ 0.3",
                      None if ratio is None else ratio <= 0.3)  # fmt: skip
     report.data["issue"] = issue
-    report.section("2. `cloudburst simulate --strategy local_sgd`: int8 ÷ none")
-    report.text(
+    report.section("2. `cloudburst simulate --strategy local_sgd`: int8 ÷ none").text(
         "The issue's measurement before the change (the all-gather): 0.52 at W = 4, 2.10 at "
         "W = 16, 8.38 at W = 64. MNIST-1D CNN, H = 8, 16 steps, seed 0."
-    )
-    report.table("W | none sent bytes | int8 sent bytes | int8 ÷ none", issue_rows)
+    ).table("W | none sent bytes | int8 sent bytes | int8 ÷ none", issue_rows)
 
     # 3. Streaming DiLoCo at scale
     stream_steps = 32 if quick else 128
@@ -224,15 +220,13 @@ def main() -> None:
         report.claim(f"Streaming DiLoCo int8 ÷ sync inter-node bytes, W = {w}", ratio,
                      f"≤ {1 / 60:.4f} (1/60)", ratio <= 1 / 60, seeds=1)  # fmt: skip
     report.data["stream"] = streams
-    report.section("3. Streaming DiLoCo int8 against sync, W = 16 and 64")
-    report.text(
+    report.section("3. Streaming DiLoCo int8 against sync, W = 16 and 64").text(
         f"{stream_steps} steps each (equal steps), batch 32 per worker, 1 Gbit/s between "
         "nodes. F = 4, H = 8, τ = 1, α = 0.5, int8: each fragment sends 2(W − 1)/W × 1.016 "
         "bytes a value once per 8 steps, against sync's 2(W − 1)/W × 4 every step: "
         "1.016 / (4 × 8) = 1/31.5 of sync's bytes, at every W. One seed: the accuracy gap "
         "is indicative only."
-    )
-    report.table("W | nodes | sync inter-node bytes | SDiLoCo int8 inter-node bytes | ratio | "
+    ).table("W | nodes | sync inter-node bytes | SDiLoCo int8 inter-node bytes | ratio | "
                  "sync acc % | SDiLoCo acc %", stream_rows)  # fmt: skip
 
     # 4. real gloo runs at W = 4
@@ -263,18 +257,15 @@ def main() -> None:
         report.claim("gloo W = 4: int8 − none final accuracy (points)", 100 * diff,
                      "≥ -1", 100 * diff >= -1, interval=(100 * lo, 100 * hi),
                      seeds=len(acc["int8"]))  # fmt: skip
-    report.section("4. Real runs on gloo, W = 4: counters, wire and accuracy")
-    report.text(
+    report.section("4. Real runs on gloo, W = 4: counters, wire and accuracy").text(
         f"{steps} steps per worker, local SGD H = 2 (an average every other step, so that the "
         "averages dominate the traffic), the MNIST-1D MLP, one job at a time in its own network "
         "namespace (benchmarks/wire.py's probe). The wire's figure is the loopback payload "
         "less the store's bytes; it includes the start-up broadcast of the parameters and the "
         "end-of-run collectives the counters leave out by design."
-    )
-    report.table("arm | seed | counted sent | wire data (lo) | wire ÷ counted | final acc %",
+    ).table("arm | seed | counted sent | wire data (lo) | wire ÷ counted | final acc %",
                  real_rows)  # fmt: skip
-    report.section("5. torchft's quantised all-reduce, by its formula")
-    report.text(TORCHFT)
+    report.section("5. torchft's quantised all-reduce, by its formula").text(TORCHFT)
     report.write(runs)
 
 

@@ -2,34 +2,17 @@
 
     .venv/bin/python benchmarks/daso.py [--quick] [--seeds N] [--budget-s B] [--arms …] [--force]
 
-Arms, interleaved per seed (the order rotated), all on the same model, data, seed, lr and
-batch, and **the same training-time budget** (``--max-train-time-s``, agreed across the
-lockstep ranks; evaluation off the clock) with more epochs than any arm finishes in it:
-``sync`` (DDP, fp32 gradients every step) and its A/A copy; ``daso`` (its defaults: 4 blocking
-warm-up epochs, cycling from B = 4, S = 1; its 4 cool-down epochs fall after the budget, so
-they do not run); PyTorch's post-local SGD (``torch_post_local``: DDP's
-``post_localSGD_hook`` + ``PeriodicModelAverager`` every B steps after DASO's warm-up) and
-``torch_hierarchical`` (``HierarchicalModelAverager``: θ averaged in the node every step, over
-all every B steps), both ``benchmarks/peers.py``; the compressed synchronous baselines
-``sync --compress bf16`` (DDP's ``bf16_compress_hook``) and ``sync --compress powersgd``
-(``powerSGD_hook``, rank 1, one bucket); ``local_sgd`` and ``diloco`` at their defaults
-(H = 8; DiLoCo's outer Nesterov lr 0.1, momentum 0.9 over SGD).
+Arms, interleaved per seed, same model, data, seed, lr, batch and **training-time budget**
+(``--max-train-time-s``; evaluation off the clock): ``sync`` (DDP) and its A/A copy; ``daso`` at
+its defaults; PyTorch's ``torch_post_local`` and ``torch_hierarchical`` (``peers.py``); ``sync
+--compress bf16`` and ``powersgd`` (DDP's hooks); ``local_sgd`` and ``diloco`` (H = 8). 4
+workers on 2 nodes joined by an emulated 1 Gbit/s, 1 ms link; every step padded to ≥ 50 ms; the
+wide CNN of ``bench_models.py`` (528 k parameters), so that communication matters.
 
-4 workers on 2 emulated nodes; traffic between the nodes is delayed as a 1 Gbit/s, 1 ms link
-would (``--inter-node-link 1,1``, ``cloudburst/comm/link.py``). The device is emulated by
-sleeping: every step takes at least 50 ms (``--min-step-time-s``, slept inside the forward and
-backward passes, ``cloudburst/device_emulation.py``), since 4 CPU-bound ranks share 2 cores
-here. The model (``bench_models.py:mnist1d_wide_cnn``, 528 k parameters) makes communication
-matter: sync's all-reduce costs ~37 ms of link per 50 ms step, one DASO sync (P = 2) 19 ms.
-
-Reported: time to 85 % (named before the run, below every arm's final accuracy in the last
-run: 89.6-90.8 %; held for k = 3 evaluations; censored runs counted at the budget) with time
-to 80 % and 90 % as sensitivity lines; DASO ÷ each baseline, local SGD and DiLoCo ÷ sync
-(median per-seed ratio, paired interval) and the sync A/A beside them; final accuracy − sync at
-the budget; inter-node bytes per training sample ÷ sync's (counters); and why, measured: one
-process's real compute per step against the padding, the CPU each job's processes used
-(``/proc``), each arm's samples/s and ms per step, and the samples each needed to hold 85 %
-(time ≈ samples needed ÷ samples/s).
+Reported: time to 85 % (held k = 3 evaluations, censored runs counted at the budget; 80 and
+90 % as sensitivity lines), DASO ÷ each baseline and local SGD / DiLoCo ÷ sync (paired), the
+sync A/A beside them; final accuracy − sync; inter-node bytes per sample; and why, measured
+(compute against padding, CPU, samples/s, samples needed).
 """
 
 from __future__ import annotations
@@ -46,8 +29,6 @@ import peers  # noqa: E402
 from experiments import ratio, samples_to  # noqa: E402
 from harness import Arm, fmt, pct  # noqa: E402
 
-from cloudburst.plot import plot_runs  # noqa: E402
-
 TARGET = 0.85
 SENSITIVITY = (0.80, 0.90)  # further targets, named before the run
 BUDGET_S = 40.0  # training seconds for every arm: sync's 32 epochs took 40.9 s at 33c712c
@@ -55,21 +36,16 @@ EPOCHS = 64  # more than any arm trains in the budget (DASO did 32 epochs in 29.
 BATCH = 64
 MIN_STEP_S = 0.05
 MODEL = ["--dataset", "mnist1d", "--model", "benchmarks.bench_models:mnist1d_wide_cnn"]
-COMMON = (
-    "--dataset mnist1d --model benchmarks.bench_models:mnist1d_wide_cnn --device cpu "
-    f"--workers 4 --nodes 2 --inter-node-link 1,1 --min-step-time-s {MIN_STEP_S} "
-    f"--batch-size {BATCH} "
-    f"--lr 0.1 --momentum 0.9 --eval-every-s 0.5 --target-accuracy {TARGET}"
-).split()
+COMMON = [*MODEL, *f"--device cpu --workers 4 --nodes 2 --inter-node-link 1,1 --min-step-time-s "
+          f"{MIN_STEP_S} --batch-size {BATCH} --lr 0.1 --momentum 0.9 --eval-every-s 0.5 "
+          f"--target-accuracy {TARGET}".split()]  # fmt: skip
+BASE = ("daso", 1.0, "a baseline")
 ARMS = {  # name: (flags, (the claim's numerator arm, its target, why) or None)
     "sync": (["--strategy", "sync"], ("daso", 0.66, "the paper's 0.66")),
     "torch_post_local": (["--strategy", "torch_post_local"], ("daso", 0.85, "issue 3")),
-    "torch_hierarchical": (["--strategy", "torch_hierarchical"], ("daso", 1.0, "a baseline")),
-    "sync_bf16": (["--strategy", "sync", "--compress", "bf16"], ("daso", 1.0, "a baseline")),
-    "sync_powersgd": (
-        ["--strategy", "sync", "--compress", "powersgd"],
-        ("daso", 1.0, "a baseline"),
-    ),
+    "torch_hierarchical": (["--strategy", "torch_hierarchical"], BASE),
+    "sync_bf16": (["--strategy", "sync", "--compress", "bf16"], BASE),
+    "sync_powersgd": (["--strategy", "sync", "--compress", "powersgd"], BASE),
     "daso": (["--strategy", "daso"], None),
     "local_sgd": (["--strategy", "local_sgd"], None),
     "diloco": (["--strategy", "diloco"], None),
@@ -103,7 +79,7 @@ def main() -> None:
     )
 
     def run(arm: Arm, seed: int) -> harness.Run:
-        out = root / harness._slug(arm.name) / f"seed{seed}"
+        out = root / harness.slug(arm.name) / f"seed{seed}"
         return experiments.measured_run(lambda: peers.run_arm(arm, seed, out), out, BATCH)
 
     runs = harness.interleave(arms, seeds, control="sync", run=run, prov=prov)
@@ -130,15 +106,13 @@ def report(
         claim.aa = aa_ratio  # sync ÷ sync: the noise floor of every ratio here
     final = {name: [r.final_accuracy for r in rs] for name, rs in groups.items()}
     if all(a is not None for a in final["daso"] + final["sync"]):
-        diff, lo, hi = harness.bootstrap_difference(final["daso"], final["sync"], paired=True)
-        rep.claim(
-            "final accuracy, daso − sync (points), 2 × 2 nodes, at the budget",
-            round(100 * diff, 2),
-            f"within ±{ACC_POINTS:g}", abs(100 * diff) <= ACC_POINTS,
-            interval=(round(100 * lo, 2), round(100 * hi, 2)), seeds=len(final["daso"]),
+        harness.diff_claim(
+            rep, "final accuracy, daso − sync (points), 2 × 2 nodes, at the budget",
+            final["daso"], final["sync"], f"within ±{ACC_POINTS:g}",
+            lambda d, lo, hi: abs(d) <= ACC_POINTS, seeds=len(final["daso"]),
         )  # fmt: skip
     rep.settings(
-        f"{__doc__.split(chr(10) * 2, 2)[2].strip()}\n\nFlags: `{' '.join(COMMON + length)}`; "
+        f"{harness.about(__doc__)}\n\nFlags: `{' '.join(COMMON + length)}`; "
         f"seeds {seeds}. Censoring budget: {fmt(budget)} s of training time (the longest any "
         "run trained: the budget plus the steps to the next agreed check). Every ratio's A/A "
         "column is sync (A/A) ÷ sync, the distance from 1 this machine gives two identical arms."
@@ -154,11 +128,8 @@ def report(
         sens.append([f"{num} ÷ {den}", *cells])
     rep.section("Sensitivity to the target").table(
         ["ratio", *(f"time to {100 * t:g} %" for t in sorted((*SENSITIVITY, TARGET)))], sens
-    )
-    rep.text(
-        "The same paired median ratio and interval at the other targets named before the run "
-        "(censored runs counted at the budget)."
-    )
+    ).text("The same paired median ratio and interval at the other targets named before the run "
+           "(censored runs counted at the budget).")  # fmt: skip
     rows = []
     sync_bytes = bytes_per_sample(groups["sync"])
     for name, rs in groups.items():
@@ -189,12 +160,7 @@ def report(
         "the clock started to the first worker's last step. *Samples at the target*: the global "
         "sample count at the evaluation that starts the held run."
     )  # fmt: skip
-    first = [rs[0] for rs in groups.values() if rs[0].out_dir and rs[0].evals]
-    if first:
-        png = rep.path().with_suffix(".png")
-        png.parent.mkdir(parents=True, exist_ok=True)
-        plot_runs([r.out_dir for r in first], str(png), f"seed {seeds[0]}", [r.arm for r in first])
-        rep.figure(png, f"test error against time and samples, seed {seeds[0]}")
+    rep.curves(groups, seeds[0])
     rep.write(runs)
 
 
@@ -232,18 +198,15 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None) -> s
             f"compute per step (batch {BATCH}); four workers need {100 * share:.0f} % of the "
             f"{ncores} cores during a {fmt(1000 * MIN_STEP_S)} ms padded step, so the emulated "
             + ("step is mostly sleep." if share < 0.5 else "step is **not** sleep-dominated.")
-        )
+        )  # fmt: skip
     cores = harness.median(r.values.get("job cores") for rs in groups.values() for r in rs)
     if cores is not None:
         lines.append(
             f"- **CPU in the runs.** A job's processes kept {fmt(cores)} of the {ncores} cores "
             "busy (median over runs; the per-arm CPU per worker step is in the table): "
-            + (
-                "the machine is not what limits the arms."
-                if cores < 0.6 * ncores
-                else "**CPU-bound**: compute contention, not the padding, sets the pace."
-            )
-        )
+            + ("the machine is not what limits the arms." if cores < 0.6 * ncores
+               else "**CPU-bound**: compute contention, not the padding, sets the pace.")
+        )  # fmt: skip
     for num, den, _, _ in claimed_ratios(groups):
         a, b = groups[num], groups[den]
         thr = ratio(med(a, "samples/s"), med(b, "samples/s"))
@@ -262,13 +225,10 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None) -> s
         lines.append(text + ".")
     lines.append(
         "- Every arm has the same training-time budget, so an arm with faster steps takes more "
-        "of them (runs' training time, median: "
-        + ", ".join(
+        "of them (runs' training time, median: " + ", ".join(
             f"{name} {fmt(harness.median(r.evals[-1][0] for r in rs if r.evals))} s"
-            for name, rs in groups.items()
-        )
-        + ")."
-    )
+            for name, rs in groups.items()) + ")."
+    )  # fmt: skip
     return "\n".join(lines)
 
 

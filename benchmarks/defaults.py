@@ -3,18 +3,14 @@ plus the candidate's flags, the accuracy benchmark's budget), 5 seeds, interleav
 
     .venv/bin/python benchmarks/defaults.py [--quick] [--seeds N] [--only asgd|others]
 
-``others``: each strategy against the best known alternatives to its defaults (``CANDIDATES``),
-on the same seeds as its runs at the defaults in ``results/accuracy.json`` (``experiments.py
-accuracy``, which runs first in ``make bench``); claim per strategy: the defaults' mean
-accuracy − the best candidate's ≥ −1 point (the whole paired interval).
+``others``: each strategy against the alternatives named in ``CANDIDATES``, on the seeds of its
+runs at the defaults in ``results/accuracy.json``; claim: the defaults' mean accuracy − the best
+candidate's ≥ −1 point (the whole paired interval).
 
-``asgd`` (issue 28 item 3): sync, asgd at its defaults (n_sync 8 since 28's run chose it),
-``--n-sync 1`` (DistBelief's, the default before) and the compensator
-named before the run (``COMPENSATOR``: DC-ASGD with adaptive λ, the variant Zheng et al. 2017
-report best; not chosen on these runs), run here, interleaved. On seeds 0-4 a candidate wins
-when its mean accuracy is above the default's AND its median per-seed train-time ratio to the
-default is ≤ 1; the best winner (or the default, if none wins) is then confirmed on seeds 5-9,
-which chose nothing: within ±0.5 points of sync (the whole interval) and every seed ≥ 91 %.
+``asgd`` (issue 28 item 3): sync, asgd at its defaults, ``--n-sync 1`` and the compensator named
+before the run (``COMPENSATOR``). On seeds 0-4 a candidate wins when its mean accuracy is above
+the default's AND its median per-seed train-time ratio to it is ≤ 1; the best winner (or the
+default) is confirmed on seeds 5-9: within ±0.5 points of sync and every seed ≥ 91 %.
 """
 
 from __future__ import annotations
@@ -70,11 +66,8 @@ def others(args, prov: harness.Provenance, report: harness.Report) -> list[harne
         sys.exit(f"defaults: {source} lacks the defaults' runs {missing or list(CANDIDATES)}")
     # the same budget as the defaults' runs: accuracy.json's --steps/--epochs flags
     common = accuracy["data"]["argv"]["sync"][2:]  # after "--strategy sync"
-    arms = [
-        Arm(f"{s} {' '.join(c)}", ["--strategy", s, *common, *c])
-        for s in strategies
-        for c in CANDIDATES[s]
-    ]
+    arms = [Arm(f"{s} {' '.join(c)}", ["--strategy", s, *common, *c])
+            for s in strategies for c in CANDIDATES[s]]  # fmt: skip
     runs = harness.interleave(arms, seeds, prov=prov, out_root=prov.runs_dir("defaults"))
     groups = harness.by_arm(runs)
     rows = []
@@ -88,12 +81,9 @@ def others(args, prov: harness.Provenance, report: harness.Report) -> list[harne
             if statistics.fmean(accs) > best:
                 best, best_accs = statistics.fmean(accs), accs
             rows.append([rs[0].arm, " / ".join(pct(a) for a in accs)])
-        diff, lo, hi = harness.bootstrap_difference(default, best_accs, paired=True)
-        report.claim(
-            f"{s}: defaults − best candidate (points)", round(100 * diff, 2),
-            f"≥ −{BAND_POINTS:g}", 100 * diff >= -BAND_POINTS, seeds=len(seeds),
-            interval=(round(100 * lo, 2), round(100 * hi, 2)),
-        )  # fmt: skip
+        harness.diff_claim(report, f"{s}: defaults − best candidate (points)", default, best_accs,
+                           f"≥ −{BAND_POINTS:g}", lambda d, lo, hi: d >= -BAND_POINTS,
+                           seeds=len(seeds))  # fmt: skip
     report.section("Every strategy's candidates").text(
         f"`{' '.join(common)}`, seeds {list(seeds)}, arms interleaved; the defaults' runs from "
         f"`{source.name}` (commit `{accuracy['provenance']['commit']}`). A failed run counts "
@@ -117,11 +107,8 @@ def asgd(args, prov: harness.Provenance, report: harness.Report) -> list[harness
     rows, winners = [], []
     for name in g:
         d_acc = 100 * (statistics.fmean(acc[name]) - statistics.fmean(acc["asgd"]))
-        t_ratio = (
-            harness.paired_ratio(train[name], train["asgd"])[0]
-            if None not in train[name] + train["asgd"]
-            else None
-        )
+        t = None not in train[name] + train["asgd"]
+        t_ratio = harness.paired_ratio(train[name], train["asgd"])[0] if t else None
         wins = name.startswith("asgd ") and d_acc > 0 and t_ratio is not None and t_ratio <= 1
         if wins:
             winners.append((d_acc, name))
@@ -157,13 +144,10 @@ def asgd(args, prov: harness.Provenance, report: harness.Report) -> list[harness
 
 def _asgd_claims(report: harness.Report, acc: dict[str, list[float]], name: str, last: str):
     """``name`` − sync within ±``ASGD_BAND`` points (paired interval) and its worst seed."""
-    diff, lo, hi = harness.bootstrap_difference(acc[name], acc["sync"], paired=True)
     seeds = len(acc[name])
-    report.claim(
-        f"final accuracy, {name} − sync (points), W = 4, defaults, {last}",
-        round(100 * diff, 2), f"within ±{ASGD_BAND:g}", abs(100 * diff) <= ASGD_BAND,
-        interval=(round(100 * lo, 2), round(100 * hi, 2)), seeds=seeds,
-    )  # fmt: skip
+    harness.diff_claim(report, f"final accuracy, {name} − sync (points), W = 4, defaults, {last}",
+                       acc[name], acc["sync"], f"within ±{ASGD_BAND:g}",
+                       lambda d, lo, hi: abs(d) <= ASGD_BAND, seeds=seeds)  # fmt: skip
     report.claim(
         f"{name}: every seed ≥ {100 * ASGD_FLOOR:.0f} %, W = 4, defaults, {last}",
         pct(min(acc[name])), f"≥ {100 * ASGD_FLOOR:.0f}", min(acc[name]) >= ASGD_FLOOR,

@@ -3,23 +3,13 @@
     .venv/bin/python benchmarks/experiments.py accuracy [--quick] [--seeds N] [--epochs E]
     .venv/bin/python benchmarks/experiments.py stragglers [--quick] [--seeds N] [--steps N]
 
-``accuracy`` — every strategy at its defaults (``cloudburst train --strategy S --workers 4``,
-the MNIST-1D paper's CNN, 64 epochs of each worker's shard), 5 seeds, interleaved: each
-strategy's mean final test accuracy minus sync's, within ±1 point, with a bootstrap
-interval; and every seed ≥ 90 % (the defaults train). No device emulation: this is about
-accuracy, not speed.
+``accuracy``: every strategy at its defaults, 5 seeds interleaved; claims: each final test
+accuracy − sync's within ±1 point (paired interval), every seed ≥ 90 %. No device emulation.
 
-``stragglers`` — time to 90 % (held for k = 3 evaluations) with worker 0 2× slower, every step
-padded to an emulated 20 ms device step: each asynchronous arm (asgd, asgd with a staleness
-compensator, async DiLoCo ± DyLU) ÷ sync, and async DiLoCo ÷ DiLoCo in time to DiLoCo's final
-accuracy − 1 point. Ideal 4/7 = 0.57: sync moves at the straggler's pace, an asynchronous
-arm's throughput is that of 3.5 workers. Targets (issue 28, fixed before any run): the best
-asynchronous arm ≤ 0.70 (asgd at its defaults keeps ≤ 0.75), samples to 90 % ≤ 1.2× sync's,
-async DiLoCo ≤ 0.75× DiLoCo's time. sync runs twice per seed (the A/A control). Asynchronous
-arms get 1.8× the steps (their fast workers step that much more often) and are stopped when
-their first worker is done (the straggler-only tail a time-boxed run would not have). The
-result says why each ratio is what it is, by measurement: samples/s and samples needed per arm
-÷ sync's, one process's real compute per step against the padding, the CPU the job used.
+``stragglers``: time to 90 % (held k = 3 evaluations) with worker 0 2× slower, every step padded
+to 20 ms; each asynchronous arm ÷ sync (ideal 4/7), samples to 90 % ÷ sync's, async DiLoCo ÷
+DiLoCo; targets fixed before any run (issue 28); sync twice per seed (the A/A control); and why,
+measured (samples/s, samples needed, compute against padding, CPU). Details: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -41,8 +31,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from harness import Arm, fmt, pct  # noqa: E402
-
-from cloudburst.plot import plot_runs  # noqa: E402
 
 STRATEGIES = ("sync", "asgd", "easgd", "gossip", "local_sgd", "diloco", "daso")
 TARGET = 0.90
@@ -104,38 +92,28 @@ def accuracy(args) -> None:
         accs = [r.final_accuracy for r in rs]
         done = [a for a in accs if a is not None]
         if name != "sync" and done and all(a is not None for a in sync):
-            diff, lo, hi = harness.bootstrap_difference(done, sync, paired=len(done) == len(sync))
-            report.claim(
-                f"final accuracy, {name} − sync (points), W = 4, defaults",
-                round(100 * diff, 2), f"within ±{BAND_POINTS:g}",
-                within_band(100 * lo, 100 * hi, BAND_POINTS) and len(done) == len(accs),
-                interval=(round(100 * lo, 2), round(100 * hi, 2)), seeds=len(accs),
-                note="" if len(done) == len(accs) else f"{len(accs) - len(done)} runs failed",
-            )  # fmt: skip
-            if name == "asgd":
-                # issue 28's stricter targets for asgd at its defaults, fixed before the run
-                report.claim(
-                    f"final accuracy, asgd − sync (points), W = 4, defaults, within ±{ASGD_BAND:g}",
-                    round(100 * diff, 2), f"within ±{ASGD_BAND:g}",
-                    within_band(100 * lo, 100 * hi, ASGD_BAND) and len(done) == len(accs),
-                    interval=(round(100 * lo, 2), round(100 * hi, 2)), seeds=len(accs),
+            complete = len(done) == len(accs)
+            bands = [(BAND_POINTS, "", "" if complete else f"{len(accs) - len(done)} runs failed")]
+            if name == "asgd":  # issue 28's stricter target at its defaults, fixed before the run
+                bands.append((ASGD_BAND, f", within ±{ASGD_BAND:g}", ""))
+            for points, suffix, note in bands:
+                harness.diff_claim(
+                    report, f"final accuracy, {name} − sync (points), W = 4, defaults{suffix}",
+                    done, sync, f"within ±{points:g}",
+                    lambda d, lo, hi, p=points, c=complete: within_band(lo, hi, p) and c,
+                    paired=len(done) == len(sync), seeds=len(accs), note=note,
                 )  # fmt: skip
+            if name == "asgd":
                 report.claim(
                     f"asgd at its defaults: every seed ≥ {100 * ASGD_FLOOR:.0f} %",
                     pct(min((a or 0.0) for a in accs)), f"≥ {100 * ASGD_FLOOR:.0f}",
                     all(a is not None and a >= ASGD_FLOOR for a in accs), seeds=len(accs),
                 )  # fmt: skip
-        rows.append(
-            [
-                name,
-                " / ".join(pct(a) for a in accs),
-                pct(statistics.fmean(done)) if done else "-",
-                pct(min(done, default=None)),
-                sum(a is not None and a >= TARGET for a in accs),
-                fmt(statistics.median(r.summary.get("wall_time_s", 0.0) for r in rs)),
-                fmt(statistics.median(r.wall_s for r in rs)),
-            ]
-        )
+        rows.append([name, " / ".join(pct(a) for a in accs),
+                     pct(statistics.fmean(done)) if done else "-", pct(min(done, default=None)),
+                     sum(a is not None and a >= TARGET for a in accs),
+                     fmt(statistics.median(r.summary.get("wall_time_s", 0.0) for r in rs)),
+                     fmt(statistics.median(r.wall_s for r in rs))])  # fmt: skip
     worst = [min((r.final_accuracy or 0.0) for r in rs) for rs in groups.values()]
     report.claim(
         f"defaults train: every strategy, every seed ≥ {100 * TARGET:.0f} %",
@@ -230,13 +208,11 @@ def stragglers(args) -> None:
             f"≤ {DILOCO_RATIO_TARGET}", lambda r: r <= DILOCO_RATIO_TARGET, budget,
         )  # fmt: skip
         accs = [final_acc(r) for r in rs]
-        if all(a is not None for a in accs):
-            finals = [final_acc(r) for r in base]  # each seed's level + DILOCO_BAND points
-            diff, lo, hi = harness.bootstrap_difference(accs, finals, paired=True)
-            report.claim(
-                f"final accuracy, {name} − diloco (points), W = 4, one worker 2× slower",
-                round(100 * diff, 2), f"≥ −{DILOCO_BAND:g}", 100 * lo >= -DILOCO_BAND,
-                interval=(round(100 * lo, 2), round(100 * hi, 2)), seeds=len(accs),
+        if all(a is not None for a in accs):  # against each seed's level + DILOCO_BAND points
+            harness.diff_claim(
+                report, f"final accuracy, {name} − diloco (points), W = 4, one worker 2× slower",
+                accs, [final_acc(r) for r in base], f"≥ −{DILOCO_BAND:g}",
+                lambda d, lo, hi: lo >= -DILOCO_BAND, seeds=len(accs),
             )  # fmt: skip
     if "none" in suffix:
         harness.ratio_claim(
@@ -281,11 +257,7 @@ def stragglers(args) -> None:
     why = explain(groups, compute_ms, asyncs)
     report.data.update(why)
     report.section("Why: throughput, samples needed, CPU").text(why["text"])
-    first = [rs[0] for rs in groups.values() if rs[0].out_dir and rs[0].evals]
-    png = report.path().with_suffix(".png")
-    png.parent.mkdir(parents=True, exist_ok=True)
-    plot_runs([r.out_dir for r in first], str(png), "seed 0", [r.arm for r in first])
-    report.figure(png, "test error against time and samples, seed 0")
+    report.curves(groups, 0)
     rows = []
     for name, rs in groups.items():
         median, censored = harness.censored_median(times[name], budget)
@@ -438,15 +410,9 @@ def explain(
     ncores = os.cpu_count() or 1
     padded = 1000 * MIN_STEP_S
     asgd = per_arm.get("asgd", {})
-    out = {
-        "one_process_step_ms": compute_ms,
-        "throughput_ratio": asgd.get("throughput_ratio"),
-        "samples_needed_ratio": asgd.get("samples_needed_ratio"),
-        "predicted_time_ratio": asgd.get("predicted_time_ratio"),
-        "per_arm": per_arm,
-        "job_cores": cores,
-        "machine_cores": machine,
-    }
+    keys = ("throughput_ratio", "samples_needed_ratio", "predicted_time_ratio")
+    out = {"one_process_step_ms": compute_ms, **{k: asgd.get(k) for k in keys},
+           "per_arm": per_arm, "job_cores": cores, "machine_cores": machine}  # fmt: skip
     lines = []
     if compute_ms is not None:
         share = 4 * compute_ms / (ncores * padded)
@@ -462,13 +428,9 @@ def explain(
             f"- **CPU in the runs.** All the job's processes together kept {fmt(cores)} of "
             f"the {ncores} cores busy while every worker trained (median over runs, servers, "
             f"communication and evaluation included; the whole machine: {fmt(machine)} "
-            "cores). "
-            + (
-                "The job is not what limits the arms."
-                if cores < 0.6 * ncores
-                else "**The job is CPU-bound here**: its steps are longer than the padding."
-            )
-        )
+            "cores). " + ("The job is not what limits the arms." if cores < 0.6 * ncores else
+                          "**The job is CPU-bound here**: its steps are longer than the padding.")
+        )  # fmt: skip
     if asyncs:
         fast = harness.median(fast_ms(r) for n in asyncs for r in groups[f"{n} straggler"])
         lines.append(
@@ -477,13 +439,12 @@ def explain(
             f"{fmt(med(sync, 'ms/step w0'))} ms per step (padded {fmt(2 * padded)}: its "
             "all-reduce and the evaluations' stalls add to it)."
         )
-    lines.append(
+    lines += [
         f"- **Per arm, ÷ sync** (ideal throughput {IDEAL_THROUGHPUT:g} for an asynchronous "
         "arm): the time ratio is about samples needed ÷ throughput; an asynchronous arm's "
         "extra samples are the price of its stale updates (each push computed on θ a few "
-        "versions old)."
-    )
-    lines.append("")
+        "versions old).", "",
+    ]  # fmt: skip
     lines += harness.md_table(
         ["arm", "samples/s ÷ sync's", "samples to hold 90 % ÷ sync's", "predicted time ratio"],
         [[n, fmt(v["throughput_ratio"]), fmt(v["samples_needed_ratio"]),
@@ -501,13 +462,12 @@ def ratio(a: float | None, b: float | None) -> float | None:
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
-def _process_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system) process ``pid`` has used so far; None once it is gone."""
+def _stat(pid: int | str) -> list[str] | None:
+    """``/proc/<pid>/stat``'s fields after the command name (None once the process is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime, stime (fields 14, 15)
 
 
 class CpuSampler:
@@ -541,9 +501,8 @@ class CpuSampler:
             return
         idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
         for pid in self.pids:
-            cpu = _process_cpu_s(pid)
-            if cpu is not None:  # an exited rank keeps its last reading
-                self._last_cpu[pid] = cpu
+            if (st := _stat(pid)) is not None:  # an exited rank keeps its last reading
+                self._last_cpu[pid] = (int(st[11]) + int(st[12])) / TICKS_PER_S  # utime, stime
         busy = (sum(fields) - idle) / TICKS_PER_S
         self.samples.append((time.time(), busy, sum(self._last_cpu.values())))
 
@@ -593,14 +552,11 @@ class Pace:
 
 def worker_records(out_dir: str | Path) -> dict[int, list[dict]]:
     """Each worker's metrics records, by worker index (servers left out)."""
+    files: dict[str, list[dict]] = {}
+    for name, r in harness.records(out_dir):
+        files.setdefault(name, []).append(r)
     out: dict[int, list[dict]] = {}
-    for path in Path(out_dir, "metrics").glob("rank*.jsonl"):
-        recs = []
-        for line in path.read_text().splitlines():
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    for recs in files.values():
         role = next((r.get("role", "") for r in recs if r.get("event") == "start"), "")
         if role.startswith("worker") and role[6:].isdigit():
             out[int(role[6:])] = recs
@@ -646,14 +602,8 @@ def pace(out_dir: str | Path, batch_size: int, cpu: CpuSampler | None) -> Pace |
 
 def _children() -> list[int]:
     """The pids of this process's children (from /proc)."""
-    me, out = os.getpid(), []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
-                out.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
+    pids = [p.name for p in Path("/proc").glob("[0-9]*")]
+    return [int(p) for p in pids if (st := _stat(p)) is not None and st[1] == str(os.getpid())]
 
 
 def _a_worker_finished(out_dir: Path, steps: int) -> bool:
@@ -708,16 +658,11 @@ def measured_run(
         r.values["cut at first worker's end"] = True
     p = pace(out_dir, batch_size, cpu)
     if p is not None:
-        r.values.update(
-            {
-                "samples/s": p.samples_per_s,
-                **{f"ms/step w{w}": v for w, v in p.ms_per_step.items()},
-                "wait ms/step": statistics.median(p.wait_ms_per_step.values()),
-                "job cores": p.job_cores,
-                "machine cores": p.machine_cores,
-                "CPU ms/step": p.cpu_ms_per_step(batch_size),
-            }
-        )
+        r.values.update({"samples/s": p.samples_per_s,
+                         **{f"ms/step w{w}": v for w, v in p.ms_per_step.items()},
+                         "wait ms/step": statistics.median(p.wait_ms_per_step.values()),
+                         "job cores": p.job_cores, "machine cores": p.machine_cores,
+                         "CPU ms/step": p.cpu_ms_per_step(batch_size)})  # fmt: skip
     return r
 
 
@@ -725,18 +670,9 @@ def main() -> None:
     def add(p) -> None:
         p.add_argument("experiment", choices=("accuracy", "stragglers"))
         p.add_argument("--epochs", type=int, help="accuracy: epochs per worker (the CLI's 64)")
-        p.add_argument(
-            "--steps", type=int, default=STEPS, help="stragglers: sync's steps per worker"
-        )
-        p.add_argument(
-            "--first-seed",
-            type=int,
-            default=0,
-            help="the first seed (fresh seeds confirm a choice made on others)",
-        )
-        p.add_argument(
-            "--context", action="store_true", help="stragglers: also run both with no straggler"
-        )
+        p.add_argument("--steps", type=int, default=STEPS, help="stragglers: sync's steps/worker")
+        p.add_argument("--first-seed", type=int, default=0, help="fresh seeds confirm a choice")
+        p.add_argument("--context", action="store_true", help="stragglers: also no straggler")
         p.add_argument(
             "--arms",
             help=f"comma-separated, of {', '.join(STRAGGLER_ARMS)}, or all (stragglers' "

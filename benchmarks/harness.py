@@ -1,13 +1,8 @@
 """The one harness every benchmark uses: provenance, interleaved runs with an A/A control,
-honest statistics (time to target held for k evaluations, censored runs counted, bootstrap
-intervals) and one report template (``results/<name>.md`` + ``.json`` with the claims that
-``benchmarks/evidence.py`` turns into the evidence table (docs/evidence.md)). The rules, and why:
-``benchmarks/README.md``. A benchmark script is, in outline::
-
-    args, prov = harness.start(__doc__)              # refuses a dirty tree / busy machine
-    runs = harness.interleave(arms, seeds, control="sync", prov=prov)
-    report = harness.Report("stragglers", "Time to 90 % ...", prov)
-    report.claim(...); report.table(...); report.write(runs)
+honest statistics (time to target held for k evaluations, censored runs counted, paired bootstrap
+intervals, verdicts from the interval) and one report template: ``results/<name>.md`` + ``.json``,
+whose claims ``benchmarks/evidence.py`` turns into the evidence table. The rules and why:
+``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -26,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,11 +35,10 @@ RUNS = REPO / "runs" / "bench"
 BUSY_FRACTION = 0.25  # other processes using more than this share of all cores = a busy machine
 K_CONSECUTIVE = 3  # evaluations a time to target must hold for
 CLI = (sys.executable, "-m", "cloudburst")
+SIMULATE = (*CLI, "simulate", "--overwrite")  # a run_train command: the virtual cluster
 
 
-def parse_args(
-    description: str | None, add: Callable[[argparse.ArgumentParser], None] | None = None
-) -> argparse.Namespace:
+def parse_args(description: str | None, add: Callable | None = None) -> argparse.Namespace:
     """The flags every benchmark has (``--quick``, ``--seeds``, ``--force``, ``--out``) plus
     the script's own, added by ``add(parser)``; ``--seeds`` None = the script's default."""
     p = argparse.ArgumentParser(
@@ -61,9 +56,7 @@ def parse_args(
     return args
 
 
-def start(
-    description: str | None, add: Callable[[argparse.ArgumentParser], None] | None = None
-) -> tuple[argparse.Namespace, Provenance]:
+def start(description: str | None, add: Callable | None = None) -> tuple[Any, Provenance]:
     """:func:`parse_args`, then :meth:`Provenance.capture` (which may refuse to start)."""
     args = parse_args(description, add)
     return args, Provenance.capture(args)
@@ -88,12 +81,8 @@ def git_commit() -> tuple[str, list[str]]:
     if os.environ.get("CLOUDBURST_GIT_REVISION"):
         return os.environ["CLOUDBURST_GIT_REVISION"] + " (given; tree without .git)", []
     commit = _git("rev-parse", "--short", "HEAD").strip() or "unknown"
-    changed = [
-        line[3:]
-        for line in _git("status", "--porcelain").splitlines()
-        if not line[3:].startswith(("benchmarks/results/", "runs/"))
-    ]
-    return commit, changed
+    lines = _git("status", "--porcelain").splitlines()
+    return commit, [x[3:] for x in lines if not x[3:].startswith(("benchmarks/results/", "runs/"))]
 
 
 def cpu_busy_fraction(interval_s: float = 1.0) -> float:
@@ -120,23 +109,17 @@ def load1() -> float:
 
 def _cpu_model() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor() or "unknown"
+        lines = []
+    model = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), None)
+    return model or platform.processor() or "unknown"
 
 
 def _gpu_model() -> str | None:
-    try:
-        import torch
+    import torch
 
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
-    return None
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 @dataclass
@@ -186,25 +169,11 @@ class Provenance:
                 f"{os.cpu_count()} cores in use by other processes, limit "
                 f"{100 * BUSY_FRACTION:.0f} %); wait, or pass --force"
             )
-        return cls(
-            command=shlex.join(sys.orig_argv),
-            cwd=os.getcwd(),
-            commit=commit + ("+dirty" if dirty else ""),
-            dirty=dirty,
-            forced=force,
-            quick=quick,
-            started_utc=datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
-            python=platform.python_version(),
-            torch=torch.__version__,
-            cpu=_cpu_model(),
-            nproc=os.cpu_count() or 1,
-            gpu=_gpu_model(),
-            host=socket.gethostname(),
-            platform=platform.platform(),
-            busy_fraction_before=round(busy, 3),
-            load_before=load1(),
-            args=args,
-        )
+        return cls(shlex.join(sys.orig_argv), os.getcwd(), commit + ("+dirty" if dirty else ""),
+                   dirty, force, quick, datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
+                   platform.python_version(), torch.__version__, _cpu_model(),
+                   os.cpu_count() or 1, _gpu_model(), socket.gethostname(), platform.platform(),
+                   round(busy, 3), load1(), args=args)  # fmt: skip
 
     def results_dir(self) -> Path:
         """Where reports go: ``benchmarks/results/``, or ``runs/bench-quick/`` for --quick."""
@@ -220,13 +189,10 @@ class Provenance:
         return self.loads[-1]
 
     def finish(self) -> None:
-        self.load_after = load1()
-        self.commit_after = git_commit()[0]
+        self.load_after, self.commit_after = load1(), git_commit()[0]
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("args")
-        return d
+        return {k: v for k, v in asdict(self).items() if k != "args"}
 
 
 # ---------------------------------------------------------------------------- runs
@@ -305,15 +271,13 @@ def run_train(
     command: Sequence[str] = (*CLI, "train"),
 ) -> Run:
     """``<command> <argv> --seed S --out D --no-progress`` in a subprocess (``OMP_NUM_THREADS=1``,
-    the repository on ``PYTHONPATH``); ``command`` defaults to ``python -m cloudburst train``
-    (``(*CLI, "simulate", "--overwrite")``, a peer's script, a wrapper ending in ``--``). A
-    non-zero exit, a timeout or a missing ``summary.json`` gives a Run with ``failed`` set."""
+    the repository on ``PYTHONPATH``; ``command``: ``cloudburst train``, :data:`SIMULATE`, a
+    peer's script...). A non-zero exit, a timeout or no ``summary.json`` sets ``failed``."""
     out_dir = Path(out_dir)
     cmd = [*command, *arm.argv, "--seed", str(seed), "--out", str(out_dir), "--no-progress"]
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    started = time.monotonic()
-    failed = None
+    started, failed = time.monotonic(), None
     try:
         proc = subprocess.run(
             cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
@@ -356,9 +320,6 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "arm"
 
 
-_slug = slug  # the name daso.py imports
-
-
 def interleave(
     arms: Sequence[Arm],
     seeds: Sequence[int],
@@ -369,11 +330,10 @@ def interleave(
     out_root: str | Path | None = None,
     timeout_s: float = 900.0,
 ) -> list[Run]:
-    """Run every arm once per seed, seed by seed, the order rotated by one per seed
-    (A B C, B C A, C A B, …). ``control`` names an arm that is run a second time per seed as
-    ``"<name> (A/A)"`` at the other end of the rotation: the A/A pair. ``run(arm, seed)``
-    defaults to :func:`run_train` into ``out_root/<arm>/seed<S>`` (default ``runs/bench/``).
-    Each Run gets the 1-min load average before and after it; failed runs are kept."""
+    """Every arm once per seed, seed by seed, the order rotated by one per seed (A B C, B C A,
+    …); ``control``'s arm runs a second time per seed as ``"<name> (A/A)"`` (the A/A pair).
+    ``run(arm, seed)`` defaults to :func:`run_train` into ``out_root/<arm>/seed<S>``. Each Run
+    gets the 1-min load average before and after it; failed runs are kept."""
     arms = list(arms)
     if control is not None:
         base = next((a for a in arms if a.name == control), None)
@@ -408,12 +368,9 @@ def aa_name(control: str) -> str:
 def describe(r: Run) -> str:
     if r.failed:
         return f"FAILED ({r.failed})"
-    acc = r.final_accuracy
-    parts = [f"wall {r.wall_s:.1f} s"]
-    if acc is not None:
-        parts.append(f"final acc {100 * acc:.1f} %")
-    parts += [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.values.items()]
-    return ", ".join(parts)
+    acc = [] if r.final_accuracy is None else [f"final acc {100 * r.final_accuracy:.1f} %"]
+    values = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.values.items()]
+    return ", ".join([f"wall {r.wall_s:.1f} s", *acc, *values])
 
 
 def by_arm(runs: Sequence[Run]) -> dict[str, list[Run]]:
@@ -442,8 +399,8 @@ def time_to_target(
 
 
 def censored_median(times: Sequence[float | None], budget_s: float) -> tuple[float | str, int]:
-    """(median, how many censored): censored values (``None``) sort above every time; when
-    the median falls on a censored value the median is the string ``"> <budget> s"``."""
+    """(median, how many censored): censored values (``None``) sort above every time; a median
+    on a censored value is the string ``"> <budget> s"``."""
     if not times:
         raise ValueError("censored_median of no runs")
     n_censored = sum(t is None for t in times)
@@ -474,13 +431,11 @@ def _bootstrap(
         raise ValueError(f"a paired bootstrap needs pairs, got {len(xa)} and {len(xb)} values")
     rng = random.Random(seed)
     if paired:  # resample whole pairs (seed i's a with seed i's b)
-        idx = range(len(xa))
-        picks = (rng.choices(idx, k=len(xa)) for _ in range(n))
+        picks = (rng.choices(range(len(xa)), k=len(xa)) for _ in range(n))
         stats = sorted(combine([xa[i] for i in p], [xb[i] for i in p]) for p in picks)
     else:
-        stats = sorted(
-            combine(rng.choices(xa, k=len(xa)), rng.choices(xb, k=len(xb))) for _ in range(n)
-        )
+        resample = lambda x: rng.choices(x, k=len(x))  # noqa: E731
+        stats = sorted(combine(resample(xa), resample(xb)) for _ in range(n))
     cut = int(0.025 * (n - 1))
     return combine(xa, xb), stats[cut], stats[-cut - 1]
 
@@ -497,11 +452,9 @@ def bootstrap_ratio(
     budget_s: float | None = None,
     paired: bool = False,
 ) -> tuple[float, float, float]:
-    """(median(a) ÷ median(b), 2.5th, 97.5th percentile) of the ratio of medians over ``n``
-    bootstrap resamples (a and b resampled independently, ``random.Random(seed)``: the same
-    inputs give the same interval). Censored values (``None``) count as ``budget_s``, so a
-    ratio with censored runs is a bound, which the report says. ``paired=True``: a and b are
-    pairs (seed i, or round i, on both sides), see :func:`paired_ratio`."""
+    """(median(a) ÷ median(b), 2.5th, 97.5th percentile) over ``n`` bootstrap resamples (a and b
+    apart; ``random.Random(seed)``: the same inputs give the same interval); censored values
+    (``None``) count as ``budget_s``. ``paired=True``: :func:`paired_ratio`."""
     if paired:
         return paired_ratio(a, b, n, seed, budget_s)
     if statistics.median(_uncensor(b, budget_s) or [1.0]) == 0:
@@ -522,10 +475,8 @@ def paired_ratio(
     budget_s: float | None = None,
 ) -> tuple[float, float, float]:
     """(the median of the per-pair ratios a[i] ÷ b[i], 2.5th, 97.5th percentile) over ``n``
-    bootstrap resamples of whole pairs: ``a[i]`` and ``b[i]`` ran with the same seed (or in
-    the same round), so what they share (the seed's data order, the machine's load at the
-    time) cancels in their ratio instead of widening the interval. Censored values as in
-    :func:`bootstrap_ratio`."""
+    resamples of whole pairs (same seed or round: what they share cancels in their ratio).
+    Censored values as in :func:`bootstrap_ratio`."""
     if 0 in _uncensor(b, budget_s):
         raise ValueError("paired_ratio: a denominator is 0")
     return _bootstrap(a, b, _median_ratio, n, seed, budget_s, paired=True)
@@ -535,8 +486,7 @@ def bootstrap_difference(
     a: Sequence[float], b: Sequence[float], n: int = 2000, seed: int = 0, paired: bool = False
 ) -> tuple[float, float, float]:
     """(mean(a) − mean(b), 2.5th, 97.5th percentile) over ``n`` bootstrap resamples, as
-    :func:`bootstrap_ratio` (for accuracies, where the mean is the quantity of interest);
-    ``paired=True`` resamples the pairs (a[i], b[i]) together (same seed on both sides)."""
+    :func:`bootstrap_ratio`; ``paired=True`` resamples the pairs (a[i], b[i]) together."""
     return _bootstrap(
         a, b, lambda xa, xb: statistics.fmean(xa) - statistics.fmean(xb), n, seed, None, paired
     )
@@ -565,11 +515,9 @@ CENSORED_SAMPLES = "the fewest any censored run had processed by its budget: a l
 
 def censored_floor(runs: Iterable[tuple[int | None, int]]) -> int:
     """What a censored run's samples to target count as, from (samples to target or None,
-    samples processed within the budget) per run: the fewest any run that never held the
-    target had processed. Each such run's true count is at least its own, so at least this:
-    a censored denominator makes the ratio an upper bound (a count larger than a run
-    processed, e.g. the most any run processed, would not). With none censored: the fewest
-    processed (unused)."""
+    samples processed within the budget) per run: the fewest any censored run had processed, a
+    lower bound of each one's true count (so a censored denominator makes a ratio an upper
+    bound). With none censored: the fewest processed (unused)."""
     runs = list(runs)
     ends = [done for to, done in runs if to is None]
     return min(ends or [done for _, done in runs], default=1)
@@ -605,10 +553,9 @@ class Rule:
 
 
 def parse_target(target: str) -> Rule | None:
-    """The rule a claim's target text states: ``≤ x`` / ``< x``, ``≥ x`` / ``> x`` (a comment
-    in parentheses may follow: ``≤ 0.75 (ideal 0.57)``), ``within ±x`` (about 0), ``c ± x``
-    or ``c ± x %`` (anywhere: ``⌈T/H⌉/T = 0.125 ± 2 %``). ``None`` when it states none a
-    number can be judged by (``(reference)``, ``14 / 14``, ``reproduced``)."""
+    """The rule a claim's target text states: ``≤ x`` / ``< x``, ``≥ x`` / ``> x`` (a comment may
+    follow), ``within ±x``, ``c ± x`` or ``c ± x %`` (anywhere in the text); ``None`` when it
+    states none a number can be judged by (``(reference)``, ``14 / 14``, ``reproduced``)."""
     text = target.replace("−", "-").replace("<=", "≤").replace(">=", "≥").strip()
     num = lambda m, i: float(m.group(i).replace("−", "-"))  # noqa: E731
     if m := re.match(rf"^([≤<≥>])\s*{_NUM}", text):
@@ -634,10 +581,9 @@ def interval_verdict(rule: Rule, lo: float, hi: float) -> str:
 # ---------------------------------------------------------------------------- the report
 @dataclass
 class Claim:
-    """One verdict row: ``value`` against ``target`` (text such as ``"≤ 0.75"``); ``aa`` the
-    A/A control's value beside it, ``interval`` the 95 % bootstrap interval. :meth:`judge`
-    (which :meth:`Report.claim` calls) makes the verdict the interval's: ``inconclusive``
-    when it straddles the target. ``inputs``: the per-seed values it was computed from."""
+    """One verdict row: ``value`` against ``target`` (``"≤ 0.75"``), ``aa`` the A/A control's
+    value, ``interval`` the 95 % bootstrap interval, ``inputs`` the per-seed values it came
+    from; :meth:`judge` makes the verdict the interval's."""
 
     name: str
     value: float | str | None
@@ -657,9 +603,9 @@ class Claim:
         return "-" if self.ok is None else (PASS if self.ok else MISS)
 
     def judge(self) -> Claim:
-        """Apply the interval rule: with an interval and a target :func:`parse_target` reads,
-        a PASS needs the whole interval on the right side (a MISS given for another reason
-        stands), the whole interval on the wrong side is a MISS, else ``inconclusive``."""
+        """With an interval and a target :func:`parse_target` reads: PASS needs the whole
+        interval on the right side (a MISS for another reason stands), the whole interval on
+        the wrong side is a MISS, else ``inconclusive``."""
         rule = parse_target(self.target)
         if self.interval is None or self.ok is None or rule is None:
             return self
@@ -698,14 +644,11 @@ def ratio_claim(
     paired: bool | None = None,
     aa_of: str = "b",
 ) -> Claim:
-    """Add the claim a ÷ b with its bootstrap interval and, beside it, the A/A ratio: the
-    control's repeat ``aa`` ÷ the side it repeats (``aa_of``: ``"b"``, or ``"a"`` when the
-    repeat is of a's arm), or ``aa`` itself when it is a number (computed elsewhere).
-    ``paired`` (default: when a and b have as many values, i.e. one per seed, in seed order):
-    the median of the per-seed ratios, pairs resampled together (:func:`paired_ratio`); else
-    the ratio of medians, each side resampled alone. Censored values count as ``budget_s``
-    (noted); the verdict is the interval's (:meth:`Claim.judge`), a censored median making
-    the ratio a bound: only the interval's informative side counts."""
+    """Add the claim a ÷ b with its bootstrap interval and the A/A ratio beside it: the repeat
+    ``aa`` ÷ the side it repeats (``aa_of``), or ``aa`` itself when it is a number. ``paired``
+    (default: as many values on both sides): :func:`paired_ratio`. Censored values count as
+    ``budget_s`` (noted); a censored median makes the ratio a bound, and only the interval's
+    informative side is judged (:meth:`Claim.judge`)."""
     if aa_of not in ("a", "b"):
         raise ValueError(f"aa_of must be 'a' or 'b', got {aa_of!r}")
     paired = len(a) == len(b) if paired is None else paired
@@ -735,10 +678,47 @@ def ratio_claim(
     return claim
 
 
+def diff_claim(
+    report: Report,
+    name: str,
+    a: Sequence[float],
+    b: Sequence[float],
+    target: str,
+    ok: Callable[[float, float, float], bool],
+    *,
+    paired: bool = True,
+    digits: int | None = 2,
+    **kwargs: Any,
+) -> Claim:
+    """Add the claim mean(a) − mean(b) in points with its bootstrap interval (paired by seed
+    unless ``paired`` is False), rounded to ``digits`` (None: not rounded); ``ok(d, lo, hi)``
+    gets the unrounded points. ``kwargs``: the claim's other fields (seeds, note, aa)."""
+    d, lo, hi = (100 * x for x in bootstrap_difference(a, b, paired=paired))
+    r = (lambda x: x) if digits is None else (lambda x: round(x, digits))  # noqa: E731
+    return report.claim(name, r(d), target, ok(d, lo, hi), interval=(r(lo), r(hi)), **kwargs)
+
+
+def simulate_all(
+    jobs: Iterable[tuple[Arm, int, Path]], prov: Provenance, workers: int = 2, timeout_s=900.0
+) -> list[Run]:
+    """``cloudburst simulate`` of each (arm, seed, out dir), ``workers`` at a time: a
+    simulation's results (maths, bytes, virtual times) do not depend on the machine's load, so
+    they need no interleaving, and each process uses one core."""
+
+    def one(job: tuple[Arm, int, Path]) -> Run:
+        r = run_train(*job, timeout_s, SIMULATE)
+        print(f"  {r.arm} seed {r.seed}: {describe(r)}", flush=True)
+        return r
+
+    with ThreadPoolExecutor(workers) as pool:
+        runs = list(pool.map(one, jobs))
+    prov.sample_load()
+    return runs
+
+
 class Report:
-    """The one template: title, provenance header, claims, then the sections in the order
-    added. :meth:`write` makes ``<out>.md`` and ``<out>.json`` (provenance, claims, data,
-    runs); ``--quick`` writes under ``runs/bench-quick/`` unless ``--out`` says otherwise."""
+    """Title, provenance header, claims, then the sections in the order added; :meth:`write`
+    makes ``<out>.md`` and ``<out>.json`` (provenance, claims, data, runs)."""
 
     def __init__(self, name: str, title: str, prov: Provenance):
         self.name, self.title, self.prov = name, title, prov
@@ -747,8 +727,7 @@ class Report:
         self.data: dict[str, Any] = {}
 
     def claim(self, *args: Any, **kwargs: Any) -> Claim:
-        """Add a :class:`Claim` (its fields, in order or by name), judged by its interval
-        (:meth:`Claim.judge`)."""
+        """Add a :class:`Claim` (its fields), judged by its interval."""
         self.claims.append(Claim(*args, **kwargs).judge())
         return self.claims[-1]
 
@@ -775,11 +754,19 @@ class Report:
         self.body += [f"![{caption or Path(path).stem}]({Path(path).name})", ""]
         return self
 
+    def curves(self, groups: dict[str, list[Run]], seed: int) -> None:
+        """A figure of the first run of each arm's curves (next to the report's .md)."""
+        from cloudburst.plot import plot_runs
+
+        first = [rs[0] for rs in groups.values() if rs[0].out_dir and rs[0].evals]
+        png = self.path().with_suffix(".png")
+        png.parent.mkdir(parents=True, exist_ok=True)
+        plot_runs([r.out_dir for r in first], str(png), f"seed {seed}", [r.arm for r in first])
+        self.figure(png, f"test error against time and samples, seed {seed}")
+
     def path(self) -> Path:
         out = getattr(self.prov.args, "out", None)
-        if out:
-            return Path(out).with_suffix(".md")
-        return self.prov.results_dir() / f"{self.name}.md"
+        return Path(out).with_suffix(".md") if out else self.prov.results_dir() / f"{self.name}.md"
 
     def header(self) -> list[str]:
         p = self.prov
@@ -817,14 +804,9 @@ class Report:
         md = self.path()
         md.parent.mkdir(parents=True, exist_ok=True)
         md.write_text(self.markdown())
-        data = {
-            "name": self.name,
-            "title": self.title,
-            "provenance": self.prov.to_dict(),
-            "claims": [asdict(c) for c in self.claims],
-            "data": self.data,
-            "runs": [r.to_dict() for r in runs],
-        }
+        data = {"name": self.name, "title": self.title, "provenance": self.prov.to_dict(),
+                "claims": [asdict(c) for c in self.claims], "data": self.data,
+                "runs": [r.to_dict() for r in runs]}  # fmt: skip
         md.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
         print(f"wrote {md.relative_to(REPO) if md.is_relative_to(REPO) else md}", flush=True)
         return md

@@ -3,24 +3,18 @@
     .venv/bin/python benchmarks/lm.py [--quick] [--seeds N] [--steps T] [--force]
     .venv/bin/python benchmarks/lm.py --virtual-only      # the virtual-cluster table alone
 
-Real runs of ``cloudburst train``, interleaved per seed with an A/A copy of sync: W = 4
-workers, the default GPT (2 layers, width 64, 4 heads, context 64: 120,576 parameters) and
-recipe (AdamW 4.2e-3, weight decay 0.1, warm-up 30 + cosine, clip 1, 16 windows per
-worker-step), T steps per worker, so every arm sees the same tokens (4 × 16 × 64 × T):
-``sync``; ``local_sgd`` (H = 16); ``diloco`` at its defaults (H = 8; the GPT's outer step, lr
-1, momentum 0: docs/lm.md) and at H = 16 and 64; Streaming DiLoCo (H = 16, 4 fragments,
-int8); ``async_diloco`` (H = 16, one shard). Reported: final test loss (nats per byte token)
-and bits per byte on the held-out tail, bytes sent, wall time. The claim (issue 29's
-done-when) is DiLoCo-at-its-defaults' final loss − sync's, paired by seed, target ≤ 0.05
-nats, on seeds 2, 3, 4: the defaults were chosen on seeds 0 and 1 (docs/lm.md).
+Real runs of ``cloudburst train``, interleaved per seed with an A/A copy of sync: W = 4, the
+default GPT (120,576 parameters) and recipe, T steps per worker (equal tokens for every arm):
+``sync``; ``local_sgd`` (H = 16); ``diloco`` at its defaults (H = 8; docs/lm.md) and at H = 16
+and 64; Streaming DiLoCo (H = 16, 4 fragments, int8); ``async_diloco`` (H = 16). Reported:
+final test loss (nats per byte) and bits per byte, bytes sent, wall time. The claim (issue 29):
+DiLoCo-at-its-defaults' final loss − sync's ≤ 0.05 nats, paired by seed, on seeds 2, 3, 4 (the
+defaults were chosen on seeds 0 and 1).
 
-Virtual cluster: GPT-2 small (124,439,808 parameters) at a published throughput stands in —
-llm.c's GPT-2 (124M) reproduction trained 10 B tokens in 90 minutes on one 8× A100 80GB SXM
-node (github.com/karpathy/llm.c/discussions/481): 10e9 / 5400 / 8 = 231,481 tokens/s per GPU;
-a step of 16 windows of 1024 tokens is charged 16384 / 231481 = 0.0708 s. The maths is a tiny
-GPT's (the clock charges the stand-in's bytes); W = 8, 16, 32, 64 over 1 and 10 Gbit/s links
-(1 ms), 64 steps: sync, DiLoCo H = 16 and 64, Streaming DiLoCo int8: virtual seconds per step
-and bytes sent per worker-step.
+Virtual cluster: GPT-2 small (124,439,808 parameters) at llm.c's published throughput (10 B
+tokens in 90 minutes on 8 A100s: 231,481 tokens/s per GPU, so a step of 16 × 1024 tokens is
+0.0708 s) stands in; the maths is a tiny GPT's. W = 8 to 64 over 1 and 10 Gbit/s links, 64
+steps: virtual seconds per step and bytes sent per worker-step.
 """
 
 from __future__ import annotations
@@ -65,32 +59,19 @@ def virtual_rows(quick: bool, links: tuple[int, ...] = (1, 10)) -> list[list[obj
     from cloudburst.config.simulation import SimulationConfig
     from cloudburst.sim.run import simulate
 
-    rows = []
-    arms = {
-        "sync": dict(strategy="sync"),
-        "diloco H=16": dict(strategy="diloco", period=16),
-        "diloco H=64": dict(strategy="diloco", period=64),
-        "streaming int8 H=16": dict(strategy="diloco", period=16, fragments=4, compress="int8"),
-    }
-    steps = 64
+    rows, steps = [], 64
+    arms = {"sync": dict(strategy="sync"), "diloco H=16": dict(strategy="diloco", period=16),
+            "diloco H=64": dict(strategy="diloco", period=64), "streaming int8 H=16":
+            dict(strategy="diloco", period=16, fragments=4, compress="int8")}  # fmt: skip
     for gbit in links:
         for workers in (8, 16) if quick else (8, 16, 32, 64):
             for name, kw in arms.items():
                 cfg = RunConfig(
-                    model="gpt:layers=1,width=16,heads=2",
-                    dataset="text:stdlib",
-                    workers=workers,
-                    nodes=workers,
-                    inter_node_link=f"{gbit},1",
-                    steps=steps,
-                    batch_size=2,
-                    context=64,
-                    eval_every_s=1e9,
-                    checkpoint_every=0,
-                    out=str(Path("runs/bench/lm-virtual") / f"{name}-{workers}-{gbit}"),
-                    overwrite=True,
-                    **kw,
-                )
+                    model="gpt:layers=1,width=16,heads=2", dataset="text:stdlib", workers=workers,
+                    nodes=workers, inter_node_link=f"{gbit},1", steps=steps, batch_size=2,
+                    context=64, eval_every_s=1e9, checkpoint_every=0, overwrite=True,
+                    out=str(Path("runs/bench/lm-virtual") / f"{name}-{workers}-{gbit}"), **kw,
+                )  # fmt: skip
                 cfg = dataclasses.replace(cfg, progress=False)
                 sim = SimulationConfig(step_time_s=VIRTUAL_STEP_S, modelled_params=STAND_IN_PARAMS)
                 s = simulate(cfg, sim)
@@ -128,10 +109,7 @@ def main() -> None:
     runs = []
     if not args.virtual_only:
         extra = args.extra.split()
-        arms = [
-            Arm(name, [*COMMON, *argv, "--steps", str(steps), *extra])
-            for name, argv in ARMS.items()
-        ]
+        arms = [Arm(n, [*COMMON, *argv, "--steps", str(steps), *extra]) for n, argv in ARMS.items()]
         root = harness.QUICK_RESULTS / "lm-runs" if args.quick else harness.RUNS / "lm"
 
         def run(arm: Arm, seed: int):
@@ -151,63 +129,42 @@ def main() -> None:
                 fmt(harness.median(r.summary.get("wall_time_s") for r in ok), 1),
                 "; ".join(r.failed for r in rs if r.failed) or "",
             ])  # fmt: skip
-        report.section("Real runs, W = 4, equal tokens (medians over seeds)")
-        report.table(
+        report.section("Real runs, W = 4, equal tokens (medians over seeds)").table(
             "arm | runs | test loss (nats/byte) | bits/byte | MB sent | wall s | failures", rows
         )
-        pairs = [
-            (d.summary["final_test_loss"], s.summary["final_test_loss"])
-            for d in by.get(CLAIM_ARM, [])
-            for s in by.get("sync", [])
-            if d.seed == s.seed and not d.failed and not s.failed
-        ]
-        aa = [
-            (a.summary["final_test_loss"], s.summary["final_test_loss"])
-            for a in by.get(harness.aa_name("sync"), [])
-            for s in by.get("sync", [])
-            if a.seed == s.seed and not a.failed and not s.failed
-        ]
-        if pairs:
-            diff, lo, hi = harness.bootstrap_difference(
-                [p[0] for p in pairs], [p[1] for p in pairs], paired=True
-            )
-            aa_diff = (
-                harness.bootstrap_difference([p[0] for p in aa], [p[1] for p in aa], paired=True)[0]
-                if aa
-                else None
-            )
-            report.claim(
-                "diloco at its defaults − sync: final test loss (nats)",
-                round(diff, 4),
-                f"≤ {CLAIM_NATS}",
-                diff <= CLAIM_NATS,
-                aa=None if aa_diff is None else round(aa_diff, 4),
-                interval=(lo, hi) if len(pairs) > 1 else None,
-                seeds=len(pairs),
-            )
+
+        def losses(arm: str) -> tuple[list[float], list[float]]:  # paired by seed with sync
+            pairs = [(d.summary["final_test_loss"], s.summary["final_test_loss"])
+                     for d in by.get(arm, []) for s in by.get("sync", [])
+                     if d.seed == s.seed and not d.failed and not s.failed]  # fmt: skip
+            return [p[0] for p in pairs], [p[1] for p in pairs]
+
+        pairs, aa = losses(CLAIM_ARM), losses(harness.aa_name("sync"))
+        if pairs[0]:
+            diff, lo, hi = harness.bootstrap_difference(*pairs, paired=True)
+            aa_diff = harness.bootstrap_difference(*aa, paired=True)[0] if aa[0] else None
+            report.claim("diloco at its defaults − sync: final test loss (nats)", round(diff, 4),
+                         f"≤ {CLAIM_NATS}", diff <= CLAIM_NATS,
+                         aa=None if aa_diff is None else round(aa_diff, 4),
+                         interval=(lo, hi) if len(pairs[0]) > 1 else None,
+                         seeds=len(pairs[0]))  # fmt: skip
     report.text(f"Real runs' extra flags: `{args.extra or 'none'}`.")
     if args.real_only:
-        path = report.write(runs)
-        print(f"report: {path}")
+        report.write(runs)
         return
-    report.section(
-        "Virtual cluster: GPT-2 small at llm.c's A100 throughput (virtual s per step, "
-        "compute 0.071 s)"
-    )
-    report.table(
+    report.section("Virtual cluster: GPT-2 small at llm.c's A100 throughput (virtual s per step, "
+                   "compute 0.071 s)").table(
         "link | W | arm | virtual s/step | compute share | GPT-2 MB sent per worker-step",
         virtual_rows(args.quick, tuple(int(x) for x in args.links.split(","))),
-    )
-    report.text(
+    ).text(
         "What may not carry over: the GPT here has 0.12 M parameters and sees 0.31 M tokens per "
         "worker; DiLoCo's published settings train 150 M+ parameter models for 10^9+ tokens, "
         "where H in the hundreds works and the outer step is tuned at that scale. Byte-level "
         "tokens on Python source are far more predictable than web text. The virtual table "
         "charges GPT-2's bytes at a throughput measured by one implementation on A100s; the "
         "maths behind it is the tiny GPT's, so it says nothing about GPT-2's loss."
-    )
-    path = report.write(runs)
-    print(f"report: {path}")
+    )  # fmt: skip
+    report.write(runs)
     print(json.dumps([c.row() for c in report.claims]))
 
 

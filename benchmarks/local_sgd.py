@@ -2,20 +2,16 @@
 
     .venv/bin/python benchmarks/local_sgd.py [--quick] [--seeds N] [--epochs E] [--force]
 
-Arms, interleaved per seed (the order rotated): ``sync``; ``local_sgd`` and its A/A copy;
-``diloco`` (outer SGD lr 0.1, Nesterov 0.9: the defaults over an SGD inner optimizer);
-``torch_periodic`` (``PeriodicModelAverager(period=H, warmup_steps=H − 1)`` through cloudburst's
-loop, ``benchmarks/peers.py``: local_sgd's schedule, torch's averaging); torchft 0.2.0's
-``LocalSGD`` and ``DiLoCo`` (``benchmarks/torchft_peer.py``: a lighthouse and 4 replica groups
-of one process, the peer venv, cloudburst's data, model, batches and optimizer, a plain loop).
-H = 8 everywhere. MNIST-1D, the paper's CNN, 4 workers × batch 64, lr 0.1, momentum 0.9; no
-emulated device or link: the CPU cost of each mechanism is what is timed.
+Arms, interleaved per seed: ``sync``; ``local_sgd`` and its A/A copy; ``diloco`` (outer SGD lr
+0.1, Nesterov 0.9); ``torch_periodic`` (PyTorch's ``PeriodicModelAverager`` through cloudburst's
+loop, ``peers.py``); torchft 0.2.0's ``LocalSGD`` and ``DiLoCo`` (``torchft_peer.py``). H = 8
+everywhere; MNIST-1D, the paper's CNN, 4 workers × batch 64; no emulated device or link: the
+CPU cost of each mechanism is what is timed.
 
-Reported: time per step (median over every rank's 16-step windows of Δtime ÷ Δsteps, the first
-32 steps left out; the same measure from torchft's step records) of local_sgd ÷ each peer and
-diloco ÷ torchft's (median per-seed ratio, seeds resampled as pairs), the local_sgd A/A beside;
-training bytes per sample (the counters) ÷ sync's against the schedule's ⌈T/H⌉ / T; final
-accuracy − sync. torchft runs fewer steps (its start-up is ~10 s): only its step time counts.
+Reported: time per step (median of 16-step windows, the first 32 steps left out) of local_sgd ÷
+each peer and diloco ÷ torchft's (paired by seed), the local_sgd A/A beside; bytes per sample ÷
+sync's against the schedule's ⌈T/H⌉ / T; final accuracy − sync. torchft runs fewer steps (its
+start-up is ~10 s): only its step time counts.
 """
 
 from __future__ import annotations
@@ -34,17 +30,13 @@ from harness import Arm, fmt, pct  # noqa: E402
 from cloudburst.cli import build_config, build_parser  # noqa: E402
 
 H = 8
-COMMON = (
-    f"--dataset mnist1d --model cnn --workers 4 --batch-size 64 --lr 0.1 --momentum 0.9 "
-    f"--period {H} --eval-every-s 5 --log-every-steps 16"
-).split()
+COMMON = (f"--dataset mnist1d --model cnn --workers 4 --batch-size 64 --lr 0.1 --momentum 0.9 "
+          f"--period {H} --eval-every-s 5 --log-every-steps 16").split()  # fmt: skip
 CLOUDBURST = ("sync", "local_sgd", "diloco", "torch_periodic")  # arm = --strategy
 TORCHFT = {"torchft_localsgd": "localsgd", "torchft_diloco": "diloco"}
-STEP_CLAIMS = [  # (a, b): a's time per step ÷ b's, target ≤ 1
-    ("local_sgd", "torch_periodic"),
-    ("local_sgd", "torchft_localsgd"),
-    ("diloco", "torchft_diloco"),
-]
+# (a, b): a's time per step ÷ b's, target ≤ 1
+STEP_CLAIMS = [("local_sgd", "torch_periodic"), ("local_sgd", "torchft_localsgd"),
+               ("diloco", "torchft_diloco")]  # fmt: skip
 BYTES_TOLERANCE = 0.02
 ACC_POINTS = 1.0
 
@@ -99,10 +91,10 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
     for name in ("local_sgd", "diloco"):
         rs = groups[name]
         steps = rs[0].summary.get("steps_per_worker") if rs[0].summary else None
-        pairs = [
+        both = [
             (bytes_per_sample(r), bytes_per_sample(s)) for r, s in zip(rs, sync_rs, strict=True)
         ]
-        per = [a / b for a, b in pairs if a and b]
+        per = [a / b for a, b in both if a and b]
         if steps and per:
             expect = math.ceil(steps / H) / steps  # one |θ| all-reduce per average, sync per step
             measured = statistics.median(per)
@@ -113,12 +105,9 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
             )  # fmt: skip
         accs, sync_accs = [r.final_accuracy for r in rs], [r.final_accuracy for r in sync_rs]
         if None not in accs + sync_accs:
-            diff, lo, hi = harness.bootstrap_difference(accs, sync_accs, paired=True)
-            rep.claim(
-                f"final accuracy, {name} − sync (points), H = {H}", round(100 * diff, 2),
-                f"within ±{ACC_POINTS:g}", abs(100 * diff) <= ACC_POINTS,
-                interval=(round(100 * lo, 2), round(100 * hi, 2)), seeds=len(accs),
-            )  # fmt: skip
+            harness.diff_claim(rep, f"final accuracy, {name} − sync (points), H = {H}", accs,
+                               sync_accs, f"within ±{ACC_POINTS:g}",
+                               lambda d, lo, hi: abs(d) <= ACC_POINTS, seeds=len(accs))  # fmt: skip
     peer = versions.get("error") or f"torch {versions['torch']}, torchft {versions['torchft']}"
     rep.settings(
         f"{harness.about(__doc__)}\n\nFlags: `{' '.join(COMMON + length)}`; "

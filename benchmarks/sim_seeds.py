@@ -1,33 +1,24 @@
 """The three seed papers' findings on the virtual cluster, scaled to fit the benchmark budget.
 
 Every run is ``cloudburst.sim.run.simulate`` (one process, virtual seconds, deterministic per
-seed): the MNIST-1D CNN's real training (batch 64, lr 0.1) drives the maths, the clock charges
-a published large model's bytes and step time (the stand-in; step-time jitter lognormal:0.1).
-Times count from the first evaluation (after a warm start: its end). Time to target = the first
-evaluation from which the accuracy stays ≥ 80 % for k = 3 evaluations; runs that never get
-there (or fail) are censored and counted ("> T" medians).
+seed): the MNIST-1D CNN's real training drives the maths, the clock charges a published large
+model's bytes and step time (the stand-in; step-time jitter lognormal:0.1). Times count from the
+first evaluation; time to target = the first evaluation from which the accuracy stays ≥ 80 %
+for k = 3 evaluations; runs that never get there (or fail) are censored and counted.
 
-- ``jin`` (Jin et al. 2016, gossiping SGD): sync / asgd / easgd / gossip at W = 2, 8, 32, 128 on
-  a stand-in ResNet-50 on V100 fp32, every method given the same virtual time (``JIN_BUDGET_S``
-  from the first evaluation: each runs enough steps to pass it, evaluations after it are not
-  counted), targets named before the run (80 %, and 85 / 90 % as a sensitivity line); finding:
-  asynchronous methods reach the target sooner at few workers, sync at many.
-- ``coquelin`` (Coquelin et al. 2021, DASO): DASO / sync / post-local SGD on P = 4, 8, 16
-  nodes × 4 GPUs (stand-in ResNet-50 on A100s) at 10 and 100 Gbit/s between nodes; finding:
-  DASO reaches the target in < 0.9 × sync's time at equal accuracy (within 1 point).
-
-The network model is ``nccl`` for jin and coquelin (GPU clusters: hierarchical, size-chosen
-all-reduce and DDP's buckets overlapped with backward in sync; docs/simulator.md) and ``flat``
-for paine (2013: one client per node, no collectives); every run shares each node's NIC among
-its ranks and queues messages at a receiver's ingress (incast).
+- ``jin`` (Jin et al. 2016): sync / asgd / easgd / gossip at W = 2, 8, 32, 128 on a stand-in
+  ResNet-50 on V100, every method given the same virtual time (``JIN_BUDGET_S``), targets 80 %
+  (85 / 90 % as a sensitivity line); finding: asynchronous methods reach the target sooner at
+  few workers, sync at many.
+- ``coquelin`` (Coquelin et al. 2021, DASO): DASO / sync / post-local SGD on P = 4, 8, 16 nodes
+  × 4 GPUs (stand-in ResNet-50 on A100s) at 10 and 100 Gbit/s; finding: DASO reaches the target
+  in < 0.9 × sync's time at equal accuracy (within 1 point).
 - ``paine`` (Paine et al. 2013, GPU A-SGD): 1–8 clients (AlexNet-sized on K20X), warm and cold
   start, n_sync; findings: with a warm start more clients are faster; a cold start with 8
   clients is slower early than 1 client.
 
-Scaled down from issue 14's runs (3 seeds, up to 160,000 samples), so a finding not reproduced
-here may be one of scale: jin a 100-virtual-second budget; coquelin 30 epochs of 10 batches
-(0.05 ms between nodes); paine W = 1, 2, 8 (not 4), 600 steps (not 1,500), n_sync 1 and 10
-(not 60). Three seeds per point (``--seeds``).
+Network model ``nccl`` for jin and coquelin, ``flat`` for paine. Scaled down from issue 14's
+runs, so a finding not reproduced here may be one of scale. Three seeds per point (``--seeds``).
 
     .venv/bin/python benchmarks/sim_seeds.py [jin|coquelin|paine ...] [--quick] [--force]
 """
@@ -72,10 +63,9 @@ def jin(q: bool) -> list[tuple[dict, dict, dict]]:
             servers = 1 if s in ("asgd", "easgd") else 0
             cfg = {**_base(steps, RESNET50_V100_STEP_S, 40_000), "strategy": s, "workers": w}
             cfg.update(servers=servers, nodes=w + servers, inter_node_link="10,0.05")
-            if s == "asgd":
-                cfg["n_sync"] = 10
-            sim = {"profile": "resnet50-v100-fp32", "step_time_jitter": "lognormal:0.1"}
-            sim["network_model"] = "nccl"
+            cfg.update({"n_sync": 10} if s == "asgd" else {})
+            sim = {"profile": "resnet50-v100-fp32", "step_time_jitter": "lognormal:0.1",
+                   "network_model": "nccl"}  # fmt: skip
             points.append(({"W": w, "strategy": s}, cfg, sim))
     return points
 
@@ -91,8 +81,8 @@ def coquelin(q: bool) -> list[tuple[dict, dict, dict]]:
                 del cfg["steps"]  # DASO's phases count epochs: each worker's shard is spe batches
                 if s == "local_sgd":
                     cfg.update(period=4, local_sgd_warmup_steps=4 * spe)
-                sim = {"profile": "resnet50-a100", "intra_node_link": "600,0.002"}
-                sim.update(step_time_jitter="lognormal:0.1", network_model="nccl")
+                sim = {"profile": "resnet50-a100", "intra_node_link": "600,0.002",
+                       "step_time_jitter": "lognormal:0.1", "network_model": "nccl"}  # fmt: skip
                 points.append(({"Gbit": gbit, "P": p, "strategy": s}, cfg, sim))
     return points
 
@@ -104,8 +94,8 @@ def paine(q: bool) -> list[tuple[dict, dict, dict]]:
             cfg = {**_base(steps, K20X_STEP_S, 40_000), "strategy": "asgd", "workers": w}
             cfg.update(servers=1, nodes=w + 1, n_sync=n_sync)
             cfg["warm_start_steps"] = (10 if q else 50) if start == "warm" else 0
-            sim = {"modelled_params": ALEXNET_PARAMS, "step_time_s": round(K20X_STEP_S, 4)}
-            sim["step_time_jitter"] = "lognormal:0.1"
+            sim = {"modelled_params": ALEXNET_PARAMS, "step_time_s": round(K20X_STEP_S, 4),
+                   "step_time_jitter": "lognormal:0.1"}  # fmt: skip
             points.append(({"start": start, "n_sync": n_sync, "W": w}, cfg, sim))
     return points
 
@@ -120,10 +110,8 @@ def simulate_point(name: str, group: dict, cfg: dict, sim: dict, seed: int, out:
     from cloudburst.sim.run import simulate
 
     try:
-        summary = simulate(
-            RunConfig(**cfg, seed=seed, out=out, overwrite=True), SimulationConfig(**sim)
-        )
-        failed = None
+        summary, failed = simulate(RunConfig(**cfg, seed=seed, out=out, overwrite=True),
+                                   SimulationConfig(**sim)), None  # fmt: skip
     except Exception as e:  # kept and counted as censored, never dropped
         summary, failed = {}, f"{type(e).__name__}: {e}"[:300]
     keep = ("final_test_accuracy", "wall_time_s", "steps_per_worker", "simulator")
@@ -188,13 +176,8 @@ def report_jin(rep: harness.Report, recs: dict[tuple, list[dict]], n_seeds: int)
     note = f"equal time, {budget:g} virtual s; fastest async ÷ sync per W: " + ", ".join(
         f"W={w}: {harness.fmt(ratio[w])}" for w in ws
     )
-    finding(
-        rep,
-        "Jin et al.: async faster at few workers (W ≤ 8), sync at many (largest W)",
-        verdict,
-        n_seeds,
-        note,
-    )
+    finding(rep, "Jin et al.: async faster at few workers (W ≤ 8), sync at many (largest W)",
+            verdict, n_seeds, note)  # fmt: skip
     rep.section(f"Jin et al. 2016: time to target within {budget:g} virtual s (every method)")
     rep.table(["W", "strategy", f"median to {100 * TARGET:g} %", "censored",
                *(f"median to {100 * t:g} %" for t in JIN_SENSITIVITY),
@@ -207,27 +190,19 @@ def report_coquelin(rep: harness.Report, recs: dict[tuple, list[dict]], n_seeds:
     for gbit, p in sorted({k[:2] for k in recs}):
         mine = {s: r for (g, pp, s), r in recs.items() if (g, pp) == (gbit, p)}
         m = {s: med(r) for s, r in mine.items()}
-        acc = {
-            s: statistics.fmean(x["summary"]["final_test_accuracy"] or 0 for x in r)
-            for s, r in mine.items()
-        }
+        acc = {s: statistics.fmean(x["summary"]["final_test_accuracy"] or 0 for x in r)
+               for s, r in mine.items()}  # fmt: skip
         sync = finite(m["sync"][0])
         ratio = finite(m["daso"][0]) / sync if math.isfinite(sync) else None
-        ok.setdefault(gbit, []).append(
-            ratio is not None and ratio < 0.9 and acc["daso"] - acc["sync"] >= -0.01
-        )
+        hit = ratio is not None and ratio < 0.9 and acc["daso"] - acc["sync"] >= -0.01
+        ok.setdefault(gbit, []).append(hit)
         rows.append([gbit, p, 4 * p, *(m[s][0] for s in m), ratio,
                      100 * (acc["daso"] - acc["sync"])])  # fmt: skip
         strategies = list(m)
     for gbit, hits in ok.items():
         verdict = "reproduced" if all(hits) else "partly reproduced" if any(hits) else False
-        finding(
-            rep,
-            f"Coquelin et al.: DASO ≤ 0.9 × sync's time to 80 %, accuracy within 1 point, "
-            f"{gbit} Gbit/s (every P)",
-            verdict,
-            n_seeds,
-        )
+        finding(rep, f"Coquelin et al.: DASO ≤ 0.9 × sync's time to 80 %, accuracy within 1 "
+                f"point, {gbit} Gbit/s (every P)", verdict, n_seeds)  # fmt: skip
     rep.section("Coquelin et al. 2021: median time to 80 % (virtual s)")
     rep.table(["Gbit/s", "P", "GPUs", *strategies, "daso ÷ sync", "daso − sync acc (points)"],
               rows)  # fmt: skip
@@ -245,9 +220,7 @@ def report_paine(rep: harness.Report, recs: dict[tuple, list[dict]], n_seeds: in
         rows.append([start, n_sync, w, med(rs)[0], speedup[(start, n_sync, w)], *err])
     ws = sorted({k[2] for k in recs})
     warm = [speedup.get(("warm", 10, w)) for w in ws]
-    more_faster = all(v is not None for v in warm) and all(
-        a < b for a, b in zip(warm, warm[1:], strict=False)
-    )
+    more_faster = None not in warm and all(a < b for a, b in zip(warm, warm[1:], strict=False))
     err_early = {w: next(r[5] for r in rows if r[:3] == ["cold", 10, w]) for w in ws}
     cold_slow = err_early[ws[-1]] > err_early[1] + 1
     for name, ok in [
@@ -273,12 +246,10 @@ def main() -> None:
     names = args.experiments or list(EXPERIMENTS)
     seeds = list(range(args.seeds or (1 if args.quick else 3)))  # deterministic per seed
     root = prov.runs_dir("sim_seeds")
-    jobs = []
-    for name in names:
-        for group, cfg, sim in EXPERIMENTS[name](args.quick):
-            for seed in seeds:
-                label = "-".join(f"{k}{v}" for k, v in group.items())
-                jobs.append((name, group, cfg, sim, seed, str(root / name / f"{label}-s{seed}")))
+    jobs = [(name, group, cfg, sim, seed,
+             str(root / name / f"{'-'.join(f'{k}{v}' for k, v in group.items())}-s{seed}"))
+            for name in names for group, cfg, sim in EXPERIMENTS[name](args.quick)
+            for seed in seeds]  # fmt: skip
     ctx = get_context("forkserver")
     with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
         records = list(pool.map(simulate_point, *zip(*jobs, strict=True)))
@@ -294,9 +265,8 @@ def main() -> None:
         rep.text(f"{len(failed)} runs failed (counted as censored): " + failed[0]["failed"])
     for name in names:
         recs: dict[tuple, list[dict]] = {}
-        for r in records:
-            if r["experiment"] == name:
-                recs.setdefault(tuple(r["group"].values()), []).append(r)
+        for r in (r for r in records if r["experiment"] == name):
+            recs.setdefault(tuple(r["group"].values()), []).append(r)
         REPORTS[name](rep, recs, len(seeds))
     rep.data = {"records": records}
     rep.write()
