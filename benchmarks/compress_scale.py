@@ -4,22 +4,16 @@ Streaming DiLoCo headline at W = 16 and 64, and real gloo runs at W = 4 against 
     .venv/bin/python benchmarks/compress_scale.py            # results/compress_scale.{md,json}
     .venv/bin/python benchmarks/compress_scale.py --quick    # smoke test, runs/bench-quick/
 
-Four parts, each in its section of the result:
-
-1. **The table** (virtual cluster, in one process; W = 2, 4, 16, 64, 256): sync (an
-   all-reduce of the gradients every step) and local SGD (H = 8) on a 131,072-parameter linear
-   model (512 quantisation blocks), driven by hand for one period, all workers on 2 nodes so
-   that every collective crosses the inter-node link: counted bytes per worker-step and virtual
-   seconds per step (0.05 s of compute) on links of 1 and 10 Gbit/s (no latency), for
+1. **The table** (virtual cluster, one process, W = 2 to 256): sync and local SGD (H = 8) on a
+   131,072-parameter linear model driven by hand for one period, all workers on 2 nodes:
+   bytes per worker-step and virtual seconds per step on 1 and 10 Gbit/s links, for
    ``--compress`` none, int8 and fp8.
-2. **The issue's test** with the CLI: ``cloudburst simulate --strategy local_sgd`` (MNIST-1D
-   CNN, H = 8, 16 steps) with int8 ÷ none sent bytes at W = 4, 16, 64 and 256.
-3. **Streaming DiLoCo at scale** (``cloudburst simulate``): F = 4 fragments, H = 8, τ = 1, int8,
-   against sync at equal steps: inter-node bytes and final accuracy, W = 16 on 2 nodes and
-   W = 64 on 8 nodes, the MNIST-1D CNN (one seed each: the accuracy gap is indicative).
-4. **Real gloo runs at W = 4** (``cloudburst train``, 3 seeds, MNIST-1D MLP, local SGD H = 2):
-   int8 against none, each job in its own network namespace (benchmarks/wire.py): counted
-   bytes, the bytes the loopback device carried, final accuracy (paired by seed).
+2. **The issue's test**: ``cloudburst simulate --strategy local_sgd`` int8 ÷ none sent bytes at
+   W = 4, 16, 64 and 256.
+3. **Streaming DiLoCo at scale** (F = 4, H = 8, τ = 1, int8) against sync at equal steps: W = 16
+   on 2 nodes and W = 64 on 8 (one seed each).
+4. **Real gloo runs at W = 4** (local SGD H = 2, 3 seeds): int8 against none, each job in its
+   own network namespace (``wire.py``): counted and wire bytes, final accuracy.
 """
 
 from __future__ import annotations
@@ -48,8 +42,7 @@ def _drive(ctx, steps: int) -> dict:
 
     torch.manual_seed(0)
     model = nn.Linear(IN, OUT)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    strategy = make_strategy(ctx)
+    optimizer, strategy = torch.optim.SGD(model.parameters(), lr=0.01), make_strategy(ctx)
     strategy.configure(1000, steps)
     net = strategy.wrap(model, optimizer)
     strategy.start()
@@ -79,19 +72,13 @@ def table_point(strategy: str, workers: int, method: str, link: float, out: Path
     )  # fmt: skip
     sim = SimulationConfig(step_time_s=STEP_S)
     results = run_ranks(cfg, _drive, steps, sim=sim, actual_params=NUMEL)
-    return {
-        "bytes_per_worker_step": sum(r["sent"] for r in results) / (workers * steps),
-        "s_per_step": max(r["clock"] for r in results) / steps,
-    }
-
-
-def ring_fp32(workers: int) -> float:
-    return 2 * (workers - 1) / workers * 4 * NUMEL
+    return {"bytes_per_worker_step": sum(r["sent"] for r in results) / (workers * steps),
+            "s_per_step": max(r["clock"] for r in results) / steps}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- 2.-3. the CLI
 def simulate(arm: harness.Arm, seed: int, out: Path) -> harness.Run:
-    return harness.run_train(arm, seed, out, 1800.0, (*harness.CLI, "simulate", "--overwrite"))
+    return harness.run_train(arm, seed, out, 1800.0, harness.SIMULATE)
 
 
 def issue_argv(workers: int, method: str) -> list[str]:
@@ -134,16 +121,13 @@ REAL = ["--strategy", "local_sgd", "--period", "2", "--workers", "4", "--model",
 
 def main() -> None:
     args, prov = harness.start(__doc__)
-    quick = args.quick
-    root = prov.runs_dir("compress_scale")
+    quick, root = args.quick, prov.runs_dir("compress_scale")
     report = harness.Report("compress_scale", "Compression at scale: W = 2 to 256", prov)
     report.settings(harness.about(__doc__))
 
     # 1. the table
     sizes = (2, 4, 16) if quick else (2, 4, 16, 64, 256)
-    methods = ("none", "int8", "fp8")
-    table: dict = {}
-    rows = []
+    methods, table, rows = ("none", "int8", "fp8"), {}, []
     for strategy in ("sync", "local_sgd"):
         for w in sizes:
             point = {}
@@ -154,13 +138,10 @@ def main() -> None:
                 prov.sample_load()
             none = point["none", LINKS[0]]["bytes_per_worker_step"]
             table[f"{strategy}/{w}"] = {f"{m}@{lk:g}": v for (m, lk), v in point.items()}
-            rows.append([
-                strategy, w, none,
-                *(point[m, LINKS[0]]["bytes_per_worker_step"] / none for m in ("int8", "fp8")),
-                *(point[m, lk]["s_per_step"] for lk in LINKS for m in methods),
-            ])  # fmt: skip
-            for m in ("int8", "fp8"):
-                ratio = point[m, LINKS[0]]["bytes_per_worker_step"] / none
+            ratios = [point[m, LINKS[0]]["bytes_per_worker_step"] / none for m in ("int8", "fp8")]
+            times = [point[m, lk]["s_per_step"] for lk in LINKS for m in methods]
+            rows.append([strategy, w, none, *ratios, *times])
+            for m, ratio in zip(("int8", "fp8"), ratios, strict=True):
                 report.claim(f"{strategy} {m} ÷ none bytes per worker-step, W = {w}", ratio,
                              "≤ 0.3", ratio <= 0.3)  # fmt: skip
     report.data["table"] = table
@@ -171,16 +152,13 @@ def main() -> None:
         "quantised all-reduce is an all-gather at W = 2 and a reduce-scatter + all-gather of "
         "quantised chunks from W = 3 on: 2(W − 1)/W × 1.016 bytes a value per rank against "
         "the fp32 ring's 2(W − 1)/W × 4."
-    ).table(
-        "strategy | W | none bytes/worker-step | int8 ÷ none | fp8 ÷ none | "
-        + " | ".join(f"s/step {m} {lk:g} Gbit/s" for lk in LINKS for m in methods),
-        rows,
-    )
+    ).table("strategy | W | none bytes/worker-step | int8 ÷ none | fp8 ÷ none | "
+            + " | ".join(f"s/step {m} {lk:g} Gbit/s" for lk in LINKS for m in methods),
+            rows)  # fmt: skip
 
     # 2. the issue's test, with the CLI
-    issue_sizes = (4, 16) if quick else (4, 16, 64, 256)
     issue_rows, issue = [], {}
-    for w in issue_sizes:
+    for w in (4, 16) if quick else (4, 16, 64, 256):
         sent = {}
         for method in ("none", "int8"):
             arm = harness.Arm(f"local_sgd-{method}-W{w}", issue_argv(w, method))
@@ -227,11 +205,10 @@ def main() -> None:
         "1.016 / (4 × 8) = 1/31.5 of sync's bytes, at every W. One seed: the accuracy gap "
         "is indicative only."
     ).table("W | nodes | sync inter-node bytes | SDiLoCo int8 inter-node bytes | ratio | "
-                 "sync acc % | SDiLoCo acc %", stream_rows)  # fmt: skip
+            "sync acc % | SDiLoCo acc %", stream_rows)  # fmt: skip
 
     # 4. real gloo runs at W = 4
-    seeds = list(range(args.seeds or (1 if quick else 3)))
-    steps = 40 if quick else 200
+    seeds, steps = list(range(args.seeds or (1 if quick else 3))), 40 if quick else 200
     arms = [harness.Arm(m, [*REAL, "--compress", m, "--steps", str(steps)])
             for m in ("none", "int8")]  # fmt: skip
     runs = harness.interleave(arms, seeds, prov=prov, run=lambda arm, seed: wire.run_wire(
@@ -253,10 +230,9 @@ def main() -> None:
                      "1 ± 0.05", abs(w_ratio - 1) <= 0.05, seeds=1)  # fmt: skip
     acc = {a: [r.final_accuracy for r in rs if not r.failed] for a, rs in by.items()}
     if len(acc.get("int8", [])) == len(acc.get("none", [])) > 1:
-        diff, lo, hi = harness.bootstrap_difference(acc["int8"], acc["none"], paired=True)
-        report.claim("gloo W = 4: int8 − none final accuracy (points)", 100 * diff,
-                     "≥ -1", 100 * diff >= -1, interval=(100 * lo, 100 * hi),
-                     seeds=len(acc["int8"]))  # fmt: skip
+        harness.diff_claim(report, "gloo W = 4: int8 − none final accuracy (points)", acc["int8"],
+                           acc["none"], "≥ -1", lambda d, lo, hi: d >= -1, digits=None,
+                           seeds=len(acc["int8"]))  # fmt: skip
     report.section("4. Real runs on gloo, W = 4: counters, wire and accuracy").text(
         f"{steps} steps per worker, local SGD H = 2 (an average every other step, so that the "
         "averages dominate the traffic), the MNIST-1D MLP, one job at a time in its own network "
@@ -264,7 +240,7 @@ def main() -> None:
         "less the store's bytes; it includes the start-up broadcast of the parameters and the "
         "end-of-run collectives the counters leave out by design."
     ).table("arm | seed | counted sent | wire data (lo) | wire ÷ counted | final acc %",
-                 real_rows)  # fmt: skip
+            real_rows)  # fmt: skip
     report.section("5. torchft's quantised all-reduce, by its formula").text(TORCHFT)
     report.write(runs)
 

@@ -643,12 +643,14 @@ def ratio_claim(
     *,
     paired: bool | None = None,
     aa_of: str = "b",
+    samples: bool = False,
 ) -> Claim:
     """Add the claim a ÷ b with its bootstrap interval and the A/A ratio beside it: the repeat
     ``aa`` ÷ the side it repeats (``aa_of``), or ``aa`` itself when it is a number. ``paired``
     (default: as many values on both sides): :func:`paired_ratio`. Censored values count as
     ``budget_s`` (noted); a censored median makes the ratio a bound, and only the interval's
-    informative side is judged (:meth:`Claim.judge`)."""
+    informative side is judged (:meth:`Claim.judge`). ``samples``: the values are samples to
+    target, censored ones counted at ``budget_s`` samples (:func:`censored_floor`)."""
     if aa_of not in ("a", "b"):
         raise ValueError(f"aa_of must be 'a' or 'b', got {aa_of!r}")
     paired = len(a) == len(b) if paired is None else paired
@@ -660,7 +662,8 @@ def ratio_claim(
         aa_paired = paired and len(aa_runs) == len(side)
         aa_ratio = bootstrap_ratio(aa_runs, side, budget_s=budget_s, paired=aa_paired)[0]
     censored = sum(v is None for v in (*a, *b, *aa_runs))
-    note = f"{censored} censored runs counted at the {fmt(budget_s)} s budget" if censored else ""
+    unit = f"samples ({CENSORED_SAMPLES})" if samples else "s budget"
+    note = f"{censored} censored runs counted at the {fmt(budget_s)} {unit}" if censored else ""
     value: float | str = ratio
     verdict, judged = ok(ratio), (lo, hi)
     a_out, b_out = (isinstance(censored_median(x, 0)[0], str) for x in (a, b))

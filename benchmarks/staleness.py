@@ -1,19 +1,14 @@
 """Staleness at scale on the virtual cluster: asynchronous methods ÷ sync and asynchronous
 DiLoCo ÷ DiLoCo with heavy-tailed step times and one 4× straggler (issue 28 item 4).
 
-Every run is ``cloudburst simulate`` (one process, virtual seconds, deterministic per seed):
-MNIST-1D (40,000 train, so 64 workers each have a shard ≥ a batch), the paper's CNN, batch 64,
-a 20 ms step × a seeded jitter (``lognormal:0.3`` or ``pareto:2``), worker 0's step × 4. Every
-arm gets the same virtual time, ``BUDGET_S`` from the first evaluation: each runs enough steps
-to pass it (lockstep arms move at the slowest worker's pace, so they need fewer) and
-evaluations after it do not count. Time to target: the first evaluation from which the
-accuracy stays ≥ ``TARGET`` for k = 3 evaluations, censored (and counted) at the budget.
-
-Per (W, jitter), over the seeds, paired by seed: each asynchronous arm ÷ sync in time to target
-(target ≤ 0.70) and in samples to it (≤ 1.2); async DiLoCo against DiLoCo at equal pushes (its
-accuracy once it has processed DiLoCo's samples: without DyLU a push is H steps on both sides),
-at equal time (accuracy at the budget) and in time to DiLoCo's accuracy at the budget − 1
-point (target ≤ 0.75). Targets fixed here before any run.
+Every run is ``cloudburst simulate`` (deterministic per seed): MNIST-1D (40,000 train), the
+paper's CNN, batch 64, a 20 ms step × a seeded jitter (``lognormal:0.3`` or ``pareto:2``),
+worker 0's step × 4. Every arm gets the same virtual time, ``BUDGET_S`` from the first
+evaluation (evaluations after it do not count). Time to target: the first evaluation from
+which the accuracy stays ≥ ``TARGET`` for k = 3 evaluations, censored (and counted) at the
+budget. Per (W, jitter), paired by seed: each asynchronous arm ÷ sync in time to target (≤ 0.70)
+and in samples to it (≤ 1.2); async DiLoCo against DiLoCo at equal pushes, at equal time and in
+time to DiLoCo's accuracy at the budget − 1 point (≤ 0.75). Targets fixed before any run.
 
     .venv/bin/python benchmarks/staleness.py [--quick] [--seeds N] [--workers 16,64]
         [--jitters lognormal:0.3,pareto:2] [--arms sync,asgd,...] [--jobs 2]
@@ -24,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import NormalDist
 
@@ -107,14 +101,8 @@ def main() -> None:
         p.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(STRAGGLER_ARMS)}")
         p.add_argument("--budget-s", type=float, default=BUDGET_S, help="virtual s per arm")
         p.add_argument("--jobs", type=int, default=2, help="simulations side by side")
-        p.add_argument(
-            "--runs", help="re-derive the report from this results JSON's stored runs (no "
-            "simulation; the report names the runs' commit)",
-        )  # fmt: skip
-        p.add_argument(
-            "--timeout-s", type=float, default=3600.0,
-            help="one simulation's wall-clock limit (W = 64 asynchronous: ~15 min idle)",
-        )  # fmt: skip
+        p.add_argument("--runs", help="re-derive the report from this result JSON's runs")
+        p.add_argument("--timeout-s", type=float, default=3600.0, help="per simulation (wall)")
 
     args, prov = harness.start(__doc__, add)
     budget = 3.0 if args.quick else args.budget_s
@@ -126,26 +114,15 @@ def main() -> None:
     names, missing = supported(args.arms.split(","), cli_help())
     seeds = range(args.seeds or (1 if args.quick else 3))
     root = prov.runs_dir("staleness")
-    jobs = [
-        (Arm(f"W{w} {j} {n}", argv(n, w, j, budget)), s)
-        for w in ws for j in jitters for s in seeds for n in names
-    ]  # fmt: skip
-    command = (*harness.CLI, "simulate", "--overwrite")
-
-    def one(job: tuple[Arm, int]) -> harness.Run:
-        arm, seed = job
-        out = root / harness.slug(arm.name) / f"seed{seed}"
-        r = harness.run_train(arm, seed, out, args.timeout_s, command=command)
-        print(f"  {arm.name} seed {seed}: {harness.describe(r)}", flush=True)
-        return r
-
+    jobs = [(Arm(f"W{w} {j} {n}", argv(n, w, j, budget)), s)
+            for w in ws for j in jitters for s in seeds for n in names]  # fmt: skip
     stored = json.loads(Path(args.runs).read_text()) if args.runs else None
     if stored is None:
-        with ThreadPoolExecutor(args.jobs) as pool:
-            runs = list(pool.map(one, jobs))
+        outs = [(a, s, root / harness.slug(a.name) / f"seed{s}") for a, s in jobs]
+        runs = harness.simulate_all(outs, prov, args.jobs, args.timeout_s)
     else:
         runs = [harness.Run(**r) for r in stored["runs"]]
-    prov.sample_load()
+        prov.sample_load()
     rep = harness.Report("staleness", "Staleness at scale on the virtual cluster", prov)
     groups = harness.by_arm(runs)
     rows, diloco_rows = [], []
@@ -166,12 +143,10 @@ def main() -> None:
                     rep, f"time to {TGT} %, {n} ÷ sync, {where}", t[n], t["sync"],
                     None, f"≤ {BEST_RATIO_TARGET}", lambda r: r <= BEST_RATIO_TARGET, budget,
                 )  # fmt: skip
-                c = harness.ratio_claim(
-                    rep, f"samples to {TGT} %, {n} ÷ sync, {where}", smp[n],
-                    smp["sync"], None, f"≤ {SAMPLES_TARGET}",
-                    lambda r: r <= SAMPLES_TARGET, floor,
+                harness.ratio_claim(
+                    rep, f"samples to {TGT} %, {n} ÷ sync, {where}", smp[n], smp["sync"], None,
+                    f"≤ {SAMPLES_TARGET}", lambda r: r <= SAMPLES_TARGET, floor, samples=True,
                 )  # fmt: skip
-                c.note = c.note.replace(" s budget", f" samples ({harness.CENSORED_SAMPLES})")
             for n in names:
                 med, cens = harness.censored_median(t[n], budget)
                 rows.append([w, j, n, " / ".join(fmt(x) for x in t[n]), fmt(med), cens,
@@ -195,14 +170,13 @@ def main() -> None:
     failed = [r for r in runs if r.failed]
     if failed:
         rep.text(f"{len(failed)} runs failed (counted as censored): {failed[0].failed}")
-    rep.section(f"Every arm: time to {TGT} % (virtual s from the first evaluation)")
-    rep.table(["W", "jitter", "arm", "per seed", "median", "censored", "samples to it (median)",
-               "accuracy at the budget %"], rows)  # fmt: skip
+    rep.section(f"Every arm: time to {TGT} % (virtual s from the first evaluation)").table(
+        ["W", "jitter", "arm", "per seed", "median", "censored", "samples to it (median)",
+         "accuracy at the budget %"], rows)  # fmt: skip
     if diloco_rows:
-        rep.section("Async DiLoCo ÷ DiLoCo")
-        rep.table(["W", "jitter", "arm", "acc at DiLoCo's samples − DiLoCo's (points)",
-                   "acc at the budget − DiLoCo's (points)",
-                   f"time to DiLoCo's − {BAND:g} point ÷ DiLoCo's"], diloco_rows)  # fmt: skip
+        rep.section("Async DiLoCo ÷ DiLoCo").table(["W", "jitter", "arm",
+            "acc at DiLoCo's samples − DiLoCo's (points)", "acc at the budget − DiLoCo's (points)",
+            f"time to DiLoCo's − {BAND:g} point ÷ DiLoCo's"], diloco_rows)  # fmt: skip
     rep.data["argv"] = {a.name: list(a.argv) for a, _ in jobs}
     rep.data["not measured"] = missing
     rep.write(runs)
