@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -130,9 +129,7 @@ def accuracy(args) -> None:
     )
     report.section("Every strategy").table(
         ["strategy", "final acc % (seeds)", "mean", "worst", f"seeds ≥ {100 * TARGET:.0f} %",
-         "train s (median)", "command s (median)"],
-        rows,
-    )  # fmt: skip
+         "train s (median)", "command s (median)"], rows)  # fmt: skip
     report.write(runs)
 
 
@@ -260,22 +257,15 @@ def stragglers(args) -> None:
     rows = []
     for name, rs in groups.items():
         median, censored = harness.censored_median(times[name], budget)
-        rows.append(
-            [name, " / ".join(fmt(t) for t in times[name]), fmt(median), censored,
-             " / ".join(pct(final_acc(r)) for r in rs),
-             fmt(harness.median(samples[name])),
-             fmt(harness.median(r.values.get("samples/s") for r in rs)),
-             fmt(harness.median(r.values.get("ms/step w0") for r in rs)),
-             fmt(harness.median(fast_ms(r) for r in rs)),
-             fmt(harness.median(r.values.get("wait ms/step") for r in rs)),
-             fmt(harness.median(r.values.get("job cores") for r in rs)),
-             fmt(harness.median(r.values.get("CPU ms/step") for r in rs))]
-        )  # fmt: skip
+        rows.append([name, " / ".join(fmt(t) for t in times[name]), fmt(median), censored,
+                     " / ".join(pct(final_acc(r)) for r in rs), fmt(harness.median(samples[name])),
+                     fmt(med(rs, "samples/s")), fmt(med(rs, "ms/step w0")),
+                     fmt(harness.median(fast_ms(r) for r in rs)), fmt(med(rs, "wait ms/step")),
+                     fmt(med(rs, "job cores")), fmt(med(rs, "CPU ms/step"))])  # fmt: skip
     report.section("Every arm").table(
         ["arm", "time to 90 % per seed (s)", "median (s)", "censored", "last eval acc %",
          "samples at 90 % (median)", "samples/s, all training", "ms/step straggler",
-         "ms/step others", "comm wait ms/step", "job's cores", "CPU ms/worker step"],
-        rows,
+         "ms/step others", "comm wait ms/step", "job's cores", "CPU ms/worker step"], rows,
     )  # fmt: skip
     report.text(
         "Medians over seeds. *All training*: the window from 1 s after the clock started to "
@@ -299,7 +289,7 @@ STRAGGLER_ARMS: dict[str, tuple[list[str], str]] = {
     **{
         f"asgd {c}": (["--strategy", "asgd", "--staleness-compensation", c], "async")
         for c in COMPENSATORS
-    },
+    },  # fmt: skip
     "diloco": (["--strategy", "diloco"], "lockstep"),
     "async_diloco": (["--strategy", "async_diloco"], "async"),
     "async_diloco dylu": (["--strategy", "async_diloco", "--dylu"], "async"),
@@ -313,11 +303,9 @@ DEFAULT_ARMS = ("sync", "asgd", "asgd dc-adaptive", "diloco", "async_diloco", "a
 
 def cli_help() -> str:
     """``cloudburst train --help`` of the package under test (what flags this commit has)."""
-    proc = subprocess.run(
-        [*harness.CLI, "train", "--help"], cwd=harness.REPO, capture_output=True, text=True,
-        env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
-    return proc.stdout
+    env = {**os.environ, "COLUMNS": "200"}
+    cmd = [*harness.CLI, "train", "--help"]
+    return subprocess.run(cmd, cwd=harness.REPO, capture_output=True, text=True, env=env).stdout
 
 
 def supported(names: Sequence[str], help_text: str) -> tuple[list[str], list[str]]:
@@ -339,11 +327,8 @@ def supported(names: Sequence[str], help_text: str) -> tuple[list[str], list[str
 
 
 def final_acc(r: harness.Run) -> float | None:
-    """The run's last evaluated accuracy (the global model's: the servers' θ under a
-    parameter server), else its summary's final one."""
-    if r.failed:
-        return None
-    return r.evals[-1][2] if r.evals else r.final_accuracy
+    """The run's last evaluated accuracy (the global model's), else its summary's final one."""
+    return None if r.failed else r.evals[-1][2] if r.evals else r.final_accuracy
 
 
 def diloco_levels(runs: Sequence[harness.Run]) -> list[float] | None:
@@ -359,9 +344,8 @@ def time_to_level(r: harness.Run, level: float) -> float | None:
 
 
 def step_compute_ms(out_dir: Path, steps: int, flags: Sequence[str] = ()) -> float | None:
-    """The real compute of one training step (``flags``: the model, data, batch): one
-    worker, no padding, ``steps`` steps (one process on an otherwise idle machine: its
-    training time is its CPU), in ms."""
+    """The real compute of one training step in ms (``flags``: the model, data, batch): one
+    worker, no padding, ``steps`` steps (one process on an idle machine: time = CPU)."""
     shutil.rmtree(out_dir, ignore_errors=True)
     argv = [*flags, "--strategy", "sync", "--workers", "1", "--steps", str(steps)]
     r = harness.run_train(Arm("one process", [*argv, "--eval-every-s", "1e6"]), 0, out_dir)
@@ -378,20 +362,21 @@ def samples_to(r: harness.Run, target: float = TARGET) -> int | None:
 def fast_ms(r: harness.Run) -> float | None:
     """The median ms/step of the workers other than worker 0 (the straggler)."""
     return harness.median(
-        v for k, v in r.values.items() if k.startswith("ms/step w") and k != "ms/step w0"
+        v for k, v in r.values.items() if k.startswith("ms/step w") and k[9:] != "0"
     )
+
+
+def med(rs: Sequence[harness.Run], key: str) -> float | None:
+    """The median of the runs' ``values[key]``."""
+    return harness.median(r.values.get(key) for r in rs)
 
 
 def explain(
     groups: dict[str, list[harness.Run]], compute_ms: float | None, asyncs: Sequence[str] = ()
 ) -> dict:
-    """The measured decomposition of each time ratio: each arm ÷ sync in samples/s while
-    every worker trains (ideal 1.75 for an asynchronous arm) and in samples needed to hold
-    90 % (time ratio ≈ samples needed ÷ throughput); and the CPU the job used."""
+    """Each time ratio decomposed by measurement: each arm ÷ sync in samples/s while every
+    worker trains and in samples needed to hold 90 %; and the CPU the job used."""
     sync = groups["sync straggler"]
-
-    def med(rs: list[harness.Run], key: str) -> float | None:
-        return harness.median(r.values.get(key) for r in rs)
 
     per_arm: dict[str, dict[str, float | None]] = {}
     for name, rs in groups.items():
@@ -404,8 +389,7 @@ def explain(
             "predicted_time_ratio": ratio(need, thr),
         }  # fmt: skip
     everyone = [r for rs in groups.values() for r in rs]
-    cores = harness.median(r.values.get("job cores") for r in everyone)
-    machine = harness.median(r.values.get("machine cores") for r in everyone)
+    cores, machine = med(everyone, "job cores"), med(everyone, "machine cores")
     ncores = os.cpu_count() or 1
     padded = 1000 * MIN_STEP_S
     asgd = per_arm.get("asgd", {})
@@ -529,26 +513,6 @@ class CpuSampler:
         return (m1 - m0) / (w1 - w0), (j1 - j0) / (w1 - w0)
 
 
-@dataclass
-class Pace:
-    """How a run trained while every worker was still training (the window from 1 s after
-    the clock started, or a quarter of the way in a short run, to the first worker's last
-    step): each worker's ms per step, all
-    workers' samples/s, and the cores the machine and the job's own processes kept busy."""
-
-    window_s: tuple[float, float]
-    ms_per_step: dict[int, float]  # worker index → ms per step in the window
-    wait_ms_per_step: dict[int, float]  # worker index → ms per step waiting for communication
-    samples_per_s: float
-    machine_cores: float | None
-    job_cores: float | None
-
-    def cpu_ms_per_step(self, batch_size: int) -> float | None:
-        """The job's CPU (every rank, servers included) per worker step, in ms."""
-        steps_per_s = self.samples_per_s / batch_size
-        return None if self.job_cores is None else 1000 * self.job_cores / steps_per_s
-
-
 def worker_records(out_dir: str | Path) -> dict[int, list[dict]]:
     """Each worker's metrics records, by worker index (servers left out)."""
     files: dict[str, list[dict]] = {}
@@ -570,8 +534,11 @@ def _interpolate(points: list[tuple[float, float]], t: float) -> float:
     return s0 + (s1 - s0) * (t - t0) / (t1 - t0)
 
 
-def pace(out_dir: str | Path, batch_size: int, cpu: CpuSampler | None) -> Pace | None:
-    """:class:`Pace` of a finished run from its step records (None without enough of them)."""
+def pace(out_dir: str | Path, batch_size: int, cpu: CpuSampler | None) -> dict | None:
+    """How a run trained while every worker still trained (from 1 s after the clock started,
+    or a quarter of a short run, to the first worker's last step), from its step records:
+    samples/s, each worker's ms per step, the median wait for communication per step, the cores
+    the job's processes and the machine kept busy, the job's CPU ms per worker step."""
     steps, waits, ends, firsts = {}, {}, [], []
     for w, recs in worker_records(out_dir).items():
         logged = [r for r in recs if r.get("event") == "step"]
@@ -589,14 +556,12 @@ def pace(out_dir: str | Path, batch_size: int, cpu: CpuSampler | None) -> Pace |
 
     rates = {w: gain(p) / (b - a) for w, p in sorted(steps.items())}
     origin = min(firsts)  # the clock's origin, give or take the first step
-    cores = cpu.cores(origin + a, origin + b) if cpu is not None else None
-    return Pace(
-        (a, b),
-        {w: 1000 / r for w, r in rates.items() if r > 0},
-        {w: 1000 * gain(waits[w]) / (r * (b - a)) for w, r in rates.items() if r > 0},
-        sum(rates.values()) * batch_size,
-        *(cores or (None, None)),
-    )
+    machine, job = (cpu.cores(origin + a, origin + b) if cpu else None) or (None, None)
+    per_s = sum(rates.values()) * batch_size
+    waits_ms = [1000 * gain(waits[w]) / (r * (b - a)) for w, r in rates.items() if r > 0]
+    return {"samples/s": per_s, **{f"ms/step w{w}": 1000 / r for w, r in rates.items() if r > 0},
+            "wait ms/step": statistics.median(waits_ms), "job cores": job, "machine cores": machine,
+            "CPU ms/step": None if job is None else 1000 * job / (per_s / batch_size)}  # fmt: skip
 
 
 def _children() -> list[int]:
@@ -628,13 +593,10 @@ def _a_worker_finished(out_dir: Path, steps: int) -> bool:
 def measured_run(
     run: Callable[[], harness.Run], out_dir: Path, batch_size: int, cut_at_step: int = 0
 ) -> harness.Run:
-    """``run()`` (a training job into ``out_dir``) with its CPU sampled and its :class:`Pace`
-    in the Run's ``values``.
-
-    ``cut_at_step``: interrupt the job (SIGINT: it stops, writes its summary, exits 130) as
-    soon as its first worker has logged this step, its last. Under asgd with a straggler the
-    fast workers finish first and only the straggler trains on: a tail a time-boxed run
-    would not have, which would only make the run longer."""
+    """``run()`` (a training job into ``out_dir``) with its CPU sampled and its :func:`pace` in
+    the Run's ``values``. ``cut_at_step``: interrupt the job (SIGINT: it writes its summary,
+    exits 130) once its first worker has logged this step, its last: from there on only a
+    straggler would train, a tail a time-boxed run would not have."""
     shutil.rmtree(out_dir, ignore_errors=True)
     stop, interrupted = threading.Event(), threading.Event()
 
@@ -655,13 +617,7 @@ def measured_run(
     if interrupted.is_set() and r.failed and r.failed.startswith("exit 130"):
         r.failed = None
         r.values["cut at first worker's end"] = True
-    p = pace(out_dir, batch_size, cpu)
-    if p is not None:
-        r.values.update({"samples/s": p.samples_per_s,
-                         **{f"ms/step w{w}": v for w, v in p.ms_per_step.items()},
-                         "wait ms/step": statistics.median(p.wait_ms_per_step.values()),
-                         "job cores": p.job_cores, "machine cores": p.machine_cores,
-                         "CPU ms/step": p.cpu_ms_per_step(batch_size)})  # fmt: skip
+    r.values.update(pace(out_dir, batch_size, cpu) or {})
     return r
 
 
