@@ -2,27 +2,16 @@
 simulate`` predicts it against real ``cloudburst train`` runs of the same flags on this
 machine, on configurations held out from the model's development (issues 25 and 30).
 
-Each configuration runs four ways per seed, interleaved: ``cloudburst train`` (W workers, plus
-a server shard for asgd/easgd, local processes, gloo on loopback) with the inter-node link
-emulated and without it, and ``cloudburst simulate`` (one process, virtual time) with and
-without it. Every step is padded to ``--min-step-time-s`` on both sides. The quantity scored is
-**the time the link adds**: wall time with the link − wall time without it, paired by seed.
-On the real side the difference takes out what the simulator does not model and the link does
-not cause — the padding, and this machine's host overhead per step (gloo's loopback
-collectives, Python, up to 5 processes sharing 2 cores: the no-link run's time beyond its
-padding, reported) — and keeps what it does model: the link's costs, the node NIC its ranks
-share, who waits for whom. Ratio = real ÷ simulated per (configuration, seed); the claims: the
-median ratio within 15 % with its paired interval (all held-out configurations, then each).
-A second claim scores the whole unpadded time (wall − steps × padding), host overhead
-included, to show what that overhead is worth.
-
-Held out: ``HELD_OUT`` names the configurations before any run; the model was developed on
-``DEVELOPED`` (W = 2 and 4 over a 50 Mbit/s, 1 ms link), so these use W = 3 and links of other
-bandwidth and latency. Their first run (at 43f3704) led to one change of the emulator, so
-``FRESH`` names two more, never run before that change, scored on their own too. The A/A
-control runs the first configuration for real with its link a second time per seed: its ratio
-(against the same no-link run) is the noise floor of the real side. A failed run is kept and
-counted as outside the tolerance.
+Each configuration runs four ways per seed, interleaved: real and simulated, each with the
+inter-node link emulated and without it, every step padded to ``--min-step-time-s``. Scored:
+**the time the link adds** (wall time with the link − without it, paired by seed), which takes
+out what the simulator does not model (the padding, this machine's host overhead per step) and
+keeps what it does (the link, the node NIC its ranks share, who waits for whom); real ÷
+simulated per (configuration, seed), median within 15 % with its paired interval (all held-out
+configurations, then each). A second claim scores the whole unpadded time, host overhead
+included. ``HELD_OUT`` was named before any run, ``FRESH`` after the first run's one change of
+the emulator; the A/A runs the first configuration's real run a second time per seed. A failed
+run is kept and counted as outside the tolerance.
 
     .venv/bin/python benchmarks/sim_fidelity.py [--quick] [--force] [--steps N] [--seeds N]
 """
@@ -52,11 +41,10 @@ WAYS = ("real", "real, no link", "sim", "sim, no link")
 
 
 def argv(strategy: str, workers: int, link: str | None, steps: int) -> list[str]:
-    a = ["--strategy", strategy, "--workers", str(workers), "--steps", str(steps)]
-    a += ["--min-step-time-s", str(PADDING_S), "--nodes", "2"]
-    a += ["--eval-every-s", "1e6", "--checkpoint-every", "0"]
-    a += ["--inter-node-link", link] if link else []
-    return a + (["--servers", "1"] if strategy in ("asgd", "easgd") else [])
+    return ["--strategy", strategy, "--workers", str(workers), "--steps", str(steps),
+            "--min-step-time-s", str(PADDING_S), "--nodes", "2", "--eval-every-s", "1e6",
+            "--checkpoint-every", "0", *(["--inter-node-link", link] if link else []),
+            *(["--servers", "1"] if strategy in ("asgd", "easgd") else [])]  # fmt: skip
 
 
 def wall(run: harness.Run) -> float | None:
@@ -76,19 +64,15 @@ def main() -> None:
     padding = steps * PADDING_S
     configs = HELD_OUT[:2] if args.quick else HELD_OUT + FRESH
     label = {c: f"{c[0]} W{c[1]} link {c[2]}" for c in configs}
-    arms = [
-        harness.Arm(f"{label[c]} {way}", argv(*c[:2], None if "no link" in way else c[2], steps))
-        for c in configs
-        for way in WAYS
-    ]
-    control = f"{label[configs[0]]} real"
-    root = prov.runs_dir("sim_fidelity")
+    arms = [harness.Arm(f"{label[c]} {w}", argv(*c[:2], None if "no link" in w else c[2], steps))
+            for c in configs for w in WAYS]  # fmt: skip
+    control, root = f"{label[configs[0]]} real", prov.runs_dir("sim_fidelity")
 
     def one(arm: harness.Arm, seed: int) -> harness.Run:
-        sim = " sim" in arm.name
-        command = ("simulate", "--overwrite") if sim else ("train",)
-        out = root / harness.slug(arm.name) / f"seed{seed}"
-        return harness.run_train(arm, seed, out, 600.0, (*harness.CLI, *command))
+        command = harness.SIMULATE if " sim" in arm.name else (*harness.CLI, "train")
+        return harness.run_train(
+            arm, seed, root / harness.slug(arm.name) / f"seed{seed}", 600.0, command
+        )
 
     seeds = list(range(args.seeds or (1 if args.quick else 3)))
     runs = harness.interleave(arms, seeds, control=control, run=one, prov=prov)
@@ -97,18 +81,15 @@ def main() -> None:
     target = f"1 ± {TOLERANCE:g}"
     added: dict[str, list] = {"real": [], "sim": []}
     unpadded: dict[str, list] = {"real": [], "sim": []}
-    rows = []
+    rows: list[list] = []
     for c in configs:
         w = {way: [wall(r) for r in by[f"{label[c]} {way}"]] for way in WAYS}
         for i, seed in enumerate(seeds):
-            real, sim = (
-                minus(w["real"][i], w["real, no link"][i]),
-                minus(w["sim"][i], w["sim, no link"][i]),
-            )
-            added["real"].append(real)
-            added["sim"].append(sim)
-            unpadded["real"].append(minus(w["real"][i], padding))
-            unpadded["sim"].append(minus(w["sim"][i], padding))
+            real = minus(w["real"][i], w["real, no link"][i])
+            sim = minus(w["sim"][i], w["sim, no link"][i])
+            for side, x in (("real", real), ("sim", sim)):
+                added[side].append(x)
+                unpadded[side].append(minus(w[side][i], padding))
             failed = [
                 r.failed for way in WAYS for r in by[f"{label[c]} {way}"][i : i + 1] if r.failed
             ]

@@ -1,12 +1,9 @@
 """Scale of the virtual cluster on this machine: 128 workers of the MNIST-1D CNN in one process
 (``cloudburst simulate``), its wall time, peak memory and cost per simulated worker-step.
 
-Scaled down to fit the benchmark budget: 128 workers × ``--steps`` (100; issue 14's claim is
-1,000 steps each) per strategy (asgd with n_sync 1 — a push and a fetch every step, the most
-messages — and sync). The claim is extrapolated from the measured cost per worker-step:
-128 × 1,000 worker-steps ≤ 10 min of wall time, ≤ 8 GB of peak memory (the simulator's own
-``max_rss_bytes``; memory grows with the workers, not the steps). Each simulation runs in its own
-process; deterministic in virtual time, so only its wall time depends on the machine's load.
+Scaled down: 128 workers × ``--steps`` (100; issue 14's claim is 1,000 steps each), asgd with
+n_sync 1 (the most messages) and sync. The claim is extrapolated from the measured cost per
+worker-step: 128 × 1,000 worker-steps ≤ 10 min of wall time, ≤ 8 GB of peak memory.
 
     .venv/bin/python benchmarks/sim_scale.py [--quick] [--force] [--workers 128] [--steps 100]
 """
@@ -26,11 +23,11 @@ RSS_BOUND_GB = 8.0
 
 
 def argv(strategy: str, workers: int, steps: int) -> list[str]:
-    a = ["--strategy", strategy, "--workers", str(workers), "--steps", str(steps)]
-    a += ["--batch-size", "64", "--train-size", "40000", "--test-size", "1000"]
-    a += ["--checkpoint-every", "0", "--log-every-steps", "100", "--eval-every-s", "1e6"]
-    a += ["--step-time-s", "0.05", "--comm-timeout-s", "3600"]
-    return a + (["--servers", "1", "--n-sync", "1"] if strategy == "asgd" else [])
+    return ["--strategy", strategy, "--workers", str(workers), "--steps", str(steps),
+            "--batch-size", "64", "--train-size", "40000", "--test-size", "1000",
+            "--checkpoint-every", "0", "--log-every-steps", "100", "--eval-every-s", "1e6",
+            "--step-time-s", "0.05", "--comm-timeout-s", "3600",
+            *(["--servers", "1", "--n-sync", "1"] if strategy == "asgd" else [])]  # fmt: skip
 
 
 def main() -> None:
@@ -45,17 +42,13 @@ def main() -> None:
     root = prov.runs_dir("sim_scale")
 
     def one(arm: harness.Arm, seed: int) -> harness.Run:
-        command = (*harness.CLI, "simulate", "--overwrite")
-        run = harness.run_train(arm, seed, root / arm.name / f"seed{seed}", 600.0, command)
-        sim = run.summary.get("simulator", {})
-        if sim:
+        run = harness.run_train(arm, seed, root / arm.name / f"seed{seed}", 600.0, harness.SIMULATE)
+        if sim := run.summary.get("simulator", {}):
             run.values = {
-                "wall_s": sim["wall_s"],
-                "ms_per_worker_step": 1e3 * sim["wall_s_per_worker_step"],
-                "peak_rss_gb": sim["max_rss_bytes"] / 1e9,
-                "messages": sim["messages"],
+                "wall_s": sim["wall_s"], "ms_per_worker_step": 1e3 * sim["wall_s_per_worker_step"],
+                "peak_rss_gb": sim["max_rss_bytes"] / 1e9, "messages": sim["messages"],
                 "task_switches_per_step": sim["task_switches"] / sim["worker_steps"],
-            }
+            }  # fmt: skip
         return run
 
     runs = harness.interleave(arms, [0], run=one, prov=prov)
@@ -66,12 +59,10 @@ def main() -> None:
         if r.failed or not v:
             rep.claim(f"{r.arm}: 128 × {CLAIM_STEPS} worker-steps", "failed", "≤ 600 s", False)
             continue
-        projected_s = v["ms_per_worker_step"] / 1e3 * 128 * CLAIM_STEPS
-        wall_claim = f"{r.arm}: 128 workers × {CLAIM_STEPS} steps, wall time (projected)"
-        note = f"{v['ms_per_worker_step']:.2f} ms per worker-step measured"
-        rep.claim(wall_claim, projected_s, f"≤ {WALL_BOUND_S:.0f} s", projected_s <= WALL_BOUND_S,
-                  note=note)  # fmt: skip
-        rss = v["peak_rss_gb"]
+        projected_s, rss = v["ms_per_worker_step"] / 1e3 * 128 * CLAIM_STEPS, v["peak_rss_gb"]
+        rep.claim(f"{r.arm}: 128 workers × {CLAIM_STEPS} steps, wall time (projected)",
+                  projected_s, f"≤ {WALL_BOUND_S:.0f} s", projected_s <= WALL_BOUND_S,
+                  note=f"{v['ms_per_worker_step']:.2f} ms per worker-step measured")  # fmt: skip
         rep.claim(f"{r.arm}: peak memory (GB), {workers} workers", rss,
                   f"≤ {RSS_BOUND_GB:.0f}", rss <= RSS_BOUND_GB)  # fmt: skip
         rows.append([r.arm, *v.values(), r.summary.get("final_test_accuracy")])
