@@ -6,15 +6,12 @@
     .venv/bin/python benchmarks/evidence.py --results runs/bench-quick --print
     .venv/bin/python benchmarks/evidence.py --rescore overhead local_sgd daso transport
 
-The table goes between ``<!-- evidence:begin -->`` and ``<!-- evidence:end -->``, the advice
+The table (a row per claim, anchor ``c-<result>-<n>``, a stored verdict its interval does not
+support shown as the interval's, "re-judged") goes between ``<!-- evidence:begin -->`` and
+``<!-- evidence:end -->``, the advice (one sentence per claim in ``ADVICE``, linking to its row)
 between ``<!-- choosing:begin -->`` and ``<!-- choosing:end -->``, in whichever of README.md and
-docs/*.md holds each pair (one file each). A table row per claim (anchor ``c-<result>-<n>``)
-with its A/A, interval, seeds, verdict and commit; a stored verdict that its interval does not
-support is shown as the interval's (:meth:`Claim.judge`), marked "re-judged". Each advice
-sentence states one claim's number and verdict and links to its row (``ADVICE``); one whose
-claim is missing is left out. ``--rescore`` recomputes each claim of the named results from
-their stored runs (paired by seed or round, verdict from the interval) and writes it back,
-marking the files: the runs are the old commit's, the verdicts the new rules' (history).
+docs/*.md holds each pair. ``--rescore`` recomputes the named results' claims from their stored
+runs and writes them back, stamped: the runs are the old commit's, the verdicts the new rules'.
 """
 
 from __future__ import annotations
@@ -183,8 +180,7 @@ def load(results: Path) -> list[tuple[Path, dict]]:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             sys.exit(f"evidence: cannot read {path}: {e}")
-        if isinstance(data, dict) and data.get("claims"):
-            out.append((path, data))
+        out += [(path, data)] if isinstance(data, dict) and data.get("claims") else []
     return out
 
 
@@ -205,13 +201,10 @@ def table(results: Path, where: Path = REPO / "README.md") -> list[str]:
     """The evidence table, links relative to ``where`` (the file that will hold it)."""
     rows = []
     for path, data in load(results):
-        md = path.with_suffix(".md")
-        commit = data.get("provenance", {}).get("commit", "?")
-        for i, c in enumerate(data["claims"], 1):
-            anchor = f'<a id="c-{path.stem}-{i}"></a>'
-            rows.append(
-                [f"{anchor}[{path.stem}]({link(md, where)})", *claim_of(c).row(), f"`{commit}`"]
-            )
+        commit, md = data.get("provenance", {}).get("commit", "?"), path.with_suffix(".md")
+        rows += [[f'<a id="c-{path.stem}-{i}"></a>[{path.stem}]({link(md, where)})',
+                  *claim_of(c).row(), f"`{commit}`"]
+                 for i, c in enumerate(data["claims"], 1)]  # fmt: skip
     if not rows:
         return ["(no result file has claims yet: run `make bench`)"]
     return md_table(["result", *CLAIM_HEADERS, "commit"], rows)
@@ -229,10 +222,10 @@ def choosing(results: Path, evidence_file: Path, where: Path) -> list[str]:
     for situation, items in ADVICE:
         sentences = []
         for stem, prefix, text in items:
-            hit = next(((i, c) for i, c in found.get(stem, []) if c.name.startswith(prefix)), None)
-            if hit is None:
+            hits = [(i, c) for i, c in found.get(stem, []) if c.name.startswith(prefix)]
+            if not hits:
                 continue
-            i, c = hit
+            i, c = hits[0]
             iv = f"(interval [{fmt(c.interval[0])}, {fmt(c.interval[1])}])" if c.interval else ""
             said = text.format(value=fmt(c.value), interval=iv, aa=fmt(c.aa)).replace("  ", " ")
             verdict = f"{phrase.get(c.verdict, 'no verdict')} (target {c.target})"
@@ -248,8 +241,7 @@ def splice(readme: str, lines: list[str], markers: tuple[str, str] = (BEGIN, END
     if readme.count(begin) != 1 or readme.count(end) != 1 or readme.find(begin) > readme.find(end):
         sys.exit(f"evidence: the file needs exactly one {begin} … {end} pair, in that order")
     head, rest = readme.split(begin)
-    _, tail = rest.split(end)
-    return head + begin + "\n" + "\n".join(lines) + "\n" + end + tail
+    return head + begin + "\n" + "\n".join(lines) + "\n" + end + rest.split(end)[1]
 
 
 def marked(markers: tuple[str, str], root: Path = REPO) -> Path | None:
@@ -269,9 +261,8 @@ def _pairs(x: list, y: list) -> tuple[list[float], list[float]]:
 
 
 def _recipes(stem: str, data: dict) -> dict[str, dict]:
-    """Claim name → its stored per-seed (per-round) inputs, for result files written before
-    claims kept them: ``{"a", "b", "aa", "budget_s"}`` (a ratio) or ``{"diff": (a, b)}``
-    (a difference, in points)."""
+    """Claim name → its per-seed (per-round) inputs from the stored runs, for results written
+    before claims kept them: ``{"a", "b", "aa", "budget_s"}`` or ``{"diff": (a, b)}`` (points)."""
     runs = [harness.Run(**r) for r in data.get("runs", [])]
     groups = harness.by_arm(runs)
 
@@ -289,9 +280,8 @@ def _recipes(stem: str, data: dict) -> dict[str, dict]:
             out[name] = {"a": med["sync"], "b": med[ref], "aa": med[f"{ref} (A/A)"]}
     if stem == "transport":
         g = {arm: value(arm, "gbps") for arm in groups}
-        out["asgd push+fetch ÷ raw gloo (throughput)"] = {
-            "a": g["asgd"], "b": g["raw"], "aa": g["raw (A/A)"]
-        }  # fmt: skip
+        out["asgd push+fetch ÷ raw gloo (throughput)"] = {"a": g["asgd"], "b": g["raw"],
+                                                           "aa": g["raw (A/A)"]}  # fmt: skip
         for arm, what in (("duplex", "both directions at once"), ("pipelined", "not package code")):
             out[f"{arm} reference ÷ raw gloo ({what})"] = {"a": g[arm], "b": g["raw"]}
         out["asgd's CPU-bound ceiling ÷ raw gloo (raw ms × 2 cores ÷ asgd CPU ms)"] = {
@@ -330,10 +320,8 @@ def rescore(path: Path, head: str) -> list[str]:
             withdrawn.append(f"{old.name} ({fmt(old.value)}): {inputs['withdrawn']}")
             continue
         if inputs and "diff" in inputs:
-            d, lo, hi = (
-                round(100 * x, 2)
-                for x in harness.bootstrap_difference(*inputs["diff"], paired=True)
-            )
+            diff = harness.bootstrap_difference(*inputs["diff"], paired=True)
+            d, lo, hi = (round(100 * x, 2) for x in diff)
             new = Claim(
                 old.name, d, old.target, point(d), interval=(lo, hi), seeds=old.seeds
             ).judge()
@@ -395,12 +383,10 @@ def main() -> None:
         print("\n".join(lines))
         return
     advice_file = marked(CHOOSING)
-    stale = []
-    for file, markers, new_lines in [(table_file, (BEGIN, END), lines)] + (
-        [(advice_file, CHOOSING, choosing(args.results, table_file, advice_file))]
-        if advice_file
-        else []
-    ):
+    stale, blocks = [], [(table_file, (BEGIN, END), lines)]
+    if advice_file:
+        blocks.append((advice_file, CHOOSING, choosing(args.results, table_file, advice_file)))
+    for file, markers, new_lines in blocks:
         old = file.read_text()
         new = splice(old, new_lines, markers)
         if args.check:
