@@ -35,6 +35,8 @@ RUNS = REPO / "runs" / "bench"
 BUSY_FRACTION = 0.25  # other processes using more than this share of all cores = a busy machine
 K_CONSECUTIVE = 3  # evaluations a time to target must hold for
 CLI = (sys.executable, "-m", "cloudburst")
+Vals = Sequence[float | None]  # per-seed values, None = censored
+Interval = tuple[float, float, float]  # (estimate, 2.5th, 97.5th percentile)
 SIMULATE = (*CLI, "simulate", "--overwrite")  # a run_train command: the virtual cluster
 
 
@@ -264,11 +266,7 @@ def read_summary(out_dir: str | Path) -> dict[str, Any]:
 
 
 def run_train(
-    arm: Arm,
-    seed: int,
-    out_dir: str | Path,
-    timeout_s: float = 900.0,
-    command: Sequence[str] = (*CLI, "train"),
+    arm: Arm, seed: int, out_dir: str | Path, timeout_s=900.0, command=(*CLI, "train")
 ) -> Run:
     """``<command> <argv> --seed S --out D --no-progress`` in a subprocess (``OMP_NUM_THREADS=1``,
     the repository on ``PYTHONPATH``; ``command``: ``cloudburst train``, :data:`SIMULATE`, a
@@ -321,15 +319,10 @@ def slug(name: str) -> str:
 
 
 def interleave(
-    arms: Sequence[Arm],
-    seeds: Sequence[int],
-    control: str | None = None,
-    run: Callable[[Arm, int], Run] | None = None,
-    *,
-    prov: Provenance | None = None,
-    out_root: str | Path | None = None,
-    timeout_s: float = 900.0,
-) -> list[Run]:
+    arms: Sequence[Arm], seeds: Sequence[int], control: str | None = None,
+    run: Callable[[Arm, int], Run] | None = None, *, prov: Provenance | None = None,
+    out_root: str | Path | None = None, timeout_s: float = 900.0,
+) -> list[Run]:  # fmt: skip
     """Every arm once per seed, seed by seed, the order rotated by one per seed (A B C, B C A,
     …); ``control``'s arm runs a second time per seed as ``"<name> (A/A)"`` (the A/A pair).
     ``run(arm, seed)`` defaults to :func:`run_train` into ``out_root/<arm>/seed<S>``. Each Run
@@ -353,10 +346,8 @@ def interleave(
         order = arms[i % len(arms) :] + arms[: i % len(arms)]
         for arm in order:
             before = load1()
-            r = run(arm, seed)
-            r.load_before = before
-            r.load_after = prov.sample_load() if prov is not None else load1()
-            runs.append(r)
+            runs.append(r := run(arm, seed))
+            r.load_before, r.load_after = before, prov.sample_load() if prov else load1()
             print(f"  {arm.name} seed {seed}: {describe(r)}", flush=True)
     return runs
 
@@ -382,12 +373,9 @@ def by_arm(runs: Sequence[Run]) -> dict[str, list[Run]]:
 
 
 # ---------------------------------------------------------------------------- statistics
-def time_to_target(
-    evals: Sequence[tuple[float, int, float]], target: float, k: int = K_CONSECUTIVE
-) -> float | None:
+def time_to_target(evals: Sequence[tuple], target: float, k: int = K_CONSECUTIVE) -> float | None:
     """The time of the first evaluation from which the accuracy is ≥ ``target`` for ``k``
-    consecutive evaluations (that one included); ``None`` (censored) if no such run of ``k``
-    exists, also when the run ended fewer than ``k`` evaluations after reaching it."""
+    consecutive evaluations (that one included); ``None`` (censored) if there is none."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     held = 0
@@ -403,10 +391,8 @@ def censored_median(times: Sequence[float | None], budget_s: float) -> tuple[flo
     on a censored value is the string ``"> <budget> s"``."""
     if not times:
         raise ValueError("censored_median of no runs")
-    n_censored = sum(t is None for t in times)
-    ordered = sorted(float("inf") if t is None else t for t in times)
-    med = statistics.median(ordered)
-    return (f"> {budget_s:.4g} s" if med == float("inf") else med), n_censored
+    med = statistics.median(sorted(float("inf") if t is None else t for t in times))
+    return (f"> {budget_s:.4g} s" if med == float("inf") else med), sum(t is None for t in times)
 
 
 def _uncensor(values: Sequence[float | None], budget_s: float | None) -> list[float]:
@@ -415,15 +401,7 @@ def _uncensor(values: Sequence[float | None], budget_s: float | None) -> list[fl
     return [budget_s if v is None else float(v) for v in values]  # type: ignore[misc]
 
 
-def _bootstrap(
-    a: Sequence[float | None],
-    b: Sequence[float | None],
-    combine: Callable[[list[float], list[float]], float],
-    n: int,
-    seed: int,
-    budget_s: float | None,
-    paired: bool = False,
-) -> tuple[float, float, float]:
+def _bootstrap(a: Vals, b: Vals, combine: Callable, n: int, seed: int, budget_s, paired=False):
     xa, xb = _uncensor(a, budget_s), _uncensor(b, budget_s)
     if not xa or not xb:
         raise ValueError("a bootstrap needs at least one value on each side")
@@ -445,13 +423,8 @@ def _median_ratio(xa: list[float], xb: list[float]) -> float:
 
 
 def bootstrap_ratio(
-    a: Sequence[float | None],
-    b: Sequence[float | None],
-    n: int = 2000,
-    seed: int = 0,
-    budget_s: float | None = None,
-    paired: bool = False,
-) -> tuple[float, float, float]:
+    a: Vals, b: Vals, n: int = 2000, seed: int = 0, budget_s: float | None = None, paired=False
+) -> Interval:
     """(median(a) ÷ median(b), 2.5th, 97.5th percentile) over ``n`` bootstrap resamples (a and b
     apart; ``random.Random(seed)``: the same inputs give the same interval); censored values
     (``None``) count as ``budget_s``. ``paired=True``: :func:`paired_ratio`."""
@@ -468,12 +441,8 @@ def bootstrap_ratio(
 
 
 def paired_ratio(
-    a: Sequence[float | None],
-    b: Sequence[float | None],
-    n: int = 2000,
-    seed: int = 0,
-    budget_s: float | None = None,
-) -> tuple[float, float, float]:
+    a: Vals, b: Vals, n: int = 2000, seed: int = 0, budget_s: float | None = None
+) -> Interval:
     """(the median of the per-pair ratios a[i] ÷ b[i], 2.5th, 97.5th percentile) over ``n``
     resamples of whole pairs (same seed or round: what they share cancels in their ratio).
     Censored values as in :func:`bootstrap_ratio`."""
@@ -484,7 +453,7 @@ def paired_ratio(
 
 def bootstrap_difference(
     a: Sequence[float], b: Sequence[float], n: int = 2000, seed: int = 0, paired: bool = False
-) -> tuple[float, float, float]:
+) -> Interval:
     """(mean(a) − mean(b), 2.5th, 97.5th percentile) over ``n`` bootstrap resamples, as
     :func:`bootstrap_ratio`; ``paired=True`` resamples the pairs (a[i], b[i]) together."""
     return _bootstrap(
@@ -505,9 +474,8 @@ def times_to(runs: Sequence[Run], target: float, k: int = K_CONSECUTIVE) -> list
 
 def budget_of(runs: Sequence[Run]) -> float:
     """The censoring budget: the longest training time any of ``runs`` recorded."""
-    return max((r.evals[-1][0] for r in runs if r.evals), default=0.0) or max(
-        (r.wall_s for r in runs), default=0.0
-    )
+    longest = max((r.evals[-1][0] for r in runs if r.evals), default=0.0)
+    return longest or max((r.wall_s for r in runs), default=0.0)
 
 
 CENSORED_SAMPLES = "the fewest any censored run had processed by its budget: a lower bound of each"
@@ -515,9 +483,8 @@ CENSORED_SAMPLES = "the fewest any censored run had processed by its budget: a l
 
 def censored_floor(runs: Iterable[tuple[int | None, int]]) -> int:
     """What a censored run's samples to target count as, from (samples to target or None,
-    samples processed within the budget) per run: the fewest any censored run had processed, a
-    lower bound of each one's true count (so a censored denominator makes a ratio an upper
-    bound). With none censored: the fewest processed (unused)."""
+    samples processed within the budget) per run: the fewest any censored run had processed,
+    a lower bound of each one's count. With none censored: the fewest processed (unused)."""
     runs = list(runs)
     ends = [done for to, done in runs if to is None]
     return min(ends or [done for _, done in runs], default=1)
@@ -632,19 +599,10 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]
 
 
 def ratio_claim(
-    report: Report,
-    name: str,
-    a: Sequence[float | None],
-    b: Sequence[float | None],
-    aa: Sequence[float | None] | float | None,
-    target: str,
-    ok: Callable[[float], bool],
-    budget_s: float | None = None,
-    *,
-    paired: bool | None = None,
-    aa_of: str = "b",
-    samples: bool = False,
-) -> Claim:
+    report: Report, name: str, a: Vals, b: Vals, aa: Vals | float | None, target: str,
+    ok: Callable[[float], bool | None], budget_s: float | None = None, *,
+    paired: bool | None = None, aa_of: str = "b", samples: bool = False,
+) -> Claim:  # fmt: skip
     """Add the claim a ÷ b with its bootstrap interval and the A/A ratio beside it: the repeat
     ``aa`` ÷ the side it repeats (``aa_of``), or ``aa`` itself when it is a number. ``paired``
     (default: as many values on both sides): :func:`paired_ratio`. Censored values count as
@@ -682,17 +640,9 @@ def ratio_claim(
 
 
 def diff_claim(
-    report: Report,
-    name: str,
-    a: Sequence[float],
-    b: Sequence[float],
-    target: str,
-    ok: Callable[[float, float, float], bool],
-    *,
-    paired: bool = True,
-    digits: int | None = 2,
-    **kwargs: Any,
-) -> Claim:
+    report: Report, name: str, a: Sequence[float], b: Sequence[float], target: str,
+    ok: Callable[[float, float, float], bool], *, paired=True, digits: int | None = 2, **kwargs,
+) -> Claim:  # fmt: skip
     """Add the claim mean(a) − mean(b) in points with its bootstrap interval (paired by seed
     unless ``paired`` is False), rounded to ``digits`` (None: not rounded); ``ok(d, lo, hi)``
     gets the unrounded points. ``kwargs``: the claim's other fields (seeds, note, aa)."""
@@ -762,6 +712,8 @@ class Report:
         from cloudburst.plot import plot_runs
 
         first = [rs[0] for rs in groups.values() if rs[0].out_dir and rs[0].evals]
+        if not first:
+            return
         png = self.path().with_suffix(".png")
         png.parent.mkdir(parents=True, exist_ok=True)
         plot_runs([r.out_dir for r in first], str(png), f"seed {seed}", [r.arm for r in first])
@@ -774,16 +726,12 @@ class Report:
     def header(self) -> list[str]:
         p = self.prov
         loads = ", ".join(f"{x:.2f}" for x in p.loads) or "-"
-        lines = [
-            f"# {self.title}",
-            "",
+        moved = p.commit_after and p.commit_after != p.commit.removesuffix("+dirty")
+        return [
+            f"# {self.title}", "",
             f"- command: `{p.command}` (cwd `{p.cwd}`), started {p.started_utc} UTC",
-            f"- commit: `{p.commit}`"
-            + (
-                f" — **changed during the run** to `{p.commit_after}`"
-                if p.commit_after and p.commit_after != p.commit.removesuffix("+dirty")
-                else ""
-            )
+            f"- commit: `{p.commit}`" + (f" — **changed during the run** to `{p.commit_after}`"
+                                         if moved else "")
             + (" — **forced** (dirty tree or busy machine allowed)" if p.forced else ""),
             f"- machine: {p.cpu}, {p.nproc} cores, GPU {p.gpu or 'none'}, host `{p.host}`, "
             f"`{p.platform}`",
@@ -791,10 +739,8 @@ class Report:
             f"- load (1-min average): {p.load_before:.2f} before, "
             f"{fmt(p.load_after)} after; after each run: {loads}; other processes' CPU share "
             f"at the start {100 * p.busy_fraction_before:.0f} %",
-        ]
-        if p.quick:
-            lines.append("- **--quick smoke run: not a result**")
-        return [*lines, ""]
+            *(["- **--quick smoke run: not a result**"] if p.quick else []), "",
+        ]  # fmt: skip
 
     def markdown(self) -> str:
         lines = self.header()
