@@ -95,19 +95,22 @@ def simulate_all(
     return runs
 
 
+def arms_of(names: list[str], *flags: str, label: str = "{}") -> list[harness.Arm]:
+    return [harness.Arm(label.format(a), (*ARMS[a], *COMMON, *flags)) for a in names]
+
+
 def bytes_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
     """Inter-node bytes and final accuracy at equal steps, on the virtual cluster."""
-    flags = ("--steps", str(s["bytes_steps"]), "--nodes", "2", "--inter-node-link", LINK,
-             "--eval-every-s", "1e6")  # fmt: skip
-    arms = [harness.Arm(a, (*ARMS[a], *COMMON, *flags)) for a in s["bytes_arms"]]
+    arms = arms_of(s["bytes_arms"], "--steps", str(s["bytes_steps"]), "--nodes", "2",
+                   "--inter-node-link", LINK, "--eval-every-s", "1e6")  # fmt: skip
     return simulate_all(arms, s["seeds"], harness.RUNS / "compress" / "bytes", prov)
 
 
 def link_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
     """Real runs over the emulated link: time to target and time per step."""
-    flags = ("--steps", str(s["steps"]), "--nodes", "2", "--inter-node-link", LINK,
-             "--eval-every-s", "0.5", "--target-accuracy", str(TARGET_ACCURACY))  # fmt: skip
-    arms = [harness.Arm(a, (*ARMS[a], *COMMON, *flags)) for a in s["link_arms"]]
+    arms = arms_of(s["link_arms"], "--steps", str(s["steps"]), "--nodes", "2",
+                   "--inter-node-link", LINK, "--eval-every-s", "0.5", "--target-accuracy",
+                   str(TARGET_ACCURACY))  # fmt: skip
 
     def run(arm: harness.Arm, seed: int) -> harness.Run:
         out = harness.RUNS / "compress" / "link" / f"{harness.slug(arm.name)}-{seed}"
@@ -121,8 +124,7 @@ def link_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
 def torchft_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
     from cloudburst.config import RunConfig
 
-    flags = ("--steps", str(s["torchft_steps"]), "--eval-every-s", "1e6")
-    arms = [harness.Arm(a, (*ARMS[a], *COMMON, *flags)) for a in s["torchft_arms"]]
+    arms = arms_of(s["torchft_arms"], "--steps", str(s["torchft_steps"]), "--eval-every-s", "1e6")
     arms += [harness.Arm(f"torchft {a}", ARMS[a]) for a in s["torchft_arms"]]
     root = harness.RUNS / "compress" / "torchft"
 
@@ -132,12 +134,10 @@ def torchft_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
             r = harness.run_train(arm, seed, out)
             r.values = {"step_s": harness.run_step_s(out)}
             return r
-        name = arm.name.removeprefix("torchft ")
-        fragments = {"diloco": (1, 0, 0.0), "sdiloco_f2": (2, 2, 0.5)}[name]
+        f, delay, alpha = {"diloco": (1, 0, 0.0), "sdiloco_f2": (2, 2, 0.5)}[arm.name[8:]]
         cfg = RunConfig(strategy="diloco", model=WIDE, workers=WORKERS, batch_size=BATCH,
-                        seed=seed, min_step_time_s=PAD_S, log_every_steps=16,
-                        fragments=fragments[0], fragment_delay=fragments[1],
-                        fragment_alpha=fragments[2], progress=False)  # fmt: skip
+                        seed=seed, min_step_time_s=PAD_S, log_every_steps=16, fragments=f,
+                        fragment_delay=delay, fragment_alpha=alpha, progress=False)  # fmt: skip
         return torchft_peer.run_arm(arm.name, seed, cfg, "diloco", out, s["torchft_steps"])
 
     return harness.interleave(arms, s["seeds"], control=s["torchft_arms"][0], run=run, prov=prov)
@@ -146,11 +146,8 @@ def torchft_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
 def sim_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
     """Each arm at each link speed on the virtual cluster (deterministic: one seed)."""
     flags = ("--steps", str(s["sim_steps"]), "--nodes", "2", "--eval-every-s", "1e6")
-    arms = [
-        harness.Arm(f"{a} @ {g:g}", (*ARMS[a], *COMMON, *flags, "--inter-node-link", f"{g:g},1"))
-        for g in s["sim_links"]
-        for a in s["sim_arms"]
-    ]
+    arms = [arm for g in s["sim_links"] for arm in arms_of(
+        s["sim_arms"], *flags, "--inter-node-link", f"{g:g},1", label=f"{{}} @ {g:g}")]  # fmt: skip
     return simulate_all(arms, [0], harness.RUNS / "compress" / "sim", prov)
 
 
@@ -159,9 +156,9 @@ def confirm_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
     real runs interleaved, simulations two at a time; arms named ``"<arm> | <where>"``."""
     runs = []
     for where, (command, workers, nodes) in s["confirm"].items():
-        flags = ("--steps", str(s["bytes_steps"]), "--nodes", str(nodes), "--inter-node-link",
-                 LINK, "--eval-every-s", "1e6", "--workers", str(workers))  # fmt: skip
-        arms = [harness.Arm(f"{a} | {where}", (*ARMS[a], *COMMON, *flags)) for a in SMALL]
+        arms = arms_of(SMALL, "--steps", str(s["bytes_steps"]), "--nodes", str(nodes),
+                       "--inter-node-link", LINK, "--eval-every-s", "1e6", "--workers",
+                       str(workers), label=f"{{}} | {where}")  # fmt: skip
         root = harness.RUNS / "compress" / "confirm" / harness.slug(where)
         if command == "simulate":
             runs += simulate_all(arms, s["confirm_seeds"], root, prov)
@@ -188,16 +185,13 @@ def _bps(runs: list[harness.Run]) -> float | None:
 
 def _minus(accs: list[float], sync_acc: list[float]) -> str:
     """Mean accuracy − sync's, in points."""
-    if not accs or not sync_acc:
-        return "-"
-    return f"{100 * (statistics.fmean(accs) - statistics.fmean(sync_acc)):+.1f}"
+    diff = statistics.fmean(accs) - statistics.fmean(sync_acc) if accs and sync_acc else None
+    return "-" if diff is None else f"{100 * diff:+.1f}"
 
 
 def report_bytes(report: harness.Report, runs: list[harness.Run], s: dict) -> None:
-    groups = harness.by_arm(runs)
-    sync_bytes = _bps(groups["sync"])
-    sync_acc = _acc(groups["sync"])
-    rows = []
+    groups, rows = harness.by_arm(runs), []
+    sync_bytes, sync_acc = _bps(groups["sync"]), _acc(groups["sync"])
     for arm, group in groups.items():
         bps, accs = _bps(group), _acc(group)
         ratio = bps / sync_bytes if bps and sync_bytes else None
