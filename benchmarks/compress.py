@@ -152,8 +152,7 @@ def sim_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
 
 
 def confirm_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
-    """The 1/50 arm and sync at ``bytes_steps`` steps where the configuration was not chosen:
-    real runs interleaved, simulations two at a time; arms named ``"<arm> | <where>"``."""
+    """The 1/50 arm and sync where the configuration was not chosen (``"<arm> | <where>"``)."""
     runs = []
     for where, (command, workers, nodes) in s["confirm"].items():
         arms = arms_of(SMALL, "--steps", str(s["bytes_steps"]), "--nodes", str(nodes),
@@ -212,8 +211,7 @@ def report_bytes(report: harness.Report, runs: list[harness.Run], s: dict) -> No
 def headline_claims(
     report: harness.Report, target: list[harness.Run], sync: list[harness.Run], where: str
 ) -> None:
-    """The 1/50 claims: the target arm's inter-node bytes per sample ÷ sync's, and its final
-    accuracy − sync's within ±1 point (the whole paired interval)."""
+    """The 1/50 claims: inter-node bytes per sample ÷ sync's, final accuracy − sync's."""
     bps, sync_bytes, accs, sync_acc = _bps(target), _bps(sync), _acc(target), _acc(sync)
     if not (bps and sync_bytes and accs and sync_acc):
         return

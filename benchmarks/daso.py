@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import experiments  # noqa: E402
 import harness  # noqa: E402
 import peers  # noqa: E402
-from experiments import ratio, samples_to  # noqa: E402
+from experiments import med, ratio, samples_to  # noqa: E402
 from harness import Arm, fmt, pct  # noqa: E402
 
 TARGET = 0.85
@@ -86,18 +86,16 @@ def main() -> None:
     report(prov, runs, length, list(seeds), compute_ms)
 
 
-def report(
-    prov, runs: list[harness.Run], length: list[str], seeds: list[int], compute_ms: float | None
-) -> None:
-    groups = harness.by_arm(runs)
-    budget = harness.budget_of(runs)
+def report(prov, runs: list[harness.Run], length: list[str], seeds: list[int], compute_ms) -> None:
+    groups, budget = harness.by_arm(runs), harness.budget_of(runs)
     times = {name: harness.times_to(rs, TARGET) for name, rs in groups.items()}
-    aa = harness.aa_name("sync")
     rep = harness.Report(
         "daso", f"DASO, local SGD and DiLoCo on 2 × 2 emulated nodes at 1 Gbit/s: time to "
         f"{100 * TARGET:g} % within one time budget", prov,
     )  # fmt: skip
-    aa_ratio = harness.paired_ratio(times[aa], times["sync"], budget_s=budget)[0]
+    aa_ratio = harness.paired_ratio(times[harness.aa_name("sync")], times["sync"], budget_s=budget)[
+        0
+    ]
     for num, den, target, why in claimed_ratios(groups):
         claim = harness.ratio_claim(
             rep, f"time to {100 * TARGET:g} %, {num} ÷ {den}, 2 × 2 nodes, 1 Gbit/s ({why})",
@@ -130,30 +128,26 @@ def report(
         ["ratio", *(f"time to {100 * t:g} %" for t in sorted((*SENSITIVITY, TARGET)))], sens
     ).text("The same paired median ratio and interval at the other targets named before the run "
            "(censored runs counted at the budget).")  # fmt: skip
-    rows = []
-    sync_bytes = bytes_per_sample(groups["sync"])
+    rows, sync_bytes = [], bytes_per_sample(groups["sync"])
     for name, rs in groups.items():
         median, censored = harness.censored_median(times[name], budget)
         accs = [a for a in final[name] if a is not None]
-        rows.append(
-            [name, " / ".join(fmt(t) for t in times[name]), fmt(median), censored,
-             " / ".join(pct(a) for a in final[name]), pct(statistics.fmean(accs) if accs else None),
-             fmt(bytes_per_sample(rs)), fmt(ratio(bytes_per_sample(rs), sync_bytes)),
-             fmt(harness.median(samples_to(r, TARGET) for r in rs)), fmt(med(rs, "samples/s")),
-             fmt(harness.median(ms_per_step(r) for r in rs)), fmt(med(rs, "wait ms/step")),
-             fmt(med(rs, "job cores")), fmt(med(rs, "CPU ms/step")),
-             "; ".join(f"seed {r.seed}: {r.failed}" for r in rs if r.failed) or "-"]
-        )  # fmt: skip
+        rows.append([name, " / ".join(fmt(t) for t in times[name]), fmt(median), censored,
+                     " / ".join(pct(a) for a in final[name]),
+                     pct(statistics.fmean(accs) if accs else None), fmt(bytes_per_sample(rs)),
+                     fmt(ratio(bytes_per_sample(rs), sync_bytes)),
+                     fmt(harness.median(samples_to(r, TARGET) for r in rs)),
+                     fmt(med(rs, "samples/s")), fmt(harness.median(ms_per_step(r) for r in rs)),
+                     fmt(med(rs, "wait ms/step")), fmt(med(rs, "job cores")),
+                     fmt(med(rs, "CPU ms/step")), "; ".join(
+                         f"seed {r.seed}: {r.failed}" for r in rs if r.failed) or "-"])  # fmt: skip
     rep.section("Why: throughput, samples needed, CPU").text(explain(groups, compute_ms))
     rep.section("Every arm").table(
         ["arm", f"time to {100 * TARGET:g} % per seed (s)", "median (s)", "censored",
          "final acc % per seed", "mean", "inter-node B/sample (median)", "÷ sync",
-         f"samples at {100 * TARGET:g} % (median)",
-         "samples/s", "ms/step", "comm wait ms/step", "job's cores", "CPU ms/worker step",
-         "failed"],
-        rows,
-    )  # fmt: skip
-    rep.text(
+         f"samples at {100 * TARGET:g} % (median)", "samples/s", "ms/step",
+         "comm wait ms/step", "job's cores", "CPU ms/worker step", "failed"], rows,
+    ).text(
         "Medians over seeds. *samples/s*, *ms/step* (median over workers, communication waits "
         "and evaluation stalls included), *comm wait*, *job's cores* (CPU time of all the "
         "job's processes from /proc ÷ time) and *CPU ms/worker step*: measured from 1 s after "
@@ -177,18 +171,13 @@ def bytes_per_sample(rs: list[harness.Run]) -> float | None:
     return statistics.median(v) if v else None
 
 
-def med(rs: list[harness.Run], key: str) -> float | None:
-    return harness.median(r.values.get(key) for r in rs)
-
-
 def ms_per_step(r: harness.Run) -> float | None:
     """The median over workers of a run's ms per step (:func:`experiments.measured_run`)."""
     return harness.median(v for k, v in r.values.items() if k.startswith("ms/step w"))
 
 
 def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None) -> str:
-    """Each ratio decomposed by measurement: time ≈ samples needed ÷ samples/s, against
-    sync and every other arm, and the CPU the jobs used against the padding."""
+    """Each ratio decomposed by measurement (time ≈ samples needed ÷ samples/s) and the CPU."""
     ncores = os.cpu_count() or 1
     lines = []
     if compute_ms is not None:

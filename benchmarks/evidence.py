@@ -303,8 +303,7 @@ def _recipes(stem: str, data: dict) -> dict[str, dict]:
 
 
 def rescore(path: Path, head: str) -> list[str]:
-    """Re-derive ``path``'s claims from its stored runs and write them back (json and the
-    md's claims table, both stamped); return the names of the claims that could not be."""
+    """Re-derive ``path``'s claims and write them back, stamped; the names it could not."""
     data = json.loads(path.read_text())
     recipes = _recipes(path.stem, data)
     report = harness.Report(path.stem, "", harness.Provenance.__new__(harness.Provenance))

@@ -309,9 +309,8 @@ def cli_help() -> str:
 
 
 def supported(names: Sequence[str], help_text: str) -> tuple[list[str], list[str]]:
-    """(the arms this commit can run, the ones it cannot): an arm needs every ``--flag`` and
-    ``--strategy`` value it names in ``help_text``; before ``--staleness-compensation``
-    existed, ``scale`` was ``--staleness-scaling``, which the arm then uses."""
+    """(the arms this commit's ``--help`` has every flag and value of, the others); before
+    ``--staleness-compensation``, ``scale`` was ``--staleness-scaling``."""
     ok, missing = [], []
     for name in names:
         flags, _ = STRAGGLER_ARMS[name]
@@ -454,9 +453,8 @@ def _stat(pid: int | str) -> list[str] | None:
 
 
 class CpuSampler:
-    """CPU used over time, read from /proc every ``every_s`` by a thread (a context manager):
-    the machine's (all processes) and the job's own ranks' (their pids from the run
-    directory's ``start`` records), so a busy machine does not blur the job's share."""
+    """CPU used over time by the machine and by the job's own ranks (pids from their ``start``
+    records), read from /proc every ``every_s`` by a thread (a context manager)."""
 
     def __init__(self, out_dir: str | Path, every_s: float = 0.1):
         self.out_dir, self.every_s = Path(out_dir), every_s
@@ -535,10 +533,8 @@ def _interpolate(points: list[tuple[float, float]], t: float) -> float:
 
 
 def pace(out_dir: str | Path, batch_size: int, cpu: CpuSampler | None) -> dict | None:
-    """How a run trained while every worker still trained (from 1 s after the clock started,
-    or a quarter of a short run, to the first worker's last step), from its step records:
-    samples/s, each worker's ms per step, the median wait for communication per step, the cores
-    the job's processes and the machine kept busy, the job's CPU ms per worker step."""
+    """How a run trained while every worker did (1 s in, or a quarter of a short run, to the
+    first worker's last step): samples/s, ms per step, waits, cores, CPU ms per worker step."""
     steps, waits, ends, firsts = {}, {}, [], []
     for w, recs in worker_records(out_dir).items():
         logged = [r for r in recs if r.get("event") == "step"]
@@ -571,8 +567,7 @@ def _children() -> list[int]:
 
 
 def _a_worker_finished(out_dir: Path, steps: int) -> bool:
-    """Whether a worker has logged its last step (``steps``) in ``out_dir``'s metrics (a
-    worker logs ``final`` only when the whole job hands in, so that record comes too late)."""
+    """Whether a worker has logged its last step (``steps``; its ``final`` record comes late)."""
     for path in out_dir.glob("metrics/rank*.jsonl"):
         try:
             with path.open("rb") as f:

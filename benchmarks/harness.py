@@ -41,8 +41,7 @@ SIMULATE = (*CLI, "simulate", "--overwrite")  # a run_train command: the virtual
 
 
 def parse_args(description: str | None, add: Callable | None = None) -> argparse.Namespace:
-    """The flags every benchmark has (``--quick``, ``--seeds``, ``--force``, ``--out``) plus
-    the script's own, added by ``add(parser)``; ``--seeds`` None = the script's default."""
+    """The flags every benchmark has plus the script's own, added by ``add(parser)``."""
     p = argparse.ArgumentParser(
         description=description.strip().splitlines()[0] if description else None
     )
@@ -65,8 +64,7 @@ def start(description: str | None, add: Callable | None = None) -> tuple[Any, Pr
 
 
 def about(doc: str) -> str:
-    """A script's docstring as a result file's settings: without its first paragraph (the
-    title) and its indented command lines (``    .venv/bin/python ...``)."""
+    """A script's docstring as a report's settings: without its title and command lines."""
     paragraphs = doc.strip().split("\n\n")[1:]
     return "\n\n".join(p for p in paragraphs if not p.startswith("    ")).strip()
 
@@ -78,8 +76,7 @@ def _git(*argv: str) -> str:
 
 
 def git_commit() -> tuple[str, list[str]]:
-    """(short commit, changed paths): tracked or untracked changes outside the result files
-    and ``runs/``. ``CLOUDBURST_GIT_REVISION`` names the commit of a tree copied without .git."""
+    """(short commit, paths changed outside results and runs/; or $CLOUDBURST_GIT_REVISION)."""
     if os.environ.get("CLOUDBURST_GIT_REVISION"):
         return os.environ["CLOUDBURST_GIT_REVISION"] + " (given; tree without .git)", []
     commit = _git("rev-parse", "--short", "HEAD").strip() or "unknown"
@@ -88,8 +85,7 @@ def git_commit() -> tuple[str, list[str]]:
 
 
 def cpu_busy_fraction(interval_s: float = 1.0) -> float:
-    """Share of all cores busy over ``interval_s`` (/proc/stat; the 1-minute load average lags
-    by minutes, so it is recorded, not used to refuse)."""
+    """Share of all cores busy over ``interval_s`` (/proc/stat: the load average lags)."""
 
     def sample() -> tuple[int, int]:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -151,8 +147,7 @@ class Provenance:
 
     @classmethod
     def capture(cls, args: argparse.Namespace) -> Provenance:
-        """Record the provenance; exit with one line on a dirty tree or a busy machine
-        (other processes using > ``BUSY_FRACTION`` of the cores) unless --force or --quick."""
+        """The provenance; exits on a dirty tree or a busy machine unless --force or --quick."""
         import torch
 
         commit, dirty = git_commit()
@@ -200,8 +195,7 @@ class Provenance:
 # ---------------------------------------------------------------------------- runs
 @dataclass(frozen=True)
 class Arm:
-    """One configuration: ``cloudburst train`` flags without ``--out``/``--seed`` (or, for a
-    custom ``run`` callable, whatever it reads from ``argv``)."""
+    """One configuration: ``cloudburst train`` flags without ``--out``/``--seed``."""
 
     name: str
     argv: Sequence[str] = ()
@@ -212,9 +206,8 @@ class Arm:
 
 @dataclass
 class Run:
-    """One run of one arm. ``evals`` are ``(time_s, samples, accuracy)`` of the global model,
-    time on the training clock (evaluation excluded where the run records it); ``values`` holds
-    what a non-training benchmark measured. A failed run is kept, with ``failed`` set."""
+    """One run of one arm: ``evals`` (:func:`read_evals`) of the global model, ``values`` what
+    else was measured. A failed run is kept, with ``failed`` set."""
 
     arm: str
     seed: int
@@ -246,9 +239,7 @@ def records(out_dir: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def read_evals(out_dir: str | Path) -> list[tuple[float, int, float]]:
-    """The eval records of a run directory as ``(time_s, samples, accuracy)``, sorted by time.
-    The time is ``train_time_s`` (the training clock with evaluation taken out) where the
-    records carry it, else ``time_s``."""
+    """The eval records as ``(time_s, samples, accuracy)`` by time (``train_time_s`` if any)."""
     evals = []
     for _, r in records(out_dir):
         if r.get("event") == "eval" and isinstance(r.get("test_accuracy"), int | float):
@@ -293,8 +284,7 @@ def run_train(
 
 
 def step_s(step_times: dict[str, list[list[float]]], skip_steps: int = 0) -> float | None:
-    """Median over every rank's logged windows ``[step, time_s]`` of Δtime ÷ Δsteps between
-    consecutive records, windows starting before ``skip_steps`` left out."""
+    """Median of Δtime ÷ Δsteps over every rank's windows ``[step, time_s]`` from ``skip_steps``."""
     per_step = [
         (b[1] - a[1]) / (b[0] - a[0])
         for times in step_times.values()
@@ -387,8 +377,7 @@ def time_to_target(evals: Sequence[tuple], target: float, k: int = K_CONSECUTIVE
 
 
 def censored_median(times: Sequence[float | None], budget_s: float) -> tuple[float | str, int]:
-    """(median, how many censored): censored values (``None``) sort above every time; a median
-    on a censored value is the string ``"> <budget> s"``."""
+    """(median, how many censored): ``None`` sorts above every time (median ``"> <budget> s"``)."""
     if not times:
         raise ValueError("censored_median of no runs")
     med = statistics.median(sorted(float("inf") if t is None else t for t in times))
@@ -454,8 +443,7 @@ def paired_ratio(
 def bootstrap_difference(
     a: Sequence[float], b: Sequence[float], n: int = 2000, seed: int = 0, paired: bool = False
 ) -> Interval:
-    """(mean(a) − mean(b), 2.5th, 97.5th percentile) over ``n`` bootstrap resamples, as
-    :func:`bootstrap_ratio`; ``paired=True`` resamples the pairs (a[i], b[i]) together."""
+    """(mean(a) − mean(b), 2.5th, 97.5th percentile), as :func:`bootstrap_ratio`."""
     return _bootstrap(
         a, b, lambda xa, xb: statistics.fmean(xa) - statistics.fmean(xb), n, seed, None, paired
     )
@@ -538,8 +526,7 @@ def parse_target(target: str) -> Rule | None:
 
 
 def interval_verdict(rule: Rule, lo: float, hi: float) -> str:
-    """PASS when the whole interval ``[lo, hi]`` meets the rule (``≤ x``: the upper bound is
-    ≤ x), MISS when the whole interval is on the wrong side, else ``inconclusive``."""
+    """PASS if all of ``[lo, hi]`` meets the rule, MISS if all is outside, else inconclusive."""
     inside = (rule.lo is None or lo >= rule.lo) and (rule.hi is None or hi <= rule.hi)
     outside = (rule.lo is not None and hi < rule.lo) or (rule.hi is not None and lo > rule.hi)
     return PASS if inside else MISS if outside else INCONCLUSIVE
@@ -570,9 +557,7 @@ class Claim:
         return "-" if self.ok is None else (PASS if self.ok else MISS)
 
     def judge(self) -> Claim:
-        """With an interval and a target :func:`parse_target` reads: PASS needs the whole
-        interval on the right side (a MISS for another reason stands), the whole interval on
-        the wrong side is a MISS, else ``inconclusive``."""
+        """The verdict :func:`interval_verdict` gives (a MISS for another reason stands)."""
         rule = parse_target(self.target)
         if self.interval is None or self.ok is None or rule is None:
             return self
@@ -654,9 +639,8 @@ def diff_claim(
 def simulate_all(
     jobs: Iterable[tuple[Arm, int, Path]], prov: Provenance, workers: int = 2, timeout_s=900.0
 ) -> list[Run]:
-    """``cloudburst simulate`` of each (arm, seed, out dir), ``workers`` at a time: a
-    simulation's results (maths, bytes, virtual times) do not depend on the machine's load, so
-    they need no interleaving, and each process uses one core."""
+    """``cloudburst simulate`` of each (arm, seed, out dir), ``workers`` at a time (a
+    simulation's results do not depend on the machine's load: no interleaving needed)."""
 
     def one(job: tuple[Arm, int, Path]) -> Run:
         r = run_train(*job, timeout_s, SIMULATE)

@@ -121,8 +121,7 @@ def simulate_point(name: str, group: dict, cfg: dict, sim: dict, seed: int, out:
 
 
 def tt(rec: dict, target: float = TARGET, budget_s: float | None = None) -> float | None:
-    """Time to target from the first evaluation (a warm start's end), held k evaluations;
-    with ``budget_s``, only the evaluations within that time of the first count."""
+    """Time to target from the first evaluation, only those within ``budget_s`` of it counted."""
     if rec["failed"] or not rec["evals"]:
         return None
     t0 = rec["evals"][0][0]

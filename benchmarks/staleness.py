@@ -186,8 +186,7 @@ def compare_diloco(
     rep: harness.Report, g: dict[str, list[harness.Run]], names: list[str], where: str,
     budget: float,
 ) -> list[list]:  # fmt: skip
-    """Async DiLoCo (± DyLU) against DiLoCo at equal pushes, equal time and in time to
-    DiLoCo's accuracy at the budget − ``BAND`` points; rows for the table."""
+    """Async DiLoCo (± DyLU) against DiLoCo: claims, and rows for the table."""
     base = g["diloco"]
     finals = [acc_at(r, budget) for r in base]
     if any(a is None for a in finals):
