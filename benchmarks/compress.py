@@ -4,11 +4,7 @@ accuracy, time to target, and time per step against torchft.
     .venv/bin/python benchmarks/compress.py            # results/compress.{md,json}, ~20 min
     .venv/bin/python benchmarks/compress.py --quick    # smoke test (~3 min), runs/bench-quick/
 
-The wide CNN of ``bench_models.py`` on MNIST-1D, 4 workers on 2 emulated nodes; arms in
-``ARMS``. Five parts, each in its section of the result: bytes and accuracy (virtual cluster),
-time to target over a 1 Gbit/s link (real runs), time per step against torchft 0.2.0's
-``DiLoCo``, the link speed that makes compression worth it, and the 1/50 headline confirmed
-where it was not chosen (``CONFIRM``, named before its run).
+Five parts, each in its section of the result; arms in ``ARMS``. Details: benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -4,16 +4,9 @@ Streaming DiLoCo headline at W = 16 and 64, and real gloo runs at W = 4 against 
     .venv/bin/python benchmarks/compress_scale.py            # results/compress_scale.{md,json}
     .venv/bin/python benchmarks/compress_scale.py --quick    # smoke test, runs/bench-quick/
 
-1. **The table** (virtual cluster, one process, W = 2 to 256): sync and local SGD (H = 8) on a
-   131,072-parameter linear model driven by hand for one period, all workers on 2 nodes:
-   bytes per worker-step and virtual seconds per step on 1 and 10 Gbit/s links, for
-   ``--compress`` none, int8 and fp8.
-2. **The issue's test**: ``cloudburst simulate --strategy local_sgd`` int8 ÷ none sent bytes at
-   W = 4, 16, 64 and 256.
-3. **Streaming DiLoCo at scale** (F = 4, H = 8, τ = 1, int8) against sync at equal steps: W = 16
-   on 2 nodes and W = 64 on 8 (one seed each).
-4. **Real gloo runs at W = 4** (local SGD H = 2, 3 seeds): int8 against none, each job in its
-   own network namespace (``wire.py``): counted and wire bytes, final accuracy.
+Four parts, each in its section of the result: the table (one process, a linear model driven
+by hand), ``cloudburst simulate`` int8 ÷ none, Streaming DiLoCo against sync at equal steps,
+and real gloo runs in their own network namespace (``wire.py``). Details: benchmarks/README.md.
 """
 
 from __future__ import annotations

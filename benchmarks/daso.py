@@ -2,17 +2,11 @@
 
     .venv/bin/python benchmarks/daso.py [--quick] [--seeds N] [--budget-s B] [--arms …] [--force]
 
-Arms, interleaved per seed, same model, data, seed, lr, batch and **training-time budget**
-(``--max-train-time-s``; evaluation off the clock): ``sync`` (DDP) and its A/A copy; ``daso`` at
-its defaults; PyTorch's ``torch_post_local`` and ``torch_hierarchical`` (``peers.py``); ``sync
---compress bf16`` and ``powersgd`` (DDP's hooks); ``local_sgd`` and ``diloco`` (H = 8). 4
-workers on 2 nodes joined by an emulated 1 Gbit/s, 1 ms link; every step padded to ≥ 50 ms; the
-wide CNN of ``bench_models.py`` (528 k parameters), so that communication matters.
-
-Reported: time to 85 % (held k = 3 evaluations, censored runs counted at the budget; 80 and
-90 % as sensitivity lines), DASO ÷ each baseline and local SGD / DiLoCo ÷ sync (paired), the
-sync A/A beside them; final accuracy − sync; inter-node bytes per sample; and why, measured
-(compute against padding, CPU, samples/s, samples needed).
+Every arm (``ARMS``, interleaved per seed, sync's A/A beside) gets the same training-time
+budget; 4 workers on 2 nodes joined by an emulated 1 Gbit/s, 1 ms link, every step padded to
+≥ 50 ms, the wide CNN of ``bench_models.py``. Reported: time to 85 % (80 and 90 % as
+sensitivity lines), DASO ÷ each baseline and local SGD / DiLoCo ÷ sync (paired), final
+accuracy − sync, inter-node bytes per sample, and why, measured. Details: benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""The defaults against the best known alternatives (``cloudburst train --strategy S --workers 4``
-plus the candidate's flags, the accuracy benchmark's budget), 5 seeds, interleaved.
+"""The defaults against the best known alternatives, 5 seeds, interleaved (4 workers, the
+accuracy benchmark's budget).
 
     .venv/bin/python benchmarks/defaults.py [--quick] [--seeds N] [--only asgd|others]
 
-``others``: each strategy against the alternatives named in ``CANDIDATES``, on the seeds of its
-runs at the defaults in ``results/accuracy.json``; claim: the defaults' mean accuracy − the best
-candidate's ≥ −1 point (the whole paired interval).
-
-``asgd`` (issue 28 item 3): sync, asgd at its defaults, ``--n-sync 1`` and the compensator named
-before the run (``COMPENSATOR``). On seeds 0-4 a candidate wins when its mean accuracy is above
-the default's AND its median per-seed train-time ratio to it is ≤ 1; the best winner (or the
-default) is confirmed on seeds 5-9: within ±0.5 points of sync and every seed ≥ 91 %.
+``others``: each default against ``CANDIDATES`` on its seeds in ``results/accuracy.json``
+(claim: defaults − best candidate ≥ −1 point). ``asgd``: candidates chosen on seeds 0-4, the
+choice confirmed on seeds 5-9 (within ±0.5 points of sync, every seed ≥ 91 %). Details:
+benchmarks/README.md.
 """
 
 from __future__ import annotations

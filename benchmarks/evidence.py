@@ -6,12 +6,7 @@
     .venv/bin/python benchmarks/evidence.py --results runs/bench-quick --print
     .venv/bin/python benchmarks/evidence.py --rescore overhead local_sgd daso transport
 
-The table (a row per claim, anchor ``c-<result>-<n>``, a stored verdict its interval does not
-support shown as the interval's, "re-judged") goes between ``<!-- evidence:begin -->`` and
-``<!-- evidence:end -->``, the advice (one sentence per claim in ``ADVICE``, linking to its row)
-between ``<!-- choosing:begin -->`` and ``<!-- choosing:end -->``, in whichever of README.md and
-docs/*.md holds each pair. ``--rescore`` recomputes the named results' claims from their stored
-runs and writes them back, stamped: the runs are the old commit's, the verdicts the new rules'.
+Details (markers, anchors, re-judging, re-scoring): benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
-"""Training experiments on MNIST-1D with 4 workers: accuracy and stragglers.
+"""Training experiments on MNIST-1D with 4 workers: accuracy and stragglers (details:
+benchmarks/README.md).
 
     .venv/bin/python benchmarks/experiments.py accuracy [--quick] [--seeds N] [--epochs E]
     .venv/bin/python benchmarks/experiments.py stragglers [--quick] [--seeds N] [--steps N]
 
-``accuracy``: every strategy at its defaults, 5 seeds interleaved; claims: each final test
-accuracy − sync's within ±1 point (paired interval), every seed ≥ 90 %. No device emulation.
-
-``stragglers``: time to 90 % (held k = 3 evaluations) with worker 0 2× slower, every step padded
-to 20 ms; each asynchronous arm ÷ sync (ideal 4/7), samples to 90 % ÷ sync's, async DiLoCo ÷
-DiLoCo; targets fixed before any run (issue 28); sync twice per seed (the A/A control); and why,
-measured (samples/s, samples needed, compute against padding, CPU). Details: benchmarks/README.md.
+``accuracy``: every strategy at its defaults, final accuracy − sync's (within ±1 point) and
+every seed ≥ 90 %. ``stragglers``: time to 90 % with worker 0 2× slower, each asynchronous arm
+÷ sync (A/A: sync twice), samples to 90 %, async DiLoCo ÷ DiLoCo, and why, measured.
 """
 
 from __future__ import annotations

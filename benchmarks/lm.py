@@ -3,18 +3,10 @@
     .venv/bin/python benchmarks/lm.py [--quick] [--seeds N] [--steps T] [--force]
     .venv/bin/python benchmarks/lm.py --virtual-only      # the virtual-cluster table alone
 
-Real runs of ``cloudburst train``, interleaved per seed with an A/A copy of sync: W = 4, the
-default GPT (120,576 parameters) and recipe, T steps per worker (equal tokens for every arm):
-``sync``; ``local_sgd`` (H = 16); ``diloco`` at its defaults (H = 8; docs/lm.md) and at H = 16
-and 64; Streaming DiLoCo (H = 16, 4 fragments, int8); ``async_diloco`` (H = 16). Reported:
-final test loss (nats per byte) and bits per byte, bytes sent, wall time. The claim (issue 29):
-DiLoCo-at-its-defaults' final loss − sync's ≤ 0.05 nats, paired by seed, on seeds 2, 3, 4 (the
-defaults were chosen on seeds 0 and 1).
-
-Virtual cluster: GPT-2 small (124,439,808 parameters) at llm.c's published throughput (10 B
-tokens in 90 minutes on 8 A100s: 231,481 tokens/s per GPU, so a step of 16 × 1024 tokens is
-0.0708 s) stands in; the maths is a tiny GPT's. W = 8 to 64 over 1 and 10 Gbit/s links, 64
-steps: virtual seconds per step and bytes sent per worker-step.
+Real runs (W = 4, equal tokens, sync's A/A beside): final test loss, bytes, wall time; claim:
+DiLoCo at its defaults − sync ≤ 0.05 nats on seeds 2-4. Virtual cluster: GPT-2 small at
+llm.c's A100 throughput, W = 8 to 64: virtual s per step and bytes per worker-step. Details:
+benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -2,16 +2,10 @@
 
     .venv/bin/python benchmarks/local_sgd.py [--quick] [--seeds N] [--epochs E] [--force]
 
-Arms, interleaved per seed: ``sync``; ``local_sgd`` and its A/A copy; ``diloco`` (outer SGD lr
-0.1, Nesterov 0.9); ``torch_periodic`` (PyTorch's ``PeriodicModelAverager`` through cloudburst's
-loop, ``peers.py``); torchft 0.2.0's ``LocalSGD`` and ``DiLoCo`` (``torchft_peer.py``). H = 8
-everywhere; MNIST-1D, the paper's CNN, 4 workers × batch 64; no emulated device or link: the
-CPU cost of each mechanism is what is timed.
-
-Reported: time per step (median of 16-step windows, the first 32 steps left out) of local_sgd ÷
-each peer and diloco ÷ torchft's (paired by seed), the local_sgd A/A beside; bytes per sample ÷
-sync's against the schedule's ⌈T/H⌉ / T; final accuracy − sync. torchft runs fewer steps (its
-start-up is ~10 s): only its step time counts.
+H = 8 everywhere, MNIST-1D, 4 workers, no emulated device or link (the CPU cost of each
+mechanism is what is timed). Reported: time per step of local_sgd ÷ each peer and diloco ÷
+torchft's (paired by seed, local_sgd A/A beside), bytes per sample ÷ sync's against ⌈T/H⌉ / T,
+final accuracy − sync. Details: benchmarks/README.md.
 """
 
 from __future__ import annotations

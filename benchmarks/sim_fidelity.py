@@ -2,16 +2,9 @@
 simulate`` predicts it against real ``cloudburst train`` runs of the same flags on this
 machine, on configurations held out from the model's development (issues 25 and 30).
 
-Each configuration runs four ways per seed, interleaved: real and simulated, each with the
-inter-node link emulated and without it, every step padded to ``--min-step-time-s``. Scored:
-**the time the link adds** (wall time with the link − without it, paired by seed), which takes
-out what the simulator does not model (the padding, this machine's host overhead per step) and
-keeps what it does (the link, the node NIC its ranks share, who waits for whom); real ÷
-simulated per (configuration, seed), median within 15 % with its paired interval (all held-out
-configurations, then each). A second claim scores the whole unpadded time, host overhead
-included. ``HELD_OUT`` was named before any run, ``FRESH`` after the first run's one change of
-the emulator; the A/A runs the first configuration's real run a second time per seed. A failed
-run is kept and counted as outside the tolerance.
+Each configuration runs real and simulated, with and without the link, interleaved; claims:
+real ÷ simulated link time within 15 % (paired interval), and the unpadded time. A failed run
+counts as outside the tolerance. Details: benchmarks/README.md.
 
     .venv/bin/python benchmarks/sim_fidelity.py [--quick] [--force] [--steps N] [--seeds N]
 """

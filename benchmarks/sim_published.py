@@ -1,13 +1,9 @@
 """The virtual cluster's cost model against published measurements nobody here wrote (issue 30
 item 2): Goyal et al. 2017, Horovod's 16-GPU table, nccl-tests on 2 × p4de, and a held-out case.
 
-Each prediction is the virtual cluster's own cost model (``ClockModel`` with ``--network-model
-nccl``; docs/simulator.md) evaluated for the published configuration, the compute time a
-stated stand-in (a published single-GPU time) and the gradient 4 bytes a parameter. Nothing is
-timed: the numbers depend on the commit only. Every link speed, latency and placement below is
-an assumption stated before any prediction was computed, as were the targets (within 20 % for
-Horovod's ring rows and Goyal's 12 %, 25 % for nccl-tests) and the held-out case (``HELD_OUT``:
-Horovod at 512 GPUs).
+Each prediction is ``ClockModel`` (``--network-model nccl``) for the published configuration;
+nothing is timed. Every assumption and target was stated before any prediction was computed.
+Details: benchmarks/README.md.
 
     .venv/bin/python benchmarks/sim_published.py [--force]
 """

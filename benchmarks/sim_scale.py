@@ -1,9 +1,6 @@
 """Scale of the virtual cluster on this machine: 128 workers of the MNIST-1D CNN in one process
-(``cloudburst simulate``), its wall time, peak memory and cost per simulated worker-step.
-
-Scaled down: 128 workers × ``--steps`` (100; issue 14's claim is 1,000 steps each), asgd with
-n_sync 1 (the most messages) and sync. The claim is extrapolated from the measured cost per
-worker-step: 128 × 1,000 worker-steps ≤ 10 min of wall time, ≤ 8 GB of peak memory.
+(``cloudburst simulate``), its wall time, peak memory and cost per simulated worker-step,
+projected to 128 × 1,000 worker-steps (≤ 10 min, ≤ 8 GB). Details: benchmarks/README.md.
 
     .venv/bin/python benchmarks/sim_scale.py [--quick] [--force] [--workers 128] [--steps 100]
 """

@@ -1,24 +1,10 @@
 """The three seed papers' findings on the virtual cluster, scaled to fit the benchmark budget.
 
-Every run is ``cloudburst.sim.run.simulate`` (one process, virtual seconds, deterministic per
-seed): the MNIST-1D CNN's real training drives the maths, the clock charges a published large
-model's bytes and step time (the stand-in; step-time jitter lognormal:0.1). Times count from the
-first evaluation; time to target = the first evaluation from which the accuracy stays ≥ 80 %
-for k = 3 evaluations; runs that never get there (or fail) are censored and counted.
-
-- ``jin`` (Jin et al. 2016): sync / asgd / easgd / gossip at W = 2, 8, 32, 128 on a stand-in
-  ResNet-50 on V100, every method given the same virtual time (``JIN_BUDGET_S``), targets 80 %
-  (85 / 90 % as a sensitivity line); finding: asynchronous methods reach the target sooner at
-  few workers, sync at many.
-- ``coquelin`` (Coquelin et al. 2021, DASO): DASO / sync / post-local SGD on P = 4, 8, 16 nodes
-  × 4 GPUs (stand-in ResNet-50 on A100s) at 10 and 100 Gbit/s; finding: DASO reaches the target
-  in < 0.9 × sync's time at equal accuracy (within 1 point).
-- ``paine`` (Paine et al. 2013, GPU A-SGD): 1–8 clients (AlexNet-sized on K20X), warm and cold
-  start, n_sync; findings: with a warm start more clients are faster; a cold start with 8
-  clients is slower early than 1 client.
-
-Network model ``nccl`` for jin and coquelin, ``flat`` for paine. Scaled down from issue 14's
-runs, so a finding not reproduced here may be one of scale. Three seeds per point (``--seeds``).
+Every run is ``cloudburst.sim.run.simulate`` (deterministic per seed), a published large
+model's bytes and step time charged; time to 80 % held for 3 evaluations, censored runs
+counted. ``jin`` (Jin et al. 2016), ``coquelin`` (DASO, Coquelin et al. 2021) and ``paine``
+(Paine et al. 2013), each finding judged by the paper's own criterion. Details:
+benchmarks/README.md.
 
     .venv/bin/python benchmarks/sim_seeds.py [jin|coquelin|paine ...] [--quick] [--force]
 """

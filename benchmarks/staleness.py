@@ -1,14 +1,9 @@
 """Staleness at scale on the virtual cluster: asynchronous methods ÷ sync and asynchronous
 DiLoCo ÷ DiLoCo with heavy-tailed step times and one 4× straggler (issue 28 item 4).
 
-Every run is ``cloudburst simulate`` (deterministic per seed): MNIST-1D (40,000 train), the
-paper's CNN, batch 64, a 20 ms step × a seeded jitter (``lognormal:0.3`` or ``pareto:2``),
-worker 0's step × 4. Every arm gets the same virtual time, ``BUDGET_S`` from the first
-evaluation (evaluations after it do not count). Time to target: the first evaluation from
-which the accuracy stays ≥ ``TARGET`` for k = 3 evaluations, censored (and counted) at the
-budget. Per (W, jitter), paired by seed: each asynchronous arm ÷ sync in time to target (≤ 0.70)
-and in samples to it (≤ 1.2); async DiLoCo against DiLoCo at equal pushes, at equal time and in
-time to DiLoCo's accuracy at the budget − 1 point (≤ 0.75). Targets fixed before any run.
+Every arm gets the same virtual time from its first evaluation; per (W, jitter), paired by
+seed: time to 80 % and samples to it ÷ sync's, async DiLoCo against DiLoCo. Targets fixed
+before any run. Details: benchmarks/README.md.
 
     .venv/bin/python benchmarks/staleness.py [--quick] [--seeds N] [--workers 16,64]
         [--jitters lognormal:0.3,pareto:2] [--arms sync,asgd,...] [--jobs 2]
