@@ -61,11 +61,10 @@ def within_band(lo: float, hi: float, band: float) -> bool:
 
 
 def accuracy(args) -> None:
-    prov = harness.Provenance.capture(args)
-    seeds = seed_range(args)
-    budget = ["--steps", "30"] if args.quick else []
-    if args.epochs and not args.quick:
-        budget = ["--epochs", str(args.epochs)]
+    prov, seeds = harness.Provenance.capture(args), seed_range(args)
+    budget = (
+        ["--steps", "30"] if args.quick else ["--epochs", str(args.epochs)] if args.epochs else []
+    )
     budget += ["--eval-every-s", "10"]  # only the final accuracy counts here
     names = ("sync", "asgd") if args.quick else STRATEGIES
     if args.arms:
@@ -131,10 +130,8 @@ def accuracy(args) -> None:
 
 
 def stragglers(args) -> None:
-    prov = harness.Provenance.capture(args)
-    seeds = seed_range(args)
-    steps = 40 if args.quick else args.steps
-    root = prov.runs_dir("stragglers")
+    prov, seeds, steps = harness.Provenance.capture(args), seed_range(args), args.steps
+    steps, root = 40 if args.quick else steps, prov.runs_dir("stragglers")
     compute_ms = step_compute_ms(root / "one_process", 100 if args.quick else 500)
     common = [*COMMON, "--min-step-time-s", str(MIN_STEP_S), "--eval-every-s", "0.5"]
     suffix = {"straggler": ["--straggler", "0:2"], **({"none": []} if args.context else {})}
@@ -149,13 +146,10 @@ def stragglers(args) -> None:
     length = {"lockstep": steps, "async": round(ASGD_STEPS * steps)}
     arms, cut = [], {}
     for c, extra in suffix.items():
-        for name in available:
+        for name in [n for n in available if c != "none" or n in ("sync", "asgd")]:
             flags, kind = STRAGGLER_ARMS[name]
-            if c == "none" and name not in ("sync", "asgd"):
-                continue
-            arm = Arm(f"{name} {c}", [*flags, *common, "--steps", str(length[kind]), *extra])
-            arms.append(arm)
-            cut[arm.name] = length[kind] if kind == "async" else 0
+            arms.append(Arm(f"{name} {c}", [*flags, *common, "--steps", str(length[kind]), *extra]))
+            cut[arms[-1].name] = length[kind] if kind == "async" else 0
 
     def run(arm: Arm, seed: int) -> harness.Run:
         out = root / harness.slug(arm.name) / f"seed{seed}"
@@ -164,14 +158,12 @@ def stragglers(args) -> None:
         )
 
     runs = harness.interleave(arms, seeds, control="sync straggler", run=run, prov=prov)
-    groups = harness.by_arm(runs)
-    budget = harness.budget_of(runs)
+    groups, budget = harness.by_arm(runs), harness.budget_of(runs)
     times = {name: harness.times_to(rs, TARGET) for name, rs in groups.items()}
     samples = {name: [samples_to(r) for r in rs] for name, rs in groups.items()}
     most = harness.censored_floor((samples_to(r), r.evals[-1][1]) for r in runs if r.evals)
-    report = harness.Report(
-        "stragglers", "Time to 90 % with a 2× straggler: asynchronous methods ÷ sync", prov
-    )
+    title = "Time to 90 % with a 2× straggler: asynchronous methods ÷ sync"
+    report = harness.Report("stragglers", title, prov)
     sync, aa = times["sync straggler"], times[harness.aa_name("sync straggler")]
     asyncs = [n for n in available if STRAGGLER_ARMS[n][1] == "async"]
     for name in asyncs:
