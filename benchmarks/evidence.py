@@ -249,12 +249,6 @@ def marked(markers: tuple[str, str], root: Path = REPO) -> Path | None:
 
 
 # ---------------------------------------------------------------------------- --rescore
-def _pairs(x: list, y: list) -> tuple[list[float], list[float]]:
-    """The seeds where both sides have a value, as two aligned lists."""
-    both = [(p, q) for p, q in zip(x, y, strict=True) if p and q]
-    return [p for p, _ in both], [q for _, q in both]
-
-
 def _recipes(stem: str, data: dict) -> dict[str, dict]:
     """Claim name → its per-seed (per-round) inputs from the stored runs, for results written
     before claims kept them: ``{"a", "b", "aa", "budget_s"}`` or ``{"diff": (a, b)}`` (points)."""
@@ -285,8 +279,8 @@ def _recipes(stem: str, data: dict) -> dict[str, dict]:
     budget = harness.budget_of(runs)
     for c in data["claims"] if stem in ("local_sgd", "daso") else []:
         if m := re.match(r"time per step, (\S+) ÷ (\S+),", c["name"]):
-            aa = _pairs(value("local_sgd (A/A)", "step_s"), value("local_sgd", "step_s"))
-            a, b = _pairs(value(m[1], "step_s"), value(m[2], "step_s"))
+            aa = harness.pairs(value("local_sgd (A/A)", "step_s"), value("local_sgd", "step_s"))
+            a, b = harness.pairs(value(m[1], "step_s"), value(m[2], "step_s"))
             out[c["name"]] = {"a": a, "b": b, "aa": harness.paired_ratio(*aa)[0]}
         elif m := re.match(r"time to ([\d.]+) %, (\S+) ÷ (\S+),", c["name"]):
             t = {arm: harness.times_to(rs, float(m[1]) / 100) for arm, rs in groups.items()}

@@ -466,14 +466,13 @@ class CpuSampler:
 
     def _sample(self) -> None:
         try:
-            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        except (OSError, ValueError):
+            total, idle = harness.cpu_ticks()
+        except (OSError, ValueError, IndexError):
             return
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
         for pid in self.pids:
             if (st := _stat(pid)) is not None:  # an exited rank keeps its last reading
                 self._last_cpu[pid] = (int(st[11]) + int(st[12])) / TICKS_PER_S  # utime, stime
-        busy = (sum(fields) - idle) / TICKS_PER_S
+        busy = (total - idle) / TICKS_PER_S
         self.samples.append((time.time(), busy, sum(self._last_cpu.values())))
 
     def _loop(self) -> None:

@@ -84,18 +84,18 @@ def git_commit() -> tuple[str, list[str]]:
     return commit, [x[3:] for x in lines if not x[3:].startswith(("benchmarks/results/", "runs/"))]
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(all, idle + iowait) CPU ticks of the machine so far, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)
+
+
 def cpu_busy_fraction(interval_s: float = 1.0) -> float:
     """Share of all cores busy over ``interval_s`` (/proc/stat: the load average lags)."""
-
-    def sample() -> tuple[int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        return sum(fields), idle
-
     try:
-        total0, idle0 = sample()
+        total0, idle0 = cpu_ticks()
         time.sleep(interval_s)
-        total1, idle1 = sample()
+        total1, idle1 = cpu_ticks()
     except (OSError, ValueError, IndexError):
         return os.getloadavg()[0] / (os.cpu_count() or 1)
     return 1.0 - (idle1 - idle0) / max(total1 - total0, 1)
@@ -447,6 +447,12 @@ def bootstrap_difference(
     return _bootstrap(
         a, b, lambda xa, xb: statistics.fmean(xa) - statistics.fmean(xb), n, seed, None, paired
     )
+
+
+def pairs(x: Vals, y: Vals) -> tuple[list[float], list[float]]:
+    """The seeds where both sides have a (non-zero) value, as two aligned lists."""
+    both = [(p, q) for p, q in zip(x, y, strict=True) if p and q]
+    return [p for p, _ in both], [q for _, q in both]
 
 
 def median(values: Iterable[float | None]) -> float | None:

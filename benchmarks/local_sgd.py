@@ -67,15 +67,10 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
     groups = harness.by_arm(runs)
     rep = harness.Report("local_sgd", "local SGD and DiLoCo: bytes, accuracy, step time", prov)
     step = {n: [r.values.get("step_s") for r in rs] for n, rs in groups.items()}
-
-    def pairs(a: str, b: str) -> tuple[list[float], list[float]]:  # seed i on both sides
-        both = [(x, y) for x, y in zip(step[a], step[b], strict=True) if x and y]
-        return [x for x, _ in both], [y for _, y in both]
-
-    aa = pairs(harness.aa_name("local_sgd"), "local_sgd")
+    aa = harness.pairs(step[harness.aa_name("local_sgd")], step["local_sgd"])
     aa_ratio = harness.paired_ratio(*aa)[0] if aa[0] else None
     for a, b in STEP_CLAIMS:
-        ok_a, ok_b = pairs(a, b)
+        ok_a, ok_b = harness.pairs(step[a], step[b])
         if not ok_a:
             rep.claim(f"time per step, {a} ÷ {b}", None, "≤ 1", False, note=f"{b} did not run")
             continue
