@@ -109,10 +109,8 @@ def ps_iteration_s(c, step_s: float, params: int, workers: int, per_node: int, s
     node's egress carries its ranks' pushes (per_node × M), each shard node's ingress W·M/S
     (shards on nodes of their own); the pull is the same the other way; the shards apply
     W·M/S bytes at the server's memory bandwidth."""
-    spec = c.inter.spec
-    m = 4.0 * params
-    busiest = max(per_node * m, workers * m / shards)
-    transfer = spec.latency_s + busiest / spec.bytes_per_s
+    spec, m = c.inter.spec, 4.0 * params
+    transfer = spec.latency_s + max(per_node * m, workers * m / shards) / spec.bytes_per_s
     return step_s + 2 * transfer + c.apply_s(workers * m / shards)
 
 
@@ -127,9 +125,8 @@ def ring_only_iteration_s(c, step_s: float, params: int, gpus: int) -> float:
 
 def main() -> None:
     args, prov = harness.start(__doc__)
-    rep = harness.Report(
-        "sim_published", "The virtual cluster against published measurements", prov
-    )
+    title = "The virtual cluster against published measurements"
+    rep = harness.Report("sim_published", title, prov)
 
     def claim(name: str, ratio: float, case: str, **kwargs) -> None:
         """predicted ÷ published within ``TOLERANCE[case]`` % of 1."""
@@ -168,17 +165,13 @@ def main() -> None:
     g = clock(GOYAL["intra"], GOYAL["inter"])
     step = GOYAL["backward_s"] * 1.5  # forward : backward = 1 : 2 (device_emulation)
     times = {n: iteration_s(g, step, GOYAL["params"], n // 8, 8) for n in (8, 256, 352)}
-    rise = times[352] / times[8]
-    eff256 = times[8] / times[256]
+    rise, eff256 = times[352] / times[8], times[8] / times[256]
     # The claim is the rise itself (12 %) within 20 %: the ratio of the two iteration times
     # (1.12) within 20 % would pass any rise from −10 % to +34 %.
     pub_rise = GOYAL["rise_352"] - 1
-    claim(
-        "Goyal et al.: rise in time per iteration 8 → 352 GPUs, predicted ÷ published (12 %)",
-        (rise - 1) / pub_rise,
-        "goyal",
-        note=f"time per iteration 352 ÷ 8: {rise:.3f} against 1.12",
-    )
+    claim("Goyal et al.: rise in time per iteration 8 → 352 GPUs, predicted ÷ published (12 %)",
+          (rise - 1) / pub_rise, "goyal",
+          note=f"time per iteration 352 ÷ 8: {rise:.3f} against 1.12")  # fmt: skip
     rep.claim("Goyal et al.: scaling efficiency 8 → 256 GPUs, predicted ÷ published (≈ 90 %)",
               eff256 / GOYAL["efficiency_256"], "(reference)", None)  # fmt: skip
     goyal_rows = [[f"{n} ({n // 8} servers)", f"{t * 1e3:.1f}"] for n, t in times.items()]
@@ -203,11 +196,8 @@ def main() -> None:
         "gradients 4 bytes a parameter; Horovod's Tensor Fusion stood in for by DDP's "
         "25 MiB buckets overlapped with backward (backward = 2/3 of the step, spread by "
         "parameters). Speed-up = 16 × step ÷ iteration."
-    ).table(
-        "model | gradient MB | step ms | iteration ms | predicted | published (RDMA) | "
-        "ratio | published over TCP",
-        hv_rows,
-    )
+    ).table("model | gradient MB | step ms | iteration ms | predicted | published (RDMA) | "
+            "ratio | published over TCP", hv_rows)  # fmt: skip
     rep.section("Horovod: the parameter server against the ring, by number of shards S").text(
         "Predicted (PS iteration ÷ ring iteration) for S shards on nodes of their own, "
         "no overlap: push and pull each max(4·M, 16·M/S) / β + L (the busier of a worker "
@@ -229,9 +219,7 @@ def main() -> None:
     ).table("bytes | predicted µs | published µs | ratio | predicted bus GB/s", nccl_rows)
     rep.section("Held out: Horovod, 512 GPUs (128 servers × 4)").table(
         "model | iteration ms | predicted efficiency | published | ratio | post hoc: "
-        "flat ring over 512, ratio",
-        held_rows,
-    )
+        "flat ring over 512, ratio", held_rows)  # fmt: skip
     rep.section("What explains the differences").text(EXPLAINED)
     rep.write()
 
