@@ -134,7 +134,6 @@ def stragglers(args) -> None:
     steps, root = 40 if args.quick else steps, prov.runs_dir("stragglers")
     compute_ms = step_compute_ms(root / "one_process", 100 if args.quick else 500)
     common = [*COMMON, "--min-step-time-s", str(MIN_STEP_S), "--eval-every-s", "0.5"]
-    suffix = {"straggler": ["--straggler", "0:2"], **({"none": []} if args.context else {})}
     wanted = args.arms.split(",") if args.arms else list(DEFAULT_ARMS)
     wanted = list(STRAGGLER_ARMS) if wanted == ["all"] else wanted
     unknown = [a for a in wanted if a not in STRAGGLER_ARMS]
@@ -145,11 +144,11 @@ def stragglers(args) -> None:
     available, missing = supported(wanted, cli_help())
     length = {"lockstep": steps, "async": round(ASGD_STEPS * steps)}
     arms, cut = [], {}
-    for c, extra in suffix.items():
-        for name in [n for n in available if c != "none" or n in ("sync", "asgd")]:
-            flags, kind = STRAGGLER_ARMS[name]
-            arms.append(Arm(f"{name} {c}", [*flags, *common, "--steps", str(length[kind]), *extra]))
-            cut[arms[-1].name] = length[kind] if kind == "async" else 0
+    for name in available:
+        flags, kind = STRAGGLER_ARMS[name]
+        arms.append(Arm(f"{name} straggler", [*flags, *common, "--steps", str(length[kind]),
+                                              "--straggler", "0:2"]))  # fmt: skip
+        cut[arms[-1].name] = length[kind] if kind == "async" else 0
 
     def run(arm: Arm, seed: int) -> harness.Run:
         out = root / harness.slug(arm.name) / f"seed{seed}"
@@ -199,11 +198,6 @@ def stragglers(args) -> None:
                 accs, [final_acc(r) for r in base], f"≥ −{DILOCO_BAND:g}",
                 lambda d, lo, hi: lo >= -DILOCO_BAND, seeds=len(accs),
             )  # fmt: skip
-    if "none" in suffix:
-        harness.ratio_claim(
-            report, "time to 90 %, asgd ÷ sync, no straggler (context)",
-            times["asgd none"], times["sync none"], None, "-", lambda r: None, budget,
-        )  # fmt: skip
     report.data["argv"] = {a.name: list(a.argv) for a in arms}
     report.data["not measured"] = missing
     report.data["targets"] = {
@@ -610,7 +604,6 @@ def main() -> None:
         p.add_argument("--epochs", type=int, help="accuracy: epochs per worker (the CLI's 64)")
         p.add_argument("--steps", type=int, default=STEPS, help="stragglers: sync's steps/worker")
         p.add_argument("--first-seed", type=int, default=0, help="fresh seeds confirm a choice")
-        p.add_argument("--context", action="store_true", help="stragglers: also no straggler")
         p.add_argument(
             "--arms",
             help=f"comma-separated, of {', '.join(STRAGGLER_ARMS)}, or all (stragglers' "

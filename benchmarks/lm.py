@@ -44,7 +44,7 @@ def _params(spec: str) -> int:
     return sum(p.numel() for p in build_model(spec, (64,), 256, 0).parameters())
 
 
-def virtual_rows(quick: bool, links: tuple[int, ...] = (1, 10)) -> list[list[object]]:
+def virtual_rows(quick: bool) -> list[list[object]]:
     import dataclasses
 
     from cloudburst.config import RunConfig
@@ -55,7 +55,7 @@ def virtual_rows(quick: bool, links: tuple[int, ...] = (1, 10)) -> list[list[obj
     arms = {"sync": dict(strategy="sync"), "diloco H=16": dict(strategy="diloco", period=16),
             "diloco H=64": dict(strategy="diloco", period=64), "streaming int8 H=16":
             dict(strategy="diloco", period=16, fragments=4, compress="int8")}  # fmt: skip
-    for gbit in links:
+    for gbit in (1, 10):
         for workers in (8, 16) if quick else (8, 16, 32, 64):
             for name, kw in arms.items():
                 cfg = RunConfig(
@@ -87,7 +87,6 @@ def main() -> None:
         p.add_argument("--steps", type=int, default=None, help="steps per worker (default 300)")
         p.add_argument("--virtual-only", action="store_true", help="only the virtual cluster")
         p.add_argument("--real-only", action="store_true", help="only the real runs")
-        p.add_argument("--links", default="1,10", help="virtual links in Gbit/s (comma list)")
         p.add_argument("--extra", default="", help="train flags for every real arm (--device cuda)")
 
     args, prov = harness.start(__doc__, add)
@@ -147,7 +146,7 @@ def main() -> None:
     report.section("Virtual cluster: GPT-2 small at llm.c's A100 throughput (virtual s per step, "
                    "compute 0.071 s)").table(
         "link | W | arm | virtual s/step | compute share | GPT-2 MB sent per worker-step",
-        virtual_rows(args.quick, tuple(int(x) for x in args.links.split(","))),
+        virtual_rows(args.quick),
     ).text(
         "What may not carry over: the GPT here has 0.12 M parameters and sees 0.31 M tokens per "
         "worker; DiLoCo's published settings train 150 M+ parameter models for 10^9+ tokens, "
