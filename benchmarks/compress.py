@@ -317,10 +317,9 @@ def main() -> None:
     s = settings(args.quick, args.seeds)
     versions = torchft_peer.peer_versions()
     print(f"torchft peer: {versions}", flush=True)
-    parts = {"bytes": bytes_part(s, prov), "link": link_part(s, prov)}
-    parts["torchft"] = torchft_part(s, prov) if "error" not in versions else []
-    parts["sim"] = sim_part(s, prov)
-    parts["confirm"] = confirm_part(s, prov)
+    parts = {"bytes": bytes_part(s, prov), "link": link_part(s, prov),
+             "torchft": torchft_part(s, prov) if "error" not in versions else [],
+             "sim": sim_part(s, prov), "confirm": confirm_part(s, prov)}  # fmt: skip
     report = harness.Report("compress", "Streaming DiLoCo and compression (issue 17)", prov)
     report.data = {"settings": s, "torchft": versions, "arms": ARMS}
     report.settings(

@@ -85,11 +85,9 @@ def report(prov, runs: list[harness.Run], length: list[str], seeds: list[int], c
     times = {name: harness.times_to(rs, TARGET) for name, rs in groups.items()}
     rep = harness.Report(
         "daso", f"DASO, local SGD and DiLoCo on 2 × 2 emulated nodes at 1 Gbit/s: time to "
-        f"{100 * TARGET:g} % within one time budget", prov,
-    )  # fmt: skip
-    aa_ratio = harness.paired_ratio(times[harness.aa_name("sync")], times["sync"], budget_s=budget)[
-        0
-    ]
+        f"{100 * TARGET:g} % within one time budget", prov)  # fmt: skip
+    aa_times = times[harness.aa_name("sync")]
+    aa_ratio = harness.paired_ratio(aa_times, times["sync"], budget_s=budget)[0]
     for num, den, target, why in claimed_ratios(groups):
         claim = harness.ratio_claim(
             rep, f"time to {100 * TARGET:g} %, {num} ÷ {den}, 2 × 2 nodes, 1 Gbit/s ({why})",
@@ -101,8 +99,7 @@ def report(prov, runs: list[harness.Run], length: list[str], seeds: list[int], c
         harness.diff_claim(
             rep, "final accuracy, daso − sync (points), 2 × 2 nodes, at the budget",
             final["daso"], final["sync"], f"within ±{ACC_POINTS:g}",
-            lambda d, lo, hi: abs(d) <= ACC_POINTS, seeds=len(final["daso"]),
-        )  # fmt: skip
+            lambda d, lo, hi: abs(d) <= ACC_POINTS, seeds=len(final["daso"]))  # fmt: skip
     rep.settings(
         f"{harness.about(__doc__)}\n\nFlags: `{' '.join(COMMON + length)}`; "
         f"seeds {seeds}. Censoring budget: {fmt(budget)} s of training time (the longest any "
@@ -146,8 +143,7 @@ def report(prov, runs: list[harness.Run], length: list[str], seeds: list[int], c
         "and evaluation stalls included), *comm wait*, *job's cores* (CPU time of all the "
         "job's processes from /proc ÷ time) and *CPU ms/worker step*: measured from 1 s after "
         "the clock started to the first worker's last step. *Samples at the target*: the global "
-        "sample count at the evaluation that starts the held run."
-    )  # fmt: skip
+        "sample count at the evaluation that starts the held run.")  # fmt: skip
     rep.curves(groups, seeds[0])
     rep.write(runs)
 
@@ -196,22 +192,18 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None) -> s
         need = ratio(*(harness.median(samples_to(r, TARGET) for r in x) for x in (a, b)))
         if thr is None:
             continue
-        text = (
-            f"- **{num} ÷ {den}**: {fmt(thr)}× the samples/s: with the same samples needed, "
-            f"a time ratio of 1 ÷ {fmt(thr)} = {fmt(1 / thr)}"
-        )
+        text = (f"- **{num} ÷ {den}**: {fmt(thr)}× the samples/s: with the same samples needed, "
+                f"a time ratio of 1 ÷ {fmt(thr)} = {fmt(1 / thr)}")  # fmt: skip
         if need is not None:
-            text += (
-                f"; it needed {fmt(need)}× the samples to hold {100 * TARGET:g} % (runs that "
-                f"held it): about {fmt(need)} ÷ {fmt(thr)} = **{fmt(need / thr)}**"
-            )
+            text += (f"; it needed {fmt(need)}× the samples to hold {100 * TARGET:g} % (runs "
+                     f"that held it): about {fmt(need)} ÷ {fmt(thr)} = "
+                     f"**{fmt(need / thr)}**")  # fmt: skip
         lines.append(text + ".")
     lines.append(
         "- Every arm has the same training-time budget, so an arm with faster steps takes more "
         "of them (runs' training time, median: " + ", ".join(
             f"{name} {fmt(harness.median(r.evals[-1][0] for r in rs if r.evals))} s"
-            for name, rs in groups.items()) + ")."
-    )  # fmt: skip
+            for name, rs in groups.items()) + ").")  # fmt: skip
     return "\n".join(lines)
 
 

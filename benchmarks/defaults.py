@@ -30,8 +30,7 @@ CANDIDATES: dict[str, list[list[str]]] = {
     "diloco": [["--diloco-outer-lr", "0.3"], ["--diloco-outer-lr", "0.7"],
                [*ADAM, "--diloco-outer-lr", "0.3"], [*ADAM, "--diloco-outer-lr", "0.7"]],
     "easgd": [["--easgd-tau", "4"]],
-    "gossip": [["--gossip-schedule", "random"]],
-}  # fmt: skip
+    "gossip": [["--gossip-schedule", "random"]]}  # fmt: skip
 BAND_POINTS = 1.0
 COMPENSATOR = "dc-adaptive"
 ASGD_ARMS = {
@@ -132,8 +131,7 @@ def asgd(args, prov: harness.Provenance, report: harness.Report) -> list[harness
     ).table(
         ["arm", "final acc % (seeds)", "mean", "worst"],
         [[a, " / ".join(pct(x) for x in v), pct(statistics.fmean(v)), pct(min(v))]
-         for a, v in acc2.items()],
-    )  # fmt: skip
+         for a, v in acc2.items()])  # fmt: skip
     report.data["asgd"] = {"chosen": chosen, "winners": winners, "argv": dict(ASGD_ARMS)}
     return runs + runs2
 
@@ -147,8 +145,7 @@ def _asgd_claims(report: harness.Report, acc: dict[str, list[float]], name: str,
     report.claim(
         f"{name}: every seed ≥ {100 * ASGD_FLOOR:.0f} %, W = 4, defaults, {last}",
         pct(min(acc[name])), f"≥ {100 * ASGD_FLOOR:.0f}", min(acc[name]) >= ASGD_FLOOR,
-        seeds=seeds,
-    )  # fmt: skip
+        seeds=seeds)  # fmt: skip
 
 
 def main() -> None:

@@ -310,9 +310,8 @@ def rescore(path: Path, head: str) -> list[str]:
         if inputs and "diff" in inputs:
             diff = harness.bootstrap_difference(*inputs["diff"], paired=True)
             d, lo, hi = (round(100 * x, 2) for x in diff)
-            new = Claim(
-                old.name, d, old.target, point(d), interval=(lo, hi), seeds=old.seeds
-            ).judge()
+            new = Claim(old.name, d, old.target, point(d), interval=(lo, hi),
+                        seeds=old.seeds).judge()  # fmt: skip
         elif inputs:
             new = harness.ratio_claim(report, old.name, inputs["a"], inputs["b"], inputs.get("aa"),
                                       old.target, point, inputs.get("budget_s"),
@@ -323,9 +322,8 @@ def rescore(path: Path, head: str) -> list[str]:
             old.note = ", ".join(x for x in (old.note, f"not re-scored: {why}") if x)
             claims.append(old)
             continue
-        new.note = ", ".join(
-            x for x in (new.note, f"re-scored; was {fmt(old.value)} {old.verdict}") if x
-        )
+        was = f"re-scored; was {fmt(old.value)} {old.verdict}"
+        new.note = ", ".join(x for x in (new.note, was) if x)
         claims.append(new)
     data["claims"] = [json.loads(json.dumps(c.__dict__, default=list)) for c in claims]
     stamp = (f"- **re-scored at `{head}`** (`benchmarks/evidence.py --rescore`): the runs are "
@@ -359,9 +357,8 @@ def main() -> None:
             if not path.is_file():
                 sys.exit(f"evidence: no result {path}")
             missing = rescore(path, head)
-            print(
-                f"evidence: {stem} re-scored" + (f"; not re-scored: {missing}" if missing else "")
-            )
+            note = f"; not re-scored: {missing}" if missing else ""
+            print(f"evidence: {stem} re-scored{note}")
         return
     table_file = args.readme or marked((BEGIN, END))
     if table_file is None:

@@ -55,11 +55,6 @@ def seed_range(args) -> range:
     return range(args.first_seed, args.first_seed + (args.seeds or (1 if args.quick else 5)))
 
 
-def within_band(lo: float, hi: float, band: float) -> bool:
-    """The whole interval (points) inside ±band: a point estimate inside is not enough."""
-    return -band <= lo and hi <= band
-
-
 def accuracy(args) -> None:
     prov, seeds = harness.Provenance.capture(args), seed_range(args)
     budget = (
@@ -77,9 +72,8 @@ def accuracy(args) -> None:
     arms = [Arm(n, [*flags[n], *COMMON, *budget]) for n in names]
     runs = harness.interleave(arms, seeds, prov=prov, out_root=prov.runs_dir("accuracy"))
     groups = harness.by_arm(runs)
-    report = harness.Report(
-        "accuracy", "Final test accuracy of every strategy at its defaults", prov
-    )
+    title = "Final test accuracy of every strategy at its defaults"
+    report = harness.Report("accuracy", title, prov)
     report.data["argv"] = {a.name: list(a.argv) for a in arms}
     sync = [r.final_accuracy for r in groups["sync"]]
     rows = []
@@ -95,9 +89,8 @@ def accuracy(args) -> None:
                 harness.diff_claim(
                     report, f"final accuracy, {name} − sync (points), W = 4, defaults{suffix}",
                     done, sync, f"within ±{points:g}",
-                    lambda d, lo, hi, p=points, c=complete: within_band(lo, hi, p) and c,
-                    paired=len(done) == len(sync), seeds=len(accs), note=note,
-                )  # fmt: skip
+                    lambda d, lo, hi, p=points, c=complete: -p <= lo and hi <= p and c,
+                    paired=len(done) == len(sync), seeds=len(accs), note=note)  # fmt: skip
             if name == "asgd":
                 report.claim(
                     f"asgd at its defaults: every seed ≥ {100 * ASGD_FLOOR:.0f} %",
@@ -177,8 +170,7 @@ def stragglers(args) -> None:
             report, f"samples to hold 90 %, {name} ÷ sync, W = 4, one worker 2× slower",
             samples[f"{name} straggler"], samples["sync straggler"],
             samples[harness.aa_name("sync straggler")], f"≤ {SAMPLES_TARGET}",
-            lambda r: r <= SAMPLES_TARGET, most, samples=True,
-        )  # fmt: skip
+            lambda r: r <= SAMPLES_TARGET, most, samples=True)  # fmt: skip
     levels = diloco_levels(groups.get("diloco straggler", []))
     for name in [n for n in asyncs if n.startswith("async_diloco")] if levels else []:
         rs, base = groups[f"{name} straggler"], groups["diloco straggler"]
@@ -189,22 +181,19 @@ def stragglers(args) -> None:
         harness.ratio_claim(
             report, f"time to DiLoCo's final accuracy − {DILOCO_BAND:g} point, {name} ÷ "
             "diloco, W = 4, one worker 2× slower", mine, theirs, None,
-            f"≤ {DILOCO_RATIO_TARGET}", lambda r: r <= DILOCO_RATIO_TARGET, budget,
-        )  # fmt: skip
+            f"≤ {DILOCO_RATIO_TARGET}", lambda r: r <= DILOCO_RATIO_TARGET, budget)  # fmt: skip
         accs = [final_acc(r) for r in rs]
         if all(a is not None for a in accs):  # against each seed's level + DILOCO_BAND points
             harness.diff_claim(
                 report, f"final accuracy, {name} − diloco (points), W = 4, one worker 2× slower",
                 accs, [final_acc(r) for r in base], f"≥ −{DILOCO_BAND:g}",
-                lambda d, lo, hi: lo >= -DILOCO_BAND, seeds=len(accs),
-            )  # fmt: skip
+                lambda d, lo, hi: lo >= -DILOCO_BAND, seeds=len(accs))  # fmt: skip
     report.data["argv"] = {a.name: list(a.argv) for a in arms}
     report.data["not measured"] = missing
     report.data["targets"] = {
         "best async ÷ sync, time to 90 %": BEST_RATIO_TARGET, "asgd ÷ sync": RATIO_TARGET,
         "samples to 90 % ÷ sync's": SAMPLES_TARGET,
-        "async DiLoCo ÷ DiLoCo, time to DiLoCo's final − 1 point": DILOCO_RATIO_TARGET,
-    }  # fmt: skip
+        "async DiLoCo ÷ DiLoCo, time to DiLoCo's final − 1 point": DILOCO_RATIO_TARGET}  # fmt: skip
     report.settings(
         f"MNIST-1D, the paper's CNN, 4 workers (parameter-server arms: 1 server shard, every "
         f"setting at its default unless the arm names it), batch {BATCH}, every step padded "
@@ -231,8 +220,7 @@ def stragglers(args) -> None:
         "sync: the best of them is the best of several draws, so read its interval, not its "
         "point."
         + (f" Not measured (this commit has no such flag): {', '.join(missing)}." if missing
-           else "")
-    )  # fmt: skip
+           else ""))  # fmt: skip
     why = explain(groups, compute_ms, asyncs)
     report.data.update(why)
     report.section("Why: throughput, samples needed, CPU").text(why["text"])
@@ -343,9 +331,8 @@ def samples_to(r: harness.Run, target: float = TARGET) -> int | None:
 
 def fast_ms(r: harness.Run) -> float | None:
     """The median ms/step of the workers other than worker 0 (the straggler)."""
-    return harness.median(
-        v for k, v in r.values.items() if k.startswith("ms/step w") and k[9:] != "0"
-    )
+    others = [v for k, v in r.values.items() if k.startswith("ms/step w") and k[9:] != "0"]
+    return harness.median(others)
 
 
 def med(rs: Sequence[harness.Run], key: str) -> float | None:
@@ -368,8 +355,7 @@ def explain(
         need = ratio(harness.median(map(samples_to, rs)), harness.median(map(samples_to, sync)))
         per_arm[name.removesuffix(" straggler")] = {
             "throughput_ratio": thr, "samples_needed_ratio": need,
-            "predicted_time_ratio": ratio(need, thr),
-        }  # fmt: skip
+            "predicted_time_ratio": ratio(need, thr)}  # fmt: skip
     everyone = [r for rs in groups.values() for r in rs]
     cores, machine = med(everyone, "job cores"), med(everyone, "machine cores")
     ncores = os.cpu_count() or 1
@@ -408,13 +394,11 @@ def explain(
         f"- **Per arm, ÷ sync** (ideal throughput {IDEAL_THROUGHPUT:g} for an asynchronous "
         "arm): the time ratio is about samples needed ÷ throughput; an asynchronous arm's "
         "extra samples are the price of its stale updates (each push computed on θ a few "
-        "versions old).", "",
-    ]  # fmt: skip
+        "versions old).", ""]  # fmt: skip
     lines += harness.md_table(
         ["arm", "samples/s ÷ sync's", "samples to hold 90 % ÷ sync's", "predicted time ratio"],
         [[n, fmt(v["throughput_ratio"]), fmt(v["samples_needed_ratio"]),
-          fmt(v["predicted_time_ratio"])] for n, v in per_arm.items()],
-    )  # fmt: skip
+          fmt(v["predicted_time_ratio"])] for n, v in per_arm.items()])  # fmt: skip
     out["text"] = "\n".join(lines) if per_arm or compute_ms else "(no measurements)"
     return out
 
@@ -542,12 +526,6 @@ def pace(out_dir: str | Path, batch_size: int, cpu: CpuSampler | None) -> dict |
             "CPU ms/step": None if job is None else 1000 * job / (per_s / batch_size)}  # fmt: skip
 
 
-def _children() -> list[int]:
-    """The pids of this process's children (from /proc)."""
-    pids = [p.name for p in Path("/proc").glob("[0-9]*")]
-    return [int(p) for p in pids if (st := _stat(p)) is not None and st[1] == str(os.getpid())]
-
-
 def _a_worker_finished(out_dir: Path, steps: int) -> bool:
     """Whether a worker has logged its last step (``steps``; its ``final`` record comes late)."""
     for path in out_dir.glob("metrics/rank*.jsonl"):
@@ -580,8 +558,9 @@ def measured_run(
     def watch() -> None:
         while not stop.wait(0.1):
             if _a_worker_finished(out_dir, cut_at_step):
-                for pid in _children():
-                    os.kill(pid, signal.SIGINT)
+                for p in Path("/proc").glob("[0-9]*"):  # this process's children
+                    if (st := _stat(p.name)) is not None and st[1] == str(os.getpid()):
+                        os.kill(int(p.name), signal.SIGINT)
                 interrupted.set()
                 return
 

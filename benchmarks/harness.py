@@ -42,9 +42,8 @@ SIMULATE = (*CLI, "simulate", "--overwrite")  # a run_train command: the virtual
 
 def parse_args(description: str | None, add: Callable | None = None) -> argparse.Namespace:
     """The flags every benchmark has plus the script's own, added by ``add(parser)``."""
-    p = argparse.ArgumentParser(
-        description=description.strip().splitlines()[0] if description else None
-    )
+    first_line = description.strip().splitlines()[0] if description else None
+    p = argparse.ArgumentParser(description=first_line)
     p.add_argument("--quick", action="store_true", help="a small smoke subset; not evidence")
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (script's default)")
     p.add_argument("--force", action="store_true", help="run on a dirty tree or a busy machine")
@@ -114,12 +113,6 @@ def _cpu_model() -> str:
     return model or platform.processor() or "unknown"
 
 
-def _gpu_model() -> str | None:
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-
-
 @dataclass
 class Provenance:
     """Where and how a result was made: command, commit, machine, load. See :meth:`capture`."""
@@ -166,10 +159,11 @@ class Provenance:
                 f"{os.cpu_count()} cores in use by other processes, limit "
                 f"{100 * BUSY_FRACTION:.0f} %); wait, or pass --force"
             )
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
         return cls(shlex.join(sys.orig_argv), os.getcwd(), commit + ("+dirty" if dirty else ""),
                    dirty, force, quick, datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
                    platform.python_version(), torch.__version__, _cpu_model(),
-                   os.cpu_count() or 1, _gpu_model(), socket.gethostname(), platform.platform(),
+                   os.cpu_count() or 1, gpu, socket.gethostname(), platform.platform(),
                    round(busy, 3), load1(), args=args)  # fmt: skip
 
     def results_dir(self) -> Path:
@@ -444,9 +438,8 @@ def bootstrap_difference(
     a: Sequence[float], b: Sequence[float], n: int = 2000, seed: int = 0, paired: bool = False
 ) -> Interval:
     """(mean(a) − mean(b), 2.5th, 97.5th percentile), as :func:`bootstrap_ratio`."""
-    return _bootstrap(
-        a, b, lambda xa, xb: statistics.fmean(xa) - statistics.fmean(xb), n, seed, None, paired
-    )
+    mean_diff = lambda xa, xb: statistics.fmean(xa) - statistics.fmean(xb)  # noqa: E731
+    return _bootstrap(a, b, mean_diff, n, seed, None, paired)
 
 
 def pairs(x: Vals, y: Vals) -> tuple[list[float], list[float]]:
@@ -729,8 +722,7 @@ class Report:
             f"- load (1-min average): {p.load_before:.2f} before, "
             f"{fmt(p.load_after)} after; after each run: {loads}; other processes' CPU share "
             f"at the start {100 * p.busy_fraction_before:.0f} %",
-            *(["- **--quick smoke run: not a result**"] if p.quick else []), "",
-        ]  # fmt: skip
+            *(["- **--quick smoke run: not a result**"] if p.quick else []), ""]  # fmt: skip
 
     def markdown(self) -> str:
         lines = self.header()

@@ -79,9 +79,7 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
     for name in ("local_sgd", "diloco"):
         rs = groups[name]
         steps = rs[0].summary.get("steps_per_worker") if rs[0].summary else None
-        both = [
-            (bytes_per_sample(r), bytes_per_sample(s)) for r, s in zip(rs, sync_rs, strict=True)
-        ]
+        both = zip(map(bytes_per_sample, rs), map(bytes_per_sample, sync_rs), strict=True)
         per = [a / b for a, b in both if a and b]
         if steps and per:
             expect = math.ceil(steps / H) / steps  # one |θ| all-reduce per average, sync per step
@@ -89,8 +87,7 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
             rep.claim(
                 f"bytes per sample, {name} ÷ sync (counters), H = {H}", round(measured, 5),
                 f"⌈T/H⌉/T = {expect:.4g} ± {100 * BYTES_TOLERANCE:g} %",
-                abs(measured / expect - 1) <= BYTES_TOLERANCE, seeds=len(per),
-            )  # fmt: skip
+                abs(measured / expect - 1) <= BYTES_TOLERANCE, seeds=len(per))  # fmt: skip
         accs, sync_accs = [r.final_accuracy for r in rs], [r.final_accuracy for r in sync_rs]
         if None not in accs + sync_accs:
             harness.diff_claim(rep, f"final accuracy, {name} − sync (points), H = {H}", accs,
@@ -107,8 +104,7 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
          " / ".join(pct(r.final_accuracy) for r in rs),
          fmt(statistics.median([bytes_per_sample(r) or 0 for r in rs])),
          "; ".join(f"seed {r.seed}: {r.failed}" for r in rs if r.failed) or "-"]
-        for name, rs in groups.items()
-    ]  # fmt: skip
+        for name, rs in groups.items()]  # fmt: skip
     rep.section("Every arm").table(
         ["arm", "ms per step per seed", "final acc % per seed", "B/sample (median)", "failed"], rows
     )

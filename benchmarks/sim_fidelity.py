@@ -63,9 +63,8 @@ def main() -> None:
 
     def one(arm: harness.Arm, seed: int) -> harness.Run:
         command = harness.SIMULATE if " sim" in arm.name else (*harness.CLI, "train")
-        return harness.run_train(
-            arm, seed, root / harness.slug(arm.name) / f"seed{seed}", 600.0, command
-        )
+        out = root / harness.slug(arm.name) / f"seed{seed}"
+        return harness.run_train(arm, seed, out, 600.0, command)
 
     seeds = list(range(args.seeds or (1 if args.quick else 3)))
     runs = harness.interleave(arms, seeds, control=control, run=one, prov=prov)

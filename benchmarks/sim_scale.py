@@ -44,8 +44,7 @@ def main() -> None:
             run.values = {
                 "wall_s": sim["wall_s"], "ms_per_worker_step": 1e3 * sim["wall_s_per_worker_step"],
                 "peak_rss_gb": sim["max_rss_bytes"] / 1e9, "messages": sim["messages"],
-                "task_switches_per_step": sim["task_switches"] / sim["worker_steps"],
-            }  # fmt: skip
+                "task_switches_per_step": sim["task_switches"] / sim["worker_steps"]}  # fmt: skip
         return run
 
     runs = harness.interleave(arms, [0], run=one, prov=prov)
