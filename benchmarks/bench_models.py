@@ -42,7 +42,6 @@ class WideConvNet1D(nn.Module):
 def mnist1d_wide_cnn(input_shape: Sequence[int], num_classes: int) -> nn.Module:
     """Factory for ``--model benchmarks.bench_models:mnist1d_wide_cnn`` (1-D inputs only)."""
     if len(input_shape) != 1:
-        raise ValueError(
-            f"mnist1d_wide_cnn takes 1-D inputs such as (40,), got {tuple(input_shape)}"
-        )
+        shape = tuple(input_shape)
+        raise ValueError(f"mnist1d_wide_cnn takes 1-D inputs such as (40,), got {shape}")
     return WideConvNet1D(input_shape[0], num_classes)

@@ -76,9 +76,8 @@ def bytes_per_sample(r: harness.Run) -> float | None:
     return s["inter_node_bytes"] / s["samples"] if s.get("samples") else None
 
 
-def simulate_all(
-    arms: list[harness.Arm], seeds: list[int], root: Path, prov: harness.Provenance
-) -> list[harness.Run]:
+def simulate_all(arms: list[harness.Arm], seeds: list[int], root: Path,
+                 prov: harness.Provenance) -> list[harness.Run]:  # fmt: skip
     """Every (arm, seed) on the virtual cluster (:func:`harness.simulate_all`), ``values``:
     inter-node bytes per sample and the virtual time per step."""
     jobs = [(a, seed, root / f"{harness.slug(a.name)}-{seed}") for seed in seeds for a in arms]
@@ -204,9 +203,8 @@ def report_bytes(report: harness.Report, runs: list[harness.Run], s: dict) -> No
             "− sync (points, mean)", rows)  # fmt: skip
 
 
-def headline_claims(
-    report: harness.Report, target: list[harness.Run], sync: list[harness.Run], where: str
-) -> None:
+def headline_claims(report: harness.Report, target: list[harness.Run], sync: list[harness.Run],
+                    where: str) -> None:  # fmt: skip
     """The 1/50 claims: inter-node bytes per sample ÷ sync's, final accuracy − sync's."""
     bps, sync_bytes, accs, sync_acc = _bps(target), _bps(sync), _acc(target), _acc(sync)
     if not (bps and sync_bytes and accs and sync_acc):
@@ -326,8 +324,7 @@ def main() -> None:
         f"MNIST-1D, the wide CNN (528 k parameters), {WORKERS} workers × batch {BATCH}, SGD lr "
         f"0.1 momentum 0.9, steps padded to {1e3 * PAD_S:g} ms in real runs, seeds "
         f"{s['seeds']}. Arms' flags: `ARMS` in the script; the 1/50 arm "
-        f"`sdiloco_f4_int8_h32`: `{' '.join(TARGET)}`. torchft peer: {versions}."
-    )
+        f"`sdiloco_f4_int8_h32`: `{' '.join(TARGET)}`. torchft peer: {versions}.")  # fmt: skip
     report_bytes(report, parts["bytes"], s)
     steps_to = report_link(report, parts["link"], s)
     if parts["torchft"]:

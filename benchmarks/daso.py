@@ -68,9 +68,8 @@ def main() -> None:
     root = harness.RUNS / "daso"
     os.environ["PYTHONPATH"] = str(harness.REPO)  # the runs import benchmarks.bench_models
 
-    compute_ms = experiments.step_compute_ms(
-        root / "one_process", 30 if args.quick else 200, [*MODEL, "--batch-size", str(BATCH)]
-    )
+    compute_ms = experiments.step_compute_ms(root / "one_process", 30 if args.quick else 200,
+                                             [*MODEL, "--batch-size", str(BATCH)])  # fmt: skip
 
     def run(arm: Arm, seed: int) -> harness.Run:
         out = root / harness.slug(arm.name) / f"seed{seed}"

@@ -57,9 +57,8 @@ def seed_range(args) -> range:
 
 def accuracy(args) -> None:
     prov, seeds = harness.Provenance.capture(args), seed_range(args)
-    budget = (
-        ["--steps", "30"] if args.quick else ["--epochs", str(args.epochs)] if args.epochs else []
-    )
+    budget = (["--steps", "30"] if args.quick else ["--epochs", str(args.epochs)] if args.epochs
+              else [])  # fmt: skip
     budget += ["--eval-every-s", "10"]  # only the final accuracy counts here
     names = ("sync", "asgd") if args.quick else STRATEGIES
     if args.arms:
@@ -114,8 +113,7 @@ def accuracy(args) -> None:
         "interval is a bootstrap 95 % interval of the difference of means (seeds resampled, "
         'paired by seed); "within ±b" is a PASS only when the whole interval is. '
         "No A/A pair: sync is deterministic on CPU for its seed (twice gives the same run), "
-        "so the noise is the seed-to-seed spread, which the interval carries."
-    )
+        "so the noise is the seed-to-seed spread, which the interval carries.")  # fmt: skip
     report.section("Every strategy").table(
         ["strategy", "final acc % (seeds)", "mean", "worst", f"seeds ≥ {100 * TARGET:.0f} %",
          "train s (median)", "command s (median)"], rows)  # fmt: skip
@@ -145,9 +143,8 @@ def stragglers(args) -> None:
 
     def run(arm: Arm, seed: int) -> harness.Run:
         out = root / harness.slug(arm.name) / f"seed{seed}"
-        return measured_run(
-            lambda: harness.run_train(arm, seed, out), out, BATCH, cut.get(arm.name, 0)
-        )
+        return measured_run(lambda: harness.run_train(arm, seed, out), out, BATCH,
+                            cut.get(arm.name, 0))  # fmt: skip
 
     runs = harness.interleave(arms, seeds, control="sync straggler", run=run, prov=prov)
     groups, budget = harness.by_arm(runs), harness.budget_of(runs)
@@ -246,8 +243,7 @@ def stragglers(args) -> None:
         "ones), communication waits included. *Job's cores*: CPU time of all the job's "
         "processes (/proc/<pid>/stat, the server's included) ÷ the window; *CPU ms/worker "
         "step*: the same ÷ the workers' steps in it. *Samples at 90 %*: the global sample "
-        "count at the evaluation that starts the held run."
-    )
+        "count at the evaluation that starts the held run.")  # fmt: skip
     report.write(runs)
 
 
@@ -340,9 +336,8 @@ def med(rs: Sequence[harness.Run], key: str) -> float | None:
     return harness.median(r.values.get(key) for r in rs)
 
 
-def explain(
-    groups: dict[str, list[harness.Run]], compute_ms: float | None, asyncs: Sequence[str] = ()
-) -> dict:
+def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None,
+            asyncs: Sequence[str] = ()) -> dict:  # fmt: skip
     """Each time ratio decomposed by measurement: each arm ÷ sync in samples/s while every
     worker trains and in samples needed to hold 90 %; and the CPU the job used."""
     sync = groups["sync straggler"]
@@ -388,8 +383,7 @@ def explain(
             f"- **Pace.** The asynchronous arms' fast workers take {fmt(fast)} ms per step "
             f"(padded {fmt(padded)}); sync moves at the straggler's "
             f"{fmt(med(sync, 'ms/step w0'))} ms per step (padded {fmt(2 * padded)}: its "
-            "all-reduce and the evaluations' stalls add to it)."
-        )
+            "all-reduce and the evaluations' stalls add to it).")  # fmt: skip
     lines += [
         f"- **Per arm, ÷ sync** (ideal throughput {IDEAL_THROUGHPUT:g} for an asynchronous "
         "arm): the time ratio is about samples needed ÷ throughput; an asynchronous arm's "
@@ -545,9 +539,8 @@ def _a_worker_finished(out_dir: Path, steps: int) -> bool:
     return False
 
 
-def measured_run(
-    run: Callable[[], harness.Run], out_dir: Path, batch_size: int, cut_at_step: int = 0
-) -> harness.Run:
+def measured_run(run: Callable[[], harness.Run], out_dir: Path, batch_size: int,
+                 cut_at_step: int = 0) -> harness.Run:  # fmt: skip
     """``run()`` (a training job into ``out_dir``) with its CPU sampled and its :func:`pace` in
     the Run's ``values``. ``cut_at_step``: interrupt the job (SIGINT: it writes its summary,
     exits 130) once its first worker has logged this step, its last: from there on only a

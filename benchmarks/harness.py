@@ -150,15 +150,13 @@ class Provenance:
             sys.exit(
                 f"benchmark refused: the tree has {len(dirty)} uncommitted change(s) "
                 f"({', '.join(dirty[:3])}{', …' if len(dirty) > 3 else ''}); commit them or "
-                "pass --force (the result is then marked dirty)"
-            )
+                "pass --force (the result is then marked dirty)")  # fmt: skip
         busy = cpu_busy_fraction()
         if busy > BUSY_FRACTION and not force:
             sys.exit(
                 f"benchmark refused: the machine is busy ({100 * busy:.0f} % of "
                 f"{os.cpu_count()} cores in use by other processes, limit "
-                f"{100 * BUSY_FRACTION:.0f} %); wait, or pass --force"
-            )
+                f"{100 * BUSY_FRACTION:.0f} %); wait, or pass --force")  # fmt: skip
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
         return cls(shlex.join(sys.orig_argv), os.getcwd(), commit + ("+dirty" if dirty else ""),
                    dirty, force, quick, datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
@@ -250,9 +248,8 @@ def read_summary(out_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
-def run_train(
-    arm: Arm, seed: int, out_dir: str | Path, timeout_s=900.0, command=(*CLI, "train")
-) -> Run:
+def run_train(arm: Arm, seed: int, out_dir: str | Path, timeout_s=900.0,
+              command=(*CLI, "train")) -> Run:  # fmt: skip
     """``<command> <argv> --seed S --out D --no-progress`` in a subprocess (``OMP_NUM_THREADS=1``,
     the repository on ``PYTHONPATH``; ``command``: ``cloudburst train``, :data:`SIMULATE`, a
     peer's script...). A non-zero exit, a timeout or no ``summary.json`` sets ``failed``."""
@@ -262,9 +259,8 @@ def run_train(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     started, failed = time.monotonic(), None
     try:
-        proc = subprocess.run(
-            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
-        )
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)  # fmt: skip
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
             failed = f"exit {proc.returncode}: {tail[0][:300]}"
@@ -405,9 +401,8 @@ def _median_ratio(xa: list[float], xb: list[float]) -> float:
     return statistics.median(x / y if y else float("inf") for x, y in zip(xa, xb, strict=True))
 
 
-def bootstrap_ratio(
-    a: Vals, b: Vals, n: int = 2000, seed: int = 0, budget_s: float | None = None, paired=False
-) -> Interval:
+def bootstrap_ratio(a: Vals, b: Vals, n: int = 2000, seed: int = 0, budget_s: float | None = None,
+                    paired=False) -> Interval:  # fmt: skip
     """(median(a) ÷ median(b), 2.5th, 97.5th percentile) over ``n`` bootstrap resamples (a and b
     apart; ``random.Random(seed)``: the same inputs give the same interval); censored values
     (``None``) count as ``budget_s``. ``paired=True``: :func:`paired_ratio`."""
@@ -423,9 +418,8 @@ def bootstrap_ratio(
     return _bootstrap(a, b, ratio, n, seed, budget_s)
 
 
-def paired_ratio(
-    a: Vals, b: Vals, n: int = 2000, seed: int = 0, budget_s: float | None = None
-) -> Interval:
+def paired_ratio(a: Vals, b: Vals, n: int = 2000, seed: int = 0,
+                 budget_s: float | None = None) -> Interval:  # fmt: skip
     """(the median of the per-pair ratios a[i] ÷ b[i], 2.5th, 97.5th percentile) over ``n``
     resamples of whole pairs (same seed or round: what they share cancels in their ratio).
     Censored values as in :func:`bootstrap_ratio`."""
@@ -434,9 +428,8 @@ def paired_ratio(
     return _bootstrap(a, b, _median_ratio, n, seed, budget_s, paired=True)
 
 
-def bootstrap_difference(
-    a: Sequence[float], b: Sequence[float], n: int = 2000, seed: int = 0, paired: bool = False
-) -> Interval:
+def bootstrap_difference(a: Sequence[float], b: Sequence[float], n: int = 2000, seed: int = 0,
+                         paired: bool = False) -> Interval:  # fmt: skip
     """(mean(a) − mean(b), 2.5th, 97.5th percentile), as :func:`bootstrap_ratio`."""
     mean_diff = lambda xa, xb: statistics.fmean(xa) - statistics.fmean(xb)  # noqa: E731
     return _bootstrap(a, b, mean_diff, n, seed, None, paired)
@@ -635,9 +628,8 @@ def diff_claim(
     return report.claim(name, r(d), target, ok(d, lo, hi), interval=(r(lo), r(hi)), **kwargs)
 
 
-def simulate_all(
-    jobs: Iterable[tuple[Arm, int, Path]], prov: Provenance, workers: int = 2, timeout_s=900.0
-) -> list[Run]:
+def simulate_all(jobs: Iterable[tuple[Arm, int, Path]], prov: Provenance, workers: int = 2,
+                 timeout_s=900.0) -> list[Run]:  # fmt: skip
     """``cloudburst simulate`` of each (arm, seed, out dir), ``workers`` at a time (a
     simulation's results do not depend on the machine's load: no interleaving needed)."""
 

@@ -97,17 +97,15 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
     rep.settings(
         f"{harness.about(__doc__)}\n\nFlags: `{' '.join(COMMON + length)}`; "
         f"torchft: {ft_steps} steps ({peer}); seeds {seeds}. The A/A column is local_sgd (A/A) ÷ "
-        "local_sgd: the distance from 1 this machine gives two identical arms."
-    )
+        "local_sgd: the distance from 1 this machine gives two identical arms.")  # fmt: skip
     rows = [
         [name, " / ".join(fmt(1000 * x if x else None) for x in step[name]),
          " / ".join(pct(r.final_accuracy) for r in rs),
          fmt(statistics.median([bytes_per_sample(r) or 0 for r in rs])),
          "; ".join(f"seed {r.seed}: {r.failed}" for r in rs if r.failed) or "-"]
         for name, rs in groups.items()]  # fmt: skip
-    rep.section("Every arm").table(
-        ["arm", "ms per step per seed", "final acc % per seed", "B/sample (median)", "failed"], rows
-    )
+    headers = ["arm", "ms per step per seed", "final acc % per seed", "B/sample (median)", "failed"]
+    rep.section("Every arm").table(headers, rows)
     rep.write(runs)
 
 

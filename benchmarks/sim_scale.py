@@ -68,8 +68,7 @@ def main() -> None:
         f"128 × {CLAIM_STEPS}), batch 64, MNIST-1D 40,000 train / 1,000 test, a given step time "
         "of 0.05 virtual s, free links, no evaluation but the final one, no checkpoints; asgd: 1 "
         "shard, n_sync 1. Start-up, data generation and the final evaluation are inside the "
-        "per-step cost, so the projection is an upper bound."
-    )
+        "per-step cost, so the projection is an upper bound.")  # fmt: skip
     rep.table("strategy | wall s | ms / worker-step | peak RSS GB | messages | "
               "task switches / step | final acc", rows)  # fmt: skip
     rep.write(runs)

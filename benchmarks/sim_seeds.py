@@ -240,8 +240,7 @@ def main() -> None:
     rep.settings(
         f"{len(records)} simulations ({len(seeds)} seeds per point, {args.jobs} side by side)"
         + ("; --quick: a few short runs, not a result" if args.quick else "")
-        + f".\n\n{harness.about(__doc__)}"
-    )
+        + f".\n\n{harness.about(__doc__)}")  # fmt: skip
     failed = [r for r in records if r["failed"]]
     if failed:
         rep.text(f"{len(failed)} runs failed (counted as censored): " + failed[0]["failed"])
