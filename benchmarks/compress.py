@@ -191,8 +191,7 @@ def report_bytes(report: harness.Report, runs: list[harness.Run], s: dict) -> No
         ratio = bps / sync_bytes if bps and sync_bytes else None
         rows.append([f"`{arm}`", f"{len(accs)}/{len(group)}", harness.fmt(bps),
                      "1" if arm == "sync" else f"1/{1 / ratio:.1f}" if ratio else "-",
-                     ", ".join(harness.pct(a) for a in accs),
-                     _minus(accs, sync_acc)])  # fmt: skip
+                     ", ".join(map(harness.pct, accs)), _minus(accs, sync_acc)])  # fmt: skip
     headline_claims(report, groups.get(TARGET_ARM, []), groups["sync"], "")
     report.section(f"1. Inter-node bytes and final accuracy at equal steps ({s['bytes_steps']})")
     report.text(
@@ -220,15 +219,14 @@ def headline_claims(report: harness.Report, target: list[harness.Run], sync: lis
 
 
 def report_confirm(report: harness.Report, runs: list[harness.Run], s: dict) -> None:
-    groups = harness.by_arm(runs)
-    rows = []
+    groups, rows = harness.by_arm(runs), []
     for where in s["confirm"]:
         sync, target = groups.get(f"sync | {where}", []), groups.get(f"{TARGET_ARM} | {where}", [])
         headline_claims(report, target, sync, f", {where}, seeds {s['confirm_seeds']}")
         for arm, group in (("sync", sync), (TARGET_ARM, target)):
-            rows.append([where, f"`{arm}`", f"{len(_acc(group))}/{len(group)}",
-                         harness.fmt(_bps(group)), ", ".join(harness.pct(a) for a in _acc(group)),
-                         _minus(_acc(group), _acc(sync))])  # fmt: skip
+            accs = _acc(group)
+            rows.append([where, f"`{arm}`", f"{len(accs)}/{len(group)}", harness.fmt(_bps(group)),
+                         ", ".join(map(harness.pct, accs)), _minus(accs, _acc(sync))])  # fmt: skip
     report.section("5. The 1/50 headline where it was not chosen").text(
         f"`{TARGET_ARM}` and sync, {s['bytes_steps']} steps, seeds {s['confirm_seeds']} (the "
         "configuration was chosen on seeds 0-2 at W = 4 on the virtual cluster), named before "
@@ -239,8 +237,7 @@ def report_confirm(report: harness.Report, runs: list[harness.Run], s: dict) -> 
 
 
 def report_link(report: harness.Report, runs: list[harness.Run], s: dict) -> dict:
-    groups = harness.by_arm(runs)
-    budget = harness.budget_of(runs)
+    groups, budget = harness.by_arm(runs), harness.budget_of(runs)
     sync_times = harness.times_to(groups["sync"], TARGET_ACCURACY)
     aa_times = harness.times_to(groups.get(harness.aa_name("sync"), []), TARGET_ACCURACY)
     sync_acc = _acc(groups["sync"])
@@ -293,8 +290,7 @@ def report_torchft(report: harness.Report, runs: list[harness.Run], s: dict) -> 
 
 
 def report_sim(report: harness.Report, runs: list[harness.Run], s: dict, steps_to: dict) -> None:
-    by = {r.arm: r for r in runs}
-    rows = []
+    by, rows = {r.arm: r for r in runs}, []
     for g in s["sim_links"]:
         row = [f"{g:g}"]
         for a in s["sim_arms"]:

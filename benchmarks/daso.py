@@ -137,12 +137,11 @@ def report(prov, runs: list[harness.Run], length: list[str], seeds: list[int], c
          "final acc % per seed", "mean", "inter-node B/sample (median)", "÷ sync",
          f"samples at {100 * TARGET:g} % (median)", "samples/s", "ms/step",
          "comm wait ms/step", "job's cores", "CPU ms/worker step", "failed"], rows,
-    ).text(
-        "Medians over seeds. *samples/s*, *ms/step* (median over workers, communication waits "
-        "and evaluation stalls included), *comm wait*, *job's cores* (CPU time of all the "
-        "job's processes from /proc ÷ time) and *CPU ms/worker step*: measured from 1 s after "
-        "the clock started to the first worker's last step. *Samples at the target*: the global "
-        "sample count at the evaluation that starts the held run.")  # fmt: skip
+    ).text("Medians over seeds. *samples/s*, *ms/step* (median over workers, communication waits "
+           "and evaluation stalls included), *comm wait*, *job's cores* (CPU time of all the "
+           "job's processes from /proc ÷ time) and *CPU ms/worker step*: measured from 1 s after "
+           "the clock started to the first worker's last step. *Samples at the target*: the global "
+           "sample count at the evaluation that starts the held run.")  # fmt: skip
     rep.curves(groups, seeds[0])
     rep.write(runs)
 
@@ -156,8 +155,7 @@ def claimed_ratios(groups) -> list[tuple[str, str, float, str]]:
 
 def bytes_per_sample(rs: list[harness.Run]) -> float | None:
     s = [r.summary for r in rs if r.summary.get("samples")]
-    v = [x["inter_node_bytes"] / x["samples"] for x in s]
-    return statistics.median(v) if v else None
+    return harness.median(x["inter_node_bytes"] / x["samples"] for x in s)
 
 
 def ms_per_step(r: harness.Run) -> float | None:

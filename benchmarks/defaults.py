@@ -69,13 +69,10 @@ def others(args, prov: harness.Provenance, report: harness.Report) -> list[harne
     for s in strategies:
         default = [defaults[s][i] or 0.0 for i in seeds]
         rows.append([f"{s} (defaults, from accuracy.json)", " / ".join(pct(a) for a in default)])
-        best, best_accs = -1.0, default
-        for c in CANDIDATES[s]:
-            rs = groups[f"{s} {' '.join(c)}"]
-            accs = [r.final_accuracy or 0.0 for r in rs]
-            if statistics.fmean(accs) > best:
-                best, best_accs = statistics.fmean(accs), accs
-            rows.append([rs[0].arm, " / ".join(pct(a) for a in accs)])
+        cands = {arm: [r.final_accuracy or 0.0 for r in groups[arm]]
+                 for arm in (f"{s} {' '.join(c)}" for c in CANDIDATES[s])}  # fmt: skip
+        rows += [[arm, " / ".join(pct(a) for a in accs)] for arm, accs in cands.items()]
+        best_accs = max(cands.values(), key=statistics.fmean)  # the first best on a tie
         harness.diff_claim(report, f"{s}: defaults − best candidate (points)", default, best_accs,
                            f"≥ −{BAND_POINTS:g}", lambda d, lo, hi: d >= -BAND_POINTS,
                            seeds=len(seeds))  # fmt: skip
@@ -105,8 +102,7 @@ def asgd(args, prov: harness.Provenance, report: harness.Report) -> list[harness
         t = None not in train[name] + train["asgd"]
         t_ratio = harness.paired_ratio(train[name], train["asgd"])[0] if t else None
         wins = name.startswith("asgd ") and d_acc > 0 and t_ratio is not None and t_ratio <= 1
-        if wins:
-            winners.append((d_acc, name))
+        winners += [(d_acc, name)] if wins else []
         rows.append([name, " / ".join(pct(a) for a in acc[name]), pct(statistics.fmean(acc[name])),
                      pct(min(acc[name])), fmt(d_acc), fmt(harness.median(train[name])),
                      fmt(t_ratio), "wins" if wins else "-"])  # fmt: skip
@@ -123,8 +119,7 @@ def asgd(args, prov: harness.Provenance, report: harness.Report) -> list[harness
     keep = ["sync", "asgd"] + ([chosen] if chosen != "asgd" else [])
     arms2 = [a for a in arms if a.name in keep]
     runs2 = harness.interleave(arms2, confirm, prov=prov, out_root=root)
-    g2 = harness.by_arm(runs2)
-    acc2 = {a: [r.final_accuracy or 0.0 for r in rs] for a, rs in g2.items()}
+    acc2 = {a: [r.final_accuracy or 0.0 for r in rs] for a, rs in harness.by_arm(runs2).items()}
     _asgd_claims(report, acc2, chosen, f"confirmed on seeds {confirm[0]}-{confirm[-1]}")
     report.section("asgd at the defaults: confirming on other seeds").text(
         f"Seeds {list(confirm)}, which chose nothing, arms interleaved."
@@ -142,10 +137,9 @@ def _asgd_claims(report: harness.Report, acc: dict[str, list[float]], name: str,
     harness.diff_claim(report, f"final accuracy, {name} − sync (points), W = 4, defaults, {last}",
                        acc[name], acc["sync"], f"within ±{ASGD_BAND:g}",
                        lambda d, lo, hi: abs(d) <= ASGD_BAND, seeds=seeds)  # fmt: skip
-    report.claim(
-        f"{name}: every seed ≥ {100 * ASGD_FLOOR:.0f} %, W = 4, defaults, {last}",
-        pct(min(acc[name])), f"≥ {100 * ASGD_FLOOR:.0f}", min(acc[name]) >= ASGD_FLOOR,
-        seeds=seeds)  # fmt: skip
+    report.claim(f"{name}: every seed ≥ {100 * ASGD_FLOOR:.0f} %, W = 4, defaults, {last}",
+                 pct(min(acc[name])), f"≥ {100 * ASGD_FLOOR:.0f}", min(acc[name]) >= ASGD_FLOOR,
+                 seeds=seeds)  # fmt: skip
 
 
 def main() -> None:

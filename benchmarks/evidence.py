@@ -207,10 +207,8 @@ def table(results: Path, where: Path = REPO / "README.md") -> list[str]:
 
 def choosing(results: Path, evidence_file: Path, where: Path) -> list[str]:
     """The advice: per situation, one sentence per claim found, each linking to its row."""
-    found = {}
-    for path, data in load(results):
-        for i, c in enumerate(data["claims"], 1):
-            found.setdefault(path.stem, []).append((i, claim_of(c)))
+    found = {path.stem: [(i, claim_of(c)) for i, c in enumerate(data["claims"], 1)]
+             for path, data in load(results)}  # fmt: skip
     target = link(evidence_file, where) if evidence_file != where else ""
     phrase = {"PASS": "PASS", "MISS": "MISS", "inconclusive": "**inconclusive**"}
     lines = []

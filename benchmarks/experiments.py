@@ -341,7 +341,6 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None,
     """Each time ratio decomposed by measurement: each arm ÷ sync in samples/s while every
     worker trains and in samples needed to hold 90 %; and the CPU the job used."""
     sync = groups["sync straggler"]
-
     per_arm: dict[str, dict[str, float | None]] = {}
     for name, rs in groups.items():
         if name.startswith("sync ") or not name.endswith(" straggler"):
@@ -353,9 +352,7 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None,
             "predicted_time_ratio": ratio(need, thr)}  # fmt: skip
     everyone = [r for rs in groups.values() for r in rs]
     cores, machine = med(everyone, "job cores"), med(everyone, "machine cores")
-    ncores = os.cpu_count() or 1
-    padded = 1000 * MIN_STEP_S
-    asgd = per_arm.get("asgd", {})
+    ncores, padded, asgd = os.cpu_count() or 1, 1000 * MIN_STEP_S, per_arm.get("asgd", {})
     keys = ("throughput_ratio", "samples_needed_ratio", "predicted_time_ratio")
     out = {"one_process_step_ms": compute_ms, **{k: asgd.get(k) for k in keys},
            "per_arm": per_arm, "job_cores": cores, "machine_cores": machine}  # fmt: skip
@@ -367,8 +364,7 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None,
             f"compute per step (batch {BATCH}). Four workers need 4 × {fmt(compute_ms)} ms per "
             f"{fmt(padded)} ms padded step of the {ncores} cores' {fmt(ncores * padded)} ms: "
             f"{100 * share:.0f} %, so the emulated step is "
-            + ("sleep, not compute." if share < 0.5 else "**not** sleep-dominated.")
-        )
+            + ("sleep, not compute." if share < 0.5 else "**not** sleep-dominated."))  # fmt: skip
     if cores is not None:
         lines.append(
             f"- **CPU in the runs.** All the job's processes together kept {fmt(cores)} of "
@@ -576,11 +572,9 @@ def main() -> None:
         p.add_argument("--epochs", type=int, help="accuracy: epochs per worker (the CLI's 64)")
         p.add_argument("--steps", type=int, default=STEPS, help="stragglers: sync's steps/worker")
         p.add_argument("--first-seed", type=int, default=0, help="fresh seeds confirm a choice")
-        p.add_argument(
-            "--arms",
-            help=f"comma-separated, of {', '.join(STRAGGLER_ARMS)}, or all (stragglers' "
-            f"default: {','.join(DEFAULT_ARMS)}; accuracy's: every strategy, and sync always)",
-        )
+        p.add_argument("--arms", help=f"comma-separated, of {', '.join(STRAGGLER_ARMS)}, or all "
+                       f"(stragglers' default: {','.join(DEFAULT_ARMS)}; accuracy's: every "
+                       "strategy, and sync always)")  # fmt: skip
 
     args = harness.parse_args(__doc__, add)
     {"accuracy": accuracy, "stragglers": stragglers}[args.experiment](args)

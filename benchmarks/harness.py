@@ -147,16 +147,14 @@ class Provenance:
         quick = bool(getattr(args, "quick", False))
         force = bool(getattr(args, "force", False)) or quick
         if dirty and not force:
-            sys.exit(
-                f"benchmark refused: the tree has {len(dirty)} uncommitted change(s) "
-                f"({', '.join(dirty[:3])}{', …' if len(dirty) > 3 else ''}); commit them or "
-                "pass --force (the result is then marked dirty)")  # fmt: skip
+            sys.exit(f"benchmark refused: the tree has {len(dirty)} uncommitted change(s) "
+                     f"({', '.join(dirty[:3])}{', …' if len(dirty) > 3 else ''}); commit them or "
+                     "pass --force (the result is then marked dirty)")  # fmt: skip
         busy = cpu_busy_fraction()
         if busy > BUSY_FRACTION and not force:
-            sys.exit(
-                f"benchmark refused: the machine is busy ({100 * busy:.0f} % of "
-                f"{os.cpu_count()} cores in use by other processes, limit "
-                f"{100 * BUSY_FRACTION:.0f} %); wait, or pass --force")  # fmt: skip
+            sys.exit(f"benchmark refused: the machine is busy ({100 * busy:.0f} % of "
+                     f"{os.cpu_count()} cores in use by other processes, limit "
+                     f"{100 * BUSY_FRACTION:.0f} %); wait, or pass --force")  # fmt: skip
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
         return cls(shlex.join(sys.orig_argv), os.getcwd(), commit + ("+dirty" if dirty else ""),
                    dirty, force, quick, datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
@@ -323,8 +321,7 @@ def interleave(
 
     runs = []
     for i, seed in enumerate(seeds):
-        order = arms[i % len(arms) :] + arms[: i % len(arms)]
-        for arm in order:
+        for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
             before = load1()
             runs.append(r := run(arm, seed))
             r.load_before, r.load_after = before, prov.sample_load() if prov else load1()
@@ -544,9 +541,8 @@ class Claim:
 
     @property
     def verdict(self) -> str:
-        if self.inconclusive:
-            return INCONCLUSIVE
-        return "-" if self.ok is None else (PASS if self.ok else MISS)
+        verdict = "-" if self.ok is None else PASS if self.ok else MISS
+        return INCONCLUSIVE if self.inconclusive else verdict
 
     def judge(self) -> Claim:
         """The verdict :func:`interval_verdict` gives (a MISS for another reason stands)."""
@@ -678,10 +674,6 @@ class Report:
         self.body += [text.strip(), ""]
         return self
 
-    def figure(self, path: str | Path, caption: str = "") -> Report:
-        self.body += [f"![{caption or Path(path).stem}]({Path(path).name})", ""]
-        return self
-
     def curves(self, groups: dict[str, list[Run]], seed: int) -> None:
         """A figure of the first run of each arm's curves (next to the report's .md)."""
         from cloudburst.plot import plot_runs
@@ -692,7 +684,7 @@ class Report:
         png = self.path().with_suffix(".png")
         png.parent.mkdir(parents=True, exist_ok=True)
         plot_runs([r.out_dir for r in first], str(png), f"seed {seed}", [r.arm for r in first])
-        self.figure(png, f"test error against time and samples, seed {seed}")
+        self.body += [f"![test error against time and samples, seed {seed}]({png.name})", ""]
 
     def path(self) -> Path:
         out = getattr(self.prov.args, "out", None)

@@ -84,10 +84,9 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
         if steps and per:
             expect = math.ceil(steps / H) / steps  # one |θ| all-reduce per average, sync per step
             measured = statistics.median(per)
-            rep.claim(
-                f"bytes per sample, {name} ÷ sync (counters), H = {H}", round(measured, 5),
-                f"⌈T/H⌉/T = {expect:.4g} ± {100 * BYTES_TOLERANCE:g} %",
-                abs(measured / expect - 1) <= BYTES_TOLERANCE, seeds=len(per))  # fmt: skip
+            rep.claim(f"bytes per sample, {name} ÷ sync (counters), H = {H}", round(measured, 5),
+                      f"⌈T/H⌉/T = {expect:.4g} ± {100 * BYTES_TOLERANCE:g} %",
+                      abs(measured / expect - 1) <= BYTES_TOLERANCE, seeds=len(per))  # fmt: skip
         accs, sync_accs = [r.final_accuracy for r in rs], [r.final_accuracy for r in sync_rs]
         if None not in accs + sync_accs:
             harness.diff_claim(rep, f"final accuracy, {name} − sync (points), H = {H}", accs,
