@@ -232,8 +232,7 @@ def main() -> None:
              str(root / name / f"{'-'.join(f'{k}{v}' for k, v in group.items())}-s{seed}"))
             for name in names for group, cfg, sim in EXPERIMENTS[name](args.quick)
             for seed in seeds]  # fmt: skip
-    ctx = get_context("forkserver")
-    with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("forkserver")) as pool:
         records = list(pool.map(simulate_point, *zip(*jobs, strict=True)))
     prov.sample_load()
     rep = harness.Report("sim_seeds", "The seed papers' findings on the virtual cluster", prov)
