@@ -48,9 +48,7 @@ COMMON = ["--workers", "2", "--model", "mlp", "--eval-every-s", "1000", "--check
 HEADER_BYTES = 14 + 20 + 32
 SAMPLE_S = 0.05  # ss's sampling period
 
-_SOCKET = re.compile(
-    r"^(?P<state>\S+)\s+\d+\s+\d+\s+(?P<local>\S+)\s+(?P<peer>\S+)\s*(?P<rest>.*)$"
-)
+_SOCKET = re.compile(r"^\S+\s+\d+\s+\d+\s+(?P<local>\S+)\s+(?P<peer>\S+)\s*(?P<rest>.*)$")
 _PID = re.compile(r"pid=(\d+)")
 _BYTES = re.compile(r"\b(bytes_sent|bytes_received):(\d+)")
 
@@ -87,7 +85,7 @@ def lo_counters() -> dict[str, int]:
     raise RuntimeError("no loopback device in /proc/net/dev")
 
 
-def probe(out: Path, sample_s: float, argv: list[str]) -> int:
+def probe(out: Path, argv: list[str]) -> int:
     """Inside the namespace: bring lo up, run the job, sample its sockets until it exits."""
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     job = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -102,7 +100,7 @@ def probe(out: Path, sample_s: float, argv: list[str]) -> int:
         for s in last.values():
             master_ports |= _master_port(s["pid"])
         samples += 1
-        time.sleep(sample_s)
+        time.sleep(SAMPLE_S)
     stderr = job.stderr.read() if job.stderr else ""
     result = {"returncode": job.returncode, "stderr_tail": stderr.strip().splitlines()[-3:],
               "samples": samples, "sockets": list(last.values()),
@@ -169,13 +167,14 @@ def account(result: dict, ranks: dict[int, dict]) -> dict:
             "samples": result["samples"]}  # fmt: skip
 
 
-def run_wire(arm: harness.Arm, seed: int, out_dir: Path, sample_s: float) -> harness.Run:
+def run_wire(arm: harness.Arm, seed: int) -> harness.Run:
     """The job alone in a new network namespace, its sockets sampled (:func:`probe`)."""
+    out_dir = harness.RUNS / "wire" / arm.name / f"seed{seed}"
     probe_json = out_dir.parent / f"seed{seed}.probe.json"
     probe_json.unlink(missing_ok=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    wrap = ["unshare", "-rn", sys.executable, __file__, "--probe", str(probe_json)]
-    wrap += ["--sample-s", str(sample_s), "--", *harness.CLI, "train"]
+    wrap = ["unshare", "-rn", sys.executable, __file__, "--probe", str(probe_json), "--"]
+    wrap += [*harness.CLI, "train"]
     r = harness.run_train(arm, seed, out_dir, command=wrap)
     if not r.failed and not probe_json.is_file():
         r.failed = "no probe output"
@@ -191,19 +190,14 @@ def ratio(a: int | None, b: int | None) -> float | None:
 def main() -> None:
     if "--probe" in sys.argv:  # the part that runs inside the namespace
         argv = sys.argv
-        sample_s = float(argv[argv.index("--sample-s") + 1])
-        sys.exit(
-            probe(Path(argv[argv.index("--probe") + 1]), sample_s, argv[argv.index("--") + 1 :])
-        )
+        sys.exit(probe(Path(argv[argv.index("--probe") + 1]), argv[argv.index("--") + 1 :]))
 
     args, prov = harness.start(__doc__)
     model = build_model("mlp", (40,), 10, 0)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     steps = 40 if args.quick else 200  # per worker
     arms = [harness.Arm(n, [*f, *COMMON, "--steps", str(steps)]) for n, f in STRATEGIES.items()]
-    root = harness.RUNS / "wire"
-    runs = harness.interleave(arms, [0], prov=prov, run=lambda arm, seed: run_wire(
-        arm, seed, root / arm.name / f"seed{seed}", SAMPLE_S))  # fmt: skip
+    runs = harness.interleave(arms, [0], prov=prov, run=run_wire)
     report = harness.Report("wire", "Bytes on the wire (OS) beside cloudburst's counters", prov)
     report.settings(
         f"W = 2, MNIST-1D MLP, {steps} steps per worker, seed 0; `ss -tinpH` every "
