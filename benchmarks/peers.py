@@ -92,6 +92,7 @@ class TorchPeerStrategy(Strategy):
     def _post_local_ddp(self, model: nn.Module, subgroups: list[list[int]]) -> nn.Module:
         """DDP whose gradients go over every worker for the warm-up, then over ``subgroups``."""
         topo, ctx = self.ctx.topology, self.ctx
+        self.model, self.global_period = model, max(1, self.cfg.daso_global_skip)
         if ctx.num_servers or topo is None:
             raise RuntimeError(f"{self.name} needs --servers 0 and --nodes")
         timeout = datetime.timedelta(seconds=self.cfg.comm_timeout_s)
@@ -151,9 +152,7 @@ class TorchPostLocalStrategy(TorchPeerStrategy):
     name = "torch_post_local"
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
-        self.model = model
         topo = self.ctx.topology
-        self.global_period = max(1, self.cfg.daso_global_skip)
         ddp = self._post_local_ddp(model, [topo.ranks_on(n) for n in range(topo.num_nodes)])
         self.averager = PeriodicModelAverager(self.global_period, self.warmup_steps)
         return ddp
@@ -166,12 +165,10 @@ class TorchHierarchicalStrategy(TorchPeerStrategy):
     name = "torch_hierarchical"
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
-        self.model = model
         topo = self.ctx.topology
         node = len(topo.ranks_on(0))
         if topo.ranks_on(0) != list(range(node)):
             raise RuntimeError("torch_hierarchical needs consecutive ranks per node")
-        self.global_period = max(1, self.cfg.daso_global_skip)
         ddp = self._post_local_ddp(model, [[r] for r in range(self.cfg.workers)])  # local steps
         periods = OrderedDict([(1, node), (self.global_period, self.cfg.workers)])
         self.averager = hier.HierarchicalModelAverager(periods, self.warmup_steps)
@@ -198,7 +195,6 @@ class TorchPeriodicStrategy(TorchPeerStrategy):
         if self.cfg.local_sgd_warmup_steps:
             raise ValueError("torch_periodic has no warm-up: leave --local-sgd-warmup-steps at 0")
         self.model = model
-        self.global_period = self.cfg.period
         # Call c (0-based) averages when c >= H - 1 and (c - H + 1) % H == 0: after steps H, 2H.
         self.averager = PeriodicModelAverager(self.cfg.period, self.cfg.period - 1)
         return model
