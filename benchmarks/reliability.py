@@ -51,6 +51,7 @@ import harness  # noqa: E402
 FAULT_STEP = 100
 TIMEOUT_S = 120.0  # a run still going then hangs: killed and reported as such
 HEARTBEAT_S = 3.0
+STEPS = 300  # per run (--quick: 160)
 COMMON = ["--dataset", "mnist1d", "--model", "mlp", "--workers", "3", "--batch-size", "32",
           "--lr", "0.05", "--momentum", "0.9", "--min-step-time-s", "0.02",
           "--checkpoint-every", "20", "--heartbeat-timeout-s", str(HEARTBEAT_S),
@@ -141,10 +142,9 @@ def run_cell(arm: harness.Arm, seed: int, root: Path) -> harness.Run:
     _, stderr = proc.communicate()
     ended = time.time()
     rec.poll()
-    run = harness.Run(arm.name, seed, round(ended - started, 3), harness.read_summary(out))
-    run.out_dir = str(out)
-    if hung or proc.returncode != 0:
-        run.failed = "hung" if hung else f"exit {proc.returncode}"
+    failed = "hung" if hung else f"exit {proc.returncode}" if proc.returncode else None
+    run = harness.Run(arm.name, seed, round(ended - started, 3), harness.read_summary(out),
+                      failed=failed, out_dir=str(out))  # fmt: skip
     if not by_signal and rec.find("fault", rank=victim):
         fault_t = rec.find("fault", rank=victim)[0][1]["wall"]
     run.values = measure(rec, run, fault_t, ended, victim, by_signal, fault, stderr, hung)
@@ -262,8 +262,6 @@ def main() -> None:
     runs = fault_table(prov, report, args.quick)
     report.write(runs + standby_cost(prov, report, args.quick))
 
-
-STEPS = 300
 
 if __name__ == "__main__":
     main()
