@@ -174,12 +174,9 @@ def run_pipelined(rank: int, s: dict, bufs: dict) -> Timing:
     def trip() -> None:
         reference, fetched = bufs["ref"], bufs["fetched"]
         t.send(SERVER, Header(Kind.PUSH_FETCH, version=state["version"], numel=n))
-
-        def prepare(a: int, b: int) -> None:
-            torch.sub(flat[a:b], reference[a:b], out=delta[a:b])
-
         receiving = t.irecv_payload(SERVER, fetched, reply=True)  # θ may flow meanwhile
-        sending = t.isend_payload(SERVER, delta, reply=False, prepare=prepare)
+        sending = t.isend_payload(SERVER, delta, reply=False, prepare=lambda a, b: torch.sub(
+            flat[a:b], reference[a:b], out=delta[a:b]))  # fmt: skip
         w0 = time.perf_counter()
         # θ + Δ and into the parameters as each θ chunk arrives (the add rule's α = 1 here;
         # a rejected push would be followed by a plain fetch, as asgd does)
@@ -210,17 +207,15 @@ def rank_main(rank: int, s: dict, prov: harness.Provenance) -> None:
                                               num_worker_threads=4)  # fmt: skip
     rpc.init_rpc("server" if rank == SERVER else "worker", rank=rank, world_size=2,
                  rpc_backend_options=options)  # fmt: skip
-    if rank == SERVER:
-        store.set("server_pid", str(os.getpid()))
-        s["cpu"] = lambda: 0.0
-    else:
-        s["cpu"] = cpu_probe(int(store.get("server_pid")))
     n = s["numel"]
     raw = {"a": torch.ones(n), "b": torch.zeros(n)}
     rpc_state: dict = {}
     if rank == SERVER:
+        store.set("server_pid", str(os.getpid()))
+        s["cpu"] = lambda: 0.0
         pipe = {"theta": torch.zeros(n), "delta": torch.zeros(n)}
     else:
+        s["cpu"] = cpu_probe(int(store.get("server_pid")))
         pipe = {k: torch.zeros(n) for k in ("flat", "ref", "delta", "fetched")}
         adopt_flat(FlatParams(n), pipe["flat"])  # the parameters are views of one flat buffer
         rpc_state = {"ps_rref": rpc.remote("server", ParameterServer, args=(n,)),
