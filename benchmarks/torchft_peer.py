@@ -139,11 +139,8 @@ def peer_versions() -> dict[str, str]:
     """The peer venv's torch and torchft versions, or ``{"error": ...}``."""
     if not Path(PEER_PYTHON).exists():
         return {"error": f"peer python {PEER_PYTHON} not found (see ../shared/PEERS.md)"}
-    probe = subprocess.run(
-        [PEER_PYTHON, "-c", "import torch, importlib.metadata as m; "
-         "print(torch.__version__, m.version('torchft'))"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    code = "import torch, importlib.metadata as m; print(torch.__version__, m.version('torchft'))"
+    probe = subprocess.run([PEER_PYTHON, "-c", code], capture_output=True, text=True, timeout=120)
     if probe.returncode:
         return {"error": probe.stderr.strip()[-400:]}
     torch_v, torchft_v = probe.stdout.split()
@@ -161,13 +158,8 @@ def fragments_of(model, fragments: int) -> list:
     if fragments == 1:
         return [model]
     names = {id(p): name.replace(".", "_") for name, p in model.named_parameters()}
-    out = []
-    for group in split_fragments(list(model.parameters()), fragments):
-        holder = nn.Module()
-        for p in group:
-            holder.register_parameter(names[id(p)], p)
-        out.append(holder)
-    return out
+    groups = split_fragments(list(model.parameters()), fragments)
+    return [nn.ParameterDict([(names[id(p)], p) for p in group]) for group in groups]
 
 
 def torchft_replica(
@@ -193,10 +185,9 @@ def torchft_replica(
                              preprocess=data.preprocess(augment=cfg.augment))  # fmt: skip
     total = steps or cfg.steps_per_worker(len(data.train))
     if total % cfg.period:
-        raise ValueError(
-            f"torchft runs need steps ({total}) to be a multiple of period ({cfg.period}): "
-            "torchft's algorithms end on one model only after a sync"
-        )
+        raise ValueError(f"torchft runs need steps ({total}) to be a multiple of period "
+                         f"({cfg.period}): torchft's algorithms end on one model only after "
+                         "a sync")  # fmt: skip
 
     def load_state_dict(state: dict[str, Any]) -> None:
         model.load_state_dict(state["model"])
