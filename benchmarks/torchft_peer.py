@@ -162,9 +162,8 @@ def fragments_of(model, fragments: int) -> list:
     return [nn.ParameterDict([(names[id(p)], p) for p in group]) for group in groups]
 
 
-def torchft_replica(
-    algorithm: str, replica: int, lighthouse: str, cfg: RunConfig, out: Path, steps: int | None
-) -> None:
+def torchft_replica(algorithm: str, replica: int, lighthouse: str, cfg: RunConfig, out: Path,
+                    steps: int | None) -> None:  # fmt: skip
     """One replica group (one process): train ``cfg`` with torchft's ``algorithm``."""
     import torch
     from torch.distributed import TCPStore

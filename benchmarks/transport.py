@@ -220,13 +220,9 @@ def rank_main(rank: int, s: dict, prov: harness.Provenance) -> None:
         adopt_flat(FlatParams(n), pipe["flat"])  # the parameters are views of one flat buffer
         rpc_state = {"ps_rref": rpc.remote("server", ParameterServer, args=(n,)),
                      "delta": torch.zeros(n)}  # fmt: skip
-    runners = {
-        "raw": lambda: run_raw(rank, s, raw),
-        "duplex": lambda: run_duplex(rank, s, raw),
-        "asgd": lambda: run_asgd(rank, s, ctx),
-        "rpc": lambda: run_rpc(rank, s, rpc_state),
-        "pipelined": lambda: run_pipelined(rank, s, pipe),
-    }
+    runners = {"raw": lambda: run_raw(rank, s, raw), "duplex": lambda: run_duplex(rank, s, raw),
+               "asgd": lambda: run_asgd(rank, s, ctx), "rpc": lambda: run_rpc(rank, s, rpc_state),
+               "pipelined": lambda: run_pipelined(rank, s, pipe)}  # fmt: skip
     command = torch.zeros(1, dtype=torch.int64)
     if rank == SERVER:
         while True:
@@ -271,14 +267,13 @@ def report(prov: harness.Provenance, s: dict, runs: list[harness.Run]) -> None:
                   interval=interval, seeds=s["reps"])  # fmt: skip
     # No "CPU-bound ceiling" claim: raw ms × cores ÷ asgd's CPU ms is asgd's own measurement
     # rescaled (issue 25), so it cannot disagree with the ratio above; CPU columns are context.
-    rep.settings(
-        f"{s['numel']:,} fp32 values ({s['numel'] * 4 / 1e6:.0f} MB) each way, 1 worker + 1 "
-        f"server on 127.0.0.1, {s['reps']} repetitions × {s['iters']} timed round trips (after "
-        f"{s['warmup']} warm-up) per arm, arms interleaved and rotated per repetition, `raw` "
-        "twice (A/A). GB/s = payload bytes both ways ÷ wall time (headers not counted). "
-        "Intervals: 95 % bootstrap of the median per-repetition ratio (both arms of a repetition "
-        "ran back to back: resampled as pairs)."
-    )
+    rep.settings(f"{s['numel']:,} fp32 values ({s['numel'] * 4 / 1e6:.0f} MB) each way, 1 worker + "
+                 f"1 server on 127.0.0.1, {s['reps']} repetitions × {s['iters']} timed round trips "
+                 f"(after {s['warmup']} warm-up) per arm, arms interleaved and rotated per "
+                 "repetition, `raw` twice (A/A). GB/s = payload bytes both ways ÷ wall time "
+                 "(headers not counted). Intervals: 95 % bootstrap of the median per-repetition "
+                 "ratio (both arms of a repetition ran back to back: resampled as "
+                 "pairs).")  # fmt: skip
     rows = []
     for arm, rs in groups.items():
         m = {k: statistics.median(r.values[k] for r in rs) for k in rs[0].values}
@@ -290,20 +285,16 @@ def report(prov: harness.Provenance, s: dict, runs: list[harness.Run]) -> None:
     rep.section("Arms (medians over repetitions)").table(
         ["arm", "GB/s", "ms / round trip", "worker blocked in transport (ms)",
          "worker outside transport (ms)", "CPU ms / round trip (both processes)",
-         "cores busy", "GB/s per repetition"],
-        rows,
-    )  # fmt: skip
-    rep.text(
-        "*Blocked*: asgd's transport `wait_s` counter (sends, receives and the wait for the "
-        "server's reply); *outside*: the rest of the worker's round (Δ, computed chunk by chunk "
-        "as each chunk leaves, and θ + αΔ written into the parameters). The pipelined reference "
-        "computes Δ the same way (outside) and θ + Δ as θ's chunks arrive (blocked). *CPU*: "
-        "both processes, all threads, user + system, per round trip; *cores busy* = CPU ÷ wall. "
-        "Beyond raw's copies, asgd's round trip does four full passes over θ that raw does not "
-        "(the worker's Δ and θ + αΔ into the parameters, the server's finiteness check and its "
-        "add); where raw already keeps the cores busy, that work adds to the wall time instead "
-        "of hiding under the wire."
-    )
+         "cores busy", "GB/s per repetition"], rows)  # fmt: skip
+    rep.text("*Blocked*: asgd's transport `wait_s` counter (sends, receives and the wait for the "
+             "server's reply); *outside*: the rest of the worker's round (Δ, computed chunk by "
+             "chunk as each chunk leaves, and θ + αΔ written into the parameters). The pipelined "
+             "reference computes Δ the same way (outside) and θ + Δ as θ's chunks arrive "
+             "(blocked). *CPU*: both processes, all threads, user + system, per round trip; *cores "
+             "busy* = CPU ÷ wall. Beyond raw's copies, asgd's round trip does four full passes "
+             "over θ that raw does not (the worker's Δ and θ + αΔ into the parameters, the "
+             "server's finiteness check and its add); where raw already keeps the cores busy, that "
+             "work adds to the wall time instead of hiding under the wire.")  # fmt: skip
     rep.data = {"settings": s}
     rep.write(runs)
 
@@ -312,12 +303,10 @@ def main() -> None:
     args, prov = harness.start(__doc__, lambda p: p.add_argument(
         "--numel", type=int, default=None, help="values each way (10M)"))  # fmt: skip
     quick = args.quick
-    s = {
-        "numel": args.numel or (2_000_000 if quick else 10_000_000),
-        "reps": args.seeds or (2 if quick else 12),  # repetitions per arm
-        "iters": 3 if quick else 10,  # timed round trips per repetition
-        "warmup": 1 if quick else 3,
-    }
+    s = {"numel": args.numel or (2_000_000 if quick else 10_000_000),
+         "reps": args.seeds or (2 if quick else 12),  # repetitions per arm
+         "iters": 3 if quick else 10,  # timed round trips per repetition
+         "warmup": 1 if quick else 3}  # fmt: skip
     store_port = free_port()
     rpc_port = next(p for p in iter(free_port, None) if p != store_port)
     with tempfile.TemporaryDirectory(prefix="cloudburst-transport-") as workdir:
