@@ -145,17 +145,12 @@ def run_cell(arm: harness.Arm, seed: int, root: Path) -> harness.Run:
     failed = "hung" if hung else f"exit {proc.returncode}" if proc.returncode else None
     run = harness.Run(arm.name, seed, round(ended - started, 3), harness.read_summary(out),
                       failed=failed, out_dir=str(out))  # fmt: skip
-    if not by_signal and rec.find("fault", rank=victim):
-        fault_t = rec.find("fault", rank=victim)[0][1]["wall"]
-    run.values = measure(rec, run, fault_t, ended, victim, by_signal, fault, stderr, hung)
-    return run
-
-
-def measure(rec, run, fault_t, ended, victim, victim_is_server, fault, stderr, hung) -> dict:
-    s = run.summary
-    v: dict[str, Any] = {"outcome": outcome(rec, s, victim, fault, stderr, hung)}
+    s, fired = run.summary, rec.find("fault", rank=victim)
+    if not by_signal and fired:
+        fault_t = fired[0][1]["wall"]
+    run.values = v = {"outcome": outcome(rec, s, victim, fault, stderr, hung)}
     if fault_t is None:
-        return v
+        return run
     noticed = [t for e in DETECTED for t in rec.times(e)] + rec.times("start", rank=victim)[1:]
     v["detect_s"] = min(noticed) - fault_t if noticed else None
     recovered = (
@@ -166,17 +161,17 @@ def measure(rec, run, fault_t, ended, victim, victim_is_server, fault, stderr, h
         or ([ended] if s.get("failed") or run.failed else [])
     )
     v["recover_s"] = recovered[0] - fault_t if recovered else None
-    resumes, fired = rec.find("resume", rank=victim), rec.find("fault", rank=victim)
+    resumes = rec.find("resume", rank=victim)
     if s.get("failed"):
         done = max((s.get("steps_done") or {0: 0}).values())
         v["lost"] = f"stopped at step {done} of {STEPS}; resumable"
-    elif victim_is_server:
+    elif by_signal:
         v["lost"] = f"{s.get('pushes_lost', 0)} pushes" if s else "-"
     elif resumes and fired and "step" in resumes[-1][1]:
         v["lost"] = f"{fired[0][1]['step'] - resumes[-1][1]['step']} steps"
     elif victim in s.get("lost_workers", []) and fired:
         v["lost"] = f"{STEPS - fired[0][1]['step']} steps (its own)"
-    return v
+    return run
 
 
 def outcome(rec, s, victim, fault, stderr, hung) -> str:
@@ -236,9 +231,8 @@ def standby_cost(prov: harness.Provenance, report: harness.Report, quick: bool) 
               "--dataset", "mnist1d", "--model", "mlp", "--batch-size", "32",
               "--steps", "40" if quick else "150", "--min-step-time-s", "0.02"]  # fmt: skip
     arms = [harness.Arm("plain", common), harness.Arm("standby", [*common, "--shard-standby"])]
-    root = prov.runs_dir("reliability-standby")
     runs = harness.interleave(arms, [0] if quick else [0, 1, 2], control="plain", prov=prov,
-                              out_root=root)  # fmt: skip
+                              out_root=prov.runs_dir("reliability-standby"))  # fmt: skip
     rate = {arm: [None if r.failed or not r.summary.get("wall_time_s")
                   else sum(r.summary.get("shard_versions", [])) / r.summary["wall_time_s"]
                   for r in rs] for arm, rs in harness.by_arm(runs).items()}  # fmt: skip
