@@ -257,10 +257,9 @@ def report(prov: harness.Provenance, s: dict, runs: list[harness.Run]) -> None:
     rep = harness.Report("transport", "Transport: raw gloo vs asgd's push+fetch vs torch RPC", prov)
     groups = harness.by_arm(runs)
     gbps = {arm: [r.values["gbps"] for r in rs] for arm, rs in groups.items()}
-    harness.ratio_claim(
-        rep, "asgd push+fetch ÷ raw gloo (throughput)", gbps["asgd"], gbps["raw"],
-        gbps[harness.aa_name(CONTROL)], f"≥ {TARGET_VS_RAW}", lambda x: x >= TARGET_VS_RAW,
-    )  # fmt: skip
+    harness.ratio_claim(rep, "asgd push+fetch ÷ raw gloo (throughput)", gbps["asgd"], gbps["raw"],
+                        gbps[harness.aa_name(CONTROL)], f"≥ {TARGET_VS_RAW}",
+                        lambda x: x >= TARGET_VS_RAW)  # fmt: skip
     for arm, what in (("duplex", "both directions at once"), ("pipelined", "not package code")):
         value, *interval = harness.paired_ratio(gbps[arm], gbps["raw"])
         rep.claim(f"{arm} reference ÷ raw gloo ({what})", value, "(reference)", None,
