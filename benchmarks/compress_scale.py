@@ -205,7 +205,7 @@ def main() -> None:
     arms = [harness.Arm(m, [*REAL, "--compress", m, "--steps", str(steps)])
             for m in ("none", "int8")]  # fmt: skip
     runs = harness.interleave(arms, seeds, prov=prov, run=lambda arm, seed: wire.run_wire(
-        arm, seed, root / "gloo" / arm.name / f"seed{seed}", 0.05))  # fmt: skip
+        arm, seed, root / "gloo" / arm.name / f"seed{seed}"))  # fmt: skip
     by = harness.by_arm(runs)
     ok = [r for r in runs if not r.failed]
     real_rows = [[r.arm, r.seed, r.values["counted_sent"], r.values["lo_data"],

@@ -163,9 +163,9 @@ def account(result: dict, ranks: dict[int, dict]) -> dict:
             "samples": result["samples"]}  # fmt: skip
 
 
-def run_wire(arm: harness.Arm, seed: int) -> harness.Run:
+def run_wire(arm: harness.Arm, seed: int, out_dir: Path | None = None) -> harness.Run:
     """The job alone in a new network namespace, its sockets sampled (:func:`probe`)."""
-    out_dir = harness.RUNS / "wire" / arm.name / f"seed{seed}"
+    out_dir = out_dir or harness.RUNS / "wire" / arm.name / f"seed{seed}"
     probe_json = out_dir.parent / f"seed{seed}.probe.json"
     probe_json.unlink(missing_ok=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
