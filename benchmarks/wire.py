@@ -85,12 +85,12 @@ def probe(out: Path, argv: list[str]) -> int:
     """Inside the namespace: bring lo up, run the job, sample its sockets until it exits."""
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     job = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    last: dict[tuple, dict] = {}  # (local, peer, pid) -> the socket's latest sample
+    last: dict[tuple, dict] = {}  # (local, peer, generation) -> the connection's latest sample
     listeners: dict[int, int | None] = {}  # listening port -> pid
     master_ports: set[int] = set()
     samples = 0
     while job.poll() is None:
-        last.update(((s["local"], s["peer"], s["pid"]), s) for s in ss("-tinpH"))
+        merge(last, ss("-tinpH"))
         for s in ss("-tlnpH"):
             listeners.setdefault(port(s["local"]), s["pid"])
         for s in last.values():
@@ -104,6 +104,22 @@ def probe(out: Path, argv: list[str]) -> int:
               "master_ports": sorted(master_ports), "lo": lo_counters()}  # fmt: skip
     out.write_text(json.dumps(result))
     return job.returncode
+
+
+def merge(last: dict[tuple, dict], sockets: list[dict]) -> None:
+    """Each connection's latest sample, once. A connection is its (local, peer) pair: a sample
+    without a pid (the process exiting) keeps the pid seen before, so its bytes are not counted
+    again as the launcher's; counters that went down mean the pair was reused by a new
+    connection, kept beside the old one."""
+    for s in sockets:
+        gen = 0
+        while (prev := last.get((s["local"], s["peer"], gen))) is not None and (
+            s["bytes_sent"] < prev["bytes_sent"] or s["bytes_received"] < prev["bytes_received"]
+        ):
+            gen += 1
+        if prev is not None and s["pid"] is None:
+            s = {**s, "pid": prev["pid"]}
+        last[(s["local"], s["peer"], gen)] = s
 
 
 _ENV_CACHE: dict[int, set[int]] = {}

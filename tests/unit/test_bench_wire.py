@@ -1,0 +1,71 @@
+"""wire.py's socket bookkeeping on scripted ``ss`` samples (no namespace, no processes).
+
+A connection must count once: the failure it guards against had every rank's data counted a
+second time as the launcher's ("other"), because the last sample of each socket came after its
+process had exited and ``ss`` printed it without a pid (compress_scale at bf83333: wire ÷
+counted −0.007 for one run).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import wire
+
+RANK_PID, LAUNCHER_PID = 101, 7
+
+
+def sample(local: str, peer: str, pid: int | None, sent: int, received: int) -> dict:
+    return {"local": local, "peer": peer, "pid": pid, "bytes_sent": sent,
+            "bytes_received": received}  # fmt: skip
+
+
+def test_parse_ss_reads_addresses_pid_and_counters():
+    text = (
+        'ESTAB 0 0 127.0.0.1:40000 127.0.0.1:29500 users:(("python",pid=101,fd=5))\n'
+        "\t cubic bytes_sent:1200 bytes_acked:1201 bytes_received:300 segs_out:4\n"
+        "ESTAB 0 0 127.0.0.1:40002 127.0.0.1:40004\n"
+        "\t cubic bytes_received:55\n"
+    )
+    assert wire.parse_ss(text) == [
+        sample("127.0.0.1:40000", "127.0.0.1:29500", 101, 1200, 300),
+        sample("127.0.0.1:40002", "127.0.0.1:40004", None, 0, 55),
+    ]
+
+
+def test_merge_keeps_the_pid_of_a_socket_whose_process_exited():
+    last: dict = {}
+    wire.merge(last, [sample("a:1", "a:2", RANK_PID, 100, 10)])
+    wire.merge(last, [sample("a:1", "a:2", None, 400, 40)])  # the process has exited
+    assert list(last.values()) == [sample("a:1", "a:2", RANK_PID, 400, 40)]
+
+
+def test_account_counts_an_exited_rank_socket_once_as_data():
+    last: dict = {}
+    wire.merge(last, [sample("a:1", "a:2", RANK_PID, 100, 10)])
+    wire.merge(last, [sample("a:1", "a:2", None, 400, 40)])
+    result = {"sockets": list(last.values()), "listeners": {}, "master_ports": [],
+              "lo": {"rx_bytes": 0, "rx_packets": 0, "tx_bytes": 400, "tx_packets": 0},
+              "samples": 2}  # fmt: skip
+    ranks = {0: {"role": "worker0", "pid": RANK_PID, "sent_bytes": 400, "received_bytes": 40}}
+    got = wire.account(result, ranks)
+    assert got["other"] == {"sent": 0, "received": 0}
+    assert got["ranks"][0]["data_sent"] == 400
+    assert got["socket_payload_sent"] == 400
+    assert got["lo_data"] == 400  # lo's payload less the store's (none here)
+
+
+def test_merge_keeps_a_reused_address_pair_as_a_second_connection():
+    last: dict = {}
+    wire.merge(last, [sample("a:1", "a:2", RANK_PID, 500, 50)])
+    wire.merge(last, [sample("a:1", "a:2", LAUNCHER_PID, 20, 5)])  # counters fell: new one
+    wire.merge(last, [sample("a:1", "a:2", LAUNCHER_PID, 30, 6)])
+    assert sorted(s["bytes_sent"] for s in last.values()) == [30, 500]
+
+
+@pytest.mark.parametrize("pid", [RANK_PID, None])
+def test_merge_updates_one_connection_in_place(pid):
+    last: dict = {}
+    for sent in (1, 2, 3):
+        wire.merge(last, [sample("a:1", "a:2", pid, sent, sent)])
+    assert [s["bytes_sent"] for s in last.values()] == [3]
