@@ -76,8 +76,9 @@ def bytes_per_sample(r: harness.Run) -> float | None:
     return s["inter_node_bytes"] / s["samples"] if s.get("samples") else None
 
 
-def simulate_all(arms: list[harness.Arm], seeds: list[int], root: Path,
-                 prov: harness.Provenance) -> list[harness.Run]:  # fmt: skip
+def simulate_all(
+    arms: list[harness.Arm], seeds: list[int], root: Path, prov: harness.Provenance
+) -> list[harness.Run]:
     """Every (arm, seed) on the virtual cluster (:func:`harness.simulate_all`), ``values``:
     inter-node bytes per sample and the virtual time per step."""
     jobs = [(a, seed, root / f"{harness.slug(a.name)}-{seed}") for seed in seeds for a in arms]
@@ -189,9 +190,16 @@ def report_bytes(report: harness.Report, runs: list[harness.Run], s: dict) -> No
     for arm, group in groups.items():
         bps, accs = _bps(group), _acc(group)
         ratio = bps / sync_bytes if bps and sync_bytes else None
-        rows.append([f"`{arm}`", f"{len(accs)}/{len(group)}", harness.fmt(bps),
-                     "1" if arm == "sync" else f"1/{1 / ratio:.1f}" if ratio else "-",
-                     ", ".join(map(harness.pct, accs)), _minus(accs, sync_acc)])  # fmt: skip
+        rows.append(
+            [
+                f"`{arm}`",
+                f"{len(accs)}/{len(group)}",
+                harness.fmt(bps),
+                "1" if arm == "sync" else f"1/{1 / ratio:.1f}" if ratio else "-",
+                ", ".join(map(harness.pct, accs)),
+                _minus(accs, sync_acc),
+            ]
+        )
     headline_claims(report, groups.get(TARGET_ARM, []), groups["sync"], "")
     report.section(f"1. Inter-node bytes and final accuracy at equal steps ({s['bytes_steps']})")
     report.text(
@@ -202,8 +210,9 @@ def report_bytes(report: harness.Report, runs: list[harness.Run], s: dict) -> No
             "− sync (points, mean)", rows)  # fmt: skip
 
 
-def headline_claims(report: harness.Report, target: list[harness.Run], sync: list[harness.Run],
-                    where: str) -> None:  # fmt: skip
+def headline_claims(
+    report: harness.Report, target: list[harness.Run], sync: list[harness.Run], where: str
+) -> None:
     """The 1/50 claims: inter-node bytes per sample ÷ sync's, final accuracy − sync's."""
     bps, sync_bytes, accs, sync_acc = _bps(target), _bps(sync), _acc(target), _acc(sync)
     if not (bps and sync_bytes and accs and sync_acc):
@@ -225,8 +234,16 @@ def report_confirm(report: harness.Report, runs: list[harness.Run], s: dict) -> 
         headline_claims(report, target, sync, f", {where}, seeds {s['confirm_seeds']}")
         for arm, group in (("sync", sync), (TARGET_ARM, target)):
             accs = _acc(group)
-            rows.append([where, f"`{arm}`", f"{len(accs)}/{len(group)}", harness.fmt(_bps(group)),
-                         ", ".join(map(harness.pct, accs)), _minus(accs, _acc(sync))])  # fmt: skip
+            rows.append(
+                [
+                    where,
+                    f"`{arm}`",
+                    f"{len(accs)}/{len(group)}",
+                    harness.fmt(_bps(group)),
+                    ", ".join(map(harness.pct, accs)),
+                    _minus(accs, _acc(sync)),
+                ]
+            )
     report.section("5. The 1/50 headline where it was not chosen").text(
         f"`{TARGET_ARM}` and sync, {s['bytes_steps']} steps, seeds {s['confirm_seeds']} (the "
         "configuration was chosen on seeds 0-2 at W = 4 on the virtual cluster), named before "
@@ -311,16 +328,21 @@ def main() -> None:
     s = settings(args.quick, args.seeds)
     versions = torchft_peer.peer_versions()
     print(f"torchft peer: {versions}", flush=True)
-    parts = {"bytes": bytes_part(s, prov), "link": link_part(s, prov),
-             "torchft": torchft_part(s, prov) if "error" not in versions else [],
-             "sim": sim_part(s, prov), "confirm": confirm_part(s, prov)}  # fmt: skip
+    parts = {
+        "bytes": bytes_part(s, prov),
+        "link": link_part(s, prov),
+        "torchft": torchft_part(s, prov) if "error" not in versions else [],
+        "sim": sim_part(s, prov),
+        "confirm": confirm_part(s, prov),
+    }
     report = harness.Report("compress", "Streaming DiLoCo and compression (issue 17)", prov)
     report.data = {"settings": s, "torchft": versions, "arms": ARMS}
     report.settings(
         f"MNIST-1D, the wide CNN (528 k parameters), {WORKERS} workers × batch {BATCH}, SGD lr "
         f"0.1 momentum 0.9, steps padded to {1e3 * PAD_S:g} ms in real runs, seeds "
         f"{s['seeds']}. Arms' flags: `ARMS` in the script; the 1/50 arm "
-        f"`sdiloco_f4_int8_h32`: `{' '.join(TARGET)}`. torchft peer: {versions}.")  # fmt: skip
+        f"`sdiloco_f4_int8_h32`: `{' '.join(TARGET)}`. torchft peer: {versions}."
+    )
     report_bytes(report, parts["bytes"], s)
     steps_to = report_link(report, parts["link"], s)
     if parts["torchft"]:

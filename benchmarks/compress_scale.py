@@ -204,8 +204,12 @@ def main() -> None:
     seeds, steps = list(range(args.seeds or (1 if quick else 3))), 40 if quick else 200
     arms = [harness.Arm(m, [*REAL, "--compress", m, "--steps", str(steps)])
             for m in ("none", "int8")]  # fmt: skip
-    runs = harness.interleave(arms, seeds, prov=prov, run=lambda arm, seed: wire.run_wire(
-        arm, seed, root / "gloo" / arm.name / f"seed{seed}"))  # fmt: skip
+    runs = harness.interleave(
+        arms,
+        seeds,
+        prov=prov,
+        run=lambda arm, seed: wire.run_wire(arm, seed, root / "gloo" / arm.name / f"seed{seed}"),
+    )
     by = harness.by_arm(runs)
     ok = [r for r in runs if not r.failed]
     real_rows = [[r.arm, r.seed, r.values["counted_sent"], r.values["lo_data"],

@@ -68,8 +68,9 @@ def main() -> None:
     root = harness.RUNS / "daso"
     os.environ["PYTHONPATH"] = str(harness.REPO)  # the runs import benchmarks.bench_models
 
-    compute_ms = experiments.step_compute_ms(root / "one_process", 30 if args.quick else 200,
-                                             [*MODEL, "--batch-size", str(BATCH)])  # fmt: skip
+    compute_ms = experiments.step_compute_ms(
+        root / "one_process", 30 if args.quick else 200, [*MODEL, "--batch-size", str(BATCH)]
+    )
 
     def run(arm: Arm, seed: int) -> harness.Run:
         out = root / harness.slug(arm.name) / f"seed{seed}"
@@ -83,8 +84,11 @@ def report(prov, runs: list[harness.Run], length: list[str], seeds: list[int], c
     groups, budget = harness.by_arm(runs), harness.budget_of(runs)
     times = {name: harness.times_to(rs, TARGET) for name, rs in groups.items()}
     rep = harness.Report(
-        "daso", f"DASO, local SGD and DiLoCo on 2 × 2 emulated nodes at 1 Gbit/s: time to "
-        f"{100 * TARGET:g} % within one time budget", prov)  # fmt: skip
+        "daso",
+        f"DASO, local SGD and DiLoCo on 2 × 2 emulated nodes at 1 Gbit/s: time to "
+        f"{100 * TARGET:g} % within one time budget",
+        prov,
+    )
     aa_times = times[harness.aa_name("sync")]
     aa_ratio = harness.paired_ratio(aa_times, times["sync"], budget_s=budget)[0]
     for num, den, target, why in claimed_ratios(groups):
@@ -96,9 +100,14 @@ def report(prov, runs: list[harness.Run], length: list[str], seeds: list[int], c
     final = {name: [r.final_accuracy for r in rs] for name, rs in groups.items()}
     if all(a is not None for a in final["daso"] + final["sync"]):
         harness.diff_claim(
-            rep, "final accuracy, daso − sync (points), 2 × 2 nodes, at the budget",
-            final["daso"], final["sync"], f"within ±{ACC_POINTS:g}",
-            lambda d, lo, hi: abs(d) <= ACC_POINTS, seeds=len(final["daso"]))  # fmt: skip
+            rep,
+            "final accuracy, daso − sync (points), 2 × 2 nodes, at the budget",
+            final["daso"],
+            final["sync"],
+            f"within ±{ACC_POINTS:g}",
+            lambda d, lo, hi: abs(d) <= ACC_POINTS,
+            seeds=len(final["daso"]),
+        )
     rep.settings(
         f"{harness.about(__doc__)}\n\nFlags: `{' '.join(COMMON + length)}`; "
         f"seeds {seeds}. Censoring budget: {fmt(budget)} s of training time (the longest any "
@@ -133,15 +142,31 @@ def report(prov, runs: list[harness.Run], length: list[str], seeds: list[int], c
                          f"seed {r.seed}: {r.failed}" for r in rs if r.failed) or "-"])  # fmt: skip
     rep.section("Why: throughput, samples needed, CPU").text(explain(groups, compute_ms))
     rep.section("Every arm").table(
-        ["arm", f"time to {100 * TARGET:g} % per seed (s)", "median (s)", "censored",
-         "final acc % per seed", "mean", "inter-node B/sample (median)", "÷ sync",
-         f"samples at {100 * TARGET:g} % (median)", "samples/s", "ms/step",
-         "comm wait ms/step", "job's cores", "CPU ms/worker step", "failed"], rows,
-    ).text("Medians over seeds. *samples/s*, *ms/step* (median over workers, communication waits "
-           "and evaluation stalls included), *comm wait*, *job's cores* (CPU time of all the "
-           "job's processes from /proc ÷ time) and *CPU ms/worker step*: measured from 1 s after "
-           "the clock started to the first worker's last step. *Samples at the target*: the global "
-           "sample count at the evaluation that starts the held run.")  # fmt: skip
+        [
+            "arm",
+            f"time to {100 * TARGET:g} % per seed (s)",
+            "median (s)",
+            "censored",
+            "final acc % per seed",
+            "mean",
+            "inter-node B/sample (median)",
+            "÷ sync",
+            f"samples at {100 * TARGET:g} % (median)",
+            "samples/s",
+            "ms/step",
+            "comm wait ms/step",
+            "job's cores",
+            "CPU ms/worker step",
+            "failed",
+        ],
+        rows,
+    ).text(
+        "Medians over seeds. *samples/s*, *ms/step* (median over workers, communication waits "
+        "and evaluation stalls included), *comm wait*, *job's cores* (CPU time of all the "
+        "job's processes from /proc ÷ time) and *CPU ms/worker step*: measured from 1 s after "
+        "the clock started to the first worker's last step. *Samples at the target*: the global "
+        "sample count at the evaluation that starts the held run."
+    )
     rep.curves(groups, seeds[0])
     rep.write(runs)
 
@@ -189,18 +214,26 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None) -> s
         need = ratio(*(harness.median(samples_to(r, TARGET) for r in x) for x in (a, b)))
         if thr is None:
             continue
-        text = (f"- **{num} ÷ {den}**: {fmt(thr)}× the samples/s: with the same samples needed, "
-                f"a time ratio of 1 ÷ {fmt(thr)} = {fmt(1 / thr)}")  # fmt: skip
+        text = (
+            f"- **{num} ÷ {den}**: {fmt(thr)}× the samples/s: with the same samples needed, "
+            f"a time ratio of 1 ÷ {fmt(thr)} = {fmt(1 / thr)}"
+        )
         if need is not None:
-            text += (f"; it needed {fmt(need)}× the samples to hold {100 * TARGET:g} % (runs "
-                     f"that held it): about {fmt(need)} ÷ {fmt(thr)} = "
-                     f"**{fmt(need / thr)}**")  # fmt: skip
+            text += (
+                f"; it needed {fmt(need)}× the samples to hold {100 * TARGET:g} % (runs "
+                f"that held it): about {fmt(need)} ÷ {fmt(thr)} = "
+                f"**{fmt(need / thr)}**"
+            )
         lines.append(text + ".")
     lines.append(
         "- Every arm has the same training-time budget, so an arm with faster steps takes more "
-        "of them (runs' training time, median: " + ", ".join(
+        "of them (runs' training time, median: "
+        + ", ".join(
             f"{name} {fmt(harness.median(r.evals[-1][0] for r in rs if r.evals))} s"
-            for name, rs in groups.items()) + ").")  # fmt: skip
+            for name, rs in groups.items()
+        )
+        + ")."
+    )
     return "\n".join(lines)
 
 

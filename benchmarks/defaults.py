@@ -27,10 +27,15 @@ from harness import Arm, fmt, pct  # noqa: E402
 #: candidates (``--n-sync 1``, a compensator) are the ``asgd`` part's.
 ADAM = ["--optimizer", "adam", "--lr", "0.001"]
 CANDIDATES: dict[str, list[list[str]]] = {
-    "diloco": [["--diloco-outer-lr", "0.3"], ["--diloco-outer-lr", "0.7"],
-               [*ADAM, "--diloco-outer-lr", "0.3"], [*ADAM, "--diloco-outer-lr", "0.7"]],
+    "diloco": [
+        ["--diloco-outer-lr", "0.3"],
+        ["--diloco-outer-lr", "0.7"],
+        [*ADAM, "--diloco-outer-lr", "0.3"],
+        [*ADAM, "--diloco-outer-lr", "0.7"],
+    ],
     "easgd": [["--easgd-tau", "4"]],
-    "gossip": [["--gossip-schedule", "random"]]}  # fmt: skip
+    "gossip": [["--gossip-schedule", "random"]],
+}
 BAND_POINTS = 1.0
 COMPENSATOR = "dc-adaptive"
 ASGD_ARMS = {
@@ -69,8 +74,10 @@ def others(args, prov: harness.Provenance, report: harness.Report) -> list[harne
     for s in strategies:
         default = [defaults[s][i] or 0.0 for i in seeds]
         rows.append([f"{s} (defaults, from accuracy.json)", " / ".join(pct(a) for a in default)])
-        cands = {arm: [r.final_accuracy or 0.0 for r in groups[arm]]
-                 for arm in (f"{s} {' '.join(c)}" for c in CANDIDATES[s])}  # fmt: skip
+        cands = {
+            arm: [r.final_accuracy or 0.0 for r in groups[arm]]
+            for arm in (f"{s} {' '.join(c)}" for c in CANDIDATES[s])
+        }
         rows += [[arm, " / ".join(pct(a) for a in accs)] for arm, accs in cands.items()]
         best_accs = max(cands.values(), key=statistics.fmean)  # the first best on a tie
         harness.diff_claim(report, f"{s}: defaults − best candidate (points)", default, best_accs,
@@ -125,8 +132,11 @@ def asgd(args, prov: harness.Provenance, report: harness.Report) -> list[harness
         f"Seeds {list(confirm)}, which chose nothing, arms interleaved."
     ).table(
         ["arm", "final acc % (seeds)", "mean", "worst"],
-        [[a, " / ".join(pct(x) for x in v), pct(statistics.fmean(v)), pct(min(v))]
-         for a, v in acc2.items()])  # fmt: skip
+        [
+            [a, " / ".join(pct(x) for x in v), pct(statistics.fmean(v)), pct(min(v))]
+            for a, v in acc2.items()
+        ],
+    )
     report.data["asgd"] = {"chosen": chosen, "winners": winners, "argv": dict(ASGD_ARMS)}
     return runs + runs2
 
@@ -137,9 +147,13 @@ def _asgd_claims(report: harness.Report, acc: dict[str, list[float]], name: str,
     harness.diff_claim(report, f"final accuracy, {name} − sync (points), W = 4, defaults, {last}",
                        acc[name], acc["sync"], f"within ±{ASGD_BAND:g}",
                        lambda d, lo, hi: abs(d) <= ASGD_BAND, seeds=seeds)  # fmt: skip
-    report.claim(f"{name}: every seed ≥ {100 * ASGD_FLOOR:.0f} %, W = 4, defaults, {last}",
-                 pct(min(acc[name])), f"≥ {100 * ASGD_FLOOR:.0f}", min(acc[name]) >= ASGD_FLOOR,
-                 seeds=seeds)  # fmt: skip
+    report.claim(
+        f"{name}: every seed ≥ {100 * ASGD_FLOOR:.0f} %, W = 4, defaults, {last}",
+        pct(min(acc[name])),
+        f"≥ {100 * ASGD_FLOOR:.0f}",
+        min(acc[name]) >= ASGD_FLOOR,
+        seeds=seeds,
+    )
 
 
 def main() -> None:

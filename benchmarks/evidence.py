@@ -207,8 +207,10 @@ def table(results: Path, where: Path = REPO / "README.md") -> list[str]:
 
 def choosing(results: Path, evidence_file: Path, where: Path) -> list[str]:
     """The advice: per situation, one sentence per claim found, each linking to its row."""
-    found = {path.stem: [(i, claim_of(c)) for i, c in enumerate(data["claims"], 1)]
-             for path, data in load(results)}  # fmt: skip
+    found = {
+        path.stem: [(i, claim_of(c)) for i, c in enumerate(data["claims"], 1)]
+        for path, data in load(results)
+    }
     target = link(evidence_file, where) if evidence_file != where else ""
     phrase = {"PASS": "PASS", "MISS": "MISS", "inconclusive": "**inconclusive**"}
     lines = []
@@ -308,8 +310,9 @@ def rescore(path: Path, head: str) -> list[str]:
         if inputs and "diff" in inputs:
             diff = harness.bootstrap_difference(*inputs["diff"], paired=True)
             d, lo, hi = (round(100 * x, 2) for x in diff)
-            new = Claim(old.name, d, old.target, point(d), interval=(lo, hi),
-                        seeds=old.seeds).judge()  # fmt: skip
+            new = Claim(
+                old.name, d, old.target, point(d), interval=(lo, hi), seeds=old.seeds
+            ).judge()
         elif inputs:
             new = harness.ratio_claim(report, old.name, inputs["a"], inputs["b"], inputs.get("aa"),
                                       old.target, point, inputs.get("budget_s"),

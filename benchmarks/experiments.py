@@ -57,8 +57,9 @@ def seed_range(args) -> range:
 
 def accuracy(args) -> None:
     prov, seeds = harness.Provenance.capture(args), seed_range(args)
-    budget = (["--steps", "30"] if args.quick else ["--epochs", str(args.epochs)] if args.epochs
-              else [])  # fmt: skip
+    budget = (
+        ["--steps", "30"] if args.quick else ["--epochs", str(args.epochs)] if args.epochs else []
+    )
     budget += ["--eval-every-s", "10"]  # only the final accuracy counts here
     names = ("sync", "asgd") if args.quick else STRATEGIES
     if args.arms:
@@ -86,10 +87,16 @@ def accuracy(args) -> None:
                 bands.append((ASGD_BAND, f", within ±{ASGD_BAND:g}", ""))
             for points, suffix, note in bands:
                 harness.diff_claim(
-                    report, f"final accuracy, {name} − sync (points), W = 4, defaults{suffix}",
-                    done, sync, f"within ±{points:g}",
+                    report,
+                    f"final accuracy, {name} − sync (points), W = 4, defaults{suffix}",
+                    done,
+                    sync,
+                    f"within ±{points:g}",
                     lambda d, lo, hi, p=points, c=complete: -p <= lo and hi <= p and c,
-                    paired=len(done) == len(sync), seeds=len(accs), note=note)  # fmt: skip
+                    paired=len(done) == len(sync),
+                    seeds=len(accs),
+                    note=note,
+                )
             if name == "asgd":
                 report.claim(
                     f"asgd at its defaults: every seed ≥ {100 * ASGD_FLOOR:.0f} %",
@@ -113,7 +120,8 @@ def accuracy(args) -> None:
         "interval is a bootstrap 95 % interval of the difference of means (seeds resampled, "
         'paired by seed); "within ±b" is a PASS only when the whole interval is. '
         "No A/A pair: sync is deterministic on CPU for its seed (twice gives the same run), "
-        "so the noise is the seed-to-seed spread, which the interval carries.")  # fmt: skip
+        "so the noise is the seed-to-seed spread, which the interval carries."
+    )
     report.section("Every strategy").table(
         ["strategy", "final acc % (seeds)", "mean", "worst", f"seeds ≥ {100 * TARGET:.0f} %",
          "train s (median)", "command s (median)"], rows)  # fmt: skip
@@ -143,8 +151,9 @@ def stragglers(args) -> None:
 
     def run(arm: Arm, seed: int) -> harness.Run:
         out = root / harness.slug(arm.name) / f"seed{seed}"
-        return measured_run(lambda: harness.run_train(arm, seed, out), out, BATCH,
-                            cut.get(arm.name, 0))  # fmt: skip
+        return measured_run(
+            lambda: harness.run_train(arm, seed, out), out, BATCH, cut.get(arm.name, 0)
+        )
 
     runs = harness.interleave(arms, seeds, control="sync straggler", run=run, prov=prov)
     groups, budget = harness.by_arm(runs), harness.budget_of(runs)
@@ -164,10 +173,16 @@ def stragglers(args) -> None:
         )  # fmt: skip
     for name in asyncs:
         harness.ratio_claim(
-            report, f"samples to hold 90 %, {name} ÷ sync, W = 4, one worker 2× slower",
-            samples[f"{name} straggler"], samples["sync straggler"],
-            samples[harness.aa_name("sync straggler")], f"≤ {SAMPLES_TARGET}",
-            lambda r: r <= SAMPLES_TARGET, most, samples=True)  # fmt: skip
+            report,
+            f"samples to hold 90 %, {name} ÷ sync, W = 4, one worker 2× slower",
+            samples[f"{name} straggler"],
+            samples["sync straggler"],
+            samples[harness.aa_name("sync straggler")],
+            f"≤ {SAMPLES_TARGET}",
+            lambda r: r <= SAMPLES_TARGET,
+            most,
+            samples=True,
+        )
     levels = diloco_levels(groups.get("diloco straggler", []))
     for name in [n for n in asyncs if n.startswith("async_diloco")] if levels else []:
         rs, base = groups[f"{name} straggler"], groups["diloco straggler"]
@@ -176,21 +191,35 @@ def stragglers(args) -> None:
         # curve still rising at the end never holds final − 1 point for k evaluations)
         theirs = [None if r.failed or not r.evals else r.evals[-1][0] for r in base]
         harness.ratio_claim(
-            report, f"time to DiLoCo's final accuracy − {DILOCO_BAND:g} point, {name} ÷ "
-            "diloco, W = 4, one worker 2× slower", mine, theirs, None,
-            f"≤ {DILOCO_RATIO_TARGET}", lambda r: r <= DILOCO_RATIO_TARGET, budget)  # fmt: skip
+            report,
+            f"time to DiLoCo's final accuracy − {DILOCO_BAND:g} point, {name} ÷ "
+            "diloco, W = 4, one worker 2× slower",
+            mine,
+            theirs,
+            None,
+            f"≤ {DILOCO_RATIO_TARGET}",
+            lambda r: r <= DILOCO_RATIO_TARGET,
+            budget,
+        )
         accs = [final_acc(r) for r in rs]
         if all(a is not None for a in accs):  # against each seed's level + DILOCO_BAND points
             harness.diff_claim(
-                report, f"final accuracy, {name} − diloco (points), W = 4, one worker 2× slower",
-                accs, [final_acc(r) for r in base], f"≥ −{DILOCO_BAND:g}",
-                lambda d, lo, hi: lo >= -DILOCO_BAND, seeds=len(accs))  # fmt: skip
+                report,
+                f"final accuracy, {name} − diloco (points), W = 4, one worker 2× slower",
+                accs,
+                [final_acc(r) for r in base],
+                f"≥ −{DILOCO_BAND:g}",
+                lambda d, lo, hi: lo >= -DILOCO_BAND,
+                seeds=len(accs),
+            )
     report.data["argv"] = {a.name: list(a.argv) for a in arms}
     report.data["not measured"] = missing
     report.data["targets"] = {
-        "best async ÷ sync, time to 90 %": BEST_RATIO_TARGET, "asgd ÷ sync": RATIO_TARGET,
+        "best async ÷ sync, time to 90 %": BEST_RATIO_TARGET,
+        "asgd ÷ sync": RATIO_TARGET,
         "samples to 90 % ÷ sync's": SAMPLES_TARGET,
-        "async DiLoCo ÷ DiLoCo, time to DiLoCo's final − 1 point": DILOCO_RATIO_TARGET}  # fmt: skip
+        "async DiLoCo ÷ DiLoCo, time to DiLoCo's final − 1 point": DILOCO_RATIO_TARGET,
+    }
     report.settings(
         f"MNIST-1D, the paper's CNN, 4 workers (parameter-server arms: 1 server shard, every "
         f"setting at its default unless the arm names it), batch {BATCH}, every step padded "
@@ -216,8 +245,12 @@ def stragglers(args) -> None:
         f"the earlier ≤ {RATIO_TARGET}. Several asynchronous arms are compared with one "
         "sync: the best of them is the best of several draws, so read its interval, not its "
         "point."
-        + (f" Not measured (this commit has no such flag): {', '.join(missing)}." if missing
-           else ""))  # fmt: skip
+        + (
+            f" Not measured (this commit has no such flag): {', '.join(missing)}."
+            if missing
+            else ""
+        )
+    )
     why = explain(groups, compute_ms, asyncs)
     report.data.update(why)
     report.section("Why: throughput, samples needed, CPU").text(why["text"])
@@ -243,7 +276,8 @@ def stragglers(args) -> None:
         "ones), communication waits included. *Job's cores*: CPU time of all the job's "
         "processes (/proc/<pid>/stat, the server's included) ÷ the window; *CPU ms/worker "
         "step*: the same ÷ the workers' steps in it. *Samples at 90 %*: the global sample "
-        "count at the evaluation that starts the held run.")  # fmt: skip
+        "count at the evaluation that starts the held run."
+    )
     report.write(runs)
 
 
@@ -336,8 +370,9 @@ def med(rs: Sequence[harness.Run], key: str) -> float | None:
     return harness.median(r.values.get(key) for r in rs)
 
 
-def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None,
-            asyncs: Sequence[str] = ()) -> dict:  # fmt: skip
+def explain(
+    groups: dict[str, list[harness.Run]], compute_ms: float | None, asyncs: Sequence[str] = ()
+) -> dict:
     """Each time ratio decomposed by measurement: each arm ÷ sync in samples/s while every
     worker trains and in samples needed to hold 90 %; and the CPU the job used."""
     sync = groups["sync straggler"]
@@ -348,8 +383,10 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None,
         thr = ratio(med(rs, "samples/s"), med(sync, "samples/s"))
         need = ratio(harness.median(map(samples_to, rs)), harness.median(map(samples_to, sync)))
         per_arm[name.removesuffix(" straggler")] = {
-            "throughput_ratio": thr, "samples_needed_ratio": need,
-            "predicted_time_ratio": ratio(need, thr)}  # fmt: skip
+            "throughput_ratio": thr,
+            "samples_needed_ratio": need,
+            "predicted_time_ratio": ratio(need, thr),
+        }
     everyone = [r for rs in groups.values() for r in rs]
     cores, machine = med(everyone, "job cores"), med(everyone, "machine cores")
     ncores, padded, asgd = os.cpu_count() or 1, 1000 * MIN_STEP_S, per_arm.get("asgd", {})
@@ -364,7 +401,8 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None,
             f"compute per step (batch {BATCH}). Four workers need 4 × {fmt(compute_ms)} ms per "
             f"{fmt(padded)} ms padded step of the {ncores} cores' {fmt(ncores * padded)} ms: "
             f"{100 * share:.0f} %, so the emulated step is "
-            + ("sleep, not compute." if share < 0.5 else "**not** sleep-dominated."))  # fmt: skip
+            + ("sleep, not compute." if share < 0.5 else "**not** sleep-dominated.")
+        )
     if cores is not None:
         lines.append(
             f"- **CPU in the runs.** All the job's processes together kept {fmt(cores)} of "
@@ -379,16 +417,27 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None,
             f"- **Pace.** The asynchronous arms' fast workers take {fmt(fast)} ms per step "
             f"(padded {fmt(padded)}); sync moves at the straggler's "
             f"{fmt(med(sync, 'ms/step w0'))} ms per step (padded {fmt(2 * padded)}: its "
-            "all-reduce and the evaluations' stalls add to it).")  # fmt: skip
+            "all-reduce and the evaluations' stalls add to it)."
+        )
     lines += [
         f"- **Per arm, ÷ sync** (ideal throughput {IDEAL_THROUGHPUT:g} for an asynchronous "
         "arm): the time ratio is about samples needed ÷ throughput; an asynchronous arm's "
         "extra samples are the price of its stale updates (each push computed on θ a few "
-        "versions old).", ""]  # fmt: skip
+        "versions old).",
+        "",
+    ]
     lines += harness.md_table(
         ["arm", "samples/s ÷ sync's", "samples to hold 90 % ÷ sync's", "predicted time ratio"],
-        [[n, fmt(v["throughput_ratio"]), fmt(v["samples_needed_ratio"]),
-          fmt(v["predicted_time_ratio"])] for n, v in per_arm.items()])  # fmt: skip
+        [
+            [
+                n,
+                fmt(v["throughput_ratio"]),
+                fmt(v["samples_needed_ratio"]),
+                fmt(v["predicted_time_ratio"]),
+            ]
+            for n, v in per_arm.items()
+        ],
+    )
     out["text"] = "\n".join(lines) if per_arm or compute_ms else "(no measurements)"
     return out
 
@@ -535,8 +584,9 @@ def _a_worker_finished(out_dir: Path, steps: int) -> bool:
     return False
 
 
-def measured_run(run: Callable[[], harness.Run], out_dir: Path, batch_size: int,
-                 cut_at_step: int = 0) -> harness.Run:  # fmt: skip
+def measured_run(
+    run: Callable[[], harness.Run], out_dir: Path, batch_size: int, cut_at_step: int = 0
+) -> harness.Run:
     """``run()`` (a training job into ``out_dir``) with its CPU sampled and its :func:`pace` in
     the Run's ``values``. ``cut_at_step``: interrupt the job (SIGINT: it writes its summary,
     exits 130) once its first worker has logged this step, its last: from there on only a
@@ -572,9 +622,12 @@ def main() -> None:
         p.add_argument("--epochs", type=int, help="accuracy: epochs per worker (the CLI's 64)")
         p.add_argument("--steps", type=int, default=STEPS, help="stragglers: sync's steps/worker")
         p.add_argument("--first-seed", type=int, default=0, help="fresh seeds confirm a choice")
-        p.add_argument("--arms", help=f"comma-separated, of {', '.join(STRAGGLER_ARMS)}, or all "
-                       f"(stragglers' default: {','.join(DEFAULT_ARMS)}; accuracy's: every "
-                       "strategy, and sync always)")  # fmt: skip
+        p.add_argument(
+            "--arms",
+            help=f"comma-separated, of {', '.join(STRAGGLER_ARMS)}, or all "
+            f"(stragglers' default: {','.join(DEFAULT_ARMS)}; accuracy's: every "
+            "strategy, and sync always)",
+        )
 
     args = harness.parse_args(__doc__, add)
     {"accuracy": accuracy, "stragglers": stragglers}[args.experiment](args)

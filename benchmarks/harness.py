@@ -147,14 +147,18 @@ class Provenance:
         quick = bool(getattr(args, "quick", False))
         force = bool(getattr(args, "force", False)) or quick
         if dirty and not force:
-            sys.exit(f"benchmark refused: the tree has {len(dirty)} uncommitted change(s) "
-                     f"({', '.join(dirty[:3])}{', …' if len(dirty) > 3 else ''}); commit them or "
-                     "pass --force (the result is then marked dirty)")  # fmt: skip
+            sys.exit(
+                f"benchmark refused: the tree has {len(dirty)} uncommitted change(s) "
+                f"({', '.join(dirty[:3])}{', …' if len(dirty) > 3 else ''}); commit them or "
+                "pass --force (the result is then marked dirty)"
+            )
         busy = cpu_busy_fraction()
         if busy > BUSY_FRACTION and not force:
-            sys.exit(f"benchmark refused: the machine is busy ({100 * busy:.0f} % of "
-                     f"{os.cpu_count()} cores in use by other processes, limit "
-                     f"{100 * BUSY_FRACTION:.0f} %); wait, or pass --force")  # fmt: skip
+            sys.exit(
+                f"benchmark refused: the machine is busy ({100 * busy:.0f} % of "
+                f"{os.cpu_count()} cores in use by other processes, limit "
+                f"{100 * BUSY_FRACTION:.0f} %); wait, or pass --force"
+            )
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
         return cls(shlex.join(sys.orig_argv), os.getcwd(), commit + ("+dirty" if dirty else ""),
                    dirty, force, quick, datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
@@ -246,8 +250,9 @@ def read_summary(out_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
-def run_train(arm: Arm, seed: int, out_dir: str | Path, timeout_s=900.0,
-              command=(*CLI, "train")) -> Run:  # fmt: skip
+def run_train(
+    arm: Arm, seed: int, out_dir: str | Path, timeout_s=900.0, command=(*CLI, "train")
+) -> Run:
     """``<command> <argv> --seed S --out D --no-progress`` in a subprocess (``OMP_NUM_THREADS=1``,
     the repository on ``PYTHONPATH``; ``command``: ``cloudburst train``, :data:`SIMULATE`, a
     peer's script...). A non-zero exit, a timeout or no ``summary.json`` sets ``failed``."""
@@ -257,8 +262,9 @@ def run_train(arm: Arm, seed: int, out_dir: str | Path, timeout_s=900.0,
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     started, failed = time.monotonic(), None
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=timeout_s)  # fmt: skip
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
             failed = f"exit {proc.returncode}: {tail[0][:300]}"
@@ -398,8 +404,9 @@ def _median_ratio(xa: list[float], xb: list[float]) -> float:
     return statistics.median(x / y if y else float("inf") for x, y in zip(xa, xb, strict=True))
 
 
-def bootstrap_ratio(a: Vals, b: Vals, n: int = 2000, seed: int = 0, budget_s: float | None = None,
-                    paired=False) -> Interval:  # fmt: skip
+def bootstrap_ratio(
+    a: Vals, b: Vals, n: int = 2000, seed: int = 0, budget_s: float | None = None, paired=False
+) -> Interval:
     """(median(a) ÷ median(b), 2.5th, 97.5th percentile) over ``n`` bootstrap resamples (a and b
     apart; ``random.Random(seed)``: the same inputs give the same interval); censored values
     (``None``) count as ``budget_s``. ``paired=True``: :func:`paired_ratio`."""
@@ -415,8 +422,9 @@ def bootstrap_ratio(a: Vals, b: Vals, n: int = 2000, seed: int = 0, budget_s: fl
     return _bootstrap(a, b, ratio, n, seed, budget_s)
 
 
-def paired_ratio(a: Vals, b: Vals, n: int = 2000, seed: int = 0,
-                 budget_s: float | None = None) -> Interval:  # fmt: skip
+def paired_ratio(
+    a: Vals, b: Vals, n: int = 2000, seed: int = 0, budget_s: float | None = None
+) -> Interval:
     """(the median of the per-pair ratios a[i] ÷ b[i], 2.5th, 97.5th percentile) over ``n``
     resamples of whole pairs (same seed or round: what they share cancels in their ratio).
     Censored values as in :func:`bootstrap_ratio`."""
@@ -425,8 +433,9 @@ def paired_ratio(a: Vals, b: Vals, n: int = 2000, seed: int = 0,
     return _bootstrap(a, b, _median_ratio, n, seed, budget_s, paired=True)
 
 
-def bootstrap_difference(a: Sequence[float], b: Sequence[float], n: int = 2000, seed: int = 0,
-                         paired: bool = False) -> Interval:  # fmt: skip
+def bootstrap_difference(
+    a: Sequence[float], b: Sequence[float], n: int = 2000, seed: int = 0, paired: bool = False
+) -> Interval:
     """(mean(a) − mean(b), 2.5th, 97.5th percentile), as :func:`bootstrap_ratio`."""
     mean_diff = lambda xa, xb: statistics.fmean(xa) - statistics.fmean(xb)  # noqa: E731
     return _bootstrap(a, b, mean_diff, n, seed, None, paired)
@@ -624,8 +633,9 @@ def diff_claim(
     return report.claim(name, r(d), target, ok(d, lo, hi), interval=(r(lo), r(hi)), **kwargs)
 
 
-def simulate_all(jobs: Iterable[tuple[Arm, int, Path]], prov: Provenance, workers: int = 2,
-                 timeout_s=900.0) -> list[Run]:  # fmt: skip
+def simulate_all(
+    jobs: Iterable[tuple[Arm, int, Path]], prov: Provenance, workers: int = 2, timeout_s=900.0
+) -> list[Run]:
     """``cloudburst simulate`` of each (arm, seed, out dir), ``workers`` at a time (a
     simulation's results do not depend on the machine's load: no interleaving needed)."""
 
@@ -695,10 +705,11 @@ class Report:
         loads = ", ".join(f"{x:.2f}" for x in p.loads) or "-"
         moved = p.commit_after and p.commit_after != p.commit.removesuffix("+dirty")
         return [
-            f"# {self.title}", "",
+            f"# {self.title}",
+            "",
             f"- command: `{p.command}` (cwd `{p.cwd}`), started {p.started_utc} UTC",
-            f"- commit: `{p.commit}`" + (f" — **changed during the run** to `{p.commit_after}`"
-                                         if moved else "")
+            f"- commit: `{p.commit}`"
+            + (f" — **changed during the run** to `{p.commit_after}`" if moved else "")
             + (" — **forced** (dirty tree or busy machine allowed)" if p.forced else ""),
             f"- machine: {p.cpu}, {p.nproc} cores, GPU {p.gpu or 'none'}, host `{p.host}`, "
             f"`{p.platform}`",
@@ -706,7 +717,9 @@ class Report:
             f"- load (1-min average): {p.load_before:.2f} before, "
             f"{fmt(p.load_after)} after; after each run: {loads}; other processes' CPU share "
             f"at the start {100 * p.busy_fraction_before:.0f} %",
-            *(["- **--quick smoke run: not a result**"] if p.quick else []), ""]  # fmt: skip
+            *(["- **--quick smoke run: not a result**"] if p.quick else []),
+            "",
+        ]
 
     def markdown(self) -> str:
         lines = self.header()

@@ -84,9 +84,13 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
         if steps and per:
             expect = math.ceil(steps / H) / steps  # one |θ| all-reduce per average, sync per step
             measured = statistics.median(per)
-            rep.claim(f"bytes per sample, {name} ÷ sync (counters), H = {H}", round(measured, 5),
-                      f"⌈T/H⌉/T = {expect:.4g} ± {100 * BYTES_TOLERANCE:g} %",
-                      abs(measured / expect - 1) <= BYTES_TOLERANCE, seeds=len(per))  # fmt: skip
+            rep.claim(
+                f"bytes per sample, {name} ÷ sync (counters), H = {H}",
+                round(measured, 5),
+                f"⌈T/H⌉/T = {expect:.4g} ± {100 * BYTES_TOLERANCE:g} %",
+                abs(measured / expect - 1) <= BYTES_TOLERANCE,
+                seeds=len(per),
+            )
         accs, sync_accs = [r.final_accuracy for r in rs], [r.final_accuracy for r in sync_rs]
         if None not in accs + sync_accs:
             harness.diff_claim(rep, f"final accuracy, {name} − sync (points), H = {H}", accs,
@@ -96,13 +100,18 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
     rep.settings(
         f"{harness.about(__doc__)}\n\nFlags: `{' '.join(COMMON + length)}`; "
         f"torchft: {ft_steps} steps ({peer}); seeds {seeds}. The A/A column is local_sgd (A/A) ÷ "
-        "local_sgd: the distance from 1 this machine gives two identical arms.")  # fmt: skip
+        "local_sgd: the distance from 1 this machine gives two identical arms."
+    )
     rows = [
-        [name, " / ".join(fmt(1000 * x if x else None) for x in step[name]),
-         " / ".join(pct(r.final_accuracy) for r in rs),
-         fmt(statistics.median([bytes_per_sample(r) or 0 for r in rs])),
-         "; ".join(f"seed {r.seed}: {r.failed}" for r in rs if r.failed) or "-"]
-        for name, rs in groups.items()]  # fmt: skip
+        [
+            name,
+            " / ".join(fmt(1000 * x if x else None) for x in step[name]),
+            " / ".join(pct(r.final_accuracy) for r in rs),
+            fmt(statistics.median([bytes_per_sample(r) or 0 for r in rs])),
+            "; ".join(f"seed {r.seed}: {r.failed}" for r in rs if r.failed) or "-",
+        ]
+        for name, rs in groups.items()
+    ]
     headers = ["arm", "ms per step per seed", "final acc % per seed", "B/sample (median)", "failed"]
     rep.section("Every arm").table(headers, rows)
     rep.write(runs)

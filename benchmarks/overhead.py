@@ -125,8 +125,10 @@ def main() -> None:
     args, prov = harness.start(__doc__)
     rounds, steps = (2, 5) if args.quick else (20, 30)  # timed steps a round, after WARMUP
     report = harness.Report("overhead", "Step-time overhead of sync: ÷ DDP, ÷ a plain loop", prov)
-    report.settings(f"SGD lr 0.05; {rounds} rounds, each variant {WARMUP} warm-up + {steps} timed "
-                    f"steps a round.\n\n{harness.about(__doc__)}")  # fmt: skip
+    report.settings(
+        f"SGD lr 0.05; {rounds} rounds, each variant {WARMUP} warm-up + {steps} timed "
+        f"steps a round.\n\n{harness.about(__doc__)}"
+    )
     rows, diffs = [], []
     for world in (1, 2, 4):
         result = measure(world, rounds, steps)

@@ -143,8 +143,14 @@ def run_cell(arm: harness.Arm, seed: int, root: Path) -> harness.Run:
     ended = time.time()
     rec.poll()
     failed = "hung" if hung else f"exit {proc.returncode}" if proc.returncode else None
-    run = harness.Run(arm.name, seed, round(ended - started, 3), harness.read_summary(out),
-                      failed=failed, out_dir=str(out))  # fmt: skip
+    run = harness.Run(
+        arm.name,
+        seed,
+        round(ended - started, 3),
+        harness.read_summary(out),
+        failed=failed,
+        out_dir=str(out),
+    )
     s, fired = run.summary, rec.find("fault", rank=victim)
     if not by_signal and fired:
         fault_t = fired[0][1]["wall"]
@@ -231,8 +237,13 @@ def standby_cost(prov: harness.Provenance, report: harness.Report, quick: bool) 
               "--dataset", "mnist1d", "--model", "mlp", "--batch-size", "32",
               "--steps", "40" if quick else "150", "--min-step-time-s", "0.02"]  # fmt: skip
     arms = [harness.Arm("plain", common), harness.Arm("standby", [*common, "--shard-standby"])]
-    runs = harness.interleave(arms, [0] if quick else [0, 1, 2], control="plain", prov=prov,
-                              out_root=prov.runs_dir("reliability-standby"))  # fmt: skip
+    runs = harness.interleave(
+        arms,
+        [0] if quick else [0, 1, 2],
+        control="plain",
+        prov=prov,
+        out_root=prov.runs_dir("reliability-standby"),
+    )
     rate = {arm: [None if r.failed or not r.summary.get("wall_time_s")
                   else sum(r.summary.get("shard_versions", [])) / r.summary["wall_time_s"]
                   for r in rs] for arm, rs in harness.by_arm(runs).items()}  # fmt: skip

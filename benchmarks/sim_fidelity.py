@@ -19,8 +19,12 @@ import harness  # noqa: E402
 
 DEVELOPED = "sync, asgd, easgd, local_sgd, diloco, gossip, daso × W 2, 4 × link 0.05,1"
 # (strategy, W, --inter-node-link Gbit/s,ms): named before the run
-HELD_OUT = (("sync", 3, "0.2,5"), ("asgd", 3, "0.2,5"), ("easgd", 3, "0.02,2"),
-            ("daso", 4, "0.02,2"))  # fmt: skip
+HELD_OUT = (
+    ("sync", 3, "0.2,5"),
+    ("asgd", 3, "0.2,5"),
+    ("easgd", 3, "0.02,2"),
+    ("daso", 4, "0.02,2"),
+)
 # Named on 2026-11-27 after the run at 43f3704 had shown the emulator hiding the ranks' skew in
 # the link time (fixed since: a collective starts at its last member), before any run of them:
 # the four above have now informed one change of the emulator, these have not.
@@ -120,7 +124,8 @@ def main() -> None:
         f"{PADDING_S}` (padding {padding:g} s a run), `--nodes 2`, `--eval-every-s 1e6`; seeds "
         f"{seeds}. Held out (named before the run): {', '.join(label.values())} (the last "
         f"{len([c for c in configs if c in FRESH])} named after the first run). Developed on: "
-        f"{DEVELOPED}. A/A: {control}, repeated.\n\n{harness.about(__doc__)}")  # fmt: skip
+        f"{DEVELOPED}. A/A: {control}, repeated.\n\n{harness.about(__doc__)}"
+    )
     rep.table("configuration | seed | real wall s | real wall s, no link | link adds, real s | "
               "link adds, simulated s | real ÷ sim | host overhead (real, no link − padding) s | "
               "failed", rows)  # fmt: skip

@@ -42,9 +42,12 @@ def main() -> None:
         run = harness.run_train(arm, seed, root / arm.name / f"seed{seed}", 600.0, harness.SIMULATE)
         if sim := run.summary.get("simulator", {}):
             run.values = {
-                "wall_s": sim["wall_s"], "ms_per_worker_step": 1e3 * sim["wall_s_per_worker_step"],
-                "peak_rss_gb": sim["max_rss_bytes"] / 1e9, "messages": sim["messages"],
-                "task_switches_per_step": sim["task_switches"] / sim["worker_steps"]}  # fmt: skip
+                "wall_s": sim["wall_s"],
+                "ms_per_worker_step": 1e3 * sim["wall_s_per_worker_step"],
+                "peak_rss_gb": sim["max_rss_bytes"] / 1e9,
+                "messages": sim["messages"],
+                "task_switches_per_step": sim["task_switches"] / sim["worker_steps"],
+            }
         return run
 
     runs = harness.interleave(arms, [0], run=one, prov=prov)
@@ -68,7 +71,8 @@ def main() -> None:
         f"128 × {CLAIM_STEPS}), batch 64, MNIST-1D 40,000 train / 1,000 test, a given step time "
         "of 0.05 virtual s, free links, no evaluation but the final one, no checkpoints; asgd: 1 "
         "shard, n_sync 1. Start-up, data generation and the final evaluation are inside the "
-        "per-step cost, so the projection is an upper bound.")  # fmt: skip
+        "per-step cost, so the projection is an upper bound."
+    )
     rep.table("strategy | wall s | ms / worker-step | peak RSS GB | messages | "
               "task switches / step | final acc", rows)  # fmt: skip
     rep.write(runs)

@@ -207,10 +207,18 @@ def report_paine(rep: harness.Report, recs: dict[tuple, list[dict]], n_seeds: in
     more_faster = None not in warm and all(a < b for a, b in zip(warm, warm[1:], strict=False))
     err_early = {w: next(r[5] for r in rows if r[:3] == ["cold", 10, w]) for w in ws}
     cold_slow = err_early[ws[-1]] > err_early[1] + 1
-    finding(rep, f"Paine et al.: warm start, n_sync 10, speed-up rises with W ({ws})",
-            more_faster, n_seeds)  # fmt: skip
-    finding(rep, f"Paine et al.: cold start, W = {ws[-1]} slower early (error > 1 point above "
-            "W = 1)", cold_slow, n_seeds)  # fmt: skip
+    finding(
+        rep,
+        f"Paine et al.: warm start, n_sync 10, speed-up rises with W ({ws})",
+        more_faster,
+        n_seeds,
+    )
+    finding(
+        rep,
+        f"Paine et al.: cold start, W = {ws[-1]} slower early (error > 1 point above W = 1)",
+        cold_slow,
+        n_seeds,
+    )
     rep.section("Paine et al. 2013: GPU A-SGD, time to 80 % and test error (virtual s, %)")
     rep.table(f"start | n_sync | W | median tt | speed-up vs W=1 | error at {early:.0f} s | "
               f"error at {horizon:.0f} s", rows)  # fmt: skip
@@ -239,7 +247,8 @@ def main() -> None:
     rep.settings(
         f"{len(records)} simulations ({len(seeds)} seeds per point, {args.jobs} side by side)"
         + ("; --quick: a few short runs, not a result" if args.quick else "")
-        + f".\n\n{harness.about(__doc__)}")  # fmt: skip
+        + f".\n\n{harness.about(__doc__)}"
+    )
     failed = [r for r in records if r["failed"]]
     if failed:
         rep.text(f"{len(failed)} runs failed (counted as censored): " + failed[0]["failed"])

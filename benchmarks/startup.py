@@ -82,9 +82,11 @@ def main() -> None:
 
     base, train = seconds("import torch"), seconds("cloudburst train")
     report = harness.Report("startup", "Start-up: from `cloudburst train` to the first step", prov)
-    report.settings(f"A local job, `cloudburst train {' '.join(TRAIN)}` (MNIST-1D CNN, the default "
-                    f"data set, cached); {len(seeds)} launch(es) of each, interleaved with an A/A "
-                    "import.")  # fmt: skip
+    report.settings(
+        f"A local job, `cloudburst train {' '.join(TRAIN)}` (MNIST-1D CNN, the default "
+        f"data set, cached); {len(seeds)} launch(es) of each, interleaved with an A/A "
+        "import."
+    )
     if base and train:
         aa = seconds(harness.aa_name("import torch"))
         harness.ratio_claim(report, "first step ÷ import torch", train, base, aa, f"≤ {TARGET}",
@@ -95,9 +97,11 @@ def main() -> None:
     joined = seconds("cloudburst train", "ranks_joined_s")
     own = seconds("cloudburst train", "first_step_own_s")
     if joined and own:
-        report.text(f"From the ranks' own records (median s from the command): every rank joined "
-                    f"{statistics.median(joined):.2f}, first step done "
-                    f"{statistics.median(own):.2f}.")  # fmt: skip
+        report.text(
+            f"From the ranks' own records (median s from the command): every rank joined "
+            f"{statistics.median(joined):.2f}, first step done "
+            f"{statistics.median(own):.2f}."
+        )
     report.write(runs)
 
 

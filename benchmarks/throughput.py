@@ -29,9 +29,11 @@ from cloudburst.metrics import read_run  # noqa: E402
 from cloudburst.models import build_model  # noqa: E402
 from tests.datagen import write_cifar10  # noqa: E402
 
-ARMS = {"sync W=1": ["--strategy", "sync", "--workers", "1"],  # label: cloudburst train flags
-        "sync W=2": ["--strategy", "sync", "--workers", "2"],
-        "asgd W=2 S=1": ["--strategy", "asgd", "--workers", "2", "--servers", "1"]}  # fmt: skip
+ARMS = {
+    "sync W=1": ["--strategy", "sync", "--workers", "1"],  # label: cloudburst train flags
+    "sync W=2": ["--strategy", "sync", "--workers", "2"],
+    "asgd W=2 S=1": ["--strategy", "asgd", "--workers", "2", "--servers", "1"],
+}
 STAGING_TARGET = 0.8
 BATCH = 64  # per worker
 
@@ -112,13 +114,15 @@ def staging_claim(report: harness.Report, runs: list[harness.Run], reps: int, st
     report.section(f"Staging against the copy bandwidth (GB/s, {numel * 4 / 1e6:.1f} MB)")
     report.table(["what", "direction", "median", *[f"#{i + 1}" for i in range(width)]],
                  [r + [None] * (3 + width - len(r)) for r in rows])  # fmt: skip
-    report.text(f"Copy bandwidth: {reps} repetitions × {steps} steps, each step one ResNet-20 "
-                "training step (batch 64) then each arm once per direction; a repetition's "
-                "rate is bytes ÷ its median per-copy time. Jobs: each asgd worker's staging bytes "
-                "÷ staging seconds (its final record). The claim divides the jobs' rate by the "
-                "copy's over both directions (a round moves Δ down and θ up): below 1, the job's "
-                "copies took longer than their bytes need; the A/A (the copy's repeat ÷ the copy) "
-                "is the noise floor.")  # fmt: skip
+    report.text(
+        f"Copy bandwidth: {reps} repetitions × {steps} steps, each step one ResNet-20 "
+        "training step (batch 64) then each arm once per direction; a repetition's "
+        "rate is bytes ÷ its median per-copy time. Jobs: each asgd worker's staging bytes "
+        "÷ staging seconds (its final record). The claim divides the jobs' rate by the "
+        "copy's over both directions (a round moves Δ down and θ up): below 1, the job's "
+        "copies took longer than their bytes need; the A/A (the copy's repeat ÷ the copy) "
+        "is the noise floor."
+    )
 
 
 def main() -> None:
@@ -135,10 +139,26 @@ def main() -> None:
     seeds = list(range(args.seeds or 1))
     with tempfile.TemporaryDirectory() as tmp:
         data = write_cifar10(Path(tmp) / "data", per_batch=BATCH * 4, test=64)
-        common = ["--dataset", f"cifar10:{data}", "--model", "resnet20", "--steps", str(steps),
-                  "--batch-size", str(BATCH), "--lr", "0.02", "--device", args.device,
-                  "--eval-every-s", "1e9", "--log-every-steps", "2",
-                  "--checkpoint-every", "0"]  # fmt: skip
+        common = [
+            "--dataset",
+            f"cifar10:{data}",
+            "--model",
+            "resnet20",
+            "--steps",
+            str(steps),
+            "--batch-size",
+            str(BATCH),
+            "--lr",
+            "0.02",
+            "--device",
+            args.device,
+            "--eval-every-s",
+            "1e9",
+            "--log-every-steps",
+            "2",
+            "--checkpoint-every",
+            "0",
+        ]
         arms = [harness.Arm(label, [*flags, *common]) for label, flags in ARMS.items()]
         root = Path(tmp) / "runs"
         runs = harness.interleave(arms, seeds, control="sync W=1", prov=prov, out_root=root)
@@ -153,10 +173,12 @@ def main() -> None:
     groups = harness.by_arm(runs)
     name, title = f"throughput_{args.device}", f"Training throughput per strategy ({args.device})"
     report = harness.Report(name, title, prov)
-    report.settings(f"ResNet-20 on random CIFAR-10-format images, batch {BATCH} per worker, "
-                    f"{steps} steps per worker, {len(seeds)} seed(s), interleaved with an A/A copy "
-                    "of sync W=1; samples/s between 25 % and 100 % of the steps, summed over "
-                    "workers.")  # fmt: skip
+    report.settings(
+        f"ResNet-20 on random CIFAR-10-format images, batch {BATCH} per worker, "
+        f"{steps} steps per worker, {len(seeds)} seed(s), interleaved with an A/A copy "
+        "of sync W=1; samples/s between 25 % and 100 % of the steps, summed over "
+        "workers."
+    )
     rate = {arm: [r.values.get("samples_per_s") for r in rs if not r.failed]
             for arm, rs in groups.items()}  # fmt: skip
     rows = [[arm, harness.fmt(harness.median(rate[arm])), len(rs), sum(bool(r.failed) for r in rs)]

@@ -162,8 +162,9 @@ def fragments_of(model, fragments: int) -> list:
     return [nn.ParameterDict([(names[id(p)], p) for p in group]) for group in groups]
 
 
-def torchft_replica(algorithm: str, replica: int, lighthouse: str, cfg: RunConfig, out: Path,
-                    steps: int | None) -> None:  # fmt: skip
+def torchft_replica(
+    algorithm: str, replica: int, lighthouse: str, cfg: RunConfig, out: Path, steps: int | None
+) -> None:
     """One replica group (one process): train ``cfg`` with torchft's ``algorithm``."""
     import torch
     from torch.distributed import TCPStore
@@ -184,9 +185,11 @@ def torchft_replica(algorithm: str, replica: int, lighthouse: str, cfg: RunConfi
                              preprocess=data.preprocess(augment=cfg.augment))  # fmt: skip
     total = steps or cfg.steps_per_worker(len(data.train))
     if total % cfg.period:
-        raise ValueError(f"torchft runs need steps ({total}) to be a multiple of period "
-                         f"({cfg.period}): torchft's algorithms end on one model only after "
-                         "a sync")  # fmt: skip
+        raise ValueError(
+            f"torchft runs need steps ({total}) to be a multiple of period "
+            f"({cfg.period}): torchft's algorithms end on one model only after "
+            "a sync"
+        )
 
     def load_state_dict(state: dict[str, Any]) -> None:
         model.load_state_dict(state["model"])

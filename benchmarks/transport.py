@@ -175,8 +175,12 @@ def run_pipelined(rank: int, s: dict, bufs: dict) -> Timing:
         reference, fetched = bufs["ref"], bufs["fetched"]
         t.send(SERVER, Header(Kind.PUSH_FETCH, version=state["version"], numel=n))
         receiving = t.irecv_payload(SERVER, fetched, reply=True)  # θ may flow meanwhile
-        sending = t.isend_payload(SERVER, delta, reply=False, prepare=lambda a, b: torch.sub(
-            flat[a:b], reference[a:b], out=delta[a:b]))  # fmt: skip
+        sending = t.isend_payload(
+            SERVER,
+            delta,
+            reply=False,
+            prepare=lambda a, b: torch.sub(flat[a:b], reference[a:b], out=delta[a:b]),
+        )
         w0 = time.perf_counter()
         # θ + Δ and into the parameters as each θ chunk arrives (the add rule's α = 1 here;
         # a rejected push would be followed by a plain fetch, as asgd does)
@@ -220,9 +224,13 @@ def rank_main(rank: int, s: dict, prov: harness.Provenance) -> None:
         adopt_flat(FlatParams(n), pipe["flat"])  # the parameters are views of one flat buffer
         rpc_state = {"ps_rref": rpc.remote("server", ParameterServer, args=(n,)),
                      "delta": torch.zeros(n)}  # fmt: skip
-    runners = {"raw": lambda: run_raw(rank, s, raw), "duplex": lambda: run_duplex(rank, s, raw),
-               "asgd": lambda: run_asgd(rank, s, ctx), "rpc": lambda: run_rpc(rank, s, rpc_state),
-               "pipelined": lambda: run_pipelined(rank, s, pipe)}  # fmt: skip
+    runners = {
+        "raw": lambda: run_raw(rank, s, raw),
+        "duplex": lambda: run_duplex(rank, s, raw),
+        "asgd": lambda: run_asgd(rank, s, ctx),
+        "rpc": lambda: run_rpc(rank, s, rpc_state),
+        "pipelined": lambda: run_pipelined(rank, s, pipe),
+    }
     command = torch.zeros(1, dtype=torch.int64)
     if rank == SERVER:
         while True:
@@ -257,22 +265,30 @@ def report(prov: harness.Provenance, s: dict, runs: list[harness.Run]) -> None:
     rep = harness.Report("transport", "Transport: raw gloo vs asgd's push+fetch vs torch RPC", prov)
     groups = harness.by_arm(runs)
     gbps = {arm: [r.values["gbps"] for r in rs] for arm, rs in groups.items()}
-    harness.ratio_claim(rep, "asgd push+fetch ÷ raw gloo (throughput)", gbps["asgd"], gbps["raw"],
-                        gbps[harness.aa_name(CONTROL)], f"≥ {TARGET_VS_RAW}",
-                        lambda x: x >= TARGET_VS_RAW)  # fmt: skip
+    harness.ratio_claim(
+        rep,
+        "asgd push+fetch ÷ raw gloo (throughput)",
+        gbps["asgd"],
+        gbps["raw"],
+        gbps[harness.aa_name(CONTROL)],
+        f"≥ {TARGET_VS_RAW}",
+        lambda x: x >= TARGET_VS_RAW,
+    )
     for arm, what in (("duplex", "both directions at once"), ("pipelined", "not package code")):
         value, *interval = harness.paired_ratio(gbps[arm], gbps["raw"])
         rep.claim(f"{arm} reference ÷ raw gloo ({what})", value, "(reference)", None,
                   interval=interval, seeds=s["reps"])  # fmt: skip
     # No "CPU-bound ceiling" claim: raw ms × cores ÷ asgd's CPU ms is asgd's own measurement
     # rescaled (issue 25), so it cannot disagree with the ratio above; CPU columns are context.
-    rep.settings(f"{s['numel']:,} fp32 values ({s['numel'] * 4 / 1e6:.0f} MB) each way, 1 worker + "
-                 f"1 server on 127.0.0.1, {s['reps']} repetitions × {s['iters']} timed round trips "
-                 f"(after {s['warmup']} warm-up) per arm, arms interleaved and rotated per "
-                 "repetition, `raw` twice (A/A). GB/s = payload bytes both ways ÷ wall time "
-                 "(headers not counted). Intervals: 95 % bootstrap of the median per-repetition "
-                 "ratio (both arms of a repetition ran back to back: resampled as "
-                 "pairs).")  # fmt: skip
+    rep.settings(
+        f"{s['numel']:,} fp32 values ({s['numel'] * 4 / 1e6:.0f} MB) each way, 1 worker + "
+        f"1 server on 127.0.0.1, {s['reps']} repetitions × {s['iters']} timed round trips "
+        f"(after {s['warmup']} warm-up) per arm, arms interleaved and rotated per "
+        "repetition, `raw` twice (A/A). GB/s = payload bytes both ways ÷ wall time "
+        "(headers not counted). Intervals: 95 % bootstrap of the median per-repetition "
+        "ratio (both arms of a repetition ran back to back: resampled as "
+        "pairs)."
+    )
     rows = []
     for arm, rs in groups.items():
         m = {k: statistics.median(r.values[k] for r in rs) for k in rs[0].values}
@@ -282,18 +298,29 @@ def report(prov: harness.Provenance, s: dict, runs: list[harness.Run]) -> None:
                      m["cpu_ms"] / m["ms_per_trip"],
                      ", ".join(harness.fmt(x) for x in gbps[arm])])  # fmt: skip
     rep.section("Arms (medians over repetitions)").table(
-        ["arm", "GB/s", "ms / round trip", "worker blocked in transport (ms)",
-         "worker outside transport (ms)", "CPU ms / round trip (both processes)",
-         "cores busy", "GB/s per repetition"], rows)  # fmt: skip
-    rep.text("*Blocked*: asgd's transport `wait_s` counter (sends, receives and the wait for the "
-             "server's reply); *outside*: the rest of the worker's round (Δ, computed chunk by "
-             "chunk as each chunk leaves, and θ + αΔ written into the parameters). The pipelined "
-             "reference computes Δ the same way (outside) and θ + Δ as θ's chunks arrive "
-             "(blocked). *CPU*: both processes, all threads, user + system, per round trip; *cores "
-             "busy* = CPU ÷ wall. Beyond raw's copies, asgd's round trip does four full passes "
-             "over θ that raw does not (the worker's Δ and θ + αΔ into the parameters, the "
-             "server's finiteness check and its add); where raw already keeps the cores busy, that "
-             "work adds to the wall time instead of hiding under the wire.")  # fmt: skip
+        [
+            "arm",
+            "GB/s",
+            "ms / round trip",
+            "worker blocked in transport (ms)",
+            "worker outside transport (ms)",
+            "CPU ms / round trip (both processes)",
+            "cores busy",
+            "GB/s per repetition",
+        ],
+        rows,
+    )
+    rep.text(
+        "*Blocked*: asgd's transport `wait_s` counter (sends, receives and the wait for the "
+        "server's reply); *outside*: the rest of the worker's round (Δ, computed chunk by "
+        "chunk as each chunk leaves, and θ + αΔ written into the parameters). The pipelined "
+        "reference computes Δ the same way (outside) and θ + Δ as θ's chunks arrive "
+        "(blocked). *CPU*: both processes, all threads, user + system, per round trip; *cores "
+        "busy* = CPU ÷ wall. Beyond raw's copies, asgd's round trip does four full passes "
+        "over θ that raw does not (the worker's Δ and θ + αΔ into the parameters, the "
+        "server's finiteness check and its add); where raw already keeps the cores busy, that "
+        "work adds to the wall time instead of hiding under the wire."
+    )
     rep.data = {"settings": s}
     rep.write(runs)
 
@@ -302,10 +329,12 @@ def main() -> None:
     args, prov = harness.start(__doc__, lambda p: p.add_argument(
         "--numel", type=int, default=None, help="values each way (10M)"))  # fmt: skip
     quick = args.quick
-    s = {"numel": args.numel or (2_000_000 if quick else 10_000_000),
-         "reps": args.seeds or (2 if quick else 12),  # repetitions per arm
-         "iters": 3 if quick else 10,  # timed round trips per repetition
-         "warmup": 1 if quick else 3}  # fmt: skip
+    s = {
+        "numel": args.numel or (2_000_000 if quick else 10_000_000),
+        "reps": args.seeds or (2 if quick else 12),  # repetitions per arm
+        "iters": 3 if quick else 10,  # timed round trips per repetition
+        "warmup": 1 if quick else 3,
+    }
     store_port = free_port()
     rpc_port = next(p for p in iter(free_port, None) if p != store_port)
     with tempfile.TemporaryDirectory(prefix="cloudburst-transport-") as workdir:

@@ -34,9 +34,13 @@ from cloudburst.models import build_model  # noqa: E402
 
 #: Every strategy at W = 2 (asgd with one server shard, DASO on two emulated nodes), the
 #: MNIST-1D MLP; ``--steps`` per worker.
-STRATEGIES = {"sync": ["--strategy", "sync"], "local_sgd": ["--strategy", "local_sgd"],
-              "diloco": ["--strategy", "diloco"], "daso": ["--strategy", "daso", "--nodes", "2"],
-              "asgd": ["--strategy", "asgd", "--servers", "1"]}  # fmt: skip
+STRATEGIES = {
+    "sync": ["--strategy", "sync"],
+    "local_sgd": ["--strategy", "local_sgd"],
+    "diloco": ["--strategy", "diloco"],
+    "daso": ["--strategy", "daso", "--nodes", "2"],
+    "asgd": ["--strategy", "asgd", "--servers", "1"],
+}
 COMMON = ["--workers", "2", "--model", "mlp", "--eval-every-s", "1000", "--checkpoint-every", "0"]
 
 #: Bytes a loopback packet carries besides its payload: Ethernet 14 + IPv4 20 + TCP with the
@@ -211,8 +215,10 @@ def main() -> None:
     arms = [harness.Arm(n, [*f, *COMMON, "--steps", str(steps)]) for n, f in STRATEGIES.items()]
     runs = harness.interleave(arms, [0], prov=prov, run=run_wire)
     report = harness.Report("wire", "Bytes on the wire (OS) beside cloudburst's counters", prov)
-    report.settings(f"W = 2, MNIST-1D MLP, {steps} steps per worker, seed 0; `ss -tinpH` every "
-                    f"{SAMPLE_S:g} s.\n\n{harness.about(__doc__)}")  # fmt: skip
+    report.settings(
+        f"W = 2, MNIST-1D MLP, {steps} steps per worker, seed 0; `ss -tinpH` every "
+        f"{SAMPLE_S:g} s.\n\n{harness.about(__doc__)}"
+    )
     rows, jobs = [], []
     for r in runs:
         if r.failed:
@@ -232,10 +238,12 @@ def main() -> None:
     report.table("strategy | counted sent | wire data (lo) | wire ÷ counted | store bytes | "
                  "lo packets | ss samples", jobs)  # fmt: skip
     report.section("Per rank: sampled sockets (payload) vs the counters")
-    report.text(f"The model's parameters are {model_bytes} bytes: a start-up broadcast of them "
-                "(DDP, the strategies' initial sync) is on the wire and not in the counters. A "
-                "socket's traffic after its last sample is missing here (not in the lo "
-                "totals).")  # fmt: skip
+    report.text(
+        f"The model's parameters are {model_bytes} bytes: a start-up broadcast of them "
+        "(DDP, the strategies' initial sync) is on the wire and not in the counters. A "
+        "socket's traffic after its last sample is missing here (not in the lo "
+        "totals)."
+    )
     report.table("strategy | rank | role | counted sent | wire sent | ÷ | counted received | "
                  "wire received | ÷", rows)  # fmt: skip
     report.write(runs)
