@@ -1,10 +1,8 @@
 """Models made for the benchmarks (not in the package): ``--model benchmarks.bench_models:NAME``.
 
 ``mnist1d_wide_cnn``: the MNIST-1D paper's CNN widened to 48 channels with a 2048-unit hidden
-layer before the classifier (528,266 parameters, 97 % of them in that layer): large where
-communication is concerned, small where the 2 CPU cores are (7-10 ms a step of batch 64 on one
-core against ~37 ms of sync all-reduce over an emulated 1 Gbit/s link). Why this shape:
-benchmarks/README.md.
+layer before the classifier: large where communication is concerned, small where the 2 CPU cores
+are. Its numbers and why this shape: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -14,14 +12,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-WIDE_CHANNELS = 48
-WIDE_HIDDEN = 2048
-
 
 class WideConvNet1D(nn.Module):
     """Three stride-2 convolutions of ``channels``, then a hidden layer of ``hidden`` units."""
 
-    def __init__(self, input_length=40, num_classes=10, channels=WIDE_CHANNELS, hidden=WIDE_HIDDEN):
+    def __init__(self, input_length=40, num_classes=10, channels=48, hidden=2048):
         super().__init__()
         self.conv1 = nn.Conv1d(1, channels, 5, stride=2, padding=1)
         self.conv2 = nn.Conv1d(channels, channels, 3, stride=2, padding=1)

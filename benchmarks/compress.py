@@ -30,23 +30,22 @@ STREAM = ("--strategy", "diloco", "--fragment-alpha", "0.5")  # the paper's mixi
 #: sync at 800), over 800 steps: 25 outer steps, enough for the outer momentum to build up.
 TARGET = (*STREAM, "--period", "32", "--fragments", "4", "--fragment-delay", "4",
           "--diloco-outer-lr", "0.5", "--compress", "int8")  # fmt: skip
+TARGET_ARM = "sdiloco_f4_int8_h32"
 ARMS = {
     "sync": ("--strategy", "sync"),
     "sync_bf16": ("--strategy", "sync", "--compress", "bf16"),
     "sync_powersgd1": ("--strategy", "sync", "--compress", "powersgd:1"),
     "sdiloco_f4_int8_h8": (*STREAM, *"--fragments 4 --fragment-delay 1 --compress int8".split()),
-    "sdiloco_f4_int8_h32": TARGET,
+    TARGET_ARM: TARGET,
     "diloco": ("--strategy", "diloco"),
     "sdiloco_f2": (*STREAM, "--fragments", "2", "--fragment-delay", "2"),
 }
 COMMON = ("--model", WIDE, "--dataset", "mnist1d", "--workers", str(WORKERS),
           "--batch-size", str(BATCH), "--min-step-time-s", str(PAD_S), "--checkpoint-every",
           "0", "--log-every-steps", "16")  # fmt: skip
-TARGET_ARM = "sdiloco_f4_int8_h32"
 SMALL = ["sync", TARGET_ARM]
-#: Where the 1/50 configuration is confirmed, named before the run: seeds 3-7 (it was chosen
-#: on seeds 0-2 of the virtual cluster at W = 4), (1) real ``cloudburst train`` runs over the
-#: emulated 1 Gbit/s link at W = 4 and (2) W = 8 on 4 nodes of 2 on the virtual cluster.
+#: Where the 1/50 configuration (chosen on seeds 0-2, W = 4, virtual cluster) is confirmed, named
+#: before the run: ``where: (command, W, nodes)``, on other seeds
 CONFIRM = {"real W = 4": ("train", 4, 2), "simulated W = 8": ("simulate", 8, 4)}
 CONFIRM_SEEDS = [3, 4, 5, 6, 7]
 
@@ -79,8 +78,7 @@ def bytes_per_sample(r: harness.Run) -> float | None:
 def simulate_all(
     arms: list[harness.Arm], seeds: list[int], root: Path, prov: harness.Provenance
 ) -> list[harness.Run]:
-    """Every (arm, seed) on the virtual cluster (:func:`harness.simulate_all`), ``values``:
-    inter-node bytes per sample and the virtual time per step."""
+    """:func:`harness.simulate_all` of each (arm, seed), values: bytes/sample, virtual step s."""
     jobs = [(a, seed, root / f"{harness.slug(a.name)}-{seed}") for seed in seeds for a in arms]
     runs = harness.simulate_all(jobs, prov)
     for r in runs:
@@ -99,7 +97,7 @@ def bytes_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
     """Inter-node bytes and final accuracy at equal steps, on the virtual cluster."""
     arms = arms_of(s["bytes_arms"], "--steps", str(s["bytes_steps"]), "--nodes", "2",
                    "--inter-node-link", LINK, "--eval-every-s", "1e6")  # fmt: skip
-    return simulate_all(arms, s["seeds"], harness.RUNS / "compress" / "bytes", prov)
+    return simulate_all(arms, s["seeds"], prov.runs_dir("compress") / "bytes", prov)
 
 
 def link_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
@@ -109,7 +107,7 @@ def link_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
                    str(TARGET_ACCURACY))  # fmt: skip
 
     def run(arm: harness.Arm, seed: int) -> harness.Run:
-        out = harness.RUNS / "compress" / "link" / f"{harness.slug(arm.name)}-{seed}"
+        out = prov.runs_dir("compress") / "link" / f"{harness.slug(arm.name)}-{seed}"
         r = harness.run_train(arm, seed, out)
         r.values = {"step_s": harness.run_step_s(out), "bytes_per_sample": bytes_per_sample(r)}
         return r
@@ -122,7 +120,7 @@ def torchft_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
 
     arms = arms_of(s["torchft_arms"], "--steps", str(s["torchft_steps"]), "--eval-every-s", "1e6")
     arms += [harness.Arm(f"torchft {a}", ARMS[a]) for a in s["torchft_arms"]]
-    root = harness.RUNS / "compress" / "torchft"
+    root = prov.runs_dir("compress") / "torchft"
 
     def run(arm: harness.Arm, seed: int) -> harness.Run:
         out = root / f"{harness.slug(arm.name)}-{seed}"
@@ -144,7 +142,7 @@ def sim_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
     flags = ("--steps", str(s["sim_steps"]), "--nodes", "2", "--eval-every-s", "1e6")
     arms = [arm for g in s["sim_links"] for arm in arms_of(
         s["sim_arms"], *flags, "--inter-node-link", f"{g:g},1", label=f"{{}} @ {g:g}")]  # fmt: skip
-    return simulate_all(arms, [0], harness.RUNS / "compress" / "sim", prov)
+    return simulate_all(arms, [0], prov.runs_dir("compress") / "sim", prov)
 
 
 def confirm_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
@@ -154,7 +152,7 @@ def confirm_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
         arms = arms_of(SMALL, "--steps", str(s["bytes_steps"]), "--nodes", str(nodes),
                        "--inter-node-link", LINK, "--eval-every-s", "1e6", "--workers",
                        str(workers), label=f"{{}} | {where}")  # fmt: skip
-        root = harness.RUNS / "compress" / "confirm" / harness.slug(where)
+        root = prov.runs_dir("compress") / "confirm" / harness.slug(where)
         if command == "simulate":
             runs += simulate_all(arms, s["confirm_seeds"], root, prov)
             continue
@@ -184,22 +182,27 @@ def _minus(accs: list[float], sync_acc: list[float]) -> str:
     return "-" if diff is None else f"{100 * diff:+.1f}"
 
 
+def _row(arm: str, group: list[harness.Run], sync: list[harness.Run], *after_bytes: str) -> list:
+    """arm | runs ok | inter-node B/sample | *after_bytes | final acc % per seed | − sync."""
+    accs = _acc(group)
+    return [
+        f"`{arm}`",
+        f"{len(accs)}/{len(group)}",
+        harness.fmt(_bps(group)),
+        *after_bytes,
+        ", ".join(map(harness.pct, accs)),
+        _minus(accs, _acc(sync)),
+    ]
+
+
 def report_bytes(report: harness.Report, runs: list[harness.Run], s: dict) -> None:
     groups, rows = harness.by_arm(runs), []
-    sync_bytes, sync_acc = _bps(groups["sync"]), _acc(groups["sync"])
+    sync_bytes = _bps(groups["sync"])
     for arm, group in groups.items():
-        bps, accs = _bps(group), _acc(group)
+        bps = _bps(group)
         ratio = bps / sync_bytes if bps and sync_bytes else None
-        rows.append(
-            [
-                f"`{arm}`",
-                f"{len(accs)}/{len(group)}",
-                harness.fmt(bps),
-                "1" if arm == "sync" else f"1/{1 / ratio:.1f}" if ratio else "-",
-                ", ".join(map(harness.pct, accs)),
-                _minus(accs, sync_acc),
-            ]
-        )
+        share = "1" if arm == "sync" else f"1/{1 / ratio:.1f}" if ratio else "-"
+        rows.append(_row(arm, group, groups["sync"], share))
     headline_claims(report, groups.get(TARGET_ARM, []), groups["sync"], "")
     report.section(f"1. Inter-node bytes and final accuracy at equal steps ({s['bytes_steps']})")
     report.text(
@@ -233,17 +236,7 @@ def report_confirm(report: harness.Report, runs: list[harness.Run], s: dict) -> 
         sync, target = groups.get(f"sync | {where}", []), groups.get(f"{TARGET_ARM} | {where}", [])
         headline_claims(report, target, sync, f", {where}, seeds {s['confirm_seeds']}")
         for arm, group in (("sync", sync), (TARGET_ARM, target)):
-            accs = _acc(group)
-            rows.append(
-                [
-                    where,
-                    f"`{arm}`",
-                    f"{len(accs)}/{len(group)}",
-                    harness.fmt(_bps(group)),
-                    ", ".join(map(harness.pct, accs)),
-                    _minus(accs, _acc(sync)),
-                ]
-            )
+            rows.append([where, *_row(arm, group, sync)])
     report.section("5. The 1/50 headline where it was not chosen").text(
         f"`{TARGET_ARM}` and sync, {s['bytes_steps']} steps, seeds {s['confirm_seeds']} (the "
         "configuration was chosen on seeds 0-2 at W = 4 on the virtual cluster), named before "
@@ -255,12 +248,11 @@ def report_confirm(report: harness.Report, runs: list[harness.Run], s: dict) -> 
 
 def report_link(report: harness.Report, runs: list[harness.Run], s: dict) -> dict:
     groups, budget = harness.by_arm(runs), harness.budget_of(runs)
-    sync_times = harness.times_to(groups["sync"], TARGET_ACCURACY)
-    aa_times = harness.times_to(groups.get(harness.aa_name("sync"), []), TARGET_ACCURACY)
+    time_to = {arm: harness.times_to(group, TARGET_ACCURACY) for arm, group in groups.items()}
     sync_acc = _acc(groups["sync"])
     rows, steps_to = [], {}
     for arm, group in groups.items():
-        accs, times = _acc(group), harness.times_to(group, TARGET_ACCURACY)
+        accs, times = _acc(group), time_to[arm]
         med, censored = harness.censored_median(times, budget)
         reached = [next(e[1] for e in r.evals if e[0] == t)
                    for r, t in zip(group, times, strict=True) if t is not None]  # fmt: skip
@@ -272,8 +264,8 @@ def report_link(report: harness.Report, runs: list[harness.Run], s: dict) -> dic
                      harness.fmt(steps_to[arm]), harness.fmt(step_ms)])  # fmt: skip
         if arm != "sync" and not arm.startswith("sync ("):
             harness.ratio_claim(report, f"time to {100 * TARGET_ACCURACY:g} %: `{arm}` ÷ `sync`",
-                                times, sync_times, aa_times or None, "(none: < 1 is faster)",
-                                lambda _: None, budget)  # fmt: skip
+                                times, time_to["sync"], time_to.get(harness.aa_name("sync")),
+                                "(none: < 1 is faster)", lambda _: None, budget)  # fmt: skip
     report.section(f"2. Time to {100 * TARGET_ACCURACY:g} % over a 1 Gbit/s link (real runs)").text(
         f"`cloudburst train`, {s['steps']} steps, 2 emulated nodes joined by 1 Gbit/s + 1 ms. "
         "Time to target: held for 3 evaluations, on the training clock; censored runs counted "
@@ -341,7 +333,7 @@ def main() -> None:
         f"MNIST-1D, the wide CNN (528 k parameters), {WORKERS} workers × batch {BATCH}, SGD lr "
         f"0.1 momentum 0.9, steps padded to {1e3 * PAD_S:g} ms in real runs, seeds "
         f"{s['seeds']}. Arms' flags: `ARMS` in the script; the 1/50 arm "
-        f"`sdiloco_f4_int8_h32`: `{' '.join(TARGET)}`. torchft peer: {versions}."
+        f"`{TARGET_ARM}`: `{' '.join(TARGET)}`. torchft peer: {versions}."
     )
     report_bytes(report, parts["bytes"], s)
     steps_to = report_link(report, parts["link"], s)

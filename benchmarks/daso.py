@@ -65,9 +65,7 @@ def main() -> None:
     if not args.quick:
         length = ["--epochs", str(EPOCHS), "--max-train-time-s", f"{args.budget_s:g}"]
     arms = [Arm(n, [*ARMS[n][0], *COMMON, *length]) for n in names]
-    root = harness.RUNS / "daso"
-    os.environ["PYTHONPATH"] = str(harness.REPO)  # the runs import benchmarks.bench_models
-
+    root = prov.runs_dir("daso")
     compute_ms = experiments.step_compute_ms(
         root / "one_process", 30 if args.quick else 200, [*MODEL, "--batch-size", str(BATCH)]
     )
@@ -89,14 +87,13 @@ def report(prov, runs: list[harness.Run], length: list[str], seeds: list[int], c
         f"{100 * TARGET:g} % within one time budget",
         prov,
     )
-    aa_times = times[harness.aa_name("sync")]
-    aa_ratio = harness.paired_ratio(aa_times, times["sync"], budget_s=budget)[0]
+    # sync (A/A) ÷ sync: the noise floor of every ratio here
+    aa = harness.paired_ratio(times[harness.aa_name("sync")], times["sync"], budget_s=budget)[0]
     for num, den, target, why in claimed_ratios(groups):
-        claim = harness.ratio_claim(
+        harness.ratio_claim(
             rep, f"time to {100 * TARGET:g} %, {num} ÷ {den}, 2 × 2 nodes, 1 Gbit/s ({why})",
-            times[num], times[den], None, f"≤ {target:g}", lambda r, t=target: r <= t, budget,
+            times[num], times[den], aa, f"≤ {target:g}", lambda r, t=target: r <= t, budget,
         )  # fmt: skip
-        claim.aa = aa_ratio  # sync ÷ sync: the noise floor of every ratio here
     final = {name: [r.final_accuracy for r in rs] for name, rs in groups.items()}
     if all(a is not None for a in final["daso"] + final["sync"]):
         harness.diff_claim(
@@ -114,17 +111,17 @@ def report(prov, runs: list[harness.Run], length: list[str], seeds: list[int], c
         "run trained: the budget plus the steps to the next agreed check). Every ratio's A/A "
         "column is sync (A/A) ÷ sync, the distance from 1 this machine gives two identical arms."
     )
-    sens = []
+    sens, targets = [], sorted((*SENSITIVITY, TARGET))
     for num, den, _, _ in claimed_ratios(groups):
         cells = []
-        for t in sorted((*SENSITIVITY, TARGET)):
+        for t in targets:
             a, b = (harness.times_to(groups[x], t) for x in (num, den))
             r, lo, hi = harness.bootstrap_ratio(a, b, budget_s=budget, paired=True)
             n = sum(v is None for v in (*a, *b))
             cells.append(f"{fmt(r)} [{fmt(lo)}, {fmt(hi)}]" + (f", {n} censored" if n else ""))
         sens.append([f"{num} ÷ {den}", *cells])
     rep.section("Sensitivity to the target").table(
-        ["ratio", *(f"time to {100 * t:g} %" for t in sorted((*SENSITIVITY, TARGET)))], sens
+        ["ratio", *(f"time to {100 * t:g} %" for t in targets)], sens
     ).text("The same paired median ratio and interval at the other targets named before the run "
            "(censored runs counted at the budget).")  # fmt: skip
     rows, sync_bytes = [], bytes_per_sample(groups["sync"])
@@ -142,23 +139,10 @@ def report(prov, runs: list[harness.Run], length: list[str], seeds: list[int], c
                          f"seed {r.seed}: {r.failed}" for r in rs if r.failed) or "-"])  # fmt: skip
     rep.section("Why: throughput, samples needed, CPU").text(explain(groups, compute_ms))
     rep.section("Every arm").table(
-        [
-            "arm",
-            f"time to {100 * TARGET:g} % per seed (s)",
-            "median (s)",
-            "censored",
-            "final acc % per seed",
-            "mean",
-            "inter-node B/sample (median)",
-            "÷ sync",
-            f"samples at {100 * TARGET:g} % (median)",
-            "samples/s",
-            "ms/step",
-            "comm wait ms/step",
-            "job's cores",
-            "CPU ms/worker step",
-            "failed",
-        ],
+        f"arm | time to {100 * TARGET:g} % per seed (s) | median (s) | censored | "
+        "final acc % per seed | mean | inter-node B/sample (median) | ÷ sync | "
+        f"samples at {100 * TARGET:g} % (median) | samples/s | ms/step | comm wait ms/step | "
+        "job's cores | CPU ms/worker step | failed",
         rows,
     ).text(
         "Medians over seeds. *samples/s*, *ms/step* (median over workers, communication waits "
@@ -221,8 +205,7 @@ def explain(groups: dict[str, list[harness.Run]], compute_ms: float | None) -> s
         if need is not None:
             text += (
                 f"; it needed {fmt(need)}× the samples to hold {100 * TARGET:g} % (runs "
-                f"that held it): about {fmt(need)} ÷ {fmt(thr)} = "
-                f"**{fmt(need / thr)}**"
+                f"that held it): about {fmt(need)} ÷ {fmt(thr)} = **{fmt(need / thr)}**"
             )
         lines.append(text + ".")
     lines.append(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-from experiments import cli_help  # noqa: E402
+from experiments import ASGD_BAND, ASGD_FLOOR  # noqa: E402
 from harness import Arm, fmt, pct  # noqa: E402
 
 #: The best known alternatives to each default (issue 25 item 4), named before the run:
@@ -46,7 +46,6 @@ ASGD_ARMS = {
         "--strategy", "asgd", "--staleness-compensation", COMPENSATOR,
     ],
 }  # fmt: skip
-ASGD_BAND, ASGD_FLOOR = 0.5, 0.91
 COMMON = ["--workers", "4", "--eval-every-s", "10"]  # the accuracy benchmark's (64 epochs)
 
 
@@ -95,9 +94,7 @@ def asgd(args, prov: harness.Provenance, report: harness.Report) -> list[harness
     n = args.seeds or (1 if args.quick else 5)
     choose, confirm = range(n), range(n, 2 * n)
     common = [*COMMON[:2], "--steps", "30", *COMMON[2:]] if args.quick else COMMON
-    has = "--staleness-compensation" in cli_help()  # this commit's flags
-    arms = [Arm(name, [*flags, *common]) for name, flags in ASGD_ARMS.items()
-            if has or "--staleness-compensation" not in flags]  # fmt: skip
+    arms = [Arm(name, [*flags, *common]) for name, flags in ASGD_ARMS.items()]
     root = prov.runs_dir("defaults_asgd")
     runs = harness.interleave(arms, choose, prov=prov, out_root=root)
     g = harness.by_arm(runs)

@@ -308,11 +308,11 @@ def rescore(path: Path, head: str) -> list[str]:
             withdrawn.append(f"{old.name} ({fmt(old.value)}): {inputs['withdrawn']}")
             continue
         if inputs and "diff" in inputs:
-            diff = harness.bootstrap_difference(*inputs["diff"], paired=True)
-            d, lo, hi = (round(100 * x, 2) for x in diff)
-            new = Claim(
-                old.name, d, old.target, point(d), interval=(lo, hi), seeds=old.seeds
-            ).judge()
+            # the verdict of the rounded value the row shows
+            rounded = lambda d, lo, hi: point(round(d, 2))  # noqa: E731
+            new = harness.diff_claim(
+                report, old.name, *inputs["diff"], old.target, rounded, seeds=old.seeds
+            )
         elif inputs:
             new = harness.ratio_claim(report, old.name, inputs["a"], inputs["b"], inputs.get("aa"),
                                       old.target, point, inputs.get("budget_s"),

@@ -55,8 +55,8 @@ def seed_range(args) -> range:
     return range(args.first_seed, args.first_seed + (args.seeds or (1 if args.quick else 5)))
 
 
-def accuracy(args) -> None:
-    prov, seeds = harness.Provenance.capture(args), seed_range(args)
+def accuracy(args, prov: harness.Provenance) -> None:
+    seeds = seed_range(args)
     budget = (
         ["--steps", "30"] if args.quick else ["--epochs", str(args.epochs)] if args.epochs else []
     )
@@ -128,18 +128,16 @@ def accuracy(args) -> None:
     report.write(runs)
 
 
-def stragglers(args) -> None:
-    prov, seeds, steps = harness.Provenance.capture(args), seed_range(args), args.steps
-    steps, root = 40 if args.quick else steps, prov.runs_dir("stragglers")
+def stragglers(args, prov: harness.Provenance) -> None:
+    seeds = seed_range(args)
+    steps, root = 40 if args.quick else args.steps, prov.runs_dir("stragglers")
     compute_ms = step_compute_ms(root / "one_process", 100 if args.quick else 500)
     common = [*COMMON, "--min-step-time-s", str(MIN_STEP_S), "--eval-every-s", "0.5"]
-    wanted = args.arms.split(",") if args.arms else list(DEFAULT_ARMS)
+    wanted = args.arms.split(",") if args.arms else list(QUICK_ARMS if args.quick else DEFAULT_ARMS)
     wanted = list(STRAGGLER_ARMS) if wanted == ["all"] else wanted
     unknown = [a for a in wanted if a not in STRAGGLER_ARMS]
     if unknown:
         sys.exit(f"stragglers: unknown arm(s) {unknown}; known: {', '.join(STRAGGLER_ARMS)}")
-    if args.quick and not args.arms:
-        wanted = ["sync", "asgd", "asgd scale", "diloco", "async_diloco"]
     available, missing = supported(wanted, cli_help())
     length = {"lockstep": steps, "async": round(ASGD_STEPS * steps)}
     arms, cut = [], {}
@@ -220,6 +218,7 @@ def stragglers(args) -> None:
         "samples to 90 % ÷ sync's": SAMPLES_TARGET,
         "async DiLoCo ÷ DiLoCo, time to DiLoCo's final − 1 point": DILOCO_RATIO_TARGET,
     }
+    absent = f" Not measured (this commit has no such flag): {', '.join(missing)}."
     report.settings(
         f"MNIST-1D, the paper's CNN, 4 workers (parameter-server arms: 1 server shard, every "
         f"setting at its default unless the arm names it), batch {BATCH}, every step padded "
@@ -244,12 +243,7 @@ def stragglers(args) -> None:
         f"time within ±{DILOCO_BAND:g} point of its final accuracy; asgd at its defaults keeps "
         f"the earlier ≤ {RATIO_TARGET}. Several asynchronous arms are compared with one "
         "sync: the best of them is the best of several draws, so read its interval, not its "
-        "point."
-        + (
-            f" Not measured (this commit has no such flag): {', '.join(missing)}."
-            if missing
-            else ""
-        )
+        "point." + (absent if missing else "")
     )
     why = explain(groups, compute_ms, asyncs)
     report.data.update(why)
@@ -300,6 +294,7 @@ STRAGGLER_ARMS: dict[str, tuple[list[str], str]] = {
 # compensator is the one named before any run (DC-ASGD with adaptive λ, the variant Zheng et al.
 # 2017 report best); ``--arms all`` adds the other four (~12 min more).
 DEFAULT_ARMS = ("sync", "asgd", "asgd dc-adaptive", "diloco", "async_diloco", "async_diloco dylu")
+QUICK_ARMS = ("sync", "asgd", "asgd scale", "diloco", "async_diloco")  # --quick's default
 
 
 def cli_help() -> str:
@@ -355,7 +350,7 @@ def step_compute_ms(out_dir: Path, steps: int, flags: Sequence[str] = ()) -> flo
 
 def samples_to(r: harness.Run, target: float = TARGET) -> int | None:
     """The global samples at the evaluation where the held time to ``target`` starts."""
-    t = None if r.failed else harness.time_to_target(r.evals, target)
+    t = time_to_level(r, target)
     return next((s for when, s, _ in r.evals if when == t), None)
 
 
@@ -428,15 +423,7 @@ def explain(
     ]
     lines += harness.md_table(
         ["arm", "samples/s ÷ sync's", "samples to hold 90 % ÷ sync's", "predicted time ratio"],
-        [
-            [
-                n,
-                fmt(v["throughput_ratio"]),
-                fmt(v["samples_needed_ratio"]),
-                fmt(v["predicted_time_ratio"]),
-            ]
-            for n, v in per_arm.items()
-        ],
+        [[n, *(fmt(v[k]) for k in keys)] for n, v in per_arm.items()],
     )
     out["text"] = "\n".join(lines) if per_arm or compute_ms else "(no measurements)"
     return out
@@ -537,7 +524,7 @@ def _interpolate(points: list[tuple[float, float]], t: float) -> float:
     return s0 + (s1 - s0) * (t - t0) / (t1 - t0)
 
 
-def pace(out_dir: str | Path, batch_size: int, cpu: CpuSampler | None) -> dict | None:
+def pace(out_dir: str | Path, batch_size: int, cpu: CpuSampler) -> dict | None:
     """How a run trained while every worker did (1 s in, or a quarter of a short run, to the
     first worker's last step): samples/s, ms per step, waits, cores, CPU ms per worker step."""
     steps, waits, ends, firsts = {}, {}, [], []
@@ -557,7 +544,7 @@ def pace(out_dir: str | Path, batch_size: int, cpu: CpuSampler | None) -> dict |
 
     rates = {w: gain(p) / (b - a) for w, p in sorted(steps.items())}
     origin = min(firsts)  # the clock's origin, give or take the first step
-    machine, job = (cpu.cores(origin + a, origin + b) if cpu else None) or (None, None)
+    machine, job = cpu.cores(origin + a, origin + b) or (None, None)
     per_s = sum(rates.values()) * batch_size
     waits_ms = [1000 * gain(waits[w]) / (r * (b - a)) for w, r in rates.items() if r > 0]
     return {"samples/s": per_s, **{f"ms/step w{w}": 1000 / r for w, r in rates.items() if r > 0},
@@ -629,8 +616,8 @@ def main() -> None:
             "strategy, and sync always)",
         )
 
-    args = harness.parse_args(__doc__, add)
-    {"accuracy": accuracy, "stragglers": stragglers}[args.experiment](args)
+    args, prov = harness.start(__doc__, add)
+    {"accuracy": accuracy, "stragglers": stragglers}[args.experiment](args, prov)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def main() -> None:
     arms = [Arm(n, ["--strategy", n, *COMMON, *length]) for n in CLOUDBURST]
     arms += [Arm(n, COMMON) for n in TORCHFT]
     versions = torchft_peer.peer_versions()
-    root = harness.RUNS / "local_sgd"
+    root = prov.runs_dir("local_sgd")
 
     def run(arm: Arm, seed: int) -> harness.Run:
         out = root / harness.slug(arm.name) / f"seed{seed}"
@@ -78,7 +78,7 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
     sync_rs = groups["sync"]
     for name in ("local_sgd", "diloco"):
         rs = groups[name]
-        steps = rs[0].summary.get("steps_per_worker") if rs[0].summary else None
+        steps = rs[0].summary.get("steps_per_worker")
         both = zip(map(bytes_per_sample, rs), map(bytes_per_sample, sync_rs), strict=True)
         per = [a / b for a, b in both if a and b]
         if steps and per:

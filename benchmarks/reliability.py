@@ -142,16 +142,9 @@ def run_cell(arm: harness.Arm, seed: int, root: Path) -> harness.Run:
     _, stderr = proc.communicate()
     ended = time.time()
     rec.poll()
+    s, fired = harness.read_summary(out), rec.find("fault", rank=victim)
     failed = "hung" if hung else f"exit {proc.returncode}" if proc.returncode else None
-    run = harness.Run(
-        arm.name,
-        seed,
-        round(ended - started, 3),
-        harness.read_summary(out),
-        failed=failed,
-        out_dir=str(out),
-    )
-    s, fired = run.summary, rec.find("fault", rank=victim)
+    run = harness.Run(arm.name, seed, round(ended - started, 3), s, failed=failed, out_dir=str(out))
     if not by_signal and fired:
         fault_t = fired[0][1]["wall"]
     run.values = v = {"outcome": outcome(rec, s, victim, fault, stderr, hung)}
@@ -248,7 +241,7 @@ def standby_cost(prov: harness.Provenance, report: harness.Report, quick: bool) 
                   else sum(r.summary.get("shard_versions", [])) / r.summary["wall_time_s"]
                   for r in rs] for arm, rs in harness.by_arm(runs).items()}  # fmt: skip
     report.section("The standby's throughput cost")
-    rows = [[arm, len(v), *(harness.fmt(f(x for x in v if x)) for f in (min, max))]
+    rows = [[arm, len(v), *(f(x for x in v if x) for f in (min, max))]
             for arm, v in rate.items() if any(v)]  # fmt: skip
     report.table(["arm", "runs", "min pushes/s", "max pushes/s"], rows)
     harness.ratio_claim(report, "pushes/s with the standby ÷ without", rate["standby"],

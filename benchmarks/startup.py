@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,8 +98,7 @@ def main() -> None:
     if joined and own:
         report.text(
             f"From the ranks' own records (median s from the command): every rank joined "
-            f"{statistics.median(joined):.2f}, first step done "
-            f"{statistics.median(own):.2f}."
+            f"{harness.median(joined):.2f}, first step done {harness.median(own):.2f}."
         )
     report.write(runs)
 

@@ -14,7 +14,6 @@ copy) ÷ their staging time, target ≥ 0.8.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -51,11 +50,9 @@ def steady_rate(out: Path, steps: int) -> float | None:
 
 
 def copy_bandwidth(numel: int, reps: int, steps: int) -> dict[str, dict[str, list[float]]]:
-    """Bytes/s of a plain non-blocking ``copy_`` between the device and page-locked memory
-    (CUDA events around the copy), and of an A/A copy of it, in this process: each step trains
-    ResNet-20 once (the copies then meet the device as in training), then both arms in an
-    order alternating per step, device→host then host→device. Returns ``{direction: {arm:
-    [median bytes/s of each repetition]}}``."""
+    """``{direction: {arm: [median bytes/s of each repetition]}}`` of a plain non-blocking pinned
+    ``copy_`` and its A/A copy, timed by CUDA events, each step after one ResNet-20 training step
+    (the copies then meet the device as in training), the arms' order alternating per step."""
     model = build_model("resnet20", (3, 32, 32), 10, 0).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(64, 3, 32, 32, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
@@ -84,7 +81,7 @@ def copy_bandwidth(numel: int, reps: int, steps: int) -> dict[str, dict[str, lis
                     per[direction, arm].append(plain(dst, src))
         if rep:
             for (direction, arm), ts in per.items():
-                out[direction][arm].append(numel * 4 / statistics.median(ts))
+                out[direction][arm].append(numel * 4 / harness.median(ts))
     return out
 
 
@@ -139,26 +136,11 @@ def main() -> None:
     seeds = list(range(args.seeds or 1))
     with tempfile.TemporaryDirectory() as tmp:
         data = write_cifar10(Path(tmp) / "data", per_batch=BATCH * 4, test=64)
-        common = [
-            "--dataset",
-            f"cifar10:{data}",
-            "--model",
-            "resnet20",
-            "--steps",
-            str(steps),
-            "--batch-size",
-            str(BATCH),
-            "--lr",
-            "0.02",
-            "--device",
-            args.device,
-            "--eval-every-s",
-            "1e9",
-            "--log-every-steps",
-            "2",
-            "--checkpoint-every",
-            "0",
-        ]
+        options = (
+            f"--model resnet20 --steps {steps} --batch-size {BATCH} --lr 0.02 "
+            f"--device {args.device} --eval-every-s 1e9 --log-every-steps 2 --checkpoint-every 0"
+        )
+        common = ["--dataset", f"cifar10:{data}", *options.split()]  # the path is not split
         arms = [harness.Arm(label, [*flags, *common]) for label, flags in ARMS.items()]
         root = Path(tmp) / "runs"
         runs = harness.interleave(arms, seeds, control="sync W=1", prov=prov, out_root=root)
@@ -181,12 +163,14 @@ def main() -> None:
     )
     rate = {arm: [r.values.get("samples_per_s") for r in rs if not r.failed]
             for arm, rs in groups.items()}  # fmt: skip
-    rows = [[arm, harness.fmt(harness.median(rate[arm])), len(rs), sum(bool(r.failed) for r in rs)]
+    rows = [[arm, harness.median(rate[arm]), len(rs), sum(bool(r.failed) for r in rs)]
             for arm, rs in groups.items()]  # fmt: skip
     report.table(["arm", "samples/s (median)", "runs", "failed"], rows)
     base, aa = harness.median(rate["sync W=1"]), harness.median(rate[harness.aa_name("sync W=1")])
     if base and aa:
-        report.text(f"A/A: sync W=1 ÷ its copy = {harness.fmt(aa / base, 4)} (the noise floor).")
+        report.text(
+            f"A/A: the copy of sync W=1 ÷ sync W=1 = {harness.fmt(aa / base, 4)} (the noise floor)."
+        )
     if args.device == "cuda":  # after the jobs: CUDA in this process would break forked ranks
         reps, copy_steps = (2, 5) if args.quick else (5, 40)
         staging_claim(report, runs, reps, copy_steps)

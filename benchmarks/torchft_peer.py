@@ -186,9 +186,8 @@ def torchft_replica(
     total = steps or cfg.steps_per_worker(len(data.train))
     if total % cfg.period:
         raise ValueError(
-            f"torchft runs need steps ({total}) to be a multiple of period "
-            f"({cfg.period}): torchft's algorithms end on one model only after "
-            "a sync"
+            f"torchft runs need steps ({total}) to be a multiple of period ({cfg.period}): "
+            "torchft's algorithms end on one model only after a sync"
         )
 
     def load_state_dict(state: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ Context, no claim: the worker's time blocked in the transport, both processes' C
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -110,12 +111,9 @@ def run_duplex(rank: int, s: dict, bufs: dict) -> Timing:
 def run_asgd(rank: int, s: dict, ctx: Context) -> Timing:
     model = FlatParams(s["numel"])
     if rank == SERVER:
-        metrics = MetricsWriter(ctx.cfg.out, rank, "server")
-        try:
+        with contextlib.closing(MetricsWriter(ctx.cfg.out, rank, "server")) as metrics:
             liveness = LivenessMonitor(ctx.store, ctx.worker_ranks, ctx.cfg.heartbeat_timeout_s)
             ServerLoop(ctx, flatten_params(model), metrics, liveness).run()
-        finally:
-            metrics.close()
         return 0.0, 0.0, 0.0
     strategy = AsgdStrategy(ctx)
     strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -278,16 +276,13 @@ def report(prov: harness.Provenance, s: dict, runs: list[harness.Run]) -> None:
         value, *interval = harness.paired_ratio(gbps[arm], gbps["raw"])
         rep.claim(f"{arm} reference ÷ raw gloo ({what})", value, "(reference)", None,
                   interval=interval, seeds=s["reps"])  # fmt: skip
-    # No "CPU-bound ceiling" claim: raw ms × cores ÷ asgd's CPU ms is asgd's own measurement
-    # rescaled (issue 25), so it cannot disagree with the ratio above; CPU columns are context.
     rep.settings(
         f"{s['numel']:,} fp32 values ({s['numel'] * 4 / 1e6:.0f} MB) each way, 1 worker + "
         f"1 server on 127.0.0.1, {s['reps']} repetitions × {s['iters']} timed round trips "
         f"(after {s['warmup']} warm-up) per arm, arms interleaved and rotated per "
         "repetition, `raw` twice (A/A). GB/s = payload bytes both ways ÷ wall time "
         "(headers not counted). Intervals: 95 % bootstrap of the median per-repetition "
-        "ratio (both arms of a repetition ran back to back: resampled as "
-        "pairs)."
+        "ratio (both arms of a repetition ran back to back: resampled as pairs)."
     )
     rows = []
     for arm, rs in groups.items():
@@ -298,16 +293,9 @@ def report(prov: harness.Provenance, s: dict, runs: list[harness.Run]) -> None:
                      m["cpu_ms"] / m["ms_per_trip"],
                      ", ".join(harness.fmt(x) for x in gbps[arm])])  # fmt: skip
     rep.section("Arms (medians over repetitions)").table(
-        [
-            "arm",
-            "GB/s",
-            "ms / round trip",
-            "worker blocked in transport (ms)",
-            "worker outside transport (ms)",
-            "CPU ms / round trip (both processes)",
-            "cores busy",
-            "GB/s per repetition",
-        ],
+        "arm | GB/s | ms / round trip | worker blocked in transport (ms) | "
+        "worker outside transport (ms) | CPU ms / round trip (both processes) | cores busy | "
+        "GB/s per repetition",
         rows,
     )
     rep.text(

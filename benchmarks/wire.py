@@ -32,15 +32,10 @@ import harness  # noqa: E402
 
 from cloudburst.models import build_model  # noqa: E402
 
-#: Every strategy at W = 2 (asgd with one server shard, DASO on two emulated nodes), the
-#: MNIST-1D MLP; ``--steps`` per worker.
-STRATEGIES = {
-    "sync": ["--strategy", "sync"],
-    "local_sgd": ["--strategy", "local_sgd"],
-    "diloco": ["--strategy", "diloco"],
-    "daso": ["--strategy", "daso", "--nodes", "2"],
-    "asgd": ["--strategy", "asgd", "--servers", "1"],
-}
+#: Every strategy at W = 2 (asgd with one server shard, DASO on two emulated nodes: ``EXTRA``),
+#: the MNIST-1D MLP; ``--steps`` per worker.
+STRATEGIES = ("sync", "local_sgd", "diloco", "daso", "asgd")
+EXTRA = {"daso": ["--nodes", "2"], "asgd": ["--servers", "1"]}
 COMMON = ["--workers", "2", "--model", "mlp", "--eval-every-s", "1000", "--checkpoint-every", "0"]
 
 #: Bytes a loopback packet carries besides its payload: Ethernet 14 + IPv4 20 + TCP with the
@@ -212,7 +207,8 @@ def main() -> None:
     model = build_model("mlp", (40,), 10, 0)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     steps = 40 if args.quick else 200  # per worker
-    arms = [harness.Arm(n, [*f, *COMMON, "--steps", str(steps)]) for n, f in STRATEGIES.items()]
+    flags = [*COMMON, "--steps", str(steps)]
+    arms = [harness.Arm(n, ["--strategy", n, *EXTRA.get(n, []), *flags]) for n in STRATEGIES]
     runs = harness.interleave(arms, [0], prov=prov, run=run_wire)
     report = harness.Report("wire", "Bytes on the wire (OS) beside cloudburst's counters", prov)
     report.settings(
@@ -241,8 +237,7 @@ def main() -> None:
     report.text(
         f"The model's parameters are {model_bytes} bytes: a start-up broadcast of them "
         "(DDP, the strategies' initial sync) is on the wire and not in the counters. A "
-        "socket's traffic after its last sample is missing here (not in the lo "
-        "totals)."
+        "socket's traffic after its last sample is missing here (not in the lo totals)."
     )
     report.table("strategy | rank | role | counted sent | wire sent | ÷ | counted received | "
                  "wire received | ÷", rows)  # fmt: skip
