@@ -218,7 +218,9 @@ def stragglers(args, prov: harness.Provenance) -> None:
         "samples to 90 % ÷ sync's": SAMPLES_TARGET,
         "async DiLoCo ÷ DiLoCo, time to DiLoCo's final − 1 point": DILOCO_RATIO_TARGET,
     }
-    absent = f" Not measured (this commit has no such flag): {', '.join(missing)}."
+    absent = (
+        f" Not measured (this commit has no such flag): {', '.join(missing)}." if missing else ""
+    )
     report.settings(
         f"MNIST-1D, the paper's CNN, 4 workers (parameter-server arms: 1 server shard, every "
         f"setting at its default unless the arm names it), batch {BATCH}, every step padded "
@@ -243,7 +245,7 @@ def stragglers(args, prov: harness.Provenance) -> None:
         f"time within ±{DILOCO_BAND:g} point of its final accuracy; asgd at its defaults keeps "
         f"the earlier ≤ {RATIO_TARGET}. Several asynchronous arms are compared with one "
         "sync: the best of them is the best of several draws, so read its interval, not its "
-        "point." + (absent if missing else "")
+        "point." + absent
     )
     why = explain(groups, compute_ms, asyncs)
     report.data.update(why)

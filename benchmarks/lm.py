@@ -101,7 +101,7 @@ def main() -> None:
     if not args.virtual_only:
         extra = args.extra.split()
         arms = [Arm(n, [*COMMON, *argv, "--steps", str(steps), *extra]) for n, argv in ARMS.items()]
-        root = harness.QUICK_RESULTS / "lm-runs" if args.quick else harness.RUNS / "lm"
+        root = prov.runs_dir("lm")
 
         def run(arm: Arm, seed: int):
             out = root / harness.slug(arm.name) / f"seed{seed}"

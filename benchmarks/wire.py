@@ -178,9 +178,8 @@ def account(result: dict, ranks: dict[int, dict]) -> dict:
             "samples": result["samples"]}  # fmt: skip
 
 
-def run_wire(arm: harness.Arm, seed: int, out_dir: Path | None = None) -> harness.Run:
+def run_wire(arm: harness.Arm, seed: int, out_dir: Path) -> harness.Run:
     """The job alone in a new network namespace, its sockets sampled (:func:`probe`)."""
-    out_dir = out_dir or harness.RUNS / "wire" / arm.name / f"seed{seed}"
     probe_json = out_dir.parent / f"seed{seed}.probe.json"
     probe_json.unlink(missing_ok=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -209,7 +208,13 @@ def main() -> None:
     steps = 40 if args.quick else 200  # per worker
     flags = [*COMMON, "--steps", str(steps)]
     arms = [harness.Arm(n, ["--strategy", n, *EXTRA.get(n, []), *flags]) for n in STRATEGIES]
-    runs = harness.interleave(arms, [0], prov=prov, run=run_wire)
+    root = prov.runs_dir("wire")
+    runs = harness.interleave(
+        arms,
+        [0],
+        prov=prov,
+        run=lambda arm, seed: run_wire(arm, seed, root / arm.name / f"seed{seed}"),
+    )
     report = harness.Report("wire", "Bytes on the wire (OS) beside cloudburst's counters", prov)
     report.settings(
         f"W = 2, MNIST-1D MLP, {steps} steps per worker, seed 0; `ss -tinpH` every "
