@@ -12,6 +12,13 @@ import pytest
 from cloudburst import forkserver
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _font_cache() -> None:
+    """matplotlib runs ``fc-list`` once per machine to build its font cache, on its first
+    import: do that before the fence below, so a fresh machine's first plot test is no spawn."""
+    import matplotlib.font_manager  # noqa: F401
+
+
 @pytest.fixture(autouse=True)
 def _no_processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     if request.node.get_closest_marker("spawns"):
