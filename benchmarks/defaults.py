@@ -85,7 +85,7 @@ def others(args, prov: harness.Provenance, report: harness.Report) -> list[harne
     report.section("Every strategy's candidates").text(
         f"`{' '.join(common)}`, seeds {list(seeds)}, arms interleaved; the defaults' runs from "
         f"`{source.name}` (commit `{accuracy['provenance']['commit']}`). A failed run counts "
-        "as 0 %; the interval is the paired bootstrap of the difference of means."
+        "as 0 %; the interval is the paired t interval of the mean difference."
     ).table(["arm", "final acc % (seeds)"], rows)
     return runs
 

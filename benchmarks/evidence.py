@@ -24,147 +24,45 @@ from benchmarks.harness import CLAIM_HEADERS, REPO, RESULTS, Claim, fmt, md_tabl
 
 BEGIN, END = "<!-- evidence:begin -->", "<!-- evidence:end -->"
 CHOOSING = "<!-- choosing:begin -->", "<!-- choosing:end -->"
-ADVICE: list[tuple[str, list[tuple[str, str, str]]]] = [  # (situation, [(result, claim, text)])
-    ("Accuracy at the defaults (W = 4; final accuracy − sync's, points)", [
-        *((("accuracy", f"final accuracy, {s} − sync", f"`{s}`: {{value}} {{interval}}"))
-          for s in ("asgd", "easgd", "gossip", "local_sgd", "diloco", "daso")),
-        ("accuracy", "defaults train: every", "The worst seed of any strategy: {value} %"),
-        ("accuracy", "final accuracy, asgd − sync (points), W = 4, defaults, within ±0.5",
-         "`asgd` against issue 28's ±0.5 points: {value} {interval} (above sync, not below)"),
-        ("accuracy", "asgd at its defaults: every seed", "`asgd`'s worst seed: {value} %"),
-    ]),
-    ("One worker of four 2× slower", [
-        ("stragglers", "time to 90 %, asgd ÷ sync",
-         "`asgd` held 90 % in {value}× sync's time {interval}, A/A {aa}"),
-        ("stragglers", "samples to hold 90 %, asgd ÷ sync",
-         "It needed {value}× sync's samples {interval} (stale updates still cost)"),
-        ("stragglers", "time to 90 %, asgd dc-adaptive ÷ sync",
-         "With DC-ASGD's adaptive compensation, {value}× {interval}"),
-        ("stragglers", "time to 90 %, async_diloco ÷ sync",
-         "`async_diloco` held 90 % in {value}× sync's time {interval}"),
-        ("stragglers", "time to DiLoCo's final accuracy − 1 point, async_diloco dylu ÷ diloco",
-         "With `--dylu`, it reached synchronous DiLoCo's final accuracy − 1 point in {value}× "
-         "DiLoCo's time {interval}"),
-        ("stragglers_confirm", "time to 90 %, asgd ÷ sync",
-         "On fresh seeds (5–9): `asgd` {value}× {interval}"),
-        ("stragglers_confirm", "time to 90 %, asgd delay-adaptive ÷ sync",
-         "`--staleness-compensation delay-adaptive` {value}× {interval}"),
-        ("stragglers_confirm", "samples to hold 90 %, asgd delay-adaptive ÷ sync",
-         "It needed {value}× sync's samples {interval}"),
-        ("stragglers_confirm", "time to 90 %, asgd dc ÷ sync",
-         "`dc` (best on seeds 0–4) {value}× {interval}"),
-    ]),
-    ("Sixteen workers, Pareto step times, one 4× slower (virtual cluster)", [
-        ("staleness", "time to 80 %, asgd ÷ sync",
-         "`asgd` held 80 % in {value}× sync's virtual time {interval}"),
-        ("staleness", "samples to 80 %, asgd ÷ sync",
-         "It needed {value}× sync's samples {interval}"),
-        ("staleness", "time to 80 %, async_diloco ÷ sync",
-         "`async_diloco` held 80 % in {value}× sync's time {interval}"),
-        ("staleness", "time to DiLoCo's accuracy − 1 point, async_diloco ÷ diloco",
-         "It reached synchronous DiLoCo's final accuracy − 1 point in {value}× DiLoCo's time "
-         "{interval}"),
-    ]),
-    ("Sixty-four workers, Pareto step times, one 4× slower (virtual cluster)", [
-        ("staleness_w64_asgd", "time to 80 %, asgd ÷ sync",
-         "`asgd` held 80 % in {value}× sync's virtual time {interval}"),
-        ("staleness_w64_asgd", "samples to 80 %, asgd ÷ sync",
-         "It needed {value}× sync's samples {interval}"),
-        ("staleness_w64", "time to 80 %, async_diloco ÷ sync",
-         "`async_diloco` held 80 % in {value}× sync's virtual time {interval}"),
-        ("staleness_w64", "time to DiLoCo's accuracy − 1 point, async_diloco ÷ diloco",
-         "It reached synchronous DiLoCo's accuracy at the budget − 1 point in {value}× "
-         "DiLoCo's time {interval}"),
-    ]),
-    ("Lognormal step times (CV 0.3), one worker 4× slower (virtual cluster)", [
-        ("staleness_lognormal", "time to 80 %, asgd ÷ sync",
-         "W = 16: `asgd` held 80 % in {value}× sync's virtual time {interval}"),
-        ("staleness_lognormal", "time to DiLoCo's accuracy − 1 point, async_diloco ÷ diloco",
-         "`async_diloco` reached synchronous DiLoCo's accuracy − 1 point in {value}× DiLoCo's "
-         "time {interval}"),
-        ("staleness_w64_lognormal", "time to 80 %, asgd ÷ sync",
-         "W = 64: `asgd` {value}× sync's time {interval}"),
-        ("staleness_w64_lognormal", "samples to 80 %, asgd ÷ sync",
-         "It needed {value}× sync's samples {interval}"),
-        ("staleness_w64_lognormal", "time to 80 %, async_diloco ÷ sync",
-         "`async_diloco` {value}× sync's time {interval}"),
-        ("staleness_w64_lognormal",
-         "time to DiLoCo's accuracy − 1 point, async_diloco ÷ diloco",
-         "Against synchronous DiLoCo: {value}× its time {interval}"),
-    ]),
-    ("Bytes over a slow link", [
-        ("local_sgd", "bytes per sample, local_sgd ÷ sync",
-         "Local SGD (H = 8) sent {value}× sync's bytes per sample"),
-        ("local_sgd", "final accuracy, local_sgd − sync",
-         "In a 24-epoch run it ended {value} points from sync {interval}"),
-        ("local_sgd", "final accuracy, diloco − sync",
-         "DiLoCo (H = 8) ended {value} points from sync there {interval}"),
-        ("compress", "Streaming DiLoCo int8",
-         "Streaming DiLoCo, int8, H = 32, F = 4 sent {value}× sync's inter-node bytes "
-         "(virtual cluster)"),
-        ("compress", "… at equal steps", "It ended {value} points from sync {interval}"),
-        ("compress", "Streaming DiLoCo int8 (H = 32, F = 4): inter-node bytes ÷ sync's, real",
-         "Where it was not chosen (seeds 3-7): in real runs over the emulated link it sent "
-         "{value}× sync's inter-node bytes"),
-        ("compress", "… at equal steps, its final accuracy − sync's (points), real",
-         "It ended {value} points from sync there {interval}"),
-        ("compress", "Streaming DiLoCo int8 (H = 32, F = 4): inter-node bytes ÷ sync's, sim",
-         "At W = 8 on the virtual cluster it sent {value}× sync's"),
-        ("compress", "… at equal steps, its final accuracy − sync's (points), sim",
-         "It ended {value} points from sync there {interval}"),
-        ("compress_scale", "simulate local_sgd int8 ÷ none sent bytes, W = 256",
-         "`--compress int8` sends {value}× the uncompressed bytes at W = 256 (local SGD, virtual "
-         "cluster; 0.25-0.26 from W = 2 on)"),
-        ("compress_scale", "gloo W = 4: int8 − none final accuracy",
-         "On gloo at W = 4 int8 ended {value} points from `none` {interval}"),
-    ]),
-    ("Two nodes of two workers, 1 Gbit/s between them, one time budget", [
-        ("daso", "time to 85 %, daso ÷ sync",
-         "DASO held 85 % in {value}× sync's time {interval}, A/A {aa}"),
-        ("daso", "time to 85 %, daso ÷ torch_post_local",
-         "Against PyTorch's post-local SGD: {value}× {interval}"),
-        ("daso", "time to 85 %, daso ÷ torch_hierarchical",
-         "Against PyTorch's hierarchical model averaging: {value}× {interval}"),
-        ("daso", "time to 85 %, daso ÷ sync_bf16",
-         "Against DDP with bf16 gradients: {value}× {interval}"),
-        ("daso", "time to 85 %, daso ÷ sync_powersgd",
-         "Against DDP with PowerSGD (rank 1): {value}× {interval}"),
-        ("daso", "final accuracy, daso − sync",
-         "At the budget DASO ended {value} points from sync {interval}"),
-        ("daso", "time to 85 %, local_sgd ÷ sync",
-         "On the same link local SGD (H = 8) held 85 % in {value}× sync's time {interval}"),
-        ("daso", "time to 85 %, diloco ÷ sync",
-         "DiLoCo (H = 8) in {value}× sync's time {interval}"),
-    ]),
-    ("Step time on a fast link", [
-        ("overhead", "sync step ÷ raw DDP, W = 4",
-         "`sync`'s step took {value}× raw DDP's at W = 4 {interval}"),
-        ("local_sgd", "time per step, local_sgd ÷ torch_periodic",
-         "Local SGD's step took {value}× PyTorch's PeriodicModelAverager's {interval}"),
-        ("transport", "asgd push+fetch ÷ raw gloo",
-         "`asgd`'s push+fetch moved {value}× raw gloo's bytes per second {interval}"),
-    ]),
-    ("A parameter server on a GPU", [
-        ("throughput_cuda", "asgd's staging in the training job",
-         "`asgd`'s device↔host staging inside training ran at {value}× the pinned-copy "
-         "bandwidth measured alone {interval}"),
-    ]),
-    ("A language model (the small GPT on the standard library, W = 4, equal tokens)", [
-        ("lm", "diloco at its defaults − sync",
-         "DiLoCo at its defaults (H = 8, the outer step plain averaging) ended {value} nats "
-         "per byte behind sync's test loss {interval}"),
-    ]),
-    ("Predicting a run on the virtual cluster", [
-        ("sim_fidelity", "time the link adds, real ÷ simulated",
-         "On configurations held out from its development, the time an emulated link added to "
-         "real runs was {value}× what it added to simulated ones {interval}"),
-        ("sim_fidelity", "unpadded time (host overhead included)",
-         "Counting this machine's host overhead, which the simulator does not model, real "
-         "communication and waiting took {value}× the simulated {interval}"),
-        ("sim_seeds", "Jin et al.",
-         "Jin et al.'s crossover, every method given the same virtual time: {value}"),
-    ]),
+#: The README's advice, a row per situation and strategy: (situation, strategy, link, time,
+#: quality), time and quality each (result, claim name prefix, what the value measures) or None.
+Cell = tuple[str, str, str] | None
+ADVICE: list[tuple[str, str, str, Cell, Cell]] = [
+    ("One worker of four 2× slower (real runs, W = 4)", "`asgd`", "loopback",
+     ("stragglers_confirm", "time to 90 %, asgd ÷ sync", "× sync's time to 90 %"),
+     ("stragglers_confirm", "samples to hold 90 %, asgd ÷ sync", "× sync's samples to 90 %")),
+    ("One worker of four 2× slower, DiLoCo family (real runs)", "`async_diloco --dylu`",
+     "loopback",
+     ("stragglers", "time to DiLoCo's final accuracy − 1 point, async_diloco dylu ÷ diloco",
+      "× DiLoCo's time to its accuracy − 1 point"),
+     ("stragglers", "final accuracy, async_diloco dylu − diloco",
+      " points from DiLoCo at the end")),
+    ("Sixteen workers, Pareto step times, one 4× slower (virtual cluster)", "`asgd`", "none",
+     ("staleness", "time to 80 %, asgd ÷ sync", "× sync's time to 80 %"),
+     ("staleness", "samples to 80 %, asgd ÷ sync", "× sync's samples to 80 %")),
+    ("Sixty-four workers, Pareto step times, one 4× slower (virtual cluster)", "`asgd`", "none",
+     ("staleness_w64_asgd", "time to 80 %, asgd ÷ sync", "× sync's time to 80 %"),
+     ("staleness_w64_asgd", "samples to 80 %, asgd ÷ sync", "× sync's samples to 80 %")),
+    ("Two nodes of two, 1 Gbit/s between them (real runs)", "`local_sgd` (H = 8)", "1 Gbit/s",
+     ("daso", "time to 85 %, local_sgd ÷ sync", "× sync's time to 85 %"),
+     ("local_sgd", "final accuracy, local_sgd − sync", " points from sync after 24 epochs")),
+    ("Two nodes of two, 1 Gbit/s between them (real runs)", "`daso`", "1 Gbit/s",
+     ("daso", "time to 85 %, daso ÷ sync", "× sync's time to 85 %"),
+     ("daso", "final accuracy, daso − sync", " points from sync at the time budget")),
+    ("Two nodes of two, 1 Gbit/s between them (real runs)", "`diloco` (H = 8)", "1 Gbit/s",
+     ("daso", "time to 85 %, diloco ÷ sync", "× sync's time to 85 %"),
+     ("local_sgd", "final accuracy, diloco − sync", " points from sync after 24 epochs")),
+    ("Two nodes of two, 1 Gbit/s between them (real runs)", "Streaming DiLoCo, int8",
+     "1 Gbit/s",
+     ("compress", "time to 80 %: `sdiloco_f4_int8_h32` ÷ `sync`", "× sync's time to 80 %"),
+     ("compress", "… at equal steps, its final accuracy − sync's (points), real",
+      " points from sync at equal steps")),
+    ("No straggler, fast link (W = 4)", "`sync` (DDP)", "loopback",
+     ("overhead", "sync step ÷ raw DDP, W = 4", "× raw DDP's step time"), None),
+    ("A small GPT (W = 4, equal tokens, virtual cluster)", "`diloco` (H = 8)", "none", None,
+     ("lm", "diloco at its defaults − sync", " nats per byte above sync's test loss")),
 ]  # fmt: skip
+ADVICE_HEADERS = ["situation", "strategy", "link", "time", "quality", "evidence"]
 
 
 def load(results: Path) -> list[tuple[Path, dict]]:
@@ -206,28 +104,41 @@ def table(results: Path, where: Path = REPO / "README.md") -> list[str]:
 
 
 def choosing(results: Path, evidence_file: Path, where: Path) -> list[str]:
-    """The advice: per situation, one sentence per claim found, each linking to its row."""
+    """The advice table: per situation and strategy, the measured effect on time and on quality
+    (value, interval, verdict), each linking to its row of the evidence table."""
     found = {
         path.stem: [(i, claim_of(c)) for i, c in enumerate(data["claims"], 1)]
         for path, data in load(results)
     }
     target = link(evidence_file, where) if evidence_file != where else ""
-    phrase = {"PASS": "PASS", "MISS": "MISS", "inconclusive": "**inconclusive**"}
-    lines = []
-    for situation, items in ADVICE:
-        sentences = []
-        for stem, prefix, text in items:
-            hits = [(i, c) for i, c in found.get(stem, []) if c.name.startswith(prefix)]
-            if not hits:
-                continue
-            i, c = hits[0]
-            iv = f"(interval [{fmt(c.interval[0])}, {fmt(c.interval[1])}])" if c.interval else ""
-            said = text.format(value=fmt(c.value), interval=iv, aa=fmt(c.aa)).replace("  ", " ")
-            verdict = f"{phrase.get(c.verdict, 'no verdict')} (target {c.target})"
-            sentences.append(f"{said} — {verdict} ([{stem}]({target}#c-{stem}-{i})).")
-        if sentences:
-            lines.append(f"- **{situation}.** " + " ".join(sentences))
-    return lines or ["(no result file has the claims the advice rests on: run `make bench`)"]
+
+    def cell(spec: Cell) -> tuple[str, str]:
+        if spec is None:
+            return "-", ""
+        stem, prefix, unit = spec
+        hits = [(i, c) for i, c in found.get(stem, []) if c.name.startswith(prefix)]
+        if not hits:
+            return "not measured", ""
+        i, c = hits[0]
+        iv = f" [{fmt(c.interval[0])}, {fmt(c.interval[1])}]" if c.interval else ""
+        verdict = {"inconclusive": "**inconclusive**", "-": "no verdict"}.get(c.verdict, c.verdict)
+        aa = ", its A/A interval excludes 1" if c.aa_differs else ""
+        text = f"{fmt(c.value)}{unit}{iv}: {verdict} (target {c.target}{aa})"
+        return text, f"#c-{stem}-{i}"
+
+    rows = []
+    for situation, strategy, link_, time_spec, quality_spec in ADVICE:
+        (time_text, time_ref), (quality_text, quality_ref) = cell(time_spec), cell(quality_spec)
+        refs = ", ".join(
+            f"[{what}]({target}#{ref.split('#')[1]})"
+            for what, ref in (("time", time_ref), ("quality", quality_ref))
+            if ref
+        )
+        if refs:
+            rows.append([situation, strategy, link_, time_text, quality_text, refs])
+    if not rows:
+        return ["(no result file has the claims the advice rests on: run `make bench`)"]
+    return md_table(ADVICE_HEADERS, rows)
 
 
 def splice(readme: str, lines: list[str], markers: tuple[str, str] = (BEGIN, END)) -> str:
@@ -276,15 +187,21 @@ def _recipes(stem: str, data: dict) -> dict[str, dict]:
         out["asgd's CPU-bound ceiling ÷ raw gloo (raw ms × 2 cores ÷ asgd CPU ms)"] = {
             "withdrawn": "asgd's own measurement rescaled, so it could not disagree (issue 25)"
         }
+    for c in data["claims"] if stem.startswith("accuracy") else []:
+        if m := re.match(r"final accuracy, (.+?) − sync \(points\)", c["name"]):
+            out[c["name"]] = {"diff": (acc(m[1]), acc("sync"))}  # seed-sorted: paired
     budget = harness.budget_of(runs)
     for c in data["claims"] if stem in ("local_sgd", "daso") else []:
         if m := re.match(r"time per step, (\S+) ÷ (\S+),", c["name"]):
             aa = harness.pairs(value("local_sgd (A/A)", "step_s"), value("local_sgd", "step_s"))
             a, b = harness.pairs(value(m[1], "step_s"), value(m[2], "step_s"))
             out[c["name"]] = {"a": a, "b": b, "aa": harness.paired_ratio(*aa)[0]}
+            if m[1] == "local_sgd" and len(aa[0]) == len(a):  # both copies of local_sgd
+                out[c["name"]].update(aa=aa[0], aa_of="a")
         elif m := re.match(r"time to ([\d.]+) %, (\S+) ÷ (\S+),", c["name"]):
             t = {arm: harness.times_to(rs, float(m[1]) / 100) for arm, rs in groups.items()}
-            aa = harness.paired_ratio(t["sync (A/A)"], t["sync"], budget_s=budget)[0]
+            aa = harness.paired_ratio(t["sync (A/A)"], t["sync"], budget)[0]
+            aa = t["sync (A/A)"] if m[3] == "sync" else aa  # both copies of sync
             out[c["name"]] = {"a": t[m[2]], "b": t[m[3]], "aa": aa, "budget_s": budget}
         elif m := re.match(r"final accuracy, (\S+) − sync", c["name"]):
             out[c["name"]] = {"diff": (acc(m[1]), acc("sync"))}
@@ -329,13 +246,15 @@ def rescore(path: Path, head: str) -> list[str]:
     data["claims"] = [json.loads(json.dumps(c.__dict__, default=list)) for c in claims]
     stamp = (f"- **re-scored at `{head}`** (`benchmarks/evidence.py --rescore`): the runs are "
              f"`{data.get('provenance', {}).get('commit', '?')}`'s, the statistics and verdicts "
-             "the harness's new rules (paired by seed or round; PASS only when the whole "
+             "the harness's rules at that commit (t intervals paired by seed or round, a "
+             "ratio to a baseline judged against both its copies; PASS only when the whole "
              "interval meets the target): history, not new evidence"
              + "".join(f"; withdrawn: {w}" for w in withdrawn))  # fmt: skip
     data["rescored"] = stamp
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
     md = path.with_suffix(".md")
     rows = "\n".join(md_table(CLAIM_HEADERS, [c.row() for c in claims])) + "\n"
+    rows += "" if harness.INTERVALS in md.read_text() else f"\n{harness.INTERVALS}\n"
     text = re.sub(r"## Claims\n\n(\|.*\n)+", lambda _: "## Claims\n\n" + rows, md.read_text())
     text = re.sub(r"\n- \*\*re-scored at .*\n", "\n", text)
     md.write_text(re.sub(r"(\n- commit: .*\n)", lambda m: m[1] + stamp + "\n", text, count=1))

@@ -115,10 +115,10 @@ def accuracy(args, prov: harness.Provenance) -> None:
     )  # fmt: skip
     report.settings(
         f"MNIST-1D (4000 train / 1000 test), the paper's CNN, 4 workers, every strategy's "
-        f"defaults, `{' '.join(budget)}`, seeds {list(seeds)}, arms interleaved (order rotated "
+        f"defaults, `{' '.join(budget)}`, seeds {list(seeds)}, arms interleaved (order shuffled "
         "per seed). Final = the global model at the end (asgd/easgd: the servers' θ). The "
-        "interval is a bootstrap 95 % interval of the difference of means (seeds resampled, "
-        'paired by seed); "within ±b" is a PASS only when the whole interval is. '
+        "interval is a 95 % t interval of the mean difference, paired by seed; "
+        '"within ±b" is a PASS only when the whole interval is. '
         "No A/A pair: sync is deterministic on CPU for its seed (twice gives the same run), "
         "so the noise is the seed-to-seed spread, which the interval carries."
     )

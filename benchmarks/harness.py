@@ -1,7 +1,8 @@
-"""The one harness every benchmark uses: provenance, interleaved runs with an A/A control,
-honest statistics (time to target held for k evaluations, censored runs counted, paired bootstrap
-intervals, verdicts from the interval) and one report template: ``results/<name>.md`` + ``.json``,
-whose claims ``benchmarks/evidence.py`` turns into the evidence table. The rules and why:
+"""The one harness every benchmark uses: provenance, runs in a seeded random order with an A/A
+control, honest statistics (time to target held for k evaluations, censored runs counted, t
+intervals paired by seed, ratios judged against both copies of their control, verdicts from the
+interval) and one report template: ``results/<name>.md`` + ``.json``, whose claims
+``benchmarks/evidence.py`` turns into the evidence table. The rules and why:
 ``benchmarks/README.md``.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import random
@@ -213,6 +215,7 @@ class Run:
     load_after: float | None = None
     values: dict[str, Any] = field(default_factory=dict)
     out_dir: str | None = None
+    position: int | None = None  # its place in its seed's shuffled order (interleave)
 
     @property
     def final_accuracy(self) -> float | None:
@@ -305,12 +308,14 @@ def slug(name: str) -> str:
 def interleave(
     arms: Sequence[Arm], seeds: Sequence[int], control: str | None = None,
     run: Callable[[Arm, int], Run] | None = None, *, prov: Provenance | None = None,
-    out_root: str | Path | None = None, timeout_s: float = 900.0,
+    out_root: str | Path | None = None, timeout_s: float = 900.0, order_seed: int = 0,
 ) -> list[Run]:  # fmt: skip
-    """Every arm once per seed, seed by seed, the order rotated by one per seed (A B C, B C A,
-    …); ``control``'s arm runs a second time per seed as ``"<name> (A/A)"`` (the A/A pair).
-    ``run(arm, seed)`` defaults to :func:`run_train` into ``out_root/<arm>/seed<S>``. Each Run
-    gets the 1-min load average before and after it; failed runs are kept."""
+    """Every arm once per seed, seed by seed, in an order shuffled per seed by
+    ``random.Random(f"{order_seed}:{seed}")`` (recorded as each Run's ``position``; rotating
+    the order put the A/A copy right before its control every time); ``control``'s arm runs a
+    second time per seed as ``"<name> (A/A)"`` (the A/A pair). ``run(arm, seed)`` defaults to
+    :func:`run_train` into ``out_root/<arm>/seed<S>``. Each Run gets the 1-min load average
+    before and after it; failed runs are kept."""
     arms = list(arms)
     if control is not None:
         base = next((a for a in arms if a.name == control), None)
@@ -326,11 +331,13 @@ def interleave(
             return run_train(arm, seed, root / slug(arm.name) / f"seed{seed}", timeout_s)
 
     runs = []
-    for i, seed in enumerate(seeds):
-        for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
+    for seed in seeds:
+        order = random.Random(f"{order_seed}:{seed}").sample(arms, len(arms))
+        for position, arm in enumerate(order):
             before = load1()
             runs.append(r := run(arm, seed))
             r.load_before, r.load_after = before, prov.sample_load() if prov else load1()
+            r.position = position
             print(f"  {arm.name} seed {seed}: {describe(r)}", flush=True)
     return runs
 
@@ -383,62 +390,74 @@ def _uncensor(values: Sequence[float | None], budget_s: float | None) -> list[fl
     return [budget_s if v is None else float(v) for v in values]  # type: ignore[misc]
 
 
-def _bootstrap(a: Vals, b: Vals, combine: Callable, n: int, seed: int, budget_s, paired=False):
+#: How every interval is made; each report says so under its claims.
+INTERVALS = (
+    "Intervals: 95 % Student t — of the mean per-seed difference (paired by seed) for a "
+    "difference, of the mean log ratio for a ratio (the value is the geometric mean of the "
+    "per-seed ratios), Welch's where the sides are not paired; their coverage is nominal at "
+    "any n ≥ 2 when the per-seed values are normal (log-normal for ratios), where a percentile "
+    "bootstrap at n = 5 covers ~85 %. A ratio against a control that has an A/A copy is judged "
+    "against both copies (the interval shown spans both); the A/A column gives the copy ÷ the "
+    "side it repeats with its interval, flagged when that excludes 1."
+)
+
+
+def _t_mean(x: Sequence[float], y: Sequence[float] | None = None) -> Interval:
+    """(mean(x) − mean(y), 95 % t interval): one-sample on ``x`` when ``y`` is None, else
+    Welch's two-sample interval; with fewer than 2 values a side the interval is unbounded."""
+    from scipy.stats import t as student_t
+
+    mean = statistics.fmean(x) - (statistics.fmean(y) if y is not None else 0.0)
+    sides = [x] if y is None else [x, y]
+    if any(len(v) < 2 for v in sides):
+        return mean, -math.inf, math.inf
+    parts = [statistics.variance(v) / len(v) for v in sides]
+    se = math.sqrt(sum(parts))
+    if se == 0:
+        return mean, mean, mean
+    if y is None:
+        df = len(x) - 1
+    else:  # Welch–Satterthwaite
+        df = se**4 / sum(p * p / (len(v) - 1) for p, v in zip(parts, sides, strict=True))
+    half = float(student_t.ppf(0.975, df)) * se
+    return mean, mean - half, mean + half
+
+
+def ratio_interval(
+    a: Vals, b: Vals, budget_s: float | None = None, paired: bool = False
+) -> Interval:
+    """(a ÷ b, 95 % interval), from the logs: ``paired`` (seed i's a with seed i's b) the
+    geometric mean of the per-pair ratios and a t interval of the mean log ratio, otherwise
+    the ratio of geometric means and Welch's interval. Censored values (``None``) count as
+    ``budget_s``. Every value must be positive."""
     xa, xb = _uncensor(a, budget_s), _uncensor(b, budget_s)
     if not xa or not xb:
-        raise ValueError("a bootstrap needs at least one value on each side")
+        raise ValueError("a ratio interval needs at least one value on each side")
     if paired and len(xa) != len(xb):
-        raise ValueError(f"a paired bootstrap needs pairs, got {len(xa)} and {len(xb)} values")
-    rng = random.Random(seed)
-    if paired:  # resample whole pairs (seed i's a with seed i's b)
-        picks = (rng.choices(range(len(xa)), k=len(xa)) for _ in range(n))
-        stats = sorted(combine([xa[i] for i in p], [xb[i] for i in p]) for p in picks)
-    else:
-        resample = lambda x: rng.choices(x, k=len(x))  # noqa: E731
-        stats = sorted(combine(resample(xa), resample(xb)) for _ in range(n))
-    cut = int(0.025 * (n - 1))
-    return combine(xa, xb), stats[cut], stats[-cut - 1]
-
-
-def _median_ratio(xa: list[float], xb: list[float]) -> float:
-    return statistics.median(x / y if y else float("inf") for x, y in zip(xa, xb, strict=True))
-
-
-def bootstrap_ratio(
-    a: Vals, b: Vals, n: int = 2000, seed: int = 0, budget_s: float | None = None, paired=False
-) -> Interval:
-    """(median(a) ÷ median(b), 2.5th, 97.5th percentile) over ``n`` bootstrap resamples (a and b
-    apart; ``random.Random(seed)``: the same inputs give the same interval); censored values
-    (``None``) count as ``budget_s``. ``paired=True``: :func:`paired_ratio`."""
+        raise ValueError(f"a paired ratio needs pairs, got {len(xa)} and {len(xb)} values")
+    if min(xa + xb) <= 0:
+        raise ValueError("a ratio interval needs positive values (a value is <= 0)")
+    la, lb = [math.log(v) for v in xa], [math.log(v) for v in xb]
     if paired:
-        return paired_ratio(a, b, n, seed, budget_s)
-    if statistics.median(_uncensor(b, budget_s) or [1.0]) == 0:
-        raise ValueError("bootstrap_ratio: the denominator's median is 0")
-
-    def ratio(xa: list[float], xb: list[float]) -> float:
-        mb = statistics.median(xb)
-        return statistics.median(xa) / mb if mb else float("inf")
-
-    return _bootstrap(a, b, ratio, n, seed, budget_s)
+        m, lo, hi = _t_mean([p - q for p, q in zip(la, lb, strict=True)])
+    else:
+        m, lo, hi = _t_mean(la, lb)
+    return math.exp(m), math.exp(lo), math.exp(hi)
 
 
-def paired_ratio(
-    a: Vals, b: Vals, n: int = 2000, seed: int = 0, budget_s: float | None = None
-) -> Interval:
-    """(the median of the per-pair ratios a[i] ÷ b[i], 2.5th, 97.5th percentile) over ``n``
-    resamples of whole pairs (same seed or round: what they share cancels in their ratio).
-    Censored values as in :func:`bootstrap_ratio`."""
-    if 0 in _uncensor(b, budget_s):
-        raise ValueError("paired_ratio: a denominator is 0")
-    return _bootstrap(a, b, _median_ratio, n, seed, budget_s, paired=True)
+def paired_ratio(a: Vals, b: Vals, budget_s: float | None = None) -> Interval:
+    """:func:`ratio_interval` paired by seed (or round: what a pair shares cancels)."""
+    return ratio_interval(a, b, budget_s, paired=True)
 
 
-def bootstrap_difference(
-    a: Sequence[float], b: Sequence[float], n: int = 2000, seed: int = 0, paired: bool = False
-) -> Interval:
-    """(mean(a) − mean(b), 2.5th, 97.5th percentile), as :func:`bootstrap_ratio`."""
-    mean_diff = lambda xa, xb: statistics.fmean(xa) - statistics.fmean(xb)  # noqa: E731
-    return _bootstrap(a, b, mean_diff, n, seed, None, paired)
+def difference_interval(a: Sequence[float], b: Sequence[float], paired: bool = True) -> Interval:
+    """(mean(a) − mean(b), 95 % t interval): paired by seed, or Welch's when ``paired`` is
+    False."""
+    if paired:
+        if len(a) != len(b):
+            raise ValueError(f"a paired difference needs pairs, got {len(a)} and {len(b)} values")
+        return _t_mean([p - q for p, q in zip(a, b, strict=True)])
+    return _t_mean(a, b)
 
 
 def pairs(x: Vals, y: Vals) -> tuple[list[float], list[float]]:
@@ -534,8 +553,9 @@ def interval_verdict(rule: Rule, lo: float, hi: float) -> str:
 @dataclass
 class Claim:
     """One verdict row: ``value`` against ``target`` (``"≤ 0.75"``), ``aa`` the A/A control's
-    value, ``interval`` the 95 % bootstrap interval, ``inputs`` the per-seed values it came
-    from; :meth:`judge` makes the verdict the interval's."""
+    value and ``aa_interval`` its interval, ``interval`` the 95 % interval (:data:`INTERVALS`),
+    ``inputs`` the per-seed values it came from; :meth:`judge` makes the verdict the
+    interval's."""
 
     name: str
     value: float | str | None
@@ -547,11 +567,17 @@ class Claim:
     note: str = ""
     inconclusive: bool = False
     inputs: dict[str, Any] | None = None
+    aa_interval: tuple[float, float] | None = None
 
     @property
     def verdict(self) -> str:
         verdict = "-" if self.ok is None else PASS if self.ok else MISS
         return INCONCLUSIVE if self.inconclusive else verdict
+
+    @property
+    def aa_differs(self) -> bool:
+        """Whether the A/A interval excludes 1: two copies of one arm measured apart."""
+        return self.aa_interval is not None and not self.aa_interval[0] <= 1 <= self.aa_interval[1]
 
     def judge(self) -> Claim:
         """The verdict :func:`interval_verdict` gives (a MISS for another reason stands)."""
@@ -568,11 +594,15 @@ class Claim:
     def row(self) -> list[str]:
         iv, note = self.interval, f" ({self.note})" if self.note else ""
         interval = "-" if iv is None else f"[{fmt(iv[0])}, {fmt(iv[1])}]"
-        return [self.name, f"**{fmt(self.value)}**", self.target, fmt(self.aa), interval,
-                fmt(self.seeds), self.verdict + note]  # fmt: skip
+        aa = fmt(self.aa)
+        if self.aa_interval is not None:
+            aa += f" [{fmt(self.aa_interval[0])}, {fmt(self.aa_interval[1])}]"
+        flag = " — **A/A interval excludes 1**" if self.aa_differs else ""
+        return [self.name, f"**{fmt(self.value)}**", self.target, aa, interval,
+                fmt(self.seeds), self.verdict + flag + note]  # fmt: skip
 
 
-CLAIM_HEADERS = ["claim", "value", "target", "A/A", "95 % interval", "seeds", "verdict"]
+CLAIM_HEADERS = ["claim", "value", "target", "A/A [interval]", "95 % interval", "seeds", "verdict"]
 
 
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
@@ -585,35 +615,44 @@ def ratio_claim(
     ok: Callable[[float], bool | None], budget_s: float | None = None, *,
     paired: bool | None = None, aa_of: str = "b", samples: bool = False,
 ) -> Claim:  # fmt: skip
-    """Add the claim a ÷ b with its bootstrap interval and the A/A ratio beside it: the repeat
-    ``aa`` ÷ the side it repeats (``aa_of``), or ``aa`` itself when it is a number. ``paired``
-    (default: as many values on both sides): :func:`paired_ratio`. Censored values count as
-    ``budget_s`` (noted); a censored median makes the ratio a bound, and only the interval's
-    informative side is judged (:meth:`Claim.judge`). ``samples``: the values are samples to
-    target, censored ones counted at ``budget_s`` samples (:func:`censored_floor`)."""
+    """Add the claim a ÷ b with its interval (:func:`ratio_interval`) and the A/A ratio beside
+    it: the repeat ``aa`` ÷ the side it repeats (``aa_of``) with its interval, or ``aa`` itself
+    when it is a number. With A/A runs the claim is also computed against the copy (a ÷ aa, or
+    aa ÷ b) and judged on the span of both intervals: it passes only if it holds against
+    each copy. ``paired`` (default: as many values on both sides) pairs by seed. Censored values
+    count as ``budget_s`` (noted); a censored median makes the ratio a bound, and only the
+    interval's informative side is judged (:meth:`Claim.judge`). ``samples``: the values are
+    samples to target, censored ones counted at ``budget_s`` samples (:func:`censored_floor`)."""
     if aa_of not in ("a", "b"):
         raise ValueError(f"aa_of must be 'a' or 'b', got {aa_of!r}")
     paired = len(a) == len(b) if paired is None else paired
-    ratio, lo, hi = bootstrap_ratio(a, b, budget_s=budget_s, paired=paired)
+    ratio, lo, hi = ratio_interval(a, b, budget_s, paired)
     aa_runs = [] if aa is None or isinstance(aa, int | float) else list(aa)
-    aa_ratio = aa if isinstance(aa, int | float) else None
+    aa_ratio, aa_interval, notes = aa if isinstance(aa, int | float) else None, None, []
     if aa_runs:
         side = a if aa_of == "a" else b
-        aa_paired = paired and len(aa_runs) == len(side)
-        aa_ratio = bootstrap_ratio(aa_runs, side, budget_s=budget_s, paired=aa_paired)[0]
+        pair = lambda x, y: paired and len(x) == len(y)  # noqa: E731
+        aa_ratio, *aa_interval = ratio_interval(aa_runs, side, budget_s, pair(aa_runs, side))
+        other = (aa_runs, b) if aa_of == "a" else (a, aa_runs)
+        _, lo2, hi2 = ratio_interval(*other, budget_s, pair(*other))
+        notes.append(f"against the A/A copy [{fmt(lo2)}, {fmt(hi2)}]")
+        lo, hi = min(lo, lo2), max(hi, hi2)
     censored = sum(v is None for v in (*a, *b, *aa_runs))
     unit = f"samples ({CENSORED_SAMPLES})" if samples else "s budget"
-    note = f"{censored} censored runs counted at the {fmt(budget_s)} {unit}" if censored else ""
+    if censored:
+        notes.append(f"{censored} censored runs counted at the {fmt(budget_s)} {unit}")
     value: float | str = ratio
     verdict, judged = ok(ratio), (lo, hi)
     a_out, b_out = (isinstance(censored_median(x, 0)[0], str) for x in (a, b))
     if a_out and b_out:  # neither side's median reached the target: no ratio at all
-        value, judged = "both censored", (-float("inf"), float("inf"))
+        value, judged = "both censored", (-math.inf, math.inf)
     elif a_out:  # a's median is beyond the budget: the ratio is a lower bound
-        value, judged = f"≥ {fmt(ratio)}", (lo, float("inf"))
+        value, judged = f"≥ {fmt(ratio)}", (lo, math.inf)
     elif b_out:  # b's is: the ratio is an upper bound
-        value, judged = f"≤ {fmt(ratio)}", (-float("inf"), hi)
-    claim = Claim(name, value, target, verdict, aa_ratio, judged, min(len(a), len(b)), note)
+        value, judged = f"≤ {fmt(ratio)}", (-math.inf, hi)
+    aa_iv = (*aa_interval,) if aa_interval else None
+    claim = Claim(name, value, target, verdict, aa_ratio, judged, min(len(a), len(b)),
+                  "; ".join(notes), aa_interval=aa_iv)  # fmt: skip
     claim.inputs = {"a": list(a), "b": list(b), "aa": aa_runs or None, "aa_of": aa_of,
                     "budget_s": budget_s, "paired": paired}  # fmt: skip
     claim.judge().interval = (lo, hi)
@@ -625,12 +664,15 @@ def diff_claim(
     report: Report, name: str, a: Sequence[float], b: Sequence[float], target: str,
     ok: Callable[[float, float, float], bool], *, paired=True, digits: int | None = 2, **kwargs,
 ) -> Claim:  # fmt: skip
-    """Add the claim mean(a) − mean(b) in points with its bootstrap interval (paired by seed
-    unless ``paired`` is False), rounded to ``digits`` (None: not rounded); ``ok(d, lo, hi)``
-    gets the unrounded points. ``kwargs``: the claim's other fields (seeds, note, aa)."""
-    d, lo, hi = (100 * x for x in bootstrap_difference(a, b, paired=paired))
+    """Add the claim mean(a) − mean(b) in points with its t interval (paired by seed unless
+    ``paired`` is False), rounded to ``digits`` (None: not rounded); ``ok(d, lo, hi)`` gets the
+    unrounded points. ``kwargs``: the claim's other fields (seeds, note, aa). The per-seed
+    values are kept as the claim's inputs."""
+    d, lo, hi = (100 * x for x in difference_interval(a, b, paired=paired))
     r = (lambda x: x) if digits is None else (lambda x: round(x, digits))  # noqa: E731
-    return report.claim(name, r(d), target, ok(d, lo, hi), interval=(r(lo), r(hi)), **kwargs)
+    claim = report.claim(name, r(d), target, ok(d, lo, hi), interval=(r(lo), r(hi)), **kwargs)
+    claim.inputs = claim.inputs or {"diff": (list(a), list(b)), "paired": paired}
+    return claim
 
 
 def simulate_all(
@@ -724,7 +766,8 @@ class Report:
     def markdown(self) -> str:
         lines = self.header()
         if self.claims:
-            lines += ["## Claims", "", *md_table(CLAIM_HEADERS, [c.row() for c in self.claims]), ""]
+            rows = [c.row() for c in self.claims]
+            lines += ["## Claims", "", *md_table(CLAIM_HEADERS, rows), "", INTERVALS, ""]
         return "\n".join([*lines, *self.body]).rstrip() + "\n"
 
     def write(self, runs: Sequence[Run] = ()) -> Path:

@@ -132,8 +132,8 @@ def main() -> None:
 
         pairs, aa = losses(CLAIM_ARM), losses(harness.aa_name("sync"))
         if pairs[0]:
-            diff, lo, hi = harness.bootstrap_difference(*pairs, paired=True)
-            aa_diff = harness.bootstrap_difference(*aa, paired=True)[0] if aa[0] else None
+            diff, lo, hi = harness.difference_interval(*pairs, paired=True)
+            aa_diff = harness.difference_interval(*aa, paired=True)[0] if aa[0] else None
             report.claim("diloco at its defaults − sync: final test loss (nats)", round(diff, 4),
                          f"≤ {CLAIM_NATS}", diff <= CLAIM_NATS,
                          aa=None if aa_diff is None else round(aa_diff, 4),

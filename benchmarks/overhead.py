@@ -8,10 +8,11 @@ training loop calls it); the reference again as the A/A control.
 
 A step is the loop's: forward, loss, ``zero_grad``, backward, optimizer step, ``loss.item()``.
 Each round (behind a barrier) every variant warms up, then the variants take their timed steps
-in turn, the order rotated each round, so load from elsewhere slows every variant alike; a
-variant's round value is the median of its steps on rank 0. Ratio = the median of the rounds'
-ratios, 95 % bootstrap interval over rounds. Every variant sees the same batches, so its
-parameters must equal the reference's at the end: the largest difference is reported.
+in turn, in an order shuffled each round (seeded), so load from elsewhere slows every variant
+alike; a variant's round value is the median of its steps on rank 0. Ratio = the geometric mean
+of the rounds' ratios, 95 % t interval over rounds (harness.INTERVALS). Every variant sees the
+same batches, so its parameters must equal the reference's at the end: the largest difference is
+reported.
 
     .venv/bin/python benchmarks/overhead.py [--quick] [--force]
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -94,7 +96,7 @@ def _rank(rank: int, world: int, port: int, rounds: int, steps: int, out: str):
 
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
+        order = random.Random(f"0:{r}").sample(names, len(names))  # the same on every rank
         dist.barrier()
         for name in order:
             for _ in range(WARMUP):

@@ -204,7 +204,7 @@ def compare_diloco(
         for label, accs in (("equal pushes", pushes), ("equal time", at_time)):
             if any(a is None for a in accs):
                 continue
-            d, lo, hi = harness.bootstrap_difference(accs, finals, paired=True)
+            d, lo, hi = harness.difference_interval(accs, finals, paired=True)
             diff[label] = 100 * d
             if n == "async_diloco" or label == "equal time":  # DyLU: pushes ≠ samples / H
                 rep.claim(

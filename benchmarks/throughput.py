@@ -98,8 +98,8 @@ def staging_claim(report: harness.Report, runs: list[harness.Run], reps: int, st
     if not jobs:
         report.claim(name, "not measured", f"≥ {STAGING_TARGET}", None, note="no asgd job staged")
     else:
-        aa = harness.bootstrap_ratio(both[harness.aa_name("pinned")], both["pinned"])[0]
-        ratio, lo, hi = harness.bootstrap_ratio(jobs, both["pinned"])
+        aa = harness.ratio_interval(both[harness.aa_name("pinned")], both["pinned"])[0]
+        ratio, lo, hi = harness.ratio_interval(jobs, both["pinned"])
         report.claim(name, ratio, f"≥ {STAGING_TARGET}", ratio >= STAGING_TARGET, aa=aa,
                      interval=(lo, hi), seeds=len(jobs),
                      note=f"{len(jobs)} asgd workers' jobs, {reps} copy repetitions")  # fmt: skip

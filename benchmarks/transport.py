@@ -2,7 +2,7 @@
 
 A worker (rank 1) and a server (rank 0) on 127.0.0.1 move ``--numel`` fp32 values (10M, 40 MB)
 each way per round trip; GB/s = 2·numel·4 bytes ÷ the worker's wall time per round trip. Arms,
-interleaved and rotated per repetition, ``raw`` twice (A/A): ``raw`` (``dist.send`` then
+in a seeded random order per repetition, ``raw`` twice (A/A): ``raw`` (``dist.send`` then
 ``dist.recv``, the floor of any gloo path); ``duplex`` (reference: both directions at once, the
 wire pattern of asgd's round trip); ``asgd`` (``ServerLoop`` and ``AsgdStrategy``'s PUSH_FETCH
 round, a session per repetition); ``rpc`` (the PyTorch tutorial's RPC parameter server);
@@ -279,10 +279,10 @@ def report(prov: harness.Provenance, s: dict, runs: list[harness.Run]) -> None:
     rep.settings(
         f"{s['numel']:,} fp32 values ({s['numel'] * 4 / 1e6:.0f} MB) each way, 1 worker + "
         f"1 server on 127.0.0.1, {s['reps']} repetitions × {s['iters']} timed round trips "
-        f"(after {s['warmup']} warm-up) per arm, arms interleaved and rotated per "
+        f"(after {s['warmup']} warm-up) per arm, arms interleaved in a seeded random order per "
         "repetition, `raw` twice (A/A). GB/s = payload bytes both ways ÷ wall time "
-        "(headers not counted). Intervals: 95 % bootstrap of the median per-repetition "
-        "ratio (both arms of a repetition ran back to back: resampled as pairs)."
+        "(headers not counted). Intervals: 95 % t interval of the mean log per-repetition "
+        "ratio (both arms of a repetition ran in one round: paired)."
     )
     rows = []
     for arm, rs in groups.items():
