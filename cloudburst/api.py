@@ -40,9 +40,13 @@ from cloudburst.loop.finish import finish_strategy, serve
 from cloudburst.loop.step import step_done
 from cloudburst.metrics import MetricsWriter
 from cloudburst.rundir import prepare_run_dir
-from cloudburst.runtime import Context, init_distributed, shutdown
+from cloudburst.runtime import Context, in_torchrun, init_distributed, shutdown
 from cloudburst.strategies import make_strategy
 from cloudburst.strategies.base import Strategy
+
+
+class NotUnderTorchrun(RuntimeError):
+    """A :class:`Job` made in a process that torchrun did not start."""
 
 
 class Job:
@@ -50,6 +54,12 @@ class Job:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
+        if not in_torchrun():
+            raise NotUnderTorchrun(
+                f"cloudburst.Job is one rank of a job started by torchrun: run this script with "
+                f"`.venv/bin/torchrun --standalone --nproc-per-node {cfg.world_size} SCRIPT` "
+                "(RANK, WORLD_SIZE and MASTER_ADDR are not set)"
+            )
         if int(os.environ.get("RANK", "0")) == 0:
             # Before the others join (they wait for rank 0 in init_distributed): a new,
             # empty or earlier run's directory, its old files removed by name.

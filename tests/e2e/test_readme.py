@@ -7,9 +7,9 @@ docs/*.md, and every ``$ command`` transcript, is checked against the code.
   flags given (its ``--help`` lists them);
 - ``make TARGET`` names a target of the Makefile;
 - a transcript (``$ cloudburst …`` then what it prints) is run: the output is the text's;
-- a Python block that uses ``cloudburst.Job`` runs under ``torchrun --standalone`` with as many
-  ranks as its ``RunConfig`` asks for, after :data:`PRELUDE` (the names the snippet assumes: a
-  model, an optimizer, a dataset, a loss); any other Python block runs as it is.
+- a Python block that uses ``cloudburst.Job`` runs as written under ``torchrun --standalone``
+  with as many ranks as its ``RunConfig`` asks for (nothing is added: a snippet that uses a name
+  it does not define fails); any other Python block runs as it is.
 
 A block that cannot run here (several machines) is listed in :data:`SKIP` with the reason,
 keyed by a piece of its text; an entry that matches no block fails, so the list stays true.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -42,24 +43,9 @@ SKIP = {
 #: once the bug is fixed the block passes and its entry must go.
 KNOWN_BUGS: dict[str, str] = {}
 
-#: Files the commands refer to, as the text around them describes them (``~`` is the test's
-#: directory: a user's data under ``~/data`` is an empty directory of that name).
-FIXTURES = {"run.toml": "lr = 0.1\n\n[daso]\nglobal_skip = 8\n"}
+#: A user's data the commands refer to (``~`` is the test's directory: a user's data under
+#: ``~/data`` is an empty directory of that name); ``examples/`` is copied there as shipped.
 USER_DATA = ["data/cifar-10-batches-py"]
-
-#: What a Python snippet using ``cloudburst.Job`` assumes: a model for the synthetic set's
-#: 40 features and 10 classes, its optimizer, a dataset, a loss.
-PRELUDE = """\
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
-
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(40, 32), nn.ReLU(), nn.Linear(32, 10))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-dataset = TensorDataset(torch.randn(512, 40), torch.randint(0, 10, (512,)))
-loss_fn = nn.CrossEntropyLoss()
-"""
 
 
 @dataclass
@@ -199,7 +185,7 @@ def check_command(words: list[str], where: str) -> None:
         "cloudburst",
     ]:  # noqa: E501
         words = ["cloudburst", *words[3:]]
-    head, rest = words[0], words[1:]
+    head, rest = words[0].removeprefix(".venv/bin/"), words[1:]
     if head == "cloudburst":
         check_cloudburst(rest, where)
     elif head == "torchrun":
@@ -235,7 +221,7 @@ def check_python(block: Block, tmp_path: Path) -> None:
                               timeout=300, env=cli_env(), cwd=tmp_path)  # fmt: skip
         assert proc.returncode == 0, f"{block.where}:\n{proc.stdout}\n{proc.stderr}"
         return
-    script.write_text(PRELUDE + "\n" + block.text)
+    script.write_text(block.text)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(world_size(block)), str(script)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cli_env(),
@@ -275,8 +261,7 @@ def test_each_documented_block_runs_or_parses(block, tmp_path, monkeypatch, caps
         request.applymarker(pytest.mark.xfail(reason=bug, strict=True))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path))
-    for name, text in FIXTURES.items():
-        (tmp_path / name).write_text(text)
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
     for name in USER_DATA:
         (tmp_path / name).mkdir(parents=True)
     if block.lang == "python":
