@@ -50,6 +50,9 @@ def parse_args(description: str | None, add: Callable | None = None) -> argparse
     p.add_argument("--seeds", type=int, default=None, help="seeds per arm (script's default)")
     p.add_argument("--force", action="store_true", help="run on a dirty tree or a busy machine")
     p.add_argument("--out", default=None, help="report path (default results/<name>.md)")
+    p.add_argument("--replay", type=Path, default=None, metavar="RESULT.json",
+                   help="report on the runs a result stored instead of running (history: the "
+                        "runs stay that result's commit's)")  # fmt: skip
     if add is not None:
         add(p)
     args = p.parse_args()
@@ -138,6 +141,7 @@ class Provenance:
     loads: list[float] = field(default_factory=list)
     load_after: float | None = None
     commit_after: str | None = None
+    replayed_from: str | None = None  # --replay: the commit whose stored runs this reports on
     args: Any = field(default=None, repr=False)
 
     @classmethod
@@ -167,6 +171,19 @@ class Provenance:
                    platform.python_version(), torch.__version__, _cpu_model(),
                    os.cpu_count() or 1, gpu, socket.gethostname(), platform.platform(),
                    round(busy, 3), load1(), args=args)  # fmt: skip
+
+    def replayed_runs(self) -> list[Run] | None:
+        """With ``--replay RESULT.json``: that result's stored runs (its commit recorded in
+        :attr:`replayed_from`, said in the report); otherwise None: run the arms."""
+        path = getattr(self.args, "replay", None)
+        if path is None:
+            return None
+        data = json.loads(Path(path).read_text())
+        old = data.get("provenance", {})
+        self.replayed_from = (f"{old.get('commit', '?')}` (started {old.get('started_utc')} UTC, "
+                              f"load {old.get('load_before')} before, {old.get('load_after')} "
+                              "after: the load lines below are the replay's)")  # fmt: skip
+        return [Run(**r) for r in data.get("runs", [])]
 
     def results_dir(self) -> Path:
         """Where reports go: ``benchmarks/results/``, or ``runs/bench-quick/`` for --quick."""
@@ -746,6 +763,11 @@ class Report:
         p = self.prov
         loads = ", ".join(f"{x:.2f}" for x in p.loads) or "-"
         moved = p.commit_after and p.commit_after != p.commit.removesuffix("+dirty")
+        replayed = [
+            f"- **runs replayed** from the result of `{p.replayed_from} (`--replay`): the "
+            "runs are that commit's, the report this one's: history, not new evidence"
+        ]
+        replayed = replayed if p.replayed_from else []
         return [
             f"# {self.title}",
             "",
@@ -753,6 +775,7 @@ class Report:
             f"- commit: `{p.commit}`"
             + (f" — **changed during the run** to `{p.commit_after}`" if moved else "")
             + (" — **forced** (dirty tree or busy machine allowed)" if p.forced else ""),
+            *replayed,
             f"- machine: {p.cpu}, {p.nproc} cores, GPU {p.gpu or 'none'}, host `{p.host}`, "
             f"`{p.platform}`",
             f"- python {p.python}, torch {p.torch}",

@@ -466,3 +466,18 @@ def test_rescore_rederives_paired_claims_from_stored_inputs_and_stamps_the_files
     assert "| x ÷ y | **0.8** | ≤ 0.9 | 1.01 [1.01, 1.01] | [0.792, 0.8] | 5 | PASS" in md
     evidence.rescore(path, "def5678")  # again: one stamp, not two
     assert path.with_suffix(".md").read_text().count("re-scored at") == 1
+
+
+def test_replay_reports_on_a_results_stored_runs_and_says_whose_they_are(tmp_path, monkeypatch):
+    prov = provenance(tmp_path, monkeypatch)
+    assert prov.replayed_runs() is None  # no --replay: the arms run
+    stored_runs = [Run("sync", 0, 1.5, evals=[(1.0, 8, 0.5)]), Run("asgd", 0, 1.0)]
+    result = tmp_path / "old.json"
+    result.write_text(json.dumps({"provenance": {"commit": "0ld0ld0", "load_before": 0.3},
+                                  "runs": [r.to_dict() for r in stored_runs]}))  # fmt: skip
+    prov.args = SimpleNamespace(out=str(tmp_path / "demo.md"), replay=result)
+    runs = prov.replayed_runs()
+    assert [(r.arm, r.wall_s) for r in runs] == [("sync", 1.5), ("asgd", 1.0)]
+    assert runs[0].evals == [[1.0, 8, 0.5]]  # as JSON stored them
+    header = "\n".join(harness.Report("demo", "A demo", prov).header())
+    assert "**runs replayed** from the result of `0ld0ld0` (started None UTC, load 0.3" in header
