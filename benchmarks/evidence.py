@@ -61,6 +61,10 @@ ADVICE: list[tuple[str, str, str, Cell, Cell]] = [
      ("overhead", "sync step ÷ raw DDP, W = 4", "× raw DDP's step time"), None),
     ("A small GPT (W = 4, equal tokens, virtual cluster)", "`diloco` (H = 8)", "none", None,
      ("lm", "diloco at its defaults − sync", " nats per byte above sync's test loss")),
+    ("Predicting a real run's time on the virtual cluster", "`cloudburst simulate`",
+     "0.1 Gbit/s, 3 ms",
+     ("sim_fidelity", "time the link adds, real ÷ simulated, the 2 configurations never used",
+      "× the link time it predicted"), None),
 ]  # fmt: skip
 ADVICE_HEADERS = ["situation", "strategy", "link", "time", "quality", "evidence"]
 
