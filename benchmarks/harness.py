@@ -790,7 +790,8 @@ class Report:
         lines = self.header()
         if self.claims:
             rows = [c.row() for c in self.claims]
-            lines += ["## Claims", "", *md_table(CLAIM_HEADERS, rows), "", INTERVALS, ""]
+            method = [INTERVALS, ""] if any(c.interval for c in self.claims) else []
+            lines += ["## Claims", "", *md_table(CLAIM_HEADERS, rows), "", *method]
         return "\n".join([*lines, *self.body]).rstrip() + "\n"
 
     def write(self, runs: Sequence[Run] = ()) -> Path:

@@ -208,7 +208,7 @@ def main() -> None:
     telling = [(name, holds) for name, holds, discriminates in scored if discriminates]
     rep.claim("predictions within tolerance, counting only the rows the null model misses",
               f"{sum(h for _, h in telling)} / {len(telling)}", "(count)", None,
-              note="; ".join(f"{name.split(':')[0]} {'holds' if h else 'misses'}"
+              note="; ".join(f"{name.rsplit(':', 1)[0]} {'holds' if h else 'misses'}"
                              for name, h in telling))  # fmt: skip
 
     rep.settings(harness.about(__doc__))
