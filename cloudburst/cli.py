@@ -1,8 +1,9 @@
 """``cloudburst`` command line: ``train``, ``simulate``, ``compare``, ``demo`` and ``plot``.
 
-``cloudburst train`` validates the whole config before anything starts (a bad value: one line,
-exit code 2). Outside torchrun it launches a local job and shows a progress bar; inside a
-user's ``torchrun ... -m cloudburst train ...`` it runs as one rank of that job.
+``cloudburst train`` validates the whole config before anything starts (a bad value, or a flag
+argparse cannot read: one line, exit code 2). Outside torchrun it launches a local job, once
+its ranks are known to fit this machine (``--allow-large-job`` skips that check), and shows a
+progress bar; inside a user's ``torchrun ... -m cloudburst train ...`` it runs as one rank.
 ``cloudburst simulate`` takes the same settings plus the clock model's and runs the whole job
 in this process on a virtual cluster (times in virtual seconds), or a sweep of such runs.
 """
@@ -24,13 +25,23 @@ from cloudburst.config import (
     load_toml,
     refuse_code_from_file,
 )
-from cloudburst.preflight import preflight
+from cloudburst.preflight import ALLOW_LARGE_JOB, check_local_job_fits, preflight
 from cloudburst.resilience import resume_config
 from cloudburst.rundir import check_run_dir, default_out, prepare_run_dir
 from cloudburst.summary import failed_message, format_summary, interrupted_message
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130  # as a shell reports a process stopped by SIGINT
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose refusal (an unknown flag, ``--seed x``, a value past int's digit limit)
+    is one line and exit code 2, as a refused config is, without the long usage."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if len(message) > 300:
+            message = message[:300] + "..."
+        self.exit(EXIT_CONFIG, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _train_parser(sub) -> None:
@@ -117,6 +128,14 @@ def _add_config_file_arguments(p: argparse.ArgumentParser) -> None:
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     _add_config_file_arguments(p)
     groups = add_config_flags(p)
+    groups["job"].add_argument(
+        ALLOW_LARGE_JOB,
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="launch a local job even when its ranks look too many for this machine (about "
+        "12 processes and threads, 128 MiB and 10 open files each); the check is skipped "
+        "under torchrun, where each machine runs its own share",
+    )
     groups["faults"].add_argument(
         "--resume",
         metavar="DIR",
@@ -186,7 +205,7 @@ def flag_spec(f: dataclasses.Field) -> tuple[str, dict[str, Any]]:
     return flag, options
 
 
-CLI_ONLY = ("command", "config", "func", "trust_config")
+CLI_ONLY = ("command", "config", "func", "trust_config", "allow_large_job")
 
 
 def build_config(args: argparse.Namespace) -> RunConfig:
@@ -220,6 +239,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out = values.pop("out", None) or default_out("compare")
     runs = comparison_configs(args.runs, values, out)
     for _, cfg in runs:  # every run's directory is usable before the first one starts
+        if not getattr(args, "allow_large_job", False):
+            check_local_job_fits(cfg)
         check_run_dir(cfg.out, resume=False, overwrite=cfg.overwrite)
     for _, cfg in runs[:1]:
         preflight(cfg)
@@ -290,6 +311,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             return 1
         print(format_summary([summary]))
         print(f"cloudburst: simulated run in {cfg.out} (times in virtual seconds)", file=sys.stderr)
+        if summary.get("failed"):  # it finished, but θ diverged (cloudburst.summary.diverged)
+            print(failed_message(summary), file=sys.stderr)
+            return 1
         return 0
     out = values.pop("out", None) or default_out("sim-sweep")
     strategies = strategies or [str(values.get("strategy", "sync"))]
@@ -345,6 +369,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from cloudburst.runtime import in_torchrun
 
     cfg = build_config(args)
+    if not in_torchrun() and not getattr(args, "allow_large_job", False):
+        check_local_job_fits(cfg)  # before anything else: nothing forked, no data read
     if int(os.environ.get("RANK", "0")) == 0:
         for warning in cfg.warnings():
             print(f"cloudburst: warning: {warning}", file=sys.stderr)
@@ -361,7 +387,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError(problem)
 
         run_rank(cfg.to_dict())
-        return 0
+        from cloudburst.summary import finished_exit_code  # 1 when θ diverged
+
+        return finished_exit_code(cfg.out) if int(os.environ["RANK"]) == 0 else 0
     return launch_and_report(cfg)
 
 
@@ -380,14 +408,23 @@ def launch_and_report(cfg: RunConfig) -> int:
         if e.summary is None:
             print(f"cloudburst: {e}", file=sys.stderr)
             return 1
-        print(format_summary([e.summary]))
+        # no results table: a failed run's numbers are not a result
         print(failed_message(e.summary), file=sys.stderr)
         print(f"cloudburst: logs in {os.path.join(cfg.out, 'logs')}", file=sys.stderr)
         return 1
     except JobInterrupted as e:
         print(format_summary([e.summary]))
         return _interrupted(e.summary)
+    if summary.get("failed"):  # it finished, but θ diverged (cloudburst.summary.diverged)
+        print(failed_message(summary), file=sys.stderr)
+        print(f"cloudburst: the run's files are in {cfg.out}", file=sys.stderr)
+        return 1
     print(format_summary([summary]))
+    print(
+        f"cloudburst: the run is in {cfg.out} (summary.json, metrics/; learning curves: "
+        f"cloudburst plot {cfg.out})",
+        file=sys.stderr,
+    )
     if summary.get("failed_agents"):
         from cloudburst.launch import rank_errors
 
@@ -416,8 +453,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``cloudburst`` parser with its five subcommands."""
-    parser = argparse.ArgumentParser(prog="cloudburst", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="cloudburst", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     _train_parser(sub)
     _simulate_parser(sub)
     _compare_parser(sub)

@@ -61,24 +61,6 @@ def comparison_configs(
     return runs
 
 
-def loss_table(summaries: list[dict[str, Any]], labels: list[str]) -> str:
-    """Language-model runs: final test loss (nats per token), bits per byte, MB sent."""
-    rows = [("run", "test loss", "bits/byte", "MB sent", "to target loss s")]
-    for label, s in zip(labels, summaries, strict=True):
-        target = s.get("time_to_target_loss_s")
-        rows.append(
-            (
-                label,
-                f"{s['final_test_loss']:.4f}",
-                f"{s['final_bits_per_byte']:.4f}",
-                f"{s['sent_bytes'] / 1e6:.1f}",
-                "-" if target is None else f"{target:.1f}",
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
-
-
 def run_comparison(
     runs: list[tuple[str, RunConfig]], out: str, title: str = "cloudburst compare"
 ) -> list[dict[str, Any]]:
@@ -105,8 +87,6 @@ def run_comparison(
             raise
         done.append(label)
     table = format_summary(summaries, labels=done)
-    if all("final_bits_per_byte" in s for s in summaries):
-        table += "\n\n" + loss_table(summaries, done)
     print(table)
     plot = plot_runs([cfg.out for _, cfg in runs], str(Path(out) / "curves.png"), title, done)
     lines = [f"# {title}", "", "```", table, "```", ""]

@@ -20,12 +20,13 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from cloudburst.datasets import (
+    MAX_DATASET_BYTES,
     DatasetError,
     Preprocess,
     TensorSource,
@@ -35,7 +36,11 @@ from cloudburst.datasets import (
     load_text,
     parse_dataset_spec,
 )
+from cloudburst.datasets.base import cache_dir, check_size
 from cloudburst.datasets.text import DEFAULT_CONTEXT
+
+if TYPE_CHECKING:
+    from cloudburst.config import RunConfig
 
 MNIST1D_DATA_SEED = 42  # the published dataset's generation seed
 
@@ -105,11 +110,16 @@ def load_dataset(
     test_size: int | None = None,
     image_size: int = 32,
     context: int = DEFAULT_CONTEXT,
+    max_bytes: int = MAX_DATASET_BYTES,
 ) -> Dataset:
     """``name`` is a dataset spec: ``mnist1d``, ``synthetic`` or ``KIND:PATH``.
 
     ``text:PATH``: ``context`` tokens per window, vocabulary 256; ``train_size`` caps the
     training tokens at that many windows' worth, ``test_size`` is the number of test windows.
+
+    ``max_bytes`` bounds what a dataset read from a path may take in memory (npz arrays, a text
+    corpus, an image folder's decoded test split), checked from headers and file sizes before
+    anything is read; over it, a one-line ``DatasetError`` names the size and the limit.
 
     A dataset read from a path is put in a fixed pseudo-random order first (the same on every
     rank), so that contiguous worker shards and ``train_size``/``test_size`` caps draw from
@@ -121,11 +131,20 @@ def load_dataset(
     if kind == "synthetic":
         return synthetic(train_size or 4000, test_size or 1000)
     if kind == "text":
-        train, test = load_text(path, context, train_size, test_size)
+        train, test = load_text(path, context, train_size, test_size, max_bytes=max_bytes)
         return Dataset(train, test, 256, (context,))
-    loaded = load_path_dataset(kind, path, image_size=image_size)
+    loaded = load_path_dataset(kind, path, image_size=image_size, max_bytes=max_bytes)
     train = _shuffled(loaded.train, train_size, seed=SOURCE_ORDER_SEED)
     test = _shuffled(loaded.test, test_size, seed=SOURCE_ORDER_SEED + 1)
+    if not isinstance(test, TensorSource):  # decoded whole by in_memory() to evaluate
+        n_bytes = len(test) * math.prod(loaded.input_shape)
+        shape = "x".join(map(str, loaded.input_shape))
+        check_size(
+            f"{kind}:{path}: the test split decoded",
+            n_bytes,
+            max_bytes,
+            f"{len(test)} images of {shape} uint8; --test-size caps it",
+        )
     return Dataset(
         train,
         test,
@@ -155,6 +174,19 @@ class SubsetSource:
 
     def get_batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.source.get_batch(self.indices[idx])
+
+
+def load_run_dataset(cfg: RunConfig) -> Dataset:
+    """The dataset a run's config names (:func:`load_dataset` with its data settings): the one
+    call the driver, the simulator and the pre-flight checks make."""
+    return load_dataset(
+        cfg.dataset,
+        cfg.train_size,
+        cfg.test_size,
+        cfg.image_size,
+        context=cfg.context,
+        max_bytes=cfg.max_dataset_bytes,
+    )
 
 
 def _shuffled(source, size: int | None, seed: int):
@@ -187,7 +219,7 @@ def synthetic(train_size: int, test_size: int, length: int = 40, classes: int = 
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("CLOUDBURST_CACHE", Path.home() / ".cache" / "cloudburst"))
+    return cache_dir()
 
 
 def _mnist1d(train_size: int, test_size: int) -> Dataset:

@@ -7,7 +7,8 @@ each strategy does what its documentation says when a worker fails:
   (before that step's checkpoint);
 - ``stop:RANK@STEP``  — it SIGSTOPs itself after step STEP: a hung peer, found by timeouts;
 - ``nan:RANK@STEP``   — its loss at step STEP is NaN (so are its gradients);
-- ``slow:RANK:FACTOR`` — every step of it takes FACTOR× its compute time (a straggler).
+- ``slow:RANK:FACTOR`` — every step of it takes FACTOR× its compute time (a straggler;
+  FACTOR 1..1000, times any ``--straggler`` factor of the same worker).
 
 Faults target workers (a server rank is refused). A fault fires in the first attempt of a
 run only: never again after a restart under ``--max-restarts`` or a ``--resume``, which would
@@ -20,11 +21,14 @@ import logging
 import re
 from dataclasses import dataclass
 
+from cloudburst.config.fields import MAX_STEPS, SLOWDOWN
+
 log = logging.getLogger(__name__)
 
 KINDS = ("kill", "stop", "nan", "slow")
-_AT = re.compile(r"^(kill|stop|nan):(\d+)@(\d+)$")
-_SLOW = re.compile(r"^slow:(\d+):([0-9.eE+-]+)$")
+# At most 18 digits: an int64 (a longer one is not a rank or a step of any run).
+_AT = re.compile(r"^(kill|stop|nan):(\d{1,18})@(\d{1,18})$")
+_SLOW = re.compile(r"^slow:(\d{1,18}):([0-9.eE+-]{1,32})$")
 
 
 class FaultError(ValueError):
@@ -46,6 +50,8 @@ class Fault:
             step = int(m.group(3))
             if step < 1:
                 raise FaultError(f"{text!r}: STEP counts from 1")
+            if step > MAX_STEPS:
+                raise FaultError(f"{text!r}: STEP must be <= {MAX_STEPS:_}")
             return cls(m.group(1), int(m.group(2)), step=step)
         m = _SLOW.match(text)
         if m:
@@ -53,8 +59,8 @@ class Fault:
                 factor = float(m.group(2))
             except ValueError:
                 factor = float("nan")
-            if not factor >= 1.0:
-                raise FaultError(f"{text!r}: FACTOR must be a number >= 1")
+            if not SLOWDOWN.allows(factor, integer=False):
+                raise FaultError(f"{text!r}: FACTOR must be {SLOWDOWN.text(integer=False)}")
             return cls("slow", int(m.group(1)), factor=factor)
         raise FaultError(
             f"{text!r} is not one of kill:RANK@STEP, stop:RANK@STEP, nan:RANK@STEP, "

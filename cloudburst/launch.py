@@ -1,14 +1,26 @@
-"""Run a whole job on this machine and wait for its summary (used by the CLI and tests)."""
+"""Run a whole job on this machine and wait for its summary (used by the CLI and tests).
+
+The launcher supervises: it serves the job's store, watches the agents and the run's files,
+and stops every process of the job when it ends, fails or is interrupted. None of that may
+depend on a free descriptor (a flood of connections to the store it serves can take them
+all): its soft ``RLIMIT_NOFILE`` is raised to the hard limit at start, an ``OSError`` while
+reading the run's files skips one look, and the kill path needs none — without ``/proc`` it
+kills the agents and the forkserver by pid, and the ranks die with them (each asks the kernel
+for SIGKILL when its parent exits, :func:`cloudburst.forkserver.die_with_parent`; the agents
+and the forkserver do the same with the launcher, so a SIGKILLed launcher leaves no process).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import inspect
 import json
 import logging
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import sys
@@ -23,7 +35,13 @@ import torch
 import torch.distributed as dist
 
 from cloudburst.config import RunConfig
-from cloudburst.forkserver import adopt_forkserver, forkserver_pid, start_forkserver
+from cloudburst.forkserver import (
+    adopt_forkserver,
+    die_with_parent,
+    forkserver_pid,
+    raise_open_files_limit,
+    start_forkserver,
+)
 from cloudburst.metrics import iter_jsonl, write_json_atomic
 from cloudburst.rundir import open_append_nofollow, prepare_run_dir
 from cloudburst.runtime import is_loopback
@@ -90,10 +108,12 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
     summary_path = out / "summary.json"
     summary_seen_at = None
     failed_at, next_failure_check = None, 0.0
+    _Unreadable.failures = 0  # said once per job
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         while any(p.is_alive() for p in procs):
-            bar.update(max(0, _steps_done(out) - bar.n))
+            with _unreadable_skipped():  # no descriptor to read the files: look again later
+                bar.update(max(0, _steps_done(out) - bar.n))
             time.sleep(0.25)
             if summary_seen_at is None and summary_path.is_file():
                 summary_seen_at = time.monotonic()
@@ -102,11 +122,7 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
                 # wait in torch's exit barrier for an agent whose rank was lost (up to 300 s),
                 # blocked inside the store where SIGTERM is not handled: SIGKILL them, and
                 # whatever they started (spawned ranks would outlive them).
-                leftovers = descendants([p.pid for p in procs if p.is_alive()])
-                for p in procs:
-                    if p.is_alive():
-                        p.kill()
-                _kill(leftovers)
+                _kill_job(procs)
                 for p in procs:
                     p.join(timeout=10)
                 break
@@ -114,17 +130,20 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
                 # A rank exited with an error: did a watchdog find a lost peer that the job
                 # cannot go on without? Then the rest (a hung rank among them) is stopped.
                 next_failure_check = time.monotonic() + 1.0
-                if any(p.exitcode not in (None, 0) for p in procs) and failure_reason(out):
-                    failed_at = time.monotonic()
+                with _unreadable_skipped():
+                    if any(p.exitcode not in (None, 0) for p in procs) and failure_reason(out):
+                        failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > FAILED_GRACE_S:
                 with _signals_deferred() as stop:
                     _stop(procs, stop, announce=False)
                 break
-        bar.update(max(0, _steps_done(out) - bar.n))
+        with _unreadable_skipped():
+            bar.update(max(0, _steps_done(out) - bar.n))
     except KeyboardInterrupt:
         with _signals_deferred() as stop:
             bar.close()
             _stop(procs, stop)
+            del store  # its connections' descriptors are free for the summary
             summary = write_partial_summary(cfg, interrupted=True)
         raise JobInterrupted(summary) from None
     except BaseException:
@@ -136,12 +155,16 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
         signal.signal(signal.SIGTERM, previous_sigterm)
     # Ranks still alive once the job is over (a SIGSTOPped or hung one whose agent is gone):
     # only processes below this launcher's agents and forkserver, never PIDs read from files.
-    _kill(descendants(_our_roots(procs)))
-    del store  # the job is over: its store stops serving
+    _kill_job(procs)
+    del store  # the job is over: its store stops serving (and frees its connections)
     codes = [p.exitcode for p in procs]
     if not summary_path.is_file():
-        reason = failure_reason(out) or f"ranks failed (agent exit codes {codes})"
-        summary = write_partial_summary(cfg, failed=reason)
+        reason = job_failure(out, codes)
+        try:
+            summary = write_partial_summary(cfg, failed=reason)
+        except OSError as e:  # a full disk: the reason is still said
+            message = f"the run failed ({reason}); summary.json could not be written ({e})"
+            raise JobFailed(f"{message}; logs in {out / 'logs'}") from None
         raise JobFailed(f"the run failed ({reason}); logs in {out / 'logs'}", summary)
     summary = json.loads(summary_path.read_text())
     summary["failed_agents"] = [c for c in codes if c]
@@ -182,13 +205,102 @@ class LineProgress:
 def failure_reason(out: Path) -> str | None:
     """The first loss a rank's watchdog recorded (``peer_lost``), e.g. "server shard 1
     (rank 1) lost at 12.3 s", or None."""
+    return _first_loss(out)[0]
+
+
+def _first_loss(out: Path) -> tuple[str | None, int | None]:
+    """(reason, lost rank) of the first ``peer_lost`` record, or (None, None)."""
     first = None
     for path in (out / "metrics").glob("rank*.jsonl"):
         for record in iter_jsonl(path):
             if record.get("event") == "peer_lost" and isinstance(record.get("reason"), str):
                 if first is None or record.get("time_s", 0) < first.get("time_s", 0):
                     first = record
-    return None if first is None else first["reason"]
+    if first is None:
+        return None, None
+    lost = first.get("lost_rank")
+    return first["reason"], lost if type(lost) is int else None
+
+
+def job_failure(out: Path, codes: list[int | None]) -> str:
+    """Why a job that wrote no summary failed, in one line: the loss a watchdog recorded
+    (with the lost rank's own error, when it left one), else the first error a rank raised
+    (``rank 2 failed: OSError: [Errno 28] No space left on device``), else the agents' exit
+    codes. Files that cannot be read are skipped."""
+    reason, lost_rank = None, None
+    with _unreadable_skipped():
+        reason, lost_rank = _first_loss(out)
+    errors: dict[int, str] = {}
+    with _unreadable_skipped():
+        errors = first_rank_errors(out)
+    if reason is not None:
+        own = errors.get(lost_rank) if lost_rank is not None else None
+        return f"{reason}: {own}" if own else reason
+    if errors:
+        rank, line = next(iter(errors.items()))
+        return f"rank {rank} failed: {line}"
+    return f"ranks failed (agent exit codes {codes})"
+
+
+# A Python exception's last traceback line: "OSError: [Errno 28] No space left on device".
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit)\b.*$")
+_LOG_TAIL_BYTES = 16384  # how much of a rank's stderr.log is searched for its exception
+
+
+def first_rank_errors(out: Path) -> dict[int, str]:
+    """The first line of the exception each failed rank raised, by global rank, earliest
+    first: torch's ``error.json`` under ``logs/agent{a}/<run>/attempt_{n}/{local_rank}/``, or
+    where there is none (a full disk, a rank torch did not wrap) the last exception line in
+    the tail of the rank's ``stderr.log``. Global rank = agent + local rank (a local job has
+    one agent per rank, or one agent with every rank)."""
+    found: list[tuple[float, int, str]] = []
+    for rank_dir in sorted((out / "logs").glob("agent*/*/attempt_*/*")):
+        agent, local = rank_dir.parts[-4].removeprefix("agent"), rank_dir.name
+        if not (agent.isdigit() and local.isdigit()):
+            continue
+        rank = int(agent) + int(local)
+        when, line = _error_file_line(rank_dir / "error.json")
+        if line is None:
+            when, line = float("inf"), _log_exception_line(rank_dir / "stderr.log")
+        if line is not None:
+            found.append((when, rank, line))
+    errors: dict[int, str] = {}
+    for _, rank, line in sorted(found):
+        errors.setdefault(rank, line)
+    return errors
+
+
+def _error_file_line(path: Path) -> tuple[float, str | None]:
+    """(timestamp, first line of the message) of torch's error file, or (inf, None)."""
+    try:
+        with open(path, "rb") as f:
+            message = json.loads(f.read(_LOG_TAIL_BYTES * 4))["message"]
+        info = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+        message = message["message"] if isinstance(message, dict) else message
+    except FileNotFoundError:
+        return float("inf"), None
+    except (ValueError, KeyError, TypeError, AttributeError):  # not torch's format
+        return float("inf"), None
+    try:
+        when = float(info.get("timestamp", "inf"))
+    except (ValueError, TypeError, AttributeError):
+        when = float("inf")
+    lines = str(message).strip().splitlines()
+    return when, (lines[0][:500] if lines else None)
+
+
+def _log_exception_line(path: Path) -> str | None:
+    """The exception line ending the last traceback in the tail of a rank's log, or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - _LOG_TAIL_BYTES))
+            tail = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return None
+    _, traceback, last = tail.rpartition("Traceback (most recent call last):")
+    matches = [x for x in last.splitlines() if _EXCEPTION_LINE.match(x)] if traceback else []
+    return matches[-1][:500] if matches else None
 
 
 def rank_errors(out: Path) -> list[str]:
@@ -247,7 +359,15 @@ def _stop(
             file=sys.stderr,
             flush=True,
         )
-    pids = [p.pid for p in procs if p.is_alive()] + descendants(_our_roots(procs))
+    pids = _job_processes(procs)
+    if pids is None:  # the ranks cannot be found to be asked: no grace, killed now
+        print(
+            "cloudburst: the job's processes cannot be listed (no file descriptor left): "
+            "killing them",
+            file=sys.stderr,
+            flush=True,
+        )
+        pids = []
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
@@ -262,19 +382,24 @@ def _stop(
         time.sleep(0.05)
     if request.kill_now:
         print("cloudburst: killing the job's processes", file=sys.stderr, flush=True)
-    _kill([p.pid for p in procs if p.is_alive()] + descendants(_our_roots(procs)))
+    _kill_job(procs)
     for p in procs:
         p.join(timeout=10)
 
 
 def _state(pid: int) -> str | None:
-    """``pid``'s state letter from ``/proc`` (R, S, T for stopped, Z for a zombie...), or None
-    when it is gone."""
+    """``pid``'s state letter from ``/proc`` (R, S, T for stopped, Z for a zombie...), None
+    when it is gone, ``"?"`` when ``/proc`` cannot be read (no descriptor left)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
+    except OSError as e:
+        return None if _gone(e) else "?"
     return text[text.rindex(")") + 2 :].split()[0]
+
+
+def _gone(error: OSError) -> bool:
+    """Whether reading a process's ``/proc`` entry failed because the process is gone."""
+    return error.errno in (errno.ENOENT, errno.ESRCH)
 
 
 def _running(pid: int) -> bool:
@@ -284,14 +409,20 @@ def _running(pid: int) -> bool:
 
 def descendants(roots: list[int]) -> list[int]:
     """Every live process below the processes ``roots`` (children first found, then theirs),
-    read from ``/proc`` parentage: the processes this launcher started, directly or not."""
+    read from ``/proc`` parentage: the processes this launcher started, directly or not.
+    Raises ``OSError`` when ``/proc`` cannot be read (no descriptor left), rather than
+    returning a partial list."""
     parents: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
             # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
             ppid = int(text[text.rindex(")") + 2 :].split()[1])
-        except (OSError, ValueError, IndexError):
+        except OSError as e:
+            if _gone(e):  # exited while the list was read
+                continue
+            raise
+        except (ValueError, IndexError):
             continue
         parents.setdefault(ppid, []).append(int(stat.parent.name))
     found, todo = [], list(roots)
@@ -308,6 +439,27 @@ def _our_roots(procs: list) -> list[int]:
     roots = [p.pid for p in procs if p.pid is not None]
     server = forkserver_pid()
     return [*roots, server] if server else roots
+
+
+def _job_processes(procs: list) -> list[int] | None:
+    """The live agents and every process below them and the forkserver, or None when
+    ``/proc`` cannot be read."""
+    try:
+        return [p.pid for p in procs if p.is_alive()] + descendants(_our_roots(procs))
+    except OSError as e:
+        log.debug("cannot list the job's processes: %s", e)
+        return None
+
+
+def _kill_job(procs: list) -> None:
+    """SIGKILL every process of the job. When ``/proc`` cannot be read (every descriptor
+    taken), the agents and the forkserver are killed by pid, which needs none: each rank
+    (and each rank's data loaders) dies with its parent (``die_with_parent``)."""
+    pids = _job_processes(procs)
+    if pids is None:
+        server = forkserver_pid()
+        pids = [p.pid for p in procs if p.is_alive()] + ([server] if server else [])
+    _kill(pids)
 
 
 def _kill(pids: list[int]) -> None:
@@ -340,6 +492,31 @@ def _steps_done(out: Path) -> int:
                     continue
                 break
     return done
+
+
+class _Unreadable:
+    """Counts the launcher's looks at the run's files that failed (``OSError``: EMFILE when a
+    flood of connections to the store took every descriptor); says so once on the console."""
+
+    failures = 0
+
+
+@contextlib.contextmanager
+def _unreadable_skipped() -> Iterator[None]:
+    """Skip one look at the run's files that raised ``OSError``: the job goes on, and is
+    still stopped when it ends (the kill path needs no descriptor)."""
+    try:
+        yield
+    except OSError as e:
+        _Unreadable.failures += 1
+        if _Unreadable.failures == 1:
+            print(
+                f"cloudburst: warning: the launcher cannot read the run's files ({e}); "
+                "it keeps supervising the job",
+                file=sys.stderr,
+                flush=True,
+            )
+        log.debug("cannot read the run's files (%d times): %s", _Unreadable.failures, e)
 
 
 # ---------------------------------------------------------------------------- agents
@@ -377,6 +554,9 @@ def start_local_job(
     """Start the agents of a local job (127.0.0.1) as child processes; returns them and the
     job's store, which this process serves (keep it referenced until the job is over)."""
     global _held_listener, _store_in_launcher
+    # Every agent and rank holds store connections, and each connection to the store this
+    # process serves holds one of its descriptors: the hard limit, for it and its children.
+    raise_open_files_limit()
     _held_listener = loopback_listener(0)
     port = _held_listener.getsockname()[1]
     _store_in_launcher = True
@@ -390,6 +570,11 @@ def start_local_job(
     # Their ranks come from one forkserver started here, which imports the training code once.
     if not torch.cuda.is_initialized():
         start_forkserver(entrypoint.__module__)
+    # A new job secret, handed to each rank with its entry point (pickled through the
+    # forkserver's pipe), never through the store or the environment: cloudburst.auth.
+    from cloudburst.auth import with_job_secret
+
+    entrypoint = with_job_secret(entrypoint)
     ctx = mp.get_context("fork")
     procs = []
     for spec in agent_layout(cfg.world_size, agent_per_rank):
@@ -522,6 +707,10 @@ def _run_agent(cfg_dict: dict, spec: AgentSpec, port: int, run_id: str, entrypoi
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # Killed with the launcher, however it ends (its ranks then die with the forkserver, or
+    # with this agent when it spawned them).
+    launcher = mp.parent_process()
+    die_with_parent(launcher.pid if launcher is not None else None)
     rendezvous_handler_registry.register(LOCAL_RDZV_BACKEND, _local_rendezvous)
     _shorten_agent_stop_grace()
 
@@ -561,10 +750,27 @@ def _run_agent(cfg_dict: dict, spec: AgentSpec, port: int, run_id: str, entrypoi
         elastic_launch(config, entrypoint)(cfg_dict)
     except ChildFailedError as e:
         for global_rank, failure in e.failures.items():
+            error = _failure_line(failure)
             print(
-                f"cloudburst: rank {global_rank} failed (exit code {failure.exitcode}); "
-                f"see {log_dir}",
+                f"cloudburst: rank {global_rank} failed (exit code {failure.exitcode})"
+                f"{': ' + error if error else ''}; see {log_dir}",
                 file=terminal,
                 flush=True,
             )
         raise SystemExit(1) from None
+
+
+def _failure_line(failure) -> str | None:
+    """The first line of the exception a failed rank raised (torch's ``ProcessFailure``:
+    from its error file, else from the tail of its ``stderr.log``), or None (a signal)."""
+    if failure.error_file_data.get("message") not in (None, "<NONE>"):
+        message = failure.message  # torch's newer error files nest it: {"message": ...}
+        message = message.get("message") if isinstance(message, dict) else message
+        lines = str(message).strip().splitlines()
+        return lines[0][:500] if lines else None
+    if not failure.error_file:
+        return None
+    try:
+        return _log_exception_line(Path(failure.error_file).parent / "stderr.log")
+    except OSError:
+        return None

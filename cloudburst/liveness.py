@@ -9,6 +9,13 @@ every other worker for the lockstep strategies, the parameter-server shards for 
 ``heartbeat_timeout_s`` (and the rank has not said it finished) it calls ``on_lost``, which
 records why and ends the process. A SIGKILLed, crashed or SIGSTOPped peer is found the same
 way, independently of ``comm_timeout_s``.
+
+The store is open to anyone who reaches it, so a heartbeat's value is read, never parsed by
+the store: ``store.add`` on a key holding a non-integer makes torch's server drop that client's
+connection (and with it the heartbeats and watchdog of the rank that asked). A beat *sets* the
+counter; a watcher reads it with a non-mutating ``compare_set`` that never blocks on a missing
+key. A malformed value is one unreadable beat (counted in ``LivenessMonitor.unreadable`` and
+logged): the rank's clock is not reset by it, and its next beat overwrites it.
 """
 
 from __future__ import annotations
@@ -16,15 +23,21 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
 
 import torch.distributed as dist
 
+from cloudburst.auth import ENV_SECRET_FILE, run_identity, sign, verify
+
 log = logging.getLogger(__name__)
 
 DONE_KEY = "done/{rank}"  # set by a rank that finished normally: silence is then expected
+HEARTBEAT_KEY = "hb/{rank}"  # a rank's heartbeat counter, decimal
+_ABSENT = "\x00absent"  # compare_set's answer for a missing heartbeat key (never a counter)
+_MAX_COUNTER_BYTES = 20  # a counter's decimal digits: anything longer is not one of ours
 EXIT_PEER_LOST = 3  # the exit code of a rank that stopped because a peer was lost
 
 
@@ -116,17 +129,26 @@ def heartbeat_interval_s(heartbeat_timeout_s: float) -> float:
 
 
 class Heartbeat:
-    """A worker's liveness signal: a counter in the job store, bumped from a daemon thread."""
+    """A worker's liveness signal: a counter in the job store, bumped from a daemon thread.
+    It counts from a random start, so that a restarted rank's first beat is not its
+    predecessor's last value (which its watchers would take for no beat)."""
 
     def __init__(self, store: dist.Store, rank: int, interval_s: float):
-        self._store, self._key, self._interval_s = store, f"hb/{rank}", interval_s
+        self._store, self._key = store, HEARTBEAT_KEY.format(rank=rank)
+        self._interval_s = interval_s
+        self._count = secrets.randbelow(1 << 48)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cloudburst-heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
-        self._store.add(self._key, 1)
+        self._beat()
         self._thread.start()
         return self
+
+    def _beat(self) -> None:
+        # Set, not added: whatever someone else wrote under the key is overwritten.
+        self._count += 1
+        self._store.set(self._key, str(self._count))
 
     def stop(self) -> None:
         self._stop.set()
@@ -135,27 +157,30 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             try:
-                self._store.add(self._key, 1)
+                self._beat()
             except Exception as e:  # the store's host went away: the job is over
                 log.warning("heartbeat stopped: %s", e)
                 return
 
 
 class LivenessMonitor:
-    """Decides which workers are dead: their heartbeat counter stopped moving for too long."""
+    """Decides which workers are dead: their heartbeat counter stopped moving for too long.
+    A missing or malformed counter is no beat; malformed reads are counted in ``unreadable``."""
 
     def __init__(self, store: dist.Store, ranks: list[int], timeout_s: float):
         self._store, self._timeout_s = store, timeout_s
         now = time.monotonic()
-        self._last = {r: (-1, now) for r in ranks}
+        self._last: dict[int, tuple[int | None, float]] = {r: (None, now) for r in ranks}
+        self._malformed: set[int] = set()  # ranks whose last read was malformed
+        self.unreadable = 0
 
     def dead(self, ranks: set[int] | list[int]) -> set[int]:
         now = time.monotonic()
         dead = set()
         for r in ranks:
-            value = self._store.add(f"hb/{r}", 0)
+            value = self._read(r)
             last_value, since = self._last[r]
-            if value != last_value:
+            if value is not None and value != last_value:
                 self._last[r] = (value, now)
             elif now - since > self._timeout_s:
                 dead.add(r)
@@ -163,11 +188,32 @@ class LivenessMonitor:
 
     def revive(self, rank: int) -> None:
         """Give ``rank`` (a restarted worker rejoining) a full timeout from now."""
-        self._last[rank] = (self._store.add(f"hb/{rank}", 0), time.monotonic())
+        self._last[rank] = (self._read(rank), time.monotonic())
+
+    def _read(self, rank: int) -> int | None:
+        """``rank``'s counter; None when it has not beaten yet or its value is malformed."""
+        raw = self._store.compare_set(HEARTBEAT_KEY.format(rank=rank), _ABSENT, _ABSENT)
+        if raw == _ABSENT.encode():
+            return None
+        if len(raw) <= _MAX_COUNTER_BYTES and raw.isdigit():
+            self._malformed.discard(rank)
+            return int(raw)
+        self.unreadable += 1
+        if rank not in self._malformed:  # once per run of bad reads, not at every poll
+            self._malformed.add(rank)
+            log.warning(
+                "malformed heartbeat of rank %d (%d bytes, not a counter): no beat, ignored "
+                "(%d malformed reads so far)",
+                rank,
+                len(raw),
+                self.unreadable,
+            )
+        return None
 
 
 class RejoinRefused(RuntimeError):
-    """A restarted worker came back after the servers had finished."""
+    """A restarted worker came back after the servers had finished, or cannot prove it is of
+    this job (no job secret)."""
 
 
 class RejoinBoard:
@@ -180,24 +226,49 @@ class RejoinBoard:
     announcements came before: a number handed out after that comes back ``>= CLOSED``, and
     both sides treat that announcement as late (refused). So a worker is either admitted by
     every server or refused by every one.
+
+    Each record is signed: an HMAC under the job secret (:mod:`cloudburst.auth`) of the run's
+    identity, the announcement's number, rank, restart and lateness. The store is open to
+    anyone who reaches it; an announcement without a valid signature (forged, or one copied
+    to another number or from another run) is refused and logged, and never admitted. Without
+    a secret (``secret`` None: torchrun with none given) every announcement is refused.
     """
 
     COUNT = "rejoin/count"
     CLOSED = 1 << 40
     MAX_PER_READ = 1024  # announcements read at once (a job restarts a few ranks at a time)
     MAX_RECORD_BYTES = 256
+    LOG_FIRST = 5  # refused announcements logged one by one, then every LOG_EVERY-th
+    LOG_EVERY = 100
 
-    def __init__(self, store: dist.Store, timeout_s: float):
-        self._store, self._timeout_s = store, timeout_s
+    def __init__(
+        self, store: dist.Store, timeout_s: float, *, secret: bytes | None, run: str | None = None
+    ):
+        self._store, self._timeout_s, self._secret = store, timeout_s, secret
+        self._run = run_identity() if run is None else run
         self._seen = 0
         self._closed = False
+        self.refused = 0  # announcements refused: unreadable, or not signed with the secret
 
     def announce(self, rank: int, incarnation: int) -> None:
-        """Worker side; raises :class:`RejoinRefused` when the servers have finished."""
+        """Worker side; raises :class:`RejoinRefused` when the servers have finished, or when
+        there is no job secret to sign with."""
+        if self._secret is None:
+            raise RejoinRefused(
+                f"rank {rank} was restarted, and a restarted rank rejoins only "
+                f"with the job secret: none was given (set {ENV_SECRET_FILE} on every "
+                "machine; see docs/security.md)"
+            )
         value = self._store.add(self.COUNT, 1)
         late = value >= self.CLOSED
-        record = {"rank": rank, "incarnation": incarnation, "late": late}
-        self._store.set(f"rejoin/{value % self.CLOSED}", json.dumps(record))
+        number = value % self.CLOSED
+        record = {
+            "rank": rank,
+            "incarnation": incarnation,
+            "late": late,
+            "mac": self._sign(number, rank, incarnation, late),
+        }
+        self._store.set(f"rejoin/{number}", json.dumps(record))
         if late:
             raise RejoinRefused(
                 f"rank {rank} was restarted after the parameter servers had finished: "
@@ -219,6 +290,10 @@ class RejoinBoard:
             return self.poll()
         self._closed = True
         return self._read(self._store.add(self.COUNT, self.CLOSED) % self.CLOSED)
+
+    def _sign(self, number: int, rank: int, incarnation: int, late: bool) -> str:
+        assert self._secret is not None
+        return sign(self._secret, "rejoin", self._run, number, rank, incarnation, late)
 
     def _read(self, count: int) -> list[tuple[int, int]]:
         if count - self._seen > self.MAX_PER_READ:
@@ -243,12 +318,31 @@ class RejoinBoard:
                 record = json.loads(raw)
                 rank, incarnation = _announcement(record)
             except (RuntimeError, ValueError, TypeError) as e:  # timed out, or not ours
-                log.warning("unreadable rejoin announcement %d (%s); ignored", number, e)
+                self._refuse(number, f"unreadable ({e})")
                 continue
-            if not record["late"]:
+            problem = self._unsigned(number, record, rank, incarnation)
+            if problem is not None:
+                self._refuse(number, f"rank {rank}, restart {incarnation}: {problem}")
+            elif not record["late"]:
                 arrivals.append((rank, incarnation))
         self._seen = max(self._seen, count)
         return arrivals
+
+    def _unsigned(self, number: int, record: dict, rank: int, incarnation: int) -> str | None:
+        """Why ``record`` is not a signed announcement of this job, or None."""
+        if self._secret is None:
+            return "this job has no secret, so no announcement can be verified"
+        fields = ("rejoin", self._run, number, rank, incarnation, record["late"])
+        if not verify(self._secret, record.get("mac"), *fields):
+            return "not signed with the job secret (forged, replayed or of another run)"
+        return None
+
+    def _refuse(self, number: int, why: str) -> None:
+        self.refused += 1
+        n = self.refused
+        if n <= self.LOG_FIRST or n % self.LOG_EVERY == 0:
+            note = "" if n <= self.LOG_FIRST else f" ({n} refused so far)"
+            log.warning("refused rejoin announcement %d: %s%s", number, why, note)
 
 
 def _announcement(record: object) -> tuple[int, int]:

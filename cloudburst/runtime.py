@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cloudburst import auth
 from cloudburst.comm.link import (
     LinkEmulator,
     LinkSpec,
@@ -127,7 +128,9 @@ class Context:
         """A server's transport to a worker that rejoined after restart ``incarnation``: a
         gloo group of its own with every server (:func:`rejoin_group`), built now by this
         server, the other servers and the worker together; raises RuntimeError if it cannot
-        be built (the worker died again, or ``comm_timeout_s`` passed)."""
+        be built (the worker died again, or ``comm_timeout_s`` passed), and
+        :class:`~cloudburst.auth.PeerRefused` if a member does not prove the job secret (no
+        byte of θ has moved then)."""
         group = rejoin_group(
             self.store,
             worker_rank,
@@ -135,6 +138,7 @@ class Context:
             self.num_servers,
             self.server_index,
             self.cfg.comm_timeout_s,
+            secret=auth.require_secret(f"admitting restarted worker rank {worker_rank}"),
         )
         return self.transport(
             stats, group=group, members=rejoin_members(self.num_servers, worker_rank)
@@ -144,9 +148,16 @@ class Context:
         """The transport between restarted shard ``shard`` (its restart ``incarnation``) and
         ``peer`` (a worker, or server 0 at the end): a pair group built now by both
         (:func:`shard_pair_group`); raises RuntimeError if the other side does not come
-        within ``comm_timeout_s``."""
+        within ``comm_timeout_s``, :class:`~cloudburst.auth.PeerRefused` if it does not prove
+        the job secret."""
         group = shard_pair_group(
-            self.store, shard, incarnation, peer, self.rank == shard, self.cfg.comm_timeout_s
+            self.store,
+            shard,
+            incarnation,
+            peer,
+            self.rank == shard,
+            self.cfg.comm_timeout_s,
+            secret=auth.require_secret(f"a link to restarted server shard {shard}"),
         )
         return self.transport(stats, group=group, members=[shard, peer])
 
@@ -212,8 +223,13 @@ def init_distributed(cfg: RunConfig, strategy_cls: type[StrategySpec] | None = N
     > 0) cannot re-enter the world group the others still hold: it rejoins on a group with the
     servers instead (:func:`_rejoin_job`). A restarted server shard restores its checkpoint
     and talks to each worker on a pair group of its own (:func:`_restart_shard`).
+
+    Every gloo group formed here is authenticated with the job secret
+    (:func:`authenticate_startup`) before anything else moves on it; under a torchrun given
+    none, with a warning.
     """
     traits = strategy_cls if strategy_cls is not None else cfg.strategy_spec
+    secret = auth.job_secret()  # a secret file that others can read is refused here
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     if world != cfg.world_size:
@@ -251,6 +267,7 @@ def init_distributed(cfg: RunConfig, strategy_cls: type[StrategySpec] | None = N
     interval_s = heartbeat_interval_s(cfg.heartbeat_timeout_s)
     ctx.heartbeat = Heartbeat(liveness_store, rank, interval_s).start()
     _configure_logging(rank, "server" if rank < cfg.servers else "worker")
+    authenticate_startup(ctx, secret)
     if rank == cfg.servers:
         log.info(
             "workers compute on %s; their collectives use %s; %d node(s)",
@@ -383,17 +400,21 @@ def _rejoin_job(
     dead rank's place in their world group. So the restarted worker announces itself on the
     job store's :class:`RejoinBoard`, and it and every server build a gloo group of their own
     (:func:`rejoin_group`), on which the servers serve it from then on. It keeps its rank and
-    worker index; it has no workers' group (asgd and easgd use none).
+    worker index; it has no workers' group (asgd and easgd use none). Its announcement is
+    signed, and the group authenticated, with the job secret: without one it is refused.
     """
-    store = _job_store(cfg, survives_worker_loss=True)
     _configure_logging(rank, "worker")
+    secret = auth.require_secret(f"restarted worker rank {rank}, to rejoin the running job,")
+    store = _job_store(cfg, survives_worker_loss=True)
     incarnation = restart_count()
     # Heartbeats from now on: the servers reset this worker's liveness clock when they admit
     # it, and it has data and a model to load before its strategy starts.
     heartbeat = Heartbeat(store, rank, heartbeat_interval_s(cfg.heartbeat_timeout_s)).start()
     try:
-        RejoinBoard(store, cfg.comm_timeout_s).announce(rank, incarnation)
-        group = rejoin_group(store, rank, incarnation, cfg.servers, cfg.servers, cfg.comm_timeout_s)
+        RejoinBoard(store, cfg.comm_timeout_s, secret=secret).announce(rank, incarnation)
+        group = rejoin_group(
+            store, rank, incarnation, cfg.servers, cfg.servers, cfg.comm_timeout_s, secret=secret
+        )
     except BaseException:
         heartbeat.stop()
         raise
@@ -424,6 +445,7 @@ def _restart_shard(
         # Its standby took over when it died (a shard has one owner); nothing is left to do.
         log.info("restart %d of server shard %d: its standby serves it", restart_count(), rank)
         raise SystemExit(0)
+    auth.require_secret(f"restarted server shard {rank}, to rejoin the running job,")
     store = _job_store(cfg, survives_worker_loss=True)
     heartbeat = Heartbeat(store, rank, heartbeat_interval_s(cfg.heartbeat_timeout_s)).start()
     log.info("restart %d of server shard %d: rejoining the running job", restart_count(), rank)
@@ -448,31 +470,42 @@ def shard_pair_group(
     peer: int,
     is_shard: bool,
     timeout_s: float,
+    *,
+    secret: bytes,
 ) -> dist.ProcessGroupGloo:
     """The gloo group of restarted shard ``shard`` (restart ``incarnation``; group rank 0) and
     one ``peer`` (group rank 1), outside torch.distributed's registry: built by the two of
-    them through the job ``store`` within ``timeout_s``, which every operation on it has too.
-    One pair per peer, so that a dead or finished worker holds up no other's."""
-    prefixed = dist.PrefixStore(f"shardpair/{shard}/{incarnation}/{peer}/", store.clone())
-    return dist.ProcessGroupGloo(
+    them through the job ``store`` within ``timeout_s``, which every operation on it has too,
+    and authenticated with ``secret`` (:class:`~cloudburst.auth.PeerRefused`). One pair per
+    peer, so that a dead or finished worker holds up no other's."""
+    name = f"shardpair/{shard}/{incarnation}/{peer}/"
+    prefixed = dist.PrefixStore(name, store.clone())
+    group = dist.ProcessGroupGloo(
         prefixed, 0 if is_shard else 1, 2, datetime.timedelta(seconds=timeout_s)
     )
+    auth.authenticate_group(group, name, secret)
+    return group
 
 
 def standby_link(ctx: Context, primary: int, stats=None):
     """The exact transport between shard ``primary``'s server and its standby (the server
     after it, :func:`standby_of`), on a gloo pair group built by both (primary: group rank 0),
-    with ``comm_timeout_s``."""
+    with ``comm_timeout_s``; authenticated with the job secret when there is one (it is formed
+    at start-up, like the world group: see :func:`authenticate_startup`)."""
     from cloudburst.strategies.asgd.shard import standby_of
 
     standby = standby_of(primary, ctx.num_servers)
-    prefixed = dist.PrefixStore(f"standby/{primary}/", ctx.store.clone())
+    name = f"standby/{primary}/"
+    prefixed = dist.PrefixStore(name, ctx.store.clone())
     group = dist.ProcessGroupGloo(
         prefixed,
         0 if ctx.rank == primary else 1,
         2,
         datetime.timedelta(seconds=ctx.cfg.comm_timeout_s),
     )
+    secret = auth.job_secret()
+    if secret is not None:
+        auth.authenticate_group(group, name, secret)
     return ctx.transport(stats, group=group, members=[primary, standby], exact=True)
 
 
@@ -483,20 +516,66 @@ def rejoin_group(
     num_servers: int,
     group_rank: int,
     timeout_s: float,
+    *,
+    secret: bytes,
 ) -> dist.ProcessGroupGloo:
     """The gloo group of one rejoining worker and every server (outside torch.distributed's
     registry): servers keep their ranks 0..S-1, the worker is rank S.
 
     Every member builds it at about the same time: it connects all pairs through the job
     ``store``, under keys of this worker's restart (``incarnation``), within ``timeout_s``,
-    and every operation on it times out after the same.
+    and every operation on it times out after the same. Then every member proves that it
+    knows ``secret`` (:func:`cloudburst.auth.authenticate_group`; raises
+    :class:`~cloudburst.auth.PeerRefused`): the store is open to anyone who reaches it, so a
+    process that took the worker's place in the group is refused before θ moves.
     """
     # A store connection of its own: building the group waits in the store for the other
     # members, and a store client answers one request at a time (heartbeats would wait).
-    prefixed = dist.PrefixStore(f"rejoin/{worker_rank}/{incarnation}/", store.clone())
-    return dist.ProcessGroupGloo(
+    name = f"rejoin/{worker_rank}/{incarnation}/"
+    prefixed = dist.PrefixStore(name, store.clone())
+    group = dist.ProcessGroupGloo(
         prefixed, group_rank, num_servers + 1, datetime.timedelta(seconds=timeout_s)
     )
+    auth.authenticate_group(group, name, secret)
+    return group
+
+
+def authenticate_startup(ctx: Context, secret: bytes | None) -> None:
+    """Check that every member of each gloo group this rank formed at start-up (the world's,
+    then the workers', the servers', DASO's and gossip's, in that order on every rank) knows
+    the job ``secret``: one round (two small all-gathers) per group, before any θ moves.
+
+    These groups are formed through the job store while every genuine rank is there; a
+    process that reaches the store could still race a rank for its place in a group, and would
+    then receive what that rank receives (a resumed run's θ). The round closes that at a cost
+    of milliseconds. A group on NCCL is not checked (its bootstrap is NCCL's; it carries only
+    the workers' collectives). Without a secret (torchrun, none given): a warning, once."""
+    if secret is None:
+        if ctx.rank == 0 and "CLOUDBURST_LOCAL_JOB" not in os.environ:
+            log.warning(
+                "no job secret (%s or %s): the job's groups are not authenticated, and a "
+                "restarted rank cannot rejoin; see docs/security.md",
+                auth.ENV_SECRET_FILE,
+                auth.ENV_SECRET,
+            )
+        return
+    groups: list[tuple[str, Any]] = [("world", dist.group.WORLD)]
+    for name in (
+        "workers_group",
+        "servers_group",
+        "node_group",
+        "global_group",
+        "gossip_request_group",
+        "gossip_reply_group",
+    ):
+        group = getattr(ctx, name)
+        if group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
+            groups.append((name, group))
+    # A group whose CPU tensors go to gloo (a user's own world group may be NCCL's alone).
+    groups = [(n, g) for n, g in groups if "gloo" in str(dist.get_backend(g))]
+    for name, group in groups:
+        auth.authenticate_group(group, f"startup/{name}", secret)
+    log.debug("every member of %s proved the job secret", ", ".join(n for n, _ in groups))
 
 
 def rejoin_members(num_servers: int, worker_rank: int) -> list[int]:

@@ -5,7 +5,9 @@ global θ, gathers every rank's report (:func:`hand_in`) and writes the file. A 
 finish (interrupted, or failed) gets :func:`partial_summary` instead — what was done so far,
 read from its metrics files and checkpoints, and the command that continues it — written by
 whoever stops the run (the local launcher, or rank 0 under a user's torchrun) from the files
-alone, so it needs no live rank.
+alone, so it needs no live rank. A run that finished with a final test loss that is not
+finite (θ diverged) failed too: its summary's ``failed`` says so (:func:`diverged`), and the
+CLI exits non-zero with that line.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import math
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -98,15 +101,24 @@ def interrupted_message(summary: dict[str, Any]) -> str:
 
 def format_summary(summaries: list[dict[str, Any]], labels: list[str] | None = None) -> str:
     """The comparison table the CLI prints: one row per run (``labels``: a first column).
-    Simulated runs' times are virtual seconds, and their columns say so."""
+    Simulated runs' times are virtual seconds, and their columns say so. Language models show
+    their test loss (nats per token) and bits per byte, and the time to ``--target-loss``,
+    where classifiers show the test accuracy and the time to ``--target-accuracy``."""
     virtual = bool(summaries) and all(s.get("simulated") for s in summaries)
+    text = bool(summaries) and all("final_bits_per_byte" in s for s in summaries)
+    quality = (
+        [("test loss", "final_test_loss", "{:.4f}"), ("bits/byte", "final_bits_per_byte", "{:.4f}")]
+        if text
+        else [("test acc", "final_test_accuracy", "{:.4f}")]
+    )
+    to_target = "time_to_target_loss_s" if text else "time_to_target_s"
     cols = [
         ("strategy", "strategy", "{}"),
         ("W", "workers", "{}"),
         ("S", "servers", "{}"),
-        ("test acc", "final_test_accuracy", "{:.4f}"),
+        *quality,
         ("virtual s" if virtual else "wall s", "wall_time_s", "{:.1f}"),
-        ("to target virtual s" if virtual else "to target s", "time_to_target_s", "{:.1f}"),
+        ("to target virtual s" if virtual else "to target s", to_target, "{:.1f}"),
         ("samples", "samples", "{}"),
         ("MB sent", "sent_bytes", "{:.1f}"),
         ("staleness", "mean_staleness_versions", "{:.2f}"),
@@ -130,15 +142,41 @@ def format_summary(summaries: list[dict[str, Any]], labels: list[str] | None = N
 
 def failed_message(summary: dict[str, Any]) -> str:
     """One line for the user: why the run stopped and how to continue it."""
-    steps = summary.get("steps_done") or {}
-    done = f"after {max(steps.values())} steps" if steps else "before any step was logged"
+    steps = [n for n in (summary.get("steps_done") or {}).values() if isinstance(n, int)]
+    done = f"after {max(steps)} steps" if steps else "before any step was logged"
     line = f"cloudburst: the run failed {done}: {summary.get('failed')}"
+    if "final_test_loss" in summary:  # it finished: what diverged is its final θ
+        return line
     if summary.get("resume_command"):
         return f"{line}; the last checkpoints are kept, continue with: {summary['resume_command']}"
     return f"{line}; no checkpoint was written yet"
 
 
+def finished_exit_code(out: str | Path) -> int:
+    """Rank 0 of a user's torchrun, its run over: 1, with the one line, when the summary it
+    wrote says the run failed (θ diverged: :func:`diverged`), else 0."""
+    try:
+        summary = json.loads((Path(out) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    if not isinstance(summary, dict) or not summary.get("failed"):
+        return 0
+    print(failed_message(summary), file=sys.stderr, flush=True)
+    return 1
+
+
 # ---------------------------------------------------------------------------- a finished run
+def diverged(test_loss: float) -> str | None:
+    """Why a finished run failed, or None: its final model's test loss is NaN or infinite
+    (θ diverged: its accuracy is chance, whatever the run's other numbers say)."""
+    if math.isfinite(test_loss):
+        return None
+    return (
+        f"the final model's test loss is {test_loss} (θ diverged); lower --lr (or the "
+        "strategy's server or outer lr), or clip with --clip-grad-norm"
+    )
+
+
 def hand_in(ctx: Context, metrics: MetricsWriter, report: dict[str, Any], time_s: float) -> None:
     """Log this rank's final report; ranks other than 0 also leave it in the store for rank 0."""
     metrics.log("final", time_s=time_s, **{k: v for k, v in report.items() if k != "evals"})
@@ -210,10 +248,14 @@ def finalize_run(
         max_st = max(s["staleness_max_versions"] for s in servers)
     else:
         mean_st, max_st = 0.0, 0
+    failed = diverged(test_loss)
+    if failed is not None:
+        log.error("the run failed: %s", failed)
     summary = {
         "strategy": cfg.strategy,
         "workers": cfg.workers,
         "servers": cfg.servers,
+        **({"failed": failed} if failed else {}),  # (a run that did not fail has no key)
         "final_test_accuracy": acc,
         "final_test_loss": test_loss,
         **_loss_target(cfg, reports.values(), wall_time_s, test_loss),
@@ -244,6 +286,8 @@ def finalize_run(
         "max_staleness_versions": max_st,
         **_staleness_distribution(servers),
         "pushes_rejected": sum(s.get("rejected_nonfinite", 0) for s in servers),
+        # Finite pushes whose update was too large or not finite (--max-push-ratio).
+        "pushes_refused": sum(s.get("refused_pushes", 0) for s in servers),
         "pushes_dropped_stale": sum(s.get("dropped_stale", 0) for s in servers),
         "messages_rejected": sum(rep.get("messages_rejected", 0) for rep in reports.values()),
         "dropped_peers": sorted(

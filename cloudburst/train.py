@@ -24,8 +24,9 @@ from torch import nn
 
 from cloudburst.checkpoint import load_model_into
 from cloudburst.config import RunConfig
-from cloudburst.data import Dataset, batch_stream, load_dataset, loss_function, worker_source
+from cloudburst.data import Dataset, batch_stream, load_run_dataset, loss_function, worker_source
 from cloudburst.faults import FaultInjector
+from cloudburst.forkserver import die_with_parent, raise_open_files_limit
 from cloudburst.liveness import EXIT_PEER_LOST, Watchdog, mark_done, watched_peers
 from cloudburst.loop.budget import TimeBudget
 from cloudburst.loop.checkpointer import Checkpointer
@@ -51,6 +52,12 @@ log = logging.getLogger(__name__)
 
 def run_rank(cfg_dict: dict[str, Any]) -> None:
     """Entry point of one rank. ``cfg_dict`` is a :meth:`RunConfig.to_dict`."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        # Started by torch's agent (or, in a local job, by the forkserver the launcher
+        # started): end with that process, however it ends, instead of training on
+        # unsupervised. A rank started by hand (no agent) is left to its own parent.
+        die_with_parent()
+    raise_open_files_limit()  # gloo and the store cost a descriptor per connection
     cfg = RunConfig.from_dict(cfg_dict)
     ctx = init_distributed(cfg, cfg.strategy_spec)
     if ctx.rank == 0:  # what --resume reads back (the local launcher also writes it)
@@ -68,9 +75,7 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     watchdog = start_watchdog(ctx, metrics)
     try:
-        data = load_dataset(
-            cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size, context=cfg.context
-        )
+        data = load_run_dataset(cfg)
         model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
         if cfg.init_from:
             load_model_into(cfg.init_from, model)

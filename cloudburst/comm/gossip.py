@@ -6,8 +6,9 @@ times out.
 
 Threads and groups
     Every worker runs a *serving thread* next to its training (main) thread. Two gloo groups
-    of the workers, created once for the job by :func:`cloudburst.runtime.init_distributed`,
-    keep their traffic apart so that two threads never receive on the same group:
+    of the workers, created once for the job by :func:`cloudburst.runtime.init_distributed`
+    (which checks that every member proves the job secret before θ moves: no peer joins them
+    later), keep their traffic apart so that two threads never receive on the same group:
 
     - the *request* group: main threads send FETCH / PUSH (+ θ) / PING / DONE to a peer's
       serving thread; only serving threads receive on it (from any peer);

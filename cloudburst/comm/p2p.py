@@ -111,6 +111,7 @@ class Status(IntEnum):
     REJECTED = 2  # non-finite payload or malformed header
     WAIT = 3  # reply to DONE/PING: other workers still training
     FINISHED = 4  # reply to DONE/PING: the server is done, the worker may exit
+    REFUSED = 5  # a finite push whose update is too large (--max-push-ratio) or overflows θ
 
 
 class MessageError(ValueError):

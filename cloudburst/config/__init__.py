@@ -12,10 +12,13 @@ from these fields (:mod:`cloudburst.cli`), so a new setting is one field (and it
 ``cfg.lr``), and so do :meth:`RunConfig.to_dict` and a run's config.json.
 
 A bad value raises :class:`ConfigError` whose message is one line naming the field, the value
-and what is allowed; the CLI prints it and exits with code 2 without launching anything.
+and what is allowed; the CLI prints it and exits with code 2 without launching anything. Every
+numeric field carries its range (:class:`~cloudburst.config.fields.Bounds`), checked first.
 Config files are TOML (parsed with :mod:`tomllib`, which never executes code): flat keys
 (``daso_global_skip = 4``), a ``[train]`` table of them, or one section per concern
-(``[daso]`` with ``global_skip = 4``); command-line flags override file values.
+(``[daso]`` with ``global_skip = 4``); command-line flags override file values. A TOML value
+must have its field's type (``workers = "4"`` and ``steps = 1e20`` are refused: a string and
+a float are not an int); flags, ``compare``'s specs and sweeps give text, parsed here.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from cloudburst.config.fields import (  # noqa: F401
     _check_choice,
     _check_float,
     _check_int,
+    check_bounds,
     field_message,
     option,
 )
@@ -93,6 +97,7 @@ class RunConfig(
     def __post_init__(self) -> None:
         if isinstance(self.inject_fault, str):
             self.inject_fault = [self.inject_fault]
+        check_bounds(self)  # the defaults below compute with these values
         # Defaults that depend on another concern's value.
         if self.servers is None:
             self.servers = 1 if self.strategy_spec.needs_servers else 0
@@ -112,7 +117,8 @@ class RunConfig(
     def validate(self) -> None:
         """Each concern's checks, in this order (a later one may rely on an earlier one's
         defaults: the batch size on the data's size); the strategies' settings in the
-        registry's order."""
+        registry's order. Every numeric field's range is checked first."""
+        check_bounds(self)
         self._validate_job()
         self._validate_data()
         self._validate_model()
@@ -239,7 +245,44 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         flat.update(_flatten_sections(data["train"]))
     elif "train" in data:
         flat["train"] = data["train"]  # from_dict names it as an unknown field
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    for name, value in flat.items():
+        if name in fields:
+            _check_toml_type(name, fields[name].type, value, p.name)
     return flat
+
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
+
+
+def _check_toml_type(name: str, type_text: Any, value: Any, source: str) -> None:
+    """A TOML value of its field's type: an int field takes an integer (not ``"4"``, not
+    ``1e20``, not ``true``), a float field a number, a bool field ``true``/``false``, a text
+    field a string, a list field a string or an array of them."""
+    kind = str(type_text).removesuffix(" | None")
+    if kind == "int":
+        ok, expected = type(value) is int, "an integer"
+    elif kind == "float":
+        ok, expected = type(value) in (int, float), "a number"
+    elif kind == "bool":
+        ok, expected = type(value) is bool, "true or false"
+    elif kind == "str":
+        ok, expected = type(value) is str, "a string"
+    elif kind.startswith("list["):
+        items = value if isinstance(value, list) else [value]
+        ok, expected = all(type(v) is str for v in items), "a string or an array of strings"
+    else:
+        return
+    if not ok:
+        got = _TYPE_NAMES.get(type(value), f"a {type(value).__name__}")
+        raise ConfigError(
+            f"{name}: {value!r} in {source} is {got}; expected {expected} "
+            f"(e.g. {name} = {_toml_example(kind)})"
+        )
+
+
+def _toml_example(kind: str) -> str:
+    return {"int": "4", "float": "0.5", "bool": "true", "str": '"text"'}.get(kind, '["text"]')
 
 
 def _flatten_sections(table: dict[str, Any]) -> dict[str, Any]:
@@ -301,8 +344,8 @@ def _coerce(name: str, type_text: Any, value: Any) -> Any:
         raise ConfigError(f"{name}: a value is required")
     try:
         if text.startswith("int"):
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
+            if not isinstance(value, int | str) or isinstance(value, bool):
+                raise ValueError  # a float is not an int (1e20 is not a step count)
             return int(value)
         if text.startswith("float"):
             if isinstance(value, bool):

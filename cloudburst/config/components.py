@@ -14,17 +14,51 @@ from cloudburst.config.fields import (
     DATASETS,
     DEFAULT_SIZES,
     DEVICES,
+    LINK_GBIT_PER_S,
+    LINK_LATENCY_MS,
+    LR,
     LR_SCHEDULES,
+    MAX_BUDGET_S,
+    MAX_EPOCHS,
+    MAX_SAMPLES,
+    MAX_TIMEOUT_S,
+    MAX_WORKERS,
     MODELS,
+    MOMENTUM,
     OPTIMIZERS,
+    SEED,
+    SLOWDOWN,
+    STEP_COUNT,
+    STEP_COUNT_OR_0,
+    TIMEOUT_S,
+    Bounds,
     ConfigError,
     Straggler,
     _check_choice,
-    _check_float,
-    _check_int,
     option,
 )
 from cloudburst.strategies import BUILT_IN, REGISTRY
+
+
+def check_link(name: str, text: str) -> None:
+    """A ``GBIT_PER_S[,LATENCY_MS]`` link spec within 1 kbit/s .. 1 Pbit/s and 0 .. 60 s."""
+    from cloudburst.comm.link import LinkSpec
+
+    try:
+        spec = LinkSpec.parse(text)
+    except ValueError as e:
+        raise ConfigError(f"{name}: {e}") from None
+    if not LINK_GBIT_PER_S.allows(spec.gbit_per_s, False):
+        raise ConfigError(
+            f"{name}: {text!r}: a speed of {spec.gbit_per_s!r} Gbit/s is not allowed; use "
+            f"{LINK_GBIT_PER_S.text(False)} Gbit/s (1 kbit/s to 1 Pbit/s)"
+        )
+    if not LINK_LATENCY_MS.allows(spec.latency_ms, False):
+        raise ConfigError(
+            f"{name}: {text!r}: a latency of {spec.latency_ms!r} ms is not allowed; use "
+            f"{LINK_LATENCY_MS.text(False)} ms"
+        )
+
 
 # Language models on text (docs/lm.md): the budget and evaluation interval measured for the
 # default GPT on text:stdlib; a test evaluation of the GPT takes about a second on a CPU.
@@ -59,15 +93,16 @@ class JobConfig:
     title: ClassVar[str] = "job"
 
     strategy: str = option("sync", "the data-parallel algorithm", choices=BUILT_IN)
-    workers: int = option(2, "W, training ranks")
+    workers: int = option(2, "W, training ranks", bounds=Bounds(1, MAX_WORKERS))
     servers: int | None = option(
-        None, "S, parameter-server shards (asgd, easgd)", shown="1 for asgd and easgd, 0 otherwise"
+        None,
+        "S, parameter-server shards (asgd, easgd)",
+        shown="1 for asgd and easgd, 0 otherwise",
+        bounds=Bounds(0, MAX_WORKERS),
     )
 
     def _validate_job(self) -> None:
         _check_choice("strategy", self.strategy, tuple(REGISTRY))
-        _check_int("workers", self.workers, 1)
-        _check_int("servers", self.servers, 0)
         if self.strategy_spec.needs_servers and self.servers < 1:
             raise ConfigError(
                 f"servers: {self.servers} is not allowed for strategy {self.strategy!r}; "
@@ -89,16 +124,21 @@ class ClusterConfig:
     title: ClassVar[str] = "cluster: nodes, their link, slow workers (emulated)"
 
     nodes: int | None = option(
-        None, "group this launch's ranks into N emulated nodes", shown="torchrun's nodes, or 1"
+        None,
+        "group this launch's ranks into N emulated nodes",
+        shown="torchrun's nodes, or 1",
+        bounds=Bounds(1, MAX_WORKERS),
     )
     inter_node_link: str | None = option(
         None,
-        "emulate a link of this speed between nodes (software delay; e.g. 1,1)",
+        "emulate a link of this speed between nodes (software delay; e.g. 1,1; 1 kbit/s to "
+        "1 Pbit/s, latency up to 60 s)",
         metavar="GBIT_PER_S[,LATENCY_MS]",
         shown="none, no delay",
     )
     stragglers: list[Straggler] = option(
-        help="worker WORKER sleeps (FACTOR-1)x its compute time each step (repeatable)",
+        help="worker WORKER sleeps (FACTOR-1)x its compute time each step (repeatable; "
+        "FACTOR 1..1000)",
         flag="--straggler",
         metavar="WORKER:FACTOR",
         shown="none",
@@ -106,7 +146,10 @@ class ClusterConfig:
         factory=list,
     )
     min_step_time_s: float = option(
-        0.0, "emulate a device: every step takes at least this many seconds (sleep)"
+        0.0,
+        "emulate a device: every step takes at least this many seconds (sleep; times a "
+        "straggler's factor, below --comm-timeout-s)",
+        bounds=Bounds(0.0, MAX_TIMEOUT_S),
     )
     compress: str = option(
         "none",
@@ -119,25 +162,18 @@ class ClusterConfig:
 
     def _validate_cluster(self) -> None:
         if self.nodes is not None:
-            _check_int("nodes", self.nodes, 1)
             if self.nodes > self.world_size:
                 raise ConfigError(
                     f"nodes: {self.nodes} is more than the job's {self.world_size} ranks"
                 )
         if self.inter_node_link is not None:
-            from cloudburst.comm.link import LinkSpec
-
-            try:
-                LinkSpec.parse(self.inter_node_link)
-            except ValueError as e:
-                raise ConfigError(f"inter_node_link: {e}") from None
+            check_link("inter_node_link", self.inter_node_link)
         for s in self.stragglers:
             if not 0 <= s.worker < self.workers:
                 raise ConfigError(
                     f"straggler: worker {s.worker} does not exist; allowed 0..{self.workers - 1}"
                 )
-            _check_float("straggler factor", s.factor, 1.0, None)
-        _check_float("min_step_time_s", self.min_step_time_s, 0.0, None)
+            SLOWDOWN.check("straggler factor", s.factor, integer=False)
         from cloudburst.comm.compress import Compression
 
         try:
@@ -166,21 +202,44 @@ class DataConfig:
         metavar="SPEC",
     )
     train_size: int | None = option(
-        None, "training samples", shown="4000 for mnist1d and synthetic, else all"
+        None,
+        "training samples",
+        shown="4000 for mnist1d and synthetic, else all",
+        bounds=Bounds(10, MAX_SAMPLES),
     )
     test_size: int | None = option(
-        None, "test samples", shown="1000 for mnist1d and synthetic, else all"
+        None,
+        "test samples",
+        shown="1000 for mnist1d and synthetic, else all",
+        bounds=Bounds(10, MAX_SAMPLES),
     )
-    image_size: int = option(32, "imagefolder: resize and center-crop images to this")
+    image_size: int = option(
+        32, "imagefolder: resize and center-crop images to this", bounds=Bounds(8, 1024)
+    )
     augment: bool = option(True, "images: no random crop (padding 4) and flip", flag="--no-augment")
     data_workers: int | None = option(
-        None, "DataLoader processes per worker", shown="2 for images, 0 otherwise"
+        None,
+        "DataLoader processes per worker",
+        shown="2 for images, 0 otherwise",
+        bounds=Bounds(0, 64),
     )
-    context: int = option(64, "text: tokens (bytes) per window, the GPT's context length")
+    context: int = option(
+        64, "text: tokens (bytes) per window, the GPT's context length", bounds=Bounds(1, 65_536)
+    )
+    max_dataset_gib: float = option(
+        2.0,
+        "the most memory a dataset from a path may take on a rank (npz arrays, a text corpus, "
+        "an image folder's decoded test split); checked from headers and file sizes first",
+        bounds=Bounds(0.0, 1024.0, low_open=True),
+    )
+
+    @property
+    def max_dataset_bytes(self) -> int:
+        """``max_dataset_gib`` in bytes (cloudburst.datasets.MAX_DATASET_BYTES by default)."""
+        return int(self.max_dataset_gib * 2**30)
 
     def _validate_data(self) -> None:
         kind, path = self.dataset_kind_path()
-        _check_int("context", self.context, 1)
         if kind == "text" and path == "stdlib":
             pass  # the running interpreter's standard library (cloudburst.datasets.text)
         elif path is not None and not Path(path).expanduser().exists():
@@ -191,13 +250,11 @@ class DataConfig:
             default_train, default_test = DEFAULT_SIZES[kind]
             self.train_size = default_train if self.train_size is None else self.train_size
             self.test_size = default_test if self.test_size is None else self.test_size
-        if self.train_size is not None:
-            _check_int("train_size", self.train_size, max(self.workers, 10))
-        if self.test_size is not None:
-            _check_int("test_size", self.test_size, 10)
-        _check_int("image_size", self.image_size, 8)
-        if self.data_workers is not None:
-            _check_int("data_workers", self.data_workers, 0)
+        if self.train_size is not None and self.train_size < self.workers:
+            raise ConfigError(
+                f"train_size: {self.train_size} is not allowed with {self.workers} workers; use "
+                f"at least one sample per worker (>= {self.workers})"
+            )
 
 
 @dataclass
@@ -267,25 +324,31 @@ class TrainingConfig:
         None,
         "passes of each worker over its own shard",
         shown="64 unless --steps is given (text: --steps)",
+        bounds=Bounds(0.0, MAX_EPOCHS, low_open=True),
     )
     steps: int | None = option(
         None,
         "local steps per worker (overrides --epochs)",
         shown=f"from --epochs (text: {TEXT_DEFAULT_STEPS})",
+        bounds=STEP_COUNT,
     )
     max_train_time_s: float = option(
         0.0,
         "end training once its clock (evaluations left out; simulate: virtual seconds) "
         "reaches this, then finish as after the last step (0: no budget)",
+        bounds=Bounds(0.0, MAX_BUDGET_S),
     )
     batch_size: int | None = option(
-        None, "samples (text: windows) per step, per worker", shown="64 (gpt: 16)"
+        None,
+        "samples (text: windows) per step, per worker",
+        shown="64 (gpt: 16)",
+        bounds=Bounds(1, 2**20),
     )
     optimizer: str | None = option(
         None, "the local (worker) optimizer", choices=OPTIMIZERS, shown="sgd (gpt: adamw)"
     )
     lr: float | None = option(
-        None, "the local optimizer's learning rate", shown="0.1 (gpt: 4.2e-3)"
+        None, "the local optimizer's learning rate", shown="0.1 (gpt: 4.2e-3)", bounds=LR
     )
     lr_schedule: str | None = option(
         None,
@@ -297,19 +360,28 @@ class TrainingConfig:
         None,
         "the lr rises linearly from lr/N to lr over the first N steps (then the schedule)",
         shown="0 (gpt: 30)",
+        bounds=STEP_COUNT_OR_0,
     )
     clip_grad_norm: float | None = option(
-        None, "clip each step's gradient to this global L2 norm (0: off)", shown="0 (gpt: 1)"
+        None,
+        "clip each step's gradient to this global L2 norm (0: off)",
+        shown="0 (gpt: 1)",
+        bounds=Bounds(0.0, 1e6),
     )
-    momentum: float = option(0.9, "the local optimizer's momentum (adam: β1)")
+    momentum: float = option(0.9, "the local optimizer's momentum (adam: β1)", bounds=MOMENTUM)
     weight_decay: float | None = option(
         None,
         "weight decay of the local optimizer (adamw: decoupled, else L2)",
         shown="0 (gpt: 0.1)",
+        bounds=Bounds(0.0, 100.0),
     )
-    seed: int = option(0, "seeds the model, the data order and the shards")
+    seed: int = option(
+        0, "seeds the model, the data order and the shards (0 .. 2^32-1)", bounds=SEED
+    )
     warm_start_steps: int = option(
-        0, "K: worker 0 trains alone for K steps, then all start from its θ"
+        0,
+        "K: worker 0 trains alone for K steps, then all start from its θ",
+        bounds=STEP_COUNT_OR_0,
     )
     init_from: str | None = option(
         None,
@@ -334,12 +406,6 @@ class TrainingConfig:
                 self.steps = TEXT_DEFAULT_STEPS  # docs/lm.md: the GPT's measured budget
             else:
                 self.epochs = 64.0  # MNIST-1D's CNN reaches ≥ 90 % with every strategy
-        if self.steps is not None:
-            _check_int("steps", self.steps, 1)
-        if self.epochs is not None:
-            _check_float("epochs", self.epochs, 0.0, None, low_open=True)
-        _check_float("max_train_time_s", self.max_train_time_s, 0.0, None)
-        _check_int("batch_size", self.batch_size, 1)
         shard = (self.train_size or 0) // self.workers
         if self.train_size is not None and self.batch_size > shard:
             raise ConfigError(
@@ -347,14 +413,7 @@ class TrainingConfig:
                 f"{shard} samples (train_size {self.train_size} / {self.workers} workers)"
             )
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        _check_float("lr", self.lr, 0.0, None, low_open=True)
         _check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        _check_float("momentum", self.momentum, 0.0, 1.0, high_open=True)
-        _check_float("weight_decay", self.weight_decay, 0.0, None)
-        _check_int("warmup_steps", self.warmup_steps, 0)
-        _check_float("clip_grad_norm", self.clip_grad_norm, 0.0, None)
-        _check_int("seed", self.seed, 0)
-        _check_int("warm_start_steps", self.warm_start_steps, 0)
         if self.warm_start_steps and self.init_from:
             raise ConfigError(
                 "warm_start_steps: cannot be combined with init_from; choose one warm start"
@@ -371,36 +430,38 @@ class MetricsConfig:
     title: ClassVar[str] = "metrics"
 
     target_accuracy: float | None = option(
-        None, "report the time to reach this test accuracy (0..1)", shown="none"
+        None,
+        "report the time to reach this test accuracy (0..1)",
+        shown="none",
+        bounds=Bounds(0.0, 1.0, low_open=True),
     )
     target_loss: float | None = option(
         None,
         "report the time to reach this test loss (nats per token, language models)",
         shown="none",
+        bounds=Bounds(0.0, 1e6, low_open=True),
     )
     eval_every_s: float | None = option(
         None,
         "evaluate on the test set every this many seconds",
         shown=f"1, text: {TEXT_EVAL_EVERY_S:g}",
+        bounds=Bounds(0.0, MAX_BUDGET_S, low_open=True),
     )
-    log_every_steps: int = option(10, "workers log one step record every this many steps")
+    log_every_steps: int = option(
+        10, "workers log one step record every this many steps", bounds=STEP_COUNT
+    )
     # Bounded files; the staleness statistics in the summary count every push regardless.
     push_log_every: int = option(
-        10, "servers log one push record every N applied pushes, and one for each push not applied"
+        10,
+        "servers log one push record every N applied pushes, and one for each push not applied",
+        bounds=STEP_COUNT,
     )
     tensorboard: bool = option(False, "also write TensorBoard events under OUT/tensorboard")
 
     def _validate_metrics(self) -> None:
-        if self.target_accuracy is not None:
-            _check_float("target_accuracy", self.target_accuracy, 0.0, 1.0, low_open=True)
-        if self.target_loss is not None:
-            _check_float("target_loss", self.target_loss, 0.0, None, low_open=True)
         if self.eval_every_s is None:
             text = self.dataset_kind_path()[0] == "text"
             self.eval_every_s = TEXT_EVAL_EVERY_S if text else 1.0
-        _check_float("eval_every_s", self.eval_every_s, 0.0, None, low_open=True)
-        _check_int("log_every_steps", self.log_every_steps, 1)
-        _check_int("push_log_every", self.push_log_every, 1)
 
 
 @dataclass
@@ -414,6 +475,7 @@ class FaultConfig:
         100,
         "workers checkpoint every this many steps, servers every this many pushes, under "
         "OUT/checkpoints (0: off)",
+        bounds=STEP_COUNT_OR_0,
     )
     # Set by ``--resume DIR`` (cloudburst.resilience.resume_config), which is no field's flag.
     resume: bool = option(False, "continue from the checkpoints under OUT", cli=False)
@@ -421,6 +483,7 @@ class FaultConfig:
         0,
         "restart failed ranks this many times (sync/daso/local_sgd/diloco/gossip: the whole "
         "job, from its last checkpoint; asgd/easgd: the rank rejoins)",
+        bounds=Bounds(0, 1000),
     )
     inject_fault: list[str] = option(
         help="kill:RANK@STEP | stop:RANK@STEP | nan:RANK@STEP | slow:RANK:FACTOR (repeatable; "
@@ -429,23 +492,44 @@ class FaultConfig:
         shown="none",
         factory=list,
     )
-    comm_timeout_s: float = option(300.0, "seconds before a blocking communication fails")
+    comm_timeout_s: float = option(
+        300.0, "seconds before a blocking communication fails", bounds=TIMEOUT_S
+    )
     heartbeat_timeout_s: float = option(
-        10.0, "seconds without a heartbeat before a rank is taken for lost"
+        10.0, "seconds without a heartbeat before a rank is taken for lost", bounds=TIMEOUT_S
     )
 
     def _validate_faults(self) -> None:
-        _check_int("checkpoint_every", self.checkpoint_every, 0)
-        _check_int("max_restarts", self.max_restarts, 0)
+        slow: dict[int, float] = {}  # worker index: the product of its slow faults' factors
         if self.inject_fault:
             from cloudburst.faults import FaultError, parse_faults
 
             try:
-                parse_faults(self.inject_fault, self.servers, self.world_size)
+                faults = parse_faults(self.inject_fault, self.servers, self.world_size)
             except FaultError as e:
                 raise ConfigError(f"inject_fault: {e}") from None
-        _check_float("comm_timeout_s", self.comm_timeout_s, 0.0, None, low_open=True)
-        _check_float("heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0, None, low_open=True)
+            for fault in faults:
+                if fault.kind == "slow":
+                    index = fault.rank - self.servers
+                    slow[index] = slow.get(index, 1.0) * fault.factor
+        # A slow worker's step sleeps (factor - 1) x its compute, and a step of the emulated
+        # device at least min_step_time_s x factor: bounded, and below the time the other
+        # ranks wait for it (comm_timeout_s).
+        slowed = {s.worker for s in self.stragglers} | set(slow)
+        factors = {i: self.straggler_factor(i) * slow.get(i, 1.0) for i in sorted(slowed)}
+        for index, factor in factors.items():
+            if not SLOWDOWN.allows(factor, integer=False):
+                raise ConfigError(
+                    f"straggler: worker {index} would be slowed {factor:g}x (its --straggler "
+                    f"factor times its slow: faults); allowed up to {SLOWDOWN.high:g}x"
+                )
+        most = max(factors.values(), default=1.0)
+        if self.min_step_time_s * most >= self.comm_timeout_s:
+            raise ConfigError(
+                f"min_step_time_s: {self.min_step_time_s:g} s x a slowdown of {most:g} is not "
+                f"below comm_timeout_s {self.comm_timeout_s:g} s: the other ranks would time "
+                "out waiting for its step; lower it or raise --comm-timeout-s"
+            )
 
 
 @dataclass

@@ -17,9 +17,22 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from cloudburst.config.fields import ConfigError, _check_float, _check_int, option
+from cloudburst.config.fields import (
+    LINK_GBIT_PER_S,
+    MAX_STEPS,
+    MAX_TIMEOUT_S,
+    Bounds,
+    ConfigError,
+    check_bounds,
+    option,
+)
 
 JITTER_KINDS = ("lognormal", "pareto")
+# A modelled step of up to a day, per sample up to an hour.
+STEP_TIME_S = Bounds(0.0, MAX_TIMEOUT_S, low_open=True)
+# lognormal's coefficient of variation, Pareto's shape: beyond these the noise is no longer a
+# device's (a CV of 10 is a step 100x its mean once in a few hundred).
+MAX_JITTER_CV, MAX_PARETO_ALPHA = 10.0, 1000.0
 
 
 @dataclass(frozen=True)
@@ -113,14 +126,15 @@ class Jitter:
                 f"step_time_jitter: {text!r} is not lognormal:CV or pareto:ALPHA "
                 "(e.g. lognormal:0.1 or pareto:3)"
             )
-        if kind == "lognormal" and value < 0:
+        if kind == "lognormal" and not 0 <= value <= MAX_JITTER_CV:
             raise ConfigError(
-                f"step_time_jitter: {text!r}: the coefficient of variation must be >= 0"
+                f"step_time_jitter: {text!r}: the coefficient of variation must be >= 0 and "
+                f"<= {MAX_JITTER_CV:g}"
             )
-        if kind == "pareto" and value <= 1:
+        if kind == "pareto" and not 1 < value <= MAX_PARETO_ALPHA:
             raise ConfigError(
                 f"step_time_jitter: {text!r}: the Pareto shape ALPHA must be > 1 (its mean is "
-                "infinite otherwise); e.g. pareto:3"
+                f"infinite otherwise) and <= {MAX_PARETO_ALPHA:g}; e.g. pareto:3"
             )
         return cls(kind, value)
 
@@ -148,11 +162,13 @@ class SimulationConfig:
         None,
         "modelled compute seconds of one training step on the modelled device",
         shown="the profile's, else --min-step-time-s if > 0, else calibrated",
+        bounds=STEP_TIME_S,
     )
     step_time_per_sample_s: float | None = option(
         None,
         "modelled compute seconds per sample: a step costs this x --batch-size",
         shown="none",
+        bounds=Bounds(0.0, 3600.0, low_open=True),
     )
     calibrate: bool = option(
         False,
@@ -177,6 +193,7 @@ class SimulationConfig:
         "a node NIC's ingress bandwidth (its egress is --inter-node-link's); messages into one "
         "node queue there (incast)",
         shown="--inter-node-link's",
+        bounds=LINK_GBIT_PER_S,
     )
     network_model: str = option(
         "flat",
@@ -189,17 +206,20 @@ class SimulationConfig:
         10.0,
         "a parameter-server shard applies an update at this many GB/s (cost: the update's "
         "bytes / this; ~10 GB/s is one CPU core streaming through memory)",
+        bounds=Bounds(1e-6, 1e6),
     )
     modelled_params: int | None = option(
         None,
         "stand-in model: messages carry this many parameters' worth of bytes (float payloads "
         "scaled by it / the run's parameters) while the run's small model does the maths",
         shown="the profile's, else the run's model",
+        bounds=Bounds(1, MAX_STEPS),
     )
     modelled_step_time_s: float | None = option(
         None,
         "stand-in model: its seconds per step (the same as --step-time-s; give one)",
         shown="none",
+        bounds=STEP_TIME_S,
     )
     profile: str | None = option(
         None,
@@ -213,13 +233,12 @@ class SimulationConfig:
         self.validate()
 
     def validate(self) -> None:
+        check_bounds(self)
         given = [
             name
             for name in ("step_time_s", "step_time_per_sample_s", "modelled_step_time_s")
             if getattr(self, name) is not None
         ]
-        for name in given:
-            _check_float(name, getattr(self, name), 0.0, None, low_open=True)
         if len(given) > 1:
             raise ConfigError(f"{given[1]}: cannot be combined with {given[0]}; give one step time")
         if self.calibrate and given:
@@ -229,25 +248,13 @@ class SimulationConfig:
         if self.step_time_jitter is not None:
             Jitter.parse(self.step_time_jitter)
         if self.intra_node_link is not None:
-            from cloudburst.comm.link import LinkSpec
+            from cloudburst.config.components import check_link
 
-            try:
-                LinkSpec.parse(self.intra_node_link)
-            except ValueError as e:
-                raise ConfigError(f"intra_node_link: {e}") from None
-        if self.nic_ingress_gbit_per_s is not None:
-            _check_float(
-                "nic_ingress_gbit_per_s", self.nic_ingress_gbit_per_s, 0.0, None, low_open=True
-            )
+            check_link("intra_node_link", self.intra_node_link)
         if self.network_model not in ("flat", "nccl"):
             raise ConfigError(
                 f"network_model: {self.network_model!r} is not allowed; choose flat or nccl"
             )
-        _check_float(
-            "server_apply_gbyte_per_s", self.server_apply_gbyte_per_s, 0.0, None, low_open=True
-        )
-        if self.modelled_params is not None:
-            _check_int("modelled_params", self.modelled_params, 1)
         if self.profile is not None and self.profile not in PROFILES:
             near = difflib.get_close_matches(str(self.profile), sorted(PROFILES), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""

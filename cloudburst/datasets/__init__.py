@@ -17,12 +17,16 @@ A dataset is named by a spec string, ``KIND`` or ``KIND:PATH`` (see ``parse_data
   running interpreter's standard library sources (:mod:`cloudburst.datasets.text`).
 
 Every failure is a ``DatasetError`` whose message is one line naming the path and the problem.
+Memory is checked before it is allocated, from what a file declares (npz headers, the CIFAR
+unpickler's arguments, ``stat``): a dataset may take at most ``max_bytes`` on a rank
+(``MAX_DATASET_BYTES``, ``--max-dataset-gib``); the error names the size and the limit.
 Images come out as uint8 NCHW; ``Preprocess`` turns a batch into normalised float32, with random
 crop + flip when augmenting, vectorised over the batch and seeded by a ``torch.Generator``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -36,6 +40,7 @@ from cloudburst.datasets.base import (  # noqa: F401
     GENERATED_KINDS,
     IMAGE_EXTENSIONS,
     MAX_ASPECT_RATIO,
+    MAX_DATASET_BYTES,
     MAX_IMAGE_PIXELS,
     NPZ_SPLIT_SEED,
     STATS_MAX_IMAGES,
@@ -50,6 +55,7 @@ from cloudburst.datasets.base import (  # noqa: F401
     _decode_image,
     _describe,
     channel_stats,
+    check_size,
 )
 from cloudburst.datasets.cifar import _cifar_dir, _load_cifar10
 from cloudburst.datasets.imagefolder import _imagefolder_splits, _load_imagefolder
@@ -58,6 +64,7 @@ from cloudburst.datasets.text import (  # noqa: F401
     STDLIB,
     TokenStream,
     TokenWindows,
+    corpus_bytes,
     corpus_files,
     load_text,
 )
@@ -91,11 +98,15 @@ def parse_dataset_spec(spec: str) -> tuple[str, str | None]:
     raise DatasetError(f"dataset {spec!r}: unknown kind {kind!r}; use one of {_SPEC_FORMS}")
 
 
-def check_dataset(kind: str, path: str) -> None:
-    """Cheap preflight: PATH exists and has the layout of KIND. Decodes nothing."""
+def check_dataset(kind: str, path: str, max_bytes: int = MAX_DATASET_BYTES) -> None:
+    """Cheap preflight: PATH exists and has the layout of KIND (and a text corpus's size is
+    within ``max_bytes``). Decodes nothing."""
     if kind == "text":
-        if not corpus_files(path):
+        files = corpus_files(path)
+        if not files:
             raise DatasetError(f"text:{path}: the corpus is empty (no files)")
+        size = corpus_bytes(path, files)
+        check_size(f"text:{path}: the corpus ({len(files)} file(s))", size, max_bytes)
         return
     root = _resolve(kind, path)
     if kind == "cifar10":
@@ -108,23 +119,30 @@ def check_dataset(kind: str, path: str) -> None:
 
 
 def load_path_dataset(
-    kind: str, path: str, image_size: int = 32, test_fraction: float = 0.1
+    kind: str,
+    path: str,
+    image_size: int = 32,
+    test_fraction: float = 0.1,
+    max_bytes: int = MAX_DATASET_BYTES,
 ) -> LoadedData:
     """Read the dataset KIND at PATH. ``image_size`` applies to imagefolder only;
-    ``test_fraction`` only where the data brings no test split of its own. Text is read by
+    ``test_fraction`` only where the data brings no test split of its own; ``max_bytes`` bounds
+    the memory of npz arrays (checked from their headers first). Text is read by
     :func:`cloudburst.datasets.text.load_text` (it has no labels)."""
     if kind == "text":
         raise DatasetError(f"text:{path}: read text with cloudburst.data.load_dataset")
     root = _resolve(kind, path)
     if not 0.0 < test_fraction < 1.0:
         raise DatasetError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    if image_size < 1:
-        raise DatasetError(f"image_size must be >= 1, got {image_size}")
+    if not 1 <= image_size * image_size <= MAX_IMAGE_PIXELS:  # every image is decoded to it
+        raise DatasetError(
+            f"image_size must be in 1..{math.isqrt(MAX_IMAGE_PIXELS)} pixels, got {image_size}"
+        )
     if kind == "cifar10":
         return _load_cifar10(root)
     if kind == "imagefolder":
         return _load_imagefolder(root, image_size, test_fraction)
-    return _load_npz(root, test_fraction)
+    return _load_npz(root, test_fraction, max_bytes)
 
 
 def _resolve(kind: str, path: str) -> Path:

@@ -4,8 +4,10 @@ image decoding with size limits, channel statistics, and batched augmentation.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,10 +24,15 @@ CIFAR10_TEST_BATCH = "test_batch"
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 STATS_MAX_IMAGES = 2048  # images decoded to estimate an image folder's mean/std
+STATS_CHUNK_BYTES = 256 * 2**20  # their memory at a time (uint8 and float64 working copies)
 MAX_IMAGE_PIXELS = 64_000_000  # an image file larger than this is refused (8000 x 8000)
 MAX_ASPECT_RATIO = 16  # longer side at most this many times the shorter one
 STD_FLOOR = 1e-3  # a constant channel would otherwise divide by zero
 NPZ_SPLIT_SEED = 0  # seed of the legacy numpy RandomState that picks a held-out npz test split
+# The most memory one dataset may take on a rank, checked from headers and file sizes before
+# anything is allocated: npz arrays as loaded, a text corpus, an image folder's decoded test
+# split. A small file can declare a huge array (a 2 MB deflated .npz can unpack to 2 GB).
+MAX_DATASET_BYTES = 2 * 2**30
 
 
 class DatasetError(ValueError):
@@ -35,8 +42,44 @@ class DatasetError(ValueError):
         super().__init__(" ".join(str(message).split()))
 
 
+def cache_dir() -> Path:
+    """Where generated data is kept between runs and shared by a machine's ranks:
+    ``$CLOUDBURST_CACHE``, default ``~/.cache/cloudburst``."""
+    return Path(os.environ.get("CLOUDBURST_CACHE", Path.home() / ".cache" / "cloudburst"))
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _gib(n_bytes: int) -> str:
+    """A size for an error message: ``"7.45 GiB"``, ``"64.0 MiB"``, ``"193 bytes"``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n_bytes >= scale:
+            value = n_bytes / scale
+            return f"{value:.2f} {unit}" if value < 10 else f"{value:.1f} {unit}"
+    return f"{n_bytes} bytes"
+
+
+def check_size(
+    what: str,
+    n_bytes: int,
+    left: int,
+    detail: str = "",
+    scope: str = "",
+    limit: int | None = None,
+) -> None:
+    """Raise the one-line ``DatasetError`` for ``what`` taking ``n_bytes`` when only ``left``
+    are left of ``limit`` (default: ``left`` is the whole limit): ``npz:P: array 'x' would
+    take 7.5 GiB (shape [..] uint8), over the 2.0 GiB limit for a dataset``. Called before
+    allocating, with sizes computed from headers and ``stat`` in Python ints."""
+    if n_bytes > left:
+        detail = f" ({detail})" if detail else ""
+        scope = scope or "a dataset (--max-dataset-gib)"
+        limit = left if limit is None else limit
+        raise DatasetError(
+            f"{what} would take {_gib(n_bytes)}{detail}, over the {_gib(limit)} limit for {scope}"
+        )
 
 
 # --------------------------------------------------------------------------------------------

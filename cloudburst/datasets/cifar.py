@@ -1,12 +1,23 @@
 """CIFAR-10, the python version: pickled batches read with an unpickler that rebuilds numpy
 arrays only (a pickle can run code when loaded).
+
+Memory is bounded by the file, not by what it declares: a batch file is at most
+``CIFAR10_MAX_FILE_BYTES``; every length its opcodes declare must lie inside it; an array can
+only be filled from the pickle's own bytes (``numpy.ndarray(shape)`` and a non-empty
+``_reconstruct`` are refused, so no uninitialised memory); and all it builds — strings and
+arrays — is at most twice the file. Then the format is enforced: ``data`` uint8 [N, 3072] with
+1 <= N <= 10000 and ``labels`` a list of N ints in 0..9.
 """
 
 from __future__ import annotations
 
 import codecs
 import functools
+import io
+import math
+import os
 import pickle
+import pickletools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,7 +34,13 @@ from cloudburst.datasets.base import (
     LoadedData,
     TensorSource,
     _describe,
+    _gib,
 )
+
+CIFAR10_BATCH_IMAGES = 10_000  # images per batch file of the published dataset
+# A published batch is 31 MB (a Python 2 pickle); re-pickled by Python 3 at protocol 2, its
+# bytes become latin-1 text, up to ~1.5x that. Anything larger is not a CIFAR-10 batch.
+CIFAR10_MAX_FILE_BYTES = 64 * 2**20
 
 # --------------------------------------------------------------------------------------------
 # CIFAR-10, python version
@@ -47,42 +64,95 @@ def _cifar_dir(path: Path) -> Path:
     return root
 
 
-def _allowed_codecs_encode(text: str, encoding: str = "utf-8") -> bytes:
-    # Python 3 pickles bytes at protocol <= 2 as _codecs.encode(text, "latin1"); nothing else.
-    if encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError(f"refuses _codecs.encode with encoding {encoding!r}")
-    return codecs.encode(text, encoding)
-
-
 @functools.cache
-def _pickle_allowlist() -> dict[tuple[str, str], object]:
-    """The globals a pickled numpy array needs, under both numpy 1 and numpy 2 module names."""
+def _numpy_modules() -> tuple[object, object]:
     try:
         from numpy._core import multiarray, numeric
     except ImportError:  # numpy < 2
         from numpy.core import multiarray, numeric  # type: ignore[no-redef]
-    allowed: dict[tuple[str, str], object] = {
-        ("numpy", "ndarray"): np.ndarray,
-        ("numpy", "dtype"): np.dtype,
-        ("_codecs", "encode"): _allowed_codecs_encode,
-    }
-    for package in ("numpy.core", "numpy._core"):
-        allowed[(f"{package}.multiarray", "_reconstruct")] = multiarray._reconstruct
-        allowed[(f"{package}.multiarray", "scalar")] = multiarray.scalar
-        allowed[(f"{package}.numeric", "_frombuffer")] = numeric._frombuffer  # protocol 5
-    return allowed
+    return multiarray, numeric
+
+
+class _ArrayType:
+    """What the pickle gets for the global ``numpy.ndarray``: a token that ``_reconstruct``
+    accepts and that cannot be called (``ndarray(shape, dtype)`` would allocate uninitialised
+    memory of any size; NEWOBJ refuses it too, as it is not a type)."""
+
+    __slots__ = ()  # nor can BUILD give it attributes
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        raise pickle.UnpicklingError(
+            "refuses to call numpy.ndarray directly (its memory would not come from the file)"
+        )
+
+
+_ARRAY_TYPE = _ArrayType()
+
+
+class _Budget:
+    """Bytes the pickle may still build (strings and array data); a shared counter."""
+
+    def __init__(self, source: Path, file_bytes: int):
+        self.source, self.file_bytes = source, file_bytes
+        self.left = 2 * file_bytes
+
+    def spend(self, n_bytes: int, what: str) -> None:
+        self.left -= n_bytes
+        if self.left < 0:
+            raise DatasetError(
+                f"cifar10: {self.source}: builds more than twice its {self.file_bytes} bytes "
+                f"({what}); a batch's arrays are made from its own bytes once"
+            )
+
+
+class _PickledArray(np.ndarray):
+    """An array being unpickled: its ``__setstate__`` (the BUILD opcode) checks that the data
+    is the pickle's own bytes, exactly as many as shape × itemsize, before numpy copies it."""
+
+    _budget: _Budget
+
+    def __setstate__(self, state: object) -> None:
+        if not isinstance(state, tuple) or len(state) != 5:
+            raise pickle.UnpicklingError("array state is not (version, shape, dtype, order, data)")
+        _, shape, dtype, _, raw = state
+        if not isinstance(dtype, np.dtype) or dtype.hasobject:
+            raise pickle.UnpicklingError(f"refuses an array of dtype {dtype!r}")
+        if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+            raise pickle.UnpicklingError(f"array shape {shape!r} is not a tuple of sizes")
+        n_bytes = math.prod(shape) * dtype.itemsize
+        if not isinstance(raw, bytes | bytearray) or len(raw) != n_bytes:
+            raise pickle.UnpicklingError(
+                f"array of shape {shape} {dtype} needs {n_bytes} bytes of data, the pickle "
+                f"gives {len(raw) if isinstance(raw, bytes | bytearray) else type(raw).__name__}"
+            )
+        self._budget.spend(n_bytes, f"an array of shape {list(shape)} {dtype}")
+        super().__setstate__(state)
 
 
 class _NumpyOnlyUnpickler(pickle.Unpickler):
     """Rebuilds dicts, lists, strings, numbers and numpy arrays; refuses every other global,
-    so a crafted pickle cannot call ``os.system`` or import anything."""
+    so a crafted pickle cannot call ``os.system`` or import anything. Each allowed global is
+    a checked wrapper bound to this file's budget (see the module docstring)."""
 
-    def __init__(self, file, source: Path):
+    def __init__(self, file: io.BytesIO, source: Path, file_bytes: int):
         super().__init__(file, encoding="bytes")
         self.source = source
+        self.budget = _Budget(source, file_bytes)
 
     def find_class(self, module: str, name: str) -> object:
-        found = _pickle_allowlist().get((module, name))
+        numpy_module = module.removeprefix("numpy.core.").removeprefix("numpy._core.")
+        numpy_package = module.startswith(("numpy.core.", "numpy._core."))
+        found = {
+            ("numpy", "ndarray"): _ARRAY_TYPE,
+            ("numpy", "dtype"): np.dtype,
+            ("_codecs", "encode"): self._encode,
+        }.get((module, name))
+        if numpy_package:
+            found = {
+                ("multiarray", "_reconstruct"): self._reconstruct,
+                ("multiarray", "scalar"): self._scalar,
+                ("numeric", "_frombuffer"): self._frombuffer,  # protocol 5
+            }.get((numpy_module, name))
         if found is None:
             raise DatasetError(
                 f"cifar10: {self.source}: refuses to unpickle global {module}.{name} "
@@ -90,11 +160,64 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
             )
         return found
 
+    def _encode(self, text: str, encoding: str = "utf-8") -> bytes:
+        # Python 3 pickles bytes at protocol <= 2 as _codecs.encode(text, "latin1"); nothing else.
+        if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+            raise pickle.UnpicklingError(f"refuses _codecs.encode with encoding {encoding!r}")
+        self.budget.spend(len(text), "strings")
+        return codecs.encode(text, encoding)
+
+    def _reconstruct(self, subtype: object, shape: object, dtype: object) -> np.ndarray:
+        # numpy pickles an array as _reconstruct(ndarray, (0,), b"b") and then BUILD (setstate)
+        if subtype is not _ARRAY_TYPE or shape != (0,):
+            raise pickle.UnpicklingError(
+                f"refuses _reconstruct of shape {shape!r}: an array's data must come from the file"
+            )
+        array = _numpy_modules()[0]._reconstruct(_PickledArray, (0,), dtype)
+        array._budget = self.budget
+        return array
+
+    def _scalar(self, dtype: object, data: object = None) -> object:
+        if not isinstance(dtype, np.dtype) or dtype.hasobject:
+            raise pickle.UnpicklingError(f"refuses a numpy scalar of dtype {dtype!r}")
+        self.budget.spend(dtype.itemsize, "scalars")
+        return _numpy_modules()[0].scalar(dtype, data)
+
+    def _frombuffer(self, buf: object, dtype: object, shape: object, order: object) -> np.ndarray:
+        if not isinstance(buf, bytes | bytearray) or not isinstance(dtype, np.dtype):
+            raise pickle.UnpicklingError("refuses _frombuffer of anything but the pickle's bytes")
+        self.budget.spend(len(buf), "arrays")
+        array = _numpy_modules()[1]._frombuffer(buf, dtype, shape, order).view(_PickledArray)
+        array._budget = self.budget
+        return array
+
+
+def _check_declared_lengths(raw: bytes) -> None:
+    """Walk the opcodes (without building anything): every string, bytes or integer the pickle
+    declares must lie inside it, so a short file cannot make the unpickler allocate a huge
+    buffer for data it does not hold. Raises ValueError otherwise."""
+    for _ in pickletools.genops(io.BytesIO(raw)):
+        pass
+
 
 def _read_pickle(path: Path) -> object:
     try:
+        file_bytes = os.stat(path).st_size
+    except OSError as e:
+        raise DatasetError(f"cifar10: {path}: cannot read ({_describe(e)})") from e
+    if file_bytes > CIFAR10_MAX_FILE_BYTES:
+        raise DatasetError(
+            f"cifar10: {path}: a file of {_gib(file_bytes)} is over the "
+            f"{_gib(CIFAR10_MAX_FILE_BYTES)} limit for a CIFAR-10 batch file (a published "
+            f"batch is 31 MB)"
+        )
+    try:
         with open(path, "rb") as f:
-            return _NumpyOnlyUnpickler(f, path).load()
+            raw = f.read(file_bytes + 1)  # read() would size its buffer to the limit
+        if len(raw) > file_bytes:
+            raise ValueError(f"the file grew past {file_bytes} bytes while being read")
+        _check_declared_lengths(raw)
+        return _NumpyOnlyUnpickler(io.BytesIO(raw), path, len(raw)).load()
     except DatasetError:
         raise
     except Exception as e:  # truncated or foreign files raise many types
@@ -118,23 +241,21 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
             f"cifar10: {path}: 'data' must be a uint8 array [N, 3072], got "
             f"{getattr(data, 'dtype', type(data).__name__)} of shape {getattr(data, 'shape', '?')}"
         )
-    if data.shape[1] != 3 * 32 * 32 or data.shape[0] == 0:
+    if data.shape[1] != 3 * 32 * 32 or not 1 <= data.shape[0] <= CIFAR10_BATCH_IMAGES:
         raise DatasetError(
-            f"cifar10: {path}: 'data' must be [N >= 1, 3072] (3 planes of 32x32), got {data.shape}"
+            f"cifar10: {path}: 'data' must be [N, 3072] (3 planes of 32x32) with "
+            f"1 <= N <= {CIFAR10_BATCH_IMAGES}, got {data.shape}"
         )
-    labels = np.asarray(labels)
-    if labels.ndim != 1 or labels.dtype.kind not in "iu":
-        raise DatasetError(
-            f"cifar10: {path}: 'labels' must be a list of ints, got {labels.dtype} "
-            f"of shape {labels.shape}"
-        )
+    if not isinstance(labels, list) or not all(type(v) is int for v in labels):
+        shown = type(labels).__name__ if not isinstance(labels, list) else "a list with non-ints"
+        raise DatasetError(f"cifar10: {path}: 'labels' must be a list of ints, got {shown}")
     if len(labels) != len(data):
         raise DatasetError(f"cifar10: {path}: {len(labels)} labels for {len(data)} images")
-    if labels.min() < 0 or labels.max() > 9:
+    if not all(0 <= v <= 9 for v in labels):
         raise DatasetError(
-            f"cifar10: {path}: labels must be in 0..9, found {labels.min()}..{labels.max()}"
+            f"cifar10: {path}: labels must be in 0..9, found {min(labels)}..{max(labels)}"
         )
-    return data, labels.astype(np.int64)
+    return data.view(np.ndarray), np.array(labels, dtype=np.int64)
 
 
 def _read_cifar_classes(root: Path) -> list[str]:

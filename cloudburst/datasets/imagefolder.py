@@ -11,6 +11,7 @@ import torch
 
 from cloudburst.datasets.base import (
     IMAGE_EXTENSIONS,
+    STATS_CHUNK_BYTES,
     STATS_MAX_IMAGES,
     DatasetError,
     ImageFileSource,
@@ -132,12 +133,15 @@ def _image_source_stats(
     source: ImageFileSource, max_images: int = STATS_MAX_IMAGES
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Channel stats of up to ``max_images`` training images, after resize and crop, at evenly
-    spaced positions floor(i · N / k) of the training list (ordered by class, then path)."""
+    spaced positions floor(i · N / k) of the training list (ordered by class, then path),
+    decoded in chunks of at most ``STATS_CHUNK_BYTES`` (uint8 plus two float64 copies)."""
     n = len(source)
     k = min(n, max_images)
     positions = torch.tensor([i * n // k for i in range(k)], dtype=torch.int64)
+    per_image = 3 * source.image_size**2 * (1 + 8 + 8)
+    chunk = max(1, min(256, STATS_CHUNK_BYTES // per_image))
     moments = _ChannelMoments()
-    for start in range(0, k, 256):
-        images, _ = source.get_batch(positions[start : start + 256])
+    for start in range(0, k, chunk):
+        images, _ = source.get_batch(positions[start : start + chunk])
         moments.add(images)
     return moments.result()

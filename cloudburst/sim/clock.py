@@ -263,14 +263,12 @@ def calibrate_step_time(cfg: RunConfig, steps: int = 20, warmup_steps: int = 3) 
     with ``--device cuda``, else on the CPU (the simulator's maths runs in this process)."""
     import torch
 
-    from cloudburst.data import batch_stream, load_dataset, loss_function, worker_source
+    from cloudburst.data import batch_stream, load_run_dataset, loss_function, worker_source
     from cloudburst.models import build_model
     from cloudburst.train import make_optimizer
 
     device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
-    data = load_dataset(
-        cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size, context=cfg.context
-    )
+    data = load_run_dataset(cfg)
     model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed).to(device)
     optimizer = make_optimizer(cfg, model.parameters())
     stream = batch_stream(

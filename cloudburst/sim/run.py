@@ -26,7 +26,7 @@ from cloudburst.checkpoint import load_model_into
 from cloudburst.comm.flat import flatten_params
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
-from cloudburst.data import load_dataset
+from cloudburst.data import load_run_dataset
 from cloudburst.faults import FaultInjector, parse_faults
 from cloudburst.metrics import MetricsWriter, write_json_atomic
 from cloudburst.models import build_model
@@ -125,9 +125,7 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "config.json", cfg.to_dict())
-    data = load_dataset(
-        cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size, context=cfg.context
-    )
+    data = load_run_dataset(cfg)
     probe = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
     actual_params = flatten_params(probe).numel()
     step_time_s, source = resolve_step_time(sim, cfg, calibrate_step_time)

@@ -1,6 +1,6 @@
 """Ctrl-C and SIGTERM: every process of the job stops, none is left behind, the summary says
 the run was interrupted and what it did, the last complete checkpoints are kept, and the
-printed ``--resume`` command continues the run."""
+printed ``--resume`` command continues the run. A SIGKILLed launcher leaves no process either."""
 
 from __future__ import annotations
 
@@ -155,3 +155,21 @@ def test_under_torchrun_rank_0_writes_the_interrupted_summary(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["checkpoints"]
     assert f"continue with: cloudburst train --resume {out}" in stderr
+
+
+def test_a_sigkilled_launcher_leaves_no_process_behind(tmp_path):
+    """SIGKILL cannot be handled: the agents and the forkserver die with the launcher, and the
+    ranks with them (each asked the kernel for it), instead of training on unsupervised."""
+    out = tmp_path / "run"
+    args = [*QUIET, "--workers", "2", "--steps", "100000", "--min-step-time-s", "0.02"]
+    proc = _start([*args, "--out", str(out)])
+
+    def training() -> bool:
+        assert proc.poll() is None, proc.communicate()
+        paths = [out / "metrics" / f"rank{r}.jsonl" for r in range(2)]
+        return all(p.is_file() and '"first_step"' in p.read_text() for p in paths)
+
+    wait_until(training, timeout_s=BOUND_S, what="both ranks to train")
+    proc.kill()  # the launcher only
+    proc.wait(timeout=BOUND_S)
+    assert _all_gone(proc.pid), _session_processes(proc.pid)

@@ -116,10 +116,10 @@ def _kill_marked(token: str) -> None:
 
 
 def test_a_worker_restarted_after_the_servers_finished_is_refused(tmp_path):
-    """One torchrun per rank, as the README says for asgd. The victim's agent is paused
-    (SIGSTOP) while its worker is killed, so it can restart the worker only once the
-    server has declared the worker lost and finished: the restarted worker is refused in
-    one line, and the run's result stands."""
+    """One torchrun per rank, as the README says for asgd, given a job secret file. The
+    victim's agent is paused (SIGSTOP) while its worker is killed, so it can restart the
+    worker only once the server has declared the worker lost and finished: the restarted
+    worker is refused in one line, and the run's result stands."""
     out, token, port = tmp_path / "run", uuid.uuid4().hex, free_port()
     # The victim is killed at about step 20; the other worker then has LATE_STEPS - 20 steps
     # of at least 40 ms left (3.2 s, as 180 of 20 ms left: a padded step sleeps, a step's
@@ -128,7 +128,17 @@ def test_a_worker_restarted_after_the_servers_finished_is_refused(tmp_path):
             "--steps", str(LATE_STEPS), "--min-step-time-s", "0.04", "--dataset", "synthetic",
             "--model", "mlp", "--checkpoint-every", "10", "--heartbeat-timeout-s", "2",
             "--eval-every-s", "60", "--no-progress", "--out", str(out)]  # fmt: skip
-    env = cli_env({LAUNCH_ENV: token, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    # Under torchrun a restarted rank rejoins only with the job secret, from a private file.
+    secret = tmp_path / "job.secret"
+    secret.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
+    secret.chmod(0o600)
+    env = cli_env(
+        {
+            LAUNCH_ENV: token,
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "CLOUDBURST_JOB_SECRET_FILE": str(secret),
+        }
+    )
     logs = [tmp_path / f"agent{r}.log" for r in range(3)]
     agents = []
     try:

@@ -11,6 +11,7 @@ import collections
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from cloudburst.comm.flat import flatten_params
@@ -108,11 +109,6 @@ class _WorkerSide:
         return header
 
 
-class _Store:
-    def add(self, key, value):
-        return 0
-
-
 def make_worker(cfg: RunConfig, model: nn.Module) -> tuple[AsgdStrategy, list[ServerLoop]]:
     ctx = SimpleNamespace(
         comm=REAL,
@@ -121,7 +117,7 @@ def make_worker(cfg: RunConfig, model: nn.Module) -> tuple[AsgdStrategy, list[Se
         num_servers=cfg.servers,
         worker_index=0,
         worker_ranks=[WORKER],
-        store=_Store(),
+        store=dist.HashStore(),  # an in-process store: the heartbeat's
         elapsed_s=lambda: 0.0,
         server_index=0,
         transport=lambda stats=None: None,  # replaced by the fake network below

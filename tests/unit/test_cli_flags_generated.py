@@ -18,6 +18,7 @@ from cloudburst.config import COMPONENTS, ConfigError, RunConfig, load_toml, opt
 # its metavar or choices: a dropped or renamed flag, or one that changes how it takes its
 # value, fails here.
 USAGE = [
+    "--allow-large-job",
     "--autocast {none,bf16}",
     "--backend {auto,gloo,nccl}",
     "--batch-size BATCH_SIZE",
@@ -76,6 +77,8 @@ USAGE = [
     "--log-every-steps LOG_EVERY_STEPS",
     "--lr LR",
     "--lr-schedule {constant,cosine}",
+    "--max-dataset-gib MAX_DATASET_GIB",
+    "--max-push-ratio MAX_PUSH_RATIO",
     "--max-restarts MAX_RESTARTS",
     "--max-staleness MAX_STALENESS",
     "--max-train-time-s MAX_TRAIN_TIME_S",
@@ -200,6 +203,8 @@ FULL_DICT = {
     "log_every_steps": 5,
     "lr": 0.01,
     "lr_schedule": "cosine",
+    "max_dataset_gib": 2.0,
+    "max_push_ratio": 10.0,
     "max_restarts": 2,
     "max_staleness": 7,
     "max_train_time_s": 120.0,
@@ -299,6 +304,8 @@ DEFAULTS_DICT = {
     "log_every_steps": 10,
     "lr": 0.1,
     "lr_schedule": "constant",
+    "max_dataset_gib": 2.0,
+    "max_push_ratio": 10.0,
     "max_restarts": 0,
     "max_staleness": None,
     "max_train_time_s": 0.0,

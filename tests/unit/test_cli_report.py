@@ -46,3 +46,17 @@ def test_rank_errors_skips_unreadable_files(tmp_path):
     (tmp_path / "logs" / "b").mkdir()
     (tmp_path / "logs" / "b" / "error.json").write_text(json.dumps({"message": "ValueError: x"}))
     assert launch.rank_errors(tmp_path) == ["ValueError: x"]
+
+
+def test_a_finished_run_says_where_it_is_and_a_diverged_one_prints_no_table(
+    tmp_path, monkeypatch, capsys
+):
+    cfg = _job(tmp_path, monkeypatch, [])
+    assert cli.launch_and_report(cfg) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "table" and f"the run is in {tmp_path} " in err
+    diverged = {"strategy": "asgd", "workers": 2, "failed": "the final model's test loss is nan"}
+    monkeypatch.setattr(launch, "run_local_job", lambda c: diverged)
+    assert cli.launch_and_report(cfg) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "test loss is nan" in err  # the numbers of a failed run are no result

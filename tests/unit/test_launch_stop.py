@@ -1,16 +1,18 @@
 """Stopping a job: a SIGSTOPped (hung) process cannot act on SIGTERM, so ``_stop`` SIGKILLs it
-at once instead of waiting out the grace period."""
+at once instead of waiting out the grace period; and a process of a job dies with its parent."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 
 import pytest
 
 from cloudburst import launch
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.spawns
 
@@ -89,3 +91,43 @@ def test_the_agent_shutdown_patch_fits_either_torch_signature(monkeypatch, with_
     LocalElasticAgent._shutdown(object(), signal.SIGKILL)
     expected = (signal.SIGKILL, launch.AGENT_STOP_GRACE_S) if with_timeout else (signal.SIGKILL,)
     assert calls == [expected]
+
+
+def _middle(ready) -> None:
+    """A parent (as an agent or the forkserver is) whose child asked to die with it."""
+    child = os.fork()
+    if child == 0:
+        from cloudburst.forkserver import die_with_parent
+
+        die_with_parent(os.getppid())
+        ready.send(os.getpid())
+        time.sleep(600)
+        os._exit(0)
+    time.sleep(600)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("stopped", [False, True])
+def test_a_process_dies_with_its_sigkilled_parent_even_when_stopped(stopped):
+    """What keeps a SIGKILLed launcher from leaving agents and ranks behind: each process of
+    a job asks the kernel to SIGKILL it when its parent exits — a SIGSTOPped one too."""
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    parent = ctx.Process(target=_middle, args=(send,))
+    parent.start()
+    child = None
+    try:
+        assert receive.poll(60)
+        child = receive.recv()
+        if stopped:
+            os.kill(child, signal.SIGSTOP)
+        parent.kill()
+        parent.join()
+        # Reaped by whoever adopted it, or a zombie there: no longer running either way.
+        wait_until(lambda: launch._state(child) in (None, "Z"), timeout_s=60,
+                   what="the orphan to die")  # fmt: skip
+    finally:
+        if parent.is_alive():
+            parent.kill()
+        if child is not None and launch._state(child) not in (None, "Z"):
+            os.kill(child, signal.SIGKILL)  # not left behind when the test fails

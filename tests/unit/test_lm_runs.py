@@ -121,8 +121,8 @@ def test_a_loss_target_is_timed_and_a_resumed_sync_run_ends_where_an_undisturbed
 
 @pytest.mark.slow
 def test_plot_and_compare_show_the_loss_of_language_models(tmp_path, text):
-    from cloudburst.compare import loss_table
     from cloudburst.plot import curve_metric, plot_runs
+    from cloudburst.summary import format_summary
 
     sim = SimulationConfig(step_time_s=0.01)
     lm = simulate(_cfg(tmp_path / "lm", text, "diloco", steps=8), sim)
@@ -135,26 +135,14 @@ def test_plot_and_compare_show_the_loss_of_language_models(tmp_path, text):
     with pytest.raises(ConfigError, match="mix language models"):
         curve_metric([str(tmp_path / "lm"), str(tmp_path / "c")])
     assert plot_runs([str(tmp_path / "lm")], str(tmp_path / "lm.png")).stat().st_size > 0
-    table = loss_table([lm], ["diloco"]).splitlines()
-    assert table[0].split() == [
-        "run",
-        "test",
-        "loss",
-        "bits/byte",
-        "MB",
-        "sent",
-        "to",
-        "target",
-        "loss",
-        "s",
-    ]
-    assert table[1].split() == [
-        "diloco",
-        f"{lm['final_test_loss']:.4f}",
-        f"{lm['final_test_loss'] / math.log(2):.4f}",
-        f"{lm['sent_bytes'] / 1e6:.1f}",
-        "-",
-    ]
+    table = format_summary([lm], ["diloco"]).splitlines()
+    assert table[0].split()[:7] == ["run", "strategy", "W", "S", "test", "loss", "bits/byte"]
+    row = dict(zip(["run", "strategy", "W", "S", "loss", "bpb"], table[1].split(), strict=False))
+    assert float(row["loss"]) == pytest.approx(lm["final_test_loss"], abs=1e-4)
+    assert float(row["bpb"]) == pytest.approx(lm["final_bits_per_byte"], abs=1e-4)
+    assert "test acc" not in table[0]  # next-byte accuracy is not what a language model shows
+    classifier_table = format_summary([json.loads((tmp_path / "c" / "summary.json").read_text())])
+    assert "test acc" in classifier_table and "bits/byte" not in classifier_table
 
 
 def test_calibration_times_real_gpt_steps(text):

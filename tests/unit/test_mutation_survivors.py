@@ -779,6 +779,7 @@ def test_a_fresh_shard_counts_nothing_and_a_push_without_samples_counts_none():
         "staleness_max_versions": 0,
         "dropped_stale": 0,
         "rejected_nonfinite": 0,
+        "refused_pushes": 0,
         "staleness_compensation": "none",
         "staleness_histogram_versions": {},
         "push_scale_histogram": {},

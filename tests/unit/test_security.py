@@ -208,9 +208,9 @@ class CountingStore:
 
 def test_an_inflated_rejoin_counter_is_read_a_bounded_number_of_times():
     store = CountingStore()
-    board = RejoinBoard(store, timeout_s=0.001)
+    board = RejoinBoard(store, timeout_s=0.001, secret=b"s" * 32)
     store.add(RejoinBoard.COUNT, (1 << 39) - 1)  # far beyond any real number of restarts
-    RejoinBoard(store, timeout_s=0.001).announce(rank=3, incarnation=1)
+    RejoinBoard(store, timeout_s=0.001, secret=b"s" * 32).announce(rank=3, incarnation=1)
     waits = []
     store.wait = lambda keys, timeout: (waits.append(keys[0]), store.store.wait(keys, timeout))
     assert board.poll() == []  # the real announcement lies beyond the bound
@@ -220,7 +220,7 @@ def test_an_inflated_rejoin_counter_is_read_a_bounded_number_of_times():
 
 def test_malformed_rejoin_announcements_are_ignored():
     store = CountingStore()
-    board = RejoinBoard(store, timeout_s=0.05)
+    board = RejoinBoard(store, timeout_s=0.05, secret=b"s" * 32)
     bad = [
         b"[1, 2]",
         json.dumps({"rank": "3", "incarnation": 1, "late": False}).encode(),
@@ -231,7 +231,7 @@ def test_malformed_rejoin_announcements_are_ignored():
     for value in bad:
         number = store.add(RejoinBoard.COUNT, 1)
         store.set(f"rejoin/{number}", value)
-    RejoinBoard(store, timeout_s=0.05).announce(rank=2, incarnation=1)
+    RejoinBoard(store, timeout_s=0.05, secret=b"s" * 32).announce(rank=2, incarnation=1)
     assert board.poll() == [(2, 1)]
 
 
@@ -282,9 +282,10 @@ def test_forged_or_replayed_rejoin_announcements_are_ignored():
     for rank, incarnation in [(1, 0), (1, 3), (5, 1), (2, -1)]:
         assert RequestServing._admit(server, rank, incarnation) is None  # ignored, nothing touched
     assert server._incarnations == {}
-    with pytest.raises(AttributeError):  # admitted: it goes on to take the lock (not faked)
+    with pytest.raises(AttributeError):  # a real restart: it goes on to build its group (not faked)
         RequestServing._admit(server, 1, 1)
-    assert server._incarnations == {1: 1}
+    assert server._incarnations == {}  # recorded once its group is built and authenticated
+    server._incarnations[1] = 1
     assert RequestServing._admit(server, 1, 1) is None  # a replay of the same restart
     no_restarts = SimpleNamespace(
         workers={1}, _incarnations={}, cfg=SimpleNamespace(max_restarts=0)

@@ -58,11 +58,11 @@ def test_pushes_lost_is_the_highest_acknowledged_version_minus_the_restored_one(
 
 def test_a_restarted_shard_skips_the_rejoin_announcements_made_before_it():
     store = dist.HashStore()
-    RejoinBoard(store, 5).announce(3, 1)
-    board = RejoinBoard(store, 5)
+    RejoinBoard(store, 5, secret=b"s" * 32).announce(3, 1)
+    board = RejoinBoard(store, 5, secret=b"s" * 32)
     board.skip()
     assert board.poll() == []
-    RejoinBoard(store, 5).announce(2, 1)
+    RejoinBoard(store, 5, secret=b"s" * 32).announce(2, 1)
     assert board.poll() == [(2, 1)]
 
 

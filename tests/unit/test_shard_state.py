@@ -253,7 +253,8 @@ def test_set_theta_restarts_the_compensators_ring_at_the_current_version():
 
 def test_apply_push_takes_the_callers_finiteness_verdict():
     """``finite`` given: the caller checked the push already; its verdict decides, unchecked
-    here (a push it calls non-finite is rejected even when finite, and vice versa)."""
+    here (a push it calls non-finite is rejected even when finite, and one it calls finite is
+    not rejected, though it is refused when θ + Δ would not be finite)."""
     shard = ShardState(_t(0.0, 0.0, 0.0))
     assert shard.apply_push(_t(1.0, 2.0, 3.0), 0, finite=False) == PushResult(Status.REJECTED, 0)
     assert shard.rejected_nonfinite == 1 and shard.version == 0
@@ -261,9 +262,11 @@ def test_apply_push_takes_the_callers_finiteness_verdict():
     assert shard.apply_push(_t(1.0, 2.0, 3.0), 0, finite=True) == PushResult(Status.OK, 0)
     assert torch.equal(shard.theta, _t(1.0, 2.0, 3.0))
     inf = _t(float("inf"), 0.0, 0.0)
-    assert shard.apply_push(inf, 1, finite=True) == PushResult(Status.OK, 0)
-    assert shard.apply_push(inf, 2) == PushResult(Status.REJECTED, 0)
-    assert shard.rejected_nonfinite == 2 and shard.version == 2
+    assert shard.apply_push(inf, 1, finite=True) == PushResult(Status.REFUSED, 0)
+    assert shard.rejected_nonfinite == 1 and shard.refused == 1
+    assert shard.apply_push(inf, 1) == PushResult(Status.REJECTED, 0)
+    assert shard.rejected_nonfinite == 2 and shard.version == 1
+    assert torch.equal(shard.theta, _t(1.0, 2.0, 3.0))
 
 
 def test_apply_push_add_rule_arithmetic():

@@ -59,13 +59,18 @@ for t in range(ntasks):
 TORCHRUN = r"""
 import json, os, sys
 with open(os.environ["FAKE_LOG"], "a") as f:
+    secret = os.environ.get("CLOUDBURST_JOB_SECRET_FILE")
     f.write(json.dumps({"argv": sys.argv[1:], "host": os.environ["SLURMD_NODENAME"],
                         "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                        "cpus": os.environ.get("FAKE_CPUS_PER_TASK")}) + "\n")
+                        "cpus": os.environ.get("FAKE_CPUS_PER_TASK"), "secret": secret,
+                        "mode": secret and os.stat(secret).st_mode & 0o777,
+                        "secret_bytes": secret and len(open(secret, "rb").read().strip())}) + "\n")
 """
 
 
-def render(tmp_path: Path, cloudburst_args: list[str], agent_per_rank: bool) -> list[dict]:
+def render(
+    tmp_path: Path, cloudburst_args: list[str], agent_per_rank: bool, **extra_env: str
+) -> list[dict]:
     """What each task's torchrun was given, for a 2 × 4 allocation with 4 GPUs per node."""
     bin_ = tmp_path / "bin"
     bin_.mkdir(exist_ok=True)
@@ -80,6 +85,7 @@ def render(tmp_path: Path, cloudburst_args: list[str], agent_per_rank: bool) -> 
     log = tmp_path / f"torchrun-{agent_per_rank}.jsonl"
     env = {
         "PATH": f"{bin_}:{os.environ['PATH']}",
+        "HOME": str(tmp_path),
         "SLURM_JOB_ID": "4711",
         "SLURM_JOB_NODELIST": ",".join(HOSTS),
         "SLURM_NNODES": "2",
@@ -88,6 +94,7 @@ def render(tmp_path: Path, cloudburst_args: list[str], agent_per_rank: bool) -> 
         "SLURM_CPUS_PER_TASK": "2",
         "FAKE_HOSTS": ",".join(HOSTS),
         "FAKE_LOG": str(log),
+        **extra_env,
     }
     if agent_per_rank:
         env["CLOUDBURST_AGENT_PER_RANK"] = "1"
@@ -171,3 +178,21 @@ def test_a_world_that_does_not_match_the_config_is_caught(tmp_path):
     tasks = render(tmp_path, args, agent_per_rank=False)
     with pytest.raises(AssertionError):
         check(tasks, args)
+
+
+def test_every_task_gets_one_job_secret_only_its_user_can_read_removed_after_the_job(tmp_path):
+    from cloudburst.auth import read_secret_file
+
+    args = ["train", "--strategy", "asgd", "--workers", "7", "--servers", "1", "--out", "runs/a"]
+    tasks = render(tmp_path, args, agent_per_rank=True)
+    (secret,) = {t["secret"] for t in tasks}  # the same file for every rank of the job
+    assert secret == str(tmp_path / ".cloudburst" / "job-4711.secret")
+    assert {t["mode"] for t in tasks} == {0o600} and {t["secret_bytes"] for t in tasks} == {64}
+    assert not Path(secret).exists()  # removed when the script ended
+    # a secret the user gives is used as it is, not replaced
+    given = tmp_path / "mine.secret"
+    given.write_text("k" * 32)
+    given.chmod(0o600)
+    tasks = render(tmp_path, args, agent_per_rank=False, CLOUDBURST_JOB_SECRET_FILE=str(given))
+    assert {t["secret"] for t in tasks} == {str(given)} and given.exists()
+    assert read_secret_file(given) == b"k" * 32

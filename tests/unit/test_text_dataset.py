@@ -5,14 +5,28 @@ held-out tail, disjoint worker shards, batches of random windows that are a func
 from __future__ import annotations
 
 import random
+from fractions import Fraction
 
 import pytest
 import torch
 
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.data import TextStream, batch_stream, in_memory, load_dataset, worker_source
-from cloudburst.datasets import DatasetError, check_dataset
-from cloudburst.datasets.text import STDLIB_SKIP_DIRS, corpus_files, load_text, stdlib_dir
+from cloudburst.datasets import DatasetError, check_dataset, text
+from cloudburst.datasets.text import (
+    STDLIB_SKIP_DIRS,
+    corpus_files,
+    load_text,
+    spread_starts,
+    stdlib_dir,
+)
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Decoded corpora (directories, invalid UTF-8) are cached here, not in the user's home."""
+    monkeypatch.setenv("CLOUDBURST_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
 
 
 def corpus(path, n_words: int = 4000, seed: int = 0):
@@ -128,3 +142,91 @@ def test_bad_inputs_are_one_line_errors_or_counted(tmp_path, caplog):
         load_text(str(tmp_path / "latin.txt"), context=0)
     with pytest.raises(ConfigError, match="context"):
         RunConfig(model="gpt", dataset="text:stdlib", context=0)
+
+
+def test_test_windows_are_exact_past_two_to_the_24_bytes_of_tail(tmp_path):
+    # a sparse corpus of zeros whose held-out tail (90 %) is just over 2**24 bytes, with a
+    # marker where the tail starts and at its very end: the first and last test windows
+    n, context, windows = 18_700_000, 16, 8
+    path = tmp_path / "big.txt"
+    tail = round(n * 0.9)
+    assert tail > 2**24
+    first, last = b"FIRSTWINDOW-ABCDE", b"LASTWINDOW-VWXYZ!"  # context + 1 bytes each
+    with open(path, "wb") as f:
+        f.truncate(n)
+        f.seek(n - tail)
+        f.write(first)
+        f.seek(n - len(last))
+        f.write(last)
+    last_start = tail - context - 1
+    assert int(torch.linspace(0, last_start, windows)[-1]) > last_start  # float32 overshoots
+    _, test = load_text(str(path), context, test_windows=windows, test_fraction=0.9)
+    assert bytes(test.x[0].tolist()) == first[:-1] and bytes(test.y[0].tolist()) == first[1:]
+    assert bytes(test.x[-1].tolist()) == last[:-1] and bytes(test.y[-1].tolist()) == last[1:]
+    # every start is round(i · last / 7), exactly (halves to even, as Python's round)
+    exact = [round(Fraction(i * last_start, windows - 1)) for i in range(windows)]
+    assert spread_starts(last_start, windows) == exact
+    assert spread_starts(10, 5) == [0, 2, 5, 8, 10] and spread_starts(7, 1) == [0]
+
+
+def test_a_file_is_memory_mapped_in_place_and_shards_share_it(tmp_path, monkeypatch):
+    path = corpus(tmp_path / "a.txt")
+    data = load_dataset(f"text:{path}", context=16)
+    assert data.train.mapped_from == path
+    # its validity is remembered: the machine's other ranks map it without reading it through
+    with monkeypatch.context() as m:
+        m.setattr(text, "_chunks", lambda *a: pytest.fail("read the corpus again"))
+        assert load_dataset(f"text:{path}", context=16).train.mapped_from == path
+    shard = worker_source(data, 1, 2)
+    base = data.train.tokens.untyped_storage().data_ptr()
+    assert shard.tokens.untyped_storage().data_ptr() == base and shard.mapped_from == path
+    # a map, not a copy: the file's bytes, changed in place, are what the tokens read
+    with open(path, "r+b") as f:
+        f.write(b"XYZ")
+    assert bytes(data.train.tokens[:3].tolist()) == b"XYZ"
+
+
+def test_a_directory_is_decoded_once_into_the_cache_and_mapped(tmp_path, private_cache):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("1" * 300)
+    (tmp_path / "d" / "b.txt").write_text("2" * 300)
+    first, _ = load_text(str(tmp_path / "d"), context=8, test_windows=2)
+    cached = first.mapped_from
+    assert cached is not None and cached.parent == private_cache
+    assert cached.read_bytes() == b"1" * 300 + b"2" * 300
+    stamp = cached.stat().st_mtime_ns, cached.stat().st_ino
+    again, _ = load_text(str(tmp_path / "d"), context=8, test_windows=2)  # a second rank
+    assert (
+        again.mapped_from == cached and (cached.stat().st_mtime_ns, cached.stat().st_ino) == stamp
+    )
+    assert torch.equal(again.tokens, first.tokens)
+    (tmp_path / "d" / "b.txt").write_text("3" * 301)  # changed: a new entry
+    changed, _ = load_text(str(tmp_path / "d"), context=8, test_windows=2)
+    assert changed.mapped_from != cached and bytes(changed.tokens[300:302].tolist()) == b"33"
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_invalid_utf8_is_counted_exactly_across_chunk_boundaries(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(text, "_CHUNK_BYTES", chunk)
+    body = "ok \ufffd ".encode() + b"\xff" + b"x" * 100 + b"\xc3(" + "é\ufffd".encode() * 3
+    body += b"\xe2\x82" + b"y" * 100  # a truncated 3-byte sequence
+    (tmp_path / "mixed.txt").write_bytes(body)
+    train, test = load_text(str(tmp_path / "mixed.txt"), context=8, test_windows=2)
+    decoded = body.decode("utf-8", errors="replace").encode()
+    assert train.replaced == 3
+    assert train.mapped_from.read_bytes() == decoded
+    assert bytes(train.tokens.tolist()) == decoded[: train.tokens.numel()]
+
+
+def test_without_a_writable_cache_a_decoded_corpus_is_held_in_memory(tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    monkeypatch.setenv("CLOUDBURST_CACHE", str(blocked))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_bytes(b"1" * 300 + b"\xff")
+    (tmp_path / "d" / "b.txt").write_text("2" * 300)
+    with caplog.at_level("WARNING"):
+        train, _ = load_text(str(tmp_path / "d"), context=8, test_windows=2)
+    assert train.mapped_from is None and train.replaced == 1
+    assert "cannot cache the decoded corpus" in caplog.text
+    assert bytes(train.tokens[:304].tolist()) == b"1" * 300 + "\ufffd".encode() + b"2"

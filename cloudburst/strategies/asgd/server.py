@@ -8,7 +8,9 @@ finished or lost) is its :class:`~cloudburst.strategies.asgd.serving.RequestServ
 of a push is :class:`~cloudburst.strategies.asgd.shard.ShardState`. Contract:
 
 - Requests are applied one at a time, under the serving's lock, in arrival order.
-- Nothing is applied before :func:`request_problem` and the finiteness checks pass; a refused
+- Nothing is applied before :func:`request_problem` and the finiteness checks pass, nor a push
+  whose update is not finite or too large (``--max-push-ratio``: REFUSED, not held against its
+  sender, who continues from θ_k: a diverging honest replica pushes the same); a refused
   payload is read and discarded (its size checked first), so the stream stays in step; each
   refusal is its sender's fault, and after ``MAX_PEER_FAULTS`` the sender is dropped (lost).
 - A reply with no θ leaves once the push is admitted, before θ moves; under ``--shard-standby``
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from dataclasses import fields
 from typing import Any
@@ -291,18 +294,25 @@ class ServerLoop:
                 # θ before this push goes back while Δ comes in (both directions at once); the
                 # worker adds its own Δ exactly as add_push will, unless the reply rejects it.
                 send_theta = transport.isend_payload(src, self.shard.theta, reply=True)
-            # Each chunk of Δ is checked as it arrives, while the next one is on the wire.
-            buf, finite = self._recv_buf, []
-            delta = transport.recv_payload(
-                src, self.numel, out=buf, on_chunk=lambda a, b: finite.append(all_finite(buf[a:b]))
-            )
+            # Each chunk of Δ is checked as it arrives, while the next one is on the wire: its
+            # norm (for --max-push-ratio) is finite only if every element is, else exactly.
+            buf, finite, norms = self._recv_buf, [], []
+
+            def on_chunk(a: int, b: int) -> None:
+                n = float(buf[a:b].norm())
+                norms.append(n)
+                finite.append(math.isfinite(n) or all_finite(buf[a:b]))
+
+            delta = transport.recv_payload(src, self.numel, out=buf, on_chunk=on_chunk)
             if overlapped:
                 transport.wait_all([send_theta])  # θ must not change while it is sent
+            norm_ok = norms and all(math.isfinite(n) for n in norms)
             result = self.shard.admit_push(
                 delta,
                 h.version,
                 h.samples,
                 finite=all(finite) if finite else None,  # (None: checked in admit_push)
+                delta_norm=math.sqrt(sum(n * n for n in norms)) if norm_ok else None,
             )
             # A reply that carries no θ depends on the decision only: it leaves before θ
             # moves, so that the worker's own θ + αΔ runs while this server adds the same Δ
@@ -314,7 +324,7 @@ class ServerLoop:
             self.ctx.comm.apply_done(delta.numel() * delta.element_size())
             # The standby applies the same push before the worker learns of it: no push that
             # a worker saw acknowledged is missing from the standby's copy.
-            self._forward(Kind.PUSH, delta, h.version, h.samples)
+            self._forward(Kind.PUSH, delta, h.version, h.samples, status=result.status)
             try:
                 self._reply(src, result.status, staleness=result.staleness, with_theta=with_theta)
             except RuntimeError:
@@ -332,6 +342,15 @@ class ServerLoop:
                     "rejected a non-finite push from rank %d (%d in all)",
                     src,
                     self.shard.rejected_nonfinite,
+                )
+            if result.status == Status.REFUSED and worth_logging(self.shard.refused):
+                # Not a fault either (a diverging replica's push): its worker is told, and
+                # continues from θ_k; θ_k is unchanged.
+                log.warning(
+                    "refused a push from rank %d: %s (%d refused in all)",
+                    src,
+                    self.shard.last_refusal,
+                    self.shard.refused,
                 )
             self._record_push(src, result)
         elif h.kind == Kind.FETCH:
@@ -405,10 +424,18 @@ class ServerLoop:
         self.serving.reply(dst, header, self.shard.theta if with_theta else None)
 
     def _forward(
-        self, kind: Kind, payload: torch.Tensor | None = None, version: int = 0, samples: int = 0
+        self,
+        kind: Kind,
+        payload: torch.Tensor | None = None,
+        version: int = 0,
+        samples: int = 0,
+        status: Status = Status.OK,
     ) -> None:
         """Send one applied request to this shard's standby and wait for its reply (it has
-        applied it too). A standby that cannot be reached is lost: the shard goes on alone."""
+        applied it too). A standby that cannot be reached is lost: the shard goes on alone.
+        ``status``: this shard's verdict on a push; the standby follows a REFUSED one rather
+        than measure the push again (a norm summed in another order could decide otherwise
+        on the bound, and the copy would no longer be this shard's)."""
         if self.standby_link is None:
             return
         k = self.ctx.server_index
@@ -421,6 +448,7 @@ class ServerLoop:
             version=version,
             numel=0 if payload is None else payload.numel(),
             samples=samples,
+            status=status,
             aux=int(kind),
         )
         try:
@@ -582,7 +610,8 @@ class Standby:
                 if kind == Kind.INIT:
                     self.replica.set_theta(self._buf)
                 elif kind == Kind.PUSH:
-                    self.replica.apply_push(self._buf, h.version, h.samples)
+                    refused = h.status == Status.REFUSED
+                    self.replica.apply_push(self._buf, h.version, h.samples, refused=refused)
                 self.link.send(p, Header(Kind.REPLY, shard=p, version=self.replica.version))
                 if kind == Kind.DONE:
                     return

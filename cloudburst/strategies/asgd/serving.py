@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from cloudburst.auth import PeerRefused, job_secret
 from cloudburst.comm.p2p import CommStats, Header
 from cloudburst.liveness import DONE_KEY, RejoinBoard, acked_version, announce_shard
 
@@ -30,7 +31,7 @@ log = logging.getLogger("cloudburst.strategies.asgd.server")  # the shard's one 
 
 LIVENESS_POLL_S = 0.2  # how often a failed receive asks the liveness monitor who died
 REJOIN_POLL_S = 0.5  # how often a server looks for restarted workers announcing themselves
-_ADMITTING = object()  # the route of a worker while its rejoin group is being built
+_ADMITTING = object()  # a restarted shard's route to a worker not reconnected yet
 
 
 def _first_line(e: BaseException) -> str:
@@ -70,6 +71,8 @@ class RequestServing:
         self.lost: set[int] = set()  # dropped workers too
         self.rejoined: set[int] = set()  # workers that rejoined after a restart
         self.rejoins = 0
+        self.rejoins_refused = 0  # rejoin groups where a member did not prove the job secret
+        self._board_unreadable = False  # its counter in the store was overwritten: no rejoins
         self.rejoin_stats: list[CommStats] = []  # of the rejoin and reconnect groups
         self._incarnations: dict[int, int] = {}  # rank -> the last restart admitted
         # Where each rejoined worker is served now (the others: self.transport). A worker being
@@ -115,17 +118,17 @@ class RequestServing:
         every worker is finished or lost."""
         # The board waits in the store (for an announcement being written): a connection of
         # its own, so that the serving tasks' liveness checks never wait behind it.
-        board = RejoinBoard(self.ctx.store.clone(), self.cfg.comm_timeout_s)
+        board = RejoinBoard(self.ctx.store.clone(), self.cfg.comm_timeout_s, secret=job_secret())
         if self.transport is None:
             # A restarted shard: workers restarted before it rejoined a group that held its
             # previous incarnation; they reconnect like the others (reconnect_workers).
-            board.skip()
+            self._read_board(lambda: board.skip() or [])
             self._reconnect_workers()
         else:
             self._serve_in_thread(self.transport, None)
         try:
             while True:
-                for rank, incarnation in board.poll():
+                for rank, incarnation in self._read_board(board.poll):
                     self._admit(rank, incarnation)
                 with self._changed:
                     self._raise_if_failed()
@@ -135,7 +138,7 @@ class RequestServing:
                         continue
                 # Every worker is finished or lost: refuse later rejoins, but admit those
                 # announced before (they will train, so the serving goes on).
-                arrivals = board.close()
+                arrivals = self._read_board(board.close)
                 if not arrivals:
                     break
                 for rank, incarnation in arrivals:
@@ -143,6 +146,23 @@ class RequestServing:
         finally:
             with self._lock:
                 self._stopped = True
+
+    def _read_board(self, read: Callable[[], list[tuple[int, int]]]) -> list[tuple[int, int]]:
+        """The announcements ``read`` returns; none from the first failure on. The board's
+        counter is a store key that anyone who reaches the store can overwrite with a value
+        that is no number (the store then drops the connection): that costs the job its
+        rejoins (refused from then on, and logged), never the shard."""
+        if self._board_unreadable:
+            return []
+        try:
+            return read()
+        except (RuntimeError, ValueError) as e:
+            self._board_unreadable = True
+            log.error(
+                "the rejoin board cannot be read (%s): restarted workers are refused from now on",
+                _first_line(e),
+            )
+            return []
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -388,15 +408,18 @@ class RequestServing:
     def _admit(self, rank: int, incarnation: int) -> None:
         """Serve a restarted worker on a new group with it (built by it and every server).
 
-        From the moment it is admitted it counts as training again (not lost, not done), so
-        the servers wait for it; if the group cannot be built it is lost.
+        The announcement was signed with the job secret (the board refuses any other), and the
+        group is authenticated before anything moves on it: until both hold, nothing about the
+        worker changes here — its route, its restart count, its standing. A member that does
+        not prove the secret (a process that raced the worker for its place in the group) is
+        refused and logged, and the worker keeps its route. Once admitted it counts as
+        training again (not lost, not done); if the group cannot be built it is lost.
         """
         if rank not in self.workers:
             log.warning("ignored a rejoin announcement from rank %d, not a worker", rank)
             return
         # A worker restarted by its agent announces its restart count: 1..max_restarts, each
-        # once and in order. Anything else (a replay, a forged announcement) would take a
-        # live worker's route away: ignored.
+        # once and in order. Anything else (a replay) would take a live worker's route away.
         last = self._incarnations.get(rank, 0)
         if not last < incarnation <= self.cfg.max_restarts:
             log.warning(
@@ -407,26 +430,35 @@ class RequestServing:
                 self.cfg.max_restarts,
             )
             return
-        self._incarnations[rank] = incarnation
-        with self._changed:
-            # A new process on a new group: its stream starts in step, whatever the old sent.
-            self._on_admit(rank)
-            self._routes[rank] = _ADMITTING
-            for ranks in (self.lost, self.finished):
-                ranks.discard(rank)
-            if self.liveness is not None:
-                self.liveness.revive(rank)
         stats = CommStats()
         try:
             transport = self.ctx.rejoin_transport(rank, incarnation, stats)
+        except PeerRefused as e:
+            log.error(
+                "refused the rejoin of worker rank %d (restart %d): %s; it keeps its route",
+                rank,
+                incarnation,
+                _first_line(e),
+            )
+            with self._changed:
+                self.rejoins_refused += 1
+            return
         except RuntimeError as e:  # it died again, or timed out: comm_timeout_s
             log.error("worker rank %d could not rejoin: %s", rank, _first_line(e))
             with self._changed:
+                self._incarnations[rank] = incarnation
                 self.lost.add(rank)
                 self._changed.notify_all()
             return
         with self._changed:
+            self._incarnations[rank] = incarnation
+            # A new process on a new group: its stream starts in step, whatever the old sent.
+            self._on_admit(rank)
             self._routes[rank] = transport
+            for ranks in (self.lost, self.finished):
+                ranks.discard(rank)
+            if self.liveness is not None:
+                self.liveness.revive(rank)
             self.rejoin_stats.append(stats)
             self.rejoined.add(rank)
             self.rejoins += 1

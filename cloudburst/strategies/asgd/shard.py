@@ -6,8 +6,11 @@ module, never the server loop in :mod:`cloudburst.strategies.asgd.server`).
 :class:`ShardState` applies pushes one at a time, in arrival order, keeps the version clock
 (number of applied pushes), the per-push staleness and its distribution, drops pushes staler
 than ``max_staleness``, compensates a stale push (``--staleness-compensation``: 1/τ, DC-ASGD,
-gap-aware, delay-adaptive; docs/algorithms.md#staleness-compensation), and rejects non-finite
-pushes. Async DiLoCo's Delayed Nesterov outer rule (``dn``) lives here too.
+gap-aware, delay-adaptive; docs/algorithms.md#staleness-compensation), rejects non-finite
+pushes, and refuses finite ones whose update (the change of θ_k the rule would make, after
+compensation) is not finite or larger than ``max_push_ratio``·max(‖θ_k‖, 1)
+(``--max-push-ratio``: one push of 3e38 made θ inf and every worker's loss NaN, issue 44).
+Async DiLoCo's Delayed Nesterov outer rule (``dn``) lives here too.
 DC-ASGD and gap-aware need θ_then, the θ the pushing worker last fetched: the shard keeps a
 ring of its own θ after each of the last R versions (R = ``compensation_window``; memory
 R·|θ_k|), looked up by the push's base version. A ring, not DC-ASGD's per-worker backup,
@@ -40,6 +43,13 @@ COMPENSATION_BETA = 0.95  # β of DC-ASGD's mean square and of gap-aware's mean 
 DC_EPSILON = 1e-7  # DC-ASGD-a's ε in λ0/√(m + ε) (Zheng et al. 2017)
 # The push-scale histogram: scales rounded to this many decimals, clipped to [0, this].
 SCALE_DECIMALS, SCALE_CLIP = 3, 10.0
+# --max-push-ratio bounds ‖update‖ by ratio·max(‖θ_k‖, this): a shard whose θ_k is near zero
+# (zero-initialised biases) still takes honest steps.
+PUSH_NORM_FLOOR = 1.0
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+# An update with every |u_i| below this cannot take a finite float32 θ_i to inf (half the
+# spacing of floats next to FLOAT32_MAX is ~1e31): θ + u is finite with no pass over θ.
+SAFE_STEP = 1e30
 
 
 @dataclass
@@ -92,6 +102,12 @@ def all_finite(t: torch.Tensor) -> bool:
     return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
 
 
+def norm(t: torch.Tensor) -> float:
+    """‖t‖₂, in float64 where float32's sum of squares overflows (elements beyond ~1.8e19)."""
+    value = float(t.norm())
+    return value if math.isfinite(value) else float(t.norm(dtype=torch.float64))
+
+
 class Compensator:
     """The state of a per-coordinate compensator on one shard: ``dc``, ``dc-adaptive``
     (Zheng et al. 2017, "Asynchronous SGD with delay compensation": its update rule, and its
@@ -132,18 +148,26 @@ class Compensator:
         return self.ring[base_version - oldest][1]
 
     def compensate(
-        self, delta: torch.Tensor, theta_now: torch.Tensor, base_version: int
+        self, delta: torch.Tensor, theta_now: torch.Tensor, base_version: int, commit: bool = True
     ) -> torch.Tensor:
-        """Δ̃, the push to apply in place of ``delta`` (computed against ``base_version``)."""
-        diff = theta_now - self.theta_then(base_version)
+        """Δ̃, the push to apply in place of ``delta`` (computed against ``base_version``).
+        ``commit=False``: the same Δ̃, leaving the state alone (the mean square, the count of
+        clamped pushes), for a push that may still be refused."""
+        oldest = self.ring[0][0]
+        if commit or base_version >= oldest:
+            theta_then = self.theta_then(base_version)
+        else:
+            theta_then = self.ring[0][1]
+        diff = theta_now - theta_then
         if self.method == "gap":
             ratio = torch.where(self.moment > 0, diff.abs_() / self.moment, 0.0)
             return delta / ratio.add_(1.0)
         g = delta / -self.local_lr
         gg = g * g
         if self.method == "dc-adaptive":
-            self.moment.mul_(COMPENSATION_BETA).add_(gg, alpha=1.0 - COMPENSATION_BETA)
-            lam = self.dc_lambda / torch.sqrt(self.moment + DC_EPSILON)
+            moment = self.moment if commit else self.moment.clone()
+            moment.mul_(COMPENSATION_BETA).add_(gg, alpha=1.0 - COMPENSATION_BETA)
+            lam = self.dc_lambda / torch.sqrt(moment + DC_EPSILON)
             correction = lam * gg * diff
         else:
             correction = gg.mul_(diff).mul_(self.dc_lambda)
@@ -219,6 +243,20 @@ class DelayedNesterov:
         self.param.add_(g, alpha=-self.lr / self.period)
         self.t += 1
 
+    def update(self, g: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The change :meth:`step` would make to θ for ``g``, and whether its new state (the
+        momentum, the accumulated g) would be finite, with nothing changed."""
+        update = g.mul(-self.lr / self.period)
+        if (self.t + 1) % self.period == 0:
+            accumulated = self.accumulated.add(g)
+            momentum = self.momentum.mul(self.beta).add_(accumulated, alpha=1.0 / self.period)
+            coeff = (1.0 - self.c * self.period + self.c) * self.beta
+            state_finite = all_finite(accumulated) and all_finite(momentum)
+            return update.add_(momentum, alpha=-self.lr * coeff), state_finite
+        if self.c:
+            update.add_(self.momentum, alpha=-self.lr * self.c * self.beta)
+        return update, all_finite(self.accumulated.add(g))
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "momentum": self.momentum.clone(),
@@ -246,6 +284,11 @@ class ShardState:
     where s = :func:`staleness_factor` (``compensation``; ``staleness_scaling=True`` is
     ``scale``), and Δ_k is first replaced by the :class:`Compensator`'s Δ̃ under ``dc``,
     ``dc-adaptive`` and ``gap``.
+
+    A push is applied only if the update u it makes (θ_k ← θ_k + u, by the rule above, after
+    compensation) leaves θ_k and the rule's state finite and ‖u‖ ≤ ``max_push_ratio``·
+    max(‖θ_k‖, ``PUSH_NORM_FLOOR``) (0: no bound; adagrad: ‖λ·s·Δ̃‖, see :meth:`_update`);
+    else it is REFUSED (:meth:`push_problem`).
     """
 
     def __init__(
@@ -263,6 +306,7 @@ class ShardState:
         local_lr: float = 1.0,
         dn_period: int = 1,
         dn_c: float = 0.0,
+        max_push_ratio: float = 0.0,
     ):
         self.param = torch.nn.Parameter(
             theta.detach().to(torch.float32).clone(), requires_grad=False
@@ -281,6 +325,11 @@ class ShardState:
         self.staleness_max = 0
         self.dropped_stale = 0
         self.rejected_nonfinite = 0
+        # --max-push-ratio (0: no bound on the norm; an update that is not finite is refused
+        # whatever it is): the pushes refused, and why the last one was (for the log).
+        self.max_push_ratio = max_push_ratio
+        self.refused = 0
+        self.last_refusal = ""
         # The distributions of every applied push's staleness and of the scale it was applied
         # with (s, or |Δ̃|/|Δ| under a per-coordinate compensator), counted exactly.
         self.staleness_hist: dict[int, int] = {}
@@ -313,18 +362,33 @@ class ShardState:
             self.compensator.reset(self.version, self.param.data)
 
     def apply_push(
-        self, delta: torch.Tensor, base_version: int, samples: int = 0, finite: bool | None = None
+        self,
+        delta: torch.Tensor,
+        base_version: int,
+        samples: int = 0,
+        finite: bool | None = None,
+        delta_norm: float | None = None,
+        refused: bool | None = None,
     ) -> PushResult:
         """Apply one push computed against ``base_version``; returns its status and staleness.
         ``finite``: whether ``delta`` is all finite, when the caller checked it already (chunk
-        by chunk as it arrived); None: checked here."""
-        result = self.admit_push(delta, base_version, samples, finite)
+        by chunk as it arrived); None: checked here. ``delta_norm``: ‖delta‖, when the caller
+        has it (None: computed here when needed). ``refused``: whether a finite push is
+        refused (:meth:`push_problem`), when another shard decided it (a standby copy
+        follows its primary); None: decided here."""
+        result = self.admit_push(delta, base_version, samples, finite, delta_norm, refused)
         if result.status == Status.OK:
             self.add_push(delta, result.staleness)
         return result
 
     def admit_push(
-        self, delta: torch.Tensor, base_version: int, samples: int = 0, finite: bool | None = None
+        self,
+        delta: torch.Tensor,
+        base_version: int,
+        samples: int = 0,
+        finite: bool | None = None,
+        delta_norm: float | None = None,
+        refused: bool | None = None,
     ) -> PushResult:
         """The bookkeeping half of :meth:`apply_push`: decide the push's status and, when it
         is OK, count it (version, samples, staleness) as applied; θ is left alone until
@@ -343,12 +407,95 @@ class ShardState:
         if self.max_staleness is not None and staleness > self.max_staleness:
             self.dropped_stale += 1
             return PushResult(Status.STALE_DROPPED, staleness)
+        if refused is None:
+            problem = self.push_problem(delta, staleness, delta_norm)
+        else:
+            problem = "refused by the primary shard" if refused else None
+        if problem is not None:
+            self.refused += 1
+            self.last_refusal = problem
+            return PushResult(Status.REFUSED, staleness)
         self.version += 1
         self.samples += samples
         self.staleness_sum += staleness
         self.staleness_max = max(self.staleness_max, staleness)
         self.staleness_hist[staleness] = self.staleness_hist.get(staleness, 0) + 1
         return PushResult(Status.OK, staleness)
+
+    def push_problem(
+        self, delta: torch.Tensor, staleness: int, delta_norm: float | None = None
+    ) -> str | None:
+        """Why a finite push of ``staleness`` is refused (its update u, computed as
+        :meth:`add_push` would, leaves θ_k or the rule's state not finite, or is longer than
+        ``max_push_ratio``·max(‖θ_k‖, 1)), or None. Nothing changes. Under the add rule with a
+        scalar compensator u = αΔ: ‖Δ‖ (``delta_norm``, when the caller has it), and ‖θ_k‖
+        only for an update longer than ``max_push_ratio``; the other rules compute u aside
+        (the torch optimizers' steps by their documented formulas, with the defaults built
+        here). θ_k is finite (every change to it is checked)."""
+        theta = self.param.data
+        update: torch.Tensor | None = None
+        state_finite = True
+        if self.rule == "add" and self.compensator is None:
+            alpha = add_rule_alpha(self.lr, staleness, self.compensation, self.delay_threshold)
+            length = abs(alpha) * (norm(delta) if delta_norm is None else delta_norm)
+        else:
+            update, state_finite, own = self._update(delta, staleness)
+            length = norm(update if own is None else own)
+        if not state_finite:
+            return "the server rule's state would not be finite"
+        moved = length if update is None else norm(update)
+        ratio = self.max_push_ratio
+        if (not ratio or length <= ratio * PUSH_NORM_FLOOR) and moved < SAFE_STEP:
+            return None  # within the bound whatever ‖θ_k‖, and θ_k + u finite
+        theta_norm = norm(theta)
+        if ratio and not length <= ratio * max(theta_norm, PUSH_NORM_FLOOR):
+            return (
+                f"its update's norm {length:.3g} exceeds --max-push-ratio "
+                f"{ratio:g} × max(‖θ_k‖ {theta_norm:.3g}, {PUSH_NORM_FLOOR:g})"
+            )
+        if moved < SAFE_STEP or theta_norm + moved <= FLOAT32_MAX:
+            return None  # no element of θ_k + u can overflow
+        if update is None:
+            update = delta.mul(alpha)
+        if not all_finite(update.add_(theta)):
+            return "θ + its update would not be finite"
+        return None
+
+    def _update(
+        self, delta: torch.Tensor, staleness: int
+    ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        """u, the change :meth:`add_push` would make to θ_k; whether the rule's state would
+        stay finite; and, for adagrad, the push's own step λ·s·Δ̃ that the bound applies to
+        instead of u (adagrad's step is at most λ per coordinate whatever the push: its first
+        one, λ·sign(g), may be longer than θ_k; a refusal would leave its state as it was, so
+        every later push would be refused too). Nothing changes."""
+        theta = self.param.data
+        if self.rule == "elastic":
+            return elastic_step(self.lr, delta, theta), True, None
+        factor = staleness_factor(self.compensation, staleness, self.delay_threshold)
+        push = delta
+        if self.compensator is not None:
+            base = self.version - staleness
+            push = self.compensator.compensate(delta, theta, base, commit=False)
+        if self.optimizer is None:  # add
+            return push.mul(self.lr * factor), True, None
+        g = push.mul(-factor)
+        if isinstance(self.optimizer, DelayedNesterov):
+            return (*self.optimizer.update(g), None)
+        state = self.optimizer.state.get(self.param, {})
+        group = self.optimizer.param_groups[0]
+        if isinstance(self.optimizer, torch.optim.Adagrad):
+            # clr = lr / (1 + (step − 1)·lr_decay), lr_decay = 0; weight_decay = 0
+            total = state["sum"].add(g * g)
+            own = g.mul(-group["lr"])
+            update = g.div(total.sqrt().add_(group["eps"])).mul_(-group["lr"])
+            return update, all_finite(total), own
+        # SGD (dampening 0, no Nesterov, no weight decay): buf ← μ·buf + g (g on the first step)
+        buf = state.get("momentum_buffer")
+        if group["momentum"] and buf is not None:
+            g = buf.mul(group["momentum"]).add_(g)
+        state_finite = all_finite(g)
+        return g.mul_(-group["lr"]), state_finite, None
 
     def add_push(self, delta: torch.Tensor, staleness: int) -> None:
         """The arithmetic half of :meth:`apply_push`: θ moves by a push that
@@ -363,8 +510,8 @@ class ShardState:
             if self.compensator is not None:
                 base = self.version - 1 - staleness
                 push = self.compensator.compensate(delta, self.param.data, base)
-                norm = float(delta.norm())
-                scale = float(push.norm()) / norm if norm > 0 else 1.0
+                length = float(delta.norm())
+                scale = float(push.norm()) / length if length > 0 else 1.0
             if self.optimizer is None:
                 alpha = add_rule_alpha(self.lr, staleness, self.compensation, self.delay_threshold)
                 self.param.add_(push, alpha=alpha)
@@ -391,6 +538,7 @@ class ShardState:
             "staleness_max_versions": self.staleness_max,
             "dropped_stale": self.dropped_stale,
             "rejected_nonfinite": self.rejected_nonfinite,
+            "refused_pushes": self.refused,
             "staleness_compensation": self.compensation,
             # JSON objects: keys are strings ("3": pushes applied with staleness 3).
             "staleness_histogram_versions": {
@@ -426,6 +574,7 @@ class ShardState:
         self.staleness_max = int(state.get("staleness_max_versions", state.get("staleness_max")))
         self.dropped_stale = int(state["dropped_stale"])
         self.rejected_nonfinite = int(state["rejected_nonfinite"])
+        self.refused = int(state.get("refused_pushes", 0))  # (0 in a checkpoint from before)
         hist = state.get("staleness_histogram_versions", {})
         self.staleness_hist = {int(k): int(v) for k, v in hist.items()}
         scales = state.get("push_scale_histogram", {})
@@ -473,6 +622,7 @@ def make_shard(cfg: RunConfig, theta: torch.Tensor) -> ShardState:
         local_lr=cfg.lr,
         dn_period=cfg.dn_period_value,
         dn_c=cfg.dn_c,
+        max_push_ratio=cfg.max_push_ratio,
     )
 
 

@@ -18,8 +18,11 @@ Contract with the shards: an overlapped PUSH_FETCH (add rule, scalar compensator
 *before* the push, and the worker adds its own Δ with the shard's α (``add_rule_alpha``), bit
 for bit — "apply, then fetch"; rules with state only the shard has reply after the apply. Warm
 start: worker 0 trains alone, then seeds every shard with INIT. Under ``--compress`` a push
-sends C(Δ + e) with error feedback and the worker adds the same decoded Δ. On a GPU, Δ and θ
-cross to and from pinned host buffers. Details and where this departs from the papers:
+sends C(Δ + e) with error feedback and the worker adds the same decoded Δ. A push a shard
+rejects (not finite) or refuses (too large, ``--max-push-ratio``) is counted, logged (the
+first few) and dropped: the worker continues from the shards' θ (after a refusal, with its
+optimizer's state reset: the momentum that made the push would make the next ones too). On a
+GPU, Δ and θ cross to and from pinned host buffers. Details and where this departs from the papers:
 docs/algorithms.md#asgd and #compression.
 """
 
@@ -32,7 +35,7 @@ from torch import nn
 
 from cloudburst.comm.compress import ErrorFeedback, decode, encode
 from cloudburst.comm.flat import adopt_flat, assign_flat, flatten_params, is_flat_view, shard_bounds
-from cloudburst.comm.p2p import Header, Kind, Status
+from cloudburst.comm.p2p import Header, Kind, Status, worth_logging
 from cloudburst.liveness import Heartbeat, await_shard, heartbeat_interval_s, report_acked
 from cloudburst.strategies.asgd import Asgd
 from cloudburst.strategies.asgd.shard import add_rule_alpha, overlapped_push_fetch
@@ -58,6 +61,7 @@ class AsgdStrategy(Asgd, Strategy):
         self.staleness_max = 0
         self.pushes = 0
         self.pushes_rejected = 0
+        self.pushes_refused = 0  # finite, but too large for the shards (--max-push-ratio)
         self.pushes_dropped = 0
         self.last_staleness = 0
         self.global_samples = 0
@@ -79,6 +83,7 @@ class AsgdStrategy(Asgd, Strategy):
     # ------------------------------------------------------------------ set-up
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         self.model = model
+        self.optimizer = optimizer  # its state is reset when a push is refused
         self.numel = sum(p.numel() for p in model.parameters())
         self.bounds = shard_bounds(self.numel, self.num_servers)
         self.versions = [0] * self.num_servers
@@ -255,7 +260,7 @@ class AsgdStrategy(Asgd, Strategy):
             if push:
                 self._account_push(reply)
                 self.pushes_acked[k] += reply.status == Status.OK
-                rejected |= reply.status == Status.REJECTED
+                rejected |= reply.status in (Status.REJECTED, Status.REFUSED)
             if overlapped and reply.status == Status.OK:
                 alpha = add_rule_alpha(
                     self.cfg.server_lr,
@@ -281,7 +286,8 @@ class AsgdStrategy(Asgd, Strategy):
         if rejected:
             self.feedback = ErrorFeedback()  # what was left out of a non-finite Δ is no use
         if rejected and not fetch:
-            # The servers refused our update (non-finite): start again from their θ.
+            # The servers refused our update (non-finite, or too large): start again from
+            # their θ.
             log.warning("the servers rejected this worker's push; re-fetching θ")
             self._recover(broken)
             self._round(push=False, fetch=True, keep_local=False)
@@ -396,6 +402,20 @@ class AsgdStrategy(Asgd, Strategy):
             self.staleness_max = max(self.staleness_max, reply.aux)
         elif reply.status == Status.REJECTED:
             self.pushes_rejected += 1
+        elif reply.status == Status.REFUSED:
+            self.pushes_refused += 1
+            # The local optimizer's state (momentum, Adam's moments) carries the steps that
+            # made the refused push: kept, it would make the next ones as large.
+            if self.optimizer is not None:
+                self.optimizer.state.clear()
+            if worth_logging(self.pushes_refused):
+                log.warning(
+                    "shard %d refused this worker's push: its update is too large "
+                    "(--max-push-ratio) or would make θ not finite; continuing from the "
+                    "servers' θ with a fresh optimizer state (%d refused so far)",
+                    reply.shard,
+                    self.pushes_refused,
+                )
         elif reply.status == Status.STALE_DROPPED:
             self.pushes_dropped += 1
 
@@ -486,6 +506,7 @@ class AsgdStrategy(Asgd, Strategy):
         state.update(
             pushes=self.pushes,
             pushes_rejected=self.pushes_rejected,
+            pushes_refused=self.pushes_refused,
             pushes_dropped=self.pushes_dropped,
             staleness_sum=self.staleness_sum,
             staleness_max=self.staleness_max,
@@ -496,7 +517,7 @@ class AsgdStrategy(Asgd, Strategy):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        for key in ("pushes", "pushes_rejected", "pushes_dropped"):
+        for key in ("pushes", "pushes_rejected", "pushes_refused", "pushes_dropped"):
             setattr(self, key, int(state.get(key, 0)))
         self.staleness_sum = int(state.get("staleness_sum", 0))
         self.staleness_max = int(state.get("staleness_max", 0))
@@ -508,6 +529,7 @@ class AsgdStrategy(Asgd, Strategy):
         r.update(
             pushes=self.pushes,
             pushes_rejected=self.pushes_rejected,
+            pushes_refused=self.pushes_refused,
             pushes_dropped_stale=self.pushes_dropped,
             staleness_sum_versions=self.staleness_sum,
             staleness_max_versions=self.staleness_max,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from cloudburst.config.fields import ConfigError, _check_float, _check_int, option
+from cloudburst.config.fields import FRACTION, STEP_COUNT, ConfigError, option
 
 
 @dataclass
@@ -24,9 +24,12 @@ class AsyncDilocoConfig:
         None,
         "N: Delayed Nesterov's momentum step every N pushes, plain SGD of lr η/N in between",
         shown="W, the number of workers",
+        bounds=STEP_COUNT,
     )
     dn_c: float = option(
-        0.0, "c: the share of the momentum step also taken between momentum steps (0: DN)"
+        0.0,
+        "c: the share of the momentum step also taken between momentum steps (0: DN)",
+        bounds=FRACTION,
     )
     dylu: bool = option(
         False,
@@ -41,9 +44,6 @@ class AsyncDilocoConfig:
         return self.workers if isinstance(self.workers, int) and self.workers > 0 else 1
 
     def _validate_async_diloco(self) -> None:
-        if self.dn_period is not None:
-            _check_int("dn_period", self.dn_period, 1)
-        _check_float("dn_c", self.dn_c, 0.0, 1.0)
         if self.strategy != "async_diloco":
             if self.dylu or self.dn_period is not None or self.dn_c:
                 raise ConfigError(

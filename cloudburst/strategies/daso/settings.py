@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from cloudburst.config.fields import ConfigError, _check_choice, _check_float, _check_int, option
+from cloudburst.config.fields import MAX_EPOCHS, Bounds, ConfigError, _check_choice, option
+
+# B, S, L and their factors count batches; a chunk's elements index a flat tensor.
+SKIPS = Bounds(0, 2**20)
 
 DOWNCASTS = ("bf16", "fp16", "none")
 
@@ -20,17 +23,29 @@ class DasoConfig:
     section: ClassVar[str] = "daso"
     title: ClassVar[str] = "DASO (--strategy daso)"
 
-    daso_global_skip: int = option(4, "B at the start of cycling (0: blocking every batch)")
-    daso_batches_to_wait: int = option(1, "S at the start of cycling")
-    daso_local_skip: int = option(1, "L: node-local gradient all-reduce every L batches")
-    daso_max_global_skips: int = option(8, "B after a reset")
-    daso_warmup_epochs: float = option(4.0, "epochs of a blocking global average every batch")
-    daso_cooldown_epochs: float = option(4.0, "the same at the end")
-    daso_stability_level: float = option(
-        0.05, "plateau threshold: a relative improvement below it is not one"
+    daso_global_skip: int = option(
+        4, "B at the start of cycling (0: blocking every batch)", bounds=SKIPS
     )
-    daso_patience: int = option(2, "epochs without improvement before B and S shrink")
-    daso_skip_reduction_factor: int = option(2, "B and S are divided by this on a plateau")
+    daso_batches_to_wait: int = option(1, "S at the start of cycling", bounds=SKIPS)
+    daso_local_skip: int = option(
+        1, "L: node-local gradient all-reduce every L batches", bounds=Bounds(1, 2**20)
+    )
+    daso_max_global_skips: int = option(8, "B after a reset", bounds=Bounds(1, 2**20))
+    daso_warmup_epochs: float = option(
+        4.0, "epochs of a blocking global average every batch", bounds=Bounds(0.0, MAX_EPOCHS)
+    )
+    daso_cooldown_epochs: float = option(4.0, "the same at the end", bounds=Bounds(0.0, MAX_EPOCHS))
+    daso_stability_level: float = option(
+        0.05,
+        "plateau threshold: a relative improvement below it is not one",
+        bounds=Bounds(0.0, 1.0, high_open=True),
+    )
+    daso_patience: int = option(
+        2, "epochs without improvement before B and S shrink", bounds=Bounds(1, 2**20)
+    )
+    daso_skip_reduction_factor: int = option(
+        2, "B and S are divided by this on a plateau", bounds=Bounds(2, 2**20)
+    )
     daso_adaptive: bool = option(True, "keep B and S at their starting values", flag="--daso-fixed")
     daso_downcast: str = option("bf16", "blocking averages' dtype", choices=DOWNCASTS)
     daso_cycling_downcast: str = option(
@@ -42,12 +57,10 @@ class DasoConfig:
         flag="--daso-no-epoch-end-sync",
     )
     daso_chunk_elements: int = option(
-        10_000_000, "global all-reduces go in chunks of this many values"
+        10_000_000, "global all-reduces go in chunks of this many values", bounds=Bounds(1, 2**31)
     )
 
     def _validate_daso(self) -> None:
-        _check_int("daso_global_skip", self.daso_global_skip, 0)
-        _check_int("daso_batches_to_wait", self.daso_batches_to_wait, 0)
         if self.daso_global_skip == 0 and self.daso_batches_to_wait != 0:
             raise ConfigError(
                 "daso_batches_to_wait: must be 0 when daso_global_skip is 0 (blocking every batch)"
@@ -57,16 +70,8 @@ class DasoConfig:
                 f"daso_batches_to_wait: {self.daso_batches_to_wait} is more than "
                 f"daso_global_skip {self.daso_global_skip}; a sync must be merged before the next"
             )
-        _check_int("daso_local_skip", self.daso_local_skip, 1)
-        _check_int("daso_max_global_skips", self.daso_max_global_skips, 1)
-        _check_float("daso_warmup_epochs", self.daso_warmup_epochs, 0.0, None)
-        _check_float("daso_cooldown_epochs", self.daso_cooldown_epochs, 0.0, None)
-        _check_float("daso_stability_level", self.daso_stability_level, 0.0, 1.0, high_open=True)
-        _check_int("daso_patience", self.daso_patience, 1)
-        _check_int("daso_skip_reduction_factor", self.daso_skip_reduction_factor, 2)
         _check_choice("daso_downcast", self.daso_downcast, DOWNCASTS)
         _check_choice("daso_cycling_downcast", self.daso_cycling_downcast, DOWNCASTS)
-        _check_int("daso_chunk_elements", self.daso_chunk_elements, 1)
         if self.strategy == "daso":
             nodes = self.nodes or 1
             if self.workers % nodes:

@@ -6,7 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from cloudburst.config.fields import ConfigError, _check_float, _check_int, option
+from cloudburst.config.fields import (
+    FRACTION,
+    LR,
+    MOMENTUM,
+    STEP_COUNT,
+    STEP_COUNT_OR_0,
+    ConfigError,
+    option,
+)
 from cloudburst.strategies.local_sgd.settings import _LOCAL_SGD_TITLE
 
 
@@ -20,10 +28,13 @@ class DilocoConfig:
 
     # 0.7 (the paper's) over SGD diverged (benchmarks/results/defaults.md).
     diloco_outer_lr: float | None = option(
-        None, "outer SGD lr", shown="0.7 over --optimizer adam, 0.1 over sgd (gpt: 1)"
+        None,
+        "outer SGD lr",
+        shown="0.7 over --optimizer adam, 0.1 over sgd (gpt: 1)",
+        bounds=LR,
     )
     diloco_outer_momentum: float | None = option(
-        None, "outer momentum", shown="0.9 (gpt: 0, docs/lm.md)"
+        None, "outer momentum", shown="0.9 (gpt: 0, docs/lm.md)", bounds=MOMENTUM
     )
     diloco_nesterov: bool = option(
         True, "plain momentum in the outer optimizer", flag="--diloco-no-nesterov"
@@ -33,12 +44,17 @@ class DilocoConfig:
         1,
         "Streaming DiLoCo: F fragments of contiguous parameter tensors (module order, "
         "balanced by element count), fragment k synchronised at offset (k+1)·H/F",
+        bounds=STEP_COUNT,
     )
     fragment_delay: int = option(
-        0, "τ: a fragment's all-reduce is applied τ inner steps after it starts (< H/F)"
+        0,
+        "τ: a fragment's all-reduce is applied τ inner steps after it starts (< H/F)",
+        bounds=STEP_COUNT_OR_0,
     )
     fragment_alpha: float = option(
-        0.0, "α: θ_fragment ← α·θ_local + (1−α)·θ_global after its outer step (0: DiLoCo's)"
+        0.0,
+        "α: θ_fragment ← α·θ_local + (1−α)·θ_global after its outer step (0: DiLoCo's)",
+        bounds=FRACTION,
     )
 
     def _defaults_diloco(self) -> None:
@@ -60,11 +76,6 @@ class DilocoConfig:
                 "local_sgd_warmup_steps: diloco has no synchronous warm-up (it is local_sgd's "
                 "post-local SGD); leave it at 0"
             )
-        _check_float("diloco_outer_lr", self.diloco_outer_lr, 0.0, None, low_open=True)
-        _check_float("diloco_outer_momentum", self.diloco_outer_momentum, 0.0, 1.0, high_open=True)
-        _check_int("fragments", self.fragments, 1)
-        _check_int("fragment_delay", self.fragment_delay, 0)
-        _check_float("fragment_alpha", self.fragment_alpha, 0.0, 1.0)
         streaming = (self.fragments, self.fragment_delay, self.fragment_alpha) != (1, 0, 0.0)
         if streaming and self.strategy != "diloco":
             raise ConfigError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from cloudburst.config.fields import _check_float, _check_int, option
+from cloudburst.config.fields import STEP_COUNT, Bounds, option
 
 
 @dataclass
@@ -16,9 +16,11 @@ class EasgdConfig:
     section: ClassVar[str] = "easgd"
     title: ClassVar[str] = "EASGD (--strategy easgd, with --servers)"
 
-    easgd_tau: int = option(10, "τ: an elastic step every τ local steps")
-    easgd_alpha: float | None = option(None, "α, the elastic force", shown="β/W")
-    easgd_beta: float = option(0.9, "β")
+    easgd_tau: int = option(10, "τ: an elastic step every τ local steps", bounds=STEP_COUNT)
+    easgd_alpha: float | None = option(
+        None, "α, the elastic force", shown="β/W", bounds=Bounds(0.0, 1.0, low_open=True)
+    )
+    easgd_beta: float = option(0.9, "β", bounds=Bounds(0.0, 1000.0, low_open=True))
 
     @property
     def easgd_alpha_value(self) -> float:
@@ -26,7 +28,4 @@ class EasgdConfig:
         return self.easgd_alpha if self.easgd_alpha is not None else self.easgd_beta / self.workers
 
     def _validate_easgd(self) -> None:
-        _check_int("easgd_tau", self.easgd_tau, 1)
-        if self.easgd_alpha is not None:
-            _check_float("easgd_alpha", self.easgd_alpha, 0.0, 1.0, low_open=True)
-        _check_float("easgd_beta", self.easgd_beta, 0.0, None, low_open=True)
+        """Its ranges only (the fields' bounds)."""

@@ -15,7 +15,8 @@ worker's previous exchange (the centre it uses is current). The global model is 
 evaluates it with a read-only fetch). A dead worker: the servers keep serving the others,
 as for ``asgd``; restarted by its agent, it rejoins as for ``asgd`` and starts again from the
 centre θ̃ (θ_i ← θ̃, as at the start of a run), with its checkpoint's optimizer, data position
-and step. A rejected push (non-finite θ_i) resets the replica to the centre.
+and step. A rejected push (non-finite θ_i) or a refused one (its elastic step too large,
+``--max-push-ratio``) resets the replica to the centre.
 
 Compressed (``--compress bf16|fp8|int8``): the worker sends the elastic difference against the
 centre of its previous exchange, with error feedback, not θ_i; the shards add exactly what the
@@ -80,8 +81,9 @@ class EasgdStrategy(Easgd, AsgdStrategy):
             self._account_push(reply)
             if reply.status == Status.OK:
                 theta[a:b].sub_(elastic_step(alpha, theta[a:b], centre[a:b]))
-            elif reply.status == Status.REJECTED:
-                theta[a:b].copy_(centre[a:b])  # θ_i was not finite: restart from the centre
+            elif reply.status in (Status.REJECTED, Status.REFUSED):
+                # θ_i was not finite, or too far from the centre: restart from the centre
+                theta[a:b].copy_(centre[a:b])
             self.versions[k] = reply.version
             if k == 0:
                 self.global_samples = reply.samples
@@ -105,8 +107,8 @@ class EasgdStrategy(Easgd, AsgdStrategy):
                 alpha = add_rule_alpha(1.0, reply.aux, self.cfg.staleness_compensation)
                 centre[a:b].add_(sent[a:b], alpha=alpha)  # the shard's θ̃ after our push
                 moved.append((a, b, alpha))
-            elif reply.status == Status.REJECTED:
-                reset.append((a, b))  # e was not finite: restart from the centre
+            elif reply.status in (Status.REJECTED, Status.REFUSED):
+                reset.append((a, b))  # e was not finite, or too large: restart from the centre
             self.versions[k] = reply.version
             if k == 0:
                 self.global_samples = reply.samples

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from cloudburst.config.fields import ConfigError, _check_choice, _check_int, option
+from cloudburst.config.fields import STEP_COUNT, ConfigError, _check_choice, option
 
 GOSSIP_VARIANTS = ("pull", "push")
 GOSSIP_SCHEDULES = ("random", "ring", "exponential")
@@ -29,7 +29,7 @@ class GossipConfig:
         "all ≥ 90 %, where random peers ended one seed at 89.8 %; benchmarks/results/defaults.md)",
         choices=GOSSIP_SCHEDULES,
     )
-    gossip_every: int = option(1, "gossip every k local steps")
+    gossip_every: int = option(1, "gossip every k local steps", bounds=STEP_COUNT)
     gossip_full_step: bool = option(
         True,
         "average the replicas as published at step boundaries and keep each worker's own "
@@ -40,14 +40,14 @@ class GossipConfig:
     gossip_push_sum: bool = option(
         False, "push-sum weights (Stochastic Gradient Push), with a push variant only"
     )
-    consensus_every_steps: int = option(50, "log the consensus distance every this many steps")
+    consensus_every_steps: int = option(
+        50, "log the consensus distance every this many steps", bounds=STEP_COUNT
+    )
 
     def _validate_gossip(self) -> None:
         _check_choice("gossip_variant", self.gossip_variant, GOSSIP_VARIANTS)
         _check_choice("gossip_schedule", self.gossip_schedule, GOSSIP_SCHEDULES)
-        _check_int("gossip_every", self.gossip_every, 1)
         if self.gossip_push_sum and self.gossip_variant != "push":
             raise ConfigError("gossip_push_sum: push-sum weights need --gossip-variant push")
-        _check_int("consensus_every_steps", self.consensus_every_steps, 1)
         if self.strategy == "gossip" and self.workers < 2:
             raise ConfigError("workers: gossip needs at least 2 workers (a peer to average with)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from cloudburst.config.fields import _check_int, option
+from cloudburst.config.fields import STEP_COUNT, STEP_COUNT_OR_0, option
 
 _LOCAL_SGD_TITLE = "local SGD and DiLoCo (--strategy local_sgd | diloco)"
 
@@ -19,11 +19,14 @@ class LocalSgdConfig:
     section: ClassVar[str] = "local_sgd"
     title: ClassVar[str] = _LOCAL_SGD_TITLE
 
-    period: int = option(8, "H: average every H local steps (diloco: an outer step)")
+    period: int = option(
+        8, "H: average every H local steps (diloco: an outer step)", bounds=STEP_COUNT
+    )
     local_sgd_warmup_steps: int = option(
-        0, "post-local SGD: average every step for this many steps first"
+        0,
+        "post-local SGD: average every step for this many steps first",
+        bounds=STEP_COUNT_OR_0,
     )
 
     def _validate_local_sgd(self) -> None:
-        _check_int("period", self.period, 1)
-        _check_int("local_sgd_warmup_steps", self.local_sgd_warmup_steps, 0)
+        """Its ranges only (the fields' bounds)."""

@@ -1,0 +1,199 @@
+"""The issue-44 attack, on real gloo groups (threads of one process): a process that does not
+know the job secret announces a rejoin for a live worker and builds the rejoin group. It must
+read and change nothing, and the real worker keeps its route and its restart.
+
+The shard is a real :class:`~cloudburst.strategies.asgd.serving.RequestServing` (its rejoin
+board, admission and serving threads) behind a real Context; only its world group is a queue.
+"""
+
+import datetime
+import logging
+import queue
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from cloudburst import auth
+from cloudburst.comm.p2p import Header, Kind, PeerTransport
+from cloudburst.config import RunConfig
+from cloudburst.runtime import Context, RejoinBoard, rejoin_group, rejoin_members
+from cloudburst.strategies.asgd.serving import RequestServing
+from tests.fakes import RecordingMetrics
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.dist
+
+SECRET, FORGED = b"k" * 32, b"f" * 32
+WORKER = 2  # the worker the forger claims to be (ranks: server 0, workers 1 and 2)
+
+
+class WorldQueue:
+    """The world group's transport: the requests the test puts, in order."""
+
+    def __init__(self) -> None:
+        self.requests: queue.Queue = queue.Queue()
+
+    def recv_request_any(self, src=None):
+        return self.requests.get(timeout=60)
+
+    def send(self, dst, header, payload=None) -> None:
+        pass
+
+
+@pytest.fixture
+def job_secret():
+    auth.install(SECRET)  # the server's (and the genuine worker's) secret
+    yield
+    auth.install(None)
+
+
+class Shard:
+    """A real shard's request serving (server 0 of 1, workers 1 and 2), run on a thread, with
+    its world group faked by a queue; records every request it serves."""
+
+    def __init__(self, store) -> None:
+        cfg = RunConfig(strategy="asgd", servers=1, workers=2, max_restarts=1, comm_timeout_s=5)
+        ctx = Context(
+            cfg=cfg,
+            rank=0,
+            world_size=3,
+            num_servers=1,
+            num_workers=2,
+            workers_group=None,
+            store=store,
+            t0=time.time(),
+        )
+        self.world = WorldQueue()
+        self.handled: list[tuple[str, int, Kind]] = []  # (group, sender, kind) of each request
+        self.metrics = RecordingMetrics()
+        self.serving = RequestServing(
+            ctx,
+            self.metrics,
+            None,
+            self.world,
+            0,
+            handle=self._handle,
+            on_lost=lambda ranks: None,
+            on_admit=lambda rank: None,
+            on_reconnect=lambda rank, acked: None,
+            version=lambda: 0,
+        )
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _handle(self, transport, src: int, header: Header) -> None:
+        self.handled.append(("world" if transport is self.world else "rejoin", src, header.kind))
+        if header.kind == Kind.DONE:
+            self.serving.finished.add(src)
+
+    def _run(self) -> None:
+        try:
+            self.serving.run()
+        except BaseException as e:  # noqa: BLE001 - asserted by the tests
+            self.errors.append(e)
+
+    def request(self, rank: int, kind: Kind) -> None:
+        """Worker ``rank`` sends a request on the world group."""
+        self.world.requests.put((rank, Header(kind, shard=0)))
+
+    def join(self) -> None:
+        self.thread.join(timeout=30)
+        self.request(1, Kind.PING)  # lets the world group's thread end
+        assert not self.thread.is_alive() and self.errors == []
+
+
+def test_a_forged_rejoin_reads_and_changes_nothing_and_the_worker_keeps_its_route(
+    job_secret, caplog
+):
+    caplog.set_level(logging.WARNING)
+    store = dist.HashStore()
+    shard = Shard(store)
+    serving, world, handled = shard.serving, shard.world, shard.handled
+    shard.request(WORKER, Kind.PUSH)  # the real worker 2 trains
+
+    # 1. The issue's attack: an unsigned-by-the-secret announcement, then the group.
+    RejoinBoard(store, 2, secret=FORGED).announce(WORKER, 1)
+    with pytest.raises(RuntimeError, match="timeout"):  # no server builds that group with it
+        rejoin_group(store, WORKER, 1, 1, 1, timeout_s=2, secret=FORGED)
+    assert "refused rejoin announcement 1: rank 2, restart 1: not signed" in caplog.text
+    assert serving.peer(WORKER) is world and serving.rejoins == 0
+
+    # 2. A forger that races a genuine announcement (of worker 1's restart, say) for the
+    # worker's place in its group: the group's job-secret check refuses it before anything
+    # else moves on the group, and worker 1 keeps its route.
+    RejoinBoard(store, 2, secret=SECRET).announce(1, 1)
+    with pytest.raises(auth.PeerRefused, match=r"group rank\(s\) \[0\] did not prove"):
+        rejoin_group(store, 1, 1, 1, 1, timeout_s=5, secret=FORGED)
+    wait_until(lambda: serving.rejoins_refused == 1, timeout_s=30, what="the server's refusal")
+    assert "refused the rejoin of worker rank 1 (restart 1)" in caplog.text
+    assert serving.peer(1) is world and serving.peer(WORKER) is world  # their routes
+    assert not serving.lost and not serving.finished
+    # Nothing was served to or taken from either forgery: the world's requests only, and
+    # both real workers train on there.
+    for rank in (1, WORKER):
+        shard.request(rank, Kind.PUSH)
+    wait_until(lambda: len(handled) == 3, timeout_s=30, what="the workers' pushes")
+    pushes = [("world", rank, Kind.PUSH) for rank in (WORKER, 1, WORKER)]
+    assert handled == pushes
+
+    # 3. Worker 2's restart 1, which the forgery claimed, is still its own: admitted, served.
+    RejoinBoard(store, 2, secret=SECRET).announce(WORKER, 1)
+    group = rejoin_group(store, WORKER, 1, 1, 1, timeout_s=5, secret=SECRET)
+    wait_until(lambda: serving.rejoins == 1, timeout_s=30, what="the genuine rejoin")
+    assert serving.peer(WORKER) is not world and serving.peer(1) is world
+    assert [f for e, f in shard.metrics.records if e == "rejoin"][0]["incarnation"] == 1
+    worker = PeerTransport(group, members=rejoin_members(1, WORKER))
+    worker.send(0, Header(Kind.DONE, shard=0))
+    shard.request(1, Kind.DONE)
+    shard.join()
+    assert ("rejoin", WORKER, Kind.DONE) in handled and ("world", 1, Kind.DONE) in handled
+
+
+def test_an_overwritten_rejoin_counter_costs_the_rejoins_not_the_shard(job_secret, caplog):
+    store = dist.HashStore()
+    store.set(RejoinBoard.COUNT, "not a number")  # as anyone who reaches the store can
+    shard = Shard(store)
+    for rank in (1, WORKER):
+        shard.request(rank, Kind.PUSH)
+        shard.request(rank, Kind.DONE)
+    shard.join()  # served to the end
+    assert [kind for _, _, kind in shard.handled] == [Kind.PUSH, Kind.DONE] * 2
+    assert "the rejoin board cannot be read" in caplog.text
+
+
+def _members(size: int, prefix: str, secrets: list[bytes | None], timeout_s: float) -> list:
+    """Build a gloo group of ``size`` threads through one store and authenticate it; each
+    member's outcome: "ok", or the exception it raised. A member given None as its secret
+    joins the group and sends nothing (a squatter)."""
+    store, outcomes = dist.HashStore(), [None] * size
+
+    def member(r: int) -> None:
+        group = dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix, store), r, size, datetime.timedelta(seconds=timeout_s)
+        )
+        try:
+            if secrets[r] is not None:
+                auth.authenticate_group(group, prefix, secrets[r])
+            outcomes[r] = "ok"
+        except RuntimeError as e:
+            outcomes[r] = e
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(size)]
+    [t.start() for t in threads]
+    [t.join(timeout=60) for t in threads]
+    return outcomes
+
+
+def test_a_group_admits_only_members_that_prove_the_secret():
+    assert _members(3, "startup/world", [SECRET] * 3, 10) == ["ok"] * 3
+    outcomes = _members(3, "startup/world", [SECRET, FORGED, SECRET], 10)
+    assert all(isinstance(o, auth.PeerRefused) for o in outcomes)
+    assert "group rank(s) [1] did not prove" in str(outcomes[0])
+    assert "group rank(s) [1] did not prove" in str(outcomes[2])
+    # A member that joins the group and stays silent is refused once the timeout passes.
+    silent = _members(2, "standby/0/", [SECRET, None], 1)
+    assert isinstance(silent[0], auth.PeerRefused)
+    assert "did not complete the job-secret check" in str(silent[0])

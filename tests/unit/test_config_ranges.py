@@ -1,0 +1,296 @@
+"""Every numeric setting has a range that cannot overflow downstream, TOML values have their
+field's type, and a local job larger than this machine is refused before anything is forked
+(issue 44, "values"). The CLI is driven through ``cli.main`` with the forkserver, the
+preflight and the launch replaced, so nothing starts; a refusal is one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+import cloudburst.forkserver
+from cloudburst import cli, preflight
+from cloudburst.config import ConfigError, RunConfig, load_toml
+from cloudburst.config.fields import MAX_STEPS, Bounds, is_numeric
+from cloudburst.config.simulation import SimulationConfig
+from cloudburst.preflight import Capacity, check_local_job_fits, local_job_needs
+
+ROOMY = Capacity(tasks=10**7, memory_bytes=2**50, fds=10**7)
+
+
+@pytest.fixture
+def train(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    """``train(*flags)``: ``(exit code, stderr lines, the configs launched)`` of ``cloudburst
+    train *flags``, with this machine's capacity ROOMY unless a test sets another."""
+    launched: list[RunConfig] = []
+    monkeypatch.setattr(cloudburst.forkserver, "start_forkserver", lambda **kw: None)
+    monkeypatch.setattr(cloudburst.forkserver, "stop_forkserver", lambda: None)
+    monkeypatch.setattr(cli, "preflight", lambda cfg: None)
+    monkeypatch.setattr(cli, "launch_and_report", lambda cfg: launched.append(cfg) or 0)
+    monkeypatch.setattr(preflight, "machine_capacity", lambda: ROOMY)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+
+    def run(*flags: str) -> tuple[int, list[str], list[RunConfig]]:
+        try:
+            code = cli.main(["train", *flags])
+        except SystemExit as e:  # argparse's refusals exit
+            code = e.code
+        err = capsys.readouterr().err.strip().splitlines()
+        return code, err, launched
+
+    return run
+
+
+def _refused(result: tuple[int, list[str], list[RunConfig]]) -> str:
+    code, lines, launched = result
+    assert code == 2 and len(lines) == 1 and not launched, (code, lines)
+    assert "Traceback" not in lines[0]
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------- every field
+def _numeric_fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if is_numeric(f)]
+
+
+@pytest.mark.parametrize("cls", [RunConfig, SimulationConfig])
+def test_every_numeric_field_carries_a_finite_range(cls):
+    fields = _numeric_fields(cls)
+    assert len(fields) > (40 if cls is RunConfig else 5)
+    missing = [f.name for f in fields if not isinstance(f.metadata.get("bounds"), Bounds)]
+    assert missing == [], f"numeric fields without bounds=: {missing}"
+    for f in fields:
+        bounds = f.metadata["bounds"]
+        assert math.isfinite(bounds.low) and math.isfinite(bounds.high), f.name
+        assert bounds.low < bounds.high, f.name
+        default = f.default
+        if default is not None and default is not dataclasses.MISSING:
+            assert bounds.allows(default, str(f.type).startswith("int")), (f.name, default)
+
+
+def _outside(f: dataclasses.Field) -> list[int | float]:
+    """A value just above the field's range and one just below it."""
+    b: Bounds = f.metadata["bounds"]
+    if str(f.type).startswith("int"):
+        return [int(b.high) + 1, int(b.low) - 1]
+    below = b.low if b.low_open else (b.low / 2 if b.low > 0 else b.low - 1)
+    return [b.high if b.high_open else b.high * 2, below, math.inf, math.nan]
+
+
+def _cases(cls: type) -> list[tuple[str, object]]:
+    return [(f.name, value) for f in _numeric_fields(cls) for value in _outside(f)]
+
+
+@pytest.mark.parametrize("name, value", _cases(RunConfig))
+def test_a_run_setting_outside_its_range_is_one_line_naming_field_value_and_range(name, value):
+    f = {f.name: f for f in dataclasses.fields(RunConfig)}[name]
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict({name: value})
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"{name}: {value!r} is not allowed; use "), message
+    b = f.metadata["bounds"]
+    if name != "n_sync":  # asgd's defaults check its lower end on their own
+        assert message.endswith(b.text(str(f.type).startswith("int"))), message
+
+
+@pytest.mark.parametrize("name, value", _cases(SimulationConfig))
+def test_a_clock_setting_outside_its_range_is_refused(name, value):
+    with pytest.raises(ConfigError, match=rf"^{name}: .* is not allowed; use "):
+        SimulationConfig.from_dict({name: value})
+
+
+@pytest.mark.parametrize("spec", ["lognormal:1e300", "pareto:1e300", "lognormal:-1"])
+def test_step_time_noise_is_bounded(spec):
+    with pytest.raises(ConfigError, match=rf"^step_time_jitter: '{spec}': .* must be .* and <= "):
+        SimulationConfig(step_time_jitter=spec)
+
+
+def test_a_float_or_a_bool_is_not_an_int_but_text_from_flags_and_sweeps_is_parsed():
+    for value in (1e20, 4.0, True):
+        with pytest.raises(ConfigError, match="^workers: "):
+            RunConfig.from_dict({"workers": value})
+    # compare's specs and simulate's sweeps give text, parsed with the field's type
+    assert RunConfig.from_dict({"workers": "4", "lr": "0.5", "augment": "false"}).workers == 4
+    with pytest.raises(ConfigError, match=r"^steps: '1e20' is not a valid int$"):
+        RunConfig.from_dict({"steps": "1e20"})
+
+
+# ---------------------------------------------------------------------------- the attacks
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lr", "1e308"], "lr: 1e+308 is not allowed; use a number > 0.0 and <= 100.0"),
+        (["--lr", "1e999"], "lr: inf is not allowed; use a number > 0.0 and <= 100.0"),
+        (
+            ["--seed", "9223372036854775808"],
+            "seed: 9223372036854775808 is not allowed; use an integer >= 0 and <= 4_294_967_295",
+        ),
+        (
+            ["--seed", str(2**64)],
+            "seed: 18446744073709551616 is not allowed; use an integer >= 0 and <= 4_294_967_295",
+        ),
+        (
+            ["--nodes", "2", "--inter-node-link", "1e-300"],
+            "inter_node_link: '1e-300': a speed of 1e-300 Gbit/s is not allowed; use a number "
+            ">= 1e-06 and <= 1_000_000.0 Gbit/s (1 kbit/s to 1 Pbit/s)",
+        ),
+        (
+            ["--nodes", "2", "--inter-node-link", "1,1e9"],
+            "inter_node_link: '1,1e9': a latency of 1000000000.0 ms is not allowed; use a "
+            "number >= 0.0 and <= 60_000.0 ms",
+        ),
+        (
+            ["--straggler", "0:1e9"],
+            "straggler factor: 1000000000.0 is not allowed; use a number >= 1.0 and <= 1_000.0",
+        ),
+        (
+            ["--straggler", "1:100", "--inject-fault", "slow:1:100"],
+            "straggler: worker 1 would be slowed 10000x (its --straggler factor times its "
+            "slow: faults); allowed up to 1000x",
+        ),
+        (
+            ["--min-step-time-s", "200", "--straggler", "1:2"],
+            "min_step_time_s: 200 s x a slowdown of 2 is not below comm_timeout_s 300 s: the "
+            "other ranks would time out waiting for its step; lower it or raise "
+            "--comm-timeout-s",
+        ),
+        (
+            ["--steps", str(2**63)],
+            f"steps: {2**63} is not allowed; use an integer >= 1 and <= {MAX_STEPS:_}",
+        ),
+        (["--comm-timeout-s", "1e300"], "comm_timeout_s: 1e+300 is not allowed; use a number "),
+        (["--inject-fault", "kill:1@" + "9" * 30], "inject_fault: 'kill:1@99999"),
+        (
+            ["--inject-fault", f"kill:1@{MAX_STEPS + 1}"],
+            f"inject_fault: 'kill:1@{MAX_STEPS + 1}': STEP must be <= {MAX_STEPS:_}",
+        ),
+    ],
+)
+def test_attack_values_are_one_line_exit_2_and_launch_nothing(train, flags, message):
+    line = _refused(train(*flags))
+    assert line.startswith(f"cloudburst: invalid config: {message}"), line
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ("2**64", "argument --seed: invalid int value: '2**64'"),
+        ("9" * 5000, "argument --seed: invalid int value: '9999"),  # past int()'s digit limit
+    ],
+)
+def test_a_flag_argparse_cannot_read_is_one_short_line_with_exit_2(train, value, words):
+    line = _refused(train("--seed", value))
+    assert line.startswith(f"cloudburst train: error: {words}"), line
+    assert line.endswith("(see cloudburst train --help)") and len(line) < 400, line
+
+
+# ---------------------------------------------------------------------------- TOML types
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            'workers = "4"\n',
+            "workers: '4' in run.toml is a string; expected an integer (e.g. workers = 4)",
+        ),
+        ("steps = 1e20\n", "steps: 1e+20 in run.toml is a float; expected an integer"),
+        ("workers = true\n", "workers: True in run.toml is a boolean; expected an integer"),
+        ('[training]\nlr = "0.1"\n', "lr: '0.1' in run.toml is a string; expected a number"),
+        ("[output]\noverwrite = 1\n", "overwrite: 1 in run.toml is an integer; expected true"),
+        ("dataset = 3\n", "dataset: 3 in run.toml is an integer; expected a string"),
+        ("straggler = [1]\n", "stragglers: [1] in run.toml is a list; expected a string or an"),
+    ],
+)
+def test_toml_values_must_have_their_fields_type(tmp_path, train, text, message):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_toml(path)
+    assert str(err.value).startswith(message), err.value
+    line = _refused(train("--config", str(path)))
+    assert line.startswith(f"cloudburst: invalid config: {message}"), line
+
+
+def test_toml_numbers_of_the_right_type_are_taken(tmp_path, train):
+    path = tmp_path / "run.toml"
+    path.write_text('workers = 3\nlr = 1\nepochs = 2\nstraggler = "1:2"\n[model]\nmodel = "mlp"\n')
+    code, lines, [cfg] = train("--config", str(path), "--out", str(tmp_path / "out"))
+    assert code == 0, lines
+    assert (cfg.workers, cfg.lr, cfg.epochs, cfg.straggler_factor(1)) == (3, 1.0, 2.0, 2.0)
+    assert type(cfg.lr) is float and type(cfg.epochs) is float
+
+
+# ---------------------------------------------------------------------------- local job size
+def test_a_local_job_is_sized_by_ranks_agents_and_data_loaders():
+    need = local_job_needs(RunConfig(strategy="asgd", workers=4, servers=1, steps=1))
+    assert need == Capacity(tasks=5 * 12, memory_bytes=5 * 128 * 2**20, fds=64 + 5 * 10)
+    images = RunConfig(workers=2, steps=1, data_workers=3)  # 6 DataLoader processes
+    assert local_job_needs(images).tasks == 2 * 12 + 6 * 4
+
+
+@pytest.mark.parametrize(
+    "capacity, words",
+    [
+        (
+            Capacity(tasks=1000, memory_bytes=None, fds=None),
+            "needs about 120000 processes and threads (12 a rank); this user may start 1000 "
+            "more here",
+        ),
+        (
+            Capacity(tasks=None, memory_bytes=8 * 2**30, fds=None),
+            "needs about 1250.0 GiB of memory (128 MiB a rank); 8.0 GiB is available here",
+        ),
+        (
+            Capacity(tasks=None, memory_bytes=None, fds=1024),
+            "needs about 100064 open files in one process (10 a rank); RLIMIT_NOFILE's hard "
+            "limit here is 1024",
+        ),
+    ],
+)
+def test_workers_beyond_the_machine_are_refused_before_anything_starts(
+    train, monkeypatch, capacity, words
+):
+    monkeypatch.setattr(preflight, "machine_capacity", lambda: capacity)
+    flags = ["--workers", "10000", "--train-size", "1000000", "--steps", "5"]
+    line = _refused(train(*flags))
+    assert line.startswith(
+        f"cloudburst: invalid config: workers: a local job of 10000 ranks {words}"
+    ), line
+    assert line.endswith("or pass --allow-large-job to launch it anyway"), line
+    # The override launches it (here: hands it to the faked launch).
+    code, lines, launched = train(*flags, "--allow-large-job")
+    assert code == 0 and [cfg.workers for cfg in launched] == [10000], lines
+
+
+def test_a_job_that_fits_is_launched_and_the_check_reads_this_machine(train, monkeypatch):
+    monkeypatch.setattr(preflight, "machine_capacity", lambda: Capacity(200, 2**34, 1024))
+    code, lines, launched = train("--workers", "6", "--steps", "5")
+    assert code == 0 and len(launched) == 1, lines
+    with pytest.raises(ConfigError, match="1024"):  # 96 ranks need 64 + 960 + 10 descriptors
+        check_local_job_fits(
+            RunConfig(workers=97, train_size=100_000, steps=1), Capacity(None, None, 1024)
+        )
+    check_local_job_fits(
+        RunConfig(workers=96, train_size=100_000, steps=1), Capacity(None, None, 1024)
+    )
+    monkeypatch.undo()
+    real = preflight.machine_capacity()  # this machine: finite, non-negative where known
+    assert all(v is None or v >= 0 for v in dataclasses.astuple(real))
+
+
+def test_simulate_is_not_held_to_the_local_launch_check(monkeypatch, tmp_path):
+    """The virtual cluster runs every worker in this process: 128 workers (and sweeps of
+    them) stay allowed on a machine that could not launch 128 local ranks."""
+    monkeypatch.setattr(preflight, "machine_capacity", lambda: Capacity(10, 2**20, 64))
+    runs: list[RunConfig] = []
+    monkeypatch.setattr(cli, "_simulate_fn", lambda: lambda cfg, sim: runs.append(cfg) or {})
+    monkeypatch.setattr(cli, "preflight", lambda cfg: None)
+    monkeypatch.setattr(cli, "format_summary", lambda summaries: "")
+    flags = ["--workers", "128", "--dataset", "synthetic", "--train-size", "4096"]
+    flags += ["--batch-size", "8", "--steps", "2", "--step-time-s", "0.1"]
+    assert cli.main(["simulate", *flags, "--out", str(tmp_path / "one")]) == 0
+    assert [cfg.workers for cfg in runs] == [128]

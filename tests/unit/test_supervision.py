@@ -1,0 +1,257 @@
+"""Supervision that survives hostile neighbours (issue 44): the launcher still stops every
+process of its job when a flood of connections has taken every file descriptor; a malformed
+value under a heartbeat key is one unreadable beat, not a lost store; and a job that failed
+says why — the first error a rank raised — instead of only its agents' exit codes."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import json
+import os
+import resource
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from cloudburst import launch
+from cloudburst.config import RunConfig
+from cloudburst.forkserver import raise_open_files_limit
+from cloudburst.liveness import HEARTBEAT_KEY, Heartbeat, LivenessMonitor
+
+ENOSPC = "OSError: [Errno 28] No space left on device"
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+@contextlib.contextmanager
+def no_descriptor_left():
+    """Every descriptor of this process taken (as by ~1,000 connections to the store the
+    launcher serves), then given back."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 32, hard))
+    held = []
+    try:
+        while True:
+            try:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError as e:
+                assert e.errno == errno.EMFILE
+                break
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# Above Linux's largest pid (PID_MAX_LIMIT, 2**22): no process can have them.
+NO_PID = 2**22 + 1000
+
+
+class FakeAgent:
+    """What the launcher uses of an agent's ``multiprocessing.Process``: ``on_start`` runs at
+    the first look, then it stays alive for ``alive_for`` looks, then ``on_exit`` runs and it
+    exits with ``exitcode``."""
+
+    def __init__(
+        self, pid: int, alive_for: int = 10**9, exitcode: int = 0, on_start=None, on_exit=None
+    ):
+        self.pid, self._left, self._code = pid, alive_for, exitcode
+        self._on_start, self._on_exit = on_start, on_exit
+        self.exitcode: int | None = None
+
+    def is_alive(self) -> bool:
+        if self._on_start is not None:
+            self._on_start()
+            self._on_start = None
+        if self.exitcode is None and self._left <= 0:
+            if self._on_exit is not None:
+                self._on_exit()
+            self.exitcode = self._code
+        self._left -= 1
+        return self.exitcode is None
+
+    def kill(self) -> None:
+        self.exitcode = -signal.SIGKILL
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+@linux_only
+def test_with_no_descriptor_left_stopping_the_job_still_kills_agents_and_forkserver(
+    monkeypatch, capsys
+):
+    """``/proc`` cannot be read, so the ranks cannot be listed: the agents and the forkserver
+    are SIGKILLed by pid (the ranks die with them), and "stopping the job" is true."""
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setattr(launch, "forkserver_pid", lambda: NO_PID + 2)
+    agents = [FakeAgent(NO_PID), FakeAgent(NO_PID + 1)]
+    with no_descriptor_left():
+        launch._stop(agents, launch._StopRequest(), grace_s=60)
+    assert {(a.pid, signal.SIGKILL) for a in agents} <= set(sent)
+    assert (NO_PID + 2, signal.SIGKILL) in sent
+    err = capsys.readouterr().err
+    assert "stopping the job" in err and "no file descriptor left" in err
+
+
+def _fake_job(monkeypatch, agents_for) -> None:
+    """``run_local_job`` starting ``agents_for(out)`` instead of processes."""
+
+    def start(cfg, entrypoint, agent_per_rank):
+        return agents_for(Path(cfg.out)), None
+
+    monkeypatch.setattr(launch, "start_local_job", start)
+
+
+@linux_only
+def test_the_monitor_goes_on_when_it_cannot_read_the_runs_files(tmp_path, monkeypatch, capsys):
+    """Reading progress and failures raises EMFILE for as long as the agent trains: each look
+    is skipped (said once), and the job's summary is returned when it finishes."""
+    cfg = RunConfig(workers=1, out=str(tmp_path / "run"), progress=False)
+    exhausted = no_descriptor_left()
+
+    def finish(out: Path) -> None:
+        exhausted.__exit__(None, None, None)
+        (out / "summary.json").write_text(json.dumps({"strategy": "sync"}))
+
+    def agents(out: Path) -> list[FakeAgent]:
+        (out / "metrics" / "rank0.jsonl").write_text('{"event": "step", "step": 3}\n')
+        start, stop = exhausted.__enter__, lambda: finish(out)
+        return [FakeAgent(NO_PID, alive_for=8, on_start=start, on_exit=stop)]
+
+    _fake_job(monkeypatch, agents)
+    monkeypatch.setattr(launch.time, "sleep", lambda s: None)
+    summary = launch.run_local_job(cfg)
+    assert summary["strategy"] == "sync" and summary["failed_agents"] == []
+    assert capsys.readouterr().err.count("cannot read the run's files") == 1
+
+
+def _error_file(out: Path, agent: int, local: int, message: str, timestamp: int) -> None:
+    """torch's error file of a rank, where a local job's agents leave it."""
+    path = out / "logs" / f"agent{agent}" / "run_x" / "attempt_0" / str(local) / "error.json"
+    path.parent.mkdir(parents=True)
+    info = {"py_callstack": "Traceback ...", "timestamp": str(timestamp)}
+    path.write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
+
+
+def _stderr_log(out: Path, agent: int, text: str) -> None:
+    """A rank's redirected stderr, where a local job's agents leave it."""
+    path = out / "logs" / f"agent{agent}" / "run_x" / "attempt_0" / "0" / "stderr.log"
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+
+
+def test_a_failed_job_names_the_first_error_a_rank_raised(tmp_path):
+    _error_file(tmp_path, 1, 0, "RuntimeError: [gloo] Connection closed by peer\nmore", 1002)
+    _error_file(tmp_path, 2, 0, f"{ENOSPC}\n  File ...", 1000)
+    assert launch.job_failure(tmp_path, [0, 1, 1]) == f"rank 2 failed: {ENOSPC}"
+
+
+def test_without_an_error_file_the_exception_comes_from_the_ranks_log(tmp_path):
+    """A full disk may leave no error file; the line ending the last traceback in stderr.log
+    is used (a line that merely looks like an error, with no traceback, is not taken)."""
+    _stderr_log(tmp_path, 1, "RuntimeError: a retried connection, logged\n")
+    assert launch.job_failure(tmp_path, [1, 1]) == "ranks failed (agent exit codes [1, 1])"
+    log = "RuntimeError: logged\nTraceback (most recent call last):\n  File ...\n"
+    _stderr_log(tmp_path, 0, log + "OverflowError: Python int too large to convert to C long\n")
+    expected = "rank 0 failed: OverflowError: Python int too large to convert to C long"
+    assert launch.job_failure(tmp_path, [1, 1]) == expected
+
+
+def test_a_lost_peer_is_named_with_its_own_error(tmp_path):
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    lost = {"event": "peer_lost", "lost_rank": 1, "reason": "worker 0 (rank 1) lost at 3.0 s"}
+    (metrics / "rank0.jsonl").write_text(json.dumps({**lost, "time_s": 3.0}) + "\n")
+    assert launch.job_failure(tmp_path, [1]) == lost["reason"]  # SIGKILLed: nothing more
+    _error_file(tmp_path, 1, 0, ENOSPC, 1000)
+    assert launch.job_failure(tmp_path, [1]) == f"{lost['reason']}: {ENOSPC}"
+
+
+def test_with_no_error_anywhere_the_exit_codes_are_the_reason(tmp_path):
+    assert launch.job_failure(tmp_path, [1, -9]) == "ranks failed (agent exit codes [1, -9])"
+
+
+def test_the_summary_and_the_error_say_a_ranks_first_error(tmp_path, monkeypatch):
+    cfg = RunConfig(workers=1, out=str(tmp_path / "run"), progress=False)
+
+    def agents(out: Path) -> list[FakeAgent]:
+        return [FakeAgent(NO_PID, alive_for=1, exitcode=1,
+                          on_exit=lambda: _error_file(out, 0, 0, ENOSPC, 1000))]  # fmt: skip
+
+    _fake_job(monkeypatch, agents)
+    monkeypatch.setattr(launch.time, "sleep", lambda s: None)
+    with pytest.raises(launch.JobFailed) as failed:
+        launch.run_local_job(cfg)
+    assert failed.value.summary["failed"] == f"rank 0 failed: {ENOSPC}"
+    assert ENOSPC in str(failed.value)
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert on_disk["failed"] == f"rank 0 failed: {ENOSPC}"
+
+
+@pytest.fixture
+def store_server():
+    """A real TCPStore server on loopback, served from this process (as the launcher does),
+    and a way to connect clients to it."""
+    listener = launch.loopback_listener(0)
+    port = listener.getsockname()[1]
+    timeout = datetime.timedelta(seconds=30)
+    server = dist.TCPStore("127.0.0.1", port, 1, True, timeout, wait_for_workers=False,
+                           multi_tenant=True, master_listen_fd=listener.detach())  # fmt: skip
+
+    def client() -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", port, 1, False, timeout)
+
+    yield client
+    del server
+
+
+def test_a_malformed_heartbeat_is_one_unreadable_beat_not_a_lost_store(store_server):
+    """torch's store server drops the connection of a client that ``add``s to a key holding a
+    non-integer; the watchers read instead. The bad value is no beat; the rank's next beat
+    overwrites it, and every connection still works."""
+    key = HEARTBEAT_KEY.format(rank=1)
+    rank_store, watcher_store, neighbour = store_server(), store_server(), store_server()
+    beats = [Heartbeat(rank_store, 1, interval_s=3600).start()]
+    rank_store.get(key)  # on the same connection: the beat is stored before the monitor looks
+    monitor = LivenessMonitor(watcher_store, [1], timeout_s=0.0)  # any read without a beat
+    assert monitor.dead([1]) == set()  # it beat since the monitor started
+    neighbour.set(key, "not a number")
+    assert neighbour.get(key) == b"not a number"
+    assert monitor.dead([1]) == {1}  # no beat (and no exception)
+    assert monitor.unreadable == 1
+    beats.append(Heartbeat(rank_store, 1, interval_s=3600).start())  # its next beat
+    for beat in beats:
+        beat.stop()
+    assert rank_store.get(key).isdigit()
+    assert monitor.dead([1]) == set()
+    assert monitor.unreadable == 1
+    assert watcher_store.get(key).isdigit()  # neither connection was dropped
+
+
+def test_a_heartbeat_not_written_yet_is_no_beat_and_not_created(store_server):
+    watcher = store_server()
+    monitor = LivenessMonitor(watcher, [3], timeout_s=0.0)
+    assert monitor.dead([3]) == {3}
+    assert not watcher.check([HEARTBEAT_KEY.format(rank=3)]) and monitor.unreadable == 0
+
+
+def test_the_soft_descriptor_limit_is_raised_to_the_hard_one():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"the hard limit is {hard}: nothing to raise")
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # a default soft limit
+        raised = raise_open_files_limit()
+        assert raised > 1024
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (raised, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
