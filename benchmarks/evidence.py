@@ -28,9 +28,10 @@ CHOOSING = "<!-- choosing:begin -->", "<!-- choosing:end -->"
 #: quality), time and quality each (result, claim name prefix, what the value measures) or None.
 Cell = tuple[str, str, str] | None
 ADVICE: list[tuple[str, str, str, Cell, Cell]] = [
-    ("One worker of four 2× slower (real runs, W = 4)", "`asgd`", "loopback",
-     ("stragglers_confirm", "time to 90 %, asgd ÷ sync", "× sync's time to 90 %"),
-     ("stragglers_confirm", "samples to hold 90 %, asgd ÷ sync", "× sync's samples to 90 %")),
+    ("One worker of four 2× slower (real runs, W = 4, every arm 40 s)", "`asgd`", "loopback",
+     ("stragglers", "time to 85 %, asgd ÷ sync", "× sync's time to 85 %"),
+     ("stragglers", "accuracy at the 40 s budget, asgd − sync",
+      " points from sync when sync's time is up")),
     ("One worker of four 2× slower, DiLoCo family (real runs)", "`async_diloco --dylu`",
      "loopback",
      ("stragglers", "time to DiLoCo's final accuracy − 1 point, async_diloco dylu ÷ diloco",
