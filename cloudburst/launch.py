@@ -309,11 +309,9 @@ def rank_errors(out: Path) -> list[str]:
     found: list[str] = []
     for path in sorted((out / "logs").glob("**/error.json")):
         try:
-            message = json.loads(path.read_text())["message"]
-            message = message["message"] if isinstance(message, dict) else message
-        except (OSError, ValueError, KeyError, TypeError):
+            _, line = _error_file_line(path)  # the one reader of torch's error files
+        except OSError:
             continue
-        line = str(message).strip().splitlines()[0] if str(message).strip() else ""
         if line and line not in found:
             found.append(line)
     return found
