@@ -129,13 +129,13 @@ def choosing(results: Path, evidence_file: Path, where: Path) -> list[str]:
         verdict = {"inconclusive": "**inconclusive**", "-": "no verdict"}.get(c.verdict, c.verdict)
         aa = ", its A/A interval excludes 1" if c.aa_differs else ""
         text = f"{fmt(c.value)}{unit}{iv}: {verdict} (target {c.target}{aa})"
-        return text, f"#c-{stem}-{i}"
+        return text, f"c-{stem}-{i}"
 
     rows = []
     for situation, strategy, link_, time_spec, quality_spec in ADVICE:
         (time_text, time_ref), (quality_text, quality_ref) = cell(time_spec), cell(quality_spec)
         refs = ", ".join(
-            f"[{what}]({target}#{ref.split('#')[1]})"
+            f"[{what}]({target}#{ref})"
             for what, ref in (("time", time_ref), ("quality", quality_ref))
             if ref
         )
