@@ -49,6 +49,7 @@ def jin(q: bool) -> list[tuple[dict, dict, dict]]:
             servers = 1 if s in ("asgd", "easgd") else 0
             cfg = {**_base(steps, RESNET50_V100_STEP_S, 40_000), "strategy": s, "workers": w}
             cfg.update(servers=servers, nodes=w + servers, inter_node_link="10,0.05")
+            cfg.update({"shard_placement": "own"} if servers else {})  # a node of its own
             cfg.update({"n_sync": 10} if s == "asgd" else {})
             sim = {"profile": "resnet50-v100-fp32", "step_time_jitter": "lognormal:0.1",
                    "network_model": "nccl"}  # fmt: skip
@@ -78,7 +79,7 @@ def paine(q: bool) -> list[tuple[dict, dict, dict]]:
     for start, n_sync in [("warm", 10), ("cold", 10)] + ([] if q else [("warm", 1)]):
         for w in (1, 2) if q else (1, 2, 8):
             cfg = {**_base(steps, K20X_STEP_S, 40_000), "strategy": "asgd", "workers": w}
-            cfg.update(servers=1, nodes=w + 1, n_sync=n_sync)
+            cfg.update(servers=1, nodes=w + 1, n_sync=n_sync, shard_placement="own")
             cfg["warm_start_steps"] = (10 if q else 50) if start == "warm" else 0
             sim = {"modelled_params": ALEXNET_PARAMS, "step_time_s": round(K20X_STEP_S, 4),
                    "step_time_jitter": "lognormal:0.1"}  # fmt: skip

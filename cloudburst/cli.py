@@ -310,7 +310,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             print(f"cloudburst: {e}", file=sys.stderr)
             return 1
         print(format_summary([summary]))
-        print(f"cloudburst: simulated run in {cfg.out} (times in virtual seconds)", file=sys.stderr)
+        model, why = sim.network_model_for(cfg.device)
+        print(
+            f"cloudburst: simulated run in {cfg.out} (times in virtual seconds; network model "
+            f"{model}: {why})",
+            file=sys.stderr,
+        )
         if summary.get("failed"):  # it finished, but θ diverged (cloudburst.summary.diverged)
             print(failed_message(summary), file=sys.stderr)
             return 1

@@ -173,7 +173,7 @@ def check_resumable(cfg: RunConfig) -> str:
             load_shard_state(path, cfg)
     if not any(found.values()) and not any(p.is_file() for p in shards):
         raise CheckpointError(f"no checkpoints under {str(checkpoint_dir(cfg.out))!r} to resume")
-    if cfg.strategy_spec.lockstep:
+    if cfg.strategy_spec.lockstep or cfg.replica == "node":
         common = set.intersection(*(set(s) for s in found.values()))
         return f"resuming every worker from step {max(common, default=0)}"
     latest = {w: (s[-1] if s else 0) for w, s in found.items()}
@@ -194,7 +194,7 @@ def resume_worker(ctx, model, optimizer, scheduler, strategy, stream, evaluator)
     # The CLI validated every file before a --resume; a rank restarting by itself skips bad
     # ones (e.g. the one its predecessor was writing when it died).
     steps = valid_steps(cfg, ctx.worker_index, strict=False)
-    if strategy.lockstep:
+    if strategy.lockstep or cfg.replica == "node":  # a node's workers move together
         step = agree_on_step(ctx.store, ctx.worker_index, cfg.workers, steps, cfg.comm_timeout_s)
     else:
         step = steps[-1] if steps else 0

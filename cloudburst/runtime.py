@@ -55,8 +55,59 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+class ReplicaView:
+    """Who the strategy runs between (a rank's replicas): every worker, or with ``--replica
+    node`` each node's leader. Context's, and shared with the tests' stand-ins for it, which
+    have ``worker_ranks``, ``num_servers``, ``workers_group`` and (for node replicas) the
+    fields below."""
+
+    replica_leaders: tuple[int, ...] | None = None
+    replicas_group: Any = None
+    node_replica_group: Any = None
+
+    @property
+    def replica_ranks(self) -> list[int]:
+        """The ranks the strategy runs between: every worker, or each node's leader."""
+        if self.replica_leaders is None:
+            return self.worker_ranks
+        return list(self.replica_leaders)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replica_ranks)
+
+    @property
+    def leads_replica(self) -> bool:
+        """True on a worker that runs the strategy: every worker, or a node's leader."""
+        return not self.is_server and (
+            self.replica_leaders is None or self.rank in self.replica_leaders
+        )
+
+    def replica_of(self, rank: int) -> int:
+        """The replica of worker ``rank`` (its worker index with --replica rank, its node's
+        place among the leaders with --replica node)."""
+        if self.replica_leaders is None:
+            return rank - self.num_servers
+        node = self.topology.node_of[rank]
+        nodes = [self.topology.node_of[r] for r in self.replica_leaders]
+        return nodes.index(node)
+
+    @property
+    def replica_index(self) -> int:
+        """This worker's replica (see :meth:`replica_of`)."""
+        if self.replica_leaders is None:
+            return self.worker_index
+        return self.replica_of(self.rank)
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The group of the strategy's collectives: the workers', or the leaders' (None: the
+        world's, as for ``workers_group``)."""
+        return self.workers_group if self.replica_leaders is None else self.replicas_group
+
+
 @dataclass(kw_only=True)
-class Context:
+class Context(ReplicaView):
     """What one rank knows about the job it is part of (built with keywords only)."""
 
     cfg: RunConfig
@@ -79,6 +130,12 @@ class Context:
     gossip_reply_group: dist.ProcessGroup | None = None
     # Parameter servers, when there are several: their final shards go to server 0 on it.
     servers_group: dist.ProcessGroup | None = None
+    # --replica node: the ranks that lead a replica (each worker node's first worker: the
+    # strategy's workers), their group, and this worker's node (its gradients are all-reduced
+    # there every step; the leader's θ is broadcast there). None with --replica rank.
+    replica_leaders: tuple[int, ...] | None = None
+    replicas_group: dist.ProcessGroup | None = None
+    node_replica_group: dist.ProcessGroup | None = None
     # A worker that rejoined a running asgd/easgd job after a restart talks to the servers on
     # a gloo group of its own (see rejoin_group); it never joined the world group.
     rejoin_group: dist.ProcessGroupGloo | None = None
@@ -231,13 +288,13 @@ def init_distributed(cfg: RunConfig, strategy_cls: type[StrategySpec] | None = N
     traits = strategy_cls if strategy_cls is not None else cfg.strategy_spec
     secret = auth.job_secret()  # a secret file that others can read is refused here
     world = int(os.environ["WORLD_SIZE"])
-    rank = int(os.environ["RANK"])
     if world != cfg.world_size:
         raise RuntimeError(
             f"torchrun started {world} ranks, the config needs {cfg.world_size} "
             f"({cfg.workers} workers + {cfg.servers} servers); set --nnodes/--nproc-per-node "
             "so that their product matches"
         )
+    rank = launch_rank_to_role(cfg, world)  # where the shard placement puts this rank
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     device = select_device(cfg, rank)
     backend = select_backend(cfg)
@@ -270,10 +327,11 @@ def init_distributed(cfg: RunConfig, strategy_cls: type[StrategySpec] | None = N
     authenticate_startup(ctx, secret)
     if rank == cfg.servers:
         log.info(
-            "workers compute on %s; their collectives use %s; %d node(s)",
+            "workers compute on %s; their collectives use %s; %d node(s)%s",
             device,
             backend,
             topology.num_nodes,
+            shards_line(topology, cfg.servers, placement_label(cfg, world)),
         )
     return ctx
 
@@ -317,11 +375,35 @@ def build_context(
                 group = comm.new_group(f"{kind}{i}", ranks, timeout_s, backend, every_rank=True)
                 if rank in ranks:
                     groups[key] = group
+    replicas = workers
+    if cfg.replica == "node":
+        # Each worker node's workers are one replica: a group per node (gradients every step),
+        # and one of the nodes' leaders (the strategy's), every rank taking part in each.
+        topology = fields["topology"]
+        nodes = [[r for r in topology.ranks_on(n) if r >= cfg.servers]
+                 for n in range(topology.num_nodes)]  # fmt: skip
+        nodes = [ranks for ranks in nodes if ranks]
+        if len({len(r) for r in nodes}) != 1 or len(nodes[0]) < 2:
+            raise RuntimeError(
+                f"replica: node needs 2 or more workers on every node, the same number on "
+                f"each; the nodes' workers are {nodes}"
+            )
+        replicas = [ranks[0] for ranks in nodes]
+        groups["replica_leaders"] = tuple(replicas)
+        for i, ranks in enumerate(nodes):
+            group = comm.new_group(f"replica{i}", ranks, timeout_s, backend, every_rank=True)
+            if rank in ranks:
+                groups["node_replica_group"] = group
+        group = comm.new_group("replicas", replicas, timeout_s, backend, every_rank=True)
+        if rank in replicas:
+            groups["replicas_group"] = group
     if "gossip_pair" in traits.process_groups:
-        # Two gloo groups of the workers, created once by every rank in the same order.
+        # Two gloo groups of the replicas, created once by every rank in the same order.
         for key, name in (("gossip_request_group", "gossip-requests"),
                           ("gossip_reply_group", "gossip-replies")):  # fmt: skip
-            groups[key] = comm.new_group(name, workers, timeout_s, "gloo", every_rank=True)
+            group = comm.new_group(name, replicas, timeout_s, "gloo", every_rank=True)
+            if rank in replicas:
+                groups[key] = group
     return _rank_context(cfg, rank, comm, **groups, **fields)
 
 
@@ -567,6 +649,8 @@ def authenticate_startup(ctx: Context, secret: bytes | None) -> None:
         "global_group",
         "gossip_request_group",
         "gossip_reply_group",
+        "node_replica_group",
+        "replicas_group",
     ):
         group = getattr(ctx, name)
         if group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
@@ -591,27 +675,111 @@ def launched_nodes(world: int) -> tuple[int, int]:
     return 1, world
 
 
+def role_ranks(topology: Topology, ranks_per_node: int, placement: str = "spread") -> list[int]:
+    """``role[r]``: the job rank (0..S-1 shards, then the workers) of torchrun's launch rank
+    ``r``, which runs on node ``r // ranks_per_node`` (torchrun numbers each node's ranks
+    contiguously). The job ranks of launch node ``n`` are exactly those ``topology`` puts on
+    node ``n``, in increasing order. Raises ValueError (one line) when ``topology`` does not
+    put ``ranks_per_node`` ranks on every node (``placement`` names it in the message)."""
+    world, local = len(topology.node_of), ranks_per_node
+    if local < 1 or world % local:
+        raise ValueError(f"{world} ranks do not make nodes of {local} ranks each")
+    on_node = [topology.ranks_on(n) for n in range(world // local)]
+    counts = [len(ranks) for ranks in on_node]
+    if any(c != local for c in counts):
+        raise ValueError(
+            f"shard_placement {placement!r} puts {','.join(map(str, counts))} ranks on nodes "
+            f"0..{len(counts) - 1}, but torchrun started {local} on each; choose "
+            "--shard-placement, --servers and --workers that put as many on every node"
+        )
+    return [rank for ranks in on_node for rank in ranks]
+
+
+def _placed(cfg: RunConfig, nodes: int, ranks_per_node: int | None = None) -> Topology:
+    """The job's layout on ``nodes`` nodes (:meth:`Topology.place`; torchrun's machines of
+    ``ranks_per_node`` ranks each); RuntimeError (one line) where it cannot be."""
+    try:
+        return Topology.place(cfg.workers, cfg.servers, nodes, cfg.shard_placement, ranks_per_node)
+    except ValueError as e:
+        raise RuntimeError(f"shard_placement: {e}") from None
+
+
+def shards_line(topology: Topology, servers: int, placement: str) -> str:
+    """``"; shards on nodes 0,1 (spread)"`` for a start-up line; empty without shards."""
+    if not servers:
+        return ""
+    nodes = ",".join(map(str, topology.shard_nodes(servers)))
+    return f"; shards on nodes {nodes} ({placement})"
+
+
+def placement_label(cfg: RunConfig, world: int) -> str:
+    """How the shards were placed, for the start-up line: ``--shard-placement``, or torchrun's
+    order under one agent per rank (:func:`resolve_topology`)."""
+    nodes, local = launched_nodes(world)
+    if nodes > 1 and local == 1:
+        return "torchrun's order, one agent per rank"
+    return cfg.shard_placement
+
+
 def topology_mismatch(cfg: RunConfig, world: int) -> str | None:
-    """A one-line message when ``--nodes`` disagrees with the nodes torchrun started."""
+    """A one-line message when ``--nodes`` disagrees with the nodes torchrun started, or when
+    the shard placement does not put torchrun's ranks per node on every node."""
     nodes, local = launched_nodes(world)
     if nodes > 1 and cfg.nodes not in (None, nodes):
         return (
             f"nodes: the config says {cfg.nodes} nodes, but torchrun started {nodes} nodes of "
             f"{local} ranks each; drop --nodes or make them agree"
         )
+    if nodes > 1 and local > 1 and world == cfg.world_size:
+        try:
+            role_ranks(_placed(cfg, nodes, local), local, cfg.shard_placement)
+        except (RuntimeError, ValueError) as e:
+            return str(e)
     return None
 
 
 def resolve_topology(cfg: RunConfig, world: int) -> Topology:
-    """Nodes from torchrun (``LOCAL_WORLD_SIZE`` ranks each, contiguous), or ``--nodes N``
-    emulated nodes of one launch (contiguous blocks of ranks)."""
+    """The job's layout (:meth:`Topology.place`: shards where ``--shard-placement`` says,
+    workers in contiguous blocks) on the nodes torchrun started (``LOCAL_WORLD_SIZE`` ranks
+    each; each rank joined under its job rank, :func:`launch_rank_to_role`), or on ``--nodes
+    N`` emulated nodes of one launch. One torchrun agent per rank (``LOCAL_WORLD_SIZE`` 1, as
+    asgd is launched to survive a worker's death) tells nothing of the machines: each rank is
+    a node of its own, in torchrun's order, as before shard placement."""
     problem = topology_mismatch(cfg, world)
     if problem:
         raise RuntimeError(problem)
     nodes, local = launched_nodes(world)
+    if nodes > 1 and local == 1:
+        return Topology(tuple(range(world)))
     if nodes > 1:
-        return Topology(tuple(r // local for r in range(world)))
-    return Topology.contiguous(world, cfg.nodes or 1)
+        return _placed(cfg, nodes, local)
+    return _placed(cfg, cfg.nodes or 1)
+
+
+def launch_rank_to_role(cfg: RunConfig, world: int) -> int:
+    """This rank's job rank. Under a multi-node torchrun, torchrun's ``RANK`` (its launch
+    rank, contiguous per node) becomes the job rank the shard placement puts on this node
+    (:func:`role_ranks`): ``RANK`` is set to it before the world group is formed (torchrun's
+    is kept in ``CLOUDBURST_LAUNCH_RANK``; ``LOCAL_RANK`` still picks the GPU). One node, or
+    one agent per rank (:func:`resolve_topology`): ``RANK`` as it is."""
+    launch = int(os.environ.get("CLOUDBURST_LAUNCH_RANK", os.environ["RANK"]))
+    nodes, local = launched_nodes(world)
+    if nodes < 2 or local == 1:
+        return launch
+    problem = topology_mismatch(cfg, world)
+    if problem:
+        raise RuntimeError(problem)
+    roles = role_ranks(_placed(cfg, nodes, local), local, cfg.shard_placement)
+    if roles.index(0) >= local and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False":
+        # env:// without the agent's store: rank 0 hosts the store on torchrun's node 0.
+        raise RuntimeError(
+            f"shard_placement {cfg.shard_placement!r} puts shard 0 off torchrun's node 0, "
+            "where rank 0 must host the job's store here; unset "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE or use --shard-placement spread"
+        )
+    os.environ["CLOUDBURST_LAUNCH_RANK"] = str(launch)
+    os.environ["RANK"] = str(roles[launch])
+    return roles[launch]
 
 
 def _choose_gloo_interface(master_addr: str) -> None:
@@ -737,7 +905,7 @@ def shutdown(ctx: Context | None) -> None:
         # 2.13; tests/dist/test_api_hooks.py hung on it). Kept here, the groups go at exit.
         groups = [dist.group.WORLD]
         if ctx is not None:
-            groups += [ctx.workers_group, ctx.node_group]
+            groups += [ctx.workers_group, ctx.node_group, ctx.node_replica_group]
         _RETIRED_GROUPS.extend(g for g in groups if g is not None)
         dist.destroy_process_group()
 

@@ -277,6 +277,10 @@ def finalize_run(
         "device": str(ctx.device if not ctx.is_server else _worker_device(reports)),
         "backend": ctx.backend,
         "nodes": ctx.num_nodes,
+        "replica": cfg.replica,
+        "replicas": cfg.replicas,
+        "ranks_per_replica": cfg.ranks_per_replica,
+        **_placement_summary(ctx, reports),
         "inter_node_bytes": sum(rep.get("inter_node_bytes", 0) for rep in reports.values()),
         "intra_node_bytes": sum(rep.get("intra_node_bytes", 0) for rep in reports.values()),
         "sent_bytes": sum(rep["sent_bytes"] for rep in reports.values()),
@@ -309,6 +313,23 @@ def finalize_run(
     write_json_atomic(f"{cfg.out}/summary.json", summary)
     log.info("summary written: accuracy %.4f in %.1f s", acc, wall_time_s)
     return summary
+
+
+def _placement_summary(ctx: Context, reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Where the shards are (``shard_nodes``: shard k's node) and the bytes each node's ranks
+    put on the inter-node link (``node_nic_bytes``: the sum of their ``inter_node_bytes``).
+
+    ``inter_node_bytes`` is counted where the bytes leave: a message to a rank on another node
+    by its sender alone (its receiver counts it in ``received_bytes`` only), a collective whose
+    group spans nodes by every member, as the share a ring all-reduce sends from it (hops
+    inside a node included). So a node's number is what its ranks sent towards other nodes
+    (its NIC's egress, collectives counted at their ring share); a lost rank's bytes are
+    missing. The simulated NIC (``simulated_node_nic_bytes``) counts egress and ingress."""
+    node_of = ctx.topology.node_of if ctx.topology is not None else (0,) * ctx.world_size
+    nic = [0] * ctx.num_nodes
+    for rank, rep in reports.items():
+        nic[node_of[rank]] += int(rep.get("inter_node_bytes", 0))
+    return {"shard_nodes": list(node_of[: ctx.cfg.servers]), "node_nic_bytes": nic}
 
 
 def _staleness_distribution(servers: list[dict[str, Any]]) -> dict[str, Any]:

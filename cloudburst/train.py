@@ -218,7 +218,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     clock.start(start.elapsed_s)
     if start.resumed and evaluator:
         evaluator.restore_clock(start.elapsed_s)
-    if cfg.warm_start_steps and ctx.worker_index == 0 and not start.resumed:
+    if cfg.warm_start_steps and ctx.replica_index == 0 and not start.resumed:
         warm_start(ctx, metrics, clock, train_step)
     strategy.start()
     if evaluator:

@@ -20,6 +20,7 @@ import collections
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.p2p import CommStats, Header
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
+from cloudburst.runtime import ReplicaView
 from cloudburst.strategies import STRATEGY_CLASSES
 from cloudburst.strategies.asgd import AsgdStrategy
 from cloudburst.strategies.asgd.server import ServerLoop
@@ -180,8 +182,12 @@ class RecordingMetrics:
         self.records.append((event, fields))
 
 
+class FakeNamespace(ReplicaView, SimpleNamespace):
+    """A context stand-in of the fields a test gives, with Context's replica view."""
+
+
 @dataclass
-class FakeContext:
+class FakeContext(ReplicaView):
     """What a strategy or a server loop reads from :class:`cloudburst.runtime.Context`."""
 
     cfg: RunConfig

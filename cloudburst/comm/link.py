@@ -95,7 +95,8 @@ class LinkSpec:
 
 @dataclass(frozen=True)
 class Topology:
-    """``node_of[r]``: the node of global rank ``r``. Nodes hold contiguous ranks."""
+    """``node_of[r]``: the node of global rank ``r`` (:meth:`place`: where a job's shards and
+    workers run)."""
 
     node_of: tuple[int, ...]
 
@@ -105,6 +106,77 @@ class Topology:
         if not 1 <= nodes <= world_size:
             raise ValueError(f"cannot place {world_size} ranks on {nodes} nodes")
         return cls(tuple(r * nodes // world_size for r in range(world_size)))
+
+    @classmethod
+    def place(
+        cls,
+        workers: int,
+        servers: int,
+        nodes: int,
+        placement: str = "spread",
+        ranks_per_node: int | None = None,
+    ) -> Topology:
+        """Ranks ``0..servers-1`` (parameter-server shards) and ``servers..`` (workers) on
+        ``nodes`` nodes. Shards go where ``placement`` says: ``spread`` (shard k on node k mod
+        N), ``first`` (all on node 0), ``own`` (together on the last node, which has no
+        workers), or a comma list naming each shard's node. Workers fill the worker nodes
+        (every node, except under ``own``) in contiguous, near-equal blocks, or, on machines of
+        ``ranks_per_node`` ranks each (torchrun's), each node's places the shards left, in node
+        order. Raises ValueError (one line) for a placement that cannot be."""
+        if nodes < 1 or workers < 1:
+            raise ValueError(f"cannot place {workers} workers on {nodes} nodes")
+        placement = placement.strip()
+        if placement == "spread":
+            shard_nodes = [k % nodes for k in range(servers)]
+        elif placement == "first":
+            shard_nodes = [0] * servers
+        elif placement == "own":
+            if servers and nodes < 2:
+                raise ValueError("'own' needs 2 or more nodes (one of them the shards')")
+            shard_nodes = [nodes - 1] * servers
+        else:
+            try:
+                shard_nodes = [int(part) for part in placement.split(",")]
+            except ValueError:
+                raise ValueError(
+                    f"{placement!r} is not spread, first, own or a list of node numbers"
+                ) from None
+            if len(shard_nodes) != servers:
+                raise ValueError(
+                    f"{placement!r} names {len(shard_nodes)} node(s) for {servers} shard(s); "
+                    "give one node per shard"
+                )
+            bad = [n for n in shard_nodes if not 0 <= n < nodes]
+            if bad:
+                raise ValueError(
+                    f"{placement!r} names node {bad[0]}, which does not exist; "
+                    f"the job's nodes are 0..{nodes - 1}"
+                )
+        worker_nodes = nodes - 1 if placement == "own" and servers else nodes
+        if ranks_per_node is not None:
+            free = [ranks_per_node - shard_nodes.count(n) for n in range(worker_nodes)]
+            if (
+                min(free) < 0
+                or sum(free) != workers
+                or nodes * ranks_per_node != (workers + servers)
+            ):
+                counts = [shard_nodes.count(n) for n in range(nodes)]
+                raise ValueError(
+                    f"{placement!r} puts {','.join(map(str, counts))} shard(s) on nodes "
+                    f"0..{nodes - 1}, which leaves no place on nodes of {ranks_per_node} ranks "
+                    f"for exactly {workers} workers; change --shard-placement, --servers or "
+                    "--workers"
+                )
+            worker_node = [n for n in range(worker_nodes) for _ in range(free[n])]
+            return cls(tuple(shard_nodes + worker_node))
+        if workers < worker_nodes:
+            raise ValueError(f"{workers} workers cannot fill {worker_nodes} worker node(s)")
+        worker_node = [w * worker_nodes // workers for w in range(workers)]
+        return cls(tuple(shard_nodes + worker_node))
+
+    def shard_nodes(self, servers: int) -> list[int]:
+        """The node of each parameter-server shard (ranks ``0..servers-1``)."""
+        return list(self.node_of[:servers])
 
     @property
     def num_nodes(self) -> int:

@@ -129,6 +129,19 @@ class ClusterConfig:
         shown="torchrun's nodes, or 1",
         bounds=Bounds(1, MAX_WORKERS),
     )
+    replica: str = option(
+        "rank",
+        "what one replica of the relaxed strategy is: every worker rank, or every node's "
+        "workers (synchronous inside the node, the strategy between nodes; needs --nodes)",
+        choices=("rank", "node"),
+    )
+    shard_placement: str = option(
+        "spread",
+        "where the parameter-server shards run: shard k on node k mod N (spread), all on "
+        "node 0 (first), together on the last node with no workers (own), or one node per "
+        "shard (e.g. 0,0,1)",
+        metavar="spread|first|own|NODE,...",
+    )
     inter_node_link: str | None = option(
         None,
         "emulate a link of this speed between nodes (software delay; e.g. 1,1; 1 kbit/s to "
@@ -166,6 +179,7 @@ class ClusterConfig:
                 raise ConfigError(
                     f"nodes: {self.nodes} is more than the job's {self.world_size} ranks"
                 )
+        self._validate_replicas()
         if self.inter_node_link is not None:
             check_link("inter_node_link", self.inter_node_link)
         for s in self.stragglers:
@@ -187,6 +201,62 @@ class ClusterConfig:
                 f"use {', '.join(allowed)}"
             )
         self.strategy_spec.validate_compress(self, method)
+
+    @property
+    def replicas(self) -> int:
+        """How many replicas the strategy runs between: the workers, or the nodes (--replica
+        node)."""
+        if self.replica == "node" and self.nodes:
+            return min(self.worker_nodes, self.workers)
+        return self.workers
+
+    @property
+    def worker_nodes(self) -> int:
+        """The nodes that run workers: every node, less the shards' own under ``own``."""
+        nodes = self.nodes or 1
+        return nodes - 1 if self.shard_placement == "own" and self.servers and nodes > 1 else nodes
+
+    @property
+    def ranks_per_replica(self) -> int:
+        """Worker ranks in one replica (G): 1, or a node's workers."""
+        return self.workers // self.replicas if self.workers >= self.replicas else 1
+
+    def _validate_replicas(self) -> None:
+        _check_choice("replica", self.replica, ("rank", "node"))
+        if self.replica == "node":
+            spec = self.strategy_spec
+            if spec.node_replicas_refused:
+                raise ConfigError(
+                    f"replica: node is not allowed for strategy {self.strategy!r} "
+                    f"({spec.node_replicas_refused}); use --replica rank"
+                )
+            if not self.nodes or self.nodes < 2:
+                raise ConfigError(
+                    "replica: node needs --nodes N (N >= 2): each node's workers make one replica"
+                )
+            if spec.survives_worker_loss and getattr(self, "max_restarts", 0):
+                raise ConfigError(
+                    f"replica: node with --max-restarts {self.max_restarts} is not allowed for "
+                    f"strategy {self.strategy!r}: a restarted worker cannot rejoin its node's "
+                    "group; use --max-restarts 0 (resume the job with --resume OUT)"
+                )
+            nodes = self.worker_nodes
+            if self.workers % nodes:
+                raise ConfigError(
+                    f"replica: node needs the same number of workers on every node; "
+                    f"{self.workers} workers do not split evenly over {nodes} worker nodes"
+                )
+            if self.workers // nodes < 2:
+                raise ConfigError(
+                    f"replica: node with {self.workers} workers on {nodes} nodes puts one "
+                    "worker on each node, which is --replica rank; use more workers per node"
+                )
+        from cloudburst.comm.link import Topology
+
+        try:
+            Topology.place(self.workers, self.servers, self.nodes or 1, self.shard_placement)
+        except ValueError as e:
+            raise ConfigError(f"shard_placement: {e}") from None
 
 
 @dataclass

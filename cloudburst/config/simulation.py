@@ -28,6 +28,7 @@ from cloudburst.config.fields import (
 )
 
 JITTER_KINDS = ("lognormal", "pareto")
+NETWORK_MODELS = ("flat", "nccl")
 # A modelled step of up to a day, per sample up to an hour.
 STEP_TIME_S = Bounds(0.0, MAX_TIMEOUT_S, low_open=True)
 # lognormal's coefficient of variation, Pareto's shape: beyond these the noise is no longer a
@@ -50,6 +51,7 @@ class StandInProfile:
     batch_size: int
     device: str
     source: str
+    gpu: bool = True  # the device is a GPU (its collectives: NCCL's)
 
     def step_time_s(self, batch_size: int) -> float:
         return batch_size / self.samples_per_s
@@ -195,12 +197,13 @@ class SimulationConfig:
         shown="--inter-node-link's",
         bounds=LINK_GBIT_PER_S,
     )
-    network_model: str = option(
-        "flat",
+    network_model: str | None = option(
+        None,
         "collectives: flat (a ring on the slowest link spanned; sync's all-reduce after "
         "backward) or nccl (hierarchical with several ranks per node, ring/tree/halving-"
         "doubling by size, DDP's 25 MB buckets overlapped with backward)",
-        choices=("flat", "nccl"),
+        choices=NETWORK_MODELS,
+        shown="nccl where the run models GPUs (a GPU --profile, or --device cuda), else flat",
     )
     server_apply_gbyte_per_s: float = option(
         10.0,
@@ -251,7 +254,7 @@ class SimulationConfig:
             from cloudburst.config.components import check_link
 
             check_link("intra_node_link", self.intra_node_link)
-        if self.network_model not in ("flat", "nccl"):
+        if self.network_model is not None and self.network_model not in NETWORK_MODELS:
             raise ConfigError(
                 f"network_model: {self.network_model!r} is not allowed; choose flat or nccl"
             )
@@ -271,6 +274,19 @@ class SimulationConfig:
     @property
     def stand_in(self) -> StandInProfile | None:
         return None if self.profile is None else PROFILES[self.profile]
+
+    def network_model_for(self, device: str) -> tuple[str, str]:
+        """(the network model, why) for a run on ``device`` (its ``--device``): the flag, else
+        ``nccl`` where the run models GPUs (a GPU ``--profile``, or ``cuda``), else ``flat``
+        (the CPU emulation's collectives: gloo's ring)."""
+        if self.network_model is not None:
+            return self.network_model, "--network-model"
+        stand_in = self.stand_in
+        if stand_in is not None and stand_in.gpu:
+            return "nccl", f"the run models GPUs: --profile {stand_in.name}"
+        if device == "cuda":
+            return "nccl", "the run models GPUs: --device cuda"
+        return "flat", "the run models the CPU emulation"
 
     @property
     def stand_in_params(self) -> int | None:

@@ -45,6 +45,10 @@ class TimeBudget:
         self.ctx, self.strategy, self.evaluator = ctx, strategy, evaluator
         self.budget_s = float(ctx.cfg.max_train_time_s)
         self.lockstep = bool(strategy.lockstep) and ctx.num_workers > 1
+        # --replica node: a node's workers stop at the same step (their leader's clock), and
+        # a lockstep strategy's nodes too (worker 0's).
+        self.node = ctx.node_replica_group is not None and not self.lockstep
+        self.lockstep |= self.node
         self.next_check: int | None = None  # lockstep: the step of the next check
         self.last: tuple[int, float] | None = None  # lockstep: (step, clock) at the last one
         self.checks = 0
@@ -77,8 +81,13 @@ class TimeBudget:
     def _agreed_clock_s(self) -> float:
         """Worker 0's training clock, on every worker (the others add 0)."""
         ctx = self.ctx
-        mine = self.train_time_s() if ctx.worker_index == 0 else 0.0
         self.checks += 1
+        if self.node:
+            mine = self.train_time_s() if ctx.leads_replica else 0.0
+            t = torch.tensor([mine], dtype=torch.float64)
+            all_reduce_sum(t, ctx.node_replica_group, self.strategy.stats, comm=ctx.comm)
+            return float(t.item())
+        mine = self.train_time_s() if ctx.worker_index == 0 else 0.0
         if ctx.num_servers:  # a lockstep plug-in with servers: the workers' group
             t = torch.tensor([mine], dtype=torch.float64)
             all_reduce_sum(t, ctx.workers_group, self.strategy.stats, comm=ctx.comm)

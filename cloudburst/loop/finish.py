@@ -42,7 +42,7 @@ def finish_worker(
     the run's summary from the final global model."""
     wall_time_s = ctx.elapsed_s()
     averaged = None
-    if strategy.decentralised:
+    if strategy.decentralised and ctx.leads_replica:
         # Replicas differ at the end (gossip): report each one's accuracy, and make the final
         # model their average (a measurement collective, not counted as the strategy's traffic).
         report["replica_accuracy"], _ = evaluate_dataset(
@@ -52,7 +52,7 @@ def finish_worker(
         # Σ w_i θ_i / Σ w_i (every w_i = 1 otherwise).
         weight = float(strategy.report().get("push_sum_weight", 1.0))
         averaged = torch.cat([flatten_params(model) * weight, torch.tensor([weight])])
-        all_reduce_sum(averaged, ctx.workers_group, CommStats(), comm=ctx.comm)
+        all_reduce_sum(averaged, ctx.replica_group, CommStats(), comm=ctx.comm)
         averaged = averaged[:-1] / averaged[-1]
     if ctx.worker_index == 0 and ctx.num_servers and any(True for _ in model.buffers()):
         # The servers hold parameters only: the model's buffers (batch-norm statistics) that

@@ -20,6 +20,7 @@ hierarchical all-reduce, the algorithm chosen by size, and DDP's overlap with ba
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import statistics
 import time
@@ -80,6 +81,11 @@ class ClockModel:
             raise ValueError(f"actual_params: {actual_params} must be >= 1")
         if not step_time_s > 0:
             raise ValueError(f"step_time_s: {step_time_s} must be > 0")
+        # --network-model, else nccl where the run models GPUs, flat where the CPU emulation:
+        # resolved once here, so that the summary's settings say which the run used.
+        network_model, self.network_model_reason = sim.network_model_for(cfg.device)
+        if sim.network_model != network_model:
+            sim = dataclasses.replace(sim, network_model=network_model)
         self.sim, self.cfg = sim, cfg
         self.actual_params = actual_params
         self.step_time_s = float(step_time_s)

@@ -85,6 +85,9 @@ class SimNetwork:
         self._measure_reply: dict[int, set[int]] = {}  # task id -> peers owed a free reply
         self.messages = 0
         self.collectives = 0
+        # Bytes through each node's NIC, egress + ingress, on the modelled wire (a stand-in's
+        # payloads scaled): messages between nodes, and collectives whose group spans nodes.
+        self.node_nic_bytes = [0.0] * topology.num_nodes
 
     # ------------------------------------------------------------------ deaths
     def kill(self, rank: int) -> None:
@@ -163,6 +166,8 @@ class SimNetwork:
             return arrival
         out = ("out", self.topology.node_of[src])
         into = ("in", self.topology.node_of[dst])
+        self.node_nic_bytes[out[1]] += nbytes
+        self.node_nic_bytes[into[1]] += nbytes
         start = max(now, self.link_free.get(out, 0.0))
         nic_send = getattr(self.clock, "nic_send", None)
         if nic_send is None:  # a clock without a NIC model (a test's): the sender's queue only
@@ -260,6 +265,7 @@ class SimNetwork:
                 cost = self.clock.group_allreduce_s(nbytes, per_node)
             else:  # a clock without the group model (a test's): the flat ring
                 cost = self.clock.allreduce_s(nbytes, group.size, spans)
+            self._count_ring(members, spans, 2 * (group.size - 1) / group.size * nbytes)
         elif op.kind == "all_gather":
             output = torch.cat([op.arrivals[r][1][0].reshape(-1) for r in members])
             for r in members:
@@ -270,6 +276,7 @@ class SimNetwork:
             piece = op.arrivals[members[0]][1][0]
             nbytes = self.clock.wire_bytes(piece.numel() * piece.element_size(), True)
             cost = self.clock.allreduce_s(nbytes * group.size / 2, group.size, spans)
+            self._count_ring(members, spans, (group.size - 1) * nbytes)
         elif op.kind == "all_to_all":
             cost = self._all_to_all(members, op, spans)
         elif op.kind == "broadcast":
@@ -278,6 +285,7 @@ class SimNetwork:
                 if r != op.src:
                     op.arrivals[r][1].copy_(source)
             cost = self.clock.broadcast_s(self._wire(source), group.size, spans)
+            self._count_chain(members, op.src, spans, self._wire(source))
         else:  # barrier
             cost = self.clock.allreduce_s(0, group.size, spans)
         op.end = start + cost
@@ -287,6 +295,27 @@ class SimNetwork:
         for t in op.waiters:
             self.sched.wake(t, op.end)
         del group.ops[index]
+
+    def _count_ring(self, members: list[int], spans: bool, per_link: float) -> None:
+        """A ring over ``members`` with each node's members adjacent (as
+        :class:`~cloudburst.comm.link.LinkEmulator` charges it): when it spans nodes, every
+        node's NIC carries the ring's ``per_link`` bytes out and as many in."""
+        if spans:
+            for node in {self.topology.node_of[r] for r in members}:
+                self.node_nic_bytes[node] += 2 * per_link
+
+    def _count_chain(self, members: list[int], src: int, spans: bool, nbytes: float) -> None:
+        """A broadcast as a chain of the nodes from the source's (NCCL's pipelined
+        broadcast): every node but the last sends ``nbytes``, every node but the source's
+        receives them."""
+        if not spans:
+            return
+        first = self.topology.node_of[src]
+        others = sorted({self.topology.node_of[r] for r in members} - {first})
+        for node in [first, *others][:-1]:
+            self.node_nic_bytes[node] += nbytes
+        for node in others:
+            self.node_nic_bytes[node] += nbytes
 
     def _all_to_all(self, members: list[int], op: _Collective, spans: bool) -> float:
         """Deliver an all-to-all (member s's piece i to member i's piece s) and return its
@@ -311,6 +340,14 @@ class SimNetwork:
             output.view(-1).copy_(flat[index])
         element = args[0][0].element_size()
         sent = (splits.sum(1) - splits.diagonal()).tolist()
+        if spans:  # each piece between nodes: out of its sender's NIC, into its receiver's
+            node = [self.topology.node_of[r] for r in members]
+            for s, row in enumerate(splits.tolist()):
+                for i, n in enumerate(row):
+                    if n and node[s] != node[i]:
+                        nbytes = self._wire_n(n * element, args[s][0])
+                        self.node_nic_bytes[node[s]] += nbytes
+                        self.node_nic_bytes[node[i]] += nbytes
         busiest = max(self._wire_n(n * element, args[k][0]) for k, n in enumerate(sent))
         return self.clock.all_to_all_s(busiest, len(members), spans)
 

@@ -53,11 +53,28 @@ class VirtualCluster:
 
         self.cfg, self.clock = cfg, clock
         self.world = cfg.world_size
-        self.topology = Topology.contiguous(self.world, cfg.nodes or 1)
+        # Shards where --shard-placement puts them, workers in blocks (as a real run).
+        self.topology = Topology.place(
+            cfg.workers, cfg.servers, cfg.nodes or 1, cfg.shard_placement
+        )
         self.sched = Scheduler()
         self.net = SimNetwork(self.sched, clock, self.topology, cfg.comm_timeout_s)
         self.store = SimStore(self.net)
         self._faults = parse_faults(cfg.inject_fault, cfg.servers, self.world)
+
+    def describe(self) -> str:
+        """One line for the run's start: its nodes, where its shards are, its network model
+        and why (``"4 node(s); shards on nodes 0,1,2,3 (spread); network model nccl (the run
+        models GPUs: --device cuda)"``)."""
+        from cloudburst.runtime import shards_line
+
+        cfg, clock = self.cfg, self.clock
+        line = f"{self.topology.num_nodes} node(s)"
+        line += shards_line(self.topology, cfg.servers, cfg.shard_placement)
+        model = getattr(getattr(clock, "sim", None), "network_model", None)
+        if model is not None:
+            line += f"; network model {model} ({getattr(clock, 'network_model_reason', '')})"
+        return line
 
     def context(self, rank: int) -> Context:
         """Rank ``rank``'s Context, its groups made as a real rank makes them (through its
@@ -131,6 +148,7 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     step_time_s, source = resolve_step_time(sim, cfg, calibrate_step_time)
     clock = ClockModel(sim, cfg, actual_params, step_time_s, source)
     cluster = VirtualCluster(cfg, clock)
+    log.info("virtual cluster: %s", cluster.describe())
 
     def rank_main(rank: int) -> None:
         ctx = cluster.context(rank)
@@ -163,6 +181,8 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     summary["simulated"] = True
     summary["time_unit"] = "virtual seconds"
     summary["clock_model"] = clock.describe()
+    # Each node NIC's bytes, egress + ingress, on the modelled wire (SimNetwork.node_nic_bytes).
+    summary["simulated_node_nic_bytes"] = [round(b) for b in net.node_nic_bytes]
     summary["simulator"] = {
         "wall_s": round(wall_s, 3),
         "tasks": len(sched.tasks),

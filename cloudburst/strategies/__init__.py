@@ -62,7 +62,14 @@ def register_strategy(cls: type) -> type:
 
 
 def make_strategy(ctx) -> Any:
-    return strategy_spec(ctx.cfg.strategy).worker_class()(ctx)
+    """This worker's strategy; with ``--replica node``, wrapped as its node's replica
+    (:mod:`cloudburst.strategies.replica`: only a node's leader runs the strategy itself)."""
+    worker = strategy_spec(ctx.cfg.strategy).worker_class()
+    if ctx.replica_leaders is None:
+        return worker(ctx)
+    from cloudburst.strategies.replica import NodeReplica
+
+    return NodeReplica(ctx, worker(ctx) if ctx.leads_replica else None)
 
 
 class _WorkerClasses(Mapping):

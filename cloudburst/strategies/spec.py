@@ -50,6 +50,9 @@ class StrategySpec:
     #: node, one per local rank across the nodes: DASO), "gossip_pair" (two gloo groups of the
     #: workers: gossip's requests and replies).
     process_groups: ClassVar[tuple[str, ...]] = ()
+    #: Why ``--replica node`` means nothing for it ("" when a node's workers can be one
+    #: replica: the strategy then runs between the nodes, synchronous inside each).
+    node_replicas_refused: ClassVar[str] = ""
 
     @classmethod
     def worker_class(cls) -> type:

@@ -211,9 +211,14 @@ def _replicas(workers: int, model: str) -> tuple[list[nn.Module], list[torch.opt
 
 
 def _local_steps(replicas, opts, data, step: int, nan: set[tuple[int, int]]) -> None:
-    for w, (r, opt, s) in enumerate(zip(replicas, opts, data, strict=True)):
+    """Each replica's step on its own batch; a node replica (``data`` holds G streams per
+    replica: the node's workers, in rank order) on its G workers' batches together."""
+    per = len(data) // len(replicas)
+    for w, (r, opt) in enumerate(zip(replicas, opts, strict=True)):
+        batches = [next(s) for s in data[w * per : (w + 1) * per]]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         opt.zero_grad()
-        _loss(r, next(s)).backward()
+        _loss(r, (x, y)).backward()
         if (w, step) not in nan:
             opt.step()
 
@@ -229,12 +234,15 @@ def local_sgd(
     warmup_steps: int = 0,
     model: str = "cnn",
     nan: Iterable[tuple[int, int]] = (),
+    ranks_per_replica: int = 1,
 ) -> tuple[nn.Module, int]:
     """Post-local SGD: every replica steps on its own batch; the replicas are averaged after
     every step of the warm-up, then every ``period`` steps, and once more at the end if the
-    last step was not an averaging one. Returns (worker 0's replica, number of averages)."""
+    last step was not an averaging one. ``workers`` replicas of ``ranks_per_replica`` workers
+    each (a node replica: the node's batches together). Returns (worker 0's replica, number
+    of averages)."""
     replicas, opts = _replicas(workers, model)
-    data, nan, averages = streams(workers), set(nan), 0
+    data, nan, averages = streams(workers * ranks_per_replica), set(nan), 0
 
     def due(step: int) -> bool:
         return step <= warmup_steps or step % period == 0
@@ -262,13 +270,15 @@ def diloco(
     outer_momentum: float,
     nesterov: bool,
     model: str = "cnn",
+    ranks_per_replica: int = 1,
 ) -> tuple[nn.Module, int]:
     """DiLoCo: every ``period`` steps (and at the end) the outer optimizer (SGD with
     momentum, Nesterov or not) steps θ_global with the pseudo-gradient θ_global − mean of the
-    replicas; every replica restarts from θ_global. Returns (θ_global as a model, outer
-    steps)."""
+    replicas; every replica restarts from θ_global. ``workers`` replicas of
+    ``ranks_per_replica`` workers each, as for :func:`local_sgd`. Returns (θ_global as a
+    model, outer steps)."""
     replicas, opts = _replicas(workers, model)
-    data = streams(workers)
+    data = streams(workers * ranks_per_replica)
     theta = nn.Parameter(_flat(replicas[0]).clone())
     outer = torch.optim.SGD(
         [theta], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0

@@ -22,6 +22,7 @@ from cloudburst.data import BatchStream, synthetic
 from cloudburst.models import build_model
 from cloudburst.strategies.asgd import AsgdStrategy
 from cloudburst.strategies.asgd.server import ServerLoop
+from tests.fakes import FakeNamespace
 
 WORKER = 1  # the worker's rank; shards are ranks 0..S-1
 
@@ -110,7 +111,7 @@ class _WorkerSide:
 
 
 def make_worker(cfg: RunConfig, model: nn.Module) -> tuple[AsgdStrategy, list[ServerLoop]]:
-    ctx = SimpleNamespace(
+    ctx = FakeNamespace(
         comm=REAL,
         cfg=cfg,
         rank=WORKER,
@@ -125,7 +126,7 @@ def make_worker(cfg: RunConfig, model: nn.Module) -> tuple[AsgdStrategy, list[Se
     theta = flatten_params(model)
     loops = []
     for k in range(cfg.servers):
-        server_ctx = SimpleNamespace(**{**vars(ctx), "rank": k, "server_index": k})
+        server_ctx = FakeNamespace(**{**vars(ctx), "rank": k, "server_index": k})
         loops.append(
             ServerLoop(server_ctx, theta, SimpleNamespace(log=lambda *a, **kw: None), None)
         )

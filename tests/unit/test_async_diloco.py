@@ -32,6 +32,7 @@ from tests.dist.simulate import (
     diloco,
     trained,
 )
+from tests.fakes import FakeNamespace
 from tests.helpers import final_record, rank_events
 
 
@@ -101,7 +102,12 @@ class _Store:
 
 def _reader(store, clock, me=0, workers=3, period=8, speed=2.0):
     """Worker ``me``'s DyLU state, enough for _next_inner_steps (its own speed ``speed``)."""
-    ctx = SimpleNamespace(store=store, worker_index=me, comm=SimpleNamespace(now=lambda: clock[0]))
+    ctx = FakeNamespace(
+        store=store,
+        worker_index=me,
+        worker_ranks=list(range(workers)),
+        comm=SimpleNamespace(now=lambda: clock[0]),
+    )
     return SimpleNamespace(
         ctx=ctx, cfg=SimpleNamespace(period=period, workers=workers), inner_steps=period,
         _published=0, _seen={}, measured_speed=lambda: speed,

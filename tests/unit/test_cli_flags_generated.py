@@ -96,12 +96,14 @@ USAGE = [
     "--overwrite",
     "--period PERIOD",
     "--push-log-every PUSH_LOG_EVERY",
+    "--replica {rank,node}",
     "--resume DIR",
     "--seed SEED",
     "--server-lr SERVER_LR",
     "--server-momentum SERVER_MOMENTUM",
     "--server-rule {add,sgd,adagrad}",
     "--servers SERVERS",
+    "--shard-placement spread|first|own|NODE,...",
     "--shard-standby",
     "--staleness-compensation {none,scale,dc,dc-adaptive,gap,delay-adaptive}",
     "--staleness-scaling",
@@ -125,7 +127,8 @@ USAGE = [
 FULL = """
 --strategy easgd --workers 4 --servers 2 --n-sync 3 --n-fetch 2 --server-rule sgd
 --server-lr 0.3 --server-momentum 0.5 --max-staleness 7 --staleness-scaling --warm-start-steps 5
---nodes 2 --inter-node-link 1,2 --period 6 --local-sgd-warmup-steps 3 --diloco-outer-lr 0.4
+--nodes 2 --shard-placement 1,0 --inter-node-link 1,2 --period 6 --local-sgd-warmup-steps 3
+--diloco-outer-lr 0.4
 --diloco-outer-momentum 0.8 --diloco-no-nesterov --easgd-tau 4 --easgd-alpha 0.2 --easgd-beta 0.7
 --gossip-variant push --gossip-schedule ring --gossip-every 2 --gossip-push-sum
 --gossip-no-full-step --consensus-every-steps 20 --daso-global-skip 6 --daso-batches-to-wait 2
@@ -199,6 +202,8 @@ FULL_DICT = {
     "init_from": None,
     "inject_fault": ["kill:3@10", "slow:2:2.0"],
     "inter_node_link": "1,2",
+    "replica": "rank",
+    "shard_placement": "1,0",
     "local_sgd_warmup_steps": 3,
     "log_every_steps": 5,
     "lr": 0.01,
@@ -300,6 +305,8 @@ DEFAULTS_DICT = {
     "init_from": None,
     "inject_fault": [],
     "inter_node_link": None,
+    "replica": "rank",
+    "shard_placement": "spread",
     "local_sgd_warmup_steps": 0,
     "log_every_steps": 10,
     "lr": 0.1,

@@ -5,7 +5,6 @@ spent on its evaluations during training, wherever that worker's report comes fr
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from cloudburst.data import synthetic
 from cloudburst.metrics import MetricsWriter, read_jsonl
 from cloudburst.models import build_model
 from cloudburst.summary import finalize_run
+from tests.fakes import FakeNamespace
 
 pytestmark = pytest.mark.unit
 
@@ -54,11 +54,12 @@ def final_record(tmp_path, own_report: dict, others: dict[int, dict], servers: i
     store = dist.HashStore()
     for rank, report in others.items():
         store.set(f"stats/{rank}", json.dumps(report))
-    ctx = SimpleNamespace(
+    ctx = FakeNamespace(
         cfg=cfg,
         is_server=bool(servers),
         store=store,
         world_size=2 + servers,
+        topology=None,
         device=torch.device("cpu"),
         comm=TickingClock(),
         backend="gloo",

@@ -24,6 +24,7 @@ from cloudburst.comm.link import LinkEmulator, LinkSpec, Topology
 from cloudburst.config import RunConfig
 from cloudburst.sim.run import run_ranks
 from cloudburst.strategies.gossip import GossipStrategy, PeerSchedule, pull_average
+from tests.fakes import FakeNamespace
 
 W = 4
 ME = 1  # the driven worker's index (no servers: also its rank)
@@ -117,7 +118,7 @@ class _FakeTransport:
 def _ctx(spans: bool = True, **overrides) -> SimpleNamespace:
     cfg = RunConfig(strategy="gossip", workers=W, dataset="synthetic", out="unused")
     cfg = dataclasses.replace(cfg, **{"consensus_every_steps": 1000, **overrides})
-    return SimpleNamespace(
+    return FakeNamespace(
         cfg=cfg,
         rank=ME,
         worker_index=ME,

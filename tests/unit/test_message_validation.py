@@ -36,6 +36,7 @@ from cloudburst.comm.p2p import (
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
 from cloudburst.strategies.asgd.server import MAX_PUSH_SAMPLES, ServerLoop, request_problem
+from tests.fakes import FakeNamespace
 
 NUMEL = 6
 
@@ -237,7 +238,7 @@ def _server(script: _Script, workers: int = 2, **cfg) -> tuple[ServerLoop, _Metr
     config = RunConfig(
         strategy="asgd", workers=workers, servers=1, dataset="synthetic", server_lr=1.0, **cfg
     )
-    ctx = SimpleNamespace(
+    ctx = FakeNamespace(
         comm=REAL,
         cfg=config,
         rank=0,

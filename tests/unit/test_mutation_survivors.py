@@ -46,6 +46,7 @@ from cloudburst.comm.link import EmulatedWork, LinkEmulator, LinkSpec, Topology
 from cloudburst.comm.p2p import Header, Kind, Status
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
+from cloudburst.runtime import ReplicaView
 from cloudburst.strategies.asgd.server import MAX_PUSH_SAMPLES, request_problem
 from cloudburst.strategies.asgd.shard import (
     PushResult,
@@ -101,7 +102,7 @@ class _Done:
 
 
 @dataclass
-class _Ctx:
+class _Ctx(ReplicaView):
     """What a local SGD strategy reads from the runtime context; ``workers_group`` is the
     worker's index, so that the fake group knows who contributes."""
 
@@ -110,6 +111,7 @@ class _Ctx:
     topology: Topology | None = None
     link: Any = None
     comm: Any = REAL
+    num_servers: int = 0
 
     @property
     def workers_group(self) -> int:

@@ -213,9 +213,12 @@ def test_network_model_is_checked_and_described():
         SimulationConfig(network_model="ncl")
     with pytest.raises(ConfigError, match="nic_ingress_gbit_per_s"):
         SimulationConfig(nic_ingress_gbit_per_s=0.0)
-    assert SimulationConfig().network_model == "flat"
-    sim = SimulationConfig(network_model="nccl", nic_ingress_gbit_per_s=4.0)
+    # No flag: chosen by what the run models (flat for the CPU emulation; tests/unit/
+    # test_placement.py has the GPU cases).
+    assert SimulationConfig().network_model is None
     cfg = RunConfig.from_dict({"out": "unused", "inter_node_link": "8,2"})
+    assert ClockModel(SimulationConfig(), cfg, 1, 0.1).describe()["network_model"] == "flat"
+    sim = SimulationConfig(network_model="nccl", nic_ingress_gbit_per_s=4.0)
     d = ClockModel(sim, cfg, 1, 0.1).describe()
     assert (d["network_model"], d["nic_ingress_gbit_per_s"]) == ("nccl", 4.0)
 

@@ -24,6 +24,7 @@ from cloudburst.strategies.diloco import DilocoStrategy
 from cloudburst.strategies.local_sgd import LocalSgdStrategy
 from cloudburst.strategies.sync import SyncStrategy
 from tests import reference as ref
+from tests.fakes import FakeNamespace
 from tests.unit.test_compress import _Comm, _Group
 
 BATCH = 8
@@ -34,7 +35,7 @@ def _cfg(strategy: str, workers: int, **kw) -> RunConfig:
 
 
 def _ctx(cfg: RunConfig, worker: int, comm) -> SimpleNamespace:
-    return SimpleNamespace(
+    return FakeNamespace(
         cfg=cfg,
         worker_index=worker,
         workers_group=None,

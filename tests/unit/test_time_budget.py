@@ -15,6 +15,7 @@ from cloudburst.config import ConfigError, RunConfig, Straggler
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.loop.budget import MAX_CHECK_INTERVAL, TimeBudget
 from cloudburst.sim.run import simulate
+from tests.fakes import FakeNamespace
 
 STEP_S = 0.01  # the modelled step time of the simulated runs
 
@@ -54,7 +55,7 @@ class _FakeComm:
 
 def _lockstep_budget(budget_s: float, clock):
     comm = _FakeComm()
-    ctx = SimpleNamespace(
+    ctx = FakeNamespace(
         cfg=SimpleNamespace(max_train_time_s=budget_s),
         comm=comm,
         num_workers=2,

@@ -21,12 +21,13 @@ class Asgd(StrategySpec):
 
     @classmethod
     def warnings(cls, cfg: Any) -> list[str]:
-        if cfg.server_rule == "add" and cfg.workers >= 2 and cfg.server_lr * cfg.workers > 1.5:
+        n, who = cfg.replicas, "node replicas" if cfg.replica == "node" else "workers"
+        if cfg.server_rule == "add" and n >= 2 and cfg.server_lr * n > 1.5:
             return [
-                f"asgd: server lr λ = {cfg.server_lr:g} with {cfg.workers} workers adds up "
-                f"their pushes ({cfg.server_lr * cfg.workers:g}x one worker's step) and "
+                f"asgd: server lr λ = {cfg.server_lr:g} with {n} {who} adds up "
+                f"their pushes ({cfg.server_lr * n:g}x one worker's step) and "
                 f"diverged in our measurements (benchmarks/results/defaults.md); the default "
-                f"λ = 1/W = {1 / cfg.workers:g} averages them"
+                f"λ = 1/W = {1 / n:g} averages them"
             ]
         return []
 

@@ -139,7 +139,7 @@ class ServerLoop:
         self._recv_buf = torch.empty(self.shard.theta.numel())
         self.awaiting_init = cfg.warm_start_steps > 0
         # Worker 0 trains alone, then seeds every shard with INIT (cloudburst.train).
-        self.warm_start_rank = ctx.worker_ranks[0] if ctx.worker_ranks else None
+        self.warm_start_rank = ctx.replica_ranks[0] if ctx.replica_ranks else None
         # Guarded by the serving's lock once serving tasks run, as the workers' standing is.
         self.deferred_fetches: list[int] = []
         self.done: set[int] = set()  # workers that sent DONE
@@ -375,7 +375,7 @@ class ServerLoop:
             self.deferred_fetches.clear()
         elif h.kind in (Kind.DONE, Kind.PING):
             self.done.add(src)
-            training = set(self.ctx.worker_ranks) - self.done - self.lost
+            training = set(self.ctx.replica_ranks) - self.done - self.lost
             if training:
                 newly_lost = self.serving.liveness.dead(training)
                 for r in sorted(newly_lost):
@@ -627,7 +627,7 @@ class Standby:
             return
         ctx = dataclasses.replace(loop.ctx, rank=p, shard_incarnation=1)
         liveness = ctx.comm.liveness_monitor(
-            ctx.store, ctx.worker_ranks, loop.cfg.heartbeat_timeout_s
+            ctx.store, ctx.replica_ranks, loop.cfg.heartbeat_timeout_s
         )
         promoted = ServerLoop(ctx, loop.theta0, loop.metrics, liveness)
         promoted.shard, promoted.awaiting_init = self.replica, False
@@ -697,7 +697,7 @@ def serve_shard(ctx, theta0: torch.Tensor, metrics) -> ServerLoop:
     from cloudburst.runtime import restart_count
 
     cfg = ctx.cfg
-    liveness = ctx.comm.liveness_monitor(ctx.store, ctx.worker_ranks, cfg.heartbeat_timeout_s)
+    liveness = ctx.comm.liveness_monitor(ctx.store, ctx.replica_ranks, cfg.heartbeat_timeout_s)
     loop = ServerLoop(ctx, theta0, metrics, liveness)
     elapsed_s = 0.0
     path = shard_checkpoint_path(cfg.out, ctx.server_index)

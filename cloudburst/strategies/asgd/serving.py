@@ -66,7 +66,7 @@ class RequestServing:
         self.transport, self.incarnation = transport, incarnation
         self._handle, self._on_lost, self._on_admit = handle, on_lost, on_admit
         self._on_reconnect, self._version = on_reconnect, version
-        self.workers = set(ctx.worker_ranks)
+        self.workers = set(ctx.replica_ranks)
         self.finished: set[int] = set()  # workers told FINISHED (they exit)
         self.lost: set[int] = set()  # dropped workers too
         self.rejoined: set[int] = set()  # workers that rejoined after a restart

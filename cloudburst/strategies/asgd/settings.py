@@ -134,10 +134,8 @@ class AsgdConfig:
         elif self.staleness_compensation == "scale":
             self.staleness_scaling = True
         if self.server_lr is None:
-            # docs/algorithms.md#asgd: the W workers' pushes are averaged (λ = 1/W), not summed.
-            self.server_lr = (
-                1.0 / self.workers if isinstance(self.workers, int) and (self.workers > 0) else 1.0
-            )
+            # docs/algorithms.md#asgd: the W replicas' pushes are averaged (λ = 1/W), not summed.
+            self.server_lr = 1.0 / self._replicas()
 
     @property
     def dc_lambda_value(self) -> float:
@@ -149,7 +147,7 @@ class AsgdConfig:
     def delay_threshold_value(self) -> int:
         if self.delay_threshold is not None:
             return self.delay_threshold
-        return self.workers if isinstance(self.workers, int) and self.workers > 0 else 1
+        return self._replicas()
 
     @property
     def compensation_window_value(self) -> int:
@@ -157,7 +155,12 @@ class AsgdConfig:
             return self.compensation_window
         if self.max_staleness is not None:
             return self.max_staleness + 1
-        return 4 * max(1, self.workers if isinstance(self.workers, int) else 1)
+        return 4 * self._replicas()
+
+    def _replicas(self) -> int:
+        """W of the rules' defaults: the replicas that push (workers, or nodes)."""
+        ok = isinstance(self.workers, int) and self.workers > 0
+        return max(1, getattr(self, "replicas", self.workers)) if ok else 1
 
     def _validate_asgd(self) -> None:
         _check_int("n_fetch", self.n_fetch, 1)

@@ -153,7 +153,7 @@ class AsgdStrategy(Asgd, Strategy):
         self._heartbeat = getattr(self.ctx, "heartbeat", None) or self.ctx.comm.heartbeat(
             self.ctx.store, self.ctx.rank, heartbeat_interval_s(self.cfg.heartbeat_timeout_s)
         )
-        if self.cfg.warm_start_steps and self.ctx.worker_index == 0 and not self._seeded():
+        if self.cfg.warm_start_steps and self.ctx.replica_index == 0 and not self._seeded():
             # The warm-start worker trained alone; its θ becomes every shard's starting point.
             flat = flatten_params(self.model).cpu()
             if not bool(torch.isfinite(flat).all()):

@@ -41,7 +41,8 @@ class AsyncDilocoConfig:
     def dn_period_value(self) -> int:
         if self.dn_period is not None:
             return self.dn_period
-        return self.workers if isinstance(self.workers, int) and self.workers > 0 else 1
+        ok = isinstance(self.workers, int) and self.workers > 0
+        return max(1, getattr(self, "replicas", self.workers)) if ok else 1
 
     def _validate_async_diloco(self) -> None:
         if self.strategy != "async_diloco":

@@ -123,10 +123,10 @@ class AsyncDilocoStrategy(AsyncDiloco, AsgdStrategy):
         mine = self.measured_speed()
         if mine is None:
             return self.inner_steps
-        store, me, now = self.ctx.store, self.ctx.worker_index, self.ctx.comm.now()
+        store, me, now = self.ctx.store, self.ctx.replica_index, self.ctx.comm.now()
         self._published += 1
         store.set(SPEED_KEY.format(me), f"{mine!r} {self._published}")
-        for w in range(self.cfg.workers):
+        for w in range(self.ctx.num_replicas):
             key = SPEED_KEY.format(w)
             if w != me and store.check([key]):
                 raw = bytes(store.get(key)).decode()

@@ -16,6 +16,7 @@ class Daso(StrategySpec):
     compression = ("none", "bf16", "fp8", "int8")
     lockstep = True
     process_groups = ("node_and_across",)
+    node_replicas_refused = "DASO is already synchronous inside a node, with its own schedule"
 
     @classmethod
     def validate_compress(cls, cfg: Any, method: str) -> None:

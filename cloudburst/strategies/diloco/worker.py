@@ -115,7 +115,7 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
         flight = self.in_flight.pop(k)
         flight.pending.wait()
         theta = self.global_thetas[k]
-        mean = flight.buffer.div_(self.cfg.workers)
+        mean = flight.buffer.div_(self.ctx.num_replicas)
         # Pseudo-gradient: how far the replicas moved away from θ_global, on average.
         theta.grad = mean if self.compression.active else theta.detach() - mean
         self.outers[k].step()

@@ -24,8 +24,10 @@ class EasgdConfig:
 
     @property
     def easgd_alpha_value(self) -> float:
-        """α of EASGD: as given, else β / W."""
-        return self.easgd_alpha if self.easgd_alpha is not None else self.easgd_beta / self.workers
+        """α of EASGD: as given, else β / W (W: the replicas, workers or nodes)."""
+        if self.easgd_alpha is not None:
+            return self.easgd_alpha
+        return self.easgd_beta / getattr(self, "replicas", self.workers)
 
     def _validate_easgd(self) -> None:
         """Its ranges only (the fields' bounds)."""

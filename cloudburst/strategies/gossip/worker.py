@@ -159,7 +159,7 @@ class GossipStrategy(Gossip, Strategy):
     def __init__(self, ctx):
         super().__init__(ctx)
         cfg = ctx.cfg
-        self.graph = PeerSchedule(cfg.gossip_schedule, cfg.workers, cfg.seed)
+        self.graph = PeerSchedule(cfg.gossip_schedule, ctx.num_replicas, cfg.seed)
         self.variant = cfg.gossip_variant
         self.push_sum = cfg.gossip_push_sum
         # Average the replicas as published (step boundaries), the local step kept in full.
@@ -197,17 +197,17 @@ class GossipStrategy(Gossip, Strategy):
             ctx.gossip_request_group,
             ctx.gossip_reply_group,
             rank,
-            [r for r in ctx.worker_ranks if r != rank],
+            [r for r in ctx.replica_ranks if r != rank],
             numel,
             self.stats,
-            worker_of=lambda r: r - ctx.num_servers,
+            worker_of=ctx.replica_of,
             timeout_s=self.cfg.comm_timeout_s,
             link=ctx.link,
             crosses=(lambda peer: topo.crosses(rank, peer)) if topo is not None else None,
             wire=ctx.comm,
             compress=self.message_method(self.cfg.compress),
         )
-        self.spans_nodes = topo is not None and topo.spans_nodes(ctx.worker_ranks)
+        self.spans_nodes = topo is not None and topo.spans_nodes(ctx.replica_ranks)
         return model
 
     def start(self) -> None:
@@ -221,7 +221,7 @@ class GossipStrategy(Gossip, Strategy):
         flat = flatten_params(self.model, out=self._flat)
         changed = self._fold_mailbox(flat)
         if self.local_steps % self.cfg.gossip_every == 0:
-            peer = self.graph.peer(self.ctx.worker_index, self.rounds)
+            peer = self.graph.peer(self.ctx.replica_index, self.rounds)
             self.rounds += 1
             self.last_peer = peer
             if self.variant == "pull":
@@ -245,7 +245,7 @@ class GossipStrategy(Gossip, Strategy):
             self._published.copy_(flat)
 
     def _peer_rank(self, worker: int) -> int:
-        return self.ctx.num_servers + worker
+        return self.ctx.replica_ranks[worker]
 
     def _pull(self, flat: torch.Tensor, peer: int) -> bool:
         """Average ``peer``'s θ into ``flat``; False (nothing changed) when its reply was
@@ -285,14 +285,14 @@ class GossipStrategy(Gossip, Strategy):
         """mean_i ‖θ_i − θ̄‖ over the workers: two all-reduces (θ̄, then the distances), in
         ``measure_stats``. Every worker must call it at the same point (the loop's steps)."""
         flat = flatten_params(self.model, out=self._flat)
-        group, link, comm = self.ctx.workers_group, self.ctx.link, self.ctx.comm
+        group, link, comm = self.ctx.replica_group, self.ctx.link, self.ctx.comm
         spans = self.spans_nodes
         mean = flat.clone()
         all_reduce_sum(mean, group, self.measure_stats, link=link, spans_nodes=spans, comm=comm)
-        mean.div_(self.cfg.workers)
+        mean.div_(self.ctx.num_replicas)
         distance = torch.linalg.vector_norm(flat.double() - mean.double()).reshape(1)
         all_reduce_sum(distance, group, self.measure_stats, link=link, spans_nodes=spans, comm=comm)
-        return distance.item() / self.cfg.workers
+        return distance.item() / self.ctx.num_replicas
 
     def step_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"peer": self.last_peer}
@@ -317,7 +317,7 @@ class GossipStrategy(Gossip, Strategy):
             assign_flat(self.model, flat)
         self._publish(flat)
         self.final_consensus_distance = self.consensus_distance()
-        if self.ctx.worker_index == 0:
+        if self.ctx.replica_index == 0:
             log.info("gossip: final consensus distance %.3g", self.final_consensus_distance)
 
     def state_dict(self) -> dict[str, Any]:

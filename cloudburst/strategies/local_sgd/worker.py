@@ -64,7 +64,7 @@ class LocalSgdStrategy(LocalSgd, Strategy):
         self._flat = flatten_params(self._params)
         self.averages = 0
         topo = self.ctx.topology
-        self.spans_nodes = topo is not None and topo.spans_nodes(self.ctx.worker_ranks)
+        self.spans_nodes = topo is not None and topo.spans_nodes(self.ctx.replica_ranks)
         self.compression = Compression.parse(getattr(self.cfg, "compress", "none"))
         self.feedback = ErrorFeedback()
         # Compressed averages send the drift from θ_reference, the last average (identical on
@@ -85,7 +85,7 @@ class LocalSgdStrategy(LocalSgd, Strategy):
 
     def after_step(self, samples: int) -> None:
         self.local_steps += 1
-        if (self.cfg.workers > 1 or not self.needs_peers) and self._due(self.local_steps):
+        if (self.ctx.num_replicas > 1 or not self.needs_peers) and self._due(self.local_steps):
             self._synchronise()
 
     def _reduce(self, flat: torch.Tensor, key: str, async_op: bool = False) -> Pending:
@@ -98,14 +98,14 @@ class LocalSgdStrategy(LocalSgd, Strategy):
         if self.compression.active:
             return compressed_all_reduce_sum(
                 flat,
-                self.ctx.workers_group,
+                self.ctx.replica_group,
                 self.stats,
                 self.compression.method,
                 feedback=self.feedback if self.compression.quantised else None,
                 key=key,
                 **kw,
             )
-        return all_reduce_sum(flat, self.ctx.workers_group, self.stats, **kw)
+        return all_reduce_sum(flat, self.ctx.replica_group, self.stats, **kw)
 
     def _average(self, fresh: bool = False) -> torch.Tensor:
         """The average of the replicas' parameters (in ``self._flat``, or a new vector)."""
@@ -113,12 +113,12 @@ class LocalSgdStrategy(LocalSgd, Strategy):
             drift = self._reference - flatten_params(self._params)
             self._reduce(drift, "theta")
             self.averages += 1
-            self._reference -= drift.div_(self.cfg.workers)
+            self._reference -= drift.div_(self.ctx.num_replicas)
             return self._reference.clone()
         flat = flatten_params(self._params, out=None if fresh else self._flat)
         self._reduce(flat, "theta")
         self.averages += 1
-        return flat.div_(self.cfg.workers)
+        return flat.div_(self.ctx.num_replicas)
 
     def _synchronise(self) -> None:
         # The parameters become views of the fresh averaged vector (no copy back).
@@ -126,7 +126,7 @@ class LocalSgdStrategy(LocalSgd, Strategy):
 
     def finish(self) -> None:
         # End on one model: average whatever the replicas did since the last period.
-        if (self.cfg.workers > 1 or not self.needs_peers) and not self._due(self.local_steps):
+        if (self.ctx.num_replicas > 1 or not self.needs_peers) and not self._due(self.local_steps):
             self._synchronise()
 
     def state_dict(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ class Sync(StrategySpec):
     worker = "cloudburst.strategies.sync.worker:SyncStrategy"
     compression = ("none", "bf16", "fp8", "int8", "powersgd")
     lockstep = True
+    node_replicas_refused = "every step is already synchronous across every worker"
 
 
 __getattr__ = worker_attributes(__name__)

@@ -1,0 +1,89 @@
+"""``--replica node``: a node's workers are one replica (their gradients averaged every step),
+and the strategy runs between the nodes: against the single-process references of
+``tests/dist/simulate.py``, whose node replica steps on its G workers' batches together."""
+
+import pytest
+
+from tests.dist.simulate import (
+    COMMON,
+    assert_params_differ,
+    assert_same_params,
+    diloco,
+    fresh_model,
+    local_sgd,
+    trained,
+)
+from tests.helpers import cli, final_record, read_summary, simulated
+
+pytestmark = pytest.mark.dist
+
+
+def _numel() -> int:
+    return sum(p.numel() for p in fresh_model().parameters())
+
+
+def test_diloco_between_two_nodes_of_two_workers(tmp_path):
+    # 4 workers on 2 nodes: 2 replicas of 2 workers. 18 steps, an outer step every 4 and one
+    # at the end: 5 outer steps, each a ring all-reduce of θ between the 2 node leaders.
+    out = tmp_path / "diloco"
+    args = ["--strategy", "diloco", "--workers", "4", "--nodes", "2", "--replica", "node",
+        "--period", "4", "--steps", "18", "--diloco-outer-lr", "0.7",
+        "--diloco-outer-momentum", "0.9", "--out", str(out), *COMMON]  # fmt: skip
+    cli("train", *args)
+    sim = simulated(args)  # the same job on the virtual cluster
+    settings = dict(period=4, outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+    expected, outer_steps = diloco(18, 2, ranks_per_replica=2, **settings)
+    assert outer_steps == 5
+    assert_same_params(trained(out), expected)
+    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
+    # Per-rank replicas of the same 4 workers train another model.
+    assert_params_differ(expected, diloco(18, 4, **settings)[0])
+
+    s, numel = read_summary(out), _numel()
+    assert (s["replica"], s["replicas"], s["ranks_per_replica"]) == ("node", 2, 2)
+    # Only the leaders cross the node boundary: what 2 replicas send (each leader |θ|·4 bytes
+    # per outer step), not what 4 would.
+    assert s["inter_node_bytes"] == 2 * outer_steps * numel * 4
+    assert read_summary(sim)["inter_node_bytes"] == s["inter_node_bytes"]
+    # Inside a node, every step's gradients are all-reduced (2 ranks: |θ|·4 bytes each).
+    assert s["intra_node_bytes"] >= 4 * 18 * numel * 4
+    leader, follower = final_record(out, 0), final_record(out, 1)
+    assert leader["replica"] == follower["replica"] == 0
+    # θ went to the follower at the start, after each of the 4 outer steps in training, and
+    # at the end (after the last outer step, finish's).
+    assert leader["node_broadcasts"] == follower["node_broadcasts"] == 1 + 4 + 1
+
+
+def test_local_sgd_node_replicas_on_the_virtual_cluster(tmp_path):
+    # 6 workers on 3 nodes, averaged every 3 steps after 2 synchronous ones: the reference's
+    # 3 replicas of 2 workers each.
+    args = ["--strategy", "local_sgd", "--workers", "6", "--nodes", "3", "--replica", "node",
+        "--period", "3", "--local-sgd-warmup-steps", "2", "--steps", "11",
+        "--out", str(tmp_path / "local"), *COMMON]  # fmt: skip
+    sim = simulated(args)
+    expected, averages = local_sgd(11, 3, period=3, warmup_steps=2, ranks_per_replica=2)
+    assert averages == 6
+    assert_same_params(trained(sim), expected)
+    assert read_summary(sim)["inter_node_bytes"] == 3 * averages * int(4 / 3 * _numel() * 4)
+
+
+def test_asgd_shards_see_one_replica_per_node(tmp_path):
+    # 4 workers on 2 nodes, 2 shards spread over them: the shards serve 2 replicas, whose
+    # default λ is 1/2, and count every worker's samples.
+    steps, n_sync = 12, 3
+    args = ["--strategy", "asgd", "--workers", "4", "--servers", "2", "--nodes", "2",
+        "--replica", "node", "--n-sync", str(n_sync), "--steps", str(steps),
+        "--out", str(tmp_path / "asgd"), *COMMON]  # fmt: skip
+    sim = simulated(args)
+    s = read_summary(sim)
+    assert s["config"]["server_lr"] == 0.5 and s["replicas"] == 2
+    assert s["shard_nodes"] == [0, 1]
+    assert s["samples"] == 4 * steps * 16
+    # Each leader pushes every n_sync steps, once to each shard; followers never do.
+    workers = {r: final_record(sim, r) for r in range(2, 6)}
+    assert [workers[r].get("pushes", 0) for r in (2, 4)] == [2 * steps // n_sync] * 2
+    assert [workers[r].get("pushes", 0) for r in (3, 5)] == [0, 0]
+    # The leader's θ went to its node at the start, after each fetch and at the end.
+    for leader, follower in ((2, 3), (4, 5)):
+        sent = workers[leader]["node_broadcasts"]
+        assert sent == workers[follower]["node_broadcasts"] == 1 + steps // n_sync + 1
