@@ -61,7 +61,7 @@ def table_point(strategy: str, workers: int, method: str, link: float, out: Path
     cfg = RunConfig(
         strategy=strategy, workers=workers, nodes=2, compress=method, steps=steps,
         dataset="synthetic", model="mlp", batch_size=2, train_size=max(16, 4 * workers),
-        out=str(out), inter_node_link=f"{link:g}", period=PERIOD, comm_timeout_s=1e6,
+        out=str(out), inter_node_link=f"{link:g}", period=PERIOD, comm_timeout_s=86400.0,
     )  # fmt: skip
     sim = SimulationConfig(step_time_s=STEP_S)
     results = run_ranks(cfg, _drive, steps, sim=sim, actual_params=NUMEL)
@@ -79,7 +79,7 @@ def issue_argv(workers: int, method: str) -> list[str]:
             "--compress", method, "--steps", "16", "--batch-size", "16",
             "--train-size", str(max(4000, 32 * workers)), "--test-size", "200",
             "--eval-every-s", "1e6", "--checkpoint-every", "0", "--step-time-s", "0.05",
-            "--comm-timeout-s", "1e6"]  # fmt: skip
+            "--comm-timeout-s", "86400"]  # fmt: skip
 
 
 STREAM = ["--strategy", "diloco", "--period", "8", "--fragments", "4", "--fragment-delay", "1",
@@ -91,7 +91,7 @@ def stream_argv(arm: list[str], workers: int, nodes: int, steps: int) -> list[st
             "--dataset", "mnist1d", "--batch-size", "32", "--train-size", "40000",
             "--test-size", "1000", "--eval-every-s", "1e6", "--checkpoint-every", "0",
             "--step-time-s", "0.05", "--inter-node-link", "1",
-            "--comm-timeout-s", "1e6"]  # fmt: skip
+            "--comm-timeout-s", "86400"]  # fmt: skip
 
 
 TORCHFT = """torchft's `allreduce_quantized` (torchft/collectives.py, at commit 73dafea) does not

@@ -2,8 +2,13 @@
 and the strategy runs between the nodes: against the single-process references of
 ``tests/dist/simulate.py``, whose node replica steps on its G workers' batches together."""
 
+import dataclasses
+
 import pytest
 
+from cloudburst.config import ConfigError, RunConfig
+from cloudburst.config.simulation import SimulationConfig
+from cloudburst.sim.run import SimulationFailed, simulate
 from tests.dist.simulate import (
     COMMON,
     assert_params_differ,
@@ -87,3 +92,40 @@ def test_asgd_shards_see_one_replica_per_node(tmp_path):
     for leader, follower in ((2, 3), (4, 5)):
         sent = workers[leader]["node_broadcasts"]
         assert sent == workers[follower]["node_broadcasts"] == 1 + steps // n_sync + 1
+
+
+def test_a_node_replica_run_killed_and_resumed_ends_where_the_undisturbed_one_does(tmp_path):
+    # DiLoCo on 2 nodes of 2, a follower killed at step 13, checkpoints every 8 steps: the
+    # resumed job (every worker from step 8, the leader's outer state restored) ends on the
+    # undisturbed run's θ, bit for bit.
+    sim = SimulationConfig(step_time_s=0.01)
+    common = dict(strategy="diloco", workers=4, nodes=2, replica="node", period=3, steps=20,
+                  dataset="synthetic", model="mlp", batch_size=16, test_size=64,
+                  eval_every_s=60, seed=3)  # fmt: skip
+    whole = simulate(RunConfig(out=str(tmp_path / "whole"), **common), sim)
+    cut = RunConfig(out=str(tmp_path / "cut"), checkpoint_every=8, inject_fault=["kill:1@13"],
+                    **common)  # fmt: skip
+    with pytest.raises(SimulationFailed):
+        simulate(cut, sim)
+    resumed = simulate(dataclasses.replace(cut, resume=True, inject_fault=[]), sim)
+    assert resumed["final_test_loss"] == whole["final_test_loss"]
+    assert resumed["inter_node_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(strategy="diloco", workers=4), "replica: node needs --nodes N"),
+        (dict(strategy="diloco", workers=2, nodes=2), "puts one worker on each node"),
+        (dict(strategy="diloco", workers=5, nodes=2), "do not split evenly over 2"),
+        (dict(strategy="sync", workers=4, nodes=2), "not allowed for strategy 'sync'"),
+        (dict(strategy="daso", workers=4, nodes=2), "not allowed for strategy 'daso'"),
+        (dict(strategy="asgd", workers=4, nodes=2, max_restarts=1), "cannot rejoin its node"),
+    ],
+)
+def test_node_replicas_that_mean_nothing_are_refused_in_one_line(kw, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        RunConfig(replica="node", **kw)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="names node 2, which does not exist"):
+        RunConfig(strategy="asgd", workers=4, servers=2, nodes=2, shard_placement="0,2")
