@@ -594,7 +594,7 @@ def compensated_server(
     looked up; an older base version reads the oldest of them). Methods: none, scale (1/τ),
     delay-adaptive (1 while τ ≤ threshold, else threshold/τ), dc and dc-adaptive (g = −Δ/η,
     g̃ = g + λ·g²·(θ_now − θ_then), Δ̃ = −η·g̃; adaptive: m ← β·m + (1−β)·g², λ = λ0/√(m + ε)),
-    gap (Δ̃ = Δ / (1 + |θ_now − θ_then| / C), C the running mean of |θ_after − θ_before|,
+    gap (Δ̃ = Δ / (1 + |θ_now − θ_then| / C), C the running mean of the earlier pushes' |Δ|,
     started at the first push's; 1 where C is 0). Returns (θ, each push's staleness)."""
     history = [theta0.clone().float()]
     theta = history[0].clone()
@@ -639,8 +639,8 @@ def compensated_server(
             raise ValueError(method)
         new = theta + lr * update
         if method == "gap":
-            step = (new - theta).abs()
-            mean_step = step if mean_step is None else beta * mean_step + (1 - beta) * step
+            size = delta.abs()
+            mean_step = size if mean_step is None else beta * mean_step + (1 - beta) * size
         theta = new
         history.append(theta.clone())
     return theta, stalenesses

@@ -84,25 +84,29 @@ def test_plain_dc_keeps_no_moment_while_adaptive_dc_and_gap_start_from_zeros():
         assert torch.equal(comp.moment, torch.zeros(3)) and comp.moment is not theta
 
 
-def test_record_counts_every_applied_push_and_gap_keeps_the_running_mean_step():
-    """``updates`` counts the recorded pushes; gap's C starts at the first |θ after − θ before|
-    and then is the running mean β·C + (1−β)·|step|."""
+def test_record_counts_every_applied_push_and_gap_keeps_the_running_mean_push():
+    """``updates`` counts the recorded pushes; gap's C starts at the first push's |Δ| and then
+    is the running mean β·C + (1−β)·|Δ| of the pushes judged so far (a worker's update, not
+    the shard's λ-scaled step)."""
     comp = Compensator("gap", _t(0.0, 0.0), 8, 0.0, 1.0)
-    thetas = [_t(1.0, -2.0), _t(1.5, -2.0), _t(0.5, 2.0)]
-    mean = None
-    previous = _t(0.0, 0.0)
-    for version, theta in enumerate(thetas, start=1):
+    pushes = [_t(1.0, -2.0), _t(0.5, 0.0), _t(-1.0, 4.0)]
+    mean, theta = None, _t(0.0, 0.0)
+    for version, delta in enumerate(pushes, start=1):
+        comp.compensate(delta, theta, version - 1)
+        theta = theta + 0.25 * delta  # the shard's step (λ = 1/4) plays no part in C
         comp.record(version, theta)
-        step = (theta - previous).abs()
-        mean = step.clone() if mean is None else BETA * mean + (1 - BETA) * step
-        previous = theta
+        mean = delta.abs() if mean is None else BETA * mean + (1 - BETA) * delta.abs()
         assert comp.updates == version
         assert comp.state_dict()["updates"] == version
         assert _close(comp.moment, mean)
     assert comp.state_dict()["ring_versions"] == [0, 1, 2, 3]
+    # a trial (commit=False) leaves C alone
+    before = comp.moment.clone()
+    comp.compensate(_t(9.0, 9.0), theta, 3, commit=False)
+    assert torch.equal(comp.moment, before)
     # the ring holds copies: changing a recorded tensor afterwards does not reach it
-    thetas[0].fill_(99.0)
-    assert torch.equal(comp.theta_then(1), _t(1.0, -2.0))
+    theta.fill_(99.0)
+    assert torch.equal(comp.theta_then(3), _t(0.125, 0.5))
 
 
 def test_record_counts_pushes_under_dc_too():
@@ -144,10 +148,12 @@ def test_adaptive_dc_updates_its_mean_square_first():
         assert _close(comp.moment, m)
 
 
-def test_gap_divides_by_one_plus_the_gap_over_the_mean_step():
+def test_gap_divides_by_one_plus_the_gap_over_the_mean_push():
     """Gap-aware: Δ̃ = Δ / (1 + |θ_now − θ_then| / C); G = 1 where C = 0."""
     comp = Compensator("gap", _t(0.0, 0.0, 0.0), 4, 0.0, 1.0)
-    comp.record(1, _t(2.0, 4.0, 0.0))  # C = |step| = (2, 4, 0)
+    first = _t(2.0, 4.0, 0.0)
+    assert torch.equal(comp.compensate(first, _t(0.0, 0.0, 0.0), 0), first)  # no C yet: G = 1
+    comp.record(1, _t(0.5, 1.0, 0.0))  # C = |first push| = (2, 4, 0)
     theta_now = _t(4.0, 0.0, 8.0)
     delta = _t(1.0, 3.0, 5.0)
     # against version 0: gap (4, 0, 8) over C (2, 4, 0) -> G = (3, 1, 1)

@@ -118,8 +118,11 @@ class Compensator:
     With g = −Δ/η the push's pseudo-gradient per unit of local lr η (``local_lr``; n_sync
     local steps: g is their sum), DC-ASGD applies Δ̃ = −η·(g + λ·g⊙g⊙(θ_now − θ_then)), where
     λ = ``dc_lambda``, or λ0/√(m_t + ε) with m_t ← β·m + (1−β)·g⊙g updated by this push first;
-    gap-aware applies Δ̃ = Δ / G with C the running mean (β) of |θ after − θ before| over the
-    applied pushes, the first one its start (G = 1 where C = 0).
+    gap-aware applies Δ̃ = Δ / G with C the running mean (β) of |Δ| over the pushes applied
+    before, the first one its start (G = 1 where C = 0): the gap in units of one worker's
+    update, as the paper's C is. (C was the mean step the shard took, λ|Δ̃|: with λ = 1/W
+    that counts every concurrent push as 1/W of a step, G grew to ~W on top of λ's 1/W, and
+    asgd stopped learning at W = 16: docs/algorithms.md#staleness-compensation.)
     """
 
     def __init__(
@@ -161,7 +164,14 @@ class Compensator:
         diff = theta_now - theta_then
         if self.method == "gap":
             ratio = torch.where(self.moment > 0, diff.abs_() / self.moment, 0.0)
-            return delta / ratio.add_(1.0)
+            applied = delta / ratio.add_(1.0)
+            if commit:  # C learns this push's size after judging it
+                size = delta.abs()
+                if self.updates == 0:
+                    self.moment.copy_(size)
+                else:
+                    self.moment.mul_(COMPENSATION_BETA).add_(size, alpha=1.0 - COMPENSATION_BETA)
+            return applied
         g = delta / -self.local_lr
         gg = g * g
         if self.method == "dc-adaptive":
@@ -175,13 +185,6 @@ class Compensator:
 
     def record(self, version: int, theta: torch.Tensor) -> None:
         """``theta`` is the shard's θ after the push that made ``version``."""
-        before = self.ring[-1][1]
-        if self.method == "gap":
-            step = (theta - before).abs_()
-            if self.updates == 0:
-                self.moment.copy_(step)
-            else:
-                self.moment.mul_(COMPENSATION_BETA).add_(step, alpha=1.0 - COMPENSATION_BETA)
         self.updates += 1
         if len(self.ring) >= self.window:
             _, buf = self.ring.popleft()
