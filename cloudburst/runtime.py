@@ -360,43 +360,20 @@ def build_context(
     if cfg.servers > 1 and not is_worker:
         groups["servers_group"] = comm.new_group("servers", list(range(cfg.servers)), timeout_s)
     if "node_and_across" in traits.process_groups:
-        # One group per node, and one per local rank across the nodes (DASO's), every rank
-        # taking part in each.
-        topology: Topology = fields["topology"]
-        nodes = [topology.ranks_on(n) for n in range(topology.num_nodes)]
-        if len({len(r) for r in nodes}) != 1:
-            raise RuntimeError(f"DASO needs the same number of ranks on every node, got {nodes}")
+        # One group per node, and one per local rank across the nodes (DASO's).
+        nodes = worker_nodes(fields["topology"], cfg.servers, "DASO", least=1)
         across = [[ranks[g] for ranks in nodes] for g in range(len(nodes[0]))]
-        for kind, key, members in (
-            ("node", "node_group", nodes),
-            ("across", "global_group", across),
-        ):
-            for i, ranks in enumerate(members):
-                group = comm.new_group(f"{kind}{i}", ranks, timeout_s, backend, every_rank=True)
-                if rank in ranks:
-                    groups[key] = group
+        groups["node_group"] = _one_per(comm, rank, "node", nodes, timeout_s, backend)
+        groups["global_group"] = _one_per(comm, rank, "across", across, timeout_s, backend)
     replicas = workers
     if cfg.replica == "node":
-        # Each worker node's workers are one replica: a group per node (gradients every step),
-        # and one of the nodes' leaders (the strategy's), every rank taking part in each.
-        topology = fields["topology"]
-        nodes = [[r for r in topology.ranks_on(n) if r >= cfg.servers]
-                 for n in range(topology.num_nodes)]  # fmt: skip
-        nodes = [ranks for ranks in nodes if ranks]
-        if len({len(r) for r in nodes}) != 1 or len(nodes[0]) < 2:
-            raise RuntimeError(
-                f"replica: node needs 2 or more workers on every node, the same number on "
-                f"each; the nodes' workers are {nodes}"
-            )
+        # Each node's workers are one replica (the same node groups as DASO's: gradients every
+        # step), and the nodes' leaders run the strategy on a group of their own.
+        nodes = worker_nodes(fields["topology"], cfg.servers, "replica: node", least=2)
         replicas = [ranks[0] for ranks in nodes]
         groups["replica_leaders"] = tuple(replicas)
-        for i, ranks in enumerate(nodes):
-            group = comm.new_group(f"replica{i}", ranks, timeout_s, backend, every_rank=True)
-            if rank in ranks:
-                groups["node_replica_group"] = group
-        group = comm.new_group("replicas", replicas, timeout_s, backend, every_rank=True)
-        if rank in replicas:
-            groups["replicas_group"] = group
+        groups["node_replica_group"] = _one_per(comm, rank, "replica", nodes, timeout_s, backend)
+        groups["replicas_group"] = _one_per(comm, rank, "replicas", [replicas], timeout_s, backend)
     if "gossip_pair" in traits.process_groups:
         # Two gloo groups of the replicas, created once by every rank in the same order.
         for key, name in (("gossip_request_group", "gossip-requests"),
@@ -405,6 +382,29 @@ def build_context(
             if rank in replicas:
                 groups[key] = group
     return _rank_context(cfg, rank, comm, **groups, **fields)
+
+
+def worker_nodes(topology: Topology, servers: int, who: str, least: int) -> list[list[int]]:
+    """The worker ranks of each node that has workers, in node order; RuntimeError (one line)
+    unless every such node has the same number, at least ``least`` (``who`` needs them)."""
+    nodes = [[r for r in topology.ranks_on(n) if r >= servers] for n in range(topology.num_nodes)]
+    nodes = [ranks for ranks in nodes if ranks]
+    if len({len(r) for r in nodes}) != 1 or len(nodes[0]) < least:
+        raise RuntimeError(
+            f"{who} needs the same number of workers (at least {least}) on every node, got {nodes}"
+        )
+    return nodes
+
+
+def _one_per(comm: Transport, rank: int, kind: str, members, timeout_s: float, backend: str):
+    """One group per rank list of ``members``, made by every rank in the same order; this
+    rank's (None if it is in none)."""
+    mine = None
+    for i, ranks in enumerate(members):
+        group = comm.new_group(f"{kind}{i}", ranks, timeout_s, backend, every_rank=True)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def _rank_context(cfg: RunConfig, rank: int, comm: Transport, **fields: Any) -> Context:

@@ -525,3 +525,19 @@ def easgd_one_worker(steps: int, tau: int, alpha: float, model: str = "cnn") -> 
     out = fresh_model(model)
     _assign(out, centre)
     return out
+
+
+def asgd_one_round(
+    steps: int, replicas: int, ranks_per_replica: int, server_lr: float, model: str = "cnn"
+) -> nn.Module:
+    """asgd where every replica pushes once, after ``steps`` local steps (n_sync = steps): the
+    add rule θ ← θ + λ·Δ_i makes the servers' θ the same in any push order,
+    θ0 + λ·Σ_i (θ_i − θ0). Node replicas step on their G workers' batches together."""
+    models, opts = _replicas(replicas, model)
+    theta0 = _flat(models[0]).clone()
+    data = streams(replicas * ranks_per_replica)
+    for step in range(1, steps + 1):
+        _local_steps(models, opts, data, step, set())
+    out = fresh_model(model)
+    _assign(out, theta0 + server_lr * sum(_flat(m) - theta0 for m in models))
+    return out

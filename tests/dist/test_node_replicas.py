@@ -11,6 +11,7 @@ from cloudburst.config.simulation import SimulationConfig
 from cloudburst.sim.run import SimulationFailed, simulate
 from tests.dist.simulate import (
     COMMON,
+    asgd_one_round,
     assert_params_differ,
     assert_same_params,
     diloco,
@@ -70,6 +71,18 @@ def test_local_sgd_node_replicas_on_the_virtual_cluster(tmp_path):
     assert averages == 6
     assert_same_params(trained(sim), expected)
     assert read_summary(sim)["inter_node_bytes"] == 3 * averages * int(4 / 3 * _numel() * 4)
+
+
+def test_asgd_node_replicas_push_once_each_as_the_reference(tmp_path):
+    # 2 nodes of 2, one push per replica after 6 steps: the servers' θ is θ0 + ½(Δ_0 + Δ_1),
+    # each Δ a node replica's 6 steps on its 2 workers' batches.
+    args = ["--strategy", "asgd", "--workers", "4", "--servers", "1", "--nodes", "2",
+        "--replica", "node", "--n-sync", "6", "--steps", "6",
+        "--out", str(tmp_path / "one"), *COMMON]  # fmt: skip
+    sim = simulated(args)
+    expected = asgd_one_round(6, 2, ranks_per_replica=2, server_lr=0.5)
+    assert_same_params(trained(sim), expected)
+    assert_params_differ(expected, asgd_one_round(6, 4, ranks_per_replica=1, server_lr=0.25))
 
 
 def test_asgd_shards_see_one_replica_per_node(tmp_path):
