@@ -84,7 +84,9 @@ class AsgdConfig:
     staleness_compensation: str = option(
         "none",
         "how the shards compensate a stale push (docs/algorithms.md#staleness-compensation): "
-        "scale by 1/τ, DC-ASGD with a fixed or adaptive λ, gap-aware, a delay-adaptive step",
+        "scale by 1/τ (collapses at W >= 16 with the averaging λ = 1/W: -43 points, "
+        "benchmarks/results/staleness_rules.md), DC-ASGD with a fixed or adaptive λ, "
+        "gap-aware, a delay-adaptive step",
         choices=COMPENSATIONS,
     )
     dc_lambda: float | None = option(
