@@ -90,7 +90,8 @@ def test_streaming_diloco_two_fragments_one_step_delay(tmp_path):
     out = tmp_path / "streaming"
     args = ["--strategy", "diloco", "--workers", "2", "--period", "6", "--steps", "20",
         "--fragments", "2", "--fragment-delay", "1", "--fragment-alpha", "0.5",
-        "--diloco-outer-lr", "0.7", "--nodes", "2", "--inter-node-link", LINK,
+        "--diloco-outer-lr", "0.7", "--diloco-outer-momentum", "0.9", "--nodes", "2",
+        "--inter-node-link", LINK,
         "--out", str(out), *COMMON]  # fmt: skip
     cli("train", *args)
     sim = simulated(args)

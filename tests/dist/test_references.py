@@ -34,7 +34,7 @@ SYNC_STEPS = 5
 LOCAL_STEPS, PERIOD = 7, 3  # averages after steps 3 and 6, and a last one for step 7
 GOSSIP_STEPS, GOSSIP_EVERY = 6, 2
 EASGD_STEPS, TAU = 6, 3  # exchanges after steps 3 and 6 (the unit test covers the last)
-DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's (and cloudburst's) defaults
+DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's (and cloudburst's over Adam)
 
 
 class Turns:

@@ -11,7 +11,10 @@ def test_defaults_are_valid():
     assert (cfg.lr, cfg.momentum, cfg.server_lr) == (0.1, 0.9, 0.5)  # λ = 1/W
     assert RunConfig(workers=4).server_lr == 0.25
     assert RunConfig(optimizer="adam").diloco_outer_lr == 0.7  # the paper's pair
-    assert RunConfig().diloco_outer_lr == 0.1  # over SGD (0.7 diverged)
+    assert RunConfig(strategy="diloco").diloco_outer_lr == 0.5  # over SGD: 0.5/0.8
+    assert RunConfig(strategy="diloco").diloco_outer_momentum == 0.8
+    async_dn = RunConfig(strategy="async_diloco", workers=2, servers=1)
+    assert (async_dn.diloco_outer_lr, async_dn.diloco_outer_momentum) == (0.1, 0.9)
     assert RunConfig(epochs=0.5).steps_per_worker() == 16  # 15.5 batches, rounded up
 
 
@@ -148,5 +151,6 @@ def test_diloco_refuses_warmup_and_warns_about_outer_lr_with_sgd():
     paper = RunConfig(strategy="diloco", workers=2, steps=10, diloco_outer_lr=0.7)
     assert len(paper.warnings()) == 1 and "outer lr 0.7" in paper.warnings()[0]
     assert RunConfig(strategy="diloco", workers=2, steps=10, diloco_outer_lr=0.1).warnings() == []
+    assert RunConfig(strategy="diloco", workers=2, steps=10, diloco_outer_lr=0.5).warnings() == []
     assert RunConfig(strategy="diloco", workers=2, steps=10, optimizer="adam").warnings() == []
     assert RunConfig(strategy="local_sgd", workers=2, steps=10).warnings() == []

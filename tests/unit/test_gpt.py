@@ -91,10 +91,8 @@ def test_gpt_runs_default_to_the_recipe_and_other_models_do_not():
     assert (given.diloco_outer_lr, given.diloco_outer_momentum) == (0.7, 0.9)
     adam = RunConfig(strategy="diloco", workers=4, optimizer="adam")
     assert (adam.diloco_outer_lr, adam.diloco_outer_momentum) == (0.7, 0.9)
-    assert (RunConfig(strategy="diloco").diloco_outer_lr, RunConfig().diloco_outer_momentum) == (
-        0.1,
-        0.9,
-    )
+    sgd = RunConfig(strategy="diloco")
+    assert (sgd.diloco_outer_lr, sgd.diloco_outer_momentum) == (0.5, 0.8)
     assert cfg.steps == 300 and cfg.eval_every_s == 15.0
     plain = RunConfig()
     assert (plain.optimizer, plain.lr, plain.clip_grad_norm, plain.batch_size) == (

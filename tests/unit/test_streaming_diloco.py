@@ -204,7 +204,7 @@ def test_streaming_diloco_on_the_simulator_matches_the_reference(tmp_path):
     settings = dict(period=6, fragments=2, delay=1, alpha=0.5, outer_lr=0.7)
     settings |= dict(outer_momentum=0.9, nesterov=True)
     kw = dict(period=6, fragments=2, fragment_delay=1, fragment_alpha=0.5)
-    kw |= dict(diloco_outer_lr=0.7, optimizer="sgd")
+    kw |= dict(diloco_outer_lr=0.7, diloco_outer_momentum=0.9, optimizer="sgd")
     summary = _sim(_sim_cfg(tmp_path, "diloco", 2, 20, nodes=2, **kw))
     expected, syncs = streaming_diloco(20, 2, **settings)
     assert syncs == 6 + 2  # 3 per fragment in 20 steps, then both once more at the end

@@ -26,15 +26,19 @@ class DilocoConfig:
     section: ClassVar[str] = "diloco"
     title: ClassVar[str] = _LOCAL_SGD_TITLE
 
-    # 0.7 (the paper's) over SGD diverged (benchmarks/results/defaults.md).
+    # Over SGD with momentum the outer momentum compounds the inner one: the paper's 0.7/0.9
+    # diverged, 0.1/0.9 under-stepped (benchmarks/results/per_sample.md).
     diloco_outer_lr: float | None = option(
         None,
         "outer SGD lr",
-        shown="0.7 over --optimizer adam, 0.1 over sgd (gpt: 1)",
+        shown="0.7 over --optimizer adam, 0.5 over sgd (async_diloco: 0.1; gpt: 1)",
         bounds=LR,
     )
     diloco_outer_momentum: float | None = option(
-        None, "outer momentum", shown="0.9 (gpt: 0, docs/lm.md)", bounds=MOMENTUM
+        None,
+        "outer momentum",
+        shown="0.9; 0.8 over sgd (async_diloco: 0.9; gpt: 0, docs/lm.md)",
+        bounds=MOMENTUM,
     )
     diloco_nesterov: bool = option(
         True, "plain momentum in the outer optimizer", flag="--diloco-no-nesterov"
@@ -60,15 +64,20 @@ class DilocoConfig:
     def _defaults_diloco(self) -> None:
         """The outer step's lr and momentum left open: the GPT's outer step is plain averaging
         (lr 1, no momentum): at its budget the paper's Nesterov 0.7/0.9 ended 0.45-0.51 nats
-        behind sync, averaging 0.07 (docs/lm.md); over SGD 0.1, over Adam the paper's 0.7."""
+        behind sync, averaging 0.07 (docs/lm.md); over Adam the paper's 0.7/0.9. Over SGD with
+        momentum DiLoCo takes 0.5/0.8 (its first step 0.9 Δ, a steady one 2.5 Δ: 0.1/0.9 ended
+        ~9 points below at 4 replicas, ~17 at 16; benchmarks/results/per_sample.md); async
+        DiLoCo's Delayed Nesterov keeps 0.1/0.9 (0.5/0.8 ended ~23 points lower at W = 16)."""
         from cloudburst.gpt import is_gpt_spec
 
         lm = isinstance(self.model, str) and is_gpt_spec(self.model)
+        adam = self.optimizer in ("adam", "adamw")
+        sgd_pair = (0.5, 0.8) if self.strategy == "diloco" else (0.1, 0.9)
+        lr, momentum = (1.0, 0.0) if lm else (0.7, 0.9) if adam else sgd_pair
         if self.diloco_outer_lr is None:
-            adam = self.optimizer in ("adam", "adamw")
-            self.diloco_outer_lr = 1.0 if lm else 0.7 if adam else 0.1
+            self.diloco_outer_lr = lr
         if self.diloco_outer_momentum is None:
-            self.diloco_outer_momentum = 0.0 if lm else 0.9
+            self.diloco_outer_momentum = momentum
 
     def _validate_diloco(self) -> None:
         if self.strategy == "diloco" and self.local_sgd_warmup_steps:

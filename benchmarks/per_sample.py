@@ -1,0 +1,126 @@
+"""Quality per sample: local SGD, DiLoCo and Streaming DiLoCo int8 against a tuned sync at
+equal samples (issue 43's per-sample targets), 4 and 16 workers, H = 8.
+
+    .venv/bin/python benchmarks/per_sample.py            # results/per_sample.{md,json}
+    .venv/bin/python benchmarks/per_sample.py --quick    # smoke test, runs/bench-quick/
+
+Virtual cluster, flat network: the claims are about samples, not time, and the virtual
+cluster computes what gloo does (the reference-parity tests), deterministically. MNIST-1D's
+CNN, SGD with momentum 0.9, batch 64 per worker. W = 4: local_sgd.md's run (4,000 training
+samples, 24 epochs: 375 steps per worker, 46 outer steps at H = 8); W = 16: batch 32, 16,000
+samples, 12 epochs (the same 375 steps per worker). Every arm sees the same samples.
+
+Arms: sync; local SGD (H = 8); DiLoCo (H = 8) at its defaults over SGD (outer Nesterov lr 0.5,
+momentum 0.8); DiLoCo with the previous defaults (0.1, 0.9), the change's evidence; Streaming
+DiLoCo (4 fragments, τ = 1, α = 0.5) with int8 and error feedback, at DiLoCo's lr (its
+comparison is with DiLoCo fp32).
+Tuning (seeds 0–2): every arm but Streaming DiLoCo gets its inner lr from {0.05, 0.1, 0.2, 0.4}
+(best mean final accuracy; sync on the same grid as its challengers). Confirmation (seeds 3–7,
+not used to choose), targets from the issue before any run: local SGD and DiLoCo ≥ sync − 1
+point, Streaming DiLoCo int8 ≥ DiLoCo fp32 − 1 point; and (named here) DiLoCo's defaults ≥ the
+previous defaults.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from harness import Arm, fmt, pct  # noqa: E402
+
+BASE = ["--dataset", "mnist1d", "--model", "cnn", "--momentum", "0.9", "--period", "8",
+        "--eval-every-s", "1e5", "--checkpoint-every", "0",
+        "--comm-timeout-s", "86400"]  # fmt: skip
+SCALES = {  # name: flags
+    "W = 4": ["--workers", "4", "--batch-size", "64", "--epochs", "24"],
+    "W = 16": ["--workers", "16", "--batch-size", "32", "--train-size", "16000", "--epochs", "12"],
+}
+OLD = ["--diloco-outer-lr", "0.1", "--diloco-outer-momentum", "0.9"]
+TUNED = {  # name: flags; each tuned on LRS
+    "sync": ["--strategy", "sync"],
+    "local_sgd": ["--strategy", "local_sgd"],
+    "diloco": ["--strategy", "diloco"],
+    "diloco 0.1/0.9": ["--strategy", "diloco", *OLD],
+}
+STREAM = ["--strategy", "diloco", "--fragments", "4", "--fragment-delay", "1",
+          "--fragment-alpha", "0.5", "--compress", "int8"]  # fmt: skip
+LRS = (0.05, 0.1, 0.2, 0.4)
+TUNE, CONFIRM = (0, 1, 2), (3, 4, 5, 6, 7)
+CLAIMS = [  # (a, b, points): a − b ≥ −points
+    ("local_sgd", "sync", 1.0),
+    ("diloco", "sync", 1.0),
+    ("streaming int8", "diloco", 1.0),
+    ("diloco", "diloco 0.1/0.9", 0.0),
+]
+
+
+def lr_of(arm: Arm) -> float:
+    return float(arm.argv[arm.argv.index("--lr") + 1])
+
+
+def main() -> None:
+    args, prov = harness.start(__doc__)
+    quick, root = args.quick, prov.runs_dir("per_sample")
+    scales = {"W = 4": [*SCALES["W = 4"][:-1], "2"]} if quick else SCALES
+    tune, confirm, lrs = ((0,), (1, 2), LRS[1:3]) if quick else (TUNE, CONFIRM, LRS)
+    report = harness.Report("per_sample", "Quality per sample: local SGD, DiLoCo and Streaming "
+                            "DiLoCo int8 against a tuned sync (virtual cluster)", prov)  # fmt: skip
+    report.settings(harness.about(__doc__))
+    runs, chosen_all = [], {}
+    for scale, flags in scales.items():
+        tag = harness.slug(scale)
+        grid = [Arm(f"{name} lr {lr:g}", [*f, "--lr", f"{lr:g}", *flags, *BASE])
+                for name, f in TUNED.items() for lr in lrs]  # fmt: skip
+        jobs = [(a, s, root / tag / "tune" / harness.slug(a.name) / f"seed{s}")
+                for a in grid for s in tune]  # fmt: skip
+        tuned = harness.simulate_all(jobs, prov, timeout_s=3600.0)
+        runs += tuned
+        groups = harness.by_arm(tuned)
+        mean = {a.name: statistics.mean(r.final_accuracy or 0.0 for r in groups[a.name])
+                for a in grid}  # fmt: skip
+        chosen = {name: max((a for a in grid if a.name.startswith(f"{name} lr ")),
+                            key=lambda a: mean[a.name]) for name in TUNED}  # fmt: skip
+        report.section(f"{scale}: tuning (seeds {', '.join(map(str, tune))})").table(
+            "arm | " + " | ".join(f"lr {lr:g}" for lr in lrs),
+            [[name, *(pct(mean[f"{name} lr {lr:g}"]) for lr in lrs)] for name in TUNED],
+        ).text("Mean final accuracy per inner lr; chosen: "
+               + ", ".join(f"{n} lr {lr_of(a):g}" for n, a in chosen.items()) + ".")  # fmt: skip
+        final_arms = [Arm(name, a.argv) for name, a in chosen.items()]
+        dlr = f"{lr_of(chosen['diloco']):g}"
+        final_arms.append(Arm("streaming int8", [*STREAM, "--lr", dlr, *flags, *BASE]))
+        jobs = [(a, s, root / tag / "confirm" / harness.slug(a.name) / f"seed{s}")
+                for a in final_arms for s in confirm]  # fmt: skip
+        confirmed = harness.simulate_all(jobs, prov, timeout_s=3600.0)
+        for r in confirmed:
+            r.values["scale"] = scale
+        runs += confirmed
+        cg = harness.by_arm(confirmed)
+        for a, b, points in CLAIMS:
+            xa = [r.final_accuracy or 0.0 for r in cg[a]]
+            xb = [r.final_accuracy or 0.0 for r in cg[b]]
+            harness.diff_claim(report, f"final accuracy at equal samples, {a} − {b} (points), "
+                               f"{scale}, H = 8", xa, xb, f"≥ {-points:g}",
+                               lambda d, lo, hi, p=points: lo >= -p,
+                               seeds=len(confirm))  # fmt: skip
+        report.section(f"{scale}: confirmation (seeds {', '.join(map(str, confirm))})").table(
+            "arm | lr | final accuracy per seed | mean | MB sent per worker",
+            [row(a, cg[a.name]) for a in final_arms],
+        )
+        chosen_all[scale] = {n: lr_of(a) for n, a in chosen.items()}
+    report.data.update(chosen_lr=chosen_all)
+    report.write(runs)
+
+
+def row(arm: Arm, runs: list[harness.Run]) -> list[str]:
+    accs = [r.final_accuracy for r in runs]
+    ok = [a for a in accs if a is not None]
+    sent = [r.summary.get("sent_bytes", 0) / max(1, r.summary.get("workers", 1)) for r in runs]
+    return [arm.name, f"{lr_of(arm):g}", " / ".join(pct(a) for a in accs),
+            pct(statistics.mean(ok)) if ok else "-", fmt(statistics.mean(sent) / 1e6)]  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
