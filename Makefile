@@ -51,7 +51,8 @@ BENCH := experiments:accuracy:--first-seed:5:--seeds:3 experiments:stragglers:--
 ## their files' headers).
 BENCH_ALL := reliability compress experiments:accuracy:--first-seed:5 experiments:stragglers \
 	defaults daso local_sgd transport overhead throughput startup sim_fidelity sim_scale sim_seeds \
-	sim_published wire compress_scale lm
+	sim_published wire compress_scale lm node_replicas staleness_rules per_sample slow_link \
+	equal_time equal_time:--cell:pareto equal_time:--cell:slow-node
 BENCH_FLAGS ?=
 BENCH_TIMEOUT_S ?= 3600
 EVIDENCE_FLAGS ?= --results runs/bench-hour --print

@@ -15,10 +15,12 @@ padded to ≥ 50 ms by sleeping inside the forward and backward passes (4 CPU-bo
    training time of those runs, and the target A* = their mean final accuracy − 0.5 points
    (named here, before the confirmation runs, from other seeds).
 2. Every relaxed arm for T (``--max-train-time-s T``; seeds 0–2): DASO at its defaults and with
-   a schedule for a slow link (1 warm-up epoch, B = 8, S = 2, bf16 between nodes), both at
-   sync's lr; local SGD (H = 8) at lr 0.1 and 0.2; DiLoCo (H = 8, its defaults) and Streaming
-   DiLoCo (4 fragments, τ = 1, α = 0.5) at lr 0.1. The better DASO and the best of the others
-   (by mean accuracy at T) are confirmed.
+   a schedule for a slow link (1 warm-up epoch, B = 8, S = 2, bf16 between nodes), and that
+   with the node-local all-reduce every 2nd batch (L = 2: on 2 shared cores it is not free as
+   NVLink is), all at sync's lr; local SGD (H = 8) at lr 0.1 and 0.2; DiLoCo (H = 8, its
+   defaults), Streaming DiLoCo (4 fragments, τ = 1, α = 0) and DiLoCo with a node's two
+   workers as one replica (``--replica node``) at lr 0.1. The better DASO and the best of the
+   others (by mean accuracy at T) are confirmed.
 3. Confirmation (seeds 3–7): sync (and its A/A copy), the two chosen arms, interleaved in a
    seeded random order per seed, every arm for T (sync too). Targets from the issue: DASO
    reaches A* in ≤ 0.66× sync's time (its paper's claim), the best of the others in ≤ 0.7×;
@@ -45,13 +47,18 @@ COMMON = [*MODEL, *f"--device cpu --workers 4 --nodes 2 --inter-node-link 1,1 --
 SYNC_LRS, SYNC_EPOCHS = (0.1, 0.2), 24
 SLOW = ["--daso-warmup-epochs", "1", "--daso-global-skip", "8", "--daso-batches-to-wait", "2",
         "--daso-cycling-downcast", "bf16"]  # fmt: skip
-STREAM = ["--fragments", "4", "--fragment-delay", "1", "--fragment-alpha", "0.5"]
-DASO = {"daso": ["--strategy", "daso"], "daso slow-link": ["--strategy", "daso", *SLOW]}
+STREAM = ["--fragments", "4", "--fragment-delay", "1"]  # α = 0: per_sample.md
+DASO = {
+    "daso": ["--strategy", "daso"],
+    "daso slow-link": ["--strategy", "daso", *SLOW],
+    "daso slow-link L=2": ["--strategy", "daso", *SLOW, "--daso-local-skip", "2"],
+}
 OTHERS = {  # name: (flags, lr)
     "local_sgd lr 0.1": (["--strategy", "local_sgd", "--period", "8"], 0.1),
     "local_sgd lr 0.2": (["--strategy", "local_sgd", "--period", "8"], 0.2),
     "diloco lr 0.1": (["--strategy", "diloco", "--period", "8"], 0.1),
     "streaming lr 0.1": (["--strategy", "diloco", "--period", "8", *STREAM], 0.1),
+    "diloco node lr 0.1": (["--strategy", "diloco", "--period", "8", "--replica", "node"], 0.1),
 }
 TUNE, CONFIRM = (0, 1, 2), (3, 4, 5, 6, 7)
 BAND, DASO_TARGET, OTHER_TARGET, ACC_POINTS = 0.005, 0.66, 0.7, 0.5
