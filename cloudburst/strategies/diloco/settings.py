@@ -66,8 +66,8 @@ class DilocoConfig:
         (lr 1, no momentum): at its budget the paper's Nesterov 0.7/0.9 ended 0.45-0.51 nats
         behind sync, averaging 0.07 (docs/lm.md); over Adam the paper's 0.7/0.9. Over SGD with
         momentum DiLoCo takes 0.5/0.8 (its first step 0.9 Δ, a steady one 2.5 Δ: 0.1/0.9 ended
-        ~9 points below at 4 replicas, ~17 at 16; benchmarks/results/per_sample.md); async
-        DiLoCo's Delayed Nesterov keeps 0.1/0.9 (0.5/0.8 ended ~23 points lower at W = 16)."""
+        10.6 points below it at 4 replicas, 12.5 at 16; benchmarks/results/per_sample.md);
+        async DiLoCo's Delayed Nesterov keeps 0.1/0.9 (0.5/0.8 lost ~23 points at W = 16)."""
         from cloudburst.gpt import is_gpt_spec
 
         lm = isinstance(self.model, str) and is_gpt_spec(self.model)
