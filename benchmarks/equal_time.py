@@ -103,11 +103,6 @@ def at_time(r: harness.Run, t: float) -> float | None:
     return seen[-1] if seen else None
 
 
-def at_samples(r: harness.Run, samples: int) -> float | None:
-    seen = [acc for _, s, acc in r.evals if s <= samples]
-    return seen[-1] if seen else None
-
-
 def time_to(r: harness.Run, target: float) -> float | None:
     return next((t for t, _, acc in r.evals if acc >= target), None)
 
@@ -219,7 +214,8 @@ def table_row(name: str, runs: list[harness.Run], sync: list[harness.Run], budge
     acc = statistics.mean(at_time(r, budget_s) or 0.0 for r in ok)
     times = [time_to(r, final(s) - BAND) for r, s in zip(runs, sync, strict=True)]
     shown = [fmt(t) if t is not None else f"> {fmt(budget_s)}" for t in times]
-    samples = [at_samples(r, s.summary.get("samples", 0)) for r, s in zip(runs, sync, strict=True)]
+    samples = [harness.at_samples(r, s.summary.get("samples", 0))
+               for r, s in zip(runs, sync, strict=True)]  # fmt: skip
     steps = [max((v or 0) for v in (r.summary.get("steps_done") or {0: 0}).values()) for r in ok]
     return [name, pct(acc), " ".join(shown),
             " ".join(pct(a) if a is not None else "-" for a in samples),

@@ -240,9 +240,8 @@ def rescore(path: Path, head: str) -> list[str]:
         if inputs and "diff" in inputs:
             # the verdict of the rounded value the row shows
             rounded = lambda d, lo, hi: point(round(d, 2))  # noqa: E731
-            new = harness.diff_claim(
-                report, old.name, *inputs["diff"], old.target, rounded, seeds=old.seeds
-            )
+            new = harness.diff_claim(report, old.name, *inputs["diff"], old.target, rounded,
+                                     seeds=old.seeds, aa_copy=inputs.get("aa"))  # fmt: skip
         elif inputs:
             new = harness.ratio_claim(report, old.name, inputs["a"], inputs["b"], inputs.get("aa"),
                                       old.target, point, inputs.get("budget_s"),

@@ -127,31 +127,22 @@ def main() -> None:
                             times[arm.name], times["sync"], times[copy], f"≤ {goal:g}",
                             lambda x, t=goal: x <= t, bound)  # fmt: skip
     for arm in (best_daso, best_other):
-        diff_both(rep, f"accuracy at sync's time T, {arm.name} − sync (points), 2 × 2, 1 Gbit/s",
-                  finals[arm.name], finals["sync"], finals[copy])  # fmt: skip
+        harness.diff_claim(rep, f"accuracy at sync's time T, {arm.name} − sync (points), 2 × 2, "
+                           "1 Gbit/s", finals[arm.name], finals["sync"], f"≥ {-ACC_POINTS:g}",
+                           lambda d, lo, hi: lo >= -ACC_POINTS, aa_copy=finals[copy],
+                           seeds=len(confirm))  # fmt: skip
     names = ["sync", copy, best_daso.name, best_other.name]
     rep.section("3. Confirmation (seeds 3–7)").table(
         HEADERS, [table_row(n, cg[n], target, bound) for n in names]
     ).text("Equal samples: the accuracy at sync's samples is the relaxed arm's last evaluation "
            "at or before the samples sync's run of that seed trained on.")  # fmt: skip
     rep.table("arm | accuracy at sync's samples per seed",
-              [[n, " / ".join(pct(at_samples(r, s.summary.get("samples", 0)))
+              [[n, " / ".join(pct(harness.at_samples(r, s.summary.get("samples", 0)))
                               for r, s in zip(cg[n], cg["sync"], strict=True))]
                for n in names])  # fmt: skip
     rep.data.update(budget_s=budget, sync_lr=float(lr), target=target, tuning_scores=score,
                     chosen=[best_daso.name, best_other.name])  # fmt: skip
     rep.write(runs)
-
-
-def diff_both(rep: harness.Report, name: str, a, b, copy) -> None:
-    """a − b in points, judged against both copies of sync (the interval spans both)."""
-    d, lo, hi = (100 * x for x in harness.difference_interval(a, b))
-    _, lo2, hi2 = (100 * x for x in harness.difference_interval(a, copy))
-    lo, hi = min(lo, lo2), max(hi, hi2)
-    claim = rep.claim(name, round(d, 2), f"≥ {-ACC_POINTS:g}", lo >= -ACC_POINTS,
-                      interval=(round(lo, 2), round(hi, 2)), seeds=len(a),
-                      note=f"against the A/A copy [{lo2:.2f}, {hi2:.2f}]")  # fmt: skip
-    claim.inputs = {"diff": (list(a), list(b)), "aa": list(copy), "paired": True}
 
 
 HEADERS = ("arm | accuracy at T per seed | mean | time to A* per seed (s) | inter-node MB "
@@ -170,11 +161,6 @@ def table_row(name: str, runs: list[harness.Run], target: float, budget: float) 
             " / ".join(fmt(t) if t is not None else f"> {fmt(budget)}" for t in times),
             fmt(statistics.mean(nodes) / 1e6),
             fmt(statistics.median(rates)) if rates else "-"]  # fmt: skip
-
-
-def at_samples(r: harness.Run, samples: int) -> float | None:
-    seen = [acc for _, s, acc in r.evals if s <= samples]
-    return seen[-1] if seen else None
 
 
 if __name__ == "__main__":

@@ -230,6 +230,25 @@ def test_difference_interval_of_means():
         harness.difference_interval([0.9, 0.9], [0.9])
 
 
+def test_a_difference_with_an_aa_copy_is_judged_on_both_and_rescored_so(tmp_path):
+    from benchmarks import evidence
+
+    # a − b = +2 points on every seed, a − copy = +1: the interval spans [1, 2]
+    b = [0.85, 0.95, 0.90, 0.80, 0.88]
+    a, copy = [x + 0.02 for x in b], [x + 0.01 for x in b]
+    ok = lambda d, lo, hi: lo >= 1.5  # noqa: E731
+    claim = harness.diff_claim(harness.Report("d", "", None), "a − b", a, b, "≥ 1.5", ok,
+                               aa_copy=copy, seeds=5)  # fmt: skip
+    assert (claim.value, claim.interval) == (pytest.approx(2.0), pytest.approx((1.0, 2.0)))
+    assert claim.verdict == "inconclusive" and "against the A/A copy [1, 1]" in claim.note
+    assert claim.inputs["aa"] == copy
+    stored(tmp_path, "diffs", [claim])
+    path = tmp_path / "results" / "diffs.json"
+    evidence.rescore(path, "def5678")
+    [again] = json.loads(path.read_text())["claims"]
+    assert again["interval"] == pytest.approx([1.0, 2.0])  # the copy still in the verdict
+
+
 def test_ratio_claim_turns_a_censored_median_into_a_bound(tmp_path, monkeypatch):
     report = harness.Report("demo", "A demo", provenance(tmp_path, monkeypatch))
     at_most = lambda r: r <= 0.75  # noqa: E731
