@@ -177,6 +177,16 @@ def test_staleness_scaling_is_the_scale_compensation_and_contradictions_are_refu
         12,
     )
     assert RunConfig(strategy="asgd", max_staleness=5).compensation_window_value == 6
+    # λ's default: 1/W averages the pushes; under scale the 1/τ averages them (Zhang et al.'s
+    # α₀/τ), so λ = 1, with no warning about summed pushes; an optimizer rule keeps 1/W
+    scaled = RunConfig(strategy="asgd", workers=16, staleness_compensation="scale")
+    assert (scaled.server_lr, scaled.warnings()) == (1.0, [])
+    assert RunConfig(strategy="asgd", workers=16).server_lr == 1 / 16
+    assert RunConfig(strategy="asgd", workers=16, staleness_compensation="scale",
+                     server_rule="sgd").server_lr == 1 / 16  # fmt: skip
+    assert RunConfig(strategy="asgd", workers=16, server_lr=1.0).warnings()
+    assert RunConfig(strategy="asgd", workers=16, staleness_compensation="scale",
+                     server_lr=2.0).warnings()  # fmt: skip
     shard = make_shard(
         RunConfig(strategy="asgd", workers=3, staleness_compensation="gap", compensation_window=7),
         torch.zeros(4),

@@ -22,10 +22,12 @@ class Asgd(StrategySpec):
     @classmethod
     def warnings(cls, cfg: Any) -> list[str]:
         n, who = cfg.replicas, "node replicas" if cfg.replica == "node" else "workers"
-        if cfg.server_rule == "add" and n >= 2 and cfg.server_lr * n > 1.5:
+        # under `scale` each push is divided by its staleness (≈ W − 1) already
+        total = cfg.server_lr * (1 if cfg.staleness_compensation == "scale" else n)
+        if cfg.server_rule == "add" and n >= 2 and total > 1.5:
             return [
                 f"asgd: server lr λ = {cfg.server_lr:g} with {n} {who} adds up "
-                f"their pushes ({cfg.server_lr * n:g}x one worker's step) and "
+                f"their pushes ({total:g}x one worker's step) and "
                 f"diverged in our measurements (benchmarks/results/defaults.md); the default "
                 f"λ = 1/W = {1 / n:g} averages them"
             ]

@@ -66,7 +66,8 @@ class AsgdConfig:
     server_lr: float | None = option(
         None,
         "λ of the add rule; the server optimizer's lr otherwise",
-        shown="1/W, which averages the workers' pushes",
+        shown="1/W, which averages the workers' pushes (1 under --staleness-compensation "
+        "scale, whose 1/τ averages them)",
         bounds=LR,
     )
     server_momentum: float = option(0.0, "momentum of the sgd server rule", bounds=MOMENTUM)
@@ -84,8 +85,8 @@ class AsgdConfig:
     staleness_compensation: str = option(
         "none",
         "how the shards compensate a stale push (docs/algorithms.md#staleness-compensation): "
-        "scale by 1/τ (collapses at W >= 16 with the averaging λ = 1/W: -43 points, "
-        "benchmarks/results/staleness_rules.md), DC-ASGD with a fixed or adaptive λ, "
+        "scale by 1/τ (with λ = 1: given λ = 1/W as well it divides twice and collapses at "
+        "W >= 16, -43 points, docs/algorithms.md), DC-ASGD with a fixed or adaptive λ, "
         "gap-aware, a delay-adaptive step",
         choices=COMPENSATIONS,
     )
@@ -123,7 +124,8 @@ class AsgdConfig:
 
     def _defaults_asgd(self) -> None:
         """n_fetch and n_push from n_sync (or 8: as accurate as 1 in half the time,
-        docs/algorithms.md#asgd); --staleness-scaling is --staleness-compensation scale; λ = 1/W."""
+        docs/algorithms.md#asgd); --staleness-scaling is --staleness-compensation scale; λ = 1/W
+        (1 under ``scale``)."""
         if self.n_sync is not None:
             _check_int("n_sync", self.n_sync, 1)
         default_period = self.n_sync if self.n_sync is not None else DEFAULT_N_SYNC
@@ -136,8 +138,10 @@ class AsgdConfig:
         elif self.staleness_compensation == "scale":
             self.staleness_scaling = True
         if self.server_lr is None:
-            # docs/algorithms.md#asgd: the W replicas' pushes are averaged (λ = 1/W), not summed.
-            self.server_lr = 1.0 / self._replicas()
+            # docs/algorithms.md#asgd: the W replicas' pushes are averaged (λ = 1/W), not summed;
+            # under `scale` the factor 1/τ (τ ≈ W − 1) averages them: Zhang et al.'s α₀/τ, λ = 1.
+            scaled = self.staleness_compensation == "scale" and self.server_rule == "add"
+            self.server_lr = 1.0 if scaled else 1.0 / self._replicas()
 
     @property
     def dc_lambda_value(self) -> float:
