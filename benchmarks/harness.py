@@ -53,11 +53,17 @@ def parse_args(description: str | None, add: Callable | None = None) -> argparse
     p.add_argument("--replay", type=Path, default=None, metavar="RESULT.json",
                    help="report on the runs a result stored instead of running (history: the "
                         "runs stay that result's commit's)")  # fmt: skip
+    p.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="with --replay, re-simulate K seeded-random stored runs of each batch "
+                        "at this commit: all bit for bit identical, the result holds at this "
+                        "code")  # fmt: skip
     if add is not None:
         add(p)
     args = p.parse_args()
     if args.seeds is not None and args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.verify and args.replay is None or args.verify < 0:
+        p.error("--verify K needs --replay RESULT.json and K >= 0")
     return args
 
 
@@ -142,6 +148,8 @@ class Provenance:
     load_after: float | None = None
     commit_after: str | None = None
     replayed_from: str | None = None  # --replay: the commit whose stored runs this reports on
+    # --verify: (arm, seed, identical) of each stored run re-simulated at this commit
+    verified: list[tuple[str, int, bool]] = field(default_factory=list)
     args: Any = field(default=None, repr=False)
 
     @classmethod
@@ -184,6 +192,13 @@ class Provenance:
                               f"load {old.get('load_before')} before, {old.get('load_after')} "
                               "after: the load lines below are the replay's)")  # fmt: skip
         return [Run(**r) for r in data.get("runs", [])]
+
+    def stored_runs(self) -> dict[tuple[str, int], Run] | None:
+        """:meth:`replayed_runs` by (arm, seed), read once; None without ``--replay``."""
+        if getattr(self, "_stored", None) is None:
+            runs = self.replayed_runs()
+            self._stored = None if runs is None else {(r.arm, r.seed): r for r in runs}
+        return self._stored
 
     def results_dir(self) -> Path:
         """Where reports go: ``benchmarks/results/``, or ``runs/bench-quick/`` for --quick."""
@@ -711,17 +726,48 @@ def simulate_all(
     jobs: Iterable[tuple[Arm, int, Path]], prov: Provenance, workers: int = 2, timeout_s=900.0
 ) -> list[Run]:
     """``cloudburst simulate`` of each (arm, seed, out dir), ``workers`` at a time (a
-    simulation's results do not depend on the machine's load: no interleaving needed)."""
+    simulation's results do not depend on the machine's load: no interleaving needed).
+
+    With ``--replay RESULT.json`` the stored runs of the same (arm, seed) instead, so every
+    later choice is the stored result's; ``--verify K`` re-simulates K of each batch, drawn
+    with a seeded generator, and records whether each is bit for bit the stored one."""
+    jobs = list(jobs)
 
     def one(job: tuple[Arm, int, Path]) -> Run:
         r = run_train(*job, timeout_s, SIMULATE)
         print(f"  {r.arm} seed {r.seed}: {describe(r)}", flush=True)
         return r
 
-    with ThreadPoolExecutor(workers) as pool:
-        runs = list(pool.map(one, jobs))
+    def simulate(batch: list[tuple[Arm, int, Path]]) -> list[Run]:
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(one, batch))
+
+    stored = prov.stored_runs()
+    if stored is None:
+        runs = simulate(jobs)
+        prov.sample_load()
+        return runs
+    missing = [f"{a.name} seed {seed}" for a, seed, _ in jobs if (a.name, seed) not in stored]
+    if missing:
+        sys.exit(f"--replay: the result stored no run of {missing[0]} (this script's arms "
+                 "differ from the ones that made it)")  # fmt: skip
+    rng = random.Random(f"verify {len(prov.verified)} {len(jobs)}")
+    chosen = rng.sample(jobs, min(prov.args.verify, len(jobs)))
+    for r in simulate(chosen):
+        prov.verified.append((r.arm, r.seed, same_run(r, stored[(r.arm, r.seed)])))
     prov.sample_load()
-    return runs
+    return [stored[(a.name, seed)] for a, seed, _ in jobs]
+
+
+def same_run(a: Run, b: Run) -> bool:
+    """Whether two simulations of one arm and seed computed the same: every evaluation, the
+    final accuracy, the training time and samples, compared bit for bit (as JSON stores them)."""
+
+    def key(r: Run) -> str:
+        kept = {k: r.summary.get(k) for k in ("train_time_s", "samples", "final_test_loss")}
+        return json.dumps([r.evals, r.final_accuracy, kept, bool(r.failed)])
+
+    return key(a) == key(b)
 
 
 class Report:
@@ -782,6 +828,16 @@ class Report:
             f"- **runs replayed** from the result of `{p.replayed_from} (`--replay`): the "
             "runs are that commit's, the report this one's: history, not new evidence"
         ]
+        differ = [f"{arm} seed {seed}" for arm, seed, same in p.verified if not same]
+        if p.verified and not differ:
+            replayed = [
+                f"- **runs stored** by the result of `{p.replayed_from} (`--replay`); "
+                f"{len(p.verified)} of them, drawn at random, re-simulated at this commit "
+                "(`--verify`): **bit for bit identical** (every evaluation, the final accuracy, "
+                "the training time and samples), so the result holds at this code"
+            ]
+        elif differ:
+            replayed[0] += f"; re-simulated at this commit, **these differ**: {', '.join(differ)}"
         replayed = replayed if p.replayed_from else []
         return [
             f"# {self.title}",

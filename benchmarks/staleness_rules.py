@@ -10,9 +10,10 @@ Virtual cluster: MNIST-1D's CNN trains (40,000 training samples, batch 64); each
 20 ms × a seeded Pareto(2) draw (mean 1), worker 0's × 4; the clock models ResNet-20's
 269,722 parameters on the wire, 4 nodes joined by 10 Gbit/s with 0.05 ms. asgd at its
 defaults (n_sync, λ = 1/W, one shard; λ = 1 under `scale`, whose 1/τ does the averaging —
-changed for this issue after `scale` with λ = 1/W ended 43.3 points below), every arm the same 20 virtual seconds of training
-(`--max-train-time-s`), evaluated 40 times, every rule (`gap`'s normaliser was changed for
-this issue: C is now the running mean of a worker's |Δ|, not of the shard's 1/W-scaled step).
+changed for this issue after `scale` with λ = 1/W ended 43.3 points below), every arm the
+same 20 virtual seconds of training (`--max-train-time-s`), evaluated 40 times, every rule
+(`gap`'s normaliser was changed for this issue: C is now the running mean of a worker's |Δ|,
+not of the shard's 1/W-scaled step).
 Seeds 3–7; the target is the issue's, named before any run: every rule's final accuracy ≥
 plain asgd's − 1 point (paired t interval, whole interval above −1). At 64 workers (four
 times the simulation's cost) a separate result runs plain asgd, `gap` and `delay-adaptive`.

@@ -271,8 +271,11 @@ def diloco(
     nesterov: bool,
     model: str = "cnn",
     ranks_per_replica: int = 1,
+    warmup_steps: int = 0,
 ) -> tuple[nn.Module, int]:
-    """DiLoCo: every ``period`` steps (and at the end) the outer optimizer (SGD with
+    """DiLoCo: after each of the first ``warmup_steps`` steps every replica and θ_global
+    become the replicas' average (no outer optimizer); then, counting from there, every
+    ``period`` steps (and at the end) the outer optimizer (SGD with
     momentum, Nesterov or not) steps θ_global with the pseudo-gradient θ_global − mean of the
     replicas; every replica restarts from θ_global. ``workers`` replicas of
     ``ranks_per_replica`` workers each, as for :func:`local_sgd`. Returns (θ_global as a
@@ -295,9 +298,14 @@ def diloco(
 
     for step in range(1, steps + 1):
         _local_steps(replicas, opts, data, step, set())
-        if step % period == 0:
+        if step <= warmup_steps:
+            mean = _mean(replicas)
+            theta.data.copy_(mean)
+            for r in replicas:
+                _assign(r, mean)
+        elif (step - warmup_steps) % period == 0:
             outer_step()
-    if steps % period:
+    if steps > warmup_steps and (steps - warmup_steps) % period:
         outer_step()
     return replicas[0], outer_steps
 

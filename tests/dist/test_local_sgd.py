@@ -62,25 +62,28 @@ def test_post_local_sgd_warmup_then_local_steps_over_an_emulated_link(tmp_path):
     assert final_record(out, 1)["steps_skipped_nonfinite"] == 1
 
 
-def test_diloco_outer_optimizer_without_nesterov(tmp_path):
-    # Outer SGD with lr 0.5 and plain momentum 0.5 every 5 steps, and once more at the end
-    # (32 = 6·5 + 2): 7 outer steps.
+def test_diloco_warm_start_then_outer_optimizer_without_nesterov(tmp_path):
+    # A synchronous warm start of 4 steps (the replicas averaged after each, no outer step),
+    # then outer SGD with lr 0.5 and plain momentum 0.5 every 5 steps from there (9, 14, …,
+    # 29) and once more at the end (32 = 4 + 5·5 + 3): 6 outer steps, 10 averages.
     out = tmp_path / "diloco"
     args = ["--strategy", "diloco", "--workers", "2", "--period", "5", "--steps", "32",
-        "--diloco-outer-lr", "0.5", "--diloco-outer-momentum", "0.5", "--diloco-no-nesterov",
+        "--local-sgd-warmup-steps", "4", "--diloco-outer-lr", "0.5",
+        "--diloco-outer-momentum", "0.5", "--diloco-no-nesterov",
         "--out", str(out), *COMMON]  # fmt: skip
     cli("train", *args)
     sim = simulated(args)  # the same job on the virtual cluster
     settings = dict(period=5, outer_lr=0.5, outer_momentum=0.5)
-    expected, outer_steps = diloco(32, 2, nesterov=False, **settings)
-    assert outer_steps == 7
+    expected, outer_steps = diloco(32, 2, nesterov=False, warmup_steps=4, **settings)
+    assert outer_steps == 6
     assert_same_params(trained(out), expected)
     assert_same_params(trained(sim), trained(out))  # the simulator == gloo
-    assert_params_differ(expected, diloco(32, 2, nesterov=True, **settings)[0])
+    assert_params_differ(expected, diloco(32, 2, nesterov=True, warmup_steps=4, **settings)[0])
+    assert_params_differ(expected, diloco(32, 2, nesterov=False, **settings)[0])
     s = read_summary(out)
-    # One all-reduce of θ per outer step: 1/5 of sync's per-step gradient traffic, + 1.
-    assert s["sent_bytes"] == 2 * outer_steps * _numel() * 4
-    assert [final_record(out, r)["averages"] for r in (0, 1)] == [outer_steps] * 2
+    # One all-reduce of θ per average: 1/5 of sync's per-step gradient traffic after the warm-up.
+    assert s["sent_bytes"] == 2 * (4 + outer_steps) * _numel() * 4
+    assert [final_record(out, r)["averages"] for r in (0, 1)] == [4 + outer_steps] * 2
 
 
 def test_streaming_diloco_two_fragments_one_step_delay(tmp_path):

@@ -500,3 +500,19 @@ def test_replay_reports_on_a_results_stored_runs_and_says_whose_they_are(tmp_pat
     assert runs[0].evals == [[1.0, 8, 0.5]]  # as JSON stored them
     header = "\n".join(harness.Report("demo", "A demo", prov).header())
     assert "**runs replayed** from the result of `0ld0ld0` (started None UTC, load 0.3" in header
+    # --verify K: the stored runs are what later choices see; K of each batch re-simulated
+    # here, each compared bit for bit with the stored one
+    fresh = {"sync": Run("sync", 0, 9.0, evals=[(1.0, 8, 0.5)]),
+             "asgd": Run("asgd", 0, 1.0, summary={"final_test_accuracy": 0.25})}  # fmt: skip
+    monkeypatch.setattr(harness, "run_train", lambda arm, seed, *a: fresh[arm.name])
+    prov.args.verify, prov._stored = 2, None
+    jobs = [(Arm("sync"), 0, tmp_path / "s"), (Arm("asgd"), 0, tmp_path / "a")]
+    assert harness.simulate_all(jobs, prov) == [prov.stored_runs()[("sync", 0)], runs[1]]
+    assert sorted(prov.verified) == [("asgd", 0, False), ("sync", 0, True)]
+    header = "\n".join(harness.Report("demo", "A demo", prov).header())
+    assert "re-simulated at this commit, **these differ**: asgd" in header
+    prov.verified = [("sync", 0, True)]
+    header = "\n".join(harness.Report("demo", "A demo", prov).header())
+    assert "1 of them, drawn at random, re-simulated at this commit (`--verify`)" in header
+    with pytest.raises(SystemExit, match="no run of daso seed 0"):
+        harness.simulate_all([(Arm("daso"), 0, tmp_path / "d")], prov)

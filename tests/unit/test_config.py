@@ -143,9 +143,10 @@ def test_path_datasets_have_no_default_size_until_loaded(tmp_path):
     assert RunConfig(model="pkg.module:factory").model == "pkg.module:factory"
 
 
-def test_diloco_refuses_warmup_and_warns_about_outer_lr_with_sgd():
-    with pytest.raises(ConfigError, match="local_sgd_warmup_steps"):
-        RunConfig(strategy="diloco", workers=2, local_sgd_warmup_steps=10, steps=10)
+def test_diloco_takes_a_warm_start_and_warns_about_outer_lr_with_sgd():
+    with pytest.raises(ConfigError, match="^local_sgd_warmup_steps: async_diloco has no"):
+        RunConfig(strategy="async_diloco", workers=2, local_sgd_warmup_steps=10, steps=10)
+    RunConfig(strategy="diloco", workers=2, local_sgd_warmup_steps=10, steps=10)
     RunConfig(strategy="local_sgd", workers=2, local_sgd_warmup_steps=10, steps=10)
     assert RunConfig(strategy="diloco", workers=2, steps=10).warnings() == []  # the defaults
     paper = RunConfig(strategy="diloco", workers=2, steps=10, diloco_outer_lr=0.7)

@@ -302,21 +302,31 @@ def test_a_diloco_checkpoint_of_another_fragment_count_is_refused():
 # 5, 9, 13. A checkpoint is taken only with no fragment in flight.
 STREAMING = dict(fragments=2, fragment_delay=1)
 LAST_OUTER_STEP = {0: [0, 0], 1: [0, 0], 3: [3, 0], 5: [3, 5], 7: [7, 5], 9: [7, 9], 11: [11, 9]}
+# With a warm start of 2 steps (both fragments averaged after steps 1 and 2) the schedule
+# runs from step 2: fragment 0 applied after 5, 9; fragment 1 after 7, 11.
+WARM = {0: [0, 0], 1: [1, 1], 2: [2, 2], 3: [2, 2], 5: [5, 2], 7: [5, 7], 9: [9, 7]}
+CASES = [(0, s, last) for s, last in LAST_OUTER_STEP.items()] + [
+    (2, s, last) for s, last in WARM.items()
+]
 
 
-@pytest.mark.parametrize("step", sorted(LAST_OUTER_STEP))
-def test_a_diloco_worker_restored_at_any_checkpoint_finishes_as_the_uninterrupted_one(step):
+@pytest.mark.parametrize("warm,step,last", CASES)
+def test_a_diloco_worker_restored_at_any_checkpoint_finishes_as_the_uninterrupted_one(
+    warm, step, last
+):
     # finish() ends with an outer step on each fragment that moved since its last one: the
     # restored worker must know when that was (no fragment's is in the checkpoint).
-    strategy, replicas = _diloco(**STREAMING)
+    kw = dict(STREAMING, local_sgd_warmup_steps=warm)
+    strategy, replicas = _diloco(**kw)
     _train(strategy, replicas, range(1, step + 1))
     assert strategy.checkpoint_ready()
+    assert strategy.synced_at == last
     saved = _saved(strategy)
-    restored, twin = _restore(saved, _replica(replicas), **STREAMING)
-    assert restored.synced_at == LAST_OUTER_STEP[step]
+    restored, twin = _restore(saved, _replica(replicas), **kw)
+    assert restored.synced_at == last
     strategy.finish()
     restored.finish()
-    moved = sum(last != step for last in LAST_OUTER_STEP[step])
+    moved = sum(t != step for t in last)
     assert strategy.averages == restored.averages == saved["averages"] + moved
     assert torch.equal(ref.flat(twin.models[0]), ref.flat(replicas.models[0]))
 

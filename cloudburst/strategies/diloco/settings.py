@@ -80,11 +80,6 @@ class DilocoConfig:
             self.diloco_outer_momentum = momentum
 
     def _validate_diloco(self) -> None:
-        if self.strategy == "diloco" and self.local_sgd_warmup_steps:
-            raise ConfigError(
-                "local_sgd_warmup_steps: diloco has no synchronous warm-up (it is local_sgd's "
-                "post-local SGD); leave it at 0"
-            )
         streaming = (self.fragments, self.fragment_delay, self.fragment_alpha) != (1, 0, 0.0)
         if streaming and self.strategy != "diloco":
             raise ConfigError(

@@ -14,6 +14,11 @@ started non-blocking and applied τ inner steps later, with one outer optimizer 
 and the replica's fragment then set to α·θ_local + (1 − α)·θ_global (α = ``fragment_alpha``;
 0 is DiLoCo's replacement). F = 1, τ = 0 is DiLoCo itself, bit for bit.
 
+A synchronous warm start (``local_sgd_warmup_steps`` K, post-local SGD's): for the first K
+steps θ_global becomes the replicas' average after every step (no outer optimizer: its
+momentum starts after), which over SGD is synchronous SGD; the outer schedule then runs from
+step K (fragment k's first outer step after step K + offsets[k]).
+
 ``compress``: the averages send the pseudo-gradient θ_global − θ_i compressed, with error
 feedback for int8/fp8 (residuals per fragment, checkpointed); a delayed fragment overlaps the
 scatter with its τ steps and runs the gather when applied.
@@ -89,12 +94,17 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
 
     def after_step(self, samples: int) -> None:
         self.local_steps += 1
-        step = self.local_steps
+        warm = self.cfg.local_sgd_warmup_steps
+        if self.local_steps <= warm:
+            for k in range(len(self.fragment_params)):
+                self._start(k, 0)
+                self._apply(k, 0.0, outer=False)
+            return
         for k, offset in enumerate(self.offsets):
-            if step % self.period() == offset:
+            if (self.local_steps - warm) % self.period() == offset:
                 self._start(k, self.cfg.fragment_delay)
         for k in sorted(self.in_flight):
-            if self.in_flight[k].apply_at == step:
+            if self.in_flight[k].apply_at == self.local_steps:
                 self._apply(k, self.cfg.fragment_alpha)
 
     def _start(self, k: int, delay: int) -> None:
@@ -109,17 +119,23 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
         self.averages += 1
         self.in_flight[k] = _InFlight(self.local_steps + delay, buffer, pending)
 
-    def _apply(self, k: int, alpha: float) -> None:
-        """Fragment k's outer step on the averaged pseudo-gradient, then the replica's
+    def _apply(self, k: int, alpha: float, outer: bool = True) -> None:
+        """Fragment k's outer step on the averaged pseudo-gradient (``outer=False``: θ_global
+        ← θ_global − the pseudo-gradient, the replicas' average), then the replica's
         fragment ← α·θ_local + (1 − α)·θ_global."""
         flight = self.in_flight.pop(k)
         flight.pending.wait()
         theta = self.global_thetas[k]
         mean = flight.buffer.div_(self.ctx.num_replicas)
         # Pseudo-gradient: how far the replicas moved away from θ_global, on average.
-        theta.grad = mean if self.compression.active else theta.detach() - mean
-        self.outers[k].step()
-        theta.grad = None
+        grad = mean if self.compression.active else theta.detach() - mean
+        if outer:
+            theta.grad = grad
+            self.outers[k].step()
+            theta.grad = None
+        else:
+            with torch.no_grad():
+                theta.sub_(grad)
         params = self.fragment_params[k]
         if alpha == 0.0:
             assign_flat(self.model if len(self.fragment_params) == 1 else params, theta.detach())
@@ -168,8 +184,12 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
         self.synced_at = [self._last_sync(k, self.local_steps) for k in range(len(self.outers))]
 
     def _last_sync(self, k: int, step: int) -> int:
-        """The step of fragment k's last outer step by ``step`` (0: none yet). Its first
-        all-reduce starts after step offsets[k] (H when that is 0) and lands τ steps later."""
-        period = self.period()
+        """The step of fragment k's last outer step by ``step`` (0: none yet). Every step of
+        the warm-up K averages; after it, fragment k's first all-reduce starts after step
+        K + offsets[k] (K + H when that is 0) and lands τ steps later."""
+        warm, period = self.cfg.local_sgd_warmup_steps, self.period()
+        if step <= warm:
+            return step
         first = (self.offsets[k] or period) + self.cfg.fragment_delay
-        return 0 if step < first else first + (step - first) // period * period
+        step -= warm
+        return warm if step < first else warm + first + (step - first) // period * period

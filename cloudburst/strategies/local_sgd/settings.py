@@ -24,7 +24,8 @@ class LocalSgdConfig:
     )
     local_sgd_warmup_steps: int = option(
         0,
-        "post-local SGD: average every step for this many steps first",
+        "post-local SGD: average every step for this many steps first (diloco: a "
+        "synchronous warm start, its outer steps from there)",
         bounds=STEP_COUNT_OR_0,
     )
 
