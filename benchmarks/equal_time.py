@@ -6,14 +6,16 @@ measurement, cells of its virtual grid): 16 (or 64) workers, 4 per node, nodes j
     .venv/bin/python benchmarks/equal_time.py --cell pareto       # results/equal_time_pareto.*
     .venv/bin/python benchmarks/equal_time.py --cell slow-node    # results/equal_time_slow_node.*
     .venv/bin/python benchmarks/equal_time.py --cell pareto --workers 64  # ..._pareto_w64.*
+    .venv/bin/python benchmarks/equal_time.py --cell lognormal --workers 32  # ..._lognormal_w32.*
     .venv/bin/python benchmarks/equal_time.py --quick             # smoke test, runs/bench-quick/
 
 Cells (``CELLS``): ``link``, no straggler; ``pareto``, every step's compute multiplied by
 Pareto(α = 2) noise of mean 1 (``--step-time-jitter pareto:2``, seeded); ``slow-node``, the
 4 workers of the last node 2× slower (``--straggler 12:2`` … ``15:2`` at 16 workers; workers
 sit on the nodes in contiguous blocks after the shards, so these are one node's in every arm).
-At 64 workers (16 nodes) sync's lr grid is {0.1, 0.2, 0.4, 0.8} (4× the batch) and five relaxed
-arms run (``AT_64``: the per-node ones and DASO).
+``lognormal``, every step's compute multiplied by lognormal noise of mean 1 and CV 0.3. At 32
+and 64 workers (8 and 16 nodes) sync's lr grid is {0.1, 0.2, 0.4, 0.8} (2-4× the batch) and
+five relaxed arms run (``AT_64``: the per-node ones and DASO).
 
 Virtual cluster: MNIST-1D's CNN trains; the clock models ResNet-50 on A100s (`--profile
 resnet50-a100`: 25,557,032 parameters, 2,470 img/s), 10 Gbit/s and 0.05 ms between nodes,
@@ -85,8 +87,10 @@ CELLS = {  # name: (report name, words, flags at W workers)
                lambda w: ["--step-time-jitter", "pareto:2"]),
     "slow-node": ("equal_time_slow_node", "one node's 4 workers 2× slower",
                   lambda w: [f for k in range(w - PER_NODE, w) for f in ("--straggler", f"{k}:2")]),
+    "lognormal": ("equal_time_lognormal", "lognormal step times (CV 0.3)",
+                  lambda w: ["--step-time-jitter", "lognormal:0.3"]),
 }  # fmt: skip
-# At 64 workers (4× a simulation's cost) the per-rank DiLoCo, local SGD and async DiLoCo arms,
+# From 32 workers (2-4× a simulation's cost) the per-rank DiLoCo, local SGD and async DiLoCo arms,
 # which no cell at 16 chose and per-rank async DiLoCo lost by 30 points, are left out; sync's
 # batch is 4× larger, so its lr grid moves up one octave.
 AT_64 = ("diloco H=8 node", "streaming H=8 node", "daso", "asgd node", "async_diloco node")
@@ -125,7 +129,7 @@ def final(r: harness.Run) -> float | None:
 def main() -> None:
     def add(p) -> None:
         p.add_argument("--cell", choices=list(CELLS), default="link", help="the grid's cell")
-        p.add_argument("--workers", type=int, choices=(16, 64), default=16, help="W (16)")
+        p.add_argument("--workers", type=int, choices=(16, 32, 64), default=16, help="W (16)")
 
     args, prov = harness.start(__doc__, add)
     name, words, flags = CELLS[args.cell]
@@ -135,7 +139,7 @@ def main() -> None:
     relaxed_arms = {n: f for n, f in RELAXED.items() if w == 16 or n in AT_64}
     quick, root = args.quick, prov.runs_dir(name)
     tune, confirm = ((0,), (1,)) if quick else (TUNE, CONFIRM)
-    lrs = (SYNC_LRS if w == 16 else SYNC_LRS_64)[: 2 if quick else 4]
+    lrs = (SYNC_LRS if w == 16 else SYNC_LRS_64)[: 2 if quick else 4]  # 32: an octave up too
     steps = 20 if quick else SYNC_STEPS
     report = harness.Report(name, "Quality at sync's training time over a 10 Gbit/s link: "
                             f"{w} workers on {w // PER_NODE} nodes, {words} (virtual cluster)",
