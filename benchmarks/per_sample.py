@@ -22,7 +22,9 @@ Tuning (seeds 0–2): every arm but Streaming DiLoCo gets its inner lr from {0.0
 (best mean final accuracy; sync on the same grid as its challengers). Confirmation (seeds 3–7,
 not used to choose), targets from the issue before any run: local SGD and DiLoCo ≥ sync − 1
 point, Streaming DiLoCo int8 ≥ DiLoCo fp32 − 1 point; and (named here) DiLoCo's defaults ≥ the
-previous defaults.
+previous defaults, and DiLoCo with a synchronous warm start (post-local SGD's;
+`--local-sgd-warmup-steps K`, K tuned on {32, 64, 128} at DiLoCo's lr on seeds 0–2) ≥ DiLoCo
+without: the warm start becomes a default only if the whole interval is above 0.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ TUNED = {  # name: flags; each tuned on LRS
 STREAM = ["--strategy", "diloco", "--fragments", "4", "--fragment-delay", "1",
           "--compress", "int8"]  # fmt: skip
 LRS = (0.05, 0.1, 0.2, 0.4)
+WARMS = (32, 64, 128)  # DiLoCo's synchronous warm start K (steps), tuned at its chosen lr
 TUNE, CONFIRM = (0, 1, 2), (3, 4, 5, 6, 7)
 CLAIMS = [  # (a, b, points): a − b ≥ −points
     ("local_sgd", "sync", 1.0),
@@ -95,6 +98,25 @@ def main() -> None:
         final_arms = [Arm(name, a.argv) for name, a in chosen.items()]
         dlr = f"{lr_of(chosen['diloco']):g}"
         final_arms.append(Arm("streaming int8", [*STREAM, "--lr", dlr, *flags, *BASE]))
+        # DiLoCo's warm start K, at its chosen lr (K = 0 is that arm)
+        warms = WARMS[:1] if quick else WARMS
+        warm_grid = [Arm(f"diloco warm {k}", [*chosen["diloco"].argv,
+                                              "--local-sgd-warmup-steps", str(k)])
+                     for k in warms]  # fmt: skip
+        jobs = [(a, s, root / tag / "tune" / harness.slug(a.name) / f"seed{s}")
+                for a in warm_grid for s in tune]  # fmt: skip
+        warm_runs = harness.simulate_all(jobs, prov, timeout_s=3600.0)
+        runs += warm_runs
+        wg = harness.by_arm(warm_runs)
+        warm_mean = {a.name: statistics.mean(r.final_accuracy or 0.0 for r in wg[a.name])
+                     for a in warm_grid}  # fmt: skip
+        best_warm = max(warm_grid, key=lambda a: warm_mean[a.name])
+        report.text("DiLoCo's synchronous warm start at its lr (mean final accuracy, the "
+                    f"tuning seeds): K = 0 {pct(mean[chosen['diloco'].name])}, "
+                    + ", ".join(f"K = {a.name.split()[-1]} {pct(warm_mean[a.name])}"
+                                for a in warm_grid)
+                    + f"; confirmed: {best_warm.name}.")  # fmt: skip
+        final_arms.append(Arm("diloco warm", best_warm.argv))
         jobs = [(a, s, root / tag / "confirm" / harness.slug(a.name) / f"seed{s}")
                 for a in final_arms for s in confirm]  # fmt: skip
         confirmed = harness.simulate_all(jobs, prov, timeout_s=3600.0)
@@ -102,11 +124,11 @@ def main() -> None:
             r.values["scale"] = scale
         runs += confirmed
         cg = harness.by_arm(confirmed)
-        for a, b, points in CLAIMS:
+        for a, b, points in [*CLAIMS, ("diloco warm", "diloco", 0.0)]:
             xa = [r.final_accuracy or 0.0 for r in cg[a]]
             xb = [r.final_accuracy or 0.0 for r in cg[b]]
             harness.diff_claim(report, f"final accuracy at equal samples, {a} − {b} (points), "
-                               f"{scale}, H = 8", xa, xb, f"≥ {-points:g}",
+                               f"{scale}, H = 8", xa, xb, f"≥ {0 - points:g}",
                                lambda d, lo, hi, p=points: lo >= -p,
                                seeds=len(confirm))  # fmt: skip
         report.section(f"{scale}: confirmation (seeds {', '.join(map(str, confirm))})").table(
