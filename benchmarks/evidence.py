@@ -218,6 +218,11 @@ def _recipes(stem: str, data: dict) -> dict[str, dict]:
             out[c["name"]] = {"a": t[m[2]], "b": t[m[3]], "aa": aa, "budget_s": budget}
         elif m := re.match(r"final accuracy, (\S+) − sync", c["name"]):
             out[c["name"]] = {"diff": (acc(m[1]), acc("sync"))}
+        if "÷ sync_powersgd" in c["name"]:
+            out[c["name"]] = {
+                "withdrawn": "PowerSGD at rank 1 from iteration 2 never reached "
+                "85 % (37-65 %): an untuned baseline, a straw man (issue 40)"
+            }
     return out
 
 
@@ -252,7 +257,8 @@ def rescore(path: Path, head: str) -> list[str]:
             old.note = ", ".join(x for x in (old.note, f"not re-scored: {why}") if x)
             claims.append(old)
             continue
-        was = f"re-scored; was {fmt(old.value)} {old.verdict}"
+        first = re.search(r"re-scored; was [^,]*", old.note or "")  # the stored value, kept
+        was = first[0] if first else f"re-scored; was {fmt(old.value)} {old.verdict}"
         new.note = ", ".join(x for x in (new.note, was) if x)
         claims.append(new)
     data["claims"] = [json.loads(json.dumps(c.__dict__, default=list)) for c in claims]
