@@ -8,6 +8,8 @@ push/fetch schedule, the overlapped replies and the rejection path run exactly a
 from __future__ import annotations
 
 import collections
+import queue
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -21,7 +23,7 @@ from cloudburst.config import RunConfig
 from cloudburst.data import BatchStream, synthetic
 from cloudburst.models import build_model
 from cloudburst.strategies.asgd import AsgdStrategy
-from cloudburst.strategies.asgd.server import ServerLoop
+from cloudburst.strategies.asgd.server import ServerLoop, Standby
 from tests.fakes import FakeNamespace
 
 WORKER = 1  # the worker's rank; shards are ranks 0..S-1
@@ -137,10 +139,14 @@ def make_worker(cfg: RunConfig, model: nn.Module) -> tuple[AsgdStrategy, list[Se
     return strategy, loops
 
 
-def train(cfg: RunConfig, steps: int, poison_at: int | None = None):
+def train(cfg: RunConfig, steps: int, poison_at: int | None = None, setup=None, each=None):
+    """``steps`` SGD steps of one worker against the shards; ``setup(loops)`` before the
+    first, ``each(model, loops)`` after each step's push and fetch."""
     data = synthetic(512, 10)
     model = build_model("mlp", 40, 10, seed=0)
     strategy, loops = make_worker(cfg, model)
+    if setup is not None:
+        setup(loops)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     stream = BatchStream(data.x_train, data.y_train, 32, seed=1)
     strategy.cfg.heartbeat_timeout_s = 1000.0
@@ -155,6 +161,8 @@ def train(cfg: RunConfig, steps: int, poison_at: int | None = None):
             with torch.no_grad():
                 next(model.parameters())[0, 0] = float("nan")
         strategy.after_step(32)
+        if each is not None:
+            each(model, loops)
     strategy._heartbeat.stop()  # (no DONE handshake: the fake has no finish protocol)
     return model, strategy, loops
 
@@ -202,3 +210,72 @@ def test_rejected_push_is_discarded_and_training_goes_on():
     assert torch.isfinite(flatten_params(model)).all()
     assert all(torch.isfinite(loop.shard.theta).all() for loop in loops)
     assert loops[0].shard.version == 11 and loops[1].shard.version == 12
+
+
+def test_after_every_push_the_worker_holds_the_servers_theta_whatever_its_staleness():
+    # Between the worker's steps each shard takes 3 empty pushes from elsewhere (Δ = 0: θ
+    # stays, the version moves on), so every push of the worker arrives 3 versions stale.
+    # The worker rebuilds θ + λ·s·Δ from an overlapped reply itself: with the same s as the
+    # shard's, under delay-adaptive (τ_C = W = 4: s = 1 at τ = 3) as under scale (s = 1/3).
+    for compensation in ("delay-adaptive", "scale", "none"):
+        cfg = RunConfig(strategy="asgd", workers=4, dataset="synthetic", train_size=512,
+                        servers=2, n_sync=1, server_lr=0.5,
+                        staleness_compensation=compensation)  # fmt: skip
+
+        def each(model, loops, compensation=compensation):
+            servers = torch.cat([loop.shard.theta for loop in loops])
+            assert torch.equal(flatten_params(model), servers), compensation
+            for loop in loops:
+                for _ in range(3):
+                    loop.shard.apply_push(torch.zeros_like(loop.shard.theta), loop.shard.version)
+
+        _, _, loops = train(cfg, 6, each=each)
+        # the worker's pushes after its first were 3 versions stale (the empty ones: 0)
+        assert [loop.shard.staleness_hist for loop in loops] == [{0: 19, 3: 5}] * 2
+
+
+class _Pair:
+    """A primary's link to its standby and the standby's to it, as two in-process queues."""
+
+    def __init__(self):
+        self.forwards, self.acks = queue.Queue(), queue.Queue()
+
+    def send(self, peer, header, payload=None):  # the primary forwards
+        self.forwards.put((header, None if payload is None else payload.clone()))
+
+    def recv_reply(self, peer, out=None):
+        if out is None:  # the primary waits for the standby's answer
+            return self.acks.get(timeout=30)
+        header, payload = self.forwards.get(timeout=30)  # the standby receives a forward
+        if payload is not None:
+            out.copy_(payload)
+        return header
+
+
+class _StandbySide:
+    def __init__(self, pair: _Pair):
+        self.pair = pair
+
+    def recv_reply(self, peer, out):
+        return self.pair.recv_reply(peer, out)
+
+    def send(self, peer, header, payload=None):
+        self.pair.acks.put(header)
+
+
+def test_a_standby_copy_holds_its_shards_theta_after_every_forwarded_push():
+    # Shard 1's server forwards each applied push to its standby on server 0 before it
+    # replies; the copy starts from shard 1's slice of θ0 and ends on shard 1's θ, bit for bit.
+    pair, standby = _Pair(), []
+
+    def setup(loops):
+        loops[1].standby_link = pair
+        standby.append(Standby(loops[0], 1, _StandbySide(pair)))
+        assert torch.equal(standby[0].replica.theta, loops[1].shard.theta)
+        threading.Thread(target=standby[0]._run, daemon=True).start()
+
+    _, _, loops = train(cfg_for(servers=2, n_sync=2, shard_standby=True), 8, setup=setup)
+    standby = standby[0]
+    assert loops[1].shard.version == 4
+    assert torch.equal(standby.replica.theta, loops[1].shard.theta)
+    assert standby.replica.stats() == loops[1].shard.stats()

@@ -113,6 +113,41 @@ def test_no_budget_never_checks_and_the_last_step_is_never_checked():
     assert last == 3 and checked == [1, 2] and budget.stopped_by() == "steps"
 
 
+class _PairComm(_FakeComm):
+    """Two workers' all-reduce, called by worker 0 first: worker 1 gets what worker 0 added."""
+
+    def __init__(self, shared: list[float], index: int):
+        super().__init__()
+        self.shared, self.index = shared, index
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        super().all_reduce(tensor)
+        if self.index == 0:
+            self.shared.append(float(tensor.item()))
+        else:
+            tensor += self.shared[self.all_reduces - 1]
+
+
+def test_lockstep_workers_stop_at_the_same_step_whatever_their_own_clocks_say():
+    # Worker 1's own clock runs 1.5x worker 0's (it evaluated less, started later...): both
+    # decide on worker 0's, checked at the same steps, and stop after the same step.
+    now, shared, budgets = [0.0], [], []
+    for index, rate in ((0, 1.0), (1, 1.5)):
+        budget, _, _ = _lockstep_budget(2.005, lambda rate=rate: rate * now[0])
+        budget.ctx.worker_index, budget.ctx.comm = index, _PairComm(shared, index)
+        budgets.append(budget)
+    stopped = {}
+    for step in range(1, 1000):
+        now[0] += 0.01
+        for index, budget in enumerate(budgets):
+            if index not in stopped and budget.over(step, 1000):
+                stopped[index] = step
+        if len(stopped) == 2:
+            break
+    assert stopped == {0: 201, 1: 201}
+    assert budgets[0].ctx.comm.all_reduces == budgets[1].ctx.comm.all_reduces
+
+
 # ---------------------------------------------------------------------------- virtual cluster
 def _sim(out: Path, strategy: str, workers: int, budget_s: float, **kw) -> dict:
     cfg = RunConfig(
