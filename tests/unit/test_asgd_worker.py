@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cloudburst.comm.flat import flatten_params
-from cloudburst.comm.p2p import CommStats, Header
+from cloudburst.comm.p2p import CommStats, Header, Kind
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
 from cloudburst.data import BatchStream, synthetic
@@ -272,10 +272,14 @@ def test_a_standby_copy_holds_its_shards_theta_after_every_forwarded_push():
         loops[1].standby_link = pair
         standby.append(Standby(loops[0], 1, _StandbySide(pair)))
         assert torch.equal(standby[0].replica.theta, loops[1].shard.theta)
-        threading.Thread(target=standby[0]._run, daemon=True).start()
+        standby.append(threading.Thread(target=standby[0]._run, daemon=True))
+        standby[1].start()
 
     _, _, loops = train(cfg_for(servers=2, n_sync=2, shard_standby=True), 8, setup=setup)
-    standby = standby[0]
+    standby, thread = standby
+    pair.send(1, Header(Kind.REPLY, shard=1, aux=int(Kind.DONE)))  # the primary is done
+    thread.join(timeout=30)
+    assert not thread.is_alive()
     assert loops[1].shard.version == 4
     assert torch.equal(standby.replica.theta, loops[1].shard.theta)
     assert standby.replica.stats() == loops[1].shard.stats()
