@@ -514,5 +514,16 @@ def test_replay_reports_on_a_results_stored_runs_and_says_whose_they_are(tmp_pat
     prov.verified = [("sync", 0, True)]
     header = "\n".join(harness.Report("demo", "A demo", prov).header())
     assert "1 of them, drawn at random, re-simulated at this commit (`--verify`)" in header
+    # a calibrated step time is a measurement: only the maths must agree
+    calibrated = {"clock_model": {"step_time_source": "calibrated"}, "train_time_s": 1.0}
+    one = Run("a", 0, 1.0, summary=calibrated, evals=[(1.0, 8, 0.5)])
+    two = Run("a", 0, 1.0, summary={**calibrated, "train_time_s": 2.0}, evals=[(2.0, 8, 0.5)])
+    assert harness.same_run(one, two)
+    assert not harness.same_run(one, Run("a", 0, 1.0, summary=calibrated, evals=[(1.0, 8, 0.6)]))
+    modelled = {"clock_model": {"step_time_source": "modelled"}}
+    assert not harness.same_run(
+        Run("a", 0, 1.0, summary=modelled, evals=[(1.0, 8, 0.5)]),
+        Run("a", 0, 1.0, summary=modelled, evals=[(2.0, 8, 0.5)]),
+    )
     with pytest.raises(SystemExit, match="no run of daso seed 0"):
         harness.simulate_all([(Arm("daso"), 0, tmp_path / "d")], prov)
