@@ -81,13 +81,8 @@ def main() -> None:
         tag = harness.slug(scale)
         grid = [Arm(f"{name} lr {lr:g}", [*f, "--lr", f"{lr:g}", *flags, *BASE])
                 for name, f in TUNED.items() for lr in lrs]  # fmt: skip
-        jobs = [(a, s, root / tag / "tune" / harness.slug(a.name) / f"seed{s}")
-                for a in grid for s in tune]  # fmt: skip
-        tuned = harness.simulate_all(jobs, prov, timeout_s=3600.0)
+        tuned, mean = simulate(grid, tune, root / tag / "tune", prov)
         runs += tuned
-        groups = harness.by_arm(tuned)
-        mean = {a.name: statistics.mean(r.final_accuracy or 0.0 for r in groups[a.name])
-                for a in grid}  # fmt: skip
         chosen = {name: max((a for a in grid if a.name.startswith(f"{name} lr ")),
                             key=lambda a: mean[a.name]) for name in TUNED}  # fmt: skip
         report.section(f"{scale}: tuning (seeds {', '.join(map(str, tune))})").table(
@@ -103,13 +98,8 @@ def main() -> None:
         warm_grid = [Arm(f"diloco warm {k}", [*chosen["diloco"].argv,
                                               "--local-sgd-warmup-steps", str(k)])
                      for k in warms]  # fmt: skip
-        jobs = [(a, s, root / tag / "tune" / harness.slug(a.name) / f"seed{s}")
-                for a in warm_grid for s in tune]  # fmt: skip
-        warm_runs = harness.simulate_all(jobs, prov, timeout_s=3600.0)
+        warm_runs, warm_mean = simulate(warm_grid, tune, root / tag / "tune", prov)
         runs += warm_runs
-        wg = harness.by_arm(warm_runs)
-        warm_mean = {a.name: statistics.mean(r.final_accuracy or 0.0 for r in wg[a.name])
-                     for a in warm_grid}  # fmt: skip
         best_warm = max(warm_grid, key=lambda a: warm_mean[a.name])
         report.text("DiLoCo's synchronous warm start at its lr (mean final accuracy, the "
                     f"tuning seeds): K = 0 {pct(mean[chosen['diloco'].name])}, "
@@ -117,9 +107,7 @@ def main() -> None:
                                 for a in warm_grid)
                     + f"; confirmed: {best_warm.name}.")  # fmt: skip
         final_arms.append(Arm("diloco warm", best_warm.argv))
-        jobs = [(a, s, root / tag / "confirm" / harness.slug(a.name) / f"seed{s}")
-                for a in final_arms for s in confirm]  # fmt: skip
-        confirmed = harness.simulate_all(jobs, prov, timeout_s=3600.0)
+        confirmed, _ = simulate(final_arms, confirm, root / tag / "confirm", prov)
         for r in confirmed:
             r.values["scale"] = scale
         runs += confirmed
@@ -138,6 +126,16 @@ def main() -> None:
         chosen_all[scale] = {n: lr_of(a) for n, a in chosen.items()}
     report.data.update(chosen_lr=chosen_all)
     report.write(runs)
+
+
+def simulate(arms: list[Arm], seeds, where: Path, prov) -> tuple[list[harness.Run], dict]:
+    """Each arm on each seed (run directories under ``where``): the runs, and each arm's mean
+    final accuracy."""
+    jobs = [(a, s, where / harness.slug(a.name) / f"seed{s}") for a in arms for s in seeds]
+    runs = harness.simulate_all(jobs, prov, timeout_s=3600.0)
+    groups = harness.by_arm(runs)
+    mean = {a.name: statistics.mean(r.final_accuracy or 0.0 for r in groups[a.name]) for a in arms}
+    return runs, mean
 
 
 def row(arm: Arm, runs: list[harness.Run]) -> list[str]:
