@@ -566,3 +566,18 @@ def simulated(args: list[str] | tuple[str, ...], step_time_s: float = 0.01) -> P
 def write_parent_pid(path: str) -> None:
     """(A forkserver child's target) Write this process's parent pid to ``path``."""
     Path(path).write_text(str(os.getppid()))
+
+
+def shard_of(theta, rule: str = "add", lr: float = 1.0, momentum: float = 0.0, dn_period: int = 1,
+             dn_c: float = 0.0, **shard):  # fmt: skip
+    """A ShardState with server rule ``rule`` by name: asgd's (add, sgd, adagrad), EASGD's
+    ``elastic`` or async DiLoCo's ``dn`` (period N = ``dn_period``, c = ``dn_c``)."""
+    from cloudburst.strategies.asgd.shard import ShardState
+    from cloudburst.strategies.async_diloco.rule import DelayedNesterovRule
+    from cloudburst.strategies.easgd.rule import ElasticRule
+
+    if rule == "dn":
+        rule = DelayedNesterovRule(lr, momentum, dn_period, dn_c)
+    elif rule == "elastic":
+        rule = ElasticRule(lr)
+    return ShardState(theta, rule=rule, lr=lr, momentum=momentum, **shard)

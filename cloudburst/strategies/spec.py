@@ -69,8 +69,15 @@ class StrategySpec:
 
     @classmethod
     def shard_rule(cls, cfg: Any) -> tuple[str, float]:
-        """(rule, lr) of its parameter-server shards: the configured asgd rule by default."""
-        return cfg.server_rule, cfg.server_lr
+        """(rule, lr) of its parameter-server shards (``needs_servers``), for the config and
+        the summary; :meth:`server_rule` builds it."""
+        raise NotImplementedError(f"{cls.name} has no parameter-server shards")
+
+    @classmethod
+    def server_rule(cls, cfg: Any) -> Any:
+        """The :class:`~cloudburst.strategies.asgd.rules.ServerRule` its shards apply pushes
+        by (``needs_servers``; imports torch)."""
+        raise NotImplementedError(f"{cls.name} has no parameter-server shards")
 
     @classmethod
     def validate_compress(cls, cfg: Any, method: str) -> None:

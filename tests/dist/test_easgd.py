@@ -12,13 +12,13 @@ from tests.dist.simulate import (
     easgd_one_worker,
     trained,
 )
-from tests.helpers import simulated, cli, final_record, read_summary, spawn
+from tests.helpers import shard_of, simulated, cli, final_record, read_summary, spawn
 
 pytestmark = pytest.mark.dist
 
 
 def test_elastic_rule_on_scripted_values():
-    shard = ShardState(torch.tensor([1.0, 2.0, -4.0]), rule="elastic", lr=0.25)
+    shard = shard_of(torch.tensor([1.0, 2.0, -4.0]), rule="elastic", lr=0.25)
     result = shard.apply_push(torch.tensor([3.0, 0.0, 4.0]), base_version=0)
     # e = 0.25 * (θ_i - θ̃) = [0.5, -0.5, 2.0]; θ̃ += e
     assert shard.theta.tolist() == [1.5, 1.5, -2.0] and result.status.name == "OK"

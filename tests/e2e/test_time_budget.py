@@ -51,4 +51,6 @@ def test_a_restarted_job_counts_the_training_time_of_its_first_attempt(tmp_path)
     resumed_at_s = next(r["time_s"] for r in steps if r["step"] == 40)
     last = steps[-1]
     assert last["step"] == summary["steps_done"]["0"] == summary["steps_done"]["1"]
-    assert budget_s <= summary["train_time_s"] < budget_s + resumed_at_s / 2
+    # A fresh budget would end at or after resumed_at_s + budget_s; the agreed step may come
+    # late on a loaded machine (4.02 s once, with resumed_at_s = 1.18): only the first is a bug.
+    assert budget_s <= summary["train_time_s"] < budget_s + resumed_at_s

@@ -57,8 +57,8 @@ def test_settings_defaults_and_refusals():
     cfg = RunConfig(strategy="async_diloco", workers=3)
     assert (cfg.servers, cfg.dn_period_value, cfg.dylu) == (1, 3, False)
     shard = make_shard(cfg, torch.zeros(4))
-    assert (shard.rule, shard.lr, shard.optimizer.period) == ("dn", cfg.diloco_outer_lr, 3)
-    assert shard.optimizer.beta == cfg.diloco_outer_momentum
+    assert (shard.rule, shard.lr, shard.server_rule.period) == ("dn", cfg.diloco_outer_lr, 3)
+    assert shard.server_rule.momentum == cfg.diloco_outer_momentum
     assert not overlapped_push_fetch(cfg)  # the outer state is the shard's: reply after apply
     refused = [
         (dict(n_sync=4), "^n_sync: async_diloco pushes every H"),

@@ -34,6 +34,7 @@ from cloudburst.strategies.asgd.worker import AsgdStrategy
 from cloudburst.summary import diverged, failed_message
 from tests import reference as ref
 from tests.fakes import ps_job
+from tests.helpers import shard_of
 
 HUGE = 3e38  # finite in float32 (max 3.4e38): issue 44's push
 RATIO = 2.0
@@ -59,7 +60,7 @@ RULES = [
 
 def _shard(rule: str, compensation: str, extra: dict, ratio: float) -> ShardState:
     theta = torch.linspace(-1.0, 1.0, 6)
-    return ShardState(
+    return shard_of(
         theta, rule=rule, lr=0.5, compensation=compensation, max_push_ratio=ratio, **extra
     )
 

@@ -121,7 +121,7 @@ def test_state_dict_round_trip():
 def test_worker_rebuilds_the_servers_theta_bit_for_bit(lr, scaling, alpha):
     # The overlapped PUSH_FETCH: the reply carries θ before the push; the worker adds its own
     # Δ with add_rule_alpha and must get exactly the θ the server holds after applying it.
-    from cloudburst.strategies.asgd.server import add_rule_alpha
+    from cloudburst.strategies.asgd.compensation import add_rule_alpha
 
     g = torch.Generator().manual_seed(0)
     shard = ShardState(torch.randn(1000, generator=g), lr=lr, staleness_scaling=scaling)

@@ -21,13 +21,9 @@ import torch
 from cloudburst.comm.flat import is_flat_view
 from cloudburst.comm.link import LinkEmulator, LinkSpec, NicState, Topology
 from cloudburst.comm.p2p import Status
-from cloudburst.strategies.asgd.shard import (
-    ShardState,
-    add_rule_alpha,
-    histogram_quantiles,
-    merged_histogram,
-    staleness_factor,
-)
+from cloudburst.strategies.asgd.compensation import add_rule_alpha, staleness_factor
+from cloudburst.strategies.asgd.shard import ShardState, histogram_quantiles, merged_histogram
+from tests.helpers import shard_of
 
 
 def _t(*values: float) -> torch.Tensor:
@@ -118,7 +114,7 @@ def test_default_ring_keeps_sixteen_versions_then_clamps():
 def test_delayed_nesterov_defaults_to_a_period_of_one():
     """N = 1 (and c = 0): every push is a momentum step, m ← β·m + g, θ ← θ − η·β·m − η·g."""
     eta, beta = 0.5, 0.5
-    shard = ShardState(_t(0.0), rule="dn", lr=eta, momentum=beta)
+    shard = shard_of(_t(0.0), rule="dn", lr=eta, momentum=beta)
     _push(shard, _t(1.0), 0)  # g = −1: m = −1, θ = 0 + 0.25 + 0.5 = 0.75
     assert torch.equal(shard.theta, _t(0.75))
     _push(shard, _t(1.0), 1)  # g = −1: m = −1.5, θ = 0.75 + 0.375 + 0.5 = 1.625
@@ -128,7 +124,7 @@ def test_delayed_nesterov_defaults_to_a_period_of_one():
 def test_delayed_nesterov_defaults_to_c_zero():
     """c = 0: between the momentum steps (N = 2), a push is plain SGD of lr η/N."""
     eta, beta = 0.5, 0.5
-    shard = ShardState(_t(0.0), rule="dn", lr=eta, momentum=beta, dn_period=2)
+    shard = shard_of(_t(0.0), rule="dn", lr=eta, momentum=beta, dn_period=2)
     _push(shard, _t(1.0), 0)  # t = 0: θ = 0 + η/2·1 = 0.25
     assert torch.equal(shard.theta, _t(0.25))
     _push(shard, _t(1.0), 1)  # t = 1: a = −2, m = −1, θ = 0.25 + 0.25 + 0.25 = 0.75

@@ -1,5 +1,5 @@
 """A parameter-server shard's state, pinned exactly: the staleness compensators' ring, moments
-and counters (:class:`Compensator`), Delayed Nesterov's default, ``set_theta``, the caller's
+and counters (``make_compensator``), Delayed Nesterov's default, ``set_theta``, the caller's
 finiteness verdict in ``apply_push``, and ``state_dict``/``load_state_dict`` (a restored shard
 behaves bit for bit as the uninterrupted one; older and compensation-free checkpoints load;
 a mismatched state is refused). References are written out here in plain PyTorch, most with
@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from cloudburst.comm.p2p import Status
-from cloudburst.strategies.asgd.shard import Compensator, DelayedNesterov, PushResult, ShardState
+from cloudburst.strategies.asgd.compensation import make_compensator
+from cloudburst.strategies.asgd.shard import PushResult, ShardState
+from cloudburst.strategies.async_diloco.rule import DelayedNesterov
+from tests.helpers import shard_of
 
 BETA = 0.95  # the documented β of DC-ASGD-a's mean square and gap-aware's mean step
 EPS = 1e-7  # DC-ASGD-a's ε
@@ -49,14 +52,14 @@ def _same(a, b) -> bool:
 def test_a_compensator_refuses_a_method_that_is_not_per_coordinate():
     """Only dc, dc-adaptive and gap keep per-coordinate state; the error names the method."""
     with pytest.raises(ValueError, match=r"^'scale' is not a per-coordinate compensator$"):
-        Compensator("scale", torch.zeros(2), 4, 0.1, 1.0)
+        make_compensator("scale", torch.zeros(2), 4, 0.1, 1.0)
 
 
 @pytest.mark.parametrize("window", [0, 1])
 def test_a_window_of_one_keeps_only_the_latest_theta(window):
     """The ring holds max(1, window) versions: with one, a push against the version before
     the latest reads the latest θ and is counted as clamped."""
-    comp = Compensator("dc", _t(0.0, 0.0), window, 0.25, 1.0)
+    comp = make_compensator("dc", _t(0.0, 0.0), window, 0.25, 1.0)
     assert comp.window == 1
     comp.record(1, _t(1.0, 2.0))
     comp.record(2, _t(3.0, 4.0))
@@ -66,7 +69,7 @@ def test_a_window_of_one_keeps_only_the_latest_theta(window):
 
 
 def test_a_window_of_two_keeps_the_two_latest_thetas():
-    comp = Compensator("dc", _t(0.0), 2, 0.25, 1.0)
+    comp = make_compensator("dc", _t(0.0), 2, 0.25, 1.0)
     for v in (1, 2, 3):
         comp.record(v, _t(float(v)))
     assert comp.state_dict()["ring_versions"] == [2, 3]
@@ -77,10 +80,10 @@ def test_plain_dc_keeps_no_moment_while_adaptive_dc_and_gap_start_from_zeros():
     """DC-ASGD with a fixed λ has no running mean: none is kept or saved (a state from it loads
     into another dc shard without one); dc-adaptive and gap start theirs at zero."""
     theta = _t(1.0, -2.0, 3.0)
-    dc = Compensator("dc", theta, 4, 0.25, 1.0)
+    dc = make_compensator("dc", theta, 4, 0.25, 1.0)
     assert dc.moment is None and dc.state_dict()["moment"] is None
     for method in ("dc-adaptive", "gap"):
-        comp = Compensator(method, theta, 4, 0.25, 1.0)
+        comp = make_compensator(method, theta, 4, 0.25, 1.0)
         assert torch.equal(comp.moment, torch.zeros(3)) and comp.moment is not theta
 
 
@@ -88,7 +91,7 @@ def test_record_counts_every_applied_push_and_gap_keeps_the_running_mean_push():
     """``updates`` counts the recorded pushes; gap's C starts at the first push's |Δ| and then
     is the running mean β·C + (1−β)·|Δ| of the pushes judged so far (a worker's update, not
     the shard's λ-scaled step)."""
-    comp = Compensator("gap", _t(0.0, 0.0), 8, 0.0, 1.0)
+    comp = make_compensator("gap", _t(0.0, 0.0), 8, 0.0, 1.0)
     pushes = [_t(1.0, -2.0), _t(0.5, 0.0), _t(-1.0, 4.0)]
     mean, theta = None, _t(0.0, 0.0)
     for version, delta in enumerate(pushes, start=1):
@@ -110,7 +113,7 @@ def test_record_counts_every_applied_push_and_gap_keeps_the_running_mean_push():
 
 
 def test_record_counts_pushes_under_dc_too():
-    comp = Compensator("dc", _t(0.0), 8, 0.25, 1.0)
+    comp = make_compensator("dc", _t(0.0), 8, 0.25, 1.0)
     for v in (1, 2, 3, 4):
         comp.record(v, _t(float(v)))
     assert comp.updates == 4 and comp.state_dict()["updates"] == 4
@@ -119,7 +122,7 @@ def test_record_counts_pushes_under_dc_too():
 def test_dc_compensates_with_its_documented_formula():
     """DC-ASGD: g = −Δ/η, Δ̃ = −η·(g + λ·g⊙g⊙(θ_now − θ_then)); dyadic values, exact."""
     eta, lam = 0.5, 0.25
-    comp = Compensator("dc", _t(1.0, 2.0, -1.0), 4, lam, eta)
+    comp = make_compensator("dc", _t(1.0, 2.0, -1.0), 4, lam, eta)
     comp.record(1, _t(1.5, 2.0, -2.0))
     theta_now = _t(2.0, 0.0, -2.0)
     delta = _t(0.5, -1.0, 0.25)
@@ -135,7 +138,7 @@ def test_adaptive_dc_updates_its_mean_square_first():
     """DC-ASGD-a: m ← β·m + (1−β)·g⊙g with this push's g, then λ = λ0/√(m + ε)."""
     eta, lam0 = 0.5, 0.25
     theta0 = _t(1.0, 2.0, -1.0)
-    comp = Compensator("dc-adaptive", theta0, 4, lam0, eta)
+    comp = make_compensator("dc-adaptive", theta0, 4, lam0, eta)
     theta_now = _t(2.0, 0.0, -2.0)
     m = torch.zeros(3, dtype=torch.float64)
     for delta in (_t(0.5, -1.0, 0.25), _t(-0.25, 0.5, 2.0)):
@@ -150,7 +153,7 @@ def test_adaptive_dc_updates_its_mean_square_first():
 
 def test_gap_divides_by_one_plus_the_gap_over_the_mean_push():
     """Gap-aware: Δ̃ = Δ / (1 + |θ_now − θ_then| / C); G = 1 where C = 0."""
-    comp = Compensator("gap", _t(0.0, 0.0, 0.0), 4, 0.0, 1.0)
+    comp = make_compensator("gap", _t(0.0, 0.0, 0.0), 4, 0.0, 1.0)
     first = _t(2.0, 4.0, 0.0)
     assert torch.equal(comp.compensate(first, _t(0.0, 0.0, 0.0), 0), first)  # no C yet: G = 1
     comp.record(1, _t(0.5, 1.0, 0.0))  # C = |first push| = (2, 4, 0)
@@ -161,15 +164,15 @@ def test_gap_divides_by_one_plus_the_gap_over_the_mean_push():
 
 
 def test_a_compensator_refuses_the_state_of_another_method():
-    gap = Compensator("gap", _t(0.0), 4, 0.25, 1.0)
+    gap = make_compensator("gap", _t(0.0), 4, 0.25, 1.0)
     with pytest.raises(ValueError, match=r"^compensator state of 'dc', not 'gap'$"):
-        gap.load_state_dict(Compensator("dc", _t(0.0), 4, 0.25, 1.0).state_dict())
+        gap.load_state_dict(make_compensator("dc", _t(0.0), 4, 0.25, 1.0).state_dict())
 
 
 def test_a_compensator_refuses_a_ring_with_fewer_thetas_than_versions():
     """Each ring version needs its θ: a state whose ring is short of its version list is an
     error, not a ring silently paired up wrong."""
-    comp = Compensator("dc", _t(0.0, 0.0), 8, 0.25, 1.0)
+    comp = make_compensator("dc", _t(0.0, 0.0), 8, 0.25, 1.0)
     state = {
         "method": "dc",
         "ring_versions": [3, 4, 5],
@@ -185,11 +188,11 @@ def test_a_compensator_refuses_a_ring_with_fewer_thetas_than_versions():
 def test_a_compensator_loads_a_longer_ring_into_a_shorter_window_keeping_the_latest():
     """A ring saved with a larger window loads into a smaller one: its last versions, each
     with its own θ (copied, not shared with the state)."""
-    big = Compensator("gap", _t(0.0), 5, 0.0, 1.0)
+    big = make_compensator("gap", _t(0.0), 5, 0.0, 1.0)
     for v in (1, 2, 3, 4):
         big.record(v, _t(float(10 * v)))
     state = big.state_dict()
-    small = Compensator("gap", _t(7.0), 2, 0.0, 1.0)
+    small = make_compensator("gap", _t(7.0), 2, 0.0, 1.0)
     small.load_state_dict(state)
     assert small.state_dict()["ring_versions"] == [3, 4]
     assert torch.equal(small.theta_then(3), _t(30.0)) and torch.equal(small.theta_then(4), _t(40.0))
@@ -308,7 +311,7 @@ def _run(shard: ShardState, script) -> None:
 
 
 def _shard(theta, rule: str, compensation: str) -> ShardState:
-    return ShardState(
+    return shard_of(
         theta,
         rule=rule,
         lr=0.3,

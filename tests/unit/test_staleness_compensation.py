@@ -15,14 +15,16 @@ from cloudburst.comm.p2p import Status
 from cloudburst.config import ConfigError, RunConfig, Straggler
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.sim.run import simulate
-from cloudburst.strategies.asgd.settings import COMPENSATIONS
+from cloudburst.strategies.asgd.compensation import PER_COORDINATE, SCALAR_FACTORS, add_rule_alpha
+from cloudburst.strategies.asgd.rules import ASGD_RULES, ServerRule
+from cloudburst.strategies.asgd.settings import COMPENSATIONS, SERVER_RULES
 from cloudburst.strategies.asgd.shard import (
     ShardState,
-    add_rule_alpha,
     histogram_quantiles,
     make_shard,
     overlapped_push_fetch,
 )
+from tests.helpers import shard_of
 from tests.reference import compensated_server, delayed_nesterov_server
 
 NUMEL = 50
@@ -221,7 +223,7 @@ def test_the_shard_counts_the_staleness_and_scale_distributions_exactly():
 def test_delayed_nesterov_matches_the_reference(period, c):
     g = torch.Generator().manual_seed(5)
     deltas = [torch.randn(NUMEL, generator=g) for _ in range(10)]
-    shard = ShardState(_theta0(), rule="dn", lr=0.7, momentum=0.9, dn_period=period, dn_c=c)
+    shard = shard_of(_theta0(), rule="dn", lr=0.7, momentum=0.9, dn_period=period, dn_c=c)
     for d in deltas:
         shard.apply_push(d, shard.version)
     # The pushes carry Δ = θ_local − θ_start: the pseudo-gradient is −Δ.
@@ -239,17 +241,45 @@ def test_delayed_nesterov_matches_the_reference(period, c):
 def test_delayed_nesterov_state_survives_a_checkpoint():
     g = torch.Generator().manual_seed(6)
     deltas = [torch.randn(NUMEL, generator=g) for _ in range(7)]
-    whole = ShardState(_theta0(), rule="dn", lr=0.7, momentum=0.9, dn_period=3)
-    first = ShardState(_theta0(), rule="dn", lr=0.7, momentum=0.9, dn_period=3)
+    whole = shard_of(_theta0(), rule="dn", lr=0.7, momentum=0.9, dn_period=3)
+    first = shard_of(_theta0(), rule="dn", lr=0.7, momentum=0.9, dn_period=3)
     for d in deltas:
         whole.apply_push(d, whole.version)
     for d in deltas[:4]:
         first.apply_push(d, first.version)
-    resumed = ShardState(torch.zeros(NUMEL), rule="dn", lr=0.7, momentum=0.9, dn_period=3)
+    resumed = shard_of(torch.zeros(NUMEL), rule="dn", lr=0.7, momentum=0.9, dn_period=3)
     resumed.load_state_dict(first.state_dict())
     for d in deltas[4:]:
         resumed.apply_push(d, resumed.version)
     assert torch.equal(resumed.theta, whole.theta)
+
+
+def test_the_registries_are_the_flags_and_a_shard_applies_any_rule_it_is_given():
+    """The CLI's names (torch-free) are the registries' keys; a rule written outside asgd
+    runs on a shard as asgd's do: its update is bounded before it lands, with the scalar
+    staleness factor and the compensator applied first."""
+    assert set(SCALAR_FACTORS) | set(PER_COORDINATE) == set(COMPENSATIONS)
+    assert tuple(ASGD_RULES) == SERVER_RULES
+
+    class SignRule(ServerRule):  # θ ← θ + λ·s·sign(Δ)
+        name = "sign"
+
+        def update(self, push, factor):
+            return push.sign().mul_(self.lr * factor), True, None
+
+        def step(self, push, factor):
+            self.param.add_(push.sign(), alpha=self.lr * factor)
+
+    shard = ShardState(torch.zeros(3), rule=SignRule(0.5), compensation="scale",
+                       max_push_ratio=1.0)  # fmt: skip
+    assert shard.apply_push(torch.tensor([2.0, -3.0, 0.0]), 0).status == Status.OK
+    assert shard.apply_push(torch.tensor([1.0, 1.0, 1.0]), 0).status == Status.OK  # τ = 1
+    assert shard.apply_push(torch.tensor([-1.0, -1.0, -1.0]), 0).status == Status.OK  # s = 1/2
+    assert torch.equal(shard.theta, torch.tensor([0.75, -0.25, 0.25]))
+    assert (shard.rule, shard.lr, shard.version) == ("sign", 0.5, 3)
+    big = ShardState(torch.zeros(3), rule=SignRule(5.0), max_push_ratio=1.0)  # ‖u‖ = 5√3 > 1
+    assert big.apply_push(torch.ones(3), 0).status == Status.REFUSED
+    assert torch.equal(big.theta, torch.zeros(3))
 
 
 @pytest.mark.slow

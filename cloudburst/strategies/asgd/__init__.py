@@ -20,6 +20,16 @@ class Asgd(StrategySpec):
     standby_shards = True
 
     @classmethod
+    def shard_rule(cls, cfg: Any) -> tuple[str, float]:
+        return cfg.server_rule, cfg.server_lr
+
+    @classmethod
+    def server_rule(cls, cfg: Any) -> Any:
+        from cloudburst.strategies.asgd.rules import asgd_rule
+
+        return asgd_rule(cfg.server_rule, cfg.server_lr, cfg.server_momentum)
+
+    @classmethod
     def warnings(cls, cfg: Any) -> list[str]:
         n, who = cfg.replicas, "node replicas" if cfg.replica == "node" else "workers"
         # under `scale` each push is divided by its staleness (≈ W − 1) already

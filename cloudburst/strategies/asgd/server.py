@@ -46,9 +46,7 @@ from cloudburst.strategies.asgd.serving import RequestServing, _first_line
 from cloudburst.strategies.asgd.shard import (  # noqa: F401 - the shard maths, also importable from here
     PushResult,
     ShardState,
-    add_rule_alpha,
     all_finite,
-    elastic_step,
     make_shard,
     mean_staleness,
     overlapped_push_fetch,

@@ -1,6 +1,6 @@
 """One parameter-server shard's maths, with no communication: what a shard does with a push
-(:class:`ShardState`), the server rules, EASGD's elastic step, the staleness compensators
-(:class:`Compensator`), and the helpers the workers share with the servers (they import this
+(:class:`ShardState`, which applies whatever server rule it is given: ``rules.py``, and the
+strategies' own), and the helpers the workers share with the servers (they import this
 module, never the server loop in :mod:`cloudburst.strategies.asgd.server`).
 
 :class:`ShardState` applies pushes one at a time, in arrival order, keeps the version clock
@@ -10,7 +10,6 @@ gap-aware, delay-adaptive; docs/algorithms.md#staleness-compensation), rejects n
 pushes, and refuses finite ones whose update (the change of θ_k the rule would make, after
 compensation) is not finite or larger than ``max_push_ratio``·max(‖θ_k‖, 1)
 (``--max-push-ratio``: one push of 3e38 made θ inf and every worker's loss NaN, issue 44).
-Async DiLoCo's Delayed Nesterov outer rule (``dn``) lives here too.
 DC-ASGD and gap-aware need θ_then, the θ the pushing worker last fetched: the shard keeps a
 ring of its own θ after each of the last R versions (R = ``compensation_window``; memory
 R·|θ_k|), looked up by the push's base version. A ring, not DC-ASGD's per-worker backup,
@@ -21,9 +20,7 @@ A push older than the ring uses its oldest θ (counted: ``compensation_clamped``
 
 from __future__ import annotations
 
-import copy
 import math
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,15 +29,14 @@ import torch
 
 from cloudburst.comm.p2p import Status
 from cloudburst.config import RunConfig
-from cloudburst.strategies.asgd.settings import COMPENSATIONS
+from cloudburst.strategies.asgd.compensation import (
+    PER_COORDINATE,
+    SCALAR_FACTORS,
+    make_compensator,
+    staleness_factor,
+)
+from cloudburst.strategies.asgd.rules import ServerRule, all_finite, asgd_rule
 
-# --staleness-compensation: the compensators (docs/algorithms.md#staleness-compensation).
-# Those whose factor is a function of the staleness alone: a worker rebuilds the server's θ
-# from an overlapped PUSH_FETCH reply with add_rule_alpha. The others need θ_then and keep
-# per-coordinate state: their replies follow the apply.
-SCALAR_COMPENSATIONS = ("none", "scale", "delay-adaptive")
-COMPENSATION_BETA = 0.95  # β of DC-ASGD's mean square and of gap-aware's mean step
-DC_EPSILON = 1e-7  # DC-ASGD-a's ε in λ0/√(m + ε) (Zheng et al. 2017)
 # The push-scale histogram: scales rounded to this many decimals, clipped to [0, this].
 SCALE_DECIMALS, SCALE_CLIP = 3, 10.0
 # --max-push-ratio bounds ‖update‖ by ratio·max(‖θ_k‖, this): a shard whose θ_k is near zero
@@ -58,246 +54,31 @@ class PushResult:
     staleness: int
 
 
-def staleness_factor(compensation: str | bool, staleness: int, delay_threshold: int = 1) -> float:
-    """The scalar factor s of a push of ``staleness`` τ: 1/max(1, τ) (``scale``, Zhang et al.
-    2016), 1 while τ ≤ τ_C and τ_C/τ beyond (``delay-adaptive``, τ_C = ``delay_threshold``),
-    else 1. ``True``/``False`` stand for ``scale``/``none`` (``staleness_scaling``).
-
-    delay-adaptive: Koloskova et al. 2022 and Mishchenko et al. 2022 take η_t = η for
-    τ_t ≤ τ_C, else min(η, 1/(4Lτ_t)); with their η = 1/(4Lτ_C) the second branch is η·τ_C/τ_t,
-    free of L. Built from that rule as ALGORITHMS.md §6 states it: the papers' text was not
-    reachable here to confirm their section and equation numbers."""
-    if compensation is True or compensation == "scale":
-        return 1.0 / max(1, staleness)
-    if compensation == "delay-adaptive" and staleness > delay_threshold:
-        return delay_threshold / staleness
-    return 1.0
-
-
-def add_rule_alpha(
-    lr: float, staleness: int, compensation: str | bool = "none", delay_threshold: int = 1
-) -> float:
-    """The factor of the add rule, θ ← θ + αΔ: α = λ·s (:func:`staleness_factor`).
-
-    Workers use the same function to rebuild the server's θ from an overlapped reply, so that
-    both sides compute bit-identical results.
-    """
-    return lr * staleness_factor(compensation, staleness, delay_threshold)
-
-
-def elastic_step(alpha: float, theta_worker: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
-    """EASGD's elastic difference e = α(θ_i − θ̃): the centre adds it, the worker subtracts it.
-
-    Both sides call this on the same values (the worker gets θ̃ as it was before its push), so
-    they compute the same e bit for bit.
-    """
-    return (theta_worker - centre).mul_(alpha)
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """Exact, and fast on the common path: a NaN or ±Inf element always makes the sum
-    non-finite, so a finite sum proves every element finite (one reduction instead of a full
-    boolean tensor). A non-finite sum may still be an overflow of finite values: check exactly.
-    """
-    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
-
-
 def norm(t: torch.Tensor) -> float:
     """‖t‖₂, in float64 where float32's sum of squares overflows (elements beyond ~1.8e19)."""
     value = float(t.norm())
     return value if math.isfinite(value) else float(t.norm(dtype=torch.float64))
 
 
-class Compensator:
-    """The state of a per-coordinate compensator on one shard: ``dc``, ``dc-adaptive``
-    (Zheng et al. 2017, "Asynchronous SGD with delay compensation": its update rule, and its
-    adaptive λ_t = λ0/√(m_t + ε), DC-ASGD-a) or ``gap`` (Barkai et al. 2020, "Gap-aware
-    mitigation of gradient staleness": G = 1 + |θ_now − θ_then|/C). Section and equation
-    numbers are not cited: the papers' text was not reachable here to check them.
-
-    With g = −Δ/η the push's pseudo-gradient per unit of local lr η (``local_lr``; n_sync
-    local steps: g is their sum), DC-ASGD applies Δ̃ = −η·(g + λ·g⊙g⊙(θ_now − θ_then)), where
-    λ = ``dc_lambda``, or λ0/√(m_t + ε) with m_t ← β·m + (1−β)·g⊙g updated by this push first;
-    gap-aware applies Δ̃ = Δ / G with C the running mean (β) of |Δ| over the pushes applied
-    before, the first one its start (G = 1 where C = 0): the gap in units of one worker's
-    update, as the paper's C is. (C was the mean step the shard took, λ|Δ̃|: with λ = 1/W
-    that counts every concurrent push as 1/W of a step, G grew to ~W on top of λ's 1/W, and
-    asgd stopped learning at W = 16: docs/algorithms.md#staleness-compensation.)
-    """
-
-    def __init__(
-        self, method: str, theta: torch.Tensor, window: int, dc_lambda: float, local_lr: float
-    ):
-        if method not in ("dc", "dc-adaptive", "gap"):
-            raise ValueError(f"{method!r} is not a per-coordinate compensator")
-        self.method, self.window = method, max(1, int(window))
-        self.dc_lambda, self.local_lr = dc_lambda, local_lr
-        self.ring: deque[tuple[int, torch.Tensor]] = deque()
-        self.moment = None if method == "dc" else torch.zeros_like(theta)
-        self.updates = 0  # applied pushes seen (gap: whether C has its first value)
-        self.clamped = 0  # pushes older than the ring (their θ_then: its oldest)
-        self.reset(0, theta)
-
-    def reset(self, version: int, theta: torch.Tensor) -> None:
-        """θ was replaced (warm start): the ring holds it alone, as ``version``."""
-        self.ring.clear()
-        self.ring.append((version, theta.detach().clone()))
-
-    def theta_then(self, base_version: int) -> torch.Tensor:
-        oldest = self.ring[0][0]
-        if base_version < oldest:
-            self.clamped += 1
-            base_version = oldest
-        return self.ring[base_version - oldest][1]
-
-    def compensate(
-        self, delta: torch.Tensor, theta_now: torch.Tensor, base_version: int, commit: bool = True
-    ) -> torch.Tensor:
-        """Δ̃, the push to apply in place of ``delta`` (computed against ``base_version``).
-        ``commit=False``: the same Δ̃, leaving the state alone (the mean square, the count of
-        clamped pushes), for a push that may still be refused."""
-        oldest = self.ring[0][0]
-        if commit or base_version >= oldest:
-            theta_then = self.theta_then(base_version)
-        else:
-            theta_then = self.ring[0][1]
-        diff = theta_now - theta_then
-        if self.method == "gap":
-            ratio = torch.where(self.moment > 0, diff.abs_() / self.moment, 0.0)
-            applied = delta / ratio.add_(1.0)
-            if commit:  # C learns this push's size after judging it
-                size = delta.abs()
-                if self.updates == 0:
-                    self.moment.copy_(size)
-                else:
-                    self.moment.mul_(COMPENSATION_BETA).add_(size, alpha=1.0 - COMPENSATION_BETA)
-            return applied
-        g = delta / -self.local_lr
-        gg = g * g
-        if self.method == "dc-adaptive":
-            moment = self.moment if commit else self.moment.clone()
-            moment.mul_(COMPENSATION_BETA).add_(gg, alpha=1.0 - COMPENSATION_BETA)
-            lam = self.dc_lambda / torch.sqrt(moment + DC_EPSILON)
-            correction = lam * gg * diff
-        else:
-            correction = gg.mul_(diff).mul_(self.dc_lambda)
-        return (g + correction) * -self.local_lr
-
-    def record(self, version: int, theta: torch.Tensor) -> None:
-        """``theta`` is the shard's θ after the push that made ``version``."""
-        self.updates += 1
-        if len(self.ring) >= self.window:
-            _, buf = self.ring.popleft()
-            buf.copy_(theta)
-        else:
-            buf = theta.detach().clone()
-        self.ring.append((version, buf))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "ring_versions": [v for v, _ in self.ring],
-            "ring": torch.stack([t for _, t in self.ring]).clone(),
-            "moment": None if self.moment is None else self.moment.clone(),
-            "updates": self.updates,
-            "clamped": self.clamped,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["method"] != self.method:
-            raise ValueError(f"compensator state of {state['method']!r}, not {self.method!r}")
-        versions = [int(v) for v in state["ring_versions"]][-self.window :]
-        ring = state["ring"][-len(versions) :]
-        self.ring = deque((v, t.clone()) for v, t in zip(versions, ring, strict=True))
-        if self.moment is not None:
-            self.moment.copy_(state["moment"])
-        self.updates, self.clamped = int(state["updates"]), int(state["clamped"])
-
-
-class DelayedNesterov:
-    """Asynchronous DiLoCo's outer optimizer on a shard: Delayed Nesterov (Liu et al. 2024,
-    "Asynchronous Local-SGD Training for Language Modeling", arXiv:2401.09135, its Delayed
-    Nesterov algorithm, as the HALoS authors' utnslab/halos ``src/halos/opt.py`` implements
-    it with the paper cited). With g the push's
-    pseudo-gradient (−Δ), t the number of pushes applied before it, N = ``period``, η, β, c:
-
-        a ← a + g
-        (t+1) mod N = 0:  m ← β·m + a/N;  θ ← θ − η·(1 − c·N + c)·β·m − (η/N)·g;  a ← 0
-        otherwise:                         θ ← θ − η·c·β·m − (η/N)·g
-
-    c = 0 (the default) is the paper's DN: between momentum updates, plain SGD of lr η/N.
-    """
-
-    def __init__(self, param: torch.Tensor, lr: float, beta: float, period: int, c: float = 0.0):
-        self.param, self.lr, self.beta, self.period, self.c = param, lr, beta, period, c
-        self.momentum = torch.zeros_like(param)
-        self.accumulated = torch.zeros_like(param)
-        self.t = 0
-
-    def step(self, g: torch.Tensor) -> None:
-        self.accumulated.add_(g)
-        if (self.t + 1) % self.period == 0:
-            self.momentum.mul_(self.beta).add_(self.accumulated, alpha=1.0 / self.period)
-            coeff = (1.0 - self.c * self.period + self.c) * self.beta
-            self.param.add_(self.momentum, alpha=-self.lr * coeff)
-            self.accumulated.zero_()
-        elif self.c:
-            self.param.add_(self.momentum, alpha=-self.lr * self.c * self.beta)
-        self.param.add_(g, alpha=-self.lr / self.period)
-        self.t += 1
-
-    def update(self, g: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """The change :meth:`step` would make to θ for ``g``, and whether its new state (the
-        momentum, the accumulated g) would be finite, with nothing changed."""
-        update = g.mul(-self.lr / self.period)
-        if (self.t + 1) % self.period == 0:
-            accumulated = self.accumulated.add(g)
-            momentum = self.momentum.mul(self.beta).add_(accumulated, alpha=1.0 / self.period)
-            coeff = (1.0 - self.c * self.period + self.c) * self.beta
-            state_finite = all_finite(accumulated) and all_finite(momentum)
-            return update.add_(momentum, alpha=-self.lr * coeff), state_finite
-        if self.c:
-            update.add_(self.momentum, alpha=-self.lr * self.c * self.beta)
-        return update, all_finite(self.accumulated.add(g))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "momentum": self.momentum.clone(),
-            "accumulated": self.accumulated.clone(),
-            "t": self.t,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.momentum.copy_(state["momentum"])
-        self.accumulated.copy_(state["accumulated"])
-        self.t = int(state["t"])
-
-
 class ShardState:
-    """One shard θ_k with its version clock and server rule.
+    """One shard θ_k with its version clock and server rule (a :class:`~cloudburst.strategies.
+    asgd.rules.ServerRule`, or the name of one of asgd's: ``add``, ``sgd``, ``adagrad``, with
+    ``lr`` and sgd's ``momentum``). With Δ = θ_worker − θ_at_its_last_fetch, the rule gets
+    Δ_k, first replaced by the per-coordinate compensator's Δ̃ under ``dc``, ``dc-adaptive``
+    and ``gap``, and s = :func:`~cloudburst.strategies.asgd.compensation.staleness_factor`
+    (``compensation``; ``staleness_scaling=True`` is ``scale``); a rule that takes no
+    compensation (EASGD's elastic centre) gets the push as it came, with s = 1.
 
-    Rules (Δ = θ_worker − θ_at_its_last_fetch):
-      - ``add``:     θ_k ← θ_k + λ·s·Δ_k                       (λ = ``lr``; DistBelief/GPU A-SGD)
-      - ``sgd``:     SGD with momentum on the pseudo-gradient −s·Δ_k (``torch.optim.SGD``)
-      - ``adagrad``: Adagrad on the pseudo-gradient −s·Δ_k (``torch.optim.Adagrad``)
-      - ``dn``:      async DiLoCo's Delayed Nesterov (:class:`DelayedNesterov`) on −s·Δ_k, with
-        lr λ, β = ``momentum`` and N = ``dn_period``
-      - ``elastic``: EASGD's centre variable; the push carries the worker's θ_i (not Δ) and
-        θ̃_k ← θ̃_k + α·(θ_i,k − θ̃_k) with α = ``lr`` (the worker moves by the same e, away)
-    where s = :func:`staleness_factor` (``compensation``; ``staleness_scaling=True`` is
-    ``scale``), and Δ_k is first replaced by the :class:`Compensator`'s Δ̃ under ``dc``,
-    ``dc-adaptive`` and ``gap``.
-
-    A push is applied only if the update u it makes (θ_k ← θ_k + u, by the rule above, after
+    A push is applied only if the update u it makes (θ_k ← θ_k + u, by the rule, after
     compensation) leaves θ_k and the rule's state finite and ‖u‖ ≤ ``max_push_ratio``·
-    max(‖θ_k‖, ``PUSH_NORM_FLOOR``) (0: no bound; adagrad: ‖λ·s·Δ̃‖, see :meth:`_update`);
-    else it is REFUSED (:meth:`push_problem`).
+    max(‖θ_k‖, ``PUSH_NORM_FLOOR``) (0: no bound; adagrad: ‖λ·s·Δ̃‖, its ``update``'s own
+    step); else it is REFUSED (:meth:`push_problem`).
     """
 
     def __init__(
         self,
         theta: torch.Tensor,
-        rule: str = "add",
+        rule: ServerRule | str = "add",
         lr: float = 1.0,
         momentum: float = 0.0,
         max_staleness: int | None = None,
@@ -307,18 +88,20 @@ class ShardState:
         delay_threshold: int = 1,
         compensation_window: int = 16,
         local_lr: float = 1.0,
-        dn_period: int = 1,
-        dn_c: float = 0.0,
         max_push_ratio: float = 0.0,
     ):
         self.param = torch.nn.Parameter(
             theta.detach().to(torch.float32).clone(), requires_grad=False
         )
-        self.rule, self.lr = rule, lr
+        self.server_rule = asgd_rule(rule, lr, momentum) if isinstance(rule, str) else rule
+        self.server_rule.bind(self.param)
+        self.rule, self.lr = self.server_rule.name, self.server_rule.lr
         if compensation is None:
             compensation = "scale" if staleness_scaling else "none"
-        if compensation not in COMPENSATIONS:
+        if compensation not in SCALAR_FACTORS and compensation not in PER_COORDINATE:
             raise ValueError(f"unknown staleness compensation {compensation!r}")
+        if not self.server_rule.takes_compensation:
+            compensation = "none"
         self.compensation, self.delay_threshold = compensation, delay_threshold
         self.staleness_scaling = compensation == "scale"
         self.max_staleness = max_staleness
@@ -339,20 +122,10 @@ class ShardState:
         self.scale_hist: dict[float, int] = {}
         self.last_scale = 1.0
         self.compensator = None
-        if compensation not in SCALAR_COMPENSATIONS:
-            self.compensator = Compensator(
+        if compensation in PER_COORDINATE:
+            self.compensator = make_compensator(
                 compensation, self.param.data, compensation_window, dc_lambda, local_lr
             )
-        if rule in ("add", "elastic"):
-            self.optimizer = None
-        elif rule == "sgd":
-            self.optimizer = torch.optim.SGD([self.param], lr=lr, momentum=momentum)
-        elif rule == "adagrad":
-            self.optimizer = torch.optim.Adagrad([self.param], lr=lr)
-        elif rule == "dn":
-            self.optimizer = DelayedNesterov(self.param.data, lr, momentum, dn_period, dn_c)
-        else:
-            raise ValueError(f"unknown server rule {rule!r}")
 
     @property
     def theta(self) -> torch.Tensor:
@@ -434,12 +207,12 @@ class ShardState:
         scalar compensator u = αΔ: ‖Δ‖ (``delta_norm``, when the caller has it), and ‖θ_k‖
         only for an update longer than ``max_push_ratio``; the other rules compute u aside
         (the torch optimizers' steps by their documented formulas, with the defaults built
-        here). θ_k is finite (every change to it is checked)."""
+        there). θ_k is finite (every change to it is checked)."""
         theta = self.param.data
         update: torch.Tensor | None = None
         state_finite = True
-        if self.rule == "add" and self.compensator is None:
-            alpha = add_rule_alpha(self.lr, staleness, self.compensation, self.delay_threshold)
+        alpha = self.server_rule.alpha(self._factor(staleness))
+        if alpha is not None and self.compensator is None:
             length = abs(alpha) * (norm(delta) if delta_norm is None else delta_norm)
         else:
             update, state_finite, own = self._update(delta, staleness)
@@ -464,68 +237,35 @@ class ShardState:
             return "θ + its update would not be finite"
         return None
 
+    def _factor(self, staleness: int) -> float:
+        return staleness_factor(self.compensation, staleness, self.delay_threshold)
+
     def _update(
         self, delta: torch.Tensor, staleness: int
     ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
-        """u, the change :meth:`add_push` would make to θ_k; whether the rule's state would
-        stay finite; and, for adagrad, the push's own step λ·s·Δ̃ that the bound applies to
-        instead of u (adagrad's step is at most λ per coordinate whatever the push: its first
-        one, λ·sign(g), may be longer than θ_k; a refusal would leave its state as it was, so
-        every later push would be refused too). Nothing changes."""
-        theta = self.param.data
-        if self.rule == "elastic":
-            return elastic_step(self.lr, delta, theta), True, None
-        factor = staleness_factor(self.compensation, staleness, self.delay_threshold)
+        """The rule's ``update`` for this push after compensation. Nothing changes."""
         push = delta
         if self.compensator is not None:
             base = self.version - staleness
-            push = self.compensator.compensate(delta, theta, base, commit=False)
-        if self.optimizer is None:  # add
-            return push.mul(self.lr * factor), True, None
-        g = push.mul(-factor)
-        if isinstance(self.optimizer, DelayedNesterov):
-            return (*self.optimizer.update(g), None)
-        state = self.optimizer.state.get(self.param, {})
-        group = self.optimizer.param_groups[0]
-        if isinstance(self.optimizer, torch.optim.Adagrad):
-            # clr = lr / (1 + (step − 1)·lr_decay), lr_decay = 0; weight_decay = 0
-            total = state["sum"].add(g * g)
-            own = g.mul(-group["lr"])
-            update = g.div(total.sqrt().add_(group["eps"])).mul_(-group["lr"])
-            return update, all_finite(total), own
-        # SGD (dampening 0, no Nesterov, no weight decay): buf ← μ·buf + g (g on the first step)
-        buf = state.get("momentum_buffer")
-        if group["momentum"] and buf is not None:
-            g = buf.mul(group["momentum"]).add_(g)
-        state_finite = all_finite(g)
-        return g.mul_(-group["lr"]), state_finite, None
+            push = self.compensator.compensate(delta, self.param.data, base, commit=False)
+        return self.server_rule.update(push, self._factor(staleness))
 
     def add_push(self, delta: torch.Tensor, staleness: int) -> None:
         """The arithmetic half of :meth:`apply_push`: θ moves by a push that
         :meth:`admit_push` accepted with ``staleness`` (right before: the push made the
         current version, and was computed against the version ``staleness`` before it)."""
         with torch.no_grad():
-            if self.rule == "elastic":
-                self.param.add_(elastic_step(self.lr, delta, self.param))
+            if not self.server_rule.takes_compensation:
+                self.server_rule.step(delta, 1.0)
                 return
-            scale = staleness_factor(self.compensation, staleness, self.delay_threshold)
+            scale = factor = self._factor(staleness)
             push = delta
             if self.compensator is not None:
                 base = self.version - 1 - staleness
                 push = self.compensator.compensate(delta, self.param.data, base)
                 length = float(delta.norm())
                 scale = float(push.norm()) / length if length > 0 else 1.0
-            if self.optimizer is None:
-                alpha = add_rule_alpha(self.lr, staleness, self.compensation, self.delay_threshold)
-                self.param.add_(push, alpha=alpha)
-            elif isinstance(self.optimizer, DelayedNesterov):
-                factor = staleness_factor(self.compensation, staleness, self.delay_threshold)
-                self.optimizer.step(push.mul(-factor))
-            else:
-                factor = staleness_factor(self.compensation, staleness, self.delay_threshold)
-                self.param.grad = push.mul(-factor)
-                self.optimizer.step()
-                self.param.grad = None
+            self.server_rule.step(push, factor)
             if self.compensator is not None:
                 self.compensator.record(self.version, self.param.data)
             self.last_scale = scale
@@ -552,24 +292,17 @@ class ShardState:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        if isinstance(self.optimizer, DelayedNesterov):
-            optimizer = self.optimizer.state_dict()
-        elif self.optimizer is not None:
-            # deepcopy: the optimizer's state_dict shares its buffers with the live optimizer
-            optimizer = copy.deepcopy(self.optimizer.state_dict())
-        else:
-            optimizer = {}
         return {
             "theta": self.param.data.clone(),
-            "optimizer": optimizer,
+            "optimizer": self.server_rule.state_dict(),
             "compensator": None if self.compensator is None else self.compensator.state_dict(),
             **self.stats(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.param.data.copy_(state["theta"])
-        if self.optimizer is not None and state.get("optimizer"):
-            self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("optimizer"):
+            self.server_rule.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self.samples = int(state["samples"])
         # (a checkpoint written before the metric names carried their unit has the old keys)
@@ -591,9 +324,9 @@ class ShardState:
 
 def overlapped_push_fetch(cfg: RunConfig) -> bool:
     """Whether PUSH_FETCH replies carry θ before the push (sent while the push arrives)."""
-    return (
-        cfg.shard_rule[0] in ("add", "elastic")
-        and cfg.staleness_compensation in SCALAR_COMPENSATIONS
+    rule = cfg.strategy_spec.server_rule(cfg)
+    return rule.stateless and (
+        not rule.takes_compensation or cfg.staleness_compensation in SCALAR_FACTORS
     )
 
 
@@ -611,20 +344,17 @@ def shard_checkpoint_path(out: str | Path, shard: int) -> Path:
 
 
 def make_shard(cfg: RunConfig, theta: torch.Tensor) -> ShardState:
-    rule, lr = cfg.shard_rule
+    """A shard of ``theta`` with the strategy's server rule and the configured staleness
+    handling."""
     return ShardState(
         theta,
-        rule=rule,
-        lr=lr,
-        momentum=cfg.diloco_outer_momentum if rule == "dn" else cfg.server_momentum,
+        rule=cfg.strategy_spec.server_rule(cfg),
         max_staleness=cfg.max_staleness,
-        compensation="none" if rule == "elastic" else cfg.staleness_compensation,
+        compensation=cfg.staleness_compensation,
         dc_lambda=cfg.dc_lambda_value,
         delay_threshold=cfg.delay_threshold_value,
         compensation_window=cfg.compensation_window_value,
         local_lr=cfg.lr,
-        dn_period=cfg.dn_period_value,
-        dn_c=cfg.dn_c,
         max_push_ratio=cfg.max_push_ratio,
     )
 

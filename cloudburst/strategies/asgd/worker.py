@@ -38,7 +38,8 @@ from cloudburst.comm.flat import adopt_flat, assign_flat, flatten_params, is_fla
 from cloudburst.comm.p2p import Header, Kind, Status, worth_logging
 from cloudburst.liveness import Heartbeat, await_shard, heartbeat_interval_s, report_acked
 from cloudburst.strategies.asgd import Asgd
-from cloudburst.strategies.asgd.shard import add_rule_alpha, overlapped_push_fetch
+from cloudburst.strategies.asgd.compensation import add_rule_alpha
+from cloudburst.strategies.asgd.shard import overlapped_push_fetch
 from cloudburst.strategies.base import Strategy
 
 log = logging.getLogger(__name__)

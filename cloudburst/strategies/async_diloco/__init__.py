@@ -19,6 +19,14 @@ class AsyncDiloco(Asgd):
     def shard_rule(cls, cfg: Any) -> tuple[str, float]:
         return "dn", cfg.diloco_outer_lr  # Delayed Nesterov, DiLoCo's outer lr
 
+    @classmethod
+    def server_rule(cls, cfg: Any) -> Any:
+        from cloudburst.strategies.async_diloco.rule import DelayedNesterovRule
+
+        return DelayedNesterovRule(
+            cfg.diloco_outer_lr, cfg.diloco_outer_momentum, cfg.dn_period_value, cfg.dn_c
+        )
+
     # asgd's warning (its add rule's λ) and plot label (n_sync) are not this strategy's.
     warnings = StrategySpec.__dict__["warnings"]
     run_label = StrategySpec.__dict__["run_label"]

@@ -6,7 +6,7 @@ optimizer (the inner optimizer, its state kept across rounds), then pushes its p
 Δ = θ_local − θ_fetched to the S shards and fetches θ in one round trip (asgd's PUSH_FETCH),
 with no barrier: a fast worker never waits for a slow one. Each shard applies pushes one at a
 time with the Delayed Nesterov outer optimizer
-(:class:`~cloudburst.strategies.asgd.shard.DelayedNesterov`): plain SGD of lr η/N on each
+(:class:`~cloudburst.strategies.async_diloco.rule.DelayedNesterov`): plain SGD of lr η/N on each
 pseudo-gradient, and every N-th push a Nesterov momentum step on the mean of the last N (η =
 ``diloco_outer_lr``, β = ``diloco_outer_momentum``, N = ``dn_period``, W by default).
 

@@ -30,6 +30,14 @@ class Easgd(Asgd):
             return "add", 1.0
         return "elastic", cfg.easgd_alpha_value
 
+    @classmethod
+    def server_rule(cls, cfg: Any) -> Any:
+        from cloudburst.strategies.asgd.rules import AddRule
+        from cloudburst.strategies.easgd.rule import ElasticRule
+
+        name, lr = cls.shard_rule(cfg)
+        return AddRule(lr) if name == "add" else ElasticRule(lr)
+
     # asgd's warning (its add rule's λ) and plot label (n_sync) are not this strategy's.
     warnings = StrategySpec.__dict__["warnings"]
     run_label = StrategySpec.__dict__["run_label"]

@@ -7,7 +7,7 @@ move θ̃ ← θ̃ + e. α = ``easgd_alpha``, by default β/W with β = ``easgd_
 
 Transport: one round trip per shard (a PUSH_FETCH of the ``elastic`` server rule): the worker
 sends θ_i while the shard sends θ̃ as it was before this push; both compute the same e with
-:func:`~cloudburst.strategies.asgd.shard.elastic_step` on the same values. A shard handles one
+:func:`~cloudburst.strategies.easgd.rule.elastic_step` on the same values. A shard handles one
 request at a time, so each exchange is atomic per shard; shards are independent.
 
 Synchronous: nothing between workers. Staleness: the shard versions that passed since this
@@ -30,9 +30,10 @@ import torch
 from cloudburst.comm.compress import ErrorFeedback
 from cloudburst.comm.flat import assign_flat
 from cloudburst.comm.p2p import Header, Kind, Status
-from cloudburst.strategies.asgd.shard import add_rule_alpha, elastic_step
+from cloudburst.strategies.asgd.compensation import add_rule_alpha
 from cloudburst.strategies.asgd.worker import AsgdStrategy
 from cloudburst.strategies.easgd import Easgd
+from cloudburst.strategies.easgd.rule import elastic_step
 
 
 class EasgdStrategy(Easgd, AsgdStrategy):
