@@ -19,7 +19,7 @@ import signal
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -122,12 +122,9 @@ class Context(ReplicaView):
     backend: str = "gloo"  # of the workers' collectives (sync's all-reduce)
     topology: Topology | None = None  # which rank is on which node
     link: LinkEmulator | None = None  # the emulated inter-node link (inactive without one)
-    node_group: dist.ProcessGroup | None = None  # DASO: this rank's node
-    global_group: dist.ProcessGroup | None = None  # DASO: local rank g of every node
-    # gossip: requests to the serving threads (only they receive on it), and their replies
-    # (only the training threads receive on it); see cloudburst.comm.gossip.
-    gossip_request_group: dist.ProcessGroup | None = None
-    gossip_reply_group: dist.ProcessGroup | None = None
+    # The strategy's own groups, by the names its spec's make_groups gives them (DASO's
+    # "node" and "across", gossip's "requests" and "replies"); None where this rank is in none.
+    groups: dict[str, Any] = field(default_factory=dict)
     # Parameter servers, when there are several: their final shards go to server 0 on it.
     servers_group: dist.ProcessGroup | None = None
     # --replica node: the ranks that lead a replica (each worker node's first worker: the
@@ -359,12 +356,6 @@ def build_context(
         groups["workers_group"] = comm.new_group("workers", workers, timeout_s, backend)
     if cfg.servers > 1 and not is_worker:
         groups["servers_group"] = comm.new_group("servers", list(range(cfg.servers)), timeout_s)
-    if "node_and_across" in traits.process_groups:
-        # One group per node, and one per local rank across the nodes (DASO's).
-        nodes = worker_nodes(fields["topology"], cfg.servers, "DASO", least=1)
-        across = [[ranks[g] for ranks in nodes] for g in range(len(nodes[0]))]
-        groups["node_group"] = _one_per(comm, rank, "node", nodes, timeout_s, backend)
-        groups["global_group"] = _one_per(comm, rank, "across", across, timeout_s, backend)
     replicas = workers
     if cfg.replica == "node":
         # Each node's workers are one replica (the same node groups as DASO's: gradients every
@@ -374,14 +365,36 @@ def build_context(
         groups["replica_leaders"] = tuple(replicas)
         groups["node_replica_group"] = _one_per(comm, rank, "replica", nodes, timeout_s, backend)
         groups["replicas_group"] = _one_per(comm, rank, "replicas", [replicas], timeout_s, backend)
-    if "gossip_pair" in traits.process_groups:
-        # Two gloo groups of the replicas, created once by every rank in the same order.
-        for key, name in (("gossip_request_group", "gossip-requests"),
-                          ("gossip_reply_group", "gossip-replies")):  # fmt: skip
-            group = comm.new_group(name, replicas, timeout_s, "gloo", every_rank=True)
-            if rank in replicas:
-                groups[key] = group
+    maker = GroupMaker(comm, rank, fields["topology"], cfg.servers, replicas, timeout_s, backend)
+    groups["groups"] = traits.make_groups(cfg, maker)
     return _rank_context(cfg, rank, comm, **groups, **fields)
+
+
+@dataclass
+class GroupMaker:
+    """What a strategy's spec makes its own process groups with (``make_groups``): every
+    rank calls it, in the same order; each method returns this rank's group, or None."""
+
+    comm: Transport
+    rank: int
+    topology: Topology
+    servers: int
+    replicas: list[int]  # the ranks that run the strategy (the workers, or the node leaders)
+    timeout_s: float
+    backend: str  # of the workers' collectives
+
+    def worker_nodes(self, who: str, least: int) -> list[list[int]]:
+        """:func:`worker_nodes` of this job."""
+        return worker_nodes(self.topology, self.servers, who, least)
+
+    def one_per(self, kind: str, members: list[list[int]]) -> Any:
+        """One group (``kind`` i) per rank list of ``members``, on the workers' backend."""
+        return _one_per(self.comm, self.rank, kind, members, self.timeout_s, self.backend)
+
+    def among(self, name: str, ranks: list[int], backend: str) -> Any:
+        """One group ``name`` of ``ranks`` on ``backend``."""
+        group = self.comm.new_group(name, ranks, self.timeout_s, backend, every_rank=True)
+        return group if self.rank in ranks else None
 
 
 def worker_nodes(topology: Topology, servers: int, who: str, least: int) -> list[list[int]]:
@@ -624,7 +637,8 @@ def rejoin_group(
 
 def authenticate_startup(ctx: Context, secret: bytes | None) -> None:
     """Check that every member of each gloo group this rank formed at start-up (the world's,
-    then the workers', the servers', DASO's and gossip's, in that order on every rank) knows
+    then the workers', the servers', the node replicas', the strategy's own, in that order on
+    every rank) knows
     the job ``secret``: one round (two small all-gathers) per group, before any θ moves.
 
     These groups are formed through the job store while every genuine rank is there; a
@@ -642,17 +656,10 @@ def authenticate_startup(ctx: Context, secret: bytes | None) -> None:
             )
         return
     groups: list[tuple[str, Any]] = [("world", dist.group.WORLD)]
-    for name in (
-        "workers_group",
-        "servers_group",
-        "node_group",
-        "global_group",
-        "gossip_request_group",
-        "gossip_reply_group",
-        "node_replica_group",
-        "replicas_group",
-    ):
-        group = getattr(ctx, name)
+    job = ("workers_group", "servers_group", "node_replica_group", "replicas_group")
+    named = [(n, getattr(ctx, n)) for n in job]
+    named += [(f"{ctx.cfg.strategy}.{n}", g) for n, g in ctx.groups.items()]
+    for name, group in named:
         if group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
             groups.append((name, group))
     # A group whose CPU tensors go to gloo (a user's own world group may be NCCL's alone).
@@ -905,7 +912,7 @@ def shutdown(ctx: Context | None) -> None:
         # 2.13; tests/dist/test_api_hooks.py hung on it). Kept here, the groups go at exit.
         groups = [dist.group.WORLD]
         if ctx is not None:
-            groups += [ctx.workers_group, ctx.node_group, ctx.node_replica_group]
+            groups += [ctx.workers_group, ctx.node_replica_group, *ctx.groups.values()]
         _RETIRED_GROUPS.extend(g for g in groups if g is not None)
         dist.destroy_process_group()
 

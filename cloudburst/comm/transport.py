@@ -10,7 +10,7 @@ through ``torch.distributed``, ``time`` or ``threading`` directly. Two implement
   discrete-event simulation where the tensors are real and the time is modelled.
 
 Groups are the handles the transport made when the job started (``ctx.workers_group``,
-``ctx.node_group``, ...; ``None`` is the world): code passes them through and never looks
+``ctx.groups["node"]``, ...; ``None`` is the world): code passes them through and never looks
 inside. Ranks are always global ranks. Message *content* (headers, validation, byte counting)
 is the business of :mod:`cloudburst.comm.p2p` above this layer, so both transports count alike.
 Where the two clusters differ in what a rank may expect, the transport says so as a capability

@@ -45,11 +45,6 @@ class StrategySpec:
     #: True when replicas may still differ at the end (gossip): the loop then reports each
     #: replica's test accuracy and makes the final model their average.
     decentralised: ClassVar[bool] = False
-    #: The extra process groups it needs, by name, built once by every rank when the job
-    #: starts (:func:`cloudburst.runtime.init_distributed`): "node_and_across" (one group per
-    #: node, one per local rank across the nodes: DASO), "gossip_pair" (two gloo groups of the
-    #: workers: gossip's requests and replies).
-    process_groups: ClassVar[tuple[str, ...]] = ()
     #: Why ``--replica node`` means nothing for it ("" when a node's workers can be one
     #: replica: the strategy then runs between the nodes, synchronous inside each).
     node_replicas_refused: ClassVar[str] = ""
@@ -59,6 +54,14 @@ class StrategySpec:
         """The worker class (a :class:`~cloudburst.strategies.base.Strategy`)."""
         module, _, name = cls.worker.partition(":")
         return getattr(importlib.import_module(module), name)
+
+    @classmethod
+    def make_groups(cls, cfg: Any, maker: Any) -> dict[str, Any]:
+        """The extra process groups it needs, made once by every rank when the job starts
+        (:func:`cloudburst.runtime.build_context`, real and virtual) with ``maker`` (a
+        :class:`cloudburst.runtime.GroupMaker`), in the same order on every rank: name →
+        this rank's group (None where it is in none), its workers' ``ctx.groups``."""
+        return {}
 
     @classmethod
     def message_method(cls, compress: str) -> str:

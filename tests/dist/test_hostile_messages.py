@@ -221,7 +221,7 @@ def _gossip_job(rank: int, out: str) -> dict:
                     comm_timeout_s=60.0, gossip_variant="push")  # fmt: skip
     ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
     store = ctx.store
-    transport = GossipTransport(ctx.gossip_request_group, ctx.gossip_reply_group, rank,
+    transport = GossipTransport(ctx.groups["requests"], ctx.groups["replies"], rank,
                                 [r for r in range(3) if r != rank], NUMEL, CommStats(),
                                 worker_of=lambda r: r, timeout_s=60.0)  # fmt: skip
     snapshot, mailbox = Snapshot(NUMEL), Mailbox(NUMEL)
@@ -232,7 +232,7 @@ def _gossip_job(rank: int, out: str) -> dict:
     transport.start(snapshot, mailbox)
 
     if rank == 2:  # the attacker: crafted pushes to worker 0 on the request group
-        raw = PeerTransport(ctx.gossip_request_group)
+        raw = PeerTransport(ctx.groups["requests"])
 
         def push(payload: torch.Tensor | None, weight: float, **kw) -> None:
             header = Header(Kind.PUSH, **{"shard": 2, "version": 1, "numel": NUMEL,

@@ -273,8 +273,8 @@ def test_daso_checkpoints_its_residual_and_a_restored_rank_continues_alike():
         cfg = _cfg("daso", 1, compress="int8", daso_global_skip=2, daso_batches_to_wait=1,
                    daso_adaptive=False, daso_epoch_end_sync=False)  # fmt: skip
         ctx = SimpleNamespace(
-            cfg=cfg, topology=Topology((0,)), node=0, rank=0, node_group=None,
-            global_group=None, comm=_Comm(_Group(1), 0), link=None, device=torch.device("cpu"),
+            cfg=cfg, topology=Topology((0,)), node=0, rank=0, groups={"node": None,
+            "across": None}, comm=_Comm(_Group(1), 0), link=None, device=torch.device("cpu"),
         )  # fmt: skip
         strategy = DasoStrategy(ctx)
         strategy.wrap(replicas.models[0], replicas.optimizers[0])

@@ -102,7 +102,7 @@ def test_each_sync_is_sent_by_the_rotating_local_rank_over_its_global_group_in_i
         real = ctx.comm.all_reduce
 
         def all_reduce(tensor, group=None, async_op=False):
-            if group is ctx.global_group:
+            if group is ctx.groups["across"]:
                 members = tuple(group.members)
                 wire.append((strategy.local_steps, ctx.rank, members, tensor.dtype, async_op))
                 sent_is_theta.append(torch.equal(tensor, _theta(model).to(tensor.dtype)))
@@ -177,7 +177,7 @@ def test_a_sync_is_merged_s_steps_after_it_started_and_broadcast_by_its_sender(t
             real = ctx.comm.broadcast
 
             def broadcast(tensor, src, group=None):
-                if group is ctx.node_group:
+                if group is ctx.groups["node"]:
                     broadcasts.append((strategy.local_steps, src))
                 return real(tensor, src, group)
 

@@ -286,8 +286,7 @@ def _daso(cfg: RunConfig, rank: int = 0) -> DasoStrategy:
         node=rank // 2,
         topology=Topology.contiguous(4, 2),
         link=None,
-        node_group="node-group",
-        global_group="global-group",
+        groups={"node": "node-group", "across": "global-group"},
         device=torch.device("cpu"),
         worker_index=rank,
     )

@@ -15,8 +15,15 @@ class Daso(StrategySpec):
     settings = (DasoConfig,)
     compression = ("none", "bf16", "fp8", "int8")
     lockstep = True
-    process_groups = ("node_and_across",)
     node_replicas_refused = "DASO is already synchronous inside a node, with its own schedule"
+
+    @classmethod
+    def make_groups(cls, cfg: Any, maker: Any) -> dict[str, Any]:
+        # One group per node (the node-local all-reduce), and one per local rank across the
+        # nodes (local rank g of every node: the global syncs).
+        nodes = maker.worker_nodes("DASO", least=1)
+        across = [[ranks[g] for ranks in nodes] for g in range(len(nodes[0]))]
+        return {"node": maker.one_per("node", nodes), "across": maker.one_per("across", across)}
 
     @classmethod
     def validate_compress(cls, cfg: Any, method: str) -> None:

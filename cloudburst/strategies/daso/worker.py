@@ -199,14 +199,14 @@ class DasoStrategy(Daso, Strategy):
         self.model = model
         self.numel = sum(p.numel() for p in model.parameters())
         self._flat = torch.empty(self.numel, device=next(model.parameters()).device)
-        self.hook_state = AllreduceHookState(self.ctx.node_group, self.stats)
+        self.hook_state = AllreduceHookState(self.ctx.groups["node"], self.stats)
         if self.schedule is None:  # used outside the CLI loop: epochs unknown, cycle always
             self.configure(1, 1 << 30)
             self.schedule.warmup_epochs = self.schedule.cooldown_epochs = 0
         if self.per_node == 1:
             return model
         self.dp = data_parallel(
-            self.ctx.comm, model, self.ctx.node_group, self.ctx.device, self.hook_state
+            self.ctx.comm, model, self.ctx.groups["node"], self.ctx.device, self.hook_state
         )
         return self.dp.module
 
@@ -270,7 +270,7 @@ class DasoStrategy(Daso, Strategy):
             self.global_bytes += payload_bytes(buffer.numel(), method)
             work = compressed_all_reduce_sum(
                 buffer,
-                self.ctx.global_group,
+                self.ctx.groups["across"],
                 self.stats,
                 method,
                 feedback=self.feedback,
@@ -287,7 +287,7 @@ class DasoStrategy(Daso, Strategy):
         self.global_bytes += buffer.numel() * buffer.element_size()
         work = all_reduce_sum(
             buffer,
-            self.ctx.global_group,
+            self.ctx.groups["across"],
             self.stats,
             link=self.ctx.link,
             spans_nodes=self.nodes > 1,
@@ -309,7 +309,7 @@ class DasoStrategy(Daso, Strategy):
             broadcast(
                 flat,
                 pending.sender,
-                self.ctx.node_group,
+                self.ctx.groups["node"],
                 self.stats,
                 self.ctx.rank,
                 comm=self.ctx.comm,

@@ -1,5 +1,7 @@
 """``gossip``: gossiping SGD (Jin et al. 2016), pairwise averaging with no global barrier."""
 
+from typing import Any
+
 from cloudburst.strategies.gossip.settings import GossipConfig
 from cloudburst.strategies.spec import StrategySpec, worker_attributes
 
@@ -12,7 +14,15 @@ class Gossip(StrategySpec):
     compresses_messages = True
     decentralised = True
     lockstep = True
-    process_groups = ("gossip_pair",)
+
+    @classmethod
+    def make_groups(cls, cfg: Any, maker: Any) -> dict[str, Any]:
+        # Two gloo groups of the replicas: requests to the serving threads (only they receive
+        # on it), and their replies (only the training threads do); see comm/gossip.py.
+        return {
+            "requests": maker.among("gossip-requests", maker.replicas, "gloo"),
+            "replies": maker.among("gossip-replies", maker.replicas, "gloo"),
+        }
 
 
 __getattr__ = worker_attributes(__name__)

@@ -178,10 +178,11 @@ class GossipStrategy(Gossip, Strategy):
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         ctx = self.ctx
-        if ctx.gossip_request_group is None or ctx.gossip_reply_group is None:
+        requests, replies = ctx.groups.get("requests"), ctx.groups.get("replies")
+        if requests is None or replies is None:
             raise RuntimeError(
-                "gossip: the context has no gossip groups; init_distributed creates them "
-                "when cfg.strategy == 'gossip'"
+                "gossip: the context has no gossip groups; build_context makes them with "
+                "the gossip spec's make_groups"
             )
         self.model = model
         self._flat = flatten_params(model)  # on the replica's device
@@ -194,8 +195,8 @@ class GossipStrategy(Gossip, Strategy):
         self.mailbox = Mailbox(numel) if self.variant == "push" else None
         topo, rank = ctx.topology, ctx.rank
         self.transport = GossipTransport(
-            ctx.gossip_request_group,
-            ctx.gossip_reply_group,
+            requests,
+            replies,
             rank,
             [r for r in ctx.replica_ranks if r != rank],
             numel,
