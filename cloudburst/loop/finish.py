@@ -48,9 +48,8 @@ def finish_worker(
         report["replica_accuracy"], _ = evaluate_dataset(
             model, in_memory(data.test), data.preprocess(augment=False), ctx.device
         )
-        # Push-sum replicas carry weights: the average that preserves the mass is
-        # Σ w_i θ_i / Σ w_i (every w_i = 1 otherwise).
-        weight = float(strategy.report().get("push_sum_weight", 1.0))
+        # Push-sum replicas carry weights: the average that preserves the mass.
+        weight = float(strategy.replica_weight())
         averaged = torch.cat([flatten_params(model) * weight, torch.tensor([weight])])
         all_reduce_sum(averaged, ctx.replica_group, CommStats(), comm=ctx.comm)
         averaged = averaged[:-1] / averaged[-1]

@@ -57,6 +57,11 @@ class Strategy(StrategySpec, ABC):
     def after_step(self, samples: int) -> None:
         """Called after every optimizer step; ``samples`` is the batch size of that step."""
 
+    def replica_weight(self) -> float:
+        """This replica's weight in the final average of a decentralised strategy's replicas,
+        Σ w_i θ_i / Σ w_i (push-sum's w_i; 1 otherwise)."""
+        return 1.0
+
     def global_params(self) -> tuple[torch.Tensor, int] | None:
         """(flat θ of the global model, training samples behind it) when fresh this step."""
         return None

@@ -117,6 +117,9 @@ class NodeReplica(Strategy):
     def global_params(self) -> tuple[torch.Tensor, int] | None:
         return self.inner.global_params() if self.inner is not None else None
 
+    def replica_weight(self) -> float:
+        return self.inner.replica_weight() if self.inner is not None else 1.0
+
     def replica_params(self) -> tuple[torch.Tensor, int]:
         if self.inner is not None:
             return self.inner.replica_params()

@@ -366,3 +366,6 @@ class GossipStrategy(Gossip, Strategy):
         if self.push_sum:
             r["push_sum_weight"] = self.weight
         return r
+
+    def replica_weight(self) -> float:
+        return self.weight if self.push_sum else 1.0
