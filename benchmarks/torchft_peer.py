@@ -172,12 +172,12 @@ def torchft_replica(
     from torchft.local_sgd import DiLoCo, LocalSGD
 
     from cloudburst import data as cb
-    from cloudburst.models import build_model
+    from cloudburst.models import build_run_model
     from cloudburst.train import make_optimizer
 
     torch.set_num_threads(1)
-    data = cb.load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, cfg.image_size)
-    model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+    data = cb.load_run_dataset(cfg)
+    model = build_run_model(cfg, data)
     optimizer = make_optimizer(cfg, model.parameters())
     # Exactly the batches cloudburst's worker ``replica`` draws (train.run_worker).
     stream = cb.batch_stream(cb.worker_source(data, replica, cfg.workers), cfg.batch_size,

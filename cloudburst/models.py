@@ -21,6 +21,7 @@ import inspect
 import keyword
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -314,6 +315,12 @@ def _factory_kwargs(
         )
     accepted = [p.name for p in params if p.kind in keyword_kinds and p.name in offered]
     return {key: offered[key] for key in accepted}
+
+
+def build_run_model(cfg: Any, data: Any) -> nn.Module:
+    """The model a run's config (a ``RunConfig``) names, for its dataset ``data``, at its
+    seed: the one call the driver, the simulator and the pre-flight checks make."""
+    return build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
 
 
 def build_model(

@@ -40,7 +40,7 @@ def preflight(cfg: RunConfig) -> None:
     from cloudburst.checkpoint import CheckpointError, load_model_into
     from cloudburst.data import load_run_dataset
     from cloudburst.datasets import DatasetError
-    from cloudburst.models import ModelError, build_model
+    from cloudburst.models import ModelError, build_run_model
     from cloudburst.runtime import in_torchrun
 
     if cfg.device == "cuda" and not _cuda_available():
@@ -74,7 +74,7 @@ def preflight(cfg: RunConfig) -> None:
                 f"samples ({len(data.train)} training samples / {cfg.workers} workers)"
             )
     try:
-        model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+        model = build_run_model(cfg, data)
     except ModelError as e:
         raise ConfigError(field_message("model", e)) from None
     _check_forward(cfg, model, data)

@@ -35,7 +35,7 @@ from cloudburst.loop.faults import worker_faults
 from cloudburst.loop.finish import finish_strategy, finish_worker, serve
 from cloudburst.loop.step import StepClock, progress_bar, step_done
 from cloudburst.metrics import MetricsWriter, write_json_atomic
-from cloudburst.models import build_model
+from cloudburst.models import build_run_model
 from cloudburst.runtime import Context, init_distributed, shutdown
 from cloudburst.strategies import make_strategy
 from cloudburst.strategies.base import Strategy
@@ -76,7 +76,7 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
     watchdog = start_watchdog(ctx, metrics)
     try:
         data = load_run_dataset(cfg)
-        model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+        model = build_run_model(cfg, data)
         if cfg.init_from:
             load_model_into(cfg.init_from, model)
         model.to(ctx.device)

@@ -270,12 +270,12 @@ def calibrate_step_time(cfg: RunConfig, steps: int = 20, warmup_steps: int = 3) 
     import torch
 
     from cloudburst.data import batch_stream, load_run_dataset, loss_function, worker_source
-    from cloudburst.models import build_model
+    from cloudburst.models import build_run_model
     from cloudburst.train import make_optimizer
 
     device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
     data = load_run_dataset(cfg)
-    model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed).to(device)
+    model = build_run_model(cfg, data).to(device)
     optimizer = make_optimizer(cfg, model.parameters())
     stream = batch_stream(
         worker_source(data, 0, cfg.workers),

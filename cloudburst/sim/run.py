@@ -29,7 +29,7 @@ from cloudburst.config.simulation import SimulationConfig
 from cloudburst.data import load_run_dataset
 from cloudburst.faults import FaultInjector, parse_faults
 from cloudburst.metrics import MetricsWriter, write_json_atomic
-from cloudburst.models import build_model
+from cloudburst.models import build_run_model
 from cloudburst.runtime import Context, build_context
 from cloudburst.sim.clock import ClockModel, calibrate_step_time, resolve_step_time
 from cloudburst.sim.network import SimNetwork
@@ -143,7 +143,7 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "config.json", cfg.to_dict())
     data = load_run_dataset(cfg)
-    probe = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+    probe = build_run_model(cfg, data)
     actual_params = flatten_params(probe).numel()
     step_time_s, source = resolve_step_time(sim, cfg, calibrate_step_time)
     clock = ClockModel(sim, cfg, actual_params, step_time_s, source)
@@ -155,7 +155,7 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
         metrics = MetricsWriter(cfg.out, rank, ctx.role)
         metrics.log("start", wall=time.time(), world_size=ctx.world_size, device="cpu")
         try:
-            model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+            model = build_run_model(cfg, data)
             if cfg.init_from:
                 load_model_into(cfg.init_from, model)
             if ctx.is_server:
