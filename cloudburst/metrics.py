@@ -2,8 +2,10 @@
 
 Each rank appends one JSON object per line to ``OUT/metrics/rank{R}.jsonl``:
 
-- ``{"event": "step", "step", "time_s", "samples", "loss", "staleness_versions", "sent_bytes",
-  "received_bytes", "comm_wait_s"}`` every ``log_every_steps`` (counters are cumulative);
+- ``{"event": "step", "step", "time_s", "samples", "loss", "sent_bytes", "received_bytes",
+  "comm_wait_s", ...}`` every ``log_every_steps`` (counters are cumulative), with the
+  strategy's own fields (``Strategy.step_info``: a parameter-server worker's
+  ``staleness_versions``, DASO's phase, gossip's peer, ...);
 - ``{"event": "eval", "time_s", "train_time_s", "eval_s", "samples", "test_accuracy",
   "test_loss"}`` for the global model (``samples`` counts all workers' training samples behind
   it; ``train_time_s`` is ``time_s`` less all earlier evaluations' time, ``eval_s`` this one's:

@@ -244,7 +244,6 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
                 time_s=ctx.elapsed_s(),
                 samples=samples,
                 loss=loss,
-                staleness_versions=getattr(strategy, "last_staleness", 0),
                 **strategy.stats.as_dict(),
                 **strategy.step_info(),
             )

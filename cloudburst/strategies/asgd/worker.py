@@ -390,7 +390,8 @@ class AsgdStrategy(Asgd, Strategy):
         return theta_k
 
     def step_info(self) -> dict:
-        info = super().step_info()
+        # the staleness of this worker's last applied push, in shard versions
+        info = {**super().step_info(), "staleness_versions": self.last_staleness}
         if self._reconnected:
             info["shard_reconnected"], self._reconnected = self._reconnected, []
         return info
