@@ -84,11 +84,11 @@ def test_merge_and_rotation_over_gloo(tmp_path, nodes, per_node, waits, compress
 
 def _reference_rank(rank: int, out: str, wait: int) -> list[list[float]]:
     from cloudburst.runtime import init_distributed, shutdown
-    from tests.unit.test_daso_reference import daso_cfg, drive
+    from tests.support import daso_reference_cfg, daso_reference_drive
 
-    ctx = init_distributed(daso_cfg(out, wait))
+    ctx = init_distributed(daso_reference_cfg(out, wait))
     try:
-        return drive(ctx)
+        return daso_reference_drive(ctx)
     finally:
         shutdown(ctx)
 
@@ -96,10 +96,10 @@ def _reference_rank(rank: int, out: str, wait: int) -> list[list[float]]:
 def test_daso_with_a_delayed_merge_follows_the_reference_over_gloo(tmp_path):
     # The virtual cluster's test (tests/unit/test_daso_reference.py) over real gloo groups and
     # DDP inside each node: S = 2, B = 3, L = 2, four ranks on two nodes.
-    from tests.unit.test_daso_reference import assert_follows, reference_run
+    from tests.support import assert_follows_daso_reference, daso_reference_run
 
     runs = spawn(_reference_rank, 4, tmp_path, str(tmp_path), 2)
-    assert_follows(runs, reference_run(2))
+    assert_follows_daso_reference(runs, daso_reference_run(2))
 
 
 def test_daso_blocking_every_batch_in_chunks_equals_sync_sgd(tmp_path):

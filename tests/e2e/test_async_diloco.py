@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from cloudburst.checkpoint import load_checkpoint
-from tests.e2e.test_shard_recovery import BOUND_S, _kill_after_a_checkpoint, _records
 from tests.helpers import final_record, finish_job, read_summary, start_job
+from tests.support import BOUND_S, kill_after_a_checkpoint, rank_records
 
 pytestmark = pytest.mark.e2e
 
@@ -72,7 +72,7 @@ def test_a_killed_shard_fails_over_to_its_standby_with_no_push_lost(tmp_path):
     # than 8 times during the other's round, and a clamped push is not what this checks
     proc = start_job([*RUN, "--steps", str(STEPS), "--staleness-compensation", "gap",
                       "--compensation-window", "64", "--out", str(out)])  # fmt: skip
-    _kill_after_a_checkpoint(out, 1, proc)
+    kill_after_a_checkpoint(out, 1, proc)
     _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 0, stderr
     summary = read_summary(out)
@@ -96,13 +96,13 @@ def test_a_killed_shard_restarts_in_place_with_its_delayed_nesterov_state(tmp_pa
     i = RUN.index("--shard-standby")
     run = [*RUN[:i], *RUN[i + 1 :], "--max-restarts", "1", "--steps", str(STEPS), "--out", str(out)]
     proc = start_job(run)
-    _kill_after_a_checkpoint(out, 1, proc)
+    kill_after_a_checkpoint(out, 1, proc)
     _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 0, stderr
     summary = read_summary(out)
     assert "failed" not in summary and summary["lost_workers"] == []
     assert (summary["shard_restarts"], summary["shard_failovers"]) == (1, 0)
-    shard = _records(out, 1)
+    shard = rank_records(out, 1)
     starts = [r for r in shard if r["event"] == "start"]
     assert len(starts) == 2  # the killed shard and its restart
     [resume] = [r for r in shard if r["event"] == "resume"]
@@ -110,7 +110,7 @@ def test_a_killed_shard_restarts_in_place_with_its_delayed_nesterov_state(tmp_pa
     assert restored > 0 and restored % 10 == 0  # a checkpoint's version
     acked, pushes = [], 0
     for rank in (2, 3):  # not restarted: one start, no resume, one reconnection each
-        records = _records(out, rank)
+        records = rank_records(out, rank)
         assert [r["event"] for r in records].count("start") == 1
         assert not any(r["event"] == "resume" for r in records)
         reconnected = [x for r in records for x in r.get("shard_reconnected", [])]

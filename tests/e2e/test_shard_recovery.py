@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from cloudburst.metrics import read_jsonl
 from tests.helpers import finish_job, read_summary, start_job
+from tests.support import BOUND_S, kill_after_a_checkpoint, rank_records
 
 pytestmark = pytest.mark.e2e
 
-BOUND_S = 180  # a job that has not ended by then hangs: a failure, not a measurement
 RUN = (
     "--strategy", "asgd", "--workers", "2", "--servers", "2", "--n-sync", "2",
     "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress",
@@ -35,38 +32,16 @@ RUN = (
 SHORT_STEPS = 85  # a push every step: the worker is killed after ~20 of them (1.3 s left)
 
 
-def _records(out: Path, rank: int) -> list[dict]:
-    path = out / "metrics" / f"rank{rank}.jsonl"
-    return read_jsonl(path) if path.is_file() else []
-
-
-def _kill_after_a_checkpoint(out: Path, rank: int, proc: subprocess.Popen) -> None:
-    """SIGKILL rank ``rank`` (a shard) once its checkpoint exists and it applied more pushes
-    since, so that some acknowledged pushes are lost."""
-    deadline = time.monotonic() + BOUND_S
-    while True:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no shard checkpoint"
-        records = _records(out, rank)
-        pushes = [r["version"] for r in records if r["event"] == "push"]
-        if (out / "checkpoints" / f"server{rank}.pt").is_file() and pushes and pushes[-1] > 25:
-            if pushes[-1] % 10 not in (0, 9):  # not at a checkpoint (nothing would be lost)
-                break
-        time.sleep(0.02)
-    [start] = [r for r in records if r["event"] == "start"]
-    os.kill(start["pid"], signal.SIGKILL)
-
-
 def test_a_killed_shard_restarts_in_place_and_the_lost_pushes_are_counted(tmp_path):
     out = tmp_path / "run"
     proc = start_job([*RUN, "--out", str(out)])
-    _kill_after_a_checkpoint(out, 1, proc)
+    kill_after_a_checkpoint(out, 1, proc)
     _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 0, stderr
     summary = read_summary(out)
     assert "failed" not in summary and summary["lost_workers"] == []
     assert summary["shard_restarts"] == 1
-    shard = _records(out, 1)
+    shard = rank_records(out, 1)
     starts = [r for r in shard if r["event"] == "start"]
     assert len(starts) == 2  # the killed shard and its restart
     [resume] = [r for r in shard if r["event"] == "resume"]
@@ -76,7 +51,7 @@ def test_a_killed_shard_restarts_in_place_and_the_lost_pushes_are_counted(tmp_pa
     # each told the shard the last version it had acknowledged.
     acked = []
     for rank in (2, 3):
-        records = _records(out, rank)
+        records = rank_records(out, rank)
         assert [r["event"] for r in records].count("start") == 1
         assert not any(r["event"] == "resume" for r in records)
         reconnected = [x for r in records for x in r.get("shard_reconnected", [])]
@@ -104,7 +79,7 @@ def test_a_killed_shard_fails_over_to_its_standby_with_no_push_lost(tmp_path):
     out = tmp_path / "run"
     i = RUN.index("--max-restarts")
     proc = start_job([*RUN[:i], *RUN[i + 2 :], "--shard-standby", "--out", str(out)])
-    _kill_after_a_checkpoint(out, 1, proc)
+    kill_after_a_checkpoint(out, 1, proc)
     _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 0, stderr
     summary = read_summary(out)
@@ -113,16 +88,16 @@ def test_a_killed_shard_fails_over_to_its_standby_with_no_push_lost(tmp_path):
     assert (summary["shard_failovers"], summary["shard_restarts"]) == (1, 0)
     # The standby (rank 0) took shard 1 over at the version of the last forwarded push, which
     # the dead primary had applied and logged; the workers reconnected to it, unrestarted.
-    [failover] = [r for r in _records(out, 0) if r["event"] == "failover"]
+    [failover] = [r for r in rank_records(out, 0) if r["event"] == "failover"]
     assert failover["shard"] == 1
-    shard = _records(out, 1)
+    shard = rank_records(out, 1)
     assert [r["event"] for r in shard].count("start") == 1
     # (every push the primary logged was forwarded first; one forwarded may not be logged yet)
     logged = max(r["version"] for r in shard if r["event"] == "push")
     assert logged <= failover["version"] <= logged + 1
     acked = 0
     for rank in (2, 3):
-        records = _records(out, rank)
+        records = rank_records(out, rank)
         assert [r["event"] for r in records].count("start") == 1
         reconnected = [x for r in records for x in r.get("shard_reconnected", [])]
         assert [(x["shard"], x["version"]) for x in reconnected] == [(1, failover["version"])]
@@ -150,20 +125,20 @@ def test_a_worker_killed_while_it_pushes_is_lost_and_every_applied_push_is_count
     while True:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "worker rank 3 never pushed"
-        if sum(r["event"] == "push" and r["worker"] == 3 for r in _records(out, 1)) > 20:
+        if sum(r["event"] == "push" and r["worker"] == 3 for r in rank_records(out, 1)) > 20:
             break
         time.sleep(0.02)
-    [start] = [r for r in _records(out, 3) if r["event"] == "start"]
+    [start] = [r for r in rank_records(out, 3) if r["event"] == "start"]
     os.kill(start["pid"], signal.SIGKILL)
     _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 0, stderr
     summary = read_summary(out)
     assert "failed" not in summary and summary["lost_workers"] == [3]
-    assert not any(r["event"] == "final" for r in _records(out, 3))
-    [survivor] = [r for r in _records(out, 2) if r["event"] == "final"]
+    assert not any(r["event"] == "final" for r in rank_records(out, 3))
+    [survivor] = [r for r in rank_records(out, 2) if r["event"] == "final"]
     assert survivor["steps"] == SHORT_STEPS
     for shard in (0, 1):
-        records = _records(out, shard)
+        records = rank_records(out, shard)
         applied = [r for r in records if r["event"] == "push" and r["status"] == "OK"]
         [final] = [r for r in records if r["event"] == "final"]
         assert [r["version"] for r in applied] == list(range(1, final["version"] + 1))
@@ -172,7 +147,7 @@ def test_a_worker_killed_while_it_pushes_is_lost_and_every_applied_push_is_count
         assert by_worker[3] > 0 and final["version"] == by_worker[2] + by_worker[3]
         assert final["lost_workers"] == [3]
     assert summary["shard_versions"] == [
-        max(r["version"] for r in _records(out, k) if r["event"] == "final") for k in (0, 1)
+        max(r["version"] for r in rank_records(out, k) if r["event"] == "final") for k in (0, 1)
     ]
 
 
@@ -184,13 +159,13 @@ def test_a_shard_killed_again_after_its_last_restart_ends_the_job_with_the_resum
     ``--resume`` command in the summary and on stderr."""
     out = tmp_path / "run"
     proc = start_job([*RUN, "--out", str(out)])
-    _kill_after_a_checkpoint(out, 1, proc)
+    kill_after_a_checkpoint(out, 1, proc)
     deadline = time.monotonic() + BOUND_S
-    while not any(r["event"] == "shard_restored" for r in _records(out, 1)):
+    while not any(r["event"] == "shard_restored" for r in rank_records(out, 1)):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "shard 1 was not restarted"
         time.sleep(0.02)
-    starts = [r for r in _records(out, 1) if r["event"] == "start"]
+    starts = [r for r in rank_records(out, 1) if r["event"] == "start"]
     assert len(starts) == 2
     os.kill(starts[1]["pid"], signal.SIGKILL)
     _, stderr = finish_job(proc, BOUND_S)
@@ -202,4 +177,4 @@ def test_a_shard_killed_again_after_its_last_restart_ends_the_job_with_the_resum
     assert (out / "checkpoints" / "server1.pt").is_file()
     assert (out / "checkpoints" / "server0.pt").is_file()
     # Nobody trained on: no worker logged a final record of a finished run.
-    assert not any(r["event"] == "final" for rank in (2, 3) for r in _records(out, rank))
+    assert not any(r["event"] == "final" for rank in (2, 3) for r in rank_records(out, rank))

@@ -14,12 +14,12 @@ import torch
 from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.p2p import Kind, Status
 from cloudburst.models import build_model
-from tests.unit.test_asgd_worker import cfg_for, make_worker
+from tests.support import asgd_cfg, make_asgd_worker
 
 
 def _one_round(cfg, push_only: bool = False):
     model = build_model("mlp", 40, 10, seed=0)
-    strategy, loops = make_worker(cfg, model)
+    strategy, loops = make_asgd_worker(cfg, model)
     strategy.cfg.heartbeat_timeout_s = 1000.0
     strategy.start()
     shard, side = loops[0].shard, loops[0].transport
@@ -41,7 +41,7 @@ def _one_round(cfg, push_only: bool = False):
 
 
 def test_overlapped_reply_leaves_before_the_add():
-    strategy, shard, before, seen = _one_round(cfg_for(servers=1, n_sync=1, server_lr=0.5))
+    strategy, shard, before, seen = _one_round(asgd_cfg(servers=1, n_sync=1, server_lr=0.5))
     ((header, theta_then, version_then),) = seen
     assert header.kind == Kind.REPLY and header.status == Status.OK and header.numel == 0
     assert torch.equal(theta_then, before)  # θ had not moved when the ack left
@@ -52,7 +52,7 @@ def test_overlapped_reply_leaves_before_the_add():
 
 
 def test_push_ack_leaves_before_the_add():
-    _, shard, before, seen = _one_round(cfg_for(servers=1, n_push=1, n_fetch=2), push_only=True)
+    _, shard, before, seen = _one_round(asgd_cfg(servers=1, n_push=1, n_fetch=2), push_only=True)
     ((header, theta_then, _),) = seen
     assert header.status == Status.OK and header.numel == 0 and header.version == 1
     assert torch.equal(theta_then, before)
@@ -62,7 +62,7 @@ def test_push_ack_leaves_before_the_add():
 def test_reply_with_theta_leaves_after_the_apply():
     # An optimizer rule: θ after the apply travels in the reply, so the apply comes first.
     strategy, shard, before, seen = _one_round(
-        cfg_for(servers=1, n_sync=1, server_rule="sgd", server_lr=1.0)
+        asgd_cfg(servers=1, n_sync=1, server_rule="sgd", server_lr=1.0)
     )
     ((header, theta_then, _),) = seen
     assert header.numel == shard.theta.numel() and header.version == 1

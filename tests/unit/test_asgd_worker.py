@@ -1,170 +1,26 @@
 """The asgd worker against real server shards over a fake, in-process comm layer (no processes).
 
-``FakeNet`` stands in for gloo point-to-point: the worker's requests are queued per shard and the
-shard's :class:`ServerLoop` handles them when the worker waits for an answer, so the worker's
-push/fetch schedule, the overlapped replies and the rejection path run exactly as in a job.
+``FakeNet`` (tests/support.py) stands in for gloo point-to-point: the worker's requests are
+queued per shard and the shard's :class:`ServerLoop` handles them when the worker waits for an
+answer, so the worker's push/fetch schedule, the overlapped replies and the rejection path run
+exactly as in a job.
 """
 
 from __future__ import annotations
 
-import collections
 import queue
 import threading
-from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from cloudburst.comm.flat import flatten_params
-from cloudburst.comm.p2p import CommStats, Header, Kind
-from cloudburst.comm.transport import REAL
+from cloudburst.comm.p2p import Header, Kind
 from cloudburst.config import RunConfig
 from cloudburst.data import BatchStream, synthetic
 from cloudburst.models import build_model
-from cloudburst.strategies.asgd import AsgdStrategy
-from cloudburst.strategies.asgd.server import ServerLoop, Standby
-from tests.fakes import FakeNamespace
-
-WORKER = 1  # the worker's rank; shards are ranks 0..S-1
-
-
-class _Done:
-    def __init__(self, fn=None):
-        self.fn = fn
-
-    def wait(self):
-        if self.fn:
-            self.fn()
-
-
-class FakeNet:
-    def __init__(self, loops: list[ServerLoop]):
-        self.loops = loops
-        self.requests = [collections.deque() for _ in loops]  # worker → shard: headers
-        self.payloads = [collections.deque() for _ in loops]  # worker → shard: payloads
-        self.replies = [collections.deque() for _ in loops]  # shard → worker: headers
-        self.reply_payloads = [collections.deque() for _ in loops]
-        for k, loop in enumerate(loops):
-            loop.serving.transport = _ServerSide(self, k)
-
-    def pump(self, k: int) -> None:
-        while self.requests[k]:
-            self.loops[k]._handle(WORKER, self.requests[k].popleft())
-
-
-class _ServerSide:
-    def __init__(self, net: FakeNet, k: int):
-        self.net, self.k, self.stats = net, k, CommStats()
-
-    def recv_payload(self, src, numel, final=False, out=None, on_chunk=None):
-        data = self.net.payloads[self.k].popleft()
-        assert data.numel() == numel
-        return out.copy_(data) if out is not None else data
-
-    def isend_payload(self, dst, payload, reply, prepare=None):
-        if prepare is not None:
-            prepare(0, payload.numel())
-        self.net.reply_payloads[self.k].append(payload.clone())
-        return _Done()
-
-    def wait_all(self, works):
-        for w in works:
-            w.wait()
-
-    def send(self, dst, header, payload=None, final=False):
-        self.net.replies[self.k].append(header)
-        if payload is not None:
-            self.net.reply_payloads[self.k].append(payload.clone())
-
-
-class _WorkerSide:
-    def __init__(self, net: FakeNet):
-        self.net, self.stats = net, CommStats()
-
-    def send(self, k, header: Header, payload=None, final=False):
-        self.net.requests[k].append(header)
-        if payload is not None:
-            self.net.payloads[k].append(payload.clone())
-
-    def isend_payload(self, k, payload, reply, prepare=None):
-        if prepare is not None:
-            prepare(0, payload.numel())
-        self.net.payloads[k].append(payload.clone())
-        return _Done()
-
-    def irecv_payload(self, k, out, reply):
-        def arrive():
-            self.net.pump(k)
-            out.copy_(self.net.reply_payloads[k].popleft())
-
-        return _Done(arrive)
-
-    def wait_all(self, works):
-        for w in works:
-            w.wait()
-
-    def recv_reply(self, k, out=None) -> Header:
-        self.net.pump(k)
-        header = self.net.replies[k].popleft()
-        if header.numel:
-            out.copy_(self.net.reply_payloads[k].popleft())
-        return header
-
-
-def make_worker(cfg: RunConfig, model: nn.Module) -> tuple[AsgdStrategy, list[ServerLoop]]:
-    ctx = FakeNamespace(
-        comm=REAL,
-        cfg=cfg,
-        rank=WORKER,
-        num_servers=cfg.servers,
-        worker_index=0,
-        worker_ranks=[WORKER],
-        store=dist.HashStore(),  # an in-process store: the heartbeat's
-        elapsed_s=lambda: 0.0,
-        server_index=0,
-        transport=lambda stats=None: None,  # replaced by the fake network below
-    )
-    theta = flatten_params(model)
-    loops = []
-    for k in range(cfg.servers):
-        server_ctx = FakeNamespace(**{**vars(ctx), "rank": k, "server_index": k})
-        loops.append(
-            ServerLoop(server_ctx, theta, SimpleNamespace(log=lambda *a, **kw: None), None)
-        )
-    net = FakeNet(loops)
-    strategy = AsgdStrategy(ctx)
-    strategy.transport = _WorkerSide(net)
-    strategy.wrap(model, None)
-    return strategy, loops
-
-
-def train(cfg: RunConfig, steps: int, poison_at: int | None = None, setup=None, each=None):
-    """``steps`` SGD steps of one worker against the shards; ``setup(loops)`` before the
-    first, ``each(model, loops)`` after each step's push and fetch."""
-    data = synthetic(512, 10)
-    model = build_model("mlp", 40, 10, seed=0)
-    strategy, loops = make_worker(cfg, model)
-    if setup is not None:
-        setup(loops)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    stream = BatchStream(data.x_train, data.y_train, 32, seed=1)
-    strategy.cfg.heartbeat_timeout_s = 1000.0
-    strategy.start()
-    for step in range(1, steps + 1):
-        x, y = next(stream)
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step == poison_at:
-            with torch.no_grad():
-                next(model.parameters())[0, 0] = float("nan")
-        strategy.after_step(32)
-        if each is not None:
-            each(model, loops)
-    strategy._heartbeat.stop()  # (no DONE handshake: the fake has no finish protocol)
-    return model, strategy, loops
+from cloudburst.strategies.asgd.server import Standby
+from tests.support import asgd_cfg, train_asgd_worker
 
 
 def reference(steps: int) -> nn.Module:
@@ -181,10 +37,6 @@ def reference(steps: int) -> nn.Module:
     return model
 
 
-def cfg_for(**kw) -> RunConfig:
-    return RunConfig(strategy="asgd", workers=1, dataset="synthetic", train_size=512, **kw)
-
-
 def test_one_worker_equals_sgd_for_every_schedule_and_rule():
     ref = flatten_params(reference(24))
     for kw in [
@@ -194,7 +46,7 @@ def test_one_worker_equals_sgd_for_every_schedule_and_rule():
         dict(servers=2, n_fetch=3, n_push=2),
         dict(servers=2, n_sync=4, server_rule="sgd", server_lr=1.0),  # replies after apply
     ]:
-        model, _, loops = train(cfg_for(**kw), 24)
+        model, _, loops = train_asgd_worker(asgd_cfg(**kw), 24)
         theta = torch.cat([loop.shard.theta for loop in loops])
         # step 24 is a push and a fetch for every schedule here: shards and replica agree
         torch.testing.assert_close(theta, ref, rtol=1e-5, atol=1e-6, msg=str(kw))
@@ -204,7 +56,9 @@ def test_one_worker_equals_sgd_for_every_schedule_and_rule():
 def test_rejected_push_is_discarded_and_training_goes_on():
     # Push every step, fetch every 5: a NaN in the replica at step 7 is pushed at step 7, the
     # shard rejects it, and the worker starts again from the servers' θ.
-    model, strategy, loops = train(cfg_for(servers=2, n_push=1, n_fetch=5), 12, poison_at=7)
+    model, strategy, loops = train_asgd_worker(
+        asgd_cfg(servers=2, n_push=1, n_fetch=5), 12, poison_at=7
+    )
     assert strategy.pushes_rejected == 1
     assert sum(loop.shard.rejected_nonfinite for loop in loops) == 1  # shard 0 holds the NaN
     assert torch.isfinite(flatten_params(model)).all()
@@ -229,7 +83,7 @@ def test_after_every_push_the_worker_holds_the_servers_theta_whatever_its_stalen
                 for _ in range(3):
                     loop.shard.apply_push(torch.zeros_like(loop.shard.theta), loop.shard.version)
 
-        _, _, loops = train(cfg, 6, each=each)
+        _, _, loops = train_asgd_worker(cfg, 6, each=each)
         # the worker's pushes after its first were 3 versions stale (the empty ones: 0)
         assert [loop.shard.staleness_hist for loop in loops] == [{0: 19, 3: 5}] * 2
 
@@ -275,7 +129,9 @@ def test_a_standby_copy_holds_its_shards_theta_after_every_forwarded_push():
         standby.append(threading.Thread(target=standby[0]._run, daemon=True))
         standby[1].start()
 
-    _, _, loops = train(cfg_for(servers=2, n_sync=2, shard_standby=True), 8, setup=setup)
+    _, _, loops = train_asgd_worker(
+        asgd_cfg(servers=2, n_sync=2, shard_standby=True), 8, setup=setup
+    )
     standby, thread = standby
     pair.send(1, Header(Kind.REPLY, shard=1, aux=int(Kind.DONE)))  # the primary is done
     thread.join(timeout=30)

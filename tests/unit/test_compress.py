@@ -8,7 +8,6 @@ PowerSGD through our hook against torch's hook is a real gloo test (tests/dist/t
 from __future__ import annotations
 
 import copy
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -32,18 +31,16 @@ from cloudburst.strategies.daso import DasoStrategy
 from cloudburst.strategies.diloco import DilocoStrategy
 from tests import reference as ref
 from tests.dist.simulate import trained
-from tests.fakes import run_on_threads
-from tests.unit.test_mutation_survivors import _cfg, _Ctx
-from tests.unit.test_sim_runs import _cfg as _sim_cfg
-from tests.unit.test_sim_runs import _sim
-
-
-def _vector(n: int = 1000, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    # blocks of very different magnitudes, a zero block, and a length that is not a multiple
-    x = torch.randn(n, generator=g) * torch.logspace(-4, 2, n)
-    x[BLOCK : 2 * BLOCK] = 0
-    return x
+from tests.support import (
+    LocalSgdCtx,
+    ThreadComm,
+    ThreadGroup,
+    compress_vector,
+    on_comm_threads,
+    run_sim,
+    sim_cfg,
+    survivor_cfg,
+)
 
 
 def _block_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +61,7 @@ def test_parse_names_the_method_and_powersgd_rank():
 
 
 def test_each_method_round_trips_within_its_format_bound():
-    x = _vector()
+    x = compress_vector()
     assert torch.equal(round_trip(x, "none"), x)
     # bf16: 8 significant bits, round to nearest: relative error ≤ 2⁻⁸ (normal values)
     err = (round_trip(x, "bf16") - x).abs()
@@ -84,10 +81,10 @@ def test_each_method_round_trips_within_its_format_bound():
 
 
 def test_quantised_payload_is_one_byte_a_value_plus_a_scale_a_block():
-    codes, scales = quantise(_vector(1000), "int8")
+    codes, scales = quantise(compress_vector(1000), "int8")
     assert codes.dtype == torch.int8 and codes.numel() == 1024 and scales.numel() == 4
     assert packed_bytes(1000, "int8") == 1024 + 16
-    codes, _ = quantise(_vector(1000), "fp8")
+    codes, _ = quantise(compress_vector(1000), "fp8")
     assert codes.dtype == torch.float8_e4m3fn
 
 
@@ -98,7 +95,7 @@ def test_error_feedback_keeps_the_sum_of_k_sends_within_one_rounding(method):
     feedback, k = ErrorFeedback(), 50
     true_sum, sent_sum, plain_sum = torch.zeros(600), torch.zeros(600), torch.zeros(600)
     for step in range(k):
-        x = _vector(600, seed=step) * 1e-2 + 1e-3  # a bias every step: errors would add up
+        x = compress_vector(600, seed=step) * 1e-2 + 1e-3  # a bias every step: errors would add up
         compensated = feedback.compensate("g", x)
         sent = round_trip(compensated, method)
         feedback.remember("g", compensated, sent)
@@ -117,71 +114,14 @@ def test_error_feedback_keeps_the_sum_of_k_sends_within_one_rounding(method):
 
 
 # ---------------------------------------------------------------------------- the all-reduce
-class _Group:
-    """W threads' collectives, each rank's transport a :class:`_Comm` on it."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.barrier = threading.Barrier(size, timeout=10)
-        self.parts: dict[int, torch.Tensor] = {}
-
-
-class _Comm:
-    def __init__(self, group: _Group, rank: int):
-        self.group, self.rank = group, rank
-        self.calls: list[tuple] = []
-
-    def now(self) -> float:
-        return 0.0
-
-    def group_size(self, group=None) -> int:
-        return self.group.size
-
-    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        self.group.parts[self.rank] = tensor.clone()
-        self.group.barrier.wait()
-        parts = [self.group.parts[r] for r in range(self.group.size)]
-        self.group.barrier.wait()
-        return parts
-
-    def all_reduce(self, tensor, group=None, async_op=False):
-        parts = self._exchange(tensor)
-        tensor.copy_(torch.stack(parts).sum(0))
-        return _Done()
-
-    def all_gather(self, output, tensor, group=None, async_op=False):
-        output.copy_(torch.cat(self._exchange(tensor)))
-        return _Done()
-
-    def group_rank(self, group=None) -> int:
-        return self.rank
-
-    def all_to_all(self, output, tensor, output_splits, input_splits, group=None, async_op=False):
-        self.calls.append(("all_to_all", list(input_splits), list(output_splits)))
-        sent = self._exchange(tensor)
-        splits = self._exchange(torch.tensor(input_splits))
-        pieces = [sent[r].split(splits[r].tolist())[self.rank] for r in range(self.group.size)]
-        assert [p.numel() for p in pieces] == list(output_splits)
-        output.copy_(torch.cat(pieces))
-        return _Done()
-
-
-class _Done:
-    def wait(self) -> bool:
-        return True
-
-
-def _on_threads(size: int, fn) -> list:
-    group = _Group(size)
-    return run_on_threads(size, group.barrier, lambda rank: _Comm(group, rank), fn)
 
 
 @pytest.mark.parametrize("method", ["none", "bf16", "int8", "fp8"])
 def test_a_compressed_all_reduce_gives_every_rank_the_same_sum_counted_as_sent(method):
     size, n = 3, 1000
 
-    def rank_fn(rank: int, comm: _Comm):
-        x = _vector(n, seed=rank)
+    def rank_fn(rank: int, comm: ThreadComm):
+        x = compress_vector(n, seed=rank)
         stats = CommStats()
         y = x.clone()
         pending = compressed_all_reduce_sum(
@@ -190,7 +130,7 @@ def test_a_compressed_all_reduce_gives_every_rank_the_same_sum_counted_as_sent(m
         pending.wait()
         return x, y, stats.sent_bytes
 
-    results = _on_threads(size, rank_fn)
+    results = on_comm_threads(size, rank_fn)
     true = sum(r[0] for r in results)
     for _, y, _ in results:
         assert torch.equal(y, results[0][1])  # the same bits everywhere
@@ -252,7 +192,7 @@ def test_diloco_checkpoints_its_residuals_and_a_restored_worker_continues_alike(
 
     def build(seed: int):
         replicas = ref.Replicas(1, ref.sgd(), seed=seed)
-        ctx = _Ctx(_cfg("diloco", 1, **kw), 0, comm=_Comm(_Group(1), 0))
+        ctx = LocalSgdCtx(survivor_cfg("diloco", 1, **kw), 0, comm=ThreadComm(ThreadGroup(1), 0))
         strategy = DilocoStrategy(ctx)
         strategy.wrap(replicas.models[0], replicas.optimizers[0])
         return replicas, strategy
@@ -270,11 +210,13 @@ def test_daso_checkpoints_its_residual_and_a_restored_rank_continues_alike():
     # (2S·θ + C(θ + e)) / (2S + 1)) still rounds, and leaves a residual.
     def build(seed: int):
         replicas = ref.Replicas(1, ref.sgd(), seed=seed)
-        cfg = _cfg("daso", 1, compress="int8", daso_global_skip=2, daso_batches_to_wait=1,
-                   daso_adaptive=False, daso_epoch_end_sync=False)  # fmt: skip
+        cfg = survivor_cfg("daso", 1, compress="int8", daso_global_skip=2,
+                           daso_batches_to_wait=1, daso_adaptive=False,
+                           daso_epoch_end_sync=False)  # fmt: skip
         ctx = SimpleNamespace(
             cfg=cfg, topology=Topology((0,)), node=0, rank=0, groups={"node": None,
-            "across": None}, comm=_Comm(_Group(1), 0), link=None, device=torch.device("cpu"),
+            "across": None}, comm=ThreadComm(ThreadGroup(1), 0), link=None,
+            device=torch.device("cpu"),
         )  # fmt: skip
         strategy = DasoStrategy(ctx)
         strategy.wrap(replicas.models[0], replicas.optimizers[0])
@@ -294,13 +236,13 @@ def test_daso_checkpoints_its_residual_and_a_restored_rank_continues_alike():
 def plain_run(tmp_path_factory):
     """The uncompressed reference runs, each made once per module and shared by the cases
     that compare against the same one: ``plain_run(name, make_cfg)`` is ``(summary, out)``
-    of ``_sim(make_cfg(out))``."""
+    of ``run_sim(make_cfg(out))``."""
     runs: dict[str, tuple[dict, object]] = {}
 
     def get(name: str, make_cfg) -> tuple[dict, object]:
         if name not in runs:
             out = tmp_path_factory.mktemp(f"plain-{name}")
-            runs[name] = (_sim(make_cfg(out)), out)
+            runs[name] = (run_sim(make_cfg(out)), out)
         return runs[name]
 
     return get
@@ -312,13 +254,13 @@ def _daso_cfg(out, steps: int = 40, **kw) -> RunConfig:
     # int8 and bf16 runs), far above the floor.
     schedule = dict(daso_warmup_epochs=0.25, daso_cooldown_epochs=0.25, daso_global_skip=4)
     train_size = steps * 1344 // 40
-    return _sim_cfg(out, "daso", 4, steps, nodes=2, train_size=train_size, **schedule, **kw)
+    return sim_cfg(out, "daso", 4, steps, nodes=2, train_size=train_size, **schedule, **kw)
 
 
 def test_daso_none_is_the_uncompressed_run_bit_for_bit(tmp_path):
     # 24 steps, 1.9 epochs as in the others: every phase; nothing to learn here
-    _sim(_daso_cfg(tmp_path / "default", steps=24))
-    _sim(_daso_cfg(tmp_path / "none", steps=24, compress="none"))
+    run_sim(_daso_cfg(tmp_path / "default", steps=24))
+    run_sim(_daso_cfg(tmp_path / "none", steps=24, compress="none"))
     a, b = trained(tmp_path / "default"), trained(tmp_path / "none")
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
@@ -330,7 +272,7 @@ def test_compressed_daso_learns_and_sends_its_global_syncs_compressed(tmp_path, 
     # DASO's global syncs (and the epoch-loss all-reduces, 8 bytes each). The fp32 run is
     # shared by both methods.
     plain, plain_out = plain_run("daso", lambda out: _daso_cfg(out, daso_downcast="none"))
-    packed = _sim(_daso_cfg(tmp_path / "packed", compress=method))
+    packed = run_sim(_daso_cfg(tmp_path / "packed", compress=method))
     assert _accuracy(packed) >= _accuracy(plain) - 0.05
     assert _accuracy(packed) > 0.5
     ratio = packed["inter_node_bytes"] / plain["inter_node_bytes"]
@@ -345,8 +287,8 @@ def _accuracy(summary: dict) -> float:
 
 def test_none_is_the_uncompressed_run_bit_for_bit(tmp_path):
     for strategy in ("sync", "local_sgd"):
-        _sim(_sim_cfg(tmp_path / f"{strategy}-default", strategy, 2, 12, period=4))
-        _sim(_sim_cfg(tmp_path / f"{strategy}-none", strategy, 2, 12, period=4, compress="none"))
+        run_sim(sim_cfg(tmp_path / f"{strategy}-default", strategy, 2, 12, period=4))
+        run_sim(sim_cfg(tmp_path / f"{strategy}-none", strategy, 2, 12, period=4, compress="none"))
         a = trained(tmp_path / f"{strategy}-default")
         b = trained(tmp_path / f"{strategy}-none")
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
@@ -373,9 +315,9 @@ def test_compressed_runs_learn_and_count_compressed_bytes(
     # The uncompressed run of the same settings (sync's is shared by bf16 and int8)
     plain, plain_out = plain_run(
         f"{strategy}-{sorted(extra.items())}",
-        lambda out: _sim_cfg(out, strategy, workers, steps, **kw),
+        lambda out: sim_cfg(out, strategy, workers, steps, **kw),
     )
-    packed = _sim(_sim_cfg(tmp_path / "packed", strategy, workers, steps, compress=method, **kw))
+    packed = run_sim(sim_cfg(tmp_path / "packed", strategy, workers, steps, compress=method, **kw))
     assert _accuracy(packed) >= _accuracy(plain) - 0.05
     assert _accuracy(packed) > 0.5  # synthetic data, 10 classes: chance is 0.1
     ratio = packed["inter_node_bytes"] / plain["inter_node_bytes"]

@@ -35,7 +35,7 @@ from cloudburst.strategies.asgd.server import ServerLoop
 from cloudburst.strategies.gossip import GossipStrategy
 from tests.dist.simulate import trained
 from tests.fakes import FakeNamespace
-from tests.unit.test_sim_runs import _cfg, _sim
+from tests.support import run_sim, sim_cfg
 
 METHODS = ["bf16", "int8", "fp8"]
 
@@ -182,7 +182,7 @@ def test_the_server_applies_exactly_the_decompressed_updates_the_worker_kept(
 
     monkeypatch.setattr(AsgdStrategy, "_compress_push", recording)
     monkeypatch.setattr(AsgdStrategy, "start", start)
-    _sim(_cfg(tmp_path, strategy, 1, 16, servers=1, compress="int8", **extra))
+    run_sim(sim_cfg(tmp_path, strategy, 1, 16, servers=1, compress="int8", **extra))
     assert len(sent) == 8 and len(starts) == 1
     expected = starts[0].clone()  # θ0: the worker's initial model is the servers' too
     for delta in sent:
@@ -194,7 +194,7 @@ def test_the_server_applies_exactly_the_decompressed_updates_the_worker_kept(
 def _bytes_and_accuracy(tmp_path, strategy: str, compress: str, **kw) -> tuple[int, float]:
     out = tmp_path / f"{strategy}-{compress}"
     # 40 steps learn to ~0.99 (asgd and EASGD, each compression), far above the floor of 0.5
-    summary = _sim(_cfg(out, strategy, 2, 40, servers=1, compress=compress, **kw))
+    summary = run_sim(sim_cfg(out, strategy, 2, 40, servers=1, compress=compress, **kw))
     return summary["sent_bytes"], summary["final_test_accuracy"]
 
 
@@ -293,8 +293,8 @@ def test_simulated_compressed_pushes_cost_a_quarter_of_the_modelled_bytes(tmp_pa
     kw = dict(servers=1, nodes=2, shard_placement="own", inter_node_link="0.1,0", n_push=1)
     times = {}
     for method in ("none", "int8"):
-        summary = _sim(
-            _cfg(tmp_path / method, "asgd", 1, 8, compress=method, **kw), modelled_params=10**7
+        summary = run_sim(
+            sim_cfg(tmp_path / method, "asgd", 1, 8, compress=method, **kw), modelled_params=10**7
         )
         times[method] = summary["wall_time_s"]
     # 10⁷ fp32 values over 0.1 Gbit/s are 3.2 s a message each way; int8 about 0.8 s.

@@ -30,8 +30,7 @@ from cloudburst.sim.network import SimNetwork
 from cloudburst.sim.scheduler import Scheduler
 from cloudburst.sim.transport import SimTransport
 from tests import reference as ref
-from tests.unit.test_compress import _on_threads, _vector
-from tests.unit.test_sim_clock import run_config
+from tests.support import clock_run_config, compress_vector, on_comm_threads
 
 
 def _reduce(size: int, n: int, method: str, rounds: int, feedbacks=None, seed: int = 0):
@@ -42,14 +41,14 @@ def _reduce(size: int, n: int, method: str, rounds: int, feedbacks=None, seed: i
         feedback = feedbacks[rank] if feedbacks is not None else ErrorFeedback()
         stats, inputs, outputs = CommStats(), [], []
         for k in range(rounds):
-            x = _vector(n, seed=seed + 100 * k + rank) * (1 + rank)
+            x = compress_vector(n, seed=seed + 100 * k + rank) * (1 + rank)
             y = x.clone()
             compressed_all_reduce_sum(y, None, stats, method, feedback=feedback, key="t", comm=comm)
             inputs.append(x)
             outputs.append(y)
         return inputs, outputs, stats.sent_bytes, comm.calls, feedback
 
-    return _on_threads(size, rank_fn)
+    return on_comm_threads(size, rank_fn)
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
@@ -134,7 +133,7 @@ def test_the_virtual_cluster_charges_two_all_to_alls_by_hand():
     #   scatter: ranks 1-3 send 4 blocks (1040 bytes): 3 ms + 1040 / 1.25e8 s
     #   gather: rank 0 sends its 2 blocks to 3 ranks (1560 bytes): 3 ms + 1560 / 1.25e8 s
     expected = 0.003 + 1040 / 1.25e8 + 0.003 + 1560 / 1.25e8
-    cfg = run_config(inter_node_link="1,1", workers=4)
+    cfg = clock_run_config(inter_node_link="1,1", workers=4)
     clock = ClockModel(SimulationConfig(), cfg, actual_params=1280, step_time_s=0.1)
     sched = Scheduler()
     net = SimNetwork(sched, clock, Topology.contiguous(4, 2), timeout_s=60.0)
@@ -142,7 +141,7 @@ def test_the_virtual_cluster_charges_two_all_to_alls_by_hand():
     seen: dict[int, tuple[float, torch.Tensor, int]] = {}
 
     def rank_fn(rank: int) -> None:
-        y = _vector(1280, seed=rank)
+        y = compress_vector(1280, seed=rank)
         stats = CommStats()
         compressed_all_reduce_sum(y, None, stats, "int8", feedback=ErrorFeedback(), key="g",
                                   spans_nodes=True, comm=comms[rank])  # fmt: skip

@@ -81,9 +81,9 @@ def test_asgd_pushes_are_the_reference_quantiser_with_a_residual_per_shard(metho
     # servers apply is C⁻¹ of it, and e_k keeps the rest. The bytes sent decode to that.
     from cloudburst.comm.quantise import decode
     from tests.fakes import ps_job
-    from tests.unit.test_references import cfg_for
+    from tests.support import references_cfg
 
-    cfg = cfg_for(strategy="asgd", workers=1, servers=2, compress=method)
+    cfg = references_cfg(strategy="asgd", workers=1, servers=2, compress=method)
     [worker] = ps_job(cfg, [ref.tiny_model()]).workers
     n, shards = ref.NUMEL, 2
     sizes = [n // shards + (1 if k < n % shards else 0) for k in range(shards)]

@@ -23,65 +23,14 @@ import torch
 from torch import nn
 
 from cloudburst.comm.link import LinkEmulator, LinkSpec
-from cloudburst.config import RunConfig
 from cloudburst.sim.run import run_ranks
-from cloudburst.strategies.daso import DasoStrategy
+from tests.support import daso_sync_cfg, daso_sync_drive, daso_sync_model
 
 NUMEL = 3  # nn.Linear(2, 1)
 
 
-def _cfg(tmp_path, workers: int, nodes: int, **kw) -> RunConfig:
-    settings = dict(
-        daso_global_skip=1, daso_batches_to_wait=1, daso_local_skip=1, daso_warmup_epochs=0.0,
-        daso_cooldown_epochs=0.0, daso_adaptive=False, daso_epoch_end_sync=False,
-    )  # fmt: skip
-    settings.update(kw)
-    return RunConfig(
-        strategy="daso", workers=workers, nodes=nodes, dataset="synthetic", out=str(tmp_path),
-        comm_timeout_s=60, **settings,
-    )  # fmt: skip
-
-
-def _model(rank: int) -> nn.Module:
-    """θ = (10r, 10r + 1, 10r + 2) on rank r: every rank's θ differs."""
-    model = nn.Linear(2, 1)
-    with torch.no_grad():
-        model.weight.copy_(torch.tensor([[10.0 * rank, 10.0 * rank + 1]]))
-        model.bias.fill_(10.0 * rank + 2)
-    return model
-
-
 def _theta(model: nn.Module) -> torch.Tensor:
     return torch.cat([model.weight.detach().reshape(-1), model.bias.detach().reshape(-1)])
-
-
-def _drive(ctx, steps: int, steps_per_epoch: int, total_steps: int, on_step=None, record=None):
-    """``steps`` steps of one rank as the training loop runs them (lr 0), then the finish.
-    ``record(strategy, model)``: wraps the transport before training (sees the wire);
-    ``on_step(step, strategy, before, after)``: the virtual clock around each after_step."""
-    model = _model(ctx.rank)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    strategy = DasoStrategy(ctx)
-    strategy.configure(steps_per_epoch, total_steps)
-    net = strategy.wrap(model, optimizer)
-    strategy.start()
-    if record is not None:
-        record(strategy, model)
-    x, y = torch.ones(4, 2), torch.zeros(4, 1)
-    for step in range(1, steps + 1):
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(net(x), y)
-        loss.backward()
-        strategy.after_backward()
-        optimizer.step()
-        ctx.comm.step_done(0.0, 0.0, 1.0)
-        strategy.record_loss(loss.item())
-        before = ctx.comm.now()
-        strategy.after_step(4)
-        if on_step is not None:
-            on_step(step, strategy, before, ctx.comm.now())
-    strategy.finish()
-    return strategy
 
 
 # ---------------------------------------------------------------------------- the wire
@@ -93,7 +42,9 @@ def test_each_sync_is_sent_by_the_rotating_local_rank_over_its_global_group_in_i
     the group {g, g + 3}; the non-blocking ones in fp32 (daso_cycling_downcast none), the
     finish's blocking one in bf16 (daso_downcast bf16); each is the sender's θ of the moment.
     Seven syncs are counted on every rank, and each rank counts the bytes it sent."""
-    cfg = _cfg(tmp_path, workers=6, nodes=2, daso_downcast="bf16", daso_cycling_downcast="none")
+    cfg = daso_sync_cfg(
+        tmp_path, workers=6, nodes=2, daso_downcast="bf16", daso_cycling_downcast="none"
+    )
     wire: list[tuple[int, int, tuple[int, ...], torch.dtype, bool]] = []
     sent_is_theta: list[bool] = []
 
@@ -111,7 +62,7 @@ def test_each_sync_is_sent_by_the_rotating_local_rank_over_its_global_group_in_i
         ctx.comm.all_reduce = all_reduce
 
     def drive(ctx):
-        s = _drive(ctx, 6, 1000, 6, record=record)
+        s = daso_sync_drive(ctx, 6, 1000, 6, record=record)
         return s.syncs, s.report()["global_syncs"], s.report()["global_bytes"]
 
     counts = run_ranks(cfg, drive)
@@ -136,7 +87,7 @@ def test_a_non_blocking_sync_does_not_hold_its_sender_when_it_starts(tmp_path, c
     after steps 2 and 4. Starting one costs no rank virtual time (the all-reduce overlaps the
     next step); the finish, which waits for the second and runs a blocking one, does."""
     extra = {} if compress != "none" else {"daso_downcast": "none"}
-    cfg = _cfg(
+    cfg = daso_sync_cfg(
         tmp_path, workers=4, nodes=2, daso_global_skip=2, compress=compress,
         inter_node_link="1,1", **extra,
     )  # fmt: skip
@@ -148,7 +99,7 @@ def test_a_non_blocking_sync_does_not_hold_its_sender_when_it_starts(tmp_path, c
             spent[step] = after - before
             ends.append(after)
 
-        _drive(ctx, 4, 1000, 4, on_step=on_step)
+        daso_sync_drive(ctx, 4, 1000, 4, on_step=on_step)
         return spent, ctx.comm.now() - ends[-1]
 
     for rank, (spent, finish) in enumerate(run_ranks(cfg, drive)):
@@ -165,7 +116,7 @@ def test_a_sync_is_merged_s_steps_after_it_started_and_broadcast_by_its_sender(t
     (local rank 0). Uncompressed (fp32), rank 2n + i holds after step 5 its node sender's
     merge (2S·θ_2n + θ_0 + θ_2) / (2S + P) = (5·θ_2n + θ_2(1−n)) / 6."""
     extra = {"daso_downcast": "none"} if compress == "none" else {}
-    cfg = _cfg(
+    cfg = daso_sync_cfg(
         tmp_path, workers=4, nodes=2, daso_global_skip=3, daso_batches_to_wait=2,
         compress=compress, **extra,
     )  # fmt: skip
@@ -187,11 +138,11 @@ def test_a_sync_is_merged_s_steps_after_it_started_and_broadcast_by_its_sender(t
         def on_step(step, strategy, before, after):
             thetas.append(_theta(models[0]).clone())
 
-        _drive(ctx, 6, 1000, 6, on_step=on_step, record=record)
+        daso_sync_drive(ctx, 6, 1000, 6, on_step=on_step, record=record)
         return broadcasts, thetas
 
     results = run_ranks(cfg, drive)
-    initial = [_theta(_model(r)) for r in range(4)]
+    initial = [_theta(daso_sync_model(r)) for r in range(4)]
     for rank, (broadcasts, thetas) in enumerate(results):
         node = rank // 2
         assert broadcasts == [(5, 2 * node), (6, 2 * node + 1), (6, 2 * node)], rank
@@ -216,12 +167,14 @@ def test_the_emulated_link_charges_every_global_sync_its_time(tmp_path, compress
     int8 one the all-gather of one packed vector, (P−1)·latency + 260 bytes/bandwidth (3
     codes padded to a 256-value block, and its 4-byte scale)."""
     extra = {} if compress != "none" else {"daso_downcast": "bf16"}
-    cfg = _cfg(tmp_path, workers=4, nodes=2, daso_global_skip=2, compress=compress, **extra)
+    cfg = daso_sync_cfg(
+        tmp_path, workers=4, nodes=2, daso_global_skip=2, compress=compress, **extra
+    )
     bw, lat = GBIT * 1e9 / 8, LATENCY_MS / 1e3
 
     def drive(ctx):
         link = LinkEmulator(LinkSpec(GBIT, LATENCY_MS))
-        s = _drive(dataclasses.replace(ctx, link=link), 4, 1000, 4)
+        s = daso_sync_drive(dataclasses.replace(ctx, link=link), 4, 1000, 4)
         return s.stats.emulated_link_s
 
     charged = run_ranks(cfg, drive)
@@ -241,13 +194,13 @@ def test_phases_are_counted_per_step_from_where_the_step_started(tmp_path):
     13–16 cool-down (blocking); the finish adds a blocking sync at step 16. The counts of
     steps per phase and the log of syncs (step, phase, B, S) follow each step's start
     position, not the middle of its epoch (which would call steps 1–2 cycling)."""
-    cfg = _cfg(
+    cfg = daso_sync_cfg(
         tmp_path, workers=4, nodes=2, daso_global_skip=2, daso_warmup_epochs=0.5,
         daso_cooldown_epochs=1.0,
     )  # fmt: skip
 
     def drive(ctx):
-        s = _drive(ctx, 16, 4, 16)
+        s = daso_sync_drive(ctx, 16, 4, 16)
         return s.report()["phase_steps"], s.sync_log
 
     results = run_ranks(cfg, drive)

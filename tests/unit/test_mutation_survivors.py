@@ -4,10 +4,10 @@ Each test checks behaviour against values worked out independently (by hand, or 
 single-process references of :mod:`tests.reference`), never against the code under test.
 
 ``local_sgd`` and ``diloco`` had no unit test at all: they average over the workers' group with
-a blocking all-reduce, which :class:`_Workers` fakes for W threads of one process (each
-contributes its vector and gets the sum, as ``dist.all_reduce`` would), so the strategies run
-unchanged and are compared step by step with :func:`tests.reference.local_sgd` and
-:func:`tests.reference.diloco`.
+a blocking all-reduce, which :class:`tests.support.LocalSgdJob` fakes for W threads of one
+process (each contributes its vector and gets the sum, as ``dist.all_reduce`` would), so the
+strategies run unchanged and are compared step by step with :func:`tests.reference.local_sgd`
+and :func:`tests.reference.diloco`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ import logging
 import math
 import os
 import pickle
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +37,9 @@ from cloudburst.checkpoint import (
     save_model,
 )
 from cloudburst.comm import link
-from cloudburst.comm.allreduce import count_collective, ring_bytes
 from cloudburst.comm.flat import adopt_flat, flatten_params, split_shards
 from cloudburst.comm.link import EmulatedWork, LinkEmulator, LinkSpec, Topology
 from cloudburst.comm.p2p import Header, Kind, Status
-from cloudburst.comm.transport import REAL
-from cloudburst.config import RunConfig
-from cloudburst.runtime import ReplicaView
 from cloudburst.strategies.asgd.server import MAX_PUSH_SAMPLES, request_problem
 from cloudburst.strategies.asgd.shard import (
     PushResult,
@@ -59,113 +52,11 @@ from cloudburst.strategies.asgd.shard import (
 from cloudburst.strategies.daso import DasoSchedule
 from cloudburst.strategies.diloco import DilocoStrategy
 from cloudburst.strategies.local_sgd import LocalSgdStrategy
-from cloudburst.strategies.local_sgd import worker as local_sgd
 from tests import reference as ref
 from tests.fakes import WorkerSide, flush, ps_job
-
-BATCH = 8  # samples per local step (what the loop passes to after_step)
-
+from tests.support import BATCH, LocalSgdCtx, LocalSgdJob, survivor_cfg
 
 # ---------------------------------------------------------------------------- local SGD, DiLoCo
-class _Workers:
-    """The workers' group, for W threads: each ``all_reduce_sum`` contributes the caller's
-    vector and returns with the sum in it once every worker has called (a 10 s barrier: a
-    worker that does not take part fails the test instead of hanging it)."""
-
-    def __init__(self, workers: int):
-        self.barrier = threading.Barrier(workers, timeout=10)
-        self.lock = threading.Lock()
-        self.parts: dict[int, torch.Tensor] = {}
-        self.calls: list[tuple[int, Any, bool]] = []  # (worker, link, spans_nodes)
-
-    def all_reduce_sum(self, tensor, group, stats, link=None, spans_nodes=False, **kw):
-        assert kw.pop("comm", None) is not None, "the strategy passes its transport"
-        assert not kw, kw
-        # counted into the caller's stats as the real all-reduce counts it
-        moved = ring_bytes(tensor.numel(), tensor.element_size(), self.barrier.parties)
-        count_collective(stats, moved, spans_nodes)
-        with self.lock:
-            self.parts[group] = tensor.clone()
-            self.calls.append((group, link, spans_nodes))
-        self.barrier.wait()
-        total = torch.stack([self.parts[w] for w in sorted(self.parts)]).sum(0)
-        self.barrier.wait()  # every worker has read the parts before the next round writes
-        tensor.copy_(total)
-        return _Done()
-
-
-class _Done:
-    """A blocking all-reduce's pending works: nothing left to wait for."""
-
-    def wait(self) -> None:
-        pass
-
-
-@dataclass
-class _Ctx(ReplicaView):
-    """What a local SGD strategy reads from the runtime context; ``workers_group`` is the
-    worker's index, so that the fake group knows who contributes."""
-
-    cfg: RunConfig
-    worker_index: int
-    topology: Topology | None = None
-    link: Any = None
-    comm: Any = REAL
-    num_servers: int = 0
-
-    @property
-    def workers_group(self) -> int:
-        return self.worker_index
-
-    @property
-    def worker_ranks(self) -> list[int]:
-        return list(range(self.cfg.workers))
-
-
-def _cfg(strategy: str, workers: int, **kw) -> RunConfig:
-    return RunConfig(strategy=strategy, workers=workers, dataset="synthetic", train_size=512, **kw)
-
-
-class _Job:
-    """W strategies of ``cfg`` around the replicas of ``replicas``, driven step by step."""
-
-    def __init__(
-        self,
-        cfg: RunConfig,
-        replicas: ref.Replicas,
-        monkeypatch: pytest.MonkeyPatch,
-        **ctx: Any,
-    ):
-        self.cfg, self.replicas = cfg, replicas
-        self.group = _Workers(cfg.workers)
-        monkeypatch.setattr(local_sgd, "all_reduce_sum", self.group.all_reduce_sum)
-        cls = DilocoStrategy if cfg.strategy == "diloco" else LocalSgdStrategy
-        self.strategies = [cls(_Ctx(cfg, w, **ctx)) for w in range(cfg.workers)]
-        for s, model, opt in zip(
-            self.strategies, replicas.models, replicas.optimizers, strict=True
-        ):
-            assert s.wrap(model, opt) is model
-        self.step = 0
-
-    def _all(self, fn) -> None:
-        with ThreadPoolExecutor(len(self.strategies)) as pool:
-            list(pool.map(fn, self.strategies))  # re-raises a worker's exception
-
-    def run(self, steps: int) -> list[list[torch.Tensor]]:
-        """``steps`` more local steps of every worker; θ of each worker after each step."""
-        history: list[list[torch.Tensor]] = [[] for _ in self.strategies]
-        for _ in range(steps):
-            self.step += 1
-            for w in range(len(self.strategies)):
-                self.replicas.step(w, self.step)
-            self._all(lambda s: s.after_step(BATCH))
-            for w, model in enumerate(self.replicas.models):
-                history[w].append(ref.flat(model))
-        return history
-
-    def finish(self) -> list[torch.Tensor]:
-        self._all(lambda s: s.finish())
-        return [ref.flat(m) for m in self.replicas.models]
 
 
 def _assert_runs_equal(got: list[list[torch.Tensor]], expected: list[list[torch.Tensor]]):
@@ -194,7 +85,9 @@ def _averaged_at(replicas: ref.Replicas, steps: int, sync_steps: set[int]):
 
 def test_local_sgd_strategy_follows_the_reference_with_a_final_average(monkeypatch):
     expected = ref.local_sgd(*_reference_args(2), steps=7, period=3)
-    job = _Job(_cfg("local_sgd", 2, period=3), ref.Replicas(2, ref.sgd()), monkeypatch)
+    job = LocalSgdJob(
+        survivor_cfg("local_sgd", 2, period=3), ref.Replicas(2, ref.sgd()), monkeypatch
+    )
     got = job.run(7)
     final = job.finish()  # step 7 is not a multiple of 3: finish averages once more
     _assert_runs_equal([h[:-1] for h in got], [h[:-1] for h in expected])
@@ -213,7 +106,9 @@ def _reference_args(workers: int):
 
 
 def test_local_sgd_finish_does_not_average_again_after_a_full_period(monkeypatch):
-    job = _Job(_cfg("local_sgd", 2, period=3), ref.Replicas(2, ref.sgd()), monkeypatch)
+    job = LocalSgdJob(
+        survivor_cfg("local_sgd", 2, period=3), ref.Replicas(2, ref.sgd()), monkeypatch
+    )
     job.run(6)
     job.finish()
     assert [s.averages for s in job.strategies] == [2, 2]
@@ -222,8 +117,8 @@ def test_local_sgd_finish_does_not_average_again_after_a_full_period(monkeypatch
 
 def test_post_local_sgd_averages_every_step_of_its_warm_up(monkeypatch):
     expected = _averaged_at(ref.Replicas(2, ref.sgd()), steps=8, sync_steps={1, 2, 3, 6, 8})
-    cfg = _cfg("local_sgd", 2, period=3, local_sgd_warmup_steps=3)
-    job = _Job(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
+    cfg = survivor_cfg("local_sgd", 2, period=3, local_sgd_warmup_steps=3)
+    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
     got = job.run(8)
     final = job.finish()  # step 8: not due, so finish averages
     _assert_runs_equal([h[:-1] for h in got], [h[:-1] for h in expected])
@@ -233,14 +128,16 @@ def test_post_local_sgd_averages_every_step_of_its_warm_up(monkeypatch):
 
 def test_post_local_sgd_warm_up_ends_at_its_last_step(monkeypatch):
     # warm-up 2, period 3: averages after steps 1, 2 and 3, none after 4
-    cfg = _cfg("local_sgd", 2, period=3, local_sgd_warmup_steps=2)
-    job = _Job(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
+    cfg = survivor_cfg("local_sgd", 2, period=3, local_sgd_warmup_steps=2)
+    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
     job.run(4)
     assert [s.averages for s in job.strategies] == [3, 3]
 
 
 def test_local_sgd_with_one_worker_never_averages(monkeypatch):
-    job = _Job(_cfg("local_sgd", 1, period=2), ref.Replicas(1, ref.sgd()), monkeypatch)
+    job = LocalSgdJob(
+        survivor_cfg("local_sgd", 1, period=2), ref.Replicas(1, ref.sgd()), monkeypatch
+    )
     job.run(3)
     job.finish()
     assert job.group.calls == []
@@ -248,8 +145,8 @@ def test_local_sgd_with_one_worker_never_averages(monkeypatch):
 
 
 def test_local_sgd_global_params_are_the_replica_and_the_samples_of_all_workers(monkeypatch):
-    cfg = _cfg("local_sgd", 2, period=2, batch_size=16)
-    job = _Job(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
+    cfg = survivor_cfg("local_sgd", 2, period=2, batch_size=16)
+    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
     job.run(3)
     theta, samples = job.strategies[1].global_params()
     assert samples == 3 * 16 * 2
@@ -258,8 +155,8 @@ def test_local_sgd_global_params_are_the_replica_and_the_samples_of_all_workers(
 
 def test_local_sgd_average_is_counted_and_sent_over_the_link_when_it_spans_nodes(monkeypatch):
     link = object()
-    job = _Job(
-        _cfg("local_sgd", 2, period=1),
+    job = LocalSgdJob(
+        survivor_cfg("local_sgd", 2, period=1),
         ref.Replicas(2, ref.sgd()),
         monkeypatch,
         topology=Topology((0, 1)),
@@ -271,8 +168,8 @@ def test_local_sgd_average_is_counted_and_sent_over_the_link_when_it_spans_nodes
 
 @pytest.mark.parametrize("topology", [None, Topology((0, 0, 1))])
 def test_local_sgd_average_within_one_node_does_not_span_nodes(monkeypatch, topology):
-    job = _Job(
-        _cfg("local_sgd", 2, period=1),
+    job = LocalSgdJob(
+        survivor_cfg("local_sgd", 2, period=1),
         ref.Replicas(2, ref.sgd()),
         monkeypatch,
         topology=topology,
@@ -282,11 +179,13 @@ def test_local_sgd_average_within_one_node_does_not_span_nodes(monkeypatch, topo
 
 
 def test_local_sgd_state_dict_round_trip_keeps_the_average_count(monkeypatch):
-    job = _Job(_cfg("local_sgd", 2, period=2), ref.Replicas(2, ref.sgd()), monkeypatch)
+    job = LocalSgdJob(
+        survivor_cfg("local_sgd", 2, period=2), ref.Replicas(2, ref.sgd()), monkeypatch
+    )
     job.run(4)
     state = job.strategies[0].state_dict()
     assert state["averages"] == 2 and state["local_steps"] == 4
-    fresh = LocalSgdStrategy(_Ctx(job.cfg, 0))
+    fresh = LocalSgdStrategy(LocalSgdCtx(job.cfg, 0))
     fresh.wrap(ref.tiny_model(), None)
     fresh.load_state_dict({**state, "averages": 2.0})
     assert fresh.averages == 2 and type(fresh.averages) is int
@@ -300,8 +199,8 @@ def test_diloco_strategy_follows_the_reference(monkeypatch, workers, momentum, n
     kw = dict(diloco_outer_lr=0.7, diloco_outer_momentum=momentum, diloco_nesterov=nesterov)
     expected = ref.diloco(*_reference_args(workers), steps=7, period=3, outer_lr=0.7,
                           outer_momentum=momentum, nesterov=nesterov)  # fmt: skip
-    cfg = _cfg("diloco", workers, period=3, **kw)
-    job = _Job(cfg, ref.Replicas(workers, ref.sgd()), monkeypatch)
+    cfg = survivor_cfg("diloco", workers, period=3, **kw)
+    job = LocalSgdJob(cfg, ref.Replicas(workers, ref.sgd()), monkeypatch)
     got = job.run(7)
     final = job.finish()
     _assert_runs_equal([h[:-1] for h in got], [h[:-1] for h in expected])
@@ -312,8 +211,8 @@ def test_diloco_strategy_follows_the_reference(monkeypatch, workers, momentum, n
 def test_diloco_without_momentum_is_local_sgd_even_with_nesterov_asked_for(monkeypatch):
     # Nesterov needs momentum (torch refuses it without): with μ = 0 it is simply left off.
     expected = ref.local_sgd(*_reference_args(2), steps=5, period=2)
-    cfg = _cfg("diloco", 2, period=2, diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
-    job = _Job(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
+    cfg = survivor_cfg("diloco", 2, period=2, diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
+    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
     got = job.run(5)
     final = job.finish()
     _assert_runs_equal([h[:-1] for h in got], [h[:-1] for h in expected])
@@ -321,7 +220,7 @@ def test_diloco_without_momentum_is_local_sgd_even_with_nesterov_asked_for(monke
 
 
 def test_diloco_has_no_warm_up_and_finish_skips_a_full_period(monkeypatch):
-    job = _Job(_cfg("diloco", 2, period=2), ref.Replicas(2, ref.sgd()), monkeypatch)
+    job = LocalSgdJob(survivor_cfg("diloco", 2, period=2), ref.Replicas(2, ref.sgd()), monkeypatch)
     job.run(1)
     assert [s.averages for s in job.strategies] == [0, 0]
     job.run(3)
@@ -332,7 +231,7 @@ def test_diloco_has_no_warm_up_and_finish_skips_a_full_period(monkeypatch):
 def test_diloco_state_dict_round_trip_continues_the_same_run(monkeypatch):
     # One worker: DiLoCo still takes its outer steps (momentum included) without peers.
     kw = dict(period=2, diloco_outer_lr=0.7, diloco_outer_momentum=0.9)
-    job = _Job(_cfg("diloco", 1, **kw), ref.Replicas(1, ref.sgd()), monkeypatch)
+    job = LocalSgdJob(survivor_cfg("diloco", 1, **kw), ref.Replicas(1, ref.sgd()), monkeypatch)
     job.run(5)  # two outer steps: the momentum buffer is not the last pseudo-gradient
     saved = job.strategies[0].state_dict()
     global_then = job.strategies[0].global_theta.detach().clone()
@@ -346,7 +245,7 @@ def test_diloco_state_dict_round_trip_continues_the_same_run(monkeypatch):
     ref.set_flat(replicas.models[0], ref.flat(job.replicas.models[0]))
     # (a deep copy, as a checkpoint file is: torch would otherwise alias the momentum buffers)
     replicas.optimizers[0].load_state_dict(copy.deepcopy(job.replicas.optimizers[0].state_dict()))
-    restored = _Job(_cfg("diloco", 1, **kw), replicas, monkeypatch)
+    restored = LocalSgdJob(survivor_cfg("diloco", 1, **kw), replicas, monkeypatch)
     restored.strategies[0].load_state_dict(copy.deepcopy(saved))  # as read from its file
     restored.step = 5
     assert restored.strategies[0].local_steps == 5 and restored.strategies[0].averages == 2
@@ -360,10 +259,10 @@ def test_diloco_state_dict_round_trip_continues_the_same_run(monkeypatch):
 
 
 def test_diloco_loads_a_state_without_the_loop_counters(monkeypatch):
-    job = _Job(_cfg("diloco", 1, period=1), ref.Replicas(1, ref.sgd()), monkeypatch)
+    job = LocalSgdJob(survivor_cfg("diloco", 1, period=1), ref.Replicas(1, ref.sgd()), monkeypatch)
     job.run(2)
     saved = job.strategies[0].state_dict()
-    fresh = DilocoStrategy(_Ctx(job.cfg, 0))
+    fresh = DilocoStrategy(LocalSgdCtx(job.cfg, 0))
     fresh.wrap(ref.tiny_model(seed=3), None)
     fresh.load_state_dict({"global_theta": saved["global_theta"], "outer": saved["outer"]})
     assert fresh.local_steps == 0
@@ -827,7 +726,7 @@ def test_a_state_without_optimizer_state_loads_into_any_rule_and_back():
     ],
 )
 def test_only_the_add_and_elastic_rules_reply_before_applying(strategy, rule, overlapped):
-    assert overlapped_push_fetch(_cfg(strategy, 2, server_rule=rule)) is overlapped
+    assert overlapped_push_fetch(survivor_cfg(strategy, 2, server_rule=rule)) is overlapped
 
 
 def _problem(h: Header) -> str | None:
@@ -922,7 +821,7 @@ class _WireWorkerSide(WorkerSide):
 
 def _ps(strategy: str, workers: int, **kw):
     """A started parameter-server job over the fake network, and its replicas."""
-    cfg = _cfg(strategy, workers, **kw)
+    cfg = survivor_cfg(strategy, workers, **kw)
     replicas = ref.Replicas(workers, ref.sgd())
     job = ps_job(cfg, replicas.models)
     for w in job.workers:

@@ -21,12 +21,9 @@ from cloudburst.config import RunConfig
 from cloudburst.strategies.asgd.server import ShardState
 from tests import reference as ref
 from tests.fakes import flush, ps_job
+from tests.support import references_cfg
 
 BATCH = 8
-
-
-def cfg_for(**kw) -> RunConfig:
-    return RunConfig(dataset="synthetic", train_size=512, checkpoint_every=0, **kw)
 
 
 def play(cfg: RunConfig, script: list[int]) -> ref.PsRun:
@@ -183,7 +180,7 @@ def test_asgd_scripted_pushes_match_the_parameter_server_reference(
     replicas = ref.Replicas(workers, ref.sgd())
     expected = ref.asgd(replicas.models, replicas.step, script, n_sync=2, lam=lam)
     assert expected.pushes == pushes  # the reference agrees with the hand count
-    cfg = cfg_for(strategy="asgd", workers=workers, servers=servers, n_sync=2, server_lr=lam)
+    cfg = references_cfg(strategy="asgd", workers=workers, servers=servers, n_sync=2, server_lr=lam)
     assert_same_run(play(cfg, script), expected)
 
 
@@ -191,7 +188,7 @@ def test_asgd_default_lambda_is_one_over_w():
     replicas = ref.Replicas(2, ref.sgd())
     expected = ref.asgd(replicas.models, replicas.step, SCRIPT_2, n_sync=2, lam=0.5)
     assert_same_run(
-        play(cfg_for(strategy="asgd", workers=2, servers=1, n_sync=2), SCRIPT_2), expected
+        play(references_cfg(strategy="asgd", workers=2, servers=1, n_sync=2), SCRIPT_2), expected
     )
 
 
@@ -250,5 +247,5 @@ def test_easgd_scripted_exchanges_match_the_reference_with_default_alpha():
     replicas = ref.Replicas(workers, ref.sgd())
     expected = ref.easgd(replicas.models, replicas.step, SCRIPT_EASGD, tau=3, alpha=0.9 / workers)
     assert expected.pushes == STALENESS_EASGD
-    cfg = cfg_for(strategy="easgd", workers=workers, servers=2, easgd_tau=3)
+    cfg = references_cfg(strategy="easgd", workers=workers, servers=2, easgd_tau=3)
     assert_same_run(play(cfg, SCRIPT_EASGD), expected)

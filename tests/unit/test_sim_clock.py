@@ -13,15 +13,11 @@ import torch
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.config.simulation import PROFILES, Jitter, SimulationConfig
 from cloudburst.sim.clock import ClockModel, calibrate_step_time, is_payload, resolve_step_time
-
-
-def run_config(**kw) -> RunConfig:
-    base = {"out": "unused", "dataset": "synthetic", "train_size": 256, "test_size": 32}
-    return RunConfig.from_dict({**base, **kw})
+from tests.support import clock_run_config
 
 
 def clock(sim: SimulationConfig | None = None, actual_params: int = 1000, step=0.1, **kw):
-    return ClockModel(sim or SimulationConfig(), run_config(**kw), actual_params, step)
+    return ClockModel(sim or SimulationConfig(), clock_run_config(**kw), actual_params, step)
 
 
 # ---------------------------------------------------------------------------- links
@@ -94,7 +90,7 @@ def test_wire_bytes_scale_payloads_only():
 def test_profile_gives_params_and_step_time_and_flags_win():
     profile = PROFILES["resnet50-v100"]
     sim = SimulationConfig(profile="resnet50-v100")
-    cfg = run_config(batch_size=32)
+    cfg = clock_run_config(batch_size=32)
     seconds, source = resolve_step_time(sim, cfg, calibrate_fn=_no_calibration)
     assert (seconds, source) == (pytest.approx(32 / 1200), "profile")
     assert profile.params == 25_557_032
@@ -114,7 +110,7 @@ def _no_calibration(cfg: RunConfig) -> float:
 
 
 def test_step_time_resolution_order():
-    cfg = run_config(batch_size=16)
+    cfg = clock_run_config(batch_size=16)
     assert resolve_step_time(SimulationConfig(step_time_per_sample_s=0.01), cfg, None) == (
         pytest.approx(0.16),
         "flag",
@@ -123,19 +119,19 @@ def test_step_time_resolution_order():
         0.3,
         "flag",
     )
-    slow = run_config(min_step_time_s=0.05)
+    slow = clock_run_config(min_step_time_s=0.05)
     assert resolve_step_time(SimulationConfig(), slow, _no_calibration) == (0.05, "min_step_time")
     assert resolve_step_time(SimulationConfig(), cfg, lambda cfg: 0.02) == (0.02, "calibrated")
 
 
 def test_calibration_times_real_steps():
-    seconds = calibrate_step_time(run_config(model="mlp", batch_size=8), steps=3)
+    seconds = calibrate_step_time(clock_run_config(model="mlp", batch_size=8), steps=3)
     assert 0 < seconds < 10
 
 
 def test_describe_has_the_clock_and_what_is_not_modelled():
     sim = SimulationConfig(intra_node_link="100", step_time_jitter="lognormal:0.2")
-    d = ClockModel(sim, run_config(inter_node_link="1,1"), 1000, 0.1, "calibrated").describe()
+    d = ClockModel(sim, clock_run_config(inter_node_link="1,1"), 1000, 0.1, "calibrated").describe()
     assert d["step_time_s"] == 0.1 and d["step_time_source"] == "calibrated"
     assert d["inter_node_link"] == {"gbit_per_s": 1.0, "latency_ms": 1.0}
     assert d["intra_node_link"] == {"gbit_per_s": 100.0, "latency_ms": 0.0}

@@ -25,7 +25,7 @@ from cloudburst.strategies.local_sgd import LocalSgdStrategy
 from cloudburst.strategies.sync import SyncStrategy
 from tests import reference as ref
 from tests.fakes import FakeNamespace
-from tests.unit.test_compress import _Comm, _Group
+from tests.support import ThreadComm, ThreadGroup
 
 BATCH = 8
 
@@ -152,13 +152,13 @@ def test_sync_compression_state_of_another_method_is_ignored_on_load():
 # ---------------------------------------------------------------------------- local_sgd
 class _LocalJob:
     """W local SGD workers of ``cfg`` on threads of one group (the real compressed all-reduce
-    over :class:`_Comm`), their replicas made from ``seed``."""
+    over :class:`ThreadComm`), their replicas made from ``seed``."""
 
     def __init__(self, cfg: RunConfig, seed: int):
-        group = _Group(cfg.workers)
+        group = ThreadGroup(cfg.workers)
         self.replicas = ref.Replicas(cfg.workers, ref.sgd(), seed=seed)
         self.strategies = [
-            LocalSgdStrategy(_ctx(cfg, w, _Comm(group, w))) for w in range(cfg.workers)
+            LocalSgdStrategy(_ctx(cfg, w, ThreadComm(group, w))) for w in range(cfg.workers)
         ]
         for s, model, opt in zip(
             self.strategies, self.replicas.models, self.replicas.optimizers, strict=True
@@ -213,7 +213,7 @@ def test_local_sgd_int8_reference_and_residuals_round_trip_and_the_run_continues
 
 def _local_sgd(compress: str, seed: int = 0) -> LocalSgdStrategy:
     cfg = _cfg("local_sgd", 1, period=3, compress=compress)
-    strategy = LocalSgdStrategy(_ctx(cfg, 0, _Comm(_Group(1), 0)))
+    strategy = LocalSgdStrategy(_ctx(cfg, 0, ThreadComm(ThreadGroup(1), 0)))
     model = ref.tiny_model(seed)
     strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
     return strategy
@@ -247,7 +247,7 @@ def _diloco(seed: int = 0, **kw) -> tuple[DilocoStrategy, ref.Replicas]:
     """One DiLoCo worker (a group of one: its outer step is still real) over a replica."""
     kw = dict(period=4, diloco_outer_lr=0.7, diloco_outer_momentum=0.9) | kw
     replicas = ref.Replicas(1, ref.sgd(), seed=seed)
-    strategy = DilocoStrategy(_ctx(_cfg("diloco", 1, **kw), 0, _Comm(_Group(1), 0)))
+    strategy = DilocoStrategy(_ctx(_cfg("diloco", 1, **kw), 0, ThreadComm(ThreadGroup(1), 0)))
     strategy.wrap(replicas.models[0], replicas.optimizers[0])
     return strategy, replicas
 

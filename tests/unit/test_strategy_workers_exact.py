@@ -16,9 +16,7 @@ from cloudburst.sim.run import run_ranks
 from cloudburst.strategies.gossip.worker import push_fold
 from cloudburst.strategies.local_sgd import split_fragments
 from tests import reference as ref
-from tests.unit.test_daso_sync import _cfg as _daso_cfg
-from tests.unit.test_daso_sync import _drive as _daso_drive
-from tests.unit.test_streaming_diloco import BATCH, _one_worker
+from tests.support import BATCH, daso_sync_cfg, daso_sync_drive, one_diloco_worker
 
 
 def _sizes(parts: list[list[torch.Tensor]]) -> list[int]:
@@ -44,7 +42,7 @@ def test_the_split_aims_every_cut_at_its_own_share_of_the_elements():
 
 # ---------------------------------------------------------------------------- the schedule
 def _sends(monkeypatch, steps: int, **kw) -> list[tuple[int, int]]:
-    strategy, replicas, recorder = _one_worker(
+    strategy, replicas, recorder = one_diloco_worker(
         monkeypatch, diloco_outer_lr=1.0, diloco_outer_momentum=0.0, **kw
     )
     for step in range(1, steps + 1):
@@ -83,7 +81,7 @@ def test_sending_fragments_never_resizes_a_buffer_in_use(monkeypatch, fragments)
     # buffer only with one fragment): torch warns whenever it must resize an ``out`` tensor,
     # so a run (and its finish) with every warning an error shows that none is resized.
     kw = dict(period=6, fragments=fragments, fragment_delay=1)
-    strategy, replicas, recorder = _one_worker(
+    strategy, replicas, recorder = one_diloco_worker(
         monkeypatch, diloco_outer_lr=1.0, diloco_outer_momentum=0.0, **kw
     )
     with warnings.catch_warnings():
@@ -97,7 +95,7 @@ def test_sending_fragments_never_resizes_a_buffer_in_use(monkeypatch, fragments)
 
 def test_alpha_1_keeps_the_local_fragment_and_still_steps_the_global_one(monkeypatch):
     # θ_fragment ← α·θ_local + (1 − α)·θ_global with α = 1: the replica keeps its own θ.
-    strategy, replicas, _ = _one_worker(
+    strategy, replicas, _ = one_diloco_worker(
         monkeypatch,
         diloco_outer_lr=1.0,
         diloco_outer_momentum=0.0,
@@ -138,7 +136,7 @@ def test_the_daso_merge_broadcast_is_counted_as_sent_by_its_sender_and_received_
     # after step 5 (besides the traffic of every step, as at step 4) and broadcast over the
     # node from its sender: the sender counts its 3 fp32 values (12 bytes) as sent and
     # intra-node, the other rank of the node as received.
-    cfg = _daso_cfg(
+    cfg = daso_sync_cfg(
         tmp_path, workers=4, nodes=2, daso_global_skip=3, daso_batches_to_wait=2,
         daso_downcast="none",
     )  # fmt: skip
@@ -150,7 +148,7 @@ def test_the_daso_merge_broadcast_is_counted_as_sent_by_its_sender_and_received_
             s = strategy.stats
             seen.append((s.sent_bytes, s.intra_node_bytes, s.received_bytes, s.inter_node_bytes))
 
-        _daso_drive(ctx, 6, 1000, 6, on_step=on_step)
+        daso_sync_drive(ctx, 6, 1000, 6, on_step=on_step)
         # step 5 less step 4 (the same per-step traffic, without a sync or a merge)
         return tuple(a - 2 * b + c for a, b, c in zip(seen[4], seen[3], seen[2], strict=True))
 

@@ -12,7 +12,6 @@ import torch
 
 from cloudburst.strategies.diloco import DilocoStrategy
 from cloudburst.strategies.local_sgd import split_fragments
-from cloudburst.strategies.local_sgd import worker as local_sgd
 from tests import reference as ref
 from tests.dist.simulate import (
     assert_params_differ,
@@ -22,11 +21,16 @@ from tests.dist.simulate import (
     streaming_diloco,
     trained,
 )
-from tests.unit.test_mutation_survivors import _cfg, _Ctx, _Done, _Job
-from tests.unit.test_sim_runs import _cfg as _sim_cfg
-from tests.unit.test_sim_runs import _sim
+from tests.support import (
+    BATCH,
+    LocalSgdCtx,
+    LocalSgdJob,
+    one_diloco_worker,
+    run_sim,
+    sim_cfg,
+    survivor_cfg,
+)
 
-BATCH = 8
 # tiny_model's tensors: 40, 8, 24, 3 values; two fragments: [40] and [8, 24, 3]
 FRAGMENT_0 = slice(0, 40)
 FRAGMENT_1 = slice(40, 75)
@@ -50,30 +54,6 @@ def test_fragments_are_runs_of_whole_tensors_balanced_by_element_count():
 
 
 # ---------------------------------------------------------------------------- one worker, scripted
-class _Recorder:
-    """The workers' all-reduce for one worker: the sum is the tensor itself; each call is
-    recorded with the worker's step, the fragment (by size) and whether it was non-blocking."""
-
-    def __init__(self):
-        self.strategy: DilocoStrategy | None = None
-        self.calls: list[tuple[int, int, bool]] = []
-
-    def all_reduce_sum(self, tensor, group, stats, link=None, spans_nodes=False, **kw):
-        assert kw.pop("comm", None) is not None
-        async_op = kw.pop("async_op", False)
-        assert not kw, kw
-        self.calls.append((self.strategy.local_steps, tensor.numel(), async_op))
-        return _Done()
-
-
-def _one_worker(monkeypatch, **kw) -> tuple[DilocoStrategy, ref.Replicas, _Recorder]:
-    recorder = _Recorder()
-    monkeypatch.setattr(local_sgd, "all_reduce_sum", recorder.all_reduce_sum)
-    replicas = ref.Replicas(1, ref.sgd())
-    strategy = DilocoStrategy(_Ctx(_cfg("diloco", 1, **kw), 0))
-    strategy.wrap(replicas.models[0], replicas.optimizers[0])
-    recorder.strategy = strategy
-    return strategy, replicas, recorder
 
 
 def test_each_fragment_is_sent_at_its_offset_and_applied_tau_steps_later(monkeypatch):
@@ -81,7 +61,7 @@ def test_each_fragment_is_sent_at_its_offset_and_applied_tau_steps_later(monkeyp
     # (offset 4 mod 4 = 0) after 4, 8; each applied one step later. With an outer lr of 1,
     # no momentum, α = 0 and one worker, applying sets the fragment to what was sent.
     kw = dict(period=4, fragments=2, fragment_delay=1, diloco_outer_lr=1.0)
-    strategy, replicas, recorder = _one_worker(monkeypatch, diloco_outer_momentum=0.0, **kw)
+    strategy, replicas, recorder = one_diloco_worker(monkeypatch, diloco_outer_momentum=0.0, **kw)
     sent: dict[int, torch.Tensor] = {}
     for step in range(1, 11):
         replicas.step(0, step)
@@ -117,7 +97,7 @@ def test_each_fragment_is_sent_at_its_offset_and_applied_tau_steps_later(monkeyp
 def test_alpha_mixes_the_local_fragment_with_the_new_global_one(monkeypatch):
     # θ_fragment ← α·θ_local + (1 − α)·θ_global (the paper's mixing; torchft's lerp).
     kw = dict(period=2, fragments=1, fragment_delay=1, fragment_alpha=0.25)
-    strategy, replicas, _ = _one_worker(
+    strategy, replicas, _ = one_diloco_worker(
         monkeypatch, diloco_outer_lr=1.0, diloco_outer_momentum=0.0, **kw
     )
     replicas.step(0, 1)
@@ -136,7 +116,7 @@ def test_alpha_mixes_the_local_fragment_with_the_new_global_one(monkeypatch):
 
 def test_the_state_of_every_fragment_round_trips_and_the_run_continues(monkeypatch):
     kw = dict(period=4, fragments=2, fragment_delay=1, diloco_outer_lr=0.7)
-    strategy, replicas, _ = _one_worker(monkeypatch, **kw)
+    strategy, replicas, _ = one_diloco_worker(monkeypatch, **kw)
     for step in range(1, 8):  # fragments synced at 3 and 5 and 7: momentum in both
         replicas.step(0, step)
         strategy.after_step(BATCH)
@@ -147,7 +127,7 @@ def test_the_state_of_every_fragment_round_trips_and_the_run_continues(monkeypat
     twin_replicas = ref.Replicas(1, ref.sgd(), seed=5)
     ref.set_flat(twin_replicas.models[0], ref.flat(replicas.models[0]))
     twin_replicas.optimizers[0].load_state_dict(copy.deepcopy(replicas.optimizers[0].state_dict()))
-    twin = DilocoStrategy(_Ctx(_cfg("diloco", 1, **kw), 0))
+    twin = DilocoStrategy(LocalSgdCtx(survivor_cfg("diloco", 1, **kw), 0))
     twin.wrap(twin_replicas.models[0], twin_replicas.optimizers[0])
     twin.load_state_dict(saved)
     assert twin.synced_at == strategy.synced_at == [7, 5]
@@ -165,8 +145,10 @@ def test_the_state_of_every_fragment_round_trips_and_the_run_continues(monkeypat
 def test_with_outer_lr_1_no_momentum_and_alpha_0_each_fragment_becomes_its_average(monkeypatch):
     # Streaming DiLoCo's outer step with lr 1 and no momentum is θ_global = the replicas'
     # mean; α = 0 puts it in every replica: local SGD, one fragment at a time.
-    cfg = _cfg("diloco", 2, period=4, fragments=2, diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
-    job = _Job(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
+    cfg = survivor_cfg(
+        "diloco", 2, period=4, fragments=2, diloco_outer_lr=1.0, diloco_outer_momentum=0.0
+    )
+    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
     by_hand = ref.Replicas(2, ref.sgd())
     due = {2: FRAGMENT_0, 6: FRAGMENT_0, 4: FRAGMENT_1, 8: FRAGMENT_1}
     for step in range(1, 10):
@@ -190,9 +172,9 @@ def test_with_outer_lr_1_no_momentum_and_alpha_0_each_fragment_becomes_its_avera
 # ---------------------------------------------------------------------------- whole runs
 def test_one_fragment_without_delay_is_diloco_bit_for_bit(tmp_path):
     kw = dict(period=5, diloco_outer_lr=0.5, diloco_outer_momentum=0.5, nodes=2)
-    _sim(_sim_cfg(tmp_path / "d", "diloco", 2, 22, **kw))
+    run_sim(sim_cfg(tmp_path / "d", "diloco", 2, 22, **kw))
     explicit = dict(fragments=1, fragment_delay=0, fragment_alpha=0.0)
-    _sim(_sim_cfg(tmp_path / "s", "diloco", 2, 22, **kw, **explicit))
+    run_sim(sim_cfg(tmp_path / "s", "diloco", 2, 22, **kw, **explicit))
     a, b = trained(tmp_path / "d"), trained(tmp_path / "s")
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q)
@@ -205,7 +187,7 @@ def test_streaming_diloco_on_the_simulator_matches_the_reference(tmp_path):
     settings |= dict(outer_momentum=0.9, nesterov=True)
     kw = dict(period=6, fragments=2, fragment_delay=1, fragment_alpha=0.5)
     kw |= dict(diloco_outer_lr=0.7, diloco_outer_momentum=0.9, optimizer="sgd")
-    summary = _sim(_sim_cfg(tmp_path, "diloco", 2, 20, nodes=2, **kw))
+    summary = run_sim(sim_cfg(tmp_path, "diloco", 2, 20, nodes=2, **kw))
     expected, syncs = streaming_diloco(20, 2, **settings)
     assert syncs == 6 + 2  # 3 per fragment in 20 steps, then both once more at the end
     assert_same_params(trained(tmp_path), expected)

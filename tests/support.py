@@ -1,0 +1,579 @@
+"""The helpers, fakes and config builders that several test modules share.
+
+No test module imports from another test module: what more than one of them uses lives here,
+each under a name of its own, and this module imports no test module. Each section's heading
+names the test module whose tests its helpers were written for, and which explain them.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cloudburst.comm.allreduce import count_collective, ring_bytes
+from cloudburst.comm.compress import BLOCK
+from cloudburst.comm.flat import flatten_params
+from cloudburst.comm.link import Topology
+from cloudburst.comm.p2p import CommStats, Header
+from cloudburst.comm.transport import REAL
+from cloudburst.config import RunConfig
+from cloudburst.config.simulation import SimulationConfig
+from cloudburst.data import BatchStream, synthetic
+from cloudburst.metrics import read_jsonl
+from cloudburst.models import build_model
+from cloudburst.runtime import ReplicaView
+from cloudburst.sim.run import simulate
+from cloudburst.strategies.asgd import AsgdStrategy
+from cloudburst.strategies.asgd.server import ServerLoop
+from cloudburst.strategies.daso import DasoStrategy
+from cloudburst.strategies.diloco import DilocoStrategy
+from cloudburst.strategies.local_sgd import LocalSgdStrategy
+from cloudburst.strategies.local_sgd import worker as local_sgd
+from tests import reference as ref
+from tests.dist.simulate import BATCH as PARITY_BATCH
+from tests.dist.simulate import LR as PARITY_LR
+from tests.dist.simulate import MOMENTUM as PARITY_MOMENTUM
+from tests.dist.simulate import SEED as PARITY_SEED
+from tests.fakes import FakeNamespace, run_on_threads
+
+# ---------------------------------- whole runs on the virtual cluster (tests/unit/test_sim_runs.py)
+STEP_S = 0.01  # the modelled step time of every run_sim run
+
+
+def sim_cfg(out: Path, strategy: str, workers: int, steps: int, **kw) -> RunConfig:
+    return RunConfig(
+        strategy=strategy,
+        workers=workers,
+        steps=steps,
+        dataset="synthetic",
+        model="cnn",
+        batch_size=PARITY_BATCH,
+        lr=PARITY_LR,
+        momentum=PARITY_MOMENTUM,
+        seed=PARITY_SEED,
+        eval_every_s=kw.pop("eval_every_s", 1000.0),
+        out=str(out),
+        **kw,
+    )
+
+
+def run_sim(cfg: RunConfig, **clock) -> dict:
+    return simulate(cfg, SimulationConfig(step_time_s=clock.pop("step_time_s", STEP_S), **clock))
+
+
+# -------------------------------------- the clock model's run config (tests/unit/test_sim_clock.py)
+def clock_run_config(**kw) -> RunConfig:
+    base = {"out": "unused", "dataset": "synthetic", "train_size": 256, "test_size": 32}
+    return RunConfig.from_dict({**base, **kw})
+
+
+# --------------------------- local SGD, DiLoCo on W threads (tests/unit/test_mutation_survivors.py)
+BATCH = 8  # samples per local step (what the loop passes to after_step)
+
+
+class _Workers:
+    """The workers' group, for W threads: each ``all_reduce_sum`` contributes the caller's
+    vector and returns with the sum in it once every worker has called (a 10 s barrier: a
+    worker that does not take part fails the test instead of hanging it)."""
+
+    def __init__(self, workers: int):
+        self.barrier = threading.Barrier(workers, timeout=10)
+        self.lock = threading.Lock()
+        self.parts: dict[int, torch.Tensor] = {}
+        self.calls: list[tuple[int, Any, bool]] = []  # (worker, link, spans_nodes)
+
+    def all_reduce_sum(self, tensor, group, stats, link=None, spans_nodes=False, **kw):
+        assert kw.pop("comm", None) is not None, "the strategy passes its transport"
+        assert not kw, kw
+        # counted into the caller's stats as the real all-reduce counts it
+        moved = ring_bytes(tensor.numel(), tensor.element_size(), self.barrier.parties)
+        count_collective(stats, moved, spans_nodes)
+        with self.lock:
+            self.parts[group] = tensor.clone()
+            self.calls.append((group, link, spans_nodes))
+        self.barrier.wait()
+        total = torch.stack([self.parts[w] for w in sorted(self.parts)]).sum(0)
+        self.barrier.wait()  # every worker has read the parts before the next round writes
+        tensor.copy_(total)
+        return AllReduceDone()
+
+
+class AllReduceDone:
+    """A blocking all-reduce's pending works: nothing left to wait for."""
+
+    def wait(self) -> None:
+        pass
+
+
+@dataclass
+class LocalSgdCtx(ReplicaView):
+    """What a local SGD strategy reads from the runtime context; ``workers_group`` is the
+    worker's index, so that the fake group knows who contributes."""
+
+    cfg: RunConfig
+    worker_index: int
+    topology: Topology | None = None
+    link: Any = None
+    comm: Any = REAL
+    num_servers: int = 0
+
+    @property
+    def workers_group(self) -> int:
+        return self.worker_index
+
+    @property
+    def worker_ranks(self) -> list[int]:
+        return list(range(self.cfg.workers))
+
+
+def survivor_cfg(strategy: str, workers: int, **kw) -> RunConfig:
+    return RunConfig(strategy=strategy, workers=workers, dataset="synthetic", train_size=512, **kw)
+
+
+class LocalSgdJob:
+    """W strategies of ``cfg`` around the replicas of ``replicas``, driven step by step."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        replicas: ref.Replicas,
+        monkeypatch: pytest.MonkeyPatch,
+        **ctx: Any,
+    ):
+        self.cfg, self.replicas = cfg, replicas
+        self.group = _Workers(cfg.workers)
+        monkeypatch.setattr(local_sgd, "all_reduce_sum", self.group.all_reduce_sum)
+        cls = DilocoStrategy if cfg.strategy == "diloco" else LocalSgdStrategy
+        self.strategies = [cls(LocalSgdCtx(cfg, w, **ctx)) for w in range(cfg.workers)]
+        for s, model, opt in zip(
+            self.strategies, replicas.models, replicas.optimizers, strict=True
+        ):
+            assert s.wrap(model, opt) is model
+        self.step = 0
+
+    def _all(self, fn) -> None:
+        with ThreadPoolExecutor(len(self.strategies)) as pool:
+            list(pool.map(fn, self.strategies))  # re-raises a worker's exception
+
+    def run(self, steps: int) -> list[list[torch.Tensor]]:
+        """``steps`` more local steps of every worker; θ of each worker after each step."""
+        history: list[list[torch.Tensor]] = [[] for _ in self.strategies]
+        for _ in range(steps):
+            self.step += 1
+            for w in range(len(self.strategies)):
+                self.replicas.step(w, self.step)
+            self._all(lambda s: s.after_step(BATCH))
+            for w, model in enumerate(self.replicas.models):
+                history[w].append(ref.flat(model))
+        return history
+
+    def finish(self) -> list[torch.Tensor]:
+        self._all(lambda s: s.finish())
+        return [ref.flat(m) for m in self.replicas.models]
+
+
+# ---------------- one DiLoCo worker, its all-reduces recorded (tests/unit/test_streaming_diloco.py)
+class _Recorder:
+    """The workers' all-reduce for one worker: the sum is the tensor itself; each call is
+    recorded with the worker's step, the fragment (by size) and whether it was non-blocking."""
+
+    def __init__(self):
+        self.strategy: DilocoStrategy | None = None
+        self.calls: list[tuple[int, int, bool]] = []
+
+    def all_reduce_sum(self, tensor, group, stats, link=None, spans_nodes=False, **kw):
+        assert kw.pop("comm", None) is not None
+        async_op = kw.pop("async_op", False)
+        assert not kw, kw
+        self.calls.append((self.strategy.local_steps, tensor.numel(), async_op))
+        return AllReduceDone()
+
+
+def one_diloco_worker(monkeypatch, **kw) -> tuple[DilocoStrategy, ref.Replicas, _Recorder]:
+    recorder = _Recorder()
+    monkeypatch.setattr(local_sgd, "all_reduce_sum", recorder.all_reduce_sum)
+    replicas = ref.Replicas(1, ref.sgd())
+    strategy = DilocoStrategy(LocalSgdCtx(survivor_cfg("diloco", 1, **kw), 0))
+    strategy.wrap(replicas.models[0], replicas.optimizers[0])
+    recorder.strategy = strategy
+    return strategy, replicas, recorder
+
+
+# ----------------------------------- DASO against the reference (tests/unit/test_daso_reference.py)
+DASO_REF_STEPS, DASO_REF_GLOBAL_SKIP, DASO_REF_LOCAL_SKIP = 14, 3, 2
+DASO_REF_NODES, DASO_REF_WORKERS = 2, 4
+DASO_REF_LR, DASO_REF_MOMENTUM = 0.1, 0.9
+
+
+def daso_reference_cfg(out: str, wait: int, **kw):
+    return RunConfig(strategy="daso", workers=DASO_REF_WORKERS, nodes=DASO_REF_NODES,
+                     dataset="synthetic", daso_global_skip=DASO_REF_GLOBAL_SKIP,
+                     daso_batches_to_wait=wait, daso_local_skip=DASO_REF_LOCAL_SKIP,
+                     daso_warmup_epochs=0, daso_cooldown_epochs=0, daso_adaptive=False,
+                     daso_epoch_end_sync=False, daso_downcast="none",
+                     daso_cycling_downcast="none", out=out, comm_timeout_s=60, **kw)  # fmt: skip
+
+
+def daso_reference_drive(ctx) -> list[list[float]]:
+    """One rank's DASO run, as the training loop steps it: θ after every step and after
+    finish (the last entry replaced), as lists (JSON for the gloo processes)."""
+    model = ref.tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=DASO_REF_LR, momentum=DASO_REF_MOMENTUM)
+    strategy = DasoStrategy(ctx)
+    strategy.configure(steps_per_epoch=100, total_steps=100)  # all cycling, no epoch ends
+    net = strategy.wrap(model, optimizer)
+    strategy.start()
+    history = []
+    for step in range(1, DASO_REF_STEPS + 1):
+        x, y = ref.batch(ctx.rank, step)
+        loss = nn.functional.cross_entropy(net(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        strategy.after_backward()
+        optimizer.step()
+        strategy.record_loss(loss.item())
+        strategy.after_step(len(y))
+        history.append(flatten_params(model).tolist())
+    strategy.finish()
+    history[-1] = flatten_params(model).tolist()
+    return history
+
+
+def daso_reference_run(wait: int) -> list[list[torch.Tensor]]:
+    models = [ref.tiny_model() for _ in range(DASO_REF_WORKERS)]
+    optimizers = [ref.sgd(DASO_REF_LR, DASO_REF_MOMENTUM)(m) for m in models]
+    return ref.daso(
+        models,
+        optimizers,
+        ref.batch,
+        DASO_REF_NODES,
+        DASO_REF_STEPS,
+        DASO_REF_GLOBAL_SKIP,
+        wait,
+        DASO_REF_LOCAL_SKIP,
+    )
+
+
+def assert_follows_daso_reference(
+    runs: list[list[list[float]]], expected: list[list[torch.Tensor]]
+) -> None:
+    for rank, (got, want) in enumerate(zip(runs, expected, strict=True)):
+        assert len(got) == len(want) == DASO_REF_STEPS
+        for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
+            torch.testing.assert_close(
+                torch.tensor(a), b, rtol=1e-5, atol=1e-6, msg=f"rank {rank}, step {step}"
+            )
+
+
+# ------------------------ DASO's global syncs on a 3-parameter model (tests/unit/test_daso_sync.py)
+def daso_sync_cfg(tmp_path, workers: int, nodes: int, **kw) -> RunConfig:
+    settings = dict(
+        daso_global_skip=1, daso_batches_to_wait=1, daso_local_skip=1, daso_warmup_epochs=0.0,
+        daso_cooldown_epochs=0.0, daso_adaptive=False, daso_epoch_end_sync=False,
+    )  # fmt: skip
+    settings.update(kw)
+    return RunConfig(
+        strategy="daso", workers=workers, nodes=nodes, dataset="synthetic", out=str(tmp_path),
+        comm_timeout_s=60, **settings,
+    )  # fmt: skip
+
+
+def daso_sync_model(rank: int) -> nn.Module:
+    """θ = (10r, 10r + 1, 10r + 2) on rank r: every rank's θ differs."""
+    model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[10.0 * rank, 10.0 * rank + 1]]))
+        model.bias.fill_(10.0 * rank + 2)
+    return model
+
+
+def daso_sync_drive(
+    ctx, steps: int, steps_per_epoch: int, total_steps: int, on_step=None, record=None
+):
+    """``steps`` steps of one rank as the training loop runs them (lr 0), then the finish.
+    ``record(strategy, model)``: wraps the transport before training (sees the wire);
+    ``on_step(step, strategy, before, after)``: the virtual clock around each after_step."""
+    model = daso_sync_model(ctx.rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    strategy = DasoStrategy(ctx)
+    strategy.configure(steps_per_epoch, total_steps)
+    net = strategy.wrap(model, optimizer)
+    strategy.start()
+    if record is not None:
+        record(strategy, model)
+    x, y = torch.ones(4, 2), torch.zeros(4, 1)
+    for step in range(1, steps + 1):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        strategy.after_backward()
+        optimizer.step()
+        ctx.comm.step_done(0.0, 0.0, 1.0)
+        strategy.record_loss(loss.item())
+        before = ctx.comm.now()
+        strategy.after_step(4)
+        if on_step is not None:
+            on_step(step, strategy, before, ctx.comm.now())
+    strategy.finish()
+    return strategy
+
+
+# --------------------- one asgd worker and its shards over FakeNet (tests/unit/test_asgd_worker.py)
+ASGD_WORKER = 1  # the worker's rank; shards are ranks 0..S-1
+
+
+class _FakeNetDone:
+    def __init__(self, fn=None):
+        self.fn = fn
+
+    def wait(self):
+        if self.fn:
+            self.fn()
+
+
+class FakeNet:
+    def __init__(self, loops: list[ServerLoop]):
+        self.loops = loops
+        self.requests = [collections.deque() for _ in loops]  # worker → shard: headers
+        self.payloads = [collections.deque() for _ in loops]  # worker → shard: payloads
+        self.replies = [collections.deque() for _ in loops]  # shard → worker: headers
+        self.reply_payloads = [collections.deque() for _ in loops]
+        for k, loop in enumerate(loops):
+            loop.serving.transport = _ServerSide(self, k)
+
+    def pump(self, k: int) -> None:
+        while self.requests[k]:
+            self.loops[k]._handle(ASGD_WORKER, self.requests[k].popleft())
+
+
+class _ServerSide:
+    def __init__(self, net: FakeNet, k: int):
+        self.net, self.k, self.stats = net, k, CommStats()
+
+    def recv_payload(self, src, numel, final=False, out=None, on_chunk=None):
+        data = self.net.payloads[self.k].popleft()
+        assert data.numel() == numel
+        return out.copy_(data) if out is not None else data
+
+    def isend_payload(self, dst, payload, reply, prepare=None):
+        if prepare is not None:
+            prepare(0, payload.numel())
+        self.net.reply_payloads[self.k].append(payload.clone())
+        return _FakeNetDone()
+
+    def wait_all(self, works):
+        for w in works:
+            w.wait()
+
+    def send(self, dst, header, payload=None, final=False):
+        self.net.replies[self.k].append(header)
+        if payload is not None:
+            self.net.reply_payloads[self.k].append(payload.clone())
+
+
+class _WorkerSide:
+    def __init__(self, net: FakeNet):
+        self.net, self.stats = net, CommStats()
+
+    def send(self, k, header: Header, payload=None, final=False):
+        self.net.requests[k].append(header)
+        if payload is not None:
+            self.net.payloads[k].append(payload.clone())
+
+    def isend_payload(self, k, payload, reply, prepare=None):
+        if prepare is not None:
+            prepare(0, payload.numel())
+        self.net.payloads[k].append(payload.clone())
+        return _FakeNetDone()
+
+    def irecv_payload(self, k, out, reply):
+        def arrive():
+            self.net.pump(k)
+            out.copy_(self.net.reply_payloads[k].popleft())
+
+        return _FakeNetDone(arrive)
+
+    def wait_all(self, works):
+        for w in works:
+            w.wait()
+
+    def recv_reply(self, k, out=None) -> Header:
+        self.net.pump(k)
+        header = self.net.replies[k].popleft()
+        if header.numel:
+            out.copy_(self.net.reply_payloads[k].popleft())
+        return header
+
+
+def make_asgd_worker(cfg: RunConfig, model: nn.Module) -> tuple[AsgdStrategy, list[ServerLoop]]:
+    ctx = FakeNamespace(
+        comm=REAL,
+        cfg=cfg,
+        rank=ASGD_WORKER,
+        num_servers=cfg.servers,
+        worker_index=0,
+        worker_ranks=[ASGD_WORKER],
+        store=dist.HashStore(),  # an in-process store: the heartbeat's
+        elapsed_s=lambda: 0.0,
+        server_index=0,
+        transport=lambda stats=None: None,  # replaced by the fake network below
+    )
+    theta = flatten_params(model)
+    loops = []
+    for k in range(cfg.servers):
+        server_ctx = FakeNamespace(**{**vars(ctx), "rank": k, "server_index": k})
+        loops.append(
+            ServerLoop(server_ctx, theta, SimpleNamespace(log=lambda *a, **kw: None), None)
+        )
+    net = FakeNet(loops)
+    strategy = AsgdStrategy(ctx)
+    strategy.transport = _WorkerSide(net)
+    strategy.wrap(model, None)
+    return strategy, loops
+
+
+def train_asgd_worker(
+    cfg: RunConfig, steps: int, poison_at: int | None = None, setup=None, each=None
+):
+    """``steps`` SGD steps of one worker against the shards; ``setup(loops)`` before the
+    first, ``each(model, loops)`` after each step's push and fetch."""
+    data = synthetic(512, 10)
+    model = build_model("mlp", 40, 10, seed=0)
+    strategy, loops = make_asgd_worker(cfg, model)
+    if setup is not None:
+        setup(loops)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    stream = BatchStream(data.x_train, data.y_train, 32, seed=1)
+    strategy.cfg.heartbeat_timeout_s = 1000.0
+    strategy.start()
+    for step in range(1, steps + 1):
+        x, y = next(stream)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == poison_at:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("nan")
+        strategy.after_step(32)
+        if each is not None:
+            each(model, loops)
+    strategy._heartbeat.stop()  # (no DONE handshake: the fake has no finish protocol)
+    return model, strategy, loops
+
+
+def asgd_cfg(**kw) -> RunConfig:
+    return RunConfig(strategy="asgd", workers=1, dataset="synthetic", train_size=512, **kw)
+
+
+# ------------------------------------------- collectives of W threads (tests/unit/test_compress.py)
+def compress_vector(n: int = 1000, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # blocks of very different magnitudes, a zero block, and a length that is not a multiple
+    x = torch.randn(n, generator=g) * torch.logspace(-4, 2, n)
+    x[BLOCK : 2 * BLOCK] = 0
+    return x
+
+
+class ThreadGroup:
+    """W threads' collectives, each rank's transport a :class:`ThreadComm` on it."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=10)
+        self.parts: dict[int, torch.Tensor] = {}
+
+
+class ThreadComm:
+    def __init__(self, group: ThreadGroup, rank: int):
+        self.group, self.rank = group, rank
+        self.calls: list[tuple] = []
+
+    def now(self) -> float:
+        return 0.0
+
+    def group_size(self, group=None) -> int:
+        return self.group.size
+
+    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.group.parts[self.rank] = tensor.clone()
+        self.group.barrier.wait()
+        parts = [self.group.parts[r] for r in range(self.group.size)]
+        self.group.barrier.wait()
+        return parts
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        parts = self._exchange(tensor)
+        tensor.copy_(torch.stack(parts).sum(0))
+        return _ThreadDone()
+
+    def all_gather(self, output, tensor, group=None, async_op=False):
+        output.copy_(torch.cat(self._exchange(tensor)))
+        return _ThreadDone()
+
+    def group_rank(self, group=None) -> int:
+        return self.rank
+
+    def all_to_all(self, output, tensor, output_splits, input_splits, group=None, async_op=False):
+        self.calls.append(("all_to_all", list(input_splits), list(output_splits)))
+        sent = self._exchange(tensor)
+        splits = self._exchange(torch.tensor(input_splits))
+        pieces = [sent[r].split(splits[r].tolist())[self.rank] for r in range(self.group.size)]
+        assert [p.numel() for p in pieces] == list(output_splits)
+        output.copy_(torch.cat(pieces))
+        return _ThreadDone()
+
+
+class _ThreadDone:
+    def wait(self) -> bool:
+        return True
+
+
+def on_comm_threads(size: int, fn) -> list:
+    group = ThreadGroup(size)
+    return run_on_threads(size, group.barrier, lambda rank: ThreadComm(group, rank), fn)
+
+
+# -------------------------- the parameter-server references' config (tests/unit/test_references.py)
+def references_cfg(**kw) -> RunConfig:
+    return RunConfig(dataset="synthetic", train_size=512, checkpoint_every=0, **kw)
+
+
+# --------------------------------- killing a shard in a real run (tests/e2e/test_shard_recovery.py)
+BOUND_S = 180  # a job that has not ended by then hangs: a failure, not a measurement
+
+
+def rank_records(out: Path, rank: int) -> list[dict]:
+    path = out / "metrics" / f"rank{rank}.jsonl"
+    return read_jsonl(path) if path.is_file() else []
+
+
+def kill_after_a_checkpoint(out: Path, rank: int, proc: subprocess.Popen) -> None:
+    """SIGKILL rank ``rank`` (a shard) once its checkpoint exists and it applied more pushes
+    since, so that some acknowledged pushes are lost."""
+    deadline = time.monotonic() + BOUND_S
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no shard checkpoint"
+        records = rank_records(out, rank)
+        pushes = [r["version"] for r in records if r["event"] == "push"]
+        if (out / "checkpoints" / f"server{rank}.pt").is_file() and pushes and pushes[-1] > 25:
+            if pushes[-1] % 10 not in (0, 9):  # not at a checkpoint (nothing would be lost)
+                break
+        time.sleep(0.02)
+    [start] = [r for r in records if r["event"] == "start"]
+    os.kill(start["pid"], signal.SIGKILL)
