@@ -54,10 +54,10 @@ from cloudburst.config.fields import (  # noqa: F401
     OPTIMIZERS,
     ConfigError,
     Straggler,
-    _check_choice,
-    _check_float,
-    _check_int,
     check_bounds,
+    check_choice,
+    check_float,
+    check_int,
     field_message,
     option,
 )

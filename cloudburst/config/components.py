@@ -34,7 +34,7 @@ from cloudburst.config.fields import (
     Bounds,
     ConfigError,
     Straggler,
-    _check_choice,
+    check_choice,
     option,
 )
 from cloudburst.strategies import BUILT_IN, REGISTRY
@@ -102,7 +102,7 @@ class JobConfig:
     )
 
     def _validate_job(self) -> None:
-        _check_choice("strategy", self.strategy, tuple(REGISTRY))
+        check_choice("strategy", self.strategy, tuple(REGISTRY))
         if self.strategy_spec.needs_servers and self.servers < 1:
             raise ConfigError(
                 f"servers: {self.servers} is not allowed for strategy {self.strategy!r}; "
@@ -222,7 +222,7 @@ class ClusterConfig:
         return self.workers // self.replicas if self.workers >= self.replicas else 1
 
     def _validate_replicas(self) -> None:
-        _check_choice("replica", self.replica, ("rank", "node"))
+        check_choice("replica", self.replica, ("rank", "node"))
         if self.replica == "node":
             spec = self.strategy_spec
             if spec.node_replicas_refused:
@@ -376,11 +376,11 @@ class ModelConfig:
                 f"model: {self.model!r} is not allowed; choose one of {', '.join(MODELS)} "
                 "or name a factory as package.module:function"
             )
-        _check_choice("device", self.device, DEVICES)
-        _check_choice("backend", self.backend, BACKENDS)
+        check_choice("device", self.device, DEVICES)
+        check_choice("backend", self.backend, BACKENDS)
         if self.backend == "nccl" and self.device == "cpu":
             raise ConfigError("backend: 'nccl' needs --device cuda (or auto on a GPU machine)")
-        _check_choice("autocast", self.autocast, AUTOCASTS)
+        check_choice("autocast", self.autocast, AUTOCASTS)
 
 
 @dataclass
@@ -482,8 +482,8 @@ class TrainingConfig:
                 f"batch_size: {self.batch_size} is larger than each worker's shard of "
                 f"{shard} samples (train_size {self.train_size} / {self.workers} workers)"
             )
-        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        _check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if self.warm_start_steps and self.init_from:
             raise ConfigError(
                 "warm_start_steps: cannot be combined with init_from; choose one warm start"

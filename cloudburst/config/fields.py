@@ -179,17 +179,17 @@ def field_message(field_name: str, err: Exception) -> str:
     return text if text.startswith(field_name) else f"{field_name}: {text}"
 
 
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{name}: {value!r} is not allowed; choose one of {', '.join(allowed)}")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{name}: {value!r} is not allowed; use an integer >= {minimum}")
 
 
-def _check_float(
+def check_float(
     name: str,
     value: Any,
     low: float | None,

@@ -14,9 +14,9 @@ from cloudburst.config.fields import (
     STEP_COUNT_OR_0,
     Bounds,
     ConfigError,
-    _check_choice,
-    _check_float,
-    _check_int,
+    check_choice,
+    check_float,
+    check_int,
     option,
 )
 
@@ -127,7 +127,7 @@ class AsgdConfig:
         docs/algorithms.md#asgd); --staleness-scaling is --staleness-compensation scale; λ = 1/W
         (1 under ``scale``)."""
         if self.n_sync is not None:
-            _check_int("n_sync", self.n_sync, 1)
+            check_int("n_sync", self.n_sync, 1)
         default_period = self.n_sync if self.n_sync is not None else DEFAULT_N_SYNC
         if self.n_fetch is None:
             self.n_fetch = default_period
@@ -169,25 +169,25 @@ class AsgdConfig:
         return max(1, getattr(self, "replicas", self.workers)) if ok else 1
 
     def _validate_asgd(self) -> None:
-        _check_int("n_fetch", self.n_fetch, 1)
-        _check_int("n_push", self.n_push, 1)
-        _check_choice("server_rule", self.server_rule, SERVER_RULES)
-        _check_float("server_lr", self.server_lr, 0.0, None, low_open=True)
-        _check_float("server_momentum", self.server_momentum, 0.0, 1.0, high_open=True)
+        check_int("n_fetch", self.n_fetch, 1)
+        check_int("n_push", self.n_push, 1)
+        check_choice("server_rule", self.server_rule, SERVER_RULES)
+        check_float("server_lr", self.server_lr, 0.0, None, low_open=True)
+        check_float("server_momentum", self.server_momentum, 0.0, 1.0, high_open=True)
         if self.max_staleness is not None:
-            _check_int("max_staleness", self.max_staleness, 0)
-        _check_choice("staleness_compensation", self.staleness_compensation, COMPENSATIONS)
+            check_int("max_staleness", self.max_staleness, 0)
+        check_choice("staleness_compensation", self.staleness_compensation, COMPENSATIONS)
         if self.staleness_scaling and self.staleness_compensation not in ("none", "scale"):
             raise ConfigError(
                 f"staleness_scaling: it is --staleness-compensation scale, which contradicts "
                 f"--staleness-compensation {self.staleness_compensation}; give one of them"
             )
         if self.dc_lambda is not None:
-            _check_float("dc_lambda", self.dc_lambda, 0.0, None)
+            check_float("dc_lambda", self.dc_lambda, 0.0, None)
         if self.delay_threshold is not None:
-            _check_int("delay_threshold", self.delay_threshold, 1)
+            check_int("delay_threshold", self.delay_threshold, 1)
         if self.compensation_window is not None:
-            _check_int("compensation_window", self.compensation_window, 1)
+            check_int("compensation_window", self.compensation_window, 1)
         refused = self.strategy_spec.compensation_refused
         if refused and self.staleness_compensation not in ("none", "scale"):
             raise ConfigError(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from cloudburst.config.fields import MAX_EPOCHS, Bounds, ConfigError, _check_choice, option
+from cloudburst.config.fields import MAX_EPOCHS, Bounds, ConfigError, check_choice, option
 
 # B, S, L and their factors count batches; a chunk's elements index a flat tensor.
 SKIPS = Bounds(0, 2**20)
@@ -70,8 +70,8 @@ class DasoConfig:
                 f"daso_batches_to_wait: {self.daso_batches_to_wait} is more than "
                 f"daso_global_skip {self.daso_global_skip}; a sync must be merged before the next"
             )
-        _check_choice("daso_downcast", self.daso_downcast, DOWNCASTS)
-        _check_choice("daso_cycling_downcast", self.daso_cycling_downcast, DOWNCASTS)
+        check_choice("daso_downcast", self.daso_downcast, DOWNCASTS)
+        check_choice("daso_cycling_downcast", self.daso_cycling_downcast, DOWNCASTS)
         if self.strategy == "daso":
             nodes = self.nodes or 1
             if self.workers % nodes:

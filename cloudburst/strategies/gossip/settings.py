@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from cloudburst.config.fields import STEP_COUNT, ConfigError, _check_choice, option
+from cloudburst.config.fields import STEP_COUNT, ConfigError, check_choice, option
 
 GOSSIP_VARIANTS = ("pull", "push")
 GOSSIP_SCHEDULES = ("random", "ring", "exponential")
@@ -45,8 +45,8 @@ class GossipConfig:
     )
 
     def _validate_gossip(self) -> None:
-        _check_choice("gossip_variant", self.gossip_variant, GOSSIP_VARIANTS)
-        _check_choice("gossip_schedule", self.gossip_schedule, GOSSIP_SCHEDULES)
+        check_choice("gossip_variant", self.gossip_variant, GOSSIP_VARIANTS)
+        check_choice("gossip_schedule", self.gossip_schedule, GOSSIP_SCHEDULES)
         if self.gossip_push_sum and self.gossip_variant != "push":
             raise ConfigError("gossip_push_sum: push-sum weights need --gossip-variant push")
         if self.strategy == "gossip" and self.workers < 2:
