@@ -21,6 +21,9 @@ class StrategySpec:
     name: ClassVar[str]
     #: "module:Class" of the worker class, imported (with torch) when a rank builds it.
     worker: ClassVar[str] = ""
+    #: "module:function" that builds its shards' server rule from the config (``needs_servers``;
+    #: imported with torch when a shard starts): :meth:`server_rule`.
+    rule: ClassVar[str] = ""
     #: The settings dataclasses (config sections, flags) this strategy brings; RunConfig is
     #: composed of every registered strategy's.
     settings: ClassVar[tuple[type, ...]] = ()
@@ -79,8 +82,11 @@ class StrategySpec:
     @classmethod
     def server_rule(cls, cfg: Any) -> Any:
         """The :class:`~cloudburst.strategies.asgd.rules.ServerRule` its shards apply pushes
-        by (``needs_servers``; imports torch)."""
-        raise NotImplementedError(f"{cls.name} has no parameter-server shards")
+        by (``needs_servers``): :attr:`rule` called with ``cfg``."""
+        if not cls.rule:
+            raise NotImplementedError(f"{cls.name} has no parameter-server shards")
+        module, _, name = cls.rule.partition(":")
+        return getattr(importlib.import_module(module), name)(cfg)
 
     @classmethod
     def validate_compress(cls, cfg: Any, method: str) -> None:

@@ -11,6 +11,7 @@ from cloudburst.strategies.spec import StrategySpec, worker_attributes
 class Asgd(StrategySpec):
     name = "asgd"
     worker = "cloudburst.strategies.asgd.worker:AsgdStrategy"
+    rule = "cloudburst.strategies.asgd.rules:from_config"
     settings = (AsgdConfig,)
     needs_servers = True
     compression = ("none", "bf16", "fp8", "int8")
@@ -22,12 +23,6 @@ class Asgd(StrategySpec):
     @classmethod
     def shard_rule(cls, cfg: Any) -> tuple[str, float]:
         return cfg.server_rule, cfg.server_lr
-
-    @classmethod
-    def server_rule(cls, cfg: Any) -> Any:
-        from cloudburst.strategies.asgd.rules import asgd_rule
-
-        return asgd_rule(cfg.server_rule, cfg.server_lr, cfg.server_momentum)
 
     @classmethod
     def warnings(cls, cfg: Any) -> list[str]:

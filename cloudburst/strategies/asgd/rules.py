@@ -155,6 +155,11 @@ class AdagradRule(OptimizerRule):
 ASGD_RULES: dict[str, type[ServerRule]] = {r.name: r for r in (AddRule, SgdRule, AdagradRule)}
 
 
+def from_config(cfg: Any) -> ServerRule:
+    """asgd's shards: ``--server-rule`` with ``--server-lr`` and ``--server-momentum``."""
+    return asgd_rule(cfg.server_rule, cfg.server_lr, cfg.server_momentum)
+
+
 def asgd_rule(name: str, lr: float, momentum: float = 0.0) -> ServerRule:
     """asgd's rule ``name`` (``momentum``: sgd's)."""
     if name not in ASGD_RULES:

@@ -13,19 +13,12 @@ from cloudburst.strategies.spec import StrategySpec, worker_attributes
 class AsyncDiloco(Asgd):
     name = "async_diloco"
     worker = "cloudburst.strategies.async_diloco.worker:AsyncDilocoStrategy"
+    rule = "cloudburst.strategies.async_diloco.rule:from_config"
     settings = (AsyncDilocoConfig,)
 
     @classmethod
     def shard_rule(cls, cfg: Any) -> tuple[str, float]:
         return "dn", cfg.diloco_outer_lr  # Delayed Nesterov, DiLoCo's outer lr
-
-    @classmethod
-    def server_rule(cls, cfg: Any) -> Any:
-        from cloudburst.strategies.async_diloco.rule import DelayedNesterovRule
-
-        return DelayedNesterovRule(
-            cfg.diloco_outer_lr, cfg.diloco_outer_momentum, cfg.dn_period_value, cfg.dn_c
-        )
 
     # asgd's warning (its add rule's λ) and plot label (n_sync) are not this strategy's.
     warnings = StrategySpec.__dict__["warnings"]

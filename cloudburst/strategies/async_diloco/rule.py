@@ -95,3 +95,10 @@ class DelayedNesterovRule(ServerRule):
 
     def load_state_dict(self, state):
         self.optimizer.load_state_dict(state)
+
+
+def from_config(cfg: Any) -> ServerRule:
+    """Async DiLoCo's shards: Delayed Nesterov with DiLoCo's outer lr and momentum."""
+    return DelayedNesterovRule(
+        cfg.diloco_outer_lr, cfg.diloco_outer_momentum, cfg.dn_period_value, cfg.dn_c
+    )

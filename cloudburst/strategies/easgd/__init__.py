@@ -13,6 +13,7 @@ from cloudburst.strategies.spec import StrategySpec, worker_attributes
 class Easgd(Asgd):
     name = "easgd"
     worker = "cloudburst.strategies.easgd.worker:EasgdStrategy"
+    rule = "cloudburst.strategies.easgd.rule:from_config"
     settings = (EasgdConfig,)
     # Its exchanges do not reconnect to a restarted shard (yet): a restarted shard fails at
     # once, and the job stops as without restarts (resume it with --resume).
@@ -29,14 +30,6 @@ class Easgd(Asgd):
             # Compressed, the worker computes e = α(θ_i − θ̃) and sends it: the centre adds.
             return "add", 1.0
         return "elastic", cfg.easgd_alpha_value
-
-    @classmethod
-    def server_rule(cls, cfg: Any) -> Any:
-        from cloudburst.strategies.asgd.rules import AddRule
-        from cloudburst.strategies.easgd.rule import ElasticRule
-
-        name, lr = cls.shard_rule(cfg)
-        return AddRule(lr) if name == "add" else ElasticRule(lr)
 
     # asgd's warning (its add rule's λ) and plot label (n_sync) are not this strategy's.
     warnings = StrategySpec.__dict__["warnings"]

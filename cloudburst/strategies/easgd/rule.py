@@ -3,9 +3,11 @@ strategies.asgd.rules.ServerRule`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from cloudburst.strategies.asgd.rules import ServerRule
+from cloudburst.strategies.asgd.rules import AddRule, ServerRule
 
 
 def elastic_step(alpha: float, theta_worker: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
@@ -31,3 +33,10 @@ class ElasticRule(ServerRule):
 
     def step(self, push, factor):
         self.param.add_(elastic_step(self.lr, push, self.param))
+
+
+def from_config(cfg: Any) -> ServerRule:
+    """EASGD's shards: the elastic centre with α; compressed, the worker sends e = α(θ_i − θ̃)
+    itself and the centre adds it (``Easgd.shard_rule``)."""
+    name, lr = cfg.strategy_spec.shard_rule(cfg)
+    return AddRule(lr) if name == "add" else ElasticRule(lr)
