@@ -32,6 +32,9 @@ class Strategy(StrategySpec, ABC):
         self.stats = CommStats()
         self.model: nn.Module | None = None
         self.local_steps = 0
+        #: Set by :meth:`after_step` at a step where the strategy changed its optimizer's state
+        #: (DES-LOC's moment averages): a node replica's followers then take the leader's.
+        self.optimizer_state_changed = False
 
     @abstractmethod
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:

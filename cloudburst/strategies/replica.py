@@ -27,8 +27,8 @@ from cloudburst.strategies.base import Strategy
 from cloudburst.strategies.spec import StrategySpec
 
 #: What the leader tells its node after each step: θ changed, optimizer state reset,
-#: a checkpoint may be taken now.
-_CHANGED, _RESET, _READY = range(3)
+#: a checkpoint may be taken now, optimizer state changed (the leader's is sent).
+_CHANGED, _RESET, _READY, _STATE = range(4)
 
 
 class NodeReplica(Strategy):
@@ -83,7 +83,7 @@ class NodeReplica(Strategy):
         """The leader's strategy step (with the node's samples); then the node learns
         whether θ changed, and gets it if so."""
         self.local_steps += 1
-        flag = torch.zeros(3, device=self._device)
+        flag = torch.zeros(4, device=self._device)
         if self.inner is not None:
             before = flatten_params(self.model)
             had_state = bool(self.optimizer.state)
@@ -91,6 +91,7 @@ class NodeReplica(Strategy):
             flag[_CHANGED] = float(not torch.equal(before, flatten_params(self.model)))
             flag[_RESET] = float(had_state and not self.optimizer.state)
             flag[_READY] = float(self.inner.checkpoint_ready())
+            flag[_STATE] = float(self.inner.optimizer_state_changed)
         self._broadcast(flag)
         if self.inner is None:
             if flag[_RESET]:
@@ -98,6 +99,24 @@ class NodeReplica(Strategy):
             self._ready = bool(flag[_READY])
         if flag[_CHANGED]:
             self._share_theta()
+        if flag[_STATE]:
+            self._share_optimizer_state()
+
+    def _share_optimizer_state(self) -> None:
+        """The leader's optimizer state tensors (every parameter's, by key), to its node."""
+        state = self.optimizer.state
+        tensors = [
+            state[p][k]
+            for p in self.model.parameters()
+            if p in state
+            for k in sorted(state[p])
+            if k != "step" and torch.is_tensor(state[p][k])
+        ]
+        if tensors:
+            flat = flatten_params(tensors)
+            self._broadcast(flat)
+            if self.inner is None:
+                assign_flat(tensors, flat)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         ctx = self.ctx

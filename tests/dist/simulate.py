@@ -272,8 +272,13 @@ def diloco(
     model: str = "cnn",
     ranks_per_replica: int = 1,
     warmup_steps: int = 0,
+    adamw_lr: float = 0.0,
+    desloc: tuple[int, int] = (0, 0),
 ) -> tuple[nn.Module, int]:
-    """DiLoCo: after each of the first ``warmup_steps`` steps every replica and θ_global
+    """DiLoCo (inner AdamW of lr ``adamw_lr``, β1 = MOMENTUM, when set; SGD otherwise). DES-LOC
+    (``desloc`` = (K1, K2)): every K1 (K2) periods, after that step's outer step, each
+    parameter's Adam exp_avg (exp_avg_sq) becomes the replicas' average of it.
+    After each of the first ``warmup_steps`` steps every replica and θ_global
     become the replicas' average (no outer optimizer); then, counting from there, every
     ``period`` steps (and at the end) the outer optimizer (SGD with
     momentum, Nesterov or not) steps θ_global with the pseudo-gradient θ_global − mean of the
@@ -281,6 +286,9 @@ def diloco(
     ``ranks_per_replica`` workers each, as for :func:`local_sgd`. Returns (θ_global as a
     model, outer steps)."""
     replicas, opts = _replicas(workers, model)
+    if adamw_lr:
+        opts = [torch.optim.AdamW(r.parameters(), lr=adamw_lr, betas=(MOMENTUM, 0.999),
+                                  weight_decay=0.0) for r in replicas]  # fmt: skip
     data = streams(workers * ranks_per_replica)
     theta = nn.Parameter(_flat(replicas[0]).clone())
     outer = torch.optim.SGD(
@@ -305,6 +313,13 @@ def diloco(
                 _assign(r, mean)
         elif (step - warmup_steps) % period == 0:
             outer_step()
+            for key, every in zip(("exp_avg", "exp_avg_sq"), desloc, strict=True):
+                if every and (step - warmup_steps) % (period * every) == 0:
+                    for params in zip(*(r.parameters() for r in replicas), strict=True):
+                        states = [o.state[p][key] for o, p in zip(opts, params, strict=True)]
+                        mean = torch.stack(states).sum(0) / len(states)
+                        for s in states:
+                            s.copy_(mean)
     if steps > warmup_steps and (steps - warmup_steps) % period:
         outer_step()
     return replicas[0], outer_steps

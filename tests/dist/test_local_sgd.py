@@ -4,6 +4,7 @@ import pytest
 
 from tests.dist.simulate import (
     COMMON,
+    LR,
     assert_params_differ,
     assert_same_params,
     diloco,
@@ -84,6 +85,30 @@ def test_diloco_warm_start_then_outer_optimizer_without_nesterov(tmp_path):
     # One all-reduce of θ per average: 1/5 of sync's per-step gradient traffic after the warm-up.
     assert s["sent_bytes"] == 2 * (4 + outer_steps) * _numel() * 4
     assert [final_record(out, r)["averages"] for r in (0, 1)] == [4 + outer_steps] * 2
+
+
+def test_desloc_averages_adams_moments_on_their_own_schedules(tmp_path):
+    # Inner AdamW, an outer step every 4 steps (4, 8, ..., 24: 6), and after it the replicas'
+    # first moments averaged every 2 periods (8, 16, 24), their second moments every period (6
+    # times). (The first moments more often than the second blew this model up: a moment
+    # averaged over a replica whose second moment is near 0 makes m/√v huge.)
+    out = tmp_path / "desloc"
+    args = ["--strategy", "diloco", "--workers", "2", "--period", "4", "--steps", "24",
+        "--optimizer", "adamw", "--desloc-first-every", "2", "--desloc-second-every", "1",
+        "--diloco-outer-lr", "0.7", "--diloco-outer-momentum", "0.9",
+        "--out", str(out), *COMMON]  # fmt: skip
+    cli("train", *args)
+    sim = simulated(args)
+    settings = dict(period=4, outer_lr=0.7, outer_momentum=0.9, nesterov=True, adamw_lr=LR)
+    expected, outer_steps = diloco(24, 2, desloc=(2, 1), **settings)
+    assert outer_steps == 6
+    assert_same_params(trained(out), expected)
+    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
+    assert_params_differ(expected, diloco(24, 2, desloc=(0, 1), **settings)[0])
+    assert_params_differ(expected, diloco(24, 2, **settings)[0])
+    # Every all-reduce (θ's, each moment's) is |θ| fp32 values from each of the 2 workers.
+    assert read_summary(out)["sent_bytes"] == 2 * (outer_steps + 3 + 6) * _numel() * 4
+    assert [final_record(out, r)["moment_averages"] for r in (0, 1)] == [9, 9]
 
 
 def test_streaming_diloco_two_fragments_one_step_delay(tmp_path):

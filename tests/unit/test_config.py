@@ -155,3 +155,10 @@ def test_diloco_takes_a_warm_start_and_warns_about_outer_lr_with_sgd():
     assert RunConfig(strategy="diloco", workers=2, steps=10, diloco_outer_lr=0.5).warnings() == []
     assert RunConfig(strategy="diloco", workers=2, steps=10, optimizer="adam").warnings() == []
     assert RunConfig(strategy="local_sgd", workers=2, steps=10).warnings() == []
+
+
+@pytest.mark.parametrize("strategy, optimizer", [("diloco", "sgd"), ("local_sgd", "adamw")])
+def test_desloc_needs_diloco_over_adam(strategy, optimizer):
+    with pytest.raises(ConfigError, match="^desloc_first_every: DES-LOC averages an Adam"):
+        RunConfig(strategy=strategy, workers=2, optimizer=optimizer, desloc_second_every=2)
+    RunConfig(strategy="diloco", workers=2, optimizer="adamw", desloc_first_every=3)

@@ -60,6 +60,20 @@ class DilocoConfig:
         "α: θ_fragment ← α·θ_local + (1−α)·θ_global after its outer step (0: DiLoCo's)",
         bounds=FRACTION,
     )
+    # DES-LOC (Iacob et al. 2025): the inner AdamW's moments averaged on their own schedules.
+    desloc_first_every: int = option(
+        0,
+        "DES-LOC: average the replicas' first moments (Adam's exp_avg) every this many outer "
+        "periods (0: never; each replica keeps its own, DiLoCo's). More often than the second "
+        "moments it can blow up: docs/algorithms.md#des-loc",
+        bounds=STEP_COUNT_OR_0,
+    )
+    desloc_second_every: int = option(
+        0,
+        "DES-LOC: average the replicas' second moments (Adam's exp_avg_sq) every this many "
+        "outer periods (0: never)",
+        bounds=STEP_COUNT_OR_0,
+    )
 
     def _defaults_diloco(self) -> None:
         """The outer step's lr and momentum left open: the GPT's outer step is plain averaging
@@ -80,6 +94,13 @@ class DilocoConfig:
             self.diloco_outer_momentum = momentum
 
     def _validate_diloco(self) -> None:
+        desloc = self.desloc_first_every or self.desloc_second_every
+        if desloc and (self.strategy != "diloco" or self.optimizer not in ("adam", "adamw")):
+            raise ConfigError(
+                "desloc_first_every: DES-LOC averages an Adam optimizer's moments; it applies "
+                f"to --strategy diloco with --optimizer adam or adamw, not {self.strategy!r} "
+                f"with {self.optimizer!r}"
+            )
         streaming = (self.fragments, self.fragment_delay, self.fragment_alpha) != (1, 0, 0.0)
         if streaming and self.strategy != "diloco":
             raise ConfigError(

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cloudburst.comm.collectives import Pending
+from cloudburst.comm.collectives import Pending, all_reduce_sum
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.strategies.diloco import Diloco
 from cloudburst.strategies.local_sgd.worker import LocalSgdStrategy, split_fragments
@@ -79,6 +79,7 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
         ]
         self.synced_at = [0] * count  # the step of each fragment's last outer step
         self.in_flight: dict[int, _InFlight] = {}
+        self.moment_averages = 0  # DES-LOC's all-reduces of a moment
         return model
 
     @property
@@ -94,6 +95,7 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
 
     def after_step(self, samples: int) -> None:
         self.local_steps += 1
+        self.optimizer_state_changed = False
         warm = self.cfg.local_sgd_warmup_steps
         if self.local_steps <= warm:
             for k in range(len(self.fragment_params)):
@@ -106,6 +108,25 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
         for k in sorted(self.in_flight):
             if self.in_flight[k].apply_at == self.local_steps:
                 self._apply(k, self.cfg.fragment_alpha)
+        for key, every in (("exp_avg", self.cfg.desloc_first_every),
+                           ("exp_avg_sq", self.cfg.desloc_second_every)):  # fmt: skip
+            if every and (self.local_steps - warm) % (self.period() * every) == 0:
+                self._average_moment(key)
+
+    def _average_moment(self, key: str) -> None:
+        """DES-LOC: the replicas' moment ``key`` of every parameter becomes their average
+        (one all-reduce of all of them, uncompressed)."""
+        state = self.optimizer.state
+        moments = [state[p][key] for p in self._params if key in state.get(p, {})]
+        if not moments or self.ctx.num_replicas == 1:
+            return
+        flat = flatten_params(moments)
+        ctx = self.ctx
+        all_reduce_sum(flat, ctx.replica_group, self.stats, link=ctx.link,
+                       spans_nodes=self.spans_nodes, comm=ctx.comm)  # fmt: skip
+        assign_flat(moments, flat.div_(ctx.num_replicas))
+        self.moment_averages += 1
+        self.optimizer_state_changed = True
 
     def _start(self, k: int, delay: int) -> None:
         """Start fragment k's all-reduce (non-blocking when it is applied later)."""
@@ -157,9 +178,20 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
         # A fragment's all-reduce in flight is not saved: checkpoint once none is (as DASO).
         return not self.in_flight
 
+    @property
+    def _desloc(self) -> bool:
+        return bool(self.cfg.desloc_first_every or self.cfg.desloc_second_every)
+
+    def report(self) -> dict[str, Any]:
+        r = super().report()
+        if self._desloc:
+            r["moment_averages"] = self.moment_averages
+        return r
+
     def state_dict(self) -> dict[str, Any]:
         state = {
             **super().state_dict(),
+            **({"moment_averages": self.moment_averages} if self._desloc else {}),
             "global_theta": self.global_theta.detach().clone(),
             "outer": copy.deepcopy(self.outers[0].state_dict()),
         }
@@ -172,6 +204,7 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
             super().load_state_dict(state)
         else:
             self._load_compression(state)
+        self.moment_averages = int(state.get("moment_averages", 0))
         sizes = [t.numel() for t in self.global_thetas]
         with torch.no_grad():
             for theta, part in zip(
