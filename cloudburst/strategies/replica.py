@@ -48,6 +48,8 @@ class NodeReplica(Strategy):
         self.ranks_per_replica = ctx.comm.group_size(self.group)
         self._ready = True
         self.broadcasts = 0  # the times the leader's θ was sent to its node
+        # The flag of each step carries _STATE only for a strategy that uses it.
+        self._flags = 4 if spec.changes_optimizer_state(ctx.cfg) else 3
 
     # ------------------------------------------------------------------ set-up
     def configure(self, steps_per_epoch: int, total_steps: int) -> None:
@@ -83,7 +85,7 @@ class NodeReplica(Strategy):
         """The leader's strategy step (with the node's samples); then the node learns
         whether θ changed, and gets it if so."""
         self.local_steps += 1
-        flag = torch.zeros(4, device=self._device)
+        flag = torch.zeros(self._flags, device=self._device)
         if self.inner is not None:
             before = flatten_params(self.model)
             had_state = bool(self.optimizer.state)
@@ -91,7 +93,8 @@ class NodeReplica(Strategy):
             flag[_CHANGED] = float(not torch.equal(before, flatten_params(self.model)))
             flag[_RESET] = float(had_state and not self.optimizer.state)
             flag[_READY] = float(self.inner.checkpoint_ready())
-            flag[_STATE] = float(self.inner.optimizer_state_changed)
+            if self._flags > _STATE:
+                flag[_STATE] = float(self.inner.optimizer_state_changed)
         self._broadcast(flag)
         if self.inner is None:
             if flag[_RESET]:
@@ -99,7 +102,7 @@ class NodeReplica(Strategy):
             self._ready = bool(flag[_READY])
         if flag[_CHANGED]:
             self._share_theta()
-        if flag[_STATE]:
+        if self._flags > _STATE and flag[_STATE]:
             self._share_optimizer_state()
 
     def _share_optimizer_state(self) -> None:

@@ -59,6 +59,12 @@ class StrategySpec:
         return getattr(importlib.import_module(module), name)
 
     @classmethod
+    def changes_optimizer_state(cls, cfg: Any) -> bool:
+        """Whether its worker may change its optimizer's state after a step (and then says so
+        in ``optimizer_state_changed``): a node replica's leader then sends it to its node."""
+        return False
+
+    @classmethod
     def make_groups(cls, cfg: Any, maker: Any) -> dict[str, Any]:
         """The extra process groups it needs, made once by every rank when the job starts
         (:func:`cloudburst.runtime.build_context`, real and virtual) with ``maker`` (a

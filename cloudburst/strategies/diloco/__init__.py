@@ -16,6 +16,10 @@ class Diloco(LocalSgd):
     settings = (DilocoConfig,)
 
     @classmethod
+    def changes_optimizer_state(cls, cfg: Any) -> bool:
+        return bool(cfg.desloc_first_every or cfg.desloc_second_every)  # DES-LOC
+
+    @classmethod
     def warnings(cls, cfg: Any) -> list[str]:
         if cfg.optimizer == "sgd" and cfg.diloco_outer_lr * (1 + cfg.diloco_outer_momentum) > 1.0:
             return [
