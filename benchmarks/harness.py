@@ -193,11 +193,13 @@ class Provenance:
                               "after: the load lines below are the replay's)")  # fmt: skip
         return [Run(**r) for r in data.get("runs", [])]
 
-    def stored_runs(self) -> dict[tuple[str, int], Run] | None:
-        """:meth:`replayed_runs` by (arm, seed), read once; None without ``--replay``."""
+    def stored_runs(self) -> dict[tuple[str, int, tuple[str, ...] | None], Run] | None:
+        """:meth:`replayed_runs` by (arm, seed, place: :func:`run_place`), read once; None
+        without ``--replay``."""
         if getattr(self, "_stored", None) is None:
             runs = self.replayed_runs()
-            self._stored = None if runs is None else {(r.arm, r.seed): r for r in runs}
+            self._stored = (None if runs is None else
+                            {(r.arm, r.seed, run_place(r.out_dir)): r for r in runs})  # fmt: skip
         return self._stored
 
     def results_dir(self) -> Path:
@@ -722,6 +724,16 @@ def at_samples(r: Run, samples: int) -> float | None:
     return seen[-1] if seen else None
 
 
+def run_place(out_dir: str | Path | None) -> tuple[str, ...] | None:
+    """A run's directory below the last ``runs`` folder (its batch, arm and seed: what tells
+    apart the runs of a result whose batches repeat an arm's name, as per_sample's W = 4 and
+    W = 16 do); None for a run stored without its directory."""
+    if not out_dir:
+        return None
+    parts = Path(out_dir).parts
+    return parts[len(parts) - parts[::-1].index("runs") :] if "runs" in parts else parts
+
+
 def simulate_all(
     jobs: Iterable[tuple[Arm, int, Path]], prov: Provenance, workers: int = 2, timeout_s=900.0
 ) -> list[Run]:
@@ -747,16 +759,23 @@ def simulate_all(
         runs = simulate(jobs)
         prov.sample_load()
         return runs
-    missing = [f"{a.name} seed {seed}" for a, seed, _ in jobs if (a.name, seed) not in stored]
+
+    def stored_run(job: tuple[Arm, int, Path]) -> Run | None:
+        a, seed, out = job
+        return stored.get((a.name, seed, run_place(out))) or stored.get((a.name, seed, None))
+
+    missing = [
+        f"{a.name} seed {seed}" for a, seed, out in jobs if stored_run((a, seed, out)) is None
+    ]
     if missing:
         sys.exit(f"--replay: the result stored no run of {missing[0]} (this script's arms "
                  "differ from the ones that made it)")  # fmt: skip
     rng = random.Random(f"verify {len(prov.verified)} {len(jobs)}")
     chosen = rng.sample(jobs, min(prov.args.verify, len(jobs)))
-    for r in simulate(chosen):
-        prov.verified.append((r.arm, r.seed, same_run(r, stored[(r.arm, r.seed)])))
+    for job, r in zip(chosen, simulate(chosen), strict=True):
+        prov.verified.append((r.arm, r.seed, same_run(r, stored_run(job))))
     prov.sample_load()
-    return [stored[(a.name, seed)] for a, seed, _ in jobs]
+    return [stored_run(job) for job in jobs]
 
 
 def same_run(a: Run, b: Run) -> bool:

@@ -507,7 +507,7 @@ def test_replay_reports_on_a_results_stored_runs_and_says_whose_they_are(tmp_pat
     monkeypatch.setattr(harness, "run_train", lambda arm, seed, *a: fresh[arm.name])
     prov.args.verify, prov._stored = 2, None
     jobs = [(Arm("sync"), 0, tmp_path / "s"), (Arm("asgd"), 0, tmp_path / "a")]
-    assert harness.simulate_all(jobs, prov) == [prov.stored_runs()[("sync", 0)], runs[1]]
+    assert harness.simulate_all(jobs, prov) == [prov.stored_runs()[("sync", 0, None)], runs[1]]
     assert sorted(prov.verified) == [("asgd", 0, False), ("sync", 0, True)]
     header = "\n".join(harness.Report("demo", "A demo", prov).header())
     assert "re-simulated at this commit, **these differ**: asgd" in header
@@ -527,3 +527,10 @@ def test_replay_reports_on_a_results_stored_runs_and_says_whose_they_are(tmp_pat
     )
     with pytest.raises(SystemExit, match="no run of daso seed 0"):
         harness.simulate_all([(Arm("daso"), 0, tmp_path / "d")], prov)
+    # Batches that repeat an arm's name (W = 4 and W = 16): each job gets its own stored run,
+    # found by its directory below runs/ (the stored one was made in another checkout).
+    small, big = (Run("sync", 0, w, out_dir=f"/old/runs/bench/x/W_{w}/sync/seed0") for w in (4, 16))
+    result.write_text(json.dumps({"runs": [small.to_dict(), big.to_dict()]}))
+    prov.verified, prov._stored = [], None
+    jobs = [(Arm("sync"), 0, tmp_path / f"runs/bench/x/W_{w}/sync/seed0") for w in (4, 16)]
+    assert [r.wall_s for r in harness.simulate_all(jobs, prov)] == [4, 16]
