@@ -229,16 +229,22 @@ def daso_reference_cfg(out: str, wait: int, **kw):
 
 
 def daso_reference_drive(ctx) -> list[list[float]]:
-    """One rank's DASO run, as the training loop steps it: θ after every step and after
-    finish (the last entry replaced), as lists (JSON for the gloo processes)."""
+    """One rank's DASO run (:func:`drive_strategy`)."""
     model = ref.tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=DASO_REF_LR, momentum=DASO_REF_MOMENTUM)
     strategy = DasoStrategy(ctx)
     strategy.configure(steps_per_epoch=100, total_steps=100)  # all cycling, no epoch ends
+    return drive_strategy(ctx, strategy, model, optimizer, DASO_REF_STEPS)
+
+
+def drive_strategy(ctx, strategy, model, optimizer, steps: int) -> list[list[float]]:
+    """One rank's run of ``strategy`` on ``tests.reference``'s batches, as the training loop
+    steps it: θ after every step and after finish (the last entry replaced), as lists (JSON
+    for the gloo processes)."""
     net = strategy.wrap(model, optimizer)
     strategy.start()
     history = []
-    for step in range(1, DASO_REF_STEPS + 1):
+    for step in range(1, steps + 1):
         x, y = ref.batch(ctx.rank, step)
         loss = nn.functional.cross_entropy(net(x), y)
         optimizer.zero_grad()

@@ -10,37 +10,19 @@ import pytest
 import torch
 
 from tests import reference as ref
+from tests.support import drive_strategy
 
 STEPS, PERIOD, WORKERS = 13, 4, 2  # three averages and a final one after a partial period
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 
 
 def _drive(ctx, strategy_name: str) -> list[list[float]]:
-    from torch import nn
-
-    from cloudburst.comm.flat import flatten_params
     from cloudburst.strategies.diloco import DilocoStrategy
     from cloudburst.strategies.local_sgd import LocalSgdStrategy
 
     cls = DilocoStrategy if strategy_name == "diloco" else LocalSgdStrategy
     model = ref.tiny_model()
-    optimizer = ref.sgd()(model)
-    strategy = cls(ctx)
-    net = strategy.wrap(model, optimizer)
-    strategy.start()
-    history = []
-    for step in range(1, STEPS + 1):
-        x, y = ref.batch(ctx.rank, step)
-        loss = nn.functional.cross_entropy(net(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        strategy.after_backward()
-        optimizer.step()
-        strategy.after_step(len(y))
-        history.append(flatten_params(model).tolist())
-    strategy.finish()
-    history[-1] = flatten_params(model).tolist()
-    return history
+    return drive_strategy(ctx, cls(ctx), model, ref.sgd()(model), STEPS)
 
 
 def _reference(strategy: str, reduce) -> list[list[torch.Tensor]]:
