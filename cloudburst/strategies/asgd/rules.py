@@ -75,10 +75,10 @@ class AddRule(ServerRule):
         return self.lr * factor
 
     def update(self, push, factor):
-        return push.mul(self.lr * factor), True, None
+        return push.mul(self.alpha(factor)), True, None
 
     def step(self, push, factor):
-        self.param.add_(push, alpha=self.lr * factor)
+        self.param.add_(push, alpha=self.alpha(factor))
 
 
 class OptimizerRule(ServerRule):

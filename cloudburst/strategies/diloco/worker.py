@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cloudburst.comm.collectives import Pending, all_reduce_sum
+from cloudburst.comm.collectives import Pending
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.strategies.diloco import Diloco
 from cloudburst.strategies.local_sgd.worker import LocalSgdStrategy, split_fragments
@@ -121,10 +121,8 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
         if not moments or self.ctx.num_replicas == 1:
             return
         flat = flatten_params(moments)
-        ctx = self.ctx
-        all_reduce_sum(flat, ctx.replica_group, self.stats, link=ctx.link,
-                       spans_nodes=self.spans_nodes, comm=ctx.comm)  # fmt: skip
-        assign_flat(moments, flat.div_(ctx.num_replicas))
+        self._reduce(flat, key, compress=False)
+        assign_flat(moments, flat.div_(self.ctx.num_replicas))
         self.moment_averages += 1
         self.optimizer_state_changed = True
 

@@ -88,14 +88,17 @@ class LocalSgdStrategy(LocalSgd, Strategy):
         if (self.ctx.num_replicas > 1 or not self.needs_peers) and self._due(self.local_steps):
             self._synchronise()
 
-    def _reduce(self, flat: torch.Tensor, key: str, async_op: bool = False) -> Pending:
-        """Sum ``flat`` over the workers (compressed as configured; residuals under ``key``)."""
+    def _reduce(
+        self, flat: torch.Tensor, key: str, async_op: bool = False, compress: bool = True
+    ) -> Pending:
+        """Sum ``flat`` over the workers (compressed as configured unless ``compress`` is
+        False; residuals under ``key``)."""
         kw: dict[str, Any] = dict(
             link=self.ctx.link, spans_nodes=self.spans_nodes, comm=self.ctx.comm
         )
         if async_op:
             kw["async_op"] = True
-        if self.compression.active:
+        if compress and self.compression.active:
             return compressed_all_reduce_sum(
                 flat,
                 self.ctx.replica_group,
