@@ -17,6 +17,7 @@ import logging
 import math
 import shlex
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from cloudburst.config import RunConfig
 from cloudburst.data import Dataset, evaluate_dataset, in_memory
 from cloudburst.metrics import MetricsWriter, iter_jsonl, time_to_target, write_json_atomic
 from cloudburst.runtime import Context
-from cloudburst.strategies.asgd.shard import histogram_quantiles, mean_staleness, merged_histogram
+from cloudburst.strategies import REGISTRY
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,6 @@ def partial_summary(cfg: RunConfig, **status: Any) -> dict[str, Any]:
         "samples": sum(int(r.get("samples", 0)) for r in last_step.values()),
         "steps_done": {str(rank): int(r.get("step", 0)) for rank, r in sorted(last_step.items())},
         "sent_bytes": sum(int(r.get("sent_bytes", 0)) for r in last_step.values()),
-        "mean_staleness_versions": None,
         "lost_workers": [],
         "checkpoints": checkpoints,
         "resume_command": resume_command(out) if checkpoints else None,
@@ -121,7 +121,7 @@ def format_summary(summaries: list[dict[str, Any]], labels: list[str] | None = N
         ("to target virtual s" if virtual else "to target s", to_target, "{:.1f}"),
         ("samples", "samples", "{}"),
         ("MB sent", "sent_bytes", "{:.1f}"),
-        ("staleness", "mean_staleness_versions", "{:.2f}"),
+        *strategy_columns(s.get("strategy") for s in summaries),
         ("lost", "lost_workers", "{}"),
     ]
     if labels is not None:
@@ -138,6 +138,15 @@ def format_summary(summaries: list[dict[str, Any]], labels: list[str] | None = N
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def strategy_columns(names: Iterable[Any]) -> list[tuple[str, str, str]]:
+    """The columns the runs' strategies add to the table (``report_columns``), each once."""
+    cols: list[tuple[str, str, str]] = []
+    for name in names:
+        if name in REGISTRY:
+            cols += [c for c in REGISTRY[name].report_columns if c not in cols]
+    return cols
 
 
 def failed_message(summary: dict[str, Any]) -> str:
@@ -243,11 +252,6 @@ def finalize_run(
     evals.append([wall_time_s, global_samples, acc])
     workers = [rep for r, rep in reports.items() if rep.get("role") == "worker"]
     servers = [rep for rep in reports.values() if rep.get("role") == "server"]
-    if servers:
-        mean_st = mean_staleness(servers)
-        max_st = max(s["staleness_max_versions"] for s in servers)
-    else:
-        mean_st, max_st = 0.0, 0
     failed = diverged(test_loss)
     if failed is not None:
         log.error("the run failed: %s", failed)
@@ -286,26 +290,13 @@ def finalize_run(
         "sent_bytes": sum(rep["sent_bytes"] for rep in reports.values()),
         "received_bytes": sum(rep["received_bytes"] for rep in reports.values()),
         "comm_wait_s": sum(rep["comm_wait_s"] for rep in reports.values()),
-        "mean_staleness_versions": None if math.isnan(mean_st) else mean_st,
-        "max_staleness_versions": max_st,
-        **_staleness_distribution(servers),
-        "pushes_rejected": sum(s.get("rejected_nonfinite", 0) for s in servers),
-        # Finite pushes whose update was too large or not finite (--max-push-ratio).
-        "pushes_refused": sum(s.get("refused_pushes", 0) for s in servers),
-        "pushes_dropped_stale": sum(s.get("dropped_stale", 0) for s in servers),
         "messages_rejected": sum(rep.get("messages_rejected", 0) for rep in reports.values()),
         "dropped_peers": sorted(
             {r for rep in reports.values() for r in rep.get("dropped_peers", [])}
         ),
         "lost_workers": sorted(lost_set),
-        "rejoined_workers": sorted({r for s in servers for r in s.get("rejoined_workers", [])}),
-        # Server shards restarted in place, and the acknowledged pushes they lost (applied
-        # after their last checkpoint).
-        "shard_restarts": sum(s.get("shard_restarts", 0) for s in servers),
-        "pushes_lost": sum(s.get("pushes_lost", 0) for s in servers),
-        "shard_failovers": sum(s.get("shard_failovers", 0) for s in servers),
-        # Each shard's version clock (pushes applied) at the end, by shard.
-        "shard_versions": [s["version"] for s in sorted(servers, key=lambda s: s.get("shard", 0))],
+        # the shards' own fields (staleness, refused pushes, restarts), from the strategy
+        **(cfg.strategy_spec.summary_fields(servers) if servers else {}),
         "steps_skipped_nonfinite": sum(w.get("steps_skipped_nonfinite", 0) for w in workers),
         **_replica_summary(workers),
         "config": cfg.to_dict(),
@@ -330,23 +321,6 @@ def _placement_summary(ctx: Context, reports: dict[int, dict[str, Any]]) -> dict
     for rank, rep in reports.items():
         nic[node_of[rank]] += int(rep.get("inter_node_bytes", 0))
     return {"shard_nodes": list(node_of[: ctx.cfg.servers]), "node_nic_bytes": nic}
-
-
-def _staleness_distribution(servers: list[dict[str, Any]]) -> dict[str, Any]:
-    """The applied pushes' staleness and applied scale over all shards, as histograms (value:
-    pushes) and quantiles (p50, p90, p99, max); none for strategies without shards."""
-    if not servers:
-        return {}
-    staleness = merged_histogram(servers, "staleness_histogram_versions")
-    scales = merged_histogram(servers, "push_scale_histogram")
-    return {
-        "staleness_compensation": servers[0].get("staleness_compensation", "none"),
-        "staleness_quantiles_versions": histogram_quantiles(staleness),
-        "staleness_histogram_versions": {str(int(k)): v for k, v in staleness.items()},
-        "push_scale_quantiles": histogram_quantiles(scales),
-        "push_scale_histogram": {repr(k): v for k, v in scales.items()},
-        "compensation_clamped": sum(s.get("compensation_clamped", 0) for s in servers),
-    }
 
 
 def _loss_target(cfg, reports, wall_time_s: float, test_loss: float) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from cloudburst.comm.p2p import CommStats
 from cloudburst.data import Dataset, evaluate_dataset, in_memory
 from cloudburst.metrics import MetricsWriter
 from cloudburst.runtime import Context
-from cloudburst.strategies.asgd.server import ServerLoop, serve_shard
 from cloudburst.strategies.base import Strategy
 from cloudburst.summary import finalize_run, hand_in
 
@@ -67,9 +66,10 @@ def finish_worker(
 
 def serve(
     ctx: Context, model: nn.Module, metrics: MetricsWriter
-) -> tuple[ServerLoop, dict[str, Any], float]:
+) -> tuple[Any, dict[str, Any], float]:
     """Serve θ's shard (``model`` gives the shapes and the starting θ) until every worker
-    finished or was lost; (the loop, the server's report, the job's clock at its end)."""
-    loop = serve_shard(ctx, flatten_params(model), metrics)
+    finished or was lost, as the strategy serves it (``StrategySpec.serve_shard``); (the
+    server loop, the server's report, the job's clock at its end)."""
+    loop = ctx.cfg.strategy_spec.serve_shard(ctx, flatten_params(model), metrics)
     wall_time_s = ctx.elapsed_s()
     return loop, {"role": "server", **loop.stats()}, wall_time_s

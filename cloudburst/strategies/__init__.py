@@ -52,7 +52,8 @@ def settings_classes() -> tuple[type, ...]:
 
 
 def register_strategy(cls: type) -> type:
-    """Make ``cls`` (a :class:`Strategy` with a unique ``name``) available as
+    """Make ``cls`` (a :class:`StrategySpec` naming its worker, or a :class:`Strategy`, which
+    is its own spec; with a unique ``name``) available as
     ``--strategy NAME`` in this process and the ranks it launches (they are forked from it).
     Usable as a class decorator."""
     if cls.name in BUILT_IN:

@@ -24,6 +24,14 @@ class StrategySpec:
     #: "module:function" that builds its shards' server rule from the config (``needs_servers``;
     #: imported with torch when a shard starts): :meth:`server_rule`.
     rule: ClassVar[str] = ""
+    #: "module:function" that serves one shard on a server rank until the workers are done
+    #: (``needs_servers``): :meth:`serve_shard`.
+    server: ClassVar[str] = ""
+    #: "module:function" that turns its shards' reports into ``summary.json`` fields
+    #: (``needs_servers``): :meth:`summary_fields`.
+    summary: ClassVar[str] = ""
+    #: Columns it adds to the table the CLI prints of a run: (heading, summary key, format).
+    report_columns: ClassVar[tuple[tuple[str, str, str], ...]] = ()
     #: The settings dataclasses (config sections, flags) this strategy brings; RunConfig is
     #: composed of every registered strategy's.
     settings: ClassVar[tuple[type, ...]] = ()
@@ -55,8 +63,7 @@ class StrategySpec:
     @classmethod
     def worker_class(cls) -> type:
         """The worker class (a :class:`~cloudburst.strategies.base.Strategy`)."""
-        module, _, name = cls.worker.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return load(cls.worker)
 
     @classmethod
     def changes_optimizer_state(cls, cfg: Any) -> bool:
@@ -89,10 +96,26 @@ class StrategySpec:
     def server_rule(cls, cfg: Any) -> Any:
         """The :class:`~cloudburst.strategies.asgd.rules.ServerRule` its shards apply pushes
         by (``needs_servers``): :attr:`rule` called with ``cfg``."""
-        if not cls.rule:
+        return cls._servers_part(cls.rule)(cfg)
+
+    @classmethod
+    def serve_shard(cls, ctx: Any, theta0: Any, metrics: Any) -> Any:
+        """Serve this server rank's shard of θ (``theta0``: the whole starting θ) until every
+        worker finished or was lost; the server loop (its ``stats()`` is the rank's report,
+        ``gather_final_theta()`` the final θ): :attr:`server` called with the arguments."""
+        return cls._servers_part(cls.server)(ctx, theta0, metrics)
+
+    @classmethod
+    def summary_fields(cls, servers: list[dict[str, Any]]) -> dict[str, Any]:
+        """``summary.json``'s fields from its shards' reports: :attr:`summary` called with
+        them ({} for a strategy without shards)."""
+        return cls._servers_part(cls.summary)(servers) if cls.summary else {}
+
+    @classmethod
+    def _servers_part(cls, ref: str) -> Any:
+        if not ref:
             raise NotImplementedError(f"{cls.name} has no parameter-server shards")
-        module, _, name = cls.rule.partition(":")
-        return getattr(importlib.import_module(module), name)(cfg)
+        return load(ref)
 
     @classmethod
     def validate_compress(cls, cfg: Any, method: str) -> None:
@@ -107,6 +130,12 @@ class StrategySpec:
     def run_label(cls, summary: dict[str, Any]) -> str:
         """What a plot's legend adds to "strategy W=…" for one of its runs' summary.json."""
         return ""
+
+
+def load(ref: str) -> Any:
+    """The object a "module:name" reference names, its module imported on first use."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def worker_attributes(package: str) -> Callable[[str], Any]:

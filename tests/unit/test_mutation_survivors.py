@@ -45,10 +45,10 @@ from cloudburst.strategies.asgd.shard import (
     PushResult,
     ShardState,
     all_finite,
-    mean_staleness,
     overlapped_push_fetch,
     shard_checkpoint_path,
 )
+from cloudburst.strategies.asgd.summary import mean_staleness
 from cloudburst.strategies.daso import DasoSchedule
 from cloudburst.strategies.diloco import DilocoStrategy
 from cloudburst.strategies.local_sgd import LocalSgdStrategy

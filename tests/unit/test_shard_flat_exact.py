@@ -22,7 +22,8 @@ from cloudburst.comm.flat import is_flat_view
 from cloudburst.comm.link import LinkEmulator, LinkSpec, NicState, Topology
 from cloudburst.comm.p2p import Status
 from cloudburst.strategies.asgd.compensation import add_rule_alpha, staleness_factor
-from cloudburst.strategies.asgd.shard import ShardState, histogram_quantiles, merged_histogram
+from cloudburst.strategies.asgd.shard import ShardState
+from cloudburst.strategies.asgd.summary import histogram_quantiles, merged_histogram
 from tests.helpers import shard_of
 
 

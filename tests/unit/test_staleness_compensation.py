@@ -20,10 +20,10 @@ from cloudburst.strategies.asgd.rules import ASGD_RULES, ServerRule
 from cloudburst.strategies.asgd.settings import COMPENSATIONS, SERVER_RULES
 from cloudburst.strategies.asgd.shard import (
     ShardState,
-    histogram_quantiles,
     make_shard,
     overlapped_push_fetch,
 )
+from cloudburst.strategies.asgd.summary import histogram_quantiles
 from tests.helpers import shard_of
 from tests.reference import compensated_server, delayed_nesterov_server
 

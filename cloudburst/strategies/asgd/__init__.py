@@ -12,6 +12,9 @@ class Asgd(StrategySpec):
     name = "asgd"
     worker = "cloudburst.strategies.asgd.worker:AsgdStrategy"
     rule = "cloudburst.strategies.asgd.rules:from_config"
+    server = "cloudburst.strategies.asgd.server:serve_shard"
+    summary = "cloudburst.strategies.asgd.summary:server_summary"
+    report_columns = (("staleness", "mean_staleness_versions", "{:.2f}"),)
     settings = (AsgdConfig,)
     needs_servers = True
     compression = ("none", "bf16", "fp8", "int8")

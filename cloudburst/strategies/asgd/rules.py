@@ -32,7 +32,8 @@ class ServerRule:
     #: step, which the worker mirrors exactly).
     takes_compensation: ClassVar[bool] = True
     #: u depends on the push and θ_k before it alone (no state), so a PUSH_FETCH reply can
-    #: carry θ_k before the push, sent while the push arrives: the worker rebuilds the rest.
+    #: carry θ_k before the push, sent while the push arrives: asgd's worker rebuilds the
+    #: rest as θ_k + α·Δ with the rule's own :meth:`alpha`, which such a rule must give.
     stateless: ClassVar[bool] = False
 
     def __init__(self, lr: float):

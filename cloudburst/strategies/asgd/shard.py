@@ -357,36 +357,3 @@ def make_shard(cfg: RunConfig, theta: torch.Tensor) -> ShardState:
         local_lr=cfg.lr,
         max_push_ratio=cfg.max_push_ratio,
     )
-
-
-def merged_histogram(stats: list[dict[str, Any]], key: str) -> dict[float, int]:
-    """The shards' histograms under ``key`` added up (keys as numbers)."""
-    total: dict[float, int] = {}
-    for s in stats:
-        for k, v in (s.get(key) or {}).items():
-            total[float(k)] = total.get(float(k), 0) + int(v)
-    return dict(sorted(total.items()))
-
-
-def histogram_quantiles(hist: dict[float, int], qs=(0.5, 0.9, 0.99)) -> dict[str, float] | None:
-    """Exact quantiles (the smallest value with at least q of the counts at or below it) and
-    the maximum of a histogram; None when it is empty."""
-    n = sum(hist.values())
-    if not n:
-        return None
-    out: dict[str, float] = {}
-    for q in qs:
-        need, seen = q * n, 0
-        for value, count in hist.items():
-            seen += count
-            if seen >= need:
-                out[f"p{round(q * 100):d}"] = value
-                break
-    out["max"] = max(hist)
-    return out
-
-
-def mean_staleness(stats: list[dict[str, Any]]) -> float:
-    applied = sum(s.get("pushes_applied", 0) for s in stats)
-    total = sum(s.get("staleness_sum_versions", 0) for s in stats)
-    return total / applied if applied else math.nan

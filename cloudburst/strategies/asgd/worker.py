@@ -14,17 +14,17 @@ serve the others, its unpushed steps are lost (``lost_workers``); restarted by i
 starts again from their θ. A dead shard stops the job unless it is restarted in place or its
 standby takes it over (``--shard-standby``); then each worker reconnects and takes its θ_k.
 
-Contract with the shards: an overlapped PUSH_FETCH (add rule, scalar compensators) returns θ_k
-*before* the push, and the worker adds its own Δ with the shard's α (``add_rule_alpha``), bit
-for bit — "apply, then fetch"; rules with state only the shard has reply after the apply. Warm
-start: worker 0 trains alone, then seeds every shard with INIT. Under ``--compress`` a push
-sends C(Δ + e) with error feedback and the worker adds the same decoded Δ. A push a shard
-rejects (not finite) or refuses (too large, ``--max-push-ratio``) is counted, logged (the
-first few) and dropped: the worker continues from the shards' θ (after a refusal, with its
-optimizer's state reset: the momentum that made the push would make the next ones too). On a
-GPU, Δ and θ cross to and from pinned host buffers. Details and where this departs from the papers:
-docs/algorithms.md#asgd and #compression.
-"""
+Contract with the shards: an overlapped PUSH_FETCH (a stateless rule such as add, scalar
+compensators) returns θ_k *before* the push, and the worker adds its own Δ with the shard's α
+(its rule's ``alpha`` of the staleness factor, the shard's own arithmetic), bit for bit —
+"apply, then fetch"; rules with state only the shard has reply after the apply. Warm start:
+worker 0 trains alone, then seeds every shard with INIT. Under ``--compress`` a push sends
+C(Δ + e) with error feedback and the worker adds the same decoded Δ. A push a shard rejects (not
+finite) or refuses (too large, ``--max-push-ratio``) is counted, logged (the first few) and
+dropped: the worker continues from the shards' θ (after a refusal, with its optimizer's state
+reset: the momentum that made the push would make the next ones too). On a GPU, Δ and θ cross
+to and from pinned host buffers. Details and where this departs from the papers:
+docs/algorithms.md#asgd and #compression."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from cloudburst.comm.flat import adopt_flat, assign_flat, flatten_params, is_fla
 from cloudburst.comm.p2p import Header, Kind, Status, worth_logging
 from cloudburst.liveness import Heartbeat, await_shard, heartbeat_interval_s, report_acked
 from cloudburst.strategies.asgd import Asgd
-from cloudburst.strategies.asgd.compensation import add_rule_alpha
+from cloudburst.strategies.asgd.compensation import staleness_factor
 from cloudburst.strategies.asgd.shard import overlapped_push_fetch
 from cloudburst.strategies.base import Strategy
 
@@ -57,6 +57,8 @@ class AsgdStrategy(Asgd, Strategy):
         super().__init__(ctx)
         self.transport = ctx.transport(self.stats)
         self.overlap = overlapped_push_fetch(ctx.cfg)
+        # The shards' rule (a stateless one when replies overlap): its α rebuilds θ_k + αΔ.
+        self.server_rule = ctx.cfg.strategy_spec.server_rule(ctx.cfg) if self.overlap else None
         self.num_servers = ctx.num_servers
         self.staleness_sum = 0
         self.staleness_max = 0
@@ -263,11 +265,12 @@ class AsgdStrategy(Asgd, Strategy):
                 self.pushes_acked[k] += reply.status == Status.OK
                 rejected |= reply.status in (Status.REJECTED, Status.REFUSED)
             if overlapped and reply.status == Status.OK:
-                alpha = add_rule_alpha(
-                    self.cfg.server_lr,
-                    reply.aux,
-                    self.cfg.staleness_compensation,
-                    self.cfg.delay_threshold_value,
+                alpha = self.server_rule.alpha(
+                    staleness_factor(
+                        self.cfg.staleness_compensation,
+                        reply.aux,
+                        self.cfg.delay_threshold_value,
+                    )
                 )
                 # θ + αΔ and, on a CPU replica, straight into the parameters, one cache-sized
                 # chunk at a time (the copy reads what the add has just written)
