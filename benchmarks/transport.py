@@ -42,8 +42,9 @@ from cloudburst.comm.flat import adopt_flat, flatten_params  # noqa: E402
 from cloudburst.comm.p2p import Header, Kind, PeerTransport, Status  # noqa: E402
 from cloudburst.config import RunConfig  # noqa: E402
 from cloudburst.launch import free_port  # noqa: E402
+from cloudburst.liveness import LivenessMonitor  # noqa: E402
 from cloudburst.metrics import MetricsWriter  # noqa: E402
-from cloudburst.runtime import Context, LivenessMonitor  # noqa: E402
+from cloudburst.runtime.context import Context  # noqa: E402
 from cloudburst.strategies.asgd import AsgdStrategy  # noqa: E402
 from cloudburst.strategies.asgd.server import ServerLoop  # noqa: E402
 

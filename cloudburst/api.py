@@ -40,7 +40,8 @@ from cloudburst.loop.finish import finish_strategy, serve
 from cloudburst.loop.step import step_done
 from cloudburst.metrics import MetricsWriter
 from cloudburst.rundir import prepare_run_dir
-from cloudburst.runtime import Context, in_torchrun, init_distributed, shutdown
+from cloudburst.runtime import in_torchrun, init_distributed, shutdown
+from cloudburst.runtime.context import Context
 from cloudburst.strategies import make_strategy
 from cloudburst.strategies.base import Strategy
 

@@ -384,7 +384,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if in_torchrun():
         if int(os.environ["RANK"]) == 0:  # the others only check (above)
             prepare_run_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
-        from cloudburst.runtime import topology_mismatch
+        from cloudburst.runtime.placement import topology_mismatch
         from cloudburst.train import run_rank
 
         problem = topology_mismatch(cfg, int(os.environ["WORLD_SIZE"]))

@@ -44,7 +44,7 @@ from cloudburst.forkserver import (
 )
 from cloudburst.metrics import iter_jsonl, write_json_atomic
 from cloudburst.rundir import open_append_nofollow, prepare_run_dir
-from cloudburst.runtime import is_loopback
+from cloudburst.runtime.devices import is_loopback
 from cloudburst.summary import write_partial_summary
 
 AGENT_GRACE_S = 5.0

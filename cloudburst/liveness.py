@@ -1,7 +1,7 @@
 """Liveness for every role: a rank stops within seconds when a rank it cannot work without
 goes silent, instead of waiting out a collective's timeout.
 
-Every rank bumps a heartbeat counter in the job store (:class:`~cloudburst.runtime.Heartbeat`,
+Every rank bumps a heartbeat counter in the job store (:class:`~cloudburst.liveness.Heartbeat`,
 on a store connection of its own, so that a long ``store.wait`` of the training thread never
 delays it). A :class:`Watchdog` thread reads the counters of the ranks this one depends on —
 every other worker for the lockstep strategies, the parameter-server shards for asgd/easgd

@@ -29,7 +29,7 @@ from cloudburst.comm.flat import assign_flat
 from cloudburst.config import RunConfig
 from cloudburst.data import Dataset, evaluate_dataset, in_memory
 from cloudburst.metrics import MetricsWriter, iter_jsonl, time_to_target, write_json_atomic
-from cloudburst.runtime import Context
+from cloudburst.runtime.context import Context
 from cloudburst.strategies import REGISTRY
 
 log = logging.getLogger(__name__)

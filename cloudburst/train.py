@@ -36,7 +36,8 @@ from cloudburst.loop.finish import finish_strategy, finish_worker, serve
 from cloudburst.loop.step import StepClock, progress_bar, step_done
 from cloudburst.metrics import MetricsWriter, write_json_atomic
 from cloudburst.models import build_run_model
-from cloudburst.runtime import Context, init_distributed, shutdown
+from cloudburst.runtime import init_distributed, shutdown
+from cloudburst.runtime.context import Context
 from cloudburst.strategies import make_strategy
 from cloudburst.strategies.base import Strategy
 from cloudburst.summary import (

@@ -30,7 +30,7 @@ from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.p2p import CommStats, Header
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
-from cloudburst.runtime import ReplicaView
+from cloudburst.runtime.context import ReplicaView
 from cloudburst.strategies import STRATEGY_CLASSES
 from cloudburst.strategies.asgd import AsgdStrategy
 from cloudburst.strategies.asgd.server import ServerLoop
@@ -188,7 +188,7 @@ class FakeNamespace(ReplicaView, SimpleNamespace):
 
 @dataclass
 class FakeContext(ReplicaView):
-    """What a strategy or a server loop reads from :class:`cloudburst.runtime.Context`."""
+    """What a strategy or a server loop reads from :class:`cloudburst.runtime.context.Context`."""
 
     cfg: RunConfig
     rank: int

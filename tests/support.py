@@ -35,7 +35,7 @@ from cloudburst.config.simulation import SimulationConfig
 from cloudburst.data import BatchStream, synthetic
 from cloudburst.metrics import read_jsonl
 from cloudburst.models import build_model
-from cloudburst.runtime import ReplicaView
+from cloudburst.runtime.context import ReplicaView
 from cloudburst.sim.run import simulate
 from cloudburst.strategies.asgd import AsgdStrategy
 from cloudburst.strategies.asgd.server import ServerLoop

@@ -50,7 +50,7 @@ Every blocking call runs under the process group's timeout (set at ``init_proces
 the time spent blocked and the bytes moved are counted in :class:`CommStats`.
 
 Peers are named by their global rank, also on a group built outside torch.distributed's
-registry (a restarted worker's rejoin group, :func:`cloudburst.runtime.rejoin_group`): the
+registry (a restarted worker's rejoin group, :func:`cloudburst.runtime.rejoin.rejoin_group`): the
 transport then calls the group's own send/recv and maps ranks through ``members``.
 """
 

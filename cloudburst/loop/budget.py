@@ -28,7 +28,7 @@ import torch
 
 from cloudburst.comm.collectives import all_reduce_sum, world_sum
 from cloudburst.loop.evaluator import Evaluator
-from cloudburst.runtime import Context
+from cloudburst.runtime.context import Context
 from cloudburst.strategies.base import Strategy
 
 #: The most steps between two checks of a lockstep job (bounds the overshoot of a run whose

@@ -14,7 +14,8 @@ from torch import nn
 from cloudburst.loop.evaluator import Evaluator
 from cloudburst.metrics import MetricsWriter
 from cloudburst.resilience import capture_worker_state, resume_worker, save_worker_state
-from cloudburst.runtime import Context, restart_count
+from cloudburst.runtime import restart_count
+from cloudburst.runtime.context import Context
 from cloudburst.strategies.base import Strategy
 
 

@@ -6,7 +6,8 @@ import time
 
 from cloudburst.faults import FaultInjector, parse_faults
 from cloudburst.metrics import MetricsWriter
-from cloudburst.runtime import Context, restart_count
+from cloudburst.runtime import restart_count
+from cloudburst.runtime.context import Context
 
 
 def worker_faults(ctx: Context, metrics: MetricsWriter) -> FaultInjector:

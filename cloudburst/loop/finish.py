@@ -15,7 +15,7 @@ from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.p2p import CommStats
 from cloudburst.data import Dataset, evaluate_dataset, in_memory
 from cloudburst.metrics import MetricsWriter
-from cloudburst.runtime import Context
+from cloudburst.runtime.context import Context
 from cloudburst.strategies.base import Strategy
 from cloudburst.summary import finalize_run, hand_in
 

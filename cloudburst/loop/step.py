@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from cloudburst.runtime import Context
+from cloudburst.runtime.context import Context
 from cloudburst.strategies.base import Strategy
 
 

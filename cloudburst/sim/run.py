@@ -30,7 +30,8 @@ from cloudburst.data import load_run_dataset
 from cloudburst.faults import FaultInjector, parse_faults
 from cloudburst.metrics import MetricsWriter, write_json_atomic
 from cloudburst.models import build_run_model
-from cloudburst.runtime import Context, build_context
+from cloudburst.runtime import build_context
+from cloudburst.runtime.context import Context
 from cloudburst.sim.clock import ClockModel, calibrate_step_time, resolve_step_time
 from cloudburst.sim.network import SimNetwork
 from cloudburst.sim.scheduler import Scheduler
@@ -66,7 +67,7 @@ class VirtualCluster:
         """One line for the run's start: its nodes, where its shards are, its network model
         and why (``"4 node(s); shards on nodes 0,1,2,3 (spread); network model nccl (the run
         models GPUs: --device cuda)"``)."""
-        from cloudburst.runtime import shards_line
+        from cloudburst.runtime.placement import shards_line
 
         cfg, clock = self.cfg, self.clock
         line = f"{self.topology.num_nodes} node(s)"

@@ -75,7 +75,7 @@ class StrategySpec:
     def make_groups(cls, cfg: Any, maker: Any) -> dict[str, Any]:
         """The extra process groups it needs, made once by every rank when the job starts
         (:func:`cloudburst.runtime.build_context`, real and virtual) with ``maker`` (a
-        :class:`cloudburst.runtime.GroupMaker`), in the same order on every rank: name →
+        :class:`cloudburst.runtime.groups.GroupMaker`), in the same order on every rank: name →
         this rank's group (None where it is in none), its workers' ``ctx.groups``."""
         return {}
 

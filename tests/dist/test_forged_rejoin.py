@@ -18,7 +18,9 @@ import torch.distributed as dist
 from cloudburst import auth
 from cloudburst.comm.p2p import Header, Kind, PeerTransport
 from cloudburst.config import RunConfig
-from cloudburst.runtime import Context, RejoinBoard, rejoin_group, rejoin_members
+from cloudburst.runtime.context import Context
+from cloudburst.liveness import RejoinBoard
+from cloudburst.runtime.rejoin import rejoin_group, rejoin_members
 from cloudburst.strategies.asgd.serving import RequestServing
 from tests.fakes import RecordingMetrics
 from tests.helpers import wait_until

@@ -42,7 +42,8 @@ def _leave(out: str, rank: int, result: dict) -> None:
 def _server_job(rank: int, out: str) -> dict:
     from cloudburst.config import RunConfig
     from cloudburst.metrics import MetricsWriter, read_jsonl
-    from cloudburst.runtime import LivenessMonitor, init_distributed, shutdown
+    from cloudburst.liveness import LivenessMonitor
+    from cloudburst.runtime import init_distributed, shutdown
     from cloudburst.strategies.asgd.server import ServerLoop
     from cloudburst.strategies import STRATEGY_CLASSES
 

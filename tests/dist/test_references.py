@@ -219,7 +219,8 @@ def _easgd(rank: int, out: str) -> dict:
     from cloudburst.comm.flat import flatten_params
     from cloudburst.config import RunConfig
     from cloudburst.metrics import MetricsWriter
-    from cloudburst.runtime import LivenessMonitor, init_distributed, shutdown
+    from cloudburst.liveness import LivenessMonitor
+    from cloudburst.runtime import init_distributed, shutdown
     from cloudburst.strategies.asgd.server import ServerLoop
     from cloudburst.strategies import STRATEGY_CLASSES
     from cloudburst.strategies.easgd import EasgdStrategy

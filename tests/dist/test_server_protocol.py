@@ -30,7 +30,8 @@ def _cfg(out: str) -> RunConfig:
 
 def _scripted(rank: int, out: str) -> dict:
     from cloudburst.metrics import MetricsWriter, read_jsonl
-    from cloudburst.runtime import Heartbeat, LivenessMonitor, init_distributed, shutdown
+    from cloudburst.liveness import Heartbeat, LivenessMonitor
+    from cloudburst.runtime import init_distributed, shutdown
     from cloudburst.strategies.asgd.server import ServerLoop
     from cloudburst.strategies import STRATEGY_CLASSES
 
@@ -148,7 +149,8 @@ def _dies_mid_request(rank: int, out: str) -> dict:
     import os
 
     from cloudburst.metrics import MetricsWriter
-    from cloudburst.runtime import Heartbeat, LivenessMonitor, init_distributed, shutdown
+    from cloudburst.liveness import Heartbeat, LivenessMonitor
+    from cloudburst.runtime import init_distributed, shutdown
     from cloudburst.strategies.asgd.server import ServerLoop
     from cloudburst.strategies import STRATEGY_CLASSES
 

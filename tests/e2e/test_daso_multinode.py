@@ -476,7 +476,7 @@ def test_nodes_flag_in_one_launch_gives_the_same_topology(tmp_path):
 def test_nodes_flag_that_disagrees_with_torchrun_fails_clearly(tmp_path):
     """Each rank refuses before it joins the job, in one line. The ranks are given the
     environment torchrun gives 4 ranks started as 2 nodes of 2 (``LOCAL_WORLD_SIZE`` 2 of
-    ``WORLD_SIZE`` 4, what :func:`cloudburst.runtime.launched_nodes` reads); the two real
+    ``WORLD_SIZE`` 4, what :func:`cloudburst.runtime.placement.launched_nodes` reads); the two real
     launches above show that torchrun sets it so."""
     out = tmp_path / "run"
     expected = (

@@ -14,6 +14,9 @@ DISTRIBUTED = {
     "cloudburst.comm.allreduce",
     "cloudburst.comm.transport",
     "cloudburst.runtime",
+    "cloudburst.runtime.context",
+    "cloudburst.runtime.groups",
+    "cloudburst.runtime.rejoin",
     "cloudburst.liveness",
     "cloudburst.launch",
 }

@@ -116,7 +116,7 @@ def test_the_flag_and_the_toml_key_reach_the_config_and_nodes_the_topology(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ):
     from cloudburst import cli
-    from cloudburst.runtime import resolve_topology
+    from cloudburst.runtime.placement import resolve_topology
 
     seen: list[RunConfig] = []
     monkeypatch.setattr(cli, "cmd_train", lambda args: seen.append(cli.build_config(args)) or 0)

@@ -13,7 +13,7 @@ import pytest
 from cloudburst.comm.link import Topology
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
-from cloudburst.runtime import (
+from cloudburst.runtime.placement import (
     launch_rank_to_role,
     placement_label,
     resolve_topology,

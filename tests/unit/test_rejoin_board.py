@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from cloudburst.auth import sign
-from cloudburst.runtime import RejoinBoard, RejoinRefused
+from cloudburst.liveness import RejoinBoard, RejoinRefused
 
 pytestmark = pytest.mark.unit
 

@@ -18,9 +18,9 @@ from cloudburst.checkpoint import CheckpointError, save_checkpoint
 from cloudburst.cli import build_config
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.datasets import DatasetError, _check_image_size, _decode_image
+from cloudburst.liveness import RejoinBoard
 from cloudburst.metrics import MetricsWriter, write_json_atomic
 from cloudburst.resilience import identity, load_shard_state
-from cloudburst.runtime import RejoinBoard
 
 
 def _args(**flags) -> argparse.Namespace:

@@ -650,7 +650,7 @@ def start_standby(loop: ServerLoop) -> None:
     of the shard before it, both built now (in the order of the shard they serve, so that
     every server builds its two pair groups in an order that never waits in a cycle)."""
     from cloudburst.resilience import load_shard_state
-    from cloudburst.runtime import standby_link
+    from cloudburst.runtime.groups import standby_link
 
     cfg, ctx = loop.cfg, loop.ctx
     own, before = ctx.server_index, (ctx.server_index - 1) % cfg.servers
