@@ -41,7 +41,7 @@ import harness  # noqa: E402
 
 from cloudburst.config import RunConfig  # noqa: E402
 from cloudburst.data import load_dataset  # noqa: E402
-from cloudburst.launch import free_port  # noqa: E402
+from cloudburst.launch.agents import free_port  # noqa: E402
 from cloudburst.models import build_model  # noqa: E402
 from cloudburst.runtime.context import Context  # noqa: E402
 from cloudburst.strategies import make_strategy  # noqa: E402

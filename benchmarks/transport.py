@@ -41,7 +41,7 @@ import harness  # noqa: E402
 from cloudburst.comm.flat import adopt_flat, flatten_params  # noqa: E402
 from cloudburst.comm.p2p import Header, Kind, PeerTransport, Status  # noqa: E402
 from cloudburst.config import RunConfig  # noqa: E402
-from cloudburst.launch import free_port  # noqa: E402
+from cloudburst.launch.agents import free_port  # noqa: E402
 from cloudburst.liveness import LivenessMonitor  # noqa: E402
 from cloudburst.metrics import MetricsWriter  # noqa: E402
 from cloudburst.runtime.context import Context  # noqa: E402

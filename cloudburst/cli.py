@@ -431,7 +431,7 @@ def launch_and_report(cfg: RunConfig) -> int:
         file=sys.stderr,
     )
     if summary.get("failed_agents"):
-        from cloudburst.launch import rank_errors
+        from cloudburst.launch.failures import rank_errors
 
         lost = summary.get("lost_workers") or []
         print(

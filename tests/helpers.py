@@ -73,7 +73,7 @@ def _store_server(world: int) -> tuple[Any, int]:
 
     import torch.distributed as dist
 
-    from cloudburst.launch import loopback_listener
+    from cloudburst.launch.agents import loopback_listener
 
     listener = loopback_listener(0)
     port = listener.getsockname()[1]

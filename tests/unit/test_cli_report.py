@@ -7,6 +7,7 @@ import pytest
 
 from cloudburst import cli, launch
 from cloudburst.config import RunConfig
+from cloudburst.launch import failures
 
 ERROR = "RuntimeError: unsupported operation: some elements of the input tensor overlap"
 
@@ -45,7 +46,7 @@ def test_rank_errors_skips_unreadable_files(tmp_path):
     (tmp_path / "logs" / "a" / "error.json").write_text("{not json")
     (tmp_path / "logs" / "b").mkdir()
     (tmp_path / "logs" / "b" / "error.json").write_text(json.dumps({"message": "ValueError: x"}))
-    assert launch.rank_errors(tmp_path) == ["ValueError: x"]
+    assert failures.rank_errors(tmp_path) == ["ValueError: x"]
 
 
 def test_a_finished_run_says_where_it_is_and_a_diverged_one_prints_no_table(

@@ -18,7 +18,7 @@ DISTRIBUTED = {
     "cloudburst.runtime.groups",
     "cloudburst.runtime.rejoin",
     "cloudburst.liveness",
-    "cloudburst.launch",
+    "cloudburst.launch.agents",
 }
 
 

@@ -12,6 +12,8 @@ import time
 import pytest
 
 from cloudburst import launch
+from cloudburst.launch import agents as launch_agents
+from cloudburst.launch import processes
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.spawns
@@ -26,7 +28,7 @@ def test_a_stopped_process_is_killed_without_waiting_for_the_grace_period():
     proc.start()
     try:
         os.kill(proc.pid, signal.SIGSTOP)
-        while launch._state(proc.pid) not in ("T", "t"):
+        while processes.process_state(proc.pid) not in ("T", "t"):
             time.sleep(0.01)
         # An unbounded grace: _stop returns only because the stopped process was killed.
         launch._stop([proc], launch._StopRequest(), grace_s=float("inf"), announce=False)
@@ -37,12 +39,12 @@ def test_a_stopped_process_is_killed_without_waiting_for_the_grace_period():
 
 
 def test_state_reads_proc():
-    assert launch._state(os.getpid()) in ("R", "S")
+    assert processes.process_state(os.getpid()) in ("R", "S")
     proc = mp.get_context("fork").Process(target=_sleep_forever)
     proc.start()
     proc.kill()
     proc.join()
-    assert launch._state(proc.pid) is None
+    assert processes.process_state(proc.pid) is None
 
 
 def _ignore_sigterm_forever(ready) -> None:
@@ -87,9 +89,11 @@ def test_the_agent_shutdown_patch_fits_either_torch_signature(monkeypatch, with_
 
     monkeypatch.setattr(LocalElasticAgent, "_shutdown", original)
     monkeypatch.setattr(ProcessContext, "join", ProcessContext.join)
-    launch._shorten_agent_stop_grace()
+    launch_agents._shorten_agent_stop_grace()
     LocalElasticAgent._shutdown(object(), signal.SIGKILL)
-    expected = (signal.SIGKILL, launch.AGENT_STOP_GRACE_S) if with_timeout else (signal.SIGKILL,)
+    expected = (
+        (signal.SIGKILL, launch_agents.AGENT_STOP_GRACE_S) if with_timeout else (signal.SIGKILL,)
+    )
     assert calls == [expected]
 
 
@@ -124,10 +128,10 @@ def test_a_process_dies_with_its_sigkilled_parent_even_when_stopped(stopped):
         parent.kill()
         parent.join()
         # Reaped by whoever adopted it, or a zombie there: no longer running either way.
-        wait_until(lambda: launch._state(child) in (None, "Z"), timeout_s=60,
+        wait_until(lambda: processes.process_state(child) in (None, "Z"), timeout_s=60,
                    what="the orphan to die")  # fmt: skip
     finally:
         if parent.is_alive():
             parent.kill()
-        if child is not None and launch._state(child) not in (None, "Z"):
+        if child is not None and processes.process_state(child) not in (None, "Z"):
             os.kill(child, signal.SIGKILL)  # not left behind when the test fails

@@ -141,7 +141,7 @@ def check(tasks: list[dict], strategy_args: list[str]) -> tuple[object, list, di
 
 
 def test_sync_renders_one_torchrun_per_node_with_four_ranks_each(tmp_path):
-    from cloudburst.launch import agent_layout
+    from cloudburst.launch.agents import agent_layout
     from cloudburst.strategies import STRATEGY_CLASSES
 
     args = ["train", "--strategy", "sync", "--workers", "8", "--out", "runs/sync-8"]
@@ -156,7 +156,7 @@ def test_sync_renders_one_torchrun_per_node_with_four_ranks_each(tmp_path):
 
 
 def test_asgd_renders_one_agent_per_rank_as_the_local_launcher_does(tmp_path):
-    from cloudburst.launch import agent_layout
+    from cloudburst.launch.agents import agent_layout
     from cloudburst.strategies import STRATEGY_CLASSES
 
     args = ["train", "--strategy", "asgd", "--workers", "7", "--servers", "1", "--out", "runs/a"]

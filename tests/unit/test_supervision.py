@@ -21,6 +21,9 @@ import torch.distributed as dist
 from cloudburst import launch
 from cloudburst.config import RunConfig
 from cloudburst.forkserver import raise_open_files_limit
+from cloudburst.launch import processes
+from cloudburst.launch.agents import loopback_listener
+from cloudburst.launch.failures import job_failure
 from cloudburst.liveness import HEARTBEAT_KEY, Heartbeat, LivenessMonitor
 
 ENOSPC = "OSError: [Errno 28] No space left on device"
@@ -92,7 +95,7 @@ def test_with_no_descriptor_left_stopping_the_job_still_kills_agents_and_forkser
     are SIGKILLed by pid (the ranks die with them), and "stopping the job" is true."""
     sent: list[tuple[int, int]] = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
-    monkeypatch.setattr(launch, "forkserver_pid", lambda: NO_PID + 2)
+    monkeypatch.setattr(processes, "forkserver_pid", lambda: NO_PID + 2)
     agents = [FakeAgent(NO_PID), FakeAgent(NO_PID + 1)]
     with no_descriptor_left():
         launch._stop(agents, launch._StopRequest(), grace_s=60)
@@ -152,18 +155,18 @@ def _stderr_log(out: Path, agent: int, text: str) -> None:
 def test_a_failed_job_names_the_first_error_a_rank_raised(tmp_path):
     _error_file(tmp_path, 1, 0, "RuntimeError: [gloo] Connection closed by peer\nmore", 1002)
     _error_file(tmp_path, 2, 0, f"{ENOSPC}\n  File ...", 1000)
-    assert launch.job_failure(tmp_path, [0, 1, 1]) == f"rank 2 failed: {ENOSPC}"
+    assert job_failure(tmp_path, [0, 1, 1]) == f"rank 2 failed: {ENOSPC}"
 
 
 def test_without_an_error_file_the_exception_comes_from_the_ranks_log(tmp_path):
     """A full disk may leave no error file; the line ending the last traceback in stderr.log
     is used (a line that merely looks like an error, with no traceback, is not taken)."""
     _stderr_log(tmp_path, 1, "RuntimeError: a retried connection, logged\n")
-    assert launch.job_failure(tmp_path, [1, 1]) == "ranks failed (agent exit codes [1, 1])"
+    assert job_failure(tmp_path, [1, 1]) == "ranks failed (agent exit codes [1, 1])"
     log = "RuntimeError: logged\nTraceback (most recent call last):\n  File ...\n"
     _stderr_log(tmp_path, 0, log + "OverflowError: Python int too large to convert to C long\n")
     expected = "rank 0 failed: OverflowError: Python int too large to convert to C long"
-    assert launch.job_failure(tmp_path, [1, 1]) == expected
+    assert job_failure(tmp_path, [1, 1]) == expected
 
 
 def test_a_lost_peer_is_named_with_its_own_error(tmp_path):
@@ -171,13 +174,13 @@ def test_a_lost_peer_is_named_with_its_own_error(tmp_path):
     metrics.mkdir()
     lost = {"event": "peer_lost", "lost_rank": 1, "reason": "worker 0 (rank 1) lost at 3.0 s"}
     (metrics / "rank0.jsonl").write_text(json.dumps({**lost, "time_s": 3.0}) + "\n")
-    assert launch.job_failure(tmp_path, [1]) == lost["reason"]  # SIGKILLed: nothing more
+    assert job_failure(tmp_path, [1]) == lost["reason"]  # SIGKILLed: nothing more
     _error_file(tmp_path, 1, 0, ENOSPC, 1000)
-    assert launch.job_failure(tmp_path, [1]) == f"{lost['reason']}: {ENOSPC}"
+    assert job_failure(tmp_path, [1]) == f"{lost['reason']}: {ENOSPC}"
 
 
 def test_with_no_error_anywhere_the_exit_codes_are_the_reason(tmp_path):
-    assert launch.job_failure(tmp_path, [1, -9]) == "ranks failed (agent exit codes [1, -9])"
+    assert job_failure(tmp_path, [1, -9]) == "ranks failed (agent exit codes [1, -9])"
 
 
 def test_the_summary_and_the_error_say_a_ranks_first_error(tmp_path, monkeypatch):
@@ -201,7 +204,7 @@ def test_the_summary_and_the_error_say_a_ranks_first_error(tmp_path, monkeypatch
 def store_server():
     """A real TCPStore server on loopback, served from this process (as the launcher does),
     and a way to connect clients to it."""
-    listener = launch.loopback_listener(0)
+    listener = loopback_listener(0)
     port = listener.getsockname()[1]
     timeout = datetime.timedelta(seconds=30)
     server = dist.TCPStore("127.0.0.1", port, 1, True, timeout, wait_for_workers=False,
