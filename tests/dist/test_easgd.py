@@ -4,7 +4,7 @@ between a worker and two server shards over gloo, and a CLI run against its simu
 import pytest
 import torch
 
-from cloudburst.strategies.asgd.server import ShardState
+from cloudburst.strategies.asgd.shard import ShardState
 from tests.dist.simulate import (
     COMMON,
     assert_params_differ,

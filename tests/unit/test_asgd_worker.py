@@ -19,7 +19,7 @@ from cloudburst.comm.p2p import Header, Kind
 from cloudburst.config import RunConfig
 from cloudburst.data import BatchStream, synthetic
 from cloudburst.models import build_model
-from cloudburst.strategies.asgd.server import Standby
+from cloudburst.strategies.asgd.serve import Standby
 from tests.support import asgd_cfg, train_asgd_worker
 
 

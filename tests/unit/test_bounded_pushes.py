@@ -28,7 +28,7 @@ from cloudburst.config import ConfigError, RunConfig
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.metrics import write_json_atomic
 from cloudburst.sim.run import simulate
-from cloudburst.strategies.asgd.server import Standby
+from cloudburst.strategies.asgd.serve import Standby
 from cloudburst.strategies.asgd.shard import ShardState
 from cloudburst.strategies.asgd.worker import AsgdStrategy
 from cloudburst.summary import diverged, failed_message

@@ -22,7 +22,7 @@ from cloudburst.comm.link import Topology
 from cloudburst.comm.p2p import Status
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig, Straggler
-from cloudburst.strategies.asgd.server import make_shard
+from cloudburst.strategies.asgd.shard import make_shard
 from cloudburst.strategies.daso import COOLDOWN, CYCLING, WARMUP, DasoSchedule, DasoStrategy
 from cloudburst.strategies.daso import worker as daso
 

@@ -18,7 +18,7 @@ import torch
 
 from cloudburst.comm.flat import flatten_params
 from cloudburst.config import RunConfig
-from cloudburst.strategies.asgd.server import ShardState
+from cloudburst.strategies.asgd.shard import ShardState
 from tests import reference as ref
 from tests.fakes import flush, ps_job
 from tests.support import references_cfg

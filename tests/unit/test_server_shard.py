@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cloudburst.comm.p2p import Status
-from cloudburst.strategies.asgd.server import ShardState
+from cloudburst.strategies.asgd.shard import ShardState
 from cloudburst.strategies.asgd.summary import mean_staleness
 
 # (worker, action) — a scripted interleaving of three workers against one shard.

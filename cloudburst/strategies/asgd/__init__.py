@@ -12,7 +12,7 @@ class Asgd(StrategySpec):
     name = "asgd"
     worker = "cloudburst.strategies.asgd.worker:AsgdStrategy"
     rule = "cloudburst.strategies.asgd.rules:from_config"
-    server = "cloudburst.strategies.asgd.server:serve_shard"
+    server = "cloudburst.strategies.asgd.serve:serve_shard"
     summary = "cloudburst.strategies.asgd.summary:server_summary"
     report_columns = (("staleness", "mean_staleness_versions", "{:.2f}"),)
     settings = (AsgdConfig,)

@@ -14,7 +14,8 @@ of a push is :class:`~cloudburst.strategies.asgd.shard.ShardState`. Contract:
   payload is read and discarded (its size checked first), so the stream stays in step; each
   refusal is its sender's fault, and after ``MAX_PEER_FAULTS`` the sender is dropped (lost).
 - A reply with no θ leaves once the push is admitted, before θ moves; under ``--shard-standby``
-  every applied push reaches the standby (:class:`Standby`) before its worker's reply.
+  every applied push reaches the standby (:class:`~cloudburst.strategies.asgd.serve.Standby`)
+  before its worker's reply.
 - A push received whole is applied and recorded even when its reply cannot be sent.
 - Shards checkpoint every ``checkpoint_every`` applied pushes; one ``push`` record every
   ``push_log_every`` (and one per push not applied).
@@ -25,11 +26,8 @@ lost workers: docs/failures.md; what is validated and why: docs/security.md.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import math
-import time
 from dataclasses import fields
 from typing import Any
 
@@ -38,14 +36,12 @@ import torch
 from cloudburst.checkpoint import save_checkpoint
 from cloudburst.comm.flat import shard_bounds
 from cloudburst.comm.p2p import CommStats, Header, Kind, PeerFaults, Status, worth_logging
-from cloudburst.comm.transport import Task
 from cloudburst.config import RunConfig
-from cloudburst.liveness import FAILOVER_KEY, shard_restarted
+from cloudburst.liveness import shard_restarted
 from cloudburst.resilience import identity
-from cloudburst.strategies.asgd.serving import RequestServing, _first_line
-from cloudburst.strategies.asgd.shard import (  # noqa: F401 - the shard maths, also importable from here
+from cloudburst.strategies.asgd.serving import RequestServing, first_line
+from cloudburst.strategies.asgd.shard import (
     PushResult,
-    ShardState,
     all_finite,
     make_shard,
     overlapped_push_fetch,
@@ -127,7 +123,8 @@ class ServerLoop:
         # --shard-standby: the exact link to this shard's standby (None: none, or it is lost),
         # and the standby copy this server keeps of the shard before it.
         self.standby_link = None
-        self.standby: Standby | None = None
+        # --shard-standby: the copy this server keeps of the shard before (serve.Standby)
+        self.standby: Any = None
         self.acked_before_restart = 0  # the highest version workers saw acknowledged before
         # PUSH_FETCH replies overlap with the push when the worker can rebuild θ_after from
         # θ_before (the add rule); an optimizer rule's state lives only here.
@@ -250,7 +247,7 @@ class ServerLoop:
         except RuntimeError as e:
             # The conversation with this one worker broke (it died mid-request: gloo raises
             # at once; or it hung: the group's timeout). The others are still served.
-            log.error("lost worker rank %d during a request: %s", src, _first_line(e))
+            log.error("lost worker rank %d during a request: %s", src, first_line(e))
             self.lost.add(src)
             self.deferred_fetches = [r for r in self.deferred_fetches if r != src]
 
@@ -452,7 +449,7 @@ class ServerLoop:
             self.standby_link.send(peer, header, payload)
             self.standby_link.recv_reply(peer)
         except RuntimeError as e:
-            log.error("lost the standby of shard %d (rank %d): %s", k, peer, _first_line(e))
+            log.error("lost the standby of shard %d (rank %d): %s", k, peer, first_line(e))
             self.standby_link = None
             self.metrics.log("standby_lost", time_s=self.ctx.elapsed_s(), standby=peer)
 
@@ -560,112 +557,6 @@ class ServerLoop:
 FINAL_PAIR = 0  # the pair groups of the final gather use restart number 0 (no restart has it)
 
 
-_FORWARDED = {int(Kind.PUSH), int(Kind.INIT), int(Kind.DONE)}
-
-
-class Standby:
-    """Server s's hot copy of shard p = s − 1 (mod S), kept by applying every request that
-    p's server forwards (PUSH with the push's base version and samples, INIT), in p's order,
-    before p replies to the worker; each forward is answered once applied.
-
-    When p's server dies (the link breaks), this server takes shard p over: it marks p as
-    failed over in the job store (the watchdogs stop watching p), and serves the copy as a
-    restarted shard would (:meth:`RequestServing._reconnect_workers`): the workers reconnect, and
-    since the copy holds every push a worker saw acknowledged, none is lost. Shard 0 is not
-    taken over: its server (rank 0) writes the run's summary, and its death stops the job.
-    """
-
-    def __init__(self, loop: ServerLoop, primary: int, link):
-        self.loop, self.primary, self.link = loop, primary, link
-        a, b = loop.bounds[primary]
-        self.replica = make_shard(loop.cfg, loop.theta0[a:b])
-        self._buf = torch.empty(b - a)
-        self.promoted: ServerLoop | None = None
-        self._task: Task | None = None
-        self._promoted_task: Task | None = None
-
-    def start(self) -> Standby:
-        self._task = self.loop.ctx.comm.spawn(self._run, f"cloudburst-standby-{self.primary}")
-        return self
-
-    def join(self) -> None:
-        """Until the primary said it is done, or (taken over) the promoted shard finished."""
-        self._task.join()
-        if self._promoted_task is not None:
-            self._promoted_task.join()
-            if self.promoted is not None and self.promoted.error is not None:
-                raise self.promoted.error
-
-    def _run(self) -> None:
-        p = self.primary
-        while True:
-            try:
-                h = self.link.recv_reply(p, self._buf)
-                kind = Kind(h.aux) if h.aux in _FORWARDED else None
-                if h.shard != p or kind is None or h.numel not in (0, self._buf.numel()):
-                    raise RuntimeError(f"not a forwarded request from shard {p}'s server: {h}")
-                if kind == Kind.INIT:
-                    self.replica.set_theta(self._buf)
-                elif kind == Kind.PUSH:
-                    refused = h.status == Status.REFUSED
-                    self.replica.apply_push(self._buf, h.version, h.samples, refused=refused)
-                self.link.send(p, Header(Kind.REPLY, shard=p, version=self.replica.version))
-                if kind == Kind.DONE:
-                    return
-            except (RuntimeError, ValueError) as e:
-                log.error("shard %d's server is lost (%s)", p, _first_line(e))
-                self._take_over()
-                return
-
-    def _take_over(self) -> None:
-        p, loop = self.primary, self.loop
-        if p == 0:
-            log.error("shard 0 is not taken over (its server writes the summary)")
-            return
-        ctx = dataclasses.replace(loop.ctx, rank=p, shard_incarnation=1)
-        liveness = ctx.comm.liveness_monitor(
-            ctx.store, ctx.replica_ranks, loop.cfg.heartbeat_timeout_s
-        )
-        promoted = ServerLoop(ctx, loop.theta0, loop.metrics, liveness)
-        promoted.shard, promoted.awaiting_init = self.replica, False
-        promoted.restored_version, promoted.failed_over = self.replica.version, True
-        ctx.store.set(FAILOVER_KEY.format(shard=p), str(loop.ctx.rank))
-        loop.metrics.log("failover", time_s=ctx.elapsed_s(), shard=p, version=self.replica.version)
-        log.warning("took shard %d over at version %d", p, self.replica.version)
-        self.promoted = promoted
-
-        def serve() -> None:
-            try:
-                promoted.run()
-                ctx.store.set(f"stats/{p}", json.dumps({"role": "server", **promoted.stats()}))
-            except BaseException as e:  # noqa: BLE001 - raised again by join()
-                promoted.error = e
-
-        # Not a daemon: the process serves the taken-over shard's workers to their end.
-        self._promoted_task = ctx.comm.spawn(serve, f"cloudburst-shard{p}", daemon=False)
-
-
-def start_standby(loop: ServerLoop) -> None:
-    """--shard-standby: this server's link to its own shard's standby, and its standby copy
-    of the shard before it, both built now (in the order of the shard they serve, so that
-    every server builds its two pair groups in an order that never waits in a cycle)."""
-    from cloudburst.resilience import load_shard_state
-    from cloudburst.runtime.groups import standby_link
-
-    cfg, ctx = loop.cfg, loop.ctx
-    own, before = ctx.server_index, (ctx.server_index - 1) % cfg.servers
-    for p in sorted({own, before}):
-        link = standby_link(ctx, p, loop._standby_stats)
-        if p == own:
-            loop.standby_link = link
-        else:
-            loop.standby = Standby(loop, p, link)
-    path = shard_checkpoint_path(cfg.out, before)
-    if cfg.resume and path.is_file():
-        loop.standby.replica.load_state_dict(load_shard_state(path, cfg))
-    loop.standby.start()
-
-
 def _sum_stats(parts: list[CommStats]) -> CommStats:
     """The counters of several transports added up."""
     total = CommStats()
@@ -678,48 +569,3 @@ def _sum_stats(parts: list[CommStats]) -> CommStats:
             else:
                 setattr(total, f.name, getattr(total, f.name) + value)
     return total
-
-
-def serve_shard(ctx, theta0: torch.Tensor, metrics) -> ServerLoop:
-    """Serve this server rank's shard of θ (starting from ``theta0``, the full flat θ) until
-    every worker finished or was lost; returns the loop (its stats, the final θ).
-
-    The one way a shard is served, by the CLI's ranks and by ``Job.serve`` alike: a resumed
-    run (``--resume``, or a restart) continues from the shard's checkpoint when there is one
-    (refused when it belongs to another run or to other shard bounds); a new run removes an
-    earlier run's shard file first.
-    """
-    from cloudburst.checkpoint import CheckpointError
-    from cloudburst.resilience import load_shard_state
-    from cloudburst.runtime import restart_count
-
-    cfg = ctx.cfg
-    liveness = ctx.comm.liveness_monitor(ctx.store, ctx.replica_ranks, cfg.heartbeat_timeout_s)
-    loop = ServerLoop(ctx, theta0, metrics, liveness)
-    elapsed_s = 0.0
-    path = shard_checkpoint_path(cfg.out, ctx.server_index)
-    if not (cfg.resume or restart_count() > 0):
-        path.unlink(missing_ok=True)  # an earlier run's shard in a used directory
-    elif path.is_file():
-        state = load_shard_state(path, cfg)
-        if list(map(list, state["bounds"])) != [list(b) for b in loop.bounds]:
-            raise CheckpointError(f"checkpoint {str(path)!r} was written for other shard bounds")
-        loop.shard.load_state_dict(state)
-        loop.awaiting_init = False
-        loop.restored_version = loop.shard.version
-        elapsed_s = float(state.get("elapsed_s", 0.0))
-        metrics.log("resume", version=loop.shard.version, attempt=restart_count(), wall=time.time())
-        log.info("shard %d resumed at version %d", ctx.server_index, loop.shard.version)
-    if cfg.shard_standby and ctx.comm.restarts_ranks and not loop.incarnation:
-        start_standby(loop)
-    if loop.incarnation:
-        # Died before its first checkpoint: θ0 at version 0 (a warm start's θ is lost too).
-        loop.awaiting_init = False
-        if loop.restored_version is None:
-            loop.restored_version = 0
-            metrics.log("resume", version=0, attempt=restart_count(), wall=time.time())
-    ctx.start_clock(elapsed_s)
-    loop.run()
-    if loop.standby is not None:
-        loop.standby.join()
-    return loop

@@ -34,7 +34,7 @@ REJOIN_POLL_S = 0.5  # how often a server looks for restarted workers announcing
 _ADMITTING = object()  # a restarted shard's route to a worker not reconnected yet
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:300]
 
@@ -160,7 +160,7 @@ class RequestServing:
             self._board_unreadable = True
             log.error(
                 "the rejoin board cannot be read (%s): restarted workers are refused from now on",
-                _first_line(e),
+                first_line(e),
             )
             return []
 
@@ -242,7 +242,7 @@ class RequestServing:
                     log.debug("the serving thread of %s's group ends: %s", group, e)
                 elif rank is not None:
                     # The rejoined worker's group failed: that worker is lost, not the server.
-                    log.error("lost rejoined worker rank %d: %s", rank, _first_line(e))
+                    log.error("lost rejoined worker rank %d: %s", rank, first_line(e))
                     self.lost.add(rank)
                 else:
                     self._error = e
@@ -268,7 +268,7 @@ class RequestServing:
                     log.error(
                         "receiving a request failed (%s): workers %s stopped sending "
                         "heartbeats and are lost; serving the others",
-                        _first_line(e),
+                        first_line(e),
                         sorted(dead),
                     )
                     self._lose(dead)
@@ -294,7 +294,7 @@ class RequestServing:
         with self._changed:
             if not self._expects_requests(transport, rank):
                 group = "the world" if rank is None else f"rank {rank}"
-                log.debug("the serving thread of %s's group ends: %s", group, _first_line(e))
+                log.debug("the serving thread of %s's group ends: %s", group, first_line(e))
                 return False
             silent = self._world_training() if rank is None else {rank}
             poisoned = (
@@ -309,21 +309,21 @@ class RequestServing:
                     "receiving from any worker fails since workers %s were lost (%s): serving "
                     "worker %d, the one still training, on receives from it alone",
                     sorted(self.lost),
-                    _first_line(e),
+                    first_line(e),
                     self._sole_sender,
                 )
                 return True
             if poisoned:
                 self._error = RuntimeError(
                     f"receiving from any worker fails since workers {sorted(self.lost)} were "
-                    f"lost ({_first_line(e)}); workers {sorted(silent)} cannot be served apart: "
+                    f"lost ({first_line(e)}); workers {sorted(silent)} cannot be served apart: "
                     "this shard stops"
                 )
                 self._changed.notify_all()
                 return False
             log.error(
                 "receiving a request failed (%s): workers %s, served on that group, are lost",
-                _first_line(e),
+                first_line(e),
                 sorted(silent),
             )
             self._lose(silent)
@@ -346,7 +346,7 @@ class RequestServing:
                 self.peer(dst).send(dst, header, payload)
             except RuntimeError as e:
                 with self._changed:
-                    log.error("lost worker rank %d during a reply: %s", dst, _first_line(e))
+                    log.error("lost worker rank %d during a reply: %s", dst, first_line(e))
                     self.lost.add(dst)
                     self._changed.notify_all()
                 return
@@ -380,7 +380,7 @@ class RequestServing:
         except RuntimeError as e:  # it died, finished, or timed out: comm_timeout_s
             with self._changed:
                 if rank not in self.finished:
-                    log.error("worker rank %d did not reconnect: %s", rank, _first_line(e))
+                    log.error("worker rank %d did not reconnect: %s", rank, first_line(e))
                     self.lost.add(rank)
                 self._changed.notify_all()
             return
@@ -438,13 +438,13 @@ class RequestServing:
                 "refused the rejoin of worker rank %d (restart %d): %s; it keeps its route",
                 rank,
                 incarnation,
-                _first_line(e),
+                first_line(e),
             )
             with self._changed:
                 self.rejoins_refused += 1
             return
         except RuntimeError as e:  # it died again, or timed out: comm_timeout_s
-            log.error("worker rank %d could not rejoin: %s", rank, _first_line(e))
+            log.error("worker rank %d could not rejoin: %s", rank, first_line(e))
             with self._changed:
                 self._incarnations[rank] = incarnation
                 self.lost.add(rank)
