@@ -121,7 +121,7 @@ def ps_iteration_s(c, step_s: float, params: int, workers: int, per_node: int, s
 
 def ring_only_iteration_s(c, step_s: float, params: int, gpus: int) -> float:
     """:func:`iteration_s` with every bucket a flat ring over all ``gpus`` on the NIC."""
-    from cloudburst.comm.link import ddp_overlap_end_s, ring_allreduce_s
+    from cloudburst.comm.costs import ddp_overlap_end_s, ring_allreduce_s
 
     spec = c.inter.spec
     cost = lambda b: ring_allreduce_s(b, gpus, spec.latency_s, spec.bytes_per_s)  # noqa: E731

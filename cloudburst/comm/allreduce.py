@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cloudburst.comm.link import LinkEmulator, resolve_end
+from cloudburst.comm.link import LinkEmulator
+from cloudburst.comm.nic import resolve_end
 from cloudburst.comm.stats import (  # noqa: F401 - the counting, also importable from here
     CommStats,
     count_collective,

@@ -42,7 +42,7 @@ from cloudburst.strategies import BUILT_IN, REGISTRY
 
 def check_link(name: str, text: str) -> None:
     """A ``GBIT_PER_S[,LATENCY_MS]`` link spec within 1 kbit/s .. 1 Pbit/s and 0 .. 60 s."""
-    from cloudburst.comm.link import LinkSpec
+    from cloudburst.comm.costs import LinkSpec
 
     try:
         spec = LinkSpec.parse(text)

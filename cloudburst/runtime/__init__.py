@@ -24,14 +24,9 @@ import torch
 import torch.distributed as dist
 
 from cloudburst import auth
-from cloudburst.comm.link import (
-    LinkEmulator,
-    LinkSpec,
-    NicState,
-    Topology,
-    nic_dir,
-    shared_clock_ok,
-)
+from cloudburst.comm.costs import LinkSpec
+from cloudburst.comm.link import LinkEmulator, Topology
+from cloudburst.comm.nic import NicState, nic_dir, shared_clock_ok
 from cloudburst.comm.transport import REAL, Transport
 from cloudburst.config import RunConfig
 from cloudburst.liveness import Heartbeat, RejoinBoard, heartbeat_interval_s
@@ -202,7 +197,7 @@ NIC_RECORD_KEY = "nic-record"
 
 def shared_nic(cfg: RunConfig, store: dist.Store, topology: Topology) -> NicState | None:
     """The emulated NICs of the job's nodes, shared by the ranks of this machine
-    (:class:`~cloudburst.comm.link.NicState`); None on one node, or (with one warning line)
+    (:class:`~cloudburst.comm.nic.NicState`); None on one node, or (with one warning line)
     where it cannot be opened: each rank then keeps a link of its own.
 
     Its name, ``cloudburst-nic-<uid>-<nonce>`` in ``/dev/shm`` (else the temp dir): the nonce

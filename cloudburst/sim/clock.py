@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-from cloudburst.comm.link import (
-    LinkEmulator,
+from cloudburst.comm.costs import (
     LinkSpec,
     best_allreduce_s,
     ddp_overlap_end_s,
     hierarchical_allreduce_s,
     nic_transfer,
 )
+from cloudburst.comm.link import LinkEmulator
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
 
@@ -156,9 +156,9 @@ class ClockModel:
     def group_allreduce_s(self, nbytes: float, ranks_per_node: list[int]) -> float:
         """An all-reduce of a group with ``ranks_per_node[i]`` members on its i-th node.
         ``flat``: :meth:`allreduce_s` (a ring on the slowest link spanned). ``nccl``: within one
-        node, :func:`~cloudburst.comm.link.best_allreduce_s` on the intra-node link; across
+        node, :func:`~cloudburst.comm.costs.best_allreduce_s` on the intra-node link; across
         nodes, the cheaper of that flat choice on the NIC and
-        :func:`~cloudburst.comm.link.hierarchical_allreduce_s`."""
+        :func:`~cloudburst.comm.costs.hierarchical_allreduce_s`."""
         n, nodes = sum(ranks_per_node), len(ranks_per_node)
         if not self.nccl:
             return self.allreduce_s(nbytes, n, nodes > 1)
@@ -179,7 +179,7 @@ class ClockModel:
         self, step_s: float, nbytes: float, ranks_per_node: list[int], link_free_s: float = 0.0
     ) -> float:
         """When DDP's overlapped gradient all-reduce of a step of ``step_s`` ends, from the
-        step's start: :func:`~cloudburst.comm.link.ddp_overlap_end_s` with forward = step/3,
+        step's start: :func:`~cloudburst.comm.costs.ddp_overlap_end_s` with forward = step/3,
         backward = 2·step/3 (device_emulation's FORWARD_SHARE) and each bucket costing
         :meth:`group_allreduce_s`."""
         from cloudburst.device_emulation import FORWARD_SHARE

@@ -8,7 +8,9 @@ import multiprocessing as mp
 
 import pytest
 
-from cloudburst.comm.link import LinkEmulator, LinkSpec, NicState, Topology
+from cloudburst.comm.link import LinkEmulator, Topology
+from cloudburst.comm.costs import LinkSpec
+from cloudburst.comm.nic import NicState
 
 pytestmark = pytest.mark.dist
 

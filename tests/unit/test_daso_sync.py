@@ -22,7 +22,8 @@ import pytest
 import torch
 from torch import nn
 
-from cloudburst.comm.link import LinkEmulator, LinkSpec
+from cloudburst.comm.costs import LinkSpec
+from cloudburst.comm.link import LinkEmulator
 from cloudburst.sim.run import run_ranks
 from tests.support import daso_sync_cfg, daso_sync_drive, daso_sync_model
 

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 import cloudburst.strategies.gossip.worker as gossip_worker
-from cloudburst.comm.link import LinkEmulator, LinkSpec, Topology
+from cloudburst.comm.costs import LinkSpec
+from cloudburst.comm.link import LinkEmulator, Topology
 from cloudburst.config import RunConfig
 from cloudburst.sim.run import run_ranks
 from cloudburst.strategies.gossip import GossipStrategy, PeerSchedule, pull_average

@@ -18,7 +18,8 @@ from cloudburst.cli import main
 from cloudburst.comm import allreduce, link
 from cloudburst.comm.allreduce import AllreduceHookState, counting_allreduce_hook
 from cloudburst.comm.collectives import all_reduce_sum
-from cloudburst.comm.link import EmulatedWork, LinkEmulator, LinkSpec, Topology
+from cloudburst.comm.costs import LinkSpec
+from cloudburst.comm.link import EmulatedWork, LinkEmulator, Topology
 from cloudburst.comm.p2p import HEADER_BYTES, CommStats, Header, Kind, PeerTransport
 from cloudburst.config import ConfigError, RunConfig
 

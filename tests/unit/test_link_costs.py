@@ -1,9 +1,9 @@
 """The emulated link's shared NIC record, its bookings and its pure cost functions, each against
-a value worked out by hand from the cost model (cloudburst/comm/link.py's docstring and
-docs/simulator.md).
+a value worked out by hand from the cost model (the docstrings of cloudburst/comm/link.py and
+costs.py, and docs/simulator.md).
 
 No real time passes: every clock the code reads (``link.time``, and the lock/wait clock
-``link._lock_clock`` / ``link._lock_sleep``) is a fake that moves only when the test moves it
+``nic._lock_clock`` / ``nic._lock_sleep``) is a fake that moves only when the test moves it
 or something sleeps. Link: 1 Gbit/s (125,000,000 bytes/s) and 1 ms, so a message of 1.25 MB
 holds a link for 1 ms + 10 ms.
 """
@@ -19,19 +19,16 @@ import pytest
 
 import cloudburst.comm.transport as transport_module
 from cloudburst.comm import link
-from cloudburst.comm.link import (
-    EmulatedWork,
-    LinkEmulator,
+from cloudburst.comm import nic as nic_module
+from cloudburst.comm.costs import (
     LinkSpec,
-    NicState,
-    PendingEnd,
-    Topology,
     ddp_overlap_end_s,
     halving_doubling_allreduce_s,
     hierarchical_allreduce_s,
-    nic_dir,
     nic_transfer,
 )
+from cloudburst.comm.link import EmulatedWork, LinkEmulator, Topology
+from cloudburst.comm.nic import NicState, PendingEnd, nic_dir
 
 pytestmark = pytest.mark.unit
 
@@ -95,17 +92,17 @@ def ranks(topology: Topology, nic: NicState) -> list[LinkEmulator]:
 def wait_clock(monkeypatch, now: float, step: float | None = None) -> FakeTime:
     """Replace the clock and sleep that PendingEnd.wait (and the record's lock) use."""
     fake = FakeTime(now, step)
-    monkeypatch.setattr(link, "_lock_clock", fake.monotonic)
-    monkeypatch.setattr(link, "_lock_sleep", fake.sleep)
+    monkeypatch.setattr(nic_module, "_lock_clock", fake.monotonic)
+    monkeypatch.setattr(nic_module, "_lock_sleep", fake.sleep)
     return fake
 
 
 # ---------------------------------------------------------------------------- where it lives
 def test_the_record_lives_in_dev_shm_when_present_else_in_the_temp_dir(monkeypatch):
-    monkeypatch.setattr(link.tempfile, "gettempdir", lambda: "/the/temp/dir")
-    monkeypatch.setattr(link.os.path, "isdir", lambda p: p == "/dev/shm")
+    monkeypatch.setattr(nic_module.tempfile, "gettempdir", lambda: "/the/temp/dir")
+    monkeypatch.setattr(nic_module.os.path, "isdir", lambda p: p == "/dev/shm")
     assert nic_dir() == "/dev/shm"
-    monkeypatch.setattr(link.os.path, "isdir", lambda p: False)
+    monkeypatch.setattr(nic_module.os.path, "isdir", lambda p: False)
     assert nic_dir() == "/the/temp/dir"
 
 
@@ -177,7 +174,7 @@ def test_a_new_op_takes_an_empty_slot_before_any_booked_one(record):
 
 
 def test_a_full_table_forgets_the_first_of_the_earliest_closed_ops(record, monkeypatch):
-    monkeypatch.setattr(link, "NIC_OPS", 4)  # a table of 4 slots
+    monkeypatch.setattr(nic_module, "NIC_OPS", 4)  # a table of 4 slots
     nic = record(2)
     keys = [bytes([i + 1]) * 16 for i in range(5)]
     with nic.locked():
@@ -190,7 +187,7 @@ def test_a_full_table_forgets_the_first_of_the_earliest_closed_ops(record, monke
 
 
 def test_a_table_full_of_open_ops_refuses_a_new_one(record, monkeypatch):
-    monkeypatch.setattr(link, "NIC_OPS", 4)
+    monkeypatch.setattr(nic_module, "NIC_OPS", 4)
     nic = record(2)
     with nic.locked():
         for i in range(4):

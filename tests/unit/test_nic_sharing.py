@@ -11,17 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cloudburst.comm import link
+from cloudburst.comm import costs, link
+from cloudburst.comm import nic as nic_module
 from cloudburst.comm.collectives import all_reduce_sum
-from cloudburst.comm.link import (
-    LinkEmulator,
-    LinkSpec,
-    NicState,
-    PendingEnd,
-    Topology,
-    nic_dir,
-    resolve_end,
-)
+from cloudburst.comm.costs import LinkSpec
+from cloudburst.comm.link import LinkEmulator, Topology
+from cloudburst.comm.nic import NicState, PendingEnd, nic_dir, resolve_end
 from cloudburst.comm.p2p import CommStats
 
 pytestmark = pytest.mark.unit
@@ -123,14 +118,14 @@ def test_two_messages_from_one_node_queue_on_its_egress(record):
 def test_two_nodes_sending_to_one_node_queue_at_its_ingress(record):
     # Incast: nodes 0 and 1 both send to rank 4 (node 2) at 10.0. The first arrives at 10.011;
     # the second leaves its own egress at once, but its bytes wait for node 2's ingress:
-    # max(10.0 + 0.011, 10.011 + 0.010) = 10.021 (link.nic_transfer).
+    # max(10.0 + 0.011, 10.011 + 0.010) = 10.021 (costs.nic_transfer).
     topo = Topology.contiguous(6, 3)
     r = ranks(topo, record(3))
     assert r[0].book_send(MB, 4, start=10.0) == close(10.011)
     assert r[2].book_send(MB, 4, start=10.0) == close(10.021)
     assert r[0].nic.free(1)[0] == close(10.011)  # node 1's egress: its message alone
     assert r[0].nic.free(2)[1] == close(10.021)
-    assert link.nic_transfer(10.0, 10.011, MB, 0.001, 125e6, 125e6) == (
+    assert costs.nic_transfer(10.0, 10.011, MB, 0.001, 125e6, 125e6) == (
         close(10.011),
         close(10.021),
     )
@@ -225,17 +220,17 @@ def test_the_record_is_created_once_checked_and_unlinked(tmp_path):
 def test_a_full_table_forgets_the_oldest_booking(record):
     nic = record(2)
     with nic.locked():
-        for i in range(link.NIC_OPS + 1):
+        for i in range(nic_module.NIC_OPS + 1):
             key = i.to_bytes(16, "big") if i else b"\xff" * 16
             nic.set_op(key, float(i), float(i) + 1, 0)  # closed: its last member in at i
         assert nic.op_end(b"\xff" * 16) is None  # booked first (at 0.0): forgotten
         assert nic.op_end((1).to_bytes(16, "big")) == 2.0
-        assert nic.op_end(link.NIC_OPS.to_bytes(16, "big")) == link.NIC_OPS + 1.0
+        assert nic.op_end(nic_module.NIC_OPS.to_bytes(16, "big")) == nic_module.NIC_OPS + 1.0
 
 
 def test_the_shared_clock_is_machine_wide():
     # time.perf_counter is CLOCK_MONOTONIC on Linux: the same clock in every process.
-    assert link.shared_clock_ok()
+    assert nic_module.shared_clock_ok()
 
 
 # ---------------------------------------------------------------------------- the runtime

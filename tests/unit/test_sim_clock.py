@@ -59,7 +59,8 @@ def test_free_links_cost_nothing():
 
 
 def test_link_costs_are_the_link_emulators():
-    from cloudburst.comm.link import LinkEmulator, LinkSpec
+    from cloudburst.comm.costs import LinkSpec
+    from cloudburst.comm.link import LinkEmulator
 
     emulator = LinkEmulator(LinkSpec.parse("3.5,0.7"))
     c = clock(inter_node_link="3.5,0.7")

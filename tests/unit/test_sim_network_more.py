@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cloudburst.comm.collectives import all_reduce_sum
-from cloudburst.comm.link import DDP_BUCKET_BYTES
+from cloudburst.comm.costs import DDP_BUCKET_BYTES
 from cloudburst.comm.stats import CommStats
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig

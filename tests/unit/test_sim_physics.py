@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cloudburst.comm.link import (
+from cloudburst.comm.costs import (
     DDP_BUCKET_BYTES,
     LinkSpec,
     best_allreduce_s,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cloudburst.comm.link import LinkEmulator, LinkSpec, Topology
+from cloudburst.comm.costs import LinkSpec
+from cloudburst.comm.link import LinkEmulator, Topology
 from cloudburst.sim.network import PeerDied, SimNetwork
 from cloudburst.sim.scheduler import Deadlock, Scheduler, SimLock
 from cloudburst.sim.transport import SimStore, SimTransport
