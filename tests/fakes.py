@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from cloudburst.comm.flat import flatten_params
-from cloudburst.comm.p2p import CommStats, Header
+from cloudburst.comm.messages import Header
+from cloudburst.comm.stats import CommStats
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
 from cloudburst.runtime.context import ReplicaView

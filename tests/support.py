@@ -28,7 +28,8 @@ from cloudburst.comm.allreduce import count_collective, ring_bytes
 from cloudburst.comm.compress import BLOCK
 from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.link import Topology
-from cloudburst.comm.p2p import CommStats, Header
+from cloudburst.comm.messages import Header
+from cloudburst.comm.stats import CommStats
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig

@@ -11,7 +11,9 @@ from cloudburst.comm.flat import (
     shard_bounds,
     split_shards,
 )
-from cloudburst.comm.p2p import CommStats, Header, Kind, PeerTransport, Status
+from cloudburst.comm.messages import Header, Kind, Status
+from cloudburst.comm.p2p import PeerTransport
+from cloudburst.comm.stats import CommStats
 
 __all__ = [
     "CommStats",

@@ -21,7 +21,7 @@ Threads and groups
     into a :class:`Mailbox` that the main thread drains at its next step boundary.
 
 Messages
-    :class:`~cloudburst.comm.p2p.Header` + fp32 payload, as in :mod:`cloudburst.comm.p2p`
+    :class:`~cloudburst.comm.messages.Header` + fp32 payload, as in :mod:`cloudburst.comm.p2p`
     (magic, kind and length validated there). Kinds reused from :class:`~cloudburst.comm.p2p.
     Kind`: FETCH (no payload; the reply carries θ), PUSH (payload θ, or SGP's numerator
     θ·w/2; ``aux`` carries the push-sum weight as the bits of a float64), PING (keep-alive,
@@ -46,7 +46,7 @@ Checks (peers are not trusted to be well-behaved)
     payload is read into the receive buffer and discarded (never deposited), a FETCH is
     answered with ``Status.REJECTED``. A header that cannot be read, or that announces a
     payload larger than θ, leaves the rest of that peer's stream unreadable: the peer is
-    dropped at once (:class:`~cloudburst.comm.p2p.PeerFaults`; nothing more from it is read,
+    dropped at once (:class:`~cloudburst.comm.messages.PeerFaults`; nothing more from it is read,
     its DONE is not awaited); any peer is dropped after ``MAX_PEER_FAULTS`` bad requests. A
     bad reply to a pull is not averaged in; the puller counts it against that peer and stops
     pulling from it after ``MAX_PEER_FAULTS`` (at once if its reply stream is out of step).
@@ -96,15 +96,9 @@ from typing import Any
 
 import torch
 
-from cloudburst.comm.p2p import (
-    CommStats,
-    Header,
-    Kind,
-    MessageError,
-    PeerFaults,
-    PeerTransport,
-    Status,
-)
+from cloudburst.comm.messages import Header, Kind, MessageError, PeerFaults, Status
+from cloudburst.comm.p2p import PeerTransport
+from cloudburst.comm.stats import CommStats
 from cloudburst.comm.transport import REAL, Transport
 
 log = logging.getLogger(__name__)

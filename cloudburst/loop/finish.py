@@ -12,7 +12,7 @@ from torch import nn
 from cloudburst.checkpoint import model_buffers_bytes
 from cloudburst.comm.collectives import all_reduce_sum
 from cloudburst.comm.flat import flatten_params
-from cloudburst.comm.p2p import CommStats
+from cloudburst.comm.stats import CommStats
 from cloudburst.data import Dataset, evaluate_dataset, in_memory
 from cloudburst.metrics import MetricsWriter
 from cloudburst.runtime.context import Context

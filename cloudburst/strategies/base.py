@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from cloudburst.comm.flat import flatten_params
-from cloudburst.comm.p2p import CommStats
+from cloudburst.comm.stats import CommStats
 from cloudburst.strategies.spec import StrategySpec
 
 

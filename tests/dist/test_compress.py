@@ -39,7 +39,7 @@ def _hooks(rank: int) -> dict:
 
     from cloudburst.comm.allreduce import AllreduceHookState, compressed_hook, counted_ddp
     from cloudburst.comm.compress import compressed_all_reduce_sum
-    from cloudburst.comm.p2p import CommStats
+    from cloudburst.comm.stats import CommStats
     from cloudburst.comm.transport import REAL
 
     torch.set_num_threads(1)
@@ -168,7 +168,7 @@ def _scatter(rank: int) -> dict:
 
     from cloudburst.comm.allreduce import AllreduceHookState, compressed_hook, counted_ddp
     from cloudburst.comm.compress import ErrorFeedback, compressed_all_reduce_sum
-    from cloudburst.comm.p2p import CommStats
+    from cloudburst.comm.stats import CommStats
     from cloudburst.comm.transport import REAL
 
     torch.set_num_threads(1)

@@ -16,7 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from cloudburst import auth
-from cloudburst.comm.p2p import Header, Kind, PeerTransport
+from cloudburst.comm.messages import Header, Kind
+from cloudburst.comm.p2p import PeerTransport
 from cloudburst.config import RunConfig
 from cloudburst.runtime.context import Context
 from cloudburst.liveness import RejoinBoard

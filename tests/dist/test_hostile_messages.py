@@ -9,16 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloudburst.comm.p2p import (
-    HEADER_LEN,
-    MAGIC,
-    TAG_REPLY,
-    TAG_REQUEST,
-    Header,
-    Kind,
-    PeerTransport,
-    Status,
-)
+from cloudburst.comm.messages import HEADER_LEN, MAGIC, TAG_REPLY, TAG_REQUEST, Header, Kind, Status
+from cloudburst.comm.p2p import PeerTransport
 from tests.helpers import spawn
 
 pytestmark = pytest.mark.dist
@@ -213,7 +205,7 @@ def _until(condition) -> None:
 
 def _gossip_job(rank: int, out: str) -> dict:
     from cloudburst.comm.gossip import GossipTransport, Mailbox, Snapshot, encode_weight
-    from cloudburst.comm.p2p import CommStats
+    from cloudburst.comm.stats import CommStats
     from cloudburst.config import RunConfig
     from cloudburst.runtime import init_distributed, shutdown
     from cloudburst.strategies import STRATEGY_CLASSES

@@ -5,7 +5,8 @@ hostile short chunk that leaves NaN where it ends."""
 import pytest
 import torch
 
-from cloudburst.comm.p2p import TAG_REQUEST_PAYLOAD, Header, Kind, PeerTransport, Status
+from cloudburst.comm.messages import TAG_REQUEST_PAYLOAD, Header, Kind, Status
+from cloudburst.comm.p2p import PeerTransport
 from tests.helpers import spawn
 
 pytestmark = pytest.mark.dist

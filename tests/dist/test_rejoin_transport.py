@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cloudburst.comm.p2p import Header, Kind, PeerTransport
+from cloudburst.comm.messages import Header, Kind
+from cloudburst.comm.p2p import PeerTransport
 
 pytestmark = pytest.mark.dist
 

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from cloudburst.comm.p2p import TAG_REQUEST, Header, Kind, PeerTransport
+from cloudburst.comm.messages import TAG_REQUEST, Header, Kind
+from cloudburst.comm.p2p import PeerTransport
 from tests.helpers import spawn
 
 pytestmark = pytest.mark.dist

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from cloudburst.comm.p2p import Header, Kind, PeerTransport, Status
+from cloudburst.comm.messages import Header, Kind, Status
+from cloudburst.comm.p2p import PeerTransport
 from cloudburst.config import RunConfig
 from tests.helpers import spawn
 

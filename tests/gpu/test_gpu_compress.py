@@ -25,7 +25,7 @@ def _reduce_on_cuda(rank: int) -> dict:
     import torch.distributed as dist
 
     from cloudburst.comm.compress import ErrorFeedback, compressed_all_reduce_sum
-    from cloudburst.comm.p2p import CommStats
+    from cloudburst.comm.stats import CommStats
     from cloudburst.comm.transport import REAL
 
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))

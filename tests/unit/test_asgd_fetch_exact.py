@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cloudburst.comm.p2p import Header
+from cloudburst.comm.messages import Header
 from cloudburst.config import RunConfig
 from cloudburst.liveness import acked_version, announce_shard
 from tests import reference as ref

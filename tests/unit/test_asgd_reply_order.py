@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from cloudburst.comm.flat import flatten_params
-from cloudburst.comm.p2p import Kind, Status
+from cloudburst.comm.messages import Kind, Status
 from cloudburst.models import build_model
 from tests.support import asgd_cfg, make_asgd_worker
 

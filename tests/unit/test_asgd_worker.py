@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from cloudburst.comm.flat import flatten_params
-from cloudburst.comm.p2p import Header, Kind
+from cloudburst.comm.messages import Header, Kind
 from cloudburst.config import RunConfig
 from cloudburst.data import BatchStream, synthetic
 from cloudburst.models import build_model

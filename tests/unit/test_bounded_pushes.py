@@ -23,7 +23,7 @@ from torch import nn
 
 from cloudburst import cli
 from cloudburst import summary as summary_module
-from cloudburst.comm.p2p import Header, Kind, Status
+from cloudburst.comm.messages import Header, Kind, Status
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.metrics import write_json_atomic

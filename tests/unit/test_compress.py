@@ -25,7 +25,7 @@ from cloudburst.comm.compress import (
     round_trip,
 )
 from cloudburst.comm.link import Topology
-from cloudburst.comm.p2p import CommStats
+from cloudburst.comm.stats import CommStats
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.strategies.daso import DasoStrategy
 from cloudburst.strategies.diloco import DilocoStrategy

@@ -16,15 +16,9 @@ from torch import nn
 
 from cloudburst.comm.compress import decode, encode, packed_bytes, payload_bytes, round_trip
 from cloudburst.comm.flat import assign_flat, flatten_params
-from cloudburst.comm.p2p import (
-    TAG_REQUEST,
-    TAG_REQUEST_PAYLOAD,
-    CommStats,
-    Header,
-    Kind,
-    PeerTransport,
-    Status,
-)
+from cloudburst.comm.messages import TAG_REQUEST, TAG_REQUEST_PAYLOAD, Header, Kind, Status
+from cloudburst.comm.p2p import PeerTransport
+from cloudburst.comm.stats import CommStats
 from cloudburst.comm.transport import REAL
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.sim.clock import is_payload

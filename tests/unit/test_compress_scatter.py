@@ -23,7 +23,7 @@ from cloudburst.comm.compress import (
     quantised_sent_bytes,
 )
 from cloudburst.comm.link import Topology
-from cloudburst.comm.p2p import CommStats
+from cloudburst.comm.stats import CommStats
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.sim.clock import ClockModel
 from cloudburst.sim.network import SimNetwork

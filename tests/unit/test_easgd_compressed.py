@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from cloudburst.comm.p2p import Header, Status
+from cloudburst.comm.messages import Header, Status
 from cloudburst.config import RunConfig
 from tests.fakes import WorkerSide, ps_job
 

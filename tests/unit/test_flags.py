@@ -19,7 +19,7 @@ import cloudburst.comm.allreduce as allreduce_module
 import cloudburst.comm.transport as transport_module
 from cloudburst import cli, train
 from cloudburst.comm.link import Topology
-from cloudburst.comm.p2p import Status
+from cloudburst.comm.messages import Status
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig, Straggler
 from cloudburst.strategies.asgd.shard import make_shard

@@ -15,7 +15,7 @@ from cloudburst.comm.gossip import (
     decode_weight,
     encode_weight,
 )
-from cloudburst.comm.p2p import Header, Kind
+from cloudburst.comm.messages import Header, Kind
 from cloudburst.strategies.gossip import (
     PeerSchedule,
     pull_average,

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from cloudburst.comm.p2p import MAGIC, Header, Kind, MessageError, Status
+from cloudburst.comm.messages import MAGIC, Header, Kind, MessageError, Status
 
 
 def test_header_round_trip():

@@ -20,7 +20,9 @@ from cloudburst.comm.allreduce import AllreduceHookState, counting_allreduce_hoo
 from cloudburst.comm.collectives import all_reduce_sum
 from cloudburst.comm.costs import LinkSpec
 from cloudburst.comm.link import EmulatedWork, LinkEmulator, Topology
-from cloudburst.comm.p2p import HEADER_BYTES, CommStats, Header, Kind, PeerTransport
+from cloudburst.comm.messages import HEADER_BYTES, Header, Kind
+from cloudburst.comm.p2p import PeerTransport
+from cloudburst.comm.stats import CommStats
 from cloudburst.config import ConfigError, RunConfig
 
 T0 = 1000.0  # the fake clock starts here, not at 0: the link must use "now", not assume 0

@@ -21,18 +21,18 @@ from cloudburst.comm.gossip import (
     check_request,
     encode_weight,
 )
-from cloudburst.comm.p2p import (
+from cloudburst.comm.messages import (
     FAULT_LOG_EVERY,
     FAULT_LOG_FIRST,
     MAX_PEER_FAULTS,
-    CommStats,
     Header,
     Kind,
     MessageError,
     PeerFaults,
-    PeerTransport,
     Status,
 )
+from cloudburst.comm.p2p import PeerTransport
+from cloudburst.comm.stats import CommStats
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
 from cloudburst.strategies.asgd.server import MAX_PUSH_SAMPLES, ServerLoop, request_problem

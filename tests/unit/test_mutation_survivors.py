@@ -40,7 +40,7 @@ from cloudburst.comm import link
 from cloudburst.comm.costs import LinkSpec
 from cloudburst.comm.flat import adopt_flat, flatten_params, split_shards
 from cloudburst.comm.link import EmulatedWork, LinkEmulator, Topology
-from cloudburst.comm.p2p import Header, Kind, Status
+from cloudburst.comm.messages import Header, Kind, Status
 from cloudburst.strategies.asgd.server import MAX_PUSH_SAMPLES, request_problem
 from cloudburst.strategies.asgd.shard import (
     PushResult,

@@ -17,7 +17,7 @@ from cloudburst.comm.collectives import all_reduce_sum
 from cloudburst.comm.costs import LinkSpec
 from cloudburst.comm.link import LinkEmulator, Topology
 from cloudburst.comm.nic import NicState, PendingEnd, nic_dir, resolve_end
-from cloudburst.comm.p2p import CommStats
+from cloudburst.comm.stats import CommStats
 
 pytestmark = pytest.mark.unit
 

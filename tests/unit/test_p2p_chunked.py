@@ -8,16 +8,8 @@ from collections import defaultdict, deque
 import pytest
 import torch
 
-from cloudburst.comm.p2p import (
-    CHUNK_NUMEL,
-    TAG_REPLY_PAYLOAD,
-    TAG_REQUEST_PAYLOAD,
-    Header,
-    Kind,
-    PeerTransport,
-    Status,
-    chunk_bounds,
-)
+from cloudburst.comm.messages import TAG_REPLY_PAYLOAD, TAG_REQUEST_PAYLOAD, Header, Kind, Status
+from cloudburst.comm.p2p import CHUNK_NUMEL, PeerTransport, chunk_bounds
 from cloudburst.comm.transport import REAL
 
 

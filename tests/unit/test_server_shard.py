@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cloudburst.comm.p2p import Status
+from cloudburst.comm.messages import Status
 from cloudburst.strategies.asgd.shard import ShardState
 from cloudburst.strategies.asgd.summary import mean_staleness
 

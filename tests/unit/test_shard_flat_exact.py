@@ -21,8 +21,8 @@ import torch
 from cloudburst.comm.costs import LinkSpec
 from cloudburst.comm.flat import is_flat_view
 from cloudburst.comm.link import LinkEmulator, Topology
+from cloudburst.comm.messages import Status
 from cloudburst.comm.nic import NicState
-from cloudburst.comm.p2p import Status
 from cloudburst.strategies.asgd.compensation import add_rule_alpha, staleness_factor
 from cloudburst.strategies.asgd.shard import ShardState
 from cloudburst.strategies.asgd.summary import histogram_quantiles, merged_histogram

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from cloudburst.comm.p2p import Status
+from cloudburst.comm.messages import Status
 from cloudburst.strategies.asgd.compensation import make_compensator
 from cloudburst.strategies.asgd.shard import PushResult, ShardState
 from cloudburst.strategies.async_diloco.rule import DelayedNesterov

@@ -11,7 +11,7 @@ import io
 import pytest
 import torch
 
-from cloudburst.comm.p2p import Status
+from cloudburst.comm.messages import Status
 from cloudburst.config import ConfigError, RunConfig, Straggler
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.sim.run import simulate

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from cloudburst.comm.p2p import Header, Kind, Status
+from cloudburst.comm.messages import Header, Kind, Status
 from cloudburst.comm.transport import Task
 from cloudburst.liveness import FAILOVER_KEY
 from cloudburst.strategies.asgd.server import ServerLoop

@@ -35,7 +35,8 @@ import torch
 
 from cloudburst.checkpoint import save_checkpoint
 from cloudburst.comm.flat import shard_bounds
-from cloudburst.comm.p2p import CommStats, Header, Kind, PeerFaults, Status, worth_logging
+from cloudburst.comm.messages import Header, Kind, PeerFaults, Status, worth_logging
+from cloudburst.comm.stats import CommStats
 from cloudburst.config import RunConfig
 from cloudburst.liveness import shard_restarted
 from cloudburst.resilience import identity

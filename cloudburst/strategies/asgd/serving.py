@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from cloudburst.auth import PeerRefused, job_secret
-from cloudburst.comm.p2p import CommStats, Header
+from cloudburst.comm.messages import Header
+from cloudburst.comm.stats import CommStats
 from cloudburst.liveness import DONE_KEY, RejoinBoard, acked_version, announce_shard
 
 log = logging.getLogger("cloudburst.strategies.asgd.server")  # the shard's one log

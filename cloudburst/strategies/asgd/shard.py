@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from cloudburst.comm.p2p import Status
+from cloudburst.comm.messages import Status
 from cloudburst.config import RunConfig
 from cloudburst.strategies.asgd.compensation import (
     PER_COORDINATE,

@@ -29,7 +29,7 @@ import torch
 
 from cloudburst.comm.compress import ErrorFeedback
 from cloudburst.comm.flat import assign_flat
-from cloudburst.comm.p2p import Header, Kind, Status
+from cloudburst.comm.messages import Header, Kind, Status
 from cloudburst.strategies.asgd.compensation import add_rule_alpha
 from cloudburst.strategies.asgd.worker import AsgdStrategy
 from cloudburst.strategies.easgd import Easgd

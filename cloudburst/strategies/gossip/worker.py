@@ -57,7 +57,7 @@ from torch import nn
 from cloudburst.comm.collectives import all_reduce_sum
 from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.comm.gossip import GossipTransport, Mailbox, Snapshot
-from cloudburst.comm.p2p import CommStats
+from cloudburst.comm.stats import CommStats
 from cloudburst.strategies.base import Strategy
 from cloudburst.strategies.gossip import Gossip
 from cloudburst.strategies.gossip.settings import GOSSIP_SCHEDULES
