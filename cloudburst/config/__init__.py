@@ -33,11 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cloudburst.config.cluster import ClusterConfig, JobConfig
 from cloudburst.config.components import (  # noqa: F401
-    ClusterConfig,
     DataConfig,
     FaultConfig,
-    JobConfig,
     MetricsConfig,
     ModelConfig,
     OutputConfig,

@@ -251,7 +251,7 @@ class SimulationConfig:
         if self.step_time_jitter is not None:
             Jitter.parse(self.step_time_jitter)
         if self.intra_node_link is not None:
-            from cloudburst.config.components import check_link
+            from cloudburst.config.cluster import check_link
 
             check_link("intra_node_link", self.intra_node_link)
         if self.network_model is not None and self.network_model not in NETWORK_MODELS:
