@@ -831,7 +831,7 @@ class Report:
 
     def curves(self, groups: dict[str, list[Run]], seed: int) -> None:
         """A figure of the first run of each arm's curves (next to the report's .md)."""
-        from cloudburst.plot import plot_runs
+        from cloudburst.cli.plot import plot_runs
 
         first = [rs[0] for rs in groups.values() if rs[0].out_dir and rs[0].evals]
         if not first:

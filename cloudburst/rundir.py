@@ -140,3 +140,9 @@ def write_text_nofollow(path: str | Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     with os.fdopen(fd, "w") as f:
         f.write(text)
+
+
+def safe_label(spec: str) -> str:
+    """A run's directory name from a label: ``asgd:n_sync=10`` → ``asgd-n_sync=10`` (odd
+    characters become ``-``)."""
+    return re.sub(r"[^A-Za-z0-9_.=+-]", "-", spec.replace(":", "-").replace(",", "-"))

@@ -152,8 +152,8 @@ class ModelConfig:
     )
 
     def _validate_model(self) -> None:
-        from cloudburst.gpt import is_gpt_spec, parse_gpt_spec
         from cloudburst.models import ModelError, is_factory_spec
+        from cloudburst.models.gpt import is_gpt_spec, parse_gpt_spec
 
         if is_gpt_spec(self.model):
             try:
@@ -260,7 +260,7 @@ class TrainingConfig:
 
     def _training_defaults(self) -> None:
         """The defaults left open: the GPT's recipe (docs/lm.md) for a gpt model, else SGD's."""
-        from cloudburst.gpt import is_gpt_spec
+        from cloudburst.models.gpt import is_gpt_spec
 
         lm = isinstance(self.model, str) and is_gpt_spec(self.model)
         recipe = GPT_RECIPE if lm else PLAIN_RECIPE

@@ -24,6 +24,7 @@ from typing import Any
 
 from cloudburst.config import ConfigError, RunConfig, _aliases, _coerce
 from cloudburst.config.simulation import SimulationConfig
+from cloudburst.rundir import safe_label
 
 # The accuracy the MNIST-1D CNN reaches with every strategy at the defaults (docs/cli.md, "Defaults
 # that train"); cloudburst demo reports its time-to-target for the same value.
@@ -115,10 +116,8 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
 # ---------------------------------------------------------------------------- the points
 def label_of(strategy: str, field: str | None, value: Any, seed: int) -> str:
     """A directory name: ``sync-workers=8-seed0`` (odd characters become ``-``)."""
-    from cloudburst.compare import label_of as safe
-
     middle = "" if field is None else f"-{field}={value}"
-    return safe(f"{strategy}{middle}-seed{seed}")
+    return safe_label(f"{strategy}{middle}-seed{seed}")
 
 
 def sweep_points(

@@ -141,7 +141,7 @@ def _phase(step: int) -> str:
 def test_adaptive_schedule_phases_fp16_and_the_plot_marks(tmp_path, monkeypatch):
     import matplotlib.axes
 
-    from cloudburst.plot import plot_runs
+    from cloudburst.cli.plot import plot_runs
 
     # The schedule is the strategy's logic, not the transport's: the job runs on the virtual
     # cluster (in this process, seconds instead of four processes); the transport itself is

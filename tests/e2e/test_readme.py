@@ -124,7 +124,7 @@ def check_cloudburst(argv: list[str], where: str) -> None:
 def _compare_configs(args) -> None:
     """The configs of ``compare``'s runs, as its command builds them (nothing launched)."""
     from cloudburst.cli import CLI_ONLY
-    from cloudburst.compare import comparison_configs
+    from cloudburst.cli.compare import comparison_configs
 
     values = {k: v for k, v in vars(args).items() if k not in (*CLI_ONLY, "runs")}
     comparison_configs(args.runs, values, values.pop("out", None) or "runs/compare")

@@ -221,7 +221,7 @@ def test_parse_sweep_types_values_by_field():
 
 
 def test_plot_labels_a_simulated_runs_time_as_virtual(tmp_path):
-    from cloudburst.plot import plot_runs, time_axis_label
+    from cloudburst.cli.plot import plot_runs, time_axis_label
 
     runs = []
     for name, simulated in (("sim", True), ("real", False)):

@@ -12,11 +12,12 @@ import math
 import pytest
 
 import cloudburst.forkserver
-from cloudburst import cli, preflight
+from cloudburst import cli
+from cloudburst.cli import checks
+from cloudburst.cli.checks import Capacity, check_local_job_fits, local_job_needs
 from cloudburst.config import ConfigError, RunConfig, load_toml
 from cloudburst.config.fields import MAX_STEPS, Bounds, is_numeric
 from cloudburst.config.simulation import SimulationConfig
-from cloudburst.preflight import Capacity, check_local_job_fits, local_job_needs
 
 ROOMY = Capacity(tasks=10**7, memory_bytes=2**50, fds=10**7)
 
@@ -30,7 +31,7 @@ def train(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     monkeypatch.setattr(cloudburst.forkserver, "stop_forkserver", lambda: None)
     monkeypatch.setattr(cli, "preflight", lambda cfg: None)
     monkeypatch.setattr(cli, "launch_and_report", lambda cfg: launched.append(cfg) or 0)
-    monkeypatch.setattr(preflight, "machine_capacity", lambda: ROOMY)
+    monkeypatch.setattr(checks, "machine_capacity", lambda: ROOMY)
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)
 
@@ -254,7 +255,7 @@ def test_a_local_job_is_sized_by_ranks_agents_and_data_loaders():
 def test_workers_beyond_the_machine_are_refused_before_anything_starts(
     train, monkeypatch, capacity, words
 ):
-    monkeypatch.setattr(preflight, "machine_capacity", lambda: capacity)
+    monkeypatch.setattr(checks, "machine_capacity", lambda: capacity)
     flags = ["--workers", "10000", "--train-size", "1000000", "--steps", "5"]
     line = _refused(train(*flags))
     assert line.startswith(
@@ -267,7 +268,7 @@ def test_workers_beyond_the_machine_are_refused_before_anything_starts(
 
 
 def test_a_job_that_fits_is_launched_and_the_check_reads_this_machine(train, monkeypatch):
-    monkeypatch.setattr(preflight, "machine_capacity", lambda: Capacity(200, 2**34, 1024))
+    monkeypatch.setattr(checks, "machine_capacity", lambda: Capacity(200, 2**34, 1024))
     code, lines, launched = train("--workers", "6", "--steps", "5")
     assert code == 0 and len(launched) == 1, lines
     with pytest.raises(ConfigError, match="1024"):  # 96 ranks need 64 + 960 + 10 descriptors
@@ -278,14 +279,14 @@ def test_a_job_that_fits_is_launched_and_the_check_reads_this_machine(train, mon
         RunConfig(workers=96, train_size=100_000, steps=1), Capacity(None, None, 1024)
     )
     monkeypatch.undo()
-    real = preflight.machine_capacity()  # this machine: finite, non-negative where known
+    real = checks.machine_capacity()  # this machine: finite, non-negative where known
     assert all(v is None or v >= 0 for v in dataclasses.astuple(real))
 
 
 def test_simulate_is_not_held_to_the_local_launch_check(monkeypatch, tmp_path):
     """The virtual cluster runs every worker in this process: 128 workers (and sweeps of
     them) stay allowed on a machine that could not launch 128 local ranks."""
-    monkeypatch.setattr(preflight, "machine_capacity", lambda: Capacity(10, 2**20, 64))
+    monkeypatch.setattr(checks, "machine_capacity", lambda: Capacity(10, 2**20, 64))
     runs: list[RunConfig] = []
     monkeypatch.setattr(cli, "_simulate_fn", lambda: lambda cfg, sim: runs.append(cfg) or {})
     monkeypatch.setattr(cli, "preflight", lambda cfg: None)

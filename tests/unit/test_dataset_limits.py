@@ -205,8 +205,8 @@ def test_an_image_folders_decoded_test_split_is_bounded(tmp_path):
 
 
 def test_the_limit_is_a_config_option_and_errors_are_one_config_line_before_launch(tmp_path):
+    from cloudburst.cli.checks import preflight
     from cloudburst.config import ConfigError, RunConfig
-    from cloudburst.preflight import preflight
 
     assert RunConfig().max_dataset_bytes == MAX_DATASET_BYTES
     bomb = _npz_with_member(

@@ -1,5 +1,5 @@
-"""The GPT (cloudburst/gpt.py) and the language-model recipe: shapes, causality, tied weights,
-the parameter count, the spec; AdamW, warm-up + cosine and clipping against their formulas;
+"""The GPT (cloudburst/models/gpt.py) and the language-model recipe: shapes, causality, tied
+weights, the parameter count, the spec; AdamW, warm-up + cosine and clipping against their formulas;
 the loss and bits-per-byte accounting; the recipe's defaults."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.data import Dataset, bits_per_byte, evaluate_dataset, lm_loss
 from cloudburst.datasets import TokenWindows
-from cloudburst.gpt import GPT, parse_gpt_spec
 from cloudburst.metrics import MetricsWriter, read_jsonl, time_to_target_loss
 from cloudburst.models import ModelError, build_model
+from cloudburst.models.gpt import GPT, parse_gpt_spec
 from cloudburst.train import clip_gradients, make_optimizer, make_scheduler
 
 SPEC = "gpt:layers=2,width=32,heads=4"

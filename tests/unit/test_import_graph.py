@@ -131,3 +131,11 @@ def test_a_circle_through_a_lazy_or_type_checking_import_is_found(tmp_path):
     assert cycles(graph(pkg)) == [["cloudburst.a", "cloudburst.c", "cloudburst.sub.b"]]
     (pkg / "c.py").write_text("def f():\n    return 1\n")
     assert cycles(graph(pkg)) == []
+
+
+def test_no_module_is_over_600_lines():
+    """A module a reader can hold (issue 41; docs/architecture.md): split by concern before
+    one grows past 600 lines."""
+    long = {p.relative_to(PACKAGE.parent).as_posix(): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 600}  # fmt: skip
+    assert long == {}

@@ -121,7 +121,7 @@ def test_a_loss_target_is_timed_and_a_resumed_sync_run_ends_where_an_undisturbed
 
 @pytest.mark.slow
 def test_plot_and_compare_show_the_loss_of_language_models(tmp_path, text):
-    from cloudburst.plot import curve_metric, plot_runs
+    from cloudburst.cli.plot import curve_metric, plot_runs
     from cloudburst.summary import format_summary
 
     sim = SimulationConfig(step_time_s=0.01)

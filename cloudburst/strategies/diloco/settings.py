@@ -82,7 +82,7 @@ class DilocoConfig:
         momentum DiLoCo takes 0.5/0.8 (its first step 0.9 Δ, a steady one 2.5 Δ: 0.1/0.9 ended
         10.6 points below it at 4 replicas, 12.5 at 16; benchmarks/results/per_sample.md);
         async DiLoCo's Delayed Nesterov keeps 0.1/0.9 (0.5/0.8 lost ~23 points at W = 16)."""
-        from cloudburst.gpt import is_gpt_spec
+        from cloudburst.models.gpt import is_gpt_spec
 
         lm = isinstance(self.model, str) and is_gpt_spec(self.model)
         adam = self.optimizer in ("adam", "adamw")

@@ -1,13 +1,13 @@
 """``cloudburst demo``: the strategies side by side on MNIST-1D (the main job of the README).
 
-One call of :mod:`cloudburst.compare`: each strategy trains the MNIST-1D CNN with 4 workers on
+One call of :mod:`cloudburst.cli.compare`: each strategy trains the MNIST-1D CNN with 4 workers on
 this machine for the same number of samples; the demo prints the comparison table and writes
 ``OUT/curves.png`` (test error against wall time and against samples) and ``OUT/summary.md``.
 """
 
 from __future__ import annotations
 
-from cloudburst.compare import comparison_configs, run_comparison
+from cloudburst.cli.compare import comparison_configs, run_comparison
 
 # Settings found on MNIST-1D (benchmarks/results/accuracy.md): 4 workers x batch 64, SGD with
 # momentum. asgd adds the 4 workers' updates with λ = 1/W: with λ = 1 (the plain sum) the

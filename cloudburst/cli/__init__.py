@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cloudburst.cli.checks import ALLOW_LARGE_JOB, check_local_job_fits, preflight
 from cloudburst.config import (
     COMPONENTS,
     ConfigError,
@@ -25,7 +26,6 @@ from cloudburst.config import (
     load_toml,
     refuse_code_from_file,
 )
-from cloudburst.preflight import ALLOW_LARGE_JOB, check_local_job_fits, preflight
 from cloudburst.resilience import resume_config
 from cloudburst.rundir import check_run_dir, default_out, prepare_run_dir
 from cloudburst.summary import failed_message, format_summary, interrupted_message
@@ -227,7 +227,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from cloudburst.forkserver import start_forkserver
 
     start_forkserver(fork=True)
-    from cloudburst.compare import comparison_configs, run_comparison
+    from cloudburst.cli.compare import comparison_configs, run_comparison
     from cloudburst.launch import JobFailed, JobInterrupted
 
     values: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
@@ -449,7 +449,7 @@ def launch_and_report(cfg: RunConfig) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from cloudburst.plot import plot_runs
+    from cloudburst.cli.plot import plot_runs
 
     path = plot_runs(args.runs, args.output, title=args.title)
     print(f"wrote {path}")
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             from cloudburst.forkserver import start_forkserver
 
             start_forkserver(fork=True)
-            from cloudburst.demo import run_demo
+            from cloudburst.cli.demo import run_demo
             from cloudburst.launch import JobInterrupted
 
             try:

@@ -12,12 +12,12 @@ loss, bits per byte and bytes sent besides).
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from cloudburst.config import ConfigError, RunConfig
+from cloudburst.rundir import safe_label
 from cloudburst.summary import format_summary
 
 
@@ -37,11 +37,6 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name, overrides
 
 
-def label_of(spec: str) -> str:
-    """A directory-safe label: ``asgd:n_sync=10`` → ``asgd-n_sync=10``."""
-    return re.sub(r"[^A-Za-z0-9_.=+-]", "-", spec.replace(":", "-").replace(",", "-"))
-
-
 def comparison_configs(
     specs: list[str], common: dict[str, Any], out: str
 ) -> list[tuple[str, RunConfig]]:
@@ -52,7 +47,7 @@ def comparison_configs(
     for spec in specs:
         name, overrides = parse_spec(spec)
         values = {**common, "strategy": name, **overrides}
-        label = label_of(spec)
+        label = safe_label(spec)
         values["out"] = str(Path(out) / label)
         runs.append((label, RunConfig.from_dict(values)))
     labels = [label for label, _ in runs]
@@ -67,8 +62,8 @@ def run_comparison(
     """Run each config in turn; print the table, write ``OUT/curves.png`` and
     ``OUT/summary.md``. A Ctrl-C stops the run in progress and the comparison (the table of
     what finished so far is printed) and is raised again."""
+    from cloudburst.cli.plot import plot_runs
     from cloudburst.launch import JobInterrupted, run_local_job
-    from cloudburst.plot import plot_runs
 
     Path(out).mkdir(parents=True, exist_ok=True)
     summaries: list[dict[str, Any]] = []

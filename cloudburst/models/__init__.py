@@ -7,7 +7,7 @@
 - ``convnet``: the cuda-convnet / TensorFlow-tutorial CIFAR-10 network (1.76 M parameters), the
   network family of the GPU A-SGD seed paper, for 32x32 images.
 - ``gpt`` / ``gpt:layers=L,width=D,heads=H``: a small decoder-only transformer
-  (:mod:`cloudburst.gpt`) over byte tokens; its context is the input shape (T,).
+  (:mod:`cloudburst.models.gpt`) over byte tokens; its context is the input shape (T,).
 - ``package.module:function``: any callable that returns an ``nn.Module``; ``build_model`` passes
   it those of ``num_classes``, ``input_shape`` and ``in_channels`` that it accepts.
 
@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 # ModelError is defined beside the GPT (which models.py imports) so that gpt.py needs nothing
 # from this module: no import circle.
-from cloudburst.gpt import GPT, ModelError, is_gpt_spec, parse_gpt_spec
+from cloudburst.models.gpt import GPT, ModelError, is_gpt_spec, parse_gpt_spec
 
 MODEL_NAMES = ("mlp", "cnn", "resnet20", "convnet")
 FACTORY_FORM = "package.module:function"
