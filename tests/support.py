@@ -505,16 +505,39 @@ class ThreadGroup:
         self.parts: dict[int, torch.Tensor] = {}
 
 
+#: ``ThreadComm(handle=ANY_GROUP)``: every group handle is accepted.
+ANY_GROUP = object()
+
+
 class ThreadComm:
-    def __init__(self, group: ThreadGroup, rank: int):
-        self.group, self.rank = group, rank
+    """Rank ``rank`` of a :class:`ThreadGroup`: the collectives a transport offers, made by
+    exchanging tensors between the threads. Records every call in ``calls`` — (name, sizes,
+    ``async_op``), and ("wait",) for each work waited for; accepts only the group ``handle``
+    (a collective over any other fails the test; :data:`ANY_GROUP`: any); its clock reads
+    ``start``, ``start + tick``, ... (one reading a call)."""
+
+    def __init__(self, group: ThreadGroup, rank: int, *, handle: Any = ANY_GROUP,
+                 start: float = 0.0, tick: float = 0.0):  # fmt: skip
+        self.group, self.rank, self.handle = group, rank, handle
+        self.clock, self.tick = start, tick
         self.calls: list[tuple] = []
 
+    def _check(self, group: Any) -> None:
+        if self.handle is not ANY_GROUP and group is not self.handle:
+            raise AssertionError(f"a collective over {group!r}, not the group it was given")
+
     def now(self) -> float:
-        return 0.0
+        reading = self.clock
+        self.clock += self.tick
+        return reading
 
     def group_size(self, group=None) -> int:
+        self._check(group)
         return self.group.size
+
+    def group_rank(self, group=None) -> int:
+        self._check(group)
+        return self.rank
 
     def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         self.group.parts[self.rank] = tensor.clone()
@@ -524,35 +547,44 @@ class ThreadComm:
         return parts
 
     def all_reduce(self, tensor, group=None, async_op=False):
-        parts = self._exchange(tensor)
-        tensor.copy_(torch.stack(parts).sum(0))
-        return _ThreadDone()
+        self._check(group)
+        self.calls.append(("all_reduce", tensor.dtype, tensor.numel(), async_op))
+        tensor.copy_(torch.stack(self._exchange(tensor)).sum(0))
+        return RecordedWork(self.calls)
 
     def all_gather(self, output, tensor, group=None, async_op=False):
+        self._check(group)
+        self.calls.append(("all_gather", tensor.numel(), async_op))
         output.copy_(torch.cat(self._exchange(tensor)))
-        return _ThreadDone()
-
-    def group_rank(self, group=None) -> int:
-        return self.rank
+        return RecordedWork(self.calls)
 
     def all_to_all(self, output, tensor, output_splits, input_splits, group=None, async_op=False):
-        self.calls.append(("all_to_all", list(input_splits), list(output_splits)))
+        self._check(group)
+        self.calls.append(("all_to_all", list(input_splits), list(output_splits), async_op))
         sent = self._exchange(tensor)
-        splits = self._exchange(torch.tensor(input_splits))
+        splits = self._exchange(torch.tensor(input_splits, device="cpu"))
         pieces = [sent[r].split(splits[r].tolist())[self.rank] for r in range(self.group.size)]
         assert [p.numel() for p in pieces] == list(output_splits)
         output.copy_(torch.cat(pieces))
-        return _ThreadDone()
+        return RecordedWork(self.calls)
 
 
-class _ThreadDone:
+class RecordedWork:
+    """A finished work handle that records its wait in its transport's calls."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
     def wait(self) -> bool:
+        self.calls.append(("wait",))
         return True
 
 
-def on_comm_threads(size: int, fn) -> list:
+def on_comm_threads(size: int, fn, **comm) -> list:
+    """``fn(rank, comm)`` on ``size`` threads, each with a :class:`ThreadComm` (``comm``: its
+    keyword arguments); their results."""
     group = ThreadGroup(size)
-    return run_on_threads(size, group.barrier, lambda rank: ThreadComm(group, rank), fn)
+    return run_on_threads(size, group.barrier, lambda rank: ThreadComm(group, rank, **comm), fn)
 
 
 # -------------------------- the parameter-server references' config (tests/unit/test_references.py)

@@ -4,13 +4,13 @@ world's ``None`` included), the quantised forms' results bit for bit against the
 reference (tests/reference.py) at W = 2 and W = 3 with uneven chunks, each rank's bytes by the
 formula, the two-phase pending work (the first step started, the rest run by ``wait``, timed
 once on the transport's clock), what the emulated link is charged for each all-to-all and on
-which group, and the ``none`` / ``bf16`` forms passing the link, the node span, ``async_op``
-and the group on to the plain all-reduce.
+which group, the ``none`` / ``bf16`` forms passing the link, the node span, ``async_op``
+and the group on to the plain all-reduce, and the default key under which error feedback
+keeps its residuals. The W ranks are threads, each transport a ``tests.support.ThreadComm``.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -26,96 +26,17 @@ from cloudburst.comm.compress import (
 )
 from cloudburst.comm.stats import CommStats
 from tests import reference as ref
-from tests.fakes import RecordingLink, prior_stats, run_on_threads
+from tests.fakes import RecordingLink, prior_stats
+from tests.support import RecordedWork, ThreadComm, ThreadGroup, compress_vector, on_comm_threads
 
 GROUP = object()  # the group handle: the only one the transports below accept
 UNIT = BLOCK + 4  # wire bytes of one block: its codes and its fp32 scale
 
 
-def _vector(n: int, seed: int) -> torch.Tensor:
-    """Values of very different magnitudes by block, one zero block, any length."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g) * torch.logspace(-3, 2, n)
-    x[BLOCK : 2 * BLOCK] = 0
-    return x
-
-
-# ---------------------------------------------------------------------------- W threads
-class _Board:
-    """What W threads exchange: each rank's tensor, between two barriers."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.barrier = threading.Barrier(size, timeout=10)
-        self.parts: dict[int, torch.Tensor] = {}
-
-
-class _Work:
-    """A finished work handle that records its wait in its transport's calls."""
-
-    def __init__(self, calls: list):
-        self.calls = calls
-
-    def wait(self) -> bool:
-        self.calls.append(("wait",))
-        return True
-
-
-class _GroupComm:
-    """Rank ``rank`` of a W-thread group reachable only as :data:`GROUP`; its clock reads
-    ``start``, ``start + tick``, ... (one reading a call); records every collective."""
-
-    def __init__(self, board: _Board, rank: int, start: float = 10.0, tick: float = 0.5):
-        self.board, self.rank = board, rank
-        self.clock, self.tick = start, tick
-        self.calls: list[tuple] = []
-
-    @staticmethod
-    def _check(group: Any) -> None:
-        if group is not GROUP:
-            raise AssertionError(f"a collective over {group!r}, not the group it was given")
-
-    def now(self) -> float:
-        reading = self.clock
-        self.clock += self.tick
-        return reading
-
-    def group_size(self, group: Any = None) -> int:
-        self._check(group)
-        return self.board.size
-
-    def group_rank(self, group: Any = None) -> int:
-        self._check(group)
-        return self.rank
-
-    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        self.board.parts[self.rank] = tensor.clone()
-        self.board.barrier.wait()
-        parts = [self.board.parts[r] for r in range(self.board.size)]
-        self.board.barrier.wait()
-        return parts
-
-    def all_gather(self, output, tensor, group=None, async_op=False):
-        self._check(group)
-        self.calls.append(("all_gather", tensor.numel(), async_op))
-        output.copy_(torch.cat(self._exchange(tensor)))
-        return _Work(self.calls)
-
-    def all_to_all(self, output, tensor, output_splits, input_splits, group=None, async_op=False):
-        self._check(group)
-        self.calls.append(("all_to_all", list(input_splits), list(output_splits), async_op))
-        sent = self._exchange(tensor)
-        splits = self._exchange(torch.tensor(input_splits, device="cpu"))
-        pieces = [sent[r].split(splits[r].tolist())[self.rank] for r in range(self.board.size)]
-        assert [p.numel() for p in pieces] == list(output_splits)
-        output.copy_(torch.cat(pieces))
-        return _Work(self.calls)
-
-
 def _on_threads(size: int, fn) -> list:
-    """``fn(rank, comm)`` on ``size`` threads, one :class:`_GroupComm` each; their results."""
-    board = _Board(size)
-    return run_on_threads(size, board.barrier, lambda rank: _GroupComm(board, rank), fn)
+    """``fn(rank, comm)`` on ``size`` threads, each a :class:`ThreadComm` that accepts only
+    :data:`GROUP`, its clock reading 10, 10.5, 11, ... (one reading a call)."""
+    return on_comm_threads(size, fn, handle=GROUP, start=10.0, tick=0.5)
 
 
 # ---------------------------------------------------------------------------- W = 3: scatter
@@ -129,9 +50,9 @@ def test_the_reduce_scatter_over_a_group_is_the_reference_on_every_rank(method, 
     size = 3
     blocks = [2, 1, 1] if n == 1000 else [1, 1, 0]
 
-    def rank_fn(rank: int, comm: _GroupComm):
+    def rank_fn(rank: int, comm: ThreadComm):
         feedback = ErrorFeedback()
-        x = _vector(n, seed=rank) * (1 + rank)
+        x = compress_vector(n, seed=rank) * (1 + rank)
         y = x.clone()
         compressed_all_reduce_sum(y, GROUP, CommStats(), method, feedback, key="t", comm=comm)
         return x, y, feedback, comm.calls
@@ -180,10 +101,10 @@ def test_a_pair_all_gathers_over_the_group_and_keeps_the_residual_under_the_defa
     the default key, the empty string (no owner's residual); counted as one packed vector."""
     n = 700  # 3 blocks, the last one padded
 
-    def rank_fn(rank: int, comm: _GroupComm):
+    def rank_fn(rank: int, comm: ThreadComm):
         feedback = ErrorFeedback()
         stats = prior_stats()
-        x = _vector(n, seed=10 + rank) * (1 + rank)
+        x = compress_vector(n, seed=10 + rank) * (1 + rank)
         y = x.clone()
         compressed_all_reduce_sum(y, GROUP, stats, method, feedback, comm=comm)
         return x, y, feedback, comm.calls, stats
@@ -207,9 +128,9 @@ def test_the_two_phase_work_runs_the_rest_in_wait_timed_once_on_the_transports_c
     second ``wait`` does nothing (no clock reading, no call)."""
     n = 1000
 
-    def rank_fn(rank: int, comm: _GroupComm):
+    def rank_fn(rank: int, comm: ThreadComm):
         stats = prior_stats()
-        x = _vector(n, seed=rank)
+        x = compress_vector(n, seed=rank)
         y = x.clone()
         pending = compressed_all_reduce_sum(
             y, GROUP, stats, "int8", ErrorFeedback(), key="g", async_op=True, comm=comm
@@ -237,10 +158,10 @@ def test_the_two_phase_work_runs_the_rest_in_wait_timed_once_on_the_transports_c
 def test_a_blocking_quantised_all_reduce_adds_its_wait_to_the_earlier_total():
     """Without ``async_op`` the call waits itself: wait_s grows by one clock tick (0.75 s)."""
 
-    def rank_fn(rank: int, comm: _GroupComm):
+    def rank_fn(rank: int, comm: ThreadComm):
         comm.clock, comm.tick = 100.0, 0.75
         stats = prior_stats()
-        compressed_all_reduce_sum(_vector(600, seed=rank), GROUP, stats, "fp8", comm=comm)
+        compressed_all_reduce_sum(compress_vector(600, seed=rank), GROUP, stats, "fp8", comm=comm)
         return stats.wait_s
 
     assert _on_threads(3, rank_fn) == [1.0 + 0.75] * 3
@@ -256,9 +177,9 @@ def test_each_all_to_all_is_charged_on_the_group_for_this_ranks_bytes():
     blocks = [2, 1, 1]
     link_of = [RecordingLink() for _ in range(3)]
 
-    def rank_fn(rank: int, comm: _GroupComm):
+    def rank_fn(rank: int, comm: ThreadComm):
         stats = prior_stats()
-        y = _vector(1000, seed=rank)
+        y = compress_vector(1000, seed=rank)
         compressed_all_reduce_sum(
             y, GROUP, stats, "int8", link=link_of[rank], spans_nodes=True, comm=comm
         )
@@ -283,10 +204,10 @@ def test_the_link_is_not_charged_unless_active_and_spanning_nodes(active, spans_
     for size in (2, 3):
         links = [RecordingLink(active=active) for _ in range(size)]
 
-        def rank_fn(rank: int, comm: _GroupComm, links=links):
+        def rank_fn(rank: int, comm: ThreadComm, links=links):
             stats = prior_stats()
             compressed_all_reduce_sum(
-                _vector(600, seed=rank), GROUP, stats, "int8", link=links[rank],
+                compress_vector(600, seed=rank), GROUP, stats, "int8", link=links[rank],
                 spans_nodes=spans_nodes, comm=comm,
             )  # fmt: skip
             return stats.emulated_link_s
@@ -313,8 +234,8 @@ def test_the_owners_sum_is_made_on_the_tensors_device_whatever_the_default_devic
     W = 3 all-reduce of CPU tensors while each thread's default device is ``meta`` gives the
     reference's sum."""
 
-    def rank_fn(rank: int, comm: _GroupComm):
-        x = _vector(1000, seed=rank)
+    def rank_fn(rank: int, comm: ThreadComm):
+        x = compress_vector(1000, seed=rank)
         y = x.clone()
         with torch.device("meta"):
             compressed_all_reduce_sum(y, GROUP, CommStats(), "int8", comm=comm)
@@ -330,7 +251,7 @@ def test_the_owners_sum_is_made_on_the_tensors_device_whatever_the_default_devic
 # ---------------------------------------------------------------------------- none and bf16
 class _OneRank:
     """One rank of a ``size``-rank group reachable only as :data:`GROUP`: its all-reduce adds
-    ``peers`` (the others' sum); a scripted clock as :class:`_GroupComm`'s; records calls."""
+    ``peers`` (the others' sum); a scripted clock as :class:`ThreadComm`'s; records calls."""
 
     def __init__(self, peers: torch.Tensor, size: int = 4, start: float = 10.0, tick=0.5):
         self.peers, self.size, self.clock, self.tick = peers, size, start, tick
@@ -342,14 +263,14 @@ class _OneRank:
         return reading
 
     def group_size(self, group: Any = None) -> int:
-        _GroupComm._check(group)
+        assert group is GROUP, group
         return self.size
 
     def all_reduce(self, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
-        _GroupComm._check(group)
+        assert group is GROUP, group
         self.calls.append(("all_reduce", tensor.dtype, tensor.numel(), async_op))
         tensor.add_(self.peers.to(tensor.dtype))
-        return _Work(self.calls) if async_op else None
+        return RecordedWork(self.calls) if async_op else None
 
 
 def test_none_passes_the_link_the_span_and_the_group_to_the_plain_all_reduce():
@@ -440,3 +361,31 @@ def test_a_group_of_one_is_not_charged_to_the_link():
     all_reduce_sum(torch.ones(3), GROUP, stats, link=link, spans_nodes=True, comm=comm)
     assert comm.calls == [("all_reduce", torch.float32, 3, False)]
     assert link.asked == [] and link.booked == [] and stats.emulated_link_s == 0.25
+
+
+# ---------------------------------------------------------------------------- the default key
+def test_calls_without_a_key_share_one_residual_under_the_empty_key():
+    """A group of one sums its own round trip. Without a key the residual is kept under "";
+    a second call without a key adds it before quantising (the reference round trip of
+    x2 + e1, not of x2), and so does a call naming "" itself; a named key starts from zero."""
+    x1, x2, x3 = (compress_vector(600, seed=s) for s in (3, 4, 5))
+    feedback = ErrorFeedback()
+
+    def reduce(y: torch.Tensor, **key) -> torch.Tensor:
+        comm = ThreadComm(ThreadGroup(1), 0, handle=GROUP)
+        compressed_all_reduce_sum(y, GROUP, CommStats(), "int8", feedback, comm=comm, **key)
+        return y
+
+    e1 = x1 - ref.quantise_round_trip(x1, "int8")
+    reduce(x1.clone())
+    assert set(feedback.residuals) == {""} and torch.equal(feedback.residuals[""], e1)
+    c2 = x2 + e1
+    y2 = reduce(x2.clone())
+    assert torch.equal(y2, ref.quantise_round_trip(c2, "int8"))
+    assert not torch.equal(y2, ref.quantise_round_trip(x2, "int8"))
+    e2 = c2 - ref.quantise_round_trip(c2, "int8")
+    assert set(feedback.residuals) == {""} and torch.equal(feedback.residuals[""], e2)
+    assert torch.equal(reduce(x3.clone(), key=""), ref.quantise_round_trip(x3 + e2, "int8"))
+    assert set(feedback.residuals) == {""}
+    assert torch.equal(reduce(x3.clone(), key="b"), ref.quantise_round_trip(x3, "int8"))
+    assert set(feedback.residuals) == {"", "b"}
