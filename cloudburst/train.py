@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -206,7 +207,10 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     factor = cfg.straggler_factor(ctx.worker_index) * faults.slow_factor
     loss_fn = loss_function(data)
     scheduler = make_scheduler(cfg, optimizer, total)
-    train_step = TrainStep(ctx, net, optimizer, scheduler, strategy, stream, loss_fn, faults)
+    train_step = TrainStep(
+        cfg, ctx.device, net, optimizer, stream, loss_fn,
+        scheduler=scheduler, strategy=strategy, faults=faults,
+    )  # fmt: skip
     evaluator = Evaluator(ctx, model, data, metrics) if strategy.is_evaluator else None
     clock = StepClock(ctx, strategy, model, factor)  # after the evaluator's copy of the model
     checkpointer = Checkpointer(
@@ -268,23 +272,27 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
 
 
 class TrainStep:
-    """``train_step(step)``: one optimizer step on the replica's next batch. A non-finite
+    """``train_step(step)``: one optimizer step on the replica's next batch — the training
+    step of the loop, the warm start and the simulator's calibration alike. A non-finite
     gradient (after sync's all-reduce: the same on every replica) is never applied: the
     replica stays as it was, and the step is counted in ``skipped``. Step 0 is a warm-start
-    step: no injected fault, no learning-rate schedule."""
+    step: no injected fault, no learning-rate schedule. Without a ``strategy`` (calibration)
+    nothing is called after the backward pass; without ``faults`` none is injected."""
 
     def __init__(
         self,
-        ctx: Context,
+        cfg: RunConfig,
+        device: torch.device,
         net: nn.Module,
         optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-        strategy: Strategy,
         stream: Iterator[tuple[torch.Tensor, torch.Tensor]],
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        faults: FaultInjector,
+        *,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        strategy: Strategy | None = None,
+        faults: FaultInjector | None = None,
     ):
-        self.cfg, self.device = ctx.cfg, ctx.device
+        self.cfg, self.device = cfg, device
         self.net, self.optimizer, self.scheduler = net, optimizer, scheduler
         self.strategy, self.stream, self.loss_fn, self.faults = strategy, stream, loss_fn, faults
         self.skipped = 0
@@ -295,11 +303,12 @@ class TrainStep:
         autocast = self.cfg.autocast == "bf16"
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = self.loss_fn(self.net(xb), yb)
-        if step and self.faults.corrupt_loss(step):
+        if step and self.faults is not None and self.faults.corrupt_loss(step):
             loss = loss * float("nan")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        self.strategy.after_backward()
+        if self.strategy is not None:
+            self.strategy.after_backward()
         clip_gradients(self.optimizer, self.cfg.clip_grad_norm)  # after sync's all-reduce
         if grads_finite(self.optimizer):
             self.optimizer.step()
@@ -310,6 +319,34 @@ class TrainStep:
         if step and self.scheduler is not None:
             self.scheduler.step()
         return loss_value
+
+
+def calibrate_step_time(cfg: RunConfig, steps: int = 20, warmup_steps: int = 3) -> float:
+    """Median seconds of ``steps`` real training steps (:class:`TrainStep`: batch, forward,
+    backward, clipping, optimizer) of the run's model on worker 0's shard, after
+    ``warmup_steps`` untimed ones; on the GPU with ``--device cuda``, else on the CPU (the
+    simulator's maths runs in this process). The virtual cluster's step time when no flag or
+    profile gives one (:func:`cloudburst.sim.clock.resolve_step_time`)."""
+    device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
+    data = load_run_dataset(cfg)
+    model = build_run_model(cfg, data).to(device)
+    stream = batch_stream(
+        worker_source(data, 0, cfg.workers),
+        cfg.batch_size,
+        seed=cfg.seed * 1000,
+        preprocess=data.preprocess(augment=cfg.augment),
+    )
+    step = TrainStep(
+        cfg, device, model, make_optimizer(cfg, model.parameters()), stream, loss_function(data)
+    )
+    for _ in range(warmup_steps):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()  # its loss.item() waits for the step's kernels on a GPU
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def warm_start(

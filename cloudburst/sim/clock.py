@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -261,50 +259,6 @@ def resolve_step_time(
     if cfg.min_step_time_s > 0:
         return float(cfg.min_step_time_s), "min_step_time"
     return float(calibrate_fn(cfg)), "calibrated"
-
-
-def calibrate_step_time(cfg: RunConfig, steps: int = 20, warmup_steps: int = 3) -> float:
-    """Median seconds of ``steps`` real training steps (batch, forward, backward, optimizer)
-    of the run's model on worker 0's shard, after ``warmup_steps`` untimed ones; on the GPU
-    with ``--device cuda``, else on the CPU (the simulator's maths runs in this process)."""
-    import torch
-
-    from cloudburst.data import batch_stream, load_run_dataset, loss_function, worker_source
-    from cloudburst.models import build_run_model
-    from cloudburst.train import make_optimizer
-
-    device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
-    data = load_run_dataset(cfg)
-    model = build_run_model(cfg, data).to(device)
-    optimizer = make_optimizer(cfg, model.parameters())
-    stream = batch_stream(
-        worker_source(data, 0, cfg.workers),
-        cfg.batch_size,
-        seed=cfg.seed * 1000,
-        preprocess=data.preprocess(augment=cfg.augment),
-    )
-    loss_fn = loss_function(data)  # per token for a language model
-    autocast = cfg.autocast == "bf16"
-
-    def one_step() -> None:
-        xb, yb = next(stream)
-        xb, yb = xb.to(device), yb.to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = loss_fn(model(xb), yb)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(warmup_steps):
-        one_step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        one_step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def is_payload(tensor: torch.Tensor) -> bool:

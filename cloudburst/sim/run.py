@@ -32,7 +32,7 @@ from cloudburst.metrics import MetricsWriter, write_json_atomic
 from cloudburst.models import build_run_model
 from cloudburst.runtime import build_context
 from cloudburst.runtime.context import Context
-from cloudburst.sim.clock import ClockModel, calibrate_step_time, resolve_step_time
+from cloudburst.sim.clock import ClockModel, resolve_step_time
 from cloudburst.sim.network import SimNetwork
 from cloudburst.sim.scheduler import Scheduler
 from cloudburst.sim.transport import NullHeartbeat, SimStore, SimTransport
@@ -123,6 +123,8 @@ def run_ranks(
     """``fn(ctx, *args)`` on every rank of ``cfg``'s job on the virtual cluster (one process);
     the results by rank. For scripted scenarios (tests, experiments) that drive a strategy
     or the server loop by hand rather than through the training loop."""
+    from cloudburst.train import calibrate_step_time
+
     sim = sim or SimulationConfig(step_time_s=0.01)
     step_time_s, source = resolve_step_time(sim, cfg, calibrate_step_time)
     cluster = VirtualCluster(cfg, ClockModel(sim, cfg, actual_params, step_time_s, source))
@@ -134,7 +136,7 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     ``cfg.out/summary.json``). Raises :class:`SimulationFailed` with the first rank's error
     when the job fails (a partial summary is written first)."""
     from cloudburst.summary import write_partial_summary
-    from cloudburst.train import run_server, run_worker
+    from cloudburst.train import calibrate_step_time, run_server, run_worker
 
     started = time.perf_counter()
     # One process computes for every rank: no DataLoader processes, no TensorBoard writers.
