@@ -83,7 +83,8 @@ bench-quick: $(STAMP)
 ## server.py, daso.py, asgd.py, gossip.py and sim/network.py also hold the server loop, DASO's
 ## collectives, the workers' transport and the virtual cluster's mailboxes: only their maths is
 ## run (mutants not named below stay "not checked", uncounted).
-MUTANTS := 'cloudburst.comm.flat.*' 'cloudburst.comm.link.*' 'cloudburst.checkpoint.*' \
+MUTANTS := 'cloudburst.comm.flat.*' 'cloudburst.comm.link.*' 'cloudburst.comm.costs.*' \
+	'cloudburst.comm.nic.*' 'cloudburst.checkpoint.*' 'cloudburst.strategies.asgd.summary.*' \
 	'cloudburst.strategies.asgd.shard.*' 'cloudburst.strategies.asgd.server.x_request_problem__*' \
 	'cloudburst.strategies.local_sgd.worker.*' 'cloudburst.strategies.diloco.worker.*' \
 	'cloudburst.strategies.easgd.worker.*' \

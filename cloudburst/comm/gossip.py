@@ -22,7 +22,7 @@ Threads and groups
 
 Messages
     :class:`~cloudburst.comm.messages.Header` + fp32 payload, as in :mod:`cloudburst.comm.p2p`
-    (magic, kind and length validated there). Kinds reused from :class:`~cloudburst.comm.p2p.
+    (magic, kind and length validated there). Kinds reused from :class:`~cloudburst.comm.messages.
     Kind`: FETCH (no payload; the reply carries θ), PUSH (payload θ, or SGP's numerator
     θ·w/2; ``aux`` carries the push-sum weight as the bits of a float64), PING (keep-alive,
     below), DONE (the sender will send nothing more), REPLY. ``shard`` carries the sender's

@@ -3,7 +3,7 @@ virtual seconds.
 
 Every cost is a pure function of its arguments and the configuration: the same run gives the
 same times whatever order the simulator asks in. The links' costs are
-:class:`~cloudburst.comm.link.LinkEmulator`'s own formulas (ring all-reduce, log-tree
+the emulated link's own formulas (:mod:`cloudburst.comm.costs`: ring all-reduce, log-tree
 broadcast, latency + bytes / bandwidth), so a simulated run and a real run with the emulated
 link charge the same time for the same traffic, by construction.
 
@@ -14,7 +14,7 @@ messages into one node queued at its ingress (incast), the intra-node link
 (``--intra-node-link``, free by default, one per rank), a parameter server's apply (bytes /
 memory bandwidth), and a stand-in model's message sizes; with ``--network-model nccl`` also
 hierarchical all-reduce, the algorithm chosen by size, and DDP's overlap with backward
-(:mod:`cloudburst.comm.link`'s functions; docs/simulator.md). Not modelled: see
+(:mod:`cloudburst.comm.costs`; docs/simulator.md). Not modelled: see
 :data:`NOT_MODELLED`.
 """
 
@@ -140,7 +140,7 @@ class ClockModel:
         return self.sim.network_model == "nccl"
 
     def nic_send(self, start_s: float, ingress_free_s: float, nbytes: float):
-        """A message between nodes: (egress free, arrival), :func:`~cloudburst.comm.link.
+        """A message between nodes: (egress free, arrival), :func:`~cloudburst.comm.costs.
         nic_transfer` on the NIC (free links: (start, start))."""
         spec = self.inter.spec
         if spec is None:
@@ -264,6 +264,6 @@ def resolve_step_time(
 def is_payload(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` carries the model's values (scaled by the stand-in model) rather than
     control data: floating point (fp32, bf16), or bytes (uint8/int8: compressed payloads,
-    :func:`cloudburst.comm.quantise.encode`). Headers are int64 (``cloudburst.comm.p2p``), as
+    :func:`cloudburst.comm.quantise.encode`). Headers are int64 (``cloudburst.comm.messages``), as
     is every other piece of control data the ranks send."""
     return tensor.is_floating_point() or tensor.dtype in (torch.uint8, torch.int8)

@@ -155,6 +155,26 @@ def test_the_two_phase_work_runs_the_rest_in_wait_timed_once_on_the_transports_c
         assert stats.emulated_link_s == 0.25
 
 
+def test_two_pending_all_reduces_each_add_their_own_wait():
+    """Two asynchronous quantised all-reduces on one stats (a group of one), waited one after
+    the other: each wait reads the clock twice and adds one interval (0.5 s) to the running
+    total, 1.0 + 0.5 + 0.5; a second wait of the same pending reads nothing."""
+    comm, stats = ThreadComm(ThreadGroup(1), 0, handle=GROUP, start=10.0, tick=0.5), prior_stats()
+    pending = [
+        compressed_all_reduce_sum(
+            compress_vector(300, seed=s), GROUP, stats, method, async_op=True, comm=comm
+        )
+        for s, method in ((1, "int8"), (2, "fp8"))
+    ]
+    assert stats.wait_s == 1.0 and comm.clock == 10.0
+    pending[0].wait()
+    assert stats.wait_s == 1.0 + 0.5 and comm.clock == 11.0
+    pending[1].wait()
+    assert stats.wait_s == 2.0 and comm.clock == 12.0
+    pending[1].wait()
+    assert stats.wait_s == 2.0 and comm.clock == 12.0
+
+
 def test_a_blocking_quantised_all_reduce_adds_its_wait_to_the_earlier_total():
     """Without ``async_op`` the call waits itself: wait_s grows by one clock tick (0.75 s)."""
 
@@ -173,20 +193,22 @@ def test_each_all_to_all_is_charged_on_the_group_for_this_ranks_bytes():
     charged 2 latencies + the others' chunks this rank sends, the gather 2 latencies + its own
     chunk to 2 ranks, each booked once on the group and both added to emulated_link_s; the
     link's completion is waited for on top of each transport work; the bytes count as
-    inter-node."""
+    inter-node; without a key the sender's residual is kept under "" and the owner's under
+    ":owner"."""
     blocks = [2, 1, 1]
     link_of = [RecordingLink() for _ in range(3)]
 
     def rank_fn(rank: int, comm: ThreadComm):
-        stats = prior_stats()
+        stats, feedback = prior_stats(), ErrorFeedback()
         y = compress_vector(1000, seed=rank)
         compressed_all_reduce_sum(
-            y, GROUP, stats, "int8", link=link_of[rank], spans_nodes=True, comm=comm
+            y, GROUP, stats, "int8", feedback, link=link_of[rank], spans_nodes=True, comm=comm
         )
-        return stats, comm.calls
+        return stats, comm.calls, set(feedback.residuals)
 
     results = _on_threads(3, rank_fn)
-    for rank, (stats, calls) in enumerate(results):
+    for rank, (stats, calls, keys) in enumerate(results):
+        assert keys == {"", ":owner"}
         mine = blocks[rank]
         scatter = 2 * 0.125 + (4 - mine) * 260 / 1024
         gather = 2 * 0.125 + 2 * mine * 260 / 1024
@@ -197,11 +219,17 @@ def test_each_all_to_all_is_charged_on_the_group_for_this_ranks_bytes():
         assert stats.inter_node_bytes == 3000 + moved and stats.intra_node_bytes == 4000
 
 
-@pytest.mark.parametrize(("active", "spans_nodes"), [(True, False), (False, True)])
-def test_the_link_is_not_charged_unless_active_and_spanning_nodes(active, spans_nodes):
-    """An active link within a node, or an inactive one across nodes, is neither booked nor
-    added to emulated_link_s (W = 3 and W = 2 alike)."""
-    for size in (2, 3):
+@pytest.mark.parametrize(("sizes", "active", "spans_nodes"), [
+    ((2, 3), True, False),  # an active link within a node
+    ((2, 3), False, True),  # an inactive link across nodes
+    ((1,), True, True),  # a group of one across nodes on an active link
+])  # fmt: skip
+def test_the_link_is_not_charged_unless_active_and_spanning_nodes_of_two_or_more(
+    sizes, active, spans_nodes
+):
+    """The link is booked only when active, spanning nodes and shared by 2 or more ranks:
+    otherwise nothing is booked and emulated_link_s keeps its earlier total."""
+    for size in sizes:
         links = [RecordingLink(active=active) for _ in range(size)]
 
         def rank_fn(rank: int, comm: ThreadComm, links=links):

@@ -6,6 +6,7 @@ Each is checked against an independent reference: the built-in sync and asgd run
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import pytest
@@ -93,9 +94,11 @@ def plugin(tmp_path, monkeypatch):
     import toy_plugin
 
     for spec in (toy_plugin.Average, toy_plugin.HalfPush):
+        monkeypatch.setitem(REGISTRY, spec.name, spec)  # a new key: removed at the test's end
         register_strategy(spec)
-        monkeypatch.setitem(REGISTRY, spec.name, spec)  # removed again at the test's end
-    return toy_plugin
+    yield toy_plugin
+    for name in [m for m in sys.modules if m.partition(".")[0] == "toy_plugin"]:
+        del sys.modules[name]  # its modules go with its path
 
 
 def run(tmp_path, name: str, strategy: str, **kw) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -2,7 +2,7 @@
 ``describe()`` (what ``summary.json`` records as ``"clock_model"``) for a run with a stand-in
 profile and links and for one with neither, written out here by hand; the group all-reduce of
 ``--network-model flat`` and ``nccl`` on cases the other clock tests leave open, against costs
-computed here from cloudburst/comm/link.py's formulas; the step-time noise's uniform; a
+computed here from cloudburst/comm/costs.py's formulas; the step-time noise's uniform; a
 server apply's cost; and which run configuration a calibration is given."""
 
 from __future__ import annotations

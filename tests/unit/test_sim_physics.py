@@ -1,4 +1,4 @@
-"""Issue 30's physics in the shared cost model (cloudburst.comm.link) and the virtual cluster,
+"""Issue 30's physics in the shared cost model (cloudburst.comm.costs) and the virtual cluster,
 each against a time computed here by hand from the formula docs/simulator.md gives: the
 all-reduce algorithms and the choice among them by size, the hierarchical all-reduce, a node
 NIC shared by its ranks (egress) and an ingress queue where messages from several nodes meet

@@ -4,9 +4,9 @@ torch; a test keeps the two equal). docs/algorithms.md#staleness-compensation.
 
 Two kinds. A *scalar* compensation multiplies a push of staleness τ by a factor s(τ) alone
 (``SCALAR_FACTORS``): a worker rebuilds the shard's θ from an overlapped PUSH_FETCH reply with
-:func:`add_rule_alpha`, bit for bit. A *per-coordinate* one (``PER_COORDINATE``) replaces the
-push Δ by Δ̃, computed against θ as it was when the worker fetched it, and keeps state of its
-own: its replies follow the apply.
+its rule's ``alpha`` of :func:`staleness_factor`, bit for bit. A *per-coordinate* one
+(``PER_COORDINATE``) replaces the push Δ by Δ̃, computed against θ as it was when the worker
+fetched it, and keeps state of its own: its replies follow the apply.
 """
 
 from __future__ import annotations

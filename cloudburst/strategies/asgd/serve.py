@@ -21,7 +21,7 @@ from cloudburst.strategies.asgd.server import ServerLoop
 from cloudburst.strategies.asgd.serving import first_line
 from cloudburst.strategies.asgd.shard import make_shard, shard_checkpoint_path
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cloudburst.strategies.asgd.server")  # the shard's one log
 
 
 _FORWARDED = {int(Kind.PUSH), int(Kind.INIT), int(Kind.DONE)}
