@@ -77,15 +77,7 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     watchdog = start_watchdog(ctx, metrics)
     try:
-        data = load_run_dataset(cfg)
-        model = build_run_model(cfg, data)
-        if cfg.init_from:
-            load_model_into(cfg.init_from, model)
-        model.to(ctx.device)
-        if ctx.is_server:
-            run_server(ctx, model, data, metrics)
-        else:
-            run_worker(ctx, model, data, metrics)
+        run_role(ctx, load_run_dataset(cfg), metrics)
         watchdog.stop()
         mark_done(ctx.liveness_store, ctx.rank)
     except KeyboardInterrupt:
@@ -103,6 +95,20 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
     finally:
         metrics.close()
         shutdown(ctx)
+
+
+def run_role(ctx: Context, data: Dataset, metrics: MetricsWriter) -> None:
+    """This rank's part of the job, on a real rank (:func:`run_rank`) and a virtual one
+    (:func:`cloudburst.sim.run.simulate`) alike: the run's model (from ``--init-from``), then
+    its shard served or its worker's training loop."""
+    model = build_run_model(ctx.cfg, data)
+    if ctx.cfg.init_from:
+        load_model_into(ctx.cfg.init_from, model)
+    model.to(ctx.device)
+    if ctx.is_server:
+        run_server(ctx, model, data, metrics)
+    else:
+        run_worker(ctx, model, data, metrics)
 
 
 def _interrupted(ctx: Context, metrics: MetricsWriter, watchdog: Watchdog) -> None:

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from cloudburst.checkpoint import load_model_into
 from cloudburst.comm.flat import flatten_params
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
@@ -136,7 +135,7 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     ``cfg.out/summary.json``). Raises :class:`SimulationFailed` with the first rank's error
     when the job fails (a partial summary is written first)."""
     from cloudburst.summary import write_partial_summary
-    from cloudburst.train import calibrate_step_time, run_server, run_worker
+    from cloudburst.train import calibrate_step_time, run_role
 
     started = time.perf_counter()
     # One process computes for every rank: no DataLoader processes, no TensorBoard writers.
@@ -158,13 +157,7 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
         metrics = MetricsWriter(cfg.out, rank, ctx.role)
         metrics.log("start", wall=time.time(), world_size=ctx.world_size, device="cpu")
         try:
-            model = build_run_model(cfg, data)
-            if cfg.init_from:
-                load_model_into(cfg.init_from, model)
-            if ctx.is_server:
-                run_server(ctx, model, data, metrics)
-            else:
-                run_worker(ctx, model, data, metrics)
+            run_role(ctx, data, metrics)
         finally:
             metrics.close()
 
