@@ -124,6 +124,7 @@ class RunConfig(
         self._validate_cluster()
         for part in STRATEGY_SETTINGS:
             getattr(self, f"_validate_{part.section}")()
+        self.strategy_spec.validate(self)
         self._validate_training()
         self._validate_metrics()
         self._validate_faults()

@@ -118,6 +118,11 @@ class StrategySpec:
         return load(ref)
 
     @classmethod
+    def validate(cls, cfg: Any) -> None:
+        """Its own rules on the whole run configuration (called by ``RunConfig.validate`` for
+        the strategy that runs, after every concern's checks); raises ConfigError."""
+
+    @classmethod
     def validate_compress(cls, cfg: Any, method: str) -> None:
         """Its own rules on ``--compress`` (``method``, already allowed); raises ConfigError."""
 

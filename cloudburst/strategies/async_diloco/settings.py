@@ -45,29 +45,9 @@ class AsyncDilocoConfig:
         return max(1, getattr(self, "replicas", self.workers)) if ok else 1
 
     def _validate_async_diloco(self) -> None:
-        if self.strategy != "async_diloco":
+        if AsyncDilocoConfig not in self.strategy_spec.settings:  # another strategy runs
             if self.dylu or self.dn_period is not None or self.dn_c:
                 raise ConfigError(
                     f"dylu: Delayed Nesterov's and Dynamic Local Updates' settings apply to "
                     f"--strategy async_diloco only, not {self.strategy!r}"
                 )
-            return
-        if self.n_sync is not None:
-            raise ConfigError(
-                "n_sync: async_diloco pushes every H = --period inner steps (and its fetch "
-                "with it); drop --n-sync"
-            )
-        if self.server_rule != "add":
-            raise ConfigError(
-                f"server_rule: async_diloco's shards run Delayed Nesterov, not "
-                f"{self.server_rule!r}; drop --server-rule"
-            )
-        if not self.diloco_nesterov:
-            raise ConfigError(
-                "diloco_nesterov: async_diloco's outer optimizer is Delayed Nesterov; drop "
-                "--diloco-no-nesterov"
-            )
-        if self.local_sgd_warmup_steps:
-            raise ConfigError(
-                "local_sgd_warmup_steps: async_diloco has no synchronous warm-up; leave it at 0"
-            )

@@ -18,6 +18,15 @@ class Daso(StrategySpec):
     node_replicas_refused = "DASO is already synchronous inside a node, with its own schedule"
 
     @classmethod
+    def validate(cls, cfg: Any) -> None:
+        nodes = cfg.nodes or 1
+        if cfg.workers % nodes:
+            raise ConfigError(
+                f"nodes: {cfg.workers} workers do not split evenly over {nodes} nodes "
+                "(DASO needs the same number of ranks on every node)"
+            )
+
+    @classmethod
     def make_groups(cls, cfg: Any, maker: Any) -> dict[str, Any]:
         # One group per node (the node-local all-reduce), and one per local rank across the
         # nodes (local rank g of every node: the global syncs).

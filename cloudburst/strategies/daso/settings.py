@@ -72,10 +72,3 @@ class DasoConfig:
             )
         check_choice("daso_downcast", self.daso_downcast, DOWNCASTS)
         check_choice("daso_cycling_downcast", self.daso_cycling_downcast, DOWNCASTS)
-        if self.strategy == "daso":
-            nodes = self.nodes or 1
-            if self.workers % nodes:
-                raise ConfigError(
-                    f"nodes: {self.workers} workers do not split evenly over {nodes} nodes "
-                    "(DASO needs the same number of ranks on every node)"
-                )

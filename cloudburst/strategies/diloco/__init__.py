@@ -14,6 +14,8 @@ class Diloco(LocalSgd):
     name = "diloco"
     worker = "cloudburst.strategies.diloco.worker:DilocoStrategy"
     settings = (DilocoConfig,)
+    #: The outer step's (lr, momentum) over an SGD inner optimizer (settings' defaults).
+    outer_over_sgd = (0.5, 0.8)
 
     @classmethod
     def changes_optimizer_state(cls, cfg: Any) -> bool:

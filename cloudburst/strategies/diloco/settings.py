@@ -86,7 +86,8 @@ class DilocoConfig:
 
         lm = isinstance(self.model, str) and is_gpt_spec(self.model)
         adam = self.optimizer in ("adam", "adamw")
-        sgd_pair = (0.5, 0.8) if self.strategy == "diloco" else (0.1, 0.9)
+        # the strategy's outer (lr, momentum) over SGD: DiLoCo's 0.5/0.8, Delayed Nesterov's 0.1/0.9
+        sgd_pair = getattr(self.strategy_spec, "outer_over_sgd", (0.1, 0.9))
         lr, momentum = (1.0, 0.0) if lm else (0.7, 0.9) if adam else sgd_pair
         if self.diloco_outer_lr is None:
             self.diloco_outer_lr = lr
@@ -95,14 +96,15 @@ class DilocoConfig:
 
     def _validate_diloco(self) -> None:
         desloc = self.desloc_first_every or self.desloc_second_every
-        if desloc and (self.strategy != "diloco" or self.optimizer not in ("adam", "adamw")):
+        diloco = DilocoConfig in self.strategy_spec.settings  # (not async DiLoCo's outer step)
+        if desloc and (not diloco or self.optimizer not in ("adam", "adamw")):
             raise ConfigError(
                 "desloc_first_every: DES-LOC averages an Adam optimizer's moments; it applies "
                 f"to --strategy diloco with --optimizer adam or adamw, not {self.strategy!r} "
                 f"with {self.optimizer!r}"
             )
         streaming = (self.fragments, self.fragment_delay, self.fragment_alpha) != (1, 0, 0.0)
-        if streaming and self.strategy != "diloco":
+        if streaming and not diloco:
             raise ConfigError(
                 f"fragments: Streaming DiLoCo's fragments, fragment_delay and fragment_alpha "
                 f"apply to --strategy diloco only, not {self.strategy!r}"

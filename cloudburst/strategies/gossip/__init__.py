@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from cloudburst.config.fields import ConfigError
 from cloudburst.strategies.gossip.settings import GossipConfig
 from cloudburst.strategies.spec import StrategySpec, worker_attributes
 
@@ -14,6 +15,11 @@ class Gossip(StrategySpec):
     compresses_messages = True
     decentralised = True
     lockstep = True
+
+    @classmethod
+    def validate(cls, cfg: Any) -> None:
+        if cfg.workers < 2:
+            raise ConfigError("workers: gossip needs at least 2 workers (a peer to average with)")
 
     @classmethod
     def make_groups(cls, cfg: Any, maker: Any) -> dict[str, Any]:

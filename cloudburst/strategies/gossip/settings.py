@@ -49,5 +49,3 @@ class GossipConfig:
         check_choice("gossip_schedule", self.gossip_schedule, GOSSIP_SCHEDULES)
         if self.gossip_push_sum and self.gossip_variant != "push":
             raise ConfigError("gossip_push_sum: push-sum weights need --gossip-variant push")
-        if self.strategy == "gossip" and self.workers < 2:
-            raise ConfigError("workers: gossip needs at least 2 workers (a peer to average with)")
