@@ -58,7 +58,7 @@ class AsgdStrategy(Asgd, Strategy):
         self.transport = ctx.transport(self.stats)
         self.overlap = overlapped_push_fetch(ctx.cfg)
         # The shards' rule (a stateless one when replies overlap): its α rebuilds θ_k + αΔ.
-        self.server_rule = ctx.cfg.strategy_spec.server_rule(ctx.cfg) if self.overlap else None
+        self.overlap_rule = ctx.cfg.strategy_spec.server_rule(ctx.cfg) if self.overlap else None
         self.num_servers = ctx.num_servers
         self.staleness_sum = 0
         self.staleness_max = 0
@@ -265,7 +265,7 @@ class AsgdStrategy(Asgd, Strategy):
                 self.pushes_acked[k] += reply.status == Status.OK
                 rejected |= reply.status in (Status.REJECTED, Status.REFUSED)
             if overlapped and reply.status == Status.OK:
-                alpha = self.server_rule.alpha(
+                alpha = self.overlap_rule.alpha(
                     staleness_factor(
                         self.cfg.staleness_compensation,
                         reply.aux,
