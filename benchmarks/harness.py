@@ -188,9 +188,11 @@ class Provenance:
             return None
         data = json.loads(Path(path).read_text())
         old = data.get("provenance", {})
-        self.replayed_from = (f"{old.get('commit', '?')}` (started {old.get('started_utc')} UTC, "
-                              f"load {old.get('load_before')} before, {old.get('load_after')} "
-                              "after: the load lines below are the replay's)")  # fmt: skip
+        # A replay's runs were made by the result it replayed: name that one.
+        self.replayed_from = old.get("replayed_from") or (
+            f"{old.get('commit', '?')}` (started {old.get('started_utc')} UTC, "
+            f"load {old.get('load_before')} before, {old.get('load_after')} "
+            "after: the load lines below are the replay's)")  # fmt: skip
         return [Run(**r) for r in data.get("runs", [])]
 
     def stored_runs(self) -> dict[tuple[str, int, tuple[str, ...] | None], Run] | None:

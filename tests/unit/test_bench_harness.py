@@ -500,6 +500,13 @@ def test_replay_reports_on_a_results_stored_runs_and_says_whose_they_are(tmp_pat
     assert runs[0].evals == [[1.0, 8, 0.5]]  # as JSON stored them
     header = "\n".join(harness.Report("demo", "A demo", prov).header())
     assert "**runs replayed** from the result of `0ld0ld0` (started None UTC, load 0.3" in header
+    # a replay of that replay still names the result that made the runs
+    again = tmp_path / "again.json"
+    again.write_text(json.dumps({"provenance": {"commit": "n3wn3w0", **prov.to_dict()},
+                                 "runs": [r.to_dict() for r in stored_runs]}))  # fmt: skip
+    replay = harness.Provenance(**{**prov.to_dict(), "args": SimpleNamespace(replay=again)})
+    replay.replayed_runs()
+    assert replay.replayed_from == prov.replayed_from and "0ld0ld0" in replay.replayed_from
     # --verify K: the stored runs are what later choices see; K of each batch re-simulated
     # here, each compared bit for bit with the stored one
     fresh = {"sync": Run("sync", 0, 9.0, evals=[(1.0, 8, 0.5)]),
