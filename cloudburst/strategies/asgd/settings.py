@@ -86,8 +86,9 @@ class AsgdConfig:
         "none",
         "how the shards compensate a stale push (docs/algorithms.md#staleness-compensation): "
         "scale by 1/τ (with λ = 1: given λ = 1/W as well it divides twice and collapses at "
-        "W >= 16, -43 points, docs/algorithms.md), DC-ASGD with a fixed or adaptive λ, "
-        "gap-aware, a delay-adaptive step",
+        "W >= 16, -43 points, docs/algorithms.md; with one node's workers 2x slower at W = 16 "
+        "it ends 11 points below none, benchmarks/results/staleness_rules_slow_node.md), "
+        "DC-ASGD with a fixed or adaptive λ, gap-aware, a delay-adaptive step",
         choices=COMPENSATIONS,
     )
     dc_lambda: float | None = option(
