@@ -86,8 +86,9 @@ class AsgdConfig:
         "none",
         "how the shards compensate a stale push (docs/algorithms.md#staleness-compensation): "
         "scale by 1/τ (with λ = 1: given λ = 1/W as well it divides twice and collapses at "
-        "W >= 16, -43 points, docs/algorithms.md; with one node's workers 2x slower at W = 16 "
-        "it ends 11 points below none, benchmarks/results/staleness_rules_slow_node.md), "
+        "W >= 16, -43 points, docs/algorithms.md; at W = 16 it ends 3-11 points below none "
+        "unless step times are heavy-tailed: one node 2x slower -11, no straggler -4.5, "
+        "lognormal steps -3.3, benchmarks/results/staleness_rules_*.md), "
         "DC-ASGD with a fixed or adaptive λ, gap-aware, a delay-adaptive step",
         choices=COMPENSATIONS,
     )
