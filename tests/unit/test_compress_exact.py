@@ -277,25 +277,21 @@ def test_the_owners_sum_is_made_on_the_tensors_device_whatever_the_default_devic
 
 
 # ---------------------------------------------------------------------------- none and bf16
-class _OneRank:
-    """One rank of a ``size``-rank group reachable only as :data:`GROUP`: its all-reduce adds
-    ``peers`` (the others' sum); a scripted clock as :class:`ThreadComm`'s; records calls."""
+class _OneRank(ThreadComm):
+    """One rank of a ``size``-rank group reachable only as :data:`GROUP` (a :class:`ThreadComm`
+    with its scripted clock and its record of calls) whose all-reduce adds ``peers``, the
+    others' sum, instead of meeting them."""
 
-    def __init__(self, peers: torch.Tensor, size: int = 4, start: float = 10.0, tick=0.5):
-        self.peers, self.size, self.clock, self.tick = peers, size, start, tick
-        self.calls: list[tuple] = []
-
-    def now(self) -> float:
-        reading = self.clock
-        self.clock += self.tick
-        return reading
+    def __init__(self, peers: torch.Tensor, size: int = 4):
+        super().__init__(ThreadGroup(1), 0, handle=GROUP, start=10.0, tick=0.5)
+        self.peers, self.size = peers, size
 
     def group_size(self, group: Any = None) -> int:
-        assert group is GROUP, group
+        self._check(group)
         return self.size
 
     def all_reduce(self, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
-        assert group is GROUP, group
+        self._check(group)
         self.calls.append(("all_reduce", tensor.dtype, tensor.numel(), async_op))
         tensor.add_(self.peers.to(tensor.dtype))
         return RecordedWork(self.calls) if async_op else None
