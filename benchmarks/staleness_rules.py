@@ -11,8 +11,9 @@ cells?
 Virtual cluster: MNIST-1D's CNN trains (40,000 training samples, batch 64); each step takes
 20 ms × a seeded Pareto(2) draw (mean 1), worker 0's × 4; the clock models ResNet-20's
 269,722 parameters on the wire, 4 nodes joined by 10 Gbit/s with 0.05 ms. asgd at its
-defaults (n_sync, λ = 1/W, one shard; λ = 1 under `scale`, whose 1/τ does the averaging —
-changed for this issue after `scale` with λ = 1/W ended 43.3 points below), every arm the
+defaults (n_sync, λ = 1/W, one shard; λ = (W − 1)/W under `scale`, whose 1/τ does the
+averaging — changed twice for this issue: with λ = 1/W `scale` ended 43.3 points below, with
+λ = 1 3-11 points below in three cells), every arm the
 same 20 virtual seconds of training (`--max-train-time-s`), evaluated 40 times, every rule
 (`gap`'s normaliser was changed for this issue: C is now the running mean of a worker's |Δ|,
 not of the shard's 1/W-scaled step).

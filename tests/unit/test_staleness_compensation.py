@@ -180,9 +180,14 @@ def test_staleness_scaling_is_the_scale_compensation_and_contradictions_are_refu
     )
     assert RunConfig(strategy="asgd", max_staleness=5).compensation_window_value == 6
     # λ's default: 1/W averages the pushes; under scale the 1/τ averages them (Zhang et al.'s
-    # α₀/τ), so λ = 1, with no warning about summed pushes; an optimizer rule keeps 1/W
+    # α₀/τ) and λ = (W − 1)/W moves θ by a push of the usual staleness W − 1 exactly as plain
+    # asgd's 1/W does, with no warning about summed pushes; an optimizer rule keeps 1/W
     scaled = RunConfig(strategy="asgd", workers=16, staleness_compensation="scale")
-    assert (scaled.server_lr, scaled.warnings()) == (1.0, [])
+    assert (scaled.server_lr, scaled.warnings()) == (15 / 16, [])
+    assert add_rule_alpha(scaled.server_lr, 15, "scale") == pytest.approx(1 / 16)
+    assert add_rule_alpha(scaled.server_lr, 11, "scale") > 1 / 16 > add_rule_alpha(
+        scaled.server_lr, 27, "scale")  # fmt: skip
+    assert RunConfig(strategy="asgd", workers=1, staleness_compensation="scale").server_lr == 1
     assert RunConfig(strategy="asgd", workers=16).server_lr == 1 / 16
     assert RunConfig(strategy="asgd", workers=16, staleness_compensation="scale",
                      server_rule="sgd").server_lr == 1 / 16  # fmt: skip

@@ -66,8 +66,8 @@ class AsgdConfig:
     server_lr: float | None = option(
         None,
         "λ of the add rule; the server optimizer's lr otherwise",
-        shown="1/W, which averages the workers' pushes (1 under --staleness-compensation "
-        "scale, whose 1/τ averages them)",
+        shown="1/W, which averages the workers' pushes ((W-1)/W under "
+        "--staleness-compensation scale, whose 1/τ averages them)",
         bounds=LR,
     )
     server_momentum: float = option(0.0, "momentum of the sgd server rule", bounds=MOMENTUM)
@@ -85,10 +85,9 @@ class AsgdConfig:
     staleness_compensation: str = option(
         "none",
         "how the shards compensate a stale push (docs/algorithms.md#staleness-compensation): "
-        "scale by 1/τ (with λ = 1: given λ = 1/W as well it divides twice and collapses at "
-        "W >= 16, -43 points, docs/algorithms.md; at W = 16 it ends 3-11 points below none "
-        "unless step times are heavy-tailed: one node 2x slower -11, no straggler -4.5, "
-        "lognormal steps -3.3, benchmarks/results/staleness_rules_*.md), "
+        "scale by 1/τ (with λ = (W-1)/W, so that a push of staleness W-1 moves θ as none's "
+        "does; λ = 1 ended 3-11 points below none at W = 16 and λ = 1/W 43 below, "
+        "docs/algorithms.md), "
         "DC-ASGD with a fixed or adaptive λ, gap-aware, a delay-adaptive step",
         choices=COMPENSATIONS,
     )
@@ -127,7 +126,7 @@ class AsgdConfig:
     def _defaults_asgd(self) -> None:
         """n_fetch and n_push from n_sync (or 8: as accurate as 1 in half the time,
         docs/algorithms.md#asgd); --staleness-scaling is --staleness-compensation scale; λ = 1/W
-        (1 under ``scale``)."""
+        ((W − 1)/W under ``scale``)."""
         if self.n_sync is not None:
             check_int("n_sync", self.n_sync, 1)
         default_period = self.n_sync if self.n_sync is not None else DEFAULT_N_SYNC
@@ -141,9 +140,12 @@ class AsgdConfig:
             self.staleness_scaling = True
         if self.server_lr is None:
             # docs/algorithms.md#asgd: the W replicas' pushes are averaged (λ = 1/W), not summed;
-            # under `scale` the factor 1/τ (τ ≈ W − 1) averages them: Zhang et al.'s α₀/τ, λ = 1.
+            # under `scale` the factor 1/τ averages them (Zhang et al.'s α₀/τ), and λ = (W − 1)/W
+            # makes a push of the usual staleness τ = W − 1 move θ exactly as plain asgd's does
+            # (λ = 1 moved it W/(W − 1) as far, past the edge: docs/algorithms.md).
             scaled = self.staleness_compensation == "scale" and self.server_rule == "add"
-            self.server_lr = 1.0 if scaled else 1.0 / self._replicas()
+            w = self._replicas()
+            self.server_lr = max(1, w - 1) / w if scaled else 1.0 / w
 
     @property
     def dc_lambda_value(self) -> float:
