@@ -8,6 +8,7 @@ names the test module whose tests its helpers were written for, and which explai
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import signal
 import subprocess
@@ -511,10 +512,12 @@ ANY_GROUP = object()
 
 class ThreadComm:
     """Rank ``rank`` of a :class:`ThreadGroup`: the collectives a transport offers, made by
-    exchanging tensors between the threads. Records every call in ``calls`` — (name, sizes,
+    exchanging tensors between the threads (a rank's group rank is also its global rank, the
+    one ``broadcast`` names as ``src``). Records every call in ``calls`` — (name, sizes,
     ``async_op``), and ("wait",) for each work waited for; accepts only the group ``handle``
     (a collective over any other fails the test; :data:`ANY_GROUP`: any); its clock reads
-    ``start``, ``start + tick``, ... (one reading a call)."""
+    ``start``, ``start + tick``, ... (one reading a call; ``clock`` may be moved by hand, as
+    a test's stand-in for time passing); ``measuring()`` is the real transport's (nothing)."""
 
     def __init__(self, group: ThreadGroup, rank: int, *, handle: Any = ANY_GROUP,
                  start: float = 0.0, tick: float = 0.0):  # fmt: skip
@@ -530,6 +533,9 @@ class ThreadComm:
         reading = self.clock
         self.clock += self.tick
         return reading
+
+    def measuring(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def group_size(self, group=None) -> int:
         self._check(group)
@@ -567,6 +573,11 @@ class ThreadComm:
         assert [p.numel() for p in pieces] == list(output_splits)
         output.copy_(torch.cat(pieces))
         return RecordedWork(self.calls)
+
+    def broadcast(self, tensor, src, group=None) -> None:
+        self._check(group)
+        self.calls.append(("broadcast", tensor.dtype, tensor.numel(), src))
+        tensor.copy_(self._exchange(tensor)[src])
 
 
 class RecordedWork:

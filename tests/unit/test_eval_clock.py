@@ -1,10 +1,11 @@
 """Evaluation off the clock: each eval record's ``train_time_s`` is the job's clock less the
 time worker 0 spent evaluating before it (cloudburst.loop.evaluator.Evaluator), on a fake
-clock."""
+clock: a one-rank ``tests.support.ThreadComm`` whose clock moves only when told (the
+evaluation's cost is added by the strategy's fetch below, which stands for the whole
+evaluation)."""
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -15,37 +16,22 @@ from cloudburst.data import synthetic
 from cloudburst.loop.evaluator import Evaluator
 from cloudburst.metrics import MetricsWriter, read_jsonl
 from cloudburst.models import build_model
-
-
-class FakeComm:
-    """A clock that moves only when told (the evaluation's cost is added by the strategy's
-    fetch below, which stands for the whole evaluation)."""
-
-    simulated = False
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def measuring(self):
-        return contextlib.nullcontext()
+from tests.support import ThreadComm, ThreadGroup
 
 
 class SlowFetch:
     """A strategy whose snapshot of the global model takes ``cost_s`` on the clock."""
 
-    def __init__(self, comm: FakeComm, model: torch.nn.Module, cost_s: float) -> None:
+    def __init__(self, comm: ThreadComm, model: torch.nn.Module, cost_s: float) -> None:
         self.comm, self.model, self.cost_s = comm, model, cost_s
 
     def fetch_global_params(self):
-        self.comm.t += self.cost_s
+        self.comm.clock += self.cost_s
         return flatten_params(self.model), 64
 
 
 def make(tmp_path, cost_s: float):
-    comm = FakeComm()
+    comm = ThreadComm(ThreadGroup(1), 0)  # tick 0: reads 0 s until moved
     cfg = SimpleNamespace(eval_every_s=1.0, autocast="none")
     ctx = SimpleNamespace(cfg=cfg, comm=comm, device=torch.device("cpu"))
     ctx.elapsed_s = comm.now
@@ -64,9 +50,9 @@ def test_train_time_leaves_out_every_earlier_evaluation(tmp_path) -> None:
     comm, evaluator, strategy, metrics = make(tmp_path, cost_s=0.25)
     evaluator.maybe_eval(strategy, force=True)  # at 0 s: costs 0.25 s
     for _ in range(3):
-        comm.t += 1.5  # training between evaluations
+        comm.clock += 1.5  # training between evaluations
         evaluator.maybe_eval(strategy)
-    comm.t += 0.5
+    comm.clock += 0.5
     evaluator.maybe_eval(strategy)  # not due: 0.5 s since the last
     metrics.close()
     records = evals(tmp_path)
@@ -82,13 +68,13 @@ def test_train_time_leaves_out_every_earlier_evaluation(tmp_path) -> None:
 def test_a_resumed_evaluator_continues_the_training_clock(tmp_path) -> None:
     comm, evaluator, strategy, metrics = make(tmp_path, cost_s=0.25)
     evaluator.maybe_eval(strategy, force=True)
-    comm.t += 1.5
+    comm.clock += 1.5
     evaluator.maybe_eval(strategy)  # at 1.75 s; a checkpoint at 3 s, then evaluations lost
-    comm.t += 1.5
+    comm.clock += 1.5
     evaluator.maybe_eval(strategy)  # at 3.5 s: after the checkpoint (redone on resume)
     metrics.close()
     comm2, resumed, strategy2, metrics2 = make(tmp_path, cost_s=0.25)
-    comm2.t = 3.0  # the resumed clock continues from the checkpoint's elapsed time
+    comm2.clock = 3.0  # the resumed clock continues from the checkpoint's elapsed time
     resumed.restore_clock(3.0)
     assert resumed.eval_s == pytest.approx(0.5)  # the two evaluations before 3 s
     resumed.maybe_eval(strategy2, force=True)

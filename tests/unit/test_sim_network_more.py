@@ -9,8 +9,6 @@ The cluster: 8 ranks on 2 nodes (ranks 0-3 on node 0), the intra-node link 16 Gb
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -20,6 +18,8 @@ from cloudburst.comm.stats import CommStats
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.sim.run import run_ranks
+from tests.fakes import RecordingLink
+from tests.support import on_comm_threads
 
 LAT_IN, BW_IN = 0.0005, 2e9  # --intra-node-link 16,0.5
 SCALE = 3  # modelled_params per actual parameter
@@ -118,61 +118,23 @@ def test_ddp_waits_for_a_member_link_still_busy_after_the_last_call(tmp_path):
 
 # ---------------------------------------------------------------------------- all_reduce_sum
 GROUP = object()  # an opaque group handle: passed through, never looked inside
+HUNDREDS = 100.0  # what the group's other ranks contribute to each element, together
 
 
-class _Deferred:
-    """An asynchronous work whose result lands in the tensor only when waited for."""
+def _all_reduce_sums(size: int, t: torch.Tensor, **kw) -> list[tuple]:
+    """``all_reduce_sum`` over GROUP on ``size`` threads, each transport a ThreadComm that
+    accepts only GROUP (the caller's group reaches the transport), its clock reading 10, 10.5,
+    11, ..., and each link a RecordingLink charging 0.25 s: rank 0 sums ``t``, the others
+    ``HUNDREDS`` between them (rank 1 all, the rest zeros). Each rank's (pending, tensor,
+    transport, link, stats)."""
 
-    def __init__(self, apply):
-        self.apply = apply
+    def rank_fn(rank, comm):
+        mine = t if rank == 0 else torch.full_like(t, HUNDREDS if rank == 1 else 0.0)
+        link, stats = RecordingLink(allreduce_cost_s=0.25), CommStats()
+        pending = all_reduce_sum(mine, GROUP, stats, link=link, comm=comm, **kw)
+        return pending, mine, comm, link, stats
 
-    def wait(self) -> bool:
-        self.apply()
-        return True
-
-    def is_completed(self) -> bool:
-        return False
-
-
-class _Comm:
-    """A transport whose clock reads 10, 10.5, 11, ... (one reading a call), whose group has
-    ``size`` ranks and whose all-reduce adds 100 to the tensor (at once, or when an
-    asynchronous work is waited for). Records every call."""
-
-    def __init__(self, size: int):
-        self.size, self.clock = size, 10.0
-        self.calls: list[tuple] = []
-
-    def now(self) -> float:
-        reading = self.clock
-        self.clock += 0.5
-        return reading
-
-    def group_size(self, group: Any = None) -> int:
-        return self.size
-
-    def all_reduce(self, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
-        self.calls.append((tensor.numel(), group, async_op))
-        if not async_op:
-            tensor.add_(100.0)
-            return None
-        return _Deferred(lambda: tensor.add_(100.0))
-
-
-class _Link:
-    """An active emulated link charging 0.25 s for any all-reduce; its bookings end long ago."""
-
-    active = True
-
-    def __init__(self):
-        self.asked: list[tuple] = []
-
-    def allreduce_s(self, nbytes: int, group_size: int) -> float:
-        self.asked.append((nbytes, group_size))
-        return 0.25
-
-    def book_collective(self, seconds: float, group: Any, start: float | None = None) -> float:
-        return 0.0
+    return on_comm_threads(size, rank_fn, handle=GROUP, start=10.0, tick=0.5)
 
 
 def test_all_reduce_sum_counts_a_ring_within_a_node_by_default_and_reduces_over_its_group():
@@ -180,11 +142,9 @@ def test_all_reduce_sum_counts_a_ring_within_a_node_by_default_and_reduces_over_
     emulated and the ring's bytes (2(n−1)/n × 4 floats × 4 bytes = 24 for n = 4) count as
     intra-node; the one blocking transport call gets the caller's group; the seconds between
     its clock readings count as waiting; the returned pending waits on the same transport."""
-    comm, link, stats = _Comm(4), _Link(), CommStats()
-    t = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    pending = all_reduce_sum(t, GROUP, stats, link=link, comm=comm)
+    pending, t, comm, link, stats = _all_reduce_sums(4, torch.tensor([1.0, 2.0, 3.0, 4.0]))[0]
     assert t.tolist() == [101.0, 102.0, 103.0, 104.0]
-    assert comm.calls == [(4, GROUP, False)] and link.asked == []
+    assert comm.calls == [("all_reduce", torch.float32, 4, False)] and link.asked == []
     assert (stats.intra_node_bytes, stats.inter_node_bytes) == (24, 0)
     assert (stats.wait_s, stats.emulated_link_s) == (0.5, 0.0)
     pending.wait()  # nothing left to wait for: two more readings of the same clock
@@ -193,20 +153,20 @@ def test_all_reduce_sum_counts_a_ring_within_a_node_by_default_and_reduces_over_
 
 def test_a_group_of_one_across_nodes_does_not_emulate_the_link():
     """A group of one rank has nothing to carry over the link, even marked as spanning nodes:
-    the link is not asked, no time is added for it, and the all-reduce is the blocking one."""
-    comm, link, stats = _Comm(1), _Link(), CommStats()
-    t = torch.tensor([1.0, 2.0])
-    all_reduce_sum(t, GROUP, stats, link=link, spans_nodes=True, comm=comm)
-    assert link.asked == [] and stats.emulated_link_s == 0.0
-    assert comm.calls == [(2, GROUP, False)] and t.tolist() == [101.0, 102.0]
+    the link is not asked, no time is added for it, and the all-reduce is the blocking one
+    (its sum, over the one rank, the tensor itself)."""
+    _, t, comm, link, stats = _all_reduce_sums(1, torch.tensor([1.0, 2.0]), spans_nodes=True)[0]
+    assert link.asked == [] and link.booked == [] and stats.emulated_link_s == 0.0
+    assert comm.calls == [("all_reduce", torch.float32, 2, False)] and t.tolist() == [1.0, 2.0]
 
 
 def test_an_emulated_all_reduce_waits_for_the_transport_work_it_wraps():
     """Across nodes on an active link the all-reduce is asynchronous, its work wrapped to end
-    no earlier than the link allows: waiting for it also waits for the transport's work, so
-    the sum is in the tensor when ``all_reduce_sum`` returns; 0.25 s is added for the link."""
-    comm, link, stats = _Comm(2), _Link(), CommStats()
+    no earlier than the link allows: waiting for it also waits for the transport's work (its
+    wait recorded), so the sum is in the tensor when ``all_reduce_sum`` returns; 0.25 s is
+    added for the link."""
     t = torch.tensor([1.0, 2.0, 3.0])
-    all_reduce_sum(t, GROUP, stats, link=link, spans_nodes=True, comm=comm)
-    assert comm.calls == [(3, GROUP, True)] and link.asked == [(12, 2)]
+    _, t, comm, link, stats = _all_reduce_sums(2, t, spans_nodes=True)[0]
+    assert comm.calls == [("all_reduce", torch.float32, 3, True), ("wait",)]
+    assert link.asked == [(12, 2)]
     assert t.tolist() == [101.0, 102.0, 103.0] and stats.emulated_link_s == 0.25

@@ -1,6 +1,6 @@
 """``--max-train-time-s``: the config's check, the lockstep workers' agreement (which steps
-check, where it stops) against a fake transport, and whole jobs on the virtual cluster,
-whose virtual seconds make every stopping step exact."""
+check, where it stops) between two threads, each transport a ``tests.support.ThreadComm``,
+and whole jobs on the virtual cluster, whose virtual seconds make every stopping step exact."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from cloudburst.config.simulation import SimulationConfig
 from cloudburst.loop.budget import MAX_CHECK_INTERVAL, TimeBudget
 from cloudburst.sim.run import simulate
 from tests.fakes import FakeNamespace
+from tests.support import ThreadComm, on_comm_threads
 
 STEP_S = 0.01  # the modelled step time of the simulated runs
 
@@ -36,37 +37,21 @@ def test_no_budget_by_default_and_a_budget_is_kept():
 
 
 # ---------------------------------------------------------------------------- the agreement
-class _FakeComm:
-    """One worker's view of a lockstep job's transport: the all-reduce adds nothing (the
-    other workers contribute 0 to worker 0's clock) and is counted."""
-
-    def __init__(self):
-        self.all_reduces = 0
-
-    def group_size(self, group=None) -> int:
-        return 2
-
-    def all_reduce(self, tensor, group=None, async_op=False):
-        self.all_reduces += 1
-
-    def now(self) -> float:
-        return 0.0
-
-
-def _lockstep_budget(budget_s: float, clock):
-    comm = _FakeComm()
+# Two lockstep workers, each on a thread whose transport is a ThreadComm (its clock reads 0:
+# the checks take no time). Worker 0's clock is the one agreed on; worker 1 contributes 0.
+def _lockstep_budget(budget_s: float, clock, comm: ThreadComm, index: int):
     ctx = FakeNamespace(
         cfg=SimpleNamespace(max_train_time_s=budget_s),
         comm=comm,
         num_workers=2,
-        worker_index=0,
+        worker_index=index,
         num_servers=0,
         link=None,
         num_nodes=1,
         elapsed_s=clock,
     )
     strategy = SimpleNamespace(lockstep=True, stats=CommStats())
-    return TimeBudget(ctx, strategy), comm, strategy
+    return TimeBudget(ctx, strategy), strategy
 
 
 def _run(budget: TimeBudget, steps: int, now: list[float], step_s) -> tuple[int, list[int]]:
@@ -81,71 +66,56 @@ def _run(budget: TimeBudget, steps: int, now: list[float], step_s) -> tuple[int,
     return steps, checked
 
 
+def _both_workers(budget_s: float, steps: int, step_s, rates=(1.0, 1.0)) -> list[SimpleNamespace]:
+    """``_run`` on both workers, worker k's own clock ``rates[k]`` × the time its steps took;
+    each one's last step, checked steps, budget, strategy and all-reduces (transport calls)."""
+
+    def worker(index: int, comm: ThreadComm) -> SimpleNamespace:
+        now = [0.0]
+        budget, strategy = _lockstep_budget(budget_s, lambda: rates[index] * now[0], comm, index)
+        last, checked = _run(budget, steps, now, step_s)
+        all_reduces = sum(call[0] == "all_reduce" for call in comm.calls)
+        return SimpleNamespace(
+            last=last, checked=checked, budget=budget, strategy=strategy, all_reduces=all_reduces
+        )
+
+    return on_comm_threads(2, worker)
+
+
 def test_lockstep_workers_check_rarely_and_stop_at_the_first_step_past_the_budget():
-    now = [0.0]
-    budget, comm, strategy = _lockstep_budget(7.005, lambda: now[0])
-    last, checked = _run(budget, 100_000, now, lambda step: 0.01)
-    assert last == 701  # 7.01 s: the first step whose end is past 7.005 s
-    assert budget.stopped_by() == "time_budget"
+    w0, w1 = _both_workers(7.005, 100_000, lambda step: 0.01)
+    assert w0.last == 701  # 7.01 s: the first step whose end is past 7.005 s
+    assert w0.budget.stopped_by() == "time_budget"
     # Checks: the first two steps (the pace), every MAX_CHECK_INTERVAL steps while the end
     # is far, then at halvings of what is left, every step at the very end.
+    checked = w0.checked
     assert checked[:3] == [1, 2, 2 + MAX_CHECK_INTERVAL] and checked[-3:] == [699, 700, 701]
-    assert len(checked) == comm.all_reduces <= 701 // MAX_CHECK_INTERVAL + 12
+    assert len(checked) == w0.all_reduces <= 701 // MAX_CHECK_INTERVAL + 12
     assert all(b - a <= MAX_CHECK_INTERVAL for a, b in zip(checked, checked[1:], strict=False))
-    assert strategy.stats.sent_bytes > 0  # the check is traffic, counted
+    assert w0.strategy.stats.sent_bytes > 0  # the check is traffic, counted
+    assert (w1.last, w1.checked) == (w0.last, w0.checked)
 
 
 def test_lockstep_checks_still_stop_at_the_first_step_past_when_steps_slow_down_less_than_2x():
-    now = [0.0]
-    budget, _, _ = _lockstep_budget(10.0, lambda: now[0])
     # 1.9x slower steps from step 300 on: every time crossing 10 s is still checked.
-    last, _ = _run(budget, 100_000, now, lambda step: 0.019 if step >= 300 else 0.01)
+    w0, _ = _both_workers(10.0, 100_000, lambda step: 0.019 if step >= 300 else 0.01)
     crossing = next(s for s in range(1, 100_000) if 2.99 + 0.019 * (s - 299) >= 10.0)
-    assert last == crossing
+    assert w0.last == crossing
 
 
 def test_no_budget_never_checks_and_the_last_step_is_never_checked():
-    now = [0.0]
-    budget, comm, _ = _lockstep_budget(0.0, lambda: now[0])
-    assert _run(budget, 50, now, lambda step: 1.0) == (50, [])
-    budget, comm, _ = _lockstep_budget(1e9, lambda: now[0])
-    last, checked = _run(budget, 3, now, lambda step: 1.0)
-    assert last == 3 and checked == [1, 2] and budget.stopped_by() == "steps"
-
-
-class _PairComm(_FakeComm):
-    """Two workers' all-reduce, called by worker 0 first: worker 1 gets what worker 0 added."""
-
-    def __init__(self, shared: list[float], index: int):
-        super().__init__()
-        self.shared, self.index = shared, index
-
-    def all_reduce(self, tensor, group=None, async_op=False):
-        super().all_reduce(tensor)
-        if self.index == 0:
-            self.shared.append(float(tensor.item()))
-        else:
-            tensor += self.shared[self.all_reduces - 1]
+    w0, _ = _both_workers(0.0, 50, lambda step: 1.0)
+    assert (w0.last, w0.checked) == (50, [])
+    w0, _ = _both_workers(1e9, 3, lambda step: 1.0)
+    assert w0.last == 3 and w0.checked == [1, 2] and w0.budget.stopped_by() == "steps"
 
 
 def test_lockstep_workers_stop_at_the_same_step_whatever_their_own_clocks_say():
     # Worker 1's own clock runs 1.5x worker 0's (it evaluated less, started later...): both
     # decide on worker 0's, checked at the same steps, and stop after the same step.
-    now, shared, budgets = [0.0], [], []
-    for index, rate in ((0, 1.0), (1, 1.5)):
-        budget, _, _ = _lockstep_budget(2.005, lambda rate=rate: rate * now[0])
-        budget.ctx.worker_index, budget.ctx.comm = index, _PairComm(shared, index)
-        budgets.append(budget)
-    stopped = {}
-    for step in range(1, 1000):
-        now[0] += 0.01
-        for index, budget in enumerate(budgets):
-            if index not in stopped and budget.over(step, 1000):
-                stopped[index] = step
-        if len(stopped) == 2:
-            break
-    assert stopped == {0: 201, 1: 201}
-    assert budgets[0].ctx.comm.all_reduces == budgets[1].ctx.comm.all_reduces
+    w0, w1 = _both_workers(2.005, 1000, lambda step: 0.01, rates=(1.0, 1.5))
+    assert {0: w0.last, 1: w1.last} == {0: 201, 1: 201}
+    assert w0.all_reduces == w1.all_reduces
 
 
 # ---------------------------------------------------------------------------- virtual cluster
