@@ -83,7 +83,7 @@ def clock_run_config(**kw) -> RunConfig:
     return RunConfig.from_dict({**base, **kw})
 
 
-# --------------------------- local SGD, DiLoCo on W threads (tests/unit/test_mutation_survivors.py)
+# --------------------------- local SGD, DiLoCo on W threads (tests/unit/test_streaming_diloco.py)
 BATCH = 8  # samples per local step (what the loop passes to after_step)
 
 

@@ -4,13 +4,21 @@
 queued per shard and the shard's :class:`ServerLoop` handles them when the worker waits for an
 answer, so the worker's push/fetch schedule, the overlapped replies and the rejection path run
 exactly as in a job.
+
+The asgd and easgd workers' accounting (samples, steps, staleness, dropped and rejected pushes,
+the θ they publish) runs over the fake network of :mod:`tests.fakes` instead, W workers
+stepped in a scripted order, every header through its wire encoding and every payload on the
+stream (request or reply) gloo would carry it on.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import queue
 import threading
 
+import pytest
 import torch
 from torch import nn
 
@@ -20,7 +28,9 @@ from cloudburst.config import RunConfig
 from cloudburst.data import BatchStream, synthetic
 from cloudburst.models import build_model
 from cloudburst.strategies.asgd.serve import Standby
-from tests.support import asgd_cfg, train_asgd_worker
+from tests import reference as ref
+from tests.fakes import WorkerSide, flush, ps_job
+from tests.support import BATCH, asgd_cfg, survivor_cfg, train_asgd_worker
 
 
 def reference(steps: int) -> nn.Module:
@@ -38,7 +48,7 @@ def reference(steps: int) -> nn.Module:
 
 
 def test_one_worker_equals_sgd_for_every_schedule_and_rule():
-    ref = flatten_params(reference(24))
+    expected = flatten_params(reference(24))
     for kw in [
         dict(servers=1, n_sync=1),
         dict(servers=3, n_sync=4),  # overlapped replies on 3 shards
@@ -49,8 +59,10 @@ def test_one_worker_equals_sgd_for_every_schedule_and_rule():
         model, _, loops = train_asgd_worker(asgd_cfg(**kw), 24)
         theta = torch.cat([loop.shard.theta for loop in loops])
         # step 24 is a push and a fetch for every schedule here: shards and replica agree
-        torch.testing.assert_close(theta, ref, rtol=1e-5, atol=1e-6, msg=str(kw))
-        torch.testing.assert_close(flatten_params(model), ref, rtol=1e-5, atol=1e-6, msg=str(kw))
+        torch.testing.assert_close(theta, expected, rtol=1e-5, atol=1e-6, msg=str(kw))
+        torch.testing.assert_close(
+            flatten_params(model), expected, rtol=1e-5, atol=1e-6, msg=str(kw)
+        )
 
 
 def test_rejected_push_is_discarded_and_training_goes_on():
@@ -139,3 +151,151 @@ def test_a_standby_copy_holds_its_shards_theta_after_every_forwarded_push():
     assert loops[1].shard.version == 4
     assert torch.equal(standby.replica.theta, loops[1].shard.theta)
     assert standby.replica.stats() == loops[1].shard.stats()
+
+
+class _WireWorkerSide(WorkerSide):
+    """A worker's end of :mod:`tests.fakes` as the wire treats it: every header goes through
+    its wire encoding, and a payload travels on the stream its ``reply`` flag names (gloo
+    matches tags): a request's payload sent as a reply, or a reply awaited as a request, never
+    arrives."""
+
+    def send(self, k: int, header: Header, payload=None, final: bool = False) -> None:
+        super().send(k, Header.from_tensor(header.to_tensor()), payload, final)
+
+    def isend_payload(self, k: int, payload: torch.Tensor, reply: bool, prepare=None):
+        if prepare is not None:
+            prepare(0, payload.numel())
+        if reply:
+            raise AssertionError("a request's payload sent on the reply stream never arrives")
+        return super().isend_payload(k, payload, reply, prepare)
+
+    def irecv_payload(self, k: int, out: torch.Tensor, reply: bool):
+        if not reply:
+            raise AssertionError("a reply awaited on the request stream never arrives")
+        return super().irecv_payload(k, out, reply)
+
+
+def _ps(strategy: str, workers: int, **kw):
+    """A started parameter-server job over the fake network, and its replicas."""
+    cfg = survivor_cfg(strategy, workers, **kw)
+    replicas = ref.Replicas(workers, ref.sgd())
+    job = ps_job(cfg, replicas.models)
+    for w in job.workers:
+        w.transport = _WireWorkerSide(w.transport.net, w.transport.rank, w.stats)
+        w.start()
+    return job, replicas
+
+
+def _steps(job, replicas: ref.Replicas, worker: int, steps: int = 1) -> None:
+    """``steps`` local steps of one worker, each followed by its strategy's ``after_step``."""
+    strategy = job.workers[worker]
+    for _ in range(steps):
+        replicas.step(worker, strategy.local_steps + 1)
+        strategy.after_step(BATCH)
+
+
+def test_asgd_counts_the_samples_of_every_step_and_publishes_the_fetched_theta():
+    job, replicas = _ps("asgd", 1, servers=1, n_sync=2)
+    worker, shard = job.workers[0], job.loops[0].shard
+    _steps(job, replicas, 0)
+    assert worker.global_params() is None  # no round this step
+    _steps(job, replicas, 0)  # push and fetch
+    assert shard.samples == 2 * BATCH and worker.global_samples == 2 * BATCH
+    theta, samples = worker.global_params()
+    assert samples == 2 * BATCH and torch.equal(theta, job.server_theta)
+    _steps(job, replicas, 0, 3)
+    assert shard.samples == 4 * BATCH and worker.local_steps == 5
+    flush(worker)
+    assert shard.samples == 5 * BATCH
+    assert worker.state_dict()["local_steps"] == 5
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_asgd_reads_the_servers_theta_between_rounds_and_leaves_the_replica_alone(servers):
+    job, replicas = _ps("asgd", 2, servers=servers, n_sync=2)
+    w0, w1 = job.workers
+    _steps(job, replicas, 1)  # w1: one step, no round
+    _steps(job, replicas, 0, 2)  # w0 pushes two steps' samples
+    replica, base = ref.flat(replicas.models[1]), w1.reference.clone()
+    versions = list(w1.versions)
+    theta, samples = w1.fetch_global_params()
+    assert torch.equal(theta, job.server_theta) and samples == 2 * BATCH
+    assert torch.equal(ref.flat(replicas.models[1]), replica)
+    assert torch.equal(w1.reference, base) and w1.versions == versions
+    fresh, samples = w0.fetch_global_params()  # w0 fetched this step: nothing to ask
+    assert torch.equal(fresh, job.server_theta) and samples == 2 * BATCH
+
+
+def test_asgd_worker_rebuilds_a_scaled_stale_push_as_the_server_applies_it():
+    job, replicas = _ps("asgd", 2, servers=1, n_sync=1, staleness_scaling=True, server_lr=1.0)
+    _steps(job, replicas, 0, 2)  # w0 pushes at versions 0 and 1
+    _steps(job, replicas, 1)  # w1 pushes against version 0 at version 2: α = 1/2
+    w1 = job.workers[1]
+    assert w1.last_staleness == 2
+    assert torch.equal(w1.reference, job.server_theta)
+    assert torch.equal(ref.flat(replicas.models[1]), job.server_theta)
+
+
+def test_asgd_sums_the_staleness_of_its_pushes():
+    job, replicas = _ps("asgd", 2, servers=1, n_sync=1)
+    for worker in (0, 1, 0, 1):  # staleness: w0 0, w1 1, w0 1, w1 1
+        _steps(job, replicas, worker)
+    report = [w.report() for w in job.workers]
+    counts = [(r["staleness_sum_versions"], r["staleness_max_versions"]) for r in report]
+    assert [(*c, r["pushes"]) for c, r in zip(counts, report, strict=True)] == [
+        (1, 1, 2),
+        (2, 1, 2),
+    ]
+
+
+def test_asgd_counts_each_dropped_push():
+    job, replicas = _ps("asgd", 2, servers=1, n_sync=1, max_staleness=0)
+    for worker in (0, 1, 0, 1):  # both of w1's pushes are one version stale
+        _steps(job, replicas, worker)
+    w1 = job.workers[1]
+    assert (w1.pushes, w1.pushes_dropped, w1.report()["pushes_dropped_stale"]) == (2, 2, 2)
+    assert job.workers[0].pushes_dropped == 0
+
+
+def test_asgd_restarts_from_the_servers_theta_after_each_rejected_push(caplog):
+    job, replicas = _ps("asgd", 1, servers=1, n_push=1, n_fetch=4)
+    worker, model = job.workers[0], replicas.models[0]
+    with caplog.at_level(logging.WARNING, logger="cloudburst.strategies.asgd.worker"):
+        for step in (1, 2):
+            replicas.step(0, step)
+            with torch.no_grad():
+                model[0].weight[0, 0] = math.nan
+            worker.after_step(BATCH)
+            assert torch.equal(ref.flat(model), job.server_theta)
+    assert worker.pushes_rejected == 2
+    messages = [
+        r.getMessage() for r in caplog.records if r.name == "cloudburst.strategies.asgd.worker"
+    ]
+    assert messages == ["the servers rejected this worker's push; re-fetching θ"] * 2
+
+
+def test_easgd_counts_samples_and_steps_and_publishes_nothing_between_fetches():
+    job, replicas = _ps("easgd", 1, servers=1, easgd_tau=2)
+    worker, shard = job.workers[0], job.loops[0].shard
+    _steps(job, replicas, 0)
+    assert worker.global_params() is None
+    _steps(job, replicas, 0, 3)
+    assert shard.samples == 4 * BATCH and worker.global_samples == 4 * BATCH
+    assert (worker.local_steps, worker.pushes) == (4, 2)
+
+
+def test_easgd_leaves_a_dropped_replica_alone_and_resets_a_rejected_one_to_the_centre():
+    job, replicas = _ps("easgd", 2, servers=1, easgd_tau=1, max_staleness=0)
+    w1, model = job.workers[1], replicas.models[1]
+    _steps(job, replicas, 0)  # the centre moves to version 1
+    replicas.step(1, 1)
+    before, centre = ref.flat(model), job.server_theta.clone()
+    w1.after_step(BATCH)  # against version 0: dropped
+    assert w1.pushes_dropped == 1
+    assert torch.equal(ref.flat(model), before) and torch.equal(job.server_theta, centre)
+    replicas.step(1, 2)
+    with torch.no_grad():
+        model[0].weight[0, 0] = math.nan
+    w1.after_step(BATCH)  # against version 1, not finite: rejected
+    assert w1.pushes_rejected == 1
+    assert torch.equal(ref.flat(model), job.server_theta) and torch.equal(job.server_theta, centre)

@@ -1,16 +1,32 @@
+"""The checkpoint format (:mod:`cloudburst.checkpoint`): atomic writes, loads that never run
+code, the checksum, the record's kind, one-line errors naming the file, model buffers, and
+where a server shard's checkpoint lives."""
+
+from __future__ import annotations
+
+import io
+import os
 import pickle
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.serialization
+from torch import nn
 
+from cloudburst import checkpoint
 from cloudburst.checkpoint import (
     CheckpointError,
     load_checkpoint,
+    load_model_buffers,
     load_model_into,
+    model_buffers_bytes,
     save_checkpoint,
     save_model,
 )
 from cloudburst.models import build_model
+from cloudburst.strategies.asgd.shard import shard_checkpoint_path
 
 
 def test_round_trip(tmp_path):
@@ -54,26 +70,12 @@ def test_truncated_corrupt_foreign_and_wrong_kind(tmp_path):
         load_checkpoint(good, "server-shard")
 
 
-def test_checksum_catches_changed_payload(tmp_path):
-    path = tmp_path / "c.pt"
-    save_checkpoint(path, "model", {"x": torch.zeros(4)})
-    record = torch.load(path, weights_only=True)
-    record["payload"]["x"][0] = 1.0
-    torch.save(record, path)
-    with pytest.raises(CheckpointError, match="checksum"):
-        load_checkpoint(path)
-
-
 class _Exploit:
     def __reduce__(self):
-        import os
-
         return (os.system, ("touch /tmp/cloudburst-pwned-marker",))
 
 
 def test_code_in_a_checkpoint_never_runs(tmp_path):
-    import os
-
     marker = "/tmp/cloudburst-pwned-marker"
     if os.path.exists(marker):
         os.remove(marker)
@@ -88,3 +90,253 @@ def test_code_in_a_checkpoint_never_runs(tmp_path):
         with pytest.raises(CheckpointError, match="cannot be read safely"):
             load_checkpoint(p)
     assert not os.path.exists(marker)
+
+
+def test_a_checkpoint_is_written_into_new_nested_directories(tmp_path):
+    path = tmp_path / "a" / "b" / "c.pt"
+    save_checkpoint(path, "worker", {"x": torch.arange(3.0)})
+    assert torch.equal(load_checkpoint(path, "worker")["x"], torch.arange(3.0))
+
+
+def test_the_temporary_file_is_a_hidden_sibling_renamed_over_the_target(tmp_path, monkeypatch):
+    renames = []
+    replace = os.replace
+
+    def recording_replace(src, dst):
+        renames.append((Path(src), Path(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", recording_replace)
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, "worker", {"x": 1})
+    [(src, dst)] = renames
+    assert dst == path
+    assert src.parent == path.parent  # the same file system: the rename is atomic
+    assert src.name.startswith(".c.pt.")
+
+
+def test_a_failed_write_leaves_no_temporary_file_and_raises_its_cause(tmp_path, monkeypatch):
+    def failing_fsync(fd: int) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint.os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="^disk full$"):
+        save_checkpoint(tmp_path / "c.pt", "worker", {"x": 1})
+    assert list(tmp_path.iterdir()) == []
+
+
+class _RenameFailed(Exception):
+    pass
+
+
+def test_a_failed_rename_raises_its_cause_when_the_temporary_file_is_gone(tmp_path, monkeypatch):
+    def failing_replace(src, dst):
+        os.remove(src)
+        raise _RenameFailed
+
+    monkeypatch.setattr(checkpoint.os, "replace", failing_replace)
+    with pytest.raises(_RenameFailed):
+        save_checkpoint(tmp_path / "c.pt", "worker", {"x": 1})
+    assert list(tmp_path.iterdir()) == []
+
+
+_CALLS: list[tuple] = []
+
+
+def _record_call(*args: Any) -> None:
+    """What a malicious checkpoint would run on load."""
+    _CALLS.append(args)
+
+
+class _RecordedExploit:
+    def __reduce__(self):
+        return (_record_call, ("ran",))
+
+
+def test_code_in_a_checkpoint_never_runs_even_when_torch_defaults_to_unsafe_loads(
+    tmp_path, monkeypatch
+):
+    # torch honours this variable only where the caller did not ask for weights_only itself
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    path = tmp_path / "evil.pt"
+    torch.save({"format": checkpoint.FORMAT, "kind": "model", "payload": _RecordedExploit()}, path)
+    _CALLS.clear()
+    with pytest.raises(CheckpointError, match="cannot be read safely"):
+        load_checkpoint(path)
+    assert _CALLS == []
+
+
+@pytest.mark.parametrize(
+    "error, reason",
+    [
+        (ValueError("first line\nsecond line"), "first line"),
+        (ValueError("  "), "ValueError"),
+        (EOFError(), "EOFError"),
+        (RuntimeError("x" * 300), "x" * 200),
+    ],
+)
+def test_an_unreadable_checkpoint_gives_the_first_line_of_its_cause(
+    tmp_path, monkeypatch, error, reason
+):
+    path = tmp_path / "c.pt"
+    path.write_bytes(b"anything")
+
+    def failing_load(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(checkpoint.torch, "load", failing_load)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert str(err.value).endswith(f"not a cloudburst checkpoint): {reason}")
+
+
+def test_a_checkpoint_of_another_kind_names_the_file_and_what_it_holds(tmp_path):
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, "worker", {"x": 1})
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path, "server-shard")
+    assert str(err.value) == f"checkpoint {str(path)!r} holds a 'worker', expected 'server-shard'"
+
+
+def test_a_changed_payload_names_the_file(tmp_path):
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, "worker", {"x": torch.zeros(2)})
+    record = torch.load(path, weights_only=True)
+    record["payload"]["x"][0] = 1.0
+    torch.save(record, path)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert str(err.value) == f"checkpoint {str(path)!r} fails its checksum (corrupt)"
+
+
+# A worker checkpoint's shapes: nested dicts (int keys beside str keys), lists and tuples of
+# numbers, strings and None, and tensors (empty ones included).
+_NESTED = {
+    "step": 7,
+    "evals": [(1, 0.5), (2, 0.25)],
+    "optimizer": {"state": {0: {"momentum": torch.arange(3.0)}}, "groups": [{"lr": 0.1}]},
+    "mixed": {0: "zero", "one": None},
+    "empty": torch.zeros(0),
+}
+
+
+def test_a_checkpoint_of_nested_lists_tuples_and_mixed_keys_round_trips(tmp_path):
+    path = tmp_path / "w.pt"
+    save_checkpoint(path, "worker", _NESTED)
+    loaded = load_checkpoint(path, "worker")
+    assert loaded["evals"] == [(1, 0.5), (2, 0.25)] and loaded["mixed"] == {0: "zero", "one": None}
+    assert torch.equal(loaded["optimizer"]["state"][0]["momentum"], torch.arange(3.0))
+    assert loaded["empty"].numel() == 0
+
+
+def _tampered(record: dict) -> None:
+    record["payload"]["evals"][1] = (2, 0.75)
+
+
+def _renamed(record: dict) -> None:
+    record["payload"]["mixed"] = {0: "zero", "two": None}
+
+
+def _retyped(record: dict) -> None:
+    record["payload"]["evals"][0] = [1, 0.5]  # a list where a tuple was
+
+
+@pytest.mark.parametrize("change", [_tampered, _renamed, _retyped])
+def test_the_checksum_covers_list_items_keys_and_sequence_types(tmp_path, change):
+    path = tmp_path / "w.pt"
+    save_checkpoint(path, "worker", _NESTED)
+    record = torch.load(path, weights_only=True)
+    change(record)
+    torch.save(record, path)
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        load_checkpoint(path)
+
+
+def test_a_model_is_loaded_only_from_a_model_checkpoint(tmp_path):
+    path = tmp_path / "w.pt"
+    save_checkpoint(path, "worker", {"state_dict": nn.Linear(2, 2).state_dict(), "meta": {}})
+    with pytest.raises(CheckpointError, match="holds a 'worker', expected 'model'"):
+        load_model_into(path, nn.Linear(2, 2))
+
+
+def test_a_model_that_does_not_fit_names_the_file_and_the_first_line_of_the_cause(tmp_path):
+    path = tmp_path / "m.pt"
+    save_model(path, nn.Linear(2, 3), {})
+    with pytest.raises(CheckpointError) as err:
+        load_model_into(path, nn.Linear(4, 3))
+    assert str(err.value) == (
+        f"checkpoint {str(path)!r} does not fit this model: "
+        "Error(s) in loading state_dict for Linear:"
+    )
+
+
+def test_a_model_checkpoint_without_meta_gives_empty_meta(tmp_path):
+    path = tmp_path / "m.pt"
+    model = nn.Linear(2, 2)
+    save_checkpoint(path, "model", {"state_dict": model.state_dict()})
+    assert load_model_into(path, nn.Linear(2, 2)) == {}
+
+
+def test_a_checkpoint_written_from_cuda_tensors_loads_on_the_cpu(tmp_path, monkeypatch):
+    path = tmp_path / "w.pt"
+    # what torch.save records for tensors on a GPU, without needing one
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+    save_checkpoint(path, "worker", {"optimizer": {"buf": torch.arange(3.0)}})
+    monkeypatch.undo()
+    assert torch.equal(load_checkpoint(path, "worker")["optimizer"]["buf"], torch.arange(3.0))
+
+
+def _batch_norm(mean: list[float], var: list[float], batches: int) -> nn.BatchNorm1d:
+    bn = nn.BatchNorm1d(len(mean))
+    bn.running_mean.copy_(torch.tensor(mean))
+    bn.running_var.copy_(torch.tensor(var))
+    bn.num_batches_tracked.fill_(batches)
+    return bn
+
+
+def test_model_buffers_round_trip_and_leave_the_parameters_alone():
+    source = _batch_norm([1.0, 2.0], [3.0, 4.0], 7)
+    target = nn.BatchNorm1d(2)
+    with torch.no_grad():
+        target.weight.fill_(5.0)
+    load_model_buffers(target, model_buffers_bytes(source))
+    assert target.running_mean.tolist() == [1.0, 2.0]
+    assert target.running_var.tolist() == [3.0, 4.0]
+    assert target.num_batches_tracked.item() == 7
+    assert target.weight.tolist() == [5.0, 5.0]
+
+
+def test_model_buffers_of_another_shape_or_name_are_skipped():
+    raw = model_buffers_bytes(_batch_norm([1.0, 2.0], [3.0, 4.0], 7))
+    wider = nn.BatchNorm1d(3)
+    load_model_buffers(wider, raw)
+    assert wider.running_mean.tolist() == [0.0, 0.0, 0.0]  # shape (2,) does not fit (3,)
+    assert wider.num_batches_tracked.item() == 7  # a scalar fits
+    nested = nn.Sequential(nn.BatchNorm1d(2))  # its buffers are named "0.running_mean", ...
+    load_model_buffers(nested, raw)
+    assert nested[0].running_mean.tolist() == [0.0, 0.0]
+    load_model_buffers(nn.Linear(2, 2), raw)  # no buffers at all
+
+
+def test_model_buffers_serialised_on_a_gpu_load_on_the_cpu(monkeypatch):
+    # what torch.save records for tensors on a GPU, without needing one
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+    raw = model_buffers_bytes(_batch_norm([1.0, 2.0], [3.0, 4.0], 7))
+    monkeypatch.undo()
+    target = nn.BatchNorm1d(2)
+    load_model_buffers(target, raw)
+    assert target.running_mean.tolist() == [1.0, 2.0]
+
+
+def test_code_in_model_buffers_never_runs(monkeypatch):
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    buf = io.BytesIO()
+    torch.save({"running_mean": _RecordedExploit()}, buf)
+    _CALLS.clear()
+    with pytest.raises(pickle.UnpicklingError):
+        load_model_buffers(nn.BatchNorm1d(2), buf.getvalue())
+    assert _CALLS == []
+
+
+def test_a_shard_checkpoint_lives_in_the_run_directory_checkpoints():
+    assert shard_checkpoint_path("runs/x", 3) == Path("runs/x/checkpoints/server3.pt")

@@ -105,3 +105,44 @@ def test_fractional_warmup_and_cooldown_are_counted_in_steps():
     steps_per_epoch = 10
     phases = [sched.phase(step / steps_per_epoch) for step in range(40)]
     assert phases == [WARMUP] * 5 + [CYCLING] * 30 + [COOLDOWN] * 5
+
+
+def _cycling(**kw) -> DasoSchedule:
+    """A schedule that is in its cycling phase from the first epoch on (B, S and the rest are
+    the class's defaults unless given, unlike :func:`_schedule`'s pinned ones)."""
+    return DasoSchedule(total_epochs=20, warmup_epochs=0, cooldown_epochs=0, **kw)
+
+
+def test_blocking_asks_about_the_position_given_not_the_current_epoch():
+    schedule = DasoSchedule(total_epochs=20, warmup_epochs=2, cooldown_epochs=2, epoch=5)
+    assert not schedule.blocking()
+    assert schedule.blocking(0.5) and schedule.blocking(19.0)
+
+
+def test_a_schedule_blocking_every_batch_never_adapts():
+    schedule = _cycling(global_skip=0, patience=1)
+    assert [schedule.end_epoch(1.0) for _ in range(4)] == [None] * 4
+    assert schedule.global_skip == 0
+
+
+def test_a_loss_exactly_at_the_stability_threshold_is_no_improvement():
+    schedule = _cycling(stability_level=0.5, patience=1)
+    assert schedule.end_epoch(2.0) is None
+    assert schedule.end_epoch(1.0) == "reduce"  # 1.0 = 2.0 · (1 − 0.5): not below it
+
+
+def test_b_and_s_are_divided_in_whole_batches():
+    schedule = _cycling(global_skip=5, batches_to_wait=3, patience=1, reduction_factor=2)
+    schedule.end_epoch(1.0)
+    assert schedule.end_epoch(1.0) == "reduce"
+    assert (schedule.global_skip, schedule.batches_to_wait) == (2, 1)
+    assert type(schedule.global_skip) is int and type(schedule.batches_to_wait) is int
+
+
+@pytest.mark.parametrize("max_skips, wait", [(4, 1), (6, 1), (12, 3)])
+def test_a_reset_waits_a_quarter_of_the_largest_skip_in_whole_batches(max_skips, wait):
+    schedule = _cycling(global_skip=1, batches_to_wait=1, max_global_skips=max_skips, patience=1)
+    schedule.end_epoch(1.0)
+    assert schedule.end_epoch(1.0) == "reset"
+    assert (schedule.global_skip, schedule.batches_to_wait) == (max_skips, wait)
+    assert type(schedule.batches_to_wait) is int

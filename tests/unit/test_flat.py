@@ -1,7 +1,9 @@
 import pytest
 import torch
+from torch import nn
 
 from cloudburst.comm.flat import (
+    adopt_flat,
     assign_flat,
     flatten_params,
     join_shards,
@@ -47,3 +49,58 @@ def test_assign_flat_copies_instead_of_aliasing():
     with torch.no_grad():
         next(model.parameters()).add_(1.0)
     assert flat.abs().sum() == 0, "the model's parameters must not be views of the vector"
+
+
+def test_split_shards_refuses_a_tensor_that_is_not_a_vector_even_when_the_bounds_fit():
+    with pytest.raises(ValueError, match="^bounds end at 6, tensor has 6$"):
+        split_shards(torch.zeros(2, 3), [(0, 3), (3, 6)])
+    with pytest.raises(ValueError, match="^bounds end at 0, tensor has 6$"):
+        split_shards(torch.zeros(2, 3), [])
+
+
+def test_split_shards_names_where_the_bounds_end():
+    with pytest.raises(ValueError, match="^bounds end at 9, tensor has 10$"):
+        split_shards(torch.zeros(10), [(0, 3), (3, 6), (6, 9)])
+
+
+def test_flatten_params_of_a_list_with_non_contiguous_and_half_precision_parameters():
+    transposed = torch.arange(6.0).reshape(2, 3).t()  # not contiguous
+    half = torch.tensor([7.0, 8.0], dtype=torch.float16)
+    flat = flatten_params([transposed, half])
+    assert flat.dtype == torch.float32
+    assert flat.tolist() == [0.0, 3.0, 1.0, 4.0, 2.0, 5.0, 7.0, 8.0]
+    only_half = flatten_params([half])
+    assert only_half.dtype == torch.float32 and only_half.tolist() == [7.0, 8.0]
+
+
+def test_flatten_params_writes_into_the_buffer_given():
+    out = torch.zeros(5)
+    result = flatten_params([torch.ones(2), torch.full((3,), 2.0)], out=out)
+    assert result.data_ptr() == out.data_ptr()
+    assert out.tolist() == [1.0, 1.0, 2.0, 2.0, 2.0]
+
+
+def test_adopt_flat_makes_the_same_parameters_views_of_the_vector():
+    model = nn.Linear(2, 2)
+    params = list(model.parameters())
+    flat = torch.arange(6.0)
+    adopt_flat(model, flat)
+    assert all(p is q for p, q in zip(model.parameters(), params, strict=True))
+    assert model.weight.tolist() == [[0.0, 1.0], [2.0, 3.0]] and model.bias.tolist() == [4.0, 5.0]
+    flat[0] = 10.0  # no copy: the parameter sees it
+    assert model.weight[0, 0].item() == 10.0
+
+
+def test_adopt_flat_refuses_a_vector_of_another_size():
+    with pytest.raises(ValueError, match="^flat vector has 5 elements, model has 6$"):
+        adopt_flat(nn.Linear(2, 2), torch.zeros(5))
+
+
+def test_adopt_flat_copies_into_parameters_of_another_dtype():
+    params = list(nn.Linear(2, 2).half().parameters())
+    flat = torch.arange(6.0)
+    adopt_flat(params, flat)
+    assert [p.dtype for p in params] == [torch.float16, torch.float16]
+    assert params[0].tolist() == [[0.0, 1.0], [2.0, 3.0]] and params[1].tolist() == [4.0, 5.0]
+    flat[0] = 10.0  # a copy: the parameter keeps its value
+    assert params[0][0, 0].item() == 0.0

@@ -145,6 +145,14 @@ def test_topology_places_contiguous_blocks_on_nodes():
         Topology.contiguous(2, 3)
 
 
+def test_a_contiguous_topology_may_have_one_node_or_one_rank_per_node():
+    assert Topology.contiguous(4, 1).node_of == (0, 0, 0, 0)
+    assert Topology.contiguous(3, 3).node_of == (0, 1, 2)
+    for nodes in (0, 4):
+        with pytest.raises(ValueError, match=f"cannot place 3 ranks on {nodes} nodes"):
+            Topology.contiguous(3, nodes)
+
+
 # ---------------------------------------------------------------------------- cost model
 def test_one_message_costs_one_latency_plus_its_bytes_over_the_bandwidth():
     emu = LinkEmulator(LinkSpec(1.0, 0.5))  # 125e6 bytes/s, 0.5 ms
@@ -205,6 +213,42 @@ def test_transfers_from_one_rank_queue_on_its_link(clock):
     assert LinkEmulator.wait_until(third) == close(0.0105)
     assert clock.sleeps == [close(0.0105)] and clock.now == close(third)
     assert LinkEmulator.wait_until(T0) == 0.0 and len(clock.sleeps) == 1  # already past
+
+
+def test_a_fresh_link_is_free_from_any_start_time():
+    assert LinkEmulator(LinkSpec(1.0, 0.0)).reserve(2.0, start=0.25) == 2.25
+
+
+class _Work:
+    def __init__(self, done: bool):
+        self.done, self.waited = done, False
+
+    def wait(self) -> None:
+        self.waited = True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_a_deadline_that_is_now_does_not_sleep(clock):
+    assert LinkEmulator.wait_until(T0) == 0.0
+    assert clock.sleeps == []
+    assert LinkEmulator.wait_until(T0 + 0.5) == 0.5 and clock.sleeps == [0.5]
+
+
+def test_an_emulated_work_waits_for_its_collective_then_for_the_link(clock):
+    work = _Work(done=False)
+    assert EmulatedWork(work, deadline=T0 + 2.0).wait() is True
+    assert work.waited and clock.sleeps == [2.0]
+    assert EmulatedWork(None, deadline=T0 + 3.0).wait() is True  # no collective: the link only
+    assert clock.sleeps == [2.0, 1.0]
+
+
+def test_an_emulated_work_is_complete_when_its_collective_and_the_link_are(clock):
+    assert not EmulatedWork(_Work(done=False), deadline=T0 - 1.0).is_completed()
+    assert not EmulatedWork(_Work(done=True), deadline=T0 + 1.0).is_completed()
+    assert EmulatedWork(_Work(done=True), deadline=T0 - 1.0).is_completed()
+    assert EmulatedWork(None, deadline=T0 - 1.0).is_completed()
 
 
 def _transport(emu: LinkEmulator | None, sent: list, clock: FakeClock) -> PeerTransport:

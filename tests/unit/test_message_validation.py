@@ -110,6 +110,17 @@ def test_server_request_checks(header, src, awaiting, expected):
         assert expected in problem
 
 
+def test_a_push_of_exactly_the_largest_sample_count_is_accepted():
+    assert _problem(_push(samples=MAX_PUSH_SAMPLES)) is None
+    assert _problem(_push(samples=MAX_PUSH_SAMPLES + 1)) is not None
+
+
+def test_a_second_init_is_refused_with_its_reason():
+    assert _problem(Header(Kind.INIT, shard=0, numel=NUMEL)) == (
+        "INIT while no warm start is awaited (θ is seeded once)"
+    )
+
+
 def test_a_header_cut_short_is_refused():
     # gloo accepts a message shorter than the buffer; the buffer was filled with -1s first.
     full = _push().to_tensor()

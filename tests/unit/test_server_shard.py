@@ -1,11 +1,21 @@
-"""The parameter-server shard's rules and version clock, with no processes."""
+"""The parameter-server shard's rules and version clock, with no processes: staleness, drops and
+rejections and their counters, the update rules, which rules reply before applying, the
+checkpoint state, and the mean staleness a run reports."""
+
+import math
 
 import pytest
 import torch
 
 from cloudburst.comm.messages import Status
-from cloudburst.strategies.asgd.shard import ShardState
+from cloudburst.strategies.asgd.shard import (
+    PushResult,
+    ShardState,
+    all_finite,
+    overlapped_push_fetch,
+)
 from cloudburst.strategies.asgd.summary import mean_staleness
+from tests.support import survivor_cfg
 
 # (worker, action) — a scripted interleaving of three workers against one shard.
 SCHEDULE = [
@@ -138,3 +148,98 @@ def test_worker_rebuilds_the_servers_theta_bit_for_bit(lr, scaling, alpha):
     rebuilt = before.clone().add_(delta, alpha=add_rule_alpha(lr, result.staleness, scaling))
     assert torch.equal(rebuilt, shard.theta)  # the worker's rebuild, bit for bit
     assert add_rule_alpha(0.7, 0, True) == 0.7 and add_rule_alpha(0.7, 4, True) == 0.175
+
+
+def test_a_push_whose_sum_overflows_is_finite_and_applied():
+    big = torch.tensor([3e38, 3e38])  # finite, but its sum is not
+    assert all_finite(big)
+    assert not all_finite(torch.tensor([3e38, float("inf")]))
+    shard = ShardState(torch.zeros(2))
+    assert shard.apply_push(big, 0) == PushResult(Status.OK, 0)
+    assert torch.equal(shard.theta, big)
+
+
+def test_the_sgd_rule_has_no_momentum_unless_asked():
+    shard = ShardState(torch.zeros(3), rule="sgd", lr=0.5)
+    shard.apply_push(torch.tensor([1.0, 2.0, 3.0]), 0)
+    shard.apply_push(torch.tensor([4.0, 0.0, -2.0]), 1)
+    assert shard.theta.tolist() == [2.5, 1.0, 0.5]  # 0.5·(Δ1 + Δ2)
+
+
+def test_the_sgd_rule_scales_stale_pushes_only_when_asked():
+    shard = ShardState(torch.zeros(2), rule="sgd", lr=1.0)
+    for _ in range(3):
+        shard.apply_push(torch.ones(2), 0)  # staleness 0, 1, 2
+    assert shard.theta.tolist() == [3.0, 3.0]
+
+
+def test_a_half_precision_theta_is_held_in_fp32():
+    shard = ShardState(torch.tensor([1.5, 2.5], dtype=torch.float16))
+    assert shard.theta.dtype == torch.float32 and shard.theta.tolist() == [1.5, 2.5]
+
+
+def test_a_fresh_shard_counts_nothing_and_a_push_without_samples_counts_none():
+    shard = ShardState(torch.zeros(2))
+    assert shard.stats() == {
+        "version": 0,
+        "samples": 0,
+        "pushes_applied": 0,
+        "staleness_sum_versions": 0,
+        "staleness_max_versions": 0,
+        "dropped_stale": 0,
+        "rejected_nonfinite": 0,
+        "refused_pushes": 0,
+        "staleness_compensation": "none",
+        "staleness_histogram_versions": {},
+        "push_scale_histogram": {},
+        "compensation_clamped": 0,
+    }
+    shard.apply_push(torch.ones(2), 0)
+    stats = shard.stats()
+    assert stats["samples"] == 0 and stats["staleness_max_versions"] == 0
+    assert stats["staleness_histogram_versions"] == {"0": 1}
+
+
+def test_rejected_and_dropped_pushes_report_their_staleness_and_are_all_counted():
+    shard = ShardState(torch.zeros(2), max_staleness=1)
+    for version in range(3):
+        shard.apply_push(torch.ones(2), version)
+    assert shard.apply_push(torch.tensor([math.nan, 0.0]), 1) == PushResult(Status.REJECTED, 2)
+    assert shard.apply_push(torch.ones(2), 0) == PushResult(Status.STALE_DROPPED, 3)
+    assert shard.apply_push(torch.ones(2), 1) == PushResult(Status.STALE_DROPPED, 2)
+    assert (shard.dropped_stale, shard.rejected_nonfinite, shard.version) == (2, 1, 3)
+
+
+def test_a_state_without_optimizer_state_loads_into_any_rule_and_back():
+    add = ShardState(torch.zeros(2))
+    add.apply_push(torch.ones(2), 0)
+    add_state = add.state_dict()
+    assert add_state["optimizer"] == {}
+    sgd = ShardState(torch.zeros(2), rule="sgd", lr=1.0)
+    sgd.load_state_dict(add_state)
+    assert sgd.theta.tolist() == [1.0, 1.0] and sgd.version == 1
+    sgd.apply_push(torch.ones(2), 1)
+    again = ShardState(torch.zeros(2))
+    again.load_state_dict(sgd.state_dict())
+    assert again.theta.tolist() == [2.0, 2.0] and again.version == 2
+
+
+@pytest.mark.parametrize(
+    "strategy, rule, overlapped",
+    [
+        ("asgd", "add", True),
+        ("asgd", "sgd", False),
+        ("asgd", "adagrad", False),
+        ("easgd", "add", True),
+    ],
+)
+def test_only_the_add_and_elastic_rules_reply_before_applying(strategy, rule, overlapped):
+    assert overlapped_push_fetch(survivor_cfg(strategy, 2, server_rule=rule)) is overlapped
+
+
+def test_mean_staleness_counts_missing_fields_as_zero_and_nothing_as_nan():
+    assert mean_staleness([{"pushes_applied": 2, "staleness_sum_versions": 3}, {}]) == 1.5
+    two = [{"pushes_applied": 2, "staleness_sum_versions": 4}, {"pushes_applied": 2}]
+    assert mean_staleness(two) == 1
+    assert math.isnan(mean_staleness([{"pushes_applied": 0, "staleness_sum_versions": 0}]))
+    assert math.isnan(mean_staleness([]))

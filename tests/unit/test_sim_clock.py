@@ -1,9 +1,13 @@
 """The virtual cluster's clock model (cloudburst.sim.clock) and its configuration
-(cloudburst.config.simulation): exact link costs against hand-computed values, the stand-in's
-byte scaling, seeded step-time noise, profiles, and one-line errors."""
+(cloudburst.config.simulation): exact link costs against hand-computed values, the group
+all-reduce each --network-model chooses, the stand-in's byte scaling, seeded step-time noise,
+profiles, calibration, the whole of what summary.json records as "clock_model", and one-line
+errors."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import statistics
 
@@ -24,6 +28,9 @@ def clock(sim: SimulationConfig | None = None, actual_params: int = 1000, step=0
 # ---------------------------------------------------------------------------- links
 # 8 Gbit/s = 1e9 bytes/s, 2 ms latency: 1 MB takes 1 ms of bandwidth.
 LINK = "8,2"
+LAT, BW = 0.002, 1e9
+LAT_IN, BW_IN = 0.0005, 2e9  # --intra-node-link 16,0.5
+MB = 1e6
 
 
 def test_ring_allreduce_matches_hand_computed_values():
@@ -71,10 +78,58 @@ def test_link_costs_are_the_link_emulators():
     assert c.p2p_s(12345, True) == emulator.p2p_s(12345)
 
 
-def test_server_apply_is_bytes_over_memory_bandwidth():
-    assert clock().apply_s(1e9) == pytest.approx(0.1)  # default 10 GB/s
-    c = clock(SimulationConfig(server_apply_gbyte_per_s=2.0))
-    assert c.apply_s(1e9) == pytest.approx(0.5)
+def test_server_apply_is_bytes_over_gigabytes_of_ten_to_the_nine_bytes_per_second():
+    assert clock().apply_s(1e10) == 1.0 and clock().apply_s(1e9) == 0.1  # the default 10 GB/s
+    assert clock(SimulationConfig(server_apply_gbyte_per_s=2.0)).apply_s(1e9) == 0.5
+    assert clock(SimulationConfig(server_apply_gbyte_per_s=2.5)).apply_s(5e9) == 2.0
+
+
+# ---------------------------------------------------------------------------- group all-reduce
+IN = "16,0.5"  # the intra-node link: 16 Gbit/s = 2e9 bytes/s (BW_IN), 0.5 ms (LAT_IN)
+HIER_2_1 = 2 * (LAT_IN + 0.5 * MB / BW_IN) + 2 * LAT + MB / BW  # rings of 2 in node 0, 2 on NIC
+GROUP_ALL_REDUCES = {  # (model, inter, intra, bytes, ranks on each node, cost, costs it beats)
+    # flat: one ring of all the group's ranks on the slowest link spanned.
+    "flat-across-nodes": ("flat", LINK, IN, MB, [2, 2], 6 * LAT + 1.5 * MB / BW, ()),
+    "flat-one-node": ("flat", LINK, IN, MB, [2], 2 * LAT_IN + MB / BW_IN, ()),
+    "flat-one-node-100MB": ("flat", LINK, IN, 1e8, [3], 4 * LAT_IN + 4 / 3 * 1e8 / BW_IN, ()),
+    "flat-one-rank": ("flat", LINK, IN, MB, [1], 0.0, ()),
+    # nccl on one node: the cheapest of ring, tree, halving-doubling on the intra-node link.
+    "nccl-one-node-ring": ("nccl", LINK, IN, 1e8, [3], 4 * LAT_IN + 4 / 3 * 1e8 / BW_IN,
+        (4 * LAT_IN + 2 * 1e8 / BW_IN,)),  # tree
+    "nccl-one-node-halving-doubling": ("nccl", LINK, IN, MB, [4], 4 * LAT_IN + 1.5 * MB / BW_IN,
+        (6 * LAT_IN + 1.5 * MB / BW_IN, 4 * LAT_IN + 2 * MB / BW_IN, 4 * LAT + 1.5 * MB / BW)),
+    "nccl-one-node-free-link": ("nccl", LINK, None, 1e8, [3], 0.0, ()),
+    # nccl across nodes: with one rank a node, the flat choice on the NIC (ring, not tree) ...
+    "nccl-one-rank-per-node": ("nccl", LINK, IN, MB, [1, 1, 1], 4 * LAT + 4 / 3 * MB / BW,
+        (4 * LAT + 2 * MB / BW,)),
+    # ... else the cheaper of it and hierarchical (rings in the nodes, then the nodes' on the NIC).
+    "nccl-hierarchical-2-and-1": ("nccl", LINK, IN, MB, [2, 1], HIER_2_1,
+        (4 * LAT + 4 / 3 * MB / BW,)),  # flat: ring of 3
+    "nccl-flat-on-a-slow-intra-link": ("nccl", LINK, "1,5", MB, [2, 2], 4 * LAT + 1.5 * MB / BW,
+        (2 * (0.005 + 0.5 * MB / 1.25e8) + 2 * LAT + MB / BW,)),  # hierarchical
+    "nccl-free-nic": ("nccl", None, IN, MB, [2, 2], 0.0, (2 * (LAT_IN + 0.5 * MB / BW_IN),)),
+    "nccl-free-nic-no-bytes": ("nccl", None, IN, 0.0, [2, 2], 0.0, ()),
+    "nccl-free-nic-one-rank-per-node": ("nccl", None, IN, MB, [1, 1], 0.0, ()),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model, inter, intra, nbytes, ranks, cost, beaten",
+    GROUP_ALL_REDUCES.values(),
+    ids=list(GROUP_ALL_REDUCES),
+)
+def test_a_groups_all_reduce_costs_what_its_network_model_chooses_for_where_its_ranks_sit(
+    model, inter, intra, nbytes, ranks, cost, beaten
+):
+    """flat: a ring of all the group's ranks, 2(n−1) latencies + 2(n−1)/n × bytes / bandwidth,
+    on the inter-node link if the group spans nodes, else the intra-node one. nccl: within a
+    node, the cheapest of ring, tree and halving-doubling on the intra-node link; across nodes,
+    the cheaper of that choice on the NIC and hierarchical. A free link or a group of one costs
+    nothing."""
+    sim = SimulationConfig(intra_node_link=intra, network_model=model)
+    got = clock(sim, inter_node_link=inter).group_allreduce_s(nbytes, ranks)
+    assert got == (pytest.approx(cost, rel=1e-12, abs=1e-15) if cost else 0.0)
+    assert all(cost < other for other in beaten)
 
 
 # ---------------------------------------------------------------------------- stand-in
@@ -126,6 +181,19 @@ def test_step_time_resolution_order():
     assert resolve_step_time(SimulationConfig(), cfg, lambda cfg: 0.02) == (0.02, "calibrated")
 
 
+def test_a_calibration_times_the_runs_own_configuration_once():
+    """Both ways to a calibration (``--calibrate``, and nothing else given) call it once, with
+    the run's RunConfig."""
+    cfg = clock_run_config(batch_size=16)
+    for sim in (SimulationConfig(calibrate=True), SimulationConfig()):
+        seen: list[RunConfig] = []
+        step = resolve_step_time(
+            sim, cfg, lambda c, seen=seen: seen.append(c) or c.batch_size / 1e3
+        )
+        assert step == (pytest.approx(0.016), "calibrated")
+        assert len(seen) == 1 and seen[0] is cfg
+
+
 def test_calibration_times_real_steps():
     seconds = calibrate_step_time(clock_run_config(model="mlp", batch_size=8), steps=3)
     assert 0 < seconds < 10
@@ -142,6 +210,111 @@ def test_describe_has_the_clock_and_what_is_not_modelled():
     assert any("contention" in item for item in d["not_modelled"])
     assert d["settings"]["intra_node_link"] == "100"
     assert d["time_unit"] == "virtual seconds"
+
+
+NOT_MODELLED = [
+    "contention between the ranks of one node for memory bandwidth and PCIe; intra-node "
+    "messages queue at their sender only",
+    "the switch fabric: oversubscription, congestion control, packet loss",
+    "operating-system noise beyond the step-time jitter",
+    "evaluation and checkpoint time",
+    "a stand-in model's convergence (the maths is the run's own small model)",
+]
+LINK_MODEL = (
+    "ring all-reduce, log2 broadcast, latency + bytes/bandwidth "
+    "(cloudburst.comm.link.LinkEmulator); no link given: free"
+)
+
+
+def test_describe_with_a_stand_in_profile_and_both_links():
+    """A resnet20-h100 stand-in (269,722 parameters, 15,552 samples/s at batch 128 on an H100)
+    for a run of 1,000 parameters, both links, nccl, a NIC ingress and a slower apply: every
+    entry of the summary's clock model, the profile's published figures included."""
+    sim = SimulationConfig(
+        profile="resnet20-h100",
+        intra_node_link="16,0.5",
+        step_time_jitter="pareto:3",
+        network_model="nccl",
+        nic_ingress_gbit_per_s=4.0,
+        server_apply_gbyte_per_s=2.5,
+    )
+    cfg = clock_run_config(inter_node_link=LINK, batch_size=128)
+    d = ClockModel(sim, cfg, 1000, 128 / 15552, "profile").describe()
+    assert d == {
+        "time_unit": "virtual seconds",
+        "step_time_s": 128 / 15552,
+        "step_time_source": "profile",
+        "step_time_jitter": "pareto:3",
+        "inter_node_link": {"gbit_per_s": 8.0, "latency_ms": 2.0},
+        "intra_node_link": {"gbit_per_s": 16.0, "latency_ms": 0.5},
+        "link_model": LINK_MODEL,
+        "network_model": "nccl",
+        "nic_ingress_gbit_per_s": 4.0,
+        "server_apply_gbyte_per_s": 2.5,
+        "actual_params": 1000,
+        "modelled_params": 269_722,
+        "wire_scale": 269.722,  # 269,722 modelled / 1,000 actual parameters
+        "profile": {
+            "name": "resnet20-h100",
+            "params": 269_722,
+            "samples_per_s": 15552.0,
+            "published_batch_size": 128,
+            "device": "H100 80GB, fp32",
+            "source": "cloudburst benchmarks/results/throughput_cuda.md, resnet20 sync W=1: "
+            "15552 samples/s",
+        },
+        "not_modelled": NOT_MODELLED,
+        "settings": {
+            "step_time_s": None,
+            "step_time_per_sample_s": None,
+            "calibrate": False,
+            "step_time_jitter": "pareto:3",
+            "intra_node_link": "16,0.5",
+            "nic_ingress_gbit_per_s": 4.0,
+            "network_model": "nccl",
+            "server_apply_gbyte_per_s": 2.5,
+            "modelled_params": None,
+            "modelled_step_time_s": None,
+            "profile": "resnet20-h100",
+        },
+    }
+    assert json.loads(json.dumps(d)) == d  # summary.json holds it as it is
+
+
+def test_describe_without_stand_in_or_links_and_the_default_source():
+    """No profile, no links, the defaults: free links are null, the wire scale 1, the profile
+    null; a clock made without a step-time source says the step time came from a flag."""
+    d = clock(SimulationConfig(step_time_s=0.05), actual_params=4000, step=0.05).describe()
+    assert d == {
+        "time_unit": "virtual seconds",
+        "step_time_s": 0.05,
+        "step_time_source": "flag",
+        "step_time_jitter": None,
+        "inter_node_link": None,
+        "intra_node_link": None,
+        "link_model": LINK_MODEL,
+        "network_model": "flat",
+        "nic_ingress_gbit_per_s": None,
+        "server_apply_gbyte_per_s": 10.0,
+        "actual_params": 4000,
+        "modelled_params": None,
+        "wire_scale": 1.0,
+        "profile": None,
+        "not_modelled": NOT_MODELLED,
+        "settings": {
+            "step_time_s": 0.05,
+            "step_time_per_sample_s": None,
+            "calibrate": False,
+            "step_time_jitter": None,
+            "intra_node_link": None,
+            "nic_ingress_gbit_per_s": None,
+            "network_model": "flat",
+            "server_apply_gbyte_per_s": 10.0,
+            "modelled_params": None,
+            "modelled_step_time_s": None,
+            "profile": None,
+        },
+    }
 
 
 # ---------------------------------------------------------------------------- jitter
@@ -179,6 +352,20 @@ def test_pareto_jitter_has_mean_one_and_a_heavy_tail():
     assert statistics.fmean(draws) == pytest.approx(1.0, abs=0.03)
     assert min(draws) >= 2 / 3  # scale (α−1)/α
     assert max(draws) > 5  # the tail: P(x > 5) = (2/15)^3 ≈ 0.24 % of 20,000 draws
+
+
+def test_a_steps_noise_is_its_jitter_at_the_middle_of_its_hash_cell():
+    """Worker w's step s is scaled by the jitter at u = (d + ½) / 2⁶⁴, d the 8-byte big-endian
+    BLAKE2b of "cloudburst-step-jitter:seed:w:s": the middle of d's cell, never 0. Worker 2's
+    step 196,341 at seed 0 has a small d (≈ 2.7e13), where the half shows."""
+    jitter = Jitter.parse("lognormal:0.5")
+    c = clock(SimulationConfig(step_time_jitter="lognormal:0.5"), step=1.0, seed=0)
+    for worker, step in [(0, 1), (3, 17), (2, 196_341)]:
+        key = f"cloudburst-step-jitter:0:{worker}:{step}".encode()
+        d = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), byteorder="big")
+        assert c.step_s(worker, step, 1.0) == jitter.sample((d + 0.5) / 2**64)
+    assert d < 2**45
+    assert jitter.sample(d / 2**64) != c.step_s(2, 196_341, 1.0) != jitter.sample((d + 1) / 2**64)
 
 
 def test_jitter_inverse_transform():

@@ -1,7 +1,12 @@
-"""Streaming DiLoCo (``diloco`` with fragments, a delay and a mixing factor): the split, the
-schedule of each fragment, the outer step and the mixing, checked against by-hand arithmetic
-with a fake all-reduce, and whole runs on the virtual cluster against the single-process
-reference (tests/dist/simulate.py). The real gloo run is in tests/dist/test_local_sgd.py."""
+"""The local SGD family's workers with a fake all-reduce. Local SGD (post-local SGD's warm-up
+included) and DiLoCo run step by step against the single-process references of
+:mod:`tests.reference`: :class:`tests.support.LocalSgdJob` fakes the workers' blocking
+all-reduce for W threads of one process (each contributes its vector and gets the sum, as
+``dist.all_reduce`` would), so the strategies run unchanged. Streaming DiLoCo (``diloco`` with
+fragments, a delay and a mixing factor): the split, the schedule of each fragment, the outer
+step and the mixing, checked against by-hand arithmetic, and whole runs on the virtual cluster
+against the single-process reference (tests/dist/simulate.py). The real gloo run is in
+tests/dist/test_local_sgd.py."""
 
 from __future__ import annotations
 
@@ -10,8 +15,9 @@ import copy
 import pytest
 import torch
 
+from cloudburst.comm.link import Topology
 from cloudburst.strategies.diloco import DilocoStrategy
-from cloudburst.strategies.local_sgd import split_fragments
+from cloudburst.strategies.local_sgd import LocalSgdStrategy, split_fragments
 from tests import reference as ref
 from tests.dist.simulate import (
     assert_params_differ,
@@ -34,6 +40,219 @@ from tests.support import (
 # tiny_model's tensors: 40, 8, 24, 3 values; two fragments: [40] and [8, 24, 3]
 FRAGMENT_0 = slice(0, 40)
 FRAGMENT_1 = slice(40, 75)
+
+
+# ---------------------------------------------------------------------------- local SGD
+def _assert_runs_equal(got: list[list[torch.Tensor]], expected: list[list[torch.Tensor]]):
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert len(g) == len(e)
+        for a, b in zip(g, e, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def _averaged_at(replicas: ref.Replicas, steps: int, sync_steps: set[int]):
+    """Local SGD by hand: every worker steps; after each step in ``sync_steps`` every replica
+    becomes the mean of all of them. θ of each worker after each step."""
+    history: list[list[torch.Tensor]] = [[] for _ in replicas.models]
+    for step in range(1, steps + 1):
+        for w in range(len(replicas.models)):
+            replicas.step(w, step)
+        if step in sync_steps:
+            mean = ref.mean([ref.flat(m) for m in replicas.models])
+            for m in replicas.models:
+                ref.set_flat(m, mean)
+        for w, m in enumerate(replicas.models):
+            history[w].append(ref.flat(m))
+    return history
+
+
+def _reference_args(workers: int):
+    replicas = ref.Replicas(workers, ref.sgd())
+    return replicas.models, replicas.step
+
+
+def test_local_sgd_strategy_follows_the_reference_with_a_final_average(monkeypatch):
+    expected = ref.local_sgd(*_reference_args(2), steps=7, period=3)
+    job = LocalSgdJob(
+        survivor_cfg("local_sgd", 2, period=3), ref.Replicas(2, ref.sgd()), monkeypatch
+    )
+    got = job.run(7)
+    final = job.finish()  # step 7 is not a multiple of 3: finish averages once more
+    _assert_runs_equal([h[:-1] for h in got], [h[:-1] for h in expected])
+    _assert_runs_equal([[f] for f in final], [[h[-1]] for h in expected])
+    assert not torch.equal(got[0][-1], got[1][-1])  # the replicas differed before finish
+    assert [s.averages for s in job.strategies] == [3, 3]  # after steps 3 and 6, and finish
+    assert [s.report()["averages"] for s in job.strategies] == [3, 3]
+    assert len(job.group.calls) == 6
+    # each average: a ring all-reduce of 75 fp32 values over 2 workers, 2·(2−1)/2·300 bytes
+    assert [s.report()["sent_bytes"] for s in job.strategies] == [3 * 300, 3 * 300]
+
+
+def test_local_sgd_finish_does_not_average_again_after_a_full_period(monkeypatch):
+    job = LocalSgdJob(
+        survivor_cfg("local_sgd", 2, period=3), ref.Replicas(2, ref.sgd()), monkeypatch
+    )
+    job.run(6)
+    job.finish()
+    assert [s.averages for s in job.strategies] == [2, 2]
+    assert len(job.group.calls) == 4
+
+
+def test_post_local_sgd_averages_every_step_of_its_warm_up(monkeypatch):
+    expected = _averaged_at(ref.Replicas(2, ref.sgd()), steps=8, sync_steps={1, 2, 3, 6, 8})
+    cfg = survivor_cfg("local_sgd", 2, period=3, local_sgd_warmup_steps=3)
+    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
+    got = job.run(8)
+    final = job.finish()  # step 8: not due, so finish averages
+    _assert_runs_equal([h[:-1] for h in got], [h[:-1] for h in expected])
+    _assert_runs_equal([[f] for f in final], [[h[-1]] for h in expected])
+    assert [s.averages for s in job.strategies] == [5, 5]
+
+
+def test_post_local_sgd_warm_up_ends_at_its_last_step(monkeypatch):
+    # warm-up 2, period 3: averages after steps 1, 2 and 3, none after 4
+    cfg = survivor_cfg("local_sgd", 2, period=3, local_sgd_warmup_steps=2)
+    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
+    job.run(4)
+    assert [s.averages for s in job.strategies] == [3, 3]
+
+
+def test_local_sgd_with_one_worker_never_averages(monkeypatch):
+    job = LocalSgdJob(
+        survivor_cfg("local_sgd", 1, period=2), ref.Replicas(1, ref.sgd()), monkeypatch
+    )
+    job.run(3)
+    job.finish()
+    assert job.group.calls == []
+    assert job.strategies[0].averages == 0
+
+
+def test_local_sgd_global_params_are_the_replica_and_the_samples_of_all_workers(monkeypatch):
+    cfg = survivor_cfg("local_sgd", 2, period=2, batch_size=16)
+    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
+    job.run(3)
+    theta, samples = job.strategies[1].global_params()
+    assert samples == 3 * 16 * 2
+    assert torch.equal(theta, ref.flat(job.replicas.models[1]))
+
+
+def test_local_sgd_average_is_counted_and_sent_over_the_link_when_it_spans_nodes(monkeypatch):
+    link = object()
+    job = LocalSgdJob(
+        survivor_cfg("local_sgd", 2, period=1),
+        ref.Replicas(2, ref.sgd()),
+        monkeypatch,
+        topology=Topology((0, 1)),
+        link=link,
+    )
+    job.run(1)
+    assert sorted(job.group.calls, key=lambda c: c[0]) == [(0, link, True), (1, link, True)]
+
+
+@pytest.mark.parametrize("topology", [None, Topology((0, 0, 1))])
+def test_local_sgd_average_within_one_node_does_not_span_nodes(monkeypatch, topology):
+    job = LocalSgdJob(
+        survivor_cfg("local_sgd", 2, period=1),
+        ref.Replicas(2, ref.sgd()),
+        monkeypatch,
+        topology=topology,
+    )
+    job.run(1)
+    assert [c[2] for c in job.group.calls] == [False, False]
+
+
+def test_local_sgd_state_dict_round_trip_keeps_the_average_count(monkeypatch):
+    job = LocalSgdJob(
+        survivor_cfg("local_sgd", 2, period=2), ref.Replicas(2, ref.sgd()), monkeypatch
+    )
+    job.run(4)
+    state = job.strategies[0].state_dict()
+    assert state["averages"] == 2 and state["local_steps"] == 4
+    fresh = LocalSgdStrategy(LocalSgdCtx(job.cfg, 0))
+    fresh.wrap(ref.tiny_model(), None)
+    fresh.load_state_dict({**state, "averages": 2.0})
+    assert fresh.averages == 2 and type(fresh.averages) is int
+    assert fresh.local_steps == 4
+
+
+# ---------------------------------------------------------------------------- DiLoCo
+@pytest.mark.parametrize(
+    "workers, momentum, nesterov", [(2, 0.9, True), (2, 0.5, False), (1, 0.9, True)]
+)
+def test_diloco_strategy_follows_the_reference(monkeypatch, workers, momentum, nesterov):
+    kw = dict(diloco_outer_lr=0.7, diloco_outer_momentum=momentum, diloco_nesterov=nesterov)
+    expected = ref.diloco(*_reference_args(workers), steps=7, period=3, outer_lr=0.7,
+                          outer_momentum=momentum, nesterov=nesterov)  # fmt: skip
+    cfg = survivor_cfg("diloco", workers, period=3, **kw)
+    job = LocalSgdJob(cfg, ref.Replicas(workers, ref.sgd()), monkeypatch)
+    got = job.run(7)
+    final = job.finish()
+    _assert_runs_equal([h[:-1] for h in got], [h[:-1] for h in expected])
+    _assert_runs_equal([[f] for f in final], [[h[-1]] for h in expected])
+    assert [s.averages for s in job.strategies] == [3] * workers
+
+
+def test_diloco_without_momentum_is_local_sgd_even_with_nesterov_asked_for(monkeypatch):
+    # Nesterov needs momentum (torch refuses it without): with μ = 0 it is simply left off.
+    expected = ref.local_sgd(*_reference_args(2), steps=5, period=2)
+    cfg = survivor_cfg("diloco", 2, period=2, diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
+    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
+    got = job.run(5)
+    final = job.finish()
+    _assert_runs_equal([h[:-1] for h in got], [h[:-1] for h in expected])
+    _assert_runs_equal([[f] for f in final], [[h[-1]] for h in expected])
+
+
+def test_diloco_has_no_warm_up_and_finish_skips_a_full_period(monkeypatch):
+    job = LocalSgdJob(survivor_cfg("diloco", 2, period=2), ref.Replicas(2, ref.sgd()), monkeypatch)
+    job.run(1)
+    assert [s.averages for s in job.strategies] == [0, 0]
+    job.run(3)
+    job.finish()
+    assert [s.averages for s in job.strategies] == [2, 2]
+
+
+def test_diloco_state_dict_round_trip_continues_the_same_run(monkeypatch):
+    # One worker: DiLoCo still takes its outer steps (momentum included) without peers.
+    kw = dict(period=2, diloco_outer_lr=0.7, diloco_outer_momentum=0.9)
+    job = LocalSgdJob(survivor_cfg("diloco", 1, **kw), ref.Replicas(1, ref.sgd()), monkeypatch)
+    job.run(5)  # two outer steps: the momentum buffer is not the last pseudo-gradient
+    saved = job.strategies[0].state_dict()
+    global_then = job.strategies[0].global_theta.detach().clone()
+    buffer_then = saved["outer"]["state"][0]["momentum_buffer"].clone()
+    assert saved["local_steps"] == 5 and saved["averages"] == 2
+    assert torch.equal(saved["global_theta"], global_then)
+
+    # A restarted worker: another replica object, restored from the model checkpoint (its θ
+    # and optimizer) and from this state.
+    replicas = ref.Replicas(1, ref.sgd(), seed=1)
+    ref.set_flat(replicas.models[0], ref.flat(job.replicas.models[0]))
+    # (a deep copy, as a checkpoint file is: torch would otherwise alias the momentum buffers)
+    replicas.optimizers[0].load_state_dict(copy.deepcopy(job.replicas.optimizers[0].state_dict()))
+    restored = LocalSgdJob(survivor_cfg("diloco", 1, **kw), replicas, monkeypatch)
+    restored.strategies[0].load_state_dict(copy.deepcopy(saved))  # as read from its file
+    restored.step = 5
+    assert restored.strategies[0].local_steps == 5 and restored.strategies[0].averages == 2
+
+    a = job.run(3)  # both on the restored job's group of one (the module's all-reduce)
+    b = restored.run(3)
+    _assert_runs_equal(a, b)
+    # what was saved did not move with the run (copies, not the live tensors)
+    assert torch.equal(saved["global_theta"], global_then)
+    assert torch.equal(saved["outer"]["state"][0]["momentum_buffer"], buffer_then)
+
+
+def test_diloco_loads_a_state_without_the_loop_counters(monkeypatch):
+    job = LocalSgdJob(survivor_cfg("diloco", 1, period=1), ref.Replicas(1, ref.sgd()), monkeypatch)
+    job.run(2)
+    saved = job.strategies[0].state_dict()
+    fresh = DilocoStrategy(LocalSgdCtx(job.cfg, 0))
+    fresh.wrap(ref.tiny_model(seed=3), None)
+    fresh.load_state_dict({"global_theta": saved["global_theta"], "outer": saved["outer"]})
+    assert fresh.local_steps == 0
+    assert torch.equal(fresh.global_theta.detach(), saved["global_theta"])
+    assert fresh.state_dict()["averages"] == 0
 
 
 # ---------------------------------------------------------------------------- the split
