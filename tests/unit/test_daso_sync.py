@@ -5,7 +5,7 @@
   with G = 3), over which group, in which dtype (blocking bf16, non-blocking fp32), the θ it
   holds at that moment, the count of syncs started and the bytes each rank sent;
 - when a sync is merged (S steps after it started, fp32 and int8) and that its sender
-  broadcasts the merge over its node;
+  broadcasts the merge over its node, the bytes counted as its sender's and the others';
 - that a non-blocking sync does not hold its sender back (its virtual clock does not move
   when the sync starts; fp32 and int8), while a blocking one does;
 - the emulated inter-node link (the real run's ``--link``) charges every global sync, fp32,
@@ -152,6 +152,31 @@ def test_a_sync_is_merged_s_steps_after_it_started_and_broadcast_by_its_sender(t
         if compress == "none":
             want = (5 * initial[2 * node] + initial[2 * (1 - node)]) / 6
             torch.testing.assert_close(thetas[4], want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_merge_broadcast_is_counted_as_sent_by_its_sender_and_received_by_the_rest(tmp_path):
+    """2 nodes × 2, B = 3, S = 2: the sync started after step 3 by local rank 0 is merged after
+    step 5 (besides the traffic of every step, as at step 4) and broadcast over the node from
+    its sender: the sender counts its 3 fp32 values (12 bytes) as sent and intra-node, the
+    other rank of the node as received."""
+    cfg = daso_sync_cfg(
+        tmp_path, workers=4, nodes=2, daso_global_skip=3, daso_batches_to_wait=2,
+        daso_downcast="none",
+    )  # fmt: skip
+
+    def drive(ctx):
+        seen = []
+
+        def on_step(step, strategy, before, after):
+            s = strategy.stats
+            seen.append((s.sent_bytes, s.intra_node_bytes, s.received_bytes, s.inter_node_bytes))
+
+        daso_sync_drive(ctx, 6, 1000, 6, on_step=on_step)
+        # step 5 less step 4 (the same per-step traffic, without a sync or a merge)
+        return tuple(a - 2 * b + c for a, b, c in zip(seen[4], seen[3], seen[2], strict=True))
+
+    results = run_ranks(cfg, drive)
+    assert results == [(12, 12, 0, 0), (0, 0, 12, 0), (12, 12, 0, 0), (0, 0, 12, 0)]
 
 
 # ---------------------------------------------------------------------------- the link

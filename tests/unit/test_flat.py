@@ -6,6 +6,7 @@ from cloudburst.comm.flat import (
     adopt_flat,
     assign_flat,
     flatten_params,
+    is_flat_view,
     join_shards,
     shard_bounds,
     split_shards,
@@ -104,3 +105,27 @@ def test_adopt_flat_copies_into_parameters_of_another_dtype():
     assert params[0].tolist() == [[0.0, 1.0], [2.0, 3.0]] and params[1].tolist() == [4.0, 5.0]
     flat[0] = 10.0  # a copy: the parameter keeps its value
     assert params[0][0, 0].item() == 0.0
+
+
+def _transposed(flat: torch.Tensor) -> list[torch.Tensor]:
+    p = flat.view(2, 2).t()  # starts where ``flat`` does, but is not laid out as it is
+    assert not p.is_contiguous() and p.data_ptr() == flat.data_ptr()
+    return [p]
+
+
+@pytest.mark.parametrize(
+    "shape, params, is_view",
+    [
+        ((6,), lambda f: [f[0:2].view(2, 1), f[2:6]], True),  # consecutive views, in order
+        ((6,), lambda f: [f[0:2], f[2:4]], False),  # ``flat`` longer than the parameters
+        ((2, 3), lambda f: [f.view(-1)[0:3], f.view(-1)[3:6]], False),  # ``flat`` not 1-D
+        ((4,), lambda f: [f.view(torch.int32)], False),  # same storage, another dtype
+        ((4,), _transposed, False),  # not contiguous
+    ],
+    ids=["views", "longer", "2-d", "dtype", "transposed"],
+)
+def test_parameters_are_a_flat_view_only_as_consecutive_contiguous_views_of_all_of_it(
+    shape, params, is_view
+):
+    flat = torch.zeros(shape)
+    assert is_flat_view(params(flat), flat) is is_view

@@ -111,6 +111,17 @@ def test_push_fold_averages_own_and_everything_received():
     assert push_fold(torch.tensor([7.0]), torch.zeros(1), 0).tolist() == [7.0]
 
 
+def test_push_fold_of_one_message_is_the_midpoint_in_place():
+    # (θ_j + θ_received) / (1 + 1), in place
+    own = torch.tensor([1.0, -2.0, 0.5])
+    out = push_fold(own, torch.tensor([3.0, 4.0, 0.25]), 1)
+    assert out is own and own.tolist() == [2.0, 1.0, 0.375]
+    # with the boundary: (θ^b + received) / 2 + (θ − θ^b)
+    boundary = torch.tensor([1.0, 2.0])
+    own = boundary + torch.tensor([0.5, -0.25])
+    assert push_fold(own, torch.tensor([3.0, 4.0]), 1, boundary).tolist() == [2.5, 2.75]
+
+
 def test_pull_average_with_own_boundary_keeps_the_local_step_in_full():
     # θ_i = θ_i^b + step: (θ_i^b + θ_j)/2 + step, computed in place.
     boundary, step = torch.tensor([1.0, -3.0]), torch.tensor([0.25, 0.5])

@@ -154,8 +154,12 @@ def test_without_a_shared_record_each_rank_keeps_todays_link():
     ends = [today.reserve(0.5, 10.0), today.reserve(0.5, 10.0), today.reserve(0.011, 10.0)]
     assert ends == [close(10.5), close(11.0), close(11.011)]
     assert not LinkEmulator(None, topology=topo, rank=0).active
-    with pytest.raises(ValueError, match="needs the topology and this rank"):
-        LinkEmulator(SPEC, nic=object())
+
+
+@pytest.mark.parametrize("given", [{"topology": Topology((0, 1))}, {"rank": 0}, {}])
+def test_a_shared_nic_is_refused_without_both_the_topology_and_the_rank(record, given):
+    with pytest.raises(ValueError, match="^a shared NIC needs the topology and this rank$"):
+        LinkEmulator(SPEC, nic=record(2), **given)
 
 
 def test_all_reduce_sum_books_the_collective_of_its_group(record, monkeypatch):

@@ -173,9 +173,14 @@ def test_the_sgd_rule_scales_stale_pushes_only_when_asked():
     assert shard.theta.tolist() == [3.0, 3.0]
 
 
-def test_a_half_precision_theta_is_held_in_fp32():
+def test_a_shard_holds_a_detached_fp32_copy_of_theta():
+    """θ_k is an fp32 copy of the given θ (half or double) that autograd does not track."""
     shard = ShardState(torch.tensor([1.5, 2.5], dtype=torch.float16))
     assert shard.theta.dtype == torch.float32 and shard.theta.tolist() == [1.5, 2.5]
+    theta = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    shard = ShardState(theta)
+    assert shard.param.requires_grad is False
+    assert shard.theta.dtype == torch.float32 and shard.theta.tolist() == [1.0, 2.0]
 
 
 def test_a_fresh_shard_counts_nothing_and_a_push_without_samples_counts_none():

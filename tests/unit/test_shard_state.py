@@ -1,5 +1,6 @@
 """A parameter-server shard's state, pinned exactly: the staleness compensators' ring, moments
-and counters (``make_compensator``), Delayed Nesterov's default, ``set_theta``, the caller's
+and counters (``make_compensator``), Delayed Nesterov's default, the shard's compensation
+defaults (λ, η, τ_C, R) and refusal, ``set_theta``, the caller's
 finiteness verdict in ``apply_push``, and ``state_dict``/``load_state_dict`` (a restored shard
 behaves bit for bit as the uninterrupted one; older and compensation-free checkpoints load;
 a mismatched state is refused). References are written out here in plain PyTorch, most with
@@ -225,6 +226,46 @@ def test_delayed_nesterov_defaults_to_the_papers_rule_c_zero():
 
 
 # ------------------------------------------------------------------------------- ShardState
+
+
+def test_a_shard_refuses_an_unknown_compensation_naming_it():
+    with pytest.raises(ValueError, match=r"^unknown staleness compensation 'bogus'$"):
+        ShardState(_t(0.0), compensation="bogus")
+
+
+def test_staleness_scaling_says_whether_the_compensation_is_scale():
+    """True exactly for ``scale``, asked for by name or by the flag."""
+    assert ShardState(_t(0.0)).staleness_scaling is False
+    assert ShardState(_t(0.0), staleness_scaling=True).staleness_scaling is True
+    assert ShardState(_t(0.0), compensation="scale").staleness_scaling is True
+    assert ShardState(_t(0.0), compensation="delay-adaptive").staleness_scaling is False
+    assert ShardState(_t(0.0), compensation="dc").staleness_scaling is False
+
+
+def test_a_shards_delay_threshold_defaults_to_one():
+    """delay-adaptive with the default τ_C = 1: pushes at τ = 0 and 1 apply whole, τ = 2 half."""
+    shard = ShardState(_t(0.0), compensation="delay-adaptive")
+    _run(shard, [(_t(1.0), 0), (_t(2.0), 1), (_t(4.0), 2)])  # θ = 1, 3, then 3 + 4/2
+    assert torch.equal(shard.theta, _t(5.0))
+
+
+def test_a_shards_dc_defaults_to_lambda_0_04_and_a_local_lr_of_1():
+    """Δ̃ = Δ − λ·Δ²·(θ_now − θ_then)/η with λ = 0.04, η = 1."""
+    shard = ShardState(_t(0.0), compensation="dc")
+    _run(shard, [(_t(1.0), 0)])  # τ = 0: no gap, applied as is: θ = 1
+    _run(shard, [(_t(2.0), 1)])  # τ = 1: θ_then = 0, Δ̃ = 2 − 0.04·4·1 = 1.84
+    assert shard.theta.item() == pytest.approx(2.84, rel=1e-6)
+
+
+def test_a_shards_ring_defaults_to_sixteen_versions_then_clamps():
+    """R = 16: θ after versions 0..15 is kept; once the 16th push is recorded, version 0 has
+    left the ring and a push against it is clamped (counted in ``stats``)."""
+    shard = ShardState(_t(0.0), compensation="dc")
+    _run(shard, [(_t(0.0), 0)] * 15)
+    _run(shard, [(_t(0.0), 15)])  # against version 0 at 15: the ring holds versions 0..15
+    assert shard.stats()["compensation_clamped"] == 0
+    _run(shard, [(_t(0.0), 16)])  # against version 0 at 16: the ring holds versions 1..16
+    assert shard.stats()["compensation_clamped"] == 1
 
 
 def test_set_theta_replaces_theta_without_advancing_the_clock():

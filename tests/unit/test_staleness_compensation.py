@@ -15,7 +15,12 @@ from cloudburst.comm.messages import Status
 from cloudburst.config import ConfigError, RunConfig, Straggler
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.sim.run import simulate
-from cloudburst.strategies.asgd.compensation import PER_COORDINATE, SCALAR_FACTORS, add_rule_alpha
+from cloudburst.strategies.asgd.compensation import (
+    PER_COORDINATE,
+    SCALAR_FACTORS,
+    add_rule_alpha,
+    staleness_factor,
+)
 from cloudburst.strategies.asgd.rules import ASGD_RULES, ServerRule
 from cloudburst.strategies.asgd.settings import COMPENSATIONS, SERVER_RULES
 from cloudburst.strategies.asgd.shard import (
@@ -23,7 +28,7 @@ from cloudburst.strategies.asgd.shard import (
     make_shard,
     overlapped_push_fetch,
 )
-from cloudburst.strategies.asgd.summary import histogram_quantiles
+from cloudburst.strategies.asgd.summary import histogram_quantiles, merged_histogram
 from tests.helpers import shard_of
 from tests.reference import compensated_server, delayed_nesterov_server
 
@@ -145,6 +150,25 @@ def test_scalar_compensators_let_the_worker_rebuild_an_overlapped_reply_bit_for_
     assert add_rule_alpha(0.5, 4, True) == 0.125  # the staleness_scaling spelling
 
 
+def test_scalar_factors_default_to_a_delay_threshold_of_one_and_no_compensation():
+    """τ_C defaults to 1: τ = 2 is scaled by 1/2, τ = 3 by 1/3, τ = 1 not at all; the add
+    rule's α = λ·s takes the same default, and without a compensation α = λ at any τ."""
+    assert staleness_factor("delay-adaptive", 1) == 1.0
+    assert staleness_factor("delay-adaptive", 2) == 0.5
+    assert staleness_factor("delay-adaptive", 3) == 1 / 3
+    assert add_rule_alpha(0.5, 2, "delay-adaptive") == 0.25
+    assert add_rule_alpha(0.5, 1, "delay-adaptive") == 0.5
+    assert add_rule_alpha(0.25, 7) == 0.25
+
+
+def test_delay_adaptive_never_scales_a_push_within_its_threshold():
+    """τ ≤ τ_C gives 1 (a fresh push, τ = 0, under τ_C = 0 included); beyond, τ_C/τ."""
+    assert staleness_factor("delay-adaptive", 0, 0) == 1.0
+    assert staleness_factor("delay-adaptive", 0, 5) == 1.0
+    assert staleness_factor("delay-adaptive", 5, 5) == 1.0  # at the threshold: still 1
+    assert staleness_factor("delay-adaptive", 6, 3) == 0.5
+
+
 def test_per_coordinate_compensators_turn_the_overlapped_reply_off():
     def cfg(method, strategy="asgd"):
         return RunConfig(strategy=strategy, workers=2, staleness_compensation=method)
@@ -222,6 +246,28 @@ def test_the_shard_counts_the_staleness_and_scale_distributions_exactly():
     hist = {0.0: 2, 1.0: 2, 4.0: 1}
     assert histogram_quantiles(hist) == {"p50": 1.0, "p90": 4.0, "p99": 4.0, "max": 4.0}
     assert histogram_quantiles({}) is None
+
+
+def test_merged_histogram_adds_the_shards_counts_under_the_key_in_value_order():
+    stats = [
+        {"h": {"1": 2, "3": 1}, "other": {"9": 9}},
+        {"h": {"1": 5, "0.5": 4}},
+        {},
+        {"h": None},
+    ]
+    merged = merged_histogram(stats, "h")
+    assert merged == {0.5: 4, 1.0: 7, 3.0: 1}
+    assert list(merged) == [0.5, 1.0, 3.0]
+
+
+def test_a_histogram_quantile_is_the_smallest_value_reaching_its_share():
+    """With counts {1: 1, 2: 1}, half the counts are at or below 1: p50 = 1."""
+    assert histogram_quantiles({1.0: 1, 2.0: 1}, qs=(0.5,)) == {"p50": 1.0, "max": 2.0}
+    assert histogram_quantiles({1.0: 1, 2.0: 3}, qs=(0.25, 0.26)) == {
+        "p25": 1.0,
+        "p26": 2.0,
+        "max": 2.0,
+    }
 
 
 @pytest.mark.parametrize("period,c", [(3, 0.0), (2, 0.5), (1, 0.0)])

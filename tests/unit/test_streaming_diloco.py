@@ -4,13 +4,15 @@ included) and DiLoCo run step by step against the single-process references of
 all-reduce for W threads of one process (each contributes its vector and gets the sum, as
 ``dist.all_reduce`` would), so the strategies run unchanged. Streaming DiLoCo (``diloco`` with
 fragments, a delay and a mixing factor): the split, the schedule of each fragment, the outer
-step and the mixing, checked against by-hand arithmetic, and whole runs on the virtual cluster
+step and the mixing, checked against by-hand arithmetic (fragment counts that do not divide
+the period included), and whole runs on the virtual cluster
 against the single-process reference (tests/dist/simulate.py). The real gloo run is in
 tests/dist/test_local_sgd.py."""
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -256,20 +258,39 @@ def test_diloco_loads_a_state_without_the_loop_counters(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- the split
+def _sizes(parts: list[list[torch.Tensor]]) -> list[int]:
+    return [sum(p.numel() for p in part) for part in parts]
+
+
 def test_fragments_are_runs_of_whole_tensors_balanced_by_element_count():
     params = [torch.zeros(n) for n in (10, 10, 100, 10, 70)]
-    sizes = lambda parts: [sum(p.numel() for p in part) for part in parts]  # noqa: E731
-    assert sizes(split_fragments(params, 1)) == [200]
-    assert sizes(split_fragments(params, 2)) == [120, 80]  # the boundary nearest 100
-    assert sizes(split_fragments(params, 5)) == [10, 10, 100, 10, 70]
+    assert _sizes(split_fragments(params, 1)) == [200]
+    assert _sizes(split_fragments(params, 2)) == [120, 80]  # the boundary nearest 100
+    assert _sizes(split_fragments(params, 5)) == [10, 10, 100, 10, 70]
     # never an empty fragment, even where the balance would want one
-    assert sizes(split_fragments([torch.zeros(n) for n in (1000, 1, 1)], 3)) == [1000, 1, 1]
+    assert _sizes(split_fragments([torch.zeros(n) for n in (1000, 1, 1)], 3)) == [1000, 1, 1]
     with pytest.raises(ValueError, match="fragments: 6 is not allowed .* 5 parameter tensors"):
         split_fragments(params, 6)
     # the reference's own split (written from the docs) agrees on the tiny model
     model = ref.tiny_model()
     assert fragment_ranges(model, 2) == [(0, 40), (40, 75)]
-    assert sizes(split_fragments(list(model.parameters()), 2)) == [40, 35]
+    assert _sizes(split_fragments(list(model.parameters()), 2)) == [40, 35]
+
+
+def test_the_split_breaks_a_tie_towards_the_earlier_boundary_counting_from_zero():
+    # Four tensors of 2: the half-way target 4 is exactly the boundary after tensor 2.
+    assert _sizes(split_fragments([torch.zeros(2) for _ in range(4)], 2)) == [4, 4]
+    # Three tensors of 2, F = 2: target 3 lies between boundaries 2 and 4 (a tie): the
+    # earlier boundary wins.
+    assert _sizes(split_fragments([torch.zeros(2) for _ in range(3)], 2)) == [2, 4]
+
+
+def test_the_split_aims_every_cut_at_its_own_share_of_the_elements():
+    # Six equal tensors in three fragments: cuts at 1/3 and 2/3 of the elements.
+    assert _sizes(split_fragments([torch.zeros(1) for _ in range(6)], 3)) == [2, 2, 2]
+    # Unequal tensors (total 100) in four: targets 25, 50, 75 meet the ends 30, 50, 80.
+    params = [torch.zeros(n) for n in (5, 5, 20, 20, 30, 20)]  # ends 5 10 30 50 80 100
+    assert _sizes(split_fragments(params, 4)) == [30, 20, 30, 20]
 
 
 # ---------------------------------------------------------------------------- one worker, scripted
@@ -313,9 +334,63 @@ def test_each_fragment_is_sent_at_its_offset_and_applied_tau_steps_later(monkeyp
     assert strategy.averages == 6
 
 
-def test_alpha_mixes_the_local_fragment_with_the_new_global_one(monkeypatch):
-    # θ_fragment ← α·θ_local + (1 − α)·θ_global (the paper's mixing; torchft's lerp).
-    kw = dict(period=2, fragments=1, fragment_delay=1, fragment_alpha=0.25)
+def _sends(monkeypatch, steps: int, **kw) -> list[tuple[int, int]]:
+    strategy, replicas, recorder = one_diloco_worker(
+        monkeypatch, diloco_outer_lr=1.0, diloco_outer_momentum=0.0, **kw
+    )
+    for step in range(1, steps + 1):
+        replicas.step(0, step)
+        strategy.after_step(BATCH)
+    return [(step, numel) for step, numel, _ in recorder.calls]
+
+
+@pytest.mark.parametrize(
+    ("period", "offsets"),
+    [
+        # F = 3 on the tiny model: fragments of 40, 8 and 27 values. Fragment k is due after
+        # the steps t with t mod H = ⌊(k+1)·H/F⌋ mod H.
+        (4, (1, 2, 0)),  # ⌊4/3⌋ = 1, ⌊8/3⌋ = 2, 12/3 = 4 ≡ 0
+        (6, (2, 4, 0)),
+    ],
+)
+def test_each_of_three_fragments_is_sent_at_its_own_offset(monkeypatch, period, offsets):
+    steps = 2 * period
+    sizes = (40, 8, 27)
+    expected = sorted(
+        (t, sizes[k])
+        for k, offset in enumerate(offsets)
+        for t in range(1, steps + 1)
+        if t % period == offset
+    )
+    sends = _sends(monkeypatch, steps, period=period, fragments=3, fragment_delay=0)
+    assert sends == expected
+    # every fragment is sent exactly twice in two periods
+    assert sorted(n for _, n in sends) == [8, 8, 27, 27, 40, 40]
+
+
+@pytest.mark.parametrize("fragments", [1, 2, 3])
+def test_sending_fragments_never_resizes_a_buffer_in_use(monkeypatch, fragments):
+    # Each fragment's send buffer is a vector of its own size (the whole model's persistent
+    # buffer only with one fragment): torch warns whenever it must resize an ``out`` tensor,
+    # so a run (and its finish) with every warning an error shows that none is resized.
+    kw = dict(period=6, fragments=fragments, fragment_delay=1)
+    strategy, replicas, recorder = one_diloco_worker(
+        monkeypatch, diloco_outer_lr=1.0, diloco_outer_momentum=0.0, **kw
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(1, 8):
+            replicas.step(0, step)
+            strategy.after_step(BATCH)
+        strategy.finish()
+    assert sum(n for _, n, _ in recorder.calls) >= 75
+
+
+@pytest.mark.parametrize("alpha", [0.25, 1.0])
+def test_alpha_mixes_the_local_fragment_with_the_new_global_one(monkeypatch, alpha):
+    # θ_fragment ← α·θ_local + (1 − α)·θ_global (the paper's mixing; torchft's lerp): α = 1
+    # keeps the replica's own θ bit for bit, while θ_global still takes the outer step.
+    kw = dict(period=2, fragments=1, fragment_delay=1, fragment_alpha=alpha)
     strategy, replicas, _ = one_diloco_worker(
         monkeypatch, diloco_outer_lr=1.0, diloco_outer_momentum=0.0, **kw
     )
@@ -326,10 +401,12 @@ def test_alpha_mixes_the_local_fragment_with_the_new_global_one(monkeypatch):
     sent = ref.flat(replicas.models[0])
     replicas.step(0, 3)
     local = ref.flat(replicas.models[0])
+    assert not torch.equal(local, sent)
     strategy.after_step(BATCH)  # ... and applied now
-    torch.testing.assert_close(
-        ref.flat(replicas.models[0]), 0.25 * local + 0.75 * sent, rtol=0, atol=1e-6
-    )
+    mixed = ref.flat(replicas.models[0])
+    if alpha == 1.0:
+        assert torch.equal(mixed, local)
+    torch.testing.assert_close(mixed, alpha * local + (1 - alpha) * sent, rtol=0, atol=1e-6)
     torch.testing.assert_close(strategy.global_theta.detach(), sent, rtol=0, atol=1e-6)
 
 
