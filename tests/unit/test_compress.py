@@ -1,6 +1,8 @@
 """Compressed communication (cloudburst/comm/compress.py): each method's round trip within its
 format's bound, error feedback tracking the uncompressed sum, the quantised all-reduce (the
-same bits on every rank, counted as sent), and compressed runs of sync, local SGD and DiLoCo on
+same bits on every rank, counted as sent; its pending work timed on the transport's clock; the
+default key's residual), ``none`` and ``bf16`` handing the link, the node span, ``async_op``
+and the group to the plain all-reduce, and compressed runs of sync, local SGD and DiLoCo on
 the virtual cluster: they learn, they count compressed bytes, and ``none`` changes nothing.
 PowerSGD through our hook against torch's hook is a real gloo test (tests/dist/test_compress.py).
 """
@@ -31,6 +33,7 @@ from cloudburst.strategies.daso import DasoStrategy
 from cloudburst.strategies.diloco import DilocoStrategy
 from tests import reference as ref
 from tests.dist.simulate import trained
+from tests.fakes import RecordingLink, prior_stats
 from tests.support import (
     LocalSgdCtx,
     ThreadComm,
@@ -41,6 +44,8 @@ from tests.support import (
     sim_cfg,
     survivor_cfg,
 )
+
+GROUP = object()  # a group handle of its own: the only one the transports below accept
 
 
 def _block_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -149,6 +154,156 @@ def test_a_compressed_all_reduce_gives_every_rank_the_same_sum_counted_as_sent(m
         "fp8": [quantised_sent_bytes(n, size, p) for p in range(size)],
     }[method]
     assert [r[2] for r in results] == (sent if isinstance(sent, list) else [sent] * size)
+
+
+def test_a_method_without_an_all_reduce_is_refused_by_name():
+    """PowerSGD (a DDP hook) or an unknown name is refused in one line naming it, before any
+    transport call."""
+    comm = ThreadComm(ThreadGroup(1), 0, handle=GROUP)
+    for method in ("powersgd", "int4"):
+        with pytest.raises(
+            ValueError, match=rf"^compressed all-reduce: '{method}' is not bf16, fp8 or int8$"
+        ):
+            compressed_all_reduce_sum(torch.zeros(2), GROUP, CommStats(), method, comm=comm)
+    assert comm.calls == []
+
+
+def _hand_off(method: str, mine: torch.Tensor, peers: torch.Tensor, cost: float, **kw):
+    """``compressed_all_reduce_sum(..., GROUP, prior_stats(), method, link=a RecordingLink
+    charging ``cost``, **kw)`` on 4 threads whose transports accept only :data:`GROUP` (clock
+    10, 10.5, ...): rank 0 sums ``mine``, rank 1 ``peers``, the rest zeros. Rank 0's
+    (pending, tensor, transport, link, stats)."""
+
+    def rank_fn(rank: int, comm: ThreadComm):
+        y = mine if rank == 0 else peers.clone() if rank == 1 else torch.zeros_like(mine)
+        link, stats = RecordingLink(allreduce_cost_s=cost), prior_stats()
+        pending = compressed_all_reduce_sum(y, GROUP, stats, method, link=link, comm=comm, **kw)
+        return pending, y, comm, link, stats
+
+    return on_comm_threads(4, rank_fn, handle=GROUP, start=10.0, tick=0.5)[0]
+
+
+def test_none_passes_the_link_the_span_async_op_and_the_group_to_the_plain_all_reduce():
+    """``none`` across nodes on an active link: the plain fp32 all-reduce over the group, asked
+    of the link for 3 × 4 bytes over 4 ranks, booked on the group, counted inter-node as a
+    ring (2·3/4 · 12 = 18 bytes); with ``async_op`` nothing is waited for until ``wait``."""
+    y = torch.tensor([0.5, 0.25, -1.0])
+    pending, y, comm, link, stats = _hand_off(
+        "none", y, torch.tensor([1.0, 2.0, 3.0]), 0.0625, spans_nodes=True, async_op=True
+    )
+    assert torch.equal(y, torch.tensor([1.5, 2.25, 2.0]))
+    assert comm.calls == [("all_reduce", torch.float32, 3, True)]
+    assert stats.wait_s == 1.0  # not waited yet
+    assert link.asked == [(12, 4)] and link.booked == [(0.0625, GROUP)]
+    assert stats.emulated_link_s == 0.25 + 0.0625
+    assert stats.inter_node_bytes == 3000 + 18 and stats.intra_node_bytes == 4000
+    pending.wait()
+    assert stats.wait_s == 1.0 + 0.5 and comm.calls[-1] == ("wait",)
+
+
+def test_bf16_sums_in_bf16_on_the_group_and_link_times_its_wait_and_copies_back_once():
+    """``bf16`` across nodes on an active link: one asynchronous bf16 all-reduce over the group,
+    waited for; the link asked for 4 × 2 bytes over 4 ranks and booked on the group; counted
+    inter-node (2·3/4 · 8 = 12 bytes); the bf16 sum copied back to fp32; the wait timed on the
+    given transport's clock (one tick), not the wall clock. Waiting again reads that clock
+    again but does not copy the result back a second time."""
+    y = torch.tensor([1.0, 2.0, -0.5, 3.0])
+    pending, y, comm, link, stats = _hand_off(
+        "bf16", y, torch.full((4,), 0.5), 0.125, spans_nodes=True
+    )
+    assert torch.equal(y, torch.tensor([1.5, 2.5, 0.0, 3.5]))
+    assert comm.calls == [("all_reduce", torch.bfloat16, 4, True), ("wait",)]
+    assert link.asked == [(8, 4)] and link.booked == [(0.125, GROUP)]
+    assert stats.emulated_link_s == 0.25 + 0.125
+    assert stats.inter_node_bytes == 3000 + 12 and stats.intra_node_bytes == 4000
+    assert stats.sent_bytes == 1000 + 12 and stats.wait_s == 1.0 + 0.5
+    y.zero_()
+    pending.wait()
+    assert torch.equal(y, torch.zeros(4)) and stats.wait_s == 1.0 + 2 * 0.5
+
+
+def test_an_async_quantised_all_reduce_starts_the_scatter_and_wait_runs_the_rest_timed_once():
+    """W = 3 over the group with ``async_op``: only the scatter has started when the call
+    returns (the tensor untouched, nothing waited); ``wait`` waits for it, runs the gather,
+    writes the reference's sum, and adds exactly one reading-to-reading interval of the
+    transport's clock (0.5 s) to wait_s; a second ``wait`` does nothing (no clock reading, no
+    call); no link, nothing charged for one."""
+
+    def rank_fn(rank: int, comm: ThreadComm):
+        stats = prior_stats()
+        x = compress_vector(1000, seed=rank)
+        y = x.clone()
+        pending = compressed_all_reduce_sum(
+            y, GROUP, stats, "int8", ErrorFeedback(), key="g", async_op=True, comm=comm
+        )
+        started = (list(comm.calls), torch.equal(y, x), stats.wait_s)
+        pending.wait()
+        after = (len(comm.calls), stats.wait_s, comm.clock, y.clone())
+        pending.wait()
+        again = (len(comm.calls), stats.wait_s, comm.clock)
+        return x, started, after, again, stats
+
+    results = on_comm_threads(3, rank_fn, handle=GROUP, start=10.0, tick=0.5)
+    expected, _, _ = ref.quantised_all_reduce(
+        [r[0] for r in results], "int8", [None] * 3, [None] * 3
+    )
+    for _, started, after, again, stats in results:
+        calls, untouched, wait_s = started
+        assert [c[0] for c in calls] == ["all_to_all"] and untouched and wait_s == 1.0
+        assert after[0] == 4 and after[1] == 1.0 + 0.5 and after[2] == 10.0 + 2 * 0.5
+        assert torch.equal(after[3], expected)
+        assert again == after[:3]
+        assert stats.emulated_link_s == 0.25
+
+
+def test_each_wait_adds_its_own_interval_of_the_transports_clock_once():
+    """Two asynchronous quantised all-reduces on one stats (a group of one), waited one after
+    the other: each wait reads the clock twice and adds one interval (0.5 s) to the running
+    total, 1.0 + 0.5 + 0.5; a second wait of the same pending reads nothing; a blocking one
+    waits itself: one interval more."""
+    comm, stats = ThreadComm(ThreadGroup(1), 0, handle=GROUP, start=10.0, tick=0.5), prior_stats()
+    pending = [
+        compressed_all_reduce_sum(
+            compress_vector(300, seed=s), GROUP, stats, method, async_op=True, comm=comm
+        )
+        for s, method in ((1, "int8"), (2, "fp8"))
+    ]
+    assert stats.wait_s == 1.0 and comm.clock == 10.0
+    pending[0].wait()
+    assert stats.wait_s == 1.0 + 0.5 and comm.clock == 11.0
+    pending[1].wait()
+    assert stats.wait_s == 2.0 and comm.clock == 12.0
+    pending[1].wait()
+    assert stats.wait_s == 2.0 and comm.clock == 12.0
+    compressed_all_reduce_sum(compress_vector(600, seed=3), GROUP, stats, "fp8", comm=comm)
+    assert stats.wait_s == 2.5 and comm.clock == 13.0
+
+
+def test_calls_without_a_key_share_one_residual_under_the_empty_key():
+    """A group of one sums its own round trip. Without a key the residual is kept under "";
+    a second call without a key adds it before quantising (the reference round trip of
+    x2 + e1, not of x2), and so does a call naming "" itself; a named key starts from zero."""
+    x1, x2, x3 = (compress_vector(600, seed=s) for s in (3, 4, 5))
+    feedback = ErrorFeedback()
+
+    def reduce(y: torch.Tensor, **key) -> torch.Tensor:
+        comm = ThreadComm(ThreadGroup(1), 0, handle=GROUP)
+        compressed_all_reduce_sum(y, GROUP, CommStats(), "int8", feedback, comm=comm, **key)
+        return y
+
+    e1 = x1 - ref.quantise_round_trip(x1, "int8")
+    reduce(x1.clone())
+    assert set(feedback.residuals) == {""} and torch.equal(feedback.residuals[""], e1)
+    c2 = x2 + e1
+    y2 = reduce(x2.clone())
+    assert torch.equal(y2, ref.quantise_round_trip(c2, "int8"))
+    assert not torch.equal(y2, ref.quantise_round_trip(x2, "int8"))
+    e2 = c2 - ref.quantise_round_trip(c2, "int8")
+    assert set(feedback.residuals) == {""} and torch.equal(feedback.residuals[""], e2)
+    assert torch.equal(reduce(x3.clone(), key=""), ref.quantise_round_trip(x3 + e2, "int8"))
+    assert set(feedback.residuals) == {""}
+    assert torch.equal(reduce(x3.clone(), key="b"), ref.quantise_round_trip(x3, "int8"))
+    assert set(feedback.residuals) == {"", "b"}
 
 
 # ---------------------------------------------------------------------------- the config

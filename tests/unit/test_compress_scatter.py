@@ -1,12 +1,15 @@
 """The quantised all-reduce whose bytes do not grow with W (ALGORITHMS.md §8): the reduce-scatter
 of quantised chunks, the owners' fp32 sums re-quantised with their own residuals, the
-all-gather. Against the independent plain-PyTorch reference (tests/reference.py), bit for bit;
-every rank's bytes exact; both residuals through a checkpoint; and the virtual cluster's
-charged time for the two all-to-alls, computed by hand.
+all-gather; at W = 2 one all-gather. On a group handle of its own (every transport call goes to
+the group given), against the independent plain-PyTorch reference (tests/reference.py), bit for
+bit, whatever the default device; every rank's bytes and splits exact; both residuals through a
+checkpoint; what the emulated link is charged for each all-to-all, and on which group; and the
+virtual cluster's charged time for the two all-to-alls, computed by hand.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -30,12 +33,25 @@ from cloudburst.sim.network import SimNetwork
 from cloudburst.sim.scheduler import Scheduler
 from cloudburst.sim.transport import SimTransport
 from tests import reference as ref
-from tests.support import clock_run_config, compress_vector, on_comm_threads
+from tests.fakes import RecordingLink, prior_stats
+from tests.support import ThreadComm, clock_run_config, compress_vector, on_comm_threads
+
+GROUP = object()  # the group handle: the only one the transports below accept
 
 
-def _reduce(size: int, n: int, method: str, rounds: int, feedbacks=None, seed: int = 0):
-    """``rounds`` quantised all-reduces of fresh vectors on ``size`` threads; per rank: the
-    inputs, the results, the bytes counted, the transport's calls and its ErrorFeedback."""
+def _on_threads(size: int, fn) -> list:
+    """``fn(rank, comm)`` on ``size`` threads, each a :class:`ThreadComm` that accepts only
+    :data:`GROUP` (every transport call goes to the group given), its clock reading 10, 10.5,
+    11, ... (one reading a call)."""
+    return on_comm_threads(size, fn, handle=GROUP, start=10.0, tick=0.5)
+
+
+def _reduce(size: int, n: int, method: str, rounds: int, feedbacks=None, seed: int = 0,
+            default_device: str | None = None):  # fmt: skip
+    """``rounds`` quantised all-reduces over :data:`GROUP` of fresh vectors on ``size``
+    threads (each thread's default device ``default_device``, if given, while it reduces); per
+    rank: the inputs, the results, the bytes counted, the transport's calls and its
+    ErrorFeedback."""
 
     def rank_fn(rank: int, comm):
         feedback = feedbacks[rank] if feedbacks is not None else ErrorFeedback()
@@ -43,18 +59,20 @@ def _reduce(size: int, n: int, method: str, rounds: int, feedbacks=None, seed: i
         for k in range(rounds):
             x = compress_vector(n, seed=seed + 100 * k + rank) * (1 + rank)
             y = x.clone()
-            compressed_all_reduce_sum(y, None, stats, method, feedback=feedback, key="t", comm=comm)
+            with torch.device(default_device) if default_device else contextlib.nullcontext():
+                compressed_all_reduce_sum(y, GROUP, stats, method, feedback, key="t", comm=comm)
             inputs.append(x)
             outputs.append(y)
         return inputs, outputs, stats.sent_bytes, comm.calls, feedback
 
-    return on_comm_threads(size, rank_fn)
+    return _on_threads(size, rank_fn)
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 @pytest.mark.parametrize(("size", "n"), [(3, 1000), (4, 1000), (5, 1000), (4, 3000)])
 def test_the_reduce_scatter_is_the_reference_bit_for_bit_on_every_rank(method, size, n):
-    # (5, 1000): 4 blocks for 5 ranks, one rank owns none; (4, 3000): a padded last block.
+    # Over a group of its own. (5, 1000): 4 blocks for 5 ranks, one rank owns none; (4, 3000):
+    # a padded last block.
     results = _reduce(size, n, method, rounds=3)
     sent: list = [None] * size
     owner: list = [None] * size
@@ -82,21 +100,63 @@ def test_each_rank_sends_its_share_exactly_and_the_total_is_2_w_minus_1_packed_v
     results = _reduce(3, 1000, "int8", rounds=1)
     assert [r[2] for r in results] == [1560, 1300, 1300]
     assert [quantised_sent_bytes(1000, 3, p) for p in range(3)] == [1560, 1300, 1300]
-    # the splits each rank gave its transport (first the scatter, then the gather)
-    assert [c for c in results[0][3] if c[0] == "all_to_all"] == [
-        ("all_to_all", [520, 260, 260], [520, 520, 520], True),
-        ("all_to_all", [520, 520, 520], [520, 260, 260], True),
-    ]
-    for size in (3, 8, 64, 256):
-        for n in (1000, 10_000, 123_457):
+    # the splits each rank gave its transport: the scatter (the others' chunks out, its own
+    # chunk in from each), then the gather (its chunk to each, every owner's chunk in)
+    for rank, r in enumerate(results):
+        mine = [520, 260, 260][rank]
+        assert r[3] == [
+            ("all_to_all", [520, 260, 260], [mine] * 3, True),
+            ("wait",),
+            ("all_to_all", [mine] * 3, [520, 260, 260], True),
+            ("wait",),
+        ]
+    for size in (3, 4, 5, 7, 8, 64, 256):
+        for n in (1, 300, 1000, 5000, 10_000, 123_457):
             total = sum(quantised_sent_bytes(n, size, p) for p in range(size))
             assert total == 2 * (size - 1) * packed_bytes(n, "int8")
-    # W ≤ GATHER_MAX_W: one all-gather, (W − 1) packed vectors, nothing to own
+    # W ≤ GATHER_MAX_W: one all-gather, (W − 1) packed vectors for every rank, nothing to own
+    # (test_a_pair_all_gathers_...); none for a group of one
     assert GATHER_MAX_W == 2
-    pair = _reduce(2, 1000, "int8", rounds=1)
-    assert [r[2] for r in pair] == [packed_bytes(1000, "int8")] * 2
-    gather = [("all_gather", packed_bytes(1000, "int8"), True), ("wait",)]
-    assert all(r[3] == gather and set(r[4].residuals) == {"t"} for r in pair)
+    assert [quantised_sent_bytes(1000, 2, p) for p in range(2)] == [4 * 260] * 2
+    assert quantised_sent_bytes(1000, 1, 0) == 0
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_a_pair_all_gathers_over_the_group_and_keeps_the_residual_under_the_default_key(method):
+    """W = 2: one asynchronous all-gather of the packed vectors over the group, waited for;
+    both ranks get the reference's rank-order sum of the two round trips; the sender's residual
+    is kept under the default key, the empty string (no owner's residual); counted as one
+    packed vector, added to the earlier totals."""
+    n = 700  # 3 blocks, the last one padded
+
+    def rank_fn(rank: int, comm: ThreadComm):
+        feedback = ErrorFeedback()
+        stats = prior_stats()
+        x = compress_vector(n, seed=10 + rank) * (1 + rank)
+        y = x.clone()
+        compressed_all_reduce_sum(y, GROUP, stats, method, feedback, comm=comm)
+        return x, y, feedback, comm.calls, stats
+
+    results = _on_threads(2, rank_fn)
+    expected = ref.QuantisedSum(method)([r[0] for r in results])
+    for x, y, feedback, calls, stats in results:
+        assert torch.equal(y, expected)
+        assert set(feedback.residuals) == {""}
+        assert torch.equal(feedback.residuals[""], x - ref.quantise_round_trip(x, method))
+        assert calls == [("all_gather", 3 * BLOCK + 3 * 4, True), ("wait",)]
+        assert stats.sent_bytes == 1000 + 3 * 260
+        assert stats.intra_node_bytes == 4000 + 3 * 260 and stats.inter_node_bytes == 3000
+
+
+def test_the_owners_sum_is_made_on_the_tensors_device_whatever_the_default_device():
+    """The reduce-scatter's temporaries live on the tensor's device, not on the default one: a
+    W = 3 all-reduce of CPU tensors while each thread's default device is ``meta`` gives the
+    reference's sum."""
+    results = _reduce(3, 1000, "int8", rounds=1, default_device="meta")
+    expected, _, _ = ref.quantised_all_reduce(
+        [r[0][0] for r in results], "int8", [None] * 3, [None] * 3
+    )
+    assert all(torch.equal(r[1][0], expected) for r in results)
 
 
 def test_both_residuals_round_trip_through_a_checkpoint_and_an_old_one_resumes():
@@ -125,6 +185,61 @@ def test_both_residuals_round_trip_through_a_checkpoint_and_an_old_one_resumes()
     wrong.load_state_dict({"t": torch.zeros(999)})
     with pytest.raises(ValueError, match=r"^error feedback 't': the residual holds 999 values"):
         wrong.compensate("t", torch.zeros(1000))
+
+
+def test_each_all_to_all_is_charged_to_the_emulated_link_on_the_group_for_this_ranks_bytes():
+    """Across nodes on an active link, W = 3, 1000 values owned [2, 1, 1]: the scatter is
+    charged 2 latencies + the others' chunks this rank sends, the gather 2 latencies + its own
+    chunk to 2 ranks, each booked once on the group and both added to emulated_link_s; the
+    link's completion is waited for on top of each transport work; the bytes count as
+    inter-node; without a key the sender's residual is kept under "" and the owner's under
+    ":owner"."""
+    blocks = [2, 1, 1]
+    link_of = [RecordingLink() for _ in range(3)]
+
+    def rank_fn(rank: int, comm: ThreadComm):
+        stats, feedback = prior_stats(), ErrorFeedback()
+        y = compress_vector(1000, seed=rank)
+        compressed_all_reduce_sum(
+            y, GROUP, stats, "int8", feedback, link=link_of[rank], spans_nodes=True, comm=comm
+        )
+        return stats, comm.calls, set(feedback.residuals)
+
+    for rank, (stats, calls, keys) in enumerate(_on_threads(3, rank_fn)):
+        assert keys == {"", OWNER}
+        mine = blocks[rank]
+        scatter = 2 * 0.125 + (4 - mine) * 260 / 1024
+        gather = 2 * 0.125 + 2 * mine * 260 / 1024
+        assert link_of[rank].booked == [(scatter, GROUP), (gather, GROUP)]
+        assert stats.emulated_link_s == 0.25 + scatter + gather
+        assert [c[0] for c in calls] == ["all_to_all", "wait", "all_to_all", "wait"]
+        moved = quantised_sent_bytes(1000, 3, rank)
+        assert stats.inter_node_bytes == 3000 + moved and stats.intra_node_bytes == 4000
+
+
+@pytest.mark.parametrize(("sizes", "active", "spans_nodes"), [
+    ((2, 3), True, False),  # an active link within a node
+    ((2, 3), False, True),  # an inactive link across nodes
+    ((1,), True, True),  # a group of one across nodes on an active link
+])  # fmt: skip
+def test_the_link_is_not_charged_unless_active_and_spanning_nodes_of_two_or_more(
+    sizes, active, spans_nodes
+):
+    """The link is booked only when active, spanning nodes and shared by 2 or more ranks:
+    otherwise nothing is booked and emulated_link_s keeps its earlier total."""
+    for size in sizes:
+        links = [RecordingLink(active=active) for _ in range(size)]
+
+        def rank_fn(rank: int, comm: ThreadComm, links=links):
+            stats = prior_stats()
+            compressed_all_reduce_sum(
+                compress_vector(600, seed=rank), GROUP, stats, "int8", link=links[rank],
+                spans_nodes=spans_nodes, comm=comm,
+            )  # fmt: skip
+            return stats.emulated_link_s
+
+        assert _on_threads(size, rank_fn) == [0.25] * size
+        assert all(link.booked == [] for link in links)
 
 
 def test_the_virtual_cluster_charges_two_all_to_alls_by_hand():
