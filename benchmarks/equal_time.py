@@ -8,6 +8,7 @@ measurement, cells of its virtual grid): 16 (or 64) workers, 4 per node, nodes j
     .venv/bin/python benchmarks/equal_time.py --cell pareto --workers 64  # ..._pareto_w64.*
     .venv/bin/python benchmarks/equal_time.py --cell slow-node --workers 64  # ..._slow_node_w64.*
     .venv/bin/python benchmarks/equal_time.py --cell lognormal --workers 32  # ..._lognormal_w32.*
+    .venv/bin/python benchmarks/equal_time.py --cell link --workers 64  # results/equal_time_w64.*
     .venv/bin/python benchmarks/equal_time.py --quick             # smoke test, runs/bench-quick/
 
 Cells (``CELLS``): ``link``, no straggler; ``pareto``, every step's compute multiplied by
