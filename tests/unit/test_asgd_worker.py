@@ -345,17 +345,24 @@ def _values(start: float) -> torch.Tensor:
     return torch.arange(9, dtype=torch.float32) * 0.25 + start
 
 
-def _restart_job():
-    """One started worker over three shards (shard k at version 3 + 2k, 8·(k + 1) samples) whose
-    replica then made local progress; the worker's cut link, the job, and the store."""
+def _three_shard_job(link_type: type[WorkerSide], **cfg):
+    """One asgd worker over three shards, its replica θ = ``_values(1.0)``, talking through a
+    ``link_type`` link: (model, job, worker, link)."""
     cfg = RunConfig(strategy="asgd", workers=1, servers=3, dataset="synthetic", train_size=512,
-                    n_sync=4, max_restarts=1)  # fmt: skip
+                    **cfg)  # fmt: skip
     model = nn.Linear(2, 3)
     ref.set_flat(model, _values(1.0))
     job = ps_job(cfg, [model])
     worker = job.workers[0]
-    link = _CutLink(worker.transport.net, worker.transport.rank, worker.stats)
+    link = link_type(worker.transport.net, worker.transport.rank, worker.stats)
     worker.transport = link
+    return model, job, worker, link
+
+
+def _restart_job():
+    """One started worker over three shards (shard k at version 3 + 2k, 8·(k + 1) samples) whose
+    replica then made local progress; the worker's cut link, the job, and the store."""
+    model, job, worker, link = _three_shard_job(_CutLink, n_sync=4, max_restarts=1)
     store = dist.HashStore()
     worker.ctx.store = store
     worker.ctx.shard_link = lambda k, incarnation, rank, stats: WorkerSide(link.net, rank, stats)
@@ -466,15 +473,7 @@ def test_a_cpu_replica_computes_each_shards_delta_chunk_by_chunk_as_it_is_sent()
     """A CPU fp32 replica under the add rule (overlapped push-and-fetch) hands the transport a
     ``prepare`` that computes each chunk of each shard's Δ just before the chunk leaves (the
     subtraction overlaps the wire); the shards receive Δ = θ_local − θ_fetched exactly."""
-    cfg = RunConfig(
-        strategy="asgd", workers=1, servers=3, dataset="synthetic", train_size=512, n_sync=1
-    )
-    model = nn.Linear(2, 3)
-    ref.set_flat(model, _values(1.0))
-    job = ps_job(cfg, [model])
-    worker = job.workers[0]
-    link = _ChunkedLink(worker.transport.net, worker.transport.rank, worker.stats)
-    worker.transport = link
+    model, job, worker, link = _three_shard_job(_ChunkedLink, n_sync=1)
     worker.start()
     local = _values(1.0) + torch.tensor([3.0, -1.0, 0.5, 2.0, 4.0, -2.5, 1.5, 0.25, -0.75])
     ref.set_flat(model, local)
