@@ -248,9 +248,11 @@ def rescore(path: Path, head: str) -> list[str]:
             continue
         if inputs and "diff" in inputs:
             # the verdict of the rounded value the row shows
-            rounded = lambda d, lo, hi: point(round(d, 2))  # noqa: E731
+            digits = 2 if "scale" not in inputs else 4
+            rounded = lambda d, lo, hi, n=digits: point(round(d, n))  # noqa: E731
             new = harness.diff_claim(report, old.name, *inputs["diff"], old.target, rounded,
-                                     seeds=old.seeds, aa_copy=inputs.get("aa"))  # fmt: skip
+                                     seeds=old.seeds, aa_copy=inputs.get("aa"), digits=digits,
+                                     scale=inputs.get("scale", 100.0))  # fmt: skip
         elif inputs:
             new = harness.ratio_claim(report, old.name, inputs["a"], inputs["b"], inputs.get("aa"),
                                       old.target, point, inputs.get("budget_s"),

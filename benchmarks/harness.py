@@ -699,24 +699,26 @@ def ratio_claim(
 def diff_claim(
     report: Report, name: str, a: Sequence[float], b: Sequence[float], target: str,
     ok: Callable[[float, float, float], bool], *, paired=True, digits: int | None = 2,
-    aa_copy: Sequence[float] | None = None, **kwargs,
+    aa_copy: Sequence[float] | None = None, scale: float = 100.0, **kwargs,
 ) -> Claim:  # fmt: skip
-    """Add the claim mean(a) − mean(b) in points with its t interval (paired by seed unless
-    ``paired`` is False), rounded to ``digits`` (None: not rounded); ``ok(d, lo, hi)`` gets the
-    unrounded points. ``aa_copy``: b's A/A copy, per seed; the claim is also computed as
-    a − copy and judged on the span of both intervals (as :func:`ratio_claim` does).
-    ``kwargs``: the claim's other fields (seeds, note, aa). The per-seed values are kept as
-    the claim's inputs."""
-    d, lo, hi = (100 * x for x in difference_interval(a, b, paired=paired))
+    """Add the claim mean(a) − mean(b) × ``scale`` (100: fractions to points; 1: a loss in
+    nats) with its t interval (paired by seed unless ``paired`` is False), rounded to
+    ``digits`` (None: not rounded); ``ok(d, lo, hi)`` gets the unrounded values. ``aa_copy``:
+    b's A/A copy, per seed; the claim is also computed as a − copy and judged on the span of
+    both intervals (as :func:`ratio_claim` does). ``kwargs``: the claim's other fields (seeds,
+    note, aa). The per-seed values (and a scale other than 100) are kept as the claim's
+    inputs."""
+    d, lo, hi = (scale * x for x in difference_interval(a, b, paired=paired))
     r = (lambda x: x) if digits is None else (lambda x: round(x, digits))  # noqa: E731
     if aa_copy is not None:
-        _, lo2, hi2 = (100 * x for x in difference_interval(a, aa_copy, paired=paired))
+        _, lo2, hi2 = (scale * x for x in difference_interval(a, aa_copy, paired=paired))
         lo, hi = min(lo, lo2), max(hi, hi2)
         against = f"against the A/A copy [{fmt(r(lo2))}, {fmt(r(hi2))}]"
         kwargs["note"] = ", ".join(x for x in (kwargs.get("note"), against) if x)
     claim = report.claim(name, r(d), target, ok(d, lo, hi), interval=(r(lo), r(hi)), **kwargs)
     copy = {} if aa_copy is None else {"aa": list(aa_copy)}
-    claim.inputs = claim.inputs or {"diff": (list(a), list(b)), "paired": paired, **copy}
+    unit = {} if scale == 100.0 else {"scale": scale}
+    claim.inputs = claim.inputs or {"diff": (list(a), list(b)), "paired": paired, **copy, **unit}
     return claim
 
 

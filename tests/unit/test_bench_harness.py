@@ -249,6 +249,23 @@ def test_a_difference_with_an_aa_copy_is_judged_on_both_and_rescored_so(tmp_path
     assert again["interval"] == pytest.approx([1.0, 2.0])  # the copy still in the verdict
 
 
+def test_a_loss_difference_stays_in_nats_through_a_rescore(tmp_path):
+    from benchmarks import evidence
+
+    # a loss 0.03 nats above b on every seed, judged ≤ 0.05 nats (not ×100 as points are)
+    b = [2.51, 2.48, 2.50]
+    a = [x + 0.03 for x in b]
+    ok = lambda d, lo, hi: hi <= 0.05  # noqa: E731
+    claim = harness.diff_claim(harness.Report("n", "", None), "loss a − b", a, b, "≤ 0.05", ok,
+                               scale=1.0, digits=4, seeds=3)  # fmt: skip
+    assert claim.value == pytest.approx(0.03) and claim.verdict == "PASS"
+    stored(tmp_path, "nats", [claim])
+    path = tmp_path / "results" / "nats.json"
+    evidence.rescore(path, "def5678")
+    [again] = json.loads(path.read_text())["claims"]
+    assert again["value"] == pytest.approx(0.03) and again["interval"] == pytest.approx([0.03] * 2)
+
+
 def test_ratio_claim_turns_a_censored_median_into_a_bound(tmp_path, monkeypatch):
     report = harness.Report("demo", "A demo", provenance(tmp_path, monkeypatch))
     at_most = lambda r: r <= 0.75  # noqa: E731
