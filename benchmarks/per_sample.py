@@ -3,6 +3,7 @@ equal samples (issue 43's per-sample targets), 4 and 16 workers, H = 8.
 
     .venv/bin/python benchmarks/per_sample.py            # results/per_sample.{md,json}
     .venv/bin/python benchmarks/per_sample.py --quick    # smoke test, runs/bench-quick/
+    .venv/bin/python benchmarks/per_sample.py --w64      # int8 at W = 64: per_sample_w64
 
 Virtual cluster, flat network: the claims are about samples, not time, and the virtual
 cluster computes what gloo does (the reference-parity tests), deterministically. MNIST-1D's
@@ -75,8 +76,17 @@ def lr_of(arm: Arm) -> float:
     return float(arm.argv[arm.argv.index("--lr") + 1])
 
 
+W64 = ["--workers", "64", "--batch-size", "8", "--train-size", "16000", "--epochs", "12"]
+
+
 def main() -> None:
-    args, prov = harness.start(__doc__)
+    def add(p) -> None:
+        p.add_argument("--w64", action="store_true", help="Streaming DiLoCo int8 against DiLoCo "
+                       "fp32 at W = 64 alone (results/per_sample_w64)")  # fmt: skip
+
+    args, prov = harness.start(__doc__, add)
+    if args.w64:
+        return w64(args, prov)
     quick, root = args.quick, prov.runs_dir("per_sample")
     scales = {"W = 4": [*SCALES["W = 4"][:-1], "2"]} if quick else SCALES
     tune, confirm, lrs = ((0,), (1, 2), LRS[1:3]) if quick else (TUNE, CONFIRM, LRS)
@@ -153,6 +163,42 @@ def main() -> None:
         chosen_all[scale] = {n: lr_of(a) for n, a in chosen.items()}
     report.data.update(chosen_lr=chosen_all)
     report.write(runs)
+
+
+def w64(args, prov) -> None:
+    """The int8 target at W = 64 (the same 375 steps per worker, batch 8, global batch 512):
+    DiLoCo's inner lr on {0.05, 0.1, 0.2} (seeds 0–2), then DiLoCo fp32 and Streaming DiLoCo
+    int8 (4 fragments, τ = 1, α = 0) at that lr on seeds 3–7."""
+    quick, root = args.quick, prov.runs_dir("per_sample_w64")
+    tune, confirm, lrs = ((0,), (1, 2), (0.1,)) if quick else (TUNE, CONFIRM, LRS[:3])
+    flags = [*W64[:-1], "1"] if quick else W64
+    report = harness.Report("per_sample_w64", "Quality per sample at 64 workers: Streaming "
+                            "DiLoCo int8 against DiLoCo fp32 (virtual cluster)", prov)  # fmt: skip
+    report.settings(harness.about(__doc__) + "\n\n" + " ".join(w64.__doc__.split()))
+    grid = [Arm(f"diloco lr {lr:g}", [*TUNED["diloco"], "--lr", f"{lr:g}", *flags, *BASE])
+            for lr in lrs]  # fmt: skip
+    tuned, mean = simulate(grid, tune, root / "tune", prov)
+    best = max(grid, key=lambda a: mean[a.name])
+    arms = [
+        Arm("diloco", best.argv),
+        Arm("streaming int8", [*STREAM, "--lr", f"{lr_of(best):g}", *flags, *BASE]),
+    ]
+    confirmed, _ = simulate(arms, confirm, root / "confirm", prov)
+    cg = harness.by_arm(confirmed)
+    acc = {n: [r.final_accuracy or 0.0 for r in rs] for n, rs in cg.items()}
+    harness.diff_claim(report, "final accuracy at equal samples, streaming int8 − diloco "
+                       "(points), W = 64, H = 8", acc["streaming int8"], acc["diloco"], "≥ -1",
+                       lambda d, lo, hi: lo >= -1.0, seeds=len(confirm))  # fmt: skip
+    report.section(f"Tuning (seeds {', '.join(map(str, tune))})").table(
+        "arm | " + " | ".join(f"lr {lr:g}" for lr in lrs),
+        [["diloco", *(pct(mean[f"diloco lr {lr:g}"]) for lr in lrs)]],
+    ).text(f"Chosen: diloco lr {lr_of(best):g}.")
+    report.section(f"Confirmation (seeds {', '.join(map(str, confirm))})").table(
+        "arm | lr | final accuracy per seed | mean | MB sent per worker",
+        [row(a, cg[a.name]) for a in arms],
+    )
+    report.data.update(chosen_lr=lr_of(best))
+    report.write([*tuned, *confirmed])
 
 
 def simulate(arms: list[Arm], seeds, where: Path, prov) -> tuple[list[harness.Run], dict]:
