@@ -271,13 +271,17 @@ def records(out_dir: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
                 continue
 
 
-def read_evals(out_dir: str | Path) -> list[tuple[float, int, float]]:
-    """The eval records as ``(time_s, samples, accuracy)`` by time (``train_time_s`` if any)."""
+def read_evals(
+    out_dir: str | Path, field: str = "test_accuracy", sign: float = 1.0
+) -> list[tuple[float, int, float]]:
+    """The eval records as ``(time_s, samples, sign × field)`` by time (``train_time_s`` if
+    any): the accuracy, or with ``"test_loss", -1`` the negated loss, so that "holds a loss of
+    at most L" is :func:`time_to_target` of −L."""
     evals = []
     for _, r in records(out_dir):
-        if r.get("event") == "eval" and isinstance(r.get("test_accuracy"), int | float):
+        if r.get("event") == "eval" and isinstance(r.get(field), int | float):
             t = r.get("train_time_s", r["time_s"])
-            evals.append((float(t), int(r.get("samples", 0)), float(r["test_accuracy"])))
+            evals.append((float(t), int(r.get("samples", 0)), sign * float(r[field])))
     return sorted(evals)
 
 

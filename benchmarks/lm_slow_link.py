@@ -39,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import experiments  # noqa: E402
 import harness  # noqa: E402
+import slow_link  # noqa: E402
 from harness import Arm, fmt  # noqa: E402
 
 BATCH = 16
@@ -63,18 +64,6 @@ TUNE, CONFIRM = (0, 1, 2), (3, 4, 5, 6, 7)
 BAND, TIME_TARGET, LOSS_NATS = 0.01, 0.6, 0.05
 
 
-def loss_evals(run: harness.Run) -> harness.Run:
-    """The run with its evaluations as ``(time_s, samples, −test loss)``: "holds L*" is then
-    ``harness.time_to_target(evals, −L*)``, the accuracy rule applied to the loss."""
-    evals = []
-    for _, r in harness.records(run.out_dir or ""):
-        if r.get("event") == "eval" and isinstance(r.get("test_loss"), int | float):
-            t = r.get("train_time_s", r["time_s"])
-            evals.append((float(t), int(r.get("samples", 0)), -float(r["test_loss"])))
-    run.evals = sorted(evals)
-    return run
-
-
 def loss(r: harness.Run) -> float:
     return float(r.summary.get("final_test_loss", math.inf))
 
@@ -88,7 +77,8 @@ def main() -> None:
     def run(arm: Arm, seed: int, phase: str) -> harness.Run:
         out = root / phase / harness.slug(arm.name) / f"seed{seed}"
         r = experiments.measured_run(lambda: harness.run_train(arm, seed, out), out, BATCH)
-        return loss_evals(r)
+        r.evals = harness.read_evals(out, "test_loss", -1.0)  # holds L*: time_to_target(−L*)
+        return r
 
     rep = harness.Report("lm_slow_link", "The GPT over a real 100 Mbit/s link, 2 × 2 workers: "
                          "DiLoCo and Streaming DiLoCo against sync", prov)  # fmt: skip
@@ -100,7 +90,7 @@ def main() -> None:
     budget = statistics.median(r.summary.get("train_time_s", 0.0) for r in runs)
     target = statistics.mean(loss(r) for r in runs) + BAND
     rep.section("1. Sync: the budget T, the target L* (seeds 0–2)").table(
-        TUNE_HEADERS, [table_row("sync", runs, target, budget)]
+        HEADERS, [table_row("sync", runs, target, budget)]
     ).text(f"T = {fmt(budget)} s of training for every arm below; L* = {fmt(target, 4)} nats "
            "per byte (sync's mean final test loss + 0.01).")  # fmt: skip
 
@@ -122,7 +112,7 @@ def main() -> None:
     chosen = {fam: min((a for a in relaxed if a.name in names), key=lambda a: score[a.name])
               for fam, names in families.items()}  # fmt: skip
     rep.section("2. Every relaxed arm within T (seeds 0–2)").table(
-        TUNE_HEADERS, [table_row(a.name, tg[a.name], target, budget) for a in relaxed]
+        HEADERS, [table_row(a.name, tg[a.name], target, budget) for a in relaxed]
     ).text("Chosen for confirmation: " + " and ".join(f"**{a.name}**" for a in chosen.values())
            + " (the shortest geometric-mean time to L* of each family; a run that never holds "
            "L* counts at T).")  # fmt: skip
@@ -159,21 +149,12 @@ def main() -> None:
 
 HEADERS = ("arm | test loss at T per seed | mean | time to L* per seed (s) | inter-node MB "
            "per worker | tokens/s")  # fmt: skip
-TUNE_HEADERS = HEADERS
 
 
 def table_row(name: str, runs: list[harness.Run], target: float, budget: float) -> list[str]:
-    ok = [r for r in runs if not r.failed]
-    if not ok:
-        return [name, "FAILED", "", "", "", ""]
-    times = harness.times_to(runs, -target)
-    nodes = [r.summary.get("inter_node_bytes", 0) / max(1, r.summary.get("workers", 1)) for r in ok]
-    rates = [r.values.get("samples/s") for r in ok if r.values.get("samples/s")]
-    return [name, " / ".join(fmt(loss(r), 4) for r in runs),
-            fmt(statistics.mean(loss(r) for r in ok), 4),
-            " / ".join(fmt(t) if t is not None else f"> {fmt(budget)}" for t in times),
-            fmt(statistics.mean(nodes) / 1e6),
-            fmt(64 * statistics.median(rates)) if rates else "-"]  # fmt: skip
+    """slow_link's row with the loss in place of the accuracy, tokens (64 per window) per s."""
+    return slow_link.table_row(name, runs, -target, budget, value=loss,
+                               show=lambda x: fmt(x, 4), per_sample=64)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -163,18 +164,25 @@ HEADERS = ("arm | accuracy at T per seed | mean | time to A* per seed (s) | inte
            "per worker | samples/s")  # fmt: skip
 
 
-def table_row(name: str, runs: list[harness.Run], target: float, budget: float) -> list[str]:
+def table_row(
+    name: str, runs: list[harness.Run], target: float, budget: float,
+    value: Callable[[harness.Run], float | None] = lambda r: r.final_accuracy,
+    show: Callable[[float | None], str] = pct, per_sample: int = 1,
+) -> list[str]:  # fmt: skip
+    """An arm's row of :data:`HEADERS`: ``value`` per seed and its mean (shown by ``show``),
+    time to ``target`` (censored at ``budget``), inter-node MB per worker, ``per_sample`` ×
+    samples/s (lm_slow_link: the GPT's tokens per window)."""
     ok = [r for r in runs if not r.failed]
     if not ok:
         return [name, "FAILED", "", "", "", ""]
     times = harness.times_to(runs, target)
     nodes = [r.summary.get("inter_node_bytes", 0) / max(1, r.summary.get("workers", 1)) for r in ok]
     rates = [r.values.get("samples/s") for r in ok if r.values.get("samples/s")]
-    return [name, " / ".join(pct(r.final_accuracy) for r in runs),
-            pct(statistics.mean(r.final_accuracy or 0.0 for r in ok)),
+    return [name, " / ".join(show(value(r)) for r in runs),
+            show(statistics.mean(value(r) or 0.0 for r in ok)),
             " / ".join(fmt(t) if t is not None else f"> {fmt(budget)}" for t in times),
             fmt(statistics.mean(nodes) / 1e6),
-            fmt(statistics.median(rates)) if rates else "-"]  # fmt: skip
+            fmt(per_sample * statistics.median(rates)) if rates else "-"]  # fmt: skip
 
 
 if __name__ == "__main__":

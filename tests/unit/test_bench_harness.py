@@ -148,12 +148,15 @@ def test_read_evals_prefers_the_training_clock(tmp_path):
     (tmp_path / "metrics").mkdir()
     records = [
         {"event": "step", "time_s": 0.5},
-        {"event": "eval", "time_s": 2.0, "train_time_s": 1.5, "samples": 64, "test_accuracy": 0.5},
+        {"event": "eval", "time_s": 2.0, "train_time_s": 1.5, "samples": 64, "test_accuracy": 0.5,
+         "test_loss": 2.0},
         {"event": "eval", "time_s": 1.0, "samples": 32, "test_accuracy": 0.25},
-    ]
+    ]  # fmt: skip
     text = "\n".join(json.dumps(r) for r in records) + '\n{"event": "ev'  # a cut-off line
     (tmp_path / "metrics" / "rank0.jsonl").write_text(text)
     assert harness.read_evals(tmp_path) == [(1.0, 32, 0.25), (1.5, 64, 0.5)]
+    # the loss, negated: the records that have one
+    assert harness.read_evals(tmp_path, "test_loss", -1.0) == [(1.5, 64, -2.0)]
 
 
 def provenance(tmp_path, monkeypatch) -> harness.Provenance:
