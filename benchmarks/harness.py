@@ -150,6 +150,8 @@ class Provenance:
     replayed_from: str | None = None  # --replay: the commit whose stored runs this reports on
     # --verify: (arm, seed, identical) of each stored run re-simulated at this commit
     verified: list[tuple[str, int, bool]] = field(default_factory=list)
+    # --replay: the real runs made at this commit because the replayed result had none of them
+    new_runs: int = 0
     args: Any = field(default=None, repr=False)
 
     @classmethod
@@ -349,13 +351,19 @@ def interleave(
     arms: Sequence[Arm], seeds: Sequence[int], control: str | None = None,
     run: Callable[[Arm, int], Run] | None = None, *, prov: Provenance | None = None,
     out_root: str | Path | None = None, timeout_s: float = 900.0, order_seed: int = 0,
+    phase: str | None = None,
 ) -> list[Run]:  # fmt: skip
     """Every arm once per seed, seed by seed, in an order shuffled per seed by
     ``random.Random(f"{order_seed}:{seed}")`` (recorded as each Run's ``position``; rotating
     the order put the A/A copy right before its control every time); ``control``'s arm runs a
     second time per seed as ``"<name> (A/A)"`` (the A/A pair). ``run(arm, seed)`` defaults to
     :func:`run_train` into ``out_root/<arm>/seed<S>``. Each Run gets the 1-min load average
-    before and after it; failed runs are kept."""
+    before and after it; failed runs are kept.
+
+    With ``--replay RESULT.json`` a stored run of the same arm and seed (one whose directory
+    has the folder ``phase``, where a script runs an arm in more than one phase) stands in for
+    the run; the others run here, counted in ``prov.new_runs`` and said in the report, so a
+    script can add seeds to a stored result without re-running what it has."""
     arms = list(arms)
     if control is not None:
         base = next((a for a in arms if a.name == control), None)
@@ -370,16 +378,36 @@ def interleave(
         def run(arm: Arm, seed: int) -> Run:
             return run_train(arm, seed, root / slug(arm.name) / f"seed{seed}", timeout_s)
 
+    stored = prov.stored_runs() if prov is not None else None
     runs = []
     for seed in seeds:
         order = random.Random(f"{order_seed}:{seed}").sample(arms, len(arms))
         for position, arm in enumerate(order):
+            if stored is not None and (old := stored_in(stored, arm.name, seed, phase)):
+                runs.append(old)
+                continue
             before = load1()
             runs.append(r := run(arm, seed))
             r.load_before, r.load_after = before, prov.sample_load() if prov else load1()
             r.position = position
+            if stored is not None:
+                prov.new_runs += 1
             print(f"  {arm.name} seed {seed}: {describe(r)}", flush=True)
     return runs
+
+
+def stored_in(
+    stored: dict[tuple[str, int, tuple[str, ...] | None], Run], arm: str, seed: int,
+    phase: str | None,
+) -> Run | None:  # fmt: skip
+    """The stored run of ``arm`` and ``seed`` (in ``phase``'s folder if given); exits when
+    more than one matches (the script must name its phases)."""
+    found = [r for (a, s, place), r in stored.items()
+             if a == arm and s == seed and (phase is None or phase in (place or ()))]  # fmt: skip
+    if len(found) > 1:
+        sys.exit(f"--replay: the result stored {len(found)} runs of {arm} seed {seed}; "
+                 "the script must pass interleave(phase=...)")  # fmt: skip
+    return found[0] if found else None
 
 
 def aa_name(control: str) -> str:
@@ -872,6 +900,9 @@ class Report:
             ]
         elif differ:
             replayed[0] += f"; re-simulated at this commit, **these differ**: {', '.join(differ)}"
+        if p.new_runs:
+            replayed[0] += (f"; **{p.new_runs} run(s) made at this commit**, the ones that "
+                            "result did not store (new evidence)")  # fmt: skip
         replayed = replayed if p.replayed_from else []
         return [
             f"# {self.title}",

@@ -561,3 +561,31 @@ def test_replay_reports_on_a_results_stored_runs_and_says_whose_they_are(tmp_pat
     prov.verified, prov._stored = [], None
     jobs = [(Arm("sync"), 0, tmp_path / f"runs/bench/x/W_{w}/sync/seed0") for w in (4, 16)]
     assert [r.wall_s for r in harness.simulate_all(jobs, prov)] == [4, 16]
+
+
+def test_interleave_replays_a_results_runs_by_phase_and_runs_only_the_ones_it_lacks(
+    tmp_path, monkeypatch
+):
+    prov = provenance(tmp_path, monkeypatch)
+    stored = [Run("sync", s, 10.0 + s, out_dir=f"/old/runs/bench/x/{p}/sync/seed{s}")
+              for p, s in (("tune", 0), ("confirm", 0), ("confirm", 1))]  # fmt: skip
+    result = tmp_path / "old.json"
+    result.write_text(json.dumps({"provenance": {"commit": "0ld0ld0"},
+                                  "runs": [r.to_dict() for r in stored]}))  # fmt: skip
+    prov.args = SimpleNamespace(out=str(tmp_path / "demo.md"), replay=result)
+    made = []
+
+    def fake(arm: Arm, seed: int) -> Run:
+        made.append((arm.name, seed))
+        return Run(arm.name, seed, wall_s=1.0)
+
+    runs = harness.interleave([Arm("sync")], [0, 1, 2], run=fake, prov=prov, phase="confirm")
+    assert [r.wall_s for r in runs] == [10.0, 11.0, 1.0] and made == [("sync", 2)]
+    assert prov.new_runs == 1  # the header says which runs are this commit's
+    assert "**1 run(s) made at this commit**" in "\n".join(harness.Report("d", "D", prov).header())
+    with pytest.raises(SystemExit, match="stored 2 runs of sync seed 0"):  # phases not named
+        harness.interleave([Arm("sync")], [0], run=fake, prov=prov)
+    # without --replay every run is made, none counted as new against a stored result
+    prov.args.replay, prov._stored, made[:] = None, None, []
+    harness.interleave([Arm("sync")], [0], run=fake, prov=prov, phase="confirm")
+    assert made == [("sync", 0)] and prov.new_runs == 1
