@@ -778,7 +778,9 @@ def simulate_all(
 
     With ``--replay RESULT.json`` the stored runs of the same (arm, seed) instead, so every
     later choice is the stored result's; ``--verify K`` re-simulates K of each batch, drawn
-    with a seeded generator, and records whether each is bit for bit the stored one."""
+    with a seeded generator, and records whether each is bit for bit the stored one. Jobs the
+    result did not store (an arm or seed added since) are simulated here, counted in
+    ``prov.new_runs`` and said in the report."""
     jobs = list(jobs)
 
     def one(job: tuple[Arm, int, Path]) -> Run:
@@ -800,18 +802,17 @@ def simulate_all(
         a, seed, out = job
         return stored.get((a.name, seed, run_place(out))) or stored.get((a.name, seed, None))
 
-    missing = [
-        f"{a.name} seed {seed}" for a, seed, out in jobs if stored_run((a, seed, out)) is None
-    ]
-    if missing:
-        sys.exit(f"--replay: the result stored no run of {missing[0]} (this script's arms "
-                 "differ from the ones that made it)")  # fmt: skip
+    kept = [job for job in jobs if stored_run(job) is not None]
+    new = [job for job in jobs if stored_run(job) is None]  # arms or seeds the result lacks
     rng = random.Random(f"verify {len(prov.verified)} {len(jobs)}")
-    chosen = rng.sample(jobs, min(prov.args.verify, len(jobs)))
-    for job, r in zip(chosen, simulate(chosen), strict=True):
+    chosen = rng.sample(kept, min(prov.args.verify, len(kept)))
+    done = simulate(chosen + new)
+    for job, r in zip(chosen, done, strict=False):
         prov.verified.append((r.arm, r.seed, same_run(r, stored_run(job))))
+    made = {id(job): r for job, r in zip(new, done[len(chosen) :], strict=True)}
+    prov.new_runs += len(new)
     prov.sample_load()
-    return [stored_run(job) for job in jobs]
+    return [stored_run(job) or made[id(job)] for job in jobs]
 
 
 def same_run(a: Run, b: Run) -> bool:

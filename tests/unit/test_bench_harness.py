@@ -552,8 +552,11 @@ def test_replay_reports_on_a_results_stored_runs_and_says_whose_they_are(tmp_pat
         Run("a", 0, 1.0, summary=modelled, evals=[(1.0, 8, 0.5)]),
         Run("a", 0, 1.0, summary=modelled, evals=[(2.0, 8, 0.5)]),
     )
-    with pytest.raises(SystemExit, match="no run of daso seed 0"):
-        harness.simulate_all([(Arm("daso"), 0, tmp_path / "d")], prov)
+    # a job the result lacks (an arm added since) is simulated here and counted as new
+    fresh["daso"] = Run("daso", 0, 3.0)
+    verified, new = list(prov.verified), prov.new_runs
+    assert harness.simulate_all([(Arm("daso"), 0, tmp_path / "d")], prov) == [fresh["daso"]]
+    assert prov.verified == verified and prov.new_runs == new + 1
     # Batches that repeat an arm's name (W = 4 and W = 16): each job gets its own stored run,
     # found by its directory below runs/ (the stored one was made in another checkout).
     small, big = (Run("sync", 0, w, out_dir=f"/old/runs/bench/x/W_{w}/sync/seed0") for w in (4, 16))
