@@ -195,6 +195,8 @@ class Provenance:
             f"{old.get('commit', '?')}` (started {old.get('started_utc')} UTC, "
             f"load {old.get('load_before')} before, {old.get('load_after')} "
             "after: the load lines below are the replay's)")  # fmt: skip
+        if old.get("new_runs"):  # that result added runs of its own to those it replayed
+            self.replayed_from += f" and `{old.get('commit')}` ({old['new_runs']} runs it added)"
         return [Run(**r) for r in data.get("runs", [])]
 
     def stored_runs(self) -> dict[tuple[str, int, tuple[str, ...] | None], Run] | None:

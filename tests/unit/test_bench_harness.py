@@ -586,6 +586,14 @@ def test_interleave_replays_a_results_runs_by_phase_and_runs_only_the_ones_it_la
     assert [r.wall_s for r in runs] == [10.0, 11.0, 1.0] and made == [("sync", 2)]
     assert prov.new_runs == 1  # the header says which runs are this commit's
     assert "**1 run(s) made at this commit**" in "\n".join(harness.Report("d", "D", prov).header())
+    # a replay of this result names both commits whose runs it holds
+    later = tmp_path / "later.json"
+    later.write_text(json.dumps({"provenance": {**prov.to_dict(), "commit": "n3wn3w0"}}))
+    again = harness.Provenance(**{**prov.to_dict(), "args": SimpleNamespace(replay=later)})
+    again.replayed_runs()
+    assert again.replayed_from.startswith("0ld0ld0` (") and again.replayed_from.endswith(
+        " and `n3wn3w0` (1 runs it added)"
+    )
     with pytest.raises(SystemExit, match="stored 2 runs of sync seed 0"):  # phases not named
         harness.interleave([Arm("sync")], [0], run=fake, prov=prov)
     # without --replay every run is made, none counted as new against a stored result
