@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -115,17 +116,47 @@ def link(path: Path, where: Path) -> str:
     return os.path.relpath(path, where.parent).replace(os.sep, "/")
 
 
+def made_at(prov: dict, repo: Path = REPO) -> tuple[str, bool]:
+    """The commits whose code made a result's runs, and whether any of them is history: the
+    package (``cloudburst/``) has changed between it and the working tree. A result's own
+    commit made its runs — or, where ``--replay`` took them from another result and did not
+    re-simulate every one it checked bit for bit (``--verify``), the commits named in
+    ``replayed_from`` did (with its own for the runs it added). An unknown commit is not
+    judged."""
+    own, old = prov.get("commit", "?").removesuffix("+dirty"), prov.get("replayed_from")
+    verified = prov.get("verified") or []
+    made = [own]
+    if old and not (verified and all(same for *_, same in verified)):
+        made = re.findall(r"^(\w+)`|and `(\w+)`", old)
+        made = [a or b for a, b in made] + ([own] if prov.get("new_runs") else [])
+    changed = [package_changed(c, repo) for c in made]
+    text = ", ".join(f"`{c}`" for c in made)
+    return (f"{text} — history: the package changed since", True) if any(changed) else (text, False)
+
+
+def package_changed(commit: str, repo: Path = REPO) -> bool | None:
+    """Whether ``cloudburst/`` differs between ``commit`` and the working tree (None: git
+    cannot tell, e.g. a commit this clone lacks)."""
+    r = subprocess.run(["git", "-C", str(repo), "diff", "--quiet", commit, "--", "cloudburst"],
+                       capture_output=True)  # fmt: skip
+    return {0: False, 1: True}.get(r.returncode)
+
+
 def table(results: Path, where: Path = REPO / "README.md") -> list[str]:
     """The evidence table, links relative to ``where`` (the file that will hold it)."""
-    rows = []
-    for path, data in load(results):
-        commit, md = data.get("provenance", {}).get("commit", "?"), path.with_suffix(".md")
+    rows, history, files = [], [], load(results)
+    for path, data in files:
+        (commit, old), md = made_at(data.get("provenance", {})), path.with_suffix(".md")
+        history += [path.stem] if old else []
         rows += [[f'<a id="c-{path.stem}-{i}"></a>[{path.stem}]({link(md, where)})',
-                  *claim_of(c).row(), f"`{commit}`"]
+                  *claim_of(c).row(), commit]
                  for i, c in enumerate(data["claims"], 1)]  # fmt: skip
     if not rows:
         return ["(no result file has claims yet: run `make bench`)"]
-    return md_table(["result", *CLAIM_HEADERS, "commit"], rows)
+    summary = (f"{len(files) - len(history)} of {len(files)} results were made by the current "
+               "package code" + (f"; history (the package changed since their runs): "
+                                 f"{', '.join(history)}" if history else "") + ".")  # fmt: skip
+    return [summary, "", *md_table(["result", *CLAIM_HEADERS, "commit"], rows)]
 
 
 def choosing(results: Path, evidence_file: Path, where: Path) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -205,9 +206,10 @@ def test_evidence_table_replaces_only_the_text_between_the_markers(tmp_path, mon
     report.claim("step ÷ DDP", 0.98, "≤ 1.05", True, aa=1.01, seeds=5)
     report.write()
     (tmp_path / "other.json").write_text('{"no": "claims"}')  # ignored
+    monkeypatch.setattr(evidence, "package_changed", lambda commit, repo=None: None)
     lines = evidence.table(tmp_path)
     assert (
-        len(lines) == 3 and "| step ÷ DDP | **0.98** | ≤ 1.05 | 1.01 | - | 5 | PASS |" in lines[2]
+        len(lines) == 5 and "| step ÷ DDP | **0.98** | ≤ 1.05 | 1.01 | - | 5 | PASS |" in lines[4]
     )
     readme = f"intro\n{evidence.BEGIN}\nold\n{evidence.END}\nrest\n"
     assert (
@@ -446,9 +448,12 @@ def stored(tmp_path, name: str, claims: list[harness.Claim], **extra) -> None:
     )
 
 
-def test_the_table_rejudges_stored_verdicts_and_the_advice_links_each_sentence(tmp_path):
+def test_the_table_rejudges_stored_verdicts_and_the_advice_links_each_sentence(
+    tmp_path, monkeypatch
+):
     from benchmarks import evidence
 
+    monkeypatch.setattr(evidence, "package_changed", lambda commit, repo=None: None)
     claim = harness.Claim
     stored(tmp_path, "stragglers", [
         claim("time to 85 %, asgd ÷ sync, W = 4", 0.85, "≤ 0.75", False, 1.12, (0.68, 0.88), 5,
@@ -460,10 +465,10 @@ def test_the_table_rejudges_stored_verdicts_and_the_advice_links_each_sentence(t
     ])  # fmt: skip
     where = tmp_path / "docs" / "evidence.md"
     lines = evidence.table(tmp_path / "results", where)
-    assert lines[2].startswith('| <a id="c-overhead-1"></a>[overhead](../results/overhead.md) |')
-    assert "| [0.94, 1.1] | 20 | inconclusive (re-judged from PASS) | `abc1234` |" in lines[3]
+    assert lines[4].startswith('| <a id="c-overhead-1"></a>[overhead](../results/overhead.md) |')
+    assert "| [0.94, 1.1] | 20 | inconclusive (re-judged from PASS) | `abc1234` |" in lines[5]
     flagged = "| 1.12 [1.05, 1.2] | [0.68, 0.88] | 5 | inconclusive — **A/A interval excludes 1**"
-    assert f"{flagged} (re-judged from MISS) |" in lines[4]
+    assert f"{flagged} (re-judged from MISS) |" in lines[6]
     advice = evidence.choosing(tmp_path / "results", where, tmp_path / "README.md")
     assert advice[0].split(" | ")[:3] == ["| situation", "strategy", "link"]
     straggler = next(x for x in advice if x.startswith("| One worker of four 2× slower (real"))
@@ -600,3 +605,32 @@ def test_interleave_replays_a_results_runs_by_phase_and_runs_only_the_ones_it_la
     prov.args.replay, prov._stored, made[:] = None, None, []
     harness.interleave([Arm("sync")], [0], run=fake, prov=prov, phase="confirm")
     assert made == [("sync", 0)] and prov.new_runs == 1
+
+
+@pytest.mark.spawns  # git
+def test_evidence_marks_a_result_history_once_the_package_changed_since_its_runs(tmp_path):
+    from benchmarks import evidence
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True)
+        return out.stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "t@t"), git("config", "user.name", "t")
+    (tmp_path / "cloudburst").mkdir()
+    commits = []
+    for text in ("a = 1\n", "a = 2\n"):  # the package at two commits, then a docs-only commit
+        (tmp_path / "cloudburst" / "x.py").write_text(text)
+        git("add", "-A"), git("commit", "-qm", text)
+        commits.append(git("rev-parse", "--short", "HEAD"))
+    (tmp_path / "notes.md").write_text("docs\n")
+    git("add", "-A"), git("commit", "-qm", "docs")
+    old, new = commits
+    assert evidence.made_at({"commit": new}, tmp_path) == (f"`{new}`", False)
+    assert evidence.made_at({"commit": old}, tmp_path) == (
+        f"`{old}` — history: the package changed since", True)  # fmt: skip
+    # replayed runs are their maker's, unless every re-simulated one was bit for bit the same
+    replayed = {"commit": new, "replayed_from": f"{old}` (started …) and `{new}` (2 runs it added)"}
+    assert evidence.made_at(replayed, tmp_path)[0].startswith(f"`{old}`, `{new}` — history")
+    assert evidence.made_at({**replayed, "verified": [["a", 0, True]]}, tmp_path)[1] is False
+    assert evidence.made_at({"commit": "0000000"}, tmp_path) == ("`0000000`", False)  # unknown
