@@ -804,17 +804,19 @@ def simulate_all(
         a, seed, out = job
         return stored.get((a.name, seed, run_place(out))) or stored.get((a.name, seed, None))
 
-    kept = [job for job in jobs if stored_run(job) is not None]
-    new = [job for job in jobs if stored_run(job) is None]  # arms or seeds the result lacks
+    found = [stored_run(job) for job in jobs]
+    kept = [job for job, r in zip(jobs, found, strict=True) if r is not None]
+    new = [i for i, r in enumerate(found) if r is None]  # arms or seeds the result lacks
     rng = random.Random(f"verify {len(prov.verified)} {len(jobs)}")
     chosen = rng.sample(kept, min(prov.args.verify, len(kept)))
-    done = simulate(chosen + new)
-    for job, r in zip(chosen, done, strict=False):
+    done = simulate(chosen + [jobs[i] for i in new])
+    for job, r in zip(chosen, done[: len(chosen)], strict=True):
         prov.verified.append((r.arm, r.seed, same_run(r, stored_run(job))))
-    made = {id(job): r for job, r in zip(new, done[len(chosen) :], strict=True)}
+    for i, r in zip(new, done[len(chosen) :], strict=True):
+        found[i] = r
     prov.new_runs += len(new)
     prov.sample_load()
-    return [stored_run(job) or made[id(job)] for job in jobs]
+    return found
 
 
 def same_run(a: Run, b: Run) -> bool:

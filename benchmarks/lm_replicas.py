@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,12 +100,9 @@ def main() -> None:
     chosen = {fam: min((a for a in arms if ARMS[a.name][0] == fam),
                        key=lambda a: mean.get(a.name, 0.0)) for fam in TARGETS}  # fmt: skip
     if tuned:
-        report.section(f"Tuning (seeds {', '.join(map(str, tune))})").table(
-            "arm | final test loss per seed (nats/byte) | mean",
-            [
-                [n, " / ".join(fmt(loss(r), 4) for r in rs), fmt(mean[n], 4)] for n, rs in g.items()
-            ],  # fmt: skip
-        ).text("Chosen: " + ", ".join(f"{f}: {a.name}" for f, a in chosen.items()) + ".")
+        tuning_table(report, "Tuning", tune, g, mean).text(
+            "Chosen: " + ", ".join(f"{f}: {a.name}" for f, a in chosen.items()) + "."
+        )
     confirmed = confirmation(report, [arms[0], *chosen.values()], confirm, "confirm", steps)
 
     # the second round: three more M = 2 arms, the best M = 2 arm on fresh seeds
@@ -114,26 +112,28 @@ def main() -> None:
     g2 = {**{n: rs for n, rs in g.items() if ARMS[n][0] == "M=2"}, **harness.by_arm(tuned2)}
     mean2 = {n: statistics.mean(loss(r) for r in rs) for n, rs in g2.items()}
     best = min([*(a for a in arms if ARMS[a.name][0] == "M=2"), *more], key=lambda a: mean2[a.name])
-    report.section(f"Second round for M = 2: tuning (seeds {', '.join(map(str, tune))})").table(
-        "arm | final test loss per seed (nats/byte) | mean",
-        [[n, " / ".join(fmt(loss(r), 4) for r in rs), fmt(mean2[n], 4)] for n, rs in g2.items()],
-    ).text(f"Chosen: {best.name}.")
+    tuning_table(report, "Second round for M = 2: tuning", tune, g2, mean2).text(
+        f"Chosen: {best.name}."
+    )
     confirmed2 = confirmation(report, [arms[0], best], confirm2, "confirm2", steps,
                               "Second round for M = 2: confirmation")  # fmt: skip
 
     # M = 1's second confirmation, on 20 fresh seeds (sync's first five are the round's above)
     confirmed3 = confirmation(report, [arms[0], chosen["M=1"]], confirm_m1, "confirm2", steps,
-                              "Second confirmation for M = 1")  # fmt: skip
+                              "Second confirmation for M = 1", have=confirmed2)  # fmt: skip
     report.data.update(chosen={fam: a.name for fam, a in chosen.items()}, tuning=mean,
                        chosen_round2=best.name, tuning_round2=mean2)  # fmt: skip
-    report.write(
-        [
-            *tuned,
-            *confirmed,
-            *tuned2,
-            *confirmed2,
-            *(r for r in confirmed3 if r.arm != "sync" or r.seed not in confirm2),
-        ]
+    report.write([*tuned, *confirmed, *tuned2, *confirmed2, *confirmed3])
+
+
+def tuning_table(
+    report: harness.Report, title: str, seeds: tuple[int, ...], groups: dict, means: dict
+) -> harness.Report:
+    """A tuning section: each arm's final test loss per seed and its mean."""
+    rows = [[n, " / ".join(fmt(loss(r), 4) for r in rs), fmt(means[n], 4)]
+            for n, rs in groups.items()]  # fmt: skip
+    return report.section(f"{title} (seeds {', '.join(map(str, seeds))})").table(
+        "arm | final test loss per seed (nats/byte) | mean", rows
     )
 
 
@@ -144,13 +144,18 @@ def confirmation(
     phase: str,
     steps: int,
     title: str = "Confirmation",
+    have: Sequence[harness.Run] = (),
 ) -> list[harness.Run]:
     """Sync (``arms[0]``) and the chosen arms on ``seeds``: a claim per arm against its
-    family's target, and the table."""
+    family's target, and the table. A run of an arm and seed in ``have`` (an earlier
+    confirmation's) is used, not simulated again; the runs simulated here are returned."""
     root = report.prov.runs_dir("lm_replicas")
-    jobs = [(a, s, root / phase / harness.slug(a.name) / f"seed{s}") for a in arms for s in seeds]
+    made = {(r.arm, r.seed): r for r in have if r.seed in seeds}
+    jobs = [(a, s, root / phase / harness.slug(a.name) / f"seed{s}")
+            for a in arms for s in seeds if (a.name, s) not in made]  # fmt: skip
     confirmed = harness.simulate_all(jobs, report.prov, timeout_s=3600.0)
-    cg = harness.by_arm(confirmed)
+    names = {a.name for a in arms}
+    cg = harness.by_arm([*(r for r in made.values() if r.arm in names), *confirmed])
     sync = [loss(r) for r in cg["sync"]]
     for arm in arms[1:]:
         target = TARGETS[family(arm.name)]
