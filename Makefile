@@ -84,7 +84,7 @@ bench-quick: $(STAMP)
 ## collectives, the workers' transport and the virtual cluster's mailboxes: only their maths is
 ## run (mutants not named below stay "not checked", uncounted).
 MUTANTS := 'cloudburst.comm.flat.*' 'cloudburst.comm.link.*' 'cloudburst.comm.costs.*' \
-	'cloudburst.comm.nic.*' 'cloudburst.checkpoint.*' 'cloudburst.strategies.asgd.summary.*' \
+	'cloudburst.comm.nic.*' 'cloudburst.records.checkpoint.*' 'cloudburst.strategies.asgd.summary.*' \
 	'cloudburst.strategies.asgd.shard.*' 'cloudburst.strategies.asgd.server.x_request_problem__*' \
 	'cloudburst.strategies.local_sgd.worker.*' 'cloudburst.strategies.diloco.worker.*' \
 	'cloudburst.strategies.easgd.worker.*' \

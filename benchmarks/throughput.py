@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import harness  # noqa: E402
 
-from cloudburst.metrics import read_run  # noqa: E402
 from cloudburst.models import build_model  # noqa: E402
+from cloudburst.records.metrics import read_run  # noqa: E402
 from tests.datagen import write_cifar10  # noqa: E402
 
 ARMS = {

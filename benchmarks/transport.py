@@ -39,12 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 from cloudburst.comm.flat import adopt_flat, flatten_params  # noqa: E402
+from cloudburst.comm.liveness import LivenessMonitor  # noqa: E402
 from cloudburst.comm.messages import Header, Kind, Status  # noqa: E402
 from cloudburst.comm.p2p import PeerTransport  # noqa: E402
 from cloudburst.config import RunConfig  # noqa: E402
 from cloudburst.launch.agents import free_port  # noqa: E402
-from cloudburst.liveness import LivenessMonitor  # noqa: E402
-from cloudburst.metrics import MetricsWriter  # noqa: E402
+from cloudburst.records.metrics import MetricsWriter  # noqa: E402
 from cloudburst.runtime.context import Context  # noqa: E402
 from cloudburst.strategies.asgd import AsgdStrategy  # noqa: E402
 from cloudburst.strategies.asgd.server import ServerLoop  # noqa: E402

@@ -38,8 +38,8 @@ from cloudburst.config import RunConfig
 from cloudburst.loop.budget import TimeBudget
 from cloudburst.loop.finish import finish_strategy, serve
 from cloudburst.loop.step import step_done
-from cloudburst.metrics import MetricsWriter
-from cloudburst.rundir import prepare_run_dir
+from cloudburst.records.metrics import MetricsWriter
+from cloudburst.records.rundir import prepare_run_dir
 from cloudburst.runtime import in_torchrun, init_distributed, shutdown
 from cloudburst.runtime.context import Context
 from cloudburst.strategies import make_strategy

@@ -23,31 +23,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from cloudburst.checkpoint import load_model_into
+from cloudburst.comm.liveness import EXIT_PEER_LOST, Watchdog, mark_done, watched_peers
 from cloudburst.config import RunConfig
+from cloudburst.config.faults import FaultInjector
 from cloudburst.data import Dataset, batch_stream, load_run_dataset, loss_function, worker_source
-from cloudburst.faults import FaultInjector
 from cloudburst.forkserver import die_with_parent, raise_open_files_limit
-from cloudburst.liveness import EXIT_PEER_LOST, Watchdog, mark_done, watched_peers
 from cloudburst.loop.budget import TimeBudget
 from cloudburst.loop.checkpointer import Checkpointer
 from cloudburst.loop.evaluator import Evaluator, announce_steps_over, eval_report
 from cloudburst.loop.faults import worker_faults
 from cloudburst.loop.finish import finish_strategy, finish_worker, serve
 from cloudburst.loop.step import StepClock, progress_bar, step_done
-from cloudburst.metrics import MetricsWriter, write_json_atomic
-from cloudburst.models import build_run_model
-from cloudburst.runtime import init_distributed, shutdown
-from cloudburst.runtime.context import Context
-from cloudburst.strategies import make_strategy
-from cloudburst.strategies.base import Strategy
-from cloudburst.summary import (
+from cloudburst.loop.summary import (
     failed_message,
     finalize_run,
     hand_in,
     interrupted_message,
     write_partial_summary,
 )
+from cloudburst.models import build_run_model
+from cloudburst.records.checkpoint import load_model_into
+from cloudburst.records.metrics import MetricsWriter, write_json_atomic
+from cloudburst.runtime import init_distributed, shutdown
+from cloudburst.runtime.context import Context
+from cloudburst.strategies import make_strategy
+from cloudburst.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 
 def start_watchdog(ctx: Context, metrics: MetricsWriter) -> Watchdog:
     """Stop this rank within ``heartbeat_timeout_s`` of a rank it depends on going silent
-    (see :mod:`cloudburst.liveness`): record why, and under a user's torchrun write the
+    (see :mod:`cloudburst.comm.liveness`): record why, and under a user's torchrun write the
     run's summary (a local job's launcher writes it), then exit."""
     cfg = ctx.cfg
     watched = watched_peers(

@@ -210,7 +210,9 @@ def _option(args, name: str) -> Path | None:
 
 def _rank_pids(out: Path | None) -> list[int]:
     """The pids in the ``start`` records of a run's metrics (every incarnation's)."""
-    from cloudburst.metrics import read_run  # skips a line cut short, as a hung run may leave
+    from cloudburst.records.metrics import (
+        read_run,  # skips a line cut short, as a hung run may leave
+    )
 
     records = [r for rs in read_run(out).values() for r in rs] if out else []
     return [r["pid"] for r in records if r["event"] == "start" and isinstance(r.get("pid"), int)]
@@ -545,7 +547,7 @@ def rank_logs(out: Path) -> str:
 
 def saved_state(out: Path, name: str = "model.pt") -> dict[str, Any]:
     """The state dict of a run's saved model (checked like any cloudburst checkpoint)."""
-    from cloudburst.checkpoint import load_checkpoint
+    from cloudburst.records.checkpoint import load_checkpoint
 
     return load_checkpoint(out / name, "model")["state_dict"]
 

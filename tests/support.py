@@ -35,8 +35,8 @@ from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.data import BatchStream, synthetic
-from cloudburst.metrics import read_jsonl
 from cloudburst.models import build_model
+from cloudburst.records.metrics import read_jsonl
 from cloudburst.runtime.context import ReplicaView
 from cloudburst.sim.run import simulate
 from cloudburst.strategies.asgd import AsgdStrategy

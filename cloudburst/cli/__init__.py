@@ -26,9 +26,9 @@ from cloudburst.config import (
     load_toml,
     refuse_code_from_file,
 )
-from cloudburst.resilience import resume_config
-from cloudburst.rundir import check_run_dir, default_out, prepare_run_dir
-from cloudburst.summary import failed_message, format_summary, interrupted_message
+from cloudburst.loop.summary import failed_message, format_summary, interrupted_message
+from cloudburst.records.resilience import resume_config
+from cloudburst.records.rundir import check_run_dir, default_out, prepare_run_dir
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130  # as a shell reports a process stopped by SIGINT
@@ -316,7 +316,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"{model}: {why})",
             file=sys.stderr,
         )
-        if summary.get("failed"):  # it finished, but θ diverged (cloudburst.summary.diverged)
+        if summary.get("failed"):  # it finished, but θ diverged (cloudburst.loop.summary.diverged)
             print(failed_message(summary), file=sys.stderr)
             return 1
         return 0
@@ -392,7 +392,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError(problem)
 
         run_rank(cfg.to_dict())
-        from cloudburst.summary import finished_exit_code  # 1 when θ diverged
+        from cloudburst.loop.summary import finished_exit_code  # 1 when θ diverged
 
         return finished_exit_code(cfg.out) if int(os.environ["RANK"]) == 0 else 0
     return launch_and_report(cfg)
@@ -420,7 +420,7 @@ def launch_and_report(cfg: RunConfig) -> int:
     except JobInterrupted as e:
         print(format_summary([e.summary]))
         return _interrupted(e.summary)
-    if summary.get("failed"):  # it finished, but θ diverged (cloudburst.summary.diverged)
+    if summary.get("failed"):  # it finished, but θ diverged (cloudburst.loop.summary.diverged)
         print(failed_message(summary), file=sys.stderr)
         print(f"cloudburst: the run's files are in {cfg.out}", file=sys.stderr)
         return 1

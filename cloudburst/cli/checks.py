@@ -37,10 +37,10 @@ def preflight(cfg: RunConfig) -> None:
     built for it (a bad factory or a model that does not fit the data fails here) and an
     ``init_from`` checkpoint is loaded into it.
     """
-    from cloudburst.checkpoint import CheckpointError, load_model_into
     from cloudburst.data import load_run_dataset
-    from cloudburst.datasets import DatasetError
+    from cloudburst.data.datasets import DatasetError
     from cloudburst.models import ModelError, build_run_model
+    from cloudburst.records.checkpoint import CheckpointError, load_model_into
     from cloudburst.runtime import in_torchrun
 
     if cfg.device == "cuda" and not _cuda_available():
@@ -84,7 +84,7 @@ def preflight(cfg: RunConfig) -> None:
         except CheckpointError as e:
             raise ConfigError(f"init_from: {e}") from None
     if cfg.resume:
-        from cloudburst.resilience import check_resumable
+        from cloudburst.records.resilience import check_resumable
 
         try:
             what = check_resumable(cfg)

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from cloudburst.config import ConfigError, RunConfig
-from cloudburst.rundir import safe_label
-from cloudburst.summary import format_summary
+from cloudburst.loop.summary import format_summary
+from cloudburst.records.rundir import safe_label
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:

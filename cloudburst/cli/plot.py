@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from cloudburst.config import ConfigError  # noqa: E402
-from cloudburst.metrics import eval_curve, read_run  # noqa: E402
+from cloudburst.records.metrics import eval_curve, read_run  # noqa: E402
 from cloudburst.strategies import strategy_spec  # noqa: E402
 
 

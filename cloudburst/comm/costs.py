@@ -145,7 +145,7 @@ def ddp_overlap_end_s(
     """When DDP's last gradient bucket is all-reduced, in seconds from the step's start.
 
     Buckets of ``bucket_bytes`` fill in reverse parameter order; backward spends its time in
-    proportion to parameters (as :mod:`cloudburst.device_emulation`), so bucket j (0-based,
+    proportion to parameters (as :mod:`cloudburst.comm.device_emulation`), so bucket j (0-based,
     m = ⌈total / bucket⌉ of them) is ready at ``forward + backward × min((j+1)·bucket, total) /
     total``. Its all-reduce starts at max(ready_j, the previous bucket's end, ``link_free_s``
     for the first) and lasts ``allreduce_s(its bytes)``: end_j = max(ready_j, end_{j−1}) +

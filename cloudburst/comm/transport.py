@@ -102,7 +102,7 @@ class Transport(Protocol):
 
     def device_emulator(self, model: nn.Module, min_step_time_s: float, factor: float) -> Any:
         """The emulated device of a worker's ``model`` (``--min-step-time-s``, a straggler's
-        ``factor``): a :class:`~cloudburst.device_emulation.DeviceEmulator` sleeping its
+        ``factor``): a :class:`~cloudburst.comm.device_emulation.DeviceEmulator` sleeping its
         padding in the layers' hooks, or None when there is nothing to pad or the transport
         charges the modelled step time itself (the simulator: :meth:`step_done`)."""
 
@@ -227,7 +227,7 @@ class TorchTransport:
     def device_emulator(self, model, min_step_time_s, factor):
         if min_step_time_s <= 0 and factor <= 1:
             return None
-        from cloudburst.device_emulation import DeviceEmulator
+        from cloudburst.comm.device_emulation import DeviceEmulator
 
         return DeviceEmulator(model, min_step_time_s, factor, self.sleep, self.now)
 
@@ -238,7 +238,7 @@ class TorchTransport:
         return contextlib.nullcontext()
 
     def stop_self(self, kind: str) -> None:
-        from cloudburst.faults import signal_self
+        from cloudburst.config.faults import signal_self
 
         signal_self(kind)
 
@@ -322,12 +322,12 @@ class TorchTransport:
 
     # ------------------------------------------------------------------ liveness
     def heartbeat(self, store, rank, interval_s):
-        from cloudburst.liveness import Heartbeat
+        from cloudburst.comm.liveness import Heartbeat
 
         return Heartbeat(store, rank, interval_s).start()
 
     def liveness_monitor(self, store, ranks, timeout_s):
-        from cloudburst.liveness import LivenessMonitor
+        from cloudburst.comm.liveness import LivenessMonitor
 
         return LivenessMonitor(store, ranks, timeout_s)
 

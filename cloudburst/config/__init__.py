@@ -150,7 +150,7 @@ class RunConfig(
 
     def dataset_kind_path(self) -> tuple[str, str | None]:
         """("mnist1d", None) or ("cifar10", "/path"): the dataset spec, checked."""
-        from cloudburst.datasets import DatasetError, parse_dataset_spec
+        from cloudburst.data.datasets import DatasetError, parse_dataset_spec
 
         try:
             return parse_dataset_spec(self.dataset)

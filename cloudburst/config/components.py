@@ -104,13 +104,13 @@ class DataConfig:
 
     @property
     def max_dataset_bytes(self) -> int:
-        """``max_dataset_gib`` in bytes (cloudburst.datasets.MAX_DATASET_BYTES by default)."""
+        """``max_dataset_gib`` in bytes (cloudburst.data.datasets.MAX_DATASET_BYTES by default)."""
         return int(self.max_dataset_gib * 2**30)
 
     def _validate_data(self) -> None:
         kind, path = self.dataset_kind_path()
         if kind == "text" and path == "stdlib":
-            pass  # the running interpreter's standard library (cloudburst.datasets.text)
+            pass  # the running interpreter's standard library (cloudburst.data.datasets.text)
         elif path is not None and not Path(path).expanduser().exists():
             raise ConfigError(
                 f"dataset: {path!r} does not exist (datasets are read from local paths)"
@@ -346,7 +346,7 @@ class FaultConfig:
         "OUT/checkpoints (0: off)",
         bounds=STEP_COUNT_OR_0,
     )
-    # Set by ``--resume DIR`` (cloudburst.resilience.resume_config), which is no field's flag.
+    # Set by ``--resume DIR`` (records.resilience.resume_config), which is no field's flag.
     resume: bool = option(False, "continue from the checkpoints under OUT", cli=False)
     max_restarts: int = option(
         0,
@@ -356,7 +356,7 @@ class FaultConfig:
     )
     inject_fault: list[str] = option(
         help="kill:RANK@STEP | stop:RANK@STEP | nan:RANK@STEP | slow:RANK:FACTOR (repeatable; "
-        "cloudburst.faults; first attempt only)",
+        "cloudburst.config.faults; first attempt only)",
         metavar="SPEC",
         shown="none",
         factory=list,
@@ -371,7 +371,7 @@ class FaultConfig:
     def _validate_faults(self) -> None:
         slow: dict[int, float] = {}  # worker index: the product of its slow faults' factors
         if self.inject_fault:
-            from cloudburst.faults import FaultError, parse_faults
+            from cloudburst.config.faults import FaultError, parse_faults
 
             try:
                 faults = parse_faults(self.inject_fault, self.servers, self.world_size)

@@ -32,9 +32,9 @@ from cloudburst.launch.processes import (
     kill_pids,
     process_state,
 )
-from cloudburst.metrics import write_json_atomic
-from cloudburst.rundir import prepare_run_dir
-from cloudburst.summary import write_partial_summary
+from cloudburst.loop.summary import write_partial_summary
+from cloudburst.records.metrics import write_json_atomic
+from cloudburst.records.rundir import prepare_run_dir
 
 AGENT_GRACE_S = 5.0
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from cloudburst.forkserver import (
     start_forkserver,
 )
 from cloudburst.launch.failures import log_exception_line
-from cloudburst.rundir import open_append_nofollow
+from cloudburst.records.rundir import open_append_nofollow
 from cloudburst.runtime.devices import is_loopback
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,8 @@ def start_local_job(
     if not torch.cuda.is_initialized():
         start_forkserver(entrypoint.__module__)
     # A new job secret, handed to each rank with its entry point (pickled through the
-    # forkserver's pipe), never through the store or the environment: cloudburst.auth.
-    from cloudburst.auth import with_job_secret
+    # forkserver's pipe), never through the store or the environment: cloudburst.comm.auth.
+    from cloudburst.comm.auth import with_job_secret
 
     entrypoint = with_job_secret(entrypoint)
     ctx = mp.get_context("fork")

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from cloudburst.metrics import iter_jsonl
+from cloudburst.records.metrics import iter_jsonl
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A worker's checkpoints: restored when the run resumes or was restarted, saved every
 ``checkpoint_every`` steps at the first step the strategy can resume from
-(:mod:`cloudburst.resilience` says what they hold)."""
+(:mod:`cloudburst.records.resilience` says what they hold)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from cloudburst.loop.evaluator import Evaluator
-from cloudburst.metrics import MetricsWriter
-from cloudburst.resilience import capture_worker_state, resume_worker, save_worker_state
+from cloudburst.records.metrics import MetricsWriter
+from cloudburst.records.resilience import capture_worker_state, resume_worker, save_worker_state
 from cloudburst.runtime import restart_count
 from cloudburst.runtime.context import Context
 from cloudburst.strategies.base import Strategy

@@ -12,7 +12,7 @@ from torch import nn
 
 from cloudburst.comm.flat import assign_flat
 from cloudburst.data import Dataset, evaluate_dataset, in_memory
-from cloudburst.metrics import MetricsWriter, iter_jsonl
+from cloudburst.records.metrics import MetricsWriter, iter_jsonl
 from cloudburst.runtime.context import Context
 
 

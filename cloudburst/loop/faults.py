@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from cloudburst.faults import FaultInjector, parse_faults
-from cloudburst.metrics import MetricsWriter
+from cloudburst.config.faults import FaultInjector, parse_faults
+from cloudburst.records.metrics import MetricsWriter
 from cloudburst.runtime import restart_count
 from cloudburst.runtime.context import Context
 

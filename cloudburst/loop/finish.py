@@ -9,15 +9,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from cloudburst.checkpoint import model_buffers_bytes
 from cloudburst.comm.collectives import all_reduce_sum
 from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.stats import CommStats
 from cloudburst.data import Dataset, evaluate_dataset, in_memory
-from cloudburst.metrics import MetricsWriter
+from cloudburst.loop.summary import finalize_run, hand_in
+from cloudburst.records.checkpoint import model_buffers_bytes
+from cloudburst.records.metrics import MetricsWriter
 from cloudburst.runtime.context import Context
 from cloudburst.strategies.base import Strategy
-from cloudburst.summary import finalize_run, hand_in
 
 
 def finish_strategy(strategy: Strategy, stream: Any = None, **fields: Any) -> dict[str, Any]:

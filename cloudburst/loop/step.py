@@ -25,7 +25,7 @@ class StepClock:
     """The job's training clock, and each step's time on the emulated device.
 
     The emulated device (``--min-step-time-s``, a straggler's ``factor``): its padding is slept
-    in per-layer forward and backward hooks (:mod:`cloudburst.device_emulation`), so
+    in per-layer forward and backward hooks (:mod:`cloudburst.comm.device_emulation`), so
     communication overlaps with it where it would on a device; the virtual cluster charges its
     modelled time instead. Make it after the evaluator copied the model (the copy has no hooks).
     """

@@ -5,7 +5,7 @@ Ranks ``0 .. S-1`` are parameter-server shards, ranks ``S .. S+W-1`` are workers
 strategies without servers). A local job (``cloudburst train`` outside torchrun) is started by
 :mod:`cloudburst.launch`, whose launcher process serves the job's store; inside a user's
 torchrun, torchrun's store is used. Liveness (heartbeats, watchdogs, rejoining) lives in
-:mod:`cloudburst.liveness`.
+:mod:`cloudburst.comm.liveness`.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cloudburst import auth
+from cloudburst.comm import auth
 from cloudburst.comm.costs import LinkSpec
 from cloudburst.comm.link import LinkEmulator, Topology
+from cloudburst.comm.liveness import Heartbeat, RejoinBoard, heartbeat_interval_s
 from cloudburst.comm.nic import NicState, nic_dir, shared_clock_ok
 from cloudburst.comm.transport import REAL, Transport
 from cloudburst.config import RunConfig
-from cloudburst.liveness import Heartbeat, RejoinBoard, heartbeat_interval_s
 from cloudburst.runtime.context import Context
 from cloudburst.runtime.devices import choose_gloo_interface, select_backend, select_device
 from cloudburst.runtime.groups import GroupMaker, authenticate_startup, one_group_per, worker_nodes

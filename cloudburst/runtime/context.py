@@ -10,11 +10,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cloudburst import auth
+from cloudburst.comm import auth
 from cloudburst.comm.link import LinkEmulator, Topology
+from cloudburst.comm.liveness import Heartbeat
 from cloudburst.comm.transport import REAL, Transport
 from cloudburst.config import RunConfig
-from cloudburst.liveness import Heartbeat
 from cloudburst.runtime.rejoin import rejoin_group, rejoin_members, shard_pair_group
 
 
@@ -146,7 +146,7 @@ class Context(ReplicaView):
         gloo group of its own with every server (:func:`rejoin_group`), built now by this
         server, the other servers and the worker together; raises RuntimeError if it cannot
         be built (the worker died again, or ``comm_timeout_s`` passed), and
-        :class:`~cloudburst.auth.PeerRefused` if a member does not prove the job secret (no
+        :class:`~cloudburst.comm.auth.PeerRefused` if a member does not prove the job secret (no
         byte of θ has moved then)."""
         group = rejoin_group(
             self.store,
@@ -165,7 +165,7 @@ class Context(ReplicaView):
         """The transport between restarted shard ``shard`` (its restart ``incarnation``) and
         ``peer`` (a worker, or server 0 at the end): a pair group built now by both
         (:func:`shard_pair_group`); raises RuntimeError if the other side does not come
-        within ``comm_timeout_s``, :class:`~cloudburst.auth.PeerRefused` if it does not prove
+        within ``comm_timeout_s``, :class:`~cloudburst.comm.auth.PeerRefused` if it does not prove
         the job secret."""
         group = shard_pair_group(
             self.store,

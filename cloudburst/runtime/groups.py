@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from cloudburst import auth
+from cloudburst.comm import auth
 from cloudburst.comm.link import Topology
 from cloudburst.comm.transport import Transport
 from cloudburst.runtime.context import Context

@@ -9,7 +9,7 @@ import datetime
 
 import torch.distributed as dist
 
-from cloudburst import auth
+from cloudburst.comm import auth
 
 
 def shard_pair_group(
@@ -25,7 +25,7 @@ def shard_pair_group(
     """The gloo group of restarted shard ``shard`` (restart ``incarnation``; group rank 0) and
     one ``peer`` (group rank 1), outside torch.distributed's registry: built by the two of
     them through the job ``store`` within ``timeout_s``, which every operation on it has too,
-    and authenticated with ``secret`` (:class:`~cloudburst.auth.PeerRefused`). One pair per
+    and authenticated with ``secret`` (:class:`~cloudburst.comm.auth.PeerRefused`). One pair per
     peer, so that a dead or finished worker holds up no other's."""
     name = f"shardpair/{shard}/{incarnation}/{peer}/"
     prefixed = dist.PrefixStore(name, store.clone())
@@ -52,8 +52,8 @@ def rejoin_group(
     Every member builds it at about the same time: it connects all pairs through the job
     ``store``, under keys of this worker's restart (``incarnation``), within ``timeout_s``,
     and every operation on it times out after the same. Then every member proves that it
-    knows ``secret`` (:func:`cloudburst.auth.authenticate_group`; raises
-    :class:`~cloudburst.auth.PeerRefused`): the store is open to anyone who reaches it, so a
+    knows ``secret`` (:func:`cloudburst.comm.auth.authenticate_group`; raises
+    :class:`~cloudburst.comm.auth.PeerRefused`): the store is open to anyone who reaches it, so a
     process that took the worker's place in the group is refused before θ moves.
     """
     # A store connection of its own: building the group waits in the store for the other

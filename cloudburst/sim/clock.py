@@ -180,7 +180,7 @@ class ClockModel:
         step's start: :func:`~cloudburst.comm.costs.ddp_overlap_end_s` with forward = step/3,
         backward = 2·step/3 (device_emulation's FORWARD_SHARE) and each bucket costing
         :meth:`group_allreduce_s`."""
-        from cloudburst.device_emulation import FORWARD_SHARE
+        from cloudburst.comm.device_emulation import FORWARD_SHARE
 
         forward = step_s * FORWARD_SHARE
         return ddp_overlap_end_s(

@@ -24,11 +24,11 @@ import torch
 
 from cloudburst.comm.flat import flatten_params
 from cloudburst.config import RunConfig
+from cloudburst.config.faults import FaultInjector, parse_faults
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.data import load_run_dataset
-from cloudburst.faults import FaultInjector, parse_faults
-from cloudburst.metrics import MetricsWriter, write_json_atomic
 from cloudburst.models import build_run_model
+from cloudburst.records.metrics import MetricsWriter, write_json_atomic
 from cloudburst.runtime import build_context
 from cloudburst.runtime.context import Context
 from cloudburst.sim.clock import ClockModel, resolve_step_time
@@ -134,7 +134,7 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     """Run ``cfg`` on the virtual cluster ``sim``; returns the summary (also in
     ``cfg.out/summary.json``). Raises :class:`SimulationFailed` with the first rank's error
     when the job fails (a partial summary is written first)."""
-    from cloudburst.summary import write_partial_summary
+    from cloudburst.loop.summary import write_partial_summary
     from cloudburst.train import calibrate_step_time, run_role
 
     started = time.perf_counter()

@@ -24,7 +24,7 @@ from typing import Any
 
 from cloudburst.config import ConfigError, RunConfig, _aliases, _coerce
 from cloudburst.config.simulation import SimulationConfig
-from cloudburst.rundir import safe_label
+from cloudburst.records.rundir import safe_label
 
 # The accuracy the MNIST-1D CNN reaches with every strategy at the defaults (docs/cli.md, "Defaults
 # that train"); cloudburst demo reports its time-to-target for the same value.

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from cloudburst.checkpoint import load_model_into
+from cloudburst.records.checkpoint import load_model_into
 from cloudburst.data import load_dataset
 
 # The flags every parity run shares; the simulations' defaults are the same values.

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import cloudburst
-from cloudburst.checkpoint import load_checkpoint
+from cloudburst.records.checkpoint import load_checkpoint
 from cloudburst.data import synthetic
-from cloudburst.metrics import read_jsonl
+from cloudburst.records.metrics import read_jsonl
 from cloudburst.models import build_model
 from tests.helpers import cli, spawn
 

@@ -36,8 +36,8 @@ def _exchange(rank: int, out: str, servers: int) -> dict:
 
     from cloudburst.comm.flat import assign_flat, flatten_params
     from cloudburst.config import RunConfig
-    from cloudburst.metrics import MetricsWriter
-    from cloudburst.liveness import LivenessMonitor
+    from cloudburst.records.metrics import MetricsWriter
+    from cloudburst.comm.liveness import LivenessMonitor
     from cloudburst.runtime import init_distributed, shutdown
     from cloudburst.strategies.asgd.server import ServerLoop
     from cloudburst.strategies.easgd import EasgdStrategy

@@ -15,12 +15,12 @@ import time
 import pytest
 import torch.distributed as dist
 
-from cloudburst import auth
+from cloudburst.comm import auth
 from cloudburst.comm.messages import Header, Kind
 from cloudburst.comm.p2p import PeerTransport
 from cloudburst.config import RunConfig
 from cloudburst.runtime.context import Context
-from cloudburst.liveness import RejoinBoard
+from cloudburst.comm.liveness import RejoinBoard
 from cloudburst.runtime.rejoin import rejoin_group, rejoin_members
 from cloudburst.strategies.asgd.serving import RequestServing
 from tests.fakes import RecordingMetrics

@@ -33,8 +33,8 @@ def _leave(out: str, rank: int, result: dict) -> None:
 # ---------------------------------------------------------------------------- the server
 def _server_job(rank: int, out: str) -> dict:
     from cloudburst.config import RunConfig
-    from cloudburst.metrics import MetricsWriter, read_jsonl
-    from cloudburst.liveness import LivenessMonitor
+    from cloudburst.records.metrics import MetricsWriter, read_jsonl
+    from cloudburst.comm.liveness import LivenessMonitor
     from cloudburst.runtime import init_distributed, shutdown
     from cloudburst.strategies.asgd.server import ServerLoop
     from cloudburst.strategies import STRATEGY_CLASSES

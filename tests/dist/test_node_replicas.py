@@ -21,8 +21,8 @@ from tests.dist.simulate import (
     local_sgd,
     trained,
 )
-from cloudburst.checkpoint import load_checkpoint
-from cloudburst.resilience import worker_checkpoint_path
+from cloudburst.records.checkpoint import load_checkpoint
+from cloudburst.records.resilience import worker_checkpoint_path
 from tests.helpers import cli, final_record, read_summary, simulated
 
 pytestmark = pytest.mark.dist

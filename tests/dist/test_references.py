@@ -218,8 +218,8 @@ def test_gossip_ring_pull_in_a_scripted_order_matches_the_reference(four_workers
 def _easgd(rank: int, out: str) -> dict:
     from cloudburst.comm.flat import flatten_params
     from cloudburst.config import RunConfig
-    from cloudburst.metrics import MetricsWriter
-    from cloudburst.liveness import LivenessMonitor
+    from cloudburst.records.metrics import MetricsWriter
+    from cloudburst.comm.liveness import LivenessMonitor
     from cloudburst.runtime import init_distributed, shutdown
     from cloudburst.strategies.asgd.server import ServerLoop
     from cloudburst.strategies import STRATEGY_CLASSES

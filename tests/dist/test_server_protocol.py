@@ -30,8 +30,8 @@ def _cfg(out: str) -> RunConfig:
 
 
 def _scripted(rank: int, out: str) -> dict:
-    from cloudburst.metrics import MetricsWriter, read_jsonl
-    from cloudburst.liveness import Heartbeat, LivenessMonitor
+    from cloudburst.records.metrics import MetricsWriter, read_jsonl
+    from cloudburst.comm.liveness import Heartbeat, LivenessMonitor
     from cloudburst.runtime import init_distributed, shutdown
     from cloudburst.strategies.asgd.server import ServerLoop
     from cloudburst.strategies import STRATEGY_CLASSES
@@ -140,7 +140,7 @@ def test_staleness_rejection_and_finish_over_gloo(tmp_path):
     # push-fetch replies carry θ as it was before the push: 0 at v0, then 3 pushes of ones at v3
     assert a["theta_before"] == [[0.0] * NUMEL, [3.0] * NUMEL]
     # the checkpoint (every 2 applied pushes) holds the shard as of version 4
-    from cloudburst.checkpoint import load_checkpoint
+    from cloudburst.records.checkpoint import load_checkpoint
 
     state = load_checkpoint(tmp_path / "checkpoints" / "server0.pt", "server-shard")
     assert state["version"] == 4 and state["theta"].tolist() == [4.0] * NUMEL
@@ -149,8 +149,8 @@ def test_staleness_rejection_and_finish_over_gloo(tmp_path):
 def _dies_mid_request(rank: int, out: str) -> dict:
     import os
 
-    from cloudburst.metrics import MetricsWriter
-    from cloudburst.liveness import Heartbeat, LivenessMonitor
+    from cloudburst.records.metrics import MetricsWriter
+    from cloudburst.comm.liveness import Heartbeat, LivenessMonitor
     from cloudburst.runtime import init_distributed, shutdown
     from cloudburst.strategies.asgd.server import ServerLoop
     from cloudburst.strategies import STRATEGY_CLASSES

@@ -54,7 +54,7 @@ def mlp(input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
 
 
 def _record_device_emulation(path: Path) -> None:
-    from cloudburst.device_emulation import DeviceEmulator
+    from cloudburst.comm.device_emulation import DeviceEmulator
 
     # The loop's hook (fails loudly if it is renamed): DeviceEmulator.end_step, once a step.
     end_step = DeviceEmulator.end_step

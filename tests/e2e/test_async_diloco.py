@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from cloudburst.checkpoint import load_checkpoint
+from cloudburst.records.checkpoint import load_checkpoint
 from tests.helpers import final_record, finish_job, read_summary, start_job
 from tests.support import BOUND_S, kill_after_a_checkpoint, rank_records
 

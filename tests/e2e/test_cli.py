@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from cloudburst.checkpoint import save_model
 from cloudburst.models import MLP
+from cloudburst.records.checkpoint import save_model
 from tests.e2e.instrumented import POISON_ENV, RECORD_ENV, expected_padding, read_emulation
 from tests.helpers import (
     REPO,

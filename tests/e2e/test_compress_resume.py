@@ -7,7 +7,7 @@ fragment in flight). A restart that lost the residuals would send different byte
 import pytest
 import torch
 
-from cloudburst.checkpoint import load_checkpoint
+from cloudburst.records.checkpoint import load_checkpoint
 from tests.helpers import cli, rank_events, read_summary, saved_state
 
 pytestmark = pytest.mark.e2e

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloudburst.checkpoint import load_checkpoint
 from cloudburst.models import MLP, build_model
+from cloudburst.records.checkpoint import load_checkpoint
 from tests.helpers import REPO, cli, cli_env, free_port, rank_events, read_summary
 
 pytestmark = pytest.mark.e2e

@@ -7,9 +7,9 @@ import pickle
 import pytest
 import torch
 
-from cloudburst.checkpoint import load_model_into
 from cloudburst.data import batch_stream, evaluate_dataset, in_memory, load_dataset, worker_source
 from cloudburst.models import build_model
+from cloudburst.records.checkpoint import load_model_into
 from tests.datagen import write_cifar10, write_imagefolder, write_npz
 from tests.dist import simulate as sim
 from tests.dist.simulate import COMMON

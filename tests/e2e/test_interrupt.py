@@ -13,8 +13,8 @@ import threading
 import time
 from pathlib import Path
 
-from cloudburst.checkpoint import load_checkpoint
-from cloudburst.metrics import read_jsonl
+from cloudburst.records.checkpoint import load_checkpoint
+from cloudburst.records.metrics import read_jsonl
 from tests.helpers import cli, finish_job, read_summary, start_job, wait_until
 
 QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")

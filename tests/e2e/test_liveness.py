@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from cloudburst.checkpoint import load_checkpoint
-from cloudburst.metrics import read_jsonl
+from cloudburst.records.checkpoint import load_checkpoint
+from cloudburst.records.metrics import read_jsonl
 from tests.helpers import cli, finish_job, read_summary, start_job
 
 pytestmark = pytest.mark.e2e

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from cloudburst.checkpoint import load_checkpoint, save_checkpoint
+from cloudburst.records.checkpoint import load_checkpoint, save_checkpoint
 from tests.dist import simulate as sim
 from tests.helpers import (
     REPO,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cloudburst.config import RunConfig
-from cloudburst.metrics import read_jsonl
+from cloudburst.records.metrics import read_jsonl
 from tests.helpers import REPO, cli, read_summary, refused
 
 QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")

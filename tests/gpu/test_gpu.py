@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from cloudburst.checkpoint import load_model_into
 from cloudburst.data import BatchStream, load_dataset, worker_shard
-from cloudburst.metrics import read_run
 from cloudburst.models import build_model
+from cloudburst.records.checkpoint import load_model_into
+from cloudburst.records.metrics import read_run
 from tests.datagen import write_cifar10
 from tests.helpers import cli, read_summary
 

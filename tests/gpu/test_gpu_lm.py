@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cloudburst.data import evaluate_dataset, lm_loss
-from cloudburst.datasets import TokenWindows
+from cloudburst.data.datasets import TokenWindows
 from cloudburst.models import build_model
 
 pytestmark = [

@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch import nn
 
 from cloudburst.comm.flat import flatten_params
+from cloudburst.comm.liveness import acked_version, announce_shard
 from cloudburst.comm.messages import Header, Kind
 from cloudburst.config import RunConfig
 from cloudburst.data import BatchStream, synthetic
-from cloudburst.liveness import acked_version, announce_shard
 from cloudburst.models import build_model
 from cloudburst.strategies.asgd.serve import Standby
 from tests import reference as ref

@@ -1,4 +1,4 @@
-"""The job secret's rules (cloudburst.auth): where it comes from, which files are refused, how
+"""The job secret's rules (cloudburst.comm.auth): where it comes from, which files are refused, how
 it reaches a local job's ranks, and the MACs that bind every field they cover."""
 
 import os
@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from cloudburst import auth
+from cloudburst.comm import auth
 from cloudburst.config import ConfigError
 
 pytestmark = pytest.mark.unit

@@ -22,16 +22,16 @@ import torch
 from torch import nn
 
 from cloudburst import cli
-from cloudburst import summary as summary_module
 from cloudburst.comm.messages import Header, Kind, Status
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.config.simulation import SimulationConfig
-from cloudburst.metrics import write_json_atomic
+from cloudburst.loop import summary as summary_module
+from cloudburst.loop.summary import diverged, failed_message
+from cloudburst.records.metrics import write_json_atomic
 from cloudburst.sim.run import simulate
 from cloudburst.strategies.asgd.serve import Standby
 from cloudburst.strategies.asgd.shard import ShardState
 from cloudburst.strategies.asgd.worker import AsgdStrategy
-from cloudburst.summary import diverged, failed_message
 from tests import reference as ref
 from tests.fakes import ps_job
 from tests.helpers import shard_of
@@ -392,7 +392,7 @@ def test_train_exits_1_with_the_line_when_the_final_loss_is_not_finite(monkeypat
 
 
 def test_rank_0_of_a_users_torchrun_exits_1_when_its_summary_says_failed(tmp_path, capsys):
-    from cloudburst.summary import finished_exit_code
+    from cloudburst.loop.summary import finished_exit_code
 
     assert finished_exit_code(tmp_path) == 0  # no summary (yet)
     write_json_atomic(tmp_path / "summary.json", {"final_test_loss": 0.3, "steps_done": {}})

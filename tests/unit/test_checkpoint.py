@@ -1,4 +1,4 @@
-"""The checkpoint format (:mod:`cloudburst.checkpoint`): atomic writes, loads that never run
+"""The checkpoint format (:mod:`cloudburst.records.checkpoint`): atomic writes, loads that never run
 code, the checksum, the record's kind, one-line errors naming the file, model buffers, and
 where a server shard's checkpoint lives."""
 
@@ -15,8 +15,9 @@ import torch
 import torch.serialization
 from torch import nn
 
-from cloudburst import checkpoint
-from cloudburst.checkpoint import (
+from cloudburst.models import build_model
+from cloudburst.records import checkpoint
+from cloudburst.records.checkpoint import (
     CheckpointError,
     load_checkpoint,
     load_model_buffers,
@@ -25,7 +26,6 @@ from cloudburst.checkpoint import (
     save_checkpoint,
     save_model,
 )
-from cloudburst.models import build_model
 from cloudburst.strategies.asgd.shard import shard_checkpoint_path
 
 

@@ -14,7 +14,7 @@ import pytest
 from cloudburst import cli
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
-from cloudburst.metrics import write_json_atomic
+from cloudburst.records.metrics import write_json_atomic
 from cloudburst.sim.sweep import parse_sweep, sweep_report
 
 SMALL = [

@@ -12,11 +12,11 @@ import dataclasses
 import pytest
 import torch
 
-from cloudburst.checkpoint import load_checkpoint, load_model_into
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.data import load_dataset
 from cloudburst.models import build_model
+from cloudburst.records.checkpoint import load_checkpoint, load_model_into
 from cloudburst.sim.run import SimulationFailed, simulate
 
 pytestmark = pytest.mark.unit

@@ -75,7 +75,7 @@ def test_schedule_transitions_on_a_scripted_loss_sequence():
 
 
 def test_schedule_checkpoint_resumes_the_same_trajectory(tmp_path):
-    from cloudburst.checkpoint import load_checkpoint, save_checkpoint
+    from cloudburst.records.checkpoint import load_checkpoint, save_checkpoint
 
     a = _schedule()
     for loss, *_ in SCRIPT[:9]:

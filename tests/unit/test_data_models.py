@@ -158,7 +158,7 @@ def test_path_datasets_are_shuffled_once_and_sharded_over_every_class(tmp_path):
 
 def test_evaluate_dataset_normalises_images_like_training(tmp_path):
     from cloudburst.data import evaluate_dataset
-    from cloudburst.datasets import CIFAR10_MEAN, CIFAR10_STD
+    from cloudburst.data.datasets import CIFAR10_MEAN, CIFAR10_STD
 
     ds = _cifar_dataset(tmp_path)
     model = build_model("resnet20", ds.input_shape, ds.num_classes, seed=0)

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from cloudburst.data import in_memory, load_dataset
-from cloudburst.datasets import MAX_DATASET_BYTES, DatasetError, check_dataset
-from cloudburst.datasets.cifar import CIFAR10_MAX_FILE_BYTES
+from cloudburst.data.datasets import MAX_DATASET_BYTES, DatasetError, check_dataset
+from cloudburst.data.datasets.cifar import CIFAR10_MAX_FILE_BYTES
 from tests.datagen import write_cifar10, write_imagefolder, write_npz
 
 SMALL_PEAK_BYTES = 8 * 2**20  # far below every declared size here, above a refusal's own needs

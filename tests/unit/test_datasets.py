@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from cloudburst.datasets import (
+from cloudburst.data.datasets import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     DatasetError,

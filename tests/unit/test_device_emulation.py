@@ -1,5 +1,5 @@
 """The emulated device's padding, spread over per-layer forward and backward hooks
-(cloudburst.device_emulation), on a fake clock: no sleeps, no processes."""
+(cloudburst.comm.device_emulation), on a fake clock: no sleeps, no processes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from cloudburst.device_emulation import FORWARD_SHARE, DeviceEmulator, padding_s
+from cloudburst.comm.device_emulation import FORWARD_SHARE, DeviceEmulator, padding_s
 
 
 class FakeClock:

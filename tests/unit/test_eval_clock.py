@@ -14,8 +14,8 @@ import torch
 from cloudburst.comm.flat import flatten_params
 from cloudburst.data import synthetic
 from cloudburst.loop.evaluator import Evaluator
-from cloudburst.metrics import MetricsWriter, read_jsonl
 from cloudburst.models import build_model
+from cloudburst.records.metrics import MetricsWriter, read_jsonl
 from tests.support import ThreadComm, ThreadGroup
 
 

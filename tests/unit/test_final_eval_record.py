@@ -1,4 +1,4 @@
-"""The final evaluation record (cloudburst.summary.finalize_run) carries ``train_time_s`` and
+"""The final evaluation record (cloudburst.loop.summary.finalize_run) carries ``train_time_s`` and
 ``eval_s`` as every evaluation record does: the clock less the time the evaluating worker
 spent on its evaluations during training, wherever that worker's report comes from."""
 
@@ -13,9 +13,9 @@ import torch.distributed as dist
 from cloudburst.comm.flat import flatten_params
 from cloudburst.config import RunConfig
 from cloudburst.data import synthetic
-from cloudburst.metrics import MetricsWriter, read_jsonl
+from cloudburst.loop.summary import finalize_run
 from cloudburst.models import build_model
-from cloudburst.summary import finalize_run
+from cloudburst.records.metrics import MetricsWriter, read_jsonl
 from tests.fakes import FakeNamespace
 
 pytestmark = pytest.mark.unit

@@ -17,7 +17,7 @@ DISTRIBUTED = {
     "cloudburst.runtime.context",
     "cloudburst.runtime.groups",
     "cloudburst.runtime.rejoin",
-    "cloudburst.liveness",
+    "cloudburst.comm.liveness",
     "cloudburst.launch.agents",
 }
 

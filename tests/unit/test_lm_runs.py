@@ -12,12 +12,12 @@ import random
 import pytest
 import torch
 
-from cloudburst.checkpoint import load_model_into
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.data import evaluate_dataset, in_memory, load_dataset
-from cloudburst.metrics import read_jsonl
 from cloudburst.models import build_model
+from cloudburst.records.checkpoint import load_model_into
+from cloudburst.records.metrics import read_jsonl
 from cloudburst.sim.run import SimulationFailed, simulate
 from cloudburst.strategies import BUILT_IN as STRATEGIES
 
@@ -122,7 +122,7 @@ def test_a_loss_target_is_timed_and_a_resumed_sync_run_ends_where_an_undisturbed
 @pytest.mark.slow
 def test_plot_and_compare_show_the_loss_of_language_models(tmp_path, text):
     from cloudburst.cli.plot import curve_metric, plot_runs
-    from cloudburst.summary import format_summary
+    from cloudburst.loop.summary import format_summary
 
     sim = SimulationConfig(step_time_s=0.01)
     lm = simulate(_cfg(tmp_path / "lm", text, "diloco", steps=8), sim)

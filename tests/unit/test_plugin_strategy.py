@@ -12,12 +12,12 @@ import textwrap
 import pytest
 import torch
 
-from cloudburst.checkpoint import load_checkpoint
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
+from cloudburst.loop.summary import format_summary
+from cloudburst.records.checkpoint import load_checkpoint
 from cloudburst.sim.run import simulate
 from cloudburst.strategies import REGISTRY, register_strategy
-from cloudburst.summary import format_summary
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch.distributed as dist
 
-from cloudburst.auth import sign
-from cloudburst.liveness import RejoinBoard, RejoinRefused
+from cloudburst.comm.auth import sign
+from cloudburst.comm.liveness import RejoinBoard, RejoinRefused
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +59,7 @@ def test_announcements_not_signed_with_this_jobs_secret_are_refused_and_logged(c
     _forge(store, genuine)  # a genuine announcement copied to another number: replayed
     _forge(store, {**genuine, "incarnation": 2})  # its restart changed
     _forge(store, {**genuine, "rank": 3})  # its rank changed
-    with caplog.at_level(logging.WARNING, logger="cloudburst.liveness"):
+    with caplog.at_level(logging.WARNING, logger="cloudburst.comm.liveness"):
         assert server.poll() == [(2, 1)]  # the genuine one only
     assert server.refused == 6
     refusals = [r.getMessage() for r in caplog.records if "refused rejoin" in r.getMessage()]

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cloudburst.checkpoint import CheckpointError
 from cloudburst.config import ConfigError, RunConfig
-from cloudburst.faults import Fault, FaultError, FaultInjector, parse_faults
-from cloudburst.resilience import (
+from cloudburst.config.faults import Fault, FaultError, FaultInjector, parse_faults
+from cloudburst.records.checkpoint import CheckpointError
+from cloudburst.records.resilience import (
     KEEP,
     agree_on_step,
     check_resumable,

@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cloudburst import rundir
-from cloudburst.checkpoint import CheckpointError, save_checkpoint
 from cloudburst.cli import build_config
+from cloudburst.comm.liveness import RejoinBoard
 from cloudburst.config import ConfigError, RunConfig
-from cloudburst.datasets import DatasetError, _check_image_size, _decode_image
-from cloudburst.liveness import RejoinBoard
-from cloudburst.metrics import MetricsWriter, write_json_atomic
-from cloudburst.resilience import identity, load_shard_state
+from cloudburst.data.datasets import DatasetError, _check_image_size, _decode_image
+from cloudburst.records import rundir
+from cloudburst.records.checkpoint import CheckpointError, save_checkpoint
+from cloudburst.records.metrics import MetricsWriter, write_json_atomic
+from cloudburst.records.resilience import identity, load_shard_state
 
 
 def _args(**flags) -> argparse.Namespace:

@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cloudburst.config import ConfigError, RunConfig
-from cloudburst.liveness import (
+from cloudburst.comm.liveness import (
     FAILOVER_KEY,
     RejoinBoard,
     Watchdog,
@@ -19,6 +18,7 @@ from cloudburst.liveness import (
     report_acked,
     shard_restarted,
 )
+from cloudburst.config import ConfigError, RunConfig
 from cloudburst.strategies.asgd.shard import make_shard, standby_of
 from tests.helpers import wait_until
 

@@ -181,7 +181,7 @@ def test_a_world_that_does_not_match_the_config_is_caught(tmp_path):
 
 
 def test_every_task_gets_one_job_secret_only_its_user_can_read_removed_after_the_job(tmp_path):
-    from cloudburst.auth import read_secret_file
+    from cloudburst.comm.auth import read_secret_file
 
     args = ["train", "--strategy", "asgd", "--workers", "7", "--servers", "1", "--out", "runs/a"]
     tasks = render(tmp_path, args, agent_per_rank=True)

@@ -19,12 +19,12 @@ import pytest
 import torch.distributed as dist
 
 from cloudburst import launch
+from cloudburst.comm.liveness import HEARTBEAT_KEY, Heartbeat, LivenessMonitor
 from cloudburst.config import RunConfig
 from cloudburst.forkserver import raise_open_files_limit
 from cloudburst.launch import processes
 from cloudburst.launch.agents import loopback_listener
 from cloudburst.launch.failures import job_failure
-from cloudburst.liveness import HEARTBEAT_KEY, Heartbeat, LivenessMonitor
 
 ENOSPC = "OSError: [Errno 28] No space left on device"
 

@@ -1,4 +1,4 @@
-"""``text:PATH`` (cloudburst/datasets/text.py, cloudburst/data.py): byte tokens, a contiguous
+"""``text:PATH`` (cloudburst/data/): byte tokens, a contiguous
 held-out tail, disjoint worker shards, batches of random windows that are a function of
 (seed, batch index), sorted directories, ``text:stdlib``, and the bad inputs."""
 
@@ -12,8 +12,8 @@ import torch
 
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.data import TextStream, batch_stream, in_memory, load_dataset, worker_source
-from cloudburst.datasets import DatasetError, check_dataset, text
-from cloudburst.datasets.text import (
+from cloudburst.data.datasets import DatasetError, check_dataset, text
+from cloudburst.data.datasets.text import (
     STDLIB_SKIP_DIRS,
     corpus_files,
     load_text,

@@ -14,9 +14,9 @@ import time
 
 import torch
 
+from cloudburst.comm.liveness import FAILOVER_KEY
 from cloudburst.comm.messages import Header, Kind, Status
 from cloudburst.comm.transport import Task
-from cloudburst.liveness import FAILOVER_KEY
 from cloudburst.strategies.asgd.server import ServerLoop
 from cloudburst.strategies.asgd.serving import first_line
 from cloudburst.strategies.asgd.shard import make_shard, shard_checkpoint_path
@@ -113,7 +113,7 @@ def start_standby(loop: ServerLoop) -> None:
     """--shard-standby: this server's link to its own shard's standby, and its standby copy
     of the shard before it, both built now (in the order of the shard they serve, so that
     every server builds its two pair groups in an order that never waits in a cycle)."""
-    from cloudburst.resilience import load_shard_state
+    from cloudburst.records.resilience import load_shard_state
     from cloudburst.runtime.groups import standby_link
 
     cfg, ctx = loop.cfg, loop.ctx
@@ -139,8 +139,8 @@ def serve_shard(ctx, theta0: torch.Tensor, metrics) -> ServerLoop:
     (refused when it belongs to another run or to other shard bounds); a new run removes an
     earlier run's shard file first.
     """
-    from cloudburst.checkpoint import CheckpointError
-    from cloudburst.resilience import load_shard_state
+    from cloudburst.records.checkpoint import CheckpointError
+    from cloudburst.records.resilience import load_shard_state
     from cloudburst.runtime import restart_count
 
     cfg = ctx.cfg

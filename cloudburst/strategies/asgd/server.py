@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
-from cloudburst.checkpoint import save_checkpoint
 from cloudburst.comm.flat import shard_bounds
+from cloudburst.comm.liveness import shard_restarted
 from cloudburst.comm.messages import Header, Kind, PeerFaults, Status, worth_logging
 from cloudburst.comm.stats import CommStats
 from cloudburst.config import RunConfig
-from cloudburst.liveness import shard_restarted
-from cloudburst.resilience import identity
+from cloudburst.records.checkpoint import save_checkpoint
+from cloudburst.records.resilience import identity
 from cloudburst.strategies.asgd.serving import RequestServing, first_line
 from cloudburst.strategies.asgd.shard import (
     PushResult,

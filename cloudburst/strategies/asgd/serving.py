@@ -8,7 +8,7 @@ callbacks (``handle``: one request, under the lock; ``on_lost``, ``on_admit``,
 that requests arrive on (the world group, and one group per worker that rejoined after a
 restart) receives from any member and hands each request to ``handle`` under one lock, so that
 requests are applied one at a time whatever group they came on. The calling task admits
-rejoining workers (from the job store's :class:`~cloudburst.liveness.RejoinBoard`) and waits
+rejoining workers (from the job store's :class:`~cloudburst.comm.liveness.RejoinBoard`) and waits
 until every worker is finished or lost. Tasks are started through the transport
 (``ctx.comm.spawn``); where it restarts no rank (``ctx.comm.restarts_ranks`` is False: the
 virtual cluster) the shard serves on its one task, with no rejoin board.
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from cloudburst.auth import PeerRefused, job_secret
+from cloudburst.comm.auth import PeerRefused, job_secret
+from cloudburst.comm.liveness import DONE_KEY, RejoinBoard, acked_version, announce_shard
 from cloudburst.comm.messages import Header
 from cloudburst.comm.stats import CommStats
-from cloudburst.liveness import DONE_KEY, RejoinBoard, acked_version, announce_shard
 
 log = logging.getLogger("cloudburst.strategies.asgd.server")  # the shard's one log
 

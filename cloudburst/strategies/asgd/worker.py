@@ -35,8 +35,8 @@ from torch import nn
 
 from cloudburst.comm.compress import ErrorFeedback, decode, encode
 from cloudburst.comm.flat import adopt_flat, assign_flat, flatten_params, is_flat_view, shard_bounds
+from cloudburst.comm.liveness import Heartbeat, await_shard, heartbeat_interval_s, report_acked
 from cloudburst.comm.messages import Header, Kind, Status, worth_logging
-from cloudburst.liveness import Heartbeat, await_shard, heartbeat_interval_s, report_acked
 from cloudburst.strategies.asgd import Asgd
 from cloudburst.strategies.asgd.compensation import staleness_factor
 from cloudburst.strategies.asgd.shard import overlapped_push_fetch

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from cloudburst.checkpoint import load_model_buffers, save_model
 from cloudburst.comm.flat import assign_flat
 from cloudburst.config import RunConfig
 from cloudburst.data import Dataset, evaluate_dataset, in_memory
-from cloudburst.metrics import MetricsWriter, iter_jsonl, time_to_target, write_json_atomic
+from cloudburst.records.checkpoint import load_model_buffers, save_model
+from cloudburst.records.metrics import MetricsWriter, iter_jsonl, time_to_target, write_json_atomic
 from cloudburst.runtime.context import Context
 from cloudburst.strategies import REGISTRY
 
@@ -328,7 +328,7 @@ def _loss_target(cfg, reports, wall_time_s: float, test_loss: float) -> dict[str
     ``TARGET_HELD_EVALS`` evaluations (the final one included)."""
     if cfg.dataset_kind_path()[0] != "text":
         return {}
-    from cloudburst.metrics import time_to_target_loss
+    from cloudburst.records.metrics import time_to_target_loss
 
     evals = [e for rep in reports for e in rep.get("loss_evals", [])]
     return {

@@ -14,7 +14,7 @@ A dataset is named by a spec string, ``KIND`` or ``KIND:PATH`` (see ``parse_data
   read with ``allow_pickle=False``. uint8 ``[N,C,H,W]``, ``[N,H,W,C]`` (C in {1, 3}) or
   ``[N,H,W]`` are images; anything else numeric is a float32 feature array.
 - ``text:PATH`` — byte tokens of a UTF-8 file or a directory of files; ``text:stdlib`` is the
-  running interpreter's standard library sources (:mod:`cloudburst.datasets.text`).
+  running interpreter's standard library sources (:mod:`cloudburst.data.datasets.text`).
 
 Every failure is a ``DatasetError`` whose message is one line naming the path and the problem.
 Memory is checked before it is allocated, from what a file declares (npz headers, the CIFAR
@@ -30,7 +30,7 @@ import math
 import os
 from pathlib import Path
 
-from cloudburst.datasets.base import (  # noqa: F401
+from cloudburst.data.datasets.base import (  # noqa: F401
     CIFAR10_DIRNAME,
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -57,10 +57,10 @@ from cloudburst.datasets.base import (  # noqa: F401
     channel_stats,
     check_size,
 )
-from cloudburst.datasets.cifar import _cifar_dir, _load_cifar10
-from cloudburst.datasets.imagefolder import _imagefolder_splits, _load_imagefolder
-from cloudburst.datasets.npz import _load_npz, _npz_keys, _open_npz
-from cloudburst.datasets.text import (  # noqa: F401
+from cloudburst.data.datasets.cifar import _cifar_dir, _load_cifar10
+from cloudburst.data.datasets.imagefolder import _imagefolder_splits, _load_imagefolder
+from cloudburst.data.datasets.npz import _load_npz, _npz_keys, _open_npz
+from cloudburst.data.datasets.text import (  # noqa: F401
     STDLIB,
     TokenStream,
     TokenWindows,
@@ -128,7 +128,7 @@ def load_path_dataset(
     """Read the dataset KIND at PATH. ``image_size`` applies to imagefolder only;
     ``test_fraction`` only where the data brings no test split of its own; ``max_bytes`` bounds
     the memory of npz arrays (checked from their headers first). Text is read by
-    :func:`cloudburst.datasets.text.load_text` (it has no labels)."""
+    :func:`cloudburst.data.datasets.text.load_text` (it has no labels)."""
     if kind == "text":
         raise DatasetError(f"text:{path}: read text with cloudburst.data.load_dataset")
     root = _resolve(kind, path)

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from cloudburst.rundir import open_append_nofollow
+from cloudburst.records.rundir import open_append_nofollow
 
 
 class MetricsWriter:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from cloudburst.datasets.base import (
+from cloudburst.data.datasets.base import (
     IMAGE_EXTENSIONS,
     STATS_CHUNK_BYTES,
     STATS_MAX_IMAGES,

@@ -1,7 +1,7 @@
 """Datasets and batches: MNIST-1D generated locally, a synthetic set, and user datasets.
 
 User datasets (CIFAR-10, ImageFolder, ``.npz``, text) are read from local paths by
-:mod:`cloudburst.datasets`; here they are ordered, sharded over workers and batched. Text is a
+:mod:`cloudburst.data.datasets`; here they are ordered, sharded over workers and batched. Text is a
 language-model dataset (``Dataset.is_lm``): byte tokens, windows of ``context`` tokens, the loss
 per token (:func:`lm_loss`) and bits per byte.
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from cloudburst.datasets import (
+from cloudburst.data.datasets import (
     MAX_DATASET_BYTES,
     DatasetError,
     Preprocess,
@@ -36,8 +36,8 @@ from cloudburst.datasets import (
     load_text,
     parse_dataset_spec,
 )
-from cloudburst.datasets.base import cache_dir, check_size
-from cloudburst.datasets.text import DEFAULT_CONTEXT
+from cloudburst.data.datasets.base import cache_dir, check_size
+from cloudburst.data.datasets.text import DEFAULT_CONTEXT
 
 if TYPE_CHECKING:
     from cloudburst.config import RunConfig
@@ -49,8 +49,8 @@ MNIST1D_DATA_SEED = 42  # the published dataset's generation seed
 class Dataset:
     """A training and a test split, held in memory or read lazily from files.
 
-    ``train`` and ``test`` are sources (:class:`~cloudburst.datasets.TensorSource` or
-    :class:`~cloudburst.datasets.ImageFileSource`). Image datasets hold uint8 NCHW pixels;
+    ``train`` and ``test`` are sources (:class:`~cloudburst.data.datasets.TensorSource` or
+    :class:`~cloudburst.data.datasets.ImageFileSource`). Image datasets hold uint8 NCHW pixels;
     :attr:`preprocess` turns a batch into normalised floats (and augments training batches).
     """
 

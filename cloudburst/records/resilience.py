@@ -1,7 +1,7 @@
 """Worker checkpoints: what a worker saves, where, and which one a resumed run starts from.
 
 Every ``checkpoint_every`` steps each worker writes ``OUT/checkpoints/worker{i}-step{S}.pt``
-(atomically, with a checksum: :mod:`cloudburst.checkpoint`) holding everything its future
+(atomically, with a checksum: :mod:`cloudburst.records.checkpoint`) holding everything its future
 depends on: the replica, the optimizer and learning-rate schedule, the strategy's state (DASO's
 schedule, DiLoCo's outer optimizer, gossip's rounds and push-sum weight, ...), the data
 stream's position, the RNG state, the counters and the evaluations so far. The last
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from cloudburst.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from cloudburst.config import ConfigError, RunConfig, refuse_code_from_file
-from cloudburst.rundir import run_nonce
+from cloudburst.records.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from cloudburst.records.rundir import run_nonce
 from cloudburst.runtime import restart_count
 from cloudburst.strategies.asgd.shard import shard_checkpoint_path
 
@@ -247,7 +247,7 @@ def resume_config(
     import json
     from pathlib import Path
 
-    from cloudburst.resilience import IDENTITY
+    from cloudburst.records.resilience import IDENTITY
 
     if has_toml:
         raise ConfigError(

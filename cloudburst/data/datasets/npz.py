@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cloudburst.datasets.base import (
+from cloudburst.data.datasets.base import (
     MAX_DATASET_BYTES,
     NPZ_SPLIT_SEED,
     DatasetError,

@@ -2,7 +2,7 @@
 
 torch.distributed's store and gloo's listeners authenticate nobody: any process that reaches
 them can write keys and open connections. So wherever cloudburst admits a peer — a rejoin
-announcement on the :class:`~cloudburst.liveness.RejoinBoard`, the gloo groups a job forms (at
+announcement on the :class:`~cloudburst.comm.liveness.RejoinBoard`, the gloo groups a job forms (at
 start-up, for a rejoining worker, for a restarted shard, a shard's standby) — the peer must show
 an HMAC-SHA256 under a secret that travels outside the store:
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cloudburst.datasets.base import (
+from cloudburst.data.datasets.base import (
     CIFAR10_DIRNAME,
     CIFAR10_MEAN,
     CIFAR10_STD,

@@ -1,7 +1,7 @@
 """Liveness for every role: a rank stops within seconds when a rank it cannot work without
 goes silent, instead of waiting out a collective's timeout.
 
-Every rank bumps a heartbeat counter in the job store (:class:`~cloudburst.liveness.Heartbeat`,
+Every rank bumps a heartbeat counter in the job store (:class:`~cloudburst.comm.liveness.Heartbeat`,
 on a store connection of its own, so that a long ``store.wait`` of the training thread never
 delays it). A :class:`Watchdog` thread reads the counters of the ranks this one depends on —
 every other worker for the lockstep strategies, the parameter-server shards for asgd/easgd
@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from cloudburst.auth import ENV_SECRET_FILE, run_identity, sign, verify
+from cloudburst.comm.auth import ENV_SECRET_FILE, run_identity, sign, verify
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ class RejoinBoard:
     both sides treat that announcement as late (refused). So a worker is either admitted by
     every server or refused by every one.
 
-    Each record is signed: an HMAC under the job secret (:mod:`cloudburst.auth`) of the run's
+    Each record is signed: an HMAC under the job secret (:mod:`cloudburst.comm.auth`) of the run's
     identity, the announcement's number, rank, restart and lateness. The store is open to
     anyone who reaches it; an announcement without a valid signature (forged, or one copied
     to another number or from another run) is refused and logged, and never admitted. Without
