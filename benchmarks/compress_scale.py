@@ -31,7 +31,7 @@ def _drive(ctx, steps: int) -> dict:
     import torch
     from torch import nn
 
-    from cloudburst.strategies import make_strategy
+    from cloudburst.strategies.replica import make_strategy
 
     torch.manual_seed(0)
     model = nn.Linear(IN, OUT)

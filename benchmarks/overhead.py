@@ -42,10 +42,10 @@ import harness  # noqa: E402
 from cloudburst.config import RunConfig  # noqa: E402
 from cloudburst.data import load_dataset  # noqa: E402
 from cloudburst.launch.agents import free_port  # noqa: E402
+from cloudburst.loop.train_step import make_optimizer  # noqa: E402
 from cloudburst.models import build_model  # noqa: E402
 from cloudburst.runtime.context import Context  # noqa: E402
-from cloudburst.strategies import make_strategy  # noqa: E402
-from cloudburst.train import make_optimizer  # noqa: E402
+from cloudburst.strategies.replica import make_strategy  # noqa: E402
 
 TARGET = 1.05  # sync ÷ reference, at most
 BATCH = 64

@@ -172,8 +172,8 @@ def torchft_replica(
     from torchft.local_sgd import DiLoCo, LocalSGD
 
     from cloudburst import data as cb
+    from cloudburst.loop.train_step import make_optimizer
     from cloudburst.models import build_run_model
-    from cloudburst.train import make_optimizer
 
     torch.set_num_threads(1)
     data = cb.load_run_dataset(cfg)

@@ -20,7 +20,7 @@ what belongs after each step (:meth:`Job.after_step`, with the samples the train
 passes saw since the last step). ``wrap(..., hooks=False)`` keeps the explicit calls instead;
 DASO's adaptive schedule also wants each step's loss (:meth:`Job.record_loss`).
 
-The CLI's loop (:mod:`cloudburst.train`) takes the same path: the after-step call, the
+The CLI's loop (:mod:`cloudburst.loop.role`) takes the same path: the after-step call, the
 strategy's finish and report, and a server's serving come from :mod:`cloudburst.loop`.
 """
 
@@ -42,8 +42,8 @@ from cloudburst.records.metrics import MetricsWriter
 from cloudburst.records.rundir import prepare_run_dir
 from cloudburst.runtime import in_torchrun, init_distributed, shutdown
 from cloudburst.runtime.context import Context
-from cloudburst.strategies import make_strategy
 from cloudburst.strategies.base import Strategy
+from cloudburst.strategies.replica import make_strategy
 
 
 class NotUnderTorchrun(RuntimeError):

@@ -19,8 +19,8 @@ import torch
 import cloudburst
 from cloudburst.comm.flat import assign_flat
 from cloudburst.data import batch_stream, evaluate_dataset, lm_loss, load_dataset, worker_source
+from cloudburst.loop.train_step import clip_gradients, make_optimizer, make_scheduler
 from cloudburst.models import build_model
-from cloudburst.train import clip_gradients, make_optimizer, make_scheduler
 
 
 def main() -> None:

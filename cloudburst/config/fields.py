@@ -84,7 +84,7 @@ MAX_TIMEOUT_S = 86_400.0  # a day: comm and heartbeat timeouts, a step's emulate
 TIMEOUT_S = Bounds(0.0, MAX_TIMEOUT_S, low_open=True)
 MAX_BUDGET_S = 1e8  # about 3 years: time budgets and evaluation intervals
 # torch.manual_seed and numpy take seeds below 2^64 and 2^32; a worker's data order is seeded
-# with (seed · 1000 + worker) · 1_000_003 + epoch (cloudburst.train, cloudburst.data), which
+# with (seed · 1000 + worker) · 1_000_003 + epoch (cloudburst.loop.role, cloudburst.data), which
 # stays below 2^63 for a seed below 2^32.
 SEED = Bounds(0, 2**32 - 1)
 # Links: 1 kbit/s to 1 Pbit/s, latency up to a minute (a message's emulated time is a sleep).

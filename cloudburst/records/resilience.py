@@ -34,7 +34,6 @@ from cloudburst.config import ConfigError, RunConfig, refuse_code_from_file
 from cloudburst.records.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from cloudburst.records.rundir import run_nonce
 from cloudburst.runtime import restart_count
-from cloudburst.strategies.asgd.shard import shard_checkpoint_path
 
 log = logging.getLogger(__name__)
 
@@ -273,3 +272,8 @@ def resume_config(
     if "out" in flags and Path(flags["out"]).resolve() != Path(run_dir).resolve():
         raise ConfigError("resume: a resumed run writes to its own directory; drop --out")
     return RunConfig.from_dict({**values, **flags, "out": str(run_dir), "resume": True})
+
+
+def shard_checkpoint_path(out: str | Path, shard: int) -> Path:
+    """Where parameter-server shard ``shard`` of the run under ``out`` keeps its checkpoint."""
+    return Path(out) / "checkpoints" / f"server{shard}.pt"

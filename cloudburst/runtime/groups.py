@@ -76,8 +76,6 @@ def standby_link(ctx: Context, primary: int, stats=None):
     after it, :func:`standby_of`), on a gloo pair group built by both (primary: group rank 0),
     with ``comm_timeout_s``; authenticated with the job secret when there is one (it is formed
     at start-up, like the world group: see :func:`authenticate_startup`)."""
-    from cloudburst.strategies.asgd.shard import standby_of
-
     standby = standby_of(primary, ctx.num_servers)
     name = f"standby/{primary}/"
     prefixed = dist.PrefixStore(name, ctx.store.clone())
@@ -125,3 +123,9 @@ def authenticate_startup(ctx: Context, secret: bytes | None) -> None:
     for name, group in groups:
         auth.authenticate_group(group, f"startup/{name}", secret)
     log.debug("every member of %s proved the job secret", ", ".join(n for n, _ in groups))
+
+
+def standby_of(shard: int, num_servers: int) -> int:
+    """The server rank that keeps shard ``shard``'s standby copy (``--shard-standby``): the
+    next one, cyclically."""
+    return (shard + 1) % num_servers

@@ -1,7 +1,7 @@
 """Run a job on the virtual cluster: every rank of ``cfg`` as a task of one process.
 
-The ranks run cloudburst's own code — :func:`cloudburst.train.run_worker` with the configured
-strategy, :func:`cloudburst.train.run_server` for the parameter-server shards — on a
+The ranks run cloudburst's own code — :func:`cloudburst.loop.role.run_worker` with the configured
+strategy, :func:`cloudburst.loop.role.run_server` for the parameter-server shards — on a
 :class:`~cloudburst.sim.transport.SimTransport` instead of torch.distributed. The run writes
 what a real run writes (``config.json``, ``metrics/rank*.jsonl``, ``summary.json``,
 ``model.pt``), with times in virtual seconds; ``summary.json`` adds ``"simulated": true``, the
@@ -27,6 +27,8 @@ from cloudburst.config import RunConfig
 from cloudburst.config.faults import FaultInjector, parse_faults
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.data import load_run_dataset
+from cloudburst.loop.role import run_role
+from cloudburst.loop.train_step import calibrate_step_time
 from cloudburst.models import build_run_model
 from cloudburst.records.metrics import MetricsWriter, write_json_atomic
 from cloudburst.runtime import build_context
@@ -122,8 +124,6 @@ def run_ranks(
     """``fn(ctx, *args)`` on every rank of ``cfg``'s job on the virtual cluster (one process);
     the results by rank. For scripted scenarios (tests, experiments) that drive a strategy
     or the server loop by hand rather than through the training loop."""
-    from cloudburst.train import calibrate_step_time
-
     sim = sim or SimulationConfig(step_time_s=0.01)
     step_time_s, source = resolve_step_time(sim, cfg, calibrate_step_time)
     cluster = VirtualCluster(cfg, ClockModel(sim, cfg, actual_params, step_time_s, source))
@@ -135,7 +135,6 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     ``cfg.out/summary.json``). Raises :class:`SimulationFailed` with the first rank's error
     when the job fails (a partial summary is written first)."""
     from cloudburst.loop.summary import write_partial_summary
-    from cloudburst.train import calibrate_step_time, run_role
 
     started = time.perf_counter()
     # One process computes for every rank: no DataLoader processes, no TensorBoard writers.

@@ -2,8 +2,8 @@
 
 The registry: one line per strategy, its package's :class:`StrategySpec` (torch-free, so the CLI
 can validate a config before torch is imported); the worker classes are imported when a rank
-builds one (:func:`make_strategy`). Adding a strategy: its folder ``strategies/<name>/`` and one
-line here.
+builds one (:func:`cloudburst.strategies.replica.make_strategy`). Adding a strategy: its folder
+``strategies/<name>/`` and one line here.
 """
 
 from __future__ import annotations
@@ -62,17 +62,6 @@ def register_strategy(cls: type) -> type:
     return cls
 
 
-def make_strategy(ctx) -> Any:
-    """This worker's strategy; with ``--replica node``, wrapped as its node's replica
-    (:mod:`cloudburst.strategies.replica`: only a node's leader runs the strategy itself)."""
-    worker = strategy_spec(ctx.cfg.strategy).worker_class()
-    if ctx.replica_leaders is None:
-        return worker(ctx)
-    from cloudburst.strategies.replica import NodeReplica
-
-    return NodeReplica(ctx, worker(ctx) if ctx.leads_replica else None)
-
-
 class _WorkerClasses(Mapping):
     """The registry's worker classes by name, each imported when first looked up."""
 
@@ -107,7 +96,6 @@ __all__ = [
     "REGISTRY",
     "STRATEGY_CLASSES",
     "StrategySpec",
-    "make_strategy",
     "register_strategy",
     "settings_classes",
     "strategy_spec",

@@ -23,6 +23,7 @@ from torch import nn
 
 from cloudburst.comm.collectives import all_reduce_sum, broadcast
 from cloudburst.comm.flat import assign_flat, flatten_params
+from cloudburst.strategies import strategy_spec
 from cloudburst.strategies.base import Strategy
 from cloudburst.strategies.spec import StrategySpec
 
@@ -189,3 +190,13 @@ class NodeReplica(Strategy):
         if inner is None:
             raise AttributeError(name)
         return getattr(inner, name)
+
+
+def make_strategy(ctx) -> Strategy:
+    """This worker's strategy (the registry's worker class for ``ctx.cfg.strategy``); with
+    ``--replica node``, wrapped as its node's replica: only a node's leader runs the strategy
+    itself."""
+    worker = strategy_spec(ctx.cfg.strategy).worker_class()
+    if ctx.replica_leaders is None:
+        return worker(ctx)
+    return NodeReplica(ctx, worker(ctx) if ctx.leads_replica else None)

@@ -55,7 +55,7 @@ class Turns:
 def _trajectory(ctx, cfg_changes: dict, optimizer, steps: int, turns: Turns | None = None):
     """Train the tiny model through the strategy ``cfg_changes`` describes; θ after each step
     (the last one after ``finish``), and ``step_info`` after each step."""
-    from cloudburst.strategies import make_strategy
+    from cloudburst.strategies.replica import make_strategy
 
     cfg = dataclasses.replace(ctx.cfg, **cfg_changes)
     ctx = dataclasses.replace(ctx, cfg=cfg)

@@ -26,7 +26,7 @@ from cloudburst.records.checkpoint import (
     save_checkpoint,
     save_model,
 )
-from cloudburst.strategies.asgd.shard import shard_checkpoint_path
+from cloudburst.records.resilience import shard_checkpoint_path
 
 
 def test_round_trip(tmp_path):

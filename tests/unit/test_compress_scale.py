@@ -25,8 +25,8 @@ from cloudburst.comm.compress import packed_bytes
 from cloudburst.comm.stats import ring_bytes
 from cloudburst.config import RunConfig
 from cloudburst.sim.run import run_ranks
-from cloudburst.strategies import make_strategy
 from cloudburst.strategies.local_sgd import split_fragments
+from cloudburst.strategies.replica import make_strategy
 
 IN, OUT = 63, 64
 NUMEL = IN * OUT + OUT  # 4,096 = 16 blocks of 256

@@ -113,7 +113,7 @@ def test_cosine_schedule_decays_to_zero_over_the_run():
 
     import torch
 
-    from cloudburst.train import make_optimizer, make_scheduler
+    from cloudburst.loop.train_step import make_optimizer, make_scheduler
 
     cfg = RunConfig(lr=0.1, lr_schedule="cosine", steps=50)
     param = torch.nn.Parameter(torch.zeros(1))

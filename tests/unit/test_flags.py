@@ -17,11 +17,12 @@ from torch import nn
 
 import cloudburst.comm.allreduce as allreduce_module
 import cloudburst.comm.transport as transport_module
-from cloudburst import cli, train
+from cloudburst import cli
 from cloudburst.comm.link import Topology
 from cloudburst.comm.messages import Status
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig, Straggler
+from cloudburst.loop.train_step import make_optimizer
 from cloudburst.strategies.asgd.shard import make_shard
 from cloudburst.strategies.daso import COOLDOWN, CYCLING, WARMUP, DasoSchedule, DasoStrategy
 from cloudburst.strategies.daso import worker as daso
@@ -104,7 +105,7 @@ def test_bad_config_files_are_one_line(tmp_path, refused):
 def _two_steps(cfg: RunConfig) -> tuple[torch.optim.Optimizer, list[list[float]]]:
     """θ = (1, −2), loss = 0.5·θ₀ (gradient (0.5, 0)), two optimizer steps."""
     theta = nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float64))
-    opt = train.make_optimizer(cfg, [theta])
+    opt = make_optimizer(cfg, [theta])
     trajectory = []
     for _ in range(2):
         opt.zero_grad()

@@ -12,10 +12,10 @@ import torch
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.data import Dataset, bits_per_byte, evaluate_dataset, lm_loss
 from cloudburst.data.datasets import TokenWindows
+from cloudburst.loop.train_step import clip_gradients, make_optimizer, make_scheduler
 from cloudburst.models import ModelError, build_model
 from cloudburst.models.gpt import GPT, parse_gpt_spec
 from cloudburst.records.metrics import MetricsWriter, read_jsonl, time_to_target_loss
-from cloudburst.train import clip_gradients, make_optimizer, make_scheduler
 
 SPEC = "gpt:layers=2,width=32,heads=4"
 

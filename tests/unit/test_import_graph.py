@@ -5,6 +5,7 @@ and ``torch.distributed`` imported only by the modules the architecture page nam
 from __future__ import annotations
 
 import ast
+import fnmatch
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "cloudburst"
@@ -139,3 +140,67 @@ def test_no_module_is_over_600_lines():
     long = {p.relative_to(PACKAGE.parent).as_posix(): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 600}  # fmt: skip
     assert long == {}
+
+
+DOC = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def doc_layers(text: str) -> list[list[str]]:
+    """The ```layers block of the architecture page: a line per layer, top first."""
+    block = text.split("```layers\n", 1)[1].split("```", 1)[0]
+    return [line.split() for line in block.splitlines() if line.strip()]
+
+
+def place(layers: list[list[str]], path: str) -> int | None:
+    """The layer of a module (its path under cloudburst/): the most specific name that covers
+    it — the file itself, then a ``strategies/*/…`` pattern, then the longest folder."""
+    best: tuple[int, int] | None = None
+    for level, names in enumerate(layers):
+        for name in names:
+            if name.endswith("/"):
+                rank = len(name) if path.startswith(name) else None
+            elif "*" in name:
+                rank = (
+                    10_000
+                    if fnmatch.fnmatchcase(path, name) and path.count("/") == name.count("/")
+                    else None
+                )
+            else:
+                rank = 20_000 if path == name else None
+            if rank is not None and (best is None or rank > best[0]):
+                best = (rank, level)
+    return None if best is None else best[1]
+
+
+def runs_back_up(root: Path, layers: list[list[str]]) -> tuple[list[str], list[str]]:
+    """(modules no layer places, imports from a module to one on a higher layer)."""
+    known = modules(root)
+    where = {name: path.relative_to(root).as_posix() for name, path in known.items()}
+    level = {name: place(layers, path) for name, path in where.items()}
+    unplaced = sorted(where[n] for n, lv in level.items() if lv is None)
+    up = sorted(f"{where[a]} -> {where[b]}" for a, targets in graph(root).items()
+                for b in targets if level[a] is not None and level[b] is not None
+                and level[b] < level[a])  # fmt: skip
+    return unplaced, up
+
+
+def test_every_import_runs_down_the_layers_the_architecture_page_draws():
+    assert runs_back_up(PACKAGE, doc_layers(DOC.read_text())) == ([], [])
+
+
+def test_an_import_back_up_a_layer_or_an_unplaced_module_is_found(tmp_path):
+    pkg = tmp_path / "cloudburst"
+    (pkg / "low" / "inner").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "top.py").write_text("from cloudburst.low import base\n")
+    (pkg / "low" / "__init__.py").write_text("")
+    (pkg / "low" / "base.py").write_text("")
+    (pkg / "low" / "inner" / "__init__.py").write_text("")
+    (pkg / "low" / "inner" / "leaf.py").write_text("def f():\n    from cloudburst import top\n")
+    layers = [["__init__.py", "top.py"], ["low/"], ["low/*/leaf.py"]]
+    assert runs_back_up(pkg, layers) == ([], ["low/inner/leaf.py -> top.py"])
+    assert place(layers, "low/base.py") == 1 and place(layers, "low/inner/leaf.py") == 2
+    assert runs_back_up(pkg, [["top.py"], ["low/"]]) == (
+        ["__init__.py"],
+        ["low/inner/leaf.py -> top.py"],
+    )

@@ -146,7 +146,7 @@ def test_plot_and_compare_show_the_loss_of_language_models(tmp_path, text):
 
 
 def test_calibration_times_real_gpt_steps(text):
-    from cloudburst.train import calibrate_step_time
+    from cloudburst.loop.train_step import calibrate_step_time
 
     cfg = _cfg("unused", text, "diloco")
     assert 0 < calibrate_step_time(cfg, steps=2, warmup_steps=1) < 60

@@ -19,7 +19,8 @@ from cloudburst.comm.liveness import (
     shard_restarted,
 )
 from cloudburst.config import ConfigError, RunConfig
-from cloudburst.strategies.asgd.shard import make_shard, standby_of
+from cloudburst.runtime.groups import standby_of
+from cloudburst.strategies.asgd.shard import make_shard
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.unit

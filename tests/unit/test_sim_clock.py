@@ -16,8 +16,8 @@ import torch
 
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.config.simulation import PROFILES, Jitter, SimulationConfig
+from cloudburst.loop.train_step import calibrate_step_time
 from cloudburst.sim.clock import ClockModel, is_payload, resolve_step_time
-from cloudburst.train import calibrate_step_time
 from tests.support import clock_run_config
 
 

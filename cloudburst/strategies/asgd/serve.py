@@ -17,9 +17,10 @@ import torch
 from cloudburst.comm.liveness import FAILOVER_KEY
 from cloudburst.comm.messages import Header, Kind, Status
 from cloudburst.comm.transport import Task
+from cloudburst.records.resilience import shard_checkpoint_path
 from cloudburst.strategies.asgd.server import ServerLoop
 from cloudburst.strategies.asgd.serving import first_line
-from cloudburst.strategies.asgd.shard import make_shard, shard_checkpoint_path
+from cloudburst.strategies.asgd.shard import make_shard
 
 log = logging.getLogger("cloudburst.strategies.asgd.server")  # the shard's one log
 

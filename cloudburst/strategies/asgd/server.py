@@ -39,15 +39,14 @@ from cloudburst.comm.messages import Header, Kind, PeerFaults, Status, worth_log
 from cloudburst.comm.stats import CommStats
 from cloudburst.config import RunConfig
 from cloudburst.records.checkpoint import save_checkpoint
-from cloudburst.records.resilience import identity
+from cloudburst.records.resilience import identity, shard_checkpoint_path
+from cloudburst.runtime.groups import standby_of
 from cloudburst.strategies.asgd.serving import RequestServing, first_line
 from cloudburst.strategies.asgd.shard import (
     PushResult,
     all_finite,
     make_shard,
     overlapped_push_fetch,
-    shard_checkpoint_path,
-    standby_of,
 )
 
 log = logging.getLogger(__name__)
@@ -133,7 +132,7 @@ class ServerLoop:
         # One receive buffer, reused: requests are handled one at a time.
         self._recv_buf = torch.empty(self.shard.theta.numel())
         self.awaiting_init = cfg.warm_start_steps > 0
-        # Worker 0 trains alone, then seeds every shard with INIT (cloudburst.train).
+        # Worker 0 trains alone, then seeds every shard with INIT (loop.role.warm_start).
         self.warm_start_rank = ctx.replica_ranks[0] if ctx.replica_ranks else None
         # Guarded by the serving's lock once serving tasks run, as the workers' standing is.
         self.deferred_fetches: list[int] = []

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -331,16 +330,6 @@ def overlapped_push_fetch(cfg: RunConfig) -> bool:
 
 
 # Requests whose header is followed by a payload of the shard's size.
-
-
-def standby_of(shard: int, num_servers: int) -> int:
-    """The server rank that keeps shard ``shard``'s standby copy (``--shard-standby``): the
-    next one, cyclically."""
-    return (shard + 1) % num_servers
-
-
-def shard_checkpoint_path(out: str | Path, shard: int) -> Path:
-    return Path(out) / "checkpoints" / f"server{shard}.pt"
 
 
 def make_shard(cfg: RunConfig, theta: torch.Tensor) -> ShardState:
