@@ -1,4 +1,5 @@
-"""Unit tests start no processes: an unmarked one that tries fails, naming the way out."""
+"""Unit tests start no processes: an unmarked one that tries fails, naming the way out. And
+the fixtures several unit modules share."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import subprocess
 
 import pytest
 
-from cloudburst import forkserver
+from cloudburst import cli, forkserver
+from cloudburst.config import RunConfig
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -39,3 +41,16 @@ def _no_processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(os, "fork", refuse)
     if hasattr(os, "posix_spawn"):
         monkeypatch.setattr(os, "posix_spawn", refuse)
+
+
+@pytest.fixture
+def parse(monkeypatch: pytest.MonkeyPatch):
+    """``parse(*flags)``: the RunConfig ``cloudburst train *flags`` would launch."""
+    seen: list[RunConfig] = []
+    monkeypatch.setattr(cli, "cmd_train", lambda args: seen.append(cli.build_config(args)) or 0)
+
+    def run(*flags: str) -> RunConfig:
+        assert cli.main(["train", *flags]) == 0
+        return seen.pop()
+
+    return run

@@ -1,7 +1,7 @@
 """The ``train`` and ``compare`` flags are generated from the config's fields
-(``cloudburst.config``'s concerns, ``cloudburst.cli.add_config_flags``): the same flags as the
-hand-written parser had, each parsing to the same config, and TOML sections that mirror the
-concerns. The lists and dicts below were recorded from the hand-written parser."""
+(``cloudburst.config``'s concerns, ``cloudburst.cli.add_config_flags``): one flag per field,
+each parsing to its field, and TOML sections that mirror the concerns. What is expected is
+derived from the same fields, except the spellings the field names do not give (SPELLED)."""
 
 from __future__ import annotations
 
@@ -14,116 +14,35 @@ import pytest
 from cloudburst import cli
 from cloudburst.config import COMPONENTS, ConfigError, RunConfig, load_toml, option
 
-# Every option in ``cloudburst train --help``'s usage (``compare`` has these and --runs), with
-# its metavar or choices: a dropped or renamed flag, or one that changes how it takes its
-# value, fails here.
-USAGE = [
-    "--allow-large-job",
-    "--autocast {none,bf16}",
-    "--backend {auto,gloo,nccl}",
-    "--batch-size BATCH_SIZE",
-    "--checkpoint-every CHECKPOINT_EVERY",
-    "--clip-grad-norm CLIP_GRAD_NORM",
-    "--comm-timeout-s COMM_TIMEOUT_S",
-    "--compensation-window COMPENSATION_WINDOW",
-    "--compress none|bf16|fp8|int8|powersgd[:RANK]",
-    "--config CONFIG",
-    "--consensus-every-steps CONSENSUS_EVERY_STEPS",
-    "--context CONTEXT",
-    "--daso-batches-to-wait DASO_BATCHES_TO_WAIT",
-    "--daso-chunk-elements DASO_CHUNK_ELEMENTS",
-    "--daso-cooldown-epochs DASO_COOLDOWN_EPOCHS",
-    "--daso-cycling-downcast {bf16,fp16,none}",
-    "--daso-downcast {bf16,fp16,none}",
-    "--daso-fixed",
-    "--daso-global-skip DASO_GLOBAL_SKIP",
-    "--daso-local-skip DASO_LOCAL_SKIP",
-    "--daso-max-global-skips DASO_MAX_GLOBAL_SKIPS",
-    "--daso-no-epoch-end-sync",
-    "--daso-patience DASO_PATIENCE",
-    "--daso-skip-reduction-factor DASO_SKIP_REDUCTION_FACTOR",
-    "--daso-stability-level DASO_STABILITY_LEVEL",
-    "--daso-warmup-epochs DASO_WARMUP_EPOCHS",
-    "--data-workers DATA_WORKERS",
-    "--dataset SPEC",
-    "--dc-lambda DC_LAMBDA",
-    "--delay-threshold DELAY_THRESHOLD",
-    "--desloc-first-every DESLOC_FIRST_EVERY",
-    "--desloc-second-every DESLOC_SECOND_EVERY",
-    "--device {auto,cpu,cuda}",
-    "--diloco-no-nesterov",
-    "--diloco-outer-lr DILOCO_OUTER_LR",
-    "--diloco-outer-momentum DILOCO_OUTER_MOMENTUM",
-    "--dn-c DN_C",
-    "--dn-period DN_PERIOD",
-    "--dylu",
-    "--easgd-alpha EASGD_ALPHA",
-    "--easgd-beta EASGD_BETA",
-    "--easgd-tau EASGD_TAU",
-    "--epochs EPOCHS",
-    "--eval-every-s EVAL_EVERY_S",
-    "--fragment-alpha FRAGMENT_ALPHA",
-    "--fragment-delay FRAGMENT_DELAY",
-    "--fragments FRAGMENTS",
-    "--gossip-every GOSSIP_EVERY",
-    "--gossip-no-full-step",
-    "--gossip-push-sum",
-    "--gossip-schedule {random,ring,exponential}",
-    "--gossip-variant {pull,push}",
-    "--heartbeat-timeout-s HEARTBEAT_TIMEOUT_S",
-    "--image-size IMAGE_SIZE",
-    "--init-from INIT_FROM",
-    "--inject-fault SPEC",
-    "--inter-node-link GBIT_PER_S[,LATENCY_MS]",
-    "--local-sgd-warmup-steps LOCAL_SGD_WARMUP_STEPS",
-    "--log-every-steps LOG_EVERY_STEPS",
-    "--lr LR",
-    "--lr-schedule {constant,cosine}",
-    "--max-dataset-gib MAX_DATASET_GIB",
-    "--max-push-ratio MAX_PUSH_RATIO",
-    "--max-restarts MAX_RESTARTS",
-    "--max-staleness MAX_STALENESS",
-    "--max-train-time-s MAX_TRAIN_TIME_S",
-    "--min-step-time-s MIN_STEP_TIME_S",
-    "--model NAME",
-    "--momentum MOMENTUM",
-    "--n-fetch N_FETCH",
-    "--n-push N_PUSH",
-    "--n-sync N_SYNC",
-    "--no-augment",
-    "--no-progress",
-    "--nodes NODES",
-    "--optimizer {sgd,adam,adamw}",
-    "--out OUT",
-    "--overwrite",
-    "--period PERIOD",
-    "--push-log-every PUSH_LOG_EVERY",
-    "--replica {rank,node}",
-    "--resume DIR",
-    "--seed SEED",
-    "--server-lr SERVER_LR",
-    "--server-momentum SERVER_MOMENTUM",
-    "--server-rule {add,sgd,adagrad}",
-    "--servers SERVERS",
-    "--shard-placement spread|first|own|NODE,...",
-    "--shard-standby",
-    "--staleness-compensation {none,scale,dc,dc-adaptive,gap,delay-adaptive}",
-    "--staleness-scaling",
-    "--steps STEPS",
-    "--straggler WORKER:FACTOR",
+
+def _config_flags() -> dict[str, dict]:
+    """Each generated flag of ``train``: its add_argument options."""
+    fields = (f for part in COMPONENTS for f in dataclasses.fields(part) if f.metadata["cli"])
+    return dict(cli.flag_spec(f) for f in fields)
+
+
+def _usage_item(flag: str, options: dict) -> str:
+    """How argparse's usage shows a flag: a switch alone, else its choices or its metavar."""
+    if options.get("action") in ("store_true", "store_false"):
+        return flag
+    if "choices" in options:
+        return f"{flag} {{{','.join(options['choices'])}}}"
+    return f"{flag} {options.get('metavar', options['dest'].upper())}"
+
+
+# Options of ``train --help``'s usage that are not ``--field-name FIELD_NAME``: their spelling
+# or metavar comes from the field's metadata (or the flag is the CLI's own), so a change to
+# it fails here.
+SPELLED = [
+    "--allow-large-job", "--config CONFIG", "--resume DIR", "--trust-config", "-h",
+    "--daso-fixed", "--daso-no-epoch-end-sync", "--diloco-no-nesterov", "--gossip-no-full-step",
+    "--no-augment", "--no-progress", "--dataset SPEC", "--model NAME", "--inject-fault SPEC",
+    "--straggler WORKER:FACTOR", "--inter-node-link GBIT_PER_S[,LATENCY_MS]",
+    "--compress none|bf16|fp8|int8|powersgd[:RANK]", "--shard-placement spread|first|own|NODE,...",
     "--strategy {sync,asgd,daso,local_sgd,diloco,easgd,gossip,async_diloco}",
-    "--target-accuracy TARGET_ACCURACY",
-    "--target-loss TARGET_LOSS",
-    "--tensorboard",
-    "--test-size TEST_SIZE",
-    "--train-size TRAIN_SIZE",
-    "--trust-config",
-    "--warm-start-steps WARM_START_STEPS",
-    "--warmup-steps WARMUP_STEPS",
-    "--weight-decay WEIGHT_DECAY",
-    "--workers WORKERS",
-    "-h",
-]
+    "--staleness-compensation {none,scale,dc,dc-adaptive,gap,delay-adaptive}",
+    "--server-rule {add,sgd,adagrad}", "--optimizer {sgd,adam,adamw}", "--replica {rank,node}",
+]  # fmt: skip
 
 # Every field set away from its default by a flag (the store_false switches included).
 FULL = """
@@ -148,228 +67,27 @@ FULL = """
 --overwrite --no-progress --max-train-time-s 120
 """.split()
 
-# RunConfig.to_dict() of FULL, as the hand-written parser built it.
-FULL_DICT = {
-    "augment": False,
-    "autocast": "bf16",
-    "backend": "gloo",
-    "batch_size": 16,
-    "checkpoint_every": 50,
-    "clip_grad_norm": 0.0,
-    "comm_timeout_s": 60.0,
-    "compensation_window": None,
-    "compress": "none",
-    "consensus_every_steps": 20,
-    "context": 64,
-    "daso_adaptive": False,
-    "daso_batches_to_wait": 2,
-    "daso_chunk_elements": 1000,
-    "daso_cooldown_epochs": 2.5,
-    "daso_cycling_downcast": "bf16",
-    "daso_downcast": "fp16",
-    "daso_epoch_end_sync": False,
-    "daso_global_skip": 6,
-    "daso_local_skip": 2,
-    "daso_max_global_skips": 9,
-    "daso_patience": 3,
-    "daso_skip_reduction_factor": 3,
-    "daso_stability_level": 0.1,
-    "daso_warmup_epochs": 1.5,
-    "data_workers": 1,
-    "dataset": "synthetic",
-    "dc_lambda": None,
-    "delay_threshold": None,
-    "desloc_first_every": 0,
-    "desloc_second_every": 0,
-    "device": "cpu",
-    "diloco_nesterov": False,
-    "diloco_outer_lr": 0.4,
-    "diloco_outer_momentum": 0.8,
-    "dn_c": 0.0,
-    "dn_period": None,
-    "dylu": False,
-    "easgd_alpha": 0.2,
-    "easgd_beta": 0.7,
-    "easgd_tau": 4,
-    "epochs": 2.0,
-    "eval_every_s": 2.0,
-    "fragment_alpha": 0.0,
-    "fragment_delay": 0,
-    "fragments": 1,
-    "gossip_every": 2,
-    "gossip_full_step": False,
-    "gossip_push_sum": True,
-    "gossip_schedule": "ring",
-    "gossip_variant": "push",
-    "heartbeat_timeout_s": 5.0,
-    "image_size": 16,
-    "init_from": None,
-    "inject_fault": ["kill:3@10", "slow:2:2.0"],
-    "inter_node_link": "1,2",
-    "replica": "rank",
-    "shard_placement": "1,0",
-    "local_sgd_warmup_steps": 3,
-    "log_every_steps": 5,
-    "lr": 0.01,
-    "lr_schedule": "cosine",
-    "max_dataset_gib": 2.0,
-    "max_push_ratio": 10.0,
-    "max_restarts": 2,
-    "max_staleness": 7,
-    "max_train_time_s": 120.0,
-    "min_step_time_s": 0.01,
-    "model": "mlp",
-    "momentum": 0.8,
-    "n_fetch": 2,
-    "n_push": 3,
-    "n_sync": 3,
-    "nodes": 2,
-    "optimizer": "adam",
-    "out": "runs/flags",
-    "overwrite": True,
-    "period": 6,
-    "progress": False,
-    "push_log_every": 3,
-    "resume": False,
-    "seed": 7,
-    "server_lr": 0.3,
-    "server_momentum": 0.5,
-    "server_rule": "sgd",
-    "servers": 2,
-    "shard_standby": False,
-    "staleness_compensation": "scale",
-    "staleness_scaling": True,
-    "steps": 30,
-    "stragglers": ["1:2.0", "3:1.5"],
-    "strategy": "easgd",
-    "target_accuracy": 0.8,
-    "target_loss": None,
-    "tensorboard": True,
-    "test_size": 500,
-    "train_size": 2000,
-    "warm_start_steps": 5,
-    "warmup_steps": 0,
-    "weight_decay": 0.001,
-    "workers": 4,
-}
 
-# RunConfig.to_dict() of ``train --out runs/d``, as the hand-written parser built it.
-DEFAULTS_DICT = {
-    "augment": True,
-    "autocast": "none",
-    "backend": "auto",
-    "batch_size": 64,
-    "checkpoint_every": 100,
-    "clip_grad_norm": 0.0,
-    "comm_timeout_s": 300.0,
-    "compensation_window": None,
-    "compress": "none",
-    "consensus_every_steps": 50,
-    "context": 64,
-    "daso_adaptive": True,
-    "daso_batches_to_wait": 1,
-    "daso_chunk_elements": 10000000,
-    "daso_cooldown_epochs": 4.0,
-    "daso_cycling_downcast": "none",
-    "daso_downcast": "bf16",
-    "daso_epoch_end_sync": True,
-    "daso_global_skip": 4,
-    "daso_local_skip": 1,
-    "daso_max_global_skips": 8,
-    "daso_patience": 2,
-    "daso_skip_reduction_factor": 2,
-    "daso_stability_level": 0.05,
-    "daso_warmup_epochs": 4.0,
-    "data_workers": None,
-    "dataset": "mnist1d",
-    "dc_lambda": None,
-    "delay_threshold": None,
-    "desloc_first_every": 0,
-    "desloc_second_every": 0,
-    "device": "auto",
-    "diloco_nesterov": True,
-    "diloco_outer_lr": 0.1,
-    "diloco_outer_momentum": 0.9,
-    "dn_c": 0.0,
-    "dn_period": None,
-    "dylu": False,
-    "easgd_alpha": None,
-    "easgd_beta": 0.9,
-    "easgd_tau": 10,
-    "epochs": 64.0,
-    "eval_every_s": 1.0,
-    "fragment_alpha": 0.0,
-    "fragment_delay": 0,
-    "fragments": 1,
-    "gossip_every": 1,
-    "gossip_full_step": True,
-    "gossip_push_sum": False,
-    "gossip_schedule": "exponential",
-    "gossip_variant": "pull",
-    "heartbeat_timeout_s": 10.0,
-    "image_size": 32,
-    "init_from": None,
-    "inject_fault": [],
-    "inter_node_link": None,
-    "replica": "rank",
-    "shard_placement": "spread",
-    "local_sgd_warmup_steps": 0,
-    "log_every_steps": 10,
-    "lr": 0.1,
-    "lr_schedule": "constant",
-    "max_dataset_gib": 2.0,
-    "max_push_ratio": 10.0,
-    "max_restarts": 0,
-    "max_staleness": None,
-    "max_train_time_s": 0.0,
-    "min_step_time_s": 0.0,
-    "model": "cnn",
-    "momentum": 0.9,
-    "n_fetch": 8,
-    "n_push": 8,
-    "n_sync": None,
-    "nodes": None,
-    "optimizer": "sgd",
-    "out": "runs/d",
-    "overwrite": False,
-    "period": 8,
-    "progress": True,
-    "push_log_every": 10,
-    "resume": False,
-    "seed": 0,
-    "server_lr": 0.5,
-    "server_momentum": 0.0,
-    "server_rule": "add",
-    "servers": 0,
-    "shard_standby": False,
-    "staleness_compensation": "none",
-    "staleness_scaling": False,
-    "steps": None,
-    "stragglers": [],
-    "strategy": "sync",
-    "target_accuracy": None,
-    "target_loss": None,
-    "tensorboard": False,
-    "test_size": 1000,
-    "train_size": 4000,
-    "warm_start_steps": 0,
-    "warmup_steps": 0,
-    "weight_decay": 0.0,
-    "workers": 2,
-}
-
-
-@pytest.fixture
-def parse(monkeypatch: pytest.MonkeyPatch):
-    """``parse(*flags)``: the RunConfig ``cloudburst train *flags`` would launch."""
-    seen: list[RunConfig] = []
-    monkeypatch.setattr(cli, "cmd_train", lambda args: seen.append(cli.build_config(args)) or 0)
-
-    def run(*flags: str) -> RunConfig:
-        assert cli.main(["train", *flags]) == 0
-        return seen.pop()
-
-    return run
+def _full_dict() -> dict:
+    """RunConfig.to_dict() of FULL: the defaults with each flag's value, converted to its
+    field's type, in its field (a switch sets or clears it, a repeated flag appends); then what
+    the config derives: the straggler specs normalised, --n-sync's push count (the --n-fetch
+    given wins for fetches) and --staleness-scaling as the "scale" compensation."""
+    specs, defaults, tokens = _config_flags(), RunConfig(out="x").to_dict(), iter(FULL)
+    expected = dict(defaults)
+    for flag in tokens:
+        options = specs[flag]
+        dest, action = options["dest"], options.get("action")
+        if action in ("store_true", "store_false"):
+            expected[dest] = action == "store_true"
+        elif action == "append":
+            expected[dest] = [*expected[dest], next(tokens)]
+        else:
+            expected[dest] = options.get("type", str)(next(tokens))
+    moved = {specs[t]["dest"] for t in FULL if t in specs}
+    assert all(expected[dest] != defaults[dest] for dest in moved)  # FULL moves every field
+    changes = {"stragglers": ["1:2.0", "3:1.5"], "n_push": 3, "staleness_compensation": "scale"}
+    return {**expected, **changes}
 
 
 def _help(command: str, capsys: pytest.CaptureFixture) -> str:
@@ -387,11 +105,16 @@ def _usage_items(help_text: str) -> list[str]:
 
 # ---------------------------------------------------------------------------- the flags
 @pytest.mark.parametrize("command", ["train", "compare"])
-def test_help_lists_the_same_flags_as_the_hand_written_parser(command, capsys):
+def test_help_lists_one_flag_per_config_field_and_the_cli_s_own(command, capsys):
+    """The usage holds exactly each config field's generated flag (with its choices or
+    metavar) and the CLI's own options, spelled as SPELLED says where the field name does not;
+    every flag the help text mentions exists (a renamed flag leaves no stale mention)."""
     text = _help(command, capsys)
-    assert sorted(_usage_items(text)) == sorted(USAGE)
-    # Every flag the help text mentions exists (a renamed flag leaves no stale mention).
-    flags = {item.split()[0] for item in USAGE} | {"--help", "--runs"}
+    generated = [_usage_item(flag, options) for flag, options in _config_flags().items()]
+    cli_own = ["--allow-large-job", "--config CONFIG", "--resume DIR", "--trust-config", "-h"]
+    usage = sorted(_usage_items(text))
+    assert usage == sorted(generated + cli_own) and set(SPELLED) <= set(usage)
+    flags = {item.split()[0] for item in usage} | {"--help", "--runs"}
     assert set(re.findall(r"(?<![\w-])--[a-z0-9]+(?:-[a-z0-9]+)*", text)) <= flags
     if command == "compare":
         assert "--runs SPEC [SPEC ...]" in " ".join(text.split())
@@ -410,9 +133,11 @@ def test_help_shows_every_default(capsys):
     assert "(default: 10_000_000)" in text and "(default: 1/W, which averages" in text
 
 
-def test_every_flag_parses_to_the_config_the_hand_written_parser_built(parse, tmp_path):
-    assert parse(*FULL).to_dict() == FULL_DICT
-    assert parse("--out", "runs/d").to_dict() == DEFAULTS_DICT
+def test_every_flag_parses_to_its_field_and_no_flag_leaves_the_defaults(parse, tmp_path):
+    """Each flag sets its own field to its value (and nothing else); with none given the
+    config is RunConfig's defaults."""
+    assert parse(*FULL).to_dict() == _full_dict()
+    assert parse("--out", "runs/d").to_dict() == RunConfig(out="runs/d").to_dict()
     init = tmp_path / "model.pt"
     init.write_bytes(b"")
     cfg = parse("--strategy", "daso", "--workers", "4", "--nodes", "2", "--init-from", str(init))
@@ -424,7 +149,7 @@ def test_compare_takes_the_same_flags(monkeypatch):
     monkeypatch.setattr(cli, "cmd_compare", lambda args: seen.append(args) or 0)
     assert cli.main(["compare", "--runs", "sync", "asgd", *FULL]) == 0
     flags = {k: v for k, v in vars(seen[0]).items() if k not in (*cli.CLI_ONLY, "runs")}
-    assert RunConfig.from_dict(flags).to_dict() == FULL_DICT
+    assert RunConfig.from_dict(flags).to_dict() == _full_dict()
 
 
 def test_flags_not_given_leave_the_file_alone_and_given_ones_win(parse, tmp_path):

@@ -29,19 +29,6 @@ from cloudburst.strategies.daso import worker as daso
 
 
 @pytest.fixture
-def parse(monkeypatch: pytest.MonkeyPatch):
-    """``parse(*flags)``: the RunConfig ``cloudburst train *flags`` would launch."""
-    seen: list[RunConfig] = []
-    monkeypatch.setattr(cli, "cmd_train", lambda args: seen.append(cli.build_config(args)) or 0)
-
-    def run(*flags: str) -> RunConfig:
-        assert cli.main(["train", *flags]) == 0
-        return seen.pop()
-
-    return run
-
-
-@pytest.fixture
 def refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     """``refused(*flags)``: the one line ``cloudburst train *flags`` prints as it exits with 2."""
     monkeypatch.setattr(cli, "cmd_train", lambda args: cli.build_config(args) and 0)

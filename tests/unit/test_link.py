@@ -116,20 +116,16 @@ def test_bad_link_specs_are_one_line_config_errors_naming_the_field(text, fragme
 
 
 def test_the_flag_and_the_toml_key_reach_the_config_and_nodes_the_topology(
-    tmp_path, monkeypatch: pytest.MonkeyPatch
+    tmp_path, monkeypatch: pytest.MonkeyPatch, parse
 ):
-    from cloudburst import cli
     from cloudburst.runtime.placement import resolve_topology
 
-    seen: list[RunConfig] = []
-    monkeypatch.setattr(cli, "cmd_train", lambda args: seen.append(cli.build_config(args)) or 0)
     for var in ("LOCAL_WORLD_SIZE", "CLOUDBURST_LOCAL_JOB"):
         monkeypatch.delenv(var, raising=False)
     toml = tmp_path / "run.toml"
     toml.write_text('inter-node-link = "1,1"\nnodes = 2\nworkers = 4\n')
-    assert main(["train", "--config", str(toml)]) == 0
-    assert main(["train", "--config", str(toml), "--inter-node-link", "10,0.2"]) == 0
-    from_file, overridden = seen
+    from_file = parse("--config", str(toml))
+    overridden = parse("--config", str(toml), "--inter-node-link", "10,0.2")
     assert LinkSpec.parse(from_file.inter_node_link) == LinkSpec(1.0, 1.0)
     assert LinkSpec.parse(overridden.inter_node_link) == LinkSpec(10.0, 0.2)
     assert resolve_topology(overridden, 4).node_of == (0, 0, 1, 1)
