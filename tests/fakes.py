@@ -250,8 +250,8 @@ class PsJob:
 def ps_job(cfg: RunConfig, models: list[nn.Module], theta: torch.Tensor | None = None) -> PsJob:
     """A parameter-server job of ``cfg.servers`` shards (starting from ``theta``, by default
     the first model's θ) and one worker per model (the strategy ``cfg.strategy`` names, already
-    wrapped around its model, not started)."""
-    if len(models) != cfg.workers:
+    wrapped around its model, not started): the first ``len(models)`` of ``cfg.workers``."""
+    if len(models) > cfg.workers:
         raise ValueError(f"{len(models)} models for {cfg.workers} workers")
     net, store = FakeNetwork(), FakeStore()
     theta = flatten_params(models[0]) if theta is None else theta

@@ -7,7 +7,6 @@ names the test module whose tests its helpers were written for, and which explai
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import signal
@@ -17,20 +16,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from cloudburst.comm.allreduce import count_collective, ring_bytes
 from cloudburst.comm.compress import BLOCK
 from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.link import Topology
-from cloudburst.comm.messages import Header
-from cloudburst.comm.stats import CommStats
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
@@ -50,7 +45,7 @@ from tests.dist.simulate import BATCH as PARITY_BATCH
 from tests.dist.simulate import LR as PARITY_LR
 from tests.dist.simulate import MOMENTUM as PARITY_MOMENTUM
 from tests.dist.simulate import SEED as PARITY_SEED
-from tests.fakes import FakeNamespace, run_on_threads
+from tests.fakes import ps_job, run_on_threads
 
 # ---------------------------------- whole runs on the virtual cluster (tests/unit/test_sim_runs.py)
 STEP_S = 0.01  # the modelled step time of every run_sim run
@@ -340,118 +335,11 @@ def daso_sync_drive(
     return strategy
 
 
-# --------------------- one asgd worker and its shards over FakeNet (tests/unit/test_asgd_worker.py)
-ASGD_WORKER = 1  # the worker's rank; shards are ranks 0..S-1
-
-
-class _FakeNetDone:
-    def __init__(self, fn=None):
-        self.fn = fn
-
-    def wait(self):
-        if self.fn:
-            self.fn()
-
-
-class FakeNet:
-    def __init__(self, loops: list[ServerLoop]):
-        self.loops = loops
-        self.requests = [collections.deque() for _ in loops]  # worker → shard: headers
-        self.payloads = [collections.deque() for _ in loops]  # worker → shard: payloads
-        self.replies = [collections.deque() for _ in loops]  # shard → worker: headers
-        self.reply_payloads = [collections.deque() for _ in loops]
-        for k, loop in enumerate(loops):
-            loop.serving.transport = _ServerSide(self, k)
-
-    def pump(self, k: int) -> None:
-        while self.requests[k]:
-            self.loops[k]._handle(ASGD_WORKER, self.requests[k].popleft())
-
-
-class _ServerSide:
-    def __init__(self, net: FakeNet, k: int):
-        self.net, self.k, self.stats = net, k, CommStats()
-
-    def recv_payload(self, src, numel, final=False, out=None, on_chunk=None):
-        data = self.net.payloads[self.k].popleft()
-        assert data.numel() == numel
-        return out.copy_(data) if out is not None else data
-
-    def isend_payload(self, dst, payload, reply, prepare=None):
-        if prepare is not None:
-            prepare(0, payload.numel())
-        self.net.reply_payloads[self.k].append(payload.clone())
-        return _FakeNetDone()
-
-    def wait_all(self, works):
-        for w in works:
-            w.wait()
-
-    def send(self, dst, header, payload=None, final=False):
-        self.net.replies[self.k].append(header)
-        if payload is not None:
-            self.net.reply_payloads[self.k].append(payload.clone())
-
-
-class _WorkerSide:
-    def __init__(self, net: FakeNet):
-        self.net, self.stats = net, CommStats()
-
-    def send(self, k, header: Header, payload=None, final=False):
-        self.net.requests[k].append(header)
-        if payload is not None:
-            self.net.payloads[k].append(payload.clone())
-
-    def isend_payload(self, k, payload, reply, prepare=None):
-        if prepare is not None:
-            prepare(0, payload.numel())
-        self.net.payloads[k].append(payload.clone())
-        return _FakeNetDone()
-
-    def irecv_payload(self, k, out, reply):
-        def arrive():
-            self.net.pump(k)
-            out.copy_(self.net.reply_payloads[k].popleft())
-
-        return _FakeNetDone(arrive)
-
-    def wait_all(self, works):
-        for w in works:
-            w.wait()
-
-    def recv_reply(self, k, out=None) -> Header:
-        self.net.pump(k)
-        header = self.net.replies[k].popleft()
-        if header.numel:
-            out.copy_(self.net.reply_payloads[k].popleft())
-        return header
-
-
+# --------------- one asgd worker and its shards over tests.fakes (tests/unit/test_asgd_worker.py)
 def make_asgd_worker(cfg: RunConfig, model: nn.Module) -> tuple[AsgdStrategy, list[ServerLoop]]:
-    ctx = FakeNamespace(
-        comm=REAL,
-        cfg=cfg,
-        rank=ASGD_WORKER,
-        num_servers=cfg.servers,
-        worker_index=0,
-        worker_ranks=[ASGD_WORKER],
-        store=dist.HashStore(),  # an in-process store: the heartbeat's
-        elapsed_s=lambda: 0.0,
-        server_index=0,
-        transport=lambda stats=None: None,  # replaced by the fake network below
-    )
-    theta = flatten_params(model)
-    loops = []
-    for k in range(cfg.servers):
-        server_ctx = FakeNamespace(**{**vars(ctx), "rank": k, "server_index": k})
-        loops.append(
-            ServerLoop(server_ctx, theta, SimpleNamespace(log=lambda *a, **kw: None), None)
-        )
-    net = FakeNet(loops)
-    strategy = AsgdStrategy(ctx)
-    strategy.transport = _WorkerSide(net)
-    strategy.wrap(model, None)
-    return strategy, loops
+    """The first of ``cfg.workers`` asgd workers, around ``model``, and the shards."""
+    job = ps_job(cfg, [model])
+    return job.workers[0], job.loops
 
 
 def train_asgd_worker(
@@ -466,7 +354,6 @@ def train_asgd_worker(
         setup(loops)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     stream = BatchStream(data.x_train, data.y_train, 32, seed=1)
-    strategy.cfg.heartbeat_timeout_s = 1000.0
     strategy.start()
     for step in range(1, steps + 1):
         x, y = next(stream)
@@ -480,8 +367,7 @@ def train_asgd_worker(
         strategy.after_step(32)
         if each is not None:
             each(model, loops)
-    strategy._heartbeat.stop()  # (no DONE handshake: the fake has no finish protocol)
-    return model, strategy, loops
+    return model, strategy, loops  # (no finish: the fake has no DONE handshake)
 
 
 def asgd_cfg(**kw) -> RunConfig:

@@ -20,7 +20,6 @@ from tests.support import asgd_cfg, make_asgd_worker
 def _one_round(cfg, push_only: bool = False):
     model = build_model("mlp", 40, 10, seed=0)
     strategy, loops = make_asgd_worker(cfg, model)
-    strategy.cfg.heartbeat_timeout_s = 1000.0
     strategy.start()
     shard, side = loops[0].shard, loops[0].transport
     before = shard.theta.clone()
@@ -36,7 +35,6 @@ def _one_round(cfg, push_only: bool = False):
         for p in model.parameters():
             p.add_(0.25)
     strategy._round(push=True, fetch=not push_only)
-    strategy._heartbeat.stop()
     return strategy, shard, before, seen
 
 

@@ -1,6 +1,6 @@
 """The asgd worker against real server shards over a fake, in-process comm layer (no processes).
 
-``FakeNet`` (tests/support.py) stands in for gloo point-to-point: the worker's requests are
+:mod:`tests.fakes` stands in for gloo point-to-point: the worker's requests are
 queued per shard and the shard's :class:`ServerLoop` handles them when the worker waits for an
 answer, so the worker's push/fetch schedule, the overlapped replies and the rejection path run
 exactly as in a job.
