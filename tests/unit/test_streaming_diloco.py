@@ -74,15 +74,26 @@ def _reference_args(workers: int):
     return replicas.models, replicas.step
 
 
-def test_local_sgd_strategy_follows_the_reference_with_a_final_average(monkeypatch):
-    expected = ref.local_sgd(*_reference_args(2), steps=7, period=3)
-    job = LocalSgdJob(
-        survivor_cfg("local_sgd", 2, period=3), ref.Replicas(2, ref.sgd()), monkeypatch
-    )
-    got = job.run(7)
-    final = job.finish()  # step 7 is not a multiple of 3: finish averages once more
+def _job(monkeypatch, strategy: str, workers: int, **kw) -> LocalSgdJob:
+    """W ``strategy`` workers (``kw``: their config) around fresh replicas."""
+    return LocalSgdJob(survivor_cfg(strategy, workers, **kw), ref.Replicas(workers, ref.sgd()),
+                       monkeypatch)  # fmt: skip
+
+
+def _follows(job: LocalSgdJob, steps: int, expected: list[list[torch.Tensor]]):
+    """``steps`` steps and the finish of ``job`` follow ``expected`` (the last entry: after
+    finish); θ of each worker after each step."""
+    got = job.run(steps)
+    final = job.finish()
     _assert_runs_equal([h[:-1] for h in got], [h[:-1] for h in expected])
     _assert_runs_equal([[f] for f in final], [[h[-1]] for h in expected])
+    return got
+
+
+def test_local_sgd_strategy_follows_the_reference_with_a_final_average(monkeypatch):
+    expected = ref.local_sgd(*_reference_args(2), steps=7, period=3)
+    job = _job(monkeypatch, "local_sgd", 2, period=3)
+    got = _follows(job, 7, expected)  # step 7 is not a multiple of 3: finish averages again
     assert not torch.equal(got[0][-1], got[1][-1])  # the replicas differed before finish
     assert [s.averages for s in job.strategies] == [3, 3]  # after steps 3 and 6, and finish
     assert [s.report()["averages"] for s in job.strategies] == [3, 3]
@@ -92,9 +103,7 @@ def test_local_sgd_strategy_follows_the_reference_with_a_final_average(monkeypat
 
 
 def test_local_sgd_finish_does_not_average_again_after_a_full_period(monkeypatch):
-    job = LocalSgdJob(
-        survivor_cfg("local_sgd", 2, period=3), ref.Replicas(2, ref.sgd()), monkeypatch
-    )
+    job = _job(monkeypatch, "local_sgd", 2, period=3)
     job.run(6)
     job.finish()
     assert [s.averages for s in job.strategies] == [2, 2]
@@ -103,27 +112,20 @@ def test_local_sgd_finish_does_not_average_again_after_a_full_period(monkeypatch
 
 def test_post_local_sgd_averages_every_step_of_its_warm_up(monkeypatch):
     expected = _averaged_at(ref.Replicas(2, ref.sgd()), steps=8, sync_steps={1, 2, 3, 6, 8})
-    cfg = survivor_cfg("local_sgd", 2, period=3, local_sgd_warmup_steps=3)
-    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
-    got = job.run(8)
-    final = job.finish()  # step 8: not due, so finish averages
-    _assert_runs_equal([h[:-1] for h in got], [h[:-1] for h in expected])
-    _assert_runs_equal([[f] for f in final], [[h[-1]] for h in expected])
+    job = _job(monkeypatch, "local_sgd", 2, period=3, local_sgd_warmup_steps=3)
+    _follows(job, 8, expected)  # step 8: not due, so finish averages
     assert [s.averages for s in job.strategies] == [5, 5]
 
 
 def test_post_local_sgd_warm_up_ends_at_its_last_step(monkeypatch):
     # warm-up 2, period 3: averages after steps 1, 2 and 3, none after 4
-    cfg = survivor_cfg("local_sgd", 2, period=3, local_sgd_warmup_steps=2)
-    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
+    job = _job(monkeypatch, "local_sgd", 2, period=3, local_sgd_warmup_steps=2)
     job.run(4)
     assert [s.averages for s in job.strategies] == [3, 3]
 
 
 def test_local_sgd_with_one_worker_never_averages(monkeypatch):
-    job = LocalSgdJob(
-        survivor_cfg("local_sgd", 1, period=2), ref.Replicas(1, ref.sgd()), monkeypatch
-    )
+    job = _job(monkeypatch, "local_sgd", 1, period=2)
     job.run(3)
     job.finish()
     assert job.group.calls == []
@@ -131,8 +133,7 @@ def test_local_sgd_with_one_worker_never_averages(monkeypatch):
 
 
 def test_local_sgd_global_params_are_the_replica_and_the_samples_of_all_workers(monkeypatch):
-    cfg = survivor_cfg("local_sgd", 2, period=2, batch_size=16)
-    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
+    job = _job(monkeypatch, "local_sgd", 2, period=2, batch_size=16)
     job.run(3)
     theta, samples = job.strategies[1].global_params()
     assert samples == 3 * 16 * 2
@@ -141,33 +142,23 @@ def test_local_sgd_global_params_are_the_replica_and_the_samples_of_all_workers(
 
 def test_local_sgd_average_is_counted_and_sent_over_the_link_when_it_spans_nodes(monkeypatch):
     link = object()
-    job = LocalSgdJob(
-        survivor_cfg("local_sgd", 2, period=1),
-        ref.Replicas(2, ref.sgd()),
-        monkeypatch,
-        topology=Topology((0, 1)),
-        link=link,
-    )
+    cfg = survivor_cfg("local_sgd", 2, period=1)
+    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch, topology=Topology((0, 1)),
+                      link=link)  # fmt: skip
     job.run(1)
     assert sorted(job.group.calls, key=lambda c: c[0]) == [(0, link, True), (1, link, True)]
 
 
 @pytest.mark.parametrize("topology", [None, Topology((0, 0, 1))])
 def test_local_sgd_average_within_one_node_does_not_span_nodes(monkeypatch, topology):
-    job = LocalSgdJob(
-        survivor_cfg("local_sgd", 2, period=1),
-        ref.Replicas(2, ref.sgd()),
-        monkeypatch,
-        topology=topology,
-    )
+    cfg = survivor_cfg("local_sgd", 2, period=1)
+    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch, topology=topology)
     job.run(1)
     assert [c[2] for c in job.group.calls] == [False, False]
 
 
 def test_local_sgd_state_dict_round_trip_keeps_the_average_count(monkeypatch):
-    job = LocalSgdJob(
-        survivor_cfg("local_sgd", 2, period=2), ref.Replicas(2, ref.sgd()), monkeypatch
-    )
+    job = _job(monkeypatch, "local_sgd", 2, period=2)
     job.run(4)
     state = job.strategies[0].state_dict()
     assert state["averages"] == 2 and state["local_steps"] == 4
@@ -186,28 +177,20 @@ def test_diloco_strategy_follows_the_reference(monkeypatch, workers, momentum, n
     kw = dict(diloco_outer_lr=0.7, diloco_outer_momentum=momentum, diloco_nesterov=nesterov)
     expected = ref.diloco(*_reference_args(workers), steps=7, period=3, outer_lr=0.7,
                           outer_momentum=momentum, nesterov=nesterov)  # fmt: skip
-    cfg = survivor_cfg("diloco", workers, period=3, **kw)
-    job = LocalSgdJob(cfg, ref.Replicas(workers, ref.sgd()), monkeypatch)
-    got = job.run(7)
-    final = job.finish()
-    _assert_runs_equal([h[:-1] for h in got], [h[:-1] for h in expected])
-    _assert_runs_equal([[f] for f in final], [[h[-1]] for h in expected])
+    job = _job(monkeypatch, "diloco", workers, period=3, **kw)
+    _follows(job, 7, expected)
     assert [s.averages for s in job.strategies] == [3] * workers
 
 
 def test_diloco_without_momentum_is_local_sgd_even_with_nesterov_asked_for(monkeypatch):
     # Nesterov needs momentum (torch refuses it without): with μ = 0 it is simply left off.
     expected = ref.local_sgd(*_reference_args(2), steps=5, period=2)
-    cfg = survivor_cfg("diloco", 2, period=2, diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
-    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
-    got = job.run(5)
-    final = job.finish()
-    _assert_runs_equal([h[:-1] for h in got], [h[:-1] for h in expected])
-    _assert_runs_equal([[f] for f in final], [[h[-1]] for h in expected])
+    kw = dict(period=2, diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
+    _follows(_job(monkeypatch, "diloco", 2, **kw), 5, expected)
 
 
 def test_diloco_has_no_warm_up_and_finish_skips_a_full_period(monkeypatch):
-    job = LocalSgdJob(survivor_cfg("diloco", 2, period=2), ref.Replicas(2, ref.sgd()), monkeypatch)
+    job = _job(monkeypatch, "diloco", 2, period=2)
     job.run(1)
     assert [s.averages for s in job.strategies] == [0, 0]
     job.run(3)
@@ -218,7 +201,7 @@ def test_diloco_has_no_warm_up_and_finish_skips_a_full_period(monkeypatch):
 def test_diloco_state_dict_round_trip_continues_the_same_run(monkeypatch):
     # One worker: DiLoCo still takes its outer steps (momentum included) without peers.
     kw = dict(period=2, diloco_outer_lr=0.7, diloco_outer_momentum=0.9)
-    job = LocalSgdJob(survivor_cfg("diloco", 1, **kw), ref.Replicas(1, ref.sgd()), monkeypatch)
+    job = _job(monkeypatch, "diloco", 1, **kw)
     job.run(5)  # two outer steps: the momentum buffer is not the last pseudo-gradient
     saved = job.strategies[0].state_dict()
     global_then = job.strategies[0].global_theta.detach().clone()
@@ -246,7 +229,7 @@ def test_diloco_state_dict_round_trip_continues_the_same_run(monkeypatch):
 
 
 def test_diloco_loads_a_state_without_the_loop_counters(monkeypatch):
-    job = LocalSgdJob(survivor_cfg("diloco", 1, period=1), ref.Replicas(1, ref.sgd()), monkeypatch)
+    job = _job(monkeypatch, "diloco", 1, period=1)
     job.run(2)
     saved = job.strategies[0].state_dict()
     fresh = DilocoStrategy(LocalSgdCtx(job.cfg, 0))
@@ -334,10 +317,13 @@ def test_each_fragment_is_sent_at_its_offset_and_applied_tau_steps_later(monkeyp
     assert strategy.averages == 6
 
 
+def _plain_worker(monkeypatch, **kw):
+    """One streaming DiLoCo worker whose outer step is plain averaging (lr 1, no momentum)."""
+    return one_diloco_worker(monkeypatch, diloco_outer_lr=1.0, diloco_outer_momentum=0.0, **kw)
+
+
 def _sends(monkeypatch, steps: int, **kw) -> list[tuple[int, int]]:
-    strategy, replicas, recorder = one_diloco_worker(
-        monkeypatch, diloco_outer_lr=1.0, diloco_outer_momentum=0.0, **kw
-    )
+    strategy, replicas, recorder = _plain_worker(monkeypatch, **kw)
     for step in range(1, steps + 1):
         replicas.step(0, step)
         strategy.after_step(BATCH)
@@ -374,9 +360,7 @@ def test_sending_fragments_never_resizes_a_buffer_in_use(monkeypatch, fragments)
     # buffer only with one fragment): torch warns whenever it must resize an ``out`` tensor,
     # so a run (and its finish) with every warning an error shows that none is resized.
     kw = dict(period=6, fragments=fragments, fragment_delay=1)
-    strategy, replicas, recorder = one_diloco_worker(
-        monkeypatch, diloco_outer_lr=1.0, diloco_outer_momentum=0.0, **kw
-    )
+    strategy, replicas, recorder = _plain_worker(monkeypatch, **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for step in range(1, 8):
@@ -391,9 +375,7 @@ def test_alpha_mixes_the_local_fragment_with_the_new_global_one(monkeypatch, alp
     # θ_fragment ← α·θ_local + (1 − α)·θ_global (the paper's mixing; torchft's lerp): α = 1
     # keeps the replica's own θ bit for bit, while θ_global still takes the outer step.
     kw = dict(period=2, fragments=1, fragment_delay=1, fragment_alpha=alpha)
-    strategy, replicas, _ = one_diloco_worker(
-        monkeypatch, diloco_outer_lr=1.0, diloco_outer_momentum=0.0, **kw
-    )
+    strategy, replicas, _ = _plain_worker(monkeypatch, **kw)
     replicas.step(0, 1)
     strategy.after_step(BATCH)
     replicas.step(0, 2)
@@ -441,10 +423,8 @@ def test_the_state_of_every_fragment_round_trips_and_the_run_continues(monkeypat
 def test_with_outer_lr_1_no_momentum_and_alpha_0_each_fragment_becomes_its_average(monkeypatch):
     # Streaming DiLoCo's outer step with lr 1 and no momentum is θ_global = the replicas'
     # mean; α = 0 puts it in every replica: local SGD, one fragment at a time.
-    cfg = survivor_cfg(
-        "diloco", 2, period=4, fragments=2, diloco_outer_lr=1.0, diloco_outer_momentum=0.0
-    )
-    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch)
+    kw = dict(period=4, fragments=2, diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
+    job = _job(monkeypatch, "diloco", 2, **kw)
     by_hand = ref.Replicas(2, ref.sgd())
     due = {2: FRAGMENT_0, 6: FRAGMENT_0, 4: FRAGMENT_1, 8: FRAGMENT_1}
     for step in range(1, 10):
