@@ -23,7 +23,7 @@ from cloudburst.runtime.context import Context
 from cloudburst.comm.liveness import RejoinBoard
 from cloudburst.runtime.rejoin import rejoin_group, rejoin_members
 from cloudburst.strategies.asgd.serving import RequestServing
-from tests.fakes import RecordingMetrics
+from tests.support import RecordingMetrics
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.dist

@@ -1,12 +1,12 @@
 """The asgd worker against real server shards over a fake, in-process comm layer (no processes).
 
-:mod:`tests.fakes` stands in for gloo point-to-point: the worker's requests are
+:mod:`tests.support` stands in for gloo point-to-point: the worker's requests are
 queued per shard and the shard's :class:`ServerLoop` handles them when the worker waits for an
 answer, so the worker's push/fetch schedule, the overlapped replies and the rejection path run
 exactly as in a job.
 
 The asgd and easgd workers' accounting (samples, steps, staleness, dropped and rejected pushes,
-the θ they publish) runs over the fake network of :mod:`tests.fakes` instead, W workers
+the θ they publish) runs over the fake network of :mod:`tests.support` instead, W workers
 stepped in a scripted order, every header through its wire encoding and every payload on the
 stream (request or reply) gloo would carry it on. So do the read-only fetch of θ (what the
 evaluator and the final checkpoint read) across a shard's restart, with the shards' θ, versions
@@ -34,8 +34,15 @@ from cloudburst.data import BatchStream, synthetic
 from cloudburst.models import build_model
 from cloudburst.strategies.asgd.serve import Standby
 from tests import reference as ref
-from tests.fakes import WorkerSide, flush, ps_job
-from tests.support import BATCH, asgd_cfg, survivor_cfg, train_asgd_worker
+from tests.support import (
+    BATCH,
+    WorkerSide,
+    asgd_cfg,
+    flush,
+    ps_job,
+    survivor_cfg,
+    train_asgd_worker,
+)
 
 LOGGER = "cloudburst.strategies.asgd.worker"
 
@@ -161,7 +168,7 @@ def test_a_standby_copy_holds_its_shards_theta_after_every_forwarded_push():
 
 
 class _WireWorkerSide(WorkerSide):
-    """A worker's end of :mod:`tests.fakes` as the wire treats it: every header goes through
+    """A worker's end of :mod:`tests.support` as the wire treats it: every header goes through
     its wire encoding, and a payload travels on the stream its ``reply`` flag names (gloo
     matches tags): a request's payload sent as a reply, or a reply awaited as a request, never
     arrives."""

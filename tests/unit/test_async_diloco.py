@@ -32,8 +32,8 @@ from tests.dist.simulate import (
     diloco,
     trained,
 )
-from tests.fakes import FakeNamespace
 from tests.helpers import final_record, rank_events
+from tests.support import FakeNamespace
 
 
 def _cfg(out, workers: int, steps: int, **kw) -> RunConfig:

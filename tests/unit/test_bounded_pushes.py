@@ -7,7 +7,7 @@ The rule is checked against a reference that applies each push to an unbounded s
 with the shard's state and measures how far θ_k moved (under adagrad, whose step is at most λ
 per coordinate, the push's own step λ·s·Δ is what is bounded); the attack of issue 44 (a push
 of Δ = 3e38, which made θ inf) is re-run through the real worker and server loop over the
-in-process fake comm (:mod:`tests.fakes`), and through the virtual cluster.
+in-process fake comm (:mod:`tests.support`), and through the virtual cluster.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from cloudburst.strategies.asgd.serve import Standby
 from cloudburst.strategies.asgd.shard import ShardState
 from cloudburst.strategies.asgd.worker import AsgdStrategy
 from tests import reference as ref
-from tests.fakes import ps_job
 from tests.helpers import shard_of
+from tests.support import ps_job
 
 HUGE = 3e38  # finite in float32 (max 3.4e38): issue 44's push
 RATIO = 2.0

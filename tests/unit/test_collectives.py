@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from cloudburst.comm.collectives import all_to_all_s, broadcast, world_sum
-from tests.fakes import RecordingLink, prior_stats
-from tests.support import on_comm_threads
+from tests.support import RecordingLink, on_comm_threads, prior_stats
 
 GROUP = object()  # an opaque group handle: passed through, never looked inside
 

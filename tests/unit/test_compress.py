@@ -33,13 +33,14 @@ from cloudburst.strategies.daso import DasoStrategy
 from cloudburst.strategies.diloco import DilocoStrategy
 from tests import reference as ref
 from tests.dist.simulate import trained
-from tests.fakes import RecordingLink, prior_stats
 from tests.support import (
     LocalSgdCtx,
+    RecordingLink,
     ThreadComm,
     ThreadGroup,
     compress_vector,
     on_comm_threads,
+    prior_stats,
     run_sim,
     sim_cfg,
     survivor_cfg,

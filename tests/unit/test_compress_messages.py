@@ -28,8 +28,7 @@ from cloudburst.strategies.asgd import AsgdStrategy
 from cloudburst.strategies.asgd.server import ServerLoop
 from cloudburst.strategies.gossip import GossipStrategy
 from tests.dist.simulate import trained
-from tests.fakes import FakeNamespace
-from tests.support import run_sim, sim_cfg
+from tests.support import FakeNamespace, run_sim, sim_cfg
 
 METHODS = ["bf16", "int8", "fp8"]
 

@@ -33,8 +33,14 @@ from cloudburst.sim.network import SimNetwork
 from cloudburst.sim.scheduler import Scheduler
 from cloudburst.sim.transport import SimTransport
 from tests import reference as ref
-from tests.fakes import RecordingLink, prior_stats
-from tests.support import ThreadComm, clock_run_config, compress_vector, on_comm_threads
+from tests.support import (
+    RecordingLink,
+    ThreadComm,
+    clock_run_config,
+    compress_vector,
+    on_comm_threads,
+    prior_stats,
+)
 
 GROUP = object()  # the group handle: the only one the transports below accept
 

@@ -62,8 +62,7 @@ def test_asgd_pushes_are_the_reference_quantiser_with_a_residual_per_shard(metho
     # sizes differing by at most one: docs/algorithms.md) goes as C(Δ_k + e_k); what the
     # servers apply is C⁻¹ of it, and e_k keeps the rest. The bytes sent decode to that.
     from cloudburst.comm.quantise import decode
-    from tests.fakes import ps_job
-    from tests.support import references_cfg
+    from tests.support import ps_job, references_cfg
 
     cfg = references_cfg(strategy="asgd", workers=1, servers=2, compress=method)
     [worker] = ps_job(cfg, [ref.tiny_model()]).workers

@@ -1,7 +1,7 @@
 """Compressed EASGD (``--compress int8``): each elastic round sends e = α(θ_i − θ̃') against the
 centre θ̃' of the worker's previous exchange, with error feedback, and both sides apply the
 decoded e (the shards add it, scaled for staleness; the worker subtracts it). Driven over the
-in-process fake of :mod:`tests.fakes` (the real server loops, no processes) and compared bit
+in-process fake of :mod:`tests.support` (the real server loops, no processes) and compared bit
 for bit with a plain-PyTorch reference of the protocol written here: its own block-wise int8
 quantiser (docs/algorithms.md#compression: one fp32 scale max|v|/127 per 256 values, codes
 round(v/scale) clamped to ±127), the shard's add rule, and what the worker keeps.
@@ -17,7 +17,7 @@ from torch import nn
 
 from cloudburst.comm.messages import Header, Status
 from cloudburst.config import RunConfig
-from tests.fakes import WorkerSide, ps_job
+from tests.support import Done, WorkerSide, ps_job
 
 BLOCK_VALUES = 256  # values per int8 block, one fp32 scale each
 INT8_TOP = 127.0
@@ -48,16 +48,6 @@ def _unpack_int8(packet: torch.Tensor, n: int) -> torch.Tensor:
     return (codes * scales[:, None]).reshape(-1)[:n]
 
 
-class _Waited:
-    def __init__(self, fn=None):
-        self.fn = fn
-
-    def wait(self) -> None:
-        if self.fn is not None:
-            fn, self.fn = self.fn, None
-            fn()
-
-
 class _Int8Wire(WorkerSide):
     """A worker's end of the fake as ``PeerTransport(compress="int8")`` carries payloads: a
     request payload (bytes the worker encoded, with its error feedback) is decoded on arrival;
@@ -75,7 +65,7 @@ class _Int8Wire(WorkerSide):
     def isend_payload(self, k: int, payload: torch.Tensor, reply: bool, prepare=None):
         assert not reply and prepare is None
         self.net.payloads[self.rank, k].append(_unpack_int8(payload, self.numel[k]))
-        return _Waited()
+        return Done()
 
     def irecv_payload(self, k: int, out: torch.Tensor, reply: bool):
         assert reply
@@ -84,7 +74,7 @@ class _Int8Wire(WorkerSide):
             self.net.pump(k)
             out.copy_(_int8(self.net.reply_payloads[self.rank, k].popleft()))
 
-        return _Waited(arrive)
+        return Done(arrive)
 
     def recv_reply(self, k: int, out: torch.Tensor | None = None) -> Header:
         self.net.pump(k)

@@ -16,7 +16,7 @@ from cloudburst.data import synthetic
 from cloudburst.loop.summary import finalize_run
 from cloudburst.models import build_model
 from cloudburst.records.metrics import MetricsWriter, read_jsonl
-from tests.fakes import FakeNamespace
+from tests.support import FakeNamespace
 
 pytestmark = pytest.mark.unit
 

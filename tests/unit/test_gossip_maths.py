@@ -25,7 +25,7 @@ from cloudburst.comm.link import LinkEmulator, Topology
 from cloudburst.config import RunConfig
 from cloudburst.sim.run import run_ranks
 from cloudburst.strategies.gossip import GossipStrategy, PeerSchedule, pull_average
-from tests.fakes import FakeNamespace
+from tests.support import FakeNamespace
 
 W = 4
 ME = 1  # the driven worker's index (no servers: also its rank)

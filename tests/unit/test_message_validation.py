@@ -36,7 +36,7 @@ from cloudburst.comm.stats import CommStats
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
 from cloudburst.strategies.asgd.server import MAX_PUSH_SAMPLES, ServerLoop, request_problem
-from tests.fakes import FakeNamespace
+from tests.support import FakeNamespace
 
 NUMEL = 6
 

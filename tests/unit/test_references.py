@@ -20,8 +20,7 @@ from cloudburst.comm.flat import flatten_params
 from cloudburst.config import RunConfig
 from cloudburst.strategies.asgd.shard import ShardState
 from tests import reference as ref
-from tests.fakes import flush, ps_job
-from tests.support import references_cfg
+from tests.support import flush, ps_job, references_cfg
 
 BATCH = 8
 

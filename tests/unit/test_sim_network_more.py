@@ -23,8 +23,7 @@ from cloudburst.comm.stats import CommStats
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.sim.run import run_ranks
-from tests.fakes import RecordingLink
-from tests.support import on_comm_threads
+from tests.support import RecordingLink, on_comm_threads
 
 LAT, BW = 0.002, 1e9  # --inter-node-link 8,2
 LAT_IN, BW_IN = 0.0005, 2e9  # --intra-node-link 16,0.5

@@ -24,8 +24,7 @@ from cloudburst.strategies.diloco import DilocoStrategy
 from cloudburst.strategies.local_sgd import LocalSgdStrategy
 from cloudburst.strategies.sync import SyncStrategy
 from tests import reference as ref
-from tests.fakes import FakeNamespace
-from tests.support import ThreadComm, ThreadGroup
+from tests.support import FakeNamespace, ThreadComm, ThreadGroup
 
 BATCH = 8
 

@@ -15,8 +15,7 @@ from cloudburst.config import ConfigError, RunConfig, Straggler
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.loop.budget import MAX_CHECK_INTERVAL, TimeBudget
 from cloudburst.sim.run import simulate
-from tests.fakes import FakeNamespace
-from tests.support import ThreadComm, on_comm_threads
+from tests.support import FakeNamespace, ThreadComm, on_comm_threads
 
 STEP_S = 0.01  # the modelled step time of the simulated runs
 
