@@ -1,7 +1,7 @@
 """cloudburst against the independent references of ``tests/reference.py``, with no processes.
 
 The parameter-server strategies run for real (``AsgdStrategy`` / ``EasgdStrategy`` and the
-shards' ``ServerLoop`` request handling) over the in-process fake of ``tests/fakes.py``, under a
+shards' ``ServerLoop`` request handling) over the in-process fake of ``tests/support.py``, under a
 scripted order of the workers' steps, so every push's staleness and every θ are determined.
 Worker replicas compute the same gradients on both sides (same process, same data, same θ), so
 the comparisons are bit for bit. The references are also checked on their own: against values
