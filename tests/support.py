@@ -823,3 +823,49 @@ def kill_after_a_checkpoint(out: Path, rank: int, proc: subprocess.Popen) -> Non
         time.sleep(0.02)
     [start] = [r for r in records if r["event"] == "start"]
     os.kill(start["pid"], signal.SIGKILL)
+
+
+# ------------------ the link's clocks and records (tests/unit/test_link.py, test_link_costs.py,
+# test_nic_sharing.py, test_sim_network_more.py)
+def close(x: float) -> pytest.approx:
+    """Equal to ``x`` up to float rounding (1e-12 s)."""
+    return pytest.approx(x, abs=1e-12)
+
+
+class FakeTime:
+    """A clock that moves only when told to (``advance``) or when something sleeps; each sleep
+    asks for a duration (recorded) and moves the clock by ``step`` (the asked duration when
+    None), and may run ``on_sleep`` (another rank booking meanwhile). More than
+    ``MAX_SLEEPS`` sleeps is a wait that never ends: it fails at once rather than spin."""
+
+    MAX_SLEEPS = 1000
+
+    def __init__(self, now: float, step: float | None = None) -> None:
+        self.now, self.step = now, step
+        self.sleeps: list[float] = []
+        self.on_sleep = None
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    monotonic = time = perf_counter
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0, seconds
+        self.sleeps.append(seconds)
+        assert len(self.sleeps) <= self.MAX_SLEEPS, "still polling after 1000 sleeps"
+        self.now += seconds if self.step is None else self.step
+        if self.on_sleep is not None:
+            self.on_sleep(len(self.sleeps))
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def link_ranks(spec, topology: Topology, nic) -> list:
+    """One :class:`LinkEmulator` of ``spec`` per rank of ``topology``, sharing ``nic`` (None:
+    each its own link)."""
+    from cloudburst.comm.link import LinkEmulator
+
+    return [LinkEmulator(spec, topology=topology, rank=r, nic=nic)
+            for r in range(len(topology.node_of))]  # fmt: skip

@@ -54,3 +54,19 @@ def parse(monkeypatch: pytest.MonkeyPatch):
         return seen.pop()
 
     return run
+
+
+@pytest.fixture
+def record(tmp_path):
+    """A factory of shared NIC records (closed at the end; their files live in tmp_path)."""
+    from cloudburst.comm.nic import NicState
+
+    opened: list[NicState] = []
+
+    def make(num_nodes: int, name: str = "nic") -> NicState:
+        opened.append(NicState(str(tmp_path / name), num_nodes))
+        return opened[-1]
+
+    yield make
+    for nic in opened:
+        nic.close()

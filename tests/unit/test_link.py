@@ -1,7 +1,7 @@
 """The emulated inter-node link (``--inter-node-link GBIT_PER_S[,LATENCY_MS]``) on a fake clock.
 
 Every clock the link code reads (``time.perf_counter``) and every sleep it takes go to
-:class:`FakeClock`, which moves only when something sleeps or the test advances it: no real
+:class:`tests.support.FakeTime`, which moves only when something sleeps or the test advances it: no real
 time passes, and each delay is checked to the nanosecond against numbers worked out by hand
 (1 Gbit/s = 125,000,000 bytes/s).
 """
@@ -24,39 +24,14 @@ from cloudburst.comm.messages import HEADER_BYTES, Header, Kind
 from cloudburst.comm.p2p import PeerTransport
 from cloudburst.comm.stats import CommStats
 from cloudburst.config import ConfigError, RunConfig
+from tests.support import FakeTime, close
 
 T0 = 1000.0  # the fake clock starts here, not at 0: the link must use "now", not assume 0
 
 
-def close(x: float) -> pytest.approx:
-    return pytest.approx(x, abs=1e-12)
-
-
-class FakeClock:
-    """``time`` for the link code: ``perf_counter`` reads ``now``; ``sleep`` records and
-    advances it."""
-
-    def __init__(self) -> None:
-        self.now = T0
-        self.sleeps: list[float] = []
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    monotonic = time = perf_counter
-
-    def sleep(self, seconds: float) -> None:
-        assert seconds >= 0, seconds
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    fake = FakeClock()
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    fake = FakeTime(T0)
     for module in (link, transport_module, allreduce):
         monkeypatch.setattr(module, "time", fake)
     return fake
@@ -247,7 +222,7 @@ def test_an_emulated_work_is_complete_when_its_collective_and_the_link_are(clock
     assert EmulatedWork(None, deadline=T0 - 1.0).is_completed()
 
 
-def _transport(emu: LinkEmulator | None, sent: list, clock: FakeClock) -> PeerTransport:
+def _transport(emu: LinkEmulator | None, sent: list, clock: FakeTime) -> PeerTransport:
     """Rank 0 of 4 ranks on 2 nodes (ranks 0, 1 | 2, 3); gloo replaced by a recorder of
     (destination, elements, fake time the message left)."""
     topo = Topology.contiguous(4, 2)

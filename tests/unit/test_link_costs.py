@@ -27,66 +27,14 @@ from cloudburst.comm.costs import (
     hierarchical_allreduce_s,
     nic_transfer,
 )
-from cloudburst.comm.link import EmulatedWork, LinkEmulator, Topology
+from cloudburst.comm.link import EmulatedWork, Topology
 from cloudburst.comm.nic import NicState, PendingEnd, nic_dir
+from tests.support import FakeTime, close, link_ranks
 
 pytestmark = pytest.mark.unit
 
 SPEC = LinkSpec(1.0, 1.0)
 MB = 1_250_000  # 1 ms + 10 ms on the link
-
-
-def close(x: float) -> pytest.approx:
-    return pytest.approx(x, abs=1e-12)
-
-
-class FakeTime:
-    """A clock that moves only when told to (``advance``) or when something sleeps; each sleep
-    asks for a duration (recorded) and moves the clock by ``step`` (the asked duration when
-    None), and may run ``on_sleep`` (another rank booking meanwhile). More than
-    ``MAX_SLEEPS`` sleeps is a wait that never ends: it fails at once rather than spin."""
-
-    MAX_SLEEPS = 1000
-
-    def __init__(self, now: float, step: float | None = None) -> None:
-        self.now, self.step = now, step
-        self.sleeps: list[float] = []
-        self.on_sleep = None
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    monotonic = perf_counter
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        assert len(self.sleeps) <= self.MAX_SLEEPS, "still polling after 1000 sleeps"
-        self.now += seconds if self.step is None else self.step
-        if self.on_sleep is not None:
-            self.on_sleep(len(self.sleeps))
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-@pytest.fixture
-def record(tmp_path):
-    """A factory of shared records (closed at the end; their files live in tmp_path)."""
-    opened: list[NicState] = []
-
-    def make(num_nodes: int, name: str = "nic") -> NicState:
-        opened.append(NicState(str(tmp_path / name), num_nodes))
-        return opened[-1]
-
-    yield make
-    for nic in opened:
-        nic.close()
-
-
-def ranks(topology: Topology, nic: NicState) -> list[LinkEmulator]:
-    return [
-        LinkEmulator(SPEC, topology=topology, rank=r, nic=nic) for r in range(len(topology.node_of))
-    ]
 
 
 def wait_clock(monkeypatch, now: float, step: float | None = None) -> FakeTime:
@@ -199,7 +147,7 @@ def test_a_table_full_of_open_ops_refuses_a_new_one(record, monkeypatch):
 # ---------------------------------------------------------------------------- collectives
 def test_a_member_s_bookings_on_a_group_are_numbered_0_1_2(record, monkeypatch):
     topo = Topology.contiguous(4, 2)
-    r = ranks(topo, record(2))
+    r = link_ranks(SPEC, topo, record(2))
     group = ("g", (0, 2))
     pendings = [r[0].book_collective(0.5, group, start=10.0) for _ in range(3)]
     assert [p.name for p in pendings] == ["g (0, 2) #0", "g (0, 2) #1", "g (0, 2) #2"]
@@ -221,7 +169,7 @@ def test_a_process_group_is_named_by_its_own_members(record, monkeypatch):
         group=SimpleNamespace(WORLD=world), get_process_group_ranks=lambda pg: list(pg.ranks)
     )
     monkeypatch.setattr(transport_module, "dist", fake_dist)
-    r = ranks(Topology.contiguous(4, 2), record(2))
+    r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
     pending = r[1].book_collective(0.5, across, start=10.0)
     assert isinstance(pending, PendingEnd) and pending.name == "7 (1, 3) #0"
     assert r[3].book_collective(0.5, across, start=10.25) == close(10.75)  # 2 members: done
@@ -229,7 +177,7 @@ def test_a_process_group_is_named_by_its_own_members(record, monkeypatch):
 
 
 def test_a_pending_end_is_known_once_the_last_member_books(record, monkeypatch):
-    r = ranks(Topology.contiguous(4, 2), record(2))
+    r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
     group = ("g", (0, 2))
     pending = r[0].book_collective(0.5, group, start=10.0)
     assert pending.peek() is None
@@ -243,7 +191,7 @@ def test_a_pending_end_is_known_once_the_last_member_books(record, monkeypatch):
 
 
 def test_a_rank_s_own_link_is_busy_until_its_shared_collective_and_message_end(record):
-    r = ranks(Topology.contiguous(4, 2), record(2))
+    r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
     r[0].book_collective(0.5, ("g", (0, 2)), start=10.0)
     assert r[2].book_collective(0.5, ("g", (0, 2)), start=10.0) == close(10.5)
     # Rank 2 books 0.1 s of its own link at 10.0: after the collective's end.
@@ -254,7 +202,7 @@ def test_a_rank_s_own_link_is_busy_until_its_shared_collective_and_message_end(r
 
 
 def test_each_shared_message_adds_its_cost_to_the_rank_s_charge(record):
-    r = ranks(Topology.contiguous(4, 2), record(2))
+    r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
     r[0].book_collective(0.5, ("g", (0, 2)), start=10.0)
     r[2].book_collective(0.5, ("g", (0, 2)), start=10.0)
     assert r[0].book_send(MB, 2, start=11.0) == close(11.011)
@@ -265,14 +213,14 @@ def test_each_shared_message_adds_its_cost_to_the_rank_s_charge(record):
 def test_a_shared_message_without_a_start_leaves_now(record, monkeypatch):
     fake = FakeTime(30.0)
     monkeypatch.setattr(link, "time", fake)
-    r = ranks(Topology.contiguous(4, 2), record(2))
+    r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
     assert r[0].book_send(MB, 2) == close(30.011)
     assert r[0].nic.free(0)[0] == close(30.011) and r[0].nic.free(1)[1] == close(30.011)
 
 
 # ---------------------------------------------------------------------------- waiting
 def test_waiting_polls_every_0_2_ms_until_the_last_member_books(record, monkeypatch):
-    r = ranks(Topology.contiguous(4, 2), record(2))
+    r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
     group = ("g", (0, 2))
     pending = r[0].book_collective(0.5, group, start=10.0)
     fake = wait_clock(monkeypatch, 100.0)
@@ -288,7 +236,7 @@ def test_waiting_polls_every_0_2_ms_until_the_last_member_books(record, monkeypa
 
 
 def test_waiting_gives_up_only_past_the_timeout_it_was_given(record, monkeypatch):
-    r = ranks(Topology.contiguous(4, 2), record(2))
+    r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
     pending = r[0].book_collective(0.5, ("g", (0, 2)), start=10.0)
     # Each poll moves the clock 0.25 s (exact in binary): the deadline 101.0 is reached at the
     # fifth look, which still waits; the sixth, at 101.25, gives up.
@@ -299,7 +247,7 @@ def test_waiting_gives_up_only_past_the_timeout_it_was_given(record, monkeypatch
 
 
 def test_waiting_without_a_timeout_gives_up_after_60_s(record, monkeypatch):
-    r = ranks(Topology.contiguous(4, 2), record(2))
+    r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
     pending = r[0].book_collective(0.5, ("g", (0, 2)), start=10.0)
     fake = wait_clock(monkeypatch, 0.0, step=10.0)
     with pytest.raises(TimeoutError, match=r"60 s after it ran"):
@@ -310,7 +258,7 @@ def test_waiting_without_a_timeout_gives_up_after_60_s(record, monkeypatch):
 def test_emulated_work_is_complete_once_its_pending_end_is_known_and_past(record, monkeypatch):
     fake = FakeTime(10.0)
     monkeypatch.setattr(link, "time", fake)
-    r = ranks(Topology.contiguous(4, 2), record(2))
+    r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
     group = ("g", (0, 2))
     work = EmulatedWork(None, r[0].book_collective(0.5, group, start=10.0))
     assert not work.is_completed()  # the end is not known yet

@@ -18,6 +18,7 @@ from cloudburst.comm.costs import LinkSpec
 from cloudburst.comm.link import LinkEmulator, Topology
 from cloudburst.comm.nic import NicState, PendingEnd, nic_dir, resolve_end
 from cloudburst.comm.stats import CommStats
+from tests.support import close, link_ranks
 
 pytestmark = pytest.mark.unit
 
@@ -25,37 +26,12 @@ SPEC = LinkSpec(1.0, 1.0)
 MB = 1_250_000  # 1 ms + 10 ms on the link
 
 
-def close(x: float) -> pytest.approx:
-    return pytest.approx(x, abs=1e-12)
-
-
-@pytest.fixture
-def record(tmp_path):
-    """A factory of shared records (closed at the end; their files live in tmp_path)."""
-    opened: list[NicState] = []
-
-    def make(num_nodes: int, name: str = "nic") -> NicState:
-        opened.append(NicState(str(tmp_path / name), num_nodes))
-        return opened[-1]
-
-    yield make
-    for nic in opened:
-        nic.close()
-
-
-def ranks(topology: Topology, nic: NicState | None) -> list[LinkEmulator]:
-    """One emulator per rank of ``topology``, sharing ``nic`` (None: each its own link)."""
-    return [
-        LinkEmulator(SPEC, topology=topology, rank=r, nic=nic) for r in range(len(topology.node_of))
-    ]
-
-
 # ---------------------------------------------------------------------------- collectives
 def test_two_collectives_of_different_groups_on_one_node_serialise(record):
     # DASO on 4 ranks, 2 nodes (0, 1 | 2, 3): its global groups (0, 2) and (1, 3) both
     # cross the nodes' NICs.
     topo = Topology.contiguous(4, 2)
-    r = ranks(topo, record(2))
+    r = link_ranks(SPEC, topo, record(2))
     across0, across1 = ("across0", (0, 2)), ("across1", (1, 3))
     # An op starts when its last member is in: the first ones get a pending end.
     first0 = r[0].book_collective(0.5, across0, start=10.0)
@@ -76,7 +52,7 @@ def test_two_collectives_of_different_groups_on_one_node_serialise(record):
 
 def test_a_collective_with_two_members_on_one_node_is_booked_once(record):
     topo = Topology.contiguous(4, 2)
-    r = ranks(topo, record(2))
+    r = link_ranks(SPEC, topo, record(2))
     world = ("0", (0, 1, 2, 3))
     early = [
         r[i].book_collective(0.5, world, start=t) for i, t in ((0, 10.0), (1, 10.1), (3, 10.2))
@@ -95,7 +71,7 @@ def test_a_collective_holds_only_its_own_nodes_nics(record):
     # (node 2 alone: no NIC) do not hold each other up; ranks 1 and 4 (nodes 0 and 2) wait
     # for node 0.
     topo = Topology.contiguous(6, 3)
-    r = ranks(topo, record(3))
+    r = link_ranks(SPEC, topo, record(3))
     r[0].book_collective(0.5, ("a", (0, 2)), start=10.0)
     assert r[2].book_collective(0.5, ("a", (0, 2)), start=10.0) == close(10.5)
     r[1].book_collective(0.5, ("b", (1, 4)), start=10.0)
@@ -107,7 +83,7 @@ def test_a_collective_holds_only_its_own_nodes_nics(record):
 # ---------------------------------------------------------------------------- messages
 def test_two_messages_from_one_node_queue_on_its_egress(record):
     topo = Topology.contiguous(6, 3)
-    r = ranks(topo, record(3))
+    r = link_ranks(SPEC, topo, record(3))
     assert r[0].book_send(MB, 2, start=10.0) == close(10.011)  # node 0 -> node 1
     # Rank 1 (node 0) to node 2 at the same time: behind rank 0's message on the egress.
     assert r[1].book_send(MB, 4, start=10.0) == close(10.022)
@@ -120,7 +96,7 @@ def test_two_nodes_sending_to_one_node_queue_at_its_ingress(record):
     # the second leaves its own egress at once, but its bytes wait for node 2's ingress:
     # max(10.0 + 0.011, 10.011 + 0.010) = 10.021 (costs.nic_transfer).
     topo = Topology.contiguous(6, 3)
-    r = ranks(topo, record(3))
+    r = link_ranks(SPEC, topo, record(3))
     assert r[0].book_send(MB, 4, start=10.0) == close(10.011)
     assert r[2].book_send(MB, 4, start=10.0) == close(10.021)
     assert r[0].nic.free(1)[0] == close(10.011)  # node 1's egress: its message alone
@@ -133,7 +109,7 @@ def test_two_nodes_sending_to_one_node_queue_at_its_ingress(record):
 
 def test_messages_and_collectives_share_the_nic(record):
     topo = Topology.contiguous(4, 2)
-    r = ranks(topo, record(2))
+    r = link_ranks(SPEC, topo, record(2))
     r[1].book_collective(0.5, ("across1", (1, 3)), start=10.0)
     assert r[3].book_collective(0.5, ("across1", (1, 3)), start=10.0) == close(10.5)
     assert r[0].book_send(MB, 2, start=10.0) == close(10.511)  # node 0's egress is busy
@@ -167,7 +143,7 @@ def test_all_reduce_sum_books_the_collective_of_its_group(record, monkeypatch):
     from types import SimpleNamespace
 
     topo = Topology.contiguous(4, 2)
-    r = ranks(topo, record(2))
+    r = link_ranks(SPEC, topo, record(2))
     monkeypatch.setattr(link, "time", SimpleNamespace(perf_counter=lambda: 10.0))
 
     class Comm:
@@ -194,7 +170,7 @@ def test_all_reduce_sum_books_the_collective_of_its_group(record, monkeypatch):
 
 
 def test_a_member_that_never_books_times_out_in_one_line(record):
-    r = ranks(Topology.contiguous(4, 2), record(2))
+    r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
     pending = r[0].book_collective(0.5, ("a", (0, 2)), start=10.0)
     with pytest.raises(TimeoutError, match=r"collective a \(0, 2\) #0 still had members"):
         pending.wait(timeout_s=0.01)

@@ -23,16 +23,12 @@ from cloudburst.comm.stats import CommStats
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.sim.run import run_ranks
-from tests.support import RecordingLink, on_comm_threads
+from tests.support import RecordingLink, close, on_comm_threads
 
 LAT, BW = 0.002, 1e9  # --inter-node-link 8,2
 LAT_IN, BW_IN = 0.0005, 2e9  # --intra-node-link 16,0.5
 SCALE = 3  # modelled_params per actual parameter
 WORLD = 8
-
-
-def close(x: float) -> pytest.approx:
-    return pytest.approx(x, abs=1e-12)
 
 
 def _run(tmp_path, script, *args, scale: int = SCALE, intra: str | None = "16,0.5"):
