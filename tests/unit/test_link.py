@@ -1,9 +1,9 @@
 """The emulated inter-node link (``--inter-node-link GBIT_PER_S[,LATENCY_MS]``) on a fake clock.
 
 Every clock the link code reads (``time.perf_counter``) and every sleep it takes go to
-:class:`tests.support.FakeTime`, which moves only when something sleeps or the test advances it: no real
-time passes, and each delay is checked to the nanosecond against numbers worked out by hand
-(1 Gbit/s = 125,000,000 bytes/s).
+:class:`tests.support.FakeTime`, which moves only when something sleeps or the test advances
+it: no real time passes, and each delay is checked to the nanosecond against numbers worked
+out by hand (1 Gbit/s = 125,000,000 bytes/s).
 """
 
 from __future__ import annotations
