@@ -84,43 +84,29 @@ def _cifar_dataset(tmp_path):
     return load_dataset(f"cifar10:{root}")
 
 
-def test_loader_stream_is_deterministic_and_resumes_in_process(tmp_path):
+@pytest.mark.parametrize(
+    "workers, resumed_workers", [(0, 0), pytest.param(2, 1, marks=pytest.mark.spawns)]
+)
+def test_loader_stream_is_deterministic_for_any_loader_processes_and_resumes(
+    tmp_path, workers, resumed_workers
+):
+    """The augmented batch stream is the same with 0 or ``workers`` loader processes, across
+    an epoch boundary, and a stream resumed from a state (with ``resumed_workers``) gives the
+    same next batch."""
     from cloudburst.data import batch_stream, worker_source
 
     ds = _cifar_dataset(tmp_path)
     source = worker_source(ds, 1, 2)  # 50 images
     pre = ds.preprocess(augment=True)
-    streams = [batch_stream(source, 8, seed=4, preprocess=pre, num_workers=0) for _ in range(2)]
+    streams = [batch_stream(source, 8, seed=4, preprocess=pre, num_workers=n) for n in (0, workers)]
     for _ in range(8):  # crosses an epoch boundary (6 batches per epoch)
         (xa, ya), (xb, yb) = next(streams[0]), next(streams[1])
         assert xa.dtype == torch.float32 and xa.shape == (8, 3, 32, 32)
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
-    # Resuming from a state gives the same next batch (augmentation included).
     state = streams[0].state_dict()
     assert state == {"epoch": 1, "index": 2}
     nxt = next(streams[0])
-    again = batch_stream(source, 8, seed=4, preprocess=pre, num_workers=0)
-    again.load_state_dict(state)
-    x, y = next(again)
-    assert torch.equal(x, nxt[0]) and torch.equal(y, nxt[1])
-
-
-@pytest.mark.spawns
-def test_loader_stream_is_the_same_for_any_number_of_loader_processes(tmp_path):
-    from cloudburst.data import batch_stream, worker_source
-
-    ds = _cifar_dataset(tmp_path)
-    source = worker_source(ds, 1, 2)  # 50 images
-    pre = ds.preprocess(augment=True)
-    streams = [batch_stream(source, 8, seed=4, preprocess=pre, num_workers=n) for n in (0, 2)]
-    for _ in range(8):  # crosses an epoch boundary (6 batches per epoch)
-        (xa, ya), (xb, yb) = next(streams[0]), next(streams[1])
-        assert xa.dtype == torch.float32 and xa.shape == (8, 3, 32, 32)
-        assert torch.equal(xa, xb) and torch.equal(ya, yb)
-    # Resuming from a state gives the same next batch (augmentation included).
-    state = streams[0].state_dict()
-    nxt = next(streams[0])
-    again = batch_stream(source, 8, seed=4, preprocess=pre, num_workers=1)
+    again = batch_stream(source, 8, seed=4, preprocess=pre, num_workers=resumed_workers)
     again.load_state_dict(state)
     x, y = next(again)
     assert torch.equal(x, nxt[0]) and torch.equal(y, nxt[1])

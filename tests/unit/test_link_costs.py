@@ -235,24 +235,26 @@ def test_waiting_polls_every_0_2_ms_until_the_last_member_books(record, monkeypa
     assert fake.sleeps == [0.0002] * 3
 
 
-def test_waiting_gives_up_only_past_the_timeout_it_was_given(record, monkeypatch):
+@pytest.mark.parametrize(
+    "timeout, now, step, message, sleeps, end",
+    [
+        # Each poll moves the clock 0.25 s (exact in binary): the deadline 101.0 is reached at
+        # the fifth look, which still waits; the sixth, at 101.25, gives up.
+        (1.0, 100.0, 0.25, "#0 still had members to come 1 s after it ran", 5, 101.25),
+        (None, 0.0, 10.0, "60 s after it ran", 7, 70.0),  # looked at 0, 10, ..., 60 and 70
+    ],
+)
+def test_waiting_gives_up_only_past_its_timeout_60_s_by_default(
+    record, monkeypatch, timeout, now, step, message, sleeps, end
+):
+    """A wait for a collective's members polls until its timeout (60 s if none is given) has
+    passed, sleeping 0.2 ms each time, then raises."""
     r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
     pending = r[0].book_collective(0.5, ("g", (0, 2)), start=10.0)
-    # Each poll moves the clock 0.25 s (exact in binary): the deadline 101.0 is reached at the
-    # fifth look, which still waits; the sixth, at 101.25, gives up.
-    fake = wait_clock(monkeypatch, 100.0, step=0.25)
-    with pytest.raises(TimeoutError, match=r"#0 still had members to come 1 s after it ran"):
-        pending.wait(timeout_s=1.0)
-    assert fake.sleeps == [0.0002] * 5 and fake.now == 101.25
-
-
-def test_waiting_without_a_timeout_gives_up_after_60_s(record, monkeypatch):
-    r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
-    pending = r[0].book_collective(0.5, ("g", (0, 2)), start=10.0)
-    fake = wait_clock(monkeypatch, 0.0, step=10.0)
-    with pytest.raises(TimeoutError, match=r"60 s after it ran"):
-        pending.wait()
-    assert len(fake.sleeps) == 7 and fake.now == 70.0  # looked at 0, 10, ..., 60 and 70
+    fake = wait_clock(monkeypatch, now, step=step)
+    with pytest.raises(TimeoutError, match=message):
+        pending.wait() if timeout is None else pending.wait(timeout_s=timeout)
+    assert fake.sleeps == [0.0002] * sleeps and fake.now == end
 
 
 def test_emulated_work_is_complete_once_its_pending_end_is_known_and_past(record, monkeypatch):
