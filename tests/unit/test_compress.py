@@ -413,14 +413,6 @@ def _daso_cfg(out, steps: int = 40, **kw) -> RunConfig:
     return sim_cfg(out, "daso", 4, steps, nodes=2, train_size=train_size, **schedule, **kw)
 
 
-def test_daso_none_is_the_uncompressed_run_bit_for_bit(tmp_path):
-    # 24 steps, 1.9 epochs as in the others: every phase; nothing to learn here
-    run_sim(_daso_cfg(tmp_path / "default", steps=24))
-    run_sim(_daso_cfg(tmp_path / "none", steps=24, compress="none"))
-    a, b = trained(tmp_path / "default"), trained(tmp_path / "none")
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["int8", "bf16"])
 def test_compressed_daso_learns_and_sends_its_global_syncs_compressed(tmp_path, plain_run, method):
@@ -442,9 +434,14 @@ def _accuracy(summary: dict) -> float:
 
 
 def test_none_is_the_uncompressed_run_bit_for_bit(tmp_path):
-    for strategy in ("sync", "local_sgd"):
-        run_sim(sim_cfg(tmp_path / f"{strategy}-default", strategy, 2, 12, period=4))
-        run_sim(sim_cfg(tmp_path / f"{strategy}-none", strategy, 2, 12, period=4, compress="none"))
+    """--compress none is the run without the flag, bit for bit (sync, local SGD, DASO)."""
+    # DASO: 24 steps, 1.9 epochs as in the others: every phase; nothing to learn here
+    builders = {s: (lambda out, s=s, **kw: sim_cfg(out, s, 2, 12, period=4, **kw))
+                for s in ("sync", "local_sgd")}  # fmt: skip
+    builders["daso"] = lambda out, **kw: _daso_cfg(out, steps=24, **kw)
+    for strategy, build in builders.items():
+        run_sim(build(tmp_path / f"{strategy}-default"))
+        run_sim(build(tmp_path / f"{strategy}-none", compress="none"))
         a = trained(tmp_path / f"{strategy}-default")
         b = trained(tmp_path / f"{strategy}-none")
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
