@@ -164,6 +164,11 @@ def _add(model: nn.Module, d: torch.Tensor) -> None:
             offset += p.numel()
 
 
+def _cfg(**kw) -> RunConfig:
+    """An int8-compressed easgd job of one local step per elastic round."""
+    return RunConfig(strategy="easgd", dataset="synthetic", compress="int8", easgd_tau=1, **kw)
+
+
 def _run(
     cfg: RunConfig, script: list[tuple[int, int | None]], alpha: float, bounds, device="cpu"
 ) -> _Reference:
@@ -212,15 +217,7 @@ def test_compressed_elastic_rounds_match_the_reference_with_staleness_scaling(wo
     the shards add each decoded e times 1/max(1, τ), the worker subtracts exactly that, keeps
     θ̃ before its push plus that as its next reference, carries int8's residual into its next
     round, and reads the samples count from shard 0's reply (α = β/W by default)."""
-    cfg = RunConfig(
-        strategy="easgd",
-        workers=workers,
-        servers=servers,
-        dataset="synthetic",
-        compress="int8",
-        easgd_tau=1,
-        staleness_compensation="scale",
-    )
+    cfg = _cfg(workers=workers, servers=servers, staleness_compensation="scale")
     bounds = [(0, 310), (310, 620)] if servers == 2 else [(0, 620)]
     order = [0, 1, 2, 0, 1, 2, 2, 0] if workers == 3 else [0, 1, 1, 0, 0, 1]
     reference = _run(cfg, [(i, None) for i in order], alpha=0.9 / workers, bounds=bounds)
@@ -234,16 +231,7 @@ def test_a_dropped_push_leaves_the_replica_and_a_rejected_one_resets_it_and_the_
     it got becomes its reference); its next push, +inf in shard 0's part, is rejected there
     (that part restarts from the centre, every residual is dropped) and applied on shard 1;
     its round after that starts with no residual."""
-    cfg = RunConfig(
-        strategy="easgd",
-        workers=2,
-        servers=2,
-        dataset="synthetic",
-        compress="int8",
-        easgd_tau=1,
-        max_staleness=0,
-        easgd_alpha=0.4,
-    )
+    cfg = _cfg(workers=2, servers=2, max_staleness=0, easgd_alpha=0.4)
     script = [(0, None), (1, None), (1, 3), (1, None), (0, None)]
     reference = _run(cfg, script, alpha=0.4, bounds=[(0, 310), (310, 620)])
     assert reference.statuses == [
@@ -261,15 +249,7 @@ def test_compressed_elastic_rounds_of_cuda_replicas_match_the_reference():
     """Replicas on the GPU: e is computed there and staged through host memory (quantised,
     sent, decoded there); the decoded e goes back to the GPU to be subtracted, with the same
     values as on the CPU (factor 1: no rounding that a fused multiply-add could change)."""
-    cfg = RunConfig(
-        strategy="easgd",
-        workers=2,
-        servers=2,
-        dataset="synthetic",
-        compress="int8",
-        easgd_tau=1,
-        easgd_alpha=0.4,
-    )
+    cfg = _cfg(workers=2, servers=2, easgd_alpha=0.4)
     script = [(0, None), (1, None), (0, None), (1, None)]
     reference = _run(cfg, script, alpha=0.4, bounds=[(0, 310), (310, 620)], device="cuda")
     assert all(s == Status.OK for round_ in reference.statuses for s in round_)
