@@ -259,20 +259,9 @@ STEP_S = 0.01
 
 
 def _sim_cfg(out: Path, **kw) -> RunConfig:
-    return RunConfig(
-        strategy="asgd",
-        workers=2,
-        steps=12,
-        n_sync=2,
-        dataset="synthetic",
-        train_size=256,
-        test_size=64,
-        batch_size=8,
-        model="mlp",
-        eval_every_s=1000.0,
-        out=str(out),
-        **kw,
-    )
+    return RunConfig(strategy="asgd", workers=2, steps=12, n_sync=2, dataset="synthetic",
+                     train_size=256, test_size=64, batch_size=8, model="mlp", eval_every_s=1000.0,
+                     out=str(out), **kw)  # fmt: skip
 
 
 def test_a_simulated_run_counts_the_refused_push_in_its_summary(tmp_path, monkeypatch):

@@ -33,18 +33,8 @@ KILL_AT, CHECKPOINT_EVERY = 13, 8
 
 
 def _cfg(out, **kw) -> RunConfig:
-    return RunConfig(
-        dataset="synthetic",
-        model="mlp",
-        workers=2,
-        steps=20,
-        batch_size=16,
-        test_size=64,
-        eval_every_s=60,
-        seed=3,
-        out=str(out),
-        **kw,
-    )
+    return RunConfig(dataset="synthetic", model="mlp", workers=2, steps=20, batch_size=16,
+                     test_size=64, eval_every_s=60, seed=3, out=str(out), **kw)  # fmt: skip
 
 
 def _final_params(out) -> list[torch.Tensor]:

@@ -41,16 +41,9 @@ def worker_report(eval_time_s: float | None) -> dict:
 
 
 def final_record(tmp_path, own_report: dict, others: dict[int, dict], servers: int = 0) -> dict:
-    cfg = RunConfig(
-        strategy="asgd" if servers else "sync",
-        workers=2,
-        servers=servers,
-        dataset="synthetic",
-        train_size=256,
-        test_size=32,
-        model="mlp",
-        out=str(tmp_path),
-    )
+    cfg = RunConfig(strategy="asgd" if servers else "sync", workers=2, servers=servers,
+                    dataset="synthetic", train_size=256, test_size=32, model="mlp",
+                    out=str(tmp_path))  # fmt: skip
     store = dist.HashStore()
     for rank, report in others.items():
         store.set(f"stats/{rank}", json.dumps(report))

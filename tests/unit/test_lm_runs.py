@@ -34,22 +34,9 @@ def text(tmp_path_factory):
 
 
 def _cfg(out, text: str, strategy: str, steps: int = 24, **kw) -> RunConfig:
-    return RunConfig(
-        strategy=strategy,
-        workers=kw.pop("workers", 2),
-        steps=steps,
-        model=SPEC,
-        dataset=text,
-        test_size=10,
-        batch_size=8,
-        lr=1e-2,
-        warmup_steps=4,
-        period=4,
-        eval_every_s=0.05,
-        seed=0,
-        out=str(out),
-        **kw,
-    )
+    return RunConfig(strategy=strategy, workers=kw.pop("workers", 2), steps=steps, model=SPEC,
+                     dataset=text, test_size=10, batch_size=8, lr=1e-2, warmup_steps=4, period=4,
+                     eval_every_s=0.05, seed=0, out=str(out), **kw)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

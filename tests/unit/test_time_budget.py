@@ -119,19 +119,9 @@ def test_lockstep_workers_stop_at_the_same_step_whatever_their_own_clocks_say():
 
 # ---------------------------------------------------------------------------- virtual cluster
 def _sim(out: Path, strategy: str, workers: int, budget_s: float, **kw) -> dict:
-    cfg = RunConfig(
-        strategy=strategy,
-        workers=workers,
-        steps=kw.pop("steps", 200),
-        dataset="synthetic",
-        model="mlp",
-        batch_size=8,
-        eval_every_s=1000.0,
-        log_every_steps=1,
-        max_train_time_s=budget_s,
-        out=str(out),
-        **kw,
-    )
+    cfg = RunConfig(strategy=strategy, workers=workers, steps=kw.pop("steps", 200),
+                    dataset="synthetic", model="mlp", batch_size=8, eval_every_s=1000.0,
+                    log_every_steps=1, max_train_time_s=budget_s, out=str(out), **kw)  # fmt: skip
     return simulate(cfg, SimulationConfig(step_time_s=STEP_S, server_apply_gbyte_per_s=1e6))
 
 
