@@ -45,7 +45,6 @@ def _params(spec: str) -> int:
 
 
 def virtual_rows(quick: bool) -> list[list[object]]:
-    import dataclasses
 
     from cloudburst.config import RunConfig
     from cloudburst.config.simulation import SimulationConfig
@@ -64,12 +63,12 @@ def virtual_rows(quick: bool) -> list[list[object]]:
                     context=64, eval_every_s=1e9, checkpoint_every=0, overwrite=True,
                     out=str(Path("runs/bench/lm-virtual") / f"{name}-{workers}-{gbit}"), **kw,
                 )  # fmt: skip
-                cfg = dataclasses.replace(cfg, progress=False)
+                cfg = cfg.replace(progress=False)
                 sim = SimulationConfig(step_time_s=VIRTUAL_STEP_S, modelled_params=STAND_IN_PARAMS)
                 s = simulate(cfg, sim)
                 per_step = s["wall_time_s"] / steps
                 # the counters hold the tiny GPT's bytes; the clock charged GPT-2's
-                scale = STAND_IN_PARAMS / _params(cfg.model)
+                scale = STAND_IN_PARAMS / _params(cfg.model.model)
                 sent = s["sent_bytes"] * scale / (workers * steps)
                 rows.append(
                     [f"{gbit} Gbit/s", workers, name, f"{per_step:.3f}",

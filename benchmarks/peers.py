@@ -86,16 +86,16 @@ class TorchPeerStrategy(Strategy):
 
     def configure(self, steps_per_epoch: int, total_steps: int) -> None:
         # DASO's warm-up covers the epochs e < daso_warmup_epochs (its epoch counter is whole).
-        epochs = math.ceil(self.cfg.daso_warmup_epochs)
+        epochs = math.ceil(self.cfg.daso.warmup_epochs)
         self.warmup_steps = min(total_steps, epochs * max(1, steps_per_epoch))
 
     def _post_local_ddp(self, model: nn.Module, subgroups: list[list[int]]) -> nn.Module:
         """DDP whose gradients go over every worker for the warm-up, then over ``subgroups``."""
         topo, ctx = self.ctx.topology, self.ctx
-        self.model, self.global_period = model, max(1, self.cfg.daso_global_skip)
+        self.model, self.global_period = model, max(1, self.cfg.daso.global_skip)
         if ctx.num_servers or topo is None:
             raise RuntimeError(f"{self.name} needs --servers 0 and --nodes")
-        timeout = datetime.timedelta(seconds=self.cfg.comm_timeout_s)
+        timeout = datetime.timedelta(seconds=self.cfg.faults.comm_timeout_s)
         group = dist.new_subgroups_by_enumeration(subgroups, timeout=timeout, backend="gloo")[0]
         inner = post_local.PostLocalSGDState(None, group, self.warmup_steps)
         self.hook_state = HookState(inner, self.stats, ctx.link, ctx.world_size,
@@ -108,7 +108,7 @@ class TorchPeerStrategy(Strategy):
 
     def after_step(self, samples: int) -> None:
         self.local_steps += 1
-        self._average(self.cfg.workers > 1 and self.global_due(self.averager.step))
+        self._average(self.cfg.job.workers > 1 and self.global_due(self.averager.step))
 
     def global_due(self, call: int) -> bool:
         """Whether the averager's ``call``-th call (0-based) averages over all workers."""
@@ -123,7 +123,7 @@ class TorchPeerStrategy(Strategy):
             return
         numel = sum(p.numel() for p in params)
         spans = self.ctx.topology is not None and self.ctx.topology.num_nodes > 1
-        count_collective(self.stats, ring_bytes(numel, 4, self.cfg.workers), spans)
+        count_collective(self.stats, ring_bytes(numel, 4, self.cfg.job.workers), spans)
         t0 = time.perf_counter()
         if group is None:
             self.averager.average_parameters(params)
@@ -131,7 +131,7 @@ class TorchPeerStrategy(Strategy):
             averaging_utils.average_parameters(iter(params), group)
         link = self.ctx.link
         if link is not None and link.active and spans:
-            cost = link.allreduce_s(numel * 4, self.cfg.workers)
+            cost = link.allreduce_s(numel * 4, self.cfg.job.workers)
             self.stats.emulated_link_s += cost
             link.wait_until(link.reserve(cost, start=t0))
         self.stats.wait_s += time.perf_counter() - t0
@@ -141,7 +141,7 @@ class TorchPeerStrategy(Strategy):
         return self.replica_params()
 
     def finish(self) -> None:
-        if self.cfg.workers > 1:  # one more average, so every replica ends on one θ
+        if self.cfg.job.workers > 1:  # one more average, so every replica ends on one θ
             self._average(True, group=self.ctx.workers_group)
 
     def report(self) -> dict[str, Any]:
@@ -169,8 +169,8 @@ class TorchHierarchicalStrategy(TorchPeerStrategy):
         node = len(topo.ranks_on(0))
         if topo.ranks_on(0) != list(range(node)):
             raise RuntimeError("torch_hierarchical needs consecutive ranks per node")
-        ddp = self._post_local_ddp(model, [[r] for r in range(self.cfg.workers)])  # local steps
-        periods = OrderedDict([(1, node), (self.global_period, self.cfg.workers)])
+        ddp = self._post_local_ddp(model, [[r] for r in range(self.cfg.job.workers)])  # local steps
+        periods = OrderedDict([(1, node), (self.global_period, self.cfg.job.workers)])
         self.averager = hier.HierarchicalModelAverager(periods, self.warmup_steps)
         self.node_bytes = ring_bytes(sum(p.numel() for p in model.parameters()), 4, node)
         return ddp
@@ -192,18 +192,20 @@ class TorchPeriodicStrategy(TorchPeerStrategy):
         pass  # no warm-up: cloudburst's local_sgd schedule
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
-        if self.cfg.local_sgd_warmup_steps:
+        if self.cfg.local_sgd.warmup_steps:
             raise ValueError("torch_periodic has no warm-up: leave --local-sgd-warmup-steps at 0")
         self.model = model
         # Call c (0-based) averages when c >= H - 1 and (c - H + 1) % H == 0: after steps H, 2H.
-        self.averager = PeriodicModelAverager(self.cfg.period, self.cfg.period - 1)
+        self.averager = PeriodicModelAverager(
+            self.cfg.local_sgd.period, self.cfg.local_sgd.period - 1
+        )
         return model
 
     def global_due(self, call: int) -> bool:
-        return (call + 1) % self.cfg.period == 0
+        return (call + 1) % self.cfg.local_sgd.period == 0
 
     def finish(self) -> None:
-        if self.local_steps % self.cfg.period:  # as local_sgd: average what is left
+        if self.local_steps % self.cfg.local_sgd.period:  # as local_sgd: average what is left
             super().finish()
 
 

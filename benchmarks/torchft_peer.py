@@ -4,7 +4,7 @@ cloudburst's own data, model and batches, one replica group per process.
 torchft needs a lighthouse and one ``Manager`` per replica group, so :func:`run_torchft` starts
 them on 127.0.0.1 with the peer venv's python (torchft is never a dependency;
 ``../shared/PEERS.md``); each replica trains on the batches of cloudburst's worker ``replica``,
-steps padded to ``cfg.min_step_time_s`` as cloudburst pads. Used by ``compress.py`` and
+steps padded to ``cfg.cluster.min_step_time_s`` as cloudburst pads. Used by ``compress.py`` and
 ``local_sgd.py``::
 
     python benchmarks/torchft_peer.py lighthouse --min-replicas 4         # (peer venv)
@@ -45,7 +45,8 @@ class TorchftFailed(RuntimeError):
 
 # ---------------------------------------------------------------------------- the launcher
 def run_torchft(cfg: RunConfig, algorithm: str, out_dir: str | Path, steps: int | None = None):
-    """Train ``cfg`` with torchft's ``algorithm`` (``diloco`` streams when ``cfg.fragments`` > 1),
+    """Train ``cfg`` with torchft's ``algorithm`` (``diloco`` streams when
+    ``cfg.diloco.fragments`` > 1),
     ``steps`` per replica (default: ``cfg``'s). Returns a summary with the keys of cloudburst's
     ``summary.json`` for the same numbers plus every replica's step times and ``step_s``, their
     median (:func:`harness.step_s`). Raises :class:`TorchftFailed` with the failing output."""
@@ -74,7 +75,7 @@ def run_torchft(cfg: RunConfig, algorithm: str, out_dir: str | Path, steps: int 
                 tail = f"(no output: {e})"
             return TorchftFailed(f"torchft {what}: {tail or '(no output)'}")
 
-        lh = start("lighthouse", "lighthouse", "--min-replicas", str(cfg.workers),
+        lh = start("lighthouse", "lighthouse", "--min-replicas", str(cfg.job.workers),
                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
         address = lh.stdout.readline().strip()
         if not address.startswith("http"):
@@ -83,7 +84,7 @@ def run_torchft(cfg: RunConfig, algorithm: str, out_dir: str | Path, steps: int 
                 "--config", str(out / "config.json")]  # fmt: skip
         argv += ["--steps", str(steps)] if steps else []
         replicas = [start(f"replica{i}", "replica", "--replica", str(i), *argv)
-                    for i in range(cfg.workers)]  # fmt: skip
+                    for i in range(cfg.job.workers)]  # fmt: skip
         deadline = time.monotonic() + TIMEOUT_S
         for i, p in enumerate(replicas):
             try:
@@ -93,10 +94,10 @@ def run_torchft(cfg: RunConfig, algorithm: str, out_dir: str | Path, steps: int 
                              f"replica{i}") from None  # fmt: skip
             if rc != 0:
                 raise failed(f"{algorithm} replica {i} exited with {rc}", f"replica{i}")
-    reports = [json.loads((out / f"replica{i}.json").read_text()) for i in range(cfg.workers)]
+    reports = [json.loads((out / f"replica{i}.json").read_text()) for i in range(cfg.job.workers)]
     step_times = {str(i): r["step_times"] for i, r in enumerate(reports)}
     summary = {
-        "strategy": f"torchft_{algorithm}", "workers": cfg.workers,
+        "strategy": f"torchft_{algorithm}", "workers": cfg.job.workers,
         "final_test_accuracy": reports[0]["final_test_accuracy"],
         "replica_accuracies": [r["final_test_accuracy"] for r in reports],
         "wall_time_s": max(r["wall_time_s"] for r in reports),
@@ -180,14 +181,15 @@ def torchft_replica(
     model = build_run_model(cfg, data)
     optimizer = make_optimizer(cfg, model.parameters())
     # Exactly the batches cloudburst's worker ``replica`` draws (train.run_worker).
-    stream = cb.batch_stream(cb.worker_source(data, replica, cfg.workers), cfg.batch_size,
-                             seed=cfg.seed * 1000 + replica,
-                             preprocess=data.preprocess(augment=cfg.augment))  # fmt: skip
+    source = cb.worker_source(data, replica, cfg.job.workers)
+    stream = cb.batch_stream(source, cfg.training.batch_size,
+                             seed=cfg.training.seed * 1000 + replica,
+                             preprocess=data.preprocess(augment=cfg.data.augment))  # fmt: skip
     total = steps or cfg.steps_per_worker(len(data.train))
-    if total % cfg.period:
+    if total % cfg.local_sgd.period:
         raise ValueError(
-            f"torchft runs need steps ({total}) to be a multiple of period ({cfg.period}): "
-            "torchft's algorithms end on one model only after a sync"
+            f"torchft runs need steps ({total}) to be a multiple of period "
+            f"({cfg.local_sgd.period}): torchft's algorithms end on one model only after a sync"
         )
 
     def load_state_dict(state: dict[str, Any]) -> None:
@@ -195,13 +197,13 @@ def torchft_replica(
         optimizer.load_state_dict(state["optim"])
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    timeout = timedelta(seconds=cfg.comm_timeout_s)
+    timeout = timedelta(seconds=cfg.faults.comm_timeout_s)
     # use_async_quorum=False: DiLoCo requires it (LocalSGD syncs right after its quorum);
     # init_sync=False: every replica starts from the same seeded θ, as in cloudburst.
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
         state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
-        min_replica_size=cfg.workers, use_async_quorum=False,
+        min_replica_size=cfg.job.workers, use_async_quorum=False,
         timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=0, world_size=1,
         store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse,
         replica_id=f"rg{replica}", hostname="127.0.0.1", init_sync=False,
@@ -212,26 +214,26 @@ def torchft_replica(
     started = [0.0]
 
     def pad(*_: Any) -> None:
-        left = cfg.min_step_time_s - (time.perf_counter() - started[0])
+        left = cfg.cluster.min_step_time_s - (time.perf_counter() - started[0])
         if left > 0:
             time.sleep(left)
 
     optimizer.register_step_post_hook(pad)
     if algorithm == "localsgd":
-        algo = LocalSGD(manager, model, optimizer, sync_every=cfg.period)
+        algo = LocalSGD(manager, model, optimizer, sync_every=cfg.local_sgd.period)
     else:
-        fragments = fragments_of(model, cfg.fragments)
-        nesterov = cfg.diloco_nesterov and cfg.diloco_outer_momentum > 0
-        outers = [torch.optim.SGD(f.parameters(), lr=cfg.diloco_outer_lr,
-                                  momentum=cfg.diloco_outer_momentum, nesterov=nesterov)
+        fragments = fragments_of(model, cfg.diloco.fragments)
+        nesterov = cfg.diloco.nesterov and cfg.diloco.outer_momentum > 0
+        outers = [torch.optim.SGD(f.parameters(), lr=cfg.diloco.outer_lr,
+                                  momentum=cfg.diloco.outer_momentum, nesterov=nesterov)
                   for f in fragments]  # fmt: skip
         algo = DiLoCo(manager, fragments, optimizer, outers if len(outers) > 1 else outers[0],
-                      sync_every=cfg.period, pin_memory=False,
-                      fragment_sync_delay=cfg.fragment_delay,
-                      fragment_update_alpha=cfg.fragment_alpha)  # fmt: skip
+                      sync_every=cfg.local_sgd.period, pin_memory=False,
+                      fragment_sync_delay=cfg.diloco.fragment_delay,
+                      fragment_update_alpha=cfg.diloco.fragment_alpha)  # fmt: skip
     # Start training together (set-up differs per process): wait for every ``ready<i>``.
     (out / f"ready{replica}").touch()
-    deadline, n = time.monotonic() + READY_S, cfg.workers
+    deadline, n = time.monotonic() + READY_S, cfg.job.workers
     while not all((out / f"ready{i}").exists() for i in range(n)):
         if time.monotonic() > deadline:
             raise TimeoutError(f"replica {replica}: not all {n} replicas ready in {READY_S} s")
@@ -250,7 +252,7 @@ def torchft_replica(
             loss_t.backward()
             optimizer.step()  # pad, then torchft's post-step hook (the syncs every H steps)
             loss = loss_t.item()
-            if step % cfg.log_every_steps == 0 or step == total:
+            if step % cfg.metrics.log_every_steps == 0 or step == total:
                 step_times.append([step, time.perf_counter() - t0])
     wall_s = time.perf_counter() - t0
     test = cb.in_memory(data.test)
@@ -259,10 +261,10 @@ def torchft_replica(
     numel = sum(p.numel() for p in model.parameters())
     # sent_bytes: counted as cloudburst counts an all-reduce of |θ| fp32 values (a ring).
     report = {"replica": replica, "algorithm": algorithm, "steps": total,
-              "samples": total * cfg.batch_size, "final_loss": loss,
+              "samples": total * cfg.training.batch_size, "final_loss": loss,
               "final_test_accuracy": acc, "final_test_loss": test_loss, "wall_time_s": wall_s,
-              "syncs": syncs, "commit_failures": total // cfg.period - syncs,
-              "sent_bytes": syncs * ring_bytes(numel, 4, cfg.workers),
+              "syncs": syncs, "commit_failures": total // cfg.local_sgd.period - syncs,
+              "sent_bytes": syncs * ring_bytes(numel, 4, cfg.job.workers),
               "step_times": step_times}  # fmt: skip
     (out / f"replica{replica}.json").write_text(json.dumps(report) + "\n")
     manager.shutdown(wait=False)

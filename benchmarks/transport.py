@@ -113,8 +113,10 @@ def run_duplex(rank: int, s: dict, bufs: dict) -> Timing:
 def run_asgd(rank: int, s: dict, ctx: Context) -> Timing:
     model = FlatParams(s["numel"])
     if rank == SERVER:
-        with contextlib.closing(MetricsWriter(ctx.cfg.out, rank, "server")) as metrics:
-            liveness = LivenessMonitor(ctx.store, ctx.worker_ranks, ctx.cfg.heartbeat_timeout_s)
+        with contextlib.closing(MetricsWriter(ctx.cfg.output.out, rank, "server")) as metrics:
+            liveness = LivenessMonitor(
+                ctx.store, ctx.worker_ranks, ctx.cfg.faults.heartbeat_timeout_s
+            )
             ServerLoop(ctx, flatten_params(model), metrics, liveness).run()
         return 0.0, 0.0, 0.0
     strategy = AsgdStrategy(ctx)

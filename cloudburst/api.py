@@ -64,9 +64,11 @@ class Job:
         if int(os.environ.get("RANK", "0")) == 0:
             # Before the others join (they wait for rank 0 in init_distributed): a new,
             # empty or earlier run's directory, its old files removed by name.
-            prepare_run_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
+            prepare_run_dir(
+                cfg.output.out, resume=cfg.faults.resume, overwrite=cfg.output.overwrite
+            )
         self.ctx: Context = init_distributed(cfg, cfg.strategy_spec)
-        self.metrics = MetricsWriter(cfg.out, self.ctx.rank, self.ctx.role)
+        self.metrics = MetricsWriter(cfg.output.out, self.ctx.rank, self.ctx.role)
         self.strategy: Strategy | None = None
         self._hooks: _LoopHooks | None = None
         self._budget: TimeBudget | None = None

@@ -41,8 +41,8 @@ def run_rank(cfg_dict: dict[str, Any]) -> None:
     cfg = RunConfig.from_dict(cfg_dict)
     ctx = init_distributed(cfg, cfg.strategy_spec)
     if ctx.rank == 0:  # what --resume reads back (the local launcher also writes it)
-        write_json_atomic(f"{cfg.out}/config.json", cfg.to_dict())
-    metrics = MetricsWriter(cfg.out, ctx.rank, ctx.role, tensorboard=cfg.tensorboard)
+        write_json_atomic(f"{cfg.output.out}/config.json", cfg.to_dict())
+    metrics = MetricsWriter(cfg.output.out, ctx.rank, ctx.role, tensorboard=cfg.metrics.tensorboard)
     metrics.log(
         "start",
         wall=time.time(),
@@ -96,13 +96,15 @@ def start_watchdog(ctx: Context, metrics: MetricsWriter) -> Watchdog:
     run's summary (a local job's launcher writes it), then exit."""
     cfg = ctx.cfg
     watched = watched_peers(
-        ctx.rank, ctx.world_size, cfg.servers, cfg.strategy_spec.survives_worker_loss
+        ctx.rank, ctx.world_size, cfg.job.servers, cfg.strategy_spec.survives_worker_loss
     )
 
     def on_lost(rank: int | None, role: str) -> None:
         time_s = ctx.elapsed_s()
         reason = f"{role} lost at {time_s:.1f} s"
-        log.error("%s (no heartbeat for %g s): stopping this rank", reason, cfg.heartbeat_timeout_s)
+        log.error(
+            "%s (no heartbeat for %g s): stopping this rank", reason, cfg.faults.heartbeat_timeout_s
+        )
         try:
             metrics.log("peer_lost", lost_rank=rank, reason=reason, time_s=time_s)
             if not os.environ.get("CLOUDBURST_LOCAL_JOB"):
@@ -111,4 +113,4 @@ def start_watchdog(ctx: Context, metrics: MetricsWriter) -> Watchdog:
         finally:
             os._exit(EXIT_PEER_LOST)
 
-    return Watchdog(ctx.liveness_store, watched, cfg.heartbeat_timeout_s, on_lost).start()
+    return Watchdog(ctx.liveness_store, watched, cfg.faults.heartbeat_timeout_s, on_lost).start()

@@ -43,23 +43,27 @@ def main() -> None:
     )  # AdamW 4.2e-3, wd 0.1, warm-up + cosine, clip 1, outer averaging (lr 1, momentum 0)
     job = cloudburst.Job(cfg)  # cloudburst
 
-    data = load_dataset(cfg.dataset, cfg.train_size, cfg.test_size, context=cfg.context)
-    model = build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)  # same θ₀
+    data = load_dataset(
+        cfg.data.dataset, cfg.data.train_size, cfg.data.test_size, context=cfg.data.context
+    )
+    model = build_model(
+        cfg.model.model, data.input_shape, data.num_classes, cfg.training.seed
+    )  # same θ₀
     optimizer = make_optimizer(cfg, model.parameters())
-    scheduler = make_scheduler(cfg, optimizer, cfg.steps)
+    scheduler = make_scheduler(cfg, optimizer, cfg.training.steps)
     shard = worker_source(data, job.worker_index, job.num_workers)  # disjoint tokens
-    stream = batch_stream(shard, cfg.batch_size, seed=1000 + job.worker_index)
+    stream = batch_stream(shard, cfg.training.batch_size, seed=1000 + job.worker_index)
     model = job.wrap(
-        model, optimizer, len(shard) // cfg.batch_size, cfg.steps, hooks=False
+        model, optimizer, len(shard) // cfg.training.batch_size, cfg.training.steps, hooks=False
     )  # cloudburst
     job.start()  # cloudburst
-    for _ in range(cfg.steps):
+    for _ in range(cfg.training.steps):
         x, y = next(stream)
         loss = lm_loss(model(x), y)  # nats per byte token
         optimizer.zero_grad()
         loss.backward()
         job.after_backward()  # cloudburst
-        clip_gradients(optimizer, cfg.clip_grad_norm)
+        clip_gradients(optimizer, cfg.training.clip_grad_norm)
         optimizer.step()
         scheduler.step()
         job.after_step(len(x), loss.item())  # cloudburst

@@ -65,9 +65,9 @@ from tests.dist.simulate import SEED as PARITY_SEED
 # interleaving, with no timing in it.
 #
 # :func:`ps_job` builds such a job from a config: W strategy objects (the class named by
-# ``cfg.strategy``) wrapped around their replicas, and S server loops. What the fake does not do:
-# the DONE/PING handshake of ``finish`` (a worker would wait for the others in the one thread);
-# call :func:`flush` to push what a worker has left, as ``finish`` does first.
+# ``cfg.job.strategy``) wrapped around their replicas, and S server loops. What the fake does
+# not do: the DONE/PING handshake of ``finish`` (a worker would wait for the others in the one
+# thread); call :func:`flush` to push what a worker has left, as ``finish`` does first.
 class Done:
     """A finished (or lazily finishing) work handle: ``wait`` runs ``fn`` once."""
 
@@ -235,7 +235,7 @@ class FakeContext(ReplicaView):
 
     @property
     def num_servers(self) -> int:
-        return self.cfg.servers
+        return self.cfg.job.servers
 
     @property
     def world_size(self) -> int:
@@ -279,15 +279,15 @@ class PsJob:
 
 
 def ps_job(cfg: RunConfig, models: list[nn.Module], theta: torch.Tensor | None = None) -> PsJob:
-    """A parameter-server job of ``cfg.servers`` shards (starting from ``theta``, by default
-    the first model's θ) and one worker per model (the strategy ``cfg.strategy`` names, already
-    wrapped around its model, not started): the first ``len(models)`` of ``cfg.workers``."""
-    if len(models) > cfg.workers:
-        raise ValueError(f"{len(models)} models for {cfg.workers} workers")
+    """A parameter-server job of ``cfg.job.servers`` shards (starting from ``theta``, by default
+    the first model's θ) and one worker per model (the strategy ``cfg.job.strategy`` names, already
+    wrapped around its model, not started): the first ``len(models)`` of ``cfg.job.workers``."""
+    if len(models) > cfg.job.workers:
+        raise ValueError(f"{len(models)} models for {cfg.job.workers} workers")
     net, store = FakeNetwork(), FakeStore()
     theta = flatten_params(models[0]) if theta is None else theta
     loops, metrics = [], []
-    for k in range(cfg.servers):
+    for k in range(cfg.job.servers):
         recorder = RecordingMetrics()
         loop = ServerLoop(FakeContext(cfg, k, net, store), theta, recorder, NoLiveness())
         net.add_shard(loop)
@@ -295,7 +295,9 @@ def ps_job(cfg: RunConfig, models: list[nn.Module], theta: torch.Tensor | None =
         metrics.append(recorder)
     workers = []
     for i, model in enumerate(models):
-        strategy = STRATEGY_CLASSES[cfg.strategy](FakeContext(cfg, cfg.servers + i, net, store))
+        strategy = STRATEGY_CLASSES[cfg.job.strategy](
+            FakeContext(cfg, cfg.job.servers + i, net, store)
+        )
         strategy.wrap(model, None)
         workers.append(strategy)
     return PsJob(workers, loops, metrics)
@@ -444,7 +446,7 @@ class LocalSgdCtx(ReplicaView):
 
     @property
     def worker_ranks(self) -> list[int]:
-        return list(range(self.cfg.workers))
+        return list(range(self.cfg.job.workers))
 
 
 def survivor_cfg(strategy: str, workers: int, **kw) -> RunConfig:
@@ -462,10 +464,10 @@ class LocalSgdJob:
         **ctx: Any,
     ):
         self.cfg, self.replicas = cfg, replicas
-        self.group = _Workers(cfg.workers)
+        self.group = _Workers(cfg.job.workers)
         monkeypatch.setattr(local_sgd, "all_reduce_sum", self.group.all_reduce_sum)
-        cls = DilocoStrategy if cfg.strategy == "diloco" else LocalSgdStrategy
-        self.strategies = [cls(LocalSgdCtx(cfg, w, **ctx)) for w in range(cfg.workers)]
+        cls = DilocoStrategy if cfg.job.strategy == "diloco" else LocalSgdStrategy
+        self.strategies = [cls(LocalSgdCtx(cfg, w, **ctx)) for w in range(cfg.job.workers)]
         for s, model, opt in zip(
             self.strategies, replicas.models, replicas.optimizers, strict=True
         ):
@@ -647,7 +649,7 @@ def daso_sync_drive(
 
 # --------------- one asgd worker and its shards over tests.support (tests/unit/test_asgd_worker.py)
 def make_asgd_worker(cfg: RunConfig, model: nn.Module) -> tuple[AsgdStrategy, list[ServerLoop]]:
-    """The first of ``cfg.workers`` asgd workers, around ``model``, and the shards."""
+    """The first of ``cfg.job.workers`` asgd workers, around ``model``, and the shards."""
     job = ps_job(cfg, [model])
     return job.workers[0], job.loops
 

@@ -158,7 +158,7 @@ def add_config_flags(p: argparse.ArgumentParser) -> dict[str, Any]:
         groups[part.section] = by_title[part.title]
         for f in dataclasses.fields(part):
             if f.metadata["cli"]:
-                flag, options = flag_spec(f)
+                flag, options = flag_spec(f, part.flat(f.name))
                 groups[part.section].add_argument(flag, **options)
     return groups
 
@@ -176,20 +176,22 @@ def add_simulation_flags(p: argparse.ArgumentParser) -> Any:
     return group
 
 
-def flag_spec(f: dataclasses.Field) -> tuple[str, dict[str, Any]]:
-    """``("--daso-global-skip", add_argument's options)`` for a config field: ``--name`` with
-    a value of the field's type; a list is a repeatable flag; a bool is a switch that sets it
-    (``--tensorboard``) or, for one that defaults to True, clears it (``--no-augment``)."""
+def flag_spec(f: dataclasses.Field, name: str | None = None) -> tuple[str, dict[str, Any]]:
+    """``("--daso-global-skip", add_argument's options)`` for a config field of flat name
+    ``name`` (its own by default): ``--name`` with a value of the field's type; a list is a
+    repeatable flag; a bool is a switch that sets it (``--tensorboard``) or, for one that
+    defaults to True, clears it (``--no-augment``)."""
     meta = f.metadata
+    name = name or f.name
     kind = str(f.type).removesuffix(" | None")
-    options: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
+    options: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
     help_text = meta["help"]
     if kind == "bool":
         switch = "--no-" if f.default else "--"
-        flag = meta["flag"] or switch + f.name.replace("_", "-")
+        flag = meta["flag"] or switch + name.replace("_", "-")
         options["action"] = "store_false" if f.default else "store_true"
     else:
-        flag = meta["flag"] or "--" + f.name.replace("_", "-")
+        flag = meta["flag"] or "--" + name.replace("_", "-")
         if kind.startswith("list["):
             options["action"] = "append"
         elif kind in ("int", "float"):
@@ -241,7 +243,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for _, cfg in runs:  # every run's directory is usable before the first one starts
         if not getattr(args, "allow_large_job", False):
             check_local_job_fits(cfg)
-        check_run_dir(cfg.out, resume=False, overwrite=cfg.overwrite)
+        check_run_dir(cfg.output.out, resume=False, overwrite=cfg.output.overwrite)
     for _, cfg in runs[:1]:
         preflight(cfg)
     try:
@@ -301,19 +303,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sim = SimulationConfig.from_dict(sim_values)
         for warning in cfg.warnings():
             print(f"cloudburst: warning: {warning}", file=sys.stderr)
-        check_run_dir(cfg.out, resume=False, overwrite=cfg.overwrite)
+        check_run_dir(cfg.output.out, resume=False, overwrite=cfg.output.overwrite)
         preflight(cfg)
-        prepare_run_dir(cfg.out, resume=False, overwrite=cfg.overwrite)
+        prepare_run_dir(cfg.output.out, resume=False, overwrite=cfg.output.overwrite)
         try:
             summary = _simulate_fn()(cfg, sim)
         except _simulation_failed() as e:
             print(f"cloudburst: {e}", file=sys.stderr)
             return 1
         print(format_summary([summary]))
-        model, why = sim.network_model_for(cfg.device)
+        model, why = sim.network_model_for(cfg.model.device)
         print(
-            f"cloudburst: simulated run in {cfg.out} (times in virtual seconds; network model "
-            f"{model}: {why})",
+            f"cloudburst: simulated run in {cfg.output.out} (times in virtual seconds; network "
+            f"model {model}: {why})",
             file=sys.stderr,
         )
         if summary.get("failed"):  # it finished, but θ diverged (cloudburst.loop.summary.diverged)
@@ -325,7 +327,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     seeds = seeds or [int(values.get("seed", 0))]
     points = sweep.sweep_points(values, sim_values, field, sweep_values, strategies, seeds, out)
     for point in points:  # every run's directory is usable before the first one starts
-        check_run_dir(point.cfg.out, resume=False, overwrite=point.cfg.overwrite)
+        check_run_dir(point.cfg.output.out, resume=False, overwrite=point.cfg.output.overwrite)
     for warning in dict.fromkeys(w for point in points for w in point.cfg.warnings()):
         print(f"cloudburst: warning: {warning}", file=sys.stderr)
     preflight(points[0].cfg)
@@ -334,7 +336,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         out,
         field,
         lambda cfg, sim: _simulate_fn()(cfg, sim),
-        prepare=lambda cfg: prepare_run_dir(cfg.out, resume=False, overwrite=cfg.overwrite),
+        prepare=lambda cfg: prepare_run_dir(
+            cfg.output.out, resume=False, overwrite=cfg.output.overwrite
+        ),
         failure=_simulation_failed(),
     )
     print((Path(out) / "sweep.md").read_text(), end="")
@@ -379,11 +383,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         for warning in cfg.warnings():
             print(f"cloudburst: warning: {warning}", file=sys.stderr)
-    check_run_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
+    check_run_dir(cfg.output.out, resume=cfg.faults.resume, overwrite=cfg.output.overwrite)
     preflight(cfg)
     if in_torchrun():
         if int(os.environ["RANK"]) == 0:  # the others only check (above)
-            prepare_run_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
+            prepare_run_dir(
+                cfg.output.out, resume=cfg.faults.resume, overwrite=cfg.output.overwrite
+            )
         from cloudburst.runtime.placement import topology_mismatch
         from cloudburst.train import run_rank
 
@@ -394,7 +400,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_rank(cfg.to_dict())
         from cloudburst.loop.summary import finished_exit_code  # 1 when θ diverged
 
-        return finished_exit_code(cfg.out) if int(os.environ["RANK"]) == 0 else 0
+        return finished_exit_code(cfg.output.out) if int(os.environ["RANK"]) == 0 else 0
     return launch_and_report(cfg)
 
 
@@ -415,19 +421,19 @@ def launch_and_report(cfg: RunConfig) -> int:
             return 1
         # no results table: a failed run's numbers are not a result
         print(failed_message(e.summary), file=sys.stderr)
-        print(f"cloudburst: logs in {os.path.join(cfg.out, 'logs')}", file=sys.stderr)
+        print(f"cloudburst: logs in {os.path.join(cfg.output.out, 'logs')}", file=sys.stderr)
         return 1
     except JobInterrupted as e:
         print(format_summary([e.summary]))
         return _interrupted(e.summary)
     if summary.get("failed"):  # it finished, but θ diverged (cloudburst.loop.summary.diverged)
         print(failed_message(summary), file=sys.stderr)
-        print(f"cloudburst: the run's files are in {cfg.out}", file=sys.stderr)
+        print(f"cloudburst: the run's files are in {cfg.output.out}", file=sys.stderr)
         return 1
     print(format_summary([summary]))
     print(
-        f"cloudburst: the run is in {cfg.out} (summary.json, metrics/; learning curves: "
-        f"cloudburst plot {cfg.out})",
+        f"cloudburst: the run is in {cfg.output.out} (summary.json, metrics/; learning curves: "
+        f"cloudburst plot {cfg.output.out})",
         file=sys.stderr,
     )
     if summary.get("failed_agents"):
@@ -439,10 +445,10 @@ def launch_and_report(cfg: RunConfig) -> int:
             f"lost workers: {lost}",
             file=sys.stderr,
         )
-        for line in rank_errors(Path(cfg.out))[:3]:
+        for line in rank_errors(Path(cfg.output.out))[:3]:
             print(f"cloudburst: a rank failed with: {line}", file=sys.stderr)
-        print(f"cloudburst: logs in {os.path.join(cfg.out, 'logs')}", file=sys.stderr)
-        if len(lost) >= cfg.workers:  # nobody trained to the end: the model is not a result
+        print(f"cloudburst: logs in {os.path.join(cfg.output.out, 'logs')}", file=sys.stderr)
+        if len(lost) >= cfg.job.workers:  # nobody trained to the end: the model is not a result
             print("cloudburst: every worker was lost; the run failed", file=sys.stderr)
             return 1
     return 0

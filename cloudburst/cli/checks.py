@@ -43,18 +43,18 @@ def preflight(cfg: RunConfig) -> None:
     from cloudburst.records.checkpoint import CheckpointError, load_model_into
     from cloudburst.runtime import in_torchrun
 
-    if cfg.device == "cuda" and not _cuda_available():
+    if cfg.model.device == "cuda" and not _cuda_available():
         raise ConfigError("device: cuda was asked for, but torch sees no CUDA device here")
-    if cfg.backend == "nccl" and not in_torchrun() and _cuda_available():
+    if cfg.model.backend == "nccl" and not in_torchrun() and _cuda_available():
         import torch
 
-        if torch.cuda.device_count() < cfg.workers:
+        if torch.cuda.device_count() < cfg.job.workers:
             raise ConfigError(
                 f"backend: nccl needs one GPU per worker; this machine has "
-                f"{torch.cuda.device_count()} for {cfg.workers} workers (NCCL cannot run two "
+                f"{torch.cuda.device_count()} for {cfg.job.workers} workers (NCCL cannot run two "
                 "ranks on one GPU); use --backend gloo or auto"
             )
-    if cfg.tensorboard:
+    if cfg.metrics.tensorboard:
         try:
             import tensorboard  # noqa: F401
         except ImportError:
@@ -66,24 +66,24 @@ def preflight(cfg: RunConfig) -> None:
         data = load_run_dataset(cfg)
     except DatasetError as e:
         raise ConfigError(field_message("dataset", e)) from None
-    if cfg.train_size is None:
-        shard = len(data.train) // cfg.workers
-        if cfg.batch_size > shard:
+    if cfg.data.train_size is None:
+        shard = len(data.train) // cfg.job.workers
+        if cfg.training.batch_size > shard:
             raise ConfigError(
-                f"batch_size: {cfg.batch_size} is larger than each worker's shard of {shard} "
-                f"samples ({len(data.train)} training samples / {cfg.workers} workers)"
+                f"batch_size: {cfg.training.batch_size} is larger than each worker's shard of "
+                f"{shard} samples ({len(data.train)} training samples / {cfg.job.workers} workers)"
             )
     try:
         model = build_run_model(cfg, data)
     except ModelError as e:
         raise ConfigError(field_message("model", e)) from None
     _check_forward(cfg, model, data)
-    if cfg.init_from:
+    if cfg.training.init_from:
         try:
-            load_model_into(cfg.init_from, model)
+            load_model_into(cfg.training.init_from, model)
         except CheckpointError as e:
             raise ConfigError(f"init_from: {e}") from None
-    if cfg.resume:
+    if cfg.faults.resume:
         from cloudburst.records.resilience import check_resumable
 
         try:
@@ -110,7 +110,7 @@ def _check_forward(cfg: RunConfig, model, data) -> None:
     except Exception as e:  # noqa: BLE001 - any failure means "does not fit"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(
-            f"model: {cfg.model!r} fails on this dataset's input of shape "
+            f"model: {cfg.model.model!r} fails on this dataset's input of shape "
             f"{tuple(x.shape[1:])}: {first[:200]}"
         ) from None
     # A language model (text datasets) predicts every position: [B, T, vocabulary].
@@ -119,7 +119,7 @@ def _check_forward(cfg: RunConfig, model, data) -> None:
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ConfigError(
-            f"model: {cfg.model!r} returns {shape} for a batch of {x.shape[0]}; this dataset "
+            f"model: {cfg.model.model!r} returns {shape} for a batch of {x.shape[0]}; this dataset "
             f"needs logits of shape {expected}"
         )
 
@@ -216,11 +216,11 @@ def local_job_needs(cfg: RunConfig) -> Capacity:
     ranks = cfg.world_size
     kind = cfg.dataset_kind_path()[0]
     loaders = (
-        cfg.data_workers
-        if cfg.data_workers is not None
+        cfg.data.workers
+        if cfg.data.workers is not None
         else (2 if kind in ("cifar10", "imagefolder") else 0)
     )
-    loader_procs = loaders * cfg.workers
+    loader_procs = loaders * cfg.job.workers
     return Capacity(
         tasks=ranks * TASKS_PER_RANK + loader_procs * TASKS_PER_DATA_WORKER,
         memory_bytes=ranks * MEMORY_PER_RANK_BYTES + loader_procs * MEMORY_PER_DATA_WORKER_BYTES,

@@ -70,7 +70,7 @@ def run_comparison(
     done: list[str] = []
     for i, (label, cfg) in enumerate(runs, 1):
         print(
-            f"== {i}/{len(runs)} {label}: {cfg.workers} workers, {cfg.servers} servers",
+            f"== {i}/{len(runs)} {label}: {cfg.job.workers} workers, {cfg.job.servers} servers",
             file=sys.stderr,
             flush=True,
         )
@@ -83,7 +83,9 @@ def run_comparison(
         done.append(label)
     table = format_summary(summaries, labels=done)
     print(table)
-    plot = plot_runs([cfg.out for _, cfg in runs], str(Path(out) / "curves.png"), title, done)
+    plot = plot_runs(
+        [cfg.output.out for _, cfg in runs], str(Path(out) / "curves.png"), title, done
+    )
     lines = [f"# {title}", "", "```", table, "```", ""]
     for label, cfg in runs:
         settings = {k: v for k, v in cfg.to_dict().items() if k not in ("out", "progress")}

@@ -38,5 +38,5 @@ def run_demo(
     # Each run's directory is named after its strategy, as before.
     runs = [(spec.split(":")[0], cfg) for spec, (_, cfg) in zip(specs, runs, strict=True)]
     for label, cfg in runs:
-        cfg.out = f"{out}/{label}"
+        cfg.output.out = f"{out}/{label}"
     return run_comparison(runs, out, title="cloudburst demo: MNIST-1D CNN")

@@ -1,15 +1,19 @@
 """Run configuration: one small dataclass per concern, composed into :class:`RunConfig`,
 validated once, before any process starts.
 
-Each concern (the job, A-SGD's parameter server, DASO, the data, faults, ...) is a dataclass
-whose fields carry their help in ``field(metadata=...)`` (written with :func:`option`) and whose
-``_validate_<concern>`` (and ``_defaults_<concern>``, for a strategy's) sits next to them. The
-strategies' settings live in their packages (``strategies/<name>/settings.py``) and come here
-through the registry; what differs between strategies is a trait or hook of their spec
-(``cfg.strategy_spec``), never a branch on the name. ``cloudburst train``'s flags are generated
-from these fields (:mod:`cloudburst.cli`), so a new setting is one field (and its check).
-:class:`RunConfig` inherits every concern: its attributes stay flat (``cfg.daso_global_skip``,
-``cfg.lr``), and so do :meth:`RunConfig.to_dict` and a run's config.json.
+Each concern (the job, A-SGD's parameter server, DASO, the data, faults, ...) is a
+:class:`~cloudburst.config.fields.Section`: a dataclass whose fields carry their help in
+``field(metadata=...)`` (written with :func:`option`) and whose ``defaults`` and ``validate``
+sit next to them. A config reads by concern: ``cfg.training.lr``, ``cfg.asgd.n_sync``,
+``cfg.daso.global_skip``. The strategies' settings live in their packages
+(``strategies/<name>/settings.py``) and come here through the registry; what differs between
+strategies is a trait or hook of their spec (``cfg.strategy_spec``), never a branch on the
+name. ``cloudburst train``'s flags are generated from these fields (:mod:`cloudburst.cli`), so
+a new setting is one field (and its check).
+
+Outside the code, a field has one flat name (``daso_global_skip``, ``lr``): its flag
+(``--daso-global-skip``), its top-level TOML key, its key in a run's config.json and in
+:meth:`RunConfig.to_dict`, and the keyword of ``RunConfig(...)`` and :meth:`RunConfig.replace`.
 
 A bad value raises :class:`ConfigError` whose message is one line naming the field, the value
 and what is allowed; the CLI prints it and exits with code 2 without launching anything. Every
@@ -23,13 +27,13 @@ a float are not an int); flags, ``compare``'s specs and sweeps give text, parsed
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
 import json
 import math
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +56,7 @@ from cloudburst.config.fields import (  # noqa: F401
     MODELS,
     OPTIMIZERS,
     ConfigError,
+    Section,
     Straggler,
     check_bounds,
     check_choice,
@@ -79,55 +84,77 @@ COMPONENTS: tuple[type, ...] = (
 )
 
 
-@dataclass
-class RunConfig(
-    OutputConfig,
-    FaultConfig,
-    MetricsConfig,
-    TrainingConfig,
-    ModelConfig,
-    DataConfig,
-    ClusterConfig,
-    *reversed(STRATEGY_SETTINGS),
-    JobConfig,
-):
-    """Everything one training run needs: every concern's fields, flat (``cfg.lr``)."""
+def _fields() -> dict[str, tuple[type, dataclasses.Field]]:
+    """Every field of every concern by its flat name: ``{"daso_global_skip": (DasoConfig,
+    <field global_skip>)}``."""
+    return {part.flat(f.name): (part, f) for part in COMPONENTS for f in dataclasses.fields(part)}
 
-    def __post_init__(self) -> None:
-        if isinstance(self.inject_fault, str):
-            self.inject_fault = [self.inject_fault]
-        check_bounds(self)  # the defaults below compute with these values
+
+#: Every field by its flat name (the flag's, the TOML key's, config.json's), with its concern.
+FIELDS: dict[str, tuple[type, dataclasses.Field]] = _fields()
+
+
+class RunConfig:
+    """Everything one training run needs: one section per concern (``cfg.training.lr``,
+    ``cfg.asgd.n_sync``, ``cfg.cluster.inter_node_link``, ``cfg.daso.global_skip``).
+
+    Made from flat names, as flags, TOML files and config.json give them
+    (``RunConfig(strategy="asgd", workers=4, lr=0.05)``); :meth:`replace` makes a changed
+    copy the same way and :meth:`to_dict` gives them back. Each concern fills its open values
+    and is checked when the config is made (:meth:`validate`).
+    """
+
+    def __init__(self, **values: Any) -> None:
+        given: dict[type, dict[str, Any]] = {part: {} for part in COMPONENTS}
+        for name, value in values.items():
+            if name not in FIELDS:
+                raise TypeError(f"RunConfig: unknown field {name!r}")
+            part, f = FIELDS[name]
+            given[part][f.name] = value
+        for part in COMPONENTS:
+            setattr(self, part.section, part(**given[part]))
+        if isinstance(self.faults.inject_fault, str):
+            self.faults.inject_fault = [self.faults.inject_fault]
+        self.check_bounds()  # the defaults below compute with these values
         # Defaults that depend on another concern's value.
-        if self.servers is None:
-            self.servers = 1 if self.strategy_spec.needs_servers else 0
-        self._training_defaults()  # the GPT's recipe, or SGD's (config/components.py)
-        for part in STRATEGY_SETTINGS:  # asgd's n_sync and λ, DiLoCo's outer lr, ...
-            defaults = getattr(self, f"_defaults_{part.section}", None)
-            if defaults is not None:
-                defaults()
+        if self.job.servers is None:
+            self.job.servers = 1 if self.strategy_spec.needs_servers else 0
+        self.training.defaults(self)  # the GPT's recipe, or SGD's (config/components.py)
+        for section in self.strategy_sections():  # asgd's n_sync and λ, DiLoCo's outer lr, ...
+            section.defaults(self)
         self.validate()
+
+    def sections(self) -> list[Section]:
+        """Every concern's section, in --help's order."""
+        return [getattr(self, part.section) for part in COMPONENTS]
+
+    def strategy_sections(self) -> list[Section]:
+        """The strategies' settings, in the registry's order."""
+        return [getattr(self, part.section) for part in STRATEGY_SETTINGS]
 
     @property
     def strategy_spec(self) -> type[StrategySpec]:
         """The strategy's traits and rules (:mod:`cloudburst.strategies`)."""
-        return strategy_spec(self.strategy)
+        return strategy_spec(self.job.strategy)
 
     # ------------------------------------------------------------------ validation
+    def check_bounds(self) -> None:
+        """Every numeric field within its range."""
+        for section in self.sections():
+            check_bounds(section)
+
     def validate(self) -> None:
         """Each concern's checks, in this order (a later one may rely on an earlier one's
         defaults: the batch size on the data's size); the strategies' settings in the
         registry's order. Every numeric field's range is checked first."""
-        check_bounds(self)
-        self._validate_job()
-        self._validate_data()
-        self._validate_model()
-        self._validate_cluster()
-        for part in STRATEGY_SETTINGS:
-            getattr(self, f"_validate_{part.section}")()
+        self.check_bounds()
+        for section in (self.job, self.data, self.model, self.cluster):
+            section.validate(self)
+        for section in self.strategy_sections():
+            section.validate(self)
         self.strategy_spec.validate(self)
-        self._validate_training()
-        self._validate_metrics()
-        self._validate_faults()
+        for section in (self.training, self.metrics, self.faults):
+            section.validate(self)
 
     def warnings(self) -> list[str]:
         """Valid settings that are known to train badly (printed by the CLI, one line each)."""
@@ -142,10 +169,31 @@ class RunConfig(
     # ------------------------------------------------------------------ derived values
     @property
     def world_size(self) -> int:
-        return self.workers + self.servers
+        return self.job.workers + self.job.servers
+
+    @property
+    def replicas(self) -> int:
+        """How many replicas the strategy runs between: the workers, or the nodes (--replica
+        node)."""
+        if self.cluster.replica == "node" and self.cluster.nodes:
+            return min(self.worker_nodes, self.job.workers)
+        return self.job.workers
+
+    @property
+    def worker_nodes(self) -> int:
+        """The nodes that run workers: every node, less the shards' own under ``own``."""
+        nodes = self.cluster.nodes or 1
+        own = self.cluster.shard_placement == "own" and self.job.servers and nodes > 1
+        return nodes - 1 if own else nodes
+
+    @property
+    def ranks_per_replica(self) -> int:
+        """Worker ranks in one replica (G): 1, or a node's workers."""
+        workers = self.job.workers
+        return workers // self.replicas if workers >= self.replicas else 1
 
     def straggler_factor(self, worker: int) -> float:
-        factors = [s.factor for s in self.stragglers if s.worker == worker]
+        factors = [s.factor for s in self.cluster.stragglers if s.worker == worker]
         return factors[-1] if factors else 1.0
 
     def dataset_kind_path(self) -> tuple[str, str | None]:
@@ -153,7 +201,7 @@ class RunConfig(
         from cloudburst.data.datasets import DatasetError, parse_dataset_spec
 
         try:
-            return parse_dataset_spec(self.dataset)
+            return parse_dataset_spec(self.data.dataset)
         except DatasetError as e:
             raise ConfigError(field_message("dataset", e)) from None
 
@@ -163,18 +211,44 @@ class RunConfig(
         ``train_size`` is the loaded dataset's size when the config leaves it open (a
         dataset read from a path); without either, an epoch count cannot be turned into steps.
         """
-        if self.steps is not None:
-            return self.steps
-        size = self.train_size if train_size is None else train_size
+        if self.training.steps is not None:
+            return self.training.steps
+        size = self.data.train_size if train_size is None else train_size
         if size is None:
             raise ValueError("steps_per_worker: the dataset's size is not known yet")
-        per_epoch = (size // self.workers) // self.batch_size
-        return max(1, math.ceil(float(self.epochs) * per_epoch))
+        per_epoch = (size // self.job.workers) // self.training.batch_size
+        return max(1, math.ceil(float(self.training.epochs) * per_epoch))
+
+    # ------------------------------------------------------------------ flat names
+    def get(self, name: str) -> Any:
+        """The value of the field with flat name ``name`` (``cfg.get("daso_global_skip")``)."""
+        if name not in FIELDS:
+            raise AttributeError(f"RunConfig has no field {name!r}")
+        part, f = FIELDS[name]
+        return getattr(getattr(self, part.section), f.name)
+
+    def values(self) -> dict[str, Any]:
+        """Every field's value by flat name (the objects themselves: stragglers as
+        :class:`Straggler`)."""
+        return {name: self.get(name) for name in FIELDS}
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with some fields (by flat name) changed, made and checked anew (as
+        :func:`dataclasses.replace` would: the values this config filled in stay)."""
+        values = {k: copy.copy(v) for k, v in self.values().items()}
+        return RunConfig(**{**values, **changes})
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunConfig) and self.values() == other.values()
+
+    def __repr__(self) -> str:
+        return f"RunConfig({', '.join(f'{k}={v!r}' for k, v in self.values().items())})"
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["stragglers"] = [f"{s.worker}:{s.factor}" for s in self.stragglers]
+        """Every field by flat name, as config.json holds it (stragglers as ``W:F``)."""
+        d = {k: copy.deepcopy(v) for k, v in self.values().items()}
+        d["stragglers"] = [f"{s.worker}:{s.factor}" for s in self.cluster.stragglers]
         return d
 
     def to_json(self) -> str:
@@ -182,7 +256,7 @@ class RunConfig(
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = set(FIELDS)
         aliases = _aliases()
         # Flags and TOML may spell names with dashes; an alias (``straggler``) wins over the
         # field's own name, as it did when it was the only one.
@@ -201,9 +275,9 @@ class RunConfig(
         values["stragglers"] = [
             s if isinstance(s, Straggler) else Straggler.parse(str(s)) for s in raw_stragglers
         ]
-        for f in dataclasses.fields(cls):
-            if f.name in values and f.name != "stragglers":
-                values[f.name] = _coerce(f.name, f.type, values[f.name])
+        for name, (_, f) in FIELDS.items():
+            if name in values and name != "stragglers":
+                values[name] = _coerce(name, f.type, values[name])
         return cls(**values)
 
     @classmethod
@@ -212,16 +286,15 @@ class RunConfig(
 
 
 def _field_names(part: type) -> set[str]:
-    return {f.name for f in dataclasses.fields(part)}
+    """The flat names of ``part``'s fields."""
+    return {part.flat(f.name) for f in dataclasses.fields(part)}
 
 
 @functools.cache
 def _aliases() -> dict[str, str]:
     """Other keys accepted for a field in files and dicts: ``{"straggler": "stragglers"}``."""
     return {
-        alias: f.name
-        for f in dataclasses.fields(RunConfig)
-        for alias in f.metadata.get("aliases", ())
+        alias: name for name, (_, f) in FIELDS.items() for alias in f.metadata.get("aliases", ())
     }
 
 
@@ -245,10 +318,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         flat.update(_flatten_sections(data["train"]))
     elif "train" in data:
         flat["train"] = data["train"]  # from_dict names it as an unknown field
-    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
     for name, value in flat.items():
-        if name in fields:
-            _check_toml_type(name, fields[name].type, value, p.name)
+        if name in FIELDS:
+            _check_toml_type(name, FIELDS[name][1].type, value, p.name)
     return flat
 
 
@@ -315,7 +387,9 @@ def _section_field(part: type, key: str) -> str:
     """The field a key of ``part``'s section names: ``global_skip`` in [daso] is
     ``daso_global_skip``; a field's full name is accepted too."""
     own = _field_names(part)
-    own_aliases = {a: f.name for f in dataclasses.fields(part) for a in f.metadata["aliases"]}
+    own_aliases = {
+        a: part.flat(f.name) for f in dataclasses.fields(part) for a in f.metadata["aliases"]
+    }
     for name in (f"{part.section}_{key}", key):
         if name in own:
             return name

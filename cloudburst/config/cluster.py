@@ -7,7 +7,7 @@ share.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from cloudburst.config.fields import (
     LINK_GBIT_PER_S,
@@ -17,6 +17,7 @@ from cloudburst.config.fields import (
     SLOWDOWN,
     Bounds,
     ConfigError,
+    Section,
     Straggler,
     check_choice,
     option,
@@ -45,7 +46,7 @@ def check_link(name: str, text: str) -> None:
 
 
 @dataclass
-class JobConfig:
+class JobConfig(Section):
     """What runs: the algorithm, W workers and S parameter-server shards."""
 
     section: ClassVar[str] = "job"
@@ -60,14 +61,14 @@ class JobConfig:
         bounds=Bounds(0, MAX_WORKERS),
     )
 
-    def _validate_job(self) -> None:
+    def validate(self, cfg: Any) -> None:
         check_choice("strategy", self.strategy, tuple(REGISTRY))
-        if self.strategy_spec.needs_servers and self.servers < 1:
+        if cfg.strategy_spec.needs_servers and self.servers < 1:
             raise ConfigError(
                 f"servers: {self.servers} is not allowed for strategy {self.strategy!r}; "
                 "use --servers 1 or more"
             )
-        if not self.strategy_spec.needs_servers and self.servers != 0:
+        if not cfg.strategy_spec.needs_servers and self.servers != 0:
             raise ConfigError(
                 f"servers: {self.servers} is not allowed for strategy {self.strategy!r}, "
                 "which uses no parameter server; use --servers 0"
@@ -75,7 +76,7 @@ class JobConfig:
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(Section):
     """The cluster, emulated on one machine where it is not real: nodes (torchrun's real ones
     otherwise), the link between them, slow workers and slow devices."""
 
@@ -132,19 +133,19 @@ class ClusterConfig:
         metavar="none|bf16|fp8|int8|powersgd[:RANK]",
     )
 
-    def _validate_cluster(self) -> None:
+    def validate(self, cfg: Any) -> None:
         if self.nodes is not None:
-            if self.nodes > self.world_size:
+            if self.nodes > cfg.world_size:
                 raise ConfigError(
-                    f"nodes: {self.nodes} is more than the job's {self.world_size} ranks"
+                    f"nodes: {self.nodes} is more than the job's {cfg.world_size} ranks"
                 )
-        self._validate_replicas()
+        self._validate_replicas(cfg)
         if self.inter_node_link is not None:
             check_link("inter_node_link", self.inter_node_link)
         for s in self.stragglers:
-            if not 0 <= s.worker < self.workers:
+            if not 0 <= s.worker < cfg.job.workers:
                 raise ConfigError(
-                    f"straggler: worker {s.worker} does not exist; allowed 0..{self.workers - 1}"
+                    f"straggler: worker {s.worker} does not exist; allowed 0..{cfg.job.workers - 1}"
                 )
             SLOWDOWN.check("straggler factor", s.factor, integer=False)
         from cloudburst.comm.compress import Compression
@@ -153,66 +154,47 @@ class ClusterConfig:
             method = Compression.parse(self.compress).method
         except ValueError as e:
             raise ConfigError(f"compress: {e}") from None
-        allowed = self.strategy_spec.compression
+        allowed = cfg.strategy_spec.compression
         if method not in allowed:
             raise ConfigError(
-                f"compress: {self.compress!r} is not available for strategy {self.strategy!r}; "
+                f"compress: {self.compress!r} is not available for strategy {cfg.job.strategy!r}; "
                 f"use {', '.join(allowed)}"
             )
-        self.strategy_spec.validate_compress(self, method)
+        cfg.strategy_spec.validate_compress(cfg, method)
 
-    @property
-    def replicas(self) -> int:
-        """How many replicas the strategy runs between: the workers, or the nodes (--replica
-        node)."""
-        if self.replica == "node" and self.nodes:
-            return min(self.worker_nodes, self.workers)
-        return self.workers
-
-    @property
-    def worker_nodes(self) -> int:
-        """The nodes that run workers: every node, less the shards' own under ``own``."""
-        nodes = self.nodes or 1
-        return nodes - 1 if self.shard_placement == "own" and self.servers and nodes > 1 else nodes
-
-    @property
-    def ranks_per_replica(self) -> int:
-        """Worker ranks in one replica (G): 1, or a node's workers."""
-        return self.workers // self.replicas if self.workers >= self.replicas else 1
-
-    def _validate_replicas(self) -> None:
+    def _validate_replicas(self, cfg: Any) -> None:
         check_choice("replica", self.replica, ("rank", "node"))
         if self.replica == "node":
-            spec = self.strategy_spec
+            spec = cfg.strategy_spec
             if spec.node_replicas_refused:
                 raise ConfigError(
-                    f"replica: node is not allowed for strategy {self.strategy!r} "
+                    f"replica: node is not allowed for strategy {cfg.job.strategy!r} "
                     f"({spec.node_replicas_refused}); use --replica rank"
                 )
             if not self.nodes or self.nodes < 2:
                 raise ConfigError(
                     "replica: node needs --nodes N (N >= 2): each node's workers make one replica"
                 )
-            if spec.survives_worker_loss and getattr(self, "max_restarts", 0):
+            if spec.survives_worker_loss and cfg.faults.max_restarts:
                 raise ConfigError(
-                    f"replica: node with --max-restarts {self.max_restarts} is not allowed for "
-                    f"strategy {self.strategy!r}: a restarted worker cannot rejoin its node's "
-                    "group; use --max-restarts 0 (resume the job with --resume OUT)"
+                    f"replica: node with --max-restarts {cfg.faults.max_restarts} is not allowed "
+                    f"for strategy {cfg.job.strategy!r}: a restarted worker cannot rejoin its "
+                    "node's group; use --max-restarts 0 (resume the job with --resume OUT)"
                 )
-            nodes = self.worker_nodes
-            if self.workers % nodes:
+            nodes = cfg.worker_nodes
+            if cfg.job.workers % nodes:
                 raise ConfigError(
                     f"replica: node needs the same number of workers on every node; "
-                    f"{self.workers} workers do not split evenly over {nodes} worker nodes"
+                    f"{cfg.job.workers} workers do not split evenly over {nodes} worker nodes"
                 )
-            if self.workers // nodes < 2:
+            if cfg.job.workers // nodes < 2:
                 raise ConfigError(
-                    f"replica: node with {self.workers} workers on {nodes} nodes puts one "
+                    f"replica: node with {cfg.job.workers} workers on {nodes} nodes puts one "
                     "worker on each node, which is --replica rank; use more workers per node"
                 )
         from cloudburst.comm.link import Topology
 
         try:
-            Topology.place(self.workers, self.servers, self.nodes or 1, self.shard_placement)
+            Topology.place(cfg.job.workers, cfg.job.servers, self.nodes or 1, self.shard_placement)
         except ValueError as e:
             raise ConfigError(f"shard_placement: {e}") from None

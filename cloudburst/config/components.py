@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from cloudburst.config.fields import (
     AUTOCASTS,
@@ -29,6 +29,7 @@ from cloudburst.config.fields import (
     TIMEOUT_S,
     Bounds,
     ConfigError,
+    Section,
     check_choice,
     option,
 )
@@ -59,11 +60,12 @@ GPT_RECIPE = {
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     """The dataset, read from local files only (never downloaded), and its loading."""
 
     section: ClassVar[str] = "data"
     title: ClassVar[str] = "data"
+    flat_names: ClassVar[dict[str, str]] = {"workers": "data_workers"}
 
     dataset: str = option(
         "mnist1d",
@@ -86,7 +88,7 @@ class DataConfig:
         32, "imagefolder: resize and center-crop images to this", bounds=Bounds(8, 1024)
     )
     augment: bool = option(True, "images: no random crop (padding 4) and flip", flag="--no-augment")
-    data_workers: int | None = option(
+    workers: int | None = option(
         None,
         "DataLoader processes per worker",
         shown="2 for images, 0 otherwise",
@@ -107,8 +109,8 @@ class DataConfig:
         """``max_dataset_gib`` in bytes (cloudburst.data.datasets.MAX_DATASET_BYTES by default)."""
         return int(self.max_dataset_gib * 2**30)
 
-    def _validate_data(self) -> None:
-        kind, path = self.dataset_kind_path()
+    def validate(self, cfg: Any) -> None:
+        kind, path = cfg.dataset_kind_path()
         if kind == "text" and path == "stdlib":
             pass  # the running interpreter's standard library (cloudburst.data.datasets.text)
         elif path is not None and not Path(path).expanduser().exists():
@@ -119,15 +121,15 @@ class DataConfig:
             default_train, default_test = DEFAULT_SIZES[kind]
             self.train_size = default_train if self.train_size is None else self.train_size
             self.test_size = default_test if self.test_size is None else self.test_size
-        if self.train_size is not None and self.train_size < self.workers:
+        if self.train_size is not None and self.train_size < cfg.job.workers:
             raise ConfigError(
-                f"train_size: {self.train_size} is not allowed with {self.workers} workers; use "
-                f"at least one sample per worker (>= {self.workers})"
+                f"train_size: {self.train_size} is not allowed with {cfg.job.workers} workers; use "
+                f"at least one sample per worker (>= {cfg.job.workers})"
             )
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     """The model and where it computes."""
 
     section: ClassVar[str] = "model"
@@ -151,7 +153,7 @@ class ModelConfig:
         "none", "bf16: autocast the forward pass and the loss to bfloat16", choices=AUTOCASTS
     )
 
-    def _validate_model(self) -> None:
+    def validate(self, cfg: Any) -> None:
         from cloudburst.models import ModelError, is_factory_spec
         from cloudburst.models.gpt import is_gpt_spec, parse_gpt_spec
 
@@ -160,12 +162,12 @@ class ModelConfig:
                 parse_gpt_spec(self.model)
             except ModelError as e:
                 raise ConfigError(f"model: {e}") from None
-            if self.dataset_kind_path()[0] != "text":
+            if cfg.dataset_kind_path()[0] != "text":
                 raise ConfigError(
                     f"model: {self.model!r} is a language model; use --dataset text:PATH "
                     "(e.g. text:stdlib)"
                 )
-        elif self.model in MODELS and self.dataset_kind_path()[0] == "text":
+        elif self.model in MODELS and cfg.dataset_kind_path()[0] == "text":
             raise ConfigError(
                 f"model: {self.model!r} is not a language model; text datasets need --model gpt "
                 "(or a package.module:function factory of your own)"
@@ -183,7 +185,7 @@ class ModelConfig:
 
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(Section):
     """Each worker's own training: its budget, its optimizer, and how it starts."""
 
     section: ClassVar[str] = "training"
@@ -258,28 +260,28 @@ class TrainingConfig:
         shown="none",
     )
 
-    def _training_defaults(self) -> None:
+    def defaults(self, cfg: Any) -> None:
         """The defaults left open: the GPT's recipe (docs/lm.md) for a gpt model, else SGD's."""
         from cloudburst.models.gpt import is_gpt_spec
 
-        lm = isinstance(self.model, str) and is_gpt_spec(self.model)
+        lm = isinstance(cfg.model.model, str) and is_gpt_spec(cfg.model.model)
         recipe = GPT_RECIPE if lm else PLAIN_RECIPE
         for name, value in recipe.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
 
-    def _validate_training(self) -> None:
-        self._training_defaults()
+    def validate(self, cfg: Any) -> None:
+        self.defaults(cfg)
         if self.steps is None and self.epochs is None:
-            if self.dataset_kind_path()[0] == "text":
+            if cfg.dataset_kind_path()[0] == "text":
                 self.steps = TEXT_DEFAULT_STEPS  # docs/lm.md: the GPT's measured budget
             else:
                 self.epochs = 64.0  # MNIST-1D's CNN reaches ≥ 90 % with every strategy
-        shard = (self.train_size or 0) // self.workers
-        if self.train_size is not None and self.batch_size > shard:
+        shard = (cfg.data.train_size or 0) // cfg.job.workers
+        if cfg.data.train_size is not None and self.batch_size > shard:
             raise ConfigError(
                 f"batch_size: {self.batch_size} is larger than each worker's shard of "
-                f"{shard} samples (train_size {self.train_size} / {self.workers} workers)"
+                f"{shard} samples (train_size {cfg.data.train_size} / {cfg.job.workers} workers)"
             )
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
@@ -292,7 +294,7 @@ class TrainingConfig:
 
 
 @dataclass
-class MetricsConfig:
+class MetricsConfig(Section):
     """What a run measures and how often it writes it down."""
 
     section: ClassVar[str] = "metrics"
@@ -327,14 +329,14 @@ class MetricsConfig:
     )
     tensorboard: bool = option(False, "also write TensorBoard events under OUT/tensorboard")
 
-    def _validate_metrics(self) -> None:
+    def validate(self, cfg: Any) -> None:
         if self.eval_every_s is None:
-            text = self.dataset_kind_path()[0] == "text"
+            text = cfg.dataset_kind_path()[0] == "text"
             self.eval_every_s = TEXT_EVAL_EVERY_S if text else 1.0
 
 
 @dataclass
-class FaultConfig:
+class FaultConfig(Section):
     """Checkpoints, restarts, injected faults and the timeouts that detect a lost rank."""
 
     section: ClassVar[str] = "faults"
@@ -368,24 +370,24 @@ class FaultConfig:
         10.0, "seconds without a heartbeat before a rank is taken for lost", bounds=TIMEOUT_S
     )
 
-    def _validate_faults(self) -> None:
+    def validate(self, cfg: Any) -> None:
         slow: dict[int, float] = {}  # worker index: the product of its slow faults' factors
         if self.inject_fault:
             from cloudburst.config.faults import FaultError, parse_faults
 
             try:
-                faults = parse_faults(self.inject_fault, self.servers, self.world_size)
+                faults = parse_faults(self.inject_fault, cfg.job.servers, cfg.world_size)
             except FaultError as e:
                 raise ConfigError(f"inject_fault: {e}") from None
             for fault in faults:
                 if fault.kind == "slow":
-                    index = fault.rank - self.servers
+                    index = fault.rank - cfg.job.servers
                     slow[index] = slow.get(index, 1.0) * fault.factor
         # A slow worker's step sleeps (factor - 1) x its compute, and a step of the emulated
         # device at least min_step_time_s x factor: bounded, and below the time the other
         # ranks wait for it (comm_timeout_s).
-        slowed = {s.worker for s in self.stragglers} | set(slow)
-        factors = {i: self.straggler_factor(i) * slow.get(i, 1.0) for i in sorted(slowed)}
+        slowed = {s.worker for s in cfg.cluster.stragglers} | set(slow)
+        factors = {i: cfg.straggler_factor(i) * slow.get(i, 1.0) for i in sorted(slowed)}
         for index, factor in factors.items():
             if not SLOWDOWN.allows(factor, integer=False):
                 raise ConfigError(
@@ -393,16 +395,17 @@ class FaultConfig:
                     f"factor times its slow: faults); allowed up to {SLOWDOWN.high:g}x"
                 )
         most = max(factors.values(), default=1.0)
-        if self.min_step_time_s * most >= self.comm_timeout_s:
+        floor = cfg.cluster.min_step_time_s
+        if floor * most >= self.comm_timeout_s:
             raise ConfigError(
-                f"min_step_time_s: {self.min_step_time_s:g} s x a slowdown of {most:g} is not "
+                f"min_step_time_s: {floor:g} s x a slowdown of {most:g} is not "
                 f"below comm_timeout_s {self.comm_timeout_s:g} s: the other ranks would time "
                 "out waiting for its step; lower it or raise --comm-timeout-s"
             )
 
 
 @dataclass
-class OutputConfig:
+class OutputConfig(Section):
     """Where a run writes, and what it shows while it runs."""
 
     section: ClassVar[str] = "output"

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
@@ -104,11 +104,12 @@ def is_numeric(f: Any) -> bool:
 def check_bounds(config: Any) -> None:
     """Each numeric field of the dataclass ``config`` within its :class:`Bounds` (None, where
     the field allows it, is left to its concern: a default decided later)."""
+    flat = type(config).flat if isinstance(config, Section) else str
     for f in dataclasses.fields(config):
         bounds = f.metadata.get("bounds")
         value = getattr(config, f.name)
         if bounds is not None and value is not None:
-            bounds.check(f.name, value, str(f.type).startswith("int"))
+            bounds.check(flat(f.name), value, str(f.type).startswith("int"))
 
 
 @dataclass(frozen=True)
@@ -168,9 +169,34 @@ def option(
 
 
 # ---------------------------------------------------------------------------- the concerns
-# Each concern names its TOML section and its group in --help. Its _validate_<concern> runs as
-# part of a RunConfig (``self: RunConfig``): a check that needs another concern's value (the
-# number of workers, say) reads it from there.
+class Section:
+    """A concern of the config: a dataclass of :func:`option` fields that is one section of a
+    ``RunConfig`` (``cfg.<section>``), one ``[section]`` of a TOML file and one group of
+    ``--help``.
+
+    Each field also has a *flat* name, the one its flag, its top-level TOML key and a run's
+    config.json use: the field's own name, or ``prefix`` + it (``[daso] global_skip`` is
+    ``daso_global_skip``, ``cfg.daso.global_skip``), or what ``flat_names`` says. ``defaults``
+    fills the values left open and ``validate`` checks the section; both are given the whole
+    ``RunConfig`` (``cfg``), where a check that needs another concern's value (the number of
+    workers, say) reads it.
+    """
+
+    section: ClassVar[str]
+    title: ClassVar[str]
+    prefix: ClassVar[str] = ""
+    flat_names: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def flat(cls, name: str) -> str:
+        """The flat name of field ``name``."""
+        return cls.flat_names.get(name, cls.prefix + name)
+
+    def defaults(self, cfg: Any) -> None:
+        """Fill the values left open that depend on other concerns (none by default)."""
+
+    def validate(self, cfg: Any) -> None:
+        """Check this section's values, beyond their ranges (none by default)."""
 
 
 def field_message(field_name: str, err: Exception) -> str:

@@ -180,12 +180,12 @@ def load_run_dataset(cfg: RunConfig) -> Dataset:
     """The dataset a run's config names (:func:`load_dataset` with its data settings): the one
     call the driver, the simulator and the pre-flight checks make."""
     return load_dataset(
-        cfg.dataset,
-        cfg.train_size,
-        cfg.test_size,
-        cfg.image_size,
-        context=cfg.context,
-        max_bytes=cfg.max_dataset_bytes,
+        cfg.data.dataset,
+        cfg.data.train_size,
+        cfg.data.test_size,
+        cfg.data.image_size,
+        context=cfg.data.context,
+        max_bytes=cfg.data.max_dataset_bytes,
     )
 
 

@@ -77,19 +77,19 @@ def run_local_job(cfg: RunConfig, progress: bool | None = None) -> dict[str, Any
 
     # A new run removes an earlier run's files from a directory marked as a run's (metrics
     # would mix into its curves); a resumed run appends to its own. Anything else is refused.
-    out = prepare_run_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
+    out = prepare_run_dir(cfg.output.out, resume=cfg.faults.resume, overwrite=cfg.output.overwrite)
     write_json_atomic(out / "config.json", cfg.to_dict())
     (out / "summary.json").unlink(missing_ok=True)
     # A strategy that survives a worker's death gets one agent per rank: torch's agent tears
     # down every rank it started when one of them dies.
     survives = cfg.strategy_spec.survives_worker_loss
     procs, store = start_local_job(cfg, run_rank, agent_per_rank=survives)
-    show = cfg.progress if progress is None else progress
+    show = cfg.output.progress if progress is None else progress
     try:
-        total = cfg.steps_per_worker() * cfg.workers
+        total = cfg.steps_per_worker() * cfg.job.workers
     except ValueError:  # epochs of a dataset read from a path: its size is known to the ranks
         total = None
-    desc = f"{cfg.strategy} W={cfg.workers}"
+    desc = f"{cfg.job.strategy} W={cfg.job.workers}"
     if show and not sys.stderr.isatty():
         bar = LineProgress(total, desc)  # a log file: a line every few seconds, no redraws
     else:

@@ -107,7 +107,7 @@ def start_local_job(
         port,
         cfg.world_size,
         True,
-        datetime.timedelta(seconds=max(cfg.comm_timeout_s, 60)),
+        datetime.timedelta(seconds=max(cfg.faults.comm_timeout_s, 60)),
         wait_for_workers=False,
         multi_tenant=True,
         master_listen_fd=listener.detach(),

@@ -43,7 +43,7 @@ class TimeBudget:
 
     def __init__(self, ctx: Context, strategy: Strategy, evaluator: Evaluator | None = None):
         self.ctx, self.strategy, self.evaluator = ctx, strategy, evaluator
-        self.budget_s = float(ctx.cfg.max_train_time_s)
+        self.budget_s = float(ctx.cfg.training.max_train_time_s)
         self.lockstep = bool(strategy.lockstep) and ctx.num_workers > 1
         # --replica node: a node's workers stop at the same step (their leader's clock), and
         # a lockstep strategy's nodes too (worker 0's).

@@ -68,7 +68,7 @@ class Checkpointer:
         """Save when a checkpoint is due and the strategy is at a point it can resume from
         (never after the last step: the run is over)."""
         cfg, strategy = self.ctx.cfg, self.parts[3]
-        self.due |= bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0
+        self.due |= bool(cfg.faults.checkpoint_every) and step % cfg.faults.checkpoint_every == 0
         if self.due and step < total and strategy.checkpoint_ready():
             self.due = False
             state = capture_worker_state(self.ctx, samples, skipped, *self.parts)

@@ -60,7 +60,7 @@ class Evaluator:
 
     def maybe_eval(self, strategy, force: bool = False) -> None:
         now = self.ctx.elapsed_s()
-        if not force and now - self.last_s < self.ctx.cfg.eval_every_s:
+        if not force and now - self.last_s < self.ctx.cfg.metrics.eval_every_s:
             return
         t_start = self.ctx.comm.now()
         with self.ctx.comm.measuring():  # a measurement: no virtual time in a simulation
@@ -74,7 +74,7 @@ class Evaluator:
             self.test,
             self.preprocess,
             self.ctx.device,
-            autocast=self.ctx.cfg.autocast == "bf16",
+            autocast=self.ctx.cfg.model.autocast == "bf16",
         )
         self.history.append([now, samples, acc])
         self.loss_history.append([now, loss])
@@ -106,7 +106,7 @@ def evaluate_while_others_train(
     a run whose evaluator finishes first is still seen to reach its target; the final
     evaluation (``finalize_run``) follows once the servers finish."""
     others = [r for r in ctx.worker_ranks if r != ctx.rank]
-    monitor = ctx.comm.liveness_monitor(ctx.store, others, ctx.cfg.heartbeat_timeout_s)
+    monitor = ctx.comm.liveness_monitor(ctx.store, others, ctx.cfg.faults.heartbeat_timeout_s)
     pending = set(others)
     while True:
         pending = {r for r in pending if not ctx.store.check([steps_over_key(r)])}

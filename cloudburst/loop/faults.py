@@ -14,9 +14,9 @@ def worker_faults(ctx: Context, metrics: MetricsWriter) -> FaultInjector:
     """The faults aimed at this rank; a restarted or resumed run fires none again."""
     cfg = ctx.cfg
     return FaultInjector(
-        parse_faults(cfg.inject_fault, cfg.servers, cfg.world_size),
+        parse_faults(cfg.faults.inject_fault, cfg.job.servers, cfg.world_size),
         ctx.rank,
-        active=restart_count() == 0 and not cfg.resume,
+        active=restart_count() == 0 and not cfg.faults.resume,
         on_fire=lambda f, step: metrics.log("fault", step=step, kind=f.kind, wall=time.time()),
         stop=ctx.comm.stop_self,
     )

@@ -33,8 +33,8 @@ def run_role(ctx: Context, data: Dataset, metrics: MetricsWriter) -> None:
     (:func:`cloudburst.sim.run.simulate`) alike: the run's model (from ``--init-from``), then
     its shard served or its worker's training loop."""
     model = build_run_model(ctx.cfg, data)
-    if ctx.cfg.init_from:
-        load_model_into(ctx.cfg.init_from, model)
+    if ctx.cfg.training.init_from:
+        load_model_into(ctx.cfg.training.init_from, model)
     model.to(ctx.device)
     if ctx.is_server:
         run_server(ctx, model, data, metrics)
@@ -48,15 +48,15 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     metrics.language_model = data.is_lm  # its eval records carry bits per byte
     strategy = make_strategy(ctx)
     optimizer = make_optimizer(cfg, model.parameters())
-    shard = worker_source(data, ctx.worker_index, cfg.workers)
+    shard = worker_source(data, ctx.worker_index, cfg.job.workers)
     total = cfg.steps_per_worker(len(data.train))
-    strategy.configure(max(1, len(shard) // cfg.batch_size), total)
+    strategy.configure(max(1, len(shard) // cfg.training.batch_size), total)
     net = strategy.wrap(model, optimizer)
     stream = batch_stream(
         shard,
-        cfg.batch_size,
-        seed=cfg.seed * 1000 + ctx.worker_index,
-        preprocess=data.preprocess(augment=cfg.augment),
+        cfg.training.batch_size,
+        seed=cfg.training.seed * 1000 + ctx.worker_index,
+        preprocess=data.preprocess(augment=cfg.data.augment),
         num_workers=data_workers(cfg, data),
         pin_memory=ctx.device.type == "cuda",
     )
@@ -80,7 +80,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     clock.start(start.elapsed_s)
     if start.resumed and evaluator:
         evaluator.restore_clock(start.elapsed_s)
-    if cfg.warm_start_steps and ctx.replica_index == 0 and not start.resumed:
+    if cfg.training.warm_start_steps and ctx.replica_index == 0 and not start.resumed:
         warm_start(ctx, metrics, clock, train_step)
     strategy.start()
     if evaluator:
@@ -90,8 +90,8 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
     loss, last = math.nan, start.step
     for step in range(start.step + 1, total + 1):
         loss = clock.run(train_step, step)
-        step_done(strategy, cfg.batch_size, loss)
-        samples, last = samples + cfg.batch_size, step
+        step_done(strategy, cfg.training.batch_size, loss)
+        samples, last = samples + cfg.training.batch_size, step
         if step == start.step + 1:  # when training really began (the launch's cost ends here)
             metrics.log("first_step", step=step, wall=time.time())
         if evaluator:
@@ -99,7 +99,7 @@ def run_worker(ctx: Context, model: nn.Module, data: Dataset, metrics: MetricsWr
         faults.after_step(step)
         stop = budget.over(step, total)  # --max-train-time-s: this is the last step
         checkpointer.after_step(step, step if stop else total, samples, train_step.skipped)
-        if step % cfg.log_every_steps == 0 or step == total or stop:
+        if step % cfg.metrics.log_every_steps == 0 or step == total or stop:
             metrics.log(
                 "step",
                 step=step,
@@ -134,16 +134,16 @@ def warm_start(
     """Warm start (GPU A-SGD experiment 3): worker 0 trains alone, then seeds the servers
     (when the strategy starts). A warm-up step takes the emulated device's time too (and its
     modelled time on the virtual cluster), so that a time-to-target includes the warm start."""
-    for i in range(ctx.cfg.warm_start_steps):
+    for i in range(ctx.cfg.training.warm_start_steps):
         loss = clock.run(train_step)
-        if (i + 1) % ctx.cfg.log_every_steps == 0:
+        if (i + 1) % ctx.cfg.metrics.log_every_steps == 0:
             metrics.log("warmup", step=i + 1, time_s=ctx.elapsed_s(), loss=loss)
 
 
 def data_workers(cfg: RunConfig, data: Dataset) -> int:
     """DataLoader processes per worker: as configured, else 2 for images, 0 for features."""
-    if cfg.data_workers is not None:
-        return cfg.data_workers
+    if cfg.data.workers is not None:
+        return cfg.data.workers
     return 2 if data.is_image else 0
 
 

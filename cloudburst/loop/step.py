@@ -32,7 +32,7 @@ class StepClock:
 
     def __init__(self, ctx: Context, strategy: Strategy, model: nn.Module, factor: float):
         self.ctx, self.strategy, self.factor = ctx, strategy, factor
-        self.emulator = ctx.comm.device_emulator(model, ctx.cfg.min_step_time_s, factor)
+        self.emulator = ctx.comm.device_emulator(model, ctx.cfg.cluster.min_step_time_s, factor)
 
     def start(self, elapsed_s: float = 0.0) -> None:
         """Set-up is over: the clock that measures training starts now, on every rank at once
@@ -52,7 +52,7 @@ class StepClock:
         if self.emulator is not None:
             self.emulator.end_step(busy_s)
         else:
-            comm.step_done(busy_s, self.ctx.cfg.min_step_time_s, self.factor)
+            comm.step_done(busy_s, self.ctx.cfg.cluster.min_step_time_s, self.factor)
         return loss
 
 
@@ -67,10 +67,10 @@ class _NoBar:
 def progress_bar(ctx: Context, total: int, done: int) -> Any:
     """Under ``cloudburst train`` the launcher draws the bar from the metrics files; under a
     user's torchrun, worker 0 draws one when it has a terminal (else a bar that draws nothing)."""
-    if ctx.worker_index != 0 or not ctx.cfg.progress or not sys.stderr.isatty():
+    if ctx.worker_index != 0 or not ctx.cfg.output.progress or not sys.stderr.isatty():
         return _NoBar()
     from tqdm import tqdm
 
-    bar = tqdm(total=total, desc=f"{ctx.cfg.strategy} worker0", unit="step")
+    bar = tqdm(total=total, desc=f"{ctx.cfg.job.strategy} worker0", unit="step")
     bar.update(done)
     return bar

@@ -41,10 +41,10 @@ def resume_command(out: str | Path) -> str:
 
 
 def partial_summary(cfg: RunConfig, **status: Any) -> dict[str, Any]:
-    """What the run in ``cfg.out`` did so far (``status``: e.g. ``interrupted=True`` or
+    """What the run in ``cfg.output.out`` did so far (``status``: e.g. ``interrupted=True`` or
     ``failed="..."``), from its metrics: each worker's last logged step and samples, the last
     evaluation of the global model, the checkpoints a resume would start from."""
-    out = Path(cfg.out)
+    out = Path(cfg.output.out)
     last_step: dict[int, dict[str, Any]] = {}
     last_eval: dict[str, Any] | None = None
     wall_time_s = 0.0
@@ -63,9 +63,9 @@ def partial_summary(cfg: RunConfig, **status: Any) -> dict[str, Any]:
         str(p.relative_to(out)) for p in (out / "checkpoints").glob("*.pt") if p.is_file()
     )
     return {
-        "strategy": cfg.strategy,
-        "workers": cfg.workers,
-        "servers": cfg.servers,
+        "strategy": cfg.job.strategy,
+        "workers": cfg.job.workers,
+        "servers": cfg.job.servers,
         **status,
         "final_test_accuracy": None if last_eval is None else last_eval["test_accuracy"],
         "accuracy_is_last_evaluation": True,
@@ -83,7 +83,7 @@ def partial_summary(cfg: RunConfig, **status: Any) -> dict[str, Any]:
 
 def write_partial_summary(cfg: RunConfig, **status: Any) -> dict[str, Any]:
     summary = partial_summary(cfg, **status)
-    write_json_atomic(Path(cfg.out) / "summary.json", summary)
+    write_json_atomic(Path(cfg.output.out) / "summary.json", summary)
     return summary
 
 
@@ -207,9 +207,9 @@ def finalize_run(
     """Rank 0: evaluate the final global θ, gather every rank's report, write the summary."""
     cfg = ctx.cfg
     assign_flat(model, theta)
-    if ctx.is_server and any(True for _ in model.buffers()) and cfg.servers not in lost:
+    if ctx.is_server and any(True for _ in model.buffers()) and cfg.job.servers not in lost:
         try:
-            ctx.store.wait(["buffers"], _seconds(cfg.comm_timeout_s))
+            ctx.store.wait(["buffers"], _seconds(cfg.faults.comm_timeout_s))
             load_model_buffers(model, ctx.store.get("buffers"))
         except Exception as e:  # noqa: BLE001 - worker 0 was lost: keep the initial buffers
             log.warning("no model buffers from worker 0 (%s); evaluating with initial ones", e)
@@ -219,7 +219,7 @@ def finalize_run(
         in_memory(data.test),
         data.preprocess(augment=False),
         ctx.device,
-        autocast=cfg.autocast == "bf16",
+        autocast=cfg.model.autocast == "bf16",
     )
     eval_s = ctx.comm.now() - t_start
     reports = {0: own_report}
@@ -228,11 +228,11 @@ def finalize_run(
             continue
         key = f"stats/{r}"
         try:
-            ctx.store.wait([key], _seconds(cfg.comm_timeout_s))
+            ctx.store.wait([key], _seconds(cfg.faults.comm_timeout_s))
             reports[r] = json.loads(ctx.store.get(key))
         except Exception as e:  # noqa: BLE001 - a rank that died after training
             log.warning("no report from rank %d (%s); it is counted as lost", r, e)
-            if r >= cfg.servers:
+            if r >= cfg.job.servers:
                 lost.append(r)
     # As every evaluation record (cloudburst.loop.evaluator.Evaluator): the clock, and the
     # clock less the time the evaluating worker spent on every earlier evaluation.
@@ -246,7 +246,7 @@ def finalize_run(
         test_loss=test_loss,
         final=True,
     )
-    save_model(f"{cfg.out}/model.pt", model, {"config": cfg.to_dict(), "test_accuracy": acc})
+    save_model(f"{cfg.output.out}/model.pt", model, {"config": cfg.to_dict(), "test_accuracy": acc})
     lost_set = set(lost) | {r for rep in reports.values() for r in rep.get("lost_workers", [])}
     evals = [e for rep in reports.values() for e in rep.get("evals", [])]
     evals.append([wall_time_s, global_samples, acc])
@@ -256,17 +256,17 @@ def finalize_run(
     if failed is not None:
         log.error("the run failed: %s", failed)
     summary = {
-        "strategy": cfg.strategy,
-        "workers": cfg.workers,
-        "servers": cfg.servers,
+        "strategy": cfg.job.strategy,
+        "workers": cfg.job.workers,
+        "servers": cfg.job.servers,
         **({"failed": failed} if failed else {}),  # (a run that did not fail has no key)
         "final_test_accuracy": acc,
         "final_test_loss": test_loss,
         **_loss_target(cfg, reports.values(), wall_time_s, test_loss),
         "wall_time_s": wall_time_s,
-        "target_accuracy": cfg.target_accuracy,
+        "target_accuracy": cfg.metrics.target_accuracy,
         "time_to_target_s": time_to_target(
-            [{"time_s": t, "test_accuracy": a} for t, _, a in evals], cfg.target_accuracy
+            [{"time_s": t, "test_accuracy": a} for t, _, a in evals], cfg.metrics.target_accuracy
         ),
         "samples": sum(w["samples"] for w in workers),
         "samples_applied": global_samples,
@@ -276,12 +276,12 @@ def finalize_run(
             str(r): rep.get("steps") for r, rep in reports.items() if rep.get("role") == "worker"
         },
         "train_time_s": wall_time_s - evaluation_time_s(reports.values()),
-        "max_train_time_s": cfg.max_train_time_s,
+        "max_train_time_s": cfg.training.max_train_time_s,
         "stopped_by": stopped_by(workers),
         "device": str(ctx.device if not ctx.is_server else _worker_device(reports)),
         "backend": ctx.backend,
         "nodes": ctx.num_nodes,
-        "replica": cfg.replica,
+        "replica": cfg.cluster.replica,
         "replicas": cfg.replicas,
         "ranks_per_replica": cfg.ranks_per_replica,
         **_placement_summary(ctx, reports),
@@ -301,7 +301,7 @@ def finalize_run(
         **_replica_summary(workers),
         "config": cfg.to_dict(),
     }
-    write_json_atomic(f"{cfg.out}/summary.json", summary)
+    write_json_atomic(f"{cfg.output.out}/summary.json", summary)
     log.info("summary written: accuracy %.4f in %.1f s", acc, wall_time_s)
     return summary
 
@@ -320,7 +320,7 @@ def _placement_summary(ctx: Context, reports: dict[int, dict[str, Any]]) -> dict
     nic = [0] * ctx.num_nodes
     for rank, rep in reports.items():
         nic[node_of[rank]] += int(rep.get("inter_node_bytes", 0))
-    return {"shard_nodes": list(node_of[: ctx.cfg.servers]), "node_nic_bytes": nic}
+    return {"shard_nodes": list(node_of[: ctx.cfg.job.servers]), "node_nic_bytes": nic}
 
 
 def _loss_target(cfg, reports, wall_time_s: float, test_loss: float) -> dict[str, Any]:
@@ -333,9 +333,9 @@ def _loss_target(cfg, reports, wall_time_s: float, test_loss: float) -> dict[str
     evals = [e for rep in reports for e in rep.get("loss_evals", [])]
     return {
         "final_bits_per_byte": test_loss / math.log(2),
-        "target_loss": cfg.target_loss,
+        "target_loss": cfg.metrics.target_loss,
         "time_to_target_loss_s": time_to_target_loss(
-            [*evals, [wall_time_s, test_loss]], cfg.target_loss
+            [*evals, [wall_time_s, test_loss]], cfg.metrics.target_loss
         ),
     }
 

@@ -51,7 +51,7 @@ class TrainStep:
     def __call__(self, step: int = 0) -> float:
         xb, yb = next(self.stream)
         xb, yb = xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True)
-        autocast = self.cfg.autocast == "bf16"
+        autocast = self.cfg.model.autocast == "bf16"
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = self.loss_fn(self.net(xb), yb)
         if step and self.faults is not None and self.faults.corrupt_loss(step):
@@ -60,7 +60,7 @@ class TrainStep:
         loss.backward()
         if self.strategy is not None:
             self.strategy.after_backward()
-        clip_gradients(self.optimizer, self.cfg.clip_grad_norm)  # after sync's all-reduce
+        clip_gradients(self.optimizer, self.cfg.training.clip_grad_norm)  # after sync's all-reduce
         if grads_finite(self.optimizer):
             self.optimizer.step()
         else:
@@ -75,13 +75,21 @@ class TrainStep:
 def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
     """SGD (momentum, L2 decay), Adam (β1 = momentum, L2 decay) or AdamW (β1 = momentum,
     decoupled decay: θ ← θ − lr·λ·θ before the Adam step)."""
-    if cfg.optimizer == "adamw":
+    if cfg.training.optimizer == "adamw":
         return torch.optim.AdamW(
-            params, lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay
+            params,
+            lr=cfg.training.lr,
+            betas=(cfg.training.momentum, 0.999),
+            weight_decay=cfg.training.weight_decay,
         )
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.training.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
+    return torch.optim.SGD(
+        params,
+        lr=cfg.training.lr,
+        momentum=cfg.training.momentum,
+        weight_decay=cfg.training.weight_decay,
+    )
 
 
 def make_scheduler(
@@ -92,10 +100,10 @@ def make_scheduler(
     With ``warmup_steps`` N > 0: step k < N has lr·(1/N + (1 − 1/N)·k/N), then the schedule
     (constant, or cosine from lr to 0 over the remaining steps).
     """
-    warm = min(cfg.warmup_steps, max(0, total_steps - 1))
+    warm = min(cfg.training.warmup_steps, max(0, total_steps - 1))
     sched = torch.optim.lr_scheduler
     after = None
-    if cfg.lr_schedule == "cosine":
+    if cfg.training.lr_schedule == "cosine":
         after = sched.CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warm))
     if not warm:
         return after
@@ -126,14 +134,14 @@ def calibrate_step_time(cfg: RunConfig, steps: int = 20, warmup_steps: int = 3) 
     ``warmup_steps`` untimed ones; on the GPU with ``--device cuda``, else on the CPU (the
     simulator's maths runs in this process). The virtual cluster's step time when no flag or
     profile gives one (:func:`cloudburst.sim.clock.resolve_step_time`)."""
-    device = torch.device("cuda" if cfg.device == "cuda" else "cpu")
+    device = torch.device("cuda" if cfg.model.device == "cuda" else "cpu")
     data = load_run_dataset(cfg)
     model = build_run_model(cfg, data).to(device)
     stream = batch_stream(
-        worker_source(data, 0, cfg.workers),
-        cfg.batch_size,
-        seed=cfg.seed * 1000,
-        preprocess=data.preprocess(augment=cfg.augment),
+        worker_source(data, 0, cfg.job.workers),
+        cfg.training.batch_size,
+        seed=cfg.training.seed * 1000,
+        preprocess=data.preprocess(augment=cfg.data.augment),
     )
     step = TrainStep(
         cfg, device, model, make_optimizer(cfg, model.parameters()), stream, loss_function(data)

@@ -320,7 +320,7 @@ def _factory_kwargs(
 def build_run_model(cfg: Any, data: Any) -> nn.Module:
     """The model a run's config (a ``RunConfig``) names, for its dataset ``data``, at its
     seed: the one call the driver, the simulator and the pre-flight checks make."""
-    return build_model(cfg.model, data.input_shape, data.num_classes, cfg.seed)
+    return build_model(cfg.model.model, data.input_shape, data.num_classes, cfg.training.seed)
 
 
 def build_model(

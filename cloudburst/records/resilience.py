@@ -55,7 +55,7 @@ def worker_checkpoint_path(out: str | Path, worker: int, step: int) -> Path:
 def identity(cfg: RunConfig) -> dict[str, Any]:
     """What a checkpoint must agree with: the settings above and the run directory's random
     identity (``run``, from its marker; None where the directory has none)."""
-    return {**{k: getattr(cfg, k) for k in IDENTITY}, "run": run_nonce(cfg.out)}
+    return {**{k: cfg.get(k) for k in IDENTITY}, "run": run_nonce(cfg.output.out)}
 
 
 def check_identity(path: Path, saved: dict[str, Any], cfg: RunConfig) -> None:
@@ -82,7 +82,7 @@ def worker_steps(out: str | Path, worker: int) -> list[int]:
 
 
 def load_worker_state(cfg: RunConfig, worker: int, step: int) -> dict[str, Any]:
-    path = worker_checkpoint_path(cfg.out, worker, step)
+    path = worker_checkpoint_path(cfg.output.out, worker, step)
     state = load_checkpoint(path, KIND)
     check_identity(path, state.get("identity", {}), cfg)
     if int(state.get("step", -1)) != step:
@@ -97,7 +97,7 @@ def valid_steps(cfg: RunConfig, worker: int, strict: bool) -> list[int]:
     skipping it with a warning (a rank restarting on its own).
     """
     good = []
-    for step in worker_steps(cfg.out, worker):
+    for step in worker_steps(cfg.output.out, worker):
         try:
             load_worker_state(cfg, worker, step)
         except CheckpointError as e:
@@ -110,10 +110,10 @@ def valid_steps(cfg: RunConfig, worker: int, strict: bool) -> list[int]:
 
 
 def save_worker_state(cfg: RunConfig, worker: int, step: int, state: dict[str, Any]) -> Path:
-    path = worker_checkpoint_path(cfg.out, worker, step)
+    path = worker_checkpoint_path(cfg.output.out, worker, step)
     save_checkpoint(path, KIND, {"identity": identity(cfg), "step": step, **state})
-    for old in worker_steps(cfg.out, worker)[:-KEEP]:
-        worker_checkpoint_path(cfg.out, worker, old).unlink(missing_ok=True)
+    for old in worker_steps(cfg.output.out, worker)[:-KEEP]:
+        worker_checkpoint_path(cfg.output.out, worker, old).unlink(missing_ok=True)
     return path
 
 
@@ -165,14 +165,16 @@ def check_resumable(cfg: RunConfig) -> str:
 
     Returns a one-line description of what will be resumed; raises :class:`CheckpointError`.
     """
-    found = {w: valid_steps(cfg, w, strict=True) for w in range(cfg.workers)}
-    shards = [shard_checkpoint_path(cfg.out, k) for k in range(cfg.servers)]
+    found = {w: valid_steps(cfg, w, strict=True) for w in range(cfg.job.workers)}
+    shards = [shard_checkpoint_path(cfg.output.out, k) for k in range(cfg.job.servers)]
     for path in shards:
         if path.is_file():
             load_shard_state(path, cfg)
     if not any(found.values()) and not any(p.is_file() for p in shards):
-        raise CheckpointError(f"no checkpoints under {str(checkpoint_dir(cfg.out))!r} to resume")
-    if cfg.strategy_spec.lockstep or cfg.replica == "node":
+        raise CheckpointError(
+            f"no checkpoints under {str(checkpoint_dir(cfg.output.out))!r} to resume"
+        )
+    if cfg.strategy_spec.lockstep or cfg.cluster.replica == "node":
         common = set.intersection(*(set(s) for s in found.values()))
         return f"resuming every worker from step {max(common, default=0)}"
     latest = {w: (s[-1] if s else 0) for w, s in found.items()}
@@ -187,14 +189,16 @@ def resume_worker(ctx, model, optimizer, scheduler, strategy, stream, evaluator)
     checkpoint: the run starts over).
     """
     cfg = ctx.cfg
-    if not (cfg.resume or restart_count() > 0):
-        clear_worker_checkpoints(cfg.out, ctx.worker_index)  # a new run: none of its own yet
+    if not (cfg.faults.resume or restart_count() > 0):
+        clear_worker_checkpoints(cfg.output.out, ctx.worker_index)  # a new run: none of its own yet
         return None
     # The CLI validated every file before a --resume; a rank restarting by itself skips bad
     # ones (e.g. the one its predecessor was writing when it died).
     steps = valid_steps(cfg, ctx.worker_index, strict=False)
-    if strategy.lockstep or cfg.replica == "node":  # a node's workers move together
-        step = agree_on_step(ctx.store, ctx.worker_index, cfg.workers, steps, cfg.comm_timeout_s)
+    if strategy.lockstep or cfg.cluster.replica == "node":  # a node's workers move together
+        step = agree_on_step(
+            ctx.store, ctx.worker_index, cfg.job.workers, steps, cfg.faults.comm_timeout_s
+        )
     else:
         step = steps[-1] if steps else 0
     if step == 0:
@@ -211,7 +215,9 @@ def resume_worker(ctx, model, optimizer, scheduler, strategy, stream, evaluator)
     if evaluator is not None:
         evaluator.history = [list(e) for e in state["evals"]]
     log.info(
-        "resumed from step %d (%s)", step, worker_checkpoint_path(cfg.out, ctx.worker_index, step)
+        "resumed from step %d (%s)",
+        step,
+        worker_checkpoint_path(cfg.output.out, ctx.worker_index, step),
     )
     return {
         "step": step,
@@ -264,9 +270,9 @@ def resume_config(
     refuse_code_from_file(values, flags, f"--resume {run_dir} (its config.json)", trust)
     base = RunConfig.from_dict(values)
     for key in IDENTITY:
-        if key in flags and flags[key] != getattr(base, key):
+        if key in flags and flags[key] != base.get(key):
             raise ConfigError(
-                f"resume: {key} cannot change when resuming ({getattr(base, key)!r} in "
+                f"resume: {key} cannot change when resuming ({base.get(key)!r} in "
                 f"{str(path)!r}); start a new run instead"
             )
     if "out" in flags and Path(flags["out"]).resolve() != Path(run_dir).resolve():

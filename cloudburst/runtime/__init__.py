@@ -74,22 +74,22 @@ def init_distributed(cfg: RunConfig, strategy_cls: type[StrategySpec] | None = N
     if world != cfg.world_size:
         raise RuntimeError(
             f"torchrun started {world} ranks, the config needs {cfg.world_size} "
-            f"({cfg.workers} workers + {cfg.servers} servers); set --nnodes/--nproc-per-node "
-            "so that their product matches"
+            f"({cfg.job.workers} workers + {cfg.job.servers} servers); set --nnodes/"
+            "--nproc-per-node so that their product matches"
         )
     rank = launch_rank_to_role(cfg, world)  # where the shard placement puts this rank
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     device = select_device(cfg, rank)
     backend = select_backend(cfg)
-    timeout = datetime.timedelta(seconds=cfg.comm_timeout_s)
+    timeout = datetime.timedelta(seconds=cfg.faults.comm_timeout_s)
     choose_gloo_interface(os.environ["MASTER_ADDR"])
     if restart_count() > 0 and traits.survives_worker_loss:
         # This rank alone was restarted (one agent per rank); the others are still running
         # and will not enter init_process_group again.
-        if rank < cfg.servers:
+        if rank < cfg.job.servers:
             if not traits.shards_restart_in_place:
                 raise RuntimeError(
-                    f"parameter-server rank {rank} was restarted, but a {cfg.strategy} shard "
+                    f"parameter-server rank {rank} was restarted, but a {cfg.job.strategy} shard "
                     "cannot rejoin a running job; restart the whole job from its checkpoints "
                     "with --resume OUT"
                 )
@@ -104,17 +104,17 @@ def init_distributed(cfg: RunConfig, strategy_cls: type[StrategySpec] | None = N
     liveness_store = _job_store(cfg, traits.survives_worker_loss)
     fields = _real_rank(cfg, rank, store, device, backend, topology, share_nic=True)
     ctx = build_context(cfg, rank, REAL, traits=traits, liveness_store=liveness_store, **fields)
-    interval_s = heartbeat_interval_s(cfg.heartbeat_timeout_s)
+    interval_s = heartbeat_interval_s(cfg.faults.heartbeat_timeout_s)
     ctx.heartbeat = Heartbeat(liveness_store, rank, interval_s).start()
-    _configure_logging(rank, "server" if rank < cfg.servers else "worker")
+    _configure_logging(rank, "server" if rank < cfg.job.servers else "worker")
     authenticate_startup(ctx, secret)
-    if rank == cfg.servers:
+    if rank == cfg.job.servers:
         log.info(
             "workers compute on %s; their collectives use %s; %d node(s)%s",
             device,
             backend,
             topology.num_nodes,
-            shards_line(topology, cfg.servers, placement_label(cfg, world)),
+            shards_line(topology, cfg.job.servers, placement_label(cfg, world)),
         )
     return ctx
 
@@ -133,20 +133,20 @@ def build_context(
     virtual cluster (:mod:`cloudburst.sim.run`). ``fields``: the rest of the Context (store,
     device, backend, topology, t0, link, heartbeat, ...)."""
     traits = traits if traits is not None else cfg.strategy_spec
-    world, timeout_s, backend = cfg.world_size, cfg.comm_timeout_s, fields["backend"]
-    workers = list(range(cfg.servers, world))
-    is_worker = rank >= cfg.servers
+    world, timeout_s, backend = cfg.world_size, cfg.faults.comm_timeout_s, fields["backend"]
+    workers = list(range(cfg.job.servers, world))
+    is_worker = rank >= cfg.job.servers
     groups: dict[str, Any] = {"workers_group": None}
-    if (cfg.servers or backend == "nccl") and is_worker:
+    if (cfg.job.servers or backend == "nccl") and is_worker:
         # Only the workers take part (on gloo without servers, the world is theirs).
         groups["workers_group"] = comm.new_group("workers", workers, timeout_s, backend)
-    if cfg.servers > 1 and not is_worker:
-        groups["servers_group"] = comm.new_group("servers", list(range(cfg.servers)), timeout_s)
+    if cfg.job.servers > 1 and not is_worker:
+        groups["servers_group"] = comm.new_group("servers", list(range(cfg.job.servers)), timeout_s)
     replicas = workers
-    if cfg.replica == "node":
+    if cfg.cluster.replica == "node":
         # Each node's workers are one replica (the same node groups as DASO's: gradients every
         # step), and the nodes' leaders run the strategy on a group of their own.
-        nodes = worker_nodes(fields["topology"], cfg.servers, "replica: node", least=2)
+        nodes = worker_nodes(fields["topology"], cfg.job.servers, "replica: node", least=2)
         replicas = [ranks[0] for ranks in nodes]
         groups["replica_leaders"] = tuple(replicas)
         groups["node_replica_group"] = one_group_per(
@@ -155,7 +155,9 @@ def build_context(
         groups["replicas_group"] = one_group_per(
             comm, rank, "replicas", [replicas], timeout_s, backend
         )
-    maker = GroupMaker(comm, rank, fields["topology"], cfg.servers, replicas, timeout_s, backend)
+    maker = GroupMaker(
+        comm, rank, fields["topology"], cfg.job.servers, replicas, timeout_s, backend
+    )
     groups["groups"] = traits.make_groups(cfg, maker)
     return _rank_context(cfg, rank, comm, **groups, **fields)
 
@@ -165,8 +167,8 @@ def _rank_context(cfg: RunConfig, rank: int, comm: Transport, **fields: Any) -> 
         cfg=cfg,
         rank=rank,
         world_size=cfg.world_size,
-        num_servers=cfg.servers,
-        num_workers=cfg.workers,
+        num_servers=cfg.job.servers,
+        num_workers=cfg.job.workers,
         comm=comm,
         **fields,
     )
@@ -183,7 +185,7 @@ def _real_rank(
 ) -> dict[str, Any]:
     """A real rank's Context fields: the clock's start now, the emulated inter-node link
     (``share_nic``: each node's NIC shared by its ranks, :func:`shared_nic`)."""
-    spec = LinkSpec.parse(cfg.inter_node_link) if cfg.inter_node_link else None
+    spec = LinkSpec.parse(cfg.cluster.inter_node_link) if cfg.cluster.inter_node_link else None
     nic = shared_nic(cfg, store, topology) if share_nic and spec is not None else None
     link = LinkEmulator(spec, topology=topology, rank=rank, nic=nic)
     return dict(
@@ -212,7 +214,7 @@ def shared_nic(cfg: RunConfig, store: dist.Store, topology: Topology) -> NicStat
             raise OSError("time.perf_counter is not the machine-wide CLOCK_MONOTONIC here")
         nonce = store.compare_set(NIC_RECORD_KEY, "", uuid.uuid4().hex).decode()
         path = os.path.join(nic_dir(), f"cloudburst-nic-{os.getuid()}-{nonce}")
-        return NicState(path, topology.num_nodes, lock_timeout_s=cfg.comm_timeout_s)
+        return NicState(path, topology.num_nodes, lock_timeout_s=cfg.faults.comm_timeout_s)
     except (OSError, RuntimeError, ValueError) as err:
         log.warning("emulated link: each rank keeps its own (no shared node NIC: %s)", err)
         return None
@@ -244,11 +246,17 @@ def _rejoin_job(
     incarnation = restart_count()
     # Heartbeats from now on: the servers reset this worker's liveness clock when they admit
     # it, and it has data and a model to load before its strategy starts.
-    heartbeat = Heartbeat(store, rank, heartbeat_interval_s(cfg.heartbeat_timeout_s)).start()
+    heartbeat = Heartbeat(store, rank, heartbeat_interval_s(cfg.faults.heartbeat_timeout_s)).start()
     try:
-        RejoinBoard(store, cfg.comm_timeout_s, secret=secret).announce(rank, incarnation)
+        RejoinBoard(store, cfg.faults.comm_timeout_s, secret=secret).announce(rank, incarnation)
         group = rejoin_group(
-            store, rank, incarnation, cfg.servers, cfg.servers, cfg.comm_timeout_s, secret=secret
+            store,
+            rank,
+            incarnation,
+            cfg.job.servers,
+            cfg.job.servers,
+            cfg.faults.comm_timeout_s,
+            secret=secret,
         )
     except BaseException:
         heartbeat.stop()
@@ -276,13 +284,13 @@ def _restart_shard(
     its checkpoint is restored, and builds a pair group with each worker that reconnects
     (:func:`shard_pair_group`)."""
     _configure_logging(rank, "server")
-    if cfg.shard_standby and rank != 0:
+    if cfg.asgd.shard_standby and rank != 0:
         # Its standby took over when it died (a shard has one owner); nothing is left to do.
         log.info("restart %d of server shard %d: its standby serves it", restart_count(), rank)
         raise SystemExit(0)
     auth.require_secret(f"restarted server shard {rank}, to rejoin the running job,")
     store = _job_store(cfg, survives_worker_loss=True)
-    heartbeat = Heartbeat(store, rank, heartbeat_interval_s(cfg.heartbeat_timeout_s)).start()
+    heartbeat = Heartbeat(store, rank, heartbeat_interval_s(cfg.faults.heartbeat_timeout_s)).start()
     log.info("restart %d of server shard %d: rejoining the running job", restart_count(), rank)
     return _context(
         cfg,
@@ -328,7 +336,7 @@ def _job_store(cfg: RunConfig, survives_worker_loss: bool) -> dist.Store:
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         is_master=False,
-        timeout=datetime.timedelta(seconds=cfg.comm_timeout_s),
+        timeout=datetime.timedelta(seconds=cfg.faults.comm_timeout_s),
         wait_for_workers=False,
     )
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")

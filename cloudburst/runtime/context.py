@@ -138,7 +138,9 @@ class Context(ReplicaView):
             crosses=crosses,
             members=members,
             wire=self.comm,
-            compress="none" if exact else self.cfg.strategy_spec.message_method(self.cfg.compress),
+            compress="none"
+            if exact
+            else self.cfg.strategy_spec.message_method(self.cfg.cluster.compress),
         )
 
     def rejoin_transport(self, worker_rank: int, incarnation: int, stats=None):
@@ -154,7 +156,7 @@ class Context(ReplicaView):
             incarnation,
             self.num_servers,
             self.server_index,
-            self.cfg.comm_timeout_s,
+            self.cfg.faults.comm_timeout_s,
             secret=auth.require_secret(f"admitting restarted worker rank {worker_rank}"),
         )
         return self.transport(
@@ -173,7 +175,7 @@ class Context(ReplicaView):
             incarnation,
             peer,
             self.rank == shard,
-            self.cfg.comm_timeout_s,
+            self.cfg.faults.comm_timeout_s,
             secret=auth.require_secret(f"a link to restarted server shard {shard}"),
         )
         return self.transport(stats, group=group, members=[shard, peer])

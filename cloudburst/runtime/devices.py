@@ -73,26 +73,26 @@ def _interface_with_address(ip: str) -> str | None:
 
 
 def cuda_wanted(cfg: RunConfig) -> bool:
-    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    return cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
 
 
 def _workers_on_this_node(cfg: RunConfig) -> int:
     # Our own local launcher puts every rank on this machine (one agent per rank for asgd,
     # so LOCAL_WORLD_SIZE would say 1); under torchrun, the ranks of this node.
     if "CLOUDBURST_LOCAL_JOB" in os.environ:
-        return cfg.workers
-    return min(cfg.workers, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return cfg.job.workers
+    return min(cfg.job.workers, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def select_device(cfg: RunConfig, rank: int) -> torch.device:
     """A worker's device: its own GPU when there are enough, else GPUs shared round-robin."""
-    if rank < cfg.servers or not cuda_wanted(cfg):
+    if rank < cfg.job.servers or not cuda_wanted(cfg):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError("device: cuda was asked for, but torch sees no CUDA device here")
     count = torch.cuda.device_count()
     if "CLOUDBURST_LOCAL_JOB" in os.environ:
-        index = (rank - cfg.servers) % count
+        index = (rank - cfg.job.servers) % count
     else:
         index = int(os.environ.get("LOCAL_RANK", "0")) % count
     torch.cuda.set_device(index)
@@ -104,7 +104,7 @@ def select_backend(cfg: RunConfig) -> str:
     if not cuda_wanted(cfg):
         return "gloo"
     own_gpu = torch.cuda.device_count() >= _workers_on_this_node(cfg)
-    if cfg.backend == "nccl":
+    if cfg.model.backend == "nccl":
         if not own_gpu:
             raise RuntimeError(
                 f"backend: nccl needs one GPU per worker on a node; this node has "
@@ -112,6 +112,6 @@ def select_backend(cfg: RunConfig) -> str:
                 "(NCCL cannot run two ranks on one GPU); use --backend gloo"
             )
         return "nccl"
-    if cfg.backend == "gloo":
+    if cfg.model.backend == "gloo":
         return "gloo"
-    return "nccl" if own_gpu and cfg.workers > 1 else "gloo"
+    return "nccl" if own_gpu and cfg.job.workers > 1 else "gloo"

@@ -83,7 +83,7 @@ def standby_link(ctx: Context, primary: int, stats=None):
         prefixed,
         0 if ctx.rank == primary else 1,
         2,
-        datetime.timedelta(seconds=ctx.cfg.comm_timeout_s),
+        datetime.timedelta(seconds=ctx.cfg.faults.comm_timeout_s),
     )
     secret = auth.job_secret()
     if secret is not None:
@@ -114,7 +114,7 @@ def authenticate_startup(ctx: Context, secret: bytes | None) -> None:
     groups: list[tuple[str, Any]] = [("world", dist.group.WORLD)]
     job = ("workers_group", "servers_group", "node_replica_group", "replicas_group")
     named = [(n, getattr(ctx, n)) for n in job]
-    named += [(f"{ctx.cfg.strategy}.{n}", g) for n, g in ctx.groups.items()]
+    named += [(f"{ctx.cfg.job.strategy}.{n}", g) for n, g in ctx.groups.items()]
     for name, group in named:
         if group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
             groups.append((name, group))

@@ -42,7 +42,9 @@ def _placed(cfg: RunConfig, nodes: int, ranks_per_node: int | None = None) -> To
     """The job's layout on ``nodes`` nodes (:meth:`Topology.place`; torchrun's machines of
     ``ranks_per_node`` ranks each); RuntimeError (one line) where it cannot be."""
     try:
-        return Topology.place(cfg.workers, cfg.servers, nodes, cfg.shard_placement, ranks_per_node)
+        return Topology.place(
+            cfg.job.workers, cfg.job.servers, nodes, cfg.cluster.shard_placement, ranks_per_node
+        )
     except ValueError as e:
         raise RuntimeError(f"shard_placement: {e}") from None
 
@@ -61,21 +63,21 @@ def placement_label(cfg: RunConfig, world: int) -> str:
     nodes, local = launched_nodes(world)
     if nodes > 1 and local == 1:
         return "torchrun's order, one agent per rank"
-    return cfg.shard_placement
+    return cfg.cluster.shard_placement
 
 
 def topology_mismatch(cfg: RunConfig, world: int) -> str | None:
     """A one-line message when ``--nodes`` disagrees with the nodes torchrun started, or when
     the shard placement does not put torchrun's ranks per node on every node."""
     nodes, local = launched_nodes(world)
-    if nodes > 1 and cfg.nodes not in (None, nodes):
+    if nodes > 1 and cfg.cluster.nodes not in (None, nodes):
         return (
-            f"nodes: the config says {cfg.nodes} nodes, but torchrun started {nodes} nodes of "
-            f"{local} ranks each; drop --nodes or make them agree"
+            f"nodes: the config says {cfg.cluster.nodes} nodes, but torchrun started {nodes} nodes "
+            f"of {local} ranks each; drop --nodes or make them agree"
         )
     if nodes > 1 and local > 1 and world == cfg.world_size:
         try:
-            role_ranks(_placed(cfg, nodes, local), local, cfg.shard_placement)
+            role_ranks(_placed(cfg, nodes, local), local, cfg.cluster.shard_placement)
         except (RuntimeError, ValueError) as e:
             return str(e)
     return None
@@ -96,7 +98,7 @@ def resolve_topology(cfg: RunConfig, world: int) -> Topology:
         return Topology(tuple(range(world)))
     if nodes > 1:
         return _placed(cfg, nodes, local)
-    return _placed(cfg, cfg.nodes or 1)
+    return _placed(cfg, cfg.cluster.nodes or 1)
 
 
 def launch_rank_to_role(cfg: RunConfig, world: int) -> int:
@@ -112,11 +114,11 @@ def launch_rank_to_role(cfg: RunConfig, world: int) -> int:
     problem = topology_mismatch(cfg, world)
     if problem:
         raise RuntimeError(problem)
-    roles = role_ranks(_placed(cfg, nodes, local), local, cfg.shard_placement)
+    roles = role_ranks(_placed(cfg, nodes, local), local, cfg.cluster.shard_placement)
     if roles.index(0) >= local and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False":
         # env:// without the agent's store: rank 0 hosts the store on torchrun's node 0.
         raise RuntimeError(
-            f"shard_placement {cfg.shard_placement!r} puts shard 0 off torchrun's node 0, "
+            f"shard_placement {cfg.cluster.shard_placement!r} puts shard 0 off torchrun's node 0, "
             "where rank 0 must host the job's store here; unset "
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE or use --shard-placement spread"
         )

@@ -81,7 +81,7 @@ class ClockModel:
             raise ValueError(f"step_time_s: {step_time_s} must be > 0")
         # --network-model, else nccl where the run models GPUs, flat where the CPU emulation:
         # resolved once here, so that the summary's settings say which the run used.
-        network_model, self.network_model_reason = sim.network_model_for(cfg.device)
+        network_model, self.network_model_reason = sim.network_model_for(cfg.model.device)
         if sim.network_model != network_model:
             sim = dataclasses.replace(sim, network_model=network_model)
         self.sim, self.cfg = sim, cfg
@@ -89,7 +89,7 @@ class ClockModel:
         self.step_time_s = float(step_time_s)
         self.step_time_source = step_time_source
         self.jitter = sim.jitter
-        self.inter = _link(cfg.inter_node_link)
+        self.inter = _link(cfg.cluster.inter_node_link)
         self.intra = _link(sim.intra_node_link)
         modelled = sim.stand_in_params
         # Float payloads (θ, Δ, gradients) scale with the parameter count; headers do not.
@@ -102,7 +102,7 @@ class ClockModel:
         (seed, worker, step), so it never depends on the order of calls."""
         if self.jitter is None:
             return 1.0
-        key = f"cloudburst-step-jitter:{self.cfg.seed}:{worker}:{step}".encode()
+        key = f"cloudburst-step-jitter:{self.cfg.training.seed}:{worker}:{step}".encode()
         draw = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
         return self.jitter.sample((draw + 0.5) / 2**64)  # in (0, 1), never 0 or 1
 
@@ -249,15 +249,15 @@ def resolve_step_time(
     if sim.step_time_s is not None:
         return float(sim.step_time_s), "flag"
     if sim.step_time_per_sample_s is not None:
-        return sim.step_time_per_sample_s * cfg.batch_size, "flag"
+        return sim.step_time_per_sample_s * cfg.training.batch_size, "flag"
     if sim.modelled_step_time_s is not None:
         return float(sim.modelled_step_time_s), "flag"
     if sim.calibrate:
         return float(calibrate_fn(cfg)), "calibrated"
     if sim.stand_in is not None:
-        return sim.stand_in.step_time_s(cfg.batch_size), "profile"
-    if cfg.min_step_time_s > 0:
-        return float(cfg.min_step_time_s), "min_step_time"
+        return sim.stand_in.step_time_s(cfg.training.batch_size), "profile"
+    if cfg.cluster.min_step_time_s > 0:
+        return float(cfg.cluster.min_step_time_s), "min_step_time"
     return float(calibrate_fn(cfg)), "calibrated"
 
 

@@ -10,7 +10,6 @@ clock model, and what the simulation itself cost.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -57,12 +56,12 @@ class VirtualCluster:
         self.world = cfg.world_size
         # Shards where --shard-placement puts them, workers in blocks (as a real run).
         self.topology = Topology.place(
-            cfg.workers, cfg.servers, cfg.nodes or 1, cfg.shard_placement
+            cfg.job.workers, cfg.job.servers, cfg.cluster.nodes or 1, cfg.cluster.shard_placement
         )
         self.sched = Scheduler()
-        self.net = SimNetwork(self.sched, clock, self.topology, cfg.comm_timeout_s)
+        self.net = SimNetwork(self.sched, clock, self.topology, cfg.faults.comm_timeout_s)
         self.store = SimStore(self.net)
-        self._faults = parse_faults(cfg.inject_fault, cfg.servers, self.world)
+        self._faults = parse_faults(cfg.faults.inject_fault, cfg.job.servers, self.world)
 
     def describe(self) -> str:
         """One line for the run's start: its nodes, where its shards are, its network model
@@ -72,7 +71,7 @@ class VirtualCluster:
 
         cfg, clock = self.cfg, self.clock
         line = f"{self.topology.num_nodes} node(s)"
-        line += shards_line(self.topology, cfg.servers, cfg.shard_placement)
+        line += shards_line(self.topology, cfg.job.servers, cfg.cluster.shard_placement)
         model = getattr(getattr(clock, "sim", None), "network_model", None)
         if model is not None:
             line += f"; network model {model} ({getattr(clock, 'network_model_reason', '')})"
@@ -82,8 +81,8 @@ class VirtualCluster:
         """Rank ``rank``'s Context, its groups made as a real rank makes them (through its
         transport): called on the rank's own task."""
         cfg = self.cfg
-        worker = rank >= cfg.servers
-        index = rank - cfg.servers if worker else None
+        worker = rank >= cfg.job.servers
+        index = rank - cfg.job.servers if worker else None
         slow = FaultInjector(self._faults, rank, active=False).slow_factor
         factor = cfg.straggler_factor(index) * slow if worker else 1.0
         return build_context(
@@ -108,7 +107,7 @@ class VirtualCluster:
             results[rank] = rank_main(rank)
 
         for rank in range(self.world):
-            role = f"server{rank}" if rank < cfg.servers else f"worker{rank - cfg.servers}"
+            role = f"server{rank}" if rank < cfg.job.servers else f"worker{rank - cfg.job.servers}"
             self.sched.spawn(lambda rank=rank: body(rank), role, rank)
         self.sched.run()
         return results
@@ -132,15 +131,15 @@ def run_ranks(
 
 def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     """Run ``cfg`` on the virtual cluster ``sim``; returns the summary (also in
-    ``cfg.out/summary.json``). Raises :class:`SimulationFailed` with the first rank's error
+    ``cfg.output.out/summary.json``). Raises :class:`SimulationFailed` with the first rank's error
     when the job fails (a partial summary is written first)."""
     from cloudburst.loop.summary import write_partial_summary
 
     started = time.perf_counter()
     # One process computes for every rank: no DataLoader processes, no TensorBoard writers.
-    cfg = dataclasses.replace(cfg, data_workers=0, tensorboard=False, progress=False)
+    cfg = cfg.replace(data_workers=0, tensorboard=False, progress=False)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    out = Path(cfg.out)
+    out = Path(cfg.output.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "config.json", cfg.to_dict())
     data = load_run_dataset(cfg)
@@ -153,7 +152,7 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
 
     def rank_main(rank: int) -> None:
         ctx = cluster.context(rank)
-        metrics = MetricsWriter(cfg.out, rank, ctx.role)
+        metrics = MetricsWriter(cfg.output.out, rank, ctx.role)
         metrics.log("start", wall=time.time(), world_size=ctx.world_size, device="cpu")
         try:
             run_role(ctx, data, metrics)
@@ -170,7 +169,7 @@ def simulate(cfg: RunConfig, sim: SimulationConfig) -> dict[str, Any]:
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text())
     worker_steps = sum(n or 0 for n in summary.get("steps_done", {}).values()) or (
-        cfg.workers * cfg.steps_per_worker(len(data.train))
+        cfg.job.workers * cfg.steps_per_worker(len(data.train))
     )
     sched, net = cluster.sched, cluster.net
     summary["simulated"] = True

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cloudburst.config import ConfigError, RunConfig, _aliases, _coerce
+from cloudburst.config import FIELDS, ConfigError, RunConfig, _aliases, _coerce
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.records.rundir import safe_label
 
@@ -80,7 +80,7 @@ def parse_seeds(text: str) -> list[int]:
 
 def _sweepable_fields() -> dict[str, dataclasses.Field]:
     fields = {f.name: f for f in dataclasses.fields(SimulationConfig)}
-    fields.update({f.name: f for f in dataclasses.fields(RunConfig)})
+    fields.update({name: f for name, (_, f) in FIELDS.items()})
     return fields
 
 
@@ -180,7 +180,7 @@ def run_sweep(
             simulate(point.cfg, point.sim)
         except failure as e:
             print(f"cloudburst: {point.label}: {e}", file=sys.stderr, flush=True)
-    return sweep_report(out, field, [p.cfg.out for p in points])
+    return sweep_report(out, field, [p.cfg.output.out for p in points])
 
 
 # ---------------------------------------------------------------------------- the report

@@ -72,7 +72,7 @@ class Strategy(StrategySpec, ABC):
     def replica_params(self) -> tuple[torch.Tensor, int]:
         """This worker's replica, flat, and every worker's training samples so far: the
         global model of the replicated strategies (sync, daso, local SGD, gossip)."""
-        samples = self.local_steps * self.cfg.batch_size * self.cfg.workers
+        samples = self.local_steps * self.cfg.training.batch_size * self.cfg.job.workers
         return flatten_params(self.model), samples
 
     def fetch_global_params(self) -> tuple[torch.Tensor, int] | None:

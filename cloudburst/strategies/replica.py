@@ -193,10 +193,10 @@ class NodeReplica(Strategy):
 
 
 def make_strategy(ctx) -> Strategy:
-    """This worker's strategy (the registry's worker class for ``ctx.cfg.strategy``); with
+    """This worker's strategy (the registry's worker class for ``ctx.cfg.job.strategy``); with
     ``--replica node``, wrapped as its node's replica: only a node's leader runs the strategy
     itself."""
-    worker = strategy_spec(ctx.cfg.strategy).worker_class()
+    worker = strategy_spec(ctx.cfg.job.strategy).worker_class()
     if ctx.replica_leaders is None:
         return worker(ctx)
     return NodeReplica(ctx, worker(ctx) if ctx.leads_replica else None)

@@ -131,7 +131,7 @@ def _straggler(rank: int, out: str) -> dict:
     dist.barrier()
     timeout = datetime.timedelta(seconds=SHORT_TIMEOUT_S)
     request, reply = (dist.new_group([0, 1, 2], timeout=timeout) for _ in range(2))
-    cfg = dataclasses.replace(ctx.cfg, comm_timeout_s=SHORT_TIMEOUT_S)
+    cfg = ctx.cfg.replace(comm_timeout_s=SHORT_TIMEOUT_S)
     ctx = dataclasses.replace(ctx, cfg=cfg, groups={"requests": request, "replies": reply})
     _set(model, [float(rank)] * NUMEL)
     strategy = GossipStrategy(ctx)

@@ -51,7 +51,7 @@ def _server_job(rank: int, out: str) -> dict:
         checkpoint_every=0,
         server_lr=1.0,  # θ ← θ + Δ
     )
-    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
+    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
     store = ctx.store
     if ctx.is_server:
         metrics = MetricsWriter(out, rank, "server0")
@@ -212,7 +212,7 @@ def _gossip_job(rank: int, out: str) -> dict:
 
     cfg = RunConfig(strategy="gossip", workers=3, dataset="synthetic", out=out,
                     comm_timeout_s=60.0, gossip_variant="push")  # fmt: skip
-    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
+    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
     store = ctx.store
     transport = GossipTransport(ctx.groups["requests"], ctx.groups["replies"], rank,
                                 [r for r in range(3) if r != rank], NUMEL, CommStats(),

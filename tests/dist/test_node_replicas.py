@@ -143,7 +143,7 @@ def test_a_node_replica_run_killed_and_resumed_ends_where_the_undisturbed_one_do
                     **common)  # fmt: skip
     with pytest.raises(SimulationFailed):
         simulate(cut, sim)
-    resumed = simulate(dataclasses.replace(cut, resume=True, inject_fault=[]), sim)
+    resumed = simulate(cut.replace(resume=True, inject_fault=[]), sim)
     assert resumed["final_test_loss"] == whole["final_test_loss"]
     assert resumed["inter_node_bytes"] > 0
 

@@ -57,7 +57,7 @@ def _trajectory(ctx, cfg_changes: dict, optimizer, steps: int, turns: Turns | No
     (the last one after ``finish``), and ``step_info`` after each step."""
     from cloudburst.strategies.replica import make_strategy
 
-    cfg = dataclasses.replace(ctx.cfg, **cfg_changes)
+    cfg = ctx.cfg.replace(**cfg_changes)
     ctx = dataclasses.replace(ctx, cfg=cfg)
     worker = ctx.worker_index
     model = ref.tiny_model()
@@ -68,7 +68,7 @@ def _trajectory(ctx, cfg_changes: dict, optimizer, steps: int, turns: Turns | No
     thetas, infos = [], []
     for step in range(1, steps + 1):
         ref.train_step(net, opt, *ref.batch(worker, step, BATCH))
-        event = (step - 1) * cfg.workers + worker  # every worker's step s before any's s + 1
+        event = (step - 1) * cfg.job.workers + worker  # every worker's step s before any's s + 1
         if turns:
             turns.wait(event)
         strategy.after_step(BATCH)
@@ -97,7 +97,7 @@ def _four_workers(rank: int, out: str) -> dict:
         comm_timeout_s=60,
         consensus_every_steps=1000,
     )
-    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
+    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
     sgd = ref.sgd()
     runs = {
         "sync": _trajectory(ctx, {"strategy": "sync"}, sgd, SYNC_STEPS),
@@ -236,7 +236,7 @@ def _easgd(rank: int, out: str) -> dict:
         comm_timeout_s=60,
         checkpoint_every=0,
     )
-    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
+    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
     model = ref.tiny_model()
     if ctx.is_server:
         metrics = MetricsWriter(out, rank, ctx.role)
@@ -260,7 +260,7 @@ def _easgd(rank: int, out: str) -> dict:
     for step in range(1, EASGD_STEPS + 1):
         ref.train_step(model, opt, *ref.batch(worker, step, BATCH))
         exchange = step % TAU == 0
-        event = (step // TAU - 1) * cfg.workers + worker  # worker 0's, then worker 1's
+        event = (step // TAU - 1) * cfg.job.workers + worker  # worker 0's, then worker 1's
         if exchange:
             turns.wait(event)
         strategy.after_step(BATCH)

@@ -37,7 +37,7 @@ def _scripted(rank: int, out: str) -> dict:
     from cloudburst.strategies import STRATEGY_CLASSES
 
     cfg = _cfg(out)
-    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
+    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
     store = ctx.store
     if ctx.is_server:
         metrics = MetricsWriter(out, rank, "server0")
@@ -156,7 +156,7 @@ def _dies_mid_request(rank: int, out: str) -> dict:
     from cloudburst.strategies import STRATEGY_CLASSES
 
     cfg = _cfg(out)
-    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.strategy])
+    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
     if ctx.is_server:
         metrics = MetricsWriter(out, rank, "server0")
         loop = ServerLoop(

@@ -55,10 +55,14 @@ def _cfg(out, workers: int, steps: int, **kw) -> RunConfig:
 
 def test_settings_defaults_and_refusals():
     cfg = RunConfig(strategy="async_diloco", workers=3)
-    assert (cfg.servers, cfg.dn_period_value, cfg.dylu) == (1, 3, False)
+    assert (cfg.job.servers, cfg.async_diloco.dn_period_value(cfg), cfg.async_diloco.dylu) == (
+        1,
+        3,
+        False,
+    )
     shard = make_shard(cfg, torch.zeros(4))
-    assert (shard.rule, shard.lr, shard.server_rule.period) == ("dn", cfg.diloco_outer_lr, 3)
-    assert shard.server_rule.momentum == cfg.diloco_outer_momentum
+    assert (shard.rule, shard.lr, shard.server_rule.period) == ("dn", cfg.diloco.outer_lr, 3)
+    assert shard.server_rule.momentum == cfg.diloco.outer_momentum
     assert not overlapped_push_fetch(cfg)  # the outer state is the shard's: reply after apply
     refused = [
         (dict(n_sync=4), "^n_sync: async_diloco pushes every H"),
@@ -109,7 +113,9 @@ def _reader(store, clock, me=0, workers=3, period=8, speed=2.0):
         comm=SimpleNamespace(now=lambda: clock[0]),
     )
     return SimpleNamespace(
-        ctx=ctx, cfg=SimpleNamespace(period=period, workers=workers), inner_steps=period,
+        ctx=ctx, cfg=SimpleNamespace(
+            local_sgd=SimpleNamespace(period=period), job=SimpleNamespace(workers=workers)
+        ), inner_steps=period,
         _published=0, _seen={}, measured_speed=lambda: speed,
     )  # fmt: skip
 

@@ -200,7 +200,7 @@ def test_a_push_of_3e38_is_refused_and_the_worker_goes_on_from_the_shards_theta(
     # the worker continues from the shards' θ
     assert torch.equal(ref.flat(model), job.server_theta)
     records = [f for e, f in job.metrics[0].records if e == "push" and f["status"] == "REFUSED"]
-    assert len(records) == 1 and records[0]["worker"] == cfg.servers
+    assert len(records) == 1 and records[0]["worker"] == cfg.job.servers
     logged = [r.getMessage() for r in caplog.records]
     assert sum("refused a push from rank 2" in m for m in logged) == 1
     assert sum("refused this worker's push" in m for m in logged) == 1

@@ -12,13 +12,25 @@ import re
 import pytest
 
 from cloudburst import cli
-from cloudburst.config import COMPONENTS, ConfigError, RunConfig, load_toml, option
+from cloudburst.config import (
+    COMPONENTS,
+    FIELDS,
+    ConfigError,
+    RunConfig,
+    Section,
+    load_toml,
+    option,
+)
 
 
 def _config_flags() -> dict[str, dict]:
     """Each generated flag of ``train``: its add_argument options."""
-    fields = (f for part in COMPONENTS for f in dataclasses.fields(part) if f.metadata["cli"])
-    return dict(cli.flag_spec(f) for f in fields)
+    return dict(
+        cli.flag_spec(f, part.flat(f.name))
+        for part in COMPONENTS
+        for f in dataclasses.fields(part)
+        if f.metadata["cli"]
+    )
 
 
 def _usage_item(flag: str, options: dict) -> str:
@@ -125,7 +137,7 @@ def test_help_shows_every_default(capsys):
     for part in COMPONENTS:
         for f in dataclasses.fields(part):
             if f.metadata["cli"]:
-                flag, options = cli.flag_spec(f)
+                flag, options = cli.flag_spec(f, part.flat(f.name))
                 switch = options.get("action") in ("store_true", "store_false")
                 assert switch or "(default: " in options["help"], flag
     text = " ".join(_help("train", capsys).split())
@@ -141,7 +153,10 @@ def test_every_flag_parses_to_its_field_and_no_flag_leaves_the_defaults(parse, t
     init = tmp_path / "model.pt"
     init.write_bytes(b"")
     cfg = parse("--strategy", "daso", "--workers", "4", "--nodes", "2", "--init-from", str(init))
-    assert cfg.init_from == str(init) and (cfg.strategy, cfg.nodes) == ("daso", 2)
+    assert cfg.training.init_from == str(init) and (cfg.job.strategy, cfg.cluster.nodes) == (
+        "daso",
+        2,
+    )
 
 
 def test_compare_takes_the_same_flags(monkeypatch):
@@ -156,34 +171,39 @@ def test_flags_not_given_leave_the_file_alone_and_given_ones_win(parse, tmp_path
     path = tmp_path / "run.toml"
     path.write_text("[daso]\nglobal_skip = 6\nbatches_to_wait = 2\n[training]\nlr = 0.05\n")
     cfg = parse("--config", str(path), "--daso-batches-to-wait", "3")
-    assert (cfg.daso_global_skip, cfg.daso_batches_to_wait, cfg.lr) == (6, 3, 0.05)
+    assert (cfg.daso.global_skip, cfg.daso.batches_to_wait, cfg.training.lr) == (6, 3, 0.05)
     path.write_text('straggler = ["1:2"]\n')  # the alias in the file, the flag's field wins
     assert parse("--config", str(path), "--straggler", "0:3").straggler_factor(0) == 3.0
 
 
 # ---------------------------------------------------------------------------- the concerns
 def test_the_concerns_partition_the_run_config():
-    names = [f.name for part in COMPONENTS for f in dataclasses.fields(part)]
-    assert sorted(names) == sorted(f.name for f in dataclasses.fields(RunConfig))
-    assert len(names) == len(set(names))
+    """Every field is in one concern, under one flat name; a config holds one section per
+    concern, as ``cfg.<section>``."""
+    names = [part.flat(f.name) for part in COMPONENTS for f in dataclasses.fields(part)]
+    assert sorted(names) == sorted(FIELDS) and len(names) == len(set(names))
     assert len({part.section for part in COMPONENTS}) == len(COMPONENTS)
+    cfg = RunConfig()
+    assert [type(getattr(cfg, part.section)) for part in COMPONENTS] == list(COMPONENTS)
     # Every field says what it is, in --help and for a reader of config.py.
-    assert all(f.metadata["help"] for f in dataclasses.fields(RunConfig))
+    assert all(f.metadata["help"] for _, f in FIELDS.values())
 
 
 @dataclasses.dataclass
-class _NewConcern:
-    """A setting added as one field becomes a flag with no other code."""
+class _NewConcern(Section):
+    """A setting added as one field becomes a flag with no other code; its flat name (the
+    flag's) carries the section's prefix."""
 
     section = "new"
     title = "new"
+    prefix = "new_"
 
-    new_count: int = option(3, "how many")
-    new_rate: float | None = option(None, "how fast", shown="as fast as it goes")
-    new_name: str = option("a", "which one", choices=("a", "b"))
-    new_on: bool = option(False, "turn it on")
-    new_kept: bool = option(True, "do not keep it")
-    new_items: list[str] = option(help="add one", metavar="ITEM", shown="none", factory=list)
+    count: int = option(3, "how many")
+    rate: float | None = option(None, "how fast", shown="as fast as it goes")
+    name: str = option("a", "which one", choices=("a", "b"))
+    on: bool = option(False, "turn it on")
+    kept: bool = option(True, "do not keep it")
+    items: list[str] = option(help="add one", metavar="ITEM", shown="none", factory=list)
 
 
 def test_a_new_field_is_a_flag(monkeypatch):
@@ -235,7 +255,7 @@ def test_sections_mirror_the_concerns_and_flat_keys_still_work(tmp_path):
     )
     assert sections == flat
     assert RunConfig.from_dict(sections) == RunConfig.from_dict(flat)
-    assert RunConfig.from_dict(sections).stragglers[0].factor == 2.0
+    assert RunConfig.from_dict(sections).cluster.stragglers[0].factor == 2.0
     # The [train] table of flat keys (and sections inside it) as before; its values win.
     train = _load(tmp_path, "lr = 0.3\n[train]\nlr = 0.05\n[train.daso]\nglobal_skip = 6\n")
     assert train == {"lr": 0.05, "daso_global_skip": 6}

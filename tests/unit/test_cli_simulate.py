@@ -40,16 +40,16 @@ CLOCK_FLAGS = [
 def canned(cfg: RunConfig, sim: SimulationConfig) -> dict:
     """A summary as the simulator writes it: asgd at 4 workers with seed 1 never reaches the
     target (censored at its end, 50 virtual s)."""
-    never = cfg.strategy == "asgd" and cfg.workers == 4 and cfg.seed == 1
+    never = cfg.job.strategy == "asgd" and cfg.job.workers == 4 and cfg.training.seed == 1
     summary = {
-        "strategy": cfg.strategy,
-        "workers": cfg.workers,
-        "servers": cfg.servers,
+        "strategy": cfg.job.strategy,
+        "workers": cfg.job.workers,
+        "servers": cfg.job.servers,
         "simulated": True,
-        "final_test_accuracy": 0.8 if never else 0.9 + 0.01 * cfg.seed,
+        "final_test_accuracy": 0.8 if never else 0.9 + 0.01 * cfg.training.seed,
         "wall_time_s": 50.0,
-        "target_accuracy": cfg.target_accuracy,
-        "time_to_target_s": None if never else 10.0 * cfg.workers + cfg.seed,
+        "target_accuracy": cfg.metrics.target_accuracy,
+        "time_to_target_s": None if never else 10.0 * cfg.job.workers + cfg.training.seed,
         "samples": 0,
         "sent_bytes": 0,
         "mean_staleness_versions": None,
@@ -57,7 +57,7 @@ def canned(cfg: RunConfig, sim: SimulationConfig) -> dict:
         "clock_model": {"settings": sim.to_dict(), "time_unit": "virtual seconds"},
         "config": cfg.to_dict(),
     }
-    write_json_atomic(Path(cfg.out) / "summary.json", summary)
+    write_json_atomic(Path(cfg.output.out) / "summary.json", summary)
     return summary
 
 
@@ -72,9 +72,9 @@ def simulated(monkeypatch):
 
     def simulate(cfg, sim):
         calls.append((cfg, sim))
-        if cfg.lr == 7.0:  # a run that fails: its partial summary says so
+        if cfg.training.lr == 7.0:  # a run that fails: its partial summary says so
             failed = {**canned(cfg, sim), "failed": "worker 1: loss is nan"}
-            write_json_atomic(Path(cfg.out) / "summary.json", failed)
+            write_json_atomic(Path(cfg.output.out) / "summary.json", failed)
             raise SimulationFailed("the simulated job failed: worker 1: loss is nan")
         return canned(cfg, sim)
 
@@ -137,10 +137,10 @@ def test_a_single_run_calls_simulate_and_prints_virtual_seconds(
     code = cli.main([*argv, "--profile", "resnet50-v100", "--step-time-jitter", "pareto:3"])
     assert code == 0
     [(cfg, sim)] = simulated
-    assert cfg.strategy == "asgd" and cfg.workers == 3 and cfg.servers == 1
-    assert cfg.target_accuracy == 0.9  # simulate's default
+    assert cfg.job.strategy == "asgd" and cfg.job.workers == 3 and cfg.job.servers == 1
+    assert cfg.metrics.target_accuracy == 0.9  # simulate's default
     assert sim.profile == "resnet50-v100" and sim.step_time_jitter == "pareto:3"
-    out = Path(cfg.out)
+    out = Path(cfg.output.out)
     assert out.parent.name == "runs" and out.name.startswith("sim-asgd-")
     assert (out / ".cloudburst-run").is_file()  # the run directory was prepared
     table = capsys.readouterr().out
@@ -154,7 +154,7 @@ def test_a_sweep_writes_the_table_json_and_plots(simulated, tmp_path, capsys):
     argv += ["--sweep", "workers=2,4", "--strategies", "sync,asgd", "--seeds", "0,1"]
     assert cli.main(argv) == 0
     assert len(simulated) == 8
-    assert {(c.strategy, c.workers, c.seed) for c, _ in simulated} == {
+    assert {(c.job.strategy, c.job.workers, c.training.seed) for c, _ in simulated} == {
         (s, w, k) for s in ("sync", "asgd") for w in (2, 4) for k in (0, 1)
     }
     assert all(sim.step_time_s == 0.1 for _, sim in simulated)
@@ -198,7 +198,7 @@ def test_a_clock_field_can_be_swept(simulated, tmp_path):
     assert cli.main([*argv, "--sweep", "intra-node-link=100:0.01,none"]) == 0
     links = [sim.intra_node_link for _, sim in simulated]
     assert links == ["100,0.01", None]
-    assert all(cfg.inter_node_link == "1" for cfg, _ in simulated)
+    assert all(cfg.cluster.inter_node_link == "1" for cfg, _ in simulated)
     report = json.loads((out / "sweep.json").read_text())
     assert [c["value"] for c in report["cells"]] == ["100,0.01", None]
     assert (out / "sync-intra_node_link=100-0.01-seed0" / "summary.json").is_file()

@@ -309,8 +309,11 @@ def test_calls_without_a_key_share_one_residual_under_the_empty_key():
 
 # ---------------------------------------------------------------------------- the config
 def test_compress_is_refused_where_it_is_not_built():
-    assert RunConfig(strategy="sync", workers=2, compress="powersgd:2").compress == "powersgd:2"
-    assert RunConfig(strategy="daso", workers=2, compress="int8").compress == "int8"
+    assert (
+        RunConfig(strategy="sync", workers=2, compress="powersgd:2").cluster.compress
+        == "powersgd:2"
+    )
+    assert RunConfig(strategy="daso", workers=2, compress="int8").cluster.compress == "int8"
     with pytest.raises(ConfigError, match="compress: 'powersgd' is not available for strategy"):
         RunConfig(strategy="daso", workers=2, compress="powersgd")
     with pytest.raises(ConfigError, match="--daso-downcast fp16 / --daso-cycling-downcast none"):

@@ -71,7 +71,7 @@ def test_message_compression_is_for_the_message_strategies_and_refuses_powersgd(
     assert method["asgd"]("int8") == "int8" and method["gossip"]("bf16") == "bf16"
     assert method["sync"]("int8") == "none" and method["easgd"]("none") == "none"
     for strategy in ("asgd", "easgd", "gossip"):
-        assert RunConfig(strategy=strategy, workers=2, compress="fp8").compress == "fp8"
+        assert RunConfig(strategy=strategy, workers=2, compress="fp8").cluster.compress == "fp8"
         with pytest.raises(ConfigError, match="compress: 'powersgd' is not available"):
             RunConfig(strategy=strategy, workers=2, compress="powersgd")
     # Compressed EASGD sends the elastic difference: its shards add what they receive.
@@ -239,7 +239,7 @@ class _FakeCtx(SimpleNamespace):
 def _consensus(ctx, variant: dict) -> dict:
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    cfg = dataclasses.replace(ctx.cfg, consensus_every_steps=40, **variant)
+    cfg = ctx.cfg.replace(consensus_every_steps=40, **variant)
     start = [float((ctx.rank + 1) * (i - 3) + 10 * ctx.rank) for i in range(8)]
     assign_flat(model, torch.tensor(start))
     strategy = GossipStrategy(dataclasses.replace(ctx, cfg=cfg))

@@ -7,8 +7,6 @@ restart on. The same property over real processes: tests/e2e/test_compress_resum
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -62,7 +60,7 @@ def test_a_compressed_run_killed_and_resumed_ends_where_the_undisturbed_one_does
     strategy_state = load_checkpoint(path)["strategy"]
     kept = [k for k in strategy_state if k.startswith("compress_")]
     assert bool(kept) == (case["compress"] != "bf16"), sorted(strategy_state)
-    resumed = simulate(dataclasses.replace(cut, resume=True, inject_fault=[]), sim)
+    resumed = simulate(cut.replace(resume=True, inject_fault=[]), sim)
     assert resumed["final_test_loss"] == whole["final_test_loss"]
     pairs = zip(_final_params(tmp_path / "whole"), _final_params(tmp_path / "cut"), strict=True)
     assert all(torch.equal(p, q) for p, q in pairs)

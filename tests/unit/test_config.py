@@ -5,17 +5,46 @@ from cloudburst.config import ConfigError, RunConfig, Straggler
 
 def test_defaults_are_valid():
     cfg = RunConfig()
-    assert (cfg.strategy, cfg.workers, cfg.servers, cfg.world_size) == ("sync", 2, 0, 2)
+    assert (cfg.job.strategy, cfg.job.workers, cfg.job.servers, cfg.world_size) == ("sync", 2, 0, 2)
     # 64 epochs of 2000 samples per worker, 31 batches of 64 each
     assert cfg.steps_per_worker() == 1984
-    assert (cfg.lr, cfg.momentum, cfg.server_lr) == (0.1, 0.9, 0.5)  # λ = 1/W
-    assert RunConfig(workers=4).server_lr == 0.25
-    assert RunConfig(optimizer="adam").diloco_outer_lr == 0.7  # the paper's pair
-    assert RunConfig(strategy="diloco").diloco_outer_lr == 0.5  # over SGD: 0.5/0.8
-    assert RunConfig(strategy="diloco").diloco_outer_momentum == 0.8
+    assert (cfg.training.lr, cfg.training.momentum, cfg.asgd.server_lr) == (
+        0.1,
+        0.9,
+        0.5,
+    )  # λ = 1/W
+    assert RunConfig(workers=4).asgd.server_lr == 0.25
+    assert RunConfig(optimizer="adam").diloco.outer_lr == 0.7  # the paper's pair
+    assert RunConfig(strategy="diloco").diloco.outer_lr == 0.5  # over SGD: 0.5/0.8
+    assert RunConfig(strategy="diloco").diloco.outer_momentum == 0.8
     async_dn = RunConfig(strategy="async_diloco", workers=2, servers=1)
-    assert (async_dn.diloco_outer_lr, async_dn.diloco_outer_momentum) == (0.1, 0.9)
+    assert (async_dn.diloco.outer_lr, async_dn.diloco.outer_momentum) == (0.1, 0.9)
     assert RunConfig(epochs=0.5).steps_per_worker() == 16  # 15.5 batches, rounded up
+
+
+def test_a_config_reads_by_concern_and_keeps_flat_names_at_its_edges(tmp_path):
+    """``cfg.<concern>.<field>`` inside; the flat names (flags, TOML keys, config.json,
+    ``RunConfig(...)``, :meth:`~RunConfig.replace`, :meth:`~RunConfig.get`) outside, where a
+    prefixed field drops its concern's prefix inside (``daso_global_skip``:
+    ``cfg.daso.global_skip``)."""
+    cfg = RunConfig(strategy="daso", workers=4, daso_global_skip=6, data_workers=0, lr=0.05)
+    assert (cfg.daso.global_skip, cfg.data.workers, cfg.training.lr) == (6, 0, 0.05)
+    assert cfg.get("daso_global_skip") == 6 and cfg.to_dict()["daso_global_skip"] == 6
+    assert "global_skip" not in cfg.to_dict() and RunConfig.from_dict(cfg.to_dict()) == cfg
+    wider = cfg.replace(workers=8, daso_global_skip=2)
+    assert (wider.job.workers, wider.daso.global_skip, cfg.daso.global_skip) == (8, 2, 6)
+    assert wider != cfg and cfg.replace() == cfg
+    for section in (
+        "[daso]\nglobal_skip = 6",
+        "[daso]\ndaso_global_skip = 6",
+        "daso_global_skip = 6",
+    ):
+        (tmp_path / "run.toml").write_text(section + "\n")
+        assert RunConfig.from_toml(tmp_path / "run.toml").daso.global_skip == 6
+    with pytest.raises(TypeError, match="unknown field 'global_skip'"):
+        RunConfig(global_skip=6)
+    with pytest.raises(AttributeError):
+        cfg.get("global_skip")
 
 
 def test_summing_pushes_with_several_workers_warns():
@@ -29,7 +58,7 @@ def test_summing_pushes_with_several_workers_warns():
 
 def test_n_sync_sets_fetch_and_push():
     cfg = RunConfig(strategy="asgd", servers=1, n_sync=7)
-    assert (cfg.n_fetch, cfg.n_push) == (7, 7)
+    assert (cfg.asgd.n_fetch, cfg.asgd.n_push) == (7, 7)
 
 
 # Each bad value: the field the message starts with, and what it must say — the value and
@@ -87,7 +116,13 @@ def test_toml_and_overrides(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('[train]\nstrategy = "asgd"\nservers = 2\nworkers = 3\nn-sync = 4\nlr = 0.1\n')
     cfg = RunConfig.from_toml(path, {"lr": 0.2})
-    assert (cfg.strategy, cfg.servers, cfg.workers, cfg.n_push, cfg.lr) == ("asgd", 2, 3, 4, 0.2)
+    assert (
+        cfg.job.strategy,
+        cfg.job.servers,
+        cfg.job.workers,
+        cfg.asgd.n_push,
+        cfg.training.lr,
+    ) == ("asgd", 2, 3, 4, 0.2)
 
 
 def test_bad_toml_is_one_line(tmp_path):
@@ -135,12 +170,12 @@ def test_cosine_schedule_decays_to_zero_over_the_run():
 
 def test_path_datasets_have_no_default_size_until_loaded(tmp_path):
     cfg = RunConfig(dataset=f"npz:{tmp_path}", epochs=2, batch_size=10)
-    assert cfg.train_size is None and cfg.test_size is None
+    assert cfg.data.train_size is None and cfg.data.test_size is None
     with pytest.raises(ValueError, match="the dataset's size is not known yet"):
         cfg.steps_per_worker()
     assert cfg.steps_per_worker(train_size=105) == 10  # 2 epochs of 52 samples: 5 batches of 10
-    assert RunConfig(dataset="synthetic").train_size == 4000
-    assert RunConfig(model="pkg.module:factory").model == "pkg.module:factory"
+    assert RunConfig(dataset="synthetic").data.train_size == 4000
+    assert RunConfig(model="pkg.module:factory").model.model == "pkg.module:factory"
 
 
 def test_diloco_takes_a_warm_start_and_warns_about_outer_lr_with_sgd():

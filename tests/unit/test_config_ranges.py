@@ -15,7 +15,7 @@ import cloudburst.forkserver
 from cloudburst import cli
 from cloudburst.cli import checks
 from cloudburst.cli.checks import Capacity, check_local_job_fits, local_job_needs
-from cloudburst.config import ConfigError, RunConfig, load_toml
+from cloudburst.config import FIELDS, ConfigError, RunConfig, load_toml
 from cloudburst.config.fields import MAX_STEPS, Bounds, is_numeric
 from cloudburst.config.simulation import SimulationConfig
 
@@ -54,17 +54,23 @@ def _refused(result: tuple[int, list[str], list[RunConfig]]) -> str:
 
 
 # ---------------------------------------------------------------------------- every field
-def _numeric_fields(cls: type) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if is_numeric(f)]
+def _numeric_fields(cls: type) -> list[tuple[str, dataclasses.Field]]:
+    """(flat name, field) of every numeric setting."""
+    named = (
+        FIELDS.items()
+        if cls is RunConfig
+        else ((f.name, (cls, f)) for f in dataclasses.fields(cls))
+    )
+    return [(name, f) for name, (_, f) in named if is_numeric(f)]
 
 
 @pytest.mark.parametrize("cls", [RunConfig, SimulationConfig])
 def test_every_numeric_field_carries_a_finite_range(cls):
     fields = _numeric_fields(cls)
     assert len(fields) > (40 if cls is RunConfig else 5)
-    missing = [f.name for f in fields if not isinstance(f.metadata.get("bounds"), Bounds)]
+    missing = [name for name, f in fields if not isinstance(f.metadata.get("bounds"), Bounds)]
     assert missing == [], f"numeric fields without bounds=: {missing}"
-    for f in fields:
+    for _, f in fields:
         bounds = f.metadata["bounds"]
         assert math.isfinite(bounds.low) and math.isfinite(bounds.high), f.name
         assert bounds.low < bounds.high, f.name
@@ -83,12 +89,12 @@ def _outside(f: dataclasses.Field) -> list[int | float]:
 
 
 def _cases(cls: type) -> list[tuple[str, object]]:
-    return [(f.name, value) for f in _numeric_fields(cls) for value in _outside(f)]
+    return [(name, value) for name, f in _numeric_fields(cls) for value in _outside(f)]
 
 
 @pytest.mark.parametrize("name, value", _cases(RunConfig))
 def test_a_run_setting_outside_its_range_is_one_line_naming_field_value_and_range(name, value):
-    f = {f.name: f for f in dataclasses.fields(RunConfig)}[name]
+    f = FIELDS[name][1]
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict({name: value})
     message = str(err.value)
@@ -116,7 +122,7 @@ def test_a_float_or_a_bool_is_not_an_int_but_text_from_flags_and_sweeps_is_parse
         with pytest.raises(ConfigError, match="^workers: "):
             RunConfig.from_dict({"workers": value})
     # compare's specs and simulate's sweeps give text, parsed with the field's type
-    assert RunConfig.from_dict({"workers": "4", "lr": "0.5", "augment": "false"}).workers == 4
+    assert RunConfig.from_dict({"workers": "4", "lr": "0.5", "augment": "false"}).job.workers == 4
     with pytest.raises(ConfigError, match=r"^steps: '1e20' is not a valid int$"):
         RunConfig.from_dict({"steps": "1e20"})
 
@@ -221,8 +227,13 @@ def test_toml_numbers_of_the_right_type_are_taken(tmp_path, train):
     path.write_text('workers = 3\nlr = 1\nepochs = 2\nstraggler = "1:2"\n[model]\nmodel = "mlp"\n')
     code, lines, [cfg] = train("--config", str(path), "--out", str(tmp_path / "out"))
     assert code == 0, lines
-    assert (cfg.workers, cfg.lr, cfg.epochs, cfg.straggler_factor(1)) == (3, 1.0, 2.0, 2.0)
-    assert type(cfg.lr) is float and type(cfg.epochs) is float
+    assert (cfg.job.workers, cfg.training.lr, cfg.training.epochs, cfg.straggler_factor(1)) == (
+        3,
+        1.0,
+        2.0,
+        2.0,
+    )
+    assert type(cfg.training.lr) is float and type(cfg.training.epochs) is float
 
 
 # ---------------------------------------------------------------------------- local job size
@@ -264,7 +275,7 @@ def test_workers_beyond_the_machine_are_refused_before_anything_starts(
     assert line.endswith("or pass --allow-large-job to launch it anyway"), line
     # The override launches it (here: hands it to the faked launch).
     code, lines, launched = train(*flags, "--allow-large-job")
-    assert code == 0 and [cfg.workers for cfg in launched] == [10000], lines
+    assert code == 0 and [cfg.job.workers for cfg in launched] == [10000], lines
 
 
 def test_a_job_that_fits_is_launched_and_the_check_reads_this_machine(train, monkeypatch):
@@ -294,4 +305,4 @@ def test_simulate_is_not_held_to_the_local_launch_check(monkeypatch, tmp_path):
     flags = ["--workers", "128", "--dataset", "synthetic", "--train-size", "4096"]
     flags += ["--batch-size", "8", "--steps", "2", "--step-time-s", "0.1"]
     assert cli.main(["simulate", *flags, "--out", str(tmp_path / "one")]) == 0
-    assert [cfg.workers for cfg in runs] == [128]
+    assert [cfg.job.workers for cfg in runs] == [128]

@@ -208,7 +208,7 @@ def test_the_limit_is_a_config_option_and_errors_are_one_config_line_before_laun
     from cloudburst.cli.checks import preflight
     from cloudburst.config import ConfigError, RunConfig
 
-    assert RunConfig().max_dataset_bytes == MAX_DATASET_BYTES
+    assert RunConfig().data.max_dataset_bytes == MAX_DATASET_BYTES
     bomb = _npz_with_member(
         tmp_path / "bomb.npz",
         {"x.npy": _npy_header((2_000_000, 1000), "|u1"), "y.npy": _npy_header((2,), "<i8")},

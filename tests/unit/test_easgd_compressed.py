@@ -176,11 +176,16 @@ def _run(
     local step and elastic round each: easgd_tau = 1) beside the reference, checking both
     after every round (the replicas on ``device``, the shards on the host); returns the
     reference."""
-    models = [_model().to(device) for _ in range(cfg.workers)]
+    models = [_model().to(device) for _ in range(cfg.job.workers)]
     theta0 = _flat(models[0]).cpu()
     job = ps_job(cfg, models, theta0)
     reference = _Reference(
-        theta0, cfg.workers, bounds, alpha, cfg.staleness_compensation, cfg.max_staleness
+        theta0,
+        cfg.job.workers,
+        bounds,
+        alpha,
+        cfg.asgd.staleness_compensation,
+        cfg.asgd.max_staleness,
     )
     for w in job.workers:
         w.transport = _Int8Wire(w.transport.net, w.transport.rank, w.stats)

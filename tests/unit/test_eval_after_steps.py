@@ -26,7 +26,7 @@ class Job:
         self.finishes, self.dies = finishes, dies or {}
         self.polls = 0
         self.evaluations: list[int] = []
-        cfg = SimpleNamespace(heartbeat_timeout_s=10.0)
+        cfg = SimpleNamespace(faults=SimpleNamespace(heartbeat_timeout_s=10.0))
         self.ctx = SimpleNamespace(
             cfg=cfg, rank=1, worker_ranks=[1, 2, 3], store=self.store, comm=self
         )

@@ -32,7 +32,9 @@ class SlowFetch:
 
 def make(tmp_path, cost_s: float):
     comm = ThreadComm(ThreadGroup(1), 0)  # tick 0: reads 0 s until moved
-    cfg = SimpleNamespace(eval_every_s=1.0, autocast="none")
+    cfg = SimpleNamespace(
+        metrics=SimpleNamespace(eval_every_s=1.0), model=SimpleNamespace(autocast="none")
+    )
     ctx = SimpleNamespace(cfg=cfg, comm=comm, device=torch.device("cpu"))
     ctx.elapsed_s = comm.now
     data = synthetic(64, 32)

@@ -57,21 +57,41 @@ def test_config_file_with_flag_overrides(tmp_path, parse):
         'server-rule = "sgd"\nstraggler = ["1:2.0"]\nstaleness-scaling = true\n',
     )
     cfg = parse("--config", path)
-    assert (cfg.strategy, cfg.servers, cfg.workers, cfg.n_fetch, cfg.n_push) == ("asgd", 2, 3, 4, 4)
-    assert (cfg.lr, cfg.momentum, cfg.server_rule, cfg.staleness_scaling) == (0.1, 0.5, "sgd", True)
-    assert cfg.stragglers == [Straggler(1, 2.0)]
-    assert cfg.out.startswith("runs/asgd-")  # the default run directory names the strategy
+    assert (
+        cfg.job.strategy,
+        cfg.job.servers,
+        cfg.job.workers,
+        cfg.asgd.n_fetch,
+        cfg.asgd.n_push,
+    ) == ("asgd", 2, 3, 4, 4)
+    assert (
+        cfg.training.lr,
+        cfg.training.momentum,
+        cfg.asgd.server_rule,
+        cfg.asgd.staleness_scaling,
+    ) == (0.1, 0.5, "sgd", True)
+    assert cfg.cluster.stragglers == [Straggler(1, 2.0)]
+    assert cfg.output.out.startswith("runs/asgd-")  # the default run directory names the strategy
     # Given flags win; flags not given leave the file's values alone.
     cfg = parse("--config", path, "--lr", "0.2", "--workers", "4", "--straggler", "0:3")
-    assert (cfg.lr, cfg.workers, cfg.stragglers) == (0.2, 4, [Straggler(0, 3.0)])
-    assert (cfg.momentum, cfg.server_rule, cfg.n_push, cfg.servers) == (0.5, "sgd", 4, 2)
-    assert cfg.staleness_scaling is True
+    assert (cfg.training.lr, cfg.job.workers, cfg.cluster.stragglers) == (
+        0.2,
+        4,
+        [Straggler(0, 3.0)],
+    )
+    assert (cfg.training.momentum, cfg.asgd.server_rule, cfg.asgd.n_push, cfg.job.servers) == (
+        0.5,
+        "sgd",
+        4,
+        2,
+    )
+    assert cfg.asgd.staleness_scaling is True
 
 
 def test_an_explicit_n_fetch_flag_overrides_n_sync_from_the_file(tmp_path, parse):
     path = _toml(tmp_path, 'strategy = "asgd"\nservers = 1\nn-sync = 4\n')
     cfg = parse("--config", path, "--n-fetch", "2")
-    assert (cfg.n_fetch, cfg.n_push) == (2, 4)
+    assert (cfg.asgd.n_fetch, cfg.asgd.n_push) == (2, 4)
 
 
 def test_bad_config_files_are_one_line(tmp_path, refused):
@@ -129,7 +149,7 @@ def test_optimizer_sgd_with_momentum_and_weight_decay(parse):
     assert first == pytest.approx([0.94, -1.98], rel=1e-12)
     # g' = (0.5 + 0.094, −0.198); buf = 0.5·(0.6, −0.2) + g' = (0.894, −0.298)
     assert second == pytest.approx([0.94 - 0.0894, -1.98 + 0.0298], rel=1e-12)
-    assert parse().optimizer == "sgd" and parse().weight_decay == 0.0
+    assert parse().training.optimizer == "sgd" and parse().training.weight_decay == 0.0
 
 
 def test_bad_optimizer_flags(refused, capsys):
@@ -144,7 +164,7 @@ def test_bad_optimizer_flags(refused, capsys):
 # ---------------------------------------------------------------------------- --straggler
 def test_stragglers_are_parsed_and_slow_their_worker_by_the_factor(parse, monkeypatch):
     cfg = parse("--workers", "3", "--straggler", "2:2.5", "--straggler", "0:1.5")
-    assert cfg.stragglers == [Straggler(2, 2.5), Straggler(0, 1.5)]
+    assert cfg.cluster.stragglers == [Straggler(2, 2.5), Straggler(0, 1.5)]
     assert [cfg.straggler_factor(w) for w in range(3)] == [1.5, 1.0, 2.5]
     assert parse("--straggler", "1:2", "--straggler", "1:3").straggler_factor(1) == 3.0
     slept: list[float] = []

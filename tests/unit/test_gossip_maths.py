@@ -10,7 +10,6 @@ cluster (``run_ranks``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from types import SimpleNamespace
@@ -118,7 +117,7 @@ class _FakeTransport:
 
 def _ctx(spans: bool = True, **overrides) -> SimpleNamespace:
     cfg = RunConfig(strategy="gossip", workers=W, dataset="synthetic", out="unused")
-    cfg = dataclasses.replace(cfg, **{"consensus_every_steps": 1000, **overrides})
+    cfg = cfg.replace(**{"consensus_every_steps": 1000, **overrides})
     return FakeNamespace(
         cfg=cfg,
         rank=ME,

@@ -78,31 +78,46 @@ def _cfg(**kw) -> RunConfig:
 
 def test_gpt_runs_default_to_the_recipe_and_other_models_do_not():
     cfg = _cfg(strategy="diloco", workers=4)
-    assert (cfg.optimizer, cfg.lr, cfg.lr_schedule, cfg.warmup_steps) == (
+    assert (
+        cfg.training.optimizer,
+        cfg.training.lr,
+        cfg.training.lr_schedule,
+        cfg.training.warmup_steps,
+    ) == (
         "adamw",
         4.2e-3,
         "cosine",
         30,
     )
-    assert (cfg.clip_grad_norm, cfg.weight_decay, cfg.batch_size, cfg.context) == (1.0, 0.1, 16, 64)
+    assert (
+        cfg.training.clip_grad_norm,
+        cfg.training.weight_decay,
+        cfg.training.batch_size,
+        cfg.data.context,
+    ) == (1.0, 0.1, 16, 64)
     # DiLoCo's outer step over the GPT is plain averaging (docs/lm.md); classifiers keep theirs.
-    assert cfg.diloco_outer_lr == 1.0 and cfg.diloco_outer_momentum == 0.0 and cfg.diloco_nesterov
+    assert cfg.diloco.outer_lr == 1.0 and cfg.diloco.outer_momentum == 0.0 and cfg.diloco.nesterov
     given = _cfg(strategy="diloco", workers=4, diloco_outer_lr=0.7, diloco_outer_momentum=0.9)
-    assert (given.diloco_outer_lr, given.diloco_outer_momentum) == (0.7, 0.9)
+    assert (given.diloco.outer_lr, given.diloco.outer_momentum) == (0.7, 0.9)
     adam = RunConfig(strategy="diloco", workers=4, optimizer="adam")
-    assert (adam.diloco_outer_lr, adam.diloco_outer_momentum) == (0.7, 0.9)
+    assert (adam.diloco.outer_lr, adam.diloco.outer_momentum) == (0.7, 0.9)
     sgd = RunConfig(strategy="diloco")
-    assert (sgd.diloco_outer_lr, sgd.diloco_outer_momentum) == (0.5, 0.8)
-    assert cfg.steps == 300 and cfg.eval_every_s == 15.0
+    assert (sgd.diloco.outer_lr, sgd.diloco.outer_momentum) == (0.5, 0.8)
+    assert cfg.training.steps == 300 and cfg.metrics.eval_every_s == 15.0
     plain = RunConfig()
-    assert (plain.optimizer, plain.lr, plain.clip_grad_norm, plain.batch_size) == (
+    assert (
+        plain.training.optimizer,
+        plain.training.lr,
+        plain.training.clip_grad_norm,
+        plain.training.batch_size,
+    ) == (
         "sgd",
         0.1,
         0,
         64,
     )
-    assert plain.epochs == 64.0 and plain.eval_every_s == 1.0
-    assert _cfg(optimizer="sgd", lr=0.5).lr == 0.5  # a given value wins
+    assert plain.training.epochs == 64.0 and plain.metrics.eval_every_s == 1.0
+    assert _cfg(optimizer="sgd", lr=0.5).training.lr == 0.5  # a given value wins
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="language model; use --dataset text"):
         RunConfig(model="gpt")

@@ -53,7 +53,7 @@ def test_link_spec_parses_speed_and_latency(text, gbit_per_s, latency_ms, bytes_
     assert spec == LinkSpec(gbit_per_s, latency_ms)
     assert spec.bytes_per_s == pytest.approx(bytes_per_s, rel=1e-15)
     assert spec.latency_s == pytest.approx(latency_s, rel=1e-15)
-    assert RunConfig(inter_node_link=text).inter_node_link == text
+    assert RunConfig(inter_node_link=text).cluster.inter_node_link == text
 
 
 @pytest.mark.parametrize(
@@ -101,8 +101,8 @@ def test_the_flag_and_the_toml_key_reach_the_config_and_nodes_the_topology(
     toml.write_text('inter-node-link = "1,1"\nnodes = 2\nworkers = 4\n')
     from_file = parse("--config", str(toml))
     overridden = parse("--config", str(toml), "--inter-node-link", "10,0.2")
-    assert LinkSpec.parse(from_file.inter_node_link) == LinkSpec(1.0, 1.0)
-    assert LinkSpec.parse(overridden.inter_node_link) == LinkSpec(10.0, 0.2)
+    assert LinkSpec.parse(from_file.cluster.inter_node_link) == LinkSpec(1.0, 1.0)
+    assert LinkSpec.parse(overridden.cluster.inter_node_link) == LinkSpec(10.0, 0.2)
     assert resolve_topology(overridden, 4).node_of == (0, 0, 1, 1)
 
 

@@ -4,7 +4,6 @@ sync run resumed from its checkpoint ends with the parameters of the undisturbed
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import random
@@ -88,7 +87,7 @@ def test_a_loss_target_is_timed_and_a_resumed_sync_run_ends_where_an_undisturbed
     cut = _cfg(tmp_path / "cut", text, "sync", checkpoint_every=8, inject_fault=["kill:1@13"])
     with pytest.raises(SimulationFailed):
         simulate(cut, sim)
-    resumed = simulate(dataclasses.replace(cut, resume=True, inject_fault=[]), sim)
+    resumed = simulate(cut.replace(resume=True, inject_fault=[]), sim)
     assert resumed["final_test_loss"] == whole["final_test_loss"]
     models = []
     for run in ("whole", "cut"):

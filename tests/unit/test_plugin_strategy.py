@@ -58,7 +58,7 @@ PLUGIN = {
                 self.local_steps += 1
                 flat = flatten_params(self.model)
                 all_reduce_sum(flat, self.ctx.workers_group, self.stats, comm=self.ctx.comm)
-                assign_flat(self.model, flat.div_(self.cfg.workers))
+                assign_flat(self.model, flat.div_(self.cfg.job.workers))
 
             def global_params(self):
                 return self.replica_params()
@@ -75,7 +75,7 @@ PLUGIN = {
 
 
         def from_config(cfg):
-            return HalfRule(cfg.server_lr)
+            return HalfRule(cfg.asgd.server_lr)
 
 
         def summary(servers):

@@ -29,17 +29,17 @@ def play(cfg: RunConfig, script: list[int]) -> ref.PsRun:
     """Run ``cfg``'s strategy over the fake network in ``script`` order; record what
     :class:`tests.reference.PsRun` records, from cloudburst's side (ending, as ``finish``
     starts, with each worker's push of what it has left)."""
-    replicas = ref.Replicas(cfg.workers, ref.sgd())
+    replicas = ref.Replicas(cfg.job.workers, ref.sgd())
     job = ps_job(cfg, replicas.models)
     for worker in job.workers:
         worker.start()
     run = ref.PsRun([], [], [[] for _ in job.workers])
-    steps = [0] * cfg.workers
+    steps = [0] * cfg.job.workers
 
     def record_push(w: int, pushes_before: int) -> None:
         worker = job.workers[w]
         if worker.pushes > pushes_before:  # one reply per shard, all with the same staleness
-            assert worker.pushes == pushes_before + cfg.servers
+            assert worker.pushes == pushes_before + cfg.job.servers
             run.pushes.append((w, worker.last_staleness))
             run.server.append(job.server_theta.clone())
 

@@ -49,7 +49,7 @@ def test_fault_specs_parse_and_bad_ones_are_one_line():
 
 def test_config_validates_faults_and_accepts_one_string():
     cfg = RunConfig(workers=2, steps=10, inject_fault="nan:1@3")
-    assert cfg.inject_fault == ["nan:1@3"]
+    assert cfg.faults.inject_fault == ["nan:1@3"]
     with pytest.raises(ConfigError, match="inject_fault: rank 7 does not exist"):
         RunConfig(workers=2, steps=10, inject_fault=["kill:7@3"])
     with pytest.raises(ConfigError, match="max_restarts: -1 is not allowed; use an integer >= 0"):

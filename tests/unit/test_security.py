@@ -53,7 +53,7 @@ def test_a_factory_from_a_file_is_accepted_when_the_user_names_it(tmp_path, mark
     toml.write_text('model = "cbevilmod:net"\n')
     repeated = build_config(_args(config=str(toml), model="cbevilmod:net", out=str(tmp_path)))
     trusted = build_config(_args(config=str(toml), trust_config=True, out=str(tmp_path)))
-    assert repeated.model == trusted.model == "cbevilmod:net"
+    assert repeated.model.model == trusted.model.model == "cbevilmod:net"
     # Accepting the config imports nothing: the model is built later, by preflight.
     assert not marker_module.exists()
 
@@ -61,7 +61,7 @@ def test_a_factory_from_a_file_is_accepted_when_the_user_names_it(tmp_path, mark
 def test_a_built_in_model_in_a_config_file_needs_no_trust(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('model = "mlp"\n')
-    assert build_config(_args(config=str(toml), out=str(tmp_path))).model == "mlp"
+    assert build_config(_args(config=str(toml), out=str(tmp_path))).model.model == "mlp"
 
 
 def test_a_resumed_config_json_naming_a_factory_is_refused(tmp_path, marker_module):
@@ -71,7 +71,7 @@ def test_a_resumed_config_json_naming_a_factory_is_refused(tmp_path, marker_modu
     (run / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=r"^model: --resume .* names the factory 'cbevilmod"):
         build_config(_args(resume=str(run)))
-    assert build_config(_args(resume=str(run), trust_config=True)).model == "cbevilmod:net"
+    assert build_config(_args(resume=str(run), trust_config=True)).model.model == "cbevilmod:net"
     assert not marker_module.exists()
 
 
@@ -278,7 +278,11 @@ def test_forged_or_replayed_rejoin_announcements_are_ignored():
 
     from cloudburst.strategies.asgd.serving import RequestServing
 
-    server = SimpleNamespace(workers={1, 2}, _incarnations={}, cfg=SimpleNamespace(max_restarts=2))
+    server = SimpleNamespace(
+        workers={1, 2},
+        _incarnations={},
+        cfg=SimpleNamespace(faults=SimpleNamespace(max_restarts=2)),
+    )
     for rank, incarnation in [(1, 0), (1, 3), (5, 1), (2, -1)]:
         assert RequestServing._admit(server, rank, incarnation) is None  # ignored, nothing touched
     assert server._incarnations == {}
@@ -288,6 +292,6 @@ def test_forged_or_replayed_rejoin_announcements_are_ignored():
     server._incarnations[1] = 1
     assert RequestServing._admit(server, 1, 1) is None  # a replay of the same restart
     no_restarts = SimpleNamespace(
-        workers={1}, _incarnations={}, cfg=SimpleNamespace(max_restarts=0)
+        workers={1}, _incarnations={}, cfg=SimpleNamespace(faults=SimpleNamespace(max_restarts=0))
     )
     assert RequestServing._admit(no_restarts, 1, 1) is None and no_restarts._incarnations == {}

@@ -188,7 +188,7 @@ def test_a_calibration_times_the_runs_own_configuration_once():
     for sim in (SimulationConfig(calibrate=True), SimulationConfig()):
         seen: list[RunConfig] = []
         step = resolve_step_time(
-            sim, cfg, lambda c, seen=seen: seen.append(c) or c.batch_size / 1e3
+            sim, cfg, lambda c, seen=seen: seen.append(c) or c.training.batch_size / 1e3
         )
         assert step == (pytest.approx(0.016), "calibrated")
         assert len(seen) == 1 and seen[0] is cfg

@@ -35,7 +35,7 @@ def _consensus(ctx) -> list[dict]:
         # One job, one set of gossip groups, one strategy after the other: each finish
         # returns only once every worker's serving task has ended.
         steps = ROUNDS * variant.get("gossip_every", 1)
-        cfg = dataclasses.replace(ctx.cfg, consensus_every_steps=steps // 2, **variant)
+        cfg = ctx.cfg.replace(consensus_every_steps=steps // 2, **variant)
         start = [float((rank + 1) * (i - 3) + 10 * rank) for i in range(NUMEL)]
         assign_flat(model, torch.tensor(start))
         strategy = GossipStrategy(dataclasses.replace(ctx, cfg=cfg))

@@ -136,7 +136,7 @@ def check(tasks: list[dict], strategy_args: list[str]) -> tuple[object, list, di
         nproc = int(a.nproc_per_node)
         for local in range(nproc):
             rank = a.node_rank * nproc + local
-            roles[t["host"]].append("server" if rank < cfg.servers else "worker")
+            roles[t["host"]].append("server" if rank < cfg.job.servers else "worker")
     return cfg, agents, roles
 
 

@@ -184,8 +184,8 @@ def test_per_coordinate_compensators_turn_the_overlapped_reply_off():
 
 
 def test_staleness_scaling_is_the_scale_compensation_and_contradictions_are_refused():
-    assert RunConfig(strategy="asgd", staleness_scaling=True).staleness_compensation == "scale"
-    assert RunConfig(strategy="asgd", staleness_compensation="scale").staleness_scaling
+    assert RunConfig(strategy="asgd", staleness_scaling=True).asgd.staleness_compensation == "scale"
+    assert RunConfig(strategy="asgd", staleness_compensation="scale").asgd.staleness_scaling
     with pytest.raises(ConfigError, match="^staleness_scaling: .*contradicts") as e:
         RunConfig(strategy="asgd", staleness_scaling=True, staleness_compensation="dc")
     assert "\n" not in str(e.value)
@@ -197,24 +197,30 @@ def test_staleness_scaling_is_the_scale_compensation_and_contradictions_are_refu
         with pytest.raises(ConfigError, match=f"^{next(iter(bad))}: "):
             RunConfig(strategy="asgd", **bad)
     cfg = RunConfig(strategy="asgd", workers=3, staleness_compensation="dc-adaptive")
-    assert (cfg.dc_lambda_value, cfg.delay_threshold_value, cfg.compensation_window_value) == (
+    assert (
+        cfg.asgd.dc_lambda_value,
+        cfg.asgd.delay_threshold_value(cfg),
+        cfg.asgd.compensation_window_value(cfg),
+    ) == (
         2.0,
         3,
         12,
     )
-    assert RunConfig(strategy="asgd", max_staleness=5).compensation_window_value == 6
+    assert (cfg := RunConfig(strategy="asgd", max_staleness=5)).asgd.compensation_window_value(
+        cfg
+    ) == 6
     # λ's default: 1/W averages the pushes; under scale the 1/τ averages them (Zhang et al.'s
     # α₀/τ) and λ = (W − 1)/W moves θ by a push of the usual staleness W − 1 exactly as plain
     # asgd's 1/W does, with no warning about summed pushes; an optimizer rule keeps 1/W
     scaled = RunConfig(strategy="asgd", workers=16, staleness_compensation="scale")
-    assert (scaled.server_lr, scaled.warnings()) == (15 / 16, [])
-    assert add_rule_alpha(scaled.server_lr, 15, "scale") == pytest.approx(1 / 16)
-    assert add_rule_alpha(scaled.server_lr, 11, "scale") > 1 / 16 > add_rule_alpha(
-        scaled.server_lr, 27, "scale")  # fmt: skip
-    assert RunConfig(strategy="asgd", workers=1, staleness_compensation="scale").server_lr == 1
-    assert RunConfig(strategy="asgd", workers=16).server_lr == 1 / 16
+    assert (scaled.asgd.server_lr, scaled.warnings()) == (15 / 16, [])
+    assert add_rule_alpha(scaled.asgd.server_lr, 15, "scale") == pytest.approx(1 / 16)
+    assert add_rule_alpha(scaled.asgd.server_lr, 11, "scale") > 1 / 16 > add_rule_alpha(
+        scaled.asgd.server_lr, 27, "scale")  # fmt: skip
+    assert RunConfig(strategy="asgd", workers=1, staleness_compensation="scale").asgd.server_lr == 1
+    assert RunConfig(strategy="asgd", workers=16).asgd.server_lr == 1 / 16
     assert RunConfig(strategy="asgd", workers=16, staleness_compensation="scale",
-                     server_rule="sgd").server_lr == 1 / 16  # fmt: skip
+                     server_rule="sgd").asgd.server_lr == 1 / 16  # fmt: skip
     assert RunConfig(strategy="asgd", workers=16, server_lr=1.0).warnings()
     assert RunConfig(strategy="asgd", workers=16, staleness_compensation="scale",
                      server_lr=2.0).warnings()  # fmt: skip

@@ -48,12 +48,12 @@ def test_no_strategy_name_is_compared_anywhere_in_the_package():
 
 def test_the_scan_finds_each_form_of_comparison():
     source = (
-        'if cfg.strategy == "daso": pass\n'
+        'if cfg.job.strategy == "daso": pass\n'
         'ok = s["strategy"] != "asgd"\n'
-        'if cfg.strategy in ("easgd", "async_diloco"): pass\n'
+        'if cfg.job.strategy in ("easgd", "async_diloco"): pass\n'
         'if "gossip" not in names: pass\n'
-        'match cfg.strategy:\n    case "sync": pass\n'
-        'if cfg.model == "cnn" or cfg.strategy_spec.lockstep: pass\n'
+        'match cfg.job.strategy:\n    case "sync": pass\n'
+        'if cfg.model.model == "cnn" or cfg.strategy_spec.lockstep: pass\n'
     )
     assert [hit.split(": ")[1] for hit in name_comparisons(source)] == [
         "'daso'",

@@ -38,7 +38,7 @@ def _ctx(cfg: RunConfig, worker: int, comm) -> SimpleNamespace:
         cfg=cfg,
         worker_index=worker,
         workers_group=None,
-        worker_ranks=list(range(cfg.workers)),
+        worker_ranks=list(range(cfg.job.workers)),
         topology=None,
         link=None,
         comm=comm,
@@ -154,10 +154,10 @@ class _LocalJob:
     over :class:`ThreadComm`), their replicas made from ``seed``."""
 
     def __init__(self, cfg: RunConfig, seed: int):
-        group = ThreadGroup(cfg.workers)
-        self.replicas = ref.Replicas(cfg.workers, ref.sgd(), seed=seed)
+        group = ThreadGroup(cfg.job.workers)
+        self.replicas = ref.Replicas(cfg.job.workers, ref.sgd(), seed=seed)
         self.strategies = [
-            LocalSgdStrategy(_ctx(cfg, w, ThreadComm(group, w))) for w in range(cfg.workers)
+            LocalSgdStrategy(_ctx(cfg, w, ThreadComm(group, w))) for w in range(cfg.job.workers)
         ]
         for s, model, opt in zip(
             self.strategies, self.replicas.models, self.replicas.optimizers, strict=True

@@ -109,7 +109,7 @@ def _fake_job(monkeypatch, agents_for) -> None:
     """``run_local_job`` starting ``agents_for(out)`` instead of processes."""
 
     def start(cfg, entrypoint, agent_per_rank):
-        return agents_for(Path(cfg.out)), None
+        return agents_for(Path(cfg.output.out)), None
 
     monkeypatch.setattr(launch, "start_local_job", start)
 

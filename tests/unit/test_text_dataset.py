@@ -113,7 +113,7 @@ def test_stdlib_is_the_interpreters_python_sources():
     assert rel == sorted(rel) and "os.py" in rel
     assert not any(set(r.split("/")[:-1]) & STDLIB_SKIP_DIRS for r in rel)
     check_dataset("text", "stdlib")
-    assert RunConfig(model="gpt", dataset="text:stdlib").dataset == "text:stdlib"
+    assert RunConfig(model="gpt", dataset="text:stdlib").data.dataset == "text:stdlib"
 
 
 def test_bad_inputs_are_one_line_errors_or_counted(tmp_path, caplog):

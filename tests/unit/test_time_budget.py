@@ -31,7 +31,7 @@ def test_a_negative_or_non_finite_budget_is_one_line_naming_the_field(value):
 
 
 def test_no_budget_by_default_and_a_budget_is_kept():
-    assert RunConfig().max_train_time_s == 0
+    assert RunConfig().training.max_train_time_s == 0
     assert RunConfig(max_train_time_s=2.5).to_dict()["max_train_time_s"] == 2.5
 
 
@@ -40,7 +40,7 @@ def test_no_budget_by_default_and_a_budget_is_kept():
 # the checks take no time). Worker 0's clock is the one agreed on; worker 1 contributes 0.
 def _lockstep_budget(budget_s: float, clock, comm: ThreadComm, index: int):
     ctx = FakeNamespace(
-        cfg=SimpleNamespace(max_train_time_s=budget_s),
+        cfg=SimpleNamespace(training=SimpleNamespace(max_train_time_s=budget_s)),
         comm=comm,
         num_workers=2,
         worker_index=index,

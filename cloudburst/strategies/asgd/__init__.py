@@ -25,16 +25,16 @@ class Asgd(StrategySpec):
 
     @classmethod
     def shard_rule(cls, cfg: Any) -> tuple[str, float]:
-        return cfg.server_rule, cfg.server_lr
+        return cfg.asgd.server_rule, cfg.asgd.server_lr
 
     @classmethod
     def warnings(cls, cfg: Any) -> list[str]:
-        n, who = cfg.replicas, "node replicas" if cfg.replica == "node" else "workers"
+        n, who = cfg.replicas, "node replicas" if cfg.cluster.replica == "node" else "workers"
         # under `scale` each push is divided by its staleness (≈ W − 1) already
-        total = cfg.server_lr * (1 if cfg.staleness_compensation == "scale" else n)
-        if cfg.server_rule == "add" and n >= 2 and total > 1.5:
+        total = cfg.asgd.server_lr * (1 if cfg.asgd.staleness_compensation == "scale" else n)
+        if cfg.asgd.server_rule == "add" and n >= 2 and total > 1.5:
             return [
-                f"asgd: server lr λ = {cfg.server_lr:g} with {n} {who} adds up "
+                f"asgd: server lr λ = {cfg.asgd.server_lr:g} with {n} {who} adds up "
                 f"their pushes ({total:g}x one worker's step) and "
                 f"diverged in our measurements (benchmarks/results/defaults.md); the default "
                 f"λ = 1/W = {1 / n:g} averages them"

@@ -158,7 +158,7 @@ ASGD_RULES: dict[str, type[ServerRule]] = {r.name: r for r in (AddRule, SgdRule,
 
 def from_config(cfg: Any) -> ServerRule:
     """asgd's shards: ``--server-rule`` with ``--server-lr`` and ``--server-momentum``."""
-    return asgd_rule(cfg.server_rule, cfg.server_lr, cfg.server_momentum)
+    return asgd_rule(cfg.asgd.server_rule, cfg.asgd.server_lr, cfg.asgd.server_momentum)
 
 
 def asgd_rule(name: str, lr: float, momentum: float = 0.0) -> ServerRule:

@@ -89,7 +89,7 @@ class Standby:
             return
         ctx = dataclasses.replace(loop.ctx, rank=p, shard_incarnation=1)
         liveness = ctx.comm.liveness_monitor(
-            ctx.store, ctx.replica_ranks, loop.cfg.heartbeat_timeout_s
+            ctx.store, ctx.replica_ranks, loop.cfg.faults.heartbeat_timeout_s
         )
         promoted = ServerLoop(ctx, loop.theta0, loop.metrics, liveness)
         promoted.shard, promoted.awaiting_init = self.replica, False
@@ -118,15 +118,15 @@ def start_standby(loop: ServerLoop) -> None:
     from cloudburst.runtime.groups import standby_link
 
     cfg, ctx = loop.cfg, loop.ctx
-    own, before = ctx.server_index, (ctx.server_index - 1) % cfg.servers
+    own, before = ctx.server_index, (ctx.server_index - 1) % cfg.job.servers
     for p in sorted({own, before}):
         link = standby_link(ctx, p, loop._standby_stats)
         if p == own:
             loop.standby_link = link
         else:
             loop.standby = Standby(loop, p, link)
-    path = shard_checkpoint_path(cfg.out, before)
-    if cfg.resume and path.is_file():
+    path = shard_checkpoint_path(cfg.output.out, before)
+    if cfg.faults.resume and path.is_file():
         loop.standby.replica.load_state_dict(load_shard_state(path, cfg))
     loop.standby.start()
 
@@ -145,11 +145,13 @@ def serve_shard(ctx, theta0: torch.Tensor, metrics) -> ServerLoop:
     from cloudburst.runtime import restart_count
 
     cfg = ctx.cfg
-    liveness = ctx.comm.liveness_monitor(ctx.store, ctx.replica_ranks, cfg.heartbeat_timeout_s)
+    liveness = ctx.comm.liveness_monitor(
+        ctx.store, ctx.replica_ranks, cfg.faults.heartbeat_timeout_s
+    )
     loop = ServerLoop(ctx, theta0, metrics, liveness)
     elapsed_s = 0.0
-    path = shard_checkpoint_path(cfg.out, ctx.server_index)
-    if not (cfg.resume or restart_count() > 0):
+    path = shard_checkpoint_path(cfg.output.out, ctx.server_index)
+    if not (cfg.faults.resume or restart_count() > 0):
         path.unlink(missing_ok=True)  # an earlier run's shard in a used directory
     elif path.is_file():
         state = load_shard_state(path, cfg)
@@ -161,7 +163,7 @@ def serve_shard(ctx, theta0: torch.Tensor, metrics) -> ServerLoop:
         elapsed_s = float(state.get("elapsed_s", 0.0))
         metrics.log("resume", version=loop.shard.version, attempt=restart_count(), wall=time.time())
         log.info("shard %d resumed at version %d", ctx.server_index, loop.shard.version)
-    if cfg.shard_standby and ctx.comm.restarts_ranks and not loop.incarnation:
+    if cfg.asgd.shard_standby and ctx.comm.restarts_ranks and not loop.incarnation:
         start_standby(loop)
     if loop.incarnation:
         # Died before its first checkpoint: θ0 at version 0 (a warm start's θ is lost too).

@@ -110,7 +110,7 @@ class ServerLoop:
     def __init__(self, ctx, full_theta: torch.Tensor, metrics, liveness):
         cfg: RunConfig = ctx.cfg
         self.ctx, self.cfg, self.metrics = ctx, cfg, metrics
-        self.bounds = shard_bounds(full_theta.numel(), cfg.servers)
+        self.bounds = shard_bounds(full_theta.numel(), cfg.job.servers)
         a, b = self.bounds[ctx.server_index]
         self.shard = make_shard(cfg, full_theta[a:b])
         # On the world group; a restarted shard has none: each worker reconnects to it on a
@@ -131,7 +131,7 @@ class ServerLoop:
         self.overlap_replies = overlapped_push_fetch(cfg)
         # One receive buffer, reused: requests are handled one at a time.
         self._recv_buf = torch.empty(self.shard.theta.numel())
-        self.awaiting_init = cfg.warm_start_steps > 0
+        self.awaiting_init = cfg.training.warm_start_steps > 0
         # Worker 0 trains alone, then seeds every shard with INIT (loop.role.warm_start).
         self.warm_start_rank = ctx.replica_ranks[0] if ctx.replica_ranks else None
         # Guarded by the serving's lock once serving tasks run, as the workers' standing is.
@@ -384,7 +384,7 @@ class ServerLoop:
 
     def _record_push(self, src: int, result: PushResult) -> None:
         """After a push was decided (and, if OK, applied): its record and the checkpoint."""
-        if result.status != Status.OK or self.shard.version % self.cfg.push_log_every == 0:
+        if result.status != Status.OK or self.shard.version % self.cfg.metrics.push_log_every == 0:
             self.metrics.log(
                 "push",
                 time_s=self.ctx.elapsed_s(),
@@ -397,9 +397,9 @@ class ServerLoop:
                 samples=self.shard.samples,
             )
         if (
-            self.cfg.checkpoint_every
+            self.cfg.faults.checkpoint_every
             and result.status == Status.OK
-            and self.shard.version % self.cfg.checkpoint_every == 0
+            and self.shard.version % self.cfg.faults.checkpoint_every == 0
         ):
             self._checkpoint()
 
@@ -433,7 +433,7 @@ class ServerLoop:
         if self.standby_link is None:
             return
         k = self.ctx.server_index
-        peer = standby_of(k, self.cfg.servers)
+        peer = standby_of(k, self.cfg.job.servers)
         # REPLY-tagged, so that the standby receives from this server only (a receive from
         # any source is not woken when its peer dies); the request's kind travels in aux.
         header = Header(
@@ -455,7 +455,7 @@ class ServerLoop:
 
     def _checkpoint(self) -> None:
         save_checkpoint(
-            shard_checkpoint_path(self.cfg.out, self.ctx.server_index),
+            shard_checkpoint_path(self.cfg.output.out, self.ctx.server_index),
             "server-shard",
             {
                 "identity": identity(self.cfg),  # refused by another run (resilience)
@@ -500,7 +500,7 @@ class ServerLoop:
         On the servers' own group: the world group may have been left with a receive that
         timed out (every worker served on it gone), which breaks its connections.
         """
-        if self.cfg.servers > 1 and shard_restarted(self.ctx.store):
+        if self.cfg.job.servers > 1 and shard_restarted(self.ctx.store):
             # A restarted shard is not in the servers' group: a pair group per shard k > 0.
             return self._gather_on_pairs()
         group = getattr(self.ctx, "servers_group", None)
@@ -520,7 +520,7 @@ class ServerLoop:
             transport.send(0, h, self.shard.theta, final=True)
             return None
         parts = [self.shard.theta]
-        for k in range(1, self.cfg.servers):
+        for k in range(1, self.cfg.job.servers):
             a, b = self.bounds[k]
             _, theta = transport.recv_final(k, b - a)
             parts.append(theta)
@@ -544,7 +544,7 @@ class ServerLoop:
                 loop.ctx.shard_link(k, FINAL_PAIR, 0).send(0, h, loop.shard.theta, final=True)
             return None
         parts = [self.shard.theta]
-        for j in range(1, self.cfg.servers):
+        for j in range(1, self.cfg.job.servers):
             if j in held:
                 parts.append(held[j].shard.theta)
                 continue

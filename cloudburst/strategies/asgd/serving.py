@@ -119,7 +119,9 @@ class RequestServing:
         every worker is finished or lost."""
         # The board waits in the store (for an announcement being written): a connection of
         # its own, so that the serving tasks' liveness checks never wait behind it.
-        board = RejoinBoard(self.ctx.store.clone(), self.cfg.comm_timeout_s, secret=job_secret())
+        board = RejoinBoard(
+            self.ctx.store.clone(), self.cfg.faults.comm_timeout_s, secret=job_secret()
+        )
         if self.transport is None:
             # A restarted shard: workers restarted before it rejoined a group that held its
             # previous incarnation; they reconnect like the others (reconnect_workers).
@@ -258,7 +260,7 @@ class RequestServing:
         comm = self.ctx.comm
         if rank is not None or self.liveness is None or not comm.breaks_on_peer_death:
             return False
-        deadline = comm.now() + self.cfg.heartbeat_timeout_s * 1.5 + 1.0
+        deadline = comm.now() + self.cfg.faults.heartbeat_timeout_s * 1.5 + 1.0
         while comm.now() < deadline:
             with self._changed:
                 if self._stopped:
@@ -422,13 +424,13 @@ class RequestServing:
         # A worker restarted by its agent announces its restart count: 1..max_restarts, each
         # once and in order. Anything else (a replay) would take a live worker's route away.
         last = self._incarnations.get(rank, 0)
-        if not last < incarnation <= self.cfg.max_restarts:
+        if not last < incarnation <= self.cfg.faults.max_restarts:
             log.warning(
                 "ignored a rejoin announcement from rank %d with restart %d (last %d, at most %d)",
                 rank,
                 incarnation,
                 last,
-                self.cfg.max_restarts,
+                self.cfg.faults.max_restarts,
             )
             return
         stats = CommStats()

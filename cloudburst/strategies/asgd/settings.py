@@ -5,7 +5,7 @@ before torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from cloudburst.config.fields import (
     LR,
@@ -14,6 +14,7 @@ from cloudburst.config.fields import (
     STEP_COUNT_OR_0,
     Bounds,
     ConfigError,
+    Section,
     check_choice,
     check_float,
     check_int,
@@ -33,7 +34,7 @@ DEFAULT_MAX_PUSH_RATIO = 10.0
 
 
 @dataclass
-class AsgdConfig:
+class AsgdConfig(Section):
     """GPU A-SGD (docs/algorithms.md#asgd): every n_fetch local steps a worker fetches θ from
     the shards, every n_push steps it pushes its Δ; the shards apply each push by their rule."""
 
@@ -123,7 +124,7 @@ class AsgdConfig:
         bounds=Bounds(0.0, 1e6),
     )
 
-    def _defaults_asgd(self) -> None:
+    def defaults(self, cfg: Any) -> None:
         """n_fetch and n_push from n_sync (or 8: as accurate as 1 in half the time,
         docs/algorithms.md#asgd); --staleness-scaling is --staleness-compensation scale; λ = 1/W
         ((W − 1)/W under ``scale``)."""
@@ -144,7 +145,7 @@ class AsgdConfig:
             # makes a push of the usual staleness τ = W − 1 move θ exactly as plain asgd's does
             # (λ = 1 moved it W/(W − 1) as far, past the edge: docs/algorithms.md).
             scaled = self.staleness_compensation == "scale" and self.server_rule == "add"
-            w = self._replicas()
+            w = _replicas(cfg)
             self.server_lr = max(1, w - 1) / w if scaled else 1.0 / w
 
     @property
@@ -153,26 +154,19 @@ class AsgdConfig:
             return self.dc_lambda
         return 2.0 if self.staleness_compensation == "dc-adaptive" else 0.04
 
-    @property
-    def delay_threshold_value(self) -> int:
+    def delay_threshold_value(self, cfg: Any) -> int:
         if self.delay_threshold is not None:
             return self.delay_threshold
-        return self._replicas()
+        return _replicas(cfg)
 
-    @property
-    def compensation_window_value(self) -> int:
+    def compensation_window_value(self, cfg: Any) -> int:
         if self.compensation_window is not None:
             return self.compensation_window
         if self.max_staleness is not None:
             return self.max_staleness + 1
-        return 4 * self._replicas()
+        return 4 * _replicas(cfg)
 
-    def _replicas(self) -> int:
-        """W of the rules' defaults: the replicas that push (workers, or nodes)."""
-        ok = isinstance(self.workers, int) and self.workers > 0
-        return max(1, getattr(self, "replicas", self.workers)) if ok else 1
-
-    def _validate_asgd(self) -> None:
+    def validate(self, cfg: Any) -> None:
         check_int("n_fetch", self.n_fetch, 1)
         check_int("n_push", self.n_push, 1)
         check_choice("server_rule", self.server_rule, SERVER_RULES)
@@ -192,19 +186,25 @@ class AsgdConfig:
             check_int("delay_threshold", self.delay_threshold, 1)
         if self.compensation_window is not None:
             check_int("compensation_window", self.compensation_window, 1)
-        refused = self.strategy_spec.compensation_refused
+        refused = cfg.strategy_spec.compensation_refused
         if refused and self.staleness_compensation not in ("none", "scale"):
             raise ConfigError(
                 f"staleness_compensation: {self.staleness_compensation} {refused}; use none or "
                 "scale"
             )
-        if self.shard_standby and not self.strategy_spec.standby_shards:
+        if self.shard_standby and not cfg.strategy_spec.standby_shards:
             raise ConfigError(
-                f"shard_standby: only asgd's shards keep a standby, not {self.strategy}'s "
+                f"shard_standby: only asgd's shards keep a standby, not {cfg.job.strategy}'s "
                 "(async_diloco's do too, on the same machinery); drop --shard-standby"
             )
-        if self.shard_standby and self.servers < 2:
+        if self.shard_standby and cfg.job.servers < 2:
             raise ConfigError(
                 f"shard_standby: a standby lives on another server rank, but servers is "
-                f"{self.servers}; use --servers 2 or more"
+                f"{cfg.job.servers}; use --servers 2 or more"
             )
+
+
+def _replicas(cfg: Any) -> int:
+    """W of the rules' defaults: the replicas that push (workers, or nodes)."""
+    ok = isinstance(cfg.job.workers, int) and cfg.job.workers > 0
+    return max(1, cfg.replicas) if ok else 1

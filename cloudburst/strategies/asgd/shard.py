@@ -325,7 +325,7 @@ def overlapped_push_fetch(cfg: RunConfig) -> bool:
     """Whether PUSH_FETCH replies carry θ before the push (sent while the push arrives)."""
     rule = cfg.strategy_spec.server_rule(cfg)
     return rule.stateless and (
-        not rule.takes_compensation or cfg.staleness_compensation in SCALAR_FACTORS
+        not rule.takes_compensation or cfg.asgd.staleness_compensation in SCALAR_FACTORS
     )
 
 
@@ -338,11 +338,11 @@ def make_shard(cfg: RunConfig, theta: torch.Tensor) -> ShardState:
     return ShardState(
         theta,
         rule=cfg.strategy_spec.server_rule(cfg),
-        max_staleness=cfg.max_staleness,
-        compensation=cfg.staleness_compensation,
-        dc_lambda=cfg.dc_lambda_value,
-        delay_threshold=cfg.delay_threshold_value,
-        compensation_window=cfg.compensation_window_value,
-        local_lr=cfg.lr,
-        max_push_ratio=cfg.max_push_ratio,
+        max_staleness=cfg.asgd.max_staleness,
+        compensation=cfg.asgd.staleness_compensation,
+        dc_lambda=cfg.asgd.dc_lambda_value,
+        delay_threshold=cfg.asgd.delay_threshold_value(cfg),
+        compensation_window=cfg.asgd.compensation_window_value(cfg),
+        local_lr=cfg.training.lr,
+        max_push_ratio=cfg.asgd.max_push_ratio,
     )

@@ -72,7 +72,7 @@ class AsgdStrategy(Asgd, Strategy):
         self._peek: torch.Tensor | None = None  # read-only fetches for evaluation
         self._heartbeat: Heartbeat | None = None
         self._samples_since_push = 0
-        self.compress = self.message_method(ctx.cfg.compress)
+        self.compress = self.message_method(ctx.cfg.cluster.compress)
         self.feedback = ErrorFeedback()  # residuals of compressed pushes, by shard
         # Restarted shards: each one's restart number and transport (a pair group), the last
         # version each shard acknowledged to this worker, and the reconnections to report.
@@ -154,9 +154,13 @@ class AsgdStrategy(Asgd, Strategy):
     def start(self) -> None:
         # A worker that rejoined after a restart has beaten since before it rejoined.
         self._heartbeat = getattr(self.ctx, "heartbeat", None) or self.ctx.comm.heartbeat(
-            self.ctx.store, self.ctx.rank, heartbeat_interval_s(self.cfg.heartbeat_timeout_s)
+            self.ctx.store, self.ctx.rank, heartbeat_interval_s(self.cfg.faults.heartbeat_timeout_s)
         )
-        if self.cfg.warm_start_steps and self.ctx.replica_index == 0 and not self._seeded():
+        if (
+            self.cfg.training.warm_start_steps
+            and self.ctx.replica_index == 0
+            and not self._seeded()
+        ):
             # The warm-start worker trained alone; its θ becomes every shard's starting point.
             flat = flatten_params(self.model).cpu()
             if not bool(torch.isfinite(flat).all()):
@@ -189,8 +193,8 @@ class AsgdStrategy(Asgd, Strategy):
         self.local_steps += 1
         self._samples_since_push += samples
         self._fresh = None
-        push = self.local_steps % self.cfg.n_push == 0
-        fetch = self.local_steps % self.cfg.n_fetch == 0
+        push = self.local_steps % self.cfg.asgd.n_push == 0
+        fetch = self.local_steps % self.cfg.asgd.n_fetch == 0
         if push or fetch:
             self._round(push=push, fetch=fetch)
 
@@ -267,9 +271,9 @@ class AsgdStrategy(Asgd, Strategy):
             if overlapped and reply.status == Status.OK:
                 alpha = self.overlap_rule.alpha(
                     staleness_factor(
-                        self.cfg.staleness_compensation,
+                        self.cfg.asgd.staleness_compensation,
                         reply.aux,
-                        self.cfg.delay_threshold_value,
+                        self.cfg.asgd.delay_threshold_value(self.cfg),
                     )
                 )
                 # θ + αΔ and, on a CPU replica, straight into the parameters, one cache-sized
@@ -342,7 +346,7 @@ class AsgdStrategy(Asgd, Strategy):
         """Talking to shard ``k`` failed: with restarts (--max-restarts) or a standby
         (--shard-standby), it is reconnected after the round; without, the error stands (the
         watchdog names the silent shard)."""
-        if not (self.cfg.max_restarts or self.cfg.shard_standby):
+        if not (self.cfg.faults.max_restarts or self.cfg.asgd.shard_standby):
             raise e
         if k not in broken:
             log.warning("lost the connection to shard %d: %s", k, str(e).splitlines()[0][:200])
@@ -370,7 +374,7 @@ class AsgdStrategy(Asgd, Strategy):
         incarnation = self._shard_incarnation[k] + 1
         store, rank = self.ctx.store, self.ctx.rank
         report_acked(store, k, incarnation, rank, self._acked[k])
-        restored = await_shard(store, k, incarnation, self.cfg.comm_timeout_s)
+        restored = await_shard(store, k, incarnation, self.cfg.faults.comm_timeout_s)
         link = self.ctx.shard_link(k, incarnation, rank, self.stats)
         self._links[k], self._shard_incarnation[k] = link, incarnation
         a, b = self.bounds[k]
@@ -475,7 +479,7 @@ class AsgdStrategy(Asgd, Strategy):
     # ------------------------------------------------------------------ the end
     def _flush(self) -> None:
         """Push the local progress not pushed yet."""
-        if self.local_steps % self.cfg.n_push != 0:
+        if self.local_steps % self.cfg.asgd.n_push != 0:
             self._round(push=True, fetch=False)
 
     def finish(self) -> None:

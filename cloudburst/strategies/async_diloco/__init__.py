@@ -19,27 +19,27 @@ class AsyncDiloco(Asgd):
 
     @classmethod
     def shard_rule(cls, cfg: Any) -> tuple[str, float]:
-        return "dn", cfg.diloco_outer_lr  # Delayed Nesterov, DiLoCo's outer lr
+        return "dn", cfg.diloco.outer_lr  # Delayed Nesterov, DiLoCo's outer lr
 
     @classmethod
     def validate(cls, cfg: Any) -> None:
         """asgd's and DiLoCo's settings that mean nothing here are refused, not ignored."""
-        if cfg.n_sync is not None:
+        if cfg.asgd.n_sync is not None:
             raise ConfigError(
                 "n_sync: async_diloco pushes every H = --period inner steps (and its fetch "
                 "with it); drop --n-sync"
             )
-        if cfg.server_rule != "add":
+        if cfg.asgd.server_rule != "add":
             raise ConfigError(
                 f"server_rule: async_diloco's shards run Delayed Nesterov, not "
-                f"{cfg.server_rule!r}; drop --server-rule"
+                f"{cfg.asgd.server_rule!r}; drop --server-rule"
             )
-        if not cfg.diloco_nesterov:
+        if not cfg.diloco.nesterov:
             raise ConfigError(
                 "diloco_nesterov: async_diloco's outer optimizer is Delayed Nesterov; drop "
                 "--diloco-no-nesterov"
             )
-        if cfg.local_sgd_warmup_steps:
+        if cfg.local_sgd.warmup_steps:
             raise ConfigError(
                 "local_sgd_warmup_steps: async_diloco has no synchronous warm-up; leave it at 0"
             )

@@ -100,5 +100,8 @@ class DelayedNesterovRule(ServerRule):
 def from_config(cfg: Any) -> ServerRule:
     """Async DiLoCo's shards: Delayed Nesterov with DiLoCo's outer lr and momentum."""
     return DelayedNesterovRule(
-        cfg.diloco_outer_lr, cfg.diloco_outer_momentum, cfg.dn_period_value, cfg.dn_c
+        cfg.diloco.outer_lr,
+        cfg.diloco.outer_momentum,
+        cfg.async_diloco.dn_period_value(cfg),
+        cfg.async_diloco.dn_c,
     )

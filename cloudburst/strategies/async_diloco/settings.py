@@ -5,13 +5,13 @@ before torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from cloudburst.config.fields import FRACTION, STEP_COUNT, ConfigError, option
+from cloudburst.config.fields import FRACTION, STEP_COUNT, ConfigError, Section, option
 
 
 @dataclass
-class AsyncDilocoConfig:
+class AsyncDilocoConfig(Section):
     """Asynchronous DiLoCo (docs/algorithms.md#async_diloco; Liu et al. 2024): every H =
     ``period`` inner steps a worker pushes its pseudo-gradient to the shards and fetches θ,
     with no barrier; the shards' outer optimizer is Delayed Nesterov with DiLoCo's outer lr
@@ -37,17 +37,16 @@ class AsyncDilocoConfig:
         "max speed)) inner steps, speed_i its measured steps per second (the first round: H)",
     )
 
-    @property
-    def dn_period_value(self) -> int:
+    def dn_period_value(self, cfg: Any) -> int:
         if self.dn_period is not None:
             return self.dn_period
-        ok = isinstance(self.workers, int) and self.workers > 0
-        return max(1, getattr(self, "replicas", self.workers)) if ok else 1
+        ok = isinstance(cfg.job.workers, int) and cfg.job.workers > 0
+        return max(1, cfg.replicas) if ok else 1
 
-    def _validate_async_diloco(self) -> None:
-        if AsyncDilocoConfig not in self.strategy_spec.settings:  # another strategy runs
+    def validate(self, cfg: Any) -> None:
+        if AsyncDilocoConfig not in cfg.strategy_spec.settings:  # another strategy runs
             if self.dylu or self.dn_period is not None or self.dn_c:
                 raise ConfigError(
                     f"dylu: Delayed Nesterov's and Dynamic Local Updates' settings apply to "
-                    f"--strategy async_diloco only, not {self.strategy!r}"
+                    f"--strategy async_diloco only, not {cfg.job.strategy!r}"
                 )

@@ -62,14 +62,14 @@ class AsyncDilocoStrategy(AsyncDiloco, AsgdStrategy):
     def __init__(self, ctx):
         super().__init__(ctx)
         # asgd's pushes, compressed as asgd's are (with error feedback).
-        self.compress = AsgdStrategy.message_method(ctx.cfg.compress)
-        self.inner_steps = ctx.cfg.period  # H_i of the round under way
+        self.compress = AsgdStrategy.message_method(ctx.cfg.cluster.compress)
+        self.inner_steps = ctx.cfg.local_sgd.period  # H_i of the round under way
         self._since_push = 0  # inner steps of the round under way
         self._total_steps: int | None = None  # the run's last step, when the loop says
         # DyLU's measurement: this worker's last 4·H step times (the job's clock, its own round
         # trips left out; several rounds, so that one slow moment moves no H_i), and when its
         # last step or round ended.
-        self._step_times: deque[float] = deque(maxlen=STEP_WINDOW * ctx.cfg.period)
+        self._step_times: deque[float] = deque(maxlen=STEP_WINDOW * ctx.cfg.local_sgd.period)
         self._mark: float | None = None
         self._published = 0  # this worker's speed publications (their sequence number)
         self._seen: dict[int, tuple[str, float]] = {}  # the others': see fastest_fresh
@@ -97,7 +97,7 @@ class AsyncDilocoStrategy(AsyncDiloco, AsgdStrategy):
             self._end_round(fetch=False)
         elif self._since_push >= self.inner_steps:
             self._end_round(fetch=True)
-            if self.cfg.dylu:
+            if self.cfg.async_diloco.dylu:
                 self.inner_steps = self._next_inner_steps()
         self._mark = self.ctx.comm.now()
 
@@ -133,7 +133,9 @@ class AsyncDilocoStrategy(AsyncDiloco, AsgdStrategy):
                 if self._seen.get(w, ("",))[0] != raw:
                     self._seen[w] = (raw, now)
         return dylu_inner_steps(
-            self.cfg.period, mine, fastest_fresh(mine, self._seen, now, self.cfg.period)
+            self.cfg.local_sgd.period,
+            mine,
+            fastest_fresh(mine, self._seen, now, self.cfg.local_sgd.period),
         )
 
     def _flush(self) -> None:
@@ -153,7 +155,7 @@ class AsyncDilocoStrategy(AsyncDiloco, AsgdStrategy):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.inner_steps = int(state.get("inner_steps", self.cfg.period))
+        self.inner_steps = int(state.get("inner_steps", self.cfg.local_sgd.period))
         self.rounds = [list(r) for r in state.get("inner_steps_rounds", [])]
 
     def report(self) -> dict:

@@ -19,10 +19,10 @@ class Daso(StrategySpec):
 
     @classmethod
     def validate(cls, cfg: Any) -> None:
-        nodes = cfg.nodes or 1
-        if cfg.workers % nodes:
+        nodes = cfg.cluster.nodes or 1
+        if cfg.job.workers % nodes:
             raise ConfigError(
-                f"nodes: {cfg.workers} workers do not split evenly over {nodes} nodes "
+                f"nodes: {cfg.job.workers} workers do not split evenly over {nodes} nodes "
                 "(DASO needs the same number of ranks on every node)"
             )
 
@@ -37,12 +37,12 @@ class Daso(StrategySpec):
     @classmethod
     def validate_compress(cls, cfg: Any, method: str) -> None:
         casts = (
-            getattr(cfg, "daso_downcast", "bf16"),
-            getattr(cfg, "daso_cycling_downcast", "none"),
+            cfg.daso.downcast,
+            cfg.daso.cycling_downcast,
         )
         if method != "none" and casts != ("bf16", "none"):
             raise ConfigError(
-                f"compress: {cfg.compress!r} sends every DASO global sync as {method}; "
+                f"compress: {cfg.cluster.compress!r} sends every DASO global sync as {method}; "
                 f"--daso-downcast {casts[0]} / --daso-cycling-downcast {casts[1]} apply only "
                 "with --compress none (leave them at bf16 / none)"
             )

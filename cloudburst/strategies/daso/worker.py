@@ -163,9 +163,9 @@ class DasoStrategy(Daso, Strategy):
         self.node_ranks = topo.ranks_on(ctx.node)
         self.per_node = len(self.node_ranks)
         self.local_rank = self.node_ranks.index(ctx.rank)
-        self.blocking_dtype = DTYPES[self.cfg.daso_downcast]
-        self.cycling_dtype = DTYPES[self.cfg.daso_cycling_downcast]
-        self.compression = Compression.parse(getattr(self.cfg, "compress", "none"))
+        self.blocking_dtype = DTYPES[self.cfg.daso.downcast]
+        self.cycling_dtype = DTYPES[self.cfg.daso.cycling_downcast]
+        self.compression = Compression.parse(self.cfg.cluster.compress)
         if self.compression.method == "bf16":  # both kinds of sync cast, as --daso-downcast
             self.blocking_dtype = self.cycling_dtype = torch.bfloat16
         self.feedback = ErrorFeedback()  # int8 / fp8: what this rank's last send left out
@@ -184,15 +184,15 @@ class DasoStrategy(Daso, Strategy):
         self.steps_per_epoch = max(1, steps_per_epoch)
         self.schedule = DasoSchedule(
             total_epochs=total_steps / self.steps_per_epoch,
-            warmup_epochs=cfg.daso_warmup_epochs,
-            cooldown_epochs=cfg.daso_cooldown_epochs,
-            global_skip=cfg.daso_global_skip,
-            batches_to_wait=cfg.daso_batches_to_wait,
-            max_global_skips=cfg.daso_max_global_skips,
-            stability_level=cfg.daso_stability_level,
-            patience=cfg.daso_patience,
-            reduction_factor=cfg.daso_skip_reduction_factor,
-            adaptive=cfg.daso_adaptive,
+            warmup_epochs=cfg.daso.warmup_epochs,
+            cooldown_epochs=cfg.daso.cooldown_epochs,
+            global_skip=cfg.daso.global_skip,
+            batches_to_wait=cfg.daso.batches_to_wait,
+            max_global_skips=cfg.daso.max_global_skips,
+            stability_level=cfg.daso.stability_level,
+            patience=cfg.daso.patience,
+            reduction_factor=cfg.daso.skip_reduction_factor,
+            adaptive=cfg.daso.adaptive,
         )
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
@@ -216,7 +216,7 @@ class DasoStrategy(Daso, Strategy):
 
     # ------------------------------------------------------------------ per step
     def _local_sync_due(self, step: int) -> bool:
-        return step % self.cfg.daso_local_skip == 0
+        return step % self.cfg.daso.local_skip == 0
 
     def after_backward(self) -> None:
         if self.per_node > 1:
@@ -235,7 +235,7 @@ class DasoStrategy(Daso, Strategy):
         blocking = sched.blocking(position)
         self.phase_steps[phase] += 1
         epoch_end = step % self.steps_per_epoch == 0
-        if self.cfg.daso_epoch_end_sync and epoch_end and phase == CYCLING:
+        if self.cfg.daso.epoch_end_sync and epoch_end and phase == CYCLING:
             blocking = True  # Heat: every epoch ends on a blocking global average
         if self.pending is not None and (blocking or step >= self.pending.merge_at):
             self._merge()
@@ -291,7 +291,7 @@ class DasoStrategy(Daso, Strategy):
             self.stats,
             link=self.ctx.link,
             spans_nodes=self.nodes > 1,
-            chunk_elements=self.cfg.daso_chunk_elements,
+            chunk_elements=self.cfg.daso.chunk_elements,
             async_op=True,
             comm=self.ctx.comm,
         )

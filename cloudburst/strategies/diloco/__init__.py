@@ -19,14 +19,17 @@ class Diloco(LocalSgd):
 
     @classmethod
     def changes_optimizer_state(cls, cfg: Any) -> bool:
-        return bool(cfg.desloc_first_every or cfg.desloc_second_every)  # DES-LOC
+        return bool(cfg.diloco.desloc_first_every or cfg.diloco.desloc_second_every)  # DES-LOC
 
     @classmethod
     def warnings(cls, cfg: Any) -> list[str]:
-        if cfg.optimizer == "sgd" and cfg.diloco_outer_lr * (1 + cfg.diloco_outer_momentum) > 1.0:
+        if (
+            cfg.training.optimizer == "sgd"
+            and cfg.diloco.outer_lr * (1 + cfg.diloco.outer_momentum) > 1.0
+        ):
             return [
-                f"diloco: outer lr {cfg.diloco_outer_lr:g} with momentum "
-                f"{cfg.diloco_outer_momentum:g} over an SGD inner optimizer makes a first outer "
+                f"diloco: outer lr {cfg.diloco.outer_lr:g} with momentum "
+                f"{cfg.diloco.outer_momentum:g} over an SGD inner optimizer makes a first outer "
                 "step longer than the averaged one (lr × (1 + momentum) > 1): 0.7/0.9 diverged "
                 "and 1/0.7 ended near 50 % in our measurements (benchmarks/results/defaults.md, "
                 "per_sample.md); the default over SGD is 0.5 with momentum 0.8"

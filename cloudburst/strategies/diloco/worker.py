@@ -58,7 +58,7 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         super().wrap(model, optimizer)
         self._reference = None  # the drift DiLoCo sends is its pseudo-gradient θ_global − θ_i
-        self.fragment_params = split_fragments(self._params, self.cfg.fragments)
+        self.fragment_params = split_fragments(self._params, self.cfg.diloco.fragments)
         # Fragment k's outer step is due after the steps t with t mod H = offsets[k].
         period, count = self.period(), len(self.fragment_params)
         self.offsets = [((k + 1) * period // count) % period for k in range(count)]
@@ -71,9 +71,9 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
         self.outers = [
             torch.optim.SGD(
                 [theta],
-                lr=self.cfg.diloco_outer_lr,
-                momentum=self.cfg.diloco_outer_momentum,
-                nesterov=self.cfg.diloco_nesterov and self.cfg.diloco_outer_momentum > 0,
+                lr=self.cfg.diloco.outer_lr,
+                momentum=self.cfg.diloco.outer_momentum,
+                nesterov=self.cfg.diloco.nesterov and self.cfg.diloco.outer_momentum > 0,
             )
             for theta in self.global_thetas
         ]
@@ -96,7 +96,7 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
     def after_step(self, samples: int) -> None:
         self.local_steps += 1
         self.optimizer_state_changed = False
-        warm = self.cfg.local_sgd_warmup_steps
+        warm = self.cfg.local_sgd.warmup_steps
         if self.local_steps <= warm:
             for k in range(len(self.fragment_params)):
                 self._start(k, 0)
@@ -104,12 +104,12 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
             return
         for k, offset in enumerate(self.offsets):
             if (self.local_steps - warm) % self.period() == offset:
-                self._start(k, self.cfg.fragment_delay)
+                self._start(k, self.cfg.diloco.fragment_delay)
         for k in sorted(self.in_flight):
             if self.in_flight[k].apply_at == self.local_steps:
-                self._apply(k, self.cfg.fragment_alpha)
-        for key, every in (("exp_avg", self.cfg.desloc_first_every),
-                           ("exp_avg_sq", self.cfg.desloc_second_every)):  # fmt: skip
+                self._apply(k, self.cfg.diloco.fragment_alpha)
+        for key, every in (("exp_avg", self.cfg.diloco.desloc_first_every),
+                           ("exp_avg_sq", self.cfg.diloco.desloc_second_every)):  # fmt: skip
             if every and (self.local_steps - warm) % (self.period() * every) == 0:
                 self._average_moment(key)
 
@@ -166,9 +166,9 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
         # End on one model: apply what is in flight, then one more outer step (no mixing) on
         # every fragment that moved since its last one.
         for k in sorted(self.in_flight):
-            self._apply(k, self.cfg.fragment_alpha)
+            self._apply(k, self.cfg.diloco.fragment_alpha)
         for k in range(len(self.fragment_params)):
-            if self.synced_at[k] != self.local_steps or self.cfg.fragment_alpha != 0.0:
+            if self.synced_at[k] != self.local_steps or self.cfg.diloco.fragment_alpha != 0.0:
                 self._start(k, 0)
                 self._apply(k, 0.0)
 
@@ -178,7 +178,7 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
 
     @property
     def _desloc(self) -> bool:
-        return bool(self.cfg.desloc_first_every or self.cfg.desloc_second_every)
+        return bool(self.cfg.diloco.desloc_first_every or self.cfg.diloco.desloc_second_every)
 
     def report(self) -> dict[str, Any]:
         r = super().report()
@@ -218,9 +218,9 @@ class DilocoStrategy(Diloco, LocalSgdStrategy):
         """The step of fragment k's last outer step by ``step`` (0: none yet). Every step of
         the warm-up K averages; after it, fragment k's first all-reduce starts after step
         K + offsets[k] (K + H when that is 0) and lands τ steps later."""
-        warm, period = self.cfg.local_sgd_warmup_steps, self.period()
+        warm, period = self.cfg.local_sgd.warmup_steps, self.period()
         if step <= warm:
             return step
-        first = (self.offsets[k] or period) + self.cfg.fragment_delay
+        first = (self.offsets[k] or period) + self.cfg.diloco.fragment_delay
         step -= warm
         return warm if step < first else warm + first + (step - first) // period * period

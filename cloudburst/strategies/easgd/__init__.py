@@ -26,10 +26,10 @@ class Easgd(Asgd):
 
     @classmethod
     def shard_rule(cls, cfg: Any) -> tuple[str, float]:
-        if cls.message_method(cfg.compress) != "none":
+        if cls.message_method(cfg.cluster.compress) != "none":
             # Compressed, the worker computes e = α(θ_i − θ̃) and sends it: the centre adds.
             return "add", 1.0
-        return "elastic", cfg.easgd_alpha_value
+        return "elastic", cfg.easgd.alpha_value(cfg)
 
     # asgd's warning (its add rule's λ) and plot label (n_sync) are not this strategy's.
     warnings = StrategySpec.__dict__["warnings"]

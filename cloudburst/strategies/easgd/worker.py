@@ -41,11 +41,11 @@ class EasgdStrategy(Easgd, AsgdStrategy):
         self.local_steps += 1
         self._samples_since_push += samples
         self._fresh = None
-        if self.local_steps % self.cfg.easgd_tau == 0:
+        if self.local_steps % self.cfg.easgd.tau == 0:
             self._elastic_round()
 
     def _flush(self) -> None:
-        if self.local_steps % self.cfg.easgd_tau != 0:
+        if self.local_steps % self.cfg.easgd.tau != 0:
             self._elastic_round()
 
     def _exchange(self, payloads: list[torch.Tensor]) -> torch.Tensor:
@@ -75,7 +75,7 @@ class EasgdStrategy(Easgd, AsgdStrategy):
         flat = self._params_flat()  # the parameters' own buffer
         theta = self._to_host(flat)  # θ_i in host memory (itself on a CPU replica)
         centre = self._exchange([theta[a:b] for a, b in self.bounds])
-        alpha = self.cfg.easgd_alpha_value
+        alpha = self.cfg.easgd.alpha_value(self.cfg)
         for k, (a, b) in enumerate(self.bounds):
             reply = self.transport.recv_reply(k)
             self._check(reply, k)
@@ -95,7 +95,9 @@ class EasgdStrategy(Easgd, AsgdStrategy):
         """One exchange sending e = α(θ_i − θ̃') compressed (the module docstring)."""
         flat = self._params_flat()  # the parameters' own buffer
         # e on the replica's device, against the centre of the last exchange (self.reference).
-        elastic = torch.sub(flat, self.reference, out=self._delta).mul_(self.cfg.easgd_alpha_value)
+        elastic = torch.sub(flat, self.reference, out=self._delta).mul_(
+            self.cfg.easgd.alpha_value(self.cfg)
+        )
         sent = self._to_host(elastic)
         packets = self._compress_push(sent)  # sent becomes what the shards will add
         centre = self._exchange(packets)
@@ -105,7 +107,7 @@ class EasgdStrategy(Easgd, AsgdStrategy):
             self._check(reply, k)
             self._account_push(reply)
             if reply.status == Status.OK:
-                alpha = add_rule_alpha(1.0, reply.aux, self.cfg.staleness_compensation)
+                alpha = add_rule_alpha(1.0, reply.aux, self.cfg.asgd.staleness_compensation)
                 centre[a:b].add_(sent[a:b], alpha=alpha)  # the shard's θ̃ after our push
                 moved.append((a, b, alpha))
             elif reply.status in (Status.REJECTED, Status.REFUSED):

@@ -18,7 +18,7 @@ class Gossip(StrategySpec):
 
     @classmethod
     def validate(cls, cfg: Any) -> None:
-        if cfg.workers < 2:
+        if cfg.job.workers < 2:
             raise ConfigError("workers: gossip needs at least 2 workers (a peer to average with)")
 
     @classmethod

@@ -159,11 +159,11 @@ class GossipStrategy(Gossip, Strategy):
     def __init__(self, ctx):
         super().__init__(ctx)
         cfg = ctx.cfg
-        self.graph = PeerSchedule(cfg.gossip_schedule, ctx.num_replicas, cfg.seed)
-        self.variant = cfg.gossip_variant
-        self.push_sum = cfg.gossip_push_sum
+        self.graph = PeerSchedule(cfg.gossip.schedule, ctx.num_replicas, cfg.training.seed)
+        self.variant = cfg.gossip.variant
+        self.push_sum = cfg.gossip.push_sum
         # Average the replicas as published (step boundaries), the local step kept in full.
-        self.full_step = cfg.gossip_full_step and not self.push_sum
+        self.full_step = cfg.gossip.full_step and not self.push_sum
         self.measure_stats = CommStats()  # the consensus all-reduces, apart from gossip
         self.weight = 1.0  # push-sum weight w
         self.rounds = 0
@@ -202,11 +202,11 @@ class GossipStrategy(Gossip, Strategy):
             numel,
             self.stats,
             worker_of=ctx.replica_of,
-            timeout_s=self.cfg.comm_timeout_s,
+            timeout_s=self.cfg.faults.comm_timeout_s,
             link=ctx.link,
             crosses=(lambda peer: topo.crosses(rank, peer)) if topo is not None else None,
             wire=ctx.comm,
-            compress=self.message_method(self.cfg.compress),
+            compress=self.message_method(self.cfg.cluster.compress),
         )
         self.spans_nodes = topo is not None and topo.spans_nodes(ctx.replica_ranks)
         return model
@@ -221,7 +221,7 @@ class GossipStrategy(Gossip, Strategy):
         self.transport.check()
         flat = flatten_params(self.model, out=self._flat)
         changed = self._fold_mailbox(flat)
-        if self.local_steps % self.cfg.gossip_every == 0:
+        if self.local_steps % self.cfg.gossip.every == 0:
             peer = self.graph.peer(self.ctx.replica_index, self.rounds)
             self.rounds += 1
             self.last_peer = peer
@@ -234,7 +234,7 @@ class GossipStrategy(Gossip, Strategy):
         self._publish(flat)
         self.transport.keepalive()
         self.transport.merge_serving_stats()
-        if self.local_steps % self.cfg.consensus_every_steps == 0:
+        if self.local_steps % self.cfg.gossip.consensus_every_steps == 0:
             distance = self.consensus_distance()
             self.consensus_history.append([self.local_steps, distance])
             self._unreported = [self.local_steps, distance]

@@ -4,15 +4,15 @@ diloco and async_diloco too. Torch-free: the CLI imports it before torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from cloudburst.config.fields import STEP_COUNT, STEP_COUNT_OR_0, option
+from cloudburst.config.fields import STEP_COUNT, STEP_COUNT_OR_0, Section, option
 
 _LOCAL_SGD_TITLE = "local SGD and DiLoCo (--strategy local_sgd | diloco)"
 
 
 @dataclass
-class LocalSgdConfig:
+class LocalSgdConfig(Section):
     """local_sgd (docs/algorithms.md#local_sgd-and-diloco): average the replicas every
     H = period local steps."""
 
@@ -22,12 +22,13 @@ class LocalSgdConfig:
     period: int = option(
         8, "H: average every H local steps (diloco: an outer step)", bounds=STEP_COUNT
     )
-    local_sgd_warmup_steps: int = option(
+    flat_names: ClassVar[dict[str, str]] = {"warmup_steps": "local_sgd_warmup_steps"}
+    warmup_steps: int = option(
         0,
         "post-local SGD: average every step for this many steps first (diloco: a "
         "synchronous warm start, its outer steps from there)",
         bounds=STEP_COUNT_OR_0,
     )
 
-    def _validate_local_sgd(self) -> None:
+    def validate(self, cfg: Any) -> None:
         """Its ranges only (the fields' bounds)."""

@@ -65,7 +65,7 @@ class LocalSgdStrategy(LocalSgd, Strategy):
         self.averages = 0
         topo = self.ctx.topology
         self.spans_nodes = topo is not None and topo.spans_nodes(self.ctx.replica_ranks)
-        self.compression = Compression.parse(getattr(self.cfg, "compress", "none"))
+        self.compression = Compression.parse(self.cfg.cluster.compress)
         self.feedback = ErrorFeedback()
         # Compressed averages send the drift from θ_reference, the last average (identical on
         # every replica): small values quantise well, and θ = θ_reference − mean drift.
@@ -76,10 +76,10 @@ class LocalSgdStrategy(LocalSgd, Strategy):
     needs_peers = True
 
     def period(self) -> int:
-        return self.cfg.period
+        return self.cfg.local_sgd.period
 
     def _due(self, step: int) -> bool:
-        if step <= self.cfg.local_sgd_warmup_steps:
+        if step <= self.cfg.local_sgd.warmup_steps:
             return True
         return step % self.period() == 0
 

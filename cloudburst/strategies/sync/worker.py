@@ -42,9 +42,9 @@ class SyncStrategy(Sync, Strategy):
             self.stats,
             spans_nodes=spans,
             link=self.ctx.link,
-            compress=getattr(self.cfg, "compress", "none"),
+            compress=self.cfg.cluster.compress,
         )
-        if self.cfg.workers == 1:
+        if self.cfg.job.workers == 1:
             # Nothing to average: DDP would only add its bookkeeping (~25% of a small model's
             # step, benchmarks/results/overhead.md), as torchtitan skips data parallelism at
             # dp = 1. The arithmetic is the same.
@@ -55,7 +55,7 @@ class SyncStrategy(Sync, Strategy):
         return self.dp.module
 
     def after_backward(self) -> None:
-        if self.cfg.workers > 1:
+        if self.cfg.job.workers > 1:
             self.dp.after_backward()
 
     def after_step(self, samples: int) -> None:
