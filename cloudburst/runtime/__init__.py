@@ -284,7 +284,7 @@ def _restart_shard(
     its checkpoint is restored, and builds a pair group with each worker that reconnects
     (:func:`shard_pair_group`)."""
     _configure_logging(rank, "server")
-    if cfg.asgd.shard_standby and rank != 0:
+    if cfg.strategy_spec.has_standby(cfg) and rank != 0:
         # Its standby took over when it died (a shard has one owner); nothing is left to do.
         log.info("restart %d of server shard %d: its standby serves it", restart_count(), rank)
         raise SystemExit(0)

@@ -87,6 +87,12 @@ class StrategySpec:
         return method if cls.compresses_messages and method in MESSAGE_METHODS else "none"
 
     @classmethod
+    def has_standby(cls, cfg: Any) -> bool:
+        """Whether this run's shards keep a hot standby copy (``--shard-standby``): a restarted
+        shard then has nothing to do, its standby took it over."""
+        return False
+
+    @classmethod
     def shard_rule(cls, cfg: Any) -> tuple[str, float]:
         """(rule, lr) of its parameter-server shards (``needs_servers``), for the config and
         the summary; :meth:`server_rule` builds it."""

@@ -63,3 +63,30 @@ def test_the_scan_finds_each_form_of_comparison():
         "'gossip'",
         "'sync'",
     ]
+
+
+def settings_reads(source: str, sections: set[str], filename: str = "<source>") -> list[str]:
+    """``file:line: cfg.<section>.<field>`` for each read of a strategy's settings in
+    ``source`` (an attribute chain ``….cfg.<section>.<field>`` or ``cfg.<section>.<field>``)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)):
+            continue
+        owner = node.value.value
+        name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+        if node.value.attr in sections and name == "cfg":
+            found.append(f"{filename}:{node.lineno}: cfg.{node.value.attr}.{node.attr}")
+    return found
+
+
+def test_no_module_outside_the_strategies_reads_a_strategys_settings():
+    """Outside ``strategies/``, what depends on a strategy's settings is asked of its spec
+    (``cfg.strategy_spec``), never read from them (``cfg.asgd.shard_standby``)."""
+    from cloudburst.strategies import settings_classes
+
+    sections = {part.section for part in settings_classes()}
+    found = [read for path in sorted(PACKAGE.rglob("*.py")) if "strategies" not in path.parts
+             for read in settings_reads(path.read_text(), sections, str(path))]  # fmt: skip
+    assert found == []
+    probe = "def f(ctx):\n    return ctx.cfg.daso.global_skip, cfg.training.lr, cfg.asgd\n"
+    assert settings_reads(probe, sections) == ["<source>:2: cfg.daso.global_skip"]

@@ -24,6 +24,10 @@ class Asgd(StrategySpec):
     standby_shards = True
 
     @classmethod
+    def has_standby(cls, cfg: Any) -> bool:
+        return cls.standby_shards and cfg.asgd.shard_standby
+
+    @classmethod
     def shard_rule(cls, cfg: Any) -> tuple[str, float]:
         return cfg.asgd.server_rule, cfg.asgd.server_lr
 
