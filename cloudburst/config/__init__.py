@@ -257,7 +257,7 @@ class RunConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
         known = set(FIELDS)
-        aliases = _aliases()
+        aliases = field_aliases()
         # Flags and TOML may spell names with dashes; an alias (``straggler``) wins over the
         # field's own name, as it did when it was the only one.
         values = {k.replace("-", "_"): v for k, v in values.items()}
@@ -277,7 +277,7 @@ class RunConfig:
         ]
         for name, (_, f) in FIELDS.items():
             if name in values and name != "stragglers":
-                values[name] = _coerce(name, f.type, values[name])
+                values[name] = coerce_value(name, f.type, values[name])
         return cls(**values)
 
     @classmethod
@@ -291,7 +291,7 @@ def _field_names(part: type) -> set[str]:
 
 
 @functools.cache
-def _aliases() -> dict[str, str]:
+def field_aliases() -> dict[str, str]:
     """Other keys accepted for a field in files and dicts: ``{"straggler": "stragglers"}``."""
     return {
         alias: name for name, (_, f) in FIELDS.items() for alias in f.metadata.get("aliases", ())
@@ -359,7 +359,7 @@ def _toml_example(kind: str) -> str:
 
 def _flatten_sections(table: dict[str, Any]) -> dict[str, Any]:
     sections = {part.section: part for part in COMPONENTS}
-    aliases = _aliases()
+    aliases = field_aliases()
     flat: dict[str, Any] = {}
     where: dict[str, str] = {}
 
@@ -395,7 +395,7 @@ def _section_field(part: type, key: str) -> str:
             return name
         if name in own_aliases:
             return own_aliases[name]
-    name = _aliases().get(key, key)
+    name = field_aliases().get(key, key)
     homes = [other.section for other in COMPONENTS if name in _field_names(other)]
     if homes:
         raise ConfigError(
@@ -409,7 +409,7 @@ def _section_field(part: type, key: str) -> str:
 
 
 # ---------------------------------------------------------------------------- values
-def _coerce(name: str, type_text: Any, value: Any) -> Any:
+def coerce_value(name: str, type_text: Any, value: Any) -> Any:
     """Convert TOML/CLI values to the annotated type, with a one-line error on mismatch."""
     text = str(type_text)
     if value is None:

@@ -300,7 +300,7 @@ class SimulationConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SimulationConfig:
-        from cloudburst.config import _coerce
+        from cloudburst.config import coerce_value
 
         values = {k.replace("-", "_"): v for k, v in values.items()}
         known = {f.name: f for f in dataclasses.fields(cls)}
@@ -309,4 +309,4 @@ class SimulationConfig:
             near = difflib.get_close_matches(unknown[0], sorted(known), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else " (see cloudburst simulate --help)"
             raise ConfigError(f"simulation: unknown field {unknown[0]!r}{hint}")
-        return cls(**{k: _coerce(k, known[k].type, v) for k, v in values.items()})
+        return cls(**{k: coerce_value(k, known[k].type, v) for k, v in values.items()})

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cloudburst.config import FIELDS, ConfigError, RunConfig, _aliases, _coerce
+from cloudburst.config import FIELDS, ConfigError, RunConfig, coerce_value, field_aliases
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.records.rundir import safe_label
 
@@ -90,7 +90,7 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
     ``GBIT:LATENCY`` here, as commas separate the values)."""
     name, sep, rest = str(text).partition("=")
     name = name.strip().replace("-", "_")
-    name = _aliases().get(name, name)
+    name = field_aliases().get(name, name)
     if not sep or not name or not rest.strip():
         raise ConfigError(f"sweep: {text!r} is not FIELD=V1,V2,... (e.g. workers=2,4,8)")
     fields = _sweepable_fields()
@@ -107,7 +107,7 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
     for item in _split(rest, "sweep", "workers=2,4,8"):
         if name.endswith("_link"):
             item = item.replace(":", ",")
-        values.append(_coerce(name, type_text, None if item.lower() == "none" else item))
+        values.append(coerce_value(name, type_text, None if item.lower() == "none" else item))
     if len(set(map(repr, values))) != len(values):
         raise ConfigError(f"sweep: {text!r} names a value twice")
     return name, values

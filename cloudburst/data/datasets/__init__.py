@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from cloudburst.data.datasets.base import (  # noqa: F401
@@ -36,7 +38,6 @@ from cloudburst.data.datasets.base import (  # noqa: F401
     CIFAR10_STD,
     CIFAR10_TEST_BATCH,
     CIFAR10_TRAIN_BATCHES,
-    DATASET_KINDS,
     GENERATED_KINDS,
     IMAGE_EXTENSIONS,
     MAX_ASPECT_RATIO,
@@ -70,9 +71,42 @@ from cloudburst.data.datasets.text import (  # noqa: F401
 )
 
 # --------------------------------------------------------------------------------------------
+# The registry of the kinds read from a path
+
+
+@dataclass(frozen=True)
+class PathReader:
+    """How one kind of labelled dataset on a path is checked (``check(root)``: its layout,
+    cheaply, decoding nothing) and loaded (``load(root, image_size, test_fraction,
+    max_bytes)``); ``images``: it decodes images (worth DataLoader processes by default)."""
+
+    check: Callable[[Path], object]
+    load: Callable[[Path, int, float, int], LoadedData]
+    images: bool
+
+
+def _check_npz(root: Path) -> None:
+    with _open_npz(root) as archive:
+        _npz_keys(root, archive)
+
+
+#: The labelled kinds read from a path, by the name a spec gives them (``KIND:PATH``).
+PATH_READERS: dict[str, PathReader] = {
+    "cifar10": PathReader(_cifar_dir, lambda root, size, frac, cap: _load_cifar10(root), True),
+    "imagefolder": PathReader(
+        _imagefolder_splits, lambda root, size, frac, cap: _load_imagefolder(root, size, frac), True
+    ),
+    "npz": PathReader(_check_npz, lambda root, size, frac, cap: _load_npz(root, frac, cap), False),
+}
+#: Every kind read from a path: the labelled ones and ``text`` (byte tokens, no labels).
+DATASET_KINDS = (*PATH_READERS, "text")
+
+# --------------------------------------------------------------------------------------------
 # Spec parsing and the entry points
 
-_SPEC_FORMS = "mnist1d, synthetic, cifar10:PATH, imagefolder:PATH, npz:PATH, text:PATH|stdlib"
+_SPEC_FORMS = ", ".join(
+    [*GENERATED_KINDS, *(f"{kind}:PATH" for kind in PATH_READERS), "text:PATH|stdlib"]
+)
 
 
 def parse_dataset_spec(spec: str) -> tuple[str, str | None]:
@@ -109,13 +143,7 @@ def check_dataset(kind: str, path: str, max_bytes: int = MAX_DATASET_BYTES) -> N
         check_size(f"text:{path}: the corpus ({len(files)} file(s))", size, max_bytes)
         return
     root = _resolve(kind, path)
-    if kind == "cifar10":
-        _cifar_dir(root)
-    elif kind == "imagefolder":
-        _imagefolder_splits(root)
-    else:
-        with _open_npz(root) as archive:
-            _npz_keys(root, archive)
+    PATH_READERS[kind].check(root)
 
 
 def load_path_dataset(
@@ -138,11 +166,7 @@ def load_path_dataset(
         raise DatasetError(
             f"image_size must be in 1..{math.isqrt(MAX_IMAGE_PIXELS)} pixels, got {image_size}"
         )
-    if kind == "cifar10":
-        return _load_cifar10(root)
-    if kind == "imagefolder":
-        return _load_imagefolder(root, image_size, test_fraction)
-    return _load_npz(root, test_fraction, max_bytes)
+    return PATH_READERS[kind].load(root, image_size, test_fraction, max_bytes)
 
 
 def _resolve(kind: str, path: str) -> Path:

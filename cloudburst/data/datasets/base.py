@@ -13,7 +13,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-DATASET_KINDS = ("cifar10", "imagefolder", "npz", "text")
 GENERATED_KINDS = ("mnist1d", "synthetic")  # made in memory by cloudburst.data; take no path
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
