@@ -168,15 +168,18 @@ def compressed_hook(state: AllreduceHookState):
 
 
 def new_powersgd_state(group, spec: str):
-    """torch's PowerSGDState for ``powersgd[:rank]``: error feedback and warm start on, vanilla
-    all-reduce for the first 2 iterations (the fewest torch allows with them)."""
+    """torch's PowerSGDState for ``powersgd[:RANK[:START]]``: error feedback and warm start on,
+    vanilla all-reduce before iteration START (2 by default, the fewest torch allows with them;
+    PowerSGD's authors start after the learning rate's warm-up)."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-    _, _, rank = spec.partition(":")
+    from cloudburst.comm.compress import Compression
+
+    parsed = Compression.parse(spec)
     return PowerSGDState(
         process_group=group,
-        matrix_approximation_rank=int(rank or 1),
-        start_powerSGD_iter=2,
+        matrix_approximation_rank=parsed.rank,
+        start_powerSGD_iter=parsed.start,
         use_error_feedback=True,
         warm_start=True,
         random_seed=0,

@@ -57,32 +57,45 @@ from cloudburst.comm.quantise import (  # noqa: F401 - the stateless maths, also
 from cloudburst.comm.stats import CommStats, count_collective, ring_bytes
 from cloudburst.comm.transport import REAL, Transport
 
+#: PowerSGD's first compressed iteration unless ``powersgd:RANK:START`` says: 2, the earliest
+#: PyTorch allows with error feedback and warm start.
+POWERSGD_START = 2
+#: The largest rank or start iteration accepted (an int64 step count is far beyond any run).
+_MAX_COUNT = 10**9
+
+
+def _count(text: str, what: str, value: str, least: int) -> int:
+    """``value`` as an integer in ``least``..10⁹, or a one-line error naming ``what``."""
+    number = int(value) if value.isdigit() else -1
+    if not least <= number <= _MAX_COUNT:
+        raise ValueError(f"{text!r}: powersgd's {what} must be an integer in {least}..{_MAX_COUNT}")
+    return number
+
 
 @dataclass(frozen=True)
 class Compression:
-    """A parsed ``--compress`` value: the method and PowerSGD's rank."""
+    """A parsed ``--compress`` value: the method, and PowerSGD's rank and the iteration it
+    starts compressing at (``powersgd:RANK:START``; before it, plain all-reduce: its authors'
+    warm-up, PyTorch's ``start_powerSGD_iter``)."""
 
     method: str = "none"
     rank: int = 1
+    start: int = POWERSGD_START
 
     @classmethod
     def parse(cls, text: str) -> Compression:
         name, _, arg = text.partition(":")
         if name not in METHODS:
             raise ValueError(
-                f"{text!r} is not allowed; choose one of none, bf16, fp8, int8, powersgd[:RANK]"
+                f"{text!r} is not allowed; choose one of none, bf16, fp8, int8, "
+                "powersgd[:RANK[:START]]"
             )
         if arg and name != "powersgd":
-            raise ValueError(f"{text!r}: only powersgd takes an argument (its rank)")
-        rank = 1
-        if arg:
-            try:
-                rank = int(arg)
-            except ValueError:
-                rank = 0
-            if rank < 1:
-                raise ValueError(f"{text!r}: powersgd's rank must be an integer >= 1")
-        return cls(name, rank)
+            raise ValueError(f"{text!r}: only powersgd takes arguments (its rank and start)")
+        rank_text, _, start_text = arg.partition(":")
+        rank = _count(text, "rank", rank_text, 1) if arg else 1
+        start = _count(text, "start", start_text, POWERSGD_START) if ":" in arg else POWERSGD_START
+        return cls(name, rank, start)
 
     @property
     def active(self) -> bool:

@@ -128,9 +128,10 @@ class ClusterConfig(Section):
         "none",
         "compress what is sent (docs/algorithms.md#compression): bf16, fp8 or int8 "
         "(block-wise scales, error feedback) for sync, local_sgd, diloco, asgd, easgd, "
-        "gossip and daso's global syncs; powersgd[:RANK] "
+        "gossip and daso's global syncs; powersgd[:RANK[:START]] (start: the first compressed "
+        "step, after a warm-up of plain all-reduce) "
         "for sync (PyTorch's DDP hook)",
-        metavar="none|bf16|fp8|int8|powersgd[:RANK]",
+        metavar="none|bf16|fp8|int8|powersgd[:RANK[:START]]",
     )
 
     def validate(self, cfg: Any) -> None:
