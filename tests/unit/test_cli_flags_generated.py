@@ -50,7 +50,8 @@ SPELLED = [
     "--daso-fixed", "--daso-no-epoch-end-sync", "--diloco-no-nesterov", "--gossip-no-full-step",
     "--no-augment", "--no-progress", "--dataset SPEC", "--model NAME", "--inject-fault SPEC",
     "--straggler WORKER:FACTOR", "--inter-node-link GBIT_PER_S[,LATENCY_MS]",
-    "--compress none|bf16|fp8|int8|powersgd[:RANK]", "--shard-placement spread|first|own|NODE,...",
+    "--compress none|bf16|fp8|int8|powersgd[:RANK[:START]]",
+    "--shard-placement spread|first|own|NODE,...",
     "--strategy {sync,asgd,daso,local_sgd,diloco,easgd,gossip,async_diloco}",
     "--staleness-compensation {none,scale,dc,dc-adaptive,gap,delay-adaptive}",
     "--server-rule {add,sgd,adagrad}", "--optimizer {sgd,adam,adamw}", "--replica {rank,node}",
@@ -112,7 +113,15 @@ def _help(command: str, capsys: pytest.CaptureFixture) -> str:
 def _usage_items(help_text: str) -> list[str]:
     """``[--workers WORKERS]`` → ``--workers WORKERS`` for each optional option in the usage."""
     usage = " ".join(help_text.split("\n\n")[0].split())
-    return re.findall(r"\[(-[^\[\]]*(?:\[[^\]]*\][^\[\]]*)*)\]", usage)
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(usage):  # brackets nest in a metavar: powersgd[:RANK[:START]]
+        if char == "[":
+            depth, start = depth + 1, (i + 1 if depth == 0 else start)
+        elif char == "]":
+            depth -= 1
+            if depth == 0 and usage[start] == "-":
+                items.append(usage[start:i])
+    return items
 
 
 # ---------------------------------------------------------------------------- the flags
