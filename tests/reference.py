@@ -14,7 +14,7 @@ data and initial θ in every process), so that both sides compute the same gradi
 References (ALGORITHMS.md section in brackets):
 
 - :func:`large_batch_sgd` — sync (§1): one SGD step on the concatenation of the W batches.
-- :class:`ParameterServer`, :func:`asgd` — the add rule θ ← θ + λΔ, version clock and
+- :class:`Server`, :func:`asgd` — the add rule θ ← θ + λΔ, version clock and
   staleness, with a scripted order of the workers' steps (§2, n_fetch = n_push = n_sync).
 - :func:`easgd` — elastic averaging against a centre, in a scripted order (§4).
 - :func:`daso` — node-local gradient averages, a global merge S steps after each sync with
@@ -25,11 +25,24 @@ References (ALGORITHMS.md section in brackets):
 
 Every replica's θ is returned after each of its local steps (a trajectory), so a test can
 compare whole runs, not just their end.
+
+The last section, *whole runs on the parity problem*, gives what a whole CLI run (gloo, or the
+virtual cluster) must end with (tests/dist, tests/unit/test_sim_runs.py). The raw synthetic
+split is the package's (the input), but the sharding and the batch order are computed here
+from the documented rule (worker ``w`` of ``W`` trains on the contiguous ``w``-th of ``W``
+equal shards, the remainder unused; each epoch a fresh permutation of the shard seeded by
+``seed·1000 + w``, the last incomplete batch dropped), and the models are defined here (the
+MNIST-1D paper's MLP and CNN, built after ``torch.manual_seed(seed)``: the same seed, the
+same initial θ). A sharding bug (every worker given the same shard, say) therefore fails the
+parity tests. ``nan`` names (worker, step) pairs whose loss an injected ``nan:RANK@STEP``
+fault makes NaN: that worker's step is not applied (its optimizer does not step; its data
+stream moves on).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import copy
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -139,25 +152,41 @@ def large_batch_sgd(
 
 
 # ---------------------------------------------------------------------------- 2. asgd
-@dataclass
-class ParameterServer:
-    """One unsharded parameter server with the add rule θ ← θ + λΔ and a version clock.
+class Server:
+    """θ on the parameter servers with its version clock. A push computed against version
+    ``base`` has staleness ``version − base`` (``staleness``: of every applied push, in order);
+    staler than ``max_staleness`` it is dropped, else applied with the factor
+    s = 1/max(1, staleness) when scaling (1 otherwise): add: θ ← θ + λ·s·Δ (λ = ``lr``); sgd /
+    adagrad: that torch optimizer steps θ with the gradient −s·Δ. Pushes are applied one at a
+    time, in call order."""
 
-    ``push`` applies one push computed against ``base_version``; its staleness is the number of
-    pushes applied since that version. Pushes are applied one at a time, in call order.
-    """
-
-    theta: torch.Tensor
-    lam: float
-    version: int = 0
-    staleness: list[int] = field(default_factory=list)  # of every push, in order
+    def __init__(self, theta, rule="add", lr=1.0, momentum=0.0, max_staleness=None, scaling=False):
+        self.theta = nn.Parameter(theta.clone(), requires_grad=False)
+        self.rule, self.lr, self.scaling, self.max_staleness = rule, lr, scaling, max_staleness
+        self.version = self.dropped = 0
+        self.staleness: list[int] = []
+        if rule == "sgd":
+            self.opt = torch.optim.SGD([self.theta], lr=lr, momentum=momentum)
+        elif rule == "adagrad":
+            self.opt = torch.optim.Adagrad([self.theta], lr=lr)
 
     def fetch(self) -> tuple[torch.Tensor, int]:
-        return self.theta.clone(), self.version
+        return self.theta.detach().clone(), self.version
 
-    def push(self, delta: torch.Tensor, base_version: int) -> int:
-        staleness = self.version - base_version
-        self.theta = self.theta.add(delta, alpha=self.lam)
+    def push(self, delta: torch.Tensor, base: int) -> int | None:
+        """Applies (or drops) one push; its staleness, None when dropped."""
+        staleness = self.version - base
+        if self.max_staleness is not None and staleness > self.max_staleness:
+            self.dropped += 1
+            return None
+        scale = 1.0 / max(1, staleness) if self.scaling else 1.0
+        with torch.no_grad():
+            if self.rule == "add":
+                self.theta.add_(delta, alpha=self.lr * scale)
+            else:
+                self.theta.grad = delta.mul(-scale)
+                self.opt.step()
+                self.theta.grad = None
         self.version += 1
         self.staleness.append(staleness)
         return staleness
@@ -191,7 +220,7 @@ def asgd(
     ``flush``, each worker that has unpushed steps at the end pushes them (no fetch), in
     worker order.
     """
-    server = ParameterServer(flat(models[0]).clone(), lam)
+    server = Server(flat(models[0]), lr=lam)
     base: list[torch.Tensor] = []
     version: list[int] = []
     for m in models:
@@ -205,7 +234,7 @@ def asgd(
     def push(w: int) -> None:
         local = flat(models[w])
         run.pushes.append((w, server.push(local - base[w], version[w])))
-        run.server.append(server.theta.clone())
+        run.server.append(server.fetch()[0])
         base[w] = local
 
     for w in script:
@@ -283,11 +312,13 @@ def local_sgd(
     steps: int,
     period: int,
     reduce: Reduce | None = None,
+    warmup_steps: int = 0,
 ) -> list[list[torch.Tensor]]:
-    """Local SGD: every worker takes its own steps; after every H = ``period``-th step all
-    replicas are replaced by their average (optimizer states stay local). At the end, steps
-    since the last average are averaged once more. Returns θ of each worker after each step
-    (the final average replaces the last entry).
+    """Local SGD: every worker takes its own steps; after every H = ``period``-th step, and
+    after each of the first ``warmup_steps`` (post-local SGD), all replicas are replaced by
+    their average (optimizer states stay local). At the end, steps since the last average are
+    averaged once more. Returns θ of each worker after each step (the final average replaces
+    the last entry).
 
     With ``reduce`` (compression, §8): the workers send their drifts d_i = θ_ref − θ_i from the
     last average θ_ref (the initial θ at first); θ_ref ← θ_ref − reduce(d)/W replaces every
@@ -297,7 +328,7 @@ def local_sgd(
     for step in range(1, steps + 1):
         for w in range(len(models)):
             local_step(w, step)
-        if step % period == 0 or step == steps:
+        if step <= warmup_steps or step % period == 0 or step == steps:
             if reduce is None:
                 average = mean([flat(m) for m in models])
             else:
@@ -319,21 +350,29 @@ def diloco(
     outer_momentum: float,
     nesterov: bool = True,
     reduce: Reduce | None = None,
+    warmup_steps: int = 0,
+    after_outer: Callable[[int], None] | None = None,
 ) -> list[list[torch.Tensor]]:
-    """DiLoCo: the local optimizers are the inner ones; after every H-th step (and at the end
-    for a partial period) the pseudo-gradient g = θ_global − mean_w θ_w goes through an outer
-    SGD with momentum μ: b ← g on the first outer step, b ← μb + g after; the step is
-    d = g + μb with Nesterov, d = b without; θ_global ← θ_global − lr·d; every replica then
-    restarts from θ_global. Returns θ of each worker after each step. With ``reduce``
-    (compression): g = reduce(θ_global − θ_w for each w)/W, each worker's pseudo-gradient
-    sent."""
+    """DiLoCo: the local optimizers are the inner ones. After each of the first
+    ``warmup_steps`` steps every replica and θ_global become the replicas' average (no outer
+    step); then, counting from there, after every H-th step (and at the end for a partial
+    period) the pseudo-gradient g = θ_global − mean_w θ_w goes through an outer SGD with
+    momentum μ: b ← g on the first outer step, b ← μb + g after; the step is d = g + μb with
+    Nesterov, d = b without; θ_global ← θ_global − lr·d; every replica then restarts from
+    θ_global (and ``after_outer(step)`` runs). Returns θ of each worker after each step. With
+    ``reduce`` (compression): g = reduce(θ_global − θ_w for each w)/W, each worker's
+    pseudo-gradient sent."""
     theta_global = flat(models[0]).clone()
     buf: torch.Tensor | None = None
     history: list[list[torch.Tensor]] = [[] for _ in models]
     for step in range(1, steps + 1):
         for w in range(len(models)):
             local_step(w, step)
-        if step % period == 0 or step == steps:
+        if step <= warmup_steps:
+            theta_global = mean([flat(m) for m in models])
+            for m in models:
+                set_flat(m, theta_global)
+        elif (step - warmup_steps) % period == 0 or step == steps:
             if reduce is None:
                 g = theta_global - mean([flat(m) for m in models])
             else:
@@ -343,6 +382,8 @@ def diloco(
             theta_global = theta_global - outer_lr * d
             for m in models:
                 set_flat(m, theta_global)
+            if after_outer is not None:
+                after_outer(step)
         for w, m in enumerate(models):
             history[w].append(flat(m))
     return history
@@ -671,3 +712,415 @@ def delayed_nesterov_server(
             theta = theta - lr * c * beta * m
         theta = theta - lr / period * g
     return theta
+
+
+# ---------------------------------------------------------------------------- whole runs on the
+# parity problem (the synthetic split, the MNIST-1D CNN or MLP, the flags of COMMON)
+# The flags every parity run shares; the simulations' defaults are the same values.
+SEED, BATCH, LR, MOMENTUM = 3, 16, 0.05, 0.9
+COMMON = ["--dataset", "synthetic", "--model", "cnn", "--batch-size", str(BATCH), "--lr", str(LR),
+          "--momentum", str(MOMENTUM), "--seed", str(SEED), "--no-progress",
+          "--eval-every-s", "1000"]  # fmt: skip
+PARITY_LENGTH, PARITY_CLASSES = 40, 10
+
+
+class MLP(nn.Module):
+    """The MNIST-1D paper's MLP: 40 → 100 → 100 → 10, ReLU."""
+
+    def __init__(self, length: int = PARITY_LENGTH, classes: int = PARITY_CLASSES, hidden=100):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(length, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                                 nn.ReLU(), nn.Linear(hidden, classes))  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.flatten(1))
+
+
+class CNN(nn.Module):
+    """The MNIST-1D paper's CNN: convolutions of 25 channels, kernels 5, 3, 3, stride 2,
+    padding 1, ReLU after each, and a linear head on the flattened 25 × 5 features."""
+
+    def __init__(self, length: int = PARITY_LENGTH, classes: int = PARITY_CLASSES, channels=25):
+        super().__init__()
+        self.conv1 = nn.Conv1d(1, channels, 5, stride=2, padding=1)
+        self.conv2 = nn.Conv1d(channels, channels, 3, stride=2, padding=1)
+        self.conv3 = nn.Conv1d(channels, channels, 3, stride=2, padding=1)
+        self.linear = nn.Linear(channels * 5, classes)  # 40 → 19 → 10 → 5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(x.reshape(x.shape[0], 1, -1)).relu()
+        h = self.conv2(h).relu()
+        return self.linear(self.conv3(h).relu().flatten(1))
+
+
+def fresh_model(model: str = "cnn", seed: int = SEED) -> nn.Module:
+    """Model ``model`` (``cnn`` or ``mlp``) with the initial θ every rank of a run starts from."""
+    torch.manual_seed(seed)
+    if model == "cnn":
+        return CNN()
+    if model == "mlp":
+        return MLP()
+    raise ValueError(f"no reference definition of model {model!r}")
+
+
+class Batches:
+    """One worker's endless mini-batches: each epoch a permutation of the shard drawn from a
+    generator seeded with ``seed·1_000_003 + epoch``; ``batch`` rows each, the rest of an
+    epoch dropped. ``state_dict``: the position (epoch, batch index), as a checkpoint keeps it."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch: int, seed: int):
+        self.x, self.y, self.batch, self.seed = x, y, batch, seed
+        self.epoch, self.index = 0, 0
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.index == self.x.shape[0] // self.batch:
+            self.epoch, self.index = self.epoch + 1, 0
+        if self._order is None or self._order[0] != self.epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self._order = (self.epoch, torch.randperm(self.x.shape[0], generator=g))
+        rows = self._order[1][self.index * self.batch : (self.index + 1) * self.batch]
+        self.index += 1
+        return self.x[rows], self.y[rows]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+def streams(workers: int, batch: int = BATCH, seed: int = SEED, test_size=1000) -> list[Batches]:
+    """Each worker's batches: the contiguous, equal ``w``-th share of the raw synthetic training
+    split (40 features, 10 classes; the remainder unused)."""
+    from cloudburst.data import load_dataset  # the input, not the rule
+
+    # (synthetic data draws its training samples after all labels: the test size matters)
+    data = load_dataset("synthetic", 4000, test_size)
+    per = data.x_train.shape[0] // workers
+    return [Batches(data.x_train[w * per : (w + 1) * per], data.y_train[w * per : (w + 1) * per],
+                    batch, seed * 1000 + w) for w in range(workers)]  # fmt: skip
+
+
+def trained(out, model: str = "cnn") -> nn.Module:
+    """The model a run saved (``OUT/model.pt``)."""
+    from cloudburst.records.checkpoint import load_model_into
+
+    m = fresh_model(model, seed=0)
+    load_model_into(out / "model.pt", m)
+    return m
+
+
+def assert_same_params(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_params_differ(a: nn.Module, b: nn.Module, at_least: float = 1e-3) -> None:
+    """The two models differ by more than the parity tolerance (a flag changed the run)."""
+    gap = max(
+        (p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
+    assert gap > at_least, f"the models differ by only {gap:g}"
+
+
+def _loss(model: nn.Module, batch, autocast: bool = False) -> torch.Tensor:
+    x, y = batch
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return nn.functional.cross_entropy(model(x), y)
+
+
+def sync_sgd(
+    steps: int,
+    workers: int,
+    model: str = "cnn",
+    optimizer: str = "sgd",
+    lr: float = LR,
+    momentum: float = MOMENTUM,
+    weight_decay: float = 0.0,
+    cosine: bool = False,
+    autocast: bool = False,
+    nan: Iterable[tuple[int, int]] = (),
+    test_size: int = 1000,
+) -> nn.Module:
+    """Synchronous SGD: one model, each step on the workers' batches together (the mean of
+    their gradients is the gradient of the concatenated batch). A NaN on any worker makes the
+    averaged gradient NaN: that step is skipped by everyone."""
+    m = fresh_model(model)
+    if optimizer == "adam":
+        opt = torch.optim.Adam(m.parameters(), lr=lr, weight_decay=weight_decay)
+    else:
+        opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps) if cosine else None
+    skip = {step for _, step in nan}
+    data = streams(workers, test_size=test_size)
+    for step in range(1, steps + 1):
+        batches = [next(s) for s in data]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        opt.zero_grad()
+        _loss(m, (x, y), autocast).backward()
+        if step not in skip:
+            opt.step()
+        if sched is not None:
+            sched.step()
+    return m
+
+
+class ParityReplicas:
+    """``workers`` replicas of :func:`fresh_model`, each with SGD (lr LR, momentum MOMENTUM)
+    or AdamW (lr ``adamw_lr``, β1 = MOMENTUM); :meth:`step` is a ``local_step`` callback. A
+    replica of ``ranks_per_replica`` workers (a node replica) steps on its G workers' batches
+    together (G streams, in rank order); a (worker, step) in ``nan`` is not applied."""
+
+    def __init__(self, workers, model="cnn", ranks_per_replica=1, nan=(), adamw_lr=0.0):
+        base = fresh_model(model)
+        self.models = [copy.deepcopy(base) for _ in range(workers)]
+        self.optimizers = [
+            torch.optim.AdamW(m.parameters(), lr=adamw_lr, betas=(MOMENTUM, 0.999), weight_decay=0)
+            if adamw_lr
+            else sgd(LR, MOMENTUM)(m)
+            for m in self.models
+        ]
+        self.data = streams(workers * ranks_per_replica)
+        self.per, self.nan = ranks_per_replica, set(nan)
+
+    def step(self, w: int, step: int) -> None:
+        batches = [next(s) for s in self.data[w * self.per : (w + 1) * self.per]]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        self.optimizers[w].zero_grad()
+        _loss(self.models[w], (x, y)).backward()
+        if (w, step) not in self.nan:
+            self.optimizers[w].step()
+
+
+def parity_local_sgd(
+    steps: int, workers: int, period: int, warmup_steps: int = 0, model: str = "cnn",
+    nan: Iterable[tuple[int, int]] = (), ranks_per_replica: int = 1,
+) -> tuple[nn.Module, int]:  # fmt: skip
+    """:func:`local_sgd` (post-local SGD with ``warmup_steps``) of ``workers`` replicas of
+    ``ranks_per_replica`` workers each (:class:`ParityReplicas`). Returns (worker 0's replica,
+    number of averages)."""
+    r = ParityReplicas(workers, model, ranks_per_replica, nan)
+    local_sgd(r.models, r.step, steps, period, warmup_steps=warmup_steps)
+    due = [s for s in range(1, steps + 1) if s <= warmup_steps or s % period == 0 or s == steps]
+    return r.models[0], len(due)
+
+
+def parity_diloco(
+    steps: int, workers: int, period: int, outer_lr: float, outer_momentum: float,
+    nesterov: bool, model: str = "cnn", ranks_per_replica: int = 1, warmup_steps: int = 0,
+    adamw_lr: float = 0.0, desloc: tuple[int, int] = (0, 0),
+) -> tuple[nn.Module, int]:  # fmt: skip
+    """:func:`diloco` of :class:`ParityReplicas` (inner AdamW of lr ``adamw_lr`` when set, SGD
+    otherwise). DES-LOC (``desloc`` = (K1, K2)): every K1 (K2) periods, after that step's outer
+    step, each parameter's Adam exp_avg (exp_avg_sq) becomes the replicas' average of it.
+    Returns (θ_global as a model, outer steps)."""
+    r = ParityReplicas(workers, model, ranks_per_replica, adamw_lr=adamw_lr)
+    outer_steps = []
+
+    def after_outer(step: int) -> None:
+        outer_steps.append(step)
+        for key, every in zip(("exp_avg", "exp_avg_sq"), desloc, strict=True):
+            if every and (step - warmup_steps) % (period * every) == 0:
+                for params in zip(*(m.parameters() for m in r.models), strict=True):
+                    states = [o.state[p][key] for o, p in zip(r.optimizers, params, strict=True)]
+                    average = mean(states)
+                    for s in states:
+                        s.copy_(average)
+
+    diloco(r.models, r.step, steps, period, outer_lr, outer_momentum, nesterov,
+           warmup_steps=warmup_steps, after_outer=after_outer)  # fmt: skip
+    return r.models[0], len(outer_steps)
+
+
+def fragment_ranges(model: nn.Module, fragments: int) -> list[tuple[int, int]]:
+    """Streaming DiLoCo's split, as documented: whole parameter tensors in module order, F
+    runs balanced by element count — run k ends at the tensor boundary nearest to (k+1)/F of
+    the elements (leaving at least one tensor for each later run). [start, stop) in θ."""
+    ends, total = [], 0
+    for p in model.parameters():
+        total += p.numel()
+        ends.append(total)
+    cuts, first = [], 1
+    for k in range(1, fragments):
+        target = total * k / fragments
+        candidates = range(first, len(ends) - (fragments - k) + 1)
+        best = min(candidates, key=lambda i: (abs(ends[i - 1] - target), i))
+        cuts.append(best)
+        first = best + 1
+    tensor_bounds = [0, *cuts, len(ends)]
+    elements = [0, *ends]
+    return [
+        (elements[a], elements[b])
+        for a, b in zip(tensor_bounds[:-1], tensor_bounds[1:], strict=True)
+    ]
+
+
+def streaming_diloco(
+    steps: int,
+    workers: int,
+    period: int,
+    fragments: int,
+    delay: int,
+    alpha: float,
+    outer_lr: float,
+    outer_momentum: float,
+    nesterov: bool,
+    model: str = "cnn",
+) -> tuple[nn.Module, int]:
+    """Streaming DiLoCo (Douillard et al. 2025): θ is cut into F fragments; fragment k is sent
+    after the steps t with t mod H = ((k+1)·H // F) mod H (the sum of the replicas' fragment
+    as it is then) and applied τ = ``delay`` steps later: the pseudo-gradient g = θ_g,k − sum/W
+    goes through fragment k's own outer SGD (b ← g, then b ← μb + g; d = g + μb with Nesterov,
+    else b; θ_g,k ← θ_g,k − lr·d), and every replica's fragment becomes
+    α·(its fragment now) + (1 − α)·θ_g,k. At the end, fragments still in flight are applied,
+    then every fragment not replaced by θ_g,k at the last step gets one more outer step with
+    no delay and no mixing. Returns (worker 0's replica, fragment syncs)."""
+    r = ParityReplicas(workers, model)
+    replicas = r.models
+    ranges = fragment_ranges(replicas[0], fragments)
+    theta = [flat(replicas[0])[a:b].clone() for a, b in ranges]
+    momentum: list[torch.Tensor | None] = [None] * fragments
+    offsets = [((k + 1) * period // fragments) % period for k in range(fragments)]
+    in_flight: dict[int, tuple[int, torch.Tensor]] = {}
+    last_replaced = [0] * fragments
+    syncs = 0
+
+    def start(k: int, step: int, wait: int) -> None:
+        nonlocal syncs
+        a, b = ranges[k]
+        in_flight[k] = (step + wait, sum(flat(m)[a:b] for m in replicas))
+        syncs += 1
+
+    def apply(k: int, step: int, mix: float) -> None:
+        a, b = ranges[k]
+        _, total = in_flight.pop(k)
+        g = theta[k] - total / workers
+        momentum[k] = g.clone() if momentum[k] is None else outer_momentum * momentum[k] + g
+        d = g + outer_momentum * momentum[k] if nesterov and outer_momentum > 0 else momentum[k]
+        theta[k] = theta[k] - outer_lr * d
+        for m in replicas:
+            vector = flat(m)
+            vector[a:b] = mix * vector[a:b] + (1 - mix) * theta[k] if mix else theta[k]
+            set_flat(m, vector)
+        if not mix:
+            last_replaced[k] = step
+
+    for step in range(1, steps + 1):
+        for w in range(workers):
+            r.step(w, step)
+        for k in range(fragments):
+            if step % period == offsets[k]:
+                start(k, step, delay)
+        for k in sorted(in_flight):
+            if in_flight[k][0] == step:
+                apply(k, step, alpha)
+    for k in sorted(in_flight):
+        apply(k, steps, alpha)
+    for k in range(fragments):
+        if last_replaced[k] != steps:
+            start(k, steps, 0)
+            apply(k, steps, 0.0)
+    return replicas[0], syncs
+
+
+class AsgdWorker:
+    """One asgd worker against the servers (``server``: :class:`Server`'s settings).
+
+    Every ``n_push`` steps it pushes Δ = θ_local − θ_ref (its progress since the last push or
+    fetch); every ``n_fetch`` steps it fetches θ (after its push, when both are due), keeping
+    the progress it has not pushed yet; when it finishes it pushes what is left."""
+
+    def __init__(self, n_fetch: int, n_push: int, model: str = "cnn", **server):
+        self.n_fetch, self.n_push, self.model_name = n_fetch, n_push, model
+        self.model = fresh_model(model)
+        self.opt = sgd(LR, MOMENTUM)(self.model)
+        self.server = Server(flat(self.model), **server)
+        [self.data] = streams(1)
+        self.reference, self.base, self.step = flat(self.model), 0, 0
+
+    def train(self, steps: int, checkpoint_at: int | None = None) -> dict | None:
+        """``steps`` more steps; returns what a checkpoint after step ``checkpoint_at``
+        holds (the local optimizer, the data position, the step)."""
+        saved = None
+        for _ in range(steps):
+            self.step += 1
+            self.opt.zero_grad()
+            _loss(self.model, next(self.data)).backward()
+            self.opt.step()
+            push, fetch = self.step % self.n_push == 0, self.step % self.n_fetch == 0
+            local = flat(self.model)
+            if push:
+                self.server.push(local - self.reference, self.base)
+            if fetch:
+                pending = 0 if push else local - self.reference
+                self._fetch(pending)
+            elif push:
+                self.reference = local
+            if self.step == checkpoint_at:
+                saved = {
+                    "optimizer": copy.deepcopy(self.opt.state_dict()),
+                    "stream": self.data.state_dict(),
+                    "step": self.step,
+                }
+        return saved
+
+    def _fetch(self, pending) -> None:
+        set_flat(self.model, self.server.theta.detach() + pending)
+        self.reference, self.base = self.server.theta.detach().clone(), self.server.version
+
+    def finish(self) -> None:
+        if self.step % self.n_push:
+            self.server.push(flat(self.model) - self.reference, self.base)
+
+    def resume(self, checkpoint: dict) -> None:
+        """A resumed run: the worker's optimizer, data position and step from its checkpoint,
+        its θ from the servers (which kept theirs)."""
+        self.opt.load_state_dict(checkpoint["optimizer"])
+        self.data.load_state_dict(checkpoint["stream"])
+        self.step = checkpoint["step"]
+        self._fetch(0)
+
+    def global_model(self) -> nn.Module:
+        out = fresh_model(self.model_name)
+        set_flat(out, self.server.theta.detach())
+        return out
+
+
+def asgd_one_worker(
+    steps: int, n_fetch: int, n_push: int, model: str = "cnn", **server
+) -> tuple[nn.Module, Server]:
+    """A whole run of one asgd worker: (the servers' θ as a model, the server)."""
+    worker = AsgdWorker(n_fetch, n_push, model, **server)
+    worker.train(steps)
+    worker.finish()
+    return worker.global_model(), worker.server
+
+
+def easgd_one_worker(steps: int, tau: int, alpha: float, model: str = "cnn") -> nn.Module:
+    """One EASGD worker (:func:`easgd`): every τ steps (and at the end) e = α(θ_i − θ̃);
+    θ_i −= e; θ̃ += e. Returns the centre θ̃ as a model."""
+    r = ParityReplicas(1, model)
+    out = fresh_model(model)
+    set_flat(out, easgd(r.models, r.step, [0] * steps, tau, alpha).server[-1])
+    return out
+
+
+def asgd_one_round(
+    steps: int, replicas: int, ranks_per_replica: int, server_lr: float, model: str = "cnn"
+) -> nn.Module:
+    """asgd where every replica pushes once, after ``steps`` local steps (n_sync = steps): the
+    add rule θ ← θ + λ·Δ_i makes the servers' θ the same in any push order,
+    θ0 + λ·Σ_i (θ_i − θ0). Node replicas step on their G workers' batches together."""
+    r = ParityReplicas(replicas, model, ranks_per_replica)
+    theta0 = flat(r.models[0]).clone()
+    for step in range(1, steps + 1):
+        for w in range(replicas):
+            r.step(w, step)
+    out = fresh_model(model)
+    set_flat(out, theta0 + server_lr * sum(flat(m) - theta0 for m in r.models))
+    return out

@@ -47,10 +47,10 @@ from cloudburst.strategies.diloco import DilocoStrategy
 from cloudburst.strategies.local_sgd import LocalSgdStrategy
 from cloudburst.strategies.local_sgd import worker as local_sgd
 from tests import reference as ref
-from tests.dist.simulate import BATCH as PARITY_BATCH
-from tests.dist.simulate import LR as PARITY_LR
-from tests.dist.simulate import MOMENTUM as PARITY_MOMENTUM
-from tests.dist.simulate import SEED as PARITY_SEED
+from tests.reference import BATCH as PARITY_BATCH
+from tests.reference import LR as PARITY_LR
+from tests.reference import MOMENTUM as PARITY_MOMENTUM
+from tests.reference import SEED as PARITY_SEED
 
 
 # -------------------- the parameter-server fake comm (tests/unit/test_asgd_worker.py and others)

@@ -4,7 +4,7 @@ the same job on the virtual cluster, and with about a quarter of an uncompressed
 
 import pytest
 
-from tests.dist.simulate import COMMON, assert_same_params, trained
+from tests.reference import COMMON, assert_same_params, trained
 from tests.helpers import cli, read_summary, simulated
 
 pytestmark = pytest.mark.dist

@@ -6,7 +6,7 @@ B and S every cycling epoch, with its phases in the step records and on the plot
 import pytest
 import torch
 
-from tests.dist.simulate import COMMON, assert_same_params, sync_sgd, trained
+from tests.reference import COMMON, assert_same_params, sync_sgd, trained
 from tests.helpers import (
     cli,
     final_record,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cloudburst.strategies.asgd.shard import ShardState
-from tests.dist.simulate import (
+from tests.reference import (
     COMMON,
     assert_params_differ,
     assert_same_params,

@@ -2,14 +2,14 @@
 
 import pytest
 
-from tests.dist.simulate import (
+from tests.reference import (
     COMMON,
     LR,
     assert_params_differ,
     assert_same_params,
-    diloco,
+    parity_diloco,
     fresh_model,
-    local_sgd,
+    parity_local_sgd,
     streaming_diloco,
     trained,
 )
@@ -37,12 +37,12 @@ def test_post_local_sgd_warmup_then_local_steps_over_an_emulated_link(tmp_path):
         *COMMON]  # fmt: skip
     cli("train", *args)
     sim = simulated(args)  # the same job on the virtual cluster
-    expected, averages = local_sgd(18, workers=2, period=4, warmup_steps=8, nan=[(1, 12)])
+    expected, averages = parity_local_sgd(18, workers=2, period=4, warmup_steps=8, nan=[(1, 12)])
     assert averages == 11
     assert_same_params(trained(out), expected)
     assert_same_params(trained(sim), trained(out))  # the simulator == gloo
     # The local phase ran: the same steps averaged every step would end elsewhere.
-    synchronous, _ = local_sgd(18, workers=2, period=1, nan=[(1, 12)])
+    synchronous, _ = parity_local_sgd(18, workers=2, period=1, nan=[(1, 12)])
     assert_params_differ(expected, synchronous)
 
     numel, s = _numel(), read_summary(out)
@@ -75,12 +75,12 @@ def test_diloco_warm_start_then_outer_optimizer_without_nesterov(tmp_path):
     cli("train", *args)
     sim = simulated(args)  # the same job on the virtual cluster
     settings = dict(period=5, outer_lr=0.5, outer_momentum=0.5)
-    expected, outer_steps = diloco(32, 2, nesterov=False, warmup_steps=4, **settings)
+    expected, outer_steps = parity_diloco(32, 2, nesterov=False, warmup_steps=4, **settings)
     assert outer_steps == 6
     assert_same_params(trained(out), expected)
     assert_same_params(trained(sim), trained(out))  # the simulator == gloo
-    assert_params_differ(expected, diloco(32, 2, nesterov=True, warmup_steps=4, **settings)[0])
-    assert_params_differ(expected, diloco(32, 2, nesterov=False, **settings)[0])
+    assert_params_differ(expected, parity_diloco(32, 2, nesterov=True, warmup_steps=4, **settings)[0])
+    assert_params_differ(expected, parity_diloco(32, 2, nesterov=False, **settings)[0])
     s = read_summary(out)
     # One all-reduce of θ per average: 1/5 of sync's per-step gradient traffic after the warm-up.
     assert s["sent_bytes"] == 2 * (4 + outer_steps) * _numel() * 4
@@ -100,12 +100,12 @@ def test_desloc_averages_adams_moments_on_their_own_schedules(tmp_path):
     cli("train", *args)
     sim = simulated(args)
     settings = dict(period=4, outer_lr=0.7, outer_momentum=0.9, nesterov=True, adamw_lr=LR)
-    expected, outer_steps = diloco(24, 2, desloc=(2, 1), **settings)
+    expected, outer_steps = parity_diloco(24, 2, desloc=(2, 1), **settings)
     assert outer_steps == 6
     assert_same_params(trained(out), expected)
     assert_same_params(trained(sim), trained(out))  # the simulator == gloo
-    assert_params_differ(expected, diloco(24, 2, desloc=(0, 1), **settings)[0])
-    assert_params_differ(expected, diloco(24, 2, **settings)[0])
+    assert_params_differ(expected, parity_diloco(24, 2, desloc=(0, 1), **settings)[0])
+    assert_params_differ(expected, parity_diloco(24, 2, **settings)[0])
     # Every all-reduce (θ's, each moment's) is |θ| fp32 values from each of the 2 workers.
     assert read_summary(out)["sent_bytes"] == 2 * (outer_steps + 3 + 6) * _numel() * 4
     assert [final_record(out, r)["moment_averages"] for r in (0, 1)] == [9, 9]

@@ -1,6 +1,6 @@
 """``--replica node``: a node's workers are one replica (their gradients averaged every step),
 and the strategy runs between the nodes: against the single-process references of
-``tests/dist/simulate.py``, whose node replica steps on its G workers' batches together."""
+``tests/reference.py``, whose node replica steps on its G workers' batches together."""
 
 import dataclasses
 
@@ -10,15 +10,15 @@ import torch
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.sim.run import SimulationFailed, simulate
-from tests.dist.simulate import (
+from tests.reference import (
     COMMON,
     LR,
     asgd_one_round,
     assert_params_differ,
     assert_same_params,
-    diloco,
+    parity_diloco,
     fresh_model,
-    local_sgd,
+    parity_local_sgd,
     trained,
 )
 from cloudburst.records.checkpoint import load_checkpoint
@@ -61,12 +61,12 @@ def test_diloco_between_two_nodes_of_two_workers(tmp_path):
     cli("train", *args)
     sim = simulated(args)  # the same job on the virtual cluster
     settings = dict(period=4, outer_lr=0.7, outer_momentum=0.9, nesterov=True)
-    expected, outer_steps = diloco(18, 2, ranks_per_replica=2, **settings)
+    expected, outer_steps = parity_diloco(18, 2, ranks_per_replica=2, **settings)
     assert outer_steps == 5
     assert_same_params(trained(out), expected)
     assert_same_params(trained(sim), trained(out))  # the simulator == gloo
     # Per-rank replicas of the same 4 workers train another model.
-    assert_params_differ(expected, diloco(18, 4, **settings)[0])
+    assert_params_differ(expected, parity_diloco(18, 4, **settings)[0])
 
     s, numel = read_summary(out), _numel()
     assert (s["replica"], s["replicas"], s["ranks_per_replica"]) == ("node", 2, 2)
@@ -90,7 +90,7 @@ def test_local_sgd_node_replicas_on_the_virtual_cluster(tmp_path):
         "--period", "3", "--local-sgd-warmup-steps", "2", "--steps", "11",
         "--out", str(tmp_path / "local"), *COMMON]  # fmt: skip
     sim = simulated(args)
-    expected, averages = local_sgd(11, 3, period=3, warmup_steps=2, ranks_per_replica=2)
+    expected, averages = parity_local_sgd(11, 3, period=3, warmup_steps=2, ranks_per_replica=2)
     assert averages == 6
     assert_same_params(trained(sim), expected)
     assert read_summary(sim)["inter_node_bytes"] == 3 * averages * int(4 / 3 * _numel() * 4)

@@ -10,10 +10,10 @@ import torch
 from cloudburst.data import batch_stream, evaluate_dataset, in_memory, load_dataset, worker_source
 from cloudburst.models import build_model
 from cloudburst.records.checkpoint import load_model_into
+from tests import reference as ref
 from tests.datagen import write_cifar10, write_imagefolder, write_npz
-from tests.dist import simulate as sim
-from tests.dist.simulate import COMMON
 from tests.helpers import cli, rank_events, read_summary
+from tests.reference import COMMON
 
 pytestmark = pytest.mark.e2e
 
@@ -187,12 +187,12 @@ def test_bf16_autocast_on_the_cpu_equals_its_simulation(tmp_path):
     out = tmp_path / "bf16"
     cli("train", *COMMON, "--strategy", "sync", "--workers", "1", "--model", "mlp", "--steps",
         "30", "--autocast", "bf16", "--test-size", "300", "--out", str(out))  # fmt: skip
-    expected = sim.sync_sgd(30, workers=1, model="mlp", autocast=True, test_size=300)
-    sim.assert_same_params(sim.trained(out, "mlp"), expected)
-    fp32 = sim.sync_sgd(30, workers=1, model="mlp", test_size=300)
-    sim.assert_params_differ(expected, fp32, at_least=1e-4)
+    expected = ref.sync_sgd(30, workers=1, model="mlp", autocast=True, test_size=300)
+    ref.assert_same_params(ref.trained(out, "mlp"), expected)
+    fp32 = ref.sync_sgd(30, workers=1, model="mlp", test_size=300)
+    ref.assert_params_differ(expected, fp32, at_least=1e-4)
     data = load_dataset("synthetic", 4000, 300)
-    acc, _ = evaluate_dataset(sim.trained(out, "mlp"), in_memory(data.test), None, autocast=True)
+    acc, _ = evaluate_dataset(ref.trained(out, "mlp"), in_memory(data.test), None, autocast=True)
     assert read_summary(out)["final_test_accuracy"] == acc
     assert round(acc * 300) == acc * 300  # out of 300 samples
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cloudburst.records.checkpoint import load_checkpoint, save_checkpoint
-from tests.dist import simulate as sim
+from tests import reference as ref
 from tests.helpers import (
     REPO,
     cli,
@@ -212,13 +212,13 @@ def test_asgd_resumes_its_server_and_worker_exactly(tmp_path):
     # from its step-30 checkpoint (optimizer, data position) and from the server's θ, the
     # server from its shard checkpoint, whose sgd rule has momentum (optimizer state).
     out = tmp_path / "a"
-    cli("train", *sim.COMMON, "--strategy", "asgd", "--workers", "1", "--servers", "1",
+    cli("train", *ref.COMMON, "--strategy", "asgd", "--workers", "1", "--servers", "1",
         "--n-sync", "2", "--server-rule", "sgd", "--server-lr", "0.5", "--server-momentum",
         "0.5", "--steps", "40", "--checkpoint-every", "10", "--out", str(out))  # fmt: skip
-    worker = sim.AsgdWorker(n_fetch=2, n_push=2, rule="sgd", lr=0.5, momentum=0.5)
+    worker = ref.AsgdWorker(n_fetch=2, n_push=2, rule="sgd", lr=0.5, momentum=0.5)
     checkpoint = worker.train(40, checkpoint_at=30)
     worker.finish()
-    sim.assert_same_params(sim.trained(out), worker.global_model())
+    ref.assert_same_params(ref.trained(out), worker.global_model())
     assert read_summary(out)["samples_applied"] == 20 * 32  # 20 pushes of 2 steps
 
     proc = cli("train", "--resume", str(out), "--steps", "60")
@@ -232,8 +232,8 @@ def test_asgd_resumes_its_server_and_worker_exactly(tmp_path):
         w.resume(checkpoint)
         w.train(30)  # steps 31..60 again: 15 more pushes
         w.finish()
-    sim.assert_same_params(sim.trained(out), worker.global_model())
-    sim.assert_params_differ(worker.global_model(), forgetful.global_model(), at_least=1e-4)
+    ref.assert_same_params(ref.trained(out), worker.global_model())
+    ref.assert_params_differ(worker.global_model(), forgetful.global_model(), at_least=1e-4)
     summary = read_summary(out)
     assert final_record(out, 0)["version"] == 20 + 15
     assert summary["samples_applied"] == (20 + 15) * 32 and summary["samples"] == 60 * 16

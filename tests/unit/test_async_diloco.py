@@ -22,17 +22,17 @@ from cloudburst.strategies.async_diloco import (
     dylu_inner_steps,
     fastest_fresh,
 )
-from tests.dist.simulate import (
+from tests.helpers import final_record, rank_events
+from tests.reference import (
     BATCH,
     LR,
     MOMENTUM,
     SEED,
     assert_params_differ,
     assert_same_params,
-    diloco,
+    parity_diloco,
     trained,
 )
-from tests.helpers import final_record, rank_events
 from tests.support import FakeNamespace
 
 
@@ -150,10 +150,10 @@ def test_a_dead_workers_published_speed_stops_shrinking_the_live_workers_h():
 def test_one_worker_is_synchronous_diloco_with_nesterov(tmp_path):
     kw = dict(period=5, diloco_outer_lr=0.5, diloco_outer_momentum=0.5)
     simulate(_cfg(tmp_path, 1, 22, **kw), SimulationConfig(step_time_s=0.01))
-    expected, outer_steps = diloco(22, 1, 5, 0.5, 0.5, nesterov=True)
+    expected, outer_steps = parity_diloco(22, 1, 5, 0.5, 0.5, nesterov=True)
     assert outer_steps == 5
     assert_same_params(trained(tmp_path), expected)
-    assert_params_differ(expected, diloco(22, 1, 5, 0.5, 0.5, nesterov=False)[0])
+    assert_params_differ(expected, parity_diloco(22, 1, 5, 0.5, 0.5, nesterov=False)[0])
 
 
 def _straggler_run(out, dylu: bool) -> dict:

@@ -32,7 +32,7 @@ from cloudburst.config import ConfigError, RunConfig
 from cloudburst.strategies.daso import DasoStrategy
 from cloudburst.strategies.diloco import DilocoStrategy
 from tests import reference as ref
-from tests.dist.simulate import trained
+from tests.reference import trained
 from tests.support import (
     LocalSgdCtx,
     RecordingLink,

@@ -27,7 +27,7 @@ from cloudburst.strategies import strategy_spec
 from cloudburst.strategies.asgd import AsgdStrategy
 from cloudburst.strategies.asgd.server import ServerLoop
 from cloudburst.strategies.gossip import GossipStrategy
-from tests.dist.simulate import trained
+from tests.reference import trained
 from tests.support import FakeNamespace, run_sim, sim_cfg
 
 METHODS = ["bf16", "int8", "fp8"]

@@ -1,6 +1,6 @@
 """Whole jobs on the virtual cluster, in this process: the strategies' own code on the
 simulated transport ends with the parameters of the single-process references
-(tests/dist/simulate.py, written from the algorithms, not from cloudburst), repeats exactly,
+(tests/reference.py, written from the algorithms, not from cloudburst), repeats exactly,
 and keeps time as the clock model says (stragglers, faults, free evaluation).
 
 The same references also hold for real gloo runs (tests/dist/test_parity.py, test_local_sgd.py,
@@ -16,13 +16,13 @@ import pytest
 
 from cloudburst.config import Straggler
 from cloudburst.sim.run import SimulationFailed
-from tests.dist.simulate import (
+from tests.reference import (
     asgd_one_worker,
     assert_params_differ,
     assert_same_params,
-    diloco,
     easgd_one_worker,
-    local_sgd,
+    parity_diloco,
+    parity_local_sgd,
     sync_sgd,
     trained,
 )
@@ -40,15 +40,15 @@ def test_sync_on_the_simulator_is_sgd_on_the_workers_batches_together(tmp_path, 
 
 def test_local_sgd_with_warm_up_and_diloco_match_their_references(tmp_path):
     run_sim(sim_cfg(tmp_path / "l", "local_sgd", 2, 18, period=4, local_sgd_warmup_steps=8))
-    expected, averages = local_sgd(18, workers=2, period=4, warmup_steps=8)
+    expected, averages = parity_local_sgd(18, workers=2, period=4, warmup_steps=8)
     assert averages == 11
     assert_same_params(trained(tmp_path / "l"), expected)
     settings = dict(period=5, outer_lr=0.5, outer_momentum=0.5)
     kw = dict(period=5, diloco_outer_lr=0.5, diloco_outer_momentum=0.5, diloco_nesterov=False)
     run_sim(sim_cfg(tmp_path / "d", "diloco", 2, 22, **kw))
-    expected, _ = diloco(22, 2, nesterov=False, **settings)
+    expected, _ = parity_diloco(22, 2, nesterov=False, **settings)
     assert_same_params(trained(tmp_path / "d"), expected)
-    assert_params_differ(expected, diloco(22, 2, nesterov=True, **settings)[0])
+    assert_params_differ(expected, parity_diloco(22, 2, nesterov=True, **settings)[0])
 
 
 def test_daso_blocking_every_batch_equals_sync_sgd(tmp_path):

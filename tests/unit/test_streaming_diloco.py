@@ -6,7 +6,7 @@ all-reduce for W threads of one process (each contributes its vector and gets th
 fragments, a delay and a mixing factor): the split, the schedule of each fragment, the outer
 step and the mixing, checked against by-hand arithmetic (fragment counts that do not divide
 the period included), and whole runs on the virtual cluster
-against the single-process reference (tests/dist/simulate.py). The real gloo run is in
+against the single-process reference (tests/reference.py). The real gloo run is in
 tests/dist/test_local_sgd.py."""
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from cloudburst.comm.link import Topology
 from cloudburst.strategies.diloco import DilocoStrategy
 from cloudburst.strategies.local_sgd import LocalSgdStrategy, split_fragments
 from tests import reference as ref
-from tests.dist.simulate import (
+from tests.reference import (
     assert_params_differ,
     assert_same_params,
-    diloco,
     fragment_ranges,
+    parity_diloco,
     streaming_diloco,
     trained,
 )
@@ -454,7 +454,7 @@ def test_one_fragment_without_delay_is_diloco_bit_for_bit(tmp_path):
     a, b = trained(tmp_path / "d"), trained(tmp_path / "s")
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q)
-    expected, _ = diloco(22, 2, period=5, outer_lr=0.5, outer_momentum=0.5, nesterov=True)
+    expected, _ = parity_diloco(22, 2, period=5, outer_lr=0.5, outer_momentum=0.5, nesterov=True)
     assert_same_params(a, expected)
 
 
