@@ -28,35 +28,14 @@ from tests.helpers import (
 pytestmark = pytest.mark.e2e
 
 FAST = ["--dataset", "synthetic", "--model", "mlp", "--no-progress", "--eval-every-s", "0.2"]
-SUMMARY_FIELDS = {
-    "strategy",
-    "workers",
-    "servers",
-    "final_test_accuracy",
-    "wall_time_s",
-    "time_to_target_s",
-    "samples",
-    "sent_bytes",
-    "received_bytes",
-    "comm_wait_s",
-    "mean_staleness_versions",
-    "max_staleness_versions",
-    "pushes_rejected",
-    "lost_workers",
-    "device",
-    "backend",
-    "config",
-}
-STEP_FIELDS = {
-    "step",
-    "time_s",
-    "samples",
-    "loss",
-    "staleness_versions",
-    "sent_bytes",
-    "received_bytes",
-    "comm_wait_s",
-}
+SUMMARY_FIELDS = set(
+    """strategy workers servers final_test_accuracy wall_time_s time_to_target_s samples
+    sent_bytes received_bytes comm_wait_s mean_staleness_versions max_staleness_versions
+    pushes_rejected lost_workers device backend config""".split()
+)
+STEP_FIELDS = set(
+    "step time_s samples loss staleness_versions sent_bytes received_bytes comm_wait_s".split()
+)
 
 
 def test_invalid_config_is_one_line_exit_2_and_launches_nothing(tmp_path, monkeypatch, capsys):

@@ -45,48 +45,13 @@ MODEL = f"{__name__}:dumping_mlp"
 STEPS, STEPS_PER_EPOCH, GLOBAL_SKIP, LOCAL_SKIP = 40, 10, 2, 2
 WARMUP_STEPS = STEPS_PER_EPOCH
 EXPECTED_SYNCS = WARMUP_STEPS + (STEPS - WARMUP_STEPS) // GLOBAL_SKIP + 1
-DASO_ARGS = [
-    "--strategy",
-    "daso",
-    "--workers",
-    "4",
-    "--dataset",
-    "synthetic",
-    "--train-size",
-    "640",
-    "--test-size",
-    "200",
-    "--steps",
-    str(STEPS),
-    "--batch-size",
-    "16",
-    "--no-progress",
-    "--eval-every-s",
-    "1000",
-    "--daso-warmup-epochs",
-    "1",
-    "--daso-cooldown-epochs",
-    "0",
-    "--daso-fixed",
-    "--daso-stability-level",
-    "0.99",
-    "--daso-patience",
-    "1",
-    "--daso-global-skip",
-    str(GLOBAL_SKIP),
-    "--daso-batches-to-wait",
-    "1",
-    "--daso-local-skip",
-    str(LOCAL_SKIP),
-    "--daso-downcast",
-    "fp16",
-    "--comm-timeout-s",
-    "60",
-    # The exact counts below assume every sync in 16 bits and no epoch-end averages.
-    "--daso-cycling-downcast",
-    "bf16",
-    "--daso-no-epoch-end-sync",
-]
+# The exact counts below assume every sync in 16 bits and no epoch-end averages.
+DASO_ARGS = f"""--strategy daso --workers 4 --dataset synthetic --train-size 640 --test-size 200
+--steps {STEPS} --batch-size 16 --no-progress --eval-every-s 1000 --daso-warmup-epochs 1
+--daso-cooldown-epochs 0 --daso-fixed --daso-stability-level 0.99 --daso-patience 1
+--daso-global-skip {GLOBAL_SKIP} --daso-batches-to-wait 1 --daso-local-skip {LOCAL_SKIP}
+--daso-downcast fp16 --comm-timeout-s 60 --daso-cycling-downcast bf16 --daso-no-epoch-end-sync
+""".split()
 LAUNCH_TIMEOUT_S = 120
 GRACE_S = 20  # how long the other launch may take to fail after one did
 
@@ -188,28 +153,9 @@ def _launch_pair(
     logs_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     for node in range(2):
-        cmd = [
-            *prefixes[node],
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            str(node),
-            "--nproc-per-node",
-            "2",
-            "--rdzv-backend",
-            "static",
-            "--master-addr",
-            master_addr,
-            "--master-port",
-            str(port),
-            "-m",
-            "cloudburst",
-            "train",
-            *args,
-        ]
+        torchrun = f"""-m torch.distributed.run --nnodes 2 --node-rank {node} --nproc-per-node 2
+            --rdzv-backend static --master-addr {master_addr} --master-port {port}""".split()
+        cmd = [*prefixes[node], sys.executable, *torchrun, "-m", "cloudburst", "train", *args]
         logs.append(logs_dir / f"node{node}.log")
         procs.append(_start(cmd, logs[-1], token, node_env[node]))
     return _wait_all(procs, logs, token, timeout_s)
@@ -382,20 +328,10 @@ def netns_pair():
         _ip("netns", "add", a)
         _ip("netns", "add", b)
         # Both ends are made inside their namespaces: nothing appears in the host's.
-        _ip(
-            "link",
-            "add",
-            pair.ifnames[0],
-            "netns",
-            a,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            pair.ifnames[1],
-            "netns",
-            b,
+        veth = (
+            f"link add {pair.ifnames[0]} netns {a} type veth peer name {pair.ifnames[1]} netns {b}"
         )
+        _ip(*veth.split())
         for ns, ifname, addr in zip(pair.names, pair.ifnames, pair.addrs, strict=True):
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
             _ip("-n", ns, "link", "set", "lo", "up")

@@ -27,27 +27,9 @@ def test_resnet20_one_epoch_on_a_cifar10_directory(tmp_path, strategy):
     root = write_cifar10(tmp_path / "data", per_batch=40, test=40)
     out = tmp_path / strategy
     extra = ["--servers", "1", "--n-sync", "2", "--server-lr", "0.5"] if strategy == "asgd" else []
-    cli(
-        "train",
-        "--strategy",
-        strategy,
-        "--workers",
-        "2",
-        *extra,
-        "--dataset",
-        f"cifar10:{root.parent}",
-        "--model",
-        "resnet20",
-        "--epochs",
-        "1",
-        "--batch-size",
-        "20",
-        "--data-workers",
-        "1",
-        "--out",
-        str(out),
-        *QUIET,
-    )
+    args = f"--strategy {strategy} --workers 2 --model resnet20 --epochs 1 --batch-size 20"
+    data = ["--dataset", f"cifar10:{root.parent}", "--data-workers", "1"]
+    cli("train", *args.split(), *extra, *data, "--out", str(out), *QUIET)
     summary = read_summary(out)
     # 200 training images over 2 workers, batch 20: one epoch is 5 steps each.
     assert summary["steps_per_worker"] == 5 and summary["samples"] == 200
@@ -71,27 +53,9 @@ def test_imagefolder_with_the_convnet_and_tensorboard(tmp_path):
 
     root = write_imagefolder(tmp_path / "images", per_class=8, classes=3)
     out = tmp_path / "if"
-    cli(
-        "train",
-        "--strategy",
-        "sync",
-        "--workers",
-        "2",
-        "--dataset",
-        f"imagefolder:{root}",
-        "--model",
-        "convnet",
-        "--epochs",
-        "3",
-        "--batch-size",
-        "4",
-        "--tensorboard",
-        "--log-every-steps",
-        "1",
-        "--out",
-        str(out),
-        *QUIET,
-    )
+    args = "--strategy sync --workers 2 --model convnet --epochs 3 --batch-size 4 --tensorboard"
+    args += " --log-every-steps 1"
+    cli("train", *args.split(), "--dataset", f"imagefolder:{root}", "--out", str(out), *QUIET)
     summary = read_summary(out)
     # 3 classes x 8 images, one held out per class: 21 training images, 10 per worker.
     assert summary["steps_per_worker"] == 3 * (10 // 4)
@@ -105,34 +69,9 @@ def test_imagefolder_with_the_convnet_and_tensorboard(tmp_path):
 def test_npz_images_learn_with_asgd(tmp_path):
     path = write_npz(tmp_path / "d.npz", n=400, test=100)
     out = tmp_path / "npz"
-    cli(
-        "train",
-        "--strategy",
-        "asgd",
-        "--workers",
-        "2",
-        "--servers",
-        "1",
-        "--n-sync",
-        "2",
-        "--server-lr",
-        "0.5",
-        "--dataset",
-        f"npz:{path}",
-        "--model",
-        "mlp",
-        "--epochs",
-        "8",
-        "--batch-size",
-        "20",
-        "--lr",
-        "0.02",
-        "--data-workers",
-        "0",
-        "--out",
-        str(out),
-        *QUIET,
-    )
+    args = """--strategy asgd --workers 2 --servers 1 --n-sync 2 --server-lr 0.5 --model mlp
+    --epochs 8 --batch-size 20 --lr 0.02 --data-workers 0""".split()
+    cli("train", *args, "--dataset", f"npz:{path}", "--out", str(out), *QUIET)
     # The classes differ by colour and a bright quadrant: an MLP learns them well above chance.
     assert read_summary(out)["final_test_accuracy"] > 0.5
 

@@ -19,25 +19,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-COMMON = [
-    "--dataset",
-    "synthetic",
-    "--model",
-    "mlp",
-    "--batch-size",
-    "16",
-    "--lr",
-    "0.05",
-    "--momentum",
-    "0.9",
-    "--seed",
-    "3",
-    "--no-progress",
-    "--eval-every-s",
-    "1000",
-    "--device",
-    "cuda",
-]
+COMMON = """--dataset synthetic --model mlp --batch-size 16 --lr 0.05 --momentum 0.9 --seed 3
+--no-progress --eval-every-s 1000 --device cuda""".split()
 
 
 def reference(steps: int, workers: int, batch: int = 16, seed: int = 3) -> nn.Module:
@@ -68,22 +51,8 @@ def assert_matches_reference(out, ref: nn.Module) -> None:
 
 def test_asgd_cuda_replica_through_pinned_staging_equals_sgd(tmp_path):
     out = tmp_path / "asgd"
-    cli(
-        "train",
-        "--strategy",
-        "asgd",
-        "--workers",
-        "1",
-        "--servers",
-        "1",
-        "--n-sync",
-        "2",
-        "--steps",
-        "40",
-        "--out",
-        str(out),
-        *COMMON,
-    )
+    args = "--strategy asgd --workers 1 --servers 1 --n-sync 2 --steps 40".split()
+    cli("train", *args, "--out", str(out), *COMMON)
     assert_matches_reference(out, reference(40, workers=1))
     summary = read_summary(out)
     assert summary["device"].startswith("cuda")
@@ -97,9 +66,7 @@ def test_sync_two_workers_sharing_one_gpu_use_gloo_and_equal_sgd(tmp_path):
     if torch.cuda.device_count() > 1:
         pytest.skip("this checks the one-GPU fallback")
     out = tmp_path / "sync"
-    cli(
-        "train", "--strategy", "sync", "--workers", "2", "--steps", "30", "--out", str(out), *COMMON
-    )
+    cli("train", *"--strategy sync --workers 2 --steps 30".split(), "--out", str(out), *COMMON)
     summary = read_summary(out)
     assert summary["backend"] == "gloo" and summary["device"].startswith("cuda")
     assert_matches_reference(out, reference(30, workers=2))
@@ -109,41 +76,16 @@ def test_nccl_with_two_workers_on_one_gpu_is_refused_clearly(tmp_path):
     if torch.cuda.device_count() > 1:
         pytest.skip("this machine has a GPU per worker")
     out = tmp_path / "nccl"
-    proc = cli(
-        "train",
-        "--strategy",
-        "sync",
-        "--workers",
-        "2",
-        "--steps",
-        "5",
-        "--backend",
-        "nccl",
-        "--out",
-        str(out),
-        *COMMON,
-        check=False,
-    )
+    args = "--strategy sync --workers 2 --steps 5 --backend nccl".split()
+    proc = cli("train", *args, "--out", str(out), *COMMON, check=False)
     assert proc.returncode == 2 and not out.exists()
     assert "NCCL cannot run two ranks on one GPU" in proc.stderr
 
 
 def test_sync_one_worker_on_nccl(tmp_path):
     out = tmp_path / "nccl1"
-    cli(
-        "train",
-        "--strategy",
-        "sync",
-        "--workers",
-        "1",
-        "--steps",
-        "20",
-        "--backend",
-        "nccl",
-        "--out",
-        str(out),
-        *COMMON,
-    )
+    args = "--strategy sync --workers 1 --steps 20 --backend nccl".split()
+    cli("train", *args, "--out", str(out), *COMMON)
     assert read_summary(out)["backend"] == "nccl"
 
 
@@ -152,33 +94,9 @@ def test_resnet20_on_cifar_format_data_with_bf16_autocast(tmp_path, strategy):
     root = write_cifar10(tmp_path / "data", per_batch=64, test=64)
     out = tmp_path / strategy
     extra = ["--servers", "1", "--n-sync", "4", "--server-lr", "0.5"] if strategy == "asgd" else []
-    cli(
-        "train",
-        "--strategy",
-        strategy,
-        "--workers",
-        "2",
-        *extra,
-        "--dataset",
-        f"cifar10:{root}",
-        "--model",
-        "resnet20",
-        "--epochs",
-        "2",
-        "--batch-size",
-        "32",
-        "--lr",
-        "0.05",
-        "--autocast",
-        "bf16",
-        "--device",
-        "cuda",
-        "--no-progress",
-        "--eval-every-s",
-        "0.5",
-        "--out",
-        str(out),
-    )
+    args = f"""--strategy {strategy} --workers 2 --model resnet20 --epochs 2 --batch-size 32
+    --lr 0.05 --autocast bf16 --device cuda --no-progress --eval-every-s 0.5""".split()
+    cli("train", *args, *extra, "--dataset", f"cifar10:{root}", "--out", str(out))
     summary = read_summary(out)
     assert summary["device"].startswith("cuda")
     assert 0.0 <= summary["final_test_accuracy"] <= 1.0
@@ -192,24 +110,9 @@ def test_resnet20_on_cifar_format_data_with_bf16_autocast(tmp_path, strategy):
 def test_daso_on_cuda_replicas(tmp_path, nodes):
     # One GPU: the ranks share it, so the node and global groups run gloo on CUDA tensors.
     out = tmp_path / f"daso{nodes}"
-    cli(
-        "train",
-        "--strategy",
-        "daso",
-        "--workers",
-        "2",
-        "--nodes",
-        nodes,
-        "--epochs",
-        "4",
-        "--daso-warmup-epochs",
-        "1",
-        "--daso-cooldown-epochs",
-        "1",
-        "--out",
-        str(out),
-        *[a for a in COMMON if a not in ("--eval-every-s", "1000")],
-    )
+    args = f"--strategy daso --workers 2 --nodes {nodes} --epochs 4 --daso-warmup-epochs 1"
+    untimed = [a for a in COMMON if a not in ("--eval-every-s", "1000")]
+    cli("train", *args.split(), "--daso-cooldown-epochs", "1", "--out", str(out), *untimed)
     summary = read_summary(out)
     assert summary["device"].startswith("cuda") and summary["nodes"] == int(nodes)
     assert summary["final_test_accuracy"] > 0.5
