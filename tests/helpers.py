@@ -236,11 +236,7 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def cli(
-    *args: str,
-    timeout_s: float = 300,
-    check: bool = True,
-    env: dict[str, str] | None = None,
-    **kw,
+    *args: str, timeout_s: float = 300, check: bool = True, env: dict[str, str] | None = None, **kw
 ) -> subprocess.CompletedProcess:
     """Run ``python -m cloudburst ARGS`` (``env``: added variables): forked from this test
     process's zygote (tests/zygote.py: the CLI imported once), or a fresh process where the

@@ -457,11 +457,7 @@ class LocalSgdJob:
     """W strategies of ``cfg`` around the replicas of ``replicas``, driven step by step."""
 
     def __init__(
-        self,
-        cfg: RunConfig,
-        replicas: ref.Replicas,
-        monkeypatch: pytest.MonkeyPatch,
-        **ctx: Any,
+        self, cfg: RunConfig, replicas: ref.Replicas, monkeypatch: pytest.MonkeyPatch, **ctx: Any
     ):
         self.cfg, self.replicas = cfg, replicas
         self.group = _Workers(cfg.job.workers)

@@ -5,14 +5,7 @@ import sys
 
 import pytest
 
-from tests.helpers import (
-    REPO,
-    cli,
-    cli_env,
-    free_port,
-    rank_events,
-    read_summary,
-)
+from tests.helpers import REPO, cli, cli_env, free_port, rank_events, read_summary
 
 pytestmark = pytest.mark.e2e
 

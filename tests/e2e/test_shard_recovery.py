@@ -151,9 +151,7 @@ def test_a_worker_killed_while_it_pushes_is_lost_and_every_applied_push_is_count
     ]
 
 
-def test_a_shard_killed_again_after_its_last_restart_ends_the_job_with_the_resume_command(
-    tmp_path,
-):
+def test_a_shard_killed_again_after_its_last_restart_ends_the_job_with_the_resume_command(tmp_path):
     """--max-restarts 1: shard 1 is restarted once; killed again, it never comes back. The
     job ends (no hang) with ``failed`` naming the shard, its checkpoints kept, and the
     ``--resume`` command in the summary and on stderr."""

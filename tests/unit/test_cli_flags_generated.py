@@ -12,15 +12,7 @@ import re
 import pytest
 
 from cloudburst import cli
-from cloudburst.config import (
-    COMPONENTS,
-    FIELDS,
-    ConfigError,
-    RunConfig,
-    Section,
-    load_toml,
-    option,
-)
+from cloudburst.config import COMPONENTS, FIELDS, ConfigError, RunConfig, Section, load_toml, option
 
 
 def _config_flags() -> dict[str, dict]:

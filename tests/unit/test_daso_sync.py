@@ -35,9 +35,7 @@ def _theta(model: nn.Module) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- the wire
-def test_each_sync_is_sent_by_the_rotating_local_rank_over_its_global_group_in_its_dtype(
-    tmp_path,
-):
+def test_each_sync_is_sent_by_the_rotating_local_rank_over_its_global_group_in_its_dtype(tmp_path):
     """G = 3, P = 2, B = 1, S = 1, six steps and the finish: the k-th sync is sent by local
     rank k mod 3 of each node (0, 1, 2, 0, 1, 2, then the finish's blocking one by 0), over
     the group {g, g + 3}; the non-blocking ones in fp32 (daso_cycling_downcast none), the

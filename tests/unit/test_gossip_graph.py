@@ -8,13 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from cloudburst.comm.gossip import (
-    Mailbox,
-    Snapshot,
-    check_request,
-    decode_weight,
-    encode_weight,
-)
+from cloudburst.comm.gossip import Mailbox, Snapshot, check_request, decode_weight, encode_weight
 from cloudburst.comm.messages import Header, Kind
 from cloudburst.strategies.gossip import (
     PeerSchedule,

@@ -83,12 +83,7 @@ def test_gpt_runs_default_to_the_recipe_and_other_models_do_not():
         cfg.training.lr,
         cfg.training.lr_schedule,
         cfg.training.warmup_steps,
-    ) == (
-        "adamw",
-        4.2e-3,
-        "cosine",
-        30,
-    )
+    ) == ("adamw", 4.2e-3, "cosine", 30)
     assert (
         cfg.training.clip_grad_norm,
         cfg.training.weight_decay,
@@ -110,12 +105,7 @@ def test_gpt_runs_default_to_the_recipe_and_other_models_do_not():
         plain.training.lr,
         plain.training.clip_grad_norm,
         plain.training.batch_size,
-    ) == (
-        "sgd",
-        0.1,
-        0,
-        64,
-    )
+    ) == ("sgd", 0.1, 0, 64)
     assert plain.training.epochs == 64.0 and plain.metrics.eval_every_s == 1.0
     assert _cfg(optimizer="sgd", lr=0.5).training.lr == 0.5  # a given value wins
     assert RunConfig.from_dict(cfg.to_dict()) == cfg

@@ -172,10 +172,7 @@ STALENESS_3 = [(0, 0), (0, 0), (2, 2), (1, 3), (1, 0), (2, 2), (0, 4)]
 
 @pytest.mark.parametrize(
     "workers, servers, script, pushes",
-    [
-        (2, 1, SCRIPT_2, STALENESS_2),
-        (3, 2, SCRIPT_3, STALENESS_3),
-    ],
+    [(2, 1, SCRIPT_2, STALENESS_2), (3, 2, SCRIPT_3, STALENESS_3)],
 )
 @pytest.mark.parametrize("lam", ["1/W", 1.0])
 def test_asgd_scripted_pushes_match_the_parameter_server_reference(

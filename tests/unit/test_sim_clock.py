@@ -172,10 +172,7 @@ def test_step_time_resolution_order():
         pytest.approx(0.16),
         "flag",
     )
-    assert resolve_step_time(SimulationConfig(modelled_step_time_s=0.3), cfg, None) == (
-        0.3,
-        "flag",
-    )
+    assert resolve_step_time(SimulationConfig(modelled_step_time_s=0.3), cfg, None) == (0.3, "flag")
     slow = clock_run_config(min_step_time_s=0.05)
     assert resolve_step_time(SimulationConfig(), slow, _no_calibration) == (0.05, "min_step_time")
     assert resolve_step_time(SimulationConfig(), cfg, lambda cfg: 0.02) == (0.02, "calibrated")

@@ -23,11 +23,7 @@ from cloudburst.strategies.asgd.compensation import (
 )
 from cloudburst.strategies.asgd.rules import ASGD_RULES, ServerRule
 from cloudburst.strategies.asgd.settings import COMPENSATIONS, SERVER_RULES
-from cloudburst.strategies.asgd.shard import (
-    ShardState,
-    make_shard,
-    overlapped_push_fetch,
-)
+from cloudburst.strategies.asgd.shard import ShardState, make_shard, overlapped_push_fetch
 from cloudburst.strategies.asgd.summary import histogram_quantiles, merged_histogram
 from tests.helpers import shard_of
 from tests.reference import compensated_server, delayed_nesterov_server
@@ -201,11 +197,7 @@ def test_staleness_scaling_is_the_scale_compensation_and_contradictions_are_refu
         cfg.asgd.dc_lambda_value,
         cfg.asgd.delay_threshold_value(cfg),
         cfg.asgd.compensation_window_value(cfg),
-    ) == (
-        2.0,
-        3,
-        12,
-    )
+    ) == (2.0, 3, 12)
     assert (cfg := RunConfig(strategy="asgd", max_staleness=5)).asgd.compensation_window_value(
         cfg
     ) == 6
@@ -255,12 +247,7 @@ def test_the_shard_counts_the_staleness_and_scale_distributions_exactly():
 
 
 def test_merged_histogram_adds_the_shards_counts_under_the_key_in_value_order():
-    stats = [
-        {"h": {"1": 2, "3": 1}, "other": {"9": 9}},
-        {"h": {"1": 5, "0.5": 4}},
-        {},
-        {"h": None},
-    ]
+    stats = [{"h": {"1": 2, "3": 1}, "other": {"9": 9}}, {"h": {"1": 5, "0.5": 4}}, {}, {"h": None}]
     merged = merged_histogram(stats, "h")
     assert merged == {0.5: 4, 1.0: 7, 3.0: 1}
     assert list(merged) == [0.5, 1.0, 3.0]
