@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cloudburst.config import ConfigError, RunConfig, Straggler
 from cloudburst.config.simulation import SimulationConfig
@@ -88,22 +89,6 @@ def test_dylu_rule_scales_h_by_speed_over_the_fastest_rounding_half_up():
     assert dylu_inner_steps(2, 1.0, 10.0) == 1  # at least one inner step
 
 
-class _Store:
-    """The job store's check/get/set over a dict (values as the store returns them: bytes)."""
-
-    def __init__(self):
-        self.kv: dict[str, bytes] = {}
-
-    def set(self, key, value):
-        self.kv[key] = value.encode()
-
-    def check(self, keys):
-        return all(k in self.kv for k in keys)
-
-    def get(self, key):
-        return self.kv[key]
-
-
 def _reader(store, clock, me=0, workers=3, period=8, speed=2.0):
     """Worker ``me``'s DyLU state, enough for _next_inner_steps (its own speed ``speed``)."""
     ctx = FakeNamespace(
@@ -130,12 +115,12 @@ def test_fastest_fresh_leaves_out_a_speed_not_renewed_within_stale_rounds_of_its
 
 
 def test_a_dead_workers_published_speed_stops_shrinking_the_live_workers_h():
-    store, clock = _Store(), [0.0]
+    store, clock = dist.HashStore(), [0.0]
     me = _reader(store, clock)  # 2 steps/s
     store.set("async_diloco/speed/1", "8.0 1")  # a worker 4x faster, which then dies
     store.set("async_diloco/speed/2", "2.0 1")
     assert AsyncDilocoStrategy._next_inner_steps(me) == 2  # 8 · 2/8
-    assert store.kv["async_diloco/speed/0"] == b"2.0 1"  # published with its sequence number
+    assert store.get("async_diloco/speed/0") == b"2.0 1"  # published with its sequence number
     clock[0] = STALE_ROUNDS * 8 / 8.0  # worker 1 silent for 4 of its rounds: still counted
     store.set("async_diloco/speed/2", "2.0 2")
     assert AsyncDilocoStrategy._next_inner_steps(me) == 2

@@ -12,21 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from cloudburst.comm.device_emulation import FORWARD_SHARE, DeviceEmulator, padding_s
-
-
-class FakeClock:
-    """Time passes only when slept; every sleep is recorded with the clock before it."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-        self.sleeps: list[float] = []
-
-    def now(self) -> float:
-        return self.t
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.t += seconds
+from tests.support import FakeTime
 
 
 def mlp(widths: list[int]) -> nn.Sequential:
@@ -39,13 +25,13 @@ def mlp(widths: list[int]) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def step(model: nn.Module, emulator: DeviceEmulator, clock: FakeClock, compute_s: float) -> None:
+def step(model: nn.Module, emulator: DeviceEmulator, clock: FakeTime, compute_s: float) -> None:
     """One step whose real compute took ``compute_s``: forward, backward, then end_step with
     the step's busy time as the loop measures it (compute + the hooks' sleeps)."""
-    t0 = clock.now()
+    t0 = clock.perf_counter()
     emulator.begin_step()
     model(torch.randn(4, model[0].in_features)).square().mean().backward()
-    emulator.end_step(compute_s + clock.now() - t0)
+    emulator.end_step(compute_s + clock.perf_counter() - t0)
 
 
 def test_padding_is_max_of_compute_and_minimum_times_factor_less_compute() -> None:
@@ -56,8 +42,8 @@ def test_padding_is_max_of_compute_and_minimum_times_factor_less_compute() -> No
 
 
 def test_hooks_sleep_the_planned_padding_by_parameter_share_forward_one_third() -> None:
-    model, clock = mlp([8, 16, 4]), FakeClock()
-    emulator = DeviceEmulator(model, 0.9, 1.0, clock.sleep, clock.now)
+    model, clock = mlp([8, 16, 4]), FakeTime(0.0)
+    emulator = DeviceEmulator(model, 0.9, 1.0, clock.sleep, clock.perf_counter)
     plan = emulator.begin_step()  # no step seen yet: plan the whole minimum
     model(torch.randn(3, 8)).sum().backward()
     assert plan.slept_forward_s == pytest.approx(0.9 * FORWARD_SHARE)
@@ -73,8 +59,8 @@ def test_hooks_sleep_the_planned_padding_by_parameter_share_forward_one_third() 
 def test_every_step_totals_the_device_time_and_overshoot_is_repaid() -> None:
     """Over any number of steps the sleeps equal the sum of each step's padding, less the
     debt still open (at most the last step's overshoot), whatever the computes were."""
-    model, clock = mlp([6, 12, 12, 3]), FakeClock()
-    emulator = DeviceEmulator(model, 0.5, 1.5, clock.sleep, clock.now)
+    model, clock = mlp([6, 12, 12, 3]), FakeTime(0.0)
+    emulator = DeviceEmulator(model, 0.5, 1.5, clock.sleep, clock.perf_counter)
     rng = random.Random(0)
     owed = 0.0
     for _ in range(40):
@@ -97,8 +83,8 @@ def test_every_step_totals_the_device_time_and_overshoot_is_repaid() -> None:
 
 
 def test_a_step_slower_than_predicted_is_padded_at_its_end() -> None:
-    model, clock = mlp([4, 4, 2]), FakeClock()
-    emulator = DeviceEmulator(model, 0.0, 2.0, clock.sleep, clock.now)  # a 2x straggler
+    model, clock = mlp([4, 4, 2]), FakeTime(0.0)
+    emulator = DeviceEmulator(model, 0.0, 2.0, clock.sleep, clock.perf_counter)  # a 2x straggler
     step(model, emulator, clock, 0.2)  # nothing predicted yet: all 0.2 s at the end
     assert emulator.last.slept_s == 0.0 and emulator.last_remainder_s == pytest.approx(0.2)
     step(model, emulator, clock, 0.3)  # 0.2 s in the hooks, 0.1 s more at the end
@@ -107,8 +93,8 @@ def test_a_step_slower_than_predicted_is_padded_at_its_end() -> None:
 
 
 def test_no_sleep_outside_a_step_nor_beyond_a_phase_budget() -> None:
-    model, clock = mlp([4, 4, 2]), FakeClock()
-    emulator = DeviceEmulator(model, 1.0, 1.0, clock.sleep, clock.now)
+    model, clock = mlp([4, 4, 2]), FakeTime(0.0)
+    emulator = DeviceEmulator(model, 1.0, 1.0, clock.sleep, clock.perf_counter)
     with torch.no_grad():
         model(torch.randn(2, 4))  # an evaluation: not a training step
     model(torch.randn(2, 4)).sum().backward()
@@ -137,8 +123,8 @@ def test_ddp_buckets_start_while_earlier_layers_backward_is_still_emulated(gloo_
     """DDP's comm hook runs for the bucket of the last layers after only their backward
     shares were slept, and for each earlier bucket later: the all-reduces overlap with the
     emulated backward of the layers before them (as on a device)."""
-    model, clock = mlp([64, 1024, 1024, 256, 8]), FakeClock()
-    emulator = DeviceEmulator(model, 1.0, 1.0, clock.sleep, clock.now)
+    model, clock = mlp([64, 1024, 1024, 256, 8]), FakeTime(0.0)
+    emulator = DeviceEmulator(model, 1.0, 1.0, clock.sleep, clock.perf_counter)
     ddp = DistributedDataParallel(model, process_group=gloo_group, bucket_cap_mb=1)
     backward_done_at_launch: list[int] = []
 
@@ -153,10 +139,10 @@ def test_ddp_buckets_start_while_earlier_layers_backward_is_still_emulated(gloo_
     layers = 4
     for iteration in range(3):
         backward_done_at_launch.clear()
-        t0 = clock.now()
+        t0 = clock.perf_counter()
         emulator.begin_step()
         ddp(torch.randn(4, 64)).square().mean().backward()
-        emulator.end_step(clock.now() - t0)  # no compute on the fake clock: all padding
+        emulator.end_step(clock.perf_counter() - t0)  # no compute on the fake clock: all padding
         if iteration == 0:
             continue  # DDP's first iteration has one bucket; it rebuilds them after it
         # Several buckets (DDP's own sizes: the last two layers, then one layer each).

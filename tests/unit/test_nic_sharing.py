@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cloudburst.comm import costs, link
 from cloudburst.comm import nic as nic_module
@@ -214,17 +215,11 @@ def test_the_shared_clock_is_machine_wide():
 
 
 # ---------------------------------------------------------------------------- the runtime
-class _Store:
-    """The job store's compare_set: the first value set under a key stays."""
-
-    def __init__(self, fail: bool = False):
-        self.values: dict[str, bytes] = {}
-        self.fail = fail
+class _Unreachable:
+    """A job store that cannot be reached."""
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        if self.fail:
-            raise RuntimeError("store unreachable")
-        return self.values.setdefault(key, desired.encode())
+        raise RuntimeError("store unreachable")
 
 
 def test_the_ranks_of_a_job_open_one_record_named_through_the_store(tmp_path, monkeypatch):
@@ -233,7 +228,7 @@ def test_the_ranks_of_a_job_open_one_record_named_through_the_store(tmp_path, mo
 
     monkeypatch.setattr(runtime, "nic_dir", lambda: str(tmp_path))
     cfg = RunConfig(workers=4, nodes=2, inter_node_link="1,1")
-    store, topo = _Store(), Topology.contiguous(4, 2)
+    store, topo = dist.HashStore(), Topology.contiguous(4, 2)
     fields = [runtime._real_rank(cfg, r, store, None, "gloo", topo, share_nic=True) for r in (0, 2)]
     a, b = (f["link"] for f in fields)
     assert a.shared and b.shared and a.nic.path == b.nic.path
@@ -242,7 +237,7 @@ def test_the_ranks_of_a_job_open_one_record_named_through_the_store(tmp_path, mo
     assert b.book_collective(0.5, ("g", (0, 2)), start=1.2) == 1.7  # the same op, once
     assert resolve_end(pending) == 1.7
     # Another job (another store) gets a record of its own.
-    other = runtime._real_rank(cfg, 0, _Store(), None, "gloo", topo, share_nic=True)["link"]
+    other = runtime._real_rank(cfg, 0, dist.HashStore(), None, "gloo", topo, share_nic=True)["link"]
     assert other.nic.path != a.nic.path
     # One node, no link, or a rank outside the job's start (rejoined): nothing shared.
     assert runtime.shared_nic(RunConfig(workers=4), store, Topology.contiguous(4, 1)) is None
@@ -264,7 +259,7 @@ def test_a_rank_that_cannot_open_the_record_keeps_its_own_link_with_one_warning(
     monkeypatch.setattr(runtime, "nic_dir", lambda: str(tmp_path / "missing"))
     cfg = RunConfig(workers=4, nodes=2, inter_node_link="1,1")
     topo = Topology.contiguous(4, 2)
-    for store in (_Store(), _Store(fail=True)):
+    for store in (dist.HashStore(), _Unreachable()):
         caplog.clear()
         emu = runtime._real_rank(cfg, 0, store, None, "gloo", topo, share_nic=True)["link"]
         assert emu.active and not emu.shared

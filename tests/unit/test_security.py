@@ -185,41 +185,32 @@ def test_an_unknown_config_key_suggests_the_near_one():
 
 
 # ------------------------------------------------------------------- rejoin board
-class CountingStore:
-    """dist.HashStore with a count of the reads a board makes."""
+class WaitRecordingStore(dist.HashStore):
+    """dist.HashStore that records the first key of each wait."""
 
     def __init__(self):
-        self.store = dist.HashStore()
-        self.gets = 0
-
-    def add(self, key, value):
-        return self.store.add(key, value)
-
-    def set(self, key, value):
-        self.store.set(key, value)
+        super().__init__()
+        self.waits: list[str] = []
 
     def wait(self, keys, timeout):
-        self.store.wait(keys, timeout)
-
-    def get(self, key):
-        self.gets += 1
-        return self.store.get(key)
+        self.waits.append(keys[0])
+        super().wait(keys, timeout)
 
 
 def test_an_inflated_rejoin_counter_is_read_a_bounded_number_of_times():
-    store = CountingStore()
+    store = WaitRecordingStore()
     board = RejoinBoard(store, timeout_s=0.001, secret=b"s" * 32)
     store.add(RejoinBoard.COUNT, (1 << 39) - 1)  # far beyond any real number of restarts
     RejoinBoard(store, timeout_s=0.001, secret=b"s" * 32).announce(rank=3, incarnation=1)
-    waits = []
-    store.wait = lambda keys, timeout: (waits.append(keys[0]), store.store.wait(keys, timeout))
+    waits = store.waits
+    waits.clear()
     assert board.poll() == []  # the real announcement lies beyond the bound
     assert len(waits) == RejoinBoard.MAX_PER_READ == 1024
     assert waits[0] == "rejoin/1" and waits[-1] == "rejoin/1024"
 
 
 def test_malformed_rejoin_announcements_are_ignored():
-    store = CountingStore()
+    store = dist.HashStore()
     board = RejoinBoard(store, timeout_s=0.05, secret=b"s" * 32)
     bad = [
         b"[1, 2]",
