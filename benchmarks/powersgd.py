@@ -35,7 +35,7 @@ import daso  # noqa: E402
 import experiments  # noqa: E402
 import harness  # noqa: E402
 import peers  # noqa: E402
-from harness import Arm, pct  # noqa: E402
+from harness import Arm  # noqa: E402
 from slow_link import HEADERS, table_row  # noqa: E402
 
 RANKS, STARTS = (2, 4), (50, 150)
