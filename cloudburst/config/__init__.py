@@ -396,10 +396,7 @@ def _section_field(part: type, key: str) -> str:
         if name in own_aliases:
             return own_aliases[name]
     name = field_aliases().get(key, key)
-    # its concern, by its flat name or by its name inside the section (``global_skip``)
-    names = {other: _field_names(other) | {f.name for f in dataclasses.fields(other)}
-             for other in COMPONENTS}  # fmt: skip
-    homes = [other.section for other in COMPONENTS if name in names[other]]
+    homes = [other.section for other in COMPONENTS if name in _field_names(other)]
     if homes:
         raise ConfigError(
             f"config: {key!r} is not a [{part.section}] setting; it belongs in [{homes[0]}] "
