@@ -547,6 +547,12 @@ def times_to(runs: Sequence[Run], target: float, k: int = K_CONSECUTIVE) -> list
     return [None if r.failed else time_to_target(r.evals, target, k) for r in runs]
 
 
+def mean_log_time(runs: Sequence[Run], target: float, budget: float) -> float:
+    """The mean log time to ``target`` (:func:`times_to`) of ``runs``, a run that never holds it
+    counted at ``budget``: the tuning phases' score (the log of a geometric-mean time)."""
+    return statistics.mean(math.log(t or budget) for t in times_to(runs, target))
+
+
 def budget_of(runs: Sequence[Run]) -> float:
     """The censoring budget: the longest training time any of ``runs`` recorded."""
     longest = max((r.evals[-1][0] for r in runs if r.evals), default=0.0)

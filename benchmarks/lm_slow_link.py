@@ -118,9 +118,7 @@ def main() -> None:
     )
     runs += tuned
     tg = harness.by_arm(tuned)
-    score = {a.name: statistics.mean(math.log(t or budget) for t in
-                                     harness.times_to(tg[a.name], -target))
-             for a in relaxed}  # fmt: skip
+    score = {a.name: harness.mean_log_time(tg[a.name], -target, budget) for a in relaxed}
     chosen = {fam: min((a for a in relaxed if a.name in names), key=lambda a: score[a.name])
               for fam, names in families.items()}  # fmt: skip
     rep.section("2. Every relaxed arm within T (seeds 0–2)").table(

@@ -25,7 +25,6 @@ suggests about a tenth of the training).
 
 from __future__ import annotations
 
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -68,8 +67,7 @@ def main() -> None:
     tuned = harness.interleave(grid, tune, run=lambda a, s: run(a, s, "tune"), prov=prov,
                                phase="tune")  # fmt: skip
     tg, budget = harness.by_arm(tuned), harness.budget_of(tuned)
-    score = {a.name: (-statistics.mean(math.log(t or budget) for t in
-                                       harness.times_to(tg[a.name], target)),
+    score = {a.name: (-harness.mean_log_time(tg[a.name], target, budget),
                       statistics.mean(r.final_accuracy or 0.0 for r in tg[a.name]))
              for a in grid}  # fmt: skip
     best = max(grid, key=lambda a: score[a.name])

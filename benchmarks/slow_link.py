@@ -33,7 +33,6 @@ padded to ≥ 50 ms by sleeping inside the forward and backward passes (4 CPU-bo
 
 from __future__ import annotations
 
-import math
 import statistics
 import sys
 from collections.abc import Callable
@@ -113,8 +112,7 @@ def main() -> None:
     runs += tuned
     tg = harness.by_arm(tuned)
     # the claim's own quantity: mean log time to A* (a censored run at T), accuracy at T on ties
-    score = {a.name: (-statistics.mean(math.log(t or budget) for t in
-                                       harness.times_to(tg[a.name], target)),
+    score = {a.name: (-harness.mean_log_time(tg[a.name], target, budget),
                       statistics.mean(r.final_accuracy or 0.0 for r in tg[a.name]))
              for a in relaxed}  # fmt: skip
     best_daso = max((a for a in relaxed if a.name in DASO), key=lambda a: score[a.name])

@@ -135,12 +135,9 @@ def test_help_lists_one_flag_per_config_field_and_the_cli_s_own(command, capsys)
 
 def test_help_shows_every_default(capsys):
     """Each flag that takes a value says its default (switches are off unless given)."""
-    for part in COMPONENTS:
-        for f in dataclasses.fields(part):
-            if f.metadata["cli"]:
-                flag, options = cli.flag_spec(f, part.flat(f.name))
-                switch = options.get("action") in ("store_true", "store_false")
-                assert switch or "(default: " in options["help"], flag
+    for flag, options in _config_flags().items():
+        switch = options.get("action") in ("store_true", "store_false")
+        assert switch or "(default: " in options["help"], flag
     text = " ".join(_help("train", capsys).split())
     assert "--daso-global-skip DASO_GLOBAL_SKIP B at the start of cycling" in text
     assert "(default: 10_000_000)" in text and "(default: 1/W, which averages" in text
