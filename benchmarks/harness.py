@@ -124,6 +124,31 @@ def _cpu_model() -> str:
     return model or platform.processor() or "unknown"
 
 
+NUMERIC_PACKAGES = ("numpy", "scipy", "mnist1d")
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+
+
+def numerics() -> str:
+    """What beside the code sets a simulation's floating-point results: the versions of the
+    packages that make the data and the maths, and the CPU's vector extensions (torch picks its
+    kernels by them). A stored run re-simulates bit for bit only where this line is the same."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "absent"
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    flags = next((x.split(":", 1)[1].split() for x in lines if x.startswith("flags")), [])
+    simd = [f for f in SIMD_FLAGS if f in flags] or ["unknown"]
+    return ", ".join(f"{n} {ver(n)}" for n in NUMERIC_PACKAGES) + "; CPU " + " ".join(simd)
+
+
 @dataclass
 class Provenance:
     """Where and how a result was made: command, commit, machine, load. See :meth:`capture`."""
@@ -152,6 +177,7 @@ class Provenance:
     verified: list[tuple[str, int, bool]] = field(default_factory=list)
     # --replay: the real runs made at this commit because the replayed result had none of them
     new_runs: int = 0
+    numerics: str | None = None  # :func:`numerics`; None in results made before it was recorded
     args: Any = field(default=None, repr=False)
 
     @classmethod
@@ -180,7 +206,7 @@ class Provenance:
                    dirty, force, quick, datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
                    platform.python_version(), torch.__version__, _cpu_model(),
                    os.cpu_count() or 1, gpu, socket.gethostname(), platform.platform(),
-                   round(busy, 3), load1(), args=args)  # fmt: skip
+                   round(busy, 3), load1(), numerics=numerics(), args=args)  # fmt: skip
 
     def replayed_runs(self) -> list[Run] | None:
         """With ``--replay RESULT.json``: that result's stored runs (its commit recorded in
@@ -195,6 +221,9 @@ class Provenance:
             f"{old.get('commit', '?')}` (started {old.get('started_utc')} UTC, "
             f"load {old.get('load_before')} before, {old.get('load_after')} "
             "after: the load lines below are the replay's)")  # fmt: skip
+        if not old.get("replayed_from"):  # a replay of a replay already says its maker's
+            self.replayed_from += (f"; its numerics: {old['numerics']}" if old.get("numerics")
+                                   else "; its numerics not recorded")  # fmt: skip
         if old.get("new_runs"):  # that result added runs of its own to those it replayed
             self.replayed_from += f" and `{old.get('commit')}` ({old['new_runs']} runs it added)"
         return [Run(**r) for r in data.get("runs", [])]
@@ -925,7 +954,8 @@ class Report:
             *replayed,
             f"- machine: {p.cpu}, {p.nproc} cores, GPU {p.gpu or 'none'}, host `{p.host}`, "
             f"`{p.platform}`",
-            f"- python {p.python}, torch {p.torch}",
+            f"- python {p.python}, torch {p.torch}"
+            + (f"; {p.numerics}" if p.numerics else " (numerics not recorded)"),
             f"- load (1-min average): {p.load_before:.2f} before, "
             f"{fmt(p.load_after)} after; after each run: {loads}; other processes' CPU share "
             f"at the start {100 * p.busy_fraction_before:.0f} %",

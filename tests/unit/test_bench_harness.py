@@ -170,6 +170,21 @@ def provenance(tmp_path, monkeypatch) -> harness.Provenance:
     )  # fmt: skip
 
 
+def test_a_result_records_the_numerics_a_bit_for_bit_replay_depends_on(monkeypatch):
+    from importlib.metadata import version
+
+    line = harness.numerics()
+    assert line.startswith(f"numpy {version('numpy')}, scipy {version('scipy')}, mnist1d ")
+    assert "; CPU " in line
+    monkeypatch.setattr(harness, "numerics", lambda: "numpy 9; CPU avx2")
+    monkeypatch.setattr(harness, "cpu_busy_fraction", lambda: 0.0)
+    monkeypatch.setattr(harness, "git_commit", lambda: ("abc1234", []))
+    prov = harness.Provenance.capture(SimpleNamespace(quick=True))
+    assert prov.numerics == "numpy 9; CPU avx2" and prov.to_dict()["numerics"] == prov.numerics
+    assert "torch 2.13.0" in "\n".join(harness.Report("d", "D", prov).header())
+    assert "; numpy 9; CPU avx2" in "\n".join(harness.Report("d", "D", prov).header())
+
+
 def test_report_writes_claims_with_the_aa_ratio_and_censoring(tmp_path, monkeypatch):
     prov = provenance(tmp_path, monkeypatch)
     report = harness.Report("demo", "A demo", prov)
@@ -525,6 +540,7 @@ def test_replay_reports_on_a_results_stored_runs_and_says_whose_they_are(tmp_pat
     assert runs[0].evals == [[1.0, 8, 0.5]]  # as JSON stored them
     header = "\n".join(harness.Report("demo", "A demo", prov).header())
     assert "**runs replayed** from the result of `0ld0ld0` (started None UTC, load 0.3" in header
+    assert "; its numerics not recorded" in header  # made before results recorded them
     # a replay of that replay still names the result that made the runs
     again = tmp_path / "again.json"
     again.write_text(json.dumps({"provenance": {"commit": "n3wn3w0", **prov.to_dict()},
