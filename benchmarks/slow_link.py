@@ -29,6 +29,7 @@ padded to ≥ 50 ms by sleeping inside the forward and backward passes (4 CPU-bo
    reaches A* in ≤ 0.66× sync's time (its paper's claim), the best of the others in ≤ 0.7×;
    (named here) at T each ends ≥ sync − 0.5 points. Ratios and differences are judged against
    both sync copies; a run that never holds A* for 3 evaluations is censored at the budget.
+   The time claims are judged again at A* − 1 and A* − 2 points (each verdict stands alone).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ OTHERS = {  # name: (flags, lr)
 }
 TUNE, CONFIRM = (0, 1, 2), (3, 4, 5, 6, 7, 8, 9, 10)
 BAND, DASO_TARGET, OTHER_TARGET, ACC_POINTS = 0.005, 0.66, 0.7, 0.5
+LOWER = (0.01, 0.02)  # the time claims again at A* − 1 and − 2 points (issue 40: three levels)
 
 
 def main() -> None:
@@ -142,6 +144,17 @@ def main() -> None:
                            "1 Gbit/s", finals[arm.name], finals["sync"], f"≥ {-ACC_POINTS:g}",
                            lambda d, lo, hi: lo >= -ACC_POINTS, aa_copy=finals[copy],
                            seeds=len(confirm))  # fmt: skip
+    # The same ratios at two lower levels (a rule named before any run; added to the report
+    # after the 85d1cea runs, by --replay, when A* turned out to sit at sync's plateau there):
+    # a level sync holds on most seeds makes its ratio a measurement rather than a bound.
+    for arm, goal in ((best_daso, DASO_TARGET), (best_other, OTHER_TARGET)):
+        for drop in LOWER:
+            level = target - drop
+            harness.ratio_claim(rep, f"time to A* − {100 * drop:g} = {pct(level)}, {arm.name} "
+                                "÷ sync, 2 × 2, 1 Gbit/s", harness.times_to(cg[arm.name], level),
+                                harness.times_to(cg["sync"], level),
+                                harness.times_to(cg[copy], level), f"≤ {goal:g}",
+                                lambda x, t=goal: x <= t, bound)  # fmt: skip
     names = ["sync", copy, best_daso.name, best_other.name]
     rep.section(f"3. Confirmation (seeds {confirm[0]}–{confirm[-1]})").table(
         HEADERS, [table_row(n, cg[n], target, bound) for n in names]

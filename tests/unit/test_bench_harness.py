@@ -185,6 +185,18 @@ def test_a_result_records_the_numerics_a_bit_for_bit_replay_depends_on(monkeypat
     assert "; numpy 9; CPU avx2" in "\n".join(harness.Report("d", "D", prov).header())
 
 
+def test_a_busy_machine_refuses_a_measurement_but_not_a_replay_that_measures_nothing(
+    monkeypatch,
+):
+    monkeypatch.setattr(harness, "cpu_busy_fraction", lambda: 0.9)
+    monkeypatch.setattr(harness, "git_commit", lambda: ("abc1234", []))
+    for replay, verify in ((None, 0), ("r.json", 1)):  # runs made or re-simulated here
+        with pytest.raises(SystemExit, match="the machine is busy"):
+            harness.Provenance.capture(SimpleNamespace(replay=replay, verify=verify))
+    prov = harness.Provenance.capture(SimpleNamespace(replay="r.json", verify=0))
+    assert not prov.forced and prov.busy_fraction_before == 0.9  # recorded all the same
+
+
 def test_report_writes_claims_with_the_aa_ratio_and_censoring(tmp_path, monkeypatch):
     prov = provenance(tmp_path, monkeypatch)
     report = harness.Report("demo", "A demo", prov)
