@@ -42,15 +42,22 @@ def test_a_restarted_job_counts_the_training_time_of_its_first_attempt(tmp_path)
         "--model", "mlp", "--no-progress", "--eval-every-s", "60", "--steps", str(STEPS),
         "--min-step-time-s", "0.02", "--checkpoint-every", "20", "--max-restarts", "1",
         "--inject-fault", "kill:1@41", "--max-train-time-s", str(budget_s), "--out", str(out),
+        "--log-every-steps", "1",
     )  # fmt: skip
     summary = read_summary(out)
-    assert summary["stopped_by"] == "time_budget"
+    assert summary["stopped_by"] == "time_budget" and summary["train_time_s"] >= budget_s
     (resume,) = rank_events(out, 0, "resume")
     assert resume["step"] == 40
-    steps = rank_events(out, 0, "step")
+    steps = rank_events(out, 0, "step")  # both attempts' records, every step
+    assert steps[-1]["step"] == summary["steps_done"]["0"] == summary["steps_done"]["1"]
     resumed_at_s = next(r["time_s"] for r in steps if r["step"] == 40)
-    last = steps[-1]
-    assert last["step"] == summary["steps_done"]["0"] == summary["steps_done"]["1"]
-    # A fresh budget would end at or after resumed_at_s + budget_s; the agreed step may come
-    # late on a loaded machine (4.02 s once, with resumed_at_s = 1.18): only the first is a bug.
-    assert budget_s <= summary["train_time_s"] < budget_s + resumed_at_s
+    # The second attempt's clock continues from its checkpoint's (not from 0) ...
+    after = [r for r in steps if r["step"] > 40]
+    retried = [r for r in after if r["step"] == 41][-1]  # the step the kill cut, made again
+    assert retried["time_s"] >= resumed_at_s
+    # ... and it stops at the first check past the budget on that clock: a handful of steps,
+    # where a fresh budget would train ~resumed_at_s / 20 ms (> 30) steps more. A count, not a
+    # wall-clock bound: the check spacing halves what is left, so only steps slowing more
+    # than twofold near the end could add steps here.
+    past = [r["step"] for r in after if r["time_s"] >= budget_s]
+    assert 1 <= len(past) <= 10, past
