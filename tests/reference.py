@@ -579,19 +579,8 @@ def quantised_all_reduce(
     one block more); owner j sums the dequantised run j of ranks 0..W−1 in fp32, in that order,
     adds its residual, quantises, and every rank takes the owners' dequantised runs. Returns
     (the result every rank holds, the new sender residuals, the new owner residuals)."""
-    top = 127.0 if method == "int8" else 448.0
     size, n = len(vectors), vectors[0].numel()
     pad = (-n) % block
-
-    def rounded(x: torch.Tensor) -> torch.Tensor:  # C⁻¹(C(x)), x a multiple of `block` long
-        rows = x.view(-1, block)
-        peak = rows.abs().amax(dim=1)
-        scale = torch.where(peak > 0, peak / top, torch.ones_like(peak))[:, None]
-        if method == "int8":
-            codes = (rows / scale).round().clamp(-top, top).to(torch.int8)
-        else:
-            codes = (rows / scale).clamp(-top, top).to(torch.float8_e4m3fn)
-        return (codes.float() * scale).reshape(-1)
 
     blocks = (n + pad) // block
     runs = [blocks // size + (1 if j < blocks % size else 0) for j in range(size)]
@@ -600,7 +589,7 @@ def quantised_all_reduce(
         x = torch.cat([x.reshape(-1).float(), x.new_zeros(pad)])
         if e is not None:
             x = x + torch.cat([e.reshape(-1), e.new_zeros(pad)])
-        c = rounded(x)
+        c = quantise_round_trip(x, method, block)
         sent.append(c.split([r * block for r in runs]))
         new_sent.append((x - c)[:n])
     result, new_owner = [], []
@@ -610,7 +599,7 @@ def quantised_all_reduce(
             total += sent[i][j]
         if owner_residuals[j] is not None:
             total = total + owner_residuals[j]
-        c = rounded(total)
+        c = quantise_round_trip(total, method, block)
         result.append(c)
         new_owner.append(total - c)
     return torch.cat(result)[:n], new_sent, new_owner
