@@ -53,22 +53,6 @@ def _assert_runs_equal(got: list[list[torch.Tensor]], expected: list[list[torch.
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-def _averaged_at(replicas: ref.Replicas, steps: int, sync_steps: set[int]):
-    """Local SGD by hand: every worker steps; after each step in ``sync_steps`` every replica
-    becomes the mean of all of them. θ of each worker after each step."""
-    history: list[list[torch.Tensor]] = [[] for _ in replicas.models]
-    for step in range(1, steps + 1):
-        for w in range(len(replicas.models)):
-            replicas.step(w, step)
-        if step in sync_steps:
-            mean = ref.mean([ref.flat(m) for m in replicas.models])
-            for m in replicas.models:
-                ref.set_flat(m, mean)
-        for w, m in enumerate(replicas.models):
-            history[w].append(ref.flat(m))
-    return history
-
-
 def _reference_args(workers: int):
     replicas = ref.Replicas(workers, ref.sgd())
     return replicas.models, replicas.step
@@ -111,7 +95,8 @@ def test_local_sgd_finish_does_not_average_again_after_a_full_period(monkeypatch
 
 
 def test_post_local_sgd_averages_every_step_of_its_warm_up(monkeypatch):
-    expected = _averaged_at(ref.Replicas(2, ref.sgd()), steps=8, sync_steps={1, 2, 3, 6, 8})
+    # averages after steps 1, 2, 3 (the warm-up), 6 and, in finish, 8
+    expected = ref.local_sgd(*_reference_args(2), steps=8, period=3, warmup_steps=3)
     job = _job(monkeypatch, "local_sgd", 2, period=3, local_sgd_warmup_steps=3)
     _follows(job, 8, expected)  # step 8: not due, so finish averages
     assert [s.averages for s in job.strategies] == [5, 5]
