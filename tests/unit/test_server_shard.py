@@ -15,6 +15,7 @@ from cloudburst.strategies.asgd.shard import (
     overlapped_push_fetch,
 )
 from cloudburst.strategies.asgd.summary import mean_staleness
+from tests.helpers import shard_of
 from tests.support import survivor_cfg
 
 # (worker, action) — a scripted interleaving of three workers against one shard.
@@ -69,8 +70,9 @@ def test_staleness_scaling_divides_by_staleness():
     assert shard.theta.item() == pytest.approx(0.5 * (4 + 0.25))
 
 
-def test_non_finite_push_is_rejected_and_counted():
-    shard = ShardState(torch.zeros(2))
+@pytest.mark.parametrize("rule", ["add", "elastic"])
+def test_non_finite_push_is_rejected_and_counted(rule):
+    shard = shard_of(torch.zeros(2), rule=rule)
     r = shard.apply_push(torch.tensor([1.0, float("nan")]), 0)
     assert r.status == Status.REJECTED and shard.rejected_nonfinite == 1
     assert shard.version == 0 and torch.equal(shard.theta, torch.zeros(2))
