@@ -752,6 +752,11 @@ def fresh_model(model: str = "cnn", seed: int = SEED) -> nn.Module:
     raise ValueError(f"no reference definition of model {model!r}")
 
 
+def parity_numel(model: str = "cnn") -> int:
+    """The number of parameters of :func:`fresh_model` ``model``."""
+    return sum(p.numel() for p in fresh_model(model).parameters())
+
+
 class Batches:
     """One worker's endless mini-batches: each epoch a permutation of the shard drawn from a
     generator seeded with ``seed·1_000_003 + epoch``; ``batch`` rows each, the rest of an

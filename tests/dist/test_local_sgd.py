@@ -8,7 +8,7 @@ from tests.reference import (
     assert_params_differ,
     assert_same_params,
     parity_diloco,
-    fresh_model,
+    parity_numel,
     parity_local_sgd,
     streaming_diloco,
     trained,
@@ -18,10 +18,6 @@ from tests.helpers import cli, final_record, read_summary, simulated
 pytestmark = pytest.mark.dist
 
 LINK = "1,0.5"  # 1 Gbit/s, 0.5 ms
-
-
-def _numel() -> int:
-    return sum(p.numel() for p in fresh_model().parameters())
 
 
 def test_post_local_sgd_warmup_then_local_steps_over_an_emulated_link(tmp_path):
@@ -45,7 +41,7 @@ def test_post_local_sgd_warmup_then_local_steps_over_an_emulated_link(tmp_path):
     synchronous, _ = parity_local_sgd(18, workers=2, period=1, nan=[(1, 12)])
     assert_params_differ(expected, synchronous)
 
-    numel, s = _numel(), read_summary(out)
+    numel, s = parity_numel(), read_summary(out)
     assert s["steps_skipped_nonfinite"] == 1 and s["nodes"] == 2
     # Each average is a ring all-reduce of θ in fp32 over 2 workers: each sends |θ|·4 bytes,
     # all of it across the node boundary.
@@ -83,7 +79,7 @@ def test_diloco_warm_start_then_outer_optimizer_without_nesterov(tmp_path):
     assert_params_differ(expected, parity_diloco(32, 2, nesterov=False, **settings)[0])
     s = read_summary(out)
     # One all-reduce of θ per average: 1/5 of sync's per-step gradient traffic after the warm-up.
-    assert s["sent_bytes"] == 2 * (4 + outer_steps) * _numel() * 4
+    assert s["sent_bytes"] == 2 * (4 + outer_steps) * parity_numel() * 4
     assert [final_record(out, r)["averages"] for r in (0, 1)] == [4 + outer_steps] * 2
 
 
@@ -107,7 +103,7 @@ def test_desloc_averages_adams_moments_on_their_own_schedules(tmp_path):
     assert_params_differ(expected, parity_diloco(24, 2, desloc=(0, 1), **settings)[0])
     assert_params_differ(expected, parity_diloco(24, 2, **settings)[0])
     # Every all-reduce (θ's, each moment's) is |θ| fp32 values from each of the 2 workers.
-    assert read_summary(out)["sent_bytes"] == 2 * (outer_steps + 3 + 6) * _numel() * 4
+    assert read_summary(out)["sent_bytes"] == 2 * (outer_steps + 3 + 6) * parity_numel() * 4
     assert [final_record(out, r)["moment_averages"] for r in (0, 1)] == [9, 9]
 
 
@@ -129,5 +125,5 @@ def test_streaming_diloco_two_fragments_one_step_delay(tmp_path):
     assert_same_params(trained(out), expected)
     assert_same_params(trained(sim), trained(out))  # the simulator == gloo
     s = read_summary(out)
-    assert s["sent_bytes"] == s["inter_node_bytes"] == 2 * 4 * (4 * _numel())
+    assert s["sent_bytes"] == s["inter_node_bytes"] == 2 * 4 * (4 * parity_numel())
     assert [final_record(out, r)["averages"] for r in (0, 1)] == [syncs] * 2

@@ -17,7 +17,7 @@ from tests.reference import (
     assert_params_differ,
     assert_same_params,
     parity_diloco,
-    fresh_model,
+    parity_numel,
     parity_local_sgd,
     trained,
 )
@@ -26,10 +26,6 @@ from cloudburst.records.resilience import worker_checkpoint_path
 from tests.helpers import cli, final_record, read_summary, simulated
 
 pytestmark = pytest.mark.dist
-
-
-def _numel() -> int:
-    return sum(p.numel() for p in fresh_model().parameters())
 
 
 @pytest.mark.parametrize("desloc", ["1", "0"])
@@ -68,7 +64,7 @@ def test_diloco_between_two_nodes_of_two_workers(tmp_path):
     # Per-rank replicas of the same 4 workers train another model.
     assert_params_differ(expected, parity_diloco(18, 4, **settings)[0])
 
-    s, numel = read_summary(out), _numel()
+    s, numel = read_summary(out), parity_numel()
     assert (s["replica"], s["replicas"], s["ranks_per_replica"]) == ("node", 2, 2)
     # Only the leaders cross the node boundary: what 2 replicas send (each leader |θ|·4 bytes
     # per outer step), not what 4 would.
@@ -93,7 +89,7 @@ def test_local_sgd_node_replicas_on_the_virtual_cluster(tmp_path):
     expected, averages = parity_local_sgd(11, 3, period=3, warmup_steps=2, ranks_per_replica=2)
     assert averages == 6
     assert_same_params(trained(sim), expected)
-    assert read_summary(sim)["inter_node_bytes"] == 3 * averages * int(4 / 3 * _numel() * 4)
+    assert read_summary(sim)["inter_node_bytes"] == 3 * averages * int(4 / 3 * parity_numel() * 4)
 
 
 def test_asgd_node_replicas_push_once_each_as_the_reference(tmp_path):

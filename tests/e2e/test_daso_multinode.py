@@ -27,8 +27,7 @@ import pytest
 import torch
 
 from cloudburst.models import MLP, build_model
-from cloudburst.records.checkpoint import load_checkpoint
-from tests.helpers import REPO, cli, cli_env, free_port, rank_events, read_summary
+from tests.helpers import REPO, cli, cli_env, free_port, rank_events, read_summary, saved_state
 
 pytestmark = pytest.mark.e2e
 
@@ -177,12 +176,8 @@ def _finals(out: Path, world: int) -> list[dict]:
     return finals
 
 
-def _saved_state(out: Path) -> dict[str, torch.Tensor]:
-    return load_checkpoint(out / "model.pt", "model")["state_dict"]
-
-
 def _numel(out: Path) -> int:
-    return sum(t.numel() for t in _saved_state(out).values())
+    return sum(t.numel() for t in saved_state(out).values())
 
 
 def _check_daso_accounting(out: Path, nodes: int = 2, per_node: int = 2) -> dict:
@@ -234,7 +229,7 @@ def _check_daso_accounting(out: Path, nodes: int = 2, per_node: int = 2) -> dict
         assert f["schedule"]["adaptive"] is False
         assert (f["final_B"], f["final_S"]) == (GLOBAL_SKIP, 1)
     # The last average is (the fp16 sum of the 2 nodes' θ) / 2: 2θ is an fp16 number.
-    theta2 = torch.cat([2 * v.reshape(-1) for v in _saved_state(out).values()])
+    theta2 = torch.cat([2 * v.reshape(-1) for v in saved_state(out).values()])
     assert torch.equal(theta2.half().float(), theta2)
     return s
 
@@ -246,7 +241,7 @@ def _check_same_params_everywhere(out: Path, params_dir: Path, world: int = 4) -
         torch.load(params_dir / f"params_rank{r}.pt", map_location="cpu", weights_only=True)
         for r in range(world)
     ]
-    saved = _saved_state(out)
+    saved = saved_state(out)
     in_dim, classes = saved["net.0.weight"].shape[1], saved["net.4.weight"].shape[0]
     seed = read_summary(out)["config"]["seed"]
     initial = build_model("mlp", (in_dim,), classes, seed).state_dict()
