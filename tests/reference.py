@@ -955,8 +955,9 @@ def fragment_ranges(model: nn.Module, fragments: int) -> list[tuple[int, int]]:
 
 
 def streaming_diloco(
+    replicas: Sequence[nn.Module],
+    local_step: LocalStep,
     steps: int,
-    workers: int,
     period: int,
     fragments: int,
     delay: int,
@@ -964,8 +965,7 @@ def streaming_diloco(
     outer_lr: float,
     outer_momentum: float,
     nesterov: bool,
-    model: str = "cnn",
-) -> tuple[nn.Module, int]:
+) -> tuple[list[list[torch.Tensor]], int]:
     """Streaming DiLoCo (Douillard et al. 2025): θ is cut into F fragments; fragment k is sent
     after the steps t with t mod H = ((k+1)·H // F) mod H (the sum of the replicas' fragment
     as it is then) and applied τ = ``delay`` steps later: the pseudo-gradient g = θ_g,k − sum/W
@@ -973,9 +973,9 @@ def streaming_diloco(
     else b; θ_g,k ← θ_g,k − lr·d), and every replica's fragment becomes
     α·(its fragment now) + (1 − α)·θ_g,k. At the end, fragments still in flight are applied,
     then every fragment not replaced by θ_g,k at the last step gets one more outer step with
-    no delay and no mixing. Returns (worker 0's replica, fragment syncs)."""
-    r = ParityReplicas(workers, model)
-    replicas = r.models
+    no delay and no mixing. Returns (θ of each worker after each step, the end replacing the
+    last entry; fragment syncs)."""
+    workers, history = len(replicas), [[] for _ in replicas]
     ranges = fragment_ranges(replicas[0], fragments)
     theta = [flat(replicas[0])[a:b].clone() for a, b in ranges]
     momentum: list[torch.Tensor | None] = [None] * fragments
@@ -1006,20 +1006,30 @@ def streaming_diloco(
 
     for step in range(1, steps + 1):
         for w in range(workers):
-            r.step(w, step)
+            local_step(w, step)
         for k in range(fragments):
             if step % period == offsets[k]:
                 start(k, step, delay)
         for k in sorted(in_flight):
             if in_flight[k][0] == step:
                 apply(k, step, alpha)
+        for w, m in enumerate(replicas):
+            history[w].append(flat(m))
     for k in sorted(in_flight):
         apply(k, steps, alpha)
     for k in range(fragments):
         if last_replaced[k] != steps:
             start(k, steps, 0)
             apply(k, steps, 0.0)
-    return replicas[0], syncs
+    for w, m in enumerate(replicas):
+        history[w][-1] = flat(m)
+    return history, syncs
+
+
+def parity_streaming_diloco(steps: int, workers: int, model: str = "cnn", **settings):
+    """:func:`streaming_diloco` of :class:`ParityReplicas`: (worker 0's replica, syncs)."""
+    r = ParityReplicas(workers, model)
+    return r.models[0], streaming_diloco(r.models, r.step, steps, **settings)[1]
 
 
 class AsgdWorker:

@@ -10,7 +10,7 @@ from tests.reference import (
     parity_diloco,
     parity_numel,
     parity_local_sgd,
-    streaming_diloco,
+    parity_streaming_diloco,
     trained,
 )
 from tests.helpers import cli, final_record, read_summary, simulated
@@ -120,7 +120,7 @@ def test_streaming_diloco_two_fragments_one_step_delay(tmp_path):
     cli("train", *args)
     sim = simulated(args)
     settings = dict(period=6, fragments=2, delay=1, alpha=0.5, outer_lr=0.7)
-    expected, syncs = streaming_diloco(20, 2, outer_momentum=0.9, nesterov=True, **settings)
+    expected, syncs = parity_streaming_diloco(20, 2, outer_momentum=0.9, nesterov=True, **settings)
     assert syncs == 8
     assert_same_params(trained(out), expected)
     assert_same_params(trained(sim), trained(out))  # the simulator == gloo

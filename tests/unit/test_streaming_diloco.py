@@ -26,7 +26,7 @@ from tests.reference import (
     assert_same_params,
     fragment_ranges,
     parity_diloco,
-    streaming_diloco,
+    parity_streaming_diloco,
     trained,
 )
 from tests.support import (
@@ -407,27 +407,15 @@ def test_the_state_of_every_fragment_round_trips_and_the_run_continues(monkeypat
 # ---------------------------------------------------------------------------- two workers
 def test_with_outer_lr_1_no_momentum_and_alpha_0_each_fragment_becomes_its_average(monkeypatch):
     # Streaming DiLoCo's outer step with lr 1 and no momentum is θ_global = the replicas'
-    # mean; α = 0 puts it in every replica: local SGD, one fragment at a time.
+    # mean; α = 0 puts it in every replica: local SGD, one fragment at a time (fragment 0
+    # after steps 2 and 6, fragment 1 after 4 and 8; both at the finish).
     kw = dict(period=4, fragments=2, diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
+    settings = dict(delay=0, alpha=0.0, outer_lr=1.0, outer_momentum=0.0, nesterov=True)
+    expected, _ = ref.streaming_diloco(*_reference_args(2), 9, 4, 2, **settings)
     job = _job(monkeypatch, "diloco", 2, **kw)
-    by_hand = ref.Replicas(2, ref.sgd())
-    due = {2: FRAGMENT_0, 6: FRAGMENT_0, 4: FRAGMENT_1, 8: FRAGMENT_1}
-    for step in range(1, 10):
-        got = job.run(1)
-        for w in range(2):
-            by_hand.step(w, step)
-        if step in due:
-            part = due[step]
-            mean = ref.mean([ref.flat(m) for m in by_hand.models])[part]
-            for m in by_hand.models:
-                vector = ref.flat(m)
-                vector[part] = mean
-                ref.set_flat(m, vector)
-        for w in range(2):
-            torch.testing.assert_close(got[w][-1], ref.flat(by_hand.models[w]), rtol=0, atol=1e-6)
+    got = _follows(job, 9, expected)
     assert not torch.equal(got[0][-1], got[1][-1])  # step 9 was local
-    final = job.finish()
-    assert torch.equal(final[0], final[1])
+    assert torch.equal(*(ref.flat(m) for m in job.replicas.models))
 
 
 # ---------------------------------------------------------------------------- whole runs
@@ -449,11 +437,11 @@ def test_streaming_diloco_on_the_simulator_matches_the_reference(tmp_path):
     kw = dict(period=6, fragments=2, fragment_delay=1, fragment_alpha=0.5)
     kw |= dict(diloco_outer_lr=0.7, diloco_outer_momentum=0.9, optimizer="sgd")
     summary = run_sim(sim_cfg(tmp_path, "diloco", 2, 20, nodes=2, **kw))
-    expected, syncs = streaming_diloco(20, 2, **settings)
+    expected, syncs = parity_streaming_diloco(20, 2, **settings)
     assert syncs == 6 + 2  # 3 per fragment in 20 steps, then both once more at the end
     assert_same_params(trained(tmp_path), expected)
     cnn_numel = sum(p.numel() for p in trained(tmp_path).parameters())
     # each fragment synced 4 times, an fp32 ring all-reduce of 2 ranks each: 4 θ per worker
     assert summary["sent_bytes"] == 2 * 4 * (4 * cnn_numel)
-    unmixed, _ = streaming_diloco(20, 2, **{**settings, "alpha": 0.0})
+    unmixed, _ = parity_streaming_diloco(20, 2, **{**settings, "alpha": 0.0})
     assert_params_differ(expected, unmixed)
