@@ -115,13 +115,17 @@ def load1() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def _cpu_model() -> str:
+def _cpuinfo(key: str) -> str | None:
+    """The first ``key`` line's value in /proc/cpuinfo (None where there is none)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        lines = []
-    model = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), None)
-    return model or platform.processor() or "unknown"
+        return None
+    return next((x.split(":", 1)[1].strip() for x in lines if x.startswith(key)), None)
+
+
+def _cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or "unknown"
 
 
 NUMERIC_PACKAGES = ("numpy", "scipy", "mnist1d")
@@ -140,11 +144,7 @@ def numerics() -> str:
         except PackageNotFoundError:
             return "absent"
 
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    flags = next((x.split(":", 1)[1].split() for x in lines if x.startswith("flags")), [])
+    flags = (_cpuinfo("flags") or "").split()
     simd = [f for f in SIMD_FLAGS if f in flags] or ["unknown"]
     return ", ".join(f"{n} {ver(n)}" for n in NUMERIC_PACKAGES) + "; CPU " + " ".join(simd)
 

@@ -1029,7 +1029,8 @@ def streaming_diloco(
 def parity_streaming_diloco(steps: int, workers: int, model: str = "cnn", **settings):
     """:func:`streaming_diloco` of :class:`ParityReplicas`: (worker 0's replica, syncs)."""
     r = ParityReplicas(workers, model)
-    return r.models[0], streaming_diloco(r.models, r.step, steps, **settings)[1]
+    _, syncs = streaming_diloco(r.models, r.step, steps, **settings)
+    return r.models[0], syncs
 
 
 class AsgdWorker:
