@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.cloudburst-installed
 TORCH  := torch==2.13.0
 
-.PHONY: demo test test-fast lint bench bench-all bench-quick clean mutation
+.PHONY: demo test test-fast lint bench bench-all bench-history bench-quick clean mutation
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,20 @@ bench: $(STAMP)
 
 bench-all: $(STAMP)
 	@$(MAKE) --no-print-directory bench BENCH="$(BENCH_ALL)" BENCH_RESULTS= EVIDENCE_FLAGS=
+
+## Re-make every history result (the package changed since its runs; docs/evidence.md names
+## them) by the command its file records, one at a time, on an idle machine: hours (each file's
+## header and benchmarks/README.md give its time). Keeps going past a failing one, fails at
+## the end naming it; then the README's evidence.
+bench-history: $(STAMP)
+	@mkdir -p runs && $(BIN)/python benchmarks/evidence.py --history > runs/history.txt; \
+	failed=""; while IFS= read -r cmd; do \
+		echo "== $$cmd"; \
+		eval "OMP_NUM_THREADS=1 timeout 14400 $(BIN)/python $$cmd" < /dev/null || \
+			failed="$$failed; $$cmd"; \
+	done < runs/history.txt; \
+	$(BIN)/python benchmarks/evidence.py || failed="$$failed; evidence"; \
+	if [ -n "$$failed" ]; then echo "make bench-history: FAILED$$failed" >&2; exit 1; fi
 
 ## Every script (BENCH_ALL) in --quick mode (a smoke test, ≤ 10 min: 6.1 min at 0703ae6, fewer
 ## scripts then; results under runs/bench-quick/, never evidence: the README is not touched)

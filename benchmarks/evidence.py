@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/evidence.py --check    # exit 1 if a marked block is stale
     .venv/bin/python benchmarks/evidence.py --results runs/bench-quick --print
     .venv/bin/python benchmarks/evidence.py --rescore overhead local_sgd daso transport
+    .venv/bin/python benchmarks/evidence.py --history  # the commands re-making history results
 
 Details (markers, anchors, re-judging, re-scoring): benchmarks/README.md.
 """
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -140,6 +142,39 @@ def package_changed(commit: str, repo: Path = REPO) -> bool | None:
     r = subprocess.run(["git", "-C", str(repo), "diff", "--quiet", commit, "--", "cloudburst"],
                        capture_output=True)  # fmt: skip
     return {0: False, 1: True}.get(r.returncode)
+
+
+def rerun_command(prov: dict) -> str | None:
+    """The command that makes a result again at this code: the one its provenance records,
+    from the script on, without ``--replay``, ``--verify`` and ``--force`` (a replay's stored
+    runs are what has to be re-made; a forced run runs unforced, on an idle machine). None
+    where the record names no script under ``benchmarks/``."""
+    words = shlex.split(prov.get("command", ""))
+    script = next((i for i, w in enumerate(words) if re.fullmatch(r"benchmarks/\w+\.py", w)), None)
+    if script is None:
+        return None
+    kept, words = [words[script]], iter(words[script + 1 :])
+    for w in words:
+        flag = w.split("=", 1)[0]
+        if flag in ("--replay", "--verify") and "=" not in w:
+            next(words, None)  # the flag's value
+        elif flag not in ("--replay", "--verify", "--force"):
+            kept.append(w)
+    return shlex.join(kept)
+
+
+def history(results: Path, repo: Path = REPO) -> list[str]:
+    """:func:`rerun_command` of every result the package changed under, one a line, in the
+    results' order (a result whose record names no script is skipped, said on stderr)."""
+    lines = []
+    for path, data in load(results):
+        prov = data.get("provenance", {})
+        if made_at(prov, repo)[1]:
+            command = rerun_command(prov)
+            if command is None:
+                print(f"evidence: {path.stem}: no command to re-run it", file=sys.stderr)
+            lines += [command] if command else []
+    return lines
 
 
 def table(results: Path, where: Path = REPO / "README.md") -> list[str]:
@@ -332,7 +367,13 @@ def main() -> None:
     group.add_argument("--check", action="store_true", help="exit 1 if a marked block is stale")
     group.add_argument("--print", action="store_true", help="print the table, write nothing")
     group.add_argument("--rescore", nargs="+", metavar="RESULT", help="re-derive these results")
+    group.add_argument(
+        "--history", action="store_true", help="print the commands re-making history results"
+    )
     args = p.parse_args()
+    if args.history:
+        print("\n".join(history(args.results)))
+        return
     if args.rescore:
         head = harness.git_commit()[0]
         for stem in args.rescore:

@@ -225,6 +225,27 @@ def test_report_writes_claims_with_the_aa_ratio_and_censoring(tmp_path, monkeypa
     assert data["provenance"]["commit"] == "abc1234"
 
 
+def test_history_prints_the_recorded_command_of_each_result_the_package_changed_under(
+    tmp_path, monkeypatch
+):
+    from benchmarks import evidence
+
+    commands = {  # commit: the command its result records
+        "a1": "/v/bin/python benchmarks/x.py --cell pareto --replay r/a.json --verify 1 --force",
+        "b2": "python benchmarks/experiments.py accuracy --arms 'asgd,asgd dc' --verify=2 --out o",
+        "c3": "python benchmarks/y.py",  # the package unchanged since: current
+        "d4": "python -c pass",  # names no script
+    }
+    for commit, command in commands.items():
+        result = {"provenance": {"commit": commit, "command": command}, "claims": [{}]}
+        (tmp_path / f"{commit}.json").write_text(json.dumps(result))
+    monkeypatch.setattr(evidence, "package_changed", lambda commit, repo=None: commit != "c3")
+    assert evidence.history(tmp_path) == [
+        "benchmarks/x.py --cell pareto",
+        "benchmarks/experiments.py accuracy --arms 'asgd,asgd dc' --out o",
+    ]
+
+
 def test_evidence_table_replaces_only_the_text_between_the_markers(tmp_path, monkeypatch):
     from benchmarks import evidence
 
