@@ -185,9 +185,7 @@ def test_a_result_records_the_numerics_a_bit_for_bit_replay_depends_on(monkeypat
     assert "; numpy 9; CPU avx2" in "\n".join(harness.Report("d", "D", prov).header())
 
 
-def test_a_busy_machine_refuses_a_measurement_but_not_a_replay_that_measures_nothing(
-    monkeypatch,
-):
+def test_a_busy_machine_refuses_a_measurement_but_not_a_replay_that_measures_nothing(monkeypatch):
     monkeypatch.setattr(harness, "cpu_busy_fraction", lambda: 0.9)
     monkeypatch.setattr(harness, "git_commit", lambda: ("abc1234", []))
     for replay, verify in ((None, 0), ("r.json", 1)):  # runs made or re-simulated here

@@ -6,8 +6,6 @@ distributions in the summary; a short run of each on the virtual cluster."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
@@ -98,34 +96,6 @@ def test_a_push_older_than_the_ring_reads_its_oldest_theta(method):
     torch.testing.assert_close(shard.theta, expected, rtol=1e-5, atol=1e-6)
     assert shard.compensator.clamped == sum(s >= 3 for s in stalenesses) > 0
     assert len(shard.compensator.ring) == 3
-
-
-@pytest.mark.parametrize("method", ["dc", "dc-adaptive", "gap"])
-def test_compensator_state_survives_a_checkpoint(method):
-    events = _script(seed=3)
-    half = len(events) // 2
-    whole = _shard(method, _theta0())
-    _play(whole, events)
-    first = _shard(method, _theta0())
-    fetched_before = {}
-    for event in events[:half]:
-        if event[0] == "fetch":
-            fetched_before[event[1]] = first.version
-        else:
-            first.apply_push(event[2], fetched_before[event[1]], samples=1)
-    buf = io.BytesIO()
-    torch.save(first.state_dict(), buf)
-    buf.seek(0)
-    resumed = _shard(method, torch.zeros(NUMEL))
-    resumed.load_state_dict(torch.load(buf, weights_only=False))
-    fetched = dict(fetched_before)
-    for event in events[half:]:
-        if event[0] == "fetch":
-            fetched[event[1]] = resumed.version
-        else:
-            resumed.apply_push(event[2], fetched[event[1]], samples=1)
-    assert torch.equal(resumed.theta, whole.theta)
-    assert resumed.stats() == whole.stats()
 
 
 def test_scalar_compensators_let_the_worker_rebuild_an_overlapped_reply_bit_for_bit():
@@ -280,22 +250,6 @@ def test_delayed_nesterov_matches_the_reference(period, c):
             p.grad = -d
             opt.step()
         torch.testing.assert_close(shard.theta, p.data, rtol=1e-5, atol=1e-5)
-
-
-def test_delayed_nesterov_state_survives_a_checkpoint():
-    g = torch.Generator().manual_seed(6)
-    deltas = [torch.randn(NUMEL, generator=g) for _ in range(7)]
-    whole = shard_of(_theta0(), rule="dn", lr=0.7, momentum=0.9, dn_period=3)
-    first = shard_of(_theta0(), rule="dn", lr=0.7, momentum=0.9, dn_period=3)
-    for d in deltas:
-        whole.apply_push(d, whole.version)
-    for d in deltas[:4]:
-        first.apply_push(d, first.version)
-    resumed = shard_of(torch.zeros(NUMEL), rule="dn", lr=0.7, momentum=0.9, dn_period=3)
-    resumed.load_state_dict(first.state_dict())
-    for d in deltas[4:]:
-        resumed.apply_push(d, resumed.version)
-    assert torch.equal(resumed.theta, whole.theta)
 
 
 def test_the_registries_are_the_flags_and_a_shard_applies_any_rule_it_is_given():
