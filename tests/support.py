@@ -29,7 +29,7 @@ from cloudburst.comm.allreduce import count_collective, ring_bytes
 from cloudburst.comm.compress import BLOCK
 from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.link import Topology
-from cloudburst.comm.messages import Header
+from cloudburst.comm.messages import Header, Kind
 from cloudburst.comm.stats import CommStats
 from cloudburst.comm.transport import REAL
 from cloudburst.config import RunConfig
@@ -329,6 +329,32 @@ def run_on_threads(size: int, barrier: threading.Barrier, make_comm, fn) -> list
     if errors:
         raise errors[0]
     return results
+
+
+class StandbyForwards:
+    """A primary shard's link to its standby: keeps what it forwards and answers at once;
+    :meth:`replay` is then the standby's end, which receives the forwards in order, then DONE."""
+
+    def __init__(self, shard: int) -> None:
+        self.shard = shard
+        self.sent: list[tuple[Header, torch.Tensor | None]] = []
+
+    def send(self, peer: int, header: Header, payload=None, final: bool = False) -> None:
+        self.sent.append((header, None if payload is None else payload.clone()))
+
+    def recv_reply(self, peer: int, out=None) -> Header:
+        return Header(Kind.REPLY, shard=self.shard)
+
+    def replay(self) -> SimpleNamespace:
+        queue = [*self.sent, (Header(Kind.REPLY, shard=self.shard, aux=int(Kind.DONE)), None)]
+
+        def recv_reply(peer: int, out: torch.Tensor) -> Header:
+            header, payload = queue.pop(0)
+            if payload is not None:
+                out.copy_(payload)
+            return header
+
+        return SimpleNamespace(recv_reply=recv_reply, send=lambda *args, **kw: None)
 
 
 def prior_stats() -> CommStats:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
-import threading
 
 import pytest
 import torch
@@ -28,7 +26,7 @@ from torch import nn
 
 from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.liveness import acked_version, announce_shard
-from cloudburst.comm.messages import Header, Kind
+from cloudburst.comm.messages import Header
 from cloudburst.config import RunConfig
 from cloudburst.data import BatchStream, synthetic
 from cloudburst.models import build_model
@@ -36,6 +34,7 @@ from cloudburst.strategies.asgd.serve import Standby
 from tests import reference as ref
 from tests.support import (
     BATCH,
+    StandbyForwards,
     WorkerSide,
     asgd_cfg,
     flush,
@@ -114,54 +113,19 @@ def test_after_every_push_the_worker_holds_the_servers_theta_whatever_its_stalen
         assert [loop.shard.staleness_hist for loop in loops] == [{0: 19, 3: 5}] * 2
 
 
-class _Pair:
-    """A primary's link to its standby and the standby's to it, as two in-process queues."""
-
-    def __init__(self):
-        self.forwards, self.acks = queue.Queue(), queue.Queue()
-
-    def send(self, peer, header, payload=None):  # the primary forwards
-        self.forwards.put((header, None if payload is None else payload.clone()))
-
-    def recv_reply(self, peer, out=None):
-        if out is None:  # the primary waits for the standby's answer
-            return self.acks.get(timeout=30)
-        header, payload = self.forwards.get(timeout=30)  # the standby receives a forward
-        if payload is not None:
-            out.copy_(payload)
-        return header
-
-
-class _StandbySide:
-    def __init__(self, pair: _Pair):
-        self.pair = pair
-
-    def recv_reply(self, peer, out):
-        return self.pair.recv_reply(peer, out)
-
-    def send(self, peer, header, payload=None):
-        self.pair.acks.put(header)
-
-
 def test_a_standby_copy_holds_its_shards_theta_after_every_forwarded_push():
     # Shard 1's server forwards each applied push to its standby on server 0 before it
     # replies; the copy starts from shard 1's slice of θ0 and ends on shard 1's θ, bit for bit.
-    pair, standby = _Pair(), []
+    forwards = StandbyForwards(1)
 
     def setup(loops):
-        loops[1].standby_link = pair
-        standby.append(Standby(loops[0], 1, _StandbySide(pair)))
-        assert torch.equal(standby[0].replica.theta, loops[1].shard.theta)
-        standby.append(threading.Thread(target=standby[0]._run, daemon=True))
-        standby[1].start()
+        loops[1].standby_link = forwards
 
     _, _, loops = train_asgd_worker(
         asgd_cfg(servers=2, n_sync=2, shard_standby=True), 8, setup=setup
     )
-    standby, thread = standby
-    pair.send(1, Header(Kind.REPLY, shard=1, aux=int(Kind.DONE)))  # the primary is done
-    thread.join(timeout=30)
-    assert not thread.is_alive()
+    standby = Standby(loops[0], 1, forwards.replay())
+    standby._run()
     assert loops[1].shard.version == 4
     assert torch.equal(standby.replica.theta, loops[1].shard.theta)
     assert standby.replica.stats() == loops[1].shard.stats()

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from cloudburst import cli
-from cloudburst.comm.messages import Header, Kind, Status
+from cloudburst.comm.messages import Status
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.loop import summary as summary_module
@@ -34,7 +34,7 @@ from cloudburst.strategies.asgd.shard import ShardState
 from cloudburst.strategies.asgd.worker import AsgdStrategy
 from tests import reference as ref
 from tests.helpers import shard_of
-from tests.support import ps_job
+from tests.support import StandbyForwards, ps_job
 
 HUGE = 3e38  # finite in float32 (max 3.4e38): issue 44's push
 RATIO = 2.0
@@ -303,35 +303,6 @@ def test_a_final_test_loss_that_is_not_finite_fails_the_run(tmp_path, monkeypatc
 
 
 # ------------------------------------------------------------------ a shard's standby copy
-class _Forwards:
-    """Shard 0's link to its standby: keeps what it forwards, answers at once."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[Header, torch.Tensor | None]] = []
-
-    def send(self, peer: int, header: Header, payload=None, final: bool = False) -> None:
-        self.sent.append((header, None if payload is None else payload.clone()))
-
-    def recv_reply(self, peer: int, out=None) -> Header:
-        return Header(Kind.REPLY, shard=0)
-
-
-class _Replay:
-    """The standby's end: the forwards, in order, then DONE."""
-
-    def __init__(self, sent: list[tuple[Header, torch.Tensor | None]]) -> None:
-        self.queue = [*sent, (Header(Kind.REPLY, shard=0, aux=int(Kind.DONE)), None)]
-
-    def recv_reply(self, peer: int, out=None) -> Header:
-        header, payload = self.queue.pop(0)
-        if payload is not None:
-            out.copy_(payload)
-        return header
-
-    def send(self, peer: int, header: Header, payload=None, final: bool = False) -> None:
-        pass
-
-
 def test_a_standby_copy_follows_its_shards_refusals():
     """The standby applies what its shard forwards with the shard's verdict, not its own
     measure of the push (a norm summed in another order may decide otherwise on the bound):
@@ -342,14 +313,14 @@ def test_a_standby_copy_follows_its_shards_refusals():
     ref.set_flat(model, torch.linspace(-1.0, 1.0, 9))
     job = ps_job(cfg, [model])
     worker, primary = job.workers[0], job.loops[0]
-    primary.standby_link = forwards = _Forwards()
+    primary.standby_link = forwards = StandbyForwards(0)
     worker.start()
     for poison in (1e6, 0.0, 0.0):  # too large but finite, then two honest pushes
         with torch.no_grad():
             model.weight[0, 0] += poison + 0.01
         worker.after_step(8)
     assert primary.shard.refused == 1 and primary.shard.version == 2
-    standby = Standby(job.loops[1], 0, _Replay(forwards.sent))
+    standby = Standby(job.loops[1], 0, forwards.replay())
     standby.replica.max_push_ratio = 0.0  # alone, it would apply the 1e6 push
     standby._run()
     assert torch.equal(standby.replica.theta, primary.shard.theta)
