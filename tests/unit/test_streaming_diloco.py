@@ -86,14 +86,6 @@ def test_local_sgd_strategy_follows_the_reference_with_a_final_average(monkeypat
     assert [s.report()["sent_bytes"] for s in job.strategies] == [3 * 300, 3 * 300]
 
 
-def test_local_sgd_finish_does_not_average_again_after_a_full_period(monkeypatch):
-    job = _job(monkeypatch, "local_sgd", 2, period=3)
-    job.run(6)
-    job.finish()
-    assert [s.averages for s in job.strategies] == [2, 2]
-    assert len(job.group.calls) == 4
-
-
 def test_post_local_sgd_averages_every_step_of_its_warm_up(monkeypatch):
     # averages after steps 1, 2, 3 (the warm-up), 6 and, in finish, 8
     expected = ref.local_sgd(*_reference_args(2), steps=8, period=3, warmup_steps=3)
@@ -102,19 +94,23 @@ def test_post_local_sgd_averages_every_step_of_its_warm_up(monkeypatch):
     assert [s.averages for s in job.strategies] == [5, 5]
 
 
-def test_post_local_sgd_warm_up_ends_at_its_last_step(monkeypatch):
-    # warm-up 2, period 3: averages after steps 1, 2 and 3, none after 4
-    job = _job(monkeypatch, "local_sgd", 2, period=3, local_sgd_warmup_steps=2)
-    job.run(4)
-    assert [s.averages for s in job.strategies] == [3, 3]
-
-
-def test_local_sgd_with_one_worker_never_averages(monkeypatch):
-    job = _job(monkeypatch, "local_sgd", 1, period=2)
-    job.run(3)
-    job.finish()
-    assert job.group.calls == []
-    assert job.strategies[0].averages == 0
+@pytest.mark.parametrize(
+    "strategy, workers, kw, steps, finish, averages",
+    [
+        ("local_sgd", 2, dict(period=3), 6, True, 2),  # finish after a full period: no average
+        ("local_sgd", 2, dict(period=3, local_sgd_warmup_steps=2), 4, False, 3),  # 1, 2, 3; not 4
+        ("local_sgd", 1, dict(period=2), 3, True, 0),  # one worker never averages
+        ("diloco", 2, dict(period=2), 1, False, 0),  # no warm-up
+        ("diloco", 2, dict(period=2), 4, True, 2),  # finish after a full period: no average
+    ],
+)
+def test_the_averages_a_run_takes(monkeypatch, strategy, workers, kw, steps, finish, averages):
+    job = _job(monkeypatch, strategy, workers, **kw)
+    job.run(steps)
+    if finish:
+        job.finish()
+    assert [s.averages for s in job.strategies] == [averages] * workers
+    assert len(job.group.calls) == averages * workers
 
 
 def test_local_sgd_global_params_are_the_replica_and_the_samples_of_all_workers(monkeypatch):
@@ -125,21 +121,19 @@ def test_local_sgd_global_params_are_the_replica_and_the_samples_of_all_workers(
     assert torch.equal(theta, ref.flat(job.replicas.models[1]))
 
 
-def test_local_sgd_average_is_counted_and_sent_over_the_link_when_it_spans_nodes(monkeypatch):
+@pytest.mark.parametrize(
+    "topology, spans", [(Topology((0, 1)), True), (None, False), (Topology((0, 0, 1)), False)]
+)
+def test_local_sgd_average_spans_nodes_on_the_link_when_its_workers_do(
+    monkeypatch, topology, spans
+):
     link = object()
-    cfg = survivor_cfg("local_sgd", 2, period=1)
-    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch, topology=Topology((0, 1)),
-                      link=link)  # fmt: skip
+    job = LocalSgdJob(survivor_cfg("local_sgd", 2, period=1), ref.Replicas(2, ref.sgd()),
+                      monkeypatch, topology=topology, link=link)  # fmt: skip
     job.run(1)
-    assert sorted(job.group.calls, key=lambda c: c[0]) == [(0, link, True), (1, link, True)]
-
-
-@pytest.mark.parametrize("topology", [None, Topology((0, 0, 1))])
-def test_local_sgd_average_within_one_node_does_not_span_nodes(monkeypatch, topology):
-    cfg = survivor_cfg("local_sgd", 2, period=1)
-    job = LocalSgdJob(cfg, ref.Replicas(2, ref.sgd()), monkeypatch, topology=topology)
-    job.run(1)
-    assert [c[2] for c in job.group.calls] == [False, False]
+    calls = sorted(job.group.calls, key=lambda c: c[0])
+    assert [(rank, across) for rank, _, across in calls] == [(0, spans), (1, spans)]
+    assert not spans or all(c[1] is link for c in calls)  # the link carries what spans nodes
 
 
 def test_local_sgd_state_dict_round_trip_keeps_the_average_count(monkeypatch):
@@ -172,15 +166,6 @@ def test_diloco_without_momentum_is_local_sgd_even_with_nesterov_asked_for(monke
     expected = ref.local_sgd(*_reference_args(2), steps=5, period=2)
     kw = dict(period=2, diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
     _follows(_job(monkeypatch, "diloco", 2, **kw), 5, expected)
-
-
-def test_diloco_has_no_warm_up_and_finish_skips_a_full_period(monkeypatch):
-    job = _job(monkeypatch, "diloco", 2, period=2)
-    job.run(1)
-    assert [s.averages for s in job.strategies] == [0, 0]
-    job.run(3)
-    job.finish()
-    assert [s.averages for s in job.strategies] == [2, 2]
 
 
 def test_diloco_state_dict_round_trip_continues_the_same_run(monkeypatch):
