@@ -57,35 +57,18 @@ def test_config_file_with_flag_overrides(tmp_path, parse):
         'server-rule = "sgd"\nstraggler = ["1:2.0"]\nstaleness-scaling = true\n',
     )
     cfg = parse("--config", path)
-    assert (
-        cfg.job.strategy,
-        cfg.job.servers,
-        cfg.job.workers,
-        cfg.asgd.n_fetch,
-        cfg.asgd.n_push,
-    ) == ("asgd", 2, 3, 4, 4)
-    assert (
-        cfg.training.lr,
-        cfg.training.momentum,
-        cfg.asgd.server_rule,
-        cfg.asgd.staleness_scaling,
-    ) == (0.1, 0.5, "sgd", True)
-    assert cfg.cluster.stragglers == [Straggler(1, 2.0)]
+    job, asgd, training = cfg.job, cfg.asgd, cfg.training
+    assert (job.strategy, job.servers, job.workers) == ("asgd", 2, 3)
+    assert (asgd.n_fetch, asgd.n_push, asgd.server_rule) == (4, 4, "sgd")
+    assert (training.lr, training.momentum) == (0.1, 0.5)
+    assert asgd.staleness_scaling is True and cfg.cluster.stragglers == [Straggler(1, 2.0)]
     assert cfg.output.out.startswith("runs/asgd-")  # the default run directory names the strategy
     # Given flags win; flags not given leave the file's values alone.
     cfg = parse("--config", path, "--lr", "0.2", "--workers", "4", "--straggler", "0:3")
-    assert (cfg.training.lr, cfg.job.workers, cfg.cluster.stragglers) == (
-        0.2,
-        4,
-        [Straggler(0, 3.0)],
-    )
-    assert (cfg.training.momentum, cfg.asgd.server_rule, cfg.asgd.n_push, cfg.job.servers) == (
-        0.5,
-        "sgd",
-        4,
-        2,
-    )
-    assert cfg.asgd.staleness_scaling is True
+    assert (cfg.training.lr, cfg.job.workers) == (0.2, 4)
+    assert cfg.cluster.stragglers == [Straggler(0, 3.0)]
+    assert (cfg.training.momentum, cfg.asgd.server_rule, cfg.asgd.n_push) == (0.5, "sgd", 4)
+    assert cfg.job.servers == 2 and cfg.asgd.staleness_scaling is True
 
 
 def test_an_explicit_n_fetch_flag_overrides_n_sync_from_the_file(tmp_path, parse):
@@ -209,12 +192,7 @@ def _push(shard, delta: float, base: int):
 
 def test_max_staleness_drops_pushes_staler_than_the_bound(parse):
     shard = _shard(parse, "--max-staleness", "1", "--server-lr", "1")
-    results = [
-        _push(shard, 1.0, 0),
-        _push(shard, 2.0, 0),
-        _push(shard, 4.0, 0),
-        _push(shard, 8.0, 1),
-    ]
+    results = [_push(shard, d, base) for d, base in ((1.0, 0), (2.0, 0), (4.0, 0), (8.0, 1))]
     ok, dropped = Status.OK, Status.STALE_DROPPED
     assert results == [(ok, 0), (ok, 1), (dropped, 2), (ok, 1)]
     assert shard.theta.item() == 11.0 and shard.version == 3 and shard.dropped_stale == 1
