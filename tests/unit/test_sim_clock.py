@@ -196,19 +196,6 @@ def test_calibration_times_real_steps():
     assert 0 < seconds < 10
 
 
-def test_describe_has_the_clock_and_what_is_not_modelled():
-    sim = SimulationConfig(intra_node_link="100", step_time_jitter="lognormal:0.2")
-    d = ClockModel(sim, clock_run_config(inter_node_link="1,1"), 1000, 0.1, "calibrated").describe()
-    assert d["step_time_s"] == 0.1 and d["step_time_source"] == "calibrated"
-    assert d["inter_node_link"] == {"gbit_per_s": 1.0, "latency_ms": 1.0}
-    assert d["intra_node_link"] == {"gbit_per_s": 100.0, "latency_ms": 0.0}
-    assert d["step_time_jitter"] == "lognormal:0.2"
-    assert d["actual_params"] == 1000 and d["modelled_params"] is None
-    assert any("contention" in item for item in d["not_modelled"])
-    assert d["settings"]["intra_node_link"] == "100"
-    assert d["time_unit"] == "virtual seconds"
-
-
 NOT_MODELLED = [
     "contention between the ranks of one node for memory bandwidth and PCIe; intra-node "
     "messages queue at their sender only",
