@@ -60,7 +60,7 @@ def virtual_rows(quick: bool) -> list[list[object]]:
                 cfg = RunConfig(
                     model="gpt:layers=1,width=16,heads=2", dataset="text:stdlib", workers=workers,
                     nodes=workers, inter_node_link=f"{gbit},1", steps=steps, batch_size=2,
-                    context=64, eval_every_s=1e8, checkpoint_every=0, overwrite=True,
+                    context=64, eval_every_s=1e6, checkpoint_every=0, overwrite=True,
                     out=str(Path("runs/bench/lm-virtual") / f"{name}-{workers}-{gbit}"), **kw,
                 )  # fmt: skip
                 cfg = cfg.replace(progress=False)

@@ -138,7 +138,7 @@ def main() -> None:
         data = write_cifar10(Path(tmp) / "data", per_batch=BATCH * 4, test=64)
         options = (
             f"--model resnet20 --steps {steps} --batch-size {BATCH} --lr 0.02 "
-            f"--device {args.device} --eval-every-s 1e8 --log-every-steps 2 --checkpoint-every 0"
+            f"--device {args.device} --eval-every-s 1e6 --log-every-steps 2 --checkpoint-every 0"
         )
         common = ["--dataset", f"cifar10:{data}", *options.split()]  # the path is not split
         arms = [harness.Arm(label, [*flags, *common]) for label, flags in ARMS.items()]
