@@ -544,7 +544,7 @@ def one_diloco_worker(monkeypatch, **kw) -> tuple[DilocoStrategy, ref.Replicas, 
     return strategy, replicas, recorder
 
 
-# ----------------------------------- DASO against the reference (tests/unit/test_daso_reference.py)
+# ----------------------------------- DASO against the reference (tests/unit/test_daso_sync.py)
 DASO_REF_STEPS, DASO_REF_GLOBAL_SKIP, DASO_REF_LOCAL_SKIP = 14, 3, 2
 DASO_REF_NODES, DASO_REF_WORKERS = 2, 4
 DASO_REF_LR, DASO_REF_MOMENTUM = 0.1, 0.9

@@ -7,11 +7,10 @@ import pytest
 import torch
 
 import cloudburst
-from cloudburst.records.checkpoint import load_checkpoint
 from cloudburst.data import synthetic
-from cloudburst.records.metrics import read_jsonl
 from cloudburst.models import build_model
-from tests.helpers import cli, spawn
+from cloudburst.records.checkpoint import load_checkpoint
+from tests.helpers import cli, final_record, rank_events, spawn
 
 pytestmark = pytest.mark.dist
 
@@ -46,7 +45,7 @@ def test_a_shard_served_through_the_api_resumes_from_its_checkpoint(tmp_path):
     saved = load_checkpoint(out / "checkpoints" / "server0.pt", "server-shard")
     assert saved["version"] >= 25
     assert spawn(_api_job, 2, tmp_path, str(out)) == [1, 0]
-    resumed = [r for r in read_jsonl(out / "metrics" / "rank0.jsonl") if r["event"] == "resume"]
+    resumed = rank_events(out, 0, "resume")
     assert [r["version"] for r in resumed] == [saved["version"]]  # continued, not restarted
-    finals = [r for r in read_jsonl(out / "metrics" / "rank0.jsonl") if r["event"] == "final"]
-    assert finals[-1]["version"] == saved["version"] + 10  # and applied the API worker's pushes
+    # and applied the API worker's pushes
+    assert final_record(out, 0)["version"] == saved["version"] + 10

@@ -6,12 +6,28 @@ reduce-scatter form at W = 3 and 4 against tests/reference.py, bit for bit."""
 from __future__ import annotations
 
 import copy
+import gc
 import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
 
+from cloudburst.comm.allreduce import AllreduceHookState, compressed_hook, counted_ddp, ring_bytes
+from cloudburst.comm.compress import (
+    OWNER,
+    ErrorFeedback,
+    compressed_all_reduce_sum,
+    gather_cost_bytes,
+    packed_bytes,
+    quantised_sent_bytes,
+)
+from cloudburst.comm.stats import CommStats
+from cloudburst.comm.transport import REAL
+from tests import reference as ref
 from tests.helpers import cli, read_summary, spawn
 
 pytestmark = pytest.mark.dist
@@ -30,18 +46,6 @@ def _batch(rank: int, step: int):
 
 
 def _hooks(rank: int) -> dict:
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
-        PowerSGDState,
-        powerSGD_hook,
-    )
-    from torch.nn.parallel import DistributedDataParallel
-
-    from cloudburst.comm.allreduce import AllreduceHookState, compressed_hook, counted_ddp
-    from cloudburst.comm.compress import compressed_all_reduce_sum
-    from cloudburst.comm.stats import CommStats
-    from cloudburst.comm.transport import REAL
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     cpu = torch.device("cpu")
@@ -54,12 +58,7 @@ def _hooks(rank: int) -> dict:
     ours = counted_ddp(model, None, cpu, state, hook=compressed_hook(state))
     theirs = DistributedDataParallel(twin)
     torch_state = PowerSGDState(
-        process_group=None,
-        matrix_approximation_rank=2,
-        start_powerSGD_iter=2,
-        use_error_feedback=True,
-        warm_start=True,
-        random_seed=0,
+        None, 2, start_powerSGD_iter=2, use_error_feedback=True, warm_start=True, random_seed=0
     )
     theirs.register_comm_hook(torch_state, powerSGD_hook)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
@@ -110,18 +109,11 @@ def _teardown() -> None:
     group's last reference while holding the GIL, and ProcessGroupGloo's destructor joins its
     work threads, one of which may still be releasing a finished collective's Python tensors,
     for which it needs the GIL: a deadlock (torch 2.13; here 1 run in 4 at W = 4)."""
-    import gc
-
-    import torch.distributed as dist
-
     gc.collect()  # a DDP module in a reference cycle
     dist.destroy_process_group()
 
 
 def test_sync_hooks_and_the_quantised_all_reduce_on_gloo(tmp_path):
-    from cloudburst.comm.allreduce import ring_bytes
-    from cloudburst.comm.compress import gather_cost_bytes, packed_bytes
-
     results = spawn(_hooks, 2, tmp_path)
     # PowerSGD through our wrapper: the same gradients as torch's hook, every step (2 vanilla
     # steps, then rank-2 P and Q for both weight matrices, the biases uncompressed).
@@ -164,13 +156,6 @@ def test_powersgd_with_a_model_of_several_ddp_buckets_trains_on_gloo(tmp_path):
 def _scatter(rank: int) -> dict:
     """W ≥ 3: the quantised reduce-scatter all-reduce through the real transport (2 int8 rounds
     with error feedback, one started non-blocking; 1 fp8 round), and sync's int8 DDP hook."""
-    import torch.distributed as dist
-
-    from cloudburst.comm.allreduce import AllreduceHookState, compressed_hook, counted_ddp
-    from cloudburst.comm.compress import ErrorFeedback, compressed_all_reduce_sum
-    from cloudburst.comm.stats import CommStats
-    from cloudburst.comm.transport import REAL
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     result: dict = {"inputs": [], "outputs": []}
@@ -202,9 +187,6 @@ def _scatter(rank: int) -> dict:
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_the_quantised_reduce_scatter_on_gloo_is_the_reference(tmp_path, world):
-    from cloudburst.comm.compress import OWNER, quantised_sent_bytes
-    from tests import reference as ref
-
     results = spawn(_scatter, world, tmp_path)
     sent: list = [None] * world
     owner: list = [None] * world

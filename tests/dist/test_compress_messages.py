@@ -4,8 +4,8 @@ the same job on the virtual cluster, and with about a quarter of an uncompressed
 
 import pytest
 
-from tests.reference import COMMON, assert_same_params, trained
 from tests.helpers import cli, read_summary, simulated
+from tests.reference import COMMON, assert_same_params, trained
 
 pytestmark = pytest.mark.dist
 

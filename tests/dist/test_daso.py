@@ -3,10 +3,16 @@
 plain-PyTorch reference (tests/reference.py's daso); and a run whose adaptive schedule changes
 B and S every cycling epoch, with its phases in the step records and on the plot."""
 
+import os
+
 import pytest
 import torch
+from torch import nn
 
-from tests.reference import COMMON, assert_same_params, sync_sgd, trained
+from cloudburst.comm.flat import flatten_params
+from cloudburst.config import RunConfig
+from cloudburst.runtime import init_distributed, shutdown
+from cloudburst.strategies.daso import DasoStrategy
 from tests.helpers import (
     cli,
     final_record,
@@ -16,19 +22,19 @@ from tests.helpers import (
     simulated,
     spawn,
 )
+from tests.reference import COMMON, assert_same_params, sync_sgd, trained
+from tests.support import (
+    assert_follows_daso_reference,
+    daso_reference_cfg,
+    daso_reference_drive,
+    daso_reference_run,
+)
 
 pytestmark = pytest.mark.dist
 
 
 def _merge_rank(rank: int, out: str, nodes: int, waits: list[int], compress: str) -> dict:
-    from torch import nn
-
-    from cloudburst.comm.flat import flatten_params
-    from cloudburst.config import RunConfig
-    from cloudburst.runtime import init_distributed, shutdown
-    from cloudburst.strategies.daso import DasoStrategy
-
-    world = int(__import__("os").environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
     cfg = RunConfig(strategy="daso", workers=world, nodes=nodes, dataset="synthetic",
                     daso_downcast="none" if compress == "none" else "bf16", compress=compress,
                     out=out, comm_timeout_s=60)  # fmt: skip
@@ -36,8 +42,7 @@ def _merge_rank(rank: int, out: str, nodes: int, waits: list[int], compress: str
     model = nn.Linear(2, 2)  # 6 parameters
     strategy = DasoStrategy(ctx)
     strategy.configure(steps_per_epoch=100, total_steps=1000)
-    net = strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0))
-    del net
+    strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0))
     senders, results = [], []
     for k, s in enumerate(waits):  # syncs in a row: the sending local rank rotates
         # Node n holds θ = n + 1 + 10k everywhere; later, before the merge, θ_local = -1.
@@ -83,9 +88,6 @@ def test_merge_and_rotation_over_gloo(tmp_path, nodes, per_node, waits, compress
 
 
 def _reference_rank(rank: int, out: str, wait: int) -> list[list[float]]:
-    from cloudburst.runtime import init_distributed, shutdown
-    from tests.support import daso_reference_cfg, daso_reference_drive
-
     ctx = init_distributed(daso_reference_cfg(out, wait))
     try:
         return daso_reference_drive(ctx)
@@ -94,10 +96,8 @@ def _reference_rank(rank: int, out: str, wait: int) -> list[list[float]]:
 
 
 def test_daso_with_a_delayed_merge_follows_the_reference_over_gloo(tmp_path):
-    # The virtual cluster's test (tests/unit/test_daso_reference.py) over real gloo groups and
+    # The virtual cluster's test (tests/unit/test_daso_sync.py) over real gloo groups and
     # DDP inside each node: S = 2, B = 3, L = 2, four ranks on two nodes.
-    from tests.support import assert_follows_daso_reference, daso_reference_run
-
     runs = spawn(_reference_rank, 4, tmp_path, str(tmp_path), 2)
     assert_follows_daso_reference(runs, daso_reference_run(2))
 

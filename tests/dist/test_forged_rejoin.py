@@ -16,15 +16,15 @@ import pytest
 import torch.distributed as dist
 
 from cloudburst.comm import auth
+from cloudburst.comm.liveness import RejoinBoard
 from cloudburst.comm.messages import Header, Kind
 from cloudburst.comm.p2p import PeerTransport
 from cloudburst.config import RunConfig
 from cloudburst.runtime.context import Context
-from cloudburst.comm.liveness import RejoinBoard
 from cloudburst.runtime.rejoin import rejoin_group, rejoin_members
 from cloudburst.strategies.asgd.serving import RequestServing
-from tests.support import RecordingMetrics
 from tests.helpers import wait_until
+from tests.support import RecordingMetrics
 
 pytestmark = pytest.mark.dist
 

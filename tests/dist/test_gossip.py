@@ -2,8 +2,20 @@
 (exact pull average served by a busy and by a finished peer, keep-alives for a straggler),
 and the CLI end to end."""
 
-import pytest
+import dataclasses
+import datetime
+import threading
+import time
 
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cloudburst.comm.flat import assign_flat, flatten_params
+from cloudburst.config import RunConfig
+from cloudburst.runtime import init_distributed, shutdown
+from cloudburst.strategies.gossip import GossipStrategy
 from tests.helpers import cli, final_record, rank_events, read_summary, simulated, spawn
 
 pytestmark = pytest.mark.dist
@@ -11,51 +23,26 @@ pytestmark = pytest.mark.dist
 NUMEL = 8  # nn.Linear(3, 2)
 
 
-def _setup(rank: int, out: str, workers: int, **gossip):
-    import torch
-    from torch import nn
-
-    from cloudburst.config import RunConfig
-    from cloudburst.runtime import init_distributed
-
-    cfg = RunConfig(
-        strategy="gossip",
-        workers=workers,
-        dataset="synthetic",
-        out=out,
-        comm_timeout_s=60,
-        **gossip,
-    )
+def _setup(rank: int, out: str, values: list[float], **kw):
+    """The job's context (gossip, ``kw``), and nn.Linear(3, 2) of θ = ``values`` with SGD at
+    lr 0."""
+    cfg = RunConfig(strategy="gossip", dataset="synthetic", out=out, comm_timeout_s=60, **kw)
     ctx = init_distributed(cfg)
     model = nn.Linear(3, 2)
+    assign_flat(model, torch.tensor(values, dtype=torch.float32))
     return ctx, model, torch.optim.SGD(model.parameters(), lr=0.0)
 
 
-def _set(model, values) -> None:
-    import torch
-
-    from cloudburst.comm.flat import assign_flat
-
-    assign_flat(model, torch.tensor(values, dtype=torch.float32))
-
-
 def _flat(model) -> list[float]:
-    from cloudburst.comm.flat import flatten_params
-
     return flatten_params(model).tolist()
 
 
 # ---------------------------------------------------------------------------- exact pull
+A, B = [float(i) for i in range(NUMEL)], [3.0 * i + 1.5 for i in range(NUMEL)]  # the 2 θs
+
+
 def _pull_once(rank: int, out: str) -> dict:
-    import threading
-
-    from cloudburst.runtime import shutdown
-    from cloudburst.strategies.gossip import GossipStrategy
-
-    ctx, model, opt = _setup(rank, out, 2, gossip_variant="pull")
-    a = [float(i) for i in range(NUMEL)]
-    b = [3.0 * i + 1.5 for i in range(NUMEL)]
-    _set(model, a if rank == 0 else b)
+    ctx, model, opt = _setup(rank, out, A if rank == 0 else B, workers=2, gossip_variant="pull")
     strategy = GossipStrategy(ctx)
     strategy.wrap(model, opt)
     strategy.start()
@@ -86,12 +73,10 @@ def _pull_once(rank: int, out: str) -> dict:
 
 def test_pull_is_the_exact_average_served_by_a_busy_then_a_finished_peer(tmp_path):
     w0, w1 = spawn(_pull_once, 2, tmp_path, str(tmp_path), timeout_s=60)
-    a = [float(i) for i in range(NUMEL)]
-    b = [3.0 * i + 1.5 for i in range(NUMEL)]
-    mid = [(x + y) / 2 for x, y in zip(a, b, strict=True)]
+    mid = [(x + y) / 2 for x, y in zip(A, B, strict=True)]
     assert w0["theta"] == mid  # exactly: (a + b)/2 is representable
     # Worker 1 then pulled worker 0's snapshot, published after its pull: its final θ.
-    assert w1["theta"] == [(y + m) / 2 for y, m in zip(b, mid, strict=True)]
+    assert w1["theta"] == [(y + m) / 2 for y, m in zip(B, mid, strict=True)]
     for w, peer in [(w0, 1), (w1, 0)]:
         r = w["report"]
         assert w["info"]["peer"] == peer and r["gossip_rounds"] == 1
@@ -117,23 +102,13 @@ STRAGGLER_STEPS, STRAGGLER_STEP_S = 20, 0.25  # 5 s in all: longer than the time
 
 
 def _straggler(rank: int, out: str) -> dict:
-    import dataclasses
-    import datetime
-    import time
-
-    import torch.distributed as dist
-
-    from cloudburst.runtime import shutdown
-    from cloudburst.strategies.gossip import GossipStrategy
-
-    ctx, model, opt = _setup(rank, out, 3, gossip_schedule="ring")
+    ctx, model, opt = _setup(rank, out, [float(rank)] * NUMEL, workers=3, gossip_schedule="ring")
     # Gossip groups with a short timeout (the job's own groups keep 60 s for start-up).
     dist.barrier()
     timeout = datetime.timedelta(seconds=SHORT_TIMEOUT_S)
     request, reply = (dist.new_group([0, 1, 2], timeout=timeout) for _ in range(2))
     cfg = ctx.cfg.replace(comm_timeout_s=SHORT_TIMEOUT_S)
     ctx = dataclasses.replace(ctx, cfg=cfg, groups={"requests": request, "replies": reply})
-    _set(model, [float(rank)] * NUMEL)
     strategy = GossipStrategy(ctx)
     strategy.wrap(model, opt)
     strategy.start()
@@ -168,11 +143,8 @@ GOSSIP_RUN = ["--strategy", "gossip", "--workers", "4", "--dataset", "synthetic"
               "10", "--eval-every-s", "1", "--no-progress"]  # fmt: skip
 
 
-def _steps_and_finals(out):
-    return [rank_events(out, r, "step") for r in range(4)], [final_record(out, r) for r in range(4)]
-
-
-def _common_checks(out, proc, rounds: int, log_every: int = 10) -> dict:
+def _common_checks(out, proc, rounds: int, log_every: int = 10):
+    """What every gossip run of GOSSIP_RUN ends with; its summary, steps and final records."""
     assert proc is None or "gossip" in proc.stdout
     s = read_summary(out)
     assert s["strategy"] == "gossip" and s["lost_workers"] == []
@@ -183,7 +155,8 @@ def _common_checks(out, proc, rounds: int, log_every: int = 10) -> dict:
     # Replicas differ at the end: each one's accuracy is reported, the model is their mean.
     assert len(s["replica_accuracies"]) == 4
     assert s["worst_replica_accuracy"] == min(s["replica_accuracies"])
-    steps, finals = _steps_and_finals(out)
+    steps = [rank_events(out, r, "step") for r in range(4)]
+    finals = [final_record(out, r) for r in range(4)]
     for rank in range(4):
         assert [r["step"] for r in steps[rank]] == list(range(log_every, 61, log_every))
         assert [r["consensus_step"] for r in steps[rank] if "consensus_step" in r] == [20, 40, 60]
@@ -193,7 +166,7 @@ def _common_checks(out, proc, rounds: int, log_every: int = 10) -> dict:
     # Every message was served exactly once.
     served = sum(f["fetches_served"] + f["pushes_received"] for f in finals)
     assert served == 4 * rounds
-    return s
+    return s, steps, finals
 
 
 def test_cli_gossip_pull_ring_every_2_steps_on_two_nodes_with_a_nan_step(tmp_path):
@@ -201,9 +174,8 @@ def test_cli_gossip_pull_ring_every_2_steps_on_two_nodes_with_a_nan_step(tmp_pat
     proc = cli("train", *GOSSIP_RUN, "--nodes", "2", "--gossip-schedule", "ring",
                "--gossip-every", "2", "--inject-fault", "nan:2@10", "--out", str(out),
                timeout_s=120)  # fmt: skip
-    s = _common_checks(out, proc, rounds=30)
+    s, steps, finals = _common_checks(out, proc, rounds=30)
     assert s["inter_node_bytes"] > 0 and s["intra_node_bytes"] > 0
-    steps, finals = _steps_and_finals(out)
     for rank in range(4):
         assert {r["peer"] for r in steps[rank]} == {(rank + 1) % 4}  # the ring
         assert finals[rank]["fetches_served"] == 30 and finals[rank]["pushes_received"] == 0
@@ -220,9 +192,8 @@ def test_cli_gossip_push_sum_on_the_exponential_graph(tmp_path):
                      # uneven steps: pushes arrive between steps unevenly, as on real machines
                      "--step-time-jitter", "lognormal:0.5",
                      "--out", str(tmp_path / "gossip")])  # fmt: skip
-    s = _common_checks(out, None, rounds=60, log_every=5)
+    s, steps, finals = _common_checks(out, None, rounds=60, log_every=5)
     assert s["inter_node_bytes"] == 0  # one node
-    steps, finals = _steps_and_finals(out)
     for rank in range(4):
         # Step t is round t - 1, which goes to worker + 2^(round mod 2): +1 at steps 5, 15,
         # ..., +2 at steps 10, 20, ...

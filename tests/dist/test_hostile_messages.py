@@ -2,6 +2,7 @@
 from a scripted attacker, reject and count every one, drop the attacker when its stream cannot
 be read in step, survive, and apply the next valid message exactly (θ checked to the bit)."""
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -9,9 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from cloudburst.comm.gossip import GossipTransport, Mailbox, Snapshot, encode_weight
+from cloudburst.comm.liveness import LivenessMonitor
 from cloudburst.comm.messages import HEADER_LEN, MAGIC, TAG_REPLY, TAG_REQUEST, Header, Kind, Status
 from cloudburst.comm.p2p import PeerTransport
-from tests.helpers import spawn
+from cloudburst.comm.stats import CommStats
+from cloudburst.config import RunConfig
+from cloudburst.records.metrics import MetricsWriter, read_jsonl
+from cloudburst.runtime import init_distributed, shutdown
+from cloudburst.strategies import STRATEGY_CLASSES
+from cloudburst.strategies.asgd.server import ServerLoop
+from tests.helpers import spawn, wait_until
 
 pytestmark = pytest.mark.dist
 
@@ -32,25 +41,10 @@ def _leave(out: str, rank: int, result: dict) -> None:
 
 # ---------------------------------------------------------------------------- the server
 def _server_job(rank: int, out: str) -> dict:
-    from cloudburst.config import RunConfig
-    from cloudburst.records.metrics import MetricsWriter, read_jsonl
-    from cloudburst.comm.liveness import LivenessMonitor
-    from cloudburst.runtime import init_distributed, shutdown
-    from cloudburst.strategies.asgd.server import ServerLoop
-    from cloudburst.strategies import STRATEGY_CLASSES
-
-    cfg = RunConfig(
-        strategy="asgd",
-        workers=3,
-        servers=1,
-        dataset="synthetic",
-        out=out,
-        warm_start_steps=1,
-        heartbeat_timeout_s=30.0,
-        comm_timeout_s=60.0,
-        checkpoint_every=0,
-        server_lr=1.0,  # θ ← θ + Δ
-    )
+    # server_lr 1: θ ← θ + Δ
+    cfg = RunConfig(strategy="asgd", workers=3, servers=1, dataset="synthetic", out=out,
+                    warm_start_steps=1, heartbeat_timeout_s=30.0, comm_timeout_s=60.0,
+                    checkpoint_every=0, server_lr=1.0)  # fmt: skip
     ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
     store = ctx.store
     if ctx.is_server:
@@ -72,11 +66,11 @@ def _server_job(rank: int, out: str) -> dict:
 
     t = PeerTransport()
 
-    def turn(k: int) -> None:  # the script's steps run one at a time, in order
+    @contextlib.contextmanager
+    def turn(k: int):  # the script's steps run one at a time, in order
         if k > 1:
             store.wait([f"step{k}"])
-
-    def done(k: int) -> None:
+        yield
         store.set(f"step{k + 1}", "1")
 
     def request(header: Header, payload: torch.Tensor | None = None) -> int:
@@ -95,21 +89,17 @@ def _server_job(rank: int, out: str) -> dict:
 
     init = Header(Kind.INIT, shard=0, numel=NUMEL)
     if rank == 1:  # worker 0: honest, and the warm-start worker
-        turn(3)
-        seen = {"init": request(init, _vector(0))}
-        done(3)
-        turn(4)  # a second INIT, after the warm start
-        seen["init_again"] = request(init, torch.full((NUMEL,), 77.0))
-        seen["fetch0"] = fetch()
-        done(4)
-        turn(9)  # the next valid push after attacker A's messages
-        seen["push1"] = request(push(0), _vector(1))
-        seen["fetch1"] = fetch()
-        done(9)
-        turn(12)  # after attacker B's
-        seen["push2"] = request(push(1), _vector(2))
-        seen["fetch2"] = fetch()
-        done(12)
+        with turn(3):
+            seen = {"init": request(init, _vector(0))}
+        with turn(4):  # a second INIT, after the warm start
+            seen["init_again"] = request(init, torch.full((NUMEL,), 77.0))
+            seen["fetch0"] = fetch()
+        with turn(9):  # the next valid push after attacker A's messages
+            seen["push1"] = request(push(0), _vector(1))
+            seen["fetch1"] = fetch()
+        with turn(12):  # after attacker B's
+            seen["push2"] = request(push(1), _vector(2))
+            seen["fetch2"] = fetch()
         kind = Kind.DONE
         while request(Header(kind, shard=0)) != Status.FINISHED:
             kind = Kind.PING
@@ -117,43 +107,35 @@ def _server_job(rank: int, out: str) -> dict:
         return seen
 
     if rank == 2:  # attacker A: faults whose payload can be drained, then a huge length
-        turn(1)  # INIT from a worker that is not the warm-start worker
-        seen = {"init": request(init, torch.full((NUMEL,), 99.0))}
-        done(1)
-        turn(2)  # a push before the warm start arrived
-        seen["early_push"] = request(push(0), torch.full((NUMEL,), 5.0))
-        done(2)
-        turn(5)  # wrong shard, followed by its payload
-        seen["wrong_shard"] = request(push(0, shard=3), torch.full((NUMEL,), 6.0))
-        done(5)
-        turn(6)  # negative samples
-        seen["negative_samples"] = request(push(0, samples=-1000), torch.full((NUMEL,), 7.0))
-        done(6)
-        turn(7)  # a non-finite Δ (rejected; an honest worker's diverged push looks the same)
-        nan = torch.ones(NUMEL)
-        nan[4] = float("nan")
-        seen["nan_push"] = request(push(0), nan)
-        done(7)
-        turn(8)  # a length no receiver may allocate or read: no payload, and no reply comes
-        t.send(0, push(0, shard=2, numel=HUGE))
-        done(8)
+        with turn(1):  # INIT from a worker that is not the warm-start worker
+            seen = {"init": request(init, torch.full((NUMEL,), 99.0))}
+        with turn(2):  # a push before the warm start arrived
+            seen["early_push"] = request(push(0), torch.full((NUMEL,), 5.0))
+        with turn(5):  # wrong shard, followed by its payload
+            seen["wrong_shard"] = request(push(0, shard=3), torch.full((NUMEL,), 6.0))
+        with turn(6):  # negative samples
+            seen["negative_samples"] = request(push(0, samples=-1000), torch.full((NUMEL,), 7.0))
+        with turn(7):  # a non-finite Δ (rejected; an honest worker's diverged push looks the same)
+            nan = torch.ones(NUMEL)
+            nan[4] = float("nan")
+            seen["nan_push"] = request(push(0), nan)
+        with turn(8):  # a length no receiver may allocate or read: no payload, and no reply comes
+            t.send(0, push(0, shard=2, numel=HUGE))
         _leave(out, rank, seen)
 
     # rank 3, attacker B: a header with bad magic followed by a payload, then a valid push
-    turn(10)
-    bad = Header(Kind.PUSH, shard=0, numel=NUMEL).to_tensor()
-    bad[0] = MAGIC + 1
-    t._send(bad, 0, TAG_REQUEST)
-    # Payloads and replies without waiting: today's server takes this payload as the next
-    # push's Δ (and answers); a fixed one reads neither, nor answers.
-    t.isend_payload(0, torch.full((NUMEL,), 1000.0), reply=False)
-    t._irecv(torch.empty(HEADER_LEN, dtype=torch.int64), 0, TAG_REPLY)
-    done(10)
-    turn(11)
-    t.send(0, push(1))
-    t.isend_payload(0, torch.full((NUMEL,), -1000.0), reply=False)
-    t._irecv(torch.empty(HEADER_LEN, dtype=torch.int64), 0, TAG_REPLY)
-    done(11)
+    with turn(10):
+        bad = Header(Kind.PUSH, shard=0, numel=NUMEL).to_tensor()
+        bad[0] = MAGIC + 1
+        t._send(bad, 0, TAG_REQUEST)
+        # Payloads and replies without waiting: today's server takes this payload as the next
+        # push's Δ (and answers); a fixed one reads neither, nor answers.
+        t.isend_payload(0, torch.full((NUMEL,), 1000.0), reply=False)
+        t._irecv(torch.empty(HEADER_LEN, dtype=torch.int64), 0, TAG_REPLY)
+    with turn(11):
+        t.send(0, push(1))
+        t.isend_payload(0, torch.full((NUMEL,), -1000.0), reply=False)
+        t._irecv(torch.empty(HEADER_LEN, dtype=torch.int64), 0, TAG_REPLY)
     store.wait(["step13"])  # the server has read all it will read from this rank
     _leave(out, rank, {})
 
@@ -192,24 +174,7 @@ def test_server_rejects_hostile_requests_and_applies_the_next_push_exactly(tmp_p
 
 
 # ---------------------------------------------------------------------------- gossip
-def _until(condition) -> None:
-    """Wait for the serving thread to have handled what was sent (a mechanism, not a time)."""
-    import time
-
-    deadline = time.monotonic() + 60
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the serving thread did not get there")
-        time.sleep(0.01)
-
-
 def _gossip_job(rank: int, out: str) -> dict:
-    from cloudburst.comm.gossip import GossipTransport, Mailbox, Snapshot, encode_weight
-    from cloudburst.comm.stats import CommStats
-    from cloudburst.config import RunConfig
-    from cloudburst.runtime import init_distributed, shutdown
-    from cloudburst.strategies import STRATEGY_CLASSES
-
     cfg = RunConfig(strategy="gossip", workers=3, dataset="synthetic", out=out,
                     comm_timeout_s=60.0, gossip_variant="push")  # fmt: skip
     ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
@@ -256,19 +221,20 @@ def _gossip_job(rank: int, out: str) -> dict:
     # rank 0: the receiver under attack
     store.wait(["attacked"])
     faults = transport.request_faults
-    _until(lambda: faults.ignored == 1)  # the dropped attacker's last push, not read
+    # (the serving thread has handled what was sent: a mechanism, not a time)
+    wait_until(lambda: faults.ignored == 1, 60, "the dropped attacker's last push, not read")
     taken = mailbox.take()
     seen = {"after_attack": [taken[0].tolist(), taken[1], taken[2]]}
     store.set("w0_ready", "1")
     store.wait(["w1_pushed"])
-    _until(lambda: transport.counters.pushes_received == 1)
+    wait_until(lambda: transport.counters.pushes_received == 1, 60, "the honest push")
     taken = mailbox.take()
     seen["after_push"] = [taken[0].tolist(), taken[1], taken[2]]
     pulled = torch.empty(NUMEL)
     seen["pull_honest"] = [transport.pull(1, pulled, step=1), pulled.tolist()]
     seen["pull_attacker"] = transport.pull(2, pulled, step=1)
     store.set("w0_pulled", "1")
-    _until(lambda: faults.ignored == 2)  # the attacker's DONE, ignored
+    wait_until(lambda: faults.ignored == 2, 60, "the attacker's DONE, ignored")
     store.set("w2_done_seen", "1")
     transport.finish()
     seen["by_peer"] = faults.by_peer

@@ -2,22 +2,29 @@
 
 import pytest
 
+from tests.helpers import cli, final_record, read_summary, simulated
 from tests.reference import (
     COMMON,
     LR,
     assert_params_differ,
     assert_same_params,
     parity_diloco,
-    parity_numel,
     parity_local_sgd,
+    parity_numel,
     parity_streaming_diloco,
     trained,
 )
-from tests.helpers import cli, final_record, read_summary, simulated
 
 pytestmark = pytest.mark.dist
 
 LINK = "1,0.5"  # 1 Gbit/s, 0.5 ms
+
+
+def _gloo_and_simulator_end_on(expected, args: list[str], out) -> None:
+    """The CLI run over gloo and the same job on the virtual cluster end on ``expected``."""
+    cli("train", *args)
+    assert_same_params(trained(out), expected)
+    assert_same_params(trained(simulated(args)), trained(out))
 
 
 def test_post_local_sgd_warmup_then_local_steps_over_an_emulated_link(tmp_path):
@@ -31,12 +38,9 @@ def test_post_local_sgd_warmup_then_local_steps_over_an_emulated_link(tmp_path):
         "--local-sgd-warmup-steps", "8", "--steps", "18", "--nodes", "2",
         "--inter-node-link", LINK, "--inject-fault", "nan:1@12", "--out", str(out),
         *COMMON]  # fmt: skip
-    cli("train", *args)
-    sim = simulated(args)  # the same job on the virtual cluster
     expected, averages = parity_local_sgd(18, workers=2, period=4, warmup_steps=8, nan=[(1, 12)])
     assert averages == 11
-    assert_same_params(trained(out), expected)
-    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
+    _gloo_and_simulator_end_on(expected, args, out)
     # The local phase ran: the same steps averaged every step would end elsewhere.
     synchronous, _ = parity_local_sgd(18, workers=2, period=1, nan=[(1, 12)])
     assert_params_differ(expected, synchronous)
@@ -68,14 +72,13 @@ def test_diloco_warm_start_then_outer_optimizer_without_nesterov(tmp_path):
         "--local-sgd-warmup-steps", "4", "--diloco-outer-lr", "0.5",
         "--diloco-outer-momentum", "0.5", "--diloco-no-nesterov",
         "--out", str(out), *COMMON]  # fmt: skip
-    cli("train", *args)
-    sim = simulated(args)  # the same job on the virtual cluster
     settings = dict(period=5, outer_lr=0.5, outer_momentum=0.5)
     expected, outer_steps = parity_diloco(32, 2, nesterov=False, warmup_steps=4, **settings)
     assert outer_steps == 6
-    assert_same_params(trained(out), expected)
-    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
-    assert_params_differ(expected, parity_diloco(32, 2, nesterov=True, warmup_steps=4, **settings)[0])
+    _gloo_and_simulator_end_on(expected, args, out)
+    assert_params_differ(
+        expected, parity_diloco(32, 2, nesterov=True, warmup_steps=4, **settings)[0]
+    )
     assert_params_differ(expected, parity_diloco(32, 2, nesterov=False, **settings)[0])
     s = read_summary(out)
     # One all-reduce of θ per average: 1/5 of sync's per-step gradient traffic after the warm-up.
@@ -93,13 +96,10 @@ def test_desloc_averages_adams_moments_on_their_own_schedules(tmp_path):
         "--optimizer", "adamw", "--desloc-first-every", "2", "--desloc-second-every", "1",
         "--diloco-outer-lr", "0.7", "--diloco-outer-momentum", "0.9",
         "--out", str(out), *COMMON]  # fmt: skip
-    cli("train", *args)
-    sim = simulated(args)
     settings = dict(period=4, outer_lr=0.7, outer_momentum=0.9, nesterov=True, adamw_lr=LR)
     expected, outer_steps = parity_diloco(24, 2, desloc=(2, 1), **settings)
     assert outer_steps == 6
-    assert_same_params(trained(out), expected)
-    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
+    _gloo_and_simulator_end_on(expected, args, out)
     assert_params_differ(expected, parity_diloco(24, 2, desloc=(0, 1), **settings)[0])
     assert_params_differ(expected, parity_diloco(24, 2, **settings)[0])
     # Every all-reduce (θ's, each moment's) is |θ| fp32 values from each of the 2 workers.
@@ -117,13 +117,10 @@ def test_streaming_diloco_two_fragments_one_step_delay(tmp_path):
         "--diloco-outer-lr", "0.7", "--diloco-outer-momentum", "0.9", "--nodes", "2",
         "--inter-node-link", LINK,
         "--out", str(out), *COMMON]  # fmt: skip
-    cli("train", *args)
-    sim = simulated(args)
     settings = dict(period=6, fragments=2, delay=1, alpha=0.5, outer_lr=0.7)
     expected, syncs = parity_streaming_diloco(20, 2, outer_momentum=0.9, nesterov=True, **settings)
     assert syncs == 8
-    assert_same_params(trained(out), expected)
-    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
+    _gloo_and_simulator_end_on(expected, args, out)
     s = read_summary(out)
     assert s["sent_bytes"] == s["inter_node_bytes"] == 2 * 4 * (4 * parity_numel())
     assert [final_record(out, r)["averages"] for r in (0, 1)] == [syncs] * 2

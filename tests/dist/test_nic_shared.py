@@ -8,8 +8,8 @@ import multiprocessing as mp
 
 import pytest
 
-from cloudburst.comm.link import LinkEmulator, Topology
 from cloudburst.comm.costs import LinkSpec
+from cloudburst.comm.link import LinkEmulator, Topology
 from cloudburst.comm.nic import NicState
 
 pytestmark = pytest.mark.dist

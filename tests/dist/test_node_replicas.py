@@ -2,28 +2,25 @@
 and the strategy runs between the nodes: against the single-process references of
 ``tests/reference.py``, whose node replica steps on its G workers' batches together."""
 
-import dataclasses
-
 import pytest
 import torch
 
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.config.simulation import SimulationConfig
+from cloudburst.records.checkpoint import load_checkpoint
+from cloudburst.records.resilience import worker_checkpoint_path
 from cloudburst.sim.run import SimulationFailed, simulate
+from tests.helpers import cli, final_record, read_summary, simulated
 from tests.reference import (
     COMMON,
-    LR,
     asgd_one_round,
     assert_params_differ,
     assert_same_params,
     parity_diloco,
-    parity_numel,
     parity_local_sgd,
+    parity_numel,
     trained,
 )
-from cloudburst.records.checkpoint import load_checkpoint
-from cloudburst.records.resilience import worker_checkpoint_path
-from tests.helpers import cli, final_record, read_summary, simulated
 
 pytestmark = pytest.mark.dist
 

@@ -9,6 +9,7 @@ run that ignored it fails.
 
 import pytest
 
+from tests.helpers import cli, rank_events, read_summary, simulated
 from tests.reference import (
     COMMON,
     asgd_one_worker,
@@ -19,7 +20,6 @@ from tests.reference import (
     sync_sgd,
     trained,
 )
-from tests.helpers import simulated, cli, rank_events, read_summary
 
 pytestmark = pytest.mark.dist
 

@@ -22,6 +22,15 @@ import dataclasses
 import pytest
 import torch
 
+from cloudburst.comm.flat import flatten_params
+from cloudburst.comm.liveness import LivenessMonitor
+from cloudburst.config import RunConfig
+from cloudburst.records.metrics import MetricsWriter
+from cloudburst.runtime import init_distributed, shutdown
+from cloudburst.strategies import STRATEGY_CLASSES
+from cloudburst.strategies.asgd.server import ServerLoop
+from cloudburst.strategies.easgd import EasgdStrategy
+from cloudburst.strategies.replica import make_strategy
 from tests import reference as ref
 from tests.helpers import spawn
 
@@ -52,11 +61,9 @@ class Turns:
         self.store.set(f"{self.name}/{i}", "1")
 
 
-def _trajectory(ctx, cfg_changes: dict, optimizer, steps: int, turns: Turns | None = None):
+def _trajectory(ctx, optimizer, steps: int, turns: Turns | None = None, **cfg_changes):
     """Train the tiny model through the strategy ``cfg_changes`` describes; θ after each step
     (the last one after ``finish``), and ``step_info`` after each step."""
-    from cloudburst.strategies.replica import make_strategy
-
     cfg = ctx.cfg.replace(**cfg_changes)
     ctx = dataclasses.replace(ctx, cfg=cfg)
     worker = ctx.worker_index
@@ -82,52 +89,27 @@ def _trajectory(ctx, cfg_changes: dict, optimizer, steps: int, turns: Turns | No
 
 
 def _four_workers(rank: int, out: str) -> dict:
-    from cloudburst.config import RunConfig
-    from cloudburst.runtime import init_distributed, shutdown
-    from cloudburst.strategies import STRATEGY_CLASSES
-
     # Created as a gossip job, so that the gossip groups exist; the other strategies use the
     # workers' (here: the world) group.
-    cfg = RunConfig(
-        strategy="gossip",
-        workers=4,
-        dataset="synthetic",
-        device="cpu",
-        out=out,
-        comm_timeout_s=60,
-        consensus_every_steps=1000,
-    )
+    cfg = RunConfig(strategy="gossip", workers=4, dataset="synthetic", device="cpu", out=out,
+                    comm_timeout_s=60, consensus_every_steps=1000)  # fmt: skip
     ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
     sgd = ref.sgd()
+    diloco = dict(diloco_outer_lr=DILOCO_OUTER_LR, diloco_outer_momentum=DILOCO_OUTER_MOMENTUM)
+    gossip = dict(gossip_variant="pull", gossip_schedule="ring", gossip_every=GOSSIP_EVERY)
     runs = {
-        "sync": _trajectory(ctx, {"strategy": "sync"}, sgd, SYNC_STEPS),
-        "local_sgd": _trajectory(
-            ctx, {"strategy": "local_sgd", "period": PERIOD}, sgd, LOCAL_STEPS
-        ),
+        "sync": _trajectory(ctx, sgd, SYNC_STEPS, strategy="sync"),
+        "local_sgd": _trajectory(ctx, sgd, LOCAL_STEPS, strategy="local_sgd", period=PERIOD),
         "diloco": _trajectory(
             ctx,
-            {
-                "strategy": "diloco",
-                "period": PERIOD,
-                "diloco_outer_lr": DILOCO_OUTER_LR,
-                "diloco_outer_momentum": DILOCO_OUTER_MOMENTUM,
-                "diloco_nesterov": True,
-            },
             ref.adamw(),
             LOCAL_STEPS,
-        ),
-        "gossip": _trajectory(
-            ctx,
-            {
-                "strategy": "gossip",
-                "gossip_variant": "pull",
-                "gossip_schedule": "ring",
-                "gossip_every": GOSSIP_EVERY,
-            },
-            sgd,
-            GOSSIP_STEPS,
-            turns=Turns(ctx.store, "gossip"),
-        ),
+            strategy="diloco",
+            period=PERIOD,
+            diloco_nesterov=True,
+            **diloco,
+        ),  # fmt: skip
+        "gossip": _trajectory(ctx, sgd, GOSSIP_STEPS, Turns(ctx.store, "gossip"), **gossip),
     }
     shutdown(ctx)
     return runs
@@ -150,40 +132,32 @@ def four_workers(tmp_path_factory) -> list[dict]:
     return spawn(_four_workers, 4, out, str(out), timeout_s=180)
 
 
-def test_sync_with_four_workers_is_sgd_on_the_four_batches_joined(four_workers):
-    """DDP over 4 workers, momentum SGD: θ after every step equals one process's SGD on the
-    concatenation of the 4 batches (to 1e-6: a mean of 4 gradient means vs one mean)."""
-    model = ref.tiny_model()
-    expected = ref.large_batch_sgd(model, ref.sgd()(model), workers=4, steps=SYNC_STEPS)
-    for w, run in enumerate(four_workers):
-        assert_trajectory(run["sync"]["theta"], expected, f"sync worker {w}")
-
-
-def test_local_sgd_with_period_3_matches_the_reference(four_workers):
-    """Each replica's θ after every step: its own momentum-SGD steps, replaced by the average
-    after steps 3 and 6 and, in ``finish``, after step 7 (H = 3, W = 4)."""
-    replicas = ref.Replicas(4, ref.sgd())
-    expected = ref.local_sgd(replicas.models, replicas.step, LOCAL_STEPS, PERIOD)
-    for w, run in enumerate(four_workers):
-        assert_trajectory(run["local_sgd"]["theta"], expected[w], f"local_sgd worker {w}")
-
-
-def test_diloco_with_nesterov_outer_momentum_matches_the_reference(four_workers):
-    """AdamW inner steps; after steps 3, 6 and (in ``finish``) 7 the outer SGD with Nesterov
-    momentum (lr 0.7, μ 0.9) applies θ_global − mean θ_w, and every replica restarts from
-    θ_global. The momentum enters from the first outer step (d = g + μb)."""
-    replicas = ref.Replicas(4, ref.adamw())
-    expected = ref.diloco(
-        replicas.models,
-        replicas.step,
-        LOCAL_STEPS,
-        PERIOD,
-        outer_lr=DILOCO_OUTER_LR,
-        outer_momentum=DILOCO_OUTER_MOMENTUM,
-        nesterov=True,
+def _expected(strategy: str) -> list[list[torch.Tensor]]:
+    """Each worker's θ after every step, by the reference of ``strategy``."""
+    if strategy == "sync":  # one process's SGD on the 4 batches joined, for every worker
+        model = ref.tiny_model()
+        return [ref.large_batch_sgd(model, ref.sgd()(model), workers=4, steps=SYNC_STEPS)] * 4
+    replicas = ref.Replicas(4, ref.adamw() if strategy == "diloco" else ref.sgd())
+    if strategy == "local_sgd":
+        return ref.local_sgd(replicas.models, replicas.step, LOCAL_STEPS, PERIOD)
+    # Nesterov outer momentum (the reference's default)
+    return ref.diloco(
+        replicas.models, replicas.step, LOCAL_STEPS, PERIOD, DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM
     )
+
+
+@pytest.mark.parametrize("strategy", ["sync", "local_sgd", "diloco"])
+def test_lockstep_strategies_match_the_reference(four_workers, strategy):
+    """θ of every worker after every step, to 1e-6. sync: DDP over 4 workers, momentum SGD, is
+    one process's SGD on the concatenation of the 4 batches (a mean of 4 gradient means vs one
+    mean). local_sgd: each replica's own momentum-SGD steps, replaced by the average after steps
+    3 and 6 and, in ``finish``, after step 7 (H = 3, W = 4). diloco: AdamW inner steps; after
+    steps 3, 6 and (in ``finish``) 7 the outer SGD with Nesterov momentum (lr 0.7, μ 0.9)
+    applies θ_global − mean θ_w, and every replica restarts from θ_global; the momentum enters
+    from the first outer step (d = g + μb)."""
+    expected = _expected(strategy)
     for w, run in enumerate(four_workers):
-        assert_trajectory(run["diloco"]["theta"], expected[w], f"diloco worker {w}")
+        assert_trajectory(run[strategy]["theta"], expected[w], f"{strategy} worker {w}")
 
 
 def test_gossip_ring_pull_in_a_scripted_order_matches_the_reference(four_workers):
@@ -196,11 +170,7 @@ def test_gossip_ring_pull_in_a_scripted_order_matches_the_reference(four_workers
     What is not checked: timing-dependent pulls (no turns), which no reference can predict."""
     replicas = ref.Replicas(4, ref.sgd())
     expected = ref.gossip_pull(
-        replicas.models,
-        replicas.step,
-        GOSSIP_STEPS,
-        peer=lambda i, r: (i + 1) % 4,
-        every=GOSSIP_EVERY,
+        replicas.models, replicas.step, GOSSIP_STEPS, lambda i, r: (i + 1) % 4, GOSSIP_EVERY
     )
     for w, run in enumerate(four_workers):
         gossip = run["gossip"]
@@ -216,26 +186,9 @@ def test_gossip_ring_pull_in_a_scripted_order_matches_the_reference(four_workers
 
 # ---------------------------------------------------------------------------- easgd
 def _easgd(rank: int, out: str) -> dict:
-    from cloudburst.comm.flat import flatten_params
-    from cloudburst.config import RunConfig
-    from cloudburst.records.metrics import MetricsWriter
-    from cloudburst.comm.liveness import LivenessMonitor
-    from cloudburst.runtime import init_distributed, shutdown
-    from cloudburst.strategies.asgd.server import ServerLoop
-    from cloudburst.strategies import STRATEGY_CLASSES
-    from cloudburst.strategies.easgd import EasgdStrategy
-
-    cfg = RunConfig(
-        strategy="easgd",
-        workers=2,
-        servers=1,
-        easgd_tau=TAU,  # α: the default, β/W = 0.45
-        dataset="synthetic",
-        device="cpu",
-        out=out,
-        comm_timeout_s=60,
-        checkpoint_every=0,
-    )
+    # α: the default, β/W = 0.45
+    cfg = RunConfig(strategy="easgd", workers=2, servers=1, easgd_tau=TAU, dataset="synthetic",
+                    device="cpu", out=out, comm_timeout_s=60, checkpoint_every=0)  # fmt: skip
     ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
     model = ref.tiny_model()
     if ctx.is_server:

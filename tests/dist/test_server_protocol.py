@@ -1,11 +1,19 @@
 """The real server loop, driven by scripted workers over gloo: staleness, rejection, finish."""
 
+import os
+
 import pytest
 import torch
 
+from cloudburst.comm.liveness import Heartbeat, LivenessMonitor
 from cloudburst.comm.messages import Header, Kind, Status
 from cloudburst.comm.p2p import PeerTransport
 from cloudburst.config import RunConfig
+from cloudburst.records.checkpoint import load_checkpoint
+from cloudburst.records.metrics import MetricsWriter, read_jsonl
+from cloudburst.runtime import init_distributed, shutdown
+from cloudburst.strategies import STRATEGY_CLASSES
+from cloudburst.strategies.asgd.server import ServerLoop
 from tests.helpers import spawn
 
 pytestmark = pytest.mark.dist
@@ -13,50 +21,49 @@ pytestmark = pytest.mark.dist
 NUMEL = 10
 
 
-def _cfg(out: str) -> RunConfig:
+def _start(rank: int, out: str):
+    """The job's context; on the server, its loop run to the end and what it reports."""
     # push records: one every 2nd applied push, and every push not applied
-    return RunConfig(
-        strategy="asgd",
-        workers=2,
-        servers=1,
-        dataset="synthetic",
-        out=out,
-        heartbeat_timeout_s=5.0,
-        comm_timeout_s=60.0,
-        checkpoint_every=2,
-        push_log_every=2,
+    cfg = RunConfig(
+        strategy="asgd", workers=2, servers=1, dataset="synthetic", out=out,
+        heartbeat_timeout_s=5.0, comm_timeout_s=60.0, checkpoint_every=2, push_log_every=2,
         server_lr=1.0,  # θ ← θ + Δ: the expected values are sums of pushes
+    )  # fmt: skip
+    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
+    if not ctx.is_server:
+        return ctx, None
+    metrics = MetricsWriter(out, rank, "server0")
+    loop = ServerLoop(
+        ctx, torch.zeros(NUMEL), metrics, LivenessMonitor(ctx.store, ctx.worker_ranks, 5.0)
     )
+    loop.run()
+    metrics.close()
+    pushes = [r for r in read_jsonl(metrics.path) if r["event"] == "push"]
+    shutdown(ctx)
+    return ctx, {
+        "stats": loop.stats(),
+        "theta": loop.shard.theta.tolist(),
+        "push_staleness": [p["staleness_versions"] for p in pushes],
+        "push_status": [p["status"] for p in pushes],
+        "push_version": [p["version"] for p in pushes],
+    }
+
+
+def _finish(t: PeerTransport) -> None:
+    """DONE, then PINGs until the server says it has finished."""
+    kind = Kind.DONE
+    while True:
+        t.send(0, Header(kind, shard=0))
+        if t.recv_reply(0).status == Status.FINISHED:
+            return
+        kind = Kind.PING
 
 
 def _scripted(rank: int, out: str) -> dict:
-    from cloudburst.records.metrics import MetricsWriter, read_jsonl
-    from cloudburst.comm.liveness import Heartbeat, LivenessMonitor
-    from cloudburst.runtime import init_distributed, shutdown
-    from cloudburst.strategies.asgd.server import ServerLoop
-    from cloudburst.strategies import STRATEGY_CLASSES
-
-    cfg = _cfg(out)
-    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
+    ctx, served = _start(rank, out)
+    if served is not None:
+        return served
     store = ctx.store
-    if ctx.is_server:
-        metrics = MetricsWriter(out, rank, "server0")
-        loop = ServerLoop(
-            ctx, torch.zeros(NUMEL), metrics, LivenessMonitor(store, ctx.worker_ranks, 5.0)
-        )
-        loop.run()
-        metrics.close()
-        pushes = [r for r in read_jsonl(metrics.path) if r["event"] == "push"]
-        result = {
-            "stats": loop.stats(),
-            "theta": loop.shard.theta.tolist(),
-            "push_staleness": [p["staleness_versions"] for p in pushes],
-            "push_status": [p["status"] for p in pushes],
-            "push_version": [p["version"] for p in pushes],
-        }
-        shutdown(ctx)
-        return result
-
     t = PeerTransport()
     hb = Heartbeat(store, rank, 0.2).start()
     replies = []
@@ -104,9 +111,7 @@ def _scripted(rank: int, out: str) -> dict:
         request(Kind.PUSH, version=0, payload=ones)  # v1 -> staleness 1 -> v2
         request(Kind.PUSH, version=0, payload=ones)  # v2 -> staleness 2 -> v3
         store.set("b_pushed_twice", "1")
-    r = request(Kind.DONE)
-    while r.status != Status.FINISHED:
-        r = request(Kind.PING)
+    _finish(t)
     hb.stop()
     shutdown(ctx)
     return {"replies": replies, "theta_before": theta_before}
@@ -140,33 +145,14 @@ def test_staleness_rejection_and_finish_over_gloo(tmp_path):
     # push-fetch replies carry θ as it was before the push: 0 at v0, then 3 pushes of ones at v3
     assert a["theta_before"] == [[0.0] * NUMEL, [3.0] * NUMEL]
     # the checkpoint (every 2 applied pushes) holds the shard as of version 4
-    from cloudburst.records.checkpoint import load_checkpoint
-
     state = load_checkpoint(tmp_path / "checkpoints" / "server0.pt", "server-shard")
     assert state["version"] == 4 and state["theta"].tolist() == [4.0] * NUMEL
 
 
 def _dies_mid_request(rank: int, out: str) -> dict:
-    import os
-
-    from cloudburst.records.metrics import MetricsWriter
-    from cloudburst.comm.liveness import Heartbeat, LivenessMonitor
-    from cloudburst.runtime import init_distributed, shutdown
-    from cloudburst.strategies.asgd.server import ServerLoop
-    from cloudburst.strategies import STRATEGY_CLASSES
-
-    cfg = _cfg(out)
-    ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
-    if ctx.is_server:
-        metrics = MetricsWriter(out, rank, "server0")
-        loop = ServerLoop(
-            ctx, torch.zeros(NUMEL), metrics, LivenessMonitor(ctx.store, ctx.worker_ranks, 5.0)
-        )
-        loop.run()
-        metrics.close()
-        result = {"stats": loop.stats(), "theta": loop.shard.theta.tolist()}
-        shutdown(ctx)
-        return result
+    ctx, served = _start(rank, out)
+    if served is not None:
+        return served
     t = PeerTransport()
     if rank == 2:
         # announce a push, then die before sending its payload
@@ -179,12 +165,7 @@ def _dies_mid_request(rank: int, out: str) -> dict:
         t.recv_reply(0)
     t.send(0, Header(Kind.FETCH, shard=0))
     t.recv_reply(0, theta)
-    kind = Kind.DONE
-    while True:
-        t.send(0, Header(kind, shard=0))
-        if t.recv_reply(0).status == Status.FINISHED:
-            break
-        kind = Kind.PING
+    _finish(t)
     hb.stop()
     shutdown(ctx)
     return {"theta": theta.tolist()}

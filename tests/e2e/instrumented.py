@@ -1,4 +1,5 @@
-"""A model factory that instruments the rank it is built in, for end-to-end tests.
+"""What several end-to-end tests share: a model factory that instruments the rank it is built
+in, the processes a test starts (and how it ends them), and the checks of a restarted shard.
 
 ``--model tests.e2e.instrumented:mlp`` builds cloudburst's MLP. Inside a rank of a job (where
 ``RANK`` is set; not in the CLI's own check before launch), the environment asks for more:
@@ -17,11 +18,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
 
 from cloudburst.models import MLP
+from tests.helpers import REPO, cli_env, free_port, read_summary
+from tests.support import rank_records
 
 RECORD_ENV = "CLOUDBURST_TEST_RECORD"
 POISON_ENV = "CLOUDBURST_TEST_POISON"
@@ -97,3 +104,122 @@ def expected_padding(call: dict) -> float:
     """What the README promises: the step is padded to ``--min-step-time-s``, then made
     ``factor`` times longer: max(compute, min)·factor − compute."""
     return max(call["compute_s"], call["min_step_time_s"]) * call["factor"] - call["compute_s"]
+
+
+# ---------------------------------------------------------------------------- processes
+LAUNCH_ENV = "CLOUDBURST_TEST_LAUNCH"  # a token in every process a test starts: to kill them
+
+
+def start_marked(cmd: list[str], log: Path, token: str, env: dict[str, str] | None = None):
+    """``cmd`` in the background, its output in ``log``, ``token`` in its environment."""
+    env = cli_env({**(env or {}), LAUNCH_ENV: token})
+    with log.open("w") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+
+
+def kill_marked(token: str) -> None:
+    """SIGKILL every process that carries ``token``: the launchers and their ranks (torchrun
+    starts each rank in a session of its own, so a process group would not reach them)."""
+    needle = f"{LAUNCH_ENV}={token}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if needle in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass  # gone, or not ours to read
+
+
+GRACE_S = 20  # how long the other launch may take to fail after one did
+
+
+def launch_pair(
+    args: list[str], logs_dir: Path, master_addr="127.0.0.1", prefixes=([], []), node_env=({}, {})
+) -> None:
+    """Two torchrun launches of ``cloudburst train ARGS``, 2 ranks each, node 0 and node 1 of a
+    static rendezvous at ``master_addr`` (each command behind its prefix, e.g. ``ip netns exec
+    NS``); both must succeed. When one fails, the other gets GRACE_S to fail too (a static
+    rendezvous does not tell the other node), then is killed; everything is killed after
+    180 s and, in any case, on the way out."""
+    port, token = free_port(), os.urandom(16).hex()
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], [logs_dir / f"node{node}.log" for node in range(2)]
+    deadline, failed_at = time.monotonic() + 180, None
+    try:
+        for node in range(2):
+            torchrun = f"""-m torch.distributed.run --nnodes 2 --node-rank {node}
+                --nproc-per-node 2 --rdzv-backend static --master-addr {master_addr}
+                --master-port {port}""".split()
+            cmd = [*prefixes[node], sys.executable, *torchrun, "-m", "cloudburst", "train", *args]
+            procs.append(start_marked(cmd, logs[node], token, node_env[node]))
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now - failed_at > GRACE_S):
+                kill_marked(token)
+                assert now <= deadline, "the launches did not finish in 180 s:\n" + "\n".join(
+                    log.read_text() for log in logs
+                )
+            time.sleep(0.1)
+    finally:
+        kill_marked(token)
+        for p in procs:
+            p.wait(timeout=30)
+    assert all(p.returncode == 0 for p in procs), "\n".join(
+        f"--- node {i} exit {p.returncode}:\n{log.read_text()}"
+        for i, (p, log) in enumerate(zip(procs, logs, strict=True))
+    )
+
+
+def session_processes(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (every process a CLI started in its own session)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc
+
+
+# ---------------------------------------------------------------------------- a restarted shard
+def check_shard_restarted(out: Path) -> tuple[dict, list[dict], int, list[dict]]:
+    """Shard 1 (rank 1), SIGKILLed once, was restarted in place from a checkpoint, and the
+    workers (ranks 2 and 3) reconnected to it unrestarted, each telling it the last version
+    it saw acknowledged: ``pushes_lost`` is the highest of those minus the version restored.
+    Returns the summary, shard 1's records, the version restored and its pushes since."""
+    summary = read_summary(out)
+    assert "failed" not in summary and summary["lost_workers"] == []
+    assert (summary["shard_restarts"], summary["shard_failovers"]) == (1, 0)
+    shard = rank_records(out, 1)
+    starts = [r for r in shard if r["event"] == "start"]
+    assert len(starts) == 2  # the killed shard and its restart
+    [resume] = [r for r in shard if r["event"] == "resume"]
+    restored = resume["version"]
+    assert restored > 0 and restored % 10 == 0  # a checkpoint's version
+    acked = []
+    for rank in (2, 3):  # one start each, no resume, one reconnection each
+        records = rank_records(out, rank)
+        assert [r["event"] for r in records].count("start") == 1
+        assert not any(r["event"] == "resume" for r in records)
+        reconnected = [x for r in records for x in r.get("shard_reconnected", [])]
+        assert [(x["shard"], x["restart"], x["version"]) for x in reconnected] == [(1, 1, restored)]
+        acked.append(reconnected[0]["acked"])
+    assert summary["pushes_lost"] == max(acked) - restored >= 0  # > 0 unless killed at a checkpoint
+    after = [r for r in shard[shard.index(starts[1]) :] if r["event"] == "push"]
+    assert after[-1]["version"] == restored + len(after)  # each push since, one version
+    return summary, shard, restored, after

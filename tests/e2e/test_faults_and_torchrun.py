@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from tests.e2e.instrumented import launch_pair
 from tests.helpers import REPO, cli, cli_env, free_port, rank_events, read_summary
 
 pytestmark = pytest.mark.e2e
@@ -34,48 +35,18 @@ def test_killed_and_hung_asgd_workers_are_lost_and_the_others_finish(tmp_path):
     assert (out / "checkpoints" / "server0.pt").is_file()
 
 
-def _torchrun_pair(tmp_path, nproc: int, args: list[str]) -> None:
-    port = free_port()
-    procs = []
-    for node in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-               str(node), "--nproc-per-node", str(nproc), "--rdzv-backend", "static",
-               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "cloudburst",
-               "train", *args]  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=cli_env(),
-            )
-        )
-    outputs = [p.communicate(timeout=180)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
-
-
-# (two launches of a lockstep strategy: DASO's, in test_daso_multinode.py)
-@pytest.mark.parametrize(
-    "nproc, args",
-    [(2, ["--strategy", "asgd", "--workers", "3", "--servers", "1", "--n-sync", "3"])],
-)
-def test_two_torchrun_launches_on_localhost(tmp_path, nproc, args):
+def test_two_torchrun_launches_on_localhost(tmp_path):
+    # asgd: 3 workers and a server over 2 launches of 2 ranks (DASO's: test_daso_multinode.py)
     out = tmp_path / "run"
-    _torchrun_pair(
-        tmp_path,
-        nproc,
-        [*args, "--steps", "60", "--dataset", "synthetic", "--model", "mlp", "--out", str(out)],
-    )
+    args = ["--strategy", "asgd", "--workers", "3", "--servers", "1", "--n-sync", "3",
+            "--steps", "60", "--dataset", "synthetic", "--model", "mlp"]  # fmt: skip
+    launch_pair([*args, "--out", str(out)], tmp_path / "logs")
     s = read_summary(out)
-    workers = int(args[3])
-    assert s["workers"] == workers and s["lost_workers"] == []
-    assert s["samples"] == workers * 60 * 64
+    assert s["workers"] == 3 and s["lost_workers"] == []
+    assert s["samples"] == 3 * 60 * 64
     assert s["final_test_accuracy"] > 0.3
-    servers = s["servers"]
-    for rank in range(servers, servers + workers):  # every rank of both launches trained
-        assert rank_events(out, rank, "start")[0]["world_size"] == servers + workers
+    for rank in range(1, 4):  # every rank of both launches trained
+        assert rank_events(out, rank, "start")[0]["world_size"] == 4
         assert [e["step"] for e in rank_events(out, rank, "step")][-1] == 60
 
 
@@ -83,18 +54,14 @@ def test_python_api_example_under_torchrun(tmp_path):
     # asgd: servers and workers in one launch. The README's sync command is parsed by
     # test_readme.py; a lockstep Job under torchrun runs there (README.md's block) and
     # sync's hooks in tests/dist/test_api_hooks.py.
-    for args, nproc in [(["--strategy", "asgd", "--servers", "1", "--n-sync", "5"], 3)]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), str(REPO / "examples" / "own_loop.py"),
-               *args, "--steps", "40", "--out", str(tmp_path / args[1])]  # fmt: skip
-        proc = subprocess.run(
-            cmd, cwd=REPO, capture_output=True, text=True, timeout=180, env=cli_env()
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        workers = nproc - (1 if args[1] == "asgd" else 0)
-        reports = sorted(line for line in proc.stdout.splitlines() if line.startswith("worker "))
-        assert [line.split(":")[0] for line in reports] == [f"worker {w}" for w in range(workers)]
-        assert all("sent 0 bytes" not in line for line in reports)  # every worker communicated
-        if args[1] == "asgd":
-            [line] = [x for x in proc.stdout.splitlines() if x.startswith("final global model")]
-            assert float(line.rsplit(" ", 1)[1]) > 0.5
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+           "--master-port", str(free_port()), str(REPO / "examples" / "own_loop.py"),
+           "--strategy", "asgd", "--servers", "1", "--n-sync", "5", "--steps", "40",
+           "--out", str(tmp_path / "asgd")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180, env=cli_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reports = sorted(line for line in proc.stdout.splitlines() if line.startswith("worker "))
+    assert [line.split(":")[0] for line in reports] == ["worker 0", "worker 1"]
+    assert all("sent 0 bytes" not in line for line in reports)  # every worker communicated
+    [line] = [x for x in proc.stdout.splitlines() if x.startswith("final global model")]
+    assert float(line.rsplit(" ", 1)[1]) > 0.5

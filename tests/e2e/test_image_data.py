@@ -12,7 +12,7 @@ from cloudburst.models import build_model
 from cloudburst.records.checkpoint import load_model_into
 from tests import reference as ref
 from tests.datagen import write_cifar10, write_imagefolder, write_npz
-from tests.helpers import cli, rank_events, read_summary
+from tests.helpers import cli, rank_events, read_summary, refused
 from tests.reference import COMMON
 
 pytestmark = pytest.mark.e2e
@@ -20,16 +20,13 @@ pytestmark = pytest.mark.e2e
 QUIET = ["--no-progress", "--eval-every-s", "0.5"]
 
 
-# (asgd: the batch-norm statistics of the saved model come from worker 0, as the servers hold
-# parameters only; sync's DDP path is the parity tests')
-@pytest.mark.parametrize("strategy", ["asgd"])
-def test_resnet20_one_epoch_on_a_cifar10_directory(tmp_path, strategy):
+def test_resnet20_one_epoch_on_a_cifar10_directory(tmp_path):
+    # (asgd: sync's DDP path is the parity tests')
     root = write_cifar10(tmp_path / "data", per_batch=40, test=40)
-    out = tmp_path / strategy
-    extra = ["--servers", "1", "--n-sync", "2", "--server-lr", "0.5"] if strategy == "asgd" else []
-    args = f"--strategy {strategy} --workers 2 --model resnet20 --epochs 1 --batch-size 20"
-    data = ["--dataset", f"cifar10:{root.parent}", "--data-workers", "1"]
-    cli("train", *args.split(), *extra, *data, "--out", str(out), *QUIET)
+    out = tmp_path / "asgd"
+    args = """--strategy asgd --workers 2 --servers 1 --n-sync 2 --server-lr 0.5 --model resnet20
+    --epochs 1 --batch-size 20 --data-workers 1""".split()
+    cli("train", *args, "--dataset", f"cifar10:{root.parent}", "--out", str(out), *QUIET)
     summary = read_summary(out)
     # 200 training images over 2 workers, batch 20: one epoch is 5 steps each.
     assert summary["steps_per_worker"] == 5 and summary["samples"] == 200
@@ -137,9 +134,6 @@ def test_bf16_autocast_on_the_cpu_equals_its_simulation(tmp_path):
 
 
 def test_bad_datasets_and_models_are_one_line_errors_before_launch(tmp_path, monkeypatch, capsys):
-    from cloudburst import forkserver
-    from cloudburst.cli import main
-
     cifar = write_cifar10(tmp_path / "c", per_batch=30, test=10)
     evil = tmp_path / "evil" / "cifar-10-batches-py"
     evil.mkdir(parents=True)
@@ -157,8 +151,7 @@ def test_bad_datasets_and_models_are_one_line_errors_before_launch(tmp_path, mon
     out = tmp_path / "never"
     # (every reader's and model's own messages are unit-tested; here, the way through the CLI
     # before launch: a pickle that would run code, a model that does not fit the data, a
-    # device that is not there; the CLI's main() in this process: a refusal launches nothing,
-    # no forkserver either, which this test process's own spawns may be using)
+    # device that is not there)
     cases = [
         (["--dataset", f"cifar10:{evil}"], "refuses to unpickle"),
         (["--dataset", f"cifar10:{cifar}", "--model", "cnn"], "1-D"),
@@ -167,14 +160,10 @@ def test_bad_datasets_and_models_are_one_line_errors_before_launch(tmp_path, mon
             "device" if not torch.cuda.is_available() else "workers",
         ),
     ]
-    monkeypatch.setattr(forkserver, "start_forkserver", lambda *a, **k: None)
-    monkeypatch.setattr(forkserver, "stop_forkserver", lambda: None)
-    capsys.readouterr()
     for args, words in cases:
-        code = main(["train", *args, "--out", str(out)])
-        stderr = capsys.readouterr().err
-        lines = stderr.strip().splitlines()
-        assert code == 2, (args, stderr)
-        assert len(lines) == 1 and words in lines[0] and "Traceback" not in stderr, args
+        proc = refused(["train", *args, "--out", str(out)], monkeypatch, capsys)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert len(lines) == 1 and words in lines[0] and "Traceback" not in proc.stderr, args
         assert not out.exists()
     assert not marker.exists()

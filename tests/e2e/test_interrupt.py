@@ -4,50 +4,26 @@ printed ``--resume`` command continues the run. A SIGKILLed launcher leaves no p
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from cloudburst.records.checkpoint import load_checkpoint
 from cloudburst.records.metrics import read_jsonl
+from tests.e2e.instrumented import session_processes
 from tests.helpers import cli, finish_job, read_summary, start_job, wait_until
 
 QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")
 BOUND_S = 120  # a run that does not stop within this is a failure (not a timing measurement)
 
 
-def _session_processes(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (every process a CLI started in its own session)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2 :].split()
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
-
-
-def _all_gone(sid: int) -> bool:
-    """Whether every process of session ``sid`` has exited (polled up to the bound: a
-    process that noticed its parent's exit may take a moment to finish)."""
-    deadline = time.monotonic() + BOUND_S
-    while _session_processes(sid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def _fired(path: Path) -> bool:
-    return path.is_file() and any(r["event"] == "fault" for r in read_jsonl(path))
+def _all_gone(sid: int) -> None:
+    """Every process of session ``sid`` exits (within the bound: a process that noticed its
+    parent's exit may take a moment to finish)."""
+    wait_until(lambda: not session_processes(sid), BOUND_S, f"session {sid} to end")
 
 
 def _start(args: list[str], cmd: list[str] | None = None) -> subprocess.Popen:
@@ -55,19 +31,28 @@ def _start(args: list[str], cmd: list[str] | None = None) -> subprocess.Popen:
     return start_job(args, cmd, sigint_default=True)
 
 
-def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, workers: int = 2) -> None:
-    """Until every worker has saved the same step: a lockstep run resumes from a step all its
+def _fired(path: Path) -> bool:
+    return path.is_file() and any(r["event"] == "fault" for r in read_jsonl(path))
+
+
+def _wait_for(proc: subprocess.Popen, condition, what: str) -> None:
+    """Until ``condition()``, the job still running."""
+
+    def running_until() -> bool:
+        assert proc.poll() is None, proc.communicate()
+        return condition()
+
+    wait_until(running_until, BOUND_S, what, interval_s=0.1)
+
+
+def _wait_for_checkpoint(out: Path, proc: subprocess.Popen) -> None:
+    """Until both workers have saved the same step: a lockstep run resumes from a step all its
     workers hold, so an interrupt before the slower worker's save would resume from step 0."""
 
     def steps(worker: int) -> set[str]:
-        saved = (out / "checkpoints").glob(f"worker{worker}-step*.pt")
-        return {p.name.split("-")[1] for p in saved}
+        return {p.name.split("-")[1] for p in (out / "checkpoints").glob(f"worker{worker}-*.pt")}
 
-    deadline = time.monotonic() + BOUND_S
-    while not set.intersection(*(steps(w) for w in range(workers))):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no checkpoint was written by every worker"
-        time.sleep(0.1)
+    _wait_for(proc, lambda: steps(0) & steps(1), "a checkpoint written by every worker")
 
 
 def test_ctrl_c_stops_every_process_and_resume_continues(tmp_path):
@@ -81,7 +66,7 @@ def test_ctrl_c_stops_every_process_and_resume_continues(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole foreground group
     stdout, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 130, stderr
-    assert _all_gone(proc.pid), _session_processes(proc.pid)
+    _all_gone(proc.pid)
     summary = read_summary(out)
     assert summary["interrupted"] is True
     done = max(summary["steps_done"].values())
@@ -110,10 +95,7 @@ def test_sigterm_stops_servers_workers_and_a_hung_rank(tmp_path):
     args += ["--steps", "400", "--min-step-time-s", "0.02", "--checkpoint-every", "10"]
     args += ["--inject-fault", "stop:2@15", "--out", str(out)]  # a hung rank ignores SIGTERM
     proc = _start(args)
-    deadline = time.monotonic() + BOUND_S
-    while not _fired(out / "metrics" / "rank2.jsonl"):  # rank 2 is stopped (SIGSTOP) now
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
+    _wait_for(proc, lambda: _fired(out / "metrics" / "rank2.jsonl"), "rank 2's SIGSTOP")
     lines: list[str] = []  # the launcher's stderr, read as it comes (and its stdout drained)
     readers = [threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, ""))),
                threading.Thread(target=proc.stdout.read)]  # fmt: skip
@@ -135,7 +117,7 @@ def test_sigterm_stops_servers_workers_and_a_hung_rank(tmp_path):
     stderr = "".join(lines)
     assert proc.returncode == 130, stderr
     assert "Ctrl-C again to kill it at once" in stderr
-    assert _all_gone(proc.pid), _session_processes(proc.pid)
+    _all_gone(proc.pid)
     assert read_summary(out)["interrupted"] is True
 
 
@@ -151,8 +133,8 @@ def test_under_torchrun_rank_0_writes_the_interrupted_summary(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)
     _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode != 0
-    assert _all_gone(proc.pid), _session_processes(proc.pid)
-    summary = json.loads((out / "summary.json").read_text())
+    _all_gone(proc.pid)
+    summary = read_summary(out)
     assert summary["interrupted"] is True and summary["checkpoints"]
     assert f"continue with: cloudburst train --resume {out}" in stderr
 
@@ -165,11 +147,10 @@ def test_a_sigkilled_launcher_leaves_no_process_behind(tmp_path):
     proc = _start([*args, "--out", str(out)])
 
     def training() -> bool:
-        assert proc.poll() is None, proc.communicate()
         paths = [out / "metrics" / f"rank{r}.jsonl" for r in range(2)]
         return all(p.is_file() and '"first_step"' in p.read_text() for p in paths)
 
-    wait_until(training, timeout_s=BOUND_S, what="both ranks to train")
+    _wait_for(proc, training, "both ranks to train")
     proc.kill()  # the launcher only
     proc.wait(timeout=BOUND_S)
-    assert _all_gone(proc.pid), _session_processes(proc.pid)
+    _all_gone(proc.pid)

@@ -14,14 +14,14 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from cloudburst.records.checkpoint import load_checkpoint
 from cloudburst.records.metrics import read_jsonl
-from tests.helpers import cli, finish_job, read_summary, start_job
+from tests.e2e.instrumented import session_processes
+from tests.helpers import cli, finish_job, read_summary, start_job, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -33,28 +33,15 @@ LIVENESS = ("--heartbeat-timeout-s", "3", "--checkpoint-every", "10")
 
 def _pid(out: Path, rank: int, proc: subprocess.Popen) -> int:
     """The pid rank ``rank`` logged, once a checkpoint of every worker exists."""
-    deadline = time.monotonic() + BOUND_S
-    while len(list((out / "checkpoints").glob("worker*-step*.pt"))) < 2:
+
+    def saved() -> bool:
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no checkpoints"
-        time.sleep(0.1)
-    [start] = [
-        r for r in read_jsonl(out / "metrics" / f"rank{rank}.jsonl") if r["event"] == "start"
-    ]
+        return len(list((out / "checkpoints").glob("worker*-step*.pt"))) >= 2
+
+    wait_until(saved, BOUND_S, "checkpoints", interval_s=0.1)
+    metrics = read_jsonl(out / "metrics" / f"rank{rank}.jsonl")
+    [start] = [r for r in metrics if r["event"] == "start"]
     return start["pid"]
-
-
-def _session_alive(sid: int) -> list[int]:
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2 :].split()
-        if int(fields[3]) == sid and fields[0] != "Z":
-            alive.append(int(stat.parent.name))
-    return alive
 
 
 def _lost_records(out: Path) -> dict[int, str]:
@@ -93,10 +80,8 @@ def test_a_lost_shard_stops_the_job_with_a_summary_and_a_resume_command(tmp_path
     assert summary["resume_command"] == f"cloudburst train --resume {out}"
     for name in summary["checkpoints"]:
         load_checkpoint(out / name)  # complete and valid
-    deadline = time.monotonic() + 30
-    while _session_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _session_alive(proc.pid) == []  # the hung shard too
+    # every process of the job ends, the hung shard too
+    wait_until(lambda: not session_processes(proc.pid), 30, "the job's processes to end")
     if sig == signal.SIGKILL:  # (the same checkpoints either way: one resume is enough)
         done = max(summary["steps_done"].values())
         cli("train", "--resume", str(out), "--steps", str(done + 40), "--no-progress")

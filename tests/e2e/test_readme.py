@@ -181,11 +181,7 @@ def check_make(argv: list[str], where: str) -> None:
 
 
 def check_command(words: list[str], where: str) -> None:
-    if words[:3] == [sys.executable, "-m", "cloudburst"] or words[:3] == [
-        "python",
-        "-m",
-        "cloudburst",
-    ]:  # noqa: E501
+    if words[0] in (sys.executable, "python") and words[1:3] == ["-m", "cloudburst"]:
         words = ["cloudburst", *words[3:]]
     head, rest = words[0].removeprefix(".venv/bin/"), words[1:]
     if head == "cloudburst":
@@ -217,18 +213,14 @@ def check_transcript(block: Block, monkeypatch, capsys) -> None:
 
 def check_python(block: Block, tmp_path: Path) -> None:
     script = tmp_path / "snippet.py"
-    if "cloudburst.Job" not in block.text:
-        script.write_text(block.text)
-        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                              timeout=300, env=cli_env(), cwd=tmp_path)  # fmt: skip
-        assert proc.returncode == 0, f"{block.where}:\n{proc.stdout}\n{proc.stderr}"
-        return
     script.write_text(block.text)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(world_size(block)), str(script)]  # fmt: skip
+    cmd = [sys.executable, str(script)]
+    if "cloudburst.Job" in block.text:  # under torchrun, with the ranks its config asks for
+        ranks = str(world_size(block))
+        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", ranks]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cli_env(),
                           cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 0, f"{block.where}: under torchrun:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, f"{block.where}: {cmd[1:-1]}:\n{proc.stdout}\n{proc.stderr}"
 
 
 def world_size(block: Block) -> int:

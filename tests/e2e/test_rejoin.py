@@ -4,24 +4,19 @@ the servers have finished is refused."""
 
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, cli, cli_env, free_port, rank_events, read_events, read_summary
+from tests.e2e.instrumented import kill_marked, start_marked
+from tests.helpers import cli, free_port, rank_events, read_events, read_summary
 
 pytestmark = pytest.mark.e2e
 
 STEPS = 100
 BATCH = 64  # the default batch size
-
-
-def _events(out, rank):
-    return rank_events(out, rank)
 
 
 @pytest.mark.parametrize(
@@ -53,58 +48,40 @@ def test_a_restarted_worker_rejoins_and_trains_to_the_end(tmp_path, strategy, se
 
     # the victim: a second process, resumed from its step-20 checkpoint (it died after step
     # 30, before that step's checkpoint), trained on to the last step
-    events = _events(out, victim)
+    events = rank_events(out, victim)
     starts = [i for i, e in enumerate(events) if e["event"] == "start"]
     assert len(starts) == 2, proc.stderr
     first, second = events[: starts[1]], events[starts[1] :]
     assert first[0]["pid"] != second[0]["pid"]
     assert [e["step"] for e in first if e["event"] == "checkpoint"] == [10, 20]
     assert [e["step"] for e in first if e["event"] == "step"] == [10, 20]
-    resumes = [e for e in second if e["event"] == "resume"]
-    assert len(resumes) == 1 and resumes[0]["step"] == 20 and resumes[0]["attempt"] == 1
+    [resume] = [e for e in second if e["event"] == "resume"]
+    assert resume["step"] == 20 and resume["attempt"] == 1
     steps = [e["step"] for e in second if e["event"] == "step"]
     assert steps == list(range(30, STEPS + 1, 10))
-    final = [e for e in second if e["event"] == "final"]
-    assert len(final) == 1 and final[0]["samples"] == STEPS * BATCH
+    [final] = [e for e in second if e["event"] == "final"]
+    assert final["samples"] == STEPS * BATCH
     # Its NaN step (5) was skipped before it died; the count came back with the checkpoint,
     # and the faults fired in the first incarnation only.
-    assert [(e["kind"], e["step"]) for e in first if e["event"] == "fault"] == [
-        ("nan", 5),
-        ("kill", 30),
-    ]
+    faults = [(e["kind"], e["step"]) for e in first if e["event"] == "fault"]
+    assert faults == [("nan", 5), ("kill", 30)]
     assert not [e for e in second if e["event"] == "fault"]
-    assert final[0]["steps_skipped_nonfinite"] == 1
+    assert final["steps_skipped_nonfinite"] == 1
     assert summary["steps_skipped_nonfinite"] == 1 and summary["pushes_rejected"] == 0
 
     # every server admitted it once and served it to the end; the others were not disturbed
     for server in range(servers):
-        records = _events(out, server)
+        records = rank_events(out, server)
         rejoins = [(e["worker"], e["incarnation"]) for e in records if e["event"] == "rejoin"]
         assert rejoins == [(victim, 1)]
         stats = [e for e in records if e["event"] == "final"][-1]
         assert stats["rejoins"] == 1 and stats["rejoined_workers"] == [victim]
         assert stats["lost_workers"] == []
     for rank in range(servers, servers + 2):
-        assert [e for e in _events(out, rank) if e["event"] == "step"][-1]["step"] == STEPS
+        assert rank_events(out, rank, "step")[-1]["step"] == STEPS
 
 
-# ---------------------------------------------------------------------------- too late
-LAUNCH_ENV = "CLOUDBURST_TEST_LAUNCH"  # a token in every process this test starts: to end them
 LATE_STEPS = 100
-
-
-def _kill_marked(token: str) -> None:
-    """SIGKILL every process that carries ``token`` in its environment (the test's own
-    launches and their ranks; torchrun starts each rank in a session of its own)."""
-    needle = f"{LAUNCH_ENV}={token}".encode()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            if needle in (proc / "environ").read_bytes().split(b"\0"):
-                os.kill(int(proc.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass  # gone, or not ours to read
 
 
 def test_a_worker_restarted_after_the_servers_finished_is_refused(tmp_path):
@@ -124,13 +101,7 @@ def test_a_worker_restarted_after_the_servers_finished_is_refused(tmp_path):
     secret = tmp_path / "job.secret"
     secret.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
     secret.chmod(0o600)
-    env = cli_env(
-        {
-            LAUNCH_ENV: token,
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            "CLOUDBURST_JOB_SECRET_FILE": str(secret),
-        }
-    )
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "CLOUDBURST_JOB_SECRET_FILE": str(secret)}
     logs = [tmp_path / f"agent{r}.log" for r in range(3)]
     agents = []
     try:
@@ -139,12 +110,7 @@ def test_a_worker_restarted_after_the_servers_finished_is_refused(tmp_path):
                    str(rank), "--nproc-per-node", "1", "--rdzv-backend", "static",
                    "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts",
                    "1", "-m", "cloudburst", *args]  # fmt: skip
-            with log.open("w") as f:
-                agents.append(
-                    subprocess.Popen(
-                        cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=f, stderr=f, env=env
-                    )
-                )
+            agents.append(start_marked(cmd, log, token, env))
         victim = 2
         deadline = time.monotonic() + 120
         pid = None
@@ -165,7 +131,7 @@ def test_a_worker_restarted_after_the_servers_finished_is_refused(tmp_path):
         os.kill(agents[victim].pid, signal.SIGCONT)
         assert agents[victim].wait(timeout=90) != 0
     finally:
-        _kill_marked(token)
+        kill_marked(token)
         for agent in agents:
             agent.wait(timeout=30)
     output = logs[victim].read_text()

@@ -18,6 +18,7 @@ import pytest
 
 from cloudburst.config import RunConfig
 from cloudburst.records.metrics import read_jsonl
+from tests.e2e.instrumented import ip
 from tests.helpers import REPO, cli, read_summary, refused
 
 QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")
@@ -109,13 +110,6 @@ def test_only_processes_the_launcher_started_are_signalled(tmp_path):
 
 
 # ------------------------------------------------------------------- binding
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)} failed: {proc.stderr.strip()}")
-    return proc
-
-
 @pytest.fixture
 def netns_with_veth():
     """A network namespace of the test's own with a veth pair (both ends inside it, an address
@@ -124,18 +118,18 @@ def netns_with_veth():
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("ss") is None:
         pytest.skip("needs root, iproute2's ip and ss")
     name = f"cbsec-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    made = _ip("netns", "add", name, check=False)
+    made = ip("netns", "add", name, check=False)
     if made.returncode != 0:
         pytest.skip(f"`ip netns add` does not work here: {made.stderr.strip()}")
     try:
         ns = ("-n", name)
-        _ip(*ns, "link", "add", "cbsec0", "type", "veth", "peer", "name", "cbsec1")
-        _ip(*ns, "addr", "add", f"10.214.{random.randrange(256)}.1/24", "dev", "cbsec0")
+        ip(*ns, "link", "add", "cbsec0", "type", "veth", "peer", "name", "cbsec1")
+        ip(*ns, "addr", "add", f"10.214.{random.randrange(256)}.1/24", "dev", "cbsec0")
         for ifname in ("lo", "cbsec0", "cbsec1"):
-            _ip(*ns, "link", "set", ifname, "up")
+            ip(*ns, "link", "set", ifname, "up")
         yield name
     finally:
-        _ip("netns", "del", name, check=False)
+        ip("netns", "del", name, check=False)
 
 
 def _listeners(ns: str) -> set[str]:

@@ -1,17 +1,9 @@
-"""The asgd worker against real server shards over a fake, in-process comm layer (no processes).
-
-:mod:`tests.support` stands in for gloo point-to-point: the worker's requests are
-queued per shard and the shard's :class:`ServerLoop` handles them when the worker waits for an
-answer, so the worker's push/fetch schedule, the overlapped replies and the rejection path run
-exactly as in a job.
-
-The asgd and easgd workers' accounting (samples, steps, staleness, dropped and rejected pushes,
-the θ they publish) runs over the fake network of :mod:`tests.support` instead, W workers
-stepped in a scripted order, every header through its wire encoding and every payload on the
-stream (request or reply) gloo would carry it on. So do the read-only fetch of θ (what the
-evaluator and the final checkpoint read) across a shard's restart, with the shards' θ, versions
-and sample counts set by hand, and Δ computed chunk by chunk as it leaves a CPU replica (the
-GPU staging path is tests/gpu's).
+"""The asgd and easgd workers against real server shards over :mod:`tests.support`'s fake,
+in-process comm (no processes): the push/fetch schedules, the overlapped replies (and when a
+shard sends them relative to its add), the rejection path, the accounting (samples, steps,
+staleness, dropped and rejected pushes, the θ they publish) of W workers stepped in a scripted
+order, the read-only fetch of θ across a shard's restart, and Δ computed chunk by chunk as it
+leaves a CPU replica (the GPU staging path is tests/gpu's).
 """
 
 from __future__ import annotations
@@ -24,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import cloudburst.strategies.asgd.worker as asgd
 from cloudburst.comm.flat import flatten_params
 from cloudburst.comm.liveness import acked_version, announce_shard
-from cloudburst.comm.messages import Header
-from cloudburst.config import RunConfig
+from cloudburst.comm.messages import Header, Kind, Status
 from cloudburst.data import BatchStream, synthetic
 from cloudburst.models import build_model
 from cloudburst.strategies.asgd.serve import Standby
@@ -38,6 +30,7 @@ from tests.support import (
     WorkerSide,
     asgd_cfg,
     flush,
+    make_asgd_worker,
     ps_job,
     survivor_cfg,
     train_asgd_worker,
@@ -78,6 +71,20 @@ def test_one_worker_equals_sgd_for_every_schedule_and_rule():
         )
 
 
+def test_chunked_add_matches_the_shards_bit_for_bit(monkeypatch):
+    """The overlapped PUSH_FETCH writes θ + αΔ into the parameters chunk by chunk: with chunks
+    that do not divide the shards, the replica, its reference and every shard still agree."""
+    monkeypatch.setattr(asgd, "ADD_CHUNK_NUMEL", 7)  # many chunks, none aligned to a shard
+    # λ = 0.5: the replica's θ + αΔ differs from the plain sum, so a chunk added twice, missed,
+    # or added with another α would show
+    model, strategy, loops = train_asgd_worker(asgd_cfg(servers=3, n_sync=3, server_lr=0.5), 12)
+    theta = torch.cat([loop.shard.theta for loop in loops])
+    assert strategy.pushes == 4 * 3 and strategy.pushes_rejected == 0
+    assert all(loop.shard.version == 4 for loop in loops)
+    assert torch.equal(flatten_params(model), theta)
+    assert torch.equal(strategy.reference, theta)
+
+
 def test_rejected_push_is_discarded_and_training_goes_on():
     # Push every step, fetch every 5: a NaN in the replica at step 7 is pushed at step 7, the
     # shard rejects it, and the worker starts again from the servers' θ.
@@ -97,9 +104,8 @@ def test_after_every_push_the_worker_holds_the_servers_theta_whatever_its_stalen
     # The worker rebuilds θ + λ·s·Δ from an overlapped reply itself: with the same s as the
     # shard's, under delay-adaptive (τ_C = W = 4: s = 1 at τ = 3) as under scale (s = 1/3).
     for compensation in ("delay-adaptive", "scale"):
-        cfg = RunConfig(strategy="asgd", workers=4, dataset="synthetic", train_size=512,
-                        servers=2, n_sync=1, server_lr=0.5,
-                        staleness_compensation=compensation)  # fmt: skip
+        kw = dict(servers=2, n_sync=1, server_lr=0.5, staleness_compensation=compensation)
+        cfg = survivor_cfg("asgd", 4, **kw)
 
         def each(model, loops, compensation=compensation):
             servers = torch.cat([loop.shard.theta for loop in loops])
@@ -129,6 +135,58 @@ def test_a_standby_copy_holds_its_shards_theta_after_every_forwarded_push():
     assert loops[1].shard.version == 4
     assert torch.equal(standby.replica.theta, loops[1].shard.theta)
     assert standby.replica.stats() == loops[1].shard.stats()
+
+
+# ------------------------------------------------------ when a shard replies, relative to its add
+def _one_round(cfg, push_only: bool = False):
+    model = build_model("mlp", 40, 10, seed=0)
+    strategy, loops = make_asgd_worker(cfg, model)
+    strategy.start()
+    shard, side = loops[0].shard, loops[0].transport
+    before = shard.theta.clone()
+    seen = []  # at each reply: its header, θ and the shard's version then
+    send = side.send
+
+    def recording_send(dst, header, payload=None, final=False):
+        seen.append((header, shard.theta.clone(), shard.version))
+        send(dst, header, payload, final)
+
+    side.send = recording_send
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.25)
+    strategy._round(push=True, fetch=not push_only)
+    return strategy, shard, before, seen
+
+
+@pytest.mark.parametrize("push_only", [False, True])
+def test_a_reply_without_theta_leaves_before_the_add(push_only):
+    """A PUSH's ack, or an overlapped PUSH_FETCH's (the worker has θ from before the push),
+    depends only on the push being admitted: it leaves before θ moves, so the worker's own
+    θ + αΔ overlaps the server's add; its version is the one after the push."""
+    cfg = dict(n_push=1, n_fetch=2) if push_only else dict(n_sync=1, server_lr=0.5)
+    strategy, shard, before, seen = _one_round(asgd_cfg(servers=1, **cfg), push_only)
+    ((header, theta_then, version_then),) = seen
+    assert header.kind == Kind.REPLY and header.status == Status.OK and header.numel == 0
+    assert torch.equal(theta_then, before)  # θ had not moved when the ack left
+    assert header.version == 1 and not torch.equal(shard.theta, before)
+    if not push_only:
+        assert version_then == shard.version == 1  # ...but the push was counted
+        delta = (before + 0.25) - before  # what the worker pushed (its replica started at θ)
+        assert torch.equal(shard.theta, before.clone().add_(delta, alpha=0.5))
+        assert torch.equal(flatten_params(strategy.model), shard.theta)  # worker and shard agree
+
+
+def test_reply_with_theta_leaves_after_the_apply():
+    # An optimizer rule: θ after the apply travels in the reply, so the apply comes first.
+    strategy, shard, before, seen = _one_round(
+        asgd_cfg(servers=1, n_sync=1, server_rule="sgd", server_lr=1.0)
+    )
+    ((header, theta_then, _),) = seen
+    assert header.numel == shard.theta.numel() and header.version == 1
+    assert not torch.equal(theta_then, before)
+    assert torch.equal(theta_then, shard.theta)
+    assert torch.equal(flatten_params(strategy.model), shard.theta)
 
 
 class _WireWorkerSide(WorkerSide):
@@ -214,7 +272,7 @@ def test_asgd_worker_rebuilds_a_scaled_stale_push_as_the_server_applies_it():
     assert torch.equal(ref.flat(replicas.models[1]), job.server_theta)
 
 
-def test_asgd_sums_the_staleness_of_its_pushes():
+def test_asgd_sums_the_staleness_of_its_pushes_and_counts_each_dropped_one():
     job, replicas = _ps("asgd", 2, servers=1, n_sync=1)
     for worker in (0, 1, 0, 1):  # staleness: w0 0, w1 1, w0 1, w1 1
         _steps(job, replicas, worker)
@@ -224,11 +282,8 @@ def test_asgd_sums_the_staleness_of_its_pushes():
         (1, 1, 2),
         (2, 1, 2),
     ]
-
-
-def test_asgd_counts_each_dropped_push():
     job, replicas = _ps("asgd", 2, servers=1, n_sync=1, max_staleness=0)
-    for worker in (0, 1, 0, 1):  # both of w1's pushes are one version stale
+    for worker in (0, 1, 0, 1):  # both of w1's pushes are one version stale: dropped
         _steps(job, replicas, worker)
     w1 = job.workers[1]
     assert (w1.pushes, w1.pushes_dropped, w1.report()["pushes_dropped_stale"]) == (2, 2, 2)
@@ -319,11 +374,9 @@ def _values(start: float) -> torch.Tensor:
 def _three_shard_job(link_type: type[WorkerSide], **cfg):
     """One asgd worker over three shards, its replica θ = ``_values(1.0)``, talking through a
     ``link_type`` link: (model, job, worker, link)."""
-    cfg = RunConfig(strategy="asgd", workers=1, servers=3, dataset="synthetic", train_size=512,
-                    **cfg)  # fmt: skip
     model = nn.Linear(2, 3)
     ref.set_flat(model, _values(1.0))
-    job = ps_job(cfg, [model])
+    job = ps_job(asgd_cfg(servers=3, **cfg), [model])
     worker = job.workers[0]
     link = link_type(worker.transport.net, worker.transport.rank, worker.stats)
     worker.transport = link

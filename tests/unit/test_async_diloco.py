@@ -14,8 +14,6 @@ import torch
 import torch.distributed as dist
 
 from cloudburst.config import ConfigError, RunConfig, Straggler
-from cloudburst.config.simulation import SimulationConfig
-from cloudburst.sim.run import simulate
 from cloudburst.strategies.asgd.shard import make_shard, overlapped_push_fetch
 from cloudburst.strategies.async_diloco import (
     STALE_ROUNDS,
@@ -34,33 +32,19 @@ from tests.reference import (
     parity_diloco,
     trained,
 )
-from tests.support import FakeNamespace
+from tests.support import FakeNamespace, run_sim, sim_cfg
 
 
-def _cfg(out, workers: int, steps: int, **kw) -> RunConfig:
-    return RunConfig(
-        strategy="async_diloco",
-        workers=workers,
-        steps=steps,
-        dataset="synthetic",
-        model=kw.pop("model", "cnn"),
-        batch_size=BATCH,
-        lr=kw.pop("lr", LR),
-        momentum=MOMENTUM,
-        seed=SEED,
-        eval_every_s=1000.0,
-        out=str(out),
-        **kw,
-    )
+def _cfg(out, workers: int, steps: int, model: str = "cnn", lr: float = LR, **kw) -> RunConfig:
+    return RunConfig(strategy="async_diloco", workers=workers, steps=steps, dataset="synthetic",
+                     model=model, batch_size=BATCH, lr=lr, momentum=MOMENTUM, seed=SEED,
+                     eval_every_s=1000.0, out=str(out), **kw)  # fmt: skip
 
 
 def test_settings_defaults_and_refusals():
     cfg = RunConfig(strategy="async_diloco", workers=3)
-    assert (cfg.job.servers, cfg.async_diloco.dn_period_value(cfg), cfg.async_diloco.dylu) == (
-        1,
-        3,
-        False,
-    )
+    settings = cfg.async_diloco
+    assert (cfg.job.servers, settings.dn_period_value(cfg), settings.dylu) == (1, 3, False)
     shard = make_shard(cfg, torch.zeros(4))
     assert (shard.rule, shard.lr, shard.server_rule.period) == ("dn", cfg.diloco.outer_lr, 3)
     assert shard.server_rule.momentum == cfg.diloco.outer_momentum
@@ -134,7 +118,7 @@ def test_a_dead_workers_published_speed_stops_shrinking_the_live_workers_h():
 
 def test_one_worker_is_synchronous_diloco_with_nesterov(tmp_path):
     kw = dict(period=5, diloco_outer_lr=0.5, diloco_outer_momentum=0.5)
-    simulate(_cfg(tmp_path, 1, 22, **kw), SimulationConfig(step_time_s=0.01))
+    run_sim(_cfg(tmp_path, 1, 22, **kw))
     expected, outer_steps = parity_diloco(22, 1, 5, 0.5, 0.5, nesterov=True)
     assert outer_steps == 5
     assert_same_params(trained(tmp_path), expected)
@@ -146,7 +130,7 @@ def _straggler_run(out, dylu: bool) -> dict:
     logged by the shard."""
     cfg = _cfg(out, 3, 48, model="mlp", period=8, optimizer="adam", lr=0.003,
                stragglers=[Straggler(2, 2.0)], dylu=dylu, push_log_every=1)  # fmt: skip
-    return simulate(cfg, SimulationConfig(step_time_s=0.01))
+    return run_sim(cfg)
 
 
 def test_with_a_straggler_dylu_measures_the_speeds_and_evens_the_pushes(tmp_path):
@@ -186,7 +170,7 @@ def test_the_last_round_is_pushed_at_the_last_step_not_after_the_evaluator_waits
     # computed against a θ the whole of worker 1's later pushes old).
     cfg = _cfg(tmp_path, 2, 30, model="mlp", period=8, optimizer="adam", lr=0.003,
                stragglers=[Straggler(1, 2.0)], push_log_every=1)  # fmt: skip
-    summary = simulate(cfg, SimulationConfig(step_time_s=0.01))
+    summary = run_sim(cfg)
     assert final_record(tmp_path, 1)["inner_steps_rounds"] == [[8, 3], [6, 1]]
     pushes = rank_events(tmp_path, 0, "push")
     assert summary["shard_versions"] == [len(pushes)] == [8]
@@ -198,17 +182,9 @@ def test_the_last_round_is_pushed_at_the_last_step_not_after_the_evaluator_waits
 def test_compressed_pushes_travel_as_asgds_with_error_feedback(tmp_path):
     runs = {}
     for compress in ("none", "int8"):
-        cfg = _cfg(
-            tmp_path / compress,
-            3,
-            48,
-            model="mlp",
-            period=4,
-            optimizer="adam",
-            lr=0.003,
-            compress=compress,
-        )
-        runs[compress] = simulate(cfg, SimulationConfig(step_time_s=0.01))
+        cfg = _cfg(tmp_path / compress, 3, 48, model="mlp", period=4, optimizer="adam", lr=0.003,
+                   compress=compress)  # fmt: skip
+        runs[compress] = run_sim(cfg)
     assert runs["int8"]["shard_versions"] == runs["none"]["shard_versions"] == [36]
     assert runs["int8"]["sent_bytes"] < 0.3 * runs["none"]["sent_bytes"]
     assert runs["int8"]["final_test_accuracy"] >= 0.9
@@ -217,16 +193,8 @@ def test_compressed_pushes_travel_as_asgds_with_error_feedback(tmp_path):
 def test_without_momentum_it_is_asgd_with_n_sync_h_averaging_the_pushes(tmp_path):
     # Delayed Nesterov with β = 0 and η = 1 adds Δ/N per push: asgd's add rule with λ = 1/W
     # (N = W) and n_sync = H, the same pushes in the same order on the virtual cluster.
-    steps, period = 20, 4
-    simulate(
-        _cfg(tmp_path / "a", 3, steps, period=period, diloco_outer_lr=1.0,
-             diloco_outer_momentum=0.0, stragglers=[Straggler(2, 1.5)]),
-        SimulationConfig(step_time_s=0.01),
-    )  # fmt: skip
-    cfg = RunConfig(
-        strategy="asgd", workers=3, steps=steps, dataset="synthetic", model="cnn",
-        batch_size=BATCH, lr=LR, momentum=MOMENTUM, seed=SEED, eval_every_s=1000.0,
-        out=str(tmp_path / "b"), n_sync=period, stragglers=[Straggler(2, 1.5)],
-    )  # fmt: skip
-    simulate(cfg, SimulationConfig(step_time_s=0.01))
+    slow = [Straggler(2, 1.5)]
+    run_sim(_cfg(tmp_path / "a", 3, 20, period=4, diloco_outer_lr=1.0, diloco_outer_momentum=0.0,
+                 stragglers=slow))  # fmt: skip
+    run_sim(sim_cfg(tmp_path / "b", "asgd", 3, 20, n_sync=4, stragglers=slow))
     assert_same_params(trained(tmp_path / "a"), trained(tmp_path / "b"))

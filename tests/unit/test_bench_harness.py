@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 import random
 import subprocess
 import sys
@@ -26,16 +27,13 @@ def curve(*accuracies: float) -> list[tuple[float, int, float]]:
 NOISY = curve(0.85, 0.91, 0.89, 0.90, 0.92, 0.93, 0.88)
 
 
-def test_time_to_target_is_the_first_evaluation_held_for_k():
+def test_time_to_target_is_the_first_evaluation_held_for_k_and_censors_a_run_too_short():
     # 0.91 at t = 2 drops to 0.89 at t = 3; from t = 4 on: 0.90, 0.92, 0.93 (three) then 0.88.
     assert harness.time_to_target(NOISY, 0.9, k=1) == 2.0
     assert harness.time_to_target(NOISY, 0.9, k=2) == 4.0
     assert harness.time_to_target(NOISY, 0.9, k=3) == 4.0
     assert harness.time_to_target(NOISY, 0.9, k=4) is None  # 0.88 at t = 7 breaks the run
     assert harness.time_to_target(NOISY, 0.9) == 4.0  # k = 3 by default
-
-
-def test_time_to_target_censors_a_run_that_ends_before_k_evaluations():
     # reached at t = 2 but only two evaluations remain: not held for 3
     assert harness.time_to_target(curve(0.8, 0.95, 0.96), 0.9, k=3) is None
     assert harness.time_to_target(curve(0.8, 0.95, 0.96), 0.9, k=2) == 2.0
@@ -66,7 +64,7 @@ def reference_t(values: list[float], df: int) -> tuple[float, float, float]:
     return mean, mean - T975[df] * sd / math.sqrt(n), mean + T975[df] * sd / math.sqrt(n)
 
 
-def test_ratio_interval_is_exact_on_constants_and_counts_censored_as_the_budget():
+def test_ratio_interval_exact_on_constants_budget_for_censored_paired_on_the_log_ratio():
     assert harness.ratio_interval([2.0] * 3, [1.0] * 3) == pytest.approx((2.0, 2.0, 2.0))
     # a = [budget 10, 4, 4] over 2s: the geometric mean of 5, 2, 2 = 20^(1/3)
     got = harness.ratio_interval([None, 4.0, 4.0], [2.0] * 3, budget_s=10, paired=True)
@@ -77,9 +75,7 @@ def test_ratio_interval_is_exact_on_constants_and_counts_censored_as_the_budget(
         harness.ratio_interval([None, 4.0], [2.0])
     with pytest.raises(ValueError, match="positive"):
         harness.ratio_interval([1.0], [0.0])
-
-
-def test_a_paired_ratio_is_the_t_interval_of_the_mean_log_ratio():
+    # paired: the t interval of the mean log ratio
     # per-pair ratios 0.5, 1, 2: log ratios −ln 2, 0, ln 2, mean 0 (geometric mean 1)
     a, b = [1.0, 4.0, 16.0], [2.0, 4.0, 8.0]
     mean, lo, hi = reference_t([math.log(x / y) for x, y in zip(a, b, strict=True)], df=2)
@@ -94,13 +90,6 @@ def test_a_paired_ratio_is_the_t_interval_of_the_mean_log_ratio():
     assert harness.paired_ratio([None, 2.0], [4.0, 4.0], budget_s=8)[0] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="pairs"):
         harness.paired_ratio([1.0, 2.0], [1.0])
-
-
-def test_welch_interval_of_a_difference_matches_the_textbook():
-    # equal sizes and variances (1 each): se = √(1/3 + 1/3), Welch's df = 4
-    diff, lo, hi = harness.difference_interval([0.0, 1.0, 2.0], [1.0, 2.0, 3.0], paired=False)
-    half = T975[4] * math.sqrt(2 / 3)
-    assert (diff, lo, hi) == pytest.approx((-1.0, -1.0 - half, -1.0 + half))
 
 
 def test_the_paired_interval_covers_the_true_difference_95_percent_of_the_time_at_n_5():
@@ -170,7 +159,14 @@ def provenance(tmp_path, monkeypatch) -> harness.Provenance:
     )  # fmt: skip
 
 
-def test_a_result_records_the_numerics_a_bit_for_bit_replay_depends_on(monkeypatch):
+@pytest.fixture
+def host(monkeypatch) -> None:
+    """Provenance.capture's host facts without ``uname -p`` (a process): platform faked."""
+    monkeypatch.setattr(platform, "platform", lambda: "p")
+    monkeypatch.setattr(platform, "processor", lambda: "")
+
+
+def test_a_result_records_the_numerics_a_bit_for_bit_replay_depends_on(monkeypatch, host):
     from importlib.metadata import version
 
     line = harness.numerics()
@@ -181,11 +177,11 @@ def test_a_result_records_the_numerics_a_bit_for_bit_replay_depends_on(monkeypat
     monkeypatch.setattr(harness, "git_commit", lambda: ("abc1234", []))
     prov = harness.Provenance.capture(SimpleNamespace(quick=True))
     assert prov.numerics == "numpy 9; CPU avx2" and prov.to_dict()["numerics"] == prov.numerics
-    assert "torch 2.13.0" in "\n".join(harness.Report("d", "D", prov).header())
-    assert "; numpy 9; CPU avx2" in "\n".join(harness.Report("d", "D", prov).header())
+    header = "\n".join(harness.Report("d", "D", prov).header())
+    assert "torch 2.13.0" in header and "; numpy 9; CPU avx2" in header
 
 
-def test_a_busy_machine_refuses_a_measurement_but_not_a_replay_that_measures_nothing(monkeypatch):
+def test_a_busy_machine_refuses_a_measurement_but_not_a_replay_measuring_nothing(monkeypatch, host):
     monkeypatch.setattr(harness, "cpu_busy_fraction", lambda: 0.9)
     monkeypatch.setattr(harness, "git_commit", lambda: ("abc1234", []))
     for replay, verify in ((None, 0), ("r.json", 1)):  # runs made or re-simulated here
@@ -244,7 +240,7 @@ def test_history_prints_the_recorded_command_of_each_result_the_package_changed_
     ]
 
 
-def test_evidence_table_replaces_only_the_text_between_the_markers(tmp_path, monkeypatch):
+def test_evidence_table_replaces_only_the_text_between_the_markers_it_finds(tmp_path, monkeypatch):
     from benchmarks import evidence
 
     prov = provenance(tmp_path, monkeypatch)
@@ -254,15 +250,28 @@ def test_evidence_table_replaces_only_the_text_between_the_markers(tmp_path, mon
     (tmp_path / "other.json").write_text('{"no": "claims"}')  # ignored
     monkeypatch.setattr(evidence, "package_changed", lambda commit, repo=None: None)
     lines = evidence.table(tmp_path)
-    assert (
-        len(lines) == 5 and "| step ÷ DDP | **0.98** | ≤ 1.05 | 1.01 | - | 5 | PASS |" in lines[4]
-    )
+    assert len(lines) == 5
+    assert "| step ÷ DDP | **0.98** | ≤ 1.05 | 1.01 | - | 5 | PASS |" in lines[4]
     readme = f"intro\n{evidence.BEGIN}\nold\n{evidence.END}\nrest\n"
-    assert (
-        evidence.splice(readme, ["new"]) == f"intro\n{evidence.BEGIN}\nnew\n{evidence.END}\nrest\n"
-    )
+    assert evidence.splice(readme, ["new"]) == readme.replace("old", "new")
     with pytest.raises(SystemExit, match="exactly one"):
         evidence.splice("no markers", ["new"])
+    # the markers are found in README.md or docs/*.md, once; the advice's markers too
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(
+        f"intro\n{evidence.CHOOSING[0]}\nx\n{evidence.CHOOSING[1]}\n"
+    )
+    (tmp_path / "docs" / "evidence.md").write_text(f"{evidence.BEGIN}\n{evidence.END}\n")
+    assert (
+        evidence.marked((evidence.BEGIN, evidence.END), tmp_path) == tmp_path / "docs/evidence.md"
+    )
+    assert evidence.marked(evidence.CHOOSING, tmp_path) == tmp_path / "README.md"
+    assert evidence.marked(("<!-- nowhere -->", ""), tmp_path) is None
+    (tmp_path / "docs" / "more.md").write_text(evidence.BEGIN)
+    with pytest.raises(SystemExit, match="in 2 files"):
+        evidence.marked((evidence.BEGIN, evidence.END), tmp_path)
+    readme = "a\n<!-- choosing:begin -->\nold\n<!-- choosing:end -->\nb\n"
+    assert evidence.splice(readme, ["new"], evidence.CHOOSING) == readme.replace("old", "new")
 
 
 def test_difference_interval_of_means():
@@ -277,11 +286,15 @@ def test_difference_interval_of_means():
     assert harness.difference_interval(a, b) == pytest.approx((0.005,) * 3)
     _, lo, hi = harness.difference_interval(a, b, paired=False)
     assert lo < -0.01 and hi > 0.02  # unpaired: the seed effects swamp it
+    # Welch, equal sizes and variances (1 each): se = √(1/3 + 1/3), df = 4
+    diff, lo, hi = harness.difference_interval([0.0, 1.0, 2.0], [1.0, 2.0, 3.0], paired=False)
+    half = T975[4] * math.sqrt(2 / 3)
+    assert (diff, lo, hi) == pytest.approx((-1.0, -1.0 - half, -1.0 + half))
     with pytest.raises(ValueError, match="pairs"):
         harness.difference_interval([0.9, 0.9], [0.9])
 
 
-def test_a_difference_with_an_aa_copy_is_judged_on_both_and_rescored_so(tmp_path):
+def test_a_difference_is_judged_on_the_aa_copy_and_a_loss_kept_in_nats_by_a_rescore(tmp_path):
     from benchmarks import evidence
 
     # a − b = +2 points on every seed, a − copy = +1: the interval spans [1, 2]
@@ -293,31 +306,21 @@ def test_a_difference_with_an_aa_copy_is_judged_on_both_and_rescored_so(tmp_path
     assert (claim.value, claim.interval) == (pytest.approx(2.0), pytest.approx((1.0, 2.0)))
     assert claim.verdict == "inconclusive" and "against the A/A copy [1, 1]" in claim.note
     assert claim.inputs["aa"] == copy
-    stored(tmp_path, "diffs", [claim])
-    path = tmp_path / "results" / "diffs.json"
-    evidence.rescore(path, "def5678")
-    [again] = json.loads(path.read_text())["claims"]
-    assert again["interval"] == pytest.approx([1.0, 2.0])  # the copy still in the verdict
-
-
-def test_a_loss_difference_stays_in_nats_through_a_rescore(tmp_path):
-    from benchmarks import evidence
-
     # a loss 0.03 nats above b on every seed, judged ≤ 0.05 nats (not ×100 as points are)
     b = [2.51, 2.48, 2.50]
-    a = [x + 0.03 for x in b]
     ok = lambda d, lo, hi: hi <= 0.05  # noqa: E731
-    claim = harness.diff_claim(harness.Report("n", "", None), "loss a − b", a, b, "≤ 0.05", ok,
-                               scale=1.0, digits=4, seeds=3)  # fmt: skip
-    assert claim.value == pytest.approx(0.03) and claim.verdict == "PASS"
-    stored(tmp_path, "nats", [claim])
-    path = tmp_path / "results" / "nats.json"
+    loss = harness.diff_claim(harness.Report("n", "", None), "loss a − b", [x + 0.03 for x in b],
+                              b, "≤ 0.05", ok, scale=1.0, digits=4, seeds=3)  # fmt: skip
+    assert loss.value == pytest.approx(0.03) and loss.verdict == "PASS"
+    stored(tmp_path, "diffs", [claim, loss])
+    path = tmp_path / "results" / "diffs.json"
     evidence.rescore(path, "def5678")
-    [again] = json.loads(path.read_text())["claims"]
-    assert again["value"] == pytest.approx(0.03) and again["interval"] == pytest.approx([0.03] * 2)
+    again, nats = json.loads(path.read_text())["claims"]
+    assert again["interval"] == pytest.approx([1.0, 2.0])  # the copy still in the verdict
+    assert nats["value"] == pytest.approx(0.03) and nats["interval"] == pytest.approx([0.03] * 2)
 
 
-def test_ratio_claim_turns_a_censored_median_into_a_bound(tmp_path, monkeypatch):
+def test_ratio_claim_bounds_a_censored_median_and_takes_a_given_aa(tmp_path, monkeypatch):
     report = harness.Report("demo", "A demo", provenance(tmp_path, monkeypatch))
     at_most = lambda r: r <= 0.75  # noqa: E731
     claim = lambda a, b: harness.ratio_claim(report, "x", a, b, None, "≤ 0.75", at_most, 10)  # noqa: E731
@@ -335,10 +338,7 @@ def test_ratio_claim_turns_a_censored_median_into_a_bound(tmp_path, monkeypatch)
     assert (c.value, c.verdict) == ("≤ 0.431", "inconclusive")
     c = claim([None] * 2, [None] * 2)
     assert (c.value, c.verdict) == ("both censored", "inconclusive")
-
-
-def test_ratio_claim_takes_an_aa_ratio_computed_elsewhere(tmp_path, monkeypatch):
-    report = harness.Report("demo", "A demo", provenance(tmp_path, monkeypatch))
+    # an A/A ratio computed elsewhere is taken as given
     c = harness.ratio_claim(report, "x", [2.0] * 3, [4.0] * 3, 1.03, "≤ 1", lambda r: r <= 1)
     assert (c.value, c.aa, c.ok, c.seeds) == (0.5, 1.03, True, 3)
 
@@ -367,28 +367,24 @@ def test_ratio_claim_is_judged_against_both_copies_and_flags_an_aa_that_excludes
 
 
 @pytest.mark.parametrize(
-    ("target", "rule"),
+    ("target", "bounds"),
     [
-        ("≤ 0.75 (ideal 0.57)", harness.Rule(None, 0.75)),
-        ("<= 1", harness.Rule(None, 1.0)),
-        ("≥ −1", harness.Rule(-1.0, None)),
-        ("> 0.85", harness.Rule(0.85, None)),
-        ("within ±1", harness.Rule(-1.0, 1.0)),
-        ("1 ± 0.05", harness.Rule(0.95, 1.05)),
-        ("⌈T/H⌉/T = 0.125 ± 2 %", harness.Rule(0.1225, 0.1275)),
+        ("≤ 0.75 (ideal 0.57)", (None, 0.75)),
+        ("<= 1", (None, 1.0)),
+        ("≥ −1", (-1.0, None)),
+        ("> 0.85", (0.85, None)),
+        ("within ±1", (-1.0, 1.0)),
+        ("1 ± 0.05", (0.95, 1.05)),
+        ("⌈T/H⌉/T = 0.125 ± 2 %", (0.1225, 0.1275)),
         ("(reference)", None),
         ("(none: < 1 is faster)", None),
         ("14 / 14", None),
         ("reproduced", None),
     ],
 )
-def test_parse_target_reads_the_rule_a_target_states(target, rule):
+def test_parse_target_reads_the_rule_a_target_states(target, bounds):
     got = harness.parse_target(target)
-    if rule is None:
-        assert got is None
-    else:
-        assert got is not None
-        assert (got.lo, got.hi) == pytest.approx((rule.lo, rule.hi))
+    assert (got and (got.lo, got.hi)) == (bounds and pytest.approx(bounds))
 
 
 @pytest.mark.parametrize(
@@ -417,9 +413,8 @@ def test_a_claim_passes_only_when_its_whole_interval_does(target, interval, verd
 
 def test_judge_keeps_a_miss_given_for_another_reason_and_leaves_unjudgeable_claims():
     # interval inside the band, but the caller's own condition failed (e.g. a seed < 90 %)
-    assert harness.Claim("x", 0.1, "within ±1", False, interval=(-0.5, 0.5)).judge().verdict == (
-        "MISS"
-    )
+    miss = harness.Claim("x", 0.1, "within ±1", False, interval=(-0.5, 0.5))
+    assert miss.judge().verdict == "MISS"
     # no interval, no rule, no target: the caller's verdict as given
     assert harness.Claim("x", 0.97, "≤ 1", True).judge().verdict == "PASS"
     assert harness.Claim("x", 3, "14 / 14", True, interval=(1, 5)).judge().verdict == "PASS"
@@ -462,26 +457,6 @@ def test_run_train_runs_a_command_and_reads_its_run_directory(tmp_path):
     assert r.failed == "no summary.json"
     r = harness.run_train(Arm("c"), 7, tmp_path / "x", command=(sys.executable, "-c", "exit(3)"))
     assert r.failed.startswith("exit 3")
-
-
-def test_evidence_finds_the_markers_in_readme_or_docs_and_links_rows_from_there(tmp_path):
-    from benchmarks import evidence
-
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "README.md").write_text(
-        f"intro\n{evidence.CHOOSING[0]}\nx\n{evidence.CHOOSING[1]}\n"
-    )
-    (tmp_path / "docs" / "evidence.md").write_text(f"{evidence.BEGIN}\n{evidence.END}\n")
-    assert (
-        evidence.marked((evidence.BEGIN, evidence.END), tmp_path) == tmp_path / "docs/evidence.md"
-    )
-    assert evidence.marked(evidence.CHOOSING, tmp_path) == tmp_path / "README.md"
-    assert evidence.marked(("<!-- nowhere -->", ""), tmp_path) is None
-    (tmp_path / "docs" / "more.md").write_text(evidence.BEGIN)
-    with pytest.raises(SystemExit, match="in 2 files"):
-        evidence.marked((evidence.BEGIN, evidence.END), tmp_path)
-    readme = "a\n<!-- choosing:begin -->\nold\n<!-- choosing:end -->\nb\n"
-    assert evidence.splice(readme, ["new"], evidence.CHOOSING) == readme.replace("old", "new")
 
 
 def stored(tmp_path, name: str, claims: list[harness.Claim], **extra) -> None:

@@ -33,17 +33,11 @@ def test_parse_ss_reads_addresses_pid_and_counters():
     ]
 
 
-def test_merge_keeps_the_pid_of_a_socket_whose_process_exited():
+def test_merge_keeps_an_exited_sockets_pid_and_account_counts_it_once_as_data():
     last: dict = {}
     wire.merge(last, [sample("a:1", "a:2", RANK_PID, 100, 10)])
     wire.merge(last, [sample("a:1", "a:2", None, 400, 40)])  # the process has exited
     assert list(last.values()) == [sample("a:1", "a:2", RANK_PID, 400, 40)]
-
-
-def test_account_counts_an_exited_rank_socket_once_as_data():
-    last: dict = {}
-    wire.merge(last, [sample("a:1", "a:2", RANK_PID, 100, 10)])
-    wire.merge(last, [sample("a:1", "a:2", None, 400, 40)])
     result = {"sockets": list(last.values()), "listeners": {}, "master_ports": [],
               "lo": {"rx_bytes": 0, "rx_packets": 0, "tx_bytes": 400, "tx_packets": 0},
               "samples": 2}  # fmt: skip

@@ -1,13 +1,10 @@
 """Bounded pushes (``--max-push-ratio``, issue 44): a shard refuses a finite push whose update
 of θ_k (what its rule, after compensation, would add) is longer than ratio·max(‖θ_k‖, 1) or
 leaves θ_k or the rule's state not finite; the worker is told, counts it and continues from
-the shard's θ. Then a run whose final test loss is not finite ends as failed.
-
-The rule is checked against a reference that applies each push to an unbounded shard loaded
-with the shard's state and measures how far θ_k moved (under adagrad, whose step is at most λ
-per coordinate, the push's own step λ·s·Δ is what is bounded); the attack of issue 44 (a push
-of Δ = 3e38, which made θ inf) is re-run through the real worker and server loop over the
-in-process fake comm (:mod:`tests.support`), and through the virtual cluster.
+the shard's θ. Then a run whose final test loss is not finite ends as failed. The reference
+applies each push to an unbounded shard loaded with the shard's state (under adagrad the push's
+own step λ·s·Δ is bounded); issue 44's attack (Δ = 3e38, which made θ inf) is re-run through
+the real worker and server loop over :mod:`tests.support`'s fake comm, and on the virtual cluster.
 """
 
 from __future__ import annotations
@@ -24,17 +21,15 @@ from torch import nn
 from cloudburst import cli
 from cloudburst.comm.messages import Status
 from cloudburst.config import ConfigError, RunConfig
-from cloudburst.config.simulation import SimulationConfig
 from cloudburst.loop import summary as summary_module
 from cloudburst.loop.summary import diverged, failed_message
 from cloudburst.records.metrics import write_json_atomic
-from cloudburst.sim.run import simulate
 from cloudburst.strategies.asgd.serve import Standby
 from cloudburst.strategies.asgd.shard import ShardState
 from cloudburst.strategies.asgd.worker import AsgdStrategy
 from tests import reference as ref
 from tests.helpers import shard_of
-from tests.support import StandbyForwards, ps_job
+from tests.support import StandbyForwards, ps_job, run_sim
 
 HUGE = 3e38  # finite in float32 (max 3.4e38): issue 44's push
 RATIO = 2.0
@@ -255,9 +250,6 @@ def test_a_refusal_resets_the_workers_optimizer_so_its_next_pushes_are_honest_ag
 
 
 # ------------------------------------------------------------------ whole runs
-STEP_S = 0.01
-
-
 def _sim_cfg(out: Path, **kw) -> RunConfig:
     return RunConfig(strategy="asgd", workers=2, steps=12, n_sync=2, dataset="synthetic",
                      train_size=256, test_size=64, batch_size=8, model="mlp", eval_every_s=1000.0,
@@ -278,7 +270,7 @@ def test_a_simulated_run_counts_the_refused_push_in_its_summary(tmp_path, monkey
         original(self, samples)
 
     monkeypatch.setattr(AsgdStrategy, "after_step", after_step)
-    summary = simulate(_sim_cfg(tmp_path / "run"), SimulationConfig(step_time_s=STEP_S))
+    summary = run_sim(_sim_cfg(tmp_path / "run"))
     assert poisoned and summary["pushes_refused"] == 1
     assert "failed" not in summary and math.isfinite(summary["final_test_loss"])
 

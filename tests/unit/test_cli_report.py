@@ -18,12 +18,8 @@ def _job(tmp_path, monkeypatch, lost):
         err = tmp_path / "logs" / f"agent{rank}" / "x" / "attempt_0" / "0" / "error.json"
         err.parent.mkdir(parents=True)
         err.write_text(json.dumps({"message": {"message": f"{ERROR}\nmore", "extraInfo": {}}}))
-    summary = {
-        "strategy": "asgd",
-        "workers": 2,
-        "lost_workers": lost,
-        "failed_agents": [1] * len(lost),
-    }
+    summary = {"strategy": "asgd", "workers": 2, "lost_workers": lost}
+    summary["failed_agents"] = [1] * len(lost)
     monkeypatch.setattr(launch, "run_local_job", lambda c: summary)
     monkeypatch.setattr(cli, "format_summary", lambda s: "table")
     return cfg

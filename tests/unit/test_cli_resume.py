@@ -18,11 +18,7 @@ def test_resume_takes_the_runs_config_and_allowed_overrides(tmp_path):
     _run_dir(tmp_path)
     cfg = resume_config(str(tmp_path), {"steps": 80, "max_restarts": 2}, has_toml=False)
     assert cfg.faults.resume and cfg.output.out == str(tmp_path) and cfg.local_sgd.period == 4
-    assert (
-        cfg.training.steps == 80
-        and cfg.faults.max_restarts == 2
-        and cfg.job.strategy == "local_sgd"
-    )
+    assert (cfg.training.steps, cfg.faults.max_restarts, cfg.job.strategy) == (80, 2, "local_sgd")
 
 
 @pytest.mark.parametrize(

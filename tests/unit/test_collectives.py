@@ -1,11 +1,7 @@
-"""The counted collectives the strategies call (cloudburst/comm/collectives.py), on W threads,
-each transport a ``tests.support.ThreadComm`` (a clock that reads ``start``, ``start + tick``,
-...; every call recorded), on counters holding earlier totals (``prior_stats``): what
-``broadcast`` and ``world_sum`` give every rank and add to the :class:`CommStats` counters
-(bytes by direction and by whether they crossed nodes, seconds waited on the transport's own
-clock, time held back by the emulated link), and what an all-to-all costs on a link.
-``all_reduce_sum`` itself: tests/unit/test_sim_network_more.py (on a group) and
-tests/unit/test_link.py (on the emulated link's clock)."""
+"""The counted collectives the strategies call (cloudburst/comm/collectives.py), on W threads
+(``tests.support.ThreadComm``) and counters holding earlier totals (``prior_stats``): what
+``broadcast`` and ``world_sum`` give every rank and add to the counters, and what an all-to-all
+costs on a link. ``all_reduce_sum``: tests/unit/test_sim_network_more.py and test_link.py."""
 
 from __future__ import annotations
 
@@ -19,9 +15,8 @@ GROUP = object()  # an opaque group handle: passed through, never looked inside
 
 
 def _world_sums(values, start, tick, links=None, **kw) -> list[tuple]:
-    """Rank r's ``world_sum(values[r], prior_stats(), link=links[r], **kw)`` on ``len(values)``
-    threads, whose transports accept only the world group (None): each rank's (sum, calls,
-    stats)."""
+    """Rank r's ``world_sum(values[r], prior_stats(), link=links[r], **kw)`` over the world
+    group (None): each rank's (sum, calls, stats)."""
 
     def rank_fn(rank, comm):
         counters, link = prior_stats(), links[rank] if links else None
@@ -32,9 +27,8 @@ def _world_sums(values, start, tick, links=None, **kw) -> list[tuple]:
 
 
 def test_a_broadcast_is_counted_as_sent_within_the_group_by_its_source_and_received_by_the_rest():
-    """Every rank ends with the source's tensor, from one blocking broadcast over the group; the
-    source adds numel × element size to sent and intra-node bytes, every other rank to received
-    bytes only; each adds the transport-clock seconds of the call to wait_s."""
+    """Every rank ends with the source's tensor; the source counts its bytes as sent (within
+    the group's node), the others as received; each adds the call's clock seconds to wait_s."""
     source = torch.tensor([1.5, -2.0, 3.25], dtype=torch.float64)
 
     def rank_fn(rank, comm):
@@ -59,11 +53,9 @@ def test_a_broadcast_is_counted_as_sent_within_the_group_by_its_source_and_recei
 def test_a_world_sum_adds_in_float64_counted_as_a_ring_and_charges_no_link_within_a_node(
     spans_nodes,
 ):
-    """The values travel as one float64 tensor, in one blocking all-reduce over the world group
-    (None); the result is the float64 sum as Python floats (0.1 + 0.2 is not the float32 sum);
-    counted as a ring all-reduce of 2 × 8 bytes over 4 ranks, 2·3/4·16 = 24 bytes each way,
-    intra-node unless ``spans_nodes``; the wait is the transport clock's. Within a node an
-    active link is neither asked nor booked."""
+    """The float64 sum as Python floats (0.1 + 0.2 is not the float32 sum), counted as a ring
+    of 2 × 8 bytes over 4 ranks (2·3/4·16 = 24 bytes each way), intra-node unless
+    ``spans_nodes``. Within a node an active link is neither asked nor booked."""
     values = [[0.1, 3.0], [0.2, 1.0], [0.0, 0.0], [0.0, 0.0]]
     links = None if spans_nodes else [RecordingLink() for _ in values]
     out, calls, stats = _world_sums(values, 2.0, 0.75, links, spans_nodes=spans_nodes)[0]
@@ -80,10 +72,8 @@ def test_a_world_sum_adds_in_float64_counted_as_a_ring_and_charges_no_link_withi
 
 
 def test_a_world_sum_across_nodes_waits_for_the_emulated_link():
-    """With an active link and the world spanning nodes, the link is asked for the cost of an
-    all-reduce of the float64 bytes over the world's size, that cost is added to
-    emulated_link_s and booked once on the world group; the sum is unchanged, and the
-    transport's work waited for."""
+    """Across nodes the link's cost of the float64 all-reduce is added to emulated_link_s and
+    booked once on the world group; the transport's work is waited for."""
     values = [[1.0, -1.0], [3.0, 3.0], [0.0, 0.0], [0.0, 0.0]]
     links = [RecordingLink(allreduce_cost_s=0.0625) for _ in values]
     out, calls, stats = _world_sums(values, 5.0, 0.5, links=links, spans_nodes=True)[0]

@@ -1,9 +1,5 @@
-"""Compressed communication (cloudburst/comm/compress.py): each method's round trip within its
-format's bound, error feedback tracking the uncompressed sum, the quantised all-reduce (the
-same bits on every rank, counted as sent; its pending work timed on the transport's clock; the
-default key's residual), ``none`` and ``bf16`` handing the link, the node span, ``async_op``
-and the group to the plain all-reduce, and compressed runs of sync, local SGD and DiLoCo on
-the virtual cluster: they learn, they count compressed bytes, and ``none`` changes nothing.
+"""Compressed communication (cloudburst/comm/compress.py): the formats' round trips, error
+feedback, the compressed all-reduce on W threads, and compressed runs on the virtual cluster.
 PowerSGD through our hook against torch's hook is a real gloo test (tests/dist/test_compress.py).
 """
 
@@ -49,13 +45,6 @@ from tests.support import (
 GROUP = object()  # a group handle of its own: the only one the transports below accept
 
 
-def _block_absmax(x: torch.Tensor) -> torch.Tensor:
-    """Each value's block absmax."""
-    pad = (-x.numel()) % BLOCK
-    blocks = torch.cat([x, x.new_zeros(pad)]).view(-1, BLOCK).abs().amax(1)
-    return blocks.repeat_interleave(BLOCK)[: x.numel()]
-
-
 # ---------------------------------------------------------------------------- the formats
 def test_parse_names_the_method_and_powersgd_rank():
     assert Compression.parse("none") == Compression("none", 1)
@@ -74,11 +63,11 @@ def test_each_method_round_trips_within_its_format_bound():
     assert bool((err <= x.abs() * 2**-8).all())
     # int8: a step of absmax/127 per block, round to nearest: ≤ absmax/254
     err = (round_trip(x, "int8") - x).abs()
-    assert bool((err <= _block_absmax(x) / 254 * (1 + 1e-6)).all())
+    assert bool((err <= ref.rounding_bound(x, "int8") * (1 + 1e-6)).all())
     assert err.max() > 0
     # fp8 e4m3 scaled so the block absmax is 448: 3 mantissa bits, relative ≤ 2⁻⁴, and
     # below the smallest normal (2⁻⁶ of the scale unit) an absolute 2⁻¹⁰ units
-    unit = _block_absmax(x) / 448
+    unit = ref.rounding_bound(x, "fp8") * 16 / 448
     err = (round_trip(x, "fp8") - x).abs()
     assert bool((err <= x.abs() * 2**-4 + unit * 2**-10 + 1e-12).all())
     # a zero block stays exactly zero in every format
@@ -110,7 +99,7 @@ def test_error_feedback_keeps_the_sum_of_k_sends_within_one_rounding(method):
         plain_sum += round_trip(x, method)
     gap = (sent_sum - true_sum).abs()
     assert torch.allclose(sent_sum + feedback.residuals["g"], true_sum, atol=1e-5)
-    bound = _block_absmax(compensated) * (1 / 254 if method == "int8" else 2**-4) + 1e-6
+    bound = ref.rounding_bound(compensated, method) + 1e-6
     assert bool((gap <= bound).all())
     assert (plain_sum - true_sum).abs().sum() > 3 * gap.sum()
     # the residuals are state: they round-trip through a state dict
@@ -144,22 +133,19 @@ def test_a_compressed_all_reduce_gives_every_rank_the_same_sum_counted_as_sent(m
     if method == "none":
         assert torch.allclose(results[0][1], true)
     elif method == "int8":  # W = 3: each sender's rounding, then the owner's of the sum
-        bound = sum(_block_absmax(r[0]) for r in results) / 254
-        assert bool((err <= bound + _block_absmax(true + bound) / 254 + 1e-6).all())
+        bound = sum(ref.rounding_bound(r[0], "int8") for r in results)
+        assert bool((err <= bound + ref.rounding_bound(true + bound, "int8") + 1e-6).all())
     else:
         assert float(err.max()) < 0.1 * float(true.abs().max())
-    sent = {
-        "none": ring_bytes(n, 4, size),
-        "bf16": ring_bytes(n, 2, size),
-        "int8": [quantised_sent_bytes(n, size, p) for p in range(size)],
-        "fp8": [quantised_sent_bytes(n, size, p) for p in range(size)],
-    }[method]
-    assert [r[2] for r in results] == (sent if isinstance(sent, list) else [sent] * size)
+    if method in ("none", "bf16"):  # a ring of fp32 or bf16 values
+        sent = [ring_bytes(n, 4 if method == "none" else 2, size)] * size
+    else:
+        sent = [quantised_sent_bytes(n, size, p) for p in range(size)]
+    assert [r[2] for r in results] == sent
 
 
 def test_a_method_without_an_all_reduce_is_refused_by_name():
-    """PowerSGD (a DDP hook) or an unknown name is refused in one line naming it, before any
-    transport call."""
+    """PowerSGD (a DDP hook) or an unknown name is refused by name before any transport call."""
     comm = ThreadComm(ThreadGroup(1), 0, handle=GROUP)
     for method in ("powersgd", "int4"):
         with pytest.raises(
@@ -170,10 +156,9 @@ def test_a_method_without_an_all_reduce_is_refused_by_name():
 
 
 def _hand_off(method: str, mine: torch.Tensor, peers: torch.Tensor, cost: float, **kw):
-    """``compressed_all_reduce_sum(..., GROUP, prior_stats(), method, link=a RecordingLink
-    charging ``cost``, **kw)`` on 4 threads whose transports accept only :data:`GROUP` (clock
-    10, 10.5, ...): rank 0 sums ``mine``, rank 1 ``peers``, the rest zeros. Rank 0's
-    (pending, tensor, transport, link, stats)."""
+    """A compressed all-reduce over GROUP on 4 threads (clock 10, 10.5, ...), each link charging
+    ``cost``: rank 0 sums ``mine``, rank 1 ``peers``, the rest zeros. Rank 0's (pending,
+    tensor, transport, link, stats)."""
 
     def rank_fn(rank: int, comm: ThreadComm):
         y = mine if rank == 0 else peers.clone() if rank == 1 else torch.zeros_like(mine)
@@ -185,9 +170,8 @@ def _hand_off(method: str, mine: torch.Tensor, peers: torch.Tensor, cost: float,
 
 
 def test_none_passes_the_link_the_span_async_op_and_the_group_to_the_plain_all_reduce():
-    """``none`` across nodes on an active link: the plain fp32 all-reduce over the group, asked
-    of the link for 3 × 4 bytes over 4 ranks, booked on the group, counted inter-node as a
-    ring (2·3/4 · 12 = 18 bytes); with ``async_op`` nothing is waited for until ``wait``."""
+    """``none`` across nodes: the plain fp32 all-reduce over the group, counted as a ring
+    (2·3/4 · 12 = 18 bytes); with ``async_op`` nothing is waited for until ``wait``."""
     y = torch.tensor([0.5, 0.25, -1.0])
     pending, y, comm, link, stats = _hand_off(
         "none", y, torch.tensor([1.0, 2.0, 3.0]), 0.0625, spans_nodes=True, async_op=True
@@ -203,11 +187,8 @@ def test_none_passes_the_link_the_span_async_op_and_the_group_to_the_plain_all_r
 
 
 def test_bf16_sums_in_bf16_on_the_group_and_link_times_its_wait_and_copies_back_once():
-    """``bf16`` across nodes on an active link: one asynchronous bf16 all-reduce over the group,
-    waited for; the link asked for 4 × 2 bytes over 4 ranks and booked on the group; counted
-    inter-node (2·3/4 · 8 = 12 bytes); the bf16 sum copied back to fp32; the wait timed on the
-    given transport's clock (one tick), not the wall clock. Waiting again reads that clock
-    again but does not copy the result back a second time."""
+    """``bf16`` across nodes: a bf16 all-reduce over the group (2·3/4 · 8 = 12 bytes), its wait
+    timed on the transport's clock; waiting again does not copy the result back again."""
     y = torch.tensor([1.0, 2.0, -0.5, 3.0])
     pending, y, comm, link, stats = _hand_off(
         "bf16", y, torch.full((4,), 0.5), 0.125, spans_nodes=True
@@ -224,11 +205,9 @@ def test_bf16_sums_in_bf16_on_the_group_and_link_times_its_wait_and_copies_back_
 
 
 def test_an_async_quantised_all_reduce_starts_the_scatter_and_wait_runs_the_rest_timed_once():
-    """W = 3 over the group with ``async_op``: only the scatter has started when the call
-    returns (the tensor untouched, nothing waited); ``wait`` waits for it, runs the gather,
-    writes the reference's sum, and adds exactly one reading-to-reading interval of the
-    transport's clock (0.5 s) to wait_s; a second ``wait`` does nothing (no clock reading, no
-    call); no link, nothing charged for one."""
+    """W = 3 with ``async_op``: only the scatter has started when the call returns; ``wait``
+    runs the gather, writes the reference's sum and adds one clock interval (0.5 s) to wait_s;
+    a second ``wait`` does nothing."""
 
     def rank_fn(rank: int, comm: ThreadComm):
         stats = prior_stats()
@@ -258,10 +237,8 @@ def test_an_async_quantised_all_reduce_starts_the_scatter_and_wait_runs_the_rest
 
 
 def test_each_wait_adds_its_own_interval_of_the_transports_clock_once():
-    """Two asynchronous quantised all-reduces on one stats (a group of one), waited one after
-    the other: each wait reads the clock twice and adds one interval (0.5 s) to the running
-    total, 1.0 + 0.5 + 0.5; a second wait of the same pending reads nothing; a blocking one
-    waits itself: one interval more."""
+    """Two asynchronous quantised all-reduces on one stats (a group of one), waited in turn:
+    each wait adds one interval (0.5 s), a second wait of one nothing, a blocking one one."""
     comm, stats = ThreadComm(ThreadGroup(1), 0, handle=GROUP, start=10.0, tick=0.5), prior_stats()
     pending = [
         compressed_all_reduce_sum(
@@ -281,9 +258,8 @@ def test_each_wait_adds_its_own_interval_of_the_transports_clock_once():
 
 
 def test_calls_without_a_key_share_one_residual_under_the_empty_key():
-    """A group of one sums its own round trip. Without a key the residual is kept under "";
-    a second call without a key adds it before quantising (the reference round trip of
-    x2 + e1, not of x2), and so does a call naming "" itself; a named key starts from zero."""
+    """Without a key the residual is kept under "", added back by the next call without a key
+    or naming "" (a group of one sums its own round trip); a named key starts from zero."""
     x1, x2, x3 = (compress_vector(600, seed=s) for s in (3, 4, 5))
     feedback = ErrorFeedback()
 
@@ -393,9 +369,8 @@ def test_daso_checkpoints_its_residual_and_a_restored_rank_continues_alike():
 
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory):
-    """The uncompressed reference runs, each made once per module and shared by the cases
-    that compare against the same one: ``plain_run(name, make_cfg)`` is ``(summary, out)``
-    of ``run_sim(make_cfg(out))``."""
+    """``plain_run(name, make_cfg)``: ``(summary, out)`` of ``run_sim(make_cfg(out))``, the
+    uncompressed reference run made once per module."""
     runs: dict[str, tuple[dict, object]] = {}
 
     def get(name: str, make_cfg) -> tuple[dict, object]:
@@ -424,16 +399,12 @@ def test_compressed_daso_learns_and_sends_its_global_syncs_compressed(tmp_path, 
     # shared by both methods.
     plain, plain_out = plain_run("daso", lambda out: _daso_cfg(out, daso_downcast="none"))
     packed = run_sim(_daso_cfg(tmp_path / "packed", compress=method))
-    assert _accuracy(packed) >= _accuracy(plain) - 0.05
-    assert _accuracy(packed) > 0.5
+    assert packed["final_test_accuracy"] >= plain["final_test_accuracy"] - 0.05
+    assert packed["final_test_accuracy"] > 0.5
     ratio = packed["inter_node_bytes"] / plain["inter_node_bytes"]
     numel = sum(p.numel() for p in trained(plain_out).parameters())
     per_value = 0.5 if method == "bf16" else packed_bytes(numel, method) / (4 * numel)
     assert per_value * 0.99 < ratio < per_value * 1.01
-
-
-def _accuracy(summary: dict) -> float:
-    return summary["final_test_accuracy"]
 
 
 def test_none_is_the_uncompressed_run_bit_for_bit(tmp_path):
@@ -474,8 +445,8 @@ def test_compressed_runs_learn_and_count_compressed_bytes(
         lambda out: sim_cfg(out, strategy, workers, steps, **kw),
     )
     packed = run_sim(sim_cfg(tmp_path / "packed", strategy, workers, steps, compress=method, **kw))
-    assert _accuracy(packed) >= _accuracy(plain) - 0.05
-    assert _accuracy(packed) > 0.5  # synthetic data, 10 classes: chance is 0.1
+    assert packed["final_test_accuracy"] >= plain["final_test_accuracy"] - 0.05
+    assert packed["final_test_accuracy"] > 0.5  # synthetic data, 10 classes: chance is 0.1
     ratio = packed["inter_node_bytes"] / plain["inter_node_bytes"]
     if method == "bf16":
         assert ratio == pytest.approx(0.5, rel=1e-3)

@@ -141,7 +141,11 @@ def test_a_compressed_push_cut_short_or_with_a_bad_scale_is_rejected_and_a_good_
     assert transport.stats.received_bytes == 3 * 64 + 3 * payload_bytes(NUMEL, "int8")
 
 
-def test_a_compressed_transport_refuses_a_packet_of_the_wrong_size_before_sending():
+def test_a_compressed_transport_counts_what_it_sends_and_refuses_a_packet_of_the_wrong_size():
+    counted = PeerTransport(compress="bf16", stats=CommStats())
+    _Wire(counted, [])
+    counted.send(0, Header(Kind.PUSH, numel=NUMEL), torch.ones(NUMEL))
+    assert counted.stats.sent_bytes == 64 + 2 * NUMEL
     transport = PeerTransport(compress="int8")
     _Wire(transport, [])
     with pytest.raises(ValueError, match="int8 bytes"):
@@ -210,29 +214,20 @@ def test_compressed_asgd_and_easgd_learn_with_about_a_quarter_of_the_bytes(
 def test_asgd_checkpoints_its_residuals():
     cfg = RunConfig(strategy="asgd", workers=1, servers=1, dataset="synthetic", compress="int8")
     model = nn.Linear(20, 20)
-    strategy = AsgdStrategy(_FakeCtx(cfg))
+    ctx = SimpleNamespace(
+        cfg=cfg, num_servers=1, transport=lambda stats: None, rank=1, worker_index=0, device="cpu"
+    )
+    strategy = AsgdStrategy(ctx)
     strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
     delta = _vector(strategy.numel)
     strategy._compress_push(delta.clone())
     state = strategy.state_dict()
     assert set(state["compress_feedback"]) == {"shard0"}
     assert torch.equal(state["compress_feedback"]["shard0"], delta - round_trip(delta, "int8"))
-    twin = AsgdStrategy(_FakeCtx(cfg))
+    twin = AsgdStrategy(ctx)
     twin.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
     twin.load_state_dict(state)
     assert torch.equal(twin.feedback.residuals["shard0"], strategy.feedback.residuals["shard0"])
-
-
-class _FakeCtx(SimpleNamespace):
-    def __init__(self, cfg: RunConfig):
-        super().__init__(
-            cfg=cfg,
-            num_servers=1,
-            transport=lambda stats: None,
-            rank=1,
-            worker_index=0,
-            device=torch.device("cpu"),
-        )
 
 
 # ---------------------------------------------------------------------------- gossip
@@ -274,13 +269,11 @@ def test_compressed_gossip_consensus_falls_and_push_sum_keeps_its_mass(tmp_path,
 
 
 # ---------------------------------------------------------------------------- the simulator
-def test_the_simulator_scales_payloads_compressed_or_not_and_never_headers():
+def test_simulated_compressed_pushes_cost_a_quarter_of_the_modelled_bytes(tmp_path):
+    # the simulator scales payloads, compressed or not, and never headers
     assert is_payload(torch.zeros(3)) and is_payload(torch.zeros(3, dtype=torch.bfloat16))
     assert is_payload(encode(torch.ones(3), "int8"))  # uint8 bytes of a quantised payload
     assert not is_payload(Header(Kind.PUSH).to_tensor())  # int64 control data
-
-
-def test_simulated_compressed_pushes_cost_a_quarter_of_the_modelled_bytes(tmp_path):
     # A slow link and a large stand-in model: the payloads' scaled bytes dominate the time.
     # The shard on a node of its own (own), the worker on the other: every message crosses.
     kw = dict(servers=1, nodes=2, shard_placement="own", inter_node_link="0.1,0", n_push=1)
@@ -292,10 +285,3 @@ def test_simulated_compressed_pushes_cost_a_quarter_of_the_modelled_bytes(tmp_pa
         times[method] = summary["wall_time_s"]
     # 10⁷ fp32 values over 0.1 Gbit/s are 3.2 s a message each way; int8 about 0.8 s.
     assert 0.24 < times["int8"] / times["none"] < 0.3
-
-
-def test_stats_count_what_is_sent():
-    transport = PeerTransport(compress="bf16", stats=CommStats())
-    _Wire(transport, [])
-    transport.send(0, Header(Kind.PUSH, numel=NUMEL), torch.ones(NUMEL))
-    assert transport.stats.sent_bytes == 64 + 2 * NUMEL

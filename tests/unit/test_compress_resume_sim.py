@@ -1,9 +1,6 @@
 """A compressed run killed and resumed from its checkpoint ends exactly where the undisturbed
-run of the same seed ends, for the lockstep strategies that keep compression state between
-rounds (the error-feedback residuals; PowerSGD is not on the virtual cluster, and asynchronous
-strategies finish without a killed worker), on the virtual cluster in this process: a checkpoint
-that dropped that state, or a restore that did not put it back, sends different bytes from the
-restart on. The same property over real processes: tests/e2e/test_compress_resume.py."""
+run of the same seed ends, on the virtual cluster, for the lockstep strategies that keep
+error-feedback residuals between rounds. Over real processes: tests/e2e/test_compress_resume.py."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Error feedback through the quantised all-reduce itself, over several rounds, on the virtual
-cluster: the running sum of what ``compressed_all_reduce_sum`` returns tracks the true running
-sum within one rounding per quantisation (what the last residuals hold), where the same rounds
-without feedback drift by one rounding per round. Written against the function's contract
-(docs/algorithms.md#compression), so it holds for the all-gather form and for the quantised
-reduce-scatter + all-gather (which rounds twice: the senders', then the chunk owner's)."""
+"""Error feedback through the quantised all-reduce over several rounds on the virtual cluster:
+the running sum tracks the true one within one rounding per quantisation (the senders' and,
+from W = 3, the chunk owner's), where without feedback it drifts by one rounding per round."""
 
 from __future__ import annotations
 

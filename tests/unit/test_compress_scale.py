@@ -1,15 +1,8 @@
-"""The scale sweep (issue 27): every collective strategy × every ``--compress`` it runs on the
-virtual cluster, at W = 2, 8 and 64 (local SGD also at 256), driven by hand for a few steps
-(``run_ranks``; a 4,096-parameter linear model: 16 quantisation blocks). The bytes counted,
-summed over the workers, equal each strategy's formula exactly: ring all-reduce 2(W−1)/W·|θ|
-per rank (fp32 or bf16), the quantised all-reduce 2(W−1) packed vectors over the group, DASO's
-global syncs over its P node senders and its node-local part over G ranks. A strategy whose
-bytes grew faster than its formula (the old all-gather's W − 1 packed vectors per rank) fails
-here; so does int8 above 0.3× the uncompressed bytes at any W (fp8, which takes int8's path
-with another code dtype and the same packed bytes, at W = 2 and 8).
-
-asgd, EASGD and gossip send point-to-point messages whose bytes do not depend on W (their
-counts are tests/unit/test_compress_messages.py's).
+"""The scale sweep (issue 27): every collective strategy × every ``--compress`` on the virtual
+cluster at W = 2, 8 and 64 (local SGD also at 256), a few steps of a 4,096-parameter model (16
+quantisation blocks): the bytes counted, summed over the workers, are each strategy's formula
+exactly, and int8 stays under 0.3× the uncompressed bytes at any W. asgd, EASGD and gossip send
+messages whose bytes do not depend on W (tests/unit/test_compress_messages.py).
 """
 
 from __future__ import annotations

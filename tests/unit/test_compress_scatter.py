@@ -1,10 +1,7 @@
 """The quantised all-reduce whose bytes do not grow with W (ALGORITHMS.md §8): the reduce-scatter
 of quantised chunks, the owners' fp32 sums re-quantised with their own residuals, the
-all-gather; at W = 2 one all-gather. On a group handle of its own (every transport call goes to
-the group given), against the independent plain-PyTorch reference (tests/reference.py), bit for
-bit, whatever the default device; every rank's bytes and splits exact; both residuals through a
-checkpoint; what the emulated link is charged for each all-to-all, and on which group; and the
-virtual cluster's charged time for the two all-to-alls, computed by hand.
+all-gather; at W = 2 one all-gather. Against the plain-PyTorch reference (tests/reference.py)
+bit for bit, with every rank's bytes, splits and link charges exact.
 """
 
 from __future__ import annotations
@@ -25,13 +22,9 @@ from cloudburst.comm.compress import (
     packed_bytes,
     quantised_sent_bytes,
 )
-from cloudburst.comm.link import Topology
 from cloudburst.comm.stats import CommStats
 from cloudburst.config.simulation import SimulationConfig
-from cloudburst.sim.clock import ClockModel
-from cloudburst.sim.network import SimNetwork
-from cloudburst.sim.scheduler import Scheduler
-from cloudburst.sim.transport import SimTransport
+from cloudburst.sim.run import run_ranks
 from tests import reference as ref
 from tests.support import (
     RecordingLink,
@@ -46,18 +39,16 @@ GROUP = object()  # the group handle: the only one the transports below accept
 
 
 def _on_threads(size: int, fn) -> list:
-    """``fn(rank, comm)`` on ``size`` threads, each a :class:`ThreadComm` that accepts only
-    :data:`GROUP` (every transport call goes to the group given), its clock reading 10, 10.5,
-    11, ... (one reading a call)."""
+    """``fn(rank, comm)`` on ``size`` threads whose transports accept only :data:`GROUP`, their
+    clocks reading 10, 10.5, 11, ... (one reading a call)."""
     return on_comm_threads(size, fn, handle=GROUP, start=10.0, tick=0.5)
 
 
 def _reduce(size: int, n: int, method: str, rounds: int, feedbacks=None, seed: int = 0,
             default_device: str | None = None):  # fmt: skip
-    """``rounds`` quantised all-reduces over :data:`GROUP` of fresh vectors on ``size``
-    threads (each thread's default device ``default_device``, if given, while it reduces); per
-    rank: the inputs, the results, the bytes counted, the transport's calls and its
-    ErrorFeedback."""
+    """``rounds`` quantised all-reduces of fresh vectors over :data:`GROUP` (under
+    ``default_device``, if given); per rank: the inputs, the results, the bytes counted, the
+    transport's calls and its ErrorFeedback."""
 
     def rank_fn(rank: int, comm):
         feedback = feedbacks[rank] if feedbacks is not None else ErrorFeedback()
@@ -129,10 +120,8 @@ def test_each_rank_sends_its_share_exactly_and_the_total_is_2_w_minus_1_packed_v
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_a_pair_all_gathers_over_the_group_and_keeps_the_residual_under_the_default_key(method):
-    """W = 2: one asynchronous all-gather of the packed vectors over the group, waited for;
-    both ranks get the reference's rank-order sum of the two round trips; the sender's residual
-    is kept under the default key, the empty string (no owner's residual); counted as one
-    packed vector, added to the earlier totals."""
+    """W = 2: one all-gather of the packed vectors, the reference's rank-order sum of the two
+    round trips; the sender's residual kept under "" (no owner's); one packed vector counted."""
     n = 700  # 3 blocks, the last one padded
 
     def rank_fn(rank: int, comm: ThreadComm):
@@ -155,9 +144,8 @@ def test_a_pair_all_gathers_over_the_group_and_keeps_the_residual_under_the_defa
 
 
 def test_the_owners_sum_is_made_on_the_tensors_device_whatever_the_default_device():
-    """The reduce-scatter's temporaries live on the tensor's device, not on the default one: a
-    W = 3 all-reduce of CPU tensors while each thread's default device is ``meta`` gives the
-    reference's sum."""
+    """The reduce-scatter's temporaries live on the tensor's device: CPU tensors reduced under
+    a ``meta`` default device give the reference's sum."""
     results = _reduce(3, 1000, "int8", rounds=1, default_device="meta")
     expected, _, _ = ref.quantised_all_reduce(
         [r[0][0] for r in results], "int8", [None] * 3, [None] * 3
@@ -194,12 +182,9 @@ def test_both_residuals_round_trip_through_a_checkpoint_and_an_old_one_resumes()
 
 
 def test_each_all_to_all_is_charged_to_the_emulated_link_on_the_group_for_this_ranks_bytes():
-    """Across nodes on an active link, W = 3, 1000 values owned [2, 1, 1]: the scatter is
-    charged 2 latencies + the others' chunks this rank sends, the gather 2 latencies + its own
-    chunk to 2 ranks, each booked once on the group and both added to emulated_link_s; the
-    link's completion is waited for on top of each transport work; the bytes count as
-    inter-node; without a key the sender's residual is kept under "" and the owner's under
-    ":owner"."""
+    """W = 3 across nodes, 1000 values owned [2, 1, 1]: the scatter is charged 2 latencies + the
+    others' chunks this rank sends, the gather 2 latencies + its own chunk to 2 ranks, each
+    booked on the group. Without a key the residuals are kept under "" and ":owner"."""
     blocks = [2, 1, 1]
     link_of = [RecordingLink() for _ in range(3)]
 
@@ -248,6 +233,13 @@ def test_the_link_is_not_charged_unless_active_and_spanning_nodes_of_two_or_more
         assert all(link.booked == [] for link in links)
 
 
+def _on_the_cluster(ctx) -> tuple[float, torch.Tensor, int, int]:
+    y, stats = compress_vector(1280, seed=ctx.rank), CommStats()
+    compressed_all_reduce_sum(y, None, stats, "int8", feedback=ErrorFeedback(), key="g",
+                              spans_nodes=True, comm=ctx.comm)  # fmt: skip
+    return ctx.comm.now(), y, stats.inter_node_bytes, ctx.comm.net.collectives
+
+
 def test_the_virtual_cluster_charges_two_all_to_alls_by_hand():
     # 4 ranks on 2 nodes, a 1 Gbit/s link (125,000,000 bytes/s) with 1 ms latency; 5 blocks
     # (1280 values) owned [2, 1, 1, 1]. An all-to-all costs (W − 1) latencies + the busiest
@@ -255,25 +247,11 @@ def test_the_virtual_cluster_charges_two_all_to_alls_by_hand():
     #   scatter: ranks 1-3 send 4 blocks (1040 bytes): 3 ms + 1040 / 1.25e8 s
     #   gather: rank 0 sends its 2 blocks to 3 ranks (1560 bytes): 3 ms + 1560 / 1.25e8 s
     expected = 0.003 + 1040 / 1.25e8 + 0.003 + 1560 / 1.25e8
-    cfg = clock_run_config(inter_node_link="1,1", workers=4)
-    clock = ClockModel(SimulationConfig(), cfg, actual_params=1280, step_time_s=0.1)
-    sched = Scheduler()
-    net = SimNetwork(sched, clock, Topology.contiguous(4, 2), timeout_s=60.0)
-    comms = [SimTransport(net, r, r) for r in range(4)]
-    seen: dict[int, tuple[float, torch.Tensor, int]] = {}
-
-    def rank_fn(rank: int) -> None:
-        y = compress_vector(1280, seed=rank)
-        stats = CommStats()
-        compressed_all_reduce_sum(y, None, stats, "int8", feedback=ErrorFeedback(), key="g",
-                                  spans_nodes=True, comm=comms[rank])  # fmt: skip
-        seen[rank] = (comms[rank].now(), y, stats.inter_node_bytes)
-
-    for r in range(4):
-        sched.spawn(lambda r=r: rank_fn(r), f"rank{r}", r)
-    sched.run()
-    assert [seen[r][0] for r in range(4)] == [pytest.approx(expected, rel=1e-12)] * 4
-    assert all(torch.equal(seen[r][1], seen[0][1]) for r in range(4))
-    assert [seen[r][2] for r in range(4)] == [quantised_sent_bytes(1280, 4, r) for r in range(4)]
-    assert net.collectives == 2
+    cfg = clock_run_config(inter_node_link="1,1", workers=4, nodes=2)
+    sim = SimulationConfig(step_time_s=0.1)
+    seen = run_ranks(cfg, _on_the_cluster, sim=sim, actual_params=1280)
+    assert [s[0] for s in seen] == [pytest.approx(expected, rel=1e-12)] * 4
+    assert all(torch.equal(s[1], seen[0][1]) for s in seen)
+    assert [s[2] for s in seen] == [quantised_sent_bytes(1280, 4, r) for r in range(4)]
+    assert [s[3] for s in seen] == [2] * 4
     assert 5 * BLOCK == 1280

@@ -1,8 +1,5 @@
-"""Compressed local SGD and DiLoCo against the plain-PyTorch references with the reference
-quantiser (tests/reference.py: ``QuantisedSum``, block-wise int8 / fp8 written from the
-documented format, with error feedback): two workers on the virtual cluster, driven step by
-step, must follow the references' trajectories — each average sends the drifts (local SGD) or
-pseudo-gradients (DiLoCo) quantised, with the residual added back the next time."""
+"""Compressed local SGD, DiLoCo and asgd pushes against the plain-PyTorch references with the
+reference quantiser (tests/reference.py: block-wise int8 / fp8 with error feedback)."""
 
 from __future__ import annotations
 

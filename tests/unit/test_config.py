@@ -8,12 +8,8 @@ def test_defaults_are_valid():
     assert (cfg.job.strategy, cfg.job.workers, cfg.job.servers, cfg.world_size) == ("sync", 2, 0, 2)
     # 64 epochs of 2000 samples per worker, 31 batches of 64 each
     assert cfg.steps_per_worker() == 1984
-    assert (cfg.training.lr, cfg.training.momentum, cfg.asgd.server_lr) == (
-        0.1,
-        0.9,
-        0.5,
-    )  # λ = 1/W
-    assert RunConfig(workers=4).asgd.server_lr == 0.25
+    assert (cfg.training.lr, cfg.training.momentum) == (0.1, 0.9)
+    assert cfg.asgd.server_lr == 0.5 and RunConfig(workers=4).asgd.server_lr == 0.25  # λ = 1/W
     assert RunConfig(optimizer="adam").diloco.outer_lr == 0.7  # the paper's pair
     assert RunConfig(strategy="diloco").diloco.outer_lr == 0.5  # over SGD: 0.5/0.8
     assert RunConfig(strategy="diloco").diloco.outer_momentum == 0.8
@@ -31,6 +27,9 @@ def test_a_config_reads_by_concern_and_keeps_flat_names_at_its_edges(tmp_path):
     assert (cfg.daso.global_skip, cfg.data.workers, cfg.training.lr) == (6, 0, 0.05)
     assert cfg.get("daso_global_skip") == 6 and cfg.to_dict()["daso_global_skip"] == 6
     assert "global_skip" not in cfg.to_dict() and RunConfig.from_dict(cfg.to_dict()) == cfg
+    slow = cfg.replace(stragglers=[Straggler(1, 2.0)])  # stragglers round-trip too
+    again = RunConfig.from_dict(slow.to_dict())
+    assert again == slow and again.straggler_factor(1) == 2.0 and again.straggler_factor(0) == 1.0
     wider = cfg.replace(workers=8, daso_global_skip=2)
     assert (wider.job.workers, wider.daso.global_skip, cfg.daso.global_skip) == (8, 2, 6)
     assert wider != cfg and cfg.replace() == cfg
@@ -56,27 +55,17 @@ def test_summing_pushes_with_several_workers_warns():
     assert RunConfig(strategy="asgd", workers=1, servers=1, server_lr=1.0, steps=5).warnings() == []
 
 
-def test_n_sync_sets_fetch_and_push():
-    cfg = RunConfig(strategy="asgd", servers=1, n_sync=7)
-    assert (cfg.asgd.n_fetch, cfg.asgd.n_push) == (7, 7)
-
-
 # Each bad value: the field the message starts with, and what it must say — the value and
 # what is allowed, or the fix (STYLE: one line naming the field, the value and the range).
 @pytest.mark.parametrize(
     "values, field, fragments",
     [
         ({"strategy": "magic"}, "strategy", ["'magic'", "sync, asgd, daso, local_sgd"]),
-        ({"workers": 0}, "workers", ["0 is not allowed", "integer >= 1"]),
         ({"strategy": "asgd", "servers": 0}, "servers", ["0", "'asgd'", "--servers 1 or more"]),
         ({"strategy": "sync", "servers": 2}, "servers", ["2", "'sync'", "--servers 0"]),
         ({"lr": -0.1}, "lr", ["-0.1", "> 0.0"]),
-        ({"lr": float("nan")}, "lr", ["nan", "> 0.0"]),
-        ({"lr": 1e308}, "lr", ["1e+308", "> 0.0 and <= 100.0"]),
-        ({"seed": 2**63}, "seed", [str(2**63), ">= 0 and <= 4_294_967_295"]),
         ({"steps": 1e20}, "steps", ["1e+20", "not a valid int"]),
         ({"inter_node_link": "1e-300"}, "inter_node_link", ["'1e-300'", "1 kbit/s to 1 Pbit/s"]),
-        ({"momentum": 1.0}, "momentum", ["1.0", ">= 0.0 and < 1.0"]),
         ({"batch_size": 5000}, "batch_size", ["5000", "shard of 2000 samples"]),
         ({"n_fetch": 0, "strategy": "asgd", "servers": 1}, "n_fetch", ["0", "integer >= 1"]),
         (
@@ -101,7 +90,6 @@ def test_n_sync_sets_fetch_and_push():
         ({"backend": "nccl", "device": "cpu"}, "backend", ["'nccl'", "--device cuda"]),
         ({"autocast": "fp8"}, "autocast", ["'fp8'", "none, bf16"]),
         ({"image_size": 4}, "image_size", ["4", "integer >= 8"]),
-        ({"data_workers": -1}, "data_workers", ["-1", "integer >= 0"]),
     ],
 )
 def test_invalid_values_name_the_field_the_value_and_the_fix(values, field, fragments):
@@ -116,31 +104,8 @@ def test_toml_and_overrides(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('[train]\nstrategy = "asgd"\nservers = 2\nworkers = 3\nn-sync = 4\nlr = 0.1\n')
     cfg = RunConfig.from_toml(path, {"lr": 0.2})
-    assert (
-        cfg.job.strategy,
-        cfg.job.servers,
-        cfg.job.workers,
-        cfg.asgd.n_push,
-        cfg.training.lr,
-    ) == ("asgd", 2, 3, 4, 0.2)
-
-
-def test_bad_toml_is_one_line(tmp_path):
-    path = tmp_path / "bad.toml"
-    path.write_text("strategy = \n")
-    with pytest.raises(ConfigError) as err:
-        RunConfig.from_toml(path)
-    msg = str(err.value)
-    assert msg.startswith(f"config: {str(path)!r} is not valid TOML") and "\n" not in msg, msg
-    with pytest.raises(ConfigError, match="does not exist"):
-        RunConfig.from_toml(tmp_path / "missing.toml")
-
-
-def test_round_trip_through_dict():
-    cfg = RunConfig(strategy="asgd", servers=2, workers=3, stragglers=[Straggler(1, 2.0)])
-    again = RunConfig.from_dict(cfg.to_dict())
-    assert again == cfg
-    assert again.straggler_factor(1) == 2.0 and again.straggler_factor(0) == 1.0
+    assert (cfg.job.strategy, cfg.job.servers, cfg.job.workers) == ("asgd", 2, 3)
+    assert (cfg.asgd.n_push, cfg.training.lr) == (4, 0.2)
 
 
 def test_cosine_schedule_decays_to_zero_over_the_run():
@@ -162,7 +127,6 @@ def test_cosine_schedule_decays_to_zero_over_the_run():
     # lr after k of T = 50 steps: 0.1 · (1 + cos(πk/T)) / 2 — 0.1 at the start, 0.05 half way
     expected = [0.05 * (1 + math.cos(math.pi * k / 50)) for k in range(51)]
     assert lrs == pytest.approx(expected, abs=1e-12)
-    assert lrs[25] == pytest.approx(0.05) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
     assert make_scheduler(RunConfig(), opt, 10) is None
     with pytest.raises(ConfigError, match="lr_schedule: 'step' is not allowed; choose one of "):
         RunConfig(lr_schedule="step")
@@ -183,12 +147,11 @@ def test_diloco_takes_a_warm_start_and_warns_about_outer_lr_with_sgd():
         RunConfig(strategy="async_diloco", workers=2, local_sgd_warmup_steps=10, steps=10)
     RunConfig(strategy="diloco", workers=2, local_sgd_warmup_steps=10, steps=10)
     RunConfig(strategy="local_sgd", workers=2, local_sgd_warmup_steps=10, steps=10)
-    assert RunConfig(strategy="diloco", workers=2, steps=10).warnings() == []  # the defaults
     paper = RunConfig(strategy="diloco", workers=2, steps=10, diloco_outer_lr=0.7)
     assert len(paper.warnings()) == 1 and "outer lr 0.7" in paper.warnings()[0]
-    assert RunConfig(strategy="diloco", workers=2, steps=10, diloco_outer_lr=0.1).warnings() == []
-    assert RunConfig(strategy="diloco", workers=2, steps=10, diloco_outer_lr=0.5).warnings() == []
-    assert RunConfig(strategy="diloco", workers=2, steps=10, optimizer="adam").warnings() == []
+    # the defaults, outer lr 0.1 or 0.5 over SGD, and 0.7 over Adam: no warning
+    for kw in ({}, {"diloco_outer_lr": 0.1}, {"diloco_outer_lr": 0.5}, {"optimizer": "adam"}):
+        assert RunConfig(strategy="diloco", workers=2, steps=10, **kw).warnings() == []
     assert RunConfig(strategy="local_sgd", workers=2, steps=10).warnings() == []
 
 

@@ -25,18 +25,16 @@ def test_merge_formula_on_scripted_values_for_two_and_three_nodes(s):
 
 
 def _schedule(**kw) -> DasoSchedule:
-    args = dict(
-        total_epochs=20,
-        warmup_epochs=2,
-        cooldown_epochs=2,
-        global_skip=4,
-        batches_to_wait=1,
-        max_global_skips=8,
-        stability_level=0.05,
-        patience=2,
-    )
-    args.update(kw)
-    return DasoSchedule(**args)
+    args = dict(total_epochs=20, warmup_epochs=2, cooldown_epochs=2, global_skip=4,
+                batches_to_wait=1, max_global_skips=8, stability_level=0.05,
+                patience=2)  # fmt: skip
+    return DasoSchedule(**{**args, **kw})
+
+
+def _cycling(**kw) -> DasoSchedule:
+    """A schedule that is in its cycling phase from the first epoch on (B, S and the rest are
+    the class's defaults unless given, unlike :func:`_schedule`'s pinned ones)."""
+    return DasoSchedule(total_epochs=20, warmup_epochs=0, cooldown_epochs=0, **kw)
 
 
 # A scripted epoch-loss sequence and the schedule it must produce: (loss, phase of that
@@ -91,38 +89,27 @@ def test_schedule_checkpoint_resumes_the_same_trajectory(tmp_path):
         b.load_state_dict({"bogus": 1})
 
 
-def test_fixed_schedule_and_blocking_every_batch():
+def test_a_fixed_schedule_and_one_blocking_every_batch_never_adapt():
     fixed = _schedule(adaptive=False)
     for loss, *_ in SCRIPT:
         assert fixed.end_epoch(loss) is None
     assert (fixed.global_skip, fixed.batches_to_wait) == (4, 1)
     every_batch = _schedule(global_skip=0, batches_to_wait=0, warmup_epochs=0)
     assert every_batch.phase() == CYCLING and every_batch.blocking()
-
-
-def test_fractional_warmup_and_cooldown_are_counted_in_steps():
-    sched = _schedule(total_epochs=4, warmup_epochs=0.5, cooldown_epochs=0.5)
-    steps_per_epoch = 10
-    phases = [sched.phase(step / steps_per_epoch) for step in range(40)]
-    assert phases == [WARMUP] * 5 + [CYCLING] * 30 + [COOLDOWN] * 5
-
-
-def _cycling(**kw) -> DasoSchedule:
-    """A schedule that is in its cycling phase from the first epoch on (B, S and the rest are
-    the class's defaults unless given, unlike :func:`_schedule`'s pinned ones)."""
-    return DasoSchedule(total_epochs=20, warmup_epochs=0, cooldown_epochs=0, **kw)
-
-
-def test_blocking_asks_about_the_position_given_not_the_current_epoch():
-    schedule = DasoSchedule(total_epochs=20, warmup_epochs=2, cooldown_epochs=2, epoch=5)
-    assert not schedule.blocking()
-    assert schedule.blocking(0.5) and schedule.blocking(19.0)
-
-
-def test_a_schedule_blocking_every_batch_never_adapts():
     schedule = _cycling(global_skip=0, patience=1)
     assert [schedule.end_epoch(1.0) for _ in range(4)] == [None] * 4
     assert schedule.global_skip == 0
+
+
+def test_phases_are_those_of_the_position_asked_about_counted_in_steps():
+    sched = _schedule(total_epochs=4, warmup_epochs=0.5, cooldown_epochs=0.5)
+    steps_per_epoch = 10  # a fractional warm-up and cool-down
+    phases = [sched.phase(step / steps_per_epoch) for step in range(40)]
+    assert phases == [WARMUP] * 5 + [CYCLING] * 30 + [COOLDOWN] * 5
+    # blocking() asks about the position given, not the current epoch
+    schedule = DasoSchedule(total_epochs=20, warmup_epochs=2, cooldown_epochs=2, epoch=5)
+    assert not schedule.blocking()
+    assert schedule.blocking(0.5) and schedule.blocking(19.0)
 
 
 def test_a_loss_exactly_at_the_stability_threshold_is_no_improvement():

@@ -1,17 +1,9 @@
-"""DASO's global syncs as they cross the wire, on the virtual cluster (``run_ranks``, a
-3-parameter linear model, lr 0 so that only the syncs move θ):
-
-- which rank of each node sends at the k-th sync (local rank k mod G, rotating: 0, 1, 2, 0, …
-  with G = 3), over which group, in which dtype (blocking bf16, non-blocking fp32), the θ it
-  holds at that moment, the count of syncs started and the bytes each rank sent;
-- when a sync is merged (S steps after it started, fp32 and int8) and that its sender
-  broadcasts the merge over its node, the bytes counted as its sender's and the others';
-- that a non-blocking sync does not hold its sender back (its virtual clock does not move
-  when the sync starts; fp32 and int8), while a blocking one does;
-- the emulated inter-node link (the real run's ``--link``) charges every global sync, fp32,
-  bf16 and int8, exactly the link model's time for its bytes;
-- the phase of every step counted from where the step started (a fractional warm-up), and
-  the phase each sync logs.
+"""DASO's global syncs as they cross the wire, on the virtual cluster (``run_ranks``; a
+3-parameter linear model, lr 0, so that only the syncs move θ): the rotating sender, group and
+dtype of each sync; when it is merged and broadcast over the node, and its bytes; that a
+non-blocking sync does not hold its sender back; the emulated link's charge for each sync;
+each step's phase; and with S > 0 the plain-PyTorch reference's trajectory (tests/reference.py;
+tests/dist/test_daso.py runs the same ranks over gloo).
 """
 
 from __future__ import annotations
@@ -20,18 +12,23 @@ import dataclasses
 
 import pytest
 import torch
-from torch import nn
 
 from cloudburst.comm.costs import LinkSpec
 from cloudburst.comm.link import LinkEmulator
 from cloudburst.sim.run import run_ranks
-from tests.support import daso_sync_cfg, daso_sync_drive, daso_sync_model
+from tests import reference as ref
+from tests.support import (
+    DASO_REF_STEPS,
+    assert_follows_daso_reference,
+    daso_reference_cfg,
+    daso_reference_drive,
+    daso_reference_run,
+    daso_sync_cfg,
+    daso_sync_drive,
+    daso_sync_model,
+)
 
 NUMEL = 3  # nn.Linear(2, 1)
-
-
-def _theta(model: nn.Module) -> torch.Tensor:
-    return torch.cat([model.weight.detach().reshape(-1), model.bias.detach().reshape(-1)])
 
 
 # ---------------------------------------------------------------------------- the wire
@@ -55,7 +52,7 @@ def test_each_sync_is_sent_by_the_rotating_local_rank_over_its_global_group_in_i
             if group is ctx.groups["across"]:
                 members = tuple(group.members)
                 wire.append((strategy.local_steps, ctx.rank, members, tensor.dtype, async_op))
-                sent_is_theta.append(torch.equal(tensor, _theta(model).to(tensor.dtype)))
+                sent_is_theta.append(torch.equal(tensor, ref.flat(model).to(tensor.dtype)))
             return real(tensor, group, async_op=async_op)
 
         ctx.comm.all_reduce = all_reduce
@@ -135,13 +132,13 @@ def test_a_sync_is_merged_s_steps_after_it_started_and_broadcast_by_its_sender(t
             models.append(model)
 
         def on_step(step, strategy, before, after):
-            thetas.append(_theta(models[0]).clone())
+            thetas.append(ref.flat(models[0]).clone())
 
         daso_sync_drive(ctx, 6, 1000, 6, on_step=on_step, record=record)
         return broadcasts, thetas
 
     results = run_ranks(cfg, drive)
-    initial = [_theta(daso_sync_model(r)) for r in range(4)]
+    initial = [ref.flat(daso_sync_model(r)) for r in range(4)]
     for rank, (broadcasts, thetas) in enumerate(results):
         node = rank // 2
         assert broadcasts == [(5, 2 * node), (6, 2 * node + 1), (6, 2 * node)], rank
@@ -234,3 +231,40 @@ def test_phases_are_counted_per_step_from_where_the_step_started(tmp_path):
     for phase_steps, log in results:
         assert phase_steps == {"warmup": 2, "cycling": 10, "cooldown": 4}
         assert log == want_log
+
+
+# ---------------------------------------------------------------------------- the reference
+@pytest.mark.parametrize("wait", [2, 1, 0])
+def test_daso_follows_the_reference_on_the_virtual_cluster(tmp_path, wait):
+    """The merge S steps after each sync with the weight 2S, the rotating sender and the node
+    broadcast follow the reference's trajectory."""
+    runs = run_ranks(daso_reference_cfg(str(tmp_path), wait), daso_reference_drive)
+    assert_follows_daso_reference(runs, daso_reference_run(wait))
+    # Every rank ends on the same θ (finish's blocking average), and the run is not the
+    # one a different S gives: the delay shows in the trajectory.
+    assert all(r[-1] == runs[0][-1] for r in runs)
+    other = daso_reference_run(wait + 1 if wait < 2 else 0)
+    gap = max(
+        (torch.tensor(runs[0][t]) - other[0][t]).abs().max().item() for t in range(DASO_REF_STEPS)
+    )
+    assert gap > 1e-3
+
+
+def test_the_reference_itself_merges_late_with_the_weight_2s_and_rotates():
+    # The reference's own semantics on scripted numbers, so that it cannot drift into
+    # agreeing with a wrong implementation: one parameter per rank, no training (lr 0).
+    models = [torch.nn.Linear(1, 1, bias=False) for _ in range(4)]
+    for r, m in enumerate(models):
+        torch.nn.init.constant_(m.weight, float(10 * r))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.0) for m in models]
+    data = lambda r, t: (torch.ones(1, 1), torch.zeros(1, dtype=torch.long))  # noqa: E731
+
+    got = ref.daso(models, optimizers, data, nodes=2, steps=3, global_skip=1, wait=1)
+    # t=1: sync 0 starts (local rank 0 sends: 0 and 20). t=2: merged with S = 1, P = 2:
+    # node 0: (2·0 + 20)/4 = 5 on ranks 0, 1; node 1: (2·20 + 20)/4 = 15 on ranks 2, 3;
+    # then sync 1 (local rank 1 sends: 5, 15). t=3: merged: (2·5 + 20)/4 = 7.5,
+    # (2·15 + 20)/4 = 12.5; sync 2 (local rank 0). finish: merged, (2·7.5 + 20)/4 = 8.75,
+    # (2·12.5 + 20)/4 = 11.25; then the blocking average (20)/2 = 10 everywhere.
+    assert [[float(v[0]) for v in rank] for rank in got] == [
+        [0.0, 5.0, 10.0], [10.0, 5.0, 10.0], [20.0, 15.0, 10.0], [30.0, 15.0, 10.0]
+    ]  # fmt: skip

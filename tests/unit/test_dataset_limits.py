@@ -57,12 +57,14 @@ def _npy_header(shape: tuple[int, ...], dtype: str) -> bytes:
     return buf.getvalue()
 
 
+def _bomb(tmp_path: Path) -> Path:
+    """The attack's shape: [2e6, 1000] uint8 declared, 2 GB of zeros deflated to almost nothing."""
+    x, y = _npy_header((2_000_000, 1000), "|u1"), _npy_header((2,), "<i8")
+    return _npz_with_member(tmp_path / "bomb.npz", {"x.npy": x, "y.npy": y})
+
+
 def test_a_deflated_npz_bomb_is_refused_from_its_header_without_allocating(tmp_path):
-    # the attack's shape: [2e6, 1000] uint8 declared, 2 GB of zeros deflated to almost nothing
-    bomb = _npz_with_member(
-        tmp_path / "bomb.npz",
-        {"x.npy": _npy_header((2_000_000, 1000), "|u1"), "y.npy": _npy_header((2,), "<i8")},
-    )
+    bomb = _bomb(tmp_path)
     assert bomb.stat().st_size < 1000
     peak = refused(
         lambda: load_dataset(f"npz:{bomb}"),
@@ -118,38 +120,33 @@ def _refused_batch(tmp_path: Path, payload: bytes, *fragments: str) -> int:
     return refused(lambda: load_dataset(f"cifar10:{root}"), "data_batch_2", *fragments)
 
 
-def test_the_193_byte_cifar_batch_that_allocates_a_million_images_is_refused(tmp_path):
+def test_cifar_batches_that_ask_numpy_for_a_million_images_are_refused(tmp_path):
+    # 193 bytes that allocate a million images
     batch = {
         b"data": _Call(np.ndarray, (1_000_040, 3072), np.dtype("u1")),
         b"labels": _Call(np.ndarray, (1_000_040,), np.dtype("i8")),  # uninitialised memory
     }
     payload = pickle.dumps(batch, protocol=2)
     assert len(payload) < 300
-    peak = _refused_batch(tmp_path, payload, "refuses to call numpy.ndarray directly")
+    peak = _refused_batch(tmp_path / "a", payload, "refuses to call numpy.ndarray directly")
     assert peak < SMALL_PEAK_BYTES
-
-
-def test_a_cifar_array_must_be_filled_from_the_files_own_bytes(tmp_path):
+    # an array must be filled from the file's own bytes
     from numpy._core.multiarray import _reconstruct
 
     big = _Call(_reconstruct, np.ndarray, (1_000_040, 3072), b"B")
-    peak = _refused_batch(
-        tmp_path, pickle.dumps({b"data": big, b"labels": []}, protocol=2), "_reconstruct"
-    )
+    payload = pickle.dumps({b"data": big, b"labels": []}, protocol=2)
+    peak = _refused_batch(tmp_path / "b", payload, "_reconstruct")
     assert peak < SMALL_PEAK_BYTES
 
 
-def test_a_cifar_pickle_that_reuses_its_bytes_to_build_more_than_it_holds_is_refused(tmp_path):
+def test_a_cifar_pickle_that_builds_or_declares_more_bytes_than_it_holds_is_refused(tmp_path):
     text = "\x00" * 2**20  # one MiB, memoised once, decoded a thousand times: 1 GiB
     payload = pickle.dumps([_Call(codecs.encode, text, "latin1") for _ in range(1000)], 2)
     assert len(payload) < 2 * 2**20
-    peak = _refused_batch(tmp_path, payload, "builds more than twice its")
+    peak = _refused_batch(tmp_path / "a", payload, "builds more than twice its")
     assert peak < 32 * 2**20
-
-
-def test_a_cifar_pickle_declaring_more_bytes_than_it_holds_is_refused(tmp_path):
     payload = b"\x80\x04\x8e" + struct.pack("<Q", 2**34) + b"abc"  # BINBYTES8 of 16 GiB
-    peak = _refused_batch(tmp_path, payload, "not a readable batch pickle", "bytes8")
+    peak = _refused_batch(tmp_path / "b", payload, "not a readable batch pickle", "bytes8")
     assert peak < SMALL_PEAK_BYTES
 
 
@@ -209,10 +206,7 @@ def test_the_limit_is_a_config_option_and_errors_are_one_config_line_before_laun
     from cloudburst.config import ConfigError, RunConfig
 
     assert RunConfig().data.max_dataset_bytes == MAX_DATASET_BYTES
-    bomb = _npz_with_member(
-        tmp_path / "bomb.npz",
-        {"x.npy": _npy_header((2_000_000, 1000), "|u1"), "y.npy": _npy_header((2,), "<i8")},
-    )
+    bomb = _bomb(tmp_path)
     cfg = RunConfig(dataset=f"npz:{bomb}", model="mlp", workers=2, out=str(tmp_path / "o"))
     with pytest.raises(ConfigError, match=r"^dataset: npz:.*bomb\.npz: array 'x' would take"):
         preflight(cfg)

@@ -39,6 +39,8 @@ def test_padding_is_max_of_compute_and_minimum_times_factor_less_compute() -> No
     assert padding_s(0.7, 0.5, 1.0) == 0.0  # slower than the device: nothing added
     assert padding_s(0.2, 0.0, 2.5) == pytest.approx(0.3)  # a straggler: (f-1) x compute
     assert padding_s(0.2, 0.5, 2.0) == pytest.approx(0.8)  # both: 0.5 x 2 - 0.2
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        DeviceEmulator(nn.ReLU(), 1.0, 1.0, lambda s: None, lambda: 0.0)
 
 
 def test_hooks_sleep_the_planned_padding_by_parameter_share_forward_one_third() -> None:
@@ -104,11 +106,6 @@ def test_no_sleep_outside_a_step_nor_beyond_a_phase_budget() -> None:
         model(torch.randn(2, 4)).sum().backward()
     assert plan.slept_forward_s == pytest.approx(plan.forward_s)
     assert plan.slept_backward_s == pytest.approx(plan.backward_s)
-
-
-def test_a_model_without_trainable_parameters_is_refused() -> None:
-    with pytest.raises(ValueError, match="no trainable parameters"):
-        DeviceEmulator(nn.ReLU(), 1.0, 1.0, lambda s: None, lambda: 0.0)
 
 
 @pytest.fixture

@@ -1,10 +1,8 @@
 """Compressed EASGD (``--compress int8``): each elastic round sends e = α(θ_i − θ̃') against the
 centre θ̃' of the worker's previous exchange, with error feedback, and both sides apply the
-decoded e (the shards add it, scaled for staleness; the worker subtracts it). Driven over the
-in-process fake of :mod:`tests.support` (the real server loops, no processes) and compared bit
-for bit with a plain-PyTorch reference of the protocol written here: its own block-wise int8
-quantiser (docs/algorithms.md#compression: one fp32 scale max|v|/127 per 256 values, codes
-round(v/scale) clamped to ±127), the shard's add rule, and what the worker keeps.
+decoded e (the shards add it, scaled for staleness; the worker subtracts it). Driven over
+:mod:`tests.support`'s fake comm and compared bit for bit with a plain-PyTorch reference of
+the protocol (tests/reference.py's int8 quantiser, the shard's add rule, what the worker keeps).
 """
 
 from __future__ import annotations
@@ -17,25 +15,15 @@ from torch import nn
 
 from cloudburst.comm.messages import Header, Status
 from cloudburst.config import RunConfig
+from tests import reference as ref
 from tests.support import Done, WorkerSide, ps_job
 
 BLOCK_VALUES = 256  # values per int8 block, one fp32 scale each
-INT8_TOP = 127.0
 
 
 def _int8(x: torch.Tensor) -> torch.Tensor:
-    """What an int8 message of the 1-D fp32 ``x`` decodes to: per block of 256 values (the last
-    zero-padded), scale = max|v| / 127 (1 for an all-zero block), code = round(v / scale)
-    clamped to ±127 and stored as int8, value = code · scale."""
-    n = x.numel()
-    padded = torch.cat([x, x.new_zeros((-n) % BLOCK_VALUES)]).view(-1, BLOCK_VALUES)
-    out = []
-    for block in padded:
-        top = block.abs().max()
-        scale = top / INT8_TOP if bool(top > 0) else torch.ones(())
-        codes = torch.round(block / scale).clamp(-INT8_TOP, INT8_TOP).to(torch.int8)
-        out.append(codes.float() * scale)
-    return torch.cat(out)[:n]
+    """What an int8 message of the 1-D fp32 ``x`` decodes to (tests/reference.py's quantiser)."""
+    return ref.quantise_round_trip(x, "int8")
 
 
 def _unpack_int8(packet: torch.Tensor, n: int) -> torch.Tensor:
@@ -152,18 +140,6 @@ def _model() -> nn.Module:
     return nn.Linear(30, 20)  # 620 values: several int8 blocks per shard
 
 
-def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _add(model: nn.Module, d: torch.Tensor) -> None:
-    with torch.no_grad():
-        offset = 0
-        for p in model.parameters():
-            p.add_(d[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-
 def _cfg(**kw) -> RunConfig:
     """An int8-compressed easgd job of one local step per elastic round."""
     return RunConfig(strategy="easgd", dataset="synthetic", compress="int8", easgd_tau=1, **kw)
@@ -177,34 +153,29 @@ def _run(
     after every round (the replicas on ``device``, the shards on the host); returns the
     reference."""
     models = [_model().to(device) for _ in range(cfg.job.workers)]
-    theta0 = _flat(models[0]).cpu()
+    theta0 = ref.flat(models[0]).cpu()
     job = ps_job(cfg, models, theta0)
-    reference = _Reference(
-        theta0,
-        cfg.job.workers,
-        bounds,
-        alpha,
-        cfg.asgd.staleness_compensation,
-        cfg.asgd.max_staleness,
-    )
+    asgd = cfg.asgd
+    reference = _Reference(theta0, cfg.job.workers, bounds, alpha, asgd.staleness_compensation,
+                           asgd.max_staleness)  # fmt: skip
     for w in job.workers:
         w.transport = _Int8Wire(w.transport.net, w.transport.rank, w.stats)
         w.start()
     for i, model in enumerate(models):
-        assert torch.equal(_flat(model).cpu(), reference.theta[i])
+        assert torch.equal(ref.flat(model).cpu(), reference.theta[i])
     g = torch.Generator().manual_seed(7)
     for step, (i, poison) in enumerate(script):
         # a local step's move, with magnitudes that differ from block to block
         drift = torch.randn(620, generator=g) * torch.linspace(0.01, 0.2, 620)
         if poison is not None:
             drift[poison] = math.inf
-        _add(models[i], drift.to(device))
+        ref.set_flat(models[i], ref.flat(models[i]) + drift.to(device))
         reference.theta[i].add_(drift)
         samples = 8 + step  # a different count each step: the samples each push carries
         reference.round(i, samples)
         worker = job.workers[i]
         worker.after_step(samples)
-        assert torch.equal(_flat(models[i]).cpu(), reference.theta[i]), f"replica, round {step}"
+        assert torch.equal(ref.flat(models[i]).cpu(), reference.theta[i]), f"replica, round {step}"
         assert torch.equal(job.server_theta, reference.centre), f"centre, round {step}"
         assert worker.versions == reference.seen[i]
         assert worker.global_samples == reference.global_samples[i]

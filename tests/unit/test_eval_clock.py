@@ -1,22 +1,31 @@
-"""Evaluation off the clock: each eval record's ``train_time_s`` is the job's clock less the
-time worker 0 spent evaluating before it (cloudburst.loop.evaluator.Evaluator), on a fake
-clock: a one-rank ``tests.support.ThreadComm`` whose clock moves only when told (the
-evaluation's cost is added by the strategy's fetch below, which stands for the whole
-evaluation)."""
+"""The evaluator's clock (cloudburst.loop.evaluator.Evaluator, on a one-rank
+``tests.support.ThreadComm`` whose clock moves only when told; the strategy's fetch stands for
+the whole evaluation and adds its cost) and the final evaluation record
+(cloudburst.loop.summary.finalize_run): every eval record's ``train_time_s`` is the job's
+clock less the time the evaluating worker spent evaluating before it, wherever that worker's
+report comes from. And asgd/easgd's evaluating worker keeps scoring the servers' θ after its
+own last step until every other worker's steps are over or it is lost
+(evaluate_while_others_train): on a fake store, clock and liveness monitor, and in whole runs
+with a straggler on the virtual cluster."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cloudburst.comm.flat import flatten_params
+from cloudburst.config import RunConfig
 from cloudburst.data import synthetic
-from cloudburst.loop.evaluator import Evaluator
+from cloudburst.loop.evaluator import Evaluator, evaluate_while_others_train, steps_over_key
+from cloudburst.loop.summary import finalize_run
 from cloudburst.models import build_model
 from cloudburst.records.metrics import MetricsWriter, read_jsonl
-from tests.support import ThreadComm, ThreadGroup
+from tests.helpers import rank_events, read_summary, simulated
+from tests.support import FakeNamespace, ThreadComm, ThreadGroup
 
 
 class SlowFetch:
@@ -82,3 +91,138 @@ def test_a_resumed_evaluator_continues_the_training_clock(tmp_path) -> None:
     resumed.maybe_eval(strategy2, force=True)
     metrics2.close()
     assert evals(tmp_path)[-1]["train_time_s"] == pytest.approx(2.5)
+
+
+# ---------------------------------------------------------------------------- the final record
+class TickingClock:
+    """Moves 0.25 s each time it is read: the final evaluation takes 0.25 s."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def now(self) -> float:
+        self.t += 0.25
+        return self.t
+
+
+def worker_report(eval_time_s: float | None) -> dict:
+    report = {"role": "worker", "samples": 640, "sent_bytes": 0, "received_bytes": 0}
+    report["comm_wait_s"] = 0.0
+    if eval_time_s is not None:
+        report["eval_time_s"] = eval_time_s
+    return report
+
+
+def final_record(tmp_path, own_report: dict, others: dict[int, dict], servers: int = 0) -> dict:
+    cfg = RunConfig(strategy="asgd" if servers else "sync", workers=2, servers=servers,
+                    dataset="synthetic", train_size=256, test_size=32, model="mlp",
+                    out=str(tmp_path))  # fmt: skip
+    store = dist.HashStore()
+    for rank, report in others.items():
+        store.set(f"stats/{rank}", json.dumps(report))
+    ctx = FakeNamespace(cfg=cfg, is_server=bool(servers), store=store, world_size=2 + servers,
+                        topology=None, device=torch.device("cpu"), comm=TickingClock(),
+                        backend="gloo", num_nodes=1)  # fmt: skip
+    data = synthetic(256, 32)
+    model = build_model("mlp", data.input_shape, data.num_classes, 0)
+    metrics = MetricsWriter(tmp_path, 0, "worker0")
+    theta = flatten_params(model)
+    finalize_run(ctx, model, theta, data, metrics, own_report, [], 10.0, 1280)
+    metrics.close()
+    evals = [r for r in read_jsonl(tmp_path / "metrics" / "rank0.jsonl") if r["event"] == "eval"]
+    assert len(evals) == 1 and evals[0]["final"] is True
+    return evals[0]
+
+
+def test_final_record_leaves_out_rank0_evaluators_time(tmp_path) -> None:
+    # sync: worker 0 is rank 0, the evaluator; it spent 1.5 s evaluating during training.
+    record = final_record(tmp_path, worker_report(1.5), {1: worker_report(0.0)})
+    assert record["time_s"] == pytest.approx(10.0)
+    assert record["train_time_s"] == pytest.approx(8.5)
+    assert record["eval_s"] == pytest.approx(0.25)
+
+
+def test_final_record_takes_the_evaluators_time_from_its_report(tmp_path) -> None:
+    # asgd: rank 0 is the server; the evaluator (worker 0, rank 1) handed its report in.
+    server = {"role": "server", "sent_bytes": 0, "received_bytes": 0, "comm_wait_s": 0.0}
+    server |= {"staleness_max_versions": 0, "version": 3, "shard": 0}
+    others = {1: worker_report(2.0), 2: worker_report(0.0)}
+    record = final_record(tmp_path, server, others, servers=1)
+    assert record["train_time_s"] == pytest.approx(8.0)
+    assert record["eval_s"] == pytest.approx(0.25)
+
+
+# ------------------------------------------------------------- after the evaluator's last step
+class Job:
+    """Ranks 0 (server), 1 (the evaluator), 2 and 3 (workers). ``finishes[r]``: the poll at
+    which rank r's steps end (0: before the first); ``dies[r]``: the poll from which its
+    heartbeat is silent for longer than the timeout."""
+
+    def __init__(self, finishes: dict[int, int], dies: dict[int, int] | None = None):
+        self.store = dist.HashStore()
+        self.finishes, self.dies = finishes, dies or {}
+        for rank in (r for r, poll in finishes.items() if poll == 0):  # over before the first
+            self.store.set(steps_over_key(rank), "1")
+        self.polls = 0
+        self.evaluations: list[int] = []
+        cfg = SimpleNamespace(faults=SimpleNamespace(heartbeat_timeout_s=10.0))
+        self.ctx = SimpleNamespace(
+            cfg=cfg, rank=1, worker_ranks=[1, 2, 3], store=self.store, comm=self
+        )
+        self.evaluator = SimpleNamespace(maybe_eval=lambda strategy: self.evaluations.append(
+            self.polls))  # fmt: skip
+
+    # the transport's part
+    def sleep(self, seconds: float) -> None:
+        self.polls += 1
+        for rank, poll in self.finishes.items():
+            if poll == self.polls:
+                self.store.set(steps_over_key(rank), "1")
+
+    def liveness_monitor(self, store, ranks, timeout_s):
+        assert sorted(ranks) == [2, 3] and timeout_s == 10.0
+        return SimpleNamespace(
+            dead=lambda pending: {r for r in pending if self.polls >= self.dies.get(r, 10**9)}
+        )
+
+    def run(self) -> None:
+        evaluate_while_others_train(self.ctx, self.evaluator, strategy=None)
+
+
+@pytest.mark.parametrize(
+    "finishes, dies, evaluations",
+    [
+        ({2: 3, 3: 5}, {}, [0, 1, 2, 3, 4]),  # at poll 5 both are done: no more evaluation
+        ({2: 2}, {3: 4}, [0, 1, 2, 3]),  # a lost worker ends the wait
+        ({2: 0, 3: 0}, {}, []),  # nothing to wait for when the others are done
+    ],
+)
+def test_evaluates_until_every_other_worker_is_done_or_lost(finishes, dies, evaluations) -> None:
+    job = Job(finishes, dies)
+    job.run()
+    assert job.evaluations == evaluations
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [["easgd", "--easgd-tau", "2"], ["asgd", "--n-sync", "2"]])
+def test_the_evaluator_finishing_first_keeps_evaluating_the_servers(tmp_path, strategy) -> None:
+    # Worker 1 is 4x slower: worker 0 (rank 1, the evaluator) ends its 60 steps at ~1.2
+    # virtual s, the job at ~4.9 s; the servers' θ trains on with worker 1's exchanges (asgd:
+    # each evaluation fetches it anew, not the θ of the evaluator's last step). A test set of
+    # 200: the ~16 evaluations cost no virtual time, and a fifth of the default set's CPU.
+    out = simulated(
+        ["--strategy", *strategy, "--workers", "2", "--straggler", "1:4", "--test-size", "200",
+         "--steps", "60", "--eval-every-s", "0.3", "--out", str(tmp_path / "run")],
+        step_time_s=0.02,
+    )  # fmt: skip
+    last_step_s = rank_events(out, 1, "step")[-1]["time_s"]
+    evals = [e for e in rank_events(out, 1, "eval") if not e.get("final")]
+    after = [e for e in evals if e["time_s"] > last_step_s]
+    # Every eval_every_s until the straggler's steps are over (~3.6 s after worker 0's).
+    assert len(after) >= 8
+    samples = [e["samples"] for e in evals]
+    assert samples == sorted(samples) and after[-1]["samples"] > after[0]["samples"]
+    # The last one within one eval_every_s (and one poll) of worker 1's last step.
+    straggler_end_s = rank_events(out, 2, "step")[-1]["time_s"]
+    assert straggler_end_s - 0.3 - 0.1 < after[-1]["time_s"] <= straggler_end_s + 0.1
+    assert read_summary(out)["final_test_accuracy"] is not None

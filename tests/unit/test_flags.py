@@ -1,9 +1,6 @@
-"""Flags and config files as ``cloudburst train`` reads them, down to the code they configure.
-
-Each test parses a command line with the real CLI (``main``, with the launch replaced by
-capturing the built config), then drives what the setting controls with no processes: the
-local optimizer, the straggler's sleep, a parameter-server shard's arithmetic, DASO's schedule
-and its collectives (faked). Expected numbers are worked out by hand in the comments.
+"""Flags and config files as ``cloudburst train`` reads them (the real CLI, the launch replaced),
+down to the code they configure, driven with no processes: the local optimizer, the straggler's
+sleep, a shard's arithmetic, DASO's schedule and collectives (faked). Numbers worked by hand.
 """
 
 from __future__ import annotations
@@ -69,24 +66,17 @@ def test_config_file_with_flag_overrides(tmp_path, parse):
     assert cfg.cluster.stragglers == [Straggler(0, 3.0)]
     assert (cfg.training.momentum, cfg.asgd.server_rule, cfg.asgd.n_push) == (0.5, "sgd", 4)
     assert cfg.job.servers == 2 and cfg.asgd.staleness_scaling is True
-
-
-def test_an_explicit_n_fetch_flag_overrides_n_sync_from_the_file(tmp_path, parse):
-    path = _toml(tmp_path, 'strategy = "asgd"\nservers = 1\nn-sync = 4\n')
+    # An explicit --n-fetch overrides the file's n-sync for fetches only.
     cfg = parse("--config", path, "--n-fetch", "2")
     assert (cfg.asgd.n_fetch, cfg.asgd.n_push) == (2, 4)
 
 
 def test_bad_config_files_are_one_line(tmp_path, refused):
     assert refused("--config", str(tmp_path / "none.toml")).endswith("none.toml' does not exist")
-    message = refused("--config", _toml(tmp_path, "workers = \n"))
-    assert message.startswith("config: ") and "is not valid TOML" in message
+    path = _toml(tmp_path, "workers = \n")
+    assert refused("--config", path).startswith(f"config: {path!r} is not valid TOML")
     message = refused("--config", _toml(tmp_path, "wokers = 3\n"))
     assert message.startswith("config: unknown field 'wokers'")
-    message = refused("--config", _toml(tmp_path, 'workers = "four"\n'))
-    assert message == (
-        "workers: 'four' in run.toml is a string; expected an integer (e.g. workers = 4)"
-    )
     message = refused("--config", _toml(tmp_path, "lr = 0.1\n"), "--lr", "-0.1")  # the flag's
     assert message == "lr: -0.1 is not allowed; use a number > 0.0 and <= 100.0"
 
@@ -124,7 +114,7 @@ def test_optimizer_adam_with_weight_decay(parse):
     assert second == pytest.approx(expected, rel=1e-12)
 
 
-def test_optimizer_sgd_with_momentum_and_weight_decay(parse):
+def test_optimizer_sgd_with_momentum_and_weight_decay_and_no_other(parse, capsys):
     cfg = parse("--lr", "0.1", "--momentum", "0.5", "--weight-decay", "0.1")
     opt, (first, second) = _two_steps(cfg)
     assert type(opt) is torch.optim.SGD
@@ -133,15 +123,9 @@ def test_optimizer_sgd_with_momentum_and_weight_decay(parse):
     # g' = (0.5 + 0.094, −0.198); buf = 0.5·(0.6, −0.2) + g' = (0.894, −0.298)
     assert second == pytest.approx([0.94 - 0.0894, -1.98 + 0.0298], rel=1e-12)
     assert parse().training.optimizer == "sgd" and parse().training.weight_decay == 0.0
-
-
-def test_bad_optimizer_flags(refused, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["train", "--optimizer", "lion"])
     assert exit_.value.code == 2 and "invalid choice: 'lion'" in capsys.readouterr().err
-    assert refused("--weight-decay=-1") == (
-        "weight_decay: -1.0 is not allowed; use a number >= 0.0 and <= 100.0"
-    )
 
 
 # ---------------------------------------------------------------------------- --straggler
@@ -169,10 +153,6 @@ def test_stragglers_are_parsed_and_slow_their_worker_by_the_factor(parse, monkey
         ("5:2", "straggler: worker 5 does not exist; allowed 0..2"),
         ("1:0.5", "straggler factor: 0.5 is not allowed; use a number >= 1.0 and <= 1_000.0"),
         ("1:nan", "straggler factor: nan is not allowed; use a number >= 1.0 and <= 1_000.0"),
-        (
-            "1:1e9",
-            "straggler factor: 1000000000.0 is not allowed; use a number >= 1.0 and <= 1_000.0",
-        ),
     ],
 )
 def test_bad_stragglers_are_one_line(refused, spec, message):
@@ -213,7 +193,7 @@ def test_staleness_scaling_and_server_lr(parse):
     assert plain.theta.item() == 2.0
 
 
-def test_server_rule_sgd_with_momentum(parse):
+def test_server_rules_sgd_with_momentum_and_adagrad(parse):
     shard = _shard(parse, "--server-rule", "sgd", "--server-lr", "0.1", "--server-momentum", "0.9")
     thetas = []
     for _ in range(3):
@@ -225,9 +205,6 @@ def test_server_rule_sgd_with_momentum(parse):
     for _ in range(3):
         _push(scaled, 1.0, 0)  # staleness 0, 1, 2: pseudo-gradients −1, −1, −0.5
     assert scaled.theta.item() == pytest.approx(0.25, rel=1e-6)
-
-
-def test_server_rule_adagrad(parse):
     shard = _shard(parse, "--server-rule", "adagrad", "--server-lr", "0.1")
     _push(shard, 2.0, 0)  # g = −2, Σg² = 4: θ = 0.1 · 2/2
     assert shard.theta.item() == pytest.approx(0.1, rel=1e-6)
@@ -240,18 +217,6 @@ def test_easgd_centre_moves_by_beta_over_w(parse):
     centre = make_shard(cfg, torch.zeros(1))
     centre.apply_push(torch.tensor([1.0]), 0)  # the worker's θ = 1: θ̃ += 0.3 · (1 − 0)
     assert centre.theta.item() == pytest.approx(0.3, rel=1e-6)
-
-
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--server-momentum", "1"], "server_momentum: 1.0 is not allowed; use a number >= 0.0"),
-        (["--max-staleness=-1"], "max_staleness: -1 is not allowed; use an integer >= 0"),
-        (["--server-lr", "0"], "server_lr: 0.0 is not allowed; use a number > 0.0"),
-    ],
-)
-def test_bad_server_flags(refused, flags, message):
-    assert refused("--strategy", "asgd", "--servers", "1", *flags).startswith(message)
 
 
 # ---------------------------------------------------------------------------- DASO flags

@@ -85,11 +85,15 @@ def test_adopt_flat_makes_the_same_parameters_views_of_the_vector():
     model = nn.Linear(2, 2)
     params = list(model.parameters())
     flat = torch.arange(6.0)
+    assert not is_flat_view(model, flatten_params(model))  # a copy, not the parameters
     adopt_flat(model, flat)
     assert all(p is q for p, q in zip(model.parameters(), params, strict=True))
     assert model.weight.tolist() == [[0.0, 1.0], [2.0, 3.0]] and model.bias.tolist() == [4.0, 5.0]
+    assert is_flat_view(model, flat) and not is_flat_view(model, torch.zeros(6))
     flat[0] = 10.0  # no copy: the parameter sees it
     assert model.weight[0, 0].item() == 10.0
+    model.bias.data = torch.zeros(2)  # a parameter's storage replaced
+    assert not is_flat_view(model, flat)
 
 
 def test_adopt_flat_refuses_a_vector_of_another_size():

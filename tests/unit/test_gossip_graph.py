@@ -1,7 +1,9 @@
-"""Gossip without processes: the peer schedules (who), the mixing rules (weights), and the
-transport's thread-safe pieces (snapshot, mailbox, request validation)."""
+"""Gossip without processes: the peer schedules (who), the mixing rules (weights; also into a
+CUDA replica, skipped without one), and the transport's thread-safe pieces (snapshot, mailbox,
+request validation)."""
 
 import math
+import random
 import threading
 from collections import Counter
 
@@ -34,12 +36,23 @@ def test_never_itself_always_a_worker_and_deterministic(schedule):
                 assert again.peer(worker, r) == peer
 
 
-def test_ring_is_the_next_worker():
+def test_exact_peers_of_the_ring_and_the_exponential_graph():
     graph = PeerSchedule("ring", 5)
     assert [graph.peer(i, r) for r in (0, 7) for i in range(5)] == [1, 2, 3, 4, 0] * 2
+    assert [PeerSchedule("ring", 3).peer(i, 5) for i in range(3)] == [1, 2, 0]
+    # exponential: i + 2^(r mod ⌈log2 W⌉) mod W; W = 3 and 4 both have two exponents (1, 2).
+    assert [PeerSchedule("exponential", 3).peer(2, r) for r in range(4)] == [0, 1, 0, 1]
+    assert [PeerSchedule("exponential", 4).peer(3, r) for r in range(4)] == [0, 1, 0, 1]
+    assert [PeerSchedule("exponential", 2).peer(1, r) for r in range(3)] == [0, 0, 0]
 
 
 def test_random_is_uniform_over_the_others_and_depends_on_seed_worker_round():
+    # j = Random("gossip:seed:i:r").randrange(W − 1), skipping i itself; the seed defaults to 0.
+    default, seeded = PeerSchedule("random", 5), PeerSchedule("random", 5, seed=0)
+    for i in range(5):
+        for r in range(30):
+            j = random.Random(f"gossip:0:{i}:{r}").randrange(4)
+            assert default.peer(i, r) == seeded.peer(i, r) == (j + 1 if j >= i else j)
     graph = PeerSchedule("random", 5, seed=0)
     counts = Counter(graph.peer(2, r) for r in range(4000))
     assert set(counts) == {0, 1, 3, 4}
@@ -84,39 +97,22 @@ def test_exponential_graph_with_push_sum_averages_exactly_in_log2_w_rounds():
         assert torch.equal(theta[i], mean) and weight[i] == 1.0
 
 
-def test_bad_schedules_are_refused():
+def test_bad_schedules_and_workers_outside_the_job_are_refused():
     with pytest.raises(ValueError, match="gossip_schedule"):
         PeerSchedule("star", 4)
     with pytest.raises(ValueError, match="2 workers"):
         PeerSchedule("ring", 1)
+    for schedule in SCHEDULES:  # the error names the valid range
+        for worker in (5, 6, -1):
+            with pytest.raises(ValueError, match=rf"^worker {worker} is not in 0\.\.4$"):
+                PeerSchedule(schedule, 5).peer(worker, 0)
 
 
 # ---------------------------------------------------------------------------- mixing
-def test_pull_average_is_the_exact_midpoint_in_place():
+def test_pull_average_is_the_midpoint_in_place_keeping_the_step_past_own_boundary():
     a = torch.tensor([1.0, -3.0, 0.5])
     out = pull_average(a, torch.tensor([2.0, 5.0, 0.25]))
     assert out is a and a.tolist() == [1.5, 1.0, 0.375]
-
-
-def test_push_fold_averages_own_and_everything_received():
-    own = torch.tensor([1.0, 2.0])
-    received = torch.tensor([3.0, 4.0]) + torch.tensor([5.0, 9.0])
-    assert push_fold(own, received, 2).tolist() == [3.0, 5.0]
-    assert push_fold(torch.tensor([7.0]), torch.zeros(1), 0).tolist() == [7.0]
-
-
-def test_push_fold_of_one_message_is_the_midpoint_in_place():
-    # (θ_j + θ_received) / (1 + 1), in place
-    own = torch.tensor([1.0, -2.0, 0.5])
-    out = push_fold(own, torch.tensor([3.0, 4.0, 0.25]), 1)
-    assert out is own and own.tolist() == [2.0, 1.0, 0.375]
-    # with the boundary: (θ^b + received) / 2 + (θ − θ^b)
-    boundary = torch.tensor([1.0, 2.0])
-    own = boundary + torch.tensor([0.5, -0.25])
-    assert push_fold(own, torch.tensor([3.0, 4.0]), 1, boundary).tolist() == [2.5, 2.75]
-
-
-def test_pull_average_with_own_boundary_keeps_the_local_step_in_full():
     # θ_i = θ_i^b + step: (θ_i^b + θ_j)/2 + step, computed in place.
     boundary, step = torch.tensor([1.0, -3.0]), torch.tensor([0.25, 0.5])
     own = boundary + step
@@ -124,12 +120,44 @@ def test_pull_average_with_own_boundary_keeps_the_local_step_in_full():
     assert out is own and own.tolist() == [2.25, 1.5]
 
 
-def test_push_fold_with_own_boundary_keeps_the_local_step_in_full():
-    boundary, step = torch.tensor([1.0, 2.0]), torch.tensor([0.5, -0.25])
-    own = boundary + step
+def test_push_fold_averages_own_and_everything_received_keeping_the_step_past_the_boundary():
+    own = torch.tensor([1.0, 2.0])
     received = torch.tensor([3.0, 4.0]) + torch.tensor([5.0, 9.0])
+    assert push_fold(own, received, 2).tolist() == [3.0, 5.0]
+    assert push_fold(torch.tensor([7.0]), torch.zeros(1), 0).tolist() == [7.0]
+    # one message: (θ_j + θ_received) / (1 + 1), in place
+    own = torch.tensor([1.0, -2.0, 0.5])
+    out = push_fold(own, torch.tensor([3.0, 4.0, 0.25]), 1)
+    assert out is own and own.tolist() == [2.0, 1.0, 0.375]
+    # with the boundary: (θ^b + received) / (1 + n) + (θ − θ^b)
+    boundary = torch.tensor([1.0, 2.0])
+    own = boundary + torch.tensor([0.5, -0.25])
+    assert push_fold(own, torch.tensor([3.0, 4.0]), 1, boundary).tolist() == [2.5, 2.75]
+    own = boundary + torch.tensor([0.5, -0.25])
     assert push_fold(own, received, 2, boundary).tolist() == pytest.approx([3.5, 4.75])
     assert push_fold(torch.tensor([7.0]), torch.zeros(1), 0, torch.ones(1)).tolist() == [7.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_folds_of_host_messages_into_a_cuda_replica():
+    """The pulled θ_j and the mailbox's sums arrive in host memory while θ is on the GPU: each
+    fold moves them to θ's device, with the values the CPU gives."""
+    own, peer = torch.tensor([1.0, 2.0, 4.0]), torch.tensor([3.0, 6.0, 0.0])
+    out = pull_average(own.cuda(), peer)
+    assert out.device.type == "cuda" and out.cpu().tolist() == [2.0, 4.0, 2.0]
+    boundary = torch.tensor([1.0, 0.0, 2.0])  # θ_i + (θ_j − θ_i^b) / 2
+    assert pull_average(own.cuda(), peer, boundary.cuda()).cpu().tolist() == [2.0, 5.0, 3.0]
+    received = torch.tensor([7.0, 10.0, 12.0])  # 3 messages
+    out = push_fold(own.cuda(), received, 3)
+    assert out.device.type == "cuda" and out.cpu().tolist() == [2.0, 3.0, 4.0]  # (θ + Σ)/(1 + n)
+    boundary = torch.tensor([1.0, 2.0, 0.0])  # θ^b: the local step since is kept in full
+    out = push_fold(own.cuda(), received, 3, boundary.cuda())
+    assert out.cpu().tolist() == [2.0, 3.0, 7.0]  # (θ^b + Σ) / (1 + n) + (θ − θ^b)
+    numerators, weight_sum = torch.tensor([3.0, 0.0]), 0.5  # Σ θ_j·w_j, Σ w_j
+    out, weight = push_sum_fold(torch.tensor([2.0, 4.0]).cuda(), 0.5, numerators, weight_sum)
+    assert out.device.type == "cuda" and weight == 1.0
+    assert out.cpu().tolist() == [4.0, 2.0]  # (θ·w + Σ numerators) / (w + Σ w)
 
 
 @pytest.mark.parametrize("full_step", [True, False])

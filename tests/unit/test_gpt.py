@@ -78,18 +78,9 @@ def _cfg(**kw) -> RunConfig:
 
 def test_gpt_runs_default_to_the_recipe_and_other_models_do_not():
     cfg = _cfg(strategy="diloco", workers=4)
-    assert (
-        cfg.training.optimizer,
-        cfg.training.lr,
-        cfg.training.lr_schedule,
-        cfg.training.warmup_steps,
-    ) == ("adamw", 4.2e-3, "cosine", 30)
-    assert (
-        cfg.training.clip_grad_norm,
-        cfg.training.weight_decay,
-        cfg.training.batch_size,
-        cfg.data.context,
-    ) == (1.0, 0.1, 16, 64)
+    t = cfg.training
+    assert (t.optimizer, t.lr, t.lr_schedule, t.warmup_steps) == ("adamw", 4.2e-3, "cosine", 30)
+    assert (t.clip_grad_norm, t.weight_decay, t.batch_size, cfg.data.context) == (1.0, 0.1, 16, 64)
     # DiLoCo's outer step over the GPT is plain averaging (docs/lm.md); classifiers keep theirs.
     assert cfg.diloco.outer_lr == 1.0 and cfg.diloco.outer_momentum == 0.0 and cfg.diloco.nesterov
     given = _cfg(strategy="diloco", workers=4, diloco_outer_lr=0.7, diloco_outer_momentum=0.9)
@@ -100,13 +91,15 @@ def test_gpt_runs_default_to_the_recipe_and_other_models_do_not():
     assert (sgd.diloco.outer_lr, sgd.diloco.outer_momentum) == (0.5, 0.8)
     assert cfg.training.steps == 300 and cfg.metrics.eval_every_s == 15.0
     plain = RunConfig()
-    assert (
-        plain.training.optimizer,
-        plain.training.lr,
-        plain.training.clip_grad_norm,
-        plain.training.batch_size,
-    ) == ("sgd", 0.1, 0, 64)
-    assert plain.training.epochs == 64.0 and plain.metrics.eval_every_s == 1.0
+    t = plain.training
+    assert (t.optimizer, t.lr, t.clip_grad_norm, t.batch_size, t.epochs) == (
+        "sgd",
+        0.1,
+        0,
+        64,
+        64.0,
+    )
+    assert plain.metrics.eval_every_s == 1.0
     assert _cfg(optimizer="sgd", lr=0.5).training.lr == 0.5  # a given value wins
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="language model; use --dataset text"):
@@ -202,6 +195,7 @@ def test_test_loss_is_nats_per_token_and_bits_per_byte_its_base_2():
     assert lm_loss(torch.zeros(2, 3, 256), torch.zeros(2, 3, dtype=torch.int64)).item() == (
         pytest.approx(math.log(256))
     )
+    assert not Dataset(test, test, 256, (8,)).is_lm  # only a token stream for training is
 
 
 def test_eval_records_of_a_language_model_carry_bits_per_byte(tmp_path):
@@ -223,10 +217,3 @@ def test_time_to_target_loss_must_hold_for_three_evaluations():
     assert time_to_target_loss(evals, 1.85) is None  # held once only
     assert time_to_target_loss(evals, 1.85, k=1) == 5.0
     assert time_to_target_loss(evals, None) is None
-
-
-def test_a_text_dataset_is_a_language_model():
-    tokens = TokenWindows(
-        torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64)
-    )
-    assert not Dataset(tokens, tokens, 256, (4,)).is_lm  # only a token stream for training is

@@ -104,11 +104,8 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_package_has_no_import_circle():
+def test_the_package_has_no_import_circle_and_only_the_named_modules_import_torch_distributed():
     assert cycles(graph(PACKAGE)) == []
-
-
-def test_only_the_named_modules_import_torch_distributed():
     known = modules(PACKAGE)
     users = {
         name
@@ -160,11 +157,8 @@ def place(layers: list[list[str]], path: str) -> int | None:
             if name.endswith("/"):
                 rank = len(name) if path.startswith(name) else None
             elif "*" in name:
-                rank = (
-                    10_000
-                    if fnmatch.fnmatchcase(path, name) and path.count("/") == name.count("/")
-                    else None
-                )
+                same_depth = path.count("/") == name.count("/")
+                rank = 10_000 if fnmatch.fnmatchcase(path, name) and same_depth else None
             else:
                 rank = 20_000 if path == name else None
             if rank is not None and (best is None or rank > best[0]):
@@ -200,7 +194,5 @@ def test_an_import_back_up_a_layer_or_an_unplaced_module_is_found(tmp_path):
     layers = [["__init__.py", "top.py"], ["low/"], ["low/*/leaf.py"]]
     assert runs_back_up(pkg, layers) == ([], ["low/inner/leaf.py -> top.py"])
     assert place(layers, "low/base.py") == 1 and place(layers, "low/inner/leaf.py") == 2
-    assert runs_back_up(pkg, [["top.py"], ["low/"]]) == (
-        ["__init__.py"],
-        ["low/inner/leaf.py -> top.py"],
-    )
+    unplaced, up = runs_back_up(pkg, [["top.py"], ["low/"]])
+    assert unplaced == ["__init__.py"] and up == ["low/inner/leaf.py -> top.py"]

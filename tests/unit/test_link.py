@@ -1,9 +1,6 @@
-"""The emulated inter-node link (``--inter-node-link GBIT_PER_S[,LATENCY_MS]``) on a fake clock.
-
-Every clock the link code reads (``time.perf_counter``) and every sleep it takes go to
-:class:`tests.support.FakeTime`, which moves only when something sleeps or the test advances
-it: no real time passes, and each delay is checked to the nanosecond against numbers worked
-out by hand (1 Gbit/s = 125,000,000 bytes/s).
+"""The emulated inter-node link (``--inter-node-link GBIT_PER_S[,LATENCY_MS]``) on a fake clock
+(:class:`tests.support.FakeTime`): each delay is checked against numbers worked out by hand
+(1 Gbit/s = 125,000,000 bytes/s).
 """
 
 from __future__ import annotations
@@ -112,13 +109,11 @@ def test_topology_places_contiguous_blocks_on_nodes():
     assert topo.ranks_on(1) == [3, 4]
     assert topo.crosses(2, 3) and not topo.crosses(0, 2)
     assert topo.spans_nodes([2, 3]) and not topo.spans_nodes([3, 4])
-    with pytest.raises(ValueError, match="cannot place 2 ranks on 3 nodes"):
-        Topology.contiguous(2, 3)
-
-
-def test_a_contiguous_topology_may_have_one_node_or_one_rank_per_node():
+    # One node, or one rank per node, but never more nodes than ranks or none.
     assert Topology.contiguous(4, 1).node_of == (0, 0, 0, 0)
     assert Topology.contiguous(3, 3).node_of == (0, 1, 2)
+    with pytest.raises(ValueError, match="cannot place 2 ranks on 3 nodes"):
+        Topology.contiguous(2, 3)
     for nodes in (0, 4):
         with pytest.raises(ValueError, match=f"cannot place 3 ranks on {nodes} nodes"):
             Topology.contiguous(3, nodes)
@@ -184,10 +179,7 @@ def test_transfers_from_one_rank_queue_on_its_link(clock):
     assert LinkEmulator.wait_until(third) == close(0.0105)
     assert clock.sleeps == [close(0.0105)] and clock.now == close(third)
     assert LinkEmulator.wait_until(T0) == 0.0 and len(clock.sleeps) == 1  # already past
-
-
-def test_a_fresh_link_is_free_from_any_start_time():
-    assert LinkEmulator(LinkSpec(1.0, 0.0)).reserve(2.0, start=0.25) == 2.25
+    assert LinkEmulator(LinkSpec(1.0, 0.0)).reserve(2.0, start=0.25) == 2.25  # fresh: free
 
 
 class _Work:
@@ -207,19 +199,18 @@ def test_a_deadline_that_is_now_does_not_sleep(clock):
     assert LinkEmulator.wait_until(T0 + 0.5) == 0.5 and clock.sleeps == [0.5]
 
 
-def test_an_emulated_work_waits_for_its_collective_then_for_the_link(clock):
+def test_an_emulated_work_waits_for_its_collective_then_for_the_link_and_completes_so(clock):
     work = _Work(done=False)
     assert EmulatedWork(work, deadline=T0 + 2.0).wait() is True
     assert work.waited and clock.sleeps == [2.0]
     assert EmulatedWork(None, deadline=T0 + 3.0).wait() is True  # no collective: the link only
     assert clock.sleeps == [2.0, 1.0]
-
-
-def test_an_emulated_work_is_complete_when_its_collective_and_the_link_are(clock):
-    assert not EmulatedWork(_Work(done=False), deadline=T0 - 1.0).is_completed()
-    assert not EmulatedWork(_Work(done=True), deadline=T0 + 1.0).is_completed()
-    assert EmulatedWork(_Work(done=True), deadline=T0 - 1.0).is_completed()
-    assert EmulatedWork(None, deadline=T0 - 1.0).is_completed()
+    # Complete when its collective and the link are.
+    now = clock.now
+    assert not EmulatedWork(_Work(done=False), deadline=now - 1.0).is_completed()
+    assert not EmulatedWork(_Work(done=True), deadline=now + 1.0).is_completed()
+    assert EmulatedWork(_Work(done=True), deadline=now - 1.0).is_completed()
+    assert EmulatedWork(None, deadline=now - 1.0).is_completed()
 
 
 def _transport(emu: LinkEmulator | None, sent: list, clock: FakeTime) -> PeerTransport:

@@ -1,11 +1,7 @@
-"""The emulated link's shared NIC record, its bookings and its pure cost functions, each against
-a value worked out by hand from the cost model (the docstrings of cloudburst/comm/link.py and
-costs.py, and docs/simulator.md).
-
-No real time passes: every clock the code reads (``link.time``, and the lock/wait clock
-``nic._lock_clock`` / ``nic._lock_sleep``) is a fake that moves only when the test moves it
-or something sleeps. Link: 1 Gbit/s (125,000,000 bytes/s) and 1 ms, so a message of 1.25 MB
-holds a link for 1 ms + 10 ms.
+"""The emulated link's shared NIC record and its bookings, against values worked out by hand
+(the pure cost functions: tests/unit/test_sim_physics.py). Every clock the code reads is a
+fake that moves only when the test moves it or something sleeps. Link: 1 Gbit/s and 1 ms, so a
+message of 1.25 MB holds a link for 1 ms + 10 ms.
 """
 
 from __future__ import annotations
@@ -20,13 +16,7 @@ import pytest
 import cloudburst.comm.transport as transport_module
 from cloudburst.comm import link
 from cloudburst.comm import nic as nic_module
-from cloudburst.comm.costs import (
-    LinkSpec,
-    ddp_overlap_end_s,
-    halving_doubling_allreduce_s,
-    hierarchical_allreduce_s,
-    nic_transfer,
-)
+from cloudburst.comm.costs import LinkSpec
 from cloudburst.comm.link import EmulatedWork, Topology
 from cloudburst.comm.nic import NicState, PendingEnd, nic_dir
 from tests.support import FakeTime, close, link_ranks
@@ -69,11 +59,8 @@ def test_a_record_of_one_node_is_made_private_to_its_owner_with_a_30_s_lock(tmp_
             assert nic.free(0) == (0.0, 0.0)
     finally:
         nic.close()
-
-
-def test_a_record_of_no_nodes_is_refused_naming_the_count(tmp_path):
     with pytest.raises(ValueError, match=r"num_nodes: 0 must be >= 1"):
-        NicState(str(tmp_path / "nic"), 0)
+        NicState(str(tmp_path / "none"), 0)  # no nodes: refused, naming the count
 
 
 def test_a_file_of_the_right_size_but_not_a_record_is_refused(tmp_path):
@@ -83,17 +70,6 @@ def test_a_file_of_the_right_size_but_not_a_record_is_refused(tmp_path):
         f.write(b"NOTANIC!")  # the magic overwritten; the size still fits 2 nodes
     with pytest.raises(OSError, match=r"nic is not a NIC record of 2 nodes"):
         NicState(path, 2)
-
-
-def test_closing_releases_the_file_and_is_idempotent(tmp_path):
-    nic = NicState(str(tmp_path / "nic"), 2)
-    fd, mapping = nic._fd, nic._map
-    nic.close()
-    assert nic._fd is None and mapping.closed
-    with pytest.raises(OSError):
-        os.fstat(fd)  # the descriptor is closed
-    nic.close()  # a second close does nothing
-    assert nic._fd is None
 
 
 def test_an_op_is_unbooked_open_or_closed(record):
@@ -108,17 +84,12 @@ def test_an_op_is_unbooked_open_or_closed(record):
         nic.set_op(key, 4.0, 9.5, 2)  # rewritten in its own slot: the last member is in
         assert nic.op(key) == (4.0, 9.5, 2) and nic.op_end(key) == 9.5
         assert nic.op_end(b"x" * 16) is None
-
-
-def test_a_new_op_takes_an_empty_slot_before_any_booked_one(record):
-    nic = record(2)
-    first, second = b"a" * 16, b"b" * 16
-    with nic.locked():
-        # A closed op whose last member came in at 0.0 (or earlier) is still kept while the
-        # table has room.
-        nic.set_op(first, 0.0, 1.0, 2)
-        nic.set_op(second, -1.0, 2.0, 2)
-        assert nic.op(first) == (0.0, 1.0, 2) and nic.op(second) == (-1.0, 2.0, 2)
+        # A new op takes an empty slot: a closed op whose last member came in at 0.0 (or
+        # earlier) is still kept while the table has room.
+        nic.set_op(b"a" * 16, 0.0, 1.0, 2)
+        nic.set_op(b"b" * 16, -1.0, 2.0, 2)
+        assert nic.op(b"a" * 16) == (0.0, 1.0, 2) and nic.op(b"b" * 16) == (-1.0, 2.0, 2)
+        assert nic.op(key) == (4.0, 9.5, 2)
 
 
 def test_a_full_table_forgets_the_first_of_the_earliest_closed_ops(record, monkeypatch):
@@ -151,7 +122,7 @@ def test_a_member_s_bookings_on_a_group_are_numbered_0_1_2(record, monkeypatch):
     group = ("g", (0, 2))
     pendings = [r[0].book_collective(0.5, group, start=10.0) for _ in range(3)]
     assert [p.name for p in pendings] == ["g (0, 2) #0", "g (0, 2) #1", "g (0, 2) #2"]
-    wait_clock(monkeypatch, 0.0, step=1.0)
+    pendings_clock = wait_clock(monkeypatch, 0.0, step=1.0)
     with pytest.raises(TimeoutError, match=r"collective g \(0, 2\) #1 still had members"):
         pendings[1].wait(timeout_s=0.5)
     # Rank 2's bookings pair with rank 0's in order: each op starts once both are in and the
@@ -160,6 +131,11 @@ def test_a_member_s_bookings_on_a_group_are_numbered_0_1_2(record, monkeypatch):
     assert r[2].book_collective(0.5, group, start=10.4) == close(11.2)  # #1: after #0
     assert [p.peek() for p in pendings[:2]] == [close(10.7), close(11.2)]
     assert pendings[2].peek() is None
+    polls = len(pendings_clock.sleeps)
+    assert pendings[0].wait() == close(10.7) and len(pendings_clock.sleeps) == polls  # known
+    # Both nodes' NICs are held, both ways, until the end; the members are charged, no other.
+    assert r[0].nic.free(0) == r[0].nic.free(1) == (close(11.2), close(11.2))
+    assert [e.emulated_s for e in r] == [1.5, 0.0, 1.0, 0.0]
 
 
 def test_a_process_group_is_named_by_its_own_members(record, monkeypatch):
@@ -176,38 +152,19 @@ def test_a_process_group_is_named_by_its_own_members(record, monkeypatch):
     assert pending.peek() == close(10.75)
 
 
-def test_a_pending_end_is_known_once_the_last_member_books(record, monkeypatch):
-    r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
-    group = ("g", (0, 2))
-    pending = r[0].book_collective(0.5, group, start=10.0)
-    assert pending.peek() is None
-    assert r[2].book_collective(0.5, group, start=10.3) == close(10.8)
-    assert pending.peek() == close(10.8)
-    fake = wait_clock(monkeypatch, 50.0)
-    assert pending.wait() == close(10.8) and fake.sleeps == []  # known: no wait
-    # Both nodes' NICs are held, both ways, until the end.
-    assert r[0].nic.free(0) == r[0].nic.free(1) == (close(10.8), close(10.8))
-    assert [e.emulated_s for e in r] == [0.5, 0.0, 0.5, 0.0]
-
-
-def test_a_rank_s_own_link_is_busy_until_its_shared_collective_and_message_end(record):
+def test_a_rank_s_own_link_and_charge_follow_its_shared_collectives_and_messages(record):
     r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
     r[0].book_collective(0.5, ("g", (0, 2)), start=10.0)
     assert r[2].book_collective(0.5, ("g", (0, 2)), start=10.0) == close(10.5)
     # Rank 2 books 0.1 s of its own link at 10.0: after the collective's end.
     assert r[2].reserve(0.1, start=10.0) == close(10.6)
-    # A message within node 0 (rank 0 to rank 1) after a message across: rank 0's own link.
-    assert r[0].book_send(MB, 2, start=20.0) == close(20.011)
-    assert r[0].book_send(MB, 1, start=20.0) == close(20.022)
-
-
-def test_each_shared_message_adds_its_cost_to_the_rank_s_charge(record):
-    r = link_ranks(SPEC, Topology.contiguous(4, 2), record(2))
-    r[0].book_collective(0.5, ("g", (0, 2)), start=10.0)
-    r[2].book_collective(0.5, ("g", (0, 2)), start=10.0)
+    # Each shared message adds its cost to the rank's charge.
     assert r[0].book_send(MB, 2, start=11.0) == close(11.011)
     assert r[0].book_send(MB, 3, start=11.0) == close(11.022)  # queued at node 0's egress
     assert r[0].emulated_s == close(0.5 + 2 * 0.011)
+    # A message within node 0 (rank 0 to rank 1) after a message across: rank 0's own link.
+    assert r[0].book_send(MB, 2, start=20.0) == close(20.011)
+    assert r[0].book_send(MB, 1, start=20.0) == close(20.022)
 
 
 def test_a_shared_message_without_a_start_leaves_now(record, monkeypatch):
@@ -269,60 +226,3 @@ def test_emulated_work_is_complete_once_its_pending_end_is_known_and_past(record
     assert not work.is_completed()  # 10.6 < 10.7
     fake.advance(0.1)
     assert work.is_completed()
-    busy = EmulatedWork(SimpleNamespace(is_completed=lambda: False), 10.0)
-    assert not busy.is_completed()  # the real transfer is not done
-    assert EmulatedWork(None, 10.7).is_completed()
-
-
-# ---------------------------------------------------------------------------- pure costs
-def test_halving_doubling_only_for_powers_of_two():
-    lat, bw = 0.002, 1e9
-    for n in (3, 5, 6, 7, 9, 10, 12, 15):
-        assert halving_doubling_allreduce_s(1e6, n, lat, bw) is None, n
-    for n, log2n in ((2, 1), (4, 2), (8, 3), (16, 4)):
-        expected = 2 * log2n * lat + 2 * (n - 1) / n * 1e6 / bw
-        assert halving_doubling_allreduce_s(1e6, n, lat, bw) == pytest.approx(expected, abs=1e-15)
-
-
-def test_hierarchical_all_reduce_with_two_ranks_a_node():
-    # Intra 16 Gbit/s (2e9 B/s), 0.5 ms; inter 8 Gbit/s (1e9 B/s), 2 ms. 4 MB, 2 nodes x 2:
-    # in the node 2 · (1 · 0.5 ms + 1/2 · 4 MB / 2e9) = 3 ms; between the 2 nodes a ring of 2
-    # (2 ms · 2 + 4 ms) = 8 ms.
-    intra, inter = LinkSpec(16, 0.5), LinkSpec(8, 2)
-    assert hierarchical_allreduce_s(4e6, 2, 2, intra, inter) == pytest.approx(0.011, abs=1e-15)
-    assert hierarchical_allreduce_s(4e6, 1, 2, intra, inter) == pytest.approx(0.003, abs=1e-15)
-    assert hierarchical_allreduce_s(4e6, 1, 1, intra, inter) == 0.0
-
-
-def test_nic_transfer_by_hand():
-    # 1 MB, 2 ms, egress 1e9 B/s, ingress 0.5e9 B/s, leaving at 5.0: the egress is held
-    # 2 ms + 1 ms; alone it arrives after 2 ms + 2 ms (the slower side)...
-    assert nic_transfer(5.0, 0.0, 1e6, 0.002, 1e9, 0.5e9) == (close(5.003), close(5.004))
-    # ... and behind an ingress busy until 5.01, 2 ms of ingress after that.
-    assert nic_transfer(5.0, 5.01, 1e6, 0.002, 1e9, 0.5e9) == (close(5.003), close(5.012))
-
-
-def test_ddp_overlap_starts_from_a_free_link_by_default():
-    cost = lambda b: 0.001 * b  # noqa: E731
-    # Nothing to send: forward + backward.
-    assert ddp_overlap_end_s(0.1, 0.2, 0, cost) == close(0.3)
-    # Buckets of 25 of 60 units: 25, 25, 10, ready at 0.1 + 0.2 · 25/60, 0.1 + 0.2 · 50/60, 0.3.
-    e0 = 0.1 + 0.2 * 25 / 60 + 0.025
-    e1 = max(0.1 + 0.2 * 50 / 60, e0) + 0.025
-    e2 = max(0.3, e1) + 0.010
-    assert ddp_overlap_end_s(0.1, 0.2, 60, cost, bucket_bytes=25) == close(e2)
-    # One byte is one bucket, sent once backward is done.
-    assert ddp_overlap_end_s(0.1, 0.2, 1, cost, bucket_bytes=25) == close(0.301)
-
-
-def test_the_clock_model_s_ddp_end_waits_for_the_link_it_is_given():
-    from cloudburst.config import RunConfig
-    from cloudburst.config.simulation import SimulationConfig
-    from cloudburst.sim.clock import ClockModel
-
-    cfg = RunConfig.from_dict({"out": "unused", "inter_node_link": "8,2"})
-    c = ClockModel(SimulationConfig(), cfg, 1000, 0.3)
-    # One rank on each of 2 nodes, 1 MB: one bucket, ready when the 0.3 s step ends; a ring of
-    # 2 on 8 Gbit/s, 2 ms: 2 · 2 ms + 1 ms.
-    assert c.ddp_end_s(0.3, 1e6, [1, 1]) == close(0.305)
-    assert c.ddp_end_s(0.3, 1e6, [1, 1], link_free_s=2.0) == close(2.005)

@@ -19,6 +19,7 @@ from cloudburst.records.checkpoint import load_model_into
 from cloudburst.records.metrics import read_jsonl
 from cloudburst.sim.run import SimulationFailed, simulate
 from cloudburst.strategies import BUILT_IN as STRATEGIES
+from tests.helpers import rank_events
 
 SPEC = "gpt:layers=1,width=32,heads=2"
 
@@ -75,11 +76,7 @@ def test_a_loss_target_is_timed_and_a_resumed_sync_run_ends_where_an_undisturbed
     sim = SimulationConfig(step_time_s=0.01)
     whole = simulate(_cfg(tmp_path / "whole", text, "sync", target_loss=3.0), sim)
     assert whole["time_to_target_loss_s"] is not None
-    evals = [
-        r
-        for r in read_jsonl(tmp_path / "whole" / "metrics" / "rank0.jsonl")
-        if r["event"] == "eval"
-    ]
+    evals = rank_events(tmp_path / "whole", 0, "eval")
     held = [
         i for i in range(len(evals) - 2) if all(e["test_loss"] <= 3.0 for e in evals[i : i + 3])
     ]
@@ -96,11 +93,7 @@ def test_a_loss_target_is_timed_and_a_resumed_sync_run_ends_where_an_undisturbed
         load_model_into(tmp_path / run / "model.pt", models[-1])
     pairs = zip(models[0].parameters(), models[1].parameters(), strict=True)
     assert all(torch.equal(p, q) for p, q in pairs)
-    steps = [
-        r
-        for r in read_jsonl(tmp_path / "cut" / "metrics" / "rank0.jsonl")
-        if r["event"] == "resume"
-    ]
+    steps = rank_events(tmp_path / "cut", 0, "resume")
     assert steps and steps[0]["step"] == 8
     assert json.loads((tmp_path / "cut" / "config.json").read_text())["model"] == SPEC
 

@@ -175,20 +175,3 @@ def test_final_payload_in_chunks():
     wire.at(1)
     _, theta = t.recv_final(0, 9)
     assert theta.tolist() == [2.5] * 9
-
-
-def test_is_flat_view_tells_adopted_parameters_apart():
-    from torch import nn
-
-    from cloudburst.comm.flat import adopt_flat, flatten_params, is_flat_view
-
-    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
-    flat = flatten_params(model)
-    assert not is_flat_view(model, flat)  # a copy, not the parameters
-    adopt_flat(model, flat)
-    assert is_flat_view(model, flat)
-    flat[0] = 42.0  # writing the buffer writes the parameter
-    assert model[0].weight[0, 0].item() == 42.0
-    assert not is_flat_view(model, torch.zeros(flat.numel()))
-    model[1].bias.data = torch.zeros(1)  # a parameter's storage replaced
-    assert not is_flat_view(model, flat)

@@ -203,11 +203,7 @@ def test_spread_shards_balance_every_node_nic_and_first_loads_node_0(tmp_path):
     assert spread["shard_nodes"] == [0, 1, 2, 3] and first["shard_nodes"] == [0, 0, 0, 0]
     for summary in (spread, first):
         assert summary["nodes"] == 4
-        assert (summary["replica"], summary["replicas"], summary["ranks_per_replica"]) == (
-            "rank",
-            8,
-            1,
-        )
+        assert [summary[k] for k in ("replica", "replicas", "ranks_per_replica")] == ["rank", 8, 1]
         assert len(summary["node_nic_bytes"]) == len(summary["simulated_node_nic_bytes"]) == 4
         assert sum(summary["node_nic_bytes"]) == summary["inter_node_bytes"]
     assert _balanced(spread["node_nic_bytes"])
@@ -218,25 +214,23 @@ def test_spread_shards_balance_every_node_nic_and_first_loads_node_0(tmp_path):
 
 
 # ---------------------------------------------------------------------------- network model
-def test_the_network_model_follows_what_the_run_models():
+CPU, GPU = "the run models the CPU emulation", "the run models GPUs:"
+
+
+@pytest.mark.parametrize(
+    "sim, device, chosen",
+    [
+        ({}, "cpu", ("flat", CPU)),
+        ({}, "auto", ("flat", CPU)),
+        ({}, "cuda", ("nccl", f"{GPU} --device cuda")),
+        ({"profile": "resnet50-a100"}, "cpu", ("nccl", f"{GPU} --profile resnet50-a100")),
+        ({"network_model": "flat"}, "cuda", ("flat", "--network-model")),
+    ],
+)
+def test_the_network_model_follows_what_the_run_models(sim, device, chosen):
+    """No flag: nccl where the run models GPUs (--device cuda, a GPU profile), else flat."""
     assert SimulationConfig().network_model is None
-    assert SimulationConfig().network_model_for("cpu") == (
-        "flat",
-        "the run models the CPU emulation",
-    )
-    assert SimulationConfig().network_model_for("auto")[0] == "flat"
-    assert SimulationConfig().network_model_for("cuda") == (
-        "nccl",
-        "the run models GPUs: --device cuda",
-    )
-    assert SimulationConfig(profile="resnet50-a100").network_model_for("cpu") == (
-        "nccl",
-        "the run models GPUs: --profile resnet50-a100",
-    )
-    assert SimulationConfig(network_model="flat").network_model_for("cuda") == (
-        "flat",
-        "--network-model",
-    )
+    assert SimulationConfig(**sim).network_model_for(device) == chosen
 
 
 def test_the_clock_resolves_the_model_and_the_summary_says_which():

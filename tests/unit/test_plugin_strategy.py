@@ -109,17 +109,11 @@ def run(tmp_path, name: str, strategy: str, **kw) -> tuple[dict, dict[str, torch
     return summary, load_checkpoint(tmp_path / name / "model.pt", "model")["state_dict"]
 
 
-def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
-
-
 def test_a_worker_plugin_averaging_every_step_trains_as_sync(plugin, tmp_path):
     # Plain SGD: averaging θ_i = θ − η g_i after each step is θ − η·mean(g), sync's step.
     toy, toy_model = run(tmp_path, "toy", "toy_average", workers=3, steps=12, lr=0.1)
     sync, sync_model = run(tmp_path, "sync", "sync", workers=3, steps=12, lr=0.1)
-    assert_close(toy_model, sync_model)
+    torch.testing.assert_close(toy_model, sync_model, rtol=0, atol=1e-5)  # same keys, close
     assert toy["strategy"] == "toy_average" and toy["samples"] == sync["samples"] == 3 * 12 * 16
     assert "mean_staleness_versions" not in toy  # no shards, no shard fields
     assert toy["sent_bytes"] == sync["sent_bytes"] > 0  # one ring all-reduce of θ a step each
@@ -131,7 +125,7 @@ def test_a_server_rule_plugin_steps_its_shards_and_writes_its_summary(plugin, tm
     half, half_model = run(tmp_path, "half", "toy_half", workers=1, steps=10, lr=0.2,
                            server_lr=1.0, n_fetch=1, n_push=1)  # fmt: skip
     sgd, sgd_model = run(tmp_path, "sgd", "sync", workers=1, steps=10, lr=0.1)
-    assert_close(half_model, sgd_model)
+    torch.testing.assert_close(half_model, sgd_model, rtol=0, atol=1e-5)
     assert half["toy_pushes"] == 10 and "max_staleness_versions" not in half
     table = format_summary([half, sgd]).splitlines()
     assert table[0].split()[-2:] == ["pushes", "lost"]

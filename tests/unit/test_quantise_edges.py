@@ -1,8 +1,5 @@
-"""The point-to-point payload sizes and the decoding of an empty payload (the quantise module's
-edges that a mutation run on the fast tier found unchecked): an fp32 payload is 4 bytes a
-value, bf16 2, a quantised one 1 per padded value plus a 4-byte scale per block; nothing
-decodes to an empty vector; a block holding a NaN or an infinity arrives NaN, as it would
-uncompressed (a finiteness check downstream must see it)."""
+"""The quantise module's edges that a mutation run found unchecked: payload sizes, an empty
+payload, and a block holding a NaN or an infinity arriving NaN, as it would uncompressed."""
 
 import pytest
 import torch

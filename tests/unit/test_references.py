@@ -1,11 +1,10 @@
 """cloudburst against the independent references of ``tests/reference.py``, with no processes.
 
-The parameter-server strategies run for real (``AsgdStrategy`` / ``EasgdStrategy`` and the
-shards' ``ServerLoop`` request handling) over the in-process fake of ``tests/support.py``, under a
-scripted order of the workers' steps, so every push's staleness and every θ are determined.
-Worker replicas compute the same gradients on both sides (same process, same data, same θ), so
-the comparisons are bit for bit. The references are also checked on their own: against values
-worked out by hand, and against each other where the algorithms coincide.
+The parameter-server strategies run for real (their workers and the shards' ``ServerLoop``)
+over ``tests/support.py``'s fake comm, in a scripted order of the workers' steps, so every
+push's staleness and every θ are determined and the comparisons are bit for bit. The
+references are also checked on their own: against values worked out by hand, and against
+each other where the algorithms coincide.
 """
 
 from __future__ import annotations
@@ -174,24 +173,17 @@ STALENESS_3 = [(0, 0), (0, 0), (2, 2), (1, 3), (1, 0), (2, 2), (0, 4)]
     "workers, servers, script, pushes",
     [(2, 1, SCRIPT_2, STALENESS_2), (3, 2, SCRIPT_3, STALENESS_3)],
 )
-@pytest.mark.parametrize("lam", ["1/W", 1.0])
+@pytest.mark.parametrize("lam", ["default", "1/W", 1.0])  # λ's default is 1/W
 def test_asgd_scripted_pushes_match_the_parameter_server_reference(
     workers, servers, script, pushes, lam
 ):
-    lam = 1.0 / workers if lam == "1/W" else lam
+    value = 1.0 if lam == 1.0 else 1.0 / workers
+    lr = {} if lam == "default" else {"server_lr": value}
     replicas = ref.Replicas(workers, ref.sgd())
-    expected = ref.asgd(replicas.models, replicas.step, script, n_sync=2, lam=lam)
+    expected = ref.asgd(replicas.models, replicas.step, script, n_sync=2, lam=value)
     assert expected.pushes == pushes  # the reference agrees with the hand count
-    cfg = references_cfg(strategy="asgd", workers=workers, servers=servers, n_sync=2, server_lr=lam)
+    cfg = references_cfg(strategy="asgd", workers=workers, servers=servers, n_sync=2, **lr)
     assert_same_run(play(cfg, script), expected)
-
-
-def test_asgd_default_lambda_is_one_over_w():
-    replicas = ref.Replicas(2, ref.sgd())
-    expected = ref.asgd(replicas.models, replicas.step, SCRIPT_2, n_sync=2, lam=0.5)
-    assert_same_run(
-        play(references_cfg(strategy="asgd", workers=2, servers=1, n_sync=2), SCRIPT_2), expected
-    )
 
 
 SHARD_ORDER = [

@@ -40,27 +40,19 @@ def marker_module(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------- code named in files
-def test_a_config_file_naming_a_factory_is_refused_and_nothing_is_imported(tmp_path, marker_module):
+def test_a_config_file_naming_a_factory_needs_trust_and_imports_nothing(tmp_path, marker_module):
     toml = tmp_path / "run.toml"
     toml.write_text('model = "cbevilmod:net"\nworkers = 2\n')
     with pytest.raises(ConfigError, match=r"^model: --config .*run\.toml names the factory"):
         build_config(_args(config=str(toml), out=str(tmp_path / "o")))
     assert not marker_module.exists() and "cbevilmod" not in sys.modules
-
-
-def test_a_factory_from_a_file_is_accepted_when_the_user_names_it(tmp_path, marker_module):
-    toml = tmp_path / "run.toml"
-    toml.write_text('model = "cbevilmod:net"\n')
+    # accepted when the user names it again, or trusts the file
     repeated = build_config(_args(config=str(toml), model="cbevilmod:net", out=str(tmp_path)))
     trusted = build_config(_args(config=str(toml), trust_config=True, out=str(tmp_path)))
     assert repeated.model.model == trusted.model.model == "cbevilmod:net"
     # Accepting the config imports nothing: the model is built later, by preflight.
     assert not marker_module.exists()
-
-
-def test_a_built_in_model_in_a_config_file_needs_no_trust(tmp_path):
-    toml = tmp_path / "run.toml"
-    toml.write_text('model = "mlp"\n')
+    toml.write_text('model = "mlp"\n')  # a built-in model needs no trust
     assert build_config(_args(config=str(toml), out=str(tmp_path))).model.model == "mlp"
 
 
@@ -76,23 +68,18 @@ def test_a_resumed_config_json_naming_a_factory_is_refused(tmp_path, marker_modu
 
 
 # ------------------------------------------------------------------- output directories
-def test_a_directory_with_foreign_files_is_refused_and_nothing_is_deleted(tmp_path):
-    out = tmp_path / "project"
-    (out / "metrics").mkdir(parents=True)
-    (out / "metrics" / "rank0.jsonl").write_text("the user's own file\n")
-    (out / "notes.txt").write_text("mine")
-    with pytest.raises(ConfigError, match=r"^out: .* is not empty and is not a cloudburst run"):
-        rundir.prepare_run_dir(out, resume=False, overwrite=False)
-    assert (out / "metrics" / "rank0.jsonl").read_text() == "the user's own file\n"
-    assert sorted(p.name for p in out.iterdir()) == ["metrics", "notes.txt"]
-
-
-def test_overwrite_writes_into_a_foreign_directory_and_removes_only_run_files(tmp_path):
+def test_a_foreign_directory_is_refused_untouched_and_overwrite_removes_only_run_files(tmp_path):
     out = tmp_path / "project"
     (out / "metrics").mkdir(parents=True)
     (out / "metrics" / "notes.md").write_text("keep")
-    (out / "metrics" / "rank3.jsonl").write_text("{}\n")  # a run's name: replaced
+    (out / "metrics" / "rank3.jsonl").write_text(
+        "{}\n"
+    )  # a run's name: the user's until --overwrite
     (out / "data.bin").write_bytes(b"keep")
+    with pytest.raises(ConfigError, match=r"^out: .* is not empty and is not a cloudburst run"):
+        rundir.prepare_run_dir(out, resume=False, overwrite=False)
+    assert (out / "metrics" / "rank3.jsonl").read_text() == "{}\n"
+    assert sorted(p.name for p in out.iterdir()) == ["data.bin", "metrics"]
     rundir.prepare_run_dir(out, resume=False, overwrite=True)
     assert (out / "metrics" / "notes.md").read_text() == "keep"
     assert (out / "data.bin").read_bytes() == b"keep"
@@ -100,10 +87,16 @@ def test_overwrite_writes_into_a_foreign_directory_and_removes_only_run_files(tm
     assert rundir.run_nonce(out) is not None
 
 
-def test_a_new_run_in_a_run_directory_removes_the_old_run_files_only(tmp_path):
+def test_a_resumed_run_keeps_its_files_and_identity_and_a_new_one_removes_only_run_files(tmp_path):
     out = tmp_path / "run"
     rundir.prepare_run_dir(out, resume=False, overwrite=False)
     first = rundir.run_nonce(out)
+    (out / "metrics" / "rank0.jsonl").write_text("{}\n")
+    (out / "checkpoints" / ".worker0-step00000005.pt.tmpxyz").write_text("torn")
+    rundir.prepare_run_dir(out, resume=True, overwrite=False)
+    assert (out / "metrics" / "rank0.jsonl").exists()
+    assert not (out / "checkpoints" / ".worker0-step00000005.pt.tmpxyz").exists()
+    assert rundir.run_nonce(out) == first
     old = [
         "summary.json",
         "model.pt",
@@ -122,26 +115,11 @@ def test_a_new_run_in_a_run_directory_removes_the_old_run_files_only(tmp_path):
     assert rundir.run_nonce(out) not in (None, first)  # a new run, a new identity
 
 
-def test_a_resumed_run_keeps_its_files_and_its_identity(tmp_path):
-    out = tmp_path / "run"
-    rundir.prepare_run_dir(out, resume=False, overwrite=False)
-    nonce = rundir.run_nonce(out)
-    (out / "metrics" / "rank0.jsonl").write_text("{}\n")
-    (out / "checkpoints" / ".worker0-step00000005.pt.tmpxyz").write_text("torn")
-    rundir.prepare_run_dir(out, resume=True, overwrite=False)
-    assert (out / "metrics" / "rank0.jsonl").exists()
-    assert not (out / "checkpoints" / ".worker0-step00000005.pt.tmpxyz").exists()
-    assert rundir.run_nonce(out) == nonce
-
-
-def test_out_naming_a_file_is_one_line(tmp_path):
+def test_out_naming_a_file_or_holding_a_symlinked_subdirectory_is_refused_in_one_line(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(ConfigError, match=r"^out: '.*/file' is a file, not a directory"):
         rundir.check_run_dir(f, resume=False, overwrite=True)
-
-
-def test_a_symlinked_subdirectory_is_refused(tmp_path):
     out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     out.mkdir()
     elsewhere.mkdir()

@@ -1,6 +1,6 @@
 """The parameter-server shard's rules and version clock, with no processes: staleness, drops and
-rejections and their counters, the update rules, which rules reply before applying, the
-checkpoint state, and the mean staleness a run reports."""
+rejections and their counters and histograms, the update rules, which rules reply before
+applying, the checkpoint state, and the mean staleness a run reports."""
 
 import math
 
@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from cloudburst.comm.messages import Status
+from cloudburst.strategies.asgd.settings import COMPENSATIONS
 from cloudburst.strategies.asgd.shard import (
     PushResult,
     ShardState,
     all_finite,
     overlapped_push_fetch,
 )
-from cloudburst.strategies.asgd.summary import mean_staleness
+from cloudburst.strategies.asgd.summary import histogram_quantiles, mean_staleness
 from tests.helpers import shard_of
 from tests.support import survivor_cfg
 
@@ -44,7 +45,7 @@ def play(shard: ShardState, delta: torch.Tensor) -> list[tuple[Status, int]]:
     return results
 
 
-def test_exact_staleness_accounting():
+def test_exact_staleness_accounting_and_max_staleness_drops_old_pushes():
     shard = ShardState(torch.zeros(3))
     results = play(shard, torch.ones(3))
     assert [s for _, s in results] == [0, 1, 0, 1, 4]
@@ -53,9 +54,7 @@ def test_exact_staleness_accounting():
     assert shard.staleness_sum == 6 and shard.staleness_max == 4
     assert mean_staleness([shard.stats()]) == pytest.approx(6 / 5)
     assert torch.equal(shard.theta, torch.full((3,), 5.0))  # add rule, λ = 1: θ = Σ Δ
-
-
-def test_max_staleness_drops_old_pushes():
+    # max_staleness drops older pushes
     shard = ShardState(torch.zeros(2), max_staleness=2)
     results = play(shard, torch.ones(2))
     assert results[-1] == (Status.STALE_DROPPED, 4)
@@ -63,11 +62,18 @@ def test_max_staleness_drops_old_pushes():
     assert torch.equal(shard.theta, torch.full((2,), 4.0))
 
 
-def test_staleness_scaling_divides_by_staleness():
-    shard = ShardState(torch.zeros(1), staleness_scaling=True, lr=0.5)
-    play(shard, torch.ones(1))
+@pytest.mark.parametrize("kw", [dict(staleness_scaling=True), dict(compensation="scale")])
+def test_staleness_scaling_divides_by_staleness_and_counts_the_distributions_exactly(kw):
+    shard = ShardState(torch.zeros(1), lr=0.5, **kw)
+    assert [s for _, s in play(shard, torch.ones(1))] == [0, 1, 0, 1, 4]
     # staleness 0,1,0,1,4 -> scales 1,1,1,1,1/4; times λ = 0.5
     assert shard.theta.item() == pytest.approx(0.5 * (4 + 0.25))
+    stats = shard.stats()
+    assert stats["staleness_histogram_versions"] == {"0": 2, "1": 2, "4": 1}
+    assert stats["push_scale_histogram"] == {"0.25": 1, "1.0": 4}
+    hist = {0.0: 2, 1.0: 2, 4.0: 1}
+    assert histogram_quantiles(hist) == {"p50": 1.0, "p90": 4.0, "p99": 4.0, "max": 4.0}
+    assert histogram_quantiles({}) is None
 
 
 @pytest.mark.parametrize("rule", ["add", "elastic"])
@@ -115,43 +121,6 @@ def test_adagrad_rule_matches_adagrad():
     torch.testing.assert_close(shard.theta, theta)
 
 
-def test_state_dict_round_trip():
-    shard = ShardState(torch.zeros(3), rule="sgd", lr=0.1, momentum=0.5)
-    play(shard, torch.ones(3))
-    again = ShardState(torch.zeros(3), rule="sgd", lr=0.1, momentum=0.5)
-    again.load_state_dict(shard.state_dict())
-    assert again.stats() == shard.stats()
-    d = torch.randn(3)
-    shard.apply_push(d, shard.version)
-    again.apply_push(d, again.version)
-    torch.testing.assert_close(again.theta, shard.theta)
-
-
-# α of the add rule for a push of staleness 2, by hand: λ, or λ/2 with staleness scaling.
-@pytest.mark.parametrize(
-    "lr, scaling, alpha", [(1.0, False, 1.0), (0.25, False, 0.25), (0.7, True, 0.35)]
-)
-def test_worker_rebuilds_the_servers_theta_bit_for_bit(lr, scaling, alpha):
-    # The overlapped PUSH_FETCH: the reply carries θ before the push; the worker adds its own
-    # Δ with add_rule_alpha and must get exactly the θ the server holds after applying it.
-    from cloudburst.strategies.asgd.compensation import add_rule_alpha
-
-    g = torch.Generator().manual_seed(0)
-    shard = ShardState(torch.randn(1000, generator=g), lr=lr, staleness_scaling=scaling)
-    for _ in range(3):
-        shard.apply_push(torch.randn(1000, generator=g), 0)  # make later pushes stale
-    before = shard.theta.clone()
-    delta = torch.randn(1000, generator=g) * 1e-3
-    result = shard.apply_push(delta, base_version=1)
-    assert result.staleness == 2 and add_rule_alpha(lr, 2, scaling) == alpha
-    # the server: θ + αΔ, by hand (to float32 rounding: add_ may fuse the multiply-add)
-    torch.testing.assert_close(shard.theta, before + alpha * delta, rtol=0, atol=1e-6)
-    assert not torch.allclose(shard.theta, before + 2 * alpha * delta, rtol=0, atol=1e-6)
-    rebuilt = before.clone().add_(delta, alpha=add_rule_alpha(lr, result.staleness, scaling))
-    assert torch.equal(rebuilt, shard.theta)  # the worker's rebuild, bit for bit
-    assert add_rule_alpha(0.7, 0, True) == 0.7 and add_rule_alpha(0.7, 4, True) == 0.175
-
-
 def test_a_push_whose_sum_overflows_is_finite_and_applied():
     big = torch.tensor([3e38, 3e38])  # finite, but its sum is not
     assert all_finite(big)
@@ -161,14 +130,11 @@ def test_a_push_whose_sum_overflows_is_finite_and_applied():
     assert torch.equal(shard.theta, big)
 
 
-def test_the_sgd_rule_has_no_momentum_unless_asked():
+def test_the_sgd_rule_has_no_momentum_and_no_staleness_scaling_unless_asked():
     shard = ShardState(torch.zeros(3), rule="sgd", lr=0.5)
     shard.apply_push(torch.tensor([1.0, 2.0, 3.0]), 0)
     shard.apply_push(torch.tensor([4.0, 0.0, -2.0]), 1)
     assert shard.theta.tolist() == [2.5, 1.0, 0.5]  # 0.5·(Δ1 + Δ2)
-
-
-def test_the_sgd_rule_scales_stale_pushes_only_when_asked():
     shard = ShardState(torch.zeros(2), rule="sgd", lr=1.0)
     for _ in range(3):
         shard.apply_push(torch.ones(2), 0)  # staleness 0, 1, 2
@@ -232,16 +198,24 @@ def test_a_state_without_optimizer_state_loads_into_any_rule_and_back():
 
 
 @pytest.mark.parametrize(
-    "strategy, rule, overlapped",
+    "strategy, kw, overlapped",
     [
-        ("asgd", "add", True),
-        ("asgd", "sgd", False),
-        ("asgd", "adagrad", False),
-        ("easgd", "add", True),
+        ("asgd", dict(server_rule="add"), True),
+        ("asgd", dict(server_rule="sgd"), False),
+        ("asgd", dict(server_rule="adagrad"), False),
+        ("easgd", dict(server_rule="add"), True),
+    ]
+    + [  # a per-coordinate compensator needs θ_now at the apply: no overlapped reply
+        ("asgd", dict(staleness_compensation=method), overlapped)
+        for method, overlapped in zip(
+            COMPENSATIONS, [True, True, False, False, False, True], strict=True
+        )
     ],
 )
-def test_only_the_add_and_elastic_rules_reply_before_applying(strategy, rule, overlapped):
-    assert overlapped_push_fetch(survivor_cfg(strategy, 2, server_rule=rule)) is overlapped
+def test_only_add_and_elastic_rules_without_per_coordinate_compensation_reply_first(
+    strategy, kw, overlapped
+):
+    assert overlapped_push_fetch(survivor_cfg(strategy, 2, **kw)) is overlapped
 
 
 def test_mean_staleness_counts_missing_fields_as_zero_and_nothing_as_nan():

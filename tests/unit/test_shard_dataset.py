@@ -25,11 +25,8 @@ def test_parts_are_equal_disjoint_and_deterministic():
     assert flat == order[:100]
 
 
-def test_no_seed_means_contiguous_parts_in_order():
+def test_no_seed_means_contiguous_parts_in_order_that_read_the_right_samples():
     assert _indices(10, 3, seed=None) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-
-
-def test_a_part_reads_the_right_samples():
     ds = TensorDataset(torch.arange(10) * 10)
     part = shard_dataset(ds, 1, 2, seed=None)
     assert [int(part[i][0]) for i in range(len(part))] == [50, 60, 70, 80, 90]

@@ -1,16 +1,20 @@
 """The pieces of a shard's restart and failover that need no processes: the announcements in
-the job store, the count of lost pushes, the watchdog leaving a failed-over shard alone, the
-standby's placement, and the config's refusals."""
+the job store (a shard's restart, a worker's rejoin), the count of lost pushes, the watchdog
+leaving a failed-over shard alone, the standby's placement, and the config's refusals."""
 
+import json
+import logging
 import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from cloudburst.comm.auth import sign
 from cloudburst.comm.liveness import (
     FAILOVER_KEY,
     RejoinBoard,
+    RejoinRefused,
     Watchdog,
     acked_version,
     announce_shard,
@@ -22,8 +26,6 @@ from cloudburst.config import ConfigError, RunConfig
 from cloudburst.runtime.groups import standby_of
 from cloudburst.strategies.asgd.shard import make_shard
 from tests.helpers import wait_until
-
-pytestmark = pytest.mark.unit
 
 
 def test_a_restarted_shard_announces_the_version_it_restored():
@@ -55,16 +57,6 @@ def test_pushes_lost_is_the_highest_acknowledged_version_minus_the_restored_one(
     assert loop.pushes_lost == 7
     loop.acked_before_restart = 20
     assert loop.pushes_lost == 0  # a standby's copy: every acknowledged push kept
-
-
-def test_a_restarted_shard_skips_the_rejoin_announcements_made_before_it():
-    store = dist.HashStore()
-    RejoinBoard(store, 5, secret=b"s" * 32).announce(3, 1)
-    board = RejoinBoard(store, 5, secret=b"s" * 32)
-    board.skip()
-    assert board.poll() == []
-    RejoinBoard(store, 5, secret=b"s" * 32).announce(2, 1)
-    assert board.poll() == [(2, 1)]
 
 
 def test_the_watchdog_leaves_a_failed_over_shard_alone():
@@ -111,3 +103,93 @@ def test_a_standby_copy_applying_the_forwarded_pushes_equals_the_shard():
 def test_the_standby_is_refused_where_it_cannot_live(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         RunConfig(workers=2, shard_standby=True, **kwargs)
+
+
+# ------------------------------------------------------------------ the rejoin announcements
+# In the job store: their order, refusal after the servers finish, and the signature under the
+# job secret that a forged, replayed or foreign announcement lacks.
+SECRET = b"s" * 32
+
+
+def _board(store, secret: bytes | None = SECRET, run: str = "run1") -> RejoinBoard:
+    return RejoinBoard(store, timeout_s=5, secret=secret, run=run)
+
+
+def test_servers_read_announcements_in_order_and_refuse_late_ones():
+    store = dist.HashStore()
+    worker = _board(store)
+    servers = [_board(store) for _ in range(2)]
+    assert servers[0].poll() == []
+    worker.announce(3, 1)
+    worker.announce(2, 1)
+    assert servers[0].poll() == [(3, 1), (2, 1)]
+    assert servers[0].poll() == []  # each announcement is read once
+    assert servers[1].poll() == [(3, 1), (2, 1)]  # by every server, in the same order
+    worker.announce(3, 2)
+    # closing hands over what came before the close
+    assert servers[0].close() == [(3, 2)]
+    assert servers[1].close() == [(3, 2)]  # the other server admits it too
+    with pytest.raises(RejoinRefused, match="rank 2 was restarted after"):
+        worker.announce(2, 2)
+    # a late announcement is refused on both sides
+    assert servers[0].poll() == [] and servers[1].close() == []
+
+
+def test_a_restarted_shard_skips_the_rejoin_announcements_made_before_it():
+    store = dist.HashStore()
+    _board(store).announce(3, 1)
+    board = _board(store)
+    board.skip()
+    assert board.poll() == []
+    _board(store).announce(2, 1)
+    assert board.poll() == [(2, 1)]
+
+
+def _forge(store, record: dict) -> int:
+    """Write ``record`` as the next announcement, as anyone who reaches the store can."""
+    number = store.add(RejoinBoard.COUNT, 1)
+    store.set(f"rejoin/{number}", json.dumps(record))
+    return number
+
+
+def test_announcements_not_signed_with_this_jobs_secret_are_refused_and_logged(caplog):
+    store = dist.HashStore()
+    server = _board(store)
+    plain = {"rank": 3, "incarnation": 1, "late": False}
+    _forge(store, plain)  # unsigned, as before the secret (the issue's attack)
+    _forge(store, {**plain, "mac": sign(b"x" * 32, "rejoin", "run1", 2, 3, 1, False)})  # guessed
+    _board(store, run="run0").announce(3, 1)  # signed for another run under the same secret
+    genuine_number = store.add(RejoinBoard.COUNT, 0) + 1
+    _board(store).announce(2, 1)
+    genuine = json.loads(store.get(f"rejoin/{genuine_number}"))
+    _forge(store, genuine)  # a genuine announcement copied to another number: replayed
+    _forge(store, {**genuine, "incarnation": 2})  # its restart changed
+    _forge(store, {**genuine, "rank": 3})  # its rank changed
+    with caplog.at_level(logging.WARNING, logger="cloudburst.comm.liveness"):
+        assert server.poll() == [(2, 1)]  # the genuine one only
+    assert server.refused == 6
+    refusals = [r.getMessage() for r in caplog.records if "refused rejoin" in r.getMessage()]
+    assert len(refusals) == RejoinBoard.LOG_FIRST  # the first five, one line each
+    assert "rank 3, restart 1: not signed with the job secret" in refusals[0]
+
+
+def test_a_late_announcement_flipped_to_on_time_is_refused():
+    store = dist.HashStore()
+    server = _board(store)
+    server.close()
+    with pytest.raises(RejoinRefused, match="after the parameter servers had finished"):
+        _board(store).announce(2, 1)
+    record = json.loads(store.get("rejoin/1"))
+    assert record["late"] is True
+    store.set("rejoin/1", json.dumps({**record, "late": False}))
+    assert _board(store).poll() == []
+
+
+def test_without_a_secret_no_announcement_is_made_or_admitted():
+    store = dist.HashStore()
+    with pytest.raises(RejoinRefused, match="CLOUDBURST_JOB_SECRET_FILE"):
+        _board(store, secret=None).announce(2, 1)
+    assert store.add(RejoinBoard.COUNT, 0) == 0  # nothing was written
+    _board(store).announce(2, 1)  # signed, but this server has no secret to check it with
+    unkeyed = _board(store, secret=None)
+    assert unkeyed.poll() == [] and unkeyed.refused == 1

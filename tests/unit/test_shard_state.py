@@ -1,10 +1,9 @@
 """A parameter-server shard's state, pinned exactly: the staleness compensators' ring, moments
 and counters (``make_compensator``), Delayed Nesterov's default, the shard's compensation
-defaults (λ, η, τ_C, R) and refusal, ``set_theta``, the caller's
-finiteness verdict in ``apply_push``, and ``state_dict``/``load_state_dict`` (a restored shard
-behaves bit for bit as the uninterrupted one; older and compensation-free checkpoints load;
-a mismatched state is refused). References are written out here in plain PyTorch, most with
-dyadic values so that every float is exact."""
+defaults and refusals, ``set_theta``, the caller's finiteness verdict in ``apply_push``, and
+``state_dict``/``load_state_dict`` (a restored shard behaves bit for bit as the uninterrupted
+one; older and compensation-free checkpoints load; a mismatched state is refused). The
+references are written out here in plain PyTorch, most with dyadic values (exact floats)."""
 
 from __future__ import annotations
 
@@ -35,12 +34,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-6, atol: float = 0
 def _same(a, b) -> bool:
     """Deep, bit-exact equality of state dicts (tensors by value, dtype and shape)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and torch.equal(a, b)
-        )
+        return type(a) is type(b) and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple):
@@ -49,12 +43,6 @@ def _same(a, b) -> bool:
 
 
 # ------------------------------------------------------------------------------- Compensator
-
-
-def test_a_compensator_refuses_a_method_that_is_not_per_coordinate():
-    """Only dc, dc-adaptive and gap keep per-coordinate state; the error names the method."""
-    with pytest.raises(ValueError, match=r"^'scale' is not a per-coordinate compensator$"):
-        make_compensator("scale", torch.zeros(2), 4, 0.1, 1.0)
 
 
 @pytest.mark.parametrize("window", [0, 1])
@@ -217,9 +205,12 @@ def test_delayed_nesterov_defaults_to_the_papers_rule_c_zero():
 # ------------------------------------------------------------------------------- ShardState
 
 
-def test_a_shard_refuses_an_unknown_compensation_naming_it():
+def test_an_unknown_or_scalar_compensation_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"^unknown staleness compensation 'bogus'$"):
         ShardState(_t(0.0), compensation="bogus")
+    # only dc, dc-adaptive and gap keep per-coordinate state
+    with pytest.raises(ValueError, match=r"^'scale' is not a per-coordinate compensator$"):
+        make_compensator("scale", torch.zeros(2), 4, 0.1, 1.0)
 
 
 def test_staleness_scaling_says_whether_the_compensation_is_scale():
@@ -231,24 +222,18 @@ def test_staleness_scaling_says_whether_the_compensation_is_scale():
     assert ShardState(_t(0.0), compensation="dc").staleness_scaling is False
 
 
-def test_a_shards_delay_threshold_defaults_to_one():
+def test_a_shards_compensation_defaults():
     """delay-adaptive with the default τ_C = 1: pushes at τ = 0 and 1 apply whole, τ = 2 half."""
     shard = ShardState(_t(0.0), compensation="delay-adaptive")
     _run(shard, [(_t(1.0), 0), (_t(2.0), 1), (_t(4.0), 2)])  # θ = 1, 3, then 3 + 4/2
     assert torch.equal(shard.theta, _t(5.0))
-
-
-def test_a_shards_dc_defaults_to_lambda_0_04_and_a_local_lr_of_1():
-    """Δ̃ = Δ − λ·Δ²·(θ_now − θ_then)/η with λ = 0.04, η = 1."""
+    # dc: Δ̃ = Δ − λ·Δ²·(θ_now − θ_then)/η with λ = 0.04, η = 1
     shard = ShardState(_t(0.0), compensation="dc")
     _run(shard, [(_t(1.0), 0)])  # τ = 0: no gap, applied as is: θ = 1
     _run(shard, [(_t(2.0), 1)])  # τ = 1: θ_then = 0, Δ̃ = 2 − 0.04·4·1 = 1.84
     assert shard.theta.item() == pytest.approx(2.84, rel=1e-6)
-
-
-def test_a_shards_ring_defaults_to_sixteen_versions_then_clamps():
-    """R = 16: θ after versions 0..15 is kept; once the 16th push is recorded, version 0 has
-    left the ring and a push against it is clamped (counted in ``stats``)."""
+    # R = 16: θ after versions 0..15 is kept; once the 16th push is recorded, version 0 has
+    # left the ring and a push against it is clamped (counted in ``stats``).
     shard = ShardState(_t(0.0), compensation="dc")
     _run(shard, [(_t(0.0), 0)] * 15)
     _run(shard, [(_t(0.0), 15)])  # against version 0 at 15: the ring holds versions 0..15
@@ -267,27 +252,29 @@ def test_set_theta_replaces_theta_without_advancing_the_clock():
     assert torch.equal(shard.theta, _t(5.0, -3.0))
 
 
-def test_set_theta_restarts_the_compensators_ring_at_the_current_version():
-    """After a warm start the ring holds the new θ alone, as the current version: a push
-    against that version sees no gap, and the next one's θ_then is the new θ."""
+def _assert_the_ring_restarts_at(shard: ShardState, version: int, theta: torch.Tensor, d1, d2):
+    """The ring holds ``theta`` alone, as ``version``: a push ``d1`` against that version sees
+    no gap (Δ̃ = Δ), and the next one's (``d2``) θ_then is ``theta`` (dc, λ = 1/4, η = 1/2)."""
     eta, lam = 0.5, 0.25
-    shard = ShardState(_t(0.0, 0.0), compensation="dc", dc_lambda=lam, local_lr=eta)
+    state = shard.compensator.state_dict()
+    assert state["ring_versions"] == [version]
+    assert torch.equal(state["ring"], theta[None])
+    assert shard.apply_push(d1, version) == PushResult(Status.OK, 0)
+    theta1 = theta + d1
+    assert torch.equal(shard.theta, theta1)
+    assert shard.apply_push(d2, version) == PushResult(Status.OK, 1)
+    g = -d2 / eta
+    assert torch.equal(shard.theta, theta1 + -eta * (g + lam * g * g * (theta1 - theta)))
+    assert shard.compensator.clamped == 0
+
+
+def test_set_theta_restarts_the_compensators_ring_at_the_current_version():
+    """After a warm start the ring holds the new θ alone, as the current version."""
+    shard = ShardState(_t(0.0, 0.0), compensation="dc", dc_lambda=0.25, local_lr=0.5)
     shard.apply_push(_t(1.0, 1.0), 0)
     shard.apply_push(_t(1.0, -1.0), 1)
     shard.set_theta(_t(4.0, -2.0))
-    state = shard.compensator.state_dict()
-    assert state["ring_versions"] == [2]
-    assert torch.equal(state["ring"], _t(4.0, -2.0)[None])
-    d1 = _t(0.5, -0.25)
-    assert shard.apply_push(d1, 2) == PushResult(Status.OK, 0)
-    theta1 = _t(4.0, -2.0) + d1  # no gap: Δ̃ = Δ (λ = 1)
-    assert torch.equal(shard.theta, theta1)
-    d2 = _t(-1.0, 0.5)
-    assert shard.apply_push(d2, 2) == PushResult(Status.OK, 1)
-    g = -d2 / eta
-    expected = theta1 + -eta * (g + lam * g * g * (theta1 - _t(4.0, -2.0)))
-    assert torch.equal(shard.theta, expected)
-    assert shard.compensator.clamped == 0
+    _assert_the_ring_restarts_at(shard, 2, _t(4.0, -2.0), _t(0.5, -0.25), _t(-1.0, 0.5))
 
 
 def test_apply_push_takes_the_callers_finiteness_verdict():
@@ -341,19 +328,9 @@ def _run(shard: ShardState, script) -> None:
 
 
 def _shard(theta, rule: str, compensation: str) -> ShardState:
-    return shard_of(
-        theta,
-        rule=rule,
-        lr=0.3,
-        momentum=0.5,
-        compensation=compensation,
-        dc_lambda=0.5,
-        compensation_window=3,
-        local_lr=0.1,
-        dn_period=3,
-        dn_c=0.25,
-        delay_threshold=2,
-    )
+    return shard_of(theta, rule=rule, lr=0.3, momentum=0.5, compensation=compensation,
+                    dc_lambda=0.5, compensation_window=3, local_lr=0.1, dn_period=3, dn_c=0.25,
+                    delay_threshold=2)  # fmt: skip
 
 
 @pytest.mark.parametrize("rule", ["add", "sgd", "adagrad", "dn"])
@@ -427,7 +404,6 @@ def test_a_checkpoint_without_compensation_starts_the_ring_at_its_version(saved)
     """A checkpoint from a shard without a per-coordinate compensator (``compensator``: None
     or absent) loaded into a dc shard: the ring holds the loaded θ alone, as the loaded
     version, and the next pushes are compensated against it."""
-    eta, lam = 0.5, 0.25
     plain = ShardState(_t(0.0, 0.0))
     plain.apply_push(_t(1.0, 2.0), 0)
     plain.apply_push(_t(1.0, -4.0), 1)
@@ -435,16 +411,6 @@ def test_a_checkpoint_without_compensation_starts_the_ring_at_its_version(saved)
     assert state["compensator"] is None
     if saved == "missing":
         del state["compensator"]
-    shard = ShardState(_t(9.0, 9.0), compensation="dc", dc_lambda=lam, local_lr=eta)
+    shard = ShardState(_t(9.0, 9.0), compensation="dc", dc_lambda=0.25, local_lr=0.5)
     shard.load_state_dict(state)
-    comp = shard.compensator.state_dict()
-    assert comp["ring_versions"] == [2]
-    assert torch.equal(comp["ring"], _t(2.0, -2.0)[None])
-    d1 = _t(0.5, 0.25)
-    shard.apply_push(d1, 2)
-    theta1 = _t(2.0, -2.0) + d1
-    assert torch.equal(shard.theta, theta1)
-    d2 = _t(-0.5, 1.0)
-    assert shard.apply_push(d2, 2) == PushResult(Status.OK, 1)
-    g = -d2 / eta
-    assert torch.equal(shard.theta, theta1 + -eta * (g + lam * g * g * (theta1 - _t(2.0, -2.0))))
+    _assert_the_ring_restarts_at(shard, 2, _t(2.0, -2.0), _t(0.5, 0.25), _t(-0.5, 1.0))

@@ -1,8 +1,6 @@
 """The virtual cluster's clock model (cloudburst.sim.clock) and its configuration
-(cloudburst.config.simulation): exact link costs against hand-computed values, the group
-all-reduce each --network-model chooses, the stand-in's byte scaling, seeded step-time noise,
-profiles, calibration, the whole of what summary.json records as "clock_model", and one-line
-errors."""
+(cloudburst.config.simulation): exact costs against hand-computed values, step times, seeded
+step-time noise, what summary.json records as "clock_model", and one-line errors."""
 
 from __future__ import annotations
 
@@ -12,13 +10,12 @@ import math
 import statistics
 
 import pytest
-import torch
 
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.config.simulation import PROFILES, Jitter, SimulationConfig
 from cloudburst.loop.train_step import calibrate_step_time
-from cloudburst.sim.clock import ClockModel, is_payload, resolve_step_time
-from tests.support import clock_run_config
+from cloudburst.sim.clock import ClockModel, resolve_step_time
+from tests.support import clock_run_config, close
 
 
 def clock(sim: SimulationConfig | None = None, actual_params: int = 1000, step=0.1, **kw):
@@ -78,6 +75,14 @@ def test_link_costs_are_the_link_emulators():
     assert c.p2p_s(12345, True) == emulator.p2p_s(12345)
 
 
+def test_ddp_ends_after_the_step_and_waits_for_the_link_it_is_given():
+    # One rank on each of 2 nodes, 1 MB: one bucket, ready when the 0.3 s step ends; a ring of
+    # 2 on 8 Gbit/s, 2 ms: 2 · 2 ms + 1 ms.
+    c = clock(inter_node_link=LINK, step=0.3)
+    assert c.ddp_end_s(0.3, 1e6, [1, 1]) == close(0.305)
+    assert c.ddp_end_s(0.3, 1e6, [1, 1], link_free_s=2.0) == close(2.005)
+
+
 def test_server_apply_is_bytes_over_gigabytes_of_ten_to_the_nine_bytes_per_second():
     assert clock().apply_s(1e10) == 1.0 and clock().apply_s(1e9) == 0.1  # the default 10 GB/s
     assert clock(SimulationConfig(server_apply_gbyte_per_s=2.0)).apply_s(1e9) == 0.5
@@ -121,11 +126,8 @@ GROUP_ALL_REDUCES = {  # (model, inter, intra, bytes, ranks on each node, cost, 
 def test_a_groups_all_reduce_costs_what_its_network_model_chooses_for_where_its_ranks_sit(
     model, inter, intra, nbytes, ranks, cost, beaten
 ):
-    """flat: a ring of all the group's ranks, 2(n−1) latencies + 2(n−1)/n × bytes / bandwidth,
-    on the inter-node link if the group spans nodes, else the intra-node one. nccl: within a
-    node, the cheapest of ring, tree and halving-doubling on the intra-node link; across nodes,
-    the cheaper of that choice on the NIC and hierarchical. A free link or a group of one costs
-    nothing."""
+    """flat: one ring on the slowest link spanned. nccl: within a node the cheapest of ring,
+    tree and halving-doubling; across nodes the cheaper of that on the NIC and hierarchical."""
     sim = SimulationConfig(intra_node_link=intra, network_model=model)
     got = clock(sim, inter_node_link=inter).group_allreduce_s(nbytes, ranks)
     assert got == (pytest.approx(cost, rel=1e-12, abs=1e-15) if cost else 0.0)
@@ -139,56 +141,45 @@ def test_wire_bytes_scale_payloads_only():
     assert c.wire_bytes(64, payload=False) == 64  # a header stays a header
     plain = clock(actual_params=5000)
     assert plain.wire_bytes(20_000, payload=True) == 20_000
-    # Which tensors are payloads: fp32 / bf16, and the uint8 bytes of a compressed one.
-    assert is_payload(torch.zeros(2)) and is_payload(torch.zeros(2, dtype=torch.uint8))
-    assert not is_payload(torch.zeros(8, dtype=torch.int64))  # a header
-
-
-def test_profile_gives_params_and_step_time_and_flags_win():
-    profile = PROFILES["resnet50-v100"]
-    sim = SimulationConfig(profile="resnet50-v100")
-    cfg = clock_run_config(batch_size=32)
-    seconds, source = resolve_step_time(sim, cfg, calibrate_fn=_no_calibration)
-    assert (seconds, source) == (pytest.approx(32 / 1200), "profile")
-    assert profile.params == 25_557_032
-    c = ClockModel(sim, cfg, 5000, seconds, source)
-    assert c.wire_bytes(4 * 5000, True) == pytest.approx(4 * 25_557_032)
-    assert c.describe()["profile"]["name"] == "resnet50-v100"
-    # Explicit flags override the profile's values.
-    sim = SimulationConfig(profile="resnet50-v100", step_time_s=0.5, modelled_params=1_000_000)
-    assert resolve_step_time(sim, cfg, _no_calibration) == (0.5, "flag")
-    assert sim.stand_in_params == 1_000_000
-    sim = SimulationConfig(profile="resnet50-v100", calibrate=True)
-    assert resolve_step_time(sim, cfg, lambda cfg: 0.25) == (0.25, "calibrated")
 
 
 def _no_calibration(cfg: RunConfig) -> float:
     raise AssertionError("calibrated although a step time was given")
 
 
-def test_step_time_resolution_order():
-    cfg = clock_run_config(batch_size=16)
-    assert resolve_step_time(SimulationConfig(step_time_per_sample_s=0.01), cfg, None) == (
-        pytest.approx(0.16),
-        "flag",
-    )
-    assert resolve_step_time(SimulationConfig(modelled_step_time_s=0.3), cfg, None) == (0.3, "flag")
-    slow = clock_run_config(min_step_time_s=0.05)
-    assert resolve_step_time(SimulationConfig(), slow, _no_calibration) == (0.05, "min_step_time")
-    assert resolve_step_time(SimulationConfig(), cfg, lambda cfg: 0.02) == (0.02, "calibrated")
+V100 = {"profile": "resnet50-v100"}  # 1,200 samples/s
 
 
-def test_a_calibration_times_the_runs_own_configuration_once():
-    """Both ways to a calibration (``--calibrate``, and nothing else given) call it once, with
-    the run's RunConfig."""
-    cfg = clock_run_config(batch_size=16)
-    for sim in (SimulationConfig(calibrate=True), SimulationConfig()):
-        seen: list[RunConfig] = []
-        step = resolve_step_time(
-            sim, cfg, lambda c, seen=seen: seen.append(c) or c.training.batch_size / 1e3
-        )
-        assert step == (pytest.approx(0.016), "calibrated")
-        assert len(seen) == 1 and seen[0] is cfg
+@pytest.mark.parametrize(
+    "sim, cfg, calibrate, step",
+    [
+        (V100, {"batch_size": 32}, None, (pytest.approx(32 / 1200), "profile")),
+        # Explicit flags override the profile's values.
+        ({**V100, "step_time_s": 0.5, "modelled_params": 1_000_000}, {}, None, (0.5, "flag")),
+        ({**V100, "calibrate": True}, {}, 0.25, (0.25, "calibrated")),
+        ({"step_time_per_sample_s": 0.01}, {"batch_size": 16}, None, (pytest.approx(0.16), "flag")),
+        ({"modelled_step_time_s": 0.3}, {}, None, (0.3, "flag")),
+        ({}, {"min_step_time_s": 0.05}, None, (0.05, "min_step_time")),
+        ({}, {}, 0.02, (0.02, "calibrated")),
+        ({"calibrate": True}, {}, 0.016, (0.016, "calibrated")),
+    ],
+)
+def test_step_time_resolution_order(sim, cfg, calibrate, step):
+    """A step time given, else the profile's, else --min-step-time-s, else a calibration (of
+    the run's own RunConfig, once)."""
+    run, seen = clock_run_config(**cfg), []
+    fn = _no_calibration if calibrate is None else lambda c: seen.append(c) or calibrate
+    assert resolve_step_time(SimulationConfig(**sim), run, fn) == step
+    assert len(seen) == (calibrate is not None) and all(c is run for c in seen)
+
+
+def test_a_profile_gives_the_stand_in_params_and_flags_win():
+    assert PROFILES["resnet50-v100"].params == 25_557_032
+    c = ClockModel(SimulationConfig(**V100), clock_run_config(), 5000, 0.1, "profile")
+    assert c.wire_bytes(4 * 5000, True) == pytest.approx(4 * 25_557_032)
+    assert c.describe()["profile"]["name"] == "resnet50-v100"
+    sim = SimulationConfig(**V100, step_time_s=0.5, modelled_params=1_000_000)
+    assert sim.stand_in_params == 1_000_000
 
 
 def test_calibration_times_real_steps():
@@ -210,28 +201,62 @@ LINK_MODEL = (
 )
 
 
+SETTINGS = {  # what the flags were: all defaults but the step time of 0.05 s
+    "step_time_s": 0.05,
+    "step_time_per_sample_s": None,
+    "calibrate": False,
+    "step_time_jitter": None,
+    "intra_node_link": None,
+    "nic_ingress_gbit_per_s": None,
+    "network_model": "flat",
+    "server_apply_gbyte_per_s": 10.0,
+    "modelled_params": None,
+    "modelled_step_time_s": None,
+    "profile": None,
+}
+DESCRIBED = {  # no profile, no links: free links are null, the wire scale 1, the profile null
+    "time_unit": "virtual seconds",
+    "step_time_s": 0.05,
+    "step_time_source": "flag",
+    "step_time_jitter": None,
+    "inter_node_link": None,
+    "intra_node_link": None,
+    "link_model": LINK_MODEL,
+    "network_model": "flat",
+    "nic_ingress_gbit_per_s": None,
+    "server_apply_gbyte_per_s": 10.0,
+    "actual_params": 4000,
+    "modelled_params": None,
+    "wire_scale": 1.0,
+    "profile": None,
+    "not_modelled": NOT_MODELLED,
+    "settings": SETTINGS,
+}
+
+
+def test_describe_without_stand_in_or_links_and_the_default_source():
+    """The defaults; a clock made without a step-time source says the step time came from a
+    flag."""
+    d = clock(SimulationConfig(step_time_s=0.05), actual_params=4000, step=0.05).describe()
+    assert d == DESCRIBED
+
+
 def test_describe_with_a_stand_in_profile_and_both_links():
     """A resnet20-h100 stand-in (269,722 parameters, 15,552 samples/s at batch 128 on an H100)
     for a run of 1,000 parameters, both links, nccl, a NIC ingress and a slower apply: every
     entry of the summary's clock model, the profile's published figures included."""
-    sim = SimulationConfig(
-        profile="resnet20-h100",
-        intra_node_link="16,0.5",
-        step_time_jitter="pareto:3",
-        network_model="nccl",
-        nic_ingress_gbit_per_s=4.0,
-        server_apply_gbyte_per_s=2.5,
-    )
+    flags = dict(intra_node_link="16,0.5", step_time_jitter="pareto:3", network_model="nccl",
+                 nic_ingress_gbit_per_s=4.0, server_apply_gbyte_per_s=2.5)  # fmt: skip
+    sim = SimulationConfig(profile="resnet20-h100", **flags)
     cfg = clock_run_config(inter_node_link=LINK, batch_size=128)
     d = ClockModel(sim, cfg, 1000, 128 / 15552, "profile").describe()
     assert d == {
-        "time_unit": "virtual seconds",
+        **DESCRIBED,
         "step_time_s": 128 / 15552,
         "step_time_source": "profile",
         "step_time_jitter": "pareto:3",
         "inter_node_link": {"gbit_per_s": 8.0, "latency_ms": 2.0},
         "intra_node_link": {"gbit_per_s": 16.0, "latency_ms": 0.5},
-        "link_model": LINK_MODEL,
         "network_model": "nccl",
         "nic_ingress_gbit_per_s": 4.0,
         "server_apply_gbyte_per_s": 2.5,
@@ -247,58 +272,9 @@ def test_describe_with_a_stand_in_profile_and_both_links():
             "source": "cloudburst benchmarks/results/throughput_cuda.md, resnet20 sync W=1: "
             "15552 samples/s",
         },
-        "not_modelled": NOT_MODELLED,
-        "settings": {
-            "step_time_s": None,
-            "step_time_per_sample_s": None,
-            "calibrate": False,
-            "step_time_jitter": "pareto:3",
-            "intra_node_link": "16,0.5",
-            "nic_ingress_gbit_per_s": 4.0,
-            "network_model": "nccl",
-            "server_apply_gbyte_per_s": 2.5,
-            "modelled_params": None,
-            "modelled_step_time_s": None,
-            "profile": "resnet20-h100",
-        },
+        "settings": {**SETTINGS, **flags, "step_time_s": None, "profile": "resnet20-h100"},
     }
     assert json.loads(json.dumps(d)) == d  # summary.json holds it as it is
-
-
-def test_describe_without_stand_in_or_links_and_the_default_source():
-    """No profile, no links, the defaults: free links are null, the wire scale 1, the profile
-    null; a clock made without a step-time source says the step time came from a flag."""
-    d = clock(SimulationConfig(step_time_s=0.05), actual_params=4000, step=0.05).describe()
-    assert d == {
-        "time_unit": "virtual seconds",
-        "step_time_s": 0.05,
-        "step_time_source": "flag",
-        "step_time_jitter": None,
-        "inter_node_link": None,
-        "intra_node_link": None,
-        "link_model": LINK_MODEL,
-        "network_model": "flat",
-        "nic_ingress_gbit_per_s": None,
-        "server_apply_gbyte_per_s": 10.0,
-        "actual_params": 4000,
-        "modelled_params": None,
-        "wire_scale": 1.0,
-        "profile": None,
-        "not_modelled": NOT_MODELLED,
-        "settings": {
-            "step_time_s": 0.05,
-            "step_time_per_sample_s": None,
-            "calibrate": False,
-            "step_time_jitter": None,
-            "intra_node_link": None,
-            "nic_ingress_gbit_per_s": None,
-            "network_model": "flat",
-            "server_apply_gbyte_per_s": 10.0,
-            "modelled_params": None,
-            "modelled_step_time_s": None,
-            "profile": None,
-        },
-    }
 
 
 # ---------------------------------------------------------------------------- jitter
@@ -374,6 +350,8 @@ def test_jitter_inverse_transform():
         ({"step_time_jitter": "pareto:1"}, "ALPHA must be > 1"),
         ({"intra_node_link": "fast"}, "intra_node_link: 'fast' is not GBIT_PER_S"),
         ({"intra_node_link": "0"}, "intra_node_link: '0': the speed must be"),
+        ({"network_model": "ncl"}, "network_model: 'ncl' is not allowed"),
+        ({"nic_ingress_gbit_per_s": 0.0}, "nic_ingress_gbit_per_s: 0.0 is not allowed"),
         ({"server_apply_gbyte_per_s": 0.0}, "server_apply_gbyte_per_s: 0.0 is not allowed"),
         ({"modelled_params": 0}, "modelled_params: 0 is not allowed"),
         ({"profile": "resnet50-v1OO"}, "did you mean 'resnet50-v100'"),

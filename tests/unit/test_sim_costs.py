@@ -1,10 +1,7 @@
-"""The virtual cluster charges what its clock model says, exactly: every collective kind and
-point-to-point messages on a shared link, driven by hand on four ranks of two nodes, against
-times computed here from the documented formulas (cloudburst/sim/transport.py's docstring,
-cloudburst.comm.link.LinkEmulator): a ring all-reduce costs 2(n−1) latencies + 2(n−1)/n ×
-bytes / bandwidth, a broadcast ceil(log2 n) latencies + bytes / bandwidth, a barrier an
-all-reduce of nothing, a (quantised) all-gather the all-reduce of half the n pieces, a message
-latency + bytes / bandwidth on its sender's link, queued behind the messages before it; a
+"""The virtual cluster charges what its clock model says, exactly, on four ranks of two nodes:
+a ring all-reduce 2(n−1) latencies + 2(n−1)/n × bytes / bandwidth, a broadcast ceil(log2 n)
+latencies + bytes / bandwidth, a barrier an all-reduce of nothing, an all-gather the all-reduce
+of half the n pieces, a message latency + bytes / bandwidth queued on its sender's link; a
 collective starts when its last member calls it and every member's link is free."""
 
 from __future__ import annotations

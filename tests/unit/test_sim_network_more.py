@@ -1,8 +1,6 @@
-"""More of the virtual cluster's collectives and messages, exactly: what each member of an
-all-gather or an all-to-all receives and when it ends, when DDP's overlapped all-reduce ends
-(whose step it overlaps, and the links it waits for), which messages a receive takes and which
-cost nothing, against virtual times computed here by hand from the clock model's formulas;
-and what :func:`cloudburst.comm.collectives.all_reduce_sum` asks of its transport and link.
+"""More of the virtual cluster's collectives and messages (all-gather, all-to-all, DDP's
+overlapped all-reduce, tags, measurements) against virtual times computed here by hand; and
+what :func:`cloudburst.comm.collectives.all_reduce_sum` asks of its transport and link.
 
 The cluster: 8 ranks on 2 nodes (ranks 0-3 on node 0), the inter-node link 8 Gbit/s with 2 ms
 latency (1e9 bytes/s), the intra-node link 16 Gbit/s with 0.5 ms latency (2e9 bytes/s). A
@@ -55,10 +53,9 @@ def _gather(ctx, members, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64], ids=["float32", "int64"])
 def test_an_all_gather_of_two_costs_a_ring_on_half_the_scaled_pieces(tmp_path, dtype):
-    """Two members on node 0 (positions 0, 1 called at 1 ms, 2 ms): each receives both pieces
-    in member order and leaves at the last call + 2 latencies + one piece's bytes / bandwidth
-    (a ring all-reduce of n = 2 over n/2 pieces: 2(n−1)/n × (n/2 × piece) = piece). The piece
-    counts as a payload whatever its dtype: its bytes scaled by 3."""
+    """Both members receive both pieces in member order and leave at the last call + 2
+    latencies + one piece's bytes / bandwidth (a ring of 2 over n/2 pieces: 2(n−1)/n × (n/2 ×
+    piece) = piece), scaled by 3 whatever its dtype."""
     element = 4 if dtype == torch.float32 else 8
     end = 0.002 + 2 * LAT_IN + 3 * element * SCALE / BW_IN
     runs = _run(tmp_path, _gather, [2, 1], dtype)
@@ -139,45 +136,37 @@ GROUPS = {
     "3-across": [2, 3, 4],
     "4-node0": [0, 1, 2, 3],
     "4-across": [1, 3, 4, 6],
+    # Member 0 holds the most data but keeps most of it; member 1 sends the most away: the
+    # cost counts member 1's 5 floats sent away, not member 0's input of 9.
+    "busiest": [0, 1, 2],
 }
+SPLITS = {"busiest": [[8, 1, 0], [2, 1, 3], [1, 0, 1]]}
 DTYPES = {torch.float32: (4, True), torch.uint8: (1, True), torch.int64: (8, False)}
-CASES = [(name, torch.float32) for name in GROUPS] + [
-    (name, dtype) for name in ("2-node0", "3-across") for dtype in (torch.uint8, torch.int64)
+CASES = [(name, torch.float32, False) for name in GROUPS] + [
+    (name, dtype, False) for name in ("2-node0", "3-across") for dtype in (torch.uint8, torch.int64)
 ]
+# Split sizes may come as the elements of an int16 tensor (counts a caller computed with torch).
+CASES += [("4-across", torch.float32, True)]
 
 
-@pytest.mark.parametrize("name, dtype", CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])
-def test_all_to_all_delivers_every_piece_and_costs_the_busiest_members_bytes(tmp_path, name, dtype):
+@pytest.mark.parametrize(
+    "name, dtype, as_tensor", CASES, ids=[f"{n}-{str(d)[6:]}{'-int16' * t}" for n, d, t in CASES]
+)
+def test_all_to_all_delivers_every_piece_and_costs_the_busiest_members_bytes(
+    tmp_path, name, dtype, as_tensor
+):
     """Each member receives exactly its pieces, in member order; every member leaves at the
     last arrival + (n − 1) latencies + the busiest sender's (scaled) bytes / bandwidth, on the
     link the group spans."""
     members = GROUPS[name]
-    n, splits, (element, payload) = len(members), _splits(len(members)), DTYPES[dtype]
+    n, (element, payload) = len(members), DTYPES[dtype]
+    splits = SPLITS.get(name, _splits(n))
     spans = len({m * 2 // WORLD for m in members}) > 1
     end = _expected_end(n, splits, element, payload, spans)
-    runs = _a2a(tmp_path, members, dtype)
+    runs = _a2a(tmp_path, members, dtype, splits, as_tensor)
     for pos, rank in enumerate(members):
         assert runs[rank] == (close(end), _expected_outputs(n, splits)[pos]), (name, rank)
     assert all(runs[r] is None for r in range(WORLD) if r not in members)
-
-
-def test_the_busiest_member_of_an_all_to_all_is_the_one_that_sends_most_to_others(tmp_path):
-    """Member 0 holds the most data but keeps most of it; member 1 sends the most away:
-    the cost counts member 1's 5 floats sent away, not member 0's input of 9."""
-    splits = [[8, 1, 0], [2, 1, 3], [1, 0, 1]]
-    runs = _a2a(tmp_path, [0, 1, 2], splits=splits)
-    end = 3 * STAGGER + 2 * LAT_IN + 5 * 4 * SCALE / BW_IN
-    outs = _expected_outputs(3, splits)
-    assert [runs[r] for r in (0, 1, 2)] == [(close(end), outs[p]) for p in range(3)]
-
-
-def test_all_to_all_split_sizes_in_a_narrow_integer_tensor_work_as_python_ints(tmp_path):
-    """Split sizes may come as the elements of an int16 tensor (counts a caller computed with
-    torch): the same pieces and the same time as Python ints."""
-    runs = _a2a(tmp_path, [1, 3, 4, 6], as_tensor=True)
-    end = _expected_end(4, _splits(4), 4, True, True)
-    outs = _expected_outputs(4, _splits(4))
-    assert [runs[r] for r in (1, 3, 4, 6)] == [(close(end), o) for o in outs]
 
 
 def _a2a_then_messages(ctx, posted):
@@ -274,9 +263,8 @@ def _measurement(ctx) -> dict[str, float]:
 
 
 def test_a_measurement_and_its_reply_are_free_and_other_traffic_is_not(tmp_path):
-    """A measurement's request and the reply to it arrive at once, on no link's time (the
-    asker's clock is back where it was afterwards); the replier's next message to another
-    rank costs latency + bytes / bandwidth as usual. Every message is counted once."""
+    """A measurement's request and its reply are free (the asker's clock is back where it was);
+    the replier's next message to another rank is charged. Every message is counted once."""
     runs = _run(tmp_path, _measurement, scale=1)
     one = LAT + 1e6 / BW
     assert runs[0] == {"inside": 0.0, "reply": 5.0, "after": 0.0, "messages": 3}
@@ -311,8 +299,7 @@ def test_a_receive_takes_its_tags_messages_in_the_order_they_were_sent(tmp_path)
 
 def _other_tag_first(ctx, send_other: bool) -> int:
     """Rank 1 waits for rank 0's tag-5 message, sent at 2 ms; with ``send_other`` rank 0 sends
-    it a tag-6 message (never received) at 1 ms. Returns the scheduler's task switches (what
-    summary.json's "simulator" reports)."""
+    it a tag-6 message (never received) at 1 ms. The scheduler's task switches."""
     comm = ctx.comm
     if ctx.rank == 0:
         comm.sleep(0.001)
@@ -327,8 +314,8 @@ def _other_tag_first(ctx, send_other: bool) -> int:
 
 
 def test_a_message_for_another_tag_wakes_no_waiting_receiver(tmp_path):
-    """A waiting receiver is woken only by a message it matches (group, tag and sender): the
-    job takes as many task switches with an unmatched message sent to it as without."""
+    """A waiting receiver is woken only by a message it matches: an unmatched one sent to it
+    adds no task switches."""
     assert _run(tmp_path, _other_tag_first, True) == _run(tmp_path, _other_tag_first, False)
 
 
@@ -354,12 +341,10 @@ def _ddp(ctx, calls, numel, busy_bytes):
 
 
 def test_ddp_overlaps_the_all_reduce_with_the_step_of_the_member_that_called_last(tmp_path):
-    """Rank 1 calls last (1 ms, a step of 1.5 ms; rank 2 at 0.5 ms, a step of 0.3 ms), so the
-    all-reduce overlaps rank 1's backward, its step having begun at 1 − 1.5 = −0.5 ms. One
-    float32 scaled by 2 buckets / 4 bytes is 2 full DDP buckets of B bytes, each a ring of 2 on
-    the intra-node link: c = 2 latencies + B / bandwidth. Forward = step/3, backward = 2·step/3:
-    bucket 0 ready at 1 ms after the step's start, bucket 1 at 1.5 ms; bucket 0 ends at 1 + c,
-    bucket 1 (c > 0.5 ms) at 1 + 2c. Both members leave at −0.5 + 1 + 2c ms, holding 2 + 3."""
+    """Rank 1 calls last (at 1 ms, a step of 1.5 ms begun at −0.5 ms): the all-reduce overlaps
+    its backward. 2 full buckets of B bytes, each a ring of 2 on the intra-node link, c = 2
+    latencies + B / bandwidth, ready 1 ms and 1.5 ms after the step's start (forward step/3):
+    bucket 1 (c > 0.5 ms) ends at 1 + 2c. Both leave at −0.5 + 1 + 2c ms, holding 2 + 3."""
     c = 2 * LAT_IN + DDP_BUCKET_BYTES / BW_IN
     end = -0.0005 + 0.001 + 2 * c
     calls = {1: (0.001, 0.0015), 2: (0.0005, 0.0003)}
@@ -368,10 +353,8 @@ def test_ddp_overlaps_the_all_reduce_with_the_step_of_the_member_that_called_las
 
 
 def test_ddp_waits_for_a_member_link_still_busy_after_the_last_call(tmp_path):
-    """Rank 1's intra-node link carries 4e6 bytes (control data, unscaled) from t = 0 until
-    0.5 ms + 4e6 / 2e9 = 2.5 ms. The members call at 0.5 ms and 1 ms (the last with a step of
-    2 ms) an all-reduce of nothing: DDP's end is when the link is free, 2.5 ms, not the end of
-    the step (1 ms)."""
+    """Rank 1's intra-node link is busy until 0.5 ms + 4e6 / 2e9 = 2.5 ms (unscaled control
+    data): an all-reduce of nothing called by 1 ms ends when the link is free, not at 1 ms."""
     calls = {1: (0.001, 0.002), 2: (0.0005, 0.004)}
     runs = _run(tmp_path, _ddp, calls, 0, 4_000_000)
     assert runs[1] == (close(0.0025), []) and runs[2] == (close(0.0025), [])
@@ -383,11 +366,9 @@ HUNDREDS = 100.0  # what the group's other ranks contribute to each element, tog
 
 
 def _all_reduce_sums(size: int, t: torch.Tensor, **kw) -> list[tuple]:
-    """``all_reduce_sum`` over GROUP on ``size`` threads, each transport a ThreadComm that
-    accepts only GROUP (the caller's group reaches the transport), its clock reading 10, 10.5,
-    11, ..., and each link a RecordingLink charging 0.25 s: rank 0 sums ``t``, the others
-    ``HUNDREDS`` between them (rank 1 all, the rest zeros). Each rank's (pending, tensor,
-    transport, link, stats)."""
+    """``all_reduce_sum`` over GROUP on ``size`` threads (clock 10, 10.5, ...), each link charging
+    0.25 s: rank 0 sums ``t``, rank 1 ``HUNDREDS``, the rest zeros. Each rank's (pending,
+    tensor, transport, link, stats)."""
 
     def rank_fn(rank, comm):
         mine = t if rank == 0 else torch.full_like(t, HUNDREDS if rank == 1 else 0.0)
@@ -399,10 +380,8 @@ def _all_reduce_sums(size: int, t: torch.Tensor, **kw) -> list[tuple]:
 
 
 def test_all_reduce_sum_counts_a_ring_within_a_node_by_default_and_reduces_over_its_group():
-    """Without ``spans_nodes`` the group is taken as within a node: an active link is not
-    emulated and the ring's bytes (2(n−1)/n × 4 floats × 4 bytes = 24 for n = 4) count as
-    intra-node; the one blocking transport call gets the caller's group; the seconds between
-    its clock readings count as waiting; the returned pending waits on the same transport."""
+    """Without ``spans_nodes`` the group is within a node: the link is not emulated, the ring's
+    bytes (2(n−1)/n × 4 floats × 4 bytes = 24 for n = 4) count as intra-node."""
     pending, t, comm, link, stats = _all_reduce_sums(4, torch.tensor([1.0, 2.0, 3.0, 4.0]))[0]
     assert t.tolist() == [101.0, 102.0, 103.0, 104.0]
     assert comm.calls == [("all_reduce", torch.float32, 4, False)] and link.asked == []
@@ -413,19 +392,15 @@ def test_all_reduce_sum_counts_a_ring_within_a_node_by_default_and_reduces_over_
 
 
 def test_a_group_of_one_across_nodes_does_not_emulate_the_link():
-    """A group of one rank has nothing to carry over the link, even marked as spanning nodes:
-    the link is not asked, no time is added for it, and the all-reduce is the blocking one
-    (its sum, over the one rank, the tensor itself)."""
+    """A group of one has nothing to carry over the link, even marked as spanning nodes."""
     _, t, comm, link, stats = _all_reduce_sums(1, torch.tensor([1.0, 2.0]), spans_nodes=True)[0]
     assert link.asked == [] and link.booked == [] and stats.emulated_link_s == 0.0
     assert comm.calls == [("all_reduce", torch.float32, 2, False)] and t.tolist() == [1.0, 2.0]
 
 
 def test_an_emulated_all_reduce_waits_for_the_transport_work_it_wraps():
-    """Across nodes on an active link the all-reduce is asynchronous, its work wrapped to end
-    no earlier than the link allows: waiting for it also waits for the transport's work (its
-    wait recorded), so the sum is in the tensor when ``all_reduce_sum`` returns; 0.25 s is
-    added for the link."""
+    """Across nodes on an active link the all-reduce's work is wrapped to end no earlier than
+    the link allows; waiting for it waits for the transport's work too."""
     t = torch.tensor([1.0, 2.0, 3.0])
     _, t, comm, link, stats = _all_reduce_sums(2, t, spans_nodes=True)[0]
     assert comm.calls == [("all_reduce", torch.float32, 3, True), ("wait",)]

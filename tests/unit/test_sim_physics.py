@@ -1,9 +1,7 @@
 """Issue 30's physics in the shared cost model (cloudburst.comm.costs) and the virtual cluster,
-each against a time computed here by hand from the formula docs/simulator.md gives: the
-all-reduce algorithms and the choice among them by size, the hierarchical all-reduce, a node
-NIC shared by its ranks (egress) and an ingress queue where messages from several nodes meet
-(incast), and DDP's 25 MB buckets overlapped with backward. One rank per node without incast
-costs what it did (tests/unit/test_sim_costs.py pins that)."""
+each against a time computed here by hand from docs/simulator.md's formulas: the all-reduce
+algorithms, the hierarchical all-reduce, a node's NIC shared by its ranks, incast, and DDP's
+buckets overlapped with backward (one rank a node without incast: test_sim_costs.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +21,7 @@ from cloudburst.comm.costs import (
     ring_allreduce_s,
     tree_allreduce_s,
 )
+from tests.support import close
 
 LAT, BW = 0.002, 1e9  # --inter-node-link 8,2: 8 Gbit/s = 1e9 bytes/s, 2 ms
 LAT_IN, BW_IN = 0.0005, 2e9  # --intra-node-link 16,0.5
@@ -30,14 +29,15 @@ LAT_IN, BW_IN = 0.0005, 2e9  # --intra-node-link 16,0.5
 
 # ---------------------------------------------------------------------------- formulas
 def test_the_three_all_reduce_algorithms():
-    # n = 8, 1 MB: ring 14 latencies + 14/8 MB; tree 2·3 latencies + 2 MB; halving/doubling
-    # 2·3 latencies + 14/8 MB.
+    # n = 8, 1 MB: ring 14 latencies + 14/8 MB; tree 2·3 latencies + 2 MB.
     assert ring_allreduce_s(1e6, 8, LAT, BW) == pytest.approx(14 * LAT + 1.75e-3, abs=1e-15)
     assert tree_allreduce_s(1e6, 8, LAT, BW) == pytest.approx(6 * LAT + 2e-3, abs=1e-15)
-    assert halving_doubling_allreduce_s(1e6, 8, LAT, BW) == pytest.approx(
-        6 * LAT + 1.75e-3, abs=1e-15
-    )
-    assert halving_doubling_allreduce_s(1e6, 6, LAT, BW) is None  # not a power of two
+    # halving/doubling: powers of two only, 2·log2 n latencies + 2(n−1)/n of the bytes.
+    for n in (3, 5, 6, 7, 9, 10, 12, 15):
+        assert halving_doubling_allreduce_s(1e6, n, LAT, BW) is None, n
+    for n, log2n in ((2, 1), (4, 2), (8, 3), (16, 4)):
+        expected = 2 * log2n * LAT + 2 * (n - 1) / n * 1e6 / BW
+        assert halving_doubling_allreduce_s(1e6, n, LAT, BW) == pytest.approx(expected, abs=1e-15)
     for f in (ring_allreduce_s, tree_allreduce_s, halving_doubling_allreduce_s):
         assert f(1e6, 1, LAT, BW) == 0.0
 
@@ -62,36 +62,44 @@ def test_the_algorithm_is_chosen_by_size():
     assert best_allreduce_s(small, 2, LAT, BW) == (pytest.approx(2 * LAT + small / BW), "ring")
 
 
-def test_hierarchical_all_reduce():
-    intra, inter = LinkSpec(16, 0.5), LinkSpec(8, 2)
-    nbytes = 4e6
-    # 2 nodes x 4 ranks: reduce-scatter + all-gather in the node, 2 · (3 L_in + 3/4 B / β_in);
-    # between the 2 nodes the stripes together: ring of 2 (ties with halving/doubling),
-    # 2 L + B / β.
-    expected = 2 * (3 * LAT_IN + 0.75 * nbytes / BW_IN) + (2 * LAT + nbytes / BW)
-    assert hierarchical_allreduce_s(nbytes, 2, 4, intra, inter) == pytest.approx(
-        expected, abs=1e-15
-    )
-    # A free intra-node link: only the inter-node part; one rank per node: no intra part.
-    assert hierarchical_allreduce_s(nbytes, 2, 4, None, inter) == pytest.approx(
-        2 * LAT + nbytes / BW
-    )
-    assert hierarchical_allreduce_s(nbytes, 2, 1, intra, inter) == pytest.approx(
-        2 * LAT + nbytes / BW
-    )
-    assert hierarchical_allreduce_s(nbytes, 2, 4, intra, None) == pytest.approx(
-        2 * (3 * LAT_IN + 0.75 * nbytes / BW_IN)
-    )
+IN_NODE = 2 * (3 * LAT_IN + 0.75 * 4e6 / BW_IN)  # 4 MB reduce-scattered + gathered in a node of 4
+ACROSS = 2 * LAT + 4e6 / BW  # 4 MB, a ring of 2 nodes (ties with halving/doubling)
 
 
-def test_nic_transfer_queues_at_the_ingress():
-    one = LAT + 1e6 / BW  # 3 ms
-    # Alone: latency + bytes / bandwidth, as a rank's link always charged.
-    assert nic_transfer(0.0, 0.0, 1e6, LAT, BW, BW) == (pytest.approx(one), pytest.approx(one))
-    # The ingress is busy until 3 ms: the bytes get in after it, 3 ms + 1 ms.
-    assert nic_transfer(0.0, one, 1e6, LAT, BW, BW) == (pytest.approx(one), pytest.approx(0.004))
-    # A slower ingress (0.5e9 B/s) limits even a message alone: 2 ms + 2 ms.
-    assert nic_transfer(0.0, 0.0, 1e6, LAT, BW, 0.5e9)[1] == pytest.approx(0.004)
+@pytest.mark.parametrize(
+    "nodes, per_node, intra, inter, cost",
+    [
+        (2, 4, LinkSpec(16, 0.5), LinkSpec(8, 2), IN_NODE + ACROSS),
+        # 2 · (1 · 0.5 ms + 1/2 · 4 MB / 2e9) = 3 ms in the node, 2 ms · 2 + 4 ms between.
+        (2, 2, LinkSpec(16, 0.5), LinkSpec(8, 2), 0.011),
+        (1, 2, LinkSpec(16, 0.5), LinkSpec(8, 2), 0.003),  # one node: its part only
+        (1, 1, LinkSpec(16, 0.5), LinkSpec(8, 2), 0.0),
+        (2, 4, None, LinkSpec(8, 2), ACROSS),  # a free intra-node link: only the inter part
+        (2, 1, LinkSpec(16, 0.5), LinkSpec(8, 2), ACROSS),  # one rank per node: no intra part
+        (2, 4, LinkSpec(16, 0.5), None, IN_NODE),  # a free inter-node link: only the intra part
+    ],
+)
+def test_hierarchical_all_reduce(nodes, per_node, intra, inter, cost):
+    """Reduce-scatter + all-gather in each node, 2 · ((r−1) L_in + (r−1)/r · B / β_in), then
+    the nodes' stripes together on the inter-node link, the cheapest algorithm."""
+    got = hierarchical_allreduce_s(4e6, nodes, per_node, intra, inter)
+    assert got == (pytest.approx(cost, abs=1e-15) if cost else 0.0)
+
+
+@pytest.mark.parametrize(
+    "leave, ingress_free, ingress_bw, egress_end, arrival",
+    [
+        (0.0, 0.0, BW, 0.003, 0.003),  # alone: latency + bytes / bandwidth, as a rank's link
+        (0.0, 0.003, BW, 0.003, 0.004),  # the ingress busy until 3 ms: the bytes after it, 1 ms
+        (0.0, 0.0, 0.5e9, 0.003, 0.004),  # a slower ingress limits even a message alone
+        (5.0, 0.0, 0.5e9, 5.003, 5.004),  # egress held 2 ms + 1 ms; arrives 2 ms + 2 ms
+        (5.0, 5.01, 0.5e9, 5.003, 5.012),  # behind an ingress busy until 5.01: 2 ms after it
+    ],
+)
+def test_nic_transfer_queues_at_the_ingress(leave, ingress_free, ingress_bw, egress_end, arrival):
+    """1 MB on a 2 ms link, egress 1e9 B/s: (when the egress is free, when the bytes are in)."""
+    got = nic_transfer(leave, ingress_free, 1e6, LAT, BW, ingress_bw)
+    assert got == (close(egress_end), close(arrival))
 
 
 def test_ddp_overlap_by_hand():
@@ -111,7 +119,16 @@ def test_ddp_overlap_by_hand():
     )
     # The link is busy until 10 s: everything after it.
     assert ddp_overlap_end_s(1.0, 2.0, 60, cost, 25, link_free_s=10.0) == pytest.approx(10.6)
-    assert ddp_overlap_end_s(1.0, 2.0, 0, cost) == 3.0
+    assert ddp_overlap_end_s(1.0, 2.0, 0, cost) == 3.0  # nothing to send: forward + backward
+    # From a free link by default (forward 0.1 s, backward 0.2 s, 0.001 s a unit): buckets of
+    # 25 of 60 units ready at 0.1 + 0.2 · 25/60, 0.1 + 0.2 · 50/60, 0.3.
+    fast = lambda b: 0.001 * b  # noqa: E731
+    assert ddp_overlap_end_s(0.1, 0.2, 0, fast) == close(0.3)
+    e0 = 0.1 + 0.2 * 25 / 60 + 0.025
+    e1 = max(0.1 + 0.2 * 50 / 60, e0) + 0.025
+    assert ddp_overlap_end_s(0.1, 0.2, 60, fast, bucket_bytes=25) == close(max(0.3, e1) + 0.010)
+    # One byte is one bucket, sent once backward is done.
+    assert ddp_overlap_end_s(0.1, 0.2, 1, fast, bucket_bytes=25) == close(0.301)
     assert DDP_BUCKET_BYTES == 25 * 1024 * 1024
 
 
@@ -202,25 +219,6 @@ def _ddp_step(ctx):
     dp = ctx.comm.data_parallel(model, None, None, state)
     dp.after_backward()
     return [ctx.comm.now(), model.bias.grad[0].item()]
-
-
-def test_network_model_is_checked_and_described():
-    from cloudburst.config import ConfigError, RunConfig
-    from cloudburst.config.simulation import SimulationConfig
-    from cloudburst.sim.clock import ClockModel
-
-    with pytest.raises(ConfigError, match="network_model: 'ncl' is not allowed"):
-        SimulationConfig(network_model="ncl")
-    with pytest.raises(ConfigError, match="nic_ingress_gbit_per_s"):
-        SimulationConfig(nic_ingress_gbit_per_s=0.0)
-    # No flag: chosen by what the run models (flat for the CPU emulation; tests/unit/
-    # test_placement.py has the GPU cases).
-    assert SimulationConfig().network_model is None
-    cfg = RunConfig.from_dict({"out": "unused", "inter_node_link": "8,2"})
-    assert ClockModel(SimulationConfig(), cfg, 1, 0.1).describe()["network_model"] == "flat"
-    sim = SimulationConfig(network_model="nccl", nic_ingress_gbit_per_s=4.0)
-    d = ClockModel(sim, cfg, 1, 0.1).describe()
-    assert (d["network_model"], d["nic_ingress_gbit_per_s"]) == ("nccl", 4.0)
 
 
 def test_ddp_buckets_overlap_with_backward(tmp_path):

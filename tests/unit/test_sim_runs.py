@@ -1,10 +1,7 @@
-"""Whole jobs on the virtual cluster, in this process: the strategies' own code on the
-simulated transport ends with the parameters of the single-process references
-(tests/reference.py, written from the algorithms, not from cloudburst), repeats exactly,
-and keeps time as the clock model says (stragglers, faults, free evaluation).
-
-The same references also hold for real gloo runs (tests/dist/test_parity.py, test_local_sgd.py,
-test_daso.py, test_easgd.py); tests/dist/test_sim_vs_real.py compares the two directly.
+"""Whole jobs on the virtual cluster, in this process: the strategies end with the parameters
+of the single-process references (tests/reference.py), repeat exactly, and keep time as the
+clock model says (stragglers, faults, free evaluation). Real gloo runs against the same
+references: tests/dist; tests/dist/test_sim_vs_real.py compares the two directly.
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ import pytest
 
 from cloudburst.config import Straggler
 from cloudburst.sim.run import SimulationFailed
+from tests.helpers import rank_events, read_events, read_summary
 from tests.reference import (
     asgd_one_worker,
     assert_params_differ,
@@ -76,11 +74,10 @@ def _strip(summary: dict) -> dict:
 
 
 def _metrics(out: Path) -> dict[str, list[dict]]:
-    runs = {}
-    for path in sorted((out / "metrics").glob("rank*.jsonl")):
-        records = [json.loads(line) for line in path.read_text().splitlines()]
-        runs[path.name] = [{k: v for k, v in r.items() if k != "wall"} for r in records]
-    return runs
+    paths = sorted((out / "metrics").glob("rank*.jsonl"))
+    return {
+        p.name: [{k: v for k, v in r.items() if k != "wall"} for r in read_events(p)] for p in paths
+    }
 
 
 @pytest.mark.slow
@@ -103,24 +100,18 @@ def test_two_runs_with_one_seed_write_the_same_summary_and_metrics(tmp_path, str
 
 # ---------------------------------------------------------------------------- the clock
 def _step_times(out: Path, rank: int) -> list[float]:
-    lines = (out / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
-    return [r["time_s"] for r in map(json.loads, lines) if r["event"] == "step"]
+    return [r["time_s"] for r in rank_events(out, rank, "step")]
 
 
 def test_a_2x_straggler_makes_every_sync_step_2T_but_leaves_asgd_workers_alone(tmp_path):
-    slow = [Straggler(1, 2.0)]
+    slow, doubled = [Straggler(1, 2.0)], pytest.approx([2 * STEP_S * k for k in range(1, 11)])
     run_sim(sim_cfg(tmp_path / "sync", "sync", 2, 10, stragglers=slow, log_every_steps=1))
-    for rank in (0, 1):
-        assert _step_times(tmp_path / "sync", rank) == pytest.approx(
-            [2 * STEP_S * k for k in range(1, 11)]
-        )
+    assert _step_times(tmp_path / "sync", 0) == _step_times(tmp_path / "sync", 1) == doubled
     cfg = sim_cfg(tmp_path / "asgd", "asgd", 2, 10, stragglers=slow, log_every_steps=1)
     run_sim(cfg, server_apply_gbyte_per_s=1e6)  # a free server: only the workers' own time
     # Worker 0 (rank 1) keeps its own pace, worker 1 (rank 2) its doubled one.
     assert _step_times(tmp_path / "asgd", 1) == pytest.approx([STEP_S * k for k in range(1, 11)])
-    assert _step_times(tmp_path / "asgd", 2) == pytest.approx(
-        [2 * STEP_S * k for k in range(1, 11)]
-    )
+    assert _step_times(tmp_path / "asgd", 2) == doubled
 
 
 def test_evaluating_costs_no_virtual_time(tmp_path):
@@ -132,11 +123,7 @@ def test_evaluating_costs_no_virtual_time(tmp_path):
         ends.append(run_sim(cfg)["wall_time_s"])
     assert ends[0] == pytest.approx(ends[1], abs=1e-12)
     assert_same_params(trained(tmp_path / "rare"), trained(tmp_path / "often"))
-    evals = [
-        json.loads(line)
-        for line in (tmp_path / "often" / "metrics" / "rank1.jsonl").read_text().splitlines()
-    ]
-    assert sum(r["event"] == "eval" for r in evals) >= 16
+    assert len(rank_events(tmp_path / "often", 1, "eval")) >= 16
 
 
 def test_a_killed_asgd_worker_is_lost_and_the_others_finish(tmp_path):
@@ -152,8 +139,7 @@ def test_a_killed_sync_worker_fails_the_job_at_once_with_a_partial_summary(tmp_p
     cfg = sim_cfg(tmp_path, "sync", 2, 20, inject_fault=["kill:1@5"])
     with pytest.raises(SimulationFailed, match="rank 1 died at t=0.050s"):
         run_sim(cfg)
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert "rank 1 died" in summary["failed"]
+    assert "rank 1 died" in read_summary(tmp_path)["failed"]
 
 
 def test_gossip_keeps_its_own_pace_beside_a_straggler_until_a_consensus_measurement(tmp_path):

@@ -21,7 +21,8 @@ TAG = 5
 
 
 class ScriptClock:
-    """The clock model's interface with one slow link between nodes (1 ms, 1 MB/s)."""
+    """What the network asks of the clock model, with one slow link between nodes (1 ms, 1 MB/s)
+    and no shared NIC (each rank's own link)."""
 
     def __init__(self, step_s: float = 0.1):
         self.step = step_s
@@ -39,18 +40,19 @@ class ScriptClock:
     def allreduce_s(self, nbytes: float, n: int, spans: bool) -> float:
         return self.emu.allreduce_s(nbytes, n) if spans else 0.0
 
-    def broadcast_s(self, nbytes: float, n: int, spans: bool) -> float:
-        return self.emu.broadcast_s(nbytes, n) if spans else 0.0
-
-    def apply_s(self, nbytes: float) -> float:
-        return nbytes / 1e9
-
 
 def _cluster(ranks: int = 2, nodes: int = 2, timeout_s: float = 60.0, step_s: float = 0.1):
     sched = Scheduler()
     net = SimNetwork(sched, ScriptClock(step_s), Topology.contiguous(ranks, nodes), timeout_s)
     comms = [SimTransport(net, r, r) for r in range(ranks)]
     return sched, net, comms
+
+
+def _run(sched: Scheduler, **bodies) -> None:
+    """Each body a task on the rank of its position, named by its keyword; then the run."""
+    for rank, (name, body) in enumerate(bodies.items()):
+        sched.spawn(body, name, rank)
+    sched.run()
 
 
 def _kb(k: float = 1) -> torch.Tensor:
@@ -73,9 +75,7 @@ def test_a_message_arrives_at_send_time_plus_latency_plus_size_over_bandwidth():
         seen["received"] = b.now()
         seen["sum"] = buf.sum().item()
 
-    sched.spawn(sender, "a", 0)
-    sched.spawn(receiver, "b", 1)
-    sched.run()
+    _run(sched, a=sender, b=receiver)
     assert seen["received"] == pytest.approx(0.503)
     assert seen["sender_back"] == pytest.approx(0.503)  # a blocking send holds the sender
     assert seen["src"] == 0 and seen["sum"] == 500.0
@@ -99,9 +99,7 @@ def test_two_messages_on_one_link_queue_and_arrive_in_order():
             b.recv(buf, 0, TAG)
             arrivals.append((int((buf != 0).sum()), b.now()))
 
-    sched.spawn(sender, "a", 0)
-    sched.spawn(receiver, "b", 1)
-    sched.run()
+    _run(sched, a=sender, b=receiver)
     assert arrivals[0] == (250, pytest.approx(0.002))
     assert arrivals[1] == ("sender", pytest.approx(0.006))
     assert arrivals[2] == (750, pytest.approx(0.006))
@@ -124,10 +122,7 @@ def test_same_node_messages_are_free_and_a_receiver_takes_the_earliest_arrival()
             src = comms[0].recv(buf, None, TAG)
             got.append((src, comms[0].now()))
 
-    sched.spawn(receiver, "r", 0)
-    sched.spawn(near, "near", 1)
-    sched.spawn(far, "far", 2)
-    sched.run()
+    _run(sched, r=receiver, near=near, far=far)
     assert got == [(1, pytest.approx(0.0015)), (2, pytest.approx(0.002))]
 
 
@@ -150,9 +145,7 @@ def test_a_non_blocking_allreduce_overlapped_with_k_steps_costs_what_compute_did
 
         return body
 
-    sched.spawn(rank(a, "a"), "a", 0)
-    sched.spawn(rank(b, "b"), "b", 1)
-    sched.run()
+    _run(sched, a=rank(a, "a"), b=rank(b, "b"))
     expected = max(0.0, cost - k * step_s)
     assert cost == pytest.approx(0.010)
     assert waited["a"] == (pytest.approx(expected), 2.0)
@@ -172,9 +165,7 @@ def test_a_collective_starts_when_its_last_member_arrives():
 
         return body
 
-    for r in range(4):
-        sched.spawn(rank(r), f"r{r}", r)
-    sched.run()
+    _run(sched, **{f"r{r}": rank(r) for r in range(4)})
     cost = 2 * 3 * LATENCY_S + 2 * 3 / 4 * 1000 / BYTES_PER_S
     assert ends == {r: (pytest.approx(0.3 + cost), 6.0) for r in range(4)}
 
@@ -220,9 +211,7 @@ def test_a_receive_times_out_in_virtual_time():
         except RuntimeError as e:
             seen["error"], seen["at"] = str(e), a.now()
 
-    sched.spawn(lonely, "a", 0)
-    sched.spawn(lambda: b.sleep(100.0), "b", 1)
-    sched.run()
+    _run(sched, a=lonely, b=lambda: b.sleep(100.0))
     assert "timed out after 30 virtual s" in seen["error"] and seen["at"] == pytest.approx(30.0)
 
 
@@ -285,7 +274,5 @@ def test_the_store_waits_in_virtual_time_and_spawned_tasks_join():
         child.join()
         seen["joined"] = b.now()
 
-    sched.spawn(writer, "w", 0)
-    sched.spawn(reader, "r", 1)
-    sched.run()
+    _run(sched, w=writer, r=reader)
     assert seen == {"value": b"v", "at": pytest.approx(2.0), "joined": pytest.approx(3.5)}

@@ -1,14 +1,9 @@
 """The SLURM recipe (examples/slurm/cloudburst.sbatch, shown in docs/clusters.md) gives every
 task the torchrun arguments cloudburst expects.
 
-Nothing here can run SLURM. The script itself is run by bash with SLURM's environment for a
-2-node × 4-rank allocation and stand-ins for ``srun`` (starts each task with its
-``SLURM_PROCID``/``SLURM_NODEID``/``SLURM_LOCALID``, block distribution, as SLURM does by
-default), ``scontrol`` (the node list) and ``torchrun`` (records its arguments). The recorded
-arguments are parsed with torchrun's own parser and cloudburst's CLI, and checked: the world
-size matches the config, every node rank once, one rendezvous on the first node, the agent
-layout that ``cloudburst train`` uses locally (one agent per rank where the strategy survives a
-worker's death), and the roles each node's ranks get (servers on the store's node).
+Nothing here can run SLURM: bash runs the script with SLURM's environment for a 2-node × 4-rank
+allocation and stand-ins for ``srun`` (block distribution, SLURM's default), ``scontrol`` and
+``torchrun`` (records its arguments, parsed here by torchrun's own parser and cloudburst's CLI).
 """
 
 from __future__ import annotations
@@ -155,7 +150,8 @@ def test_sync_renders_one_torchrun_per_node_with_four_ranks_each(tmp_path):
     assert {t["cpus"] for t in tasks} == {"8"}  # the node's 4 ranks' CPUs (2 per task asked)
 
 
-def test_asgd_renders_one_agent_per_rank_as_the_local_launcher_does(tmp_path):
+def test_asgd_renders_one_agent_per_rank_as_the_local_launcher_does_with_one_job_secret(tmp_path):
+    from cloudburst.comm.auth import read_secret_file
     from cloudburst.launch.agents import agent_layout
     from cloudburst.strategies import STRATEGY_CLASSES
 
@@ -171,24 +167,11 @@ def test_asgd_renders_one_agent_per_rank_as_the_local_launcher_does(tmp_path):
     # Every agent has LOCAL_RANK 0: each task gets its own GPU by its SLURM local id.
     by_host = {h: sorted(t["cuda"] for t in tasks if t["host"] == h) for h in HOSTS}
     assert by_host == {h: ["0", "1", "2", "3"] for h in HOSTS}
-
-
-def test_a_world_that_does_not_match_the_config_is_caught(tmp_path):
-    args = ["train", "--strategy", "sync", "--workers", "6", "--out", "runs/sync-6"]
-    tasks = render(tmp_path, args, agent_per_rank=False)
-    with pytest.raises(AssertionError):
-        check(tasks, args)
-
-
-def test_every_task_gets_one_job_secret_only_its_user_can_read_removed_after_the_job(tmp_path):
-    from cloudburst.comm.auth import read_secret_file
-
-    args = ["train", "--strategy", "asgd", "--workers", "7", "--servers", "1", "--out", "runs/a"]
-    tasks = render(tmp_path, args, agent_per_rank=True)
-    (secret,) = {t["secret"] for t in tasks}  # the same file for every rank of the job
+    # One job secret for every rank, only its user can read it, removed when the script ended.
+    (secret,) = {t["secret"] for t in tasks}
     assert secret == str(tmp_path / ".cloudburst" / "job-4711.secret")
     assert {t["mode"] for t in tasks} == {0o600} and {t["secret_bytes"] for t in tasks} == {64}
-    assert not Path(secret).exists()  # removed when the script ended
+    assert not Path(secret).exists()
     # a secret the user gives is used as it is, not replaced
     given = tmp_path / "mine.secret"
     given.write_text("k" * 32)
@@ -196,3 +179,10 @@ def test_every_task_gets_one_job_secret_only_its_user_can_read_removed_after_the
     tasks = render(tmp_path, args, agent_per_rank=False, CLOUDBURST_JOB_SECRET_FILE=str(given))
     assert {t["secret"] for t in tasks} == {str(given)} and given.exists()
     assert read_secret_file(given) == b"k" * 32
+
+
+def test_a_world_that_does_not_match_the_config_is_caught(tmp_path):
+    args = ["train", "--strategy", "sync", "--workers", "6", "--out", "runs/sync-6"]
+    tasks = render(tmp_path, args, agent_per_rank=False)
+    with pytest.raises(AssertionError):
+        check(tasks, args)

@@ -11,8 +11,6 @@ import torch
 
 from cloudburst.comm.messages import Status
 from cloudburst.config import ConfigError, RunConfig, Straggler
-from cloudburst.config.simulation import SimulationConfig
-from cloudburst.sim.run import simulate
 from cloudburst.strategies.asgd.compensation import (
     PER_COORDINATE,
     SCALAR_FACTORS,
@@ -21,10 +19,11 @@ from cloudburst.strategies.asgd.compensation import (
 )
 from cloudburst.strategies.asgd.rules import ASGD_RULES, ServerRule
 from cloudburst.strategies.asgd.settings import COMPENSATIONS, SERVER_RULES
-from cloudburst.strategies.asgd.shard import ShardState, make_shard, overlapped_push_fetch
+from cloudburst.strategies.asgd.shard import ShardState, make_shard
 from cloudburst.strategies.asgd.summary import histogram_quantiles, merged_histogram
 from tests.helpers import shard_of
 from tests.reference import compensated_server, delayed_nesterov_server
+from tests.support import run_sim
 
 NUMEL = 50
 LOCAL_LR = 0.1
@@ -45,16 +44,9 @@ def _script(workers: int = 4, pushes: int = 40, seed: int = 0) -> list[tuple]:
 
 
 def _shard(method: str, theta0: torch.Tensor, window: int = 1000, **kw) -> ShardState:
-    return ShardState(
-        theta0,
-        lr=SETTINGS["lr"],
-        compensation=method,
-        dc_lambda=SETTINGS["dc_lambda"],
-        delay_threshold=SETTINGS["threshold"],
-        compensation_window=window,
-        local_lr=LOCAL_LR,
-        **kw,
-    )
+    return ShardState(theta0, lr=SETTINGS["lr"], compensation=method,
+                      dc_lambda=SETTINGS["dc_lambda"], delay_threshold=SETTINGS["threshold"],
+                      compensation_window=window, local_lr=LOCAL_LR, **kw)  # fmt: skip
 
 
 def _play(shard: ShardState, events) -> list[int]:
@@ -98,55 +90,64 @@ def test_a_push_older_than_the_ring_reads_its_oldest_theta(method):
     assert len(shard.compensator.ring) == 3
 
 
-def test_scalar_compensators_let_the_worker_rebuild_an_overlapped_reply_bit_for_bit():
+# α of the add rule for a push of staleness τ, by hand: λ·s, with s = 1/τ under scale (also
+# spelled staleness_scaling=True), τ_C/τ past τ_C under delay-adaptive, 1 under none.
+@pytest.mark.parametrize(
+    "lr, compensation, threshold, staleness, alpha",
+    [
+        (1.0, False, 1, 2, 1.0),
+        (0.25, False, 1, 2, 0.25),
+        (0.7, True, 1, 2, 0.35),
+        (0.3, "none", 2, 4, 0.3),
+        (0.3, "scale", 2, 4, 0.075),
+        (0.3, "delay-adaptive", 2, 4, 0.15),
+    ],
+)
+def test_worker_rebuilds_the_servers_theta_bit_for_bit(
+    lr, compensation, threshold, staleness, alpha
+):
+    """The overlapped PUSH_FETCH: the reply carries θ before the push; the worker adds its own
+    Δ with add_rule_alpha and must get exactly the θ the server holds after applying it."""
     g = torch.Generator().manual_seed(4)
-    for method in ("none", "scale", "delay-adaptive"):
-        shard = ShardState(
-            torch.randn(1000, generator=g), lr=0.3, compensation=method, delay_threshold=2
-        )
-        for _ in range(5):
-            shard.apply_push(torch.randn(1000, generator=g), shard.version)
-        delta = torch.randn(1000, generator=g)
-        before = shard.theta.clone()
-        result = shard.apply_push(delta, 1)  # staleness 4 > τ_C = 2
-        alpha = add_rule_alpha(0.3, result.staleness, method, 2)
-        assert torch.equal(before.add_(delta, alpha=alpha), shard.theta)
-    assert add_rule_alpha(0.5, 4, "delay-adaptive", 2) == 0.25
-    assert add_rule_alpha(0.5, 2, "delay-adaptive", 2) == 0.5
-    assert add_rule_alpha(0.5, 4, True) == 0.125  # the staleness_scaling spelling
+    kw = {"staleness_scaling" if isinstance(compensation, bool) else "compensation": compensation}
+    shard = ShardState(torch.randn(1000, generator=g), lr=lr, delay_threshold=threshold, **kw)
+    for _ in range(staleness + 1):
+        shard.apply_push(torch.randn(1000, generator=g), 0)  # make later pushes stale
+    before = shard.theta.clone()
+    delta = torch.randn(1000, generator=g) * 1e-3
+    result = shard.apply_push(delta, base_version=1)
+    assert result.staleness == staleness
+    assert add_rule_alpha(lr, staleness, compensation, threshold) == alpha  # the worker's α
+    # the server: θ + αΔ, by hand (to float32 rounding: add_ may fuse the multiply-add)
+    torch.testing.assert_close(shard.theta, before + alpha * delta, rtol=0, atol=1e-6)
+    assert not torch.allclose(shard.theta, before + 2 * alpha * delta, rtol=0, atol=1e-6)
+    assert torch.equal(before.add_(delta, alpha=alpha), shard.theta)  # its rebuild, bit for bit
 
 
-def test_scalar_factors_default_to_a_delay_threshold_of_one_and_no_compensation():
-    """τ_C defaults to 1: τ = 2 is scaled by 1/2, τ = 3 by 1/3, τ = 1 not at all; the add
-    rule's α = λ·s takes the same default, and without a compensation α = λ at any τ."""
-    assert staleness_factor("delay-adaptive", 1) == 1.0
-    assert staleness_factor("delay-adaptive", 2) == 0.5
-    assert staleness_factor("delay-adaptive", 3) == 1 / 3
-    assert add_rule_alpha(0.5, 2, "delay-adaptive") == 0.25
-    assert add_rule_alpha(0.5, 1, "delay-adaptive") == 0.5
-    assert add_rule_alpha(0.25, 7) == 0.25
-
-
-def test_delay_adaptive_never_scales_a_push_within_its_threshold():
-    """τ ≤ τ_C gives 1 (a fresh push, τ = 0, under τ_C = 0 included); beyond, τ_C/τ."""
-    assert staleness_factor("delay-adaptive", 0, 0) == 1.0
-    assert staleness_factor("delay-adaptive", 0, 5) == 1.0
-    assert staleness_factor("delay-adaptive", 5, 5) == 1.0  # at the threshold: still 1
-    assert staleness_factor("delay-adaptive", 6, 3) == 0.5
-
-
-def test_per_coordinate_compensators_turn_the_overlapped_reply_off():
-    def cfg(method, strategy="asgd"):
-        return RunConfig(strategy=strategy, workers=2, staleness_compensation=method)
-
-    assert [overlapped_push_fetch(cfg(m)) for m in COMPENSATIONS] == [
-        True,
-        True,
-        False,
-        False,
-        False,
-        True,
-    ]
+@pytest.mark.parametrize(
+    "fn, args, expected",
+    [
+        # delay-adaptive: τ ≤ τ_C gives 1 (τ = 0 under τ_C = 0 included), beyond it τ_C/τ
+        (staleness_factor, ("delay-adaptive", 0, 0), 1.0),
+        (staleness_factor, ("delay-adaptive", 0, 5), 1.0),
+        (staleness_factor, ("delay-adaptive", 5, 5), 1.0),  # at the threshold: still 1
+        (staleness_factor, ("delay-adaptive", 6, 3), 0.5),
+        (add_rule_alpha, (0.5, 4, "delay-adaptive", 2), 0.25),
+        (add_rule_alpha, (0.5, 2, "delay-adaptive", 2), 0.5),
+        # τ_C defaults to 1: τ = 2 is scaled by 1/2, τ = 3 by 1/3, τ = 1 not at all
+        (staleness_factor, ("delay-adaptive", 1), 1.0),
+        (staleness_factor, ("delay-adaptive", 2), 0.5),
+        (staleness_factor, ("delay-adaptive", 3), 1 / 3),
+        (add_rule_alpha, (0.5, 2, "delay-adaptive"), 0.25),
+        (add_rule_alpha, (0.5, 1, "delay-adaptive"), 0.5),
+        (add_rule_alpha, (0.25, 7), 0.25),  # no compensation by default: α = λ at any τ
+        (add_rule_alpha, (0.5, 4, True), 0.125),  # the staleness_scaling spelling
+        (add_rule_alpha, (0.7, 0, True), 0.7),
+        (add_rule_alpha, (0.7, 4, True), 0.175),
+    ],
+)
+def test_the_scalar_factors_and_the_add_rules_alpha(fn, args, expected):
+    assert fn(*args) == expected
 
 
 def test_staleness_scaling_is_the_scale_compensation_and_contradictions_are_refused():
@@ -191,29 +192,6 @@ def test_staleness_scaling_is_the_scale_compensation_and_contradictions_are_refu
         torch.zeros(4),
     )
     assert (shard.compensation, shard.compensator.window) == ("gap", 7)
-
-
-def test_the_shard_counts_the_staleness_and_scale_distributions_exactly():
-    # SCHEDULE of tests/unit/test_server_shard.py: stalenesses 0, 1, 0, 1, 4
-    events = [
-        ("fetch", "A"),
-        ("fetch", "B"),
-        ("push", "A", torch.ones(2)),
-        ("push", "B", torch.ones(2)),
-        ("fetch", "C"),
-        ("fetch", "A"),
-        ("push", "C", torch.ones(2)),
-        ("push", "A", torch.ones(2)),
-        ("push", "B", torch.ones(2)),
-    ]
-    shard = ShardState(torch.zeros(2), compensation="scale")
-    assert _play(shard, events) == [0, 1, 0, 1, 4]
-    stats = shard.stats()
-    assert stats["staleness_histogram_versions"] == {"0": 2, "1": 2, "4": 1}
-    assert stats["push_scale_histogram"] == {"0.25": 1, "1.0": 4}
-    hist = {0.0: 2, 1.0: 2, 4.0: 1}
-    assert histogram_quantiles(hist) == {"p50": 1.0, "p90": 4.0, "p99": 4.0, "max": 4.0}
-    assert histogram_quantiles({}) is None
 
 
 def test_merged_histogram_adds_the_shards_counts_under_the_key_in_value_order():
@@ -283,23 +261,13 @@ def test_the_registries_are_the_flags_and_a_shard_applies_any_rule_it_is_given()
 @pytest.mark.slow
 @pytest.mark.parametrize("method", [m for m in COMPENSATIONS if m != "none"])
 def test_each_compensator_learns_on_the_virtual_cluster(tmp_path, method):
-    cfg = RunConfig(
-        strategy="asgd",
-        workers=3,
-        steps=24,  # accuracy >= 0.997 for each, staleness up to 4 (40 steps: 1.0, 4)
-        dataset="synthetic",
-        model="mlp",
-        batch_size=32,
-        lr=0.05,
-        momentum=0.9,
-        seed=0,
-        eval_every_s=1000.0,
-        out=str(tmp_path),
-        staleness_compensation=method,
-        stragglers=[Straggler(2, 2.0)],
-        n_sync=1,  # a push every step: stale pushes to compensate
-    )
-    summary = simulate(cfg, SimulationConfig(step_time_s=0.01))
+    # 24 steps: accuracy >= 0.997 for each, staleness up to 4 (40 steps: 1.0, 4); n_sync 1: a
+    # push every step, stale pushes to compensate
+    cfg = RunConfig(strategy="asgd", workers=3, steps=24, dataset="synthetic", model="mlp",
+                    batch_size=32, lr=0.05, momentum=0.9, seed=0, eval_every_s=1000.0,
+                    out=str(tmp_path), staleness_compensation=method,
+                    stragglers=[Straggler(2, 2.0)], n_sync=1)  # fmt: skip
+    summary = run_sim(cfg)
     assert summary["staleness_compensation"] == method
     assert summary["final_test_accuracy"] >= 0.9
     quantiles = summary["staleness_quantiles_versions"]

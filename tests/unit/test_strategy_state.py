@@ -1,12 +1,10 @@
 """A strategy's ``state_dict`` → ``load_state_dict`` into a freshly built strategy of the same
 configuration restores its state exactly, and a checkpoint of another compression (or
 fragment count) is treated as the code means to: for ``sync`` (the int8/fp8 residuals of its
-buckets, PowerSGD's state), ``local_sgd`` (the residuals and the compressed averages' θ
-reference) and ``diloco`` (θ_global, one outer optimizer per fragment, and each fragment's last
-outer step, which decides what the final outer step of :meth:`finish` covers).
-
-Checked against values set or recorded by hand and against the same worker left
-uninterrupted; the whole-run property on the virtual cluster is
+buckets, PowerSGD's state, whose rank and start come from ``--compress``), ``local_sgd`` (the
+residuals and the compressed averages' θ reference) and ``diloco`` (θ_global, one outer
+optimizer per fragment, and each fragment's last outer step, which decides what the final
+outer step of :meth:`finish` covers). The whole-run property on the virtual cluster is
 tests/unit/test_compress_resume_sim.py."""
 
 from __future__ import annotations
@@ -18,32 +16,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cloudburst.comm.allreduce import compressed_hook
-from cloudburst.config import RunConfig
+from cloudburst.comm.allreduce import compressed_hook, new_powersgd_state
+from cloudburst.comm.compress import POWERSGD_START, Compression
+from cloudburst.config import ConfigError, RunConfig
 from cloudburst.strategies.diloco import DilocoStrategy
 from cloudburst.strategies.local_sgd import LocalSgdStrategy
 from cloudburst.strategies.sync import SyncStrategy
 from tests import reference as ref
-from tests.support import FakeNamespace, ThreadComm, ThreadGroup
-
-BATCH = 8
+from tests.support import BATCH, FakeNamespace, ThreadComm, ThreadGroup, survivor_cfg
 
 
-def _cfg(strategy: str, workers: int, **kw) -> RunConfig:
-    return RunConfig(strategy=strategy, workers=workers, dataset="synthetic", train_size=512, **kw)
-
-
-def _ctx(cfg: RunConfig, worker: int, comm) -> SimpleNamespace:
-    return FakeNamespace(
-        cfg=cfg,
-        worker_index=worker,
-        workers_group=None,
-        worker_ranks=list(range(cfg.job.workers)),
-        topology=None,
-        link=None,
-        comm=comm,
-        device=torch.device("cpu"),
-    )
+def _ctx(cfg: RunConfig, worker: int, comm=None) -> SimpleNamespace:
+    """Worker ``worker``'s context; its transport ``comm``, by default a group of one."""
+    comm = ThreadComm(ThreadGroup(1), 0) if comm is None else comm
+    return FakeNamespace(cfg=cfg, worker_index=worker, workers_group=None, topology=None,
+                         worker_ranks=list(range(cfg.job.workers)), link=None, comm=comm,
+                         device=torch.device("cpu"))  # fmt: skip
 
 
 def _vec(n: int, seed: int) -> torch.Tensor:
@@ -61,7 +49,7 @@ class _DdpSetup:
 
 
 def _sync(compress: str) -> SyncStrategy:
-    strategy = SyncStrategy(_ctx(_cfg("sync", 2, compress=compress), 0, _DdpSetup()))
+    strategy = SyncStrategy(_ctx(survivor_cfg("sync", 2, compress=compress), 0, _DdpSetup()))
     model = ref.tiny_model()
     strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
     return strategy
@@ -121,6 +109,39 @@ def test_sync_powersgd_state_round_trips_into_a_fresh_worker():
     assert torch.equal(psgd.q_memory_dict[0], values["q"])
 
 
+@pytest.mark.parametrize(
+    "spec, rank, start",
+    [
+        ("powersgd", 1, POWERSGD_START),
+        ("powersgd:4", 4, POWERSGD_START),
+        ("powersgd:2:200", 2, 200),
+    ],
+)
+def test_powersgds_rank_and_start_reach_its_state(spec, rank, start):
+    """``--compress powersgd:RANK:START``: the rank, and the step compression starts at (plain
+    all-reduce before it: its authors' warm-up), as PyTorch's PowerSGDState gets them."""
+    assert Compression.parse(spec) == Compression("powersgd", rank, start)
+    state = new_powersgd_state(None, spec)
+    assert (state.matrix_approximation_rank, state.start_powerSGD_iter) == (rank, start)
+    assert state.use_error_feedback and state.warm_start
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("powersgd:2:1", "start must be an integer in 2.."),
+        ("powersgd:2:", "start must be an integer in 2.."),
+        ("powersgd:2:x", "start must be an integer in 2.."),
+        ("powersgd:0:100", "rank must be an integer in 1.."),
+        ("int8:2:100", "only powersgd takes arguments"),
+    ],
+)
+def test_a_bad_powersgd_start_or_rank_is_one_config_line(spec, message):
+    with pytest.raises(ConfigError, match=f"^compress: '{spec}': .*{message}") as err:
+        RunConfig(strategy="sync", workers=2, compress=spec)
+    assert "\n" not in str(err.value)
+
+
 def test_sync_compression_state_of_another_method_is_ignored_on_load():
     # A checkpoint of another --compress restores the steps, and leaves this worker's own
     # compression state as a fresh one has it (nothing for a method it does not run).
@@ -178,7 +199,7 @@ class _LocalJob:
 
 
 def test_local_sgd_int8_reference_and_residuals_round_trip_and_the_run_continues_alike():
-    cfg = _cfg("local_sgd", 2, period=3, compress="int8")
+    cfg = survivor_cfg("local_sgd", 2, period=3, compress="int8")
     job = _LocalJob(cfg, seed=0)
     job.train(range(1, 4))  # the average after step 3: the replicas start again from it
     averaged = job.flats()
@@ -211,8 +232,8 @@ def test_local_sgd_int8_reference_and_residuals_round_trip_and_the_run_continues
 
 
 def _local_sgd(compress: str, seed: int = 0) -> LocalSgdStrategy:
-    cfg = _cfg("local_sgd", 1, period=3, compress=compress)
-    strategy = LocalSgdStrategy(_ctx(cfg, 0, ThreadComm(ThreadGroup(1), 0)))
+    cfg = survivor_cfg("local_sgd", 1, period=3, compress=compress)
+    strategy = LocalSgdStrategy(_ctx(cfg, 0))
     model = ref.tiny_model(seed)
     strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
     return strategy
@@ -246,7 +267,7 @@ def _diloco(seed: int = 0, **kw) -> tuple[DilocoStrategy, ref.Replicas]:
     """One DiLoCo worker (a group of one: its outer step is still real) over a replica."""
     kw = dict(period=4, diloco_outer_lr=0.7, diloco_outer_momentum=0.9) | kw
     replicas = ref.Replicas(1, ref.sgd(), seed=seed)
-    strategy = DilocoStrategy(_ctx(_cfg("diloco", 1, **kw), 0, ThreadComm(ThreadGroup(1), 0)))
+    strategy = DilocoStrategy(_ctx(survivor_cfg("diloco", 1, **kw), 0))
     strategy.wrap(replicas.models[0], replicas.optimizers[0])
     return strategy, replicas
 
@@ -272,24 +293,18 @@ def _restore(saved: dict, replica: tuple[torch.Tensor, dict], **kw):
     return strategy, twin
 
 
-def test_a_diloco_checkpoint_holds_the_outer_state_under_outer_and_a_list_only_for_fragments():
+def test_a_diloco_checkpoint_lists_the_fragments_outer_states_and_fits_only_its_fragments():
+    """The outer state is under ``outer``, and a list of them only with fragments; a checkpoint
+    of another fragment count is refused."""
     one, replicas = _diloco(fragments=1)
     _train(one, replicas, range(1, 5))
-    state = one.state_dict()
-    assert set(state) == {"local_steps", "stats", "averages", "global_theta", "outer"}
+    assert set(one.state_dict()) == {"local_steps", "stats", "averages", "global_theta", "outer"}
     two, replicas = _diloco(fragments=2)
     _train(two, replicas, range(1, 5))
     state = two.state_dict()
     keys = {"local_steps", "stats", "averages", "global_theta", "outer", "outer_fragments"}
     assert set(state) == keys
     assert len(state["outer_fragments"]) == 2
-
-
-def test_a_diloco_checkpoint_of_another_fragment_count_is_refused():
-    one, replicas = _diloco(fragments=1)
-    _train(one, replicas, range(1, 5))
-    two, replicas = _diloco(fragments=2)
-    _train(two, replicas, range(1, 5))
     with pytest.raises(ValueError):
         _diloco(fragments=1)[0].load_state_dict(_saved(two))
     with pytest.raises(ValueError):

@@ -1,13 +1,10 @@
-"""The local SGD family's workers with a fake all-reduce. Local SGD (post-local SGD's warm-up
-included) and DiLoCo run step by step against the single-process references of
-:mod:`tests.reference`: :class:`tests.support.LocalSgdJob` fakes the workers' blocking
-all-reduce for W threads of one process (each contributes its vector and gets the sum, as
-``dist.all_reduce`` would), so the strategies run unchanged. Streaming DiLoCo (``diloco`` with
-fragments, a delay and a mixing factor): the split, the schedule of each fragment, the outer
-step and the mixing, checked against by-hand arithmetic (fragment counts that do not divide
-the period included), and whole runs on the virtual cluster
-against the single-process reference (tests/reference.py). The real gloo run is in
-tests/dist/test_local_sgd.py."""
+"""The local SGD family's workers with a fake all-reduce (:class:`tests.support.LocalSgdJob`: W
+threads of one process, each contributing its vector and getting the sum, as ``dist.all_reduce``
+would). Local SGD (post-local SGD's warm-up included) and DiLoCo follow the single-process
+references of :mod:`tests.reference` step by step; streaming DiLoCo (fragments, a delay, a
+mixing factor): the split, each fragment's schedule, the outer step and the mixing against
+by-hand arithmetic, and whole runs on the virtual cluster against the reference. The real gloo
+run is in tests/dist/test_local_sgd.py."""
 
 from __future__ import annotations
 
@@ -74,24 +71,19 @@ def _follows(job: LocalSgdJob, steps: int, expected: list[list[torch.Tensor]]):
     return got
 
 
-def test_local_sgd_strategy_follows_the_reference_with_a_final_average(monkeypatch):
-    expected = ref.local_sgd(*_reference_args(2), steps=7, period=3)
-    job = _job(monkeypatch, "local_sgd", 2, period=3)
-    got = _follows(job, 7, expected)  # step 7 is not a multiple of 3: finish averages again
+@pytest.mark.parametrize("steps, warmup, averages", [(7, 0, 3), (8, 3, 5)])
+def test_local_sgd_follows_the_reference_with_a_final_average(monkeypatch, steps, warmup, averages):
+    """Averages after every 3rd step, after each step of a post-local SGD warm-up, and in
+    finish when the last step took none: after 3, 6 and finish; after 1, 2, 3, 6 and finish."""
+    expected = ref.local_sgd(*_reference_args(2), steps=steps, period=3, warmup_steps=warmup)
+    job = _job(monkeypatch, "local_sgd", 2, period=3, local_sgd_warmup_steps=warmup)
+    got = _follows(job, steps, expected)
     assert not torch.equal(got[0][-1], got[1][-1])  # the replicas differed before finish
-    assert [s.averages for s in job.strategies] == [3, 3]  # after steps 3 and 6, and finish
-    assert [s.report()["averages"] for s in job.strategies] == [3, 3]
-    assert len(job.group.calls) == 6
+    assert [s.averages for s in job.strategies] == [averages] * 2
+    assert [s.report()["averages"] for s in job.strategies] == [averages] * 2
+    assert len(job.group.calls) == 2 * averages
     # each average: a ring all-reduce of 75 fp32 values over 2 workers, 2·(2−1)/2·300 bytes
-    assert [s.report()["sent_bytes"] for s in job.strategies] == [3 * 300, 3 * 300]
-
-
-def test_post_local_sgd_averages_every_step_of_its_warm_up(monkeypatch):
-    # averages after steps 1, 2, 3 (the warm-up), 6 and, in finish, 8
-    expected = ref.local_sgd(*_reference_args(2), steps=8, period=3, warmup_steps=3)
-    job = _job(monkeypatch, "local_sgd", 2, period=3, local_sgd_warmup_steps=3)
-    _follows(job, 8, expected)  # step 8: not due, so finish averages
-    assert [s.averages for s in job.strategies] == [5, 5]
+    assert [s.report()["sent_bytes"] for s in job.strategies] == [averages * 300] * 2
 
 
 @pytest.mark.parametrize(
@@ -215,35 +207,30 @@ def _sizes(parts: list[list[torch.Tensor]]) -> list[int]:
     return [sum(p.numel() for p in part) for part in parts]
 
 
-def test_fragments_are_runs_of_whole_tensors_balanced_by_element_count():
-    params = [torch.zeros(n) for n in (10, 10, 100, 10, 70)]
-    assert _sizes(split_fragments(params, 1)) == [200]
-    assert _sizes(split_fragments(params, 2)) == [120, 80]  # the boundary nearest 100
-    assert _sizes(split_fragments(params, 5)) == [10, 10, 100, 10, 70]
-    # never an empty fragment, even where the balance would want one
-    assert _sizes(split_fragments([torch.zeros(n) for n in (1000, 1, 1)], 3)) == [1000, 1, 1]
+@pytest.mark.parametrize(
+    "sizes, fragments, expected",
+    [
+        ((10, 10, 100, 10, 70), 1, [200]),
+        ((10, 10, 100, 10, 70), 2, [120, 80]),  # the boundary nearest 100
+        ((10, 10, 100, 10, 70), 5, [10, 10, 100, 10, 70]),
+        ((1000, 1, 1), 3, [1000, 1, 1]),  # never an empty fragment, even where the balance would
+        ((2, 2, 2, 2), 2, [4, 4]),  # the half-way target 4 is exactly the boundary after tensor 2
+        ((2, 2, 2), 2, [2, 4]),  # target 3 lies between boundaries 2 and 4: the earlier wins
+        ((1,) * 6, 3, [2, 2, 2]),  # every cut aims at its own share: 1/3 and 2/3
+        ((5, 5, 20, 20, 30, 20), 4, [30, 20, 30, 20]),  # targets 25, 50, 75 meet ends 30, 50, 80
+    ],
+)
+def test_fragments_are_runs_of_whole_tensors_balanced_by_element_count(sizes, fragments, expected):
+    assert _sizes(split_fragments([torch.zeros(n) for n in sizes], fragments)) == expected
+
+
+def test_the_split_refuses_more_fragments_than_tensors_and_agrees_with_the_reference():
     with pytest.raises(ValueError, match="fragments: 6 is not allowed .* 5 parameter tensors"):
-        split_fragments(params, 6)
+        split_fragments([torch.zeros(n) for n in (10, 10, 100, 10, 70)], 6)
     # the reference's own split (written from the docs) agrees on the tiny model
     model = ref.tiny_model()
     assert fragment_ranges(model, 2) == [(0, 40), (40, 75)]
     assert _sizes(split_fragments(list(model.parameters()), 2)) == [40, 35]
-
-
-def test_the_split_breaks_a_tie_towards_the_earlier_boundary_counting_from_zero():
-    # Four tensors of 2: the half-way target 4 is exactly the boundary after tensor 2.
-    assert _sizes(split_fragments([torch.zeros(2) for _ in range(4)], 2)) == [4, 4]
-    # Three tensors of 2, F = 2: target 3 lies between boundaries 2 and 4 (a tie): the
-    # earlier boundary wins.
-    assert _sizes(split_fragments([torch.zeros(2) for _ in range(3)], 2)) == [2, 4]
-
-
-def test_the_split_aims_every_cut_at_its_own_share_of_the_elements():
-    # Six equal tensors in three fragments: cuts at 1/3 and 2/3 of the elements.
-    assert _sizes(split_fragments([torch.zeros(1) for _ in range(6)], 3)) == [2, 2, 2]
-    # Unequal tensors (total 100) in four: targets 25, 50, 75 meet the ends 30, 50, 80.
-    params = [torch.zeros(n) for n in (5, 5, 20, 20, 30, 20)]  # ends 5 10 30 50 80 100
-    assert _sizes(split_fragments(params, 4)) == [30, 20, 30, 20]
 
 
 # ---------------------------------------------------------------------------- one worker, scripted
@@ -360,33 +347,6 @@ def test_alpha_mixes_the_local_fragment_with_the_new_global_one(monkeypatch, alp
         assert torch.equal(mixed, local)
     torch.testing.assert_close(mixed, alpha * local + (1 - alpha) * sent, rtol=0, atol=1e-6)
     torch.testing.assert_close(strategy.global_theta.detach(), sent, rtol=0, atol=1e-6)
-
-
-def test_the_state_of_every_fragment_round_trips_and_the_run_continues(monkeypatch):
-    kw = dict(period=4, fragments=2, fragment_delay=1, diloco_outer_lr=0.7)
-    strategy, replicas, _ = one_diloco_worker(monkeypatch, **kw)
-    for step in range(1, 8):  # fragments synced at 3 and 5 and 7: momentum in both
-        replicas.step(0, step)
-        strategy.after_step(BATCH)
-    assert strategy.checkpoint_ready()
-    saved = copy.deepcopy(strategy.state_dict())
-    assert len(saved["outer_fragments"]) == 2 and saved["global_theta"].numel() == 75
-
-    twin_replicas = ref.Replicas(1, ref.sgd(), seed=5)
-    ref.set_flat(twin_replicas.models[0], ref.flat(replicas.models[0]))
-    twin_replicas.optimizers[0].load_state_dict(copy.deepcopy(replicas.optimizers[0].state_dict()))
-    twin = DilocoStrategy(LocalSgdCtx(survivor_cfg("diloco", 1, **kw), 0))
-    twin.wrap(twin_replicas.models[0], twin_replicas.optimizers[0])
-    twin.load_state_dict(saved)
-    assert twin.synced_at == strategy.synced_at == [7, 5]
-    for step in range(8, 14):
-        for r, s in ((replicas, strategy), (twin_replicas, twin)):
-            r.step(0, step)
-            s.after_step(BATCH)
-        assert torch.equal(ref.flat(replicas.models[0]), ref.flat(twin_replicas.models[0]))
-    strategy.finish()
-    twin.finish()
-    assert torch.equal(ref.flat(replicas.models[0]), ref.flat(twin_replicas.models[0]))
 
 
 # ---------------------------------------------------------------------------- two workers

@@ -106,12 +106,13 @@ def test_with_no_descriptor_left_stopping_the_job_still_kills_agents_and_forkser
 
 
 def _fake_job(monkeypatch, agents_for) -> None:
-    """``run_local_job`` starting ``agents_for(out)`` instead of processes."""
+    """``run_local_job`` starting ``agents_for(out)`` instead of processes, and not sleeping."""
 
     def start(cfg, entrypoint, agent_per_rank):
         return agents_for(Path(cfg.output.out)), None
 
     monkeypatch.setattr(launch, "start_local_job", start)
+    monkeypatch.setattr(launch.time, "sleep", lambda s: None)
 
 
 @linux_only
@@ -131,7 +132,6 @@ def test_the_monitor_goes_on_when_it_cannot_read_the_runs_files(tmp_path, monkey
         return [FakeAgent(NO_PID, alive_for=8, on_start=start, on_exit=stop)]
 
     _fake_job(monkeypatch, agents)
-    monkeypatch.setattr(launch.time, "sleep", lambda s: None)
     summary = launch.run_local_job(cfg)
     assert summary["strategy"] == "sync" and summary["failed_agents"] == []
     assert capsys.readouterr().err.count("cannot read the run's files") == 1
@@ -160,7 +160,9 @@ def test_a_failed_job_names_the_first_error_a_rank_raised(tmp_path):
 
 def test_without_an_error_file_the_exception_comes_from_the_ranks_log(tmp_path):
     """A full disk may leave no error file; the line ending the last traceback in stderr.log
-    is used (a line that merely looks like an error, with no traceback, is not taken)."""
+    is used (a line that merely looks like an error, with no traceback, is not taken); with
+    no error anywhere the exit codes are the reason."""
+    assert job_failure(tmp_path, [1, -9]) == "ranks failed (agent exit codes [1, -9])"
     _stderr_log(tmp_path, 1, "RuntimeError: a retried connection, logged\n")
     assert job_failure(tmp_path, [1, 1]) == "ranks failed (agent exit codes [1, 1])"
     log = "RuntimeError: logged\nTraceback (most recent call last):\n  File ...\n"
@@ -179,10 +181,6 @@ def test_a_lost_peer_is_named_with_its_own_error(tmp_path):
     assert job_failure(tmp_path, [1]) == f"{lost['reason']}: {ENOSPC}"
 
 
-def test_with_no_error_anywhere_the_exit_codes_are_the_reason(tmp_path):
-    assert job_failure(tmp_path, [1, -9]) == "ranks failed (agent exit codes [1, -9])"
-
-
 def test_the_summary_and_the_error_say_a_ranks_first_error(tmp_path, monkeypatch):
     cfg = RunConfig(workers=1, out=str(tmp_path / "run"), progress=False)
 
@@ -191,7 +189,6 @@ def test_the_summary_and_the_error_say_a_ranks_first_error(tmp_path, monkeypatch
                           on_exit=lambda: _error_file(out, 0, 0, ENOSPC, 1000))]  # fmt: skip
 
     _fake_job(monkeypatch, agents)
-    monkeypatch.setattr(launch.time, "sleep", lambda s: None)
     with pytest.raises(launch.JobFailed) as failed:
         launch.run_local_job(cfg)
     assert failed.value.summary["failed"] == f"rank 0 failed: {ENOSPC}"
@@ -238,13 +235,10 @@ def test_a_malformed_heartbeat_is_one_unreadable_beat_not_a_lost_store(store_ser
     assert monitor.dead([1]) == set()
     assert monitor.unreadable == 1
     assert watcher_store.get(key).isdigit()  # neither connection was dropped
-
-
-def test_a_heartbeat_not_written_yet_is_no_beat_and_not_created(store_server):
-    watcher = store_server()
-    monitor = LivenessMonitor(watcher, [3], timeout_s=0.0)
+    # a heartbeat not written yet is no beat (nor unreadable), and looking does not create it
+    monitor = LivenessMonitor(watcher_store, [3], timeout_s=0.0)
     assert monitor.dead([3]) == {3}
-    assert not watcher.check([HEARTBEAT_KEY.format(rank=3)]) and monitor.unreadable == 0
+    assert not watcher_store.check([HEARTBEAT_KEY.format(rank=3)]) and monitor.unreadable == 0
 
 
 def test_the_soft_descriptor_limit_is_raised_to_the_hard_one():

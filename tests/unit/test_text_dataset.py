@@ -56,7 +56,7 @@ def test_tokens_are_the_bytes_and_the_tail_is_held_out(tmp_path):
         assert bytes(x.tolist()) == tail_bytes[start : start + 16]
 
 
-def test_shards_are_disjoint_and_cover_the_training_tokens(tmp_path):
+def test_shards_are_disjoint_cover_the_training_tokens_and_batch_deterministically(tmp_path):
     data = load_dataset(f"text:{corpus(tmp_path / 'a.txt')}", context=16)
     shards = [worker_source(data, w, 3) for w in range(3)]
     per = data.train.tokens.numel() // 3
@@ -67,10 +67,7 @@ def test_shards_are_disjoint_and_cover_the_training_tokens(tmp_path):
         assert int(x.min()) >= 0 and set(x.flatten().tolist()) <= set(s.tokens.tolist())
     with pytest.raises(DatasetError, match="cannot be split over"):
         worker_source(data, 0, data.train.tokens.numel() // 10)
-
-
-def test_batches_are_a_function_of_seed_and_batch_index_and_resume(tmp_path):
-    data = load_dataset(f"text:{corpus(tmp_path / 'a.txt')}", context=16)
+    # batches are a function of (seed, batch index), and resume
     shard = worker_source(data, 1, 2)
     a = batch_stream(shard, 8, seed=5)
     first = [next(a) for _ in range(5)]
@@ -91,18 +88,6 @@ def test_batches_are_a_function_of_seed_and_batch_index_and_resume(tmp_path):
     firsts = torch.cat([stream.batch(g)[0] for g in range(50)])
     assert torch.equal(firsts, shard.get_batch(starts)[0])
     assert shard.max_start == shard.tokens.numel() - 17
-
-
-def test_a_directory_is_read_in_sorted_order_without_hidden_files(tmp_path):
-    (tmp_path / "b").mkdir()
-    (tmp_path / "b" / "z.txt").write_text("2" * 300)
-    (tmp_path / "a.txt").write_text("1" * 300)
-    (tmp_path / "c.txt").write_text("3" * 300)
-    (tmp_path / ".hidden").write_text("x" * 300)
-    names = [p.relative_to(tmp_path).as_posix() for p in corpus_files(str(tmp_path))]
-    assert names == ["a.txt", "b/z.txt", "c.txt"]
-    train, _ = load_text(str(tmp_path), context=8, test_windows=2)
-    assert bytes(train.tokens[:600].tolist()) == b"1" * 300 + b"2" * 300
 
 
 def test_stdlib_is_the_interpreters_python_sources():
@@ -186,23 +171,28 @@ def test_a_file_is_memory_mapped_in_place_and_shards_share_it(tmp_path, monkeypa
     assert bytes(data.train.tokens[:3].tolist()) == b"XYZ"
 
 
-def test_a_directory_is_decoded_once_into_the_cache_and_mapped(tmp_path, private_cache):
-    (tmp_path / "d").mkdir()
+def test_a_directory_is_read_sorted_skipping_hidden_files_and_cached_once(tmp_path, private_cache):
+    (tmp_path / "d" / "b").mkdir(parents=True)
+    (tmp_path / "d" / "b" / "z.txt").write_text("2" * 300)
     (tmp_path / "d" / "a.txt").write_text("1" * 300)
-    (tmp_path / "d" / "b.txt").write_text("2" * 300)
+    (tmp_path / "d" / "c.txt").write_text("3" * 300)
+    (tmp_path / "d" / ".hidden").write_text("x" * 300)
+    names = [p.relative_to(tmp_path / "d").as_posix() for p in corpus_files(str(tmp_path / "d"))]
+    assert names == ["a.txt", "b/z.txt", "c.txt"]
     first, _ = load_text(str(tmp_path / "d"), context=8, test_windows=2)
+    assert bytes(first.tokens[:600].tolist()) == b"1" * 300 + b"2" * 300
     cached = first.mapped_from
     assert cached is not None and cached.parent == private_cache
-    assert cached.read_bytes() == b"1" * 300 + b"2" * 300
+    assert cached.read_bytes() == b"1" * 300 + b"2" * 300 + b"3" * 300
     stamp = cached.stat().st_mtime_ns, cached.stat().st_ino
     again, _ = load_text(str(tmp_path / "d"), context=8, test_windows=2)  # a second rank
     assert (
         again.mapped_from == cached and (cached.stat().st_mtime_ns, cached.stat().st_ino) == stamp
     )
     assert torch.equal(again.tokens, first.tokens)
-    (tmp_path / "d" / "b.txt").write_text("3" * 301)  # changed: a new entry
+    (tmp_path / "d" / "b" / "z.txt").write_text("4" * 301)  # changed: a new entry
     changed, _ = load_text(str(tmp_path / "d"), context=8, test_windows=2)
-    assert changed.mapped_from != cached and bytes(changed.tokens[300:302].tolist()) == b"33"
+    assert changed.mapped_from != cached and bytes(changed.tokens[300:302].tolist()) == b"44"
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5])

@@ -4,7 +4,6 @@ and whole jobs on the virtual cluster, whose virtual seconds make every stopping
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,12 +11,9 @@ import pytest
 
 from cloudburst.comm.stats import CommStats
 from cloudburst.config import ConfigError, RunConfig, Straggler
-from cloudburst.config.simulation import SimulationConfig
 from cloudburst.loop.budget import MAX_CHECK_INTERVAL, TimeBudget
-from cloudburst.sim.run import simulate
-from tests.support import FakeNamespace, ThreadComm, on_comm_threads
-
-STEP_S = 0.01  # the modelled step time of the simulated runs
+from tests.helpers import rank_events
+from tests.support import FakeNamespace, ThreadComm, on_comm_threads, run_sim
 
 
 # ---------------------------------------------------------------------------- config
@@ -39,16 +35,9 @@ def test_no_budget_by_default_and_a_budget_is_kept():
 # Two lockstep workers, each on a thread whose transport is a ThreadComm (its clock reads 0:
 # the checks take no time). Worker 0's clock is the one agreed on; worker 1 contributes 0.
 def _lockstep_budget(budget_s: float, clock, comm: ThreadComm, index: int):
-    ctx = FakeNamespace(
-        cfg=SimpleNamespace(training=SimpleNamespace(max_train_time_s=budget_s)),
-        comm=comm,
-        num_workers=2,
-        worker_index=index,
-        num_servers=0,
-        link=None,
-        num_nodes=1,
-        elapsed_s=clock,
-    )
+    ctx = FakeNamespace(cfg=SimpleNamespace(training=SimpleNamespace(max_train_time_s=budget_s)),
+                        comm=comm, num_workers=2, worker_index=index, num_servers=0, link=None,
+                        num_nodes=1, elapsed_s=clock)  # fmt: skip
     strategy = SimpleNamespace(lockstep=True, stats=CommStats())
     return TimeBudget(ctx, strategy), strategy
 
@@ -74,9 +63,8 @@ def _both_workers(budget_s: float, steps: int, step_s, rates=(1.0, 1.0)) -> list
         budget, strategy = _lockstep_budget(budget_s, lambda: rates[index] * now[0], comm, index)
         last, checked = _run(budget, steps, now, step_s)
         all_reduces = sum(call[0] == "all_reduce" for call in comm.calls)
-        return SimpleNamespace(
-            last=last, checked=checked, budget=budget, strategy=strategy, all_reduces=all_reduces
-        )
+        return SimpleNamespace(last=last, checked=checked, budget=budget, strategy=strategy,
+                               all_reduces=all_reduces)  # fmt: skip
 
     return on_comm_threads(2, worker)
 
@@ -122,12 +110,7 @@ def _sim(out: Path, strategy: str, workers: int, budget_s: float, **kw) -> dict:
     cfg = RunConfig(strategy=strategy, workers=workers, steps=kw.pop("steps", 200),
                     dataset="synthetic", model="mlp", batch_size=8, eval_every_s=1000.0,
                     log_every_steps=1, max_train_time_s=budget_s, out=str(out), **kw)  # fmt: skip
-    return simulate(cfg, SimulationConfig(step_time_s=STEP_S, server_apply_gbyte_per_s=1e6))
-
-
-def _steps(out: Path, rank: int) -> list[dict]:
-    lines = (out / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["event"] == "step"]
+    return run_sim(cfg, server_apply_gbyte_per_s=1e6)  # steps of STEP_S = 0.01 s
 
 
 def test_sync_workers_stop_together_at_the_first_step_past_the_budget(tmp_path):
@@ -135,7 +118,7 @@ def test_sync_workers_stop_together_at_the_first_step_past_the_budget(tmp_path):
     # 0.305 s ends training after step 16 (0.32 s), on every rank.
     summary = _sim(tmp_path, "sync", 4, 0.305, stragglers=[Straggler(3, 2.0)])
     for rank in range(4):
-        records = _steps(tmp_path, rank)
+        records = rank_events(tmp_path, rank, "step")
         assert [r["step"] for r in records] == list(range(1, 17))
         assert records[-2]["time_s"] < 0.305 <= records[-1]["time_s"]
     assert summary["stopped_by"] == "time_budget"
@@ -152,7 +135,7 @@ def test_asgd_workers_stop_each_on_its_own_clock(tmp_path):
     summary = _sim(tmp_path, "asgd", 4, 0.205, servers=1, stragglers=[Straggler(3, 2.0)])
     assert summary["steps_done"] == {"1": 21, "2": 21, "3": 21, "4": 11}
     for rank in (1, 2, 3, 4):
-        records = _steps(tmp_path, rank)
+        records = rank_events(tmp_path, rank, "step")
         assert records[-2]["time_s"] < 0.205 <= records[-1]["time_s"]
     assert summary["stopped_by"] == "time_budget"
     assert summary["samples"] == (3 * 21 + 11) * 8
