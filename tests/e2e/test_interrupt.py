@@ -50,7 +50,8 @@ def _wait_for_checkpoint(out: Path, proc: subprocess.Popen) -> None:
     workers hold, so an interrupt before the slower worker's save would resume from step 0."""
 
     def steps(worker: int) -> set[str]:
-        return {p.name.split("-")[1] for p in (out / "checkpoints").glob(f"worker{worker}-*.pt")}
+        saved = (out / "checkpoints").glob(f"worker{worker}-step*.pt")
+        return {p.name.split("-")[1] for p in saved}
 
     _wait_for(proc, lambda: steps(0) & steps(1), "a checkpoint written by every worker")
 

@@ -147,16 +147,16 @@ def test_cifar10_without_meta_names_classes_by_digit_and_missing_batches_are_lis
         ({b"data": np.zeros((20, 3072), np.uint8), b"labels": [0] * 19}, "19 labels"),
         ({b"labels": [0] * 20}, "'data'"),
         ([1, 2, 3], "list"),
-        (None, "not a readable"),  # the real batch, its pickle cut short
+        (None, "not a readable"),  # the real test batch, its pickle cut short
     ],
 )
 def test_cifar10_malformed_batch(tmp_path, broken, fragment):
-    path = _write_cifar(tmp_path) / "data_batch_2"
+    path = _write_cifar(tmp_path) / ("test_batch" if broken is None else "data_batch_2")
     if broken is None:
         path.write_bytes(path.read_bytes()[:500])
     else:
         _dump(broken, path)
-    expect_error(lambda: load_path_dataset("cifar10", str(path.parent)), "data_batch_2", fragment)
+    expect_error(lambda: load_path_dataset("cifar10", str(path.parent)), path.name, fragment)
 
 
 class _Evil:
