@@ -50,13 +50,15 @@ def test_a_restarted_job_counts_the_training_time_of_its_first_attempt(tmp_path)
     assert resume["step"] == 40
     steps = rank_events(out, 0, "step")  # both attempts' records, every step
     assert steps[-1]["step"] == summary["steps_done"]["0"] == summary["steps_done"]["1"]
-    resumed_at_s = next(r["time_s"] for r in steps if r["step"] == 40)
-    # The second attempt's clock continues from its checkpoint's (not from 0) ...
+    # The second attempt's clock continues from its checkpoint's (not from 0): that clock was
+    # read at step 40, after step 39's record (step 40's own record comes after the save, so
+    # a slow save on a loaded machine puts it past the clock the checkpoint holds) ...
+    before_s = next(r["time_s"] for r in steps if r["step"] == 39)
     after = [r for r in steps if r["step"] > 40]
     retried = [r for r in after if r["step"] == 41][-1]  # the step the kill cut, made again
-    assert retried["time_s"] >= resumed_at_s
+    assert retried["time_s"] > before_s
     # ... and it stops at the first check past the budget on that clock: a handful of steps,
-    # where a fresh budget would train ~resumed_at_s / 20 ms (> 30) steps more. A count, not a
+    # where a fresh budget would train ~(step 40's time) / 20 ms (> 30) steps more. A count, not a
     # wall-clock bound: the check spacing halves what is left, so only steps slowing more
     # than twofold near the end could add steps here.
     past = [r["step"] for r in after if r["time_s"] >= budget_s]
