@@ -134,9 +134,7 @@ def netns_with_veth():
 
 def _listeners(ns: str) -> set[str]:
     """Local addresses of the TCP sockets listening in namespace ``ns``."""
-    text = subprocess.run(
-        ["ip", "netns", "exec", ns, "ss", "-Hltn"], capture_output=True, text=True, timeout=30
-    ).stdout
+    text = ip("netns", "exec", ns, "ss", "-Hltn", check=False).stdout
     return {line.split()[3] for line in text.splitlines() if line.strip()}
 
 
