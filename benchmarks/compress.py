@@ -34,7 +34,6 @@ TARGET_ARM = "sdiloco_f4_int8_h32"
 ARMS = {
     "sync": ("--strategy", "sync"),
     "sync_bf16": ("--strategy", "sync", "--compress", "bf16"),
-    "sync_powersgd1": ("--strategy", "sync", "--compress", "powersgd:1"),
     "sdiloco_f4_int8_h8": (*STREAM, *"--fragments 4 --fragment-delay 1 --compress int8".split()),
     TARGET_ARM: TARGET,
     "diloco": ("--strategy", "diloco"),
@@ -58,7 +57,7 @@ def settings(quick: bool, seeds: int | None) -> dict:
         "bytes_steps": 64 if quick else 800,  # 25 outer steps at H = 32
         "bytes_arms": SMALL,
         "steps": 48 if quick else 288,  # sync reaches 80 % in ~200 (results/compress.md at 67bf9c1)
-        "link_arms": SMALL if quick else ["sync", "sync_bf16", "sync_powersgd1", TARGET_ARM],
+        "link_arms": SMALL if quick else ["sync", "sync_bf16", TARGET_ARM],
         "torchft_steps": 48 if quick else 96,  # the first 32 left out of the step time
         "torchft_arms": ["diloco"] if quick else ["diloco", "sdiloco_f2"],
         "sim_links": [1.0] if quick else [0.1, 1.0, 10.0],

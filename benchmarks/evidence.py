@@ -44,14 +44,14 @@ ADVICE: list[tuple[str, str, str, Cell, Cell]] = [
     ("Two nodes of two, 1 Gbit/s between them (real runs, sync's lr tuned)",
      "`diloco --fragments 4 --fragment-delay 1` (Streaming DiLoCo, H = 8, lr 0.1)", "1 Gbit/s",
      ("slow_link", "time to A* = 90.0, streaming lr 0.1 ÷ sync",
-      "× sync's time to its accuracy − 0.5 (a bound: sync held it on 1 seed of 8)"),
+      "× sync's time to its accuracy − 0.5"),
      ("slow_link", "accuracy at sync's time T, streaming lr 0.1 − sync",
       " points from sync when sync's time is up")),
     ("Two nodes of two, 1 Gbit/s between them (real runs, sync's lr tuned)",
      "`daso --daso-warmup-epochs 1 --daso-global-skip 8 --daso-batches-to-wait 2 "
      "--daso-cycling-downcast bf16` (lr 0.2)", "1 Gbit/s",
      ("slow_link", "time to A* = 90.0, daso slow-link lr 0.2 ÷ sync",
-      "× sync's time to its accuracy − 0.5 (a bound: sync held it on 1 seed of 8)"),
+      "× sync's time to its accuracy − 0.5"),
      ("slow_link", "accuracy at sync's time T, daso slow-link lr 0.2 − sync",
       " points from sync when sync's time is up")),
     ("Sixteen workers, DiLoCo per sample (virtual cluster, sync's lr tuned)",
@@ -83,6 +83,12 @@ ADVICE: list[tuple[str, str, str, Cell, Cell]] = [
      ("lm_slow_link", "test loss at sync's time T, streaming int8 node ×2 − sync (nats/byte), "
       "GPT, 2 × 2, 100 Mbit/s, seeds 8–17",
       " nats per byte from sync's loss when sync's time is up")),
+    ("Two nodes of two, 1 Gbit/s between them, the fewest bytes (real runs, 288 steps)",
+     "`diloco --period 32 --fragments 4 --fragment-delay 4 --diloco-outer-lr 0.5 --compress "
+     "int8` (Streaming DiLoCo int8, H = 32)", "1 Gbit/s",
+     ("compress", "time to 80 %: `sdiloco_f4_int8_h32` ÷ `sync`", "× sync's time to 80 %"),
+     ("compress", "… at equal steps, its final accuracy − sync's (points), real W = 4",
+      " points from sync at equal steps")),
     ("No straggler, fast link (W = 4)", "`sync` (DDP)", "loopback",
      ("overhead", "sync step ÷ raw DDP, W = 4", "× raw DDP's step time"), None),
     ("Predicting a real run's time on the virtual cluster", "`cloudburst simulate`",
@@ -124,8 +130,10 @@ def made_at(prov: dict, repo: Path = REPO) -> tuple[str, bool]:
     commit made its runs — or, where ``--replay`` took them from another result and did not
     re-simulate every one it checked bit for bit (``--verify``), the commits named in
     ``replayed_from`` did (with its own for the runs it added). An unknown commit is not
-    judged."""
-    own, old = prov.get("commit", "?").removesuffix("+dirty"), prov.get("replayed_from")
+    judged. A commit given with words after it (a run on a copy without ``.git``: "abc1234
+    (given; …)") is its first word."""
+    own = (prov.get("commit") or "?").split()[0].removesuffix("+dirty")
+    old = prov.get("replayed_from")
     verified = prov.get("verified") or []
     made = [own]
     if old and not (verified and all(same for *_, same in verified)):
@@ -212,10 +220,9 @@ def choosing(results: Path, evidence_file: Path, where: Path) -> list[str]:
             return "not measured", ""
         i, c = hits[0]
         iv = f" [{fmt(c.interval[0])}, {fmt(c.interval[1])}]" if c.interval else ""
-        verdict = {"inconclusive": "**inconclusive**", "-": "no verdict"}.get(c.verdict, c.verdict)
-        aa = ", its A/A interval excludes 1" if c.aa_differs else ""
-        text = f"{fmt(c.value)}{unit}{iv}: {verdict} (target {c.target}{aa})"
-        return text, f"c-{stem}-{i}"
+        aa = f", its A/A interval excludes {fmt(c.aa_null)}" if c.aa_differs else ""
+        text = f"{fmt(c.value)}{unit}{bound(c)}{iv}: {shown(c)} (target {c.target}{aa})"
+        return text + other_levels(c, [c2 for _, c2 in found[stem]]), f"c-{stem}-{i}"
 
     rows = []
     for situation, strategy, link_, time_spec, quality_spec in ADVICE:
@@ -230,6 +237,44 @@ def choosing(results: Path, evidence_file: Path, where: Path) -> list[str]:
     if not rows:
         return ["(no result file has the claims the advice rests on: run `make bench`)"]
     return md_table(ADVICE_HEADERS, rows)
+
+
+def shown(c: Claim) -> str:
+    return {"inconclusive": "**inconclusive**", "-": "no verdict"}.get(c.verdict, c.verdict)
+
+
+def bound(c: Claim) -> str:
+    """Why a ratio is a bound: on how many seeds the side whose median is censored reached the
+    level at all (the baseline ``b`` for ≤, the arm ``a`` for ≥: :func:`harness.ratio_claim`)."""
+    if not (isinstance(c.value, str) and c.value[:1] in "≤≥"):
+        return ""
+    who, side = ("the baseline", "b") if c.value[0] == "≤" else ("it", "a")
+    values = (c.inputs or {}).get(side)
+    if not values:
+        return ""
+    reached = sum(v is not None for v in values)
+    return f" (a bound: {who} reached it on {reached} of {len(values)} seeds)"
+
+
+def other_levels(c: Claim, claims: list[Claim]) -> str:
+    """A time claim's verdict at the other levels its result judged ("time to L, rest" beside
+    "time to L', rest"), said where it differs from the headline's: a verdict that holds at
+    one target only is not advice."""
+    if not c.name.startswith("time to ") or ", " not in c.name:
+        return ""
+    level, rest = c.name.removeprefix("time to ").split(", ", 1)
+    others = [
+        (x.name.removeprefix("time to ").split(", ", 1)[0], x)
+        for x in claims
+        if x is not c and x.name.startswith("time to ") and x.name.endswith(f", {rest}")
+    ]
+    differ = [f"{lv}: {shown(x)}" for lv, x in others if x.verdict != c.verdict]
+    same = [lv for lv, x in others if x.verdict == c.verdict]
+    if not others:
+        return ""
+    return (f"; at {', '.join(differ)}" if differ else "") + (
+        f"; the same at {', '.join(same)}" if same else ""
+    )
 
 
 def splice(readme: str, lines: list[str], markers: tuple[str, str] = (BEGIN, END)) -> str:

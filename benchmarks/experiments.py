@@ -192,6 +192,7 @@ def stragglers(args, prov: harness.Provenance) -> None:
             samples=True,
         )
     sync_final = [final_acc(r) for r in groups["sync straggler"]]
+    copy_final = [final_acc(r) for r in groups[sync_copy]]
     for name in asyncs:  # what a user has when sync's time is up: the same budget
         accs = [final_acc(r) for r in groups[f"{name} straggler"]]
         if all(a is not None for a in accs + sync_final):
@@ -204,6 +205,7 @@ def stragglers(args, prov: harness.Provenance) -> None:
                 f"≥ −{DILOCO_BAND:g}",
                 lambda d, lo, hi: lo >= -DILOCO_BAND,
                 seeds=len(accs),
+                aa_copy=copy_final if None not in copy_final else None,
             )
     levels = diloco_levels(groups.get("diloco straggler", []))
     times = times[PRIMARY]
@@ -402,14 +404,14 @@ def explain(
     groups: dict[str, list[harness.Run]], compute_ms: float | None, asyncs: Sequence[str] = ()
 ) -> dict:
     """Each time ratio decomposed by measurement: each arm ÷ sync in samples/s while every
-    worker trains and in samples needed to hold 90 %; and the CPU the job used."""
+    worker trains and in samples needed to hold ``PRIMARY``; and the CPU the job used."""
     sync = groups["sync straggler"]
     per_arm: dict[str, dict[str, float | None]] = {}
     for name, rs in groups.items():
         if name.startswith("sync ") or not name.endswith(" straggler"):
             continue
         thr = ratio(med(rs, "samples/s"), med(sync, "samples/s"))
-        need = ratio(harness.median(map(samples_to, rs)), harness.median(map(samples_to, sync)))
+        need = ratio(*(harness.median(samples_to(r, PRIMARY) for r in x) for x in (rs, sync)))
         per_arm[name.removesuffix(" straggler")] = {
             "throughput_ratio": thr,
             "samples_needed_ratio": need,
@@ -447,15 +449,21 @@ def explain(
             f"{fmt(med(sync, 'ms/step w0'))} ms per step (padded {fmt(2 * padded)}: its "
             "all-reduce and the evaluations' stalls add to it)."
         )
+    need = {n: v["samples_needed_ratio"] for n, v in per_arm.items()}
+    more = ", ".join(n for n, x in need.items() if x is not None and x > 1) or "none"
     lines += [
         f"- **Per arm, ÷ sync** (ideal throughput {IDEAL_THROUGHPUT:g} for an asynchronous "
-        "arm): the time ratio is about samples needed ÷ throughput; an asynchronous arm's "
-        "extra samples are the price of its stale updates (each push computed on θ a few "
-        "versions old).",
+        "arm): the time ratio is about samples needed ÷ throughput. Arms that needed more "
+        f"samples than sync to hold {100 * PRIMARY:g} % (median): {more}.",
         "",
     ]
     lines += harness.md_table(
-        ["arm", "samples/s ÷ sync's", "samples to hold 90 % ÷ sync's", "predicted time ratio"],
+        [
+            "arm",
+            "samples/s ÷ sync's",
+            f"samples to hold {100 * PRIMARY:g} % ÷ sync's",
+            "predicted time ratio",
+        ],
         [[n, *(fmt(v[k]) for k in keys)] for n, v in per_arm.items()],
     )
     out["text"] = "\n".join(lines) if per_arm or compute_ms else "(no measurements)"

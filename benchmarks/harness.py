@@ -497,9 +497,10 @@ INTERVALS = (
     "difference, of the mean log ratio for a ratio (the value is the geometric mean of the "
     "per-seed ratios), Welch's where the sides are not paired; their coverage is nominal at "
     "any n ≥ 2 when the per-seed values are normal (log-normal for ratios), where a percentile "
-    "bootstrap at n = 5 covers ~85 %. A ratio against a control that has an A/A copy is judged "
-    "against both copies (the interval shown spans both); the A/A column gives the copy ÷ the "
-    "side it repeats with its interval, flagged when that excludes 1."
+    "bootstrap at n = 5 covers ~85 %. A ratio or difference against a control that has an A/A "
+    "copy is judged against both copies (the interval shown spans both); the A/A column gives "
+    "the copy ÷ (for a difference, −) the side it repeats with its interval, flagged when that "
+    "excludes 1 (0)."
 )
 
 
@@ -675,6 +676,7 @@ class Claim:
     inconclusive: bool = False
     inputs: dict[str, Any] | None = None
     aa_interval: tuple[float, float] | None = None
+    aa_null: float = 1.0  # what two identical arms give: 1 for a ratio, 0 for a difference
 
     @property
     def verdict(self) -> str:
@@ -683,8 +685,10 @@ class Claim:
 
     @property
     def aa_differs(self) -> bool:
-        """Whether the A/A interval excludes 1: two copies of one arm measured apart."""
-        return self.aa_interval is not None and not self.aa_interval[0] <= 1 <= self.aa_interval[1]
+        """Whether the A/A interval excludes :attr:`aa_null` (1 for a ratio, 0 for a
+        difference): two copies of one arm measured apart."""
+        iv = self.aa_interval
+        return iv is not None and not iv[0] <= self.aa_null <= iv[1]
 
     def judge(self) -> Claim:
         """The verdict :func:`interval_verdict` gives (a MISS for another reason stands)."""
@@ -704,7 +708,7 @@ class Claim:
         aa = fmt(self.aa)
         if self.aa_interval is not None:
             aa += f" [{fmt(self.aa_interval[0])}, {fmt(self.aa_interval[1])}]"
-        flag = " — **A/A interval excludes 1**" if self.aa_differs else ""
+        flag = f" — **A/A interval excludes {fmt(self.aa_null)}**" if self.aa_differs else ""
         return [self.name, f"**{fmt(self.value)}**", self.target, aa, interval,
                 fmt(self.seeds), self.verdict + flag + note]  # fmt: skip
 
@@ -776,9 +780,9 @@ def diff_claim(
     nats) with its t interval (paired by seed unless ``paired`` is False), rounded to
     ``digits`` (None: not rounded); ``ok(d, lo, hi)`` gets the unrounded values. ``aa_copy``:
     b's A/A copy, per seed; the claim is also computed as a − copy and judged on the span of
-    both intervals (as :func:`ratio_claim` does). ``kwargs``: the claim's other fields (seeds,
-    note, aa). The per-seed values (and a scale other than 100) are kept as the claim's
-    inputs."""
+    both intervals (as :func:`ratio_claim` does), and the A/A column shows copy − b with its
+    interval (flagged when that excludes 0). ``kwargs``: the claim's other fields (seeds,
+    note). The per-seed values (and a scale other than 100) are kept as the claim's inputs."""
     d, lo, hi = (scale * x for x in difference_interval(a, b, paired=paired))
     r = (lambda x: x) if digits is None else (lambda x: round(x, digits))  # noqa: E731
     if aa_copy is not None:
@@ -786,6 +790,8 @@ def diff_claim(
         lo, hi = min(lo, lo2), max(hi, hi2)
         against = f"against the A/A copy [{fmt(r(lo2))}, {fmt(r(hi2))}]"
         kwargs["note"] = ", ".join(x for x in (kwargs.get("note"), against) if x)
+        aa_d, *aa_iv = (scale * x for x in difference_interval(aa_copy, b, paired=paired))
+        kwargs.update(aa=r(aa_d), aa_interval=(r(aa_iv[0]), r(aa_iv[1])), aa_null=0.0)
     claim = report.claim(name, r(d), target, ok(d, lo, hi), interval=(r(lo), r(hi)), **kwargs)
     copy = {} if aa_copy is None else {"aa": list(aa_copy)}
     unit = {} if scale == 100.0 else {"scale": scale}

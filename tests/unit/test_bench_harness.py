@@ -306,6 +306,14 @@ def test_a_difference_is_judged_on_the_aa_copy_and_a_loss_kept_in_nats_by_a_resc
     assert (claim.value, claim.interval) == (pytest.approx(2.0), pytest.approx((1.0, 2.0)))
     assert claim.verdict == "inconclusive" and "against the A/A copy [1, 1]" in claim.note
     assert claim.inputs["aa"] == copy
+    # the A/A column: copy − b = +1 point on every seed, an interval that excludes 0
+    assert (claim.aa, claim.aa_interval) == (pytest.approx(1.0), pytest.approx((1.0, 1.0)))
+    assert claim.aa_differs and "A/A interval excludes 0" in claim.row()[-1]
+    # a copy that scatters around b: its interval holds 0, nothing flagged
+    noisy = [x + d for x, d in zip(b, (0.01, -0.01, 0.005, -0.005, 0.0), strict=True)]
+    calm = harness.diff_claim(harness.Report("d", "", None), "a − b", a, b, "≥ 1.5", ok,
+                              aa_copy=noisy, seeds=5)  # fmt: skip
+    assert calm.aa == pytest.approx(0.0) and not calm.aa_differs
     # a loss 0.03 nats above b on every seed, judged ≤ 0.05 nats (not ×100 as points are)
     b = [2.51, 2.48, 2.50]
     ok = lambda d, lo, hi: hi <= 0.05  # noqa: E731
@@ -479,6 +487,8 @@ def test_the_table_rejudges_stored_verdicts_and_the_advice_links_each_sentence(
     stored(tmp_path, "stragglers", [
         claim("time to 85 %, asgd ÷ sync, W = 4", 0.85, "≤ 0.75", False, 1.12, (0.68, 0.88), 5,
               aa_interval=(1.05, 1.2)),
+        claim("time to 80 %, asgd ÷ sync, W = 4", 0.6, "≤ 0.75", True, 1.0, (0.5, 0.7), 5),
+        claim("time to 88 %, asgd ÷ sync, W = 4", 0.8, "≤ 0.75", False, 1.0, (0.7, 0.9), 5),
     ])  # fmt: skip
     stored(tmp_path, "overhead", [
         claim("sync step ÷ plain loop, W = 1", 1.02, "≤ 1.05", True, 0.99, (0.99, 1.05), 20),
@@ -496,7 +506,8 @@ def test_the_table_rejudges_stored_verdicts_and_the_advice_links_each_sentence(
     assert "| 0.85× sync's time to 85 % [0.68, 0.88]: **inconclusive** (target ≤ 0.75, its " in (
         straggler
     )
-    assert "A/A interval excludes 1) | not measured | [time](docs/evidence.md#c-stragglers-1)" in (
+    # the verdict at the result's other levels, where it differs from the headline's
+    assert "excludes 1); at 80 %: PASS; the same at 88 % | not measured | [time](docs/" in (
         straggler
     )
     sync = next(x for x in advice if x.startswith("| No straggler"))
@@ -505,6 +516,17 @@ def test_the_table_rejudges_stored_verdicts_and_the_advice_links_each_sentence(
     # a row whose claims are all missing is left out; every row links to a claim row
     assert not any("GPT" in line for line in advice)
     assert all("#c-" in line for line in advice[2:])
+
+
+def test_an_advice_cell_says_on_how_many_seeds_the_baseline_reached_a_bounded_ratio():
+    from benchmarks import evidence
+
+    c = harness.Claim("time to 90 %, a ÷ sync", "≤ 0.6", "≤ 0.7", True,
+                      inputs={"a": [1.0, 2.0, 3.0], "b": [5.0, None, None]})  # fmt: skip
+    assert evidence.bound(c) == " (a bound: the baseline reached it on 1 of 3 seeds)"
+    c.value, c.inputs["a"][1:] = "≥ 1.4", [None, None]  # the arm's own median censored
+    assert evidence.bound(c) == " (a bound: it reached it on 1 of 3 seeds)"
+    assert evidence.bound(harness.Claim("time to 90 %, a ÷ sync", 0.6, "≤ 0.7", True)) == ""
 
 
 def test_rescore_rederives_paired_claims_from_stored_inputs_and_stamps_the_files(tmp_path):
@@ -656,3 +678,9 @@ def test_evidence_marks_a_result_history_once_the_package_changed_since_its_runs
     assert evidence.made_at(replayed, tmp_path)[0].startswith(f"`{old}`, `{new}` — history")
     assert evidence.made_at({**replayed, "verified": [["a", 0, True]]}, tmp_path)[1] is False
     assert evidence.made_at({"commit": "0000000"}, tmp_path) == ("`0000000`", False)  # unknown
+    # a commit given to a machine whose copy had no .git is still that commit
+    given = {"commit": f"{old} (given; tree without .git)"}
+    assert evidence.made_at(given, tmp_path) == (
+        f"`{old}` — history: the package changed since",
+        True,
+    )
