@@ -265,3 +265,22 @@ def test_each_documented_block_runs_or_parses(block, tmp_path, monkeypatch, caps
     else:
         for words in commands(block.text):
             check_command(words, block.where)
+        check_plotted_runs_were_written(commands(block.text), block.where)
+
+
+def check_plotted_runs_were_written(lines: list[list[str]], where: str) -> None:
+    """A ``cloudburst plot DIR …`` plots what an earlier command of its block wrote: each DIR
+    is the ``--out`` of a ``train``/``simulate``/``compare`` before it (a ``train`` without
+    ``--out`` writes a run the reader cannot name)."""
+    from cloudburst.cli import build_parser
+
+    written: set[str] = set()
+    for words in lines:
+        if words[0].removeprefix(".venv/bin/") != "cloudburst":
+            continue
+        args = build_parser().parse_args(words[1:])
+        if args.command == "plot":
+            missing = [r for r in args.runs if r.rstrip("/") not in written]
+            assert not missing, f"{where}: plot {missing}: no command before it writes them"
+        elif getattr(args, "out", None):
+            written.add(args.out.rstrip("/"))
