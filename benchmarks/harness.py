@@ -791,7 +791,8 @@ def diff_claim(
         against = f"against the A/A copy [{fmt(r(lo2))}, {fmt(r(hi2))}]"
         kwargs["note"] = ", ".join(x for x in (kwargs.get("note"), against) if x)
         aa_d, *aa_iv = (scale * x for x in difference_interval(aa_copy, b, paired=paired))
-        kwargs.update(aa=r(aa_d), aa_interval=(r(aa_iv[0]), r(aa_iv[1])), aa_null=0.0)
+        aa_d, *aa_iv = (r(x) + 0.0 for x in (aa_d, *aa_iv))  # + 0.0: no "-0" shown
+        kwargs.update(aa=aa_d, aa_interval=(aa_iv[0], aa_iv[1]), aa_null=0.0)
     claim = report.claim(name, r(d), target, ok(d, lo, hi), interval=(r(lo), r(hi)), **kwargs)
     copy = {} if aa_copy is None else {"aa": list(aa_copy)}
     unit = {} if scale == 100.0 else {"scale": scale}
