@@ -111,7 +111,7 @@ def link_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
         r.values = {"step_s": harness.run_step_s(out), "bytes_per_sample": bytes_per_sample(r)}
         return r
 
-    return harness.interleave(arms, s["seeds"], control="sync", run=run, prov=prov)
+    return harness.interleave(arms, s["seeds"], control="sync", run=run, prov=prov, phase="link")
 
 
 def torchft_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
@@ -133,7 +133,8 @@ def torchft_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
                         fragment_delay=delay, fragment_alpha=alpha, progress=False)  # fmt: skip
         return torchft_peer.run_arm(arm.name, seed, cfg, "diloco", out, s["torchft_steps"])
 
-    return harness.interleave(arms, s["seeds"], control=s["torchft_arms"][0], run=run, prov=prov)
+    return harness.interleave(arms, s["seeds"], control=s["torchft_arms"][0], run=run, prov=prov,
+                              phase="torchft")  # fmt: skip
 
 
 def sim_part(s: dict, prov: harness.Provenance) -> list[harness.Run]:
