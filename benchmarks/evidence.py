@@ -83,7 +83,8 @@ ADVICE: list[tuple[str, str, str, Cell, Cell]] = [
      ("lm_slow_link", "test loss at sync's time T, streaming int8 node ×2 − sync (nats/byte), "
       "GPT, 2 × 2, 100 Mbit/s, seeds 8–17",
       " nats per byte from sync's loss when sync's time is up")),
-    ("Two nodes of two, 1 Gbit/s between them, the fewest bytes (real runs, 288 steps)",
+    ("Two nodes of two, 1 Gbit/s between them, the fewest bytes (real runs; time: 288 steps, "
+     "quality: 800)",
      "`diloco --period 32 --fragments 4 --fragment-delay 4 --diloco-outer-lr 0.5 --compress "
      "int8` (Streaming DiLoCo int8, H = 32)", "1 Gbit/s",
      ("compress", "time to 80 %: `sdiloco_f4_int8_h32` ÷ `sync`", "× sync's time to 80 %"),
