@@ -35,7 +35,9 @@ Confirmation (seeds 3–7, not used to choose): sync, that arm and async DiLoCo 
 replica (per rank or per node).
 Targets, from the issue before any run: at equal wall-clock the best relaxed arm ends ≥ sync −
 0.5 points and async DiLoCo ≥ sync − 1; and (named here) the best arm reaches sync's final
-accuracy − 0.5 in ≤ 0.7× sync's time.
+accuracy − 0.5 in ≤ 0.7× sync's time. Issue 40's rule that a time verdict holds at three
+levels or says where it does not, added after the first runs: the time claim again at sync's
+final − 1 and − 2 points (``LOOSER``), said in each row to be levels named after the runs.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ AT_64 = ("diloco H=8 node", "streaming H=8 node", "daso", "asgd node", "async_di
 SYNC_LRS_64 = (0.1, 0.2, 0.4, 0.8)
 TUNE, CONFIRM = (0, 1, 2), (3, 4, 5, 6, 7)
 BAND, TIME_TARGET = 0.005, 0.7
+LOOSER = (0.01, 0.02)  # the time claim's sensitivity levels below sync's final accuracy
 
 
 def run_all(arms: list[Arm], seeds, root: Path, prov) -> list[harness.Run]:
@@ -212,6 +215,14 @@ def main() -> None:
         harness.ratio_claim(report, f"time to sync's final accuracy − 0.5, {best.name} ÷ sync",
                             ta, tb, None, f"≤ {TIME_TARGET:g}", lambda x: x <= TIME_TARGET,
                             budget_s)  # fmt: skip
+        for band in LOOSER:
+            ta, tb = ([time_to(r, final(s) - band) for r, s in zip(x, sync_runs, strict=True)]
+                      for x in (best_runs, sync_runs))  # fmt: skip
+            c = harness.ratio_claim(
+                report, f"time to sync's final accuracy − {100 * band:g}, {best.name} ÷ sync",
+                ta, tb, None, f"≤ {TIME_TARGET:g}", lambda x: x <= TIME_TARGET, budget_s,
+            )  # fmt: skip
+            c.note = "; ".join(x for x in ("a level named after the runs", c.note) if x)
     for arm in extra:
         if len(confirm) > 1 and not any(r.failed for r in sync_runs + cg[arm.name]):
             harness.diff_claim(report, f"accuracy at sync's time T, {arm.name} − sync (points)",
