@@ -915,15 +915,19 @@ class Report:
         return self
 
     def curves(self, groups: dict[str, list[Run]], seed: int) -> None:
-        """A figure of the first run of each arm's curves (next to the report's .md)."""
+        """A figure of the first run of each arm's curves (next to the report's .md). Replayed
+        runs whose directories are gone keep the figure drawn when they were made, if any."""
         from cloudburst.cli.plot import plot_runs
 
         first = [rs[0] for rs in groups.values() if rs[0].out_dir and rs[0].evals]
         if not first:
             return
         png = self.path().with_suffix(".png")
-        png.parent.mkdir(parents=True, exist_ok=True)
-        plot_runs([r.out_dir for r in first], str(png), f"seed {seed}", [r.arm for r in first])
+        if all((Path(r.out_dir) / "metrics").is_dir() for r in first):
+            png.parent.mkdir(parents=True, exist_ok=True)
+            plot_runs([r.out_dir for r in first], str(png), f"seed {seed}", [r.arm for r in first])
+        elif not png.is_file():
+            return
         self.body += [f"![test error against time and samples, seed {seed}]({png.name})", ""]
 
     def path(self) -> Path:
