@@ -684,3 +684,16 @@ def test_evidence_marks_a_result_history_once_the_package_changed_since_its_runs
         f"`{old}` — history: the package changed since",
         True,
     )
+
+
+def test_a_replay_whose_run_directories_are_gone_keeps_the_figure_drawn_with_its_runs(
+    tmp_path, monkeypatch
+):
+    report = harness.Report("demo", "A demo", provenance(tmp_path, monkeypatch))
+    gone = harness.Run("sync", 0, 1.0, evals=[(1.0, 64, 0.5)], out_dir=str(tmp_path / "gone"))
+    report.curves({"sync": [gone]}, 0)
+    assert report.body == []  # no figure, and none to draw
+    (tmp_path / "demo.png").write_bytes(b"\x89PNG")
+    report.curves({"sync": [gone]}, 0)
+    assert report.body[0] == "![test error against time and samples, seed 0](demo.png)"
+    assert (tmp_path / "demo.png").read_bytes() == b"\x89PNG"  # kept as drawn
