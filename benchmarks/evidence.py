@@ -263,7 +263,7 @@ def other_levels(c: Claim, claims: list[Claim]) -> str:
     one target only is not advice."""
     if not c.name.startswith("time to ") or ", " not in c.name:
         return ""
-    level, rest = c.name.removeprefix("time to ").split(", ", 1)
+    rest = c.name.removeprefix("time to ").split(", ", 1)[1]
     others = [
         (x.name.removeprefix("time to ").split(", ", 1)[0], x)
         for x in claims
@@ -271,8 +271,6 @@ def other_levels(c: Claim, claims: list[Claim]) -> str:
     ]
     differ = [f"{lv}: {shown(x)}" for lv, x in others if x.verdict != c.verdict]
     same = [lv for lv, x in others if x.verdict == c.verdict]
-    if not others:
-        return ""
     return (f"; at {', '.join(differ)}" if differ else "") + (
         f"; the same at {', '.join(same)}" if same else ""
     )
