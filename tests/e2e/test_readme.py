@@ -284,3 +284,14 @@ def check_plotted_runs_were_written(lines: list[list[str]], where: str) -> None:
             assert not missing, f"{where}: plot {missing}: no command before it writes them"
         elif getattr(args, "out", None):
             written.add(args.out.rstrip("/"))
+
+
+def test_the_readmes_demo_table_has_the_columns_the_demo_prints():
+    from cloudburst.loop.summary import format_summary
+
+    table = next(b.text for b in blocks(REPO / "README.md")
+                 if b.lang == "" and b.text.lstrip().startswith("run  strategy"))  # fmt: skip
+    shown = table.strip().splitlines()
+    runs = [{"strategy": line.split()[1], "workers": 4} for line in shown[1:]]
+    printed = format_summary(runs, [line.split()[0] for line in shown[1:]]).splitlines()
+    assert shown[0].split() == printed[0].split(), "the README's demo table has other columns"
