@@ -21,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -178,6 +179,7 @@ class Provenance:
     # --replay: the real runs made at this commit because the replayed result had none of them
     new_runs: int = 0
     numerics: str | None = None  # :func:`numerics`; None in results made before it was recorded
+    journal_file: str | None = None  # :meth:`journal`: every run as it ends, for a resume
     args: Any = field(default=None, repr=False)
 
     @classmethod
@@ -196,7 +198,9 @@ class Provenance:
             )
         busy = cpu_busy_fraction()
         # a replay that re-simulates nothing measures nothing: the machine's load cannot move it
-        measures = getattr(args, "replay", None) is None or getattr(args, "verify", 0)
+        # (a journal's replay resumes a run that stopped: it makes the runs still missing)
+        replay = getattr(args, "replay", None)
+        measures = replay is None or getattr(args, "verify", 0) or is_journal(replay)
         if busy > BUSY_FRACTION and not force and measures:
             sys.exit(
                 f"benchmark refused: the machine is busy ({100 * busy:.0f} % of "
@@ -216,7 +220,7 @@ class Provenance:
         path = getattr(self.args, "replay", None)
         if path is None:
             return None
-        data = json.loads(Path(path).read_text())
+        data = read_journal(path) if is_journal(path) else json.loads(Path(path).read_text())
         old = data.get("provenance", {})
         # A replay's runs were made by the result it replayed: name that one.
         self.replayed_from = old.get("replayed_from") or (
@@ -239,6 +243,24 @@ class Provenance:
                             {(r.arm, r.seed, run_place(r.out_dir)): r for r in runs})  # fmt: skip
         return self._stored
 
+    def journal(self, run: Run) -> None:
+        """Append ``run`` to this benchmark's journal (its first line this provenance), so a
+        script that stops late keeps the runs it made: ``--replay JOURNAL.jsonl`` resumes it,
+        making only the runs still missing. The file: ``runs/bench/journal/`` (git-ignored)."""
+        with _JOURNAL_LOCK:  # simulate_all's threads end runs concurrently
+            if self.journal_file is None:
+                stamp = re.sub(r"\D", "", self.started_utc)
+                name = f"{Path(sys.argv[0]).stem}-{stamp}.jsonl"
+                self.journal_file = str(self.runs_dir("journal") / name)
+            path = Path(self.journal_file)
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps({"provenance": self.to_dict()}, default=str) + "\n")
+                print(f"runs journaled to {path} (if this stops early: --replay {path})",
+                      flush=True)  # fmt: skip
+            with path.open("a") as f:
+                f.write(json.dumps(run.to_dict(), default=str) + "\n")
+
     def results_dir(self) -> Path:
         """Where reports go: ``benchmarks/results/``, or ``runs/bench-quick/`` for --quick."""
         return QUICK_RESULTS if self.quick else RESULTS
@@ -257,6 +279,28 @@ class Provenance:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k != "args"}
+
+
+_JOURNAL_LOCK = threading.Lock()
+
+
+def is_journal(path: str | Path | None) -> bool:
+    return path is not None and str(path).endswith(".jsonl")
+
+
+def read_journal(path: str | Path) -> dict[str, Any]:
+    """A journal (:meth:`Provenance.journal`) as a result's ``provenance`` and ``runs``; a last
+    line cut short by the stop is left out."""
+    lines = Path(path).read_text().splitlines()
+    if not lines:
+        sys.exit(f"--replay: {path} is an empty journal")
+    runs = []
+    for line in lines[1:]:
+        try:
+            runs.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return {"provenance": json.loads(lines[0]).get("provenance", {}), "runs": runs}
 
 
 # ---------------------------------------------------------------------------- runs
@@ -423,6 +467,8 @@ def interleave(
             runs.append(r := run(arm, seed))
             r.load_before, r.load_after = before, prov.sample_load() if prov else load1()
             r.position = position
+            if prov is not None:
+                prov.journal(r)
             if stored is not None:
                 prov.new_runs += 1
             print(f"  {arm.name} seed {seed}: {describe(r)}", flush=True)
@@ -832,6 +878,7 @@ def simulate_all(
     def one(job: tuple[Arm, int, Path]) -> Run:
         r = run_train(*job, timeout_s, SIMULATE)
         print(f"  {r.arm} seed {r.seed}: {describe(r)}", flush=True)
+        prov.journal(r)
         return r
 
     def simulate(batch: list[tuple[Arm, int, Path]]) -> list[Run]:

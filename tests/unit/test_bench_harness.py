@@ -11,6 +11,7 @@ import platform
 import random
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -157,6 +158,12 @@ def provenance(tmp_path, monkeypatch) -> harness.Provenance:
         gpu=None, host="h", platform="p", busy_fraction_before=0.0, load_before=0.1,
         args=SimpleNamespace(out=str(tmp_path / "demo.md")),
     )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def runs_here(tmp_path, monkeypatch) -> None:
+    """Run directories and journals of the harness go to the test's directory."""
+    monkeypatch.setattr(harness, "RUNS", tmp_path / "runs")
 
 
 @pytest.fixture
@@ -697,3 +704,30 @@ def test_a_replay_whose_run_directories_are_gone_keeps_the_figure_drawn_with_its
     report.curves({"sync": [gone]}, 0)
     assert report.body[0] == "![test error against time and samples, seed 0](demo.png)"
     assert (tmp_path / "demo.png").read_bytes() == b"\x89PNG"  # kept as drawn
+
+
+def test_a_journal_keeps_each_run_as_it_ends_and_a_replay_of_it_resumes(tmp_path, monkeypatch):
+    prov = provenance(tmp_path, monkeypatch)
+    prov.journal_file = str(tmp_path / "journal" / "demo.jsonl")
+    done = [harness.Run("sync", s, 1.0 + s, evals=[(1.0, 64, 0.5)]) for s in (0, 1)]
+    for r in done:
+        prov.journal(r)
+    path = tmp_path / "journal" / "demo.jsonl"
+    with path.open("a") as f:
+        f.write('{"arm": "sync", "seed": 2, "wa')  # the stop cut the last line short
+    again = provenance(tmp_path, monkeypatch)
+    again.args.replay, again.args.verify = path, 0
+    stored = again.stored_runs()
+    assert sorted(stored) == [("sync", 0, None), ("sync", 1, None)]
+    assert stored[("sync", 1, None)].wall_s == 2.0 and again.replayed_from.startswith("abc1234`")
+    # the runs still missing are made, and journaled again
+    made = []
+    runs = harness.interleave(
+        [harness.Arm("sync", [])],
+        [0, 1, 2],
+        prov=again,
+        run=lambda a, s: made.append(s) or harness.Run(a.name, s, 9.0),
+    )
+    assert made == [2] and [r.wall_s for r in runs] == [1.0, 2.0, 9.0] and again.new_runs == 1
+    journal = Path(again.journal_file)  # a journal of its own: provenance, the new run
+    assert journal.parent == tmp_path / "runs" / "journal" and journal.read_text().count("\n") == 2
