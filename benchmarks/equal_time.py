@@ -218,11 +218,11 @@ def main() -> None:
         for band in LOOSER:
             ta, tb = ([time_to(r, final(s) - band) for r, s in zip(x, sync_runs, strict=True)]
                       for x in (best_runs, sync_runs))  # fmt: skip
-            c = harness.ratio_claim(
+            harness.ratio_claim(
                 report, f"time to sync's final accuracy − {100 * band:g}, {best.name} ÷ sync",
                 ta, tb, None, f"≤ {TIME_TARGET:g}", lambda x: x <= TIME_TARGET, budget_s,
+                note=harness.NAMED_AFTER,
             )  # fmt: skip
-            c.note = "; ".join(x for x in ("a level named after the runs", c.note) if x)
     for arm in extra:
         if len(confirm) > 1 and not any(r.failed for r in sync_runs + cg[arm.name]):
             harness.diff_claim(report, f"accuracy at sync's time T, {arm.name} − sync (points)",

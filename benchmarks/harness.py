@@ -767,10 +767,15 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]
     return lines + ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
 
 
+#: The note of a claim at a level chosen after its runs were seen (a sensitivity check, not
+#: a confirmation).
+NAMED_AFTER = "a level named after the runs"
+
+
 def ratio_claim(
     report: Report, name: str, a: Vals, b: Vals, aa: Vals | float | None, target: str,
     ok: Callable[[float], bool | None], budget_s: float | None = None, *,
-    paired: bool | None = None, aa_of: str = "b", samples: bool = False,
+    paired: bool | None = None, aa_of: str = "b", samples: bool = False, note: str = "",
 ) -> Claim:  # fmt: skip
     """Add the claim a ÷ b with its interval (:func:`ratio_interval`) and the A/A ratio beside
     it: the repeat ``aa`` ÷ the side it repeats (``aa_of``) with its interval, or ``aa`` itself
@@ -779,13 +784,15 @@ def ratio_claim(
     each copy. ``paired`` (default: as many values on both sides) pairs by seed. Censored values
     count as ``budget_s`` (noted); a censored median makes the ratio a bound, and only the
     interval's informative side is judged (:meth:`Claim.judge`). ``samples``: the values are
-    samples to target, censored ones counted at ``budget_s`` samples (:func:`censored_floor`)."""
+    samples to target, censored ones counted at ``budget_s`` samples (:func:`censored_floor`).
+    ``note`` comes first in the claim's note (e.g. :data:`NAMED_AFTER`)."""
     if aa_of not in ("a", "b"):
         raise ValueError(f"aa_of must be 'a' or 'b', got {aa_of!r}")
     paired = len(a) == len(b) if paired is None else paired
     ratio, lo, hi = ratio_interval(a, b, budget_s, paired)
     aa_runs = [] if aa is None or isinstance(aa, int | float) else list(aa)
-    aa_ratio, aa_interval, notes = aa if isinstance(aa, int | float) else None, None, []
+    aa_ratio, aa_interval = aa if isinstance(aa, int | float) else None, None
+    notes = [note] if note else []
     if aa_runs:
         side = a if aa_of == "a" else b
         pair = lambda x, y: paired and len(x) == len(y)  # noqa: E731

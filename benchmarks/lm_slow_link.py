@@ -165,12 +165,11 @@ def confirmation(
     for extra in LOOSER:  # 5.: the same claims at looser levels, named after the runs
         at = {n: harness.times_to(rs, -(target + extra)) for n, rs in cg.items()}
         for a in arms[1:]:
-            c = harness.ratio_claim(
+            harness.ratio_claim(
                 rep, f"time to L* + {extra:g} = {fmt(target + extra, 4)}, {a.name} ÷ sync, "
                 f"{where}", at[a.name], at["sync"], at[copy], f"≤ {TIME_TARGET:g}",
-                lambda x: x <= TIME_TARGET, bound,
+                lambda x: x <= TIME_TARGET, bound, note=harness.NAMED_AFTER,
             )  # fmt: skip
-            c.note = "; ".join(x for x in ("a level named after the runs", c.note) if x)
     for a in arms[1:]:
         harness.diff_claim(rep, f"test loss at sync's time T, {a.name} − sync (nats/byte), "
                            f"{where}", finals[a.name], finals["sync"], f"≤ {LOSS_NATS:g}",
