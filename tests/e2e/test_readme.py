@@ -274,11 +274,11 @@ def check_plotted_runs_were_written(lines: list[list[str]], where: str) -> None:
     ``--out`` writes a run the reader cannot name)."""
     from cloudburst.cli import build_parser
 
-    written: set[str] = set()
+    parser, written = build_parser(), set()
     for words in lines:
         if words[0].removeprefix(".venv/bin/") != "cloudburst":
             continue
-        args = build_parser().parse_args(words[1:])
+        args = parser.parse_args(words[1:])
         if args.command == "plot":
             missing = [r for r in args.runs if r.rstrip("/") not in written]
             assert not missing, f"{where}: plot {missing}: no command before it writes them"
