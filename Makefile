@@ -52,7 +52,7 @@ BENCH := experiments:accuracy:--first-seed:5:--seeds:3 experiments:stragglers:--
 BENCH_ALL := reliability compress experiments:accuracy:--first-seed:5 experiments:stragglers \
 	defaults daso powersgd local_sgd transport overhead throughput startup sim_fidelity sim_scale \
 	sim_seeds \
-	sim_published wire compress_scale lm lm_replicas node_replicas staleness_rules per_sample \
+	sim_published wire compress_scale lm lm_replicas node_replicas staleness staleness_rules per_sample \
 	slow_link lm_slow_link equal_time equal_time:--cell:pareto equal_time:--cell:slow-node \
 	equal_time:--cell:pareto:--workers:64
 BENCH_FLAGS ?=

@@ -1,220 +1,213 @@
-"""Staleness at scale on the virtual cluster: asynchronous methods ÷ sync and asynchronous
-DiLoCo ÷ DiLoCo with heavy-tailed step times and one 4× straggler (issue 28 item 4).
+"""Staleness at scale on the virtual cluster, with a link and a real model's size (issues 40
+item 3 and 43): asgd and async DiLoCo against a tuned sync, local SGD at asgd's period and
+DiLoCo, with heavy-tailed step times and one 4× straggler.
 
-Every arm gets the same virtual time from its first evaluation; per (W, jitter), paired by
-seed: time to 80 % and samples to it ÷ sync's, async DiLoCo against DiLoCo. Targets fixed
-before any run. Details: benchmarks/README.md.
+    .venv/bin/python benchmarks/staleness.py                          # results/staleness.*
+    .venv/bin/python benchmarks/staleness.py --jitter lognormal:0.3   # ..._lognormal.*
+    .venv/bin/python benchmarks/staleness.py --workers 64             # ..._w64.*
+    .venv/bin/python benchmarks/staleness.py --workers 64 --jitter lognormal:0.3
+    .venv/bin/python benchmarks/staleness.py --quick                  # smoke test
 
-    .venv/bin/python benchmarks/staleness.py [--quick] [--seeds N] [--workers 16,64]
-        [--jitters lognormal:0.3,pareto:2] [--arms sync,asgd,...] [--jobs 2]
+Virtual cluster (equal_time.py's): MNIST-1D's CNN trains, the clock models ResNet-50 on A100s
+(`--profile resnet50-a100`: 25,557,032 parameters, 2,470 img/s), 4 workers per node, nodes
+joined by 10 Gbit/s and 0.05 ms, 600 Gbit/s inside one; batch 32 per worker; every step's
+compute × a seeded jitter of mean 1 (Pareto(2) or lognormal(0.3)), worker 0's × 4. Arms: sync,
+asgd (4 shards, n_sync 8), local SGD with period 8 (asgd's period with a barrier: the arm
+that separates "no barrier" from "8 steps between exchanges"), DiLoCo (H = 8) and async DiLoCo
+(4 shards, H = 8), every one at its defaults otherwise.
+
+Tuning (seeds 0–2): sync's lr on 4 values at 200 steps (16 workers: 0.05–0.4; from 32, whose
+batch is 4× larger, an octave up), T = the tuned sync's median training time; every other arm
+for T at lr 0.1 and 0.2 (its better mean accuracy at T kept). Confirmation (seeds 3–7, which
+chose nothing): every arm for T (`--max-train-time-s T`, sync included), 30 evaluations.
+Claims, targets and levels named here before any run (an earlier version of this script, with
+no link, a 5,210-parameter model and sync's lr untuned, timed every arm to a fixed 80 %):
+asgd and async DiLoCo ÷ sync in time to sync's final accuracy − 0.5 (and − 1, − 2: the verdict
+at three levels) ≤ 0.7 and in samples to it ≤ 1.2; their accuracy at T − sync's ≥ −0.5; asgd −
+local SGD at T ≥ 0 (asynchrony itself pays); async DiLoCo against DiLoCo at T and at DiLoCo's
+samples ≥ −1, and in time to DiLoCo's final − 1 ≤ 0.75. Times are first crossings of a level
+(equal_time.py's), censored at T.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import statistics
 import sys
 from pathlib import Path
-from statistics import NormalDist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import equal_time as et  # noqa: E402
 import harness  # noqa: E402
-from experiments import STRAGGLER_ARMS, cli_help, supported  # noqa: E402
+from equal_time import CLUSTER, EVALS, PER_NODE, at_time, final, run_all, time_to  # noqa: E402
 from harness import Arm, fmt, pct  # noqa: E402
 
-TARGET = 0.80  # below sync's plateau at these budgets (the jin runs: 85-86 % at W = 8, 32)
-TGT = f"{100 * TARGET:.0f}"
-STEP_S = 0.02
+ARMS = {  # name: (flags, asynchronous?)
+    "asgd": (["--strategy", "asgd", "--servers", "4"], True),
+    "local_sgd H=8": (["--strategy", "local_sgd", "--period", "8"], False),
+    "diloco H=8": (["--strategy", "diloco", "--period", "8"], False),
+    "async_diloco": (["--strategy", "async_diloco", "--servers", "4", "--period", "8"], True),
+}
 SLOW = 4.0  # worker 0's factor
-BUDGET_S = 30.0  # virtual seconds from the first evaluation, every arm alike
-EVALS = 40  # evaluations per budget (free in virtual time)
-BEST_RATIO_TARGET, SAMPLES_TARGET, DILOCO_RATIO_TARGET, BAND = 0.70, 1.2, 0.75, 1.0
-ARMS = ("sync", "asgd", "asgd dc-adaptive", "diloco", "async_diloco", "async_diloco dylu")
+LEVELS = (0.005, 0.01, 0.02)  # below sync's final accuracy, per seed; the first is the headline
+TIME_TARGET, SAMPLES_TARGET, AT_T, DILOCO_TIME, DILOCO_BAND = 0.7, 1.2, -0.5, 0.75, 0.01
 
 
-def slowest(n: int, jitter: str) -> float:
-    """The expected largest of ``n`` draws of ``jitter`` (mean 1): a lockstep step waits for it.
-    Pareto(α): x_m·Γ(n+1)Γ(1−1/α)/Γ(n+1−1/α), x_m = (α−1)/α; lognormal(CV): its quantile at
-    n/(n+1), an approximation (both only size a run's steps, never a result)."""
-    kind, _, value = jitter.partition(":")
-    if n < 1:
-        return 1.0
-    if kind == "pareto":
-        a = float(value)
-        lg = math.lgamma(n + 1) + math.lgamma(1 - 1 / a) - math.lgamma(n + 1 - 1 / a)
-        return (a - 1) / a * math.exp(lg)
-    sigma = math.sqrt(math.log1p(float(value) ** 2))
-    return math.exp(-sigma * sigma / 2 + sigma * NormalDist().inv_cdf(n / (n + 1)))
+def cell(w: int, jitter: str) -> list[str]:
+    return ["--workers", str(w), "--nodes", str(w // PER_NODE), "--straggler", f"0:{SLOW:g}",
+            "--step-time-jitter", jitter]  # fmt: skip
 
 
-def argv(name: str, w: int, jitter: str, budget_s: float) -> list[str]:
-    flags, kind = STRAGGLER_ARMS[name]
-    # an asynchronous arm's fast worker steps about once per STEP_S (jitter mean 1: margin
-    # 1.3), a lockstep arm at its slowest worker's pace at best (the 4× straggler, or the
-    # largest of the others' W − 1 draws at W = 64); both then outlast the budget
-    pace = STEP_S if kind == "async" else max(SLOW, slowest(w - 1, jitter)) * STEP_S * 0.8
-    steps = math.ceil(1.3 * budget_s / pace)
-    return [*flags, "--workers", str(w), "--steps", str(steps), "--train-size", "40000",
-            "--straggler", f"0:{SLOW:g}", "--step-time-s", str(STEP_S),
-            "--step-time-jitter", jitter, "--eval-every-s", f"{budget_s / EVALS:g}",
-            "--log-every-steps", "1000", "--checkpoint-every", "0"]  # fmt: skip
+def budgeted(name: str, flags: list[str], budget_s: float, where: list[str]) -> Arm:
+    """An arm trained for ``budget_s`` virtual seconds: enough steps that the clock ends it (a
+    step computes ≥ ~6.5 ms: half ResNet-50's 13 ms, Pareto(2)'s least draw)."""
+    steps = math.ceil(budget_s / 0.0065)
+    return Arm(name, [*flags, *CLUSTER, *where, "--steps", str(steps),
+                      "--max-train-time-s", f"{budget_s:.6g}",
+                      "--eval-every-s", f"{budget_s / EVALS:.6g}"])  # fmt: skip
 
 
-def within(r: harness.Run, budget_s: float) -> list[tuple[float, int, float]]:
-    """The run's evaluations within ``budget_s`` of its first, times from that first."""
-    if r.failed or not r.evals:
-        return []
-    t0 = r.evals[0][0]
-    return [(t - t0, s, a) for t, s, a in r.evals if t - t0 <= budget_s]
+def train_s(runs: list[harness.Run]) -> list[float]:
+    return [r.summary.get("train_time_s", 0.0) for r in runs]
 
 
-def time_to(r: harness.Run, level: float, budget_s: float) -> float | None:
-    return harness.time_to_target(within(r, budget_s), level)
-
-
-def samples_to(r: harness.Run, level: float, budget_s: float) -> int | None:
-    ev = within(r, budget_s)
-    t = harness.time_to_target(ev, level)
-    return next((s for when, s, _ in ev if when == t), None)
-
-
-def acc_at(r: harness.Run, budget_s: float) -> float | None:
-    ev = within(r, budget_s)
-    return ev[-1][2] if ev else None
-
-
-def acc_at_samples(r: harness.Run, samples: int) -> float | None:
-    """The last evaluated accuracy once the run had processed at most ``samples``."""
-    before = [a for _, s, a in r.evals if s <= samples]
-    return before[-1] if before and not r.failed else None
+def first_at(r: harness.Run, level: float) -> tuple[float | None, int | None]:
+    """(time, samples) of the run's first evaluation at or above ``level`` (None: never)."""
+    return next(((t, s) for t, s, acc in r.evals if acc >= level), (None, None))
 
 
 def main() -> None:
     def add(p) -> None:
-        p.add_argument("--workers", default="16,64", help="W values, comma-separated")
-        p.add_argument("--jitters", default="lognormal:0.3,pareto:2")
-        p.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(STRAGGLER_ARMS)}")
-        p.add_argument("--budget-s", type=float, default=BUDGET_S, help="virtual s per arm")
-        p.add_argument("--jobs", type=int, default=2, help="simulations side by side")
-        p.add_argument("--runs", help="re-derive the report from this result JSON's runs")
-        p.add_argument("--timeout-s", type=float, default=3600.0, help="per simulation (wall)")
+        p.add_argument("--workers", type=int, choices=(16, 32, 64), default=16, help="W (16)")
+        p.add_argument("--jitter", choices=("pareto:2", "lognormal:0.3"), default="pareto:2")
 
     args, prov = harness.start(__doc__, add)
-    budget = 3.0 if args.quick else args.budget_s
-    ws = [4] if args.quick else [int(w) for w in args.workers.split(",")]
-    jitters = args.jitters.split(",")[:1] if args.quick else args.jitters.split(",")
-    unknown = [a for a in args.arms.split(",") if a not in STRAGGLER_ARMS]
-    if unknown or "sync" not in args.arms.split(","):
-        sys.exit(f"staleness: --arms needs sync and known arms ({', '.join(STRAGGLER_ARMS)})")
-    names, missing = supported(args.arms.split(","), cli_help())
-    seeds = range(args.seeds or (1 if args.quick else 3))
-    root = prov.runs_dir("staleness")
-    jobs = [(Arm(f"W{w} {j} {n}", argv(n, w, j, budget)), s)
-            for w in ws for j in jitters for s in seeds for n in names]  # fmt: skip
-    stored = json.loads(Path(args.runs).read_text()) if args.runs else None
-    if stored is None:
-        outs = [(a, s, root / harness.slug(a.name) / f"seed{s}") for a, s in jobs]
-        runs = harness.simulate_all(outs, prov, args.jobs, args.timeout_s)
-    else:
-        runs = [harness.Run(**r) for r in stored["runs"]]
-        prov.sample_load()
-    rep = harness.Report("staleness", "Staleness at scale on the virtual cluster", prov)
-    groups = harness.by_arm(runs)
-    rows, diloco_rows = [], []
-    for w in ws:
-        for j in jitters:
-            g = {n: groups[f"W{w} {j} {n}"] for n in names}
-            where = f"W = {w}, {j}, one worker {SLOW:g}× slower"
-            t = {n: [time_to(r, TARGET, budget) for r in rs] for n, rs in g.items()}
-            smp = {n: [samples_to(r, TARGET, budget) for r in rs] for n, rs in g.items()}
-            floor = harness.censored_floor(
-                (samples_to(r, TARGET, budget), ev[-1][1])
-                for rs in g.values() for r in rs if (ev := within(r, budget))
+    w, jitter, quick = (8 if args.quick else args.workers), args.jitter, args.quick
+    name = "staleness" + ("" if w == 16 or quick else f"_w{w}")
+    name += "_lognormal" if "lognormal" in jitter else ""
+    root, where = prov.runs_dir(name), cell(w, jitter)
+    tune, confirm = ((0,), (1, 2)) if quick else (et.TUNE, et.CONFIRM)
+    lrs = (et.SYNC_LRS if w <= 16 else et.SYNC_LRS_64)[: 2 if quick else 4]
+    words = f"W = {w}, {jitter}, worker 0 {SLOW:g}× slower"
+    report = harness.Report(name, f"Staleness at scale over a 10 Gbit/s link: {w} workers on "
+                            f"{w // PER_NODE} nodes, {jitter} step times, one worker {SLOW:g}× "
+                            "slower (virtual cluster)", prov)  # fmt: skip
+    report.settings(harness.about(__doc__))
+
+    # 1. sync's lr and the budget T (tuning seeds)
+    sync_arms = [Arm(f"sync lr {lr:g}", ["--strategy", "sync", "--lr", f"{lr:g}", *CLUSTER, *where,
+                                          "--steps", str(20 if quick else et.SYNC_STEPS),
+                                          "--eval-every-s", "1e5"]) for lr in lrs]  # fmt: skip
+    runs = run_all(sync_arms, tune, root / "tune", prov)
+    g = harness.by_arm(runs)
+    mean_acc = {a.name: statistics.mean(final(r) or 0.0 for r in g[a.name]) for a in sync_arms}
+    best = max(sync_arms, key=lambda a: mean_acc[a.name])
+    lr = float(best.argv[best.argv.index("--lr") + 1])
+    budget = statistics.median(train_s(g[best.name]))
+    report.section("1. sync's lr, and the budget (seeds 0–2)").table(
+        "sync arm | mean final accuracy | median training time (virtual s)",
+        [
+            [a.name, pct(mean_acc[a.name]), fmt(statistics.median(train_s(g[a.name])))]
+            for a in sync_arms
+        ],
+    ).text(f"Chosen: lr {lr:g}; T = {fmt(budget)} virtual seconds for every arm below.")
+
+    # 2. every other arm for T at two lrs (tuning seeds)
+    sync = budgeted("sync", ["--strategy", "sync", "--lr", f"{lr:g}"], budget, where)
+    pilot = [budgeted(f"{n} lr {x:g}", [*f, "--lr", f"{x:g}"], budget, where)
+             for n, (f, _) in ARMS.items() for x in et.ARM_LRS[: 1 if quick else 2]]  # fmt: skip
+    piloted = run_all([sync, *pilot], tune, root / "pilot", prov)
+    runs += piloted
+    pg = harness.by_arm(piloted)
+    score = {a.name: statistics.mean(at_time(r, budget) or 0.0 for r in pg[a.name]) for a in pilot}
+    chosen = {n: max((a for a in pilot if a.name.rsplit(" lr ", 1)[0] == n),
+                     key=lambda a: score[a.name]) for n in ARMS}  # fmt: skip
+    report.section("2. Every arm for T (seeds 0–2): each arm's lr").table(
+        HEADERS, [row(a.name, pg[a.name], pg["sync"], budget) for a in [sync, *pilot]]
+    ).text("Kept (best mean accuracy at T): " + ", ".join(a.name for a in chosen.values()) + ".")
+
+    # 3. confirmation (fresh seeds)
+    confirmed = run_all([sync, *chosen.values()], confirm, root / "confirm", prov)
+    runs += confirmed
+    cg = harness.by_arm(confirmed)
+    c = {n: cg[a.name] for n, a in chosen.items()} | {"sync": cg["sync"]}
+    if not any(r.failed for rs in c.values() for r in rs):
+        claims(report, c, budget, words, len(confirm))
+    report.section("3. Confirmation (seeds 3–7)").table(
+        HEADERS, [row(a.name, cg[a.name], cg["sync"], budget) for a in [sync, *chosen.values()]]
+    )
+    report.data.update(budget_s=budget, sync_lr=lr, chosen={n: a.name for n, a in chosen.items()},
+                       tuning_scores=score)  # fmt: skip
+    report.write(runs)
+
+
+def claims(rep: harness.Report, c: dict[str, list[harness.Run]], budget: float, where: str,
+           n: int) -> None:  # fmt: skip
+    sync = c["sync"]
+    at_t = {k: [at_time(r, budget) or 0.0 for r in rs] for k, rs in c.items()}
+    for arm in (k for k, (_, is_async) in ARMS.items() if is_async):
+        for i, band in enumerate(LEVELS):
+            levels = [final(s) - band for s in sync]
+            mine = [first_at(r, lv) for r, lv in zip(c[arm], levels, strict=True)]
+            theirs = [first_at(s, lv) for s, lv in zip(sync, levels, strict=True)]
+            harness.ratio_claim(
+                rep, f"time to sync's final − {100 * band:g}, {arm} ÷ sync, {where}",
+                [t for t, _ in mine], [t for t, _ in theirs], None, f"≤ {TIME_TARGET:g}",
+                lambda x: x <= TIME_TARGET, budget,
             )  # fmt: skip
-            for n in names:
-                if STRAGGLER_ARMS[n][1] != "async":
-                    continue
-                harness.ratio_claim(
-                    rep, f"time to {TGT} %, {n} ÷ sync, {where}", t[n], t["sync"],
-                    None, f"≤ {BEST_RATIO_TARGET}", lambda r: r <= BEST_RATIO_TARGET, budget,
+            if i == 0:
+                floor = harness.censored_floor(
+                    (s, r.evals[-1][1] if r.evals else 0)
+                    for r, (_, s) in zip(c[arm] + sync, mine + theirs, strict=True)
                 )  # fmt: skip
                 harness.ratio_claim(
-                    rep, f"samples to {TGT} %, {n} ÷ sync, {where}", smp[n], smp["sync"], None,
-                    f"≤ {SAMPLES_TARGET}", lambda r: r <= SAMPLES_TARGET, floor, samples=True,
+                    rep, f"samples to sync's final − 0.5, {arm} ÷ sync, {where}",
+                    [s for _, s in mine], [s for _, s in theirs], None, f"≤ {SAMPLES_TARGET:g}",
+                    lambda x: x <= SAMPLES_TARGET, floor, samples=True,
                 )  # fmt: skip
-            for n in names:
-                med, cens = harness.censored_median(t[n], budget)
-                rows.append([w, j, n, " / ".join(fmt(x) for x in t[n]), fmt(med), cens,
-                             fmt(harness.median(smp[n])),
-                             " / ".join(pct(acc_at(r, budget)) for r in g[n])])  # fmt: skip
-            if "diloco" in g:
-                diloco_rows += compare_diloco(rep, g, names, where, budget)
-    rep.settings(
-        f"{len(runs)} simulations, {len(seeds)} seeds per point ({args.jobs} side by side), "
-        f"a {budget:g}-virtual-second budget per arm, every arm at its defaults unless its "
-        "name says otherwise"
-        + ("; --quick: W = 4, a few virtual seconds, not a result" if args.quick else "")
-        + (f". Not measured (this commit has no such flag): {', '.join(missing)}" if missing
-           else "")
-        + (f". **Re-derived** from the stored runs of `{args.runs}` (simulated at commit "
-           f"`{stored['provenance'].get('commit', '?')}`, started "
-           f"{stored['provenance'].get('started_utc', '?')}): the runs are that commit's, the "
-           "claims this one's" if stored else "")
-        + f".\n\n{harness.about(__doc__)}"
-    )  # fmt: skip
-    failed = [r for r in runs if r.failed]
-    if failed:
-        rep.text(f"{len(failed)} runs failed (counted as censored): {failed[0].failed}")
-    rep.section(f"Every arm: time to {TGT} % (virtual s from the first evaluation)").table(
-        ["W", "jitter", "arm", "per seed", "median", "censored", "samples to it (median)",
-         "accuracy at the budget %"], rows)  # fmt: skip
-    if diloco_rows:
-        rep.section("Async DiLoCo ÷ DiLoCo").table(["W", "jitter", "arm",
-            "acc at DiLoCo's samples − DiLoCo's (points)", "acc at the budget − DiLoCo's (points)",
-            f"time to DiLoCo's − {BAND:g} point ÷ DiLoCo's"], diloco_rows)  # fmt: skip
-    rep.data["argv"] = {a.name: list(a.argv) for a, _ in jobs}
-    rep.data["not measured"] = missing
-    rep.write(runs)
-
-
-def compare_diloco(
-    rep: harness.Report, g: dict[str, list[harness.Run]], names: list[str], where: str,
-    budget: float,
-) -> list[list]:  # fmt: skip
-    """Async DiLoCo (± DyLU) against DiLoCo: claims, and rows for the table."""
-    base = g["diloco"]
-    finals = [acc_at(r, budget) for r in base]
-    if any(a is None for a in finals):
-        return []
-    levels = [a - BAND / 100 for a in finals]  # type: ignore[operator]
-    theirs = [time_to(r, lv, budget) for r, lv in zip(base, levels, strict=True)]
-    rows = []
-    for n in [n for n in names if n.startswith("async_diloco")]:
-        rs = g[n]
-        mine = [time_to(r, lv, budget) for r, lv in zip(rs, levels, strict=True)]
-        c = harness.ratio_claim(
-            rep, f"time to DiLoCo's accuracy − {BAND:g} point, {n} ÷ diloco, {where}", mine,
-            theirs, None, f"≤ {DILOCO_RATIO_TARGET}", lambda r: r <= DILOCO_RATIO_TARGET,
-            budget,
+        harness.diff_claim(rep, f"accuracy at sync's time T, {arm} − sync (points), {where}",
+                           at_t[arm], at_t["sync"], f"≥ {AT_T:g}", lambda d, lo, hi: lo >= AT_T,
+                           seeds=n)  # fmt: skip
+    harness.diff_claim(rep, f"accuracy at T, asgd − local_sgd H=8 (points), {where}",
+                       at_t["asgd"], at_t["local_sgd H=8"], "≥ 0", lambda d, lo, hi: lo >= 0,
+                       seeds=n)  # fmt: skip
+    base = c["diloco H=8"]
+    harness.diff_claim(rep, f"accuracy at T, async_diloco − diloco H=8 (points), {where}",
+                       at_t["async_diloco"], at_t["diloco H=8"], f"≥ −{100 * DILOCO_BAND:g}",
+                       lambda d, lo, hi: lo >= -100 * DILOCO_BAND, seeds=n)  # fmt: skip
+    pushes = [harness.at_samples(r, b.evals[-1][1]) for r, b in zip(c["async_diloco"], base,
+                                                                    strict=True)]  # fmt: skip
+    if all(p is not None for p in pushes):
+        harness.diff_claim(
+            rep, f"accuracy at DiLoCo's samples, async_diloco − diloco H=8 (points), {where}",
+            pushes, at_t["diloco H=8"], f"≥ −{100 * DILOCO_BAND:g}",
+            lambda d, lo, hi: lo >= -100 * DILOCO_BAND, seeds=n,
         )  # fmt: skip
-        done = [within(b, budget)[-1][1] for b in base]  # DiLoCo's samples at the budget
-        pushes = [acc_at_samples(r, s) for r, s in zip(rs, done, strict=True)]
-        at_time = [acc_at(r, budget) for r in rs]
-        diff = {}
-        for label, accs in (("equal pushes", pushes), ("equal time", at_time)):
-            if any(a is None for a in accs):
-                continue
-            d, lo, hi = harness.difference_interval(accs, finals, paired=True)
-            diff[label] = 100 * d
-            if n == "async_diloco" or label == "equal time":  # DyLU: pushes ≠ samples / H
-                rep.claim(
-                    f"accuracy at {label}, {n} − diloco (points), {where}", round(100 * d, 2),
-                    f"≥ −{BAND:g}", 100 * d >= -BAND,
-                    interval=(round(100 * lo, 2), round(100 * hi, 2)), seeds=len(accs),
-                )  # fmt: skip
-        rows.append([*where.split(", ")[:2], n, fmt(diff.get("equal pushes")),
-                     fmt(diff.get("equal time")), fmt(c.value)])  # fmt: skip
-    return rows
+    levels = [final(b) - DILOCO_BAND for b in base]
+    harness.ratio_claim(
+        rep, f"time to DiLoCo's final − 1, async_diloco ÷ diloco H=8, {where}",
+        [time_to(r, lv) for r, lv in zip(c["async_diloco"], levels, strict=True)],
+        [time_to(r, lv) for r, lv in zip(base, levels, strict=True)], None,
+        f"≤ {DILOCO_TIME:g}", lambda x: x <= DILOCO_TIME, budget,
+    )  # fmt: skip
+
+
+HEADERS = ("arm | accuracy at T (mean) | per seed | time to sync's final − 0.5 (virtual s) | "
+           "samples to it | inter-node GB (counted) | steps, fastest worker")  # fmt: skip
+
+
+def row(name: str, runs: list[harness.Run], sync: list[harness.Run], budget: float) -> list:
+    ok = [r for r in runs if not r.failed]
+    if not ok or len(ok) < len(runs):
+        return [name, "FAILED", "", "", "", "", ""]
+    acc = [at_time(r, budget) or 0.0 for r in runs]
+    hit = [first_at(r, final(s) - LEVELS[0]) for r, s in zip(runs, sync, strict=True)]
+    steps = [max((v or 0) for v in (r.summary.get("steps_done") or {0: 0}).values()) for r in ok]
+    return [name, pct(statistics.mean(acc)), " ".join(pct(a) for a in acc),
+            " ".join(fmt(t) if t is not None else f"> {fmt(budget)}" for t, _ in hit),
+            " ".join(str(s) if s is not None else "-" for _, s in hit),
+            fmt(statistics.mean(r.summary.get("inter_node_bytes", 0) for r in ok) / 1e9),
+            fmt(statistics.mean(steps))]  # fmt: skip
 
 
 if __name__ == "__main__":

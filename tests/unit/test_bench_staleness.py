@@ -1,12 +1,11 @@
-"""The issue-28 benchmarks' bookkeeping on scripted runs (no processes): which arms a commit
-can run, DiLoCo's level, the virtual-time budget, equal pushes, the per-arm "why" ratios.
+"""The straggler and staleness benchmarks' bookkeeping on scripted runs (no processes): which
+arms a commit can run, DiLoCo's level, first crossings of sync's level, equal pushes, the
+per-arm "why" ratios.
 
 Expected values are worked out by hand in the comments.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 
@@ -69,20 +68,29 @@ def test_async_diloco_is_timed_to_diloco_final_accuracy_less_one_point(experimen
     assert experiments.diloco_levels([diloco, failed]) is None
 
 
-def test_the_virtual_budget_cuts_evaluations_and_counts_from_the_first(staleness):
-    # first evaluation at 10 s: times from there; budget 3 s keeps t ≤ 13
-    r = run("x", [(10.0, 0, 0.1), (11.0, 64, 0.81), (12.0, 128, 0.82), (13.0, 192, 0.83),
-                  (14.0, 256, 0.9)])  # fmt: skip
-    assert staleness.within(r, 3.0) == [(0.0, 0, 0.1), (1.0, 64, 0.81), (2.0, 128, 0.82),
-                                        (3.0, 192, 0.83)]  # fmt: skip
-    assert staleness.time_to(r, 0.8, 3.0) == 1.0
-    assert staleness.samples_to(r, 0.8, 3.0) == 64
-    assert staleness.time_to(r, 0.8, 2.5) is None  # held only 2 evaluations within 2.5 s
-    assert staleness.acc_at(r, 2.5) == 0.82
-    # equal pushes: the last evaluation at most at the other arm's samples
-    assert staleness.acc_at_samples(r, 200) == 0.83
-    assert staleness.acc_at_samples(r, 192) == 0.83  # exactly the other arm's samples
-    assert staleness.acc_at_samples(r, 63) == 0.1
+def test_every_arm_is_judged_at_its_first_crossing_of_sync_final_less_a_band(staleness):
+    # sync ends at 0.90: level 0.895, first reached at t = 3 (300 samples); asgd at t = 1
+    # (150): time 1/3, samples 1/2; async DiLoCo never: censored at T = 3 s (time) and at the
+    # fewest samples any censored run had processed by then (its own 600)
+    sync = run("sync", [(1.0, 100, 0.5), (2.0, 200, 0.8), (3.0, 300, 0.9)])
+    asgd = run("asgd", [(1.0, 150, 0.9), (2.0, 300, 0.91), (3.0, 450, 0.92)])
+    slow = run("x", [(1.0, 200, 0.5), (2.0, 400, 0.6), (3.0, 600, 0.7)])
+    assert staleness.first_at(asgd, 0.895) == (1.0, 150)
+    assert staleness.first_at(slow, 0.895) == (None, None)
+    report = harness.Report("t", "t", None)
+    runs = {"sync": [sync, sync], "asgd": [asgd, asgd], "local_sgd H=8": [slow, slow],
+            "diloco H=8": [asgd, asgd], "async_diloco": [slow, slow]}  # fmt: skip
+    staleness.claims(report, runs, 3.0, "here", 2)
+    got = {c.name.removesuffix(", here"): c for c in report.claims}
+    assert got["time to sync's final − 0.5, asgd ÷ sync"].value == pytest.approx(1 / 3)
+    assert got["samples to sync's final − 0.5, asgd ÷ sync"].value == pytest.approx(0.5)
+    assert got["time to sync's final − 0.5, async_diloco ÷ sync"].value == "≥ 1"
+    assert got["samples to sync's final − 0.5, async_diloco ÷ sync"].value == "≥ 2"  # 600 ÷ 300
+    # at T: 92 − 90 and 92 − 70 points; async DiLoCo − DiLoCo at DiLoCo's samples (450): 0.6
+    assert got["accuracy at sync's time T, asgd − sync (points)"].value == 2.0
+    assert got["accuracy at T, asgd − local_sgd H=8 (points)"].value == 22.0
+    assert got["accuracy at DiLoCo's samples, async_diloco − diloco H=8 (points)"].value == -32.0
+    assert [c.verdict for c in report.claims if "− 2," in c.name] == ["PASS", "MISS"]
 
 
 def test_why_gives_each_arm_its_throughput_and_samples_ratio_to_sync(experiments):
@@ -102,18 +110,8 @@ def test_why_gives_each_arm_its_throughput_and_samples_ratio_to_sync(experiments
     assert "| asgd | 1.8 | 3 | 1.67 |" in why["text"]
 
 
-def test_a_lockstep_arm_is_sized_by_its_slowest_worker_the_straggler_or_the_largest_draw(staleness):
-    assert staleness.slowest(1, "pareto:2") == pytest.approx(1.0)  # one draw: the mean
-    # E[max of 3 Pareto(2) draws, x_m = 1/2] = ½·Γ(4)Γ(½)/Γ(3½) = ½·6·√π/(15√π/8) = 1.6
-    assert staleness.slowest(3, "pareto:2") == pytest.approx(1.6)
-    assert staleness.slowest(1, "lognormal:0.3") == pytest.approx(1 / (1 + 0.09) ** 0.5)
-    steps = {w: int(staleness.argv("sync", w, "pareto:2", 30.0)[5]) for w in (16, 64)}
-    # W = 16: the 4× straggler is the slowest (as before); W = 64: the largest of 63 draws
-    assert steps == {16: math.ceil(1.3 * 30 / (4 * 0.02 * 0.8)), 64: 346}
-
-
 def test_a_censored_runs_samples_count_at_the_fewest_any_censored_run_processed_by_the_budget(
-    experiments, staleness
+    staleness,
 ):
     # sync never holds 80 % within 10 s (it processed 400 and 300 samples by then); async does
     # at 900 samples and goes on to 5000: the censored count is 300, a lower bound of both
@@ -122,10 +120,8 @@ def test_a_censored_runs_samples_count_at_the_fewest_any_censored_run_processed_
     fast = run("async", [(0.0, 0, 0.1), (2.0, 900, 0.85), (3.0, 1200, 0.86), (4.0, 1500, 0.87),
                          (10.0, 5000, 0.9)])  # fmt: skip
 
-    def floor(runs):  # as staleness.py and experiments.py call it
-        return harness.censored_floor(
-            (staleness.samples_to(r, 0.8, 10.0), staleness.within(r, 10.0)[-1][1]) for r in runs
-        )
+    def floor(runs):  # as staleness.py calls it
+        return harness.censored_floor((staleness.first_at(r, 0.8)[1], r.evals[-1][1]) for r in runs)
 
     assert floor([*sync, fast]) == 300
     assert floor([fast]) == 5000  # none censored: any value will do
