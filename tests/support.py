@@ -605,11 +605,13 @@ def daso_reference_run(wait: int) -> list[list[torch.Tensor]]:
     )
 
 
-def assert_follows_daso_reference(
-    runs: list[list[list[float]]], expected: list[list[torch.Tensor]]
+def assert_follows_reference(
+    runs: list[list[list[float]]], expected: list[list[torch.Tensor]], steps: int
 ) -> None:
+    """Each rank's θ after each of ``steps`` steps (:func:`drive_strategy`'s runs) is the
+    reference's, up to float rounding."""
     for rank, (got, want) in enumerate(zip(runs, expected, strict=True)):
-        assert len(got) == len(want) == DASO_REF_STEPS
+        assert len(got) == len(want) == steps
         for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
             torch.testing.assert_close(
                 torch.tensor(a), b, rtol=1e-5, atol=1e-6, msg=f"rank {rank}, step {step}"

@@ -24,7 +24,8 @@ from tests.helpers import (
 )
 from tests.reference import COMMON, assert_same_params, sync_sgd, trained
 from tests.support import (
-    assert_follows_daso_reference,
+    DASO_REF_STEPS,
+    assert_follows_reference,
     daso_reference_cfg,
     daso_reference_drive,
     daso_reference_run,
@@ -99,7 +100,7 @@ def test_daso_with_a_delayed_merge_follows_the_reference_over_gloo(tmp_path):
     # The virtual cluster's test (tests/unit/test_daso_sync.py) over real gloo groups and
     # DDP inside each node: S = 2, B = 3, L = 2, four ranks on two nodes.
     runs = spawn(_reference_rank, 4, tmp_path, str(tmp_path), 2)
-    assert_follows_daso_reference(runs, daso_reference_run(2))
+    assert_follows_reference(runs, daso_reference_run(2), DASO_REF_STEPS)
 
 
 def test_daso_blocking_every_batch_in_chunks_equals_sync_sgd(tmp_path):

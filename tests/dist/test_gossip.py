@@ -93,7 +93,7 @@ def test_pull_is_the_exact_average_served_by_a_busy_then_a_finished_peer(tmp_pat
 
 
 # The consensus of every schedule and variant (strategy logic, no transport of its own) runs
-# on the virtual cluster: tests/unit/test_sim_scripted.py.
+# on the virtual cluster: tests/unit/test_gossip_maths.py.
 
 
 # ---------------------------------------------------------------------------- a straggler

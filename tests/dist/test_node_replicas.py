@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from cloudburst.config import ConfigError, RunConfig
-from cloudburst.config.simulation import SimulationConfig
 from cloudburst.records.checkpoint import load_checkpoint
 from cloudburst.records.resilience import worker_checkpoint_path
-from cloudburst.sim.run import SimulationFailed, simulate
 from tests.helpers import cli, final_record, read_summary, simulated
 from tests.reference import (
     COMMON,
@@ -121,24 +119,6 @@ def test_asgd_shards_see_one_replica_per_node(tmp_path):
     for leader, follower in ((2, 3), (4, 5)):
         sent = workers[leader]["node_broadcasts"]
         assert sent == workers[follower]["node_broadcasts"] == 1 + steps // n_sync + 1
-
-
-def test_a_node_replica_run_killed_and_resumed_ends_where_the_undisturbed_one_does(tmp_path):
-    # DiLoCo on 2 nodes of 2, a follower killed at step 13, checkpoints every 8 steps: the
-    # resumed job (every worker from step 8, the leader's outer state restored) ends on the
-    # undisturbed run's θ, bit for bit.
-    sim = SimulationConfig(step_time_s=0.01)
-    common = dict(strategy="diloco", workers=4, nodes=2, replica="node", period=3, steps=20,
-                  dataset="synthetic", model="mlp", batch_size=16, test_size=64,
-                  eval_every_s=60, seed=3)  # fmt: skip
-    whole = simulate(RunConfig(out=str(tmp_path / "whole"), **common), sim)
-    cut = RunConfig(out=str(tmp_path / "cut"), checkpoint_every=8, inject_fault=["kill:1@13"],
-                    **common)  # fmt: skip
-    with pytest.raises(SimulationFailed):
-        simulate(cut, sim)
-    resumed = simulate(cut.replace(resume=True, inject_fault=[]), sim)
-    assert resumed["final_test_loss"] == whole["final_test_loss"]
-    assert resumed["inter_node_bytes"] > 0
 
 
 @pytest.mark.parametrize(

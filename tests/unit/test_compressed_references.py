@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests import reference as ref
-from tests.support import drive_strategy
+from tests.support import assert_follows_reference, drive_strategy
 
 STEPS, PERIOD, WORKERS = 13, 4, 2  # three averages and a final one after a partial period
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
@@ -42,11 +42,7 @@ def test_compressed_averages_follow_the_reference_quantiser(tmp_path, strategy, 
                        if strategy == "diloco" else {}))  # fmt: skip
     runs = run_ranks(cfg, _drive, strategy)
     expected = _reference(strategy, ref.QuantisedSum(method))
-    for rank, (got, want) in enumerate(zip(runs, expected, strict=True)):
-        for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
-            torch.testing.assert_close(
-                torch.tensor(a), b, rtol=1e-5, atol=1e-6, msg=f"rank {rank}, step {step}"
-            )
+    assert_follows_reference(runs, expected, STEPS)
     # The compression shows: without feedback, or uncompressed, the run is another one.
     for other in (ref.QuantisedSum(method, feedback=False), None):
         gap = (torch.tensor(runs[0][-1]) - _reference(strategy, other)[0][-1]).abs().max()

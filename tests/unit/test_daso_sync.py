@@ -19,7 +19,7 @@ from cloudburst.sim.run import run_ranks
 from tests import reference as ref
 from tests.support import (
     DASO_REF_STEPS,
-    assert_follows_daso_reference,
+    assert_follows_reference,
     daso_reference_cfg,
     daso_reference_drive,
     daso_reference_run,
@@ -239,7 +239,7 @@ def test_daso_follows_the_reference_on_the_virtual_cluster(tmp_path, wait):
     """The merge S steps after each sync with the weight 2S, the rotating sender and the node
     broadcast follow the reference's trajectory."""
     runs = run_ranks(daso_reference_cfg(str(tmp_path), wait), daso_reference_drive)
-    assert_follows_daso_reference(runs, daso_reference_run(wait))
+    assert_follows_reference(runs, daso_reference_run(wait), DASO_REF_STEPS)
     # Every rank ends on the same θ (finish's blocking average), and the run is not the
     # one a different S gives: the delay shows in the trajectory.
     assert all(r[-1] == runs[0][-1] for r in runs)

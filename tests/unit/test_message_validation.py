@@ -1,7 +1,7 @@
-"""What receivers check before anything is applied, with no processes: the fault ledger, the
-server's and gossip's checks, and the server loop and the gossip serving thread driven by
-scripted messages through fake transports (which fail the test if a payload of a size the
-receiver should not have trusted is ever read)."""
+"""What receivers check before anything is applied, with no processes: the header's wire form,
+the fault ledger, the server's and gossip's checks, and the server loop and the gossip serving
+thread driven by scripted messages through fake transports (which fail the test if a payload of
+a size the receiver should not have trusted is ever read)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from cloudburst.comm.gossip import (
 from cloudburst.comm.messages import (
     FAULT_LOG_EVERY,
     FAULT_LOG_FIRST,
+    MAGIC,
     MAX_PEER_FAULTS,
     Header,
     Kind,
@@ -39,6 +40,30 @@ from cloudburst.strategies.asgd.server import MAX_PUSH_SAMPLES, ServerLoop, requ
 from tests.support import FakeNamespace, RecordingMetrics
 
 NUMEL = 6
+
+
+# ---------------------------------------------------------------------------- the header
+def test_header_round_trip():
+    h = Header(
+        Kind.PUSH_FETCH, shard=2, version=17, numel=1000, samples=64, status=Status.OK, aux=5
+    )
+    assert Header.from_tensor(h.to_tensor()) == h
+
+
+@pytest.mark.parametrize(
+    "values, why",
+    [
+        ([0, 1, 0, 0, 0, 0, 0, 0], f"bad magic 0x0 (expected {MAGIC:#x})"),
+        ([MAGIC, 99, 0, 0, 0, 0, 0, 0], "unknown message kind 99"),
+        ([MAGIC, 2, 0, -1, 10, 0, 0, 0], "negative field in header"),  # version
+        ([MAGIC, 2, 0, 0, -5, 0, 0, 0], "negative field in header"),  # length
+        ([MAGIC, 2, -1, 0, 5, 0, 0, 0], "negative field in header"),  # shard
+    ],
+)
+def test_malformed_headers_are_rejected(values, why):
+    with pytest.raises(MessageError) as err:
+        Header.from_tensor(torch.tensor(values, dtype=torch.int64))
+    assert str(err.value).startswith(why), err.value
 
 
 # ---------------------------------------------------------------------------- the ledger
