@@ -52,13 +52,14 @@ CONFIRM_SEEDS = [3, 4, 5, 6, 7]
 def settings(quick: bool, seeds: int | None) -> dict:
     """What runs: ≤ ~20 min in all on this 2-core machine (≤ ~3 min with ``--quick``)."""
     n = seeds or (1 if quick else 3)
+    steps = 48 if quick else 288  # sync reaches 80 % in ~200 (results/compress.md at 67bf9c1)
     return {
         "seeds": list(range(n)),
         "bytes_steps": 64 if quick else 800,  # 25 outer steps at H = 32
         "bytes_arms": SMALL,
-        "steps": 48 if quick else 288,  # sync reaches 80 % in ~200 (results/compress.md at 67bf9c1)
+        "steps": steps,
         "link_arms": SMALL if quick else ["sync", "sync_bf16", TARGET_ARM],
-        "torchft_steps": 48 if quick else 288,  # as `steps`; the first 32 left out of the step time
+        "torchft_steps": steps,  # the first 32 left out of the step time
         "torchft_arms": ["diloco"] if quick else ["diloco", "sdiloco_f2"],
         "sim_links": [1.0] if quick else [0.1, 1.0, 10.0],
         "sim_steps": 32,  # one period of H = 32

@@ -80,6 +80,7 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
                             aa[0] if both else aa_ratio, "≤ 1", lambda x: x <= 1,
                             aa_of="a")  # fmt: skip
     sync_rs = groups["sync"]
+    copy = [r.final_accuracy for r in groups.get(harness.aa_name("sync"), [])]
     for name in ("local_sgd", "diloco"):
         rs = groups[name]
         steps = rs[0].summary.get("steps_per_worker")
@@ -97,7 +98,6 @@ def report(prov, runs, length: list[str], seeds: list[int], ft_steps: int, versi
             )
         accs, sync_accs = [r.final_accuracy for r in rs], [r.final_accuracy for r in sync_rs]
         if None not in accs + sync_accs:
-            copy = [r.final_accuracy for r in groups.get(harness.aa_name("sync"), [])]
             harness.diff_claim(rep, f"final accuracy, {name} − sync (points), H = {H}", accs,
                                sync_accs, f"within ±{ACC_POINTS:g}",
                                lambda d, lo, hi: abs(d) <= ACC_POINTS, seeds=len(accs),

@@ -31,7 +31,6 @@ samples ≥ −1, and in time to DiLoCo's final − 1 ≤ 0.75. Times are first 
 
 from __future__ import annotations
 
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import equal_time as et  # noqa: E402
 import harness  # noqa: E402
-from equal_time import CLUSTER, EVALS, PER_NODE, at_time, final, run_all, time_to  # noqa: E402
+from equal_time import CLUSTER, PER_NODE, at_time, final, run_all, time_to  # noqa: E402
 from harness import Arm, fmt, pct  # noqa: E402
 
 ARMS = {  # name: (flags, asynchronous?)
@@ -56,15 +55,6 @@ TIME_TARGET, SAMPLES_TARGET, AT_T, DILOCO_TIME, DILOCO_BAND = 0.7, 1.2, -0.5, 0.
 def cell(w: int, jitter: str) -> list[str]:
     return ["--workers", str(w), "--nodes", str(w // PER_NODE), "--straggler", f"0:{SLOW:g}",
             "--step-time-jitter", jitter]  # fmt: skip
-
-
-def budgeted(name: str, flags: list[str], budget_s: float, where: list[str]) -> Arm:
-    """An arm trained for ``budget_s`` virtual seconds: enough steps that the clock ends it (a
-    step computes ≥ ~6.5 ms: half ResNet-50's 13 ms, Pareto(2)'s least draw)."""
-    steps = math.ceil(budget_s / 0.0065)
-    return Arm(name, [*flags, *CLUSTER, *where, "--steps", str(steps),
-                      "--max-train-time-s", f"{budget_s:.6g}",
-                      "--eval-every-s", f"{budget_s / EVALS:.6g}"])  # fmt: skip
 
 
 def train_s(runs: list[harness.Run]) -> list[float]:
@@ -113,8 +103,8 @@ def main() -> None:
     ).text(f"Chosen: lr {lr:g}; T = {fmt(budget)} virtual seconds for every arm below.")
 
     # 2. every other arm for T at two lrs (tuning seeds)
-    sync = budgeted("sync", ["--strategy", "sync", "--lr", f"{lr:g}"], budget, where)
-    pilot = [budgeted(f"{n} lr {x:g}", [*f, "--lr", f"{x:g}"], budget, where)
+    sync = et.budgeted("sync", ["--strategy", "sync", "--lr", f"{lr:g}"], budget, where)
+    pilot = [et.budgeted(f"{n} lr {x:g}", [*f, "--lr", f"{x:g}"], budget, where)
              for n, (f, _) in ARMS.items() for x in et.ARM_LRS[: 1 if quick else 2]]  # fmt: skip
     piloted = run_all([sync, *pilot], tune, root / "pilot", prov)
     runs += piloted
