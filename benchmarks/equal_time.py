@@ -131,6 +131,35 @@ def final(r: harness.Run) -> float | None:
     return r.final_accuracy if r.final_accuracy is not None else (r.evals or [(0, 0, None)])[-1][2]
 
 
+def tune_sync(report: harness.Report, title: str, lrs, steps: int, cell: list[str], seeds,
+              root: Path, prov) -> tuple[list[harness.Run], float, float]:  # fmt: skip
+    """Sync's lr (best mean final accuracy over ``seeds`` at ``steps`` steps) and the budget T
+    (the median training time of its runs), with the section that reports them."""
+    sync_arms = [Arm(f"sync lr {lr:g}", ["--strategy", "sync", "--lr", f"{lr:g}", *CLUSTER, *cell,
+                                          "--steps", str(steps), "--eval-every-s", "1e5"])
+                 for lr in lrs]  # fmt: skip
+    runs = run_all(sync_arms, seeds, root, prov)
+    groups = harness.by_arm(runs)
+    mean_acc = {a.name: statistics.mean(final(r) or 0.0 for r in groups[a.name])
+                for a in sync_arms}  # fmt: skip
+    best_sync = max(sync_arms, key=lambda a: mean_acc[a.name])
+    lr = float(best_sync.argv[best_sync.argv.index("--lr") + 1])
+    budget_s = statistics.median(r.summary["train_time_s"] for r in groups[best_sync.name])
+    report.section(title).table(
+        f"sync arm | mean final accuracy (seeds {seeds[0]}–{seeds[-1]}) | median training "
+        "time (virtual s)",
+        [
+            [
+                a.name,
+                pct(mean_acc[a.name]),
+                fmt(statistics.median(r.summary.get("train_time_s", 0) for r in groups[a.name])),
+            ]
+            for a in sync_arms
+        ],  # fmt: skip
+    ).text(f"Chosen: lr {lr:g}; T = {fmt(budget_s)} virtual seconds for every arm below.")
+    return runs, lr, budget_s
+
+
 def main() -> None:
     def add(p) -> None:
         p.add_argument("--cell", choices=list(CELLS), default="link", help="the grid's cell")
@@ -152,27 +181,8 @@ def main() -> None:
     report.settings(harness.about(__doc__))
 
     # 1. tune sync's lr, fix the budget T
-    sync_arms = [Arm(f"sync lr {lr:g}", ["--strategy", "sync", "--lr", f"{lr:g}", *CLUSTER, *cell,
-                                          "--steps", str(steps), "--eval-every-s", "1e5"])
-                 for lr in lrs]  # fmt: skip
-    runs = run_all(sync_arms, tune, root / "tune", prov)
-    groups = harness.by_arm(runs)
-    mean_acc = {a.name: statistics.mean(final(r) or 0.0 for r in groups[a.name])
-                for a in sync_arms}  # fmt: skip
-    best_sync = max(sync_arms, key=lambda a: mean_acc[a.name])
-    lr = float(best_sync.argv[best_sync.argv.index("--lr") + 1])
-    budget_s = statistics.median(r.summary["train_time_s"] for r in groups[best_sync.name])
-    report.section("1. sync's lr, and the budget").table(
-        "sync arm | mean final accuracy (seeds 0–2) | median training time (virtual s)",
-        [
-            [
-                a.name,
-                pct(mean_acc[a.name]),
-                fmt(statistics.median(r.summary.get("train_time_s", 0) for r in groups[a.name])),
-            ]
-            for a in sync_arms
-        ],  # fmt: skip
-    ).text(f"Chosen: lr {lr:g}; T = {fmt(budget_s)} virtual seconds for every arm below.")
+    runs, lr, budget_s = tune_sync(report, "1. sync's lr, and the budget", lrs, steps, cell,
+                                   tune, root / "tune", prov)  # fmt: skip
 
     # 2. every arm for T on the tuning seeds; choose the best relaxed arm
     sync_flags = ["--strategy", "sync", "--lr", f"{lr:g}"]

@@ -38,8 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import equal_time as et  # noqa: E402
 import harness  # noqa: E402
-from equal_time import CLUSTER, PER_NODE, at_time, final, run_all, time_to  # noqa: E402
-from harness import Arm, fmt, pct  # noqa: E402
+from equal_time import PER_NODE, at_time, final, run_all, time_to  # noqa: E402
+from harness import fmt, pct  # noqa: E402
 
 ARMS = {  # name: (flags, asynchronous?)
     "asgd": (["--strategy", "asgd", "--servers", "4"], True),
@@ -55,10 +55,6 @@ TIME_TARGET, SAMPLES_TARGET, AT_T, DILOCO_TIME, DILOCO_BAND = 0.7, 1.2, -0.5, 0.
 def cell(w: int, jitter: str) -> list[str]:
     return ["--workers", str(w), "--nodes", str(w // PER_NODE), "--straggler", f"0:{SLOW:g}",
             "--step-time-jitter", jitter]  # fmt: skip
-
-
-def train_s(runs: list[harness.Run]) -> list[float]:
-    return [r.summary.get("train_time_s", 0.0) for r in runs]
 
 
 def first_at(r: harness.Run, level: float) -> tuple[float | None, int | None]:
@@ -85,22 +81,9 @@ def main() -> None:
     report.settings(harness.about(__doc__))
 
     # 1. sync's lr and the budget T (tuning seeds)
-    sync_arms = [Arm(f"sync lr {lr:g}", ["--strategy", "sync", "--lr", f"{lr:g}", *CLUSTER, *where,
-                                          "--steps", str(20 if quick else et.SYNC_STEPS),
-                                          "--eval-every-s", "1e5"]) for lr in lrs]  # fmt: skip
-    runs = run_all(sync_arms, tune, root / "tune", prov)
-    g = harness.by_arm(runs)
-    mean_acc = {a.name: statistics.mean(final(r) or 0.0 for r in g[a.name]) for a in sync_arms}
-    best = max(sync_arms, key=lambda a: mean_acc[a.name])
-    lr = float(best.argv[best.argv.index("--lr") + 1])
-    budget = statistics.median(train_s(g[best.name]))
-    report.section("1. sync's lr, and the budget (seeds 0–2)").table(
-        "sync arm | mean final accuracy | median training time (virtual s)",
-        [
-            [a.name, pct(mean_acc[a.name]), fmt(statistics.median(train_s(g[a.name])))]
-            for a in sync_arms
-        ],
-    ).text(f"Chosen: lr {lr:g}; T = {fmt(budget)} virtual seconds for every arm below.")
+    runs, lr, budget = et.tune_sync(report, "1. sync's lr, and the budget (seeds 0–2)", lrs,
+                                    20 if quick else et.SYNC_STEPS, where, tune, root / "tune",
+                                    prov)  # fmt: skip
 
     # 2. every other arm for T at two lrs (tuning seeds)
     sync = et.budgeted("sync", ["--strategy", "sync", "--lr", f"{lr:g}"], budget, where)
