@@ -678,9 +678,7 @@ def make_asgd_worker(cfg: RunConfig, model: nn.Module) -> tuple[AsgdStrategy, li
     return job.workers[0], job.loops
 
 
-def train_asgd_worker(
-    cfg: RunConfig, steps: int, poison_at: int | None = None, setup=None, each=None
-):
+def train_asgd_worker(cfg: RunConfig, steps: int, setup=None, each=None):
     """``steps`` SGD steps of one worker against the shards; ``setup(loops)`` before the
     first, ``each(model, loops)`` after each step's push and fetch."""
     data = synthetic(512, 10)
@@ -691,15 +689,12 @@ def train_asgd_worker(
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     stream = BatchStream(data.x_train, data.y_train, 32, seed=1)
     strategy.start()
-    for step in range(1, steps + 1):
+    for _ in range(steps):
         x, y = next(stream)
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step == poison_at:
-            with torch.no_grad():
-                next(model.parameters())[0, 0] = float("nan")
         strategy.after_step(32)
         if each is not None:
             each(model, loops)
@@ -851,8 +846,8 @@ def kill_after_a_checkpoint(out: Path, rank: int, proc: subprocess.Popen) -> Non
     os.kill(start["pid"], signal.SIGKILL)
 
 
-# ------------------ the link's clocks and records (tests/unit/test_link.py, test_link_costs.py,
-# test_nic_sharing.py, test_sim_network_more.py)
+# ------------------ the link's clocks and records (tests/unit/test_link.py, test_nic_sharing.py,
+# test_sim_network_more.py)
 def close(x: float) -> pytest.approx:
     """Equal to ``x`` up to float rounding (1e-12 s)."""
     return pytest.approx(x, abs=1e-12)

@@ -23,19 +23,16 @@ NUMEL = 10
 
 def _start(rank: int, out: str):
     """The job's context; on the server, its loop run to the end and what it reports."""
-    # push records: one every 2nd applied push, and every push not applied
-    cfg = RunConfig(
-        strategy="asgd", workers=2, servers=1, dataset="synthetic", out=out,
-        heartbeat_timeout_s=5.0, comm_timeout_s=60.0, checkpoint_every=2, push_log_every=2,
-        server_lr=1.0,  # θ ← θ + Δ: the expected values are sums of pushes
-    )  # fmt: skip
+    # push records: every 2nd applied push and every one not applied; λ = 1: θ is a sum of pushes
+    cfg = RunConfig(strategy="asgd", workers=2, servers=1, dataset="synthetic", out=out,
+                    heartbeat_timeout_s=5.0, comm_timeout_s=60.0, checkpoint_every=2,
+                    push_log_every=2, server_lr=1.0)  # fmt: skip
     ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
     if not ctx.is_server:
         return ctx, None
     metrics = MetricsWriter(out, rank, "server0")
-    loop = ServerLoop(
-        ctx, torch.zeros(NUMEL), metrics, LivenessMonitor(ctx.store, ctx.worker_ranks, 5.0)
-    )
+    liveness = LivenessMonitor(ctx.store, ctx.worker_ranks, 5.0)
+    loop = ServerLoop(ctx, torch.zeros(NUMEL), metrics, liveness)
     loop.run()
     metrics.close()
     pushes = [r for r in read_jsonl(metrics.path) if r["event"] == "push"]
@@ -66,9 +63,7 @@ def _scripted(rank: int, out: str) -> dict:
     store = ctx.store
     t = PeerTransport()
     hb = Heartbeat(store, rank, 0.2).start()
-    replies = []
-    theta_before = []
-    theta = torch.empty(NUMEL)
+    replies, theta_before, theta = [], [], torch.empty(NUMEL)
 
     def request(kind, version=0, payload=None, shard=0):
         n = NUMEL if payload is not None else 0

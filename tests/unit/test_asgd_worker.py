@@ -1,10 +1,7 @@
-"""The asgd and easgd workers against real server shards over :mod:`tests.support`'s fake,
-in-process comm (no processes): the push/fetch schedules, the overlapped replies (and when a
-shard sends them relative to its add), the rejection path, the accounting (samples, steps,
-staleness, dropped and rejected pushes, the θ they publish) of W workers stepped in a scripted
-order, the read-only fetch of θ across a shard's restart, and Δ computed chunk by chunk as it
-leaves a CPU replica (the GPU staging path is tests/gpu's).
-"""
+"""The asgd and easgd workers against real shards over :mod:`tests.support`'s in-process fake
+comm: push/fetch schedules, when a shard replies relative to its add, rejections, the accounting
+of W workers stepped in a scripted order, the fetch of θ across a shard's restart, and Δ computed
+chunk by chunk as it leaves a CPU replica (the GPU staging path is tests/gpu's)."""
 
 from __future__ import annotations
 
@@ -72,11 +69,9 @@ def test_one_worker_equals_sgd_for_every_schedule_and_rule():
 
 
 def test_chunked_add_matches_the_shards_bit_for_bit(monkeypatch):
-    """The overlapped PUSH_FETCH writes θ + αΔ into the parameters chunk by chunk: with chunks
-    that do not divide the shards, the replica, its reference and every shard still agree."""
-    monkeypatch.setattr(asgd, "ADD_CHUNK_NUMEL", 7)  # many chunks, none aligned to a shard
-    # λ = 0.5: the replica's θ + αΔ differs from the plain sum, so a chunk added twice, missed,
-    # or added with another α would show
+    """The overlapped PUSH_FETCH's θ + αΔ written chunk by chunk (7 values: none aligned to a
+    shard; λ = 0.5: a chunk added twice, missed or with another α would show)."""
+    monkeypatch.setattr(asgd, "ADD_CHUNK_NUMEL", 7)
     model, strategy, loops = train_asgd_worker(asgd_cfg(servers=3, n_sync=3, server_lr=0.5), 12)
     theta = torch.cat([loop.shard.theta for loop in loops])
     assert strategy.pushes == 4 * 3 and strategy.pushes_rejected == 0
@@ -85,51 +80,36 @@ def test_chunked_add_matches_the_shards_bit_for_bit(monkeypatch):
     assert torch.equal(strategy.reference, theta)
 
 
-def test_rejected_push_is_discarded_and_training_goes_on():
-    # Push every step, fetch every 5: a NaN in the replica at step 7 is pushed at step 7, the
-    # shard rejects it, and the worker starts again from the servers' θ.
-    model, strategy, loops = train_asgd_worker(
-        asgd_cfg(servers=2, n_push=1, n_fetch=5), 12, poison_at=7
-    )
-    assert strategy.pushes_rejected == 1
-    assert sum(loop.shard.rejected_nonfinite for loop in loops) == 1  # shard 0 holds the NaN
-    assert torch.isfinite(flatten_params(model)).all()
-    assert all(torch.isfinite(loop.shard.theta).all() for loop in loops)
-    assert loops[0].shard.version == 11 and loops[1].shard.version == 12
+@pytest.mark.parametrize("compensation", ["delay-adaptive", "scale"])
+def test_after_every_push_the_worker_holds_the_servers_theta_whatever_its_staleness(compensation):
+    """The worker rebuilds θ + λ·s·Δ from an overlapped reply with the shard's s: under
+    delay-adaptive with τ_C = W = 4 (s = 1 at τ = 3) as under scale (s = 1/3)."""
+    cfg = survivor_cfg("asgd", 4, servers=2, n_sync=1, server_lr=0.5,
+                       staleness_compensation=compensation)  # fmt: skip
 
+    def each(model, loops):
+        # Δ = 0 pushes from elsewhere: θ stays, and the worker's next push arrives 3 versions stale
+        assert torch.equal(flatten_params(model), torch.cat([loop.shard.theta for loop in loops]))
+        for loop in loops:
+            for _ in range(3):
+                loop.shard.apply_push(torch.zeros_like(loop.shard.theta), loop.shard.version)
 
-def test_after_every_push_the_worker_holds_the_servers_theta_whatever_its_staleness():
-    # Between the worker's steps each shard takes 3 empty pushes from elsewhere (Δ = 0: θ
-    # stays, the version moves on), so every push of the worker arrives 3 versions stale.
-    # The worker rebuilds θ + λ·s·Δ from an overlapped reply itself: with the same s as the
-    # shard's, under delay-adaptive (τ_C = W = 4: s = 1 at τ = 3) as under scale (s = 1/3).
-    for compensation in ("delay-adaptive", "scale"):
-        kw = dict(servers=2, n_sync=1, server_lr=0.5, staleness_compensation=compensation)
-        cfg = survivor_cfg("asgd", 4, **kw)
-
-        def each(model, loops, compensation=compensation):
-            servers = torch.cat([loop.shard.theta for loop in loops])
-            assert torch.equal(flatten_params(model), servers), compensation
-            for loop in loops:
-                for _ in range(3):
-                    loop.shard.apply_push(torch.zeros_like(loop.shard.theta), loop.shard.version)
-
-        _, _, loops = train_asgd_worker(cfg, 6, each=each)
-        # the worker's pushes after its first were 3 versions stale (the empty ones: 0)
-        assert [loop.shard.staleness_hist for loop in loops] == [{0: 19, 3: 5}] * 2
+    _, strategy, loops = train_asgd_worker(cfg, 6, each=each)
+    assert [loop.shard.staleness_hist for loop in loops] == [{0: 19, 3: 5}] * 2
+    assert strategy.last_staleness == 3
+    assert torch.equal(strategy.reference, torch.cat([loop.shard.theta for loop in loops]))
 
 
 def test_a_standby_copy_holds_its_shards_theta_after_every_forwarded_push():
-    # Shard 1's server forwards each applied push to its standby on server 0 before it
-    # replies; the copy starts from shard 1's slice of θ0 and ends on shard 1's θ, bit for bit.
+    """Shard 1's server forwards each applied push to its standby on server 0 before it
+    replies: the copy (an optimizer rule's state included) ends on shard 1's θ, bit for bit."""
     forwards = StandbyForwards(1)
 
     def setup(loops):
         loops[1].standby_link = forwards
 
-    _, _, loops = train_asgd_worker(
-        asgd_cfg(servers=2, n_sync=2, shard_standby=True), 8, setup=setup
-    )
+    cfg = asgd_cfg(servers=2, n_sync=2, shard_standby=True, server_rule="sgd", server_momentum=0.9)
+    _, _, loops = train_asgd_worker(cfg, 8, setup=setup)
     standby = Standby(loops[0], 1, forwards.replay())
     standby._run()
     assert loops[1].shard.version == 4
@@ -159,41 +139,37 @@ def _one_round(cfg, push_only: bool = False):
     return strategy, shard, before, seen
 
 
-@pytest.mark.parametrize("push_only", [False, True])
-def test_a_reply_without_theta_leaves_before_the_add(push_only):
-    """A PUSH's ack, or an overlapped PUSH_FETCH's (the worker has θ from before the push),
-    depends only on the push being admitted: it leaves before θ moves, so the worker's own
-    θ + αΔ overlaps the server's add; its version is the one after the push."""
-    cfg = dict(n_push=1, n_fetch=2) if push_only else dict(n_sync=1, server_lr=0.5)
-    strategy, shard, before, seen = _one_round(asgd_cfg(servers=1, **cfg), push_only)
+REPLIES = {
+    "push": dict(n_push=1, n_fetch=2),
+    "push_fetch": dict(n_sync=1, server_lr=0.5),  # overlapped: the worker has θ from before
+    "sgd": dict(n_sync=1, server_rule="sgd", server_lr=1.0),  # the reply carries θ after
+}
+
+
+@pytest.mark.parametrize("kind", list(REPLIES))
+def test_a_reply_leaves_before_the_add_unless_it_carries_theta(kind):
+    """A PUSH's or an overlapped PUSH_FETCH's ack depends only on the push being admitted: it
+    leaves before θ moves (the worker's own θ + αΔ overlaps the add), with the version after
+    the push; an optimizer rule's reply carries θ after the apply, so the apply comes first."""
+    strategy, shard, before, seen = _one_round(asgd_cfg(servers=1, **REPLIES[kind]), kind == "push")
     ((header, theta_then, version_then),) = seen
-    assert header.kind == Kind.REPLY and header.status == Status.OK and header.numel == 0
-    assert torch.equal(theta_then, before)  # θ had not moved when the ack left
-    assert header.version == 1 and not torch.equal(shard.theta, before)
-    if not push_only:
-        assert version_then == shard.version == 1  # ...but the push was counted
+    assert header.kind == Kind.REPLY and header.status == Status.OK and header.version == 1
+    assert not torch.equal(shard.theta, before)
+    if kind == "sgd":
+        assert header.numel == shard.theta.numel() and torch.equal(theta_then, shard.theta)
+    else:
+        assert header.numel == 0 and torch.equal(theta_then, before)
+    if kind == "push_fetch":
+        assert version_then == shard.version == 1  # the push was counted before the ack left
         delta = (before + 0.25) - before  # what the worker pushed (its replica started at θ)
         assert torch.equal(shard.theta, before.clone().add_(delta, alpha=0.5))
-        assert torch.equal(flatten_params(strategy.model), shard.theta)  # worker and shard agree
-
-
-def test_reply_with_theta_leaves_after_the_apply():
-    # An optimizer rule: θ after the apply travels in the reply, so the apply comes first.
-    strategy, shard, before, seen = _one_round(
-        asgd_cfg(servers=1, n_sync=1, server_rule="sgd", server_lr=1.0)
-    )
-    ((header, theta_then, _),) = seen
-    assert header.numel == shard.theta.numel() and header.version == 1
-    assert not torch.equal(theta_then, before)
-    assert torch.equal(theta_then, shard.theta)
-    assert torch.equal(flatten_params(strategy.model), shard.theta)
+    if kind != "push":
+        assert torch.equal(flatten_params(strategy.model), shard.theta)
 
 
 class _WireWorkerSide(WorkerSide):
-    """A worker's end of :mod:`tests.support` as the wire treats it: every header goes through
-    its wire encoding, and a payload travels on the stream its ``reply`` flag names (gloo
-    matches tags): a request's payload sent as a reply, or a reply awaited as a request, never
-    arrives."""
+    """A worker's end as the wire treats it: headers through their encoding, and a payload on
+    the stream its ``reply`` flag names (gloo matches tags)."""
 
     def send(self, k: int, header: Header, payload=None, final: bool = False) -> None:
         super().send(k, Header.from_tensor(header.to_tensor()), payload, final)
@@ -262,16 +238,6 @@ def test_asgd_reads_the_servers_theta_between_rounds_and_leaves_the_replica_alon
     assert torch.equal(fresh, job.server_theta) and samples == 2 * BATCH
 
 
-def test_asgd_worker_rebuilds_a_scaled_stale_push_as_the_server_applies_it():
-    job, replicas = _ps("asgd", 2, servers=1, n_sync=1, staleness_scaling=True, server_lr=1.0)
-    _steps(job, replicas, 0, 2)  # w0 pushes at versions 0 and 1
-    _steps(job, replicas, 1)  # w1 pushes against version 0 at version 2: α = 1/2
-    w1 = job.workers[1]
-    assert w1.last_staleness == 2
-    assert torch.equal(w1.reference, job.server_theta)
-    assert torch.equal(ref.flat(replicas.models[1]), job.server_theta)
-
-
 def test_asgd_sums_the_staleness_of_its_pushes_and_counts_each_dropped_one():
     job, replicas = _ps("asgd", 2, servers=1, n_sync=1)
     for worker in (0, 1, 0, 1):  # staleness: w0 0, w1 1, w0 1, w1 1
@@ -290,17 +256,23 @@ def test_asgd_sums_the_staleness_of_its_pushes_and_counts_each_dropped_one():
     assert job.workers[0].pushes_dropped == 0
 
 
-def test_asgd_restarts_from_the_servers_theta_after_each_rejected_push(caplog):
-    job, replicas = _ps("asgd", 1, servers=1, n_push=1, n_fetch=4)
+def test_asgd_restarts_from_the_servers_theta_after_each_rejected_push_and_trains_on(caplog):
+    """Only the shard holding the NaN rejects (the other applies its part); the worker logs it,
+    starts again from the servers' θ, and its later pushes are applied."""
+    job, replicas = _ps("asgd", 1, servers=2, n_push=1, n_fetch=4)
     worker, model = job.workers[0], replicas.models[0]
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for step in (1, 2):
             replicas.step(0, step)
             with torch.no_grad():
-                model[0].weight[0, 0] = math.nan
+                model[0].weight[0, 0] = math.nan  # in shard 0's slice
             worker.after_step(BATCH)
             assert torch.equal(ref.flat(model), job.server_theta)
+    _steps(job, replicas, 0, 2)
     assert worker.pushes_rejected == 2
+    assert [loop.shard.rejected_nonfinite for loop in job.loops] == [2, 0]
+    assert [loop.shard.version for loop in job.loops] == [2, 4]
+    assert torch.isfinite(job.server_theta).all() and torch.isfinite(ref.flat(model)).all()
     messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert messages == ["the servers rejected this worker's push; re-fetching θ"] * 2
 
@@ -333,18 +305,15 @@ def test_easgd_leaves_a_dropped_replica_alone_and_resets_a_rejected_one_to_the_c
 
 
 # ---------------------------------------------------------------- reading θ across a restart
-# A job of three shards and one worker; a broken connection to shard 1 is a transport that
-# raises on it, the shard's restart its announcement in a real (in-memory) HashStore and a
-# fresh fake link to the same server loop, which holds the θ it "restored".
+# Three shards, one worker; a broken connection to shard 1 is a transport that raises on it,
+# its restart an announcement in a HashStore and a fresh fake link to the same server loop.
 BOUNDS = [(0, 3), (3, 6), (6, 9)]  # a 2 → 3 linear layer (9 values) over three shards
 BROKEN = 1
 
 
 class _CutLink(WorkerSide):
-    """The worker's first transport, whose connection to shard ``BROKEN`` breaks once ``cut``
-    is set: ``"send"`` breaks the request, ``"recv"`` the reply (the shard died holding the
-    request). ``stale`` marks the connection from before the shard's restart: using it again
-    at all is an error of the worker, not a failure of the shard."""
+    """The connection to shard ``BROKEN`` breaks once ``cut`` is set (``"send"``: the request,
+    ``"recv"``: the reply); ``stale``: from before the shard's restart, never to be used again."""
 
     cut: str | None = None
     stale = False
@@ -372,8 +341,7 @@ def _values(start: float) -> torch.Tensor:
 
 
 def _three_shard_job(link_type: type[WorkerSide], **cfg):
-    """One asgd worker over three shards, its replica θ = ``_values(1.0)``, talking through a
-    ``link_type`` link: (model, job, worker, link)."""
+    """(model, job, worker, link): one asgd worker over three shards, θ = ``_values(1.0)``."""
     model = nn.Linear(2, 3)
     ref.set_flat(model, _values(1.0))
     job = ps_job(asgd_cfg(servers=3, **cfg), [model])
@@ -384,8 +352,7 @@ def _three_shard_job(link_type: type[WorkerSide], **cfg):
 
 
 def _restart_job():
-    """One started worker over three shards (shard k at version 3 + 2k, 8·(k + 1) samples) whose
-    replica then made local progress; the worker's cut link, the job, and the store."""
+    """A started worker (shard k at version 3 + 2k, 8·(k + 1) samples), then a local step."""
     model, job, worker, link = _three_shard_job(_CutLink, n_sync=4, max_restarts=1)
     store = dist.HashStore()
     worker.ctx.store = store
@@ -404,26 +371,12 @@ def _set_shards(job, theta: torch.Tensor, versions, samples) -> None:
         loop.shard.version, loop.shard.samples = v, s
 
 
-def test_a_fetch_reads_each_shard_into_its_slice_and_shard_0s_sample_count():
-    """No shard lost: the fetched θ is the shards' θ joined in shard order, the sample count
-    is shard 0's, and the replica, its reference and its versions are left alone."""
-    worker, model, link, job, store = _restart_job()
-    served = _values(9.0)
-    _set_shards(job, served, versions=[4, 6, 8], samples=[24, 32, 40])
-    theta, samples = worker.fetch_global_params()
-    assert torch.equal(theta, served) and samples == 24
-    assert torch.equal(ref.flat(model), _values(50.0))
-    assert torch.equal(worker.reference, _values(1.0)) and worker.versions == [3, 5, 7]
-    assert worker.shard_reconnects == 0
-
-
 @pytest.mark.parametrize("cut", ["send", "recv"])
 def test_a_fetch_that_loses_a_shard_takes_its_restarted_theta_and_reads_the_others(cut, caplog):
-    """The other shards' θ and shard 0's sample count are read as they are; the lost shard's
-    slice is the θ_k its restart serves, which the replica and its reference take too (the
-    unpushed progress on that slice is gone); its version becomes the restored one, the version
-    it last acknowledged is reported to the shard, and the reconnection is counted and logged
-    with the transport's error."""
+    """The lost shard's slice is the θ_k its restart serves, which the replica and its reference
+    take too; its version becomes the restored one, the version it last acknowledged is
+    reported, the reconnection counted and logged with the error. Later fetches reach it over
+    its restart's link (the old one never again) with no further reconnection."""
     worker, model, link, job, store = _restart_job()
     served = _values(200.0)
     _set_shards(job, served, versions=[9, 11, 13], samples=[64, 72, 80])
@@ -452,32 +405,18 @@ def test_a_fetch_that_loses_a_shard_takes_its_restarted_theta_and_reads_the_othe
     error = "Connection reset by peer" if cut == "send" else "Connection closed by peer"
     assert messages[0] == f"lost the connection to shard 1: {error}"
     assert len(messages) == 2 and messages[1].startswith("shard 1 restarted (restart 1)")
-
-
-@pytest.mark.parametrize("cut", ["send", "recv"])
-def test_after_a_restart_the_fetch_talks_to_the_shard_over_its_new_link(cut):
-    """Once shard 1 was restarted, later fetches reach it over the link made for its restart
-    (the old connection is never used again) and read every shard's current θ, with no further
-    reconnection."""
-    worker, model, link, job, store = _restart_job()
-    announce_shard(store, shard=BROKEN, incarnation=1, version=5)
-    link.cut = cut
-    worker.fetch_global_params()
     link.stale = True
-    served = _values(-7.0)
-    _set_shards(job, served, versions=[20, 21, 22], samples=[96, 104, 112])
+    _set_shards(job, _values(-7.0), versions=[20, 21, 22], samples=[96, 104, 112])
     theta, samples = worker.fetch_global_params()
-    assert torch.equal(theta, served) and samples == 96
-    assert worker.shard_reconnects == 1 and worker.versions == [3, 5, 7]
-    local = _values(50.0)
-    assert torch.equal(ref.flat(model), torch.cat([local[0:3], _values(1.0)[3:6], local[6:9]]))
+    assert torch.equal(theta, _values(-7.0)) and samples == 96
+    assert worker.shard_reconnects == 1 and worker.versions == [3, 4, 7]
+    assert torch.equal(ref.flat(model), torch.cat([local[0:3], restored[3:6], local[6:9]]))
 
 
 # ------------------------------------------------------------------- Δ computed as it leaves
 class _ChunkedLink(WorkerSide):
-    """A worker transport that sends each payload in two chunks, as the real one sends fp32
-    in chunks: it overwrites the payload it was handed, then has ``prepare`` fill each chunk
-    just before "sending" it, and keeps what was sent."""
+    """Sends each payload in two chunks, as the real transport does fp32: overwrites it, has
+    ``prepare`` fill each chunk just before "sending" it, and keeps what was sent."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -494,9 +433,8 @@ class _ChunkedLink(WorkerSide):
 
 
 def test_a_cpu_replica_computes_each_shards_delta_chunk_by_chunk_as_it_is_sent():
-    """A CPU fp32 replica under the add rule (overlapped push-and-fetch) hands the transport a
-    ``prepare`` that computes each chunk of each shard's Δ just before the chunk leaves (the
-    subtraction overlaps the wire); the shards receive Δ = θ_local − θ_fetched exactly."""
+    """Under the add rule the transport's ``prepare`` computes each chunk of Δ just before it
+    leaves; the shards receive Δ = θ_local − θ_fetched exactly."""
     model, job, worker, link = _three_shard_job(_ChunkedLink, n_sync=1)
     worker.start()
     local = _values(1.0) + torch.tensor([3.0, -1.0, 0.5, 2.0, 4.0, -2.5, 1.5, 0.25, -0.75])

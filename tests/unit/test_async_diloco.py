@@ -1,9 +1,7 @@
-"""Asynchronous DiLoCo (--strategy async_diloco; docs/algorithms.md#async_diloco): its
-settings, Dynamic Local Updates' H_i, and whole jobs on the virtual cluster — one worker equals
-synchronous DiLoCo's independent reference (Delayed Nesterov with N = 1 is Nesterov SGD),
-several with a straggler size H_i from their measured speeds (virtual time: exact), push as
-often per unit of time, and learn. (The Delayed Nesterov shard rule against
-tests/reference.py: tests/unit/test_staleness_compensation.py.)"""
+"""Asynchronous DiLoCo (docs/algorithms.md#async_diloco): its settings, Dynamic Local Updates'
+H_i, and jobs on the virtual cluster: one worker is synchronous DiLoCo's reference (N = 1 is
+Nesterov SGD); with a straggler the workers size H_i from their measured speeds (virtual time:
+exact), push as often, and learn. (The shard rule: tests/unit/test_staleness_compensation.py.)"""
 
 from __future__ import annotations
 
@@ -73,20 +71,13 @@ def test_dylu_rule_scales_h_by_speed_over_the_fastest_rounding_half_up():
     assert dylu_inner_steps(2, 1.0, 10.0) == 1  # at least one inner step
 
 
-def _reader(store, clock, me=0, workers=3, period=8, speed=2.0):
-    """Worker ``me``'s DyLU state, enough for _next_inner_steps (its own speed ``speed``)."""
-    ctx = FakeNamespace(
-        store=store,
-        worker_index=me,
-        worker_ranks=list(range(workers)),
-        comm=SimpleNamespace(now=lambda: clock[0]),
-    )
-    return SimpleNamespace(
-        ctx=ctx, cfg=SimpleNamespace(
-            local_sgd=SimpleNamespace(period=period), job=SimpleNamespace(workers=workers)
-        ), inner_steps=period,
-        _published=0, _seen={}, measured_speed=lambda: speed,
-    )  # fmt: skip
+def _reader(store, clock):
+    """Worker 0 of 3's DyLU state at H = 8 and 2 steps/s, enough for _next_inner_steps."""
+    ctx = FakeNamespace(store=store, worker_index=0, worker_ranks=[0, 1, 2],
+                        comm=SimpleNamespace(now=lambda: clock[0]))  # fmt: skip
+    cfg = SimpleNamespace(local_sgd=SimpleNamespace(period=8), job=SimpleNamespace(workers=3))
+    return SimpleNamespace(ctx=ctx, cfg=cfg, inner_steps=8, _published=0, _seen={},
+                           measured_speed=lambda: 2.0)  # fmt: skip
 
 
 def test_fastest_fresh_leaves_out_a_speed_not_renewed_within_stale_rounds_of_its_rounds():

@@ -83,9 +83,8 @@ def test_a_local_job_hands_each_rank_a_fresh_secret_with_its_entry_point():
     wrapped = auth.with_job_secret(_entry)
     other = auth.with_job_secret(_entry)
     assert wrapped._secret != other._secret and len(wrapped._secret) == auth.SECRET_BYTES
-    assert wrapped.__name__ == "_entry" and "secret" not in repr(wrapped).lower().replace(
-        "withjobsecret", ""
-    )
+    shown = repr(wrapped).lower().replace("withjobsecret", "")
+    assert wrapped.__name__ == "_entry" and "secret" not in shown
     assert wrapped._secret.hex() not in repr(wrapped)
     rank_side = pickle.loads(pickle.dumps(wrapped))  # as the forkserver hands it to a rank
     assert auth.job_secret() is None

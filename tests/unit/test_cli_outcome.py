@@ -75,30 +75,26 @@ def test_resume_takes_the_runs_config_and_allowed_overrides(tmp_path):
     assert (cfg.training.steps, cfg.faults.max_restarts, cfg.job.strategy) == (80, 2, "local_sgd")
 
 
+# What --resume DIR finds in DIR ("run": a run's config.json; None: nothing) and is given.
 @pytest.mark.parametrize(
-    "flags, message",
+    "saved, flags, has_toml, message",
     [
-        ({"strategy": "sync"}, "strategy cannot change"),
-        ({"workers": 3}, "workers cannot change"),
-        ({"seed": 1}, "seed cannot change"),
-        ({"out": "/elsewhere"}, "drop --out"),
+        ("run", {"strategy": "sync"}, False, "strategy cannot change"),
+        ("run", {"workers": 3}, False, "workers cannot change"),
+        ("run", {"seed": 1}, False, "seed cannot change"),
+        ("run", {"out": "/elsewhere"}, False, "drop --out"),
+        ("run", {}, True, "not --config"),
+        (None, {}, False, "not a cloudburst run directory"),
+        ("{not json", {}, False, "not valid JSON"),
+        (json.dumps({"strategy": "x"}), {}, False, "strategy"),
     ],
 )
-def test_resume_refuses_changes_to_the_runs_identity(tmp_path, flags, message):
-    _run_dir(tmp_path)
+def test_resume_refuses_what_is_not_a_run_and_changes_to_the_runs_identity(
+    tmp_path, saved, flags, has_toml, message
+):
+    if saved == "run":
+        _run_dir(tmp_path)
+    elif saved is not None:
+        (tmp_path / "config.json").write_text(saved)
     with pytest.raises(ConfigError, match=message):
-        resume_config(str(tmp_path), flags, has_toml=False)
-
-
-def test_resume_of_a_directory_that_is_not_a_run(tmp_path):
-    with pytest.raises(ConfigError, match="not a cloudburst run directory"):
-        resume_config(str(tmp_path), {}, has_toml=False)
-    (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="not valid JSON"):
-        resume_config(str(tmp_path), {}, has_toml=False)
-    (tmp_path / "config.json").write_text(json.dumps({"strategy": "x"}))
-    with pytest.raises(ConfigError, match="strategy"):
-        resume_config(str(tmp_path), {}, has_toml=False)
-    _run_dir(tmp_path)
-    with pytest.raises(ConfigError, match="not --config"):
-        resume_config(str(tmp_path), {}, has_toml=True)
+        resume_config(str(tmp_path), flags, has_toml=has_toml)

@@ -166,18 +166,9 @@ def test_a_sweep_writes_the_table_json_and_plots(simulated, tmp_path, capsys):
     assert "1 of 8 runs did not reach" in printed.err
 
 
-def test_the_report_is_remade_from_the_summaries_alone(simulated, tmp_path):
-    out = tmp_path / "sweep"
-    argv = ["simulate", *SMALL, "--out", str(out), "--step-time-s", "0.1"]
-    assert cli.main([*argv, "--sweep", "workers=2,4", "--strategies", "sync,asgd"]) == 0
-    first = json.loads((out / "sweep.json").read_text())
-    (out / "sweep.json").unlink()
-    again = sweep_report(out, "workers")
-    again.pop("plots")
-    assert sorted(again["cells"], key=repr) == sorted(first["cells"], key=repr)
-
-
-def test_a_clock_field_can_be_swept(simulated, tmp_path):
+def test_a_clock_field_can_be_swept_and_the_report_remade_from_the_summaries_alone(
+    simulated, tmp_path
+):
     out = tmp_path / "sweep"
     argv = ["simulate", *SMALL, "--out", str(out), "--inter-node-link", "1"]
     assert cli.main([*argv, "--sweep", "intra-node-link=100:0.01,none"]) == 0
@@ -187,6 +178,9 @@ def test_a_clock_field_can_be_swept(simulated, tmp_path):
     report = json.loads((out / "sweep.json").read_text())
     assert [c["value"] for c in report["cells"]] == ["100,0.01", None]
     assert (out / "sync-intra_node_link=100-0.01-seed0" / "summary.json").is_file()
+    (out / "sweep.json").unlink()
+    again = sweep_report(out, "intra_node_link")
+    assert again.pop("plots") and json.loads((out / "sweep.json").read_text()) == report
 
 
 def test_strategies_alone_make_a_sweep_without_a_field(simulated, tmp_path):

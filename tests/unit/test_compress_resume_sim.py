@@ -11,10 +11,9 @@ import torch
 
 from cloudburst.config import RunConfig
 from cloudburst.config.simulation import SimulationConfig
-from cloudburst.data import load_dataset
-from cloudburst.models import build_model
-from cloudburst.records.checkpoint import load_checkpoint, load_model_into
+from cloudburst.records.checkpoint import load_checkpoint
 from cloudburst.sim.run import SimulationFailed, simulate
+from tests.reference import trained
 
 pytestmark = pytest.mark.unit
 
@@ -38,13 +37,6 @@ def _cfg(out, workers: int = 2, **kw) -> RunConfig:
                      test_size=64, eval_every_s=60, seed=3, out=str(out), **kw)  # fmt: skip
 
 
-def _final_params(out) -> list[torch.Tensor]:
-    data = load_dataset("synthetic", test_size=64)
-    model = build_model("mlp", data.input_shape, data.num_classes, seed=3)
-    load_model_into(out / "model.pt", model)
-    return [p.detach().clone() for p in model.parameters()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_a_compressed_run_killed_and_resumed_ends_where_the_undisturbed_one_does(tmp_path, case):
@@ -66,5 +58,6 @@ def test_a_compressed_run_killed_and_resumed_ends_where_the_undisturbed_one_does
     resumed = simulate(cut.replace(resume=True, inject_fault=[]), sim)
     assert resumed["final_test_loss"] == whole["final_test_loss"]
     assert (resumed["inter_node_bytes"] > 0) == ("nodes" in case)
-    pairs = zip(_final_params(tmp_path / "whole"), _final_params(tmp_path / "cut"), strict=True)
+    whole_model, cut_model = (trained(tmp_path / run, "mlp") for run in ("whole", "cut"))
+    pairs = zip(whole_model.parameters(), cut_model.parameters(), strict=True)
     assert all(torch.equal(p, q) for p, q in pairs)

@@ -1,6 +1,10 @@
+import math
+
 import pytest
+import torch
 
 from cloudburst.config import ConfigError, RunConfig, Straggler
+from cloudburst.loop.train_step import make_optimizer, make_scheduler
 
 
 def test_defaults_are_valid():
@@ -33,13 +37,9 @@ def test_a_config_reads_by_concern_and_keeps_flat_names_at_its_edges(tmp_path):
     wider = cfg.replace(workers=8, daso_global_skip=2)
     assert (wider.job.workers, wider.daso.global_skip, cfg.daso.global_skip) == (8, 2, 6)
     assert wider != cfg and cfg.replace() == cfg
-    for section in (
-        "[daso]\nglobal_skip = 6",
-        "[daso]\ndaso_global_skip = 6",
-        "daso_global_skip = 6",
-    ):
-        (tmp_path / "run.toml").write_text(section + "\n")
-        assert RunConfig.from_toml(tmp_path / "run.toml").daso.global_skip == 6
+    (tmp_path / "run.toml").write_text("[daso]\nglobal_skip = 6\n[training]\nlr = 0.1\n")
+    from_file = RunConfig.from_toml(tmp_path / "run.toml", {"lr": 0.2})  # the overrides win
+    assert (from_file.daso.global_skip, from_file.training.lr) == (6, 0.2)
     with pytest.raises(TypeError, match="unknown field 'global_skip'"):
         RunConfig(global_skip=6)
     with pytest.raises(AttributeError):
@@ -55,7 +55,7 @@ def test_summing_pushes_with_several_workers_warns():
     assert RunConfig(strategy="asgd", workers=1, servers=1, server_lr=1.0, steps=5).warnings() == []
 
 
-# Each bad value: the field the message starts with, and what it must say — the value and
+# Each bad value: how the message starts (the field), and what it must say — the value and
 # what is allowed, or the fix (STYLE: one line naming the field, the value and the range).
 @pytest.mark.parametrize(
     "values, field, fragments",
@@ -63,21 +63,10 @@ def test_summing_pushes_with_several_workers_warns():
         ({"strategy": "magic"}, "strategy", ["'magic'", "sync, asgd, daso, local_sgd"]),
         ({"strategy": "asgd", "servers": 0}, "servers", ["0", "'asgd'", "--servers 1 or more"]),
         ({"strategy": "sync", "servers": 2}, "servers", ["2", "'sync'", "--servers 0"]),
-        ({"lr": -0.1}, "lr", ["-0.1", "> 0.0"]),
-        ({"steps": 1e20}, "steps", ["1e+20", "not a valid int"]),
-        ({"inter_node_link": "1e-300"}, "inter_node_link", ["'1e-300'", "1 kbit/s to 1 Pbit/s"]),
         ({"batch_size": 5000}, "batch_size", ["5000", "shard of 2000 samples"]),
-        ({"n_fetch": 0, "strategy": "asgd", "servers": 1}, "n_fetch", ["0", "integer >= 1"]),
-        (
-            {"server_rule": "avg", "strategy": "asgd", "servers": 1},
-            "server_rule",
-            ["'avg'", "add, sgd, adagrad"],
-        ),
-        ({"target_accuracy": 1.5}, "target_accuracy", ["1.5", "> 0.0 and <= 1.0"]),
-        ({"stragglers": ["7:2"]}, "straggler", ["worker 7 does not exist", "0..1"]),
-        ({"stragglers": ["x"]}, "straggler", ["'x'", "WORKER:FACTOR"]),
+        ({"server_rule": "avg", "strategy": "asgd", "servers": 1}, "server_rule",
+         ["'avg'", "add, sgd, adagrad"]),
         ({"init_from": "/nonexistent/model.pt"}, "init_from", ["'/nonexistent/model.pt'"]),
-        ({"workers": "four"}, "workers", ["'four'", "int"]),
         ({"bogus": 1}, "config", ["unknown field 'bogus'"]),
         ({"dataset": "cifar10"}, "dataset", ["needs a path", "cifar10:PATH"]),
         ({"dataset": "cifar10:/nonexistent/cifar"}, "dataset", ["'/nonexistent/cifar'"]),
@@ -89,9 +78,15 @@ def test_summing_pushes_with_several_workers_warns():
         ({"backend": "mpi"}, "backend", ["'mpi'", "auto, gloo, nccl"]),
         ({"backend": "nccl", "device": "cpu"}, "backend", ["'nccl'", "--device cuda"]),
         ({"autocast": "fp8"}, "autocast", ["'fp8'", "none, bf16"]),
-        ({"image_size": 4}, "image_size", ["4", "integer >= 8"]),
+        ({"lr_schedule": "step"}, "lr_schedule: 'step' is not allowed; choose one of ", []),
+        ({"strategy": "async_diloco", "workers": 2, "local_sgd_warmup_steps": 10},
+         "local_sgd_warmup_steps: async_diloco has no", []),
+        ({"strategy": "diloco", "workers": 2, "optimizer": "sgd", "desloc_second_every": 2},
+         "desloc_first_every: DES-LOC averages an Adam", []),
+        ({"strategy": "local_sgd", "workers": 2, "optimizer": "adamw", "desloc_second_every": 2},
+         "desloc_first_every: DES-LOC averages an Adam", []),
     ],
-)
+)  # fmt: skip
 def test_invalid_values_name_the_field_the_value_and_the_fix(values, field, fragments):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict(values)
@@ -100,21 +95,7 @@ def test_invalid_values_name_the_field_the_value_and_the_fix(values, field, frag
     assert all(fragment in msg for fragment in fragments), msg
 
 
-def test_toml_and_overrides(tmp_path):
-    path = tmp_path / "run.toml"
-    path.write_text('[train]\nstrategy = "asgd"\nservers = 2\nworkers = 3\nn-sync = 4\nlr = 0.1\n')
-    cfg = RunConfig.from_toml(path, {"lr": 0.2})
-    assert (cfg.job.strategy, cfg.job.servers, cfg.job.workers) == ("asgd", 2, 3)
-    assert (cfg.asgd.n_push, cfg.training.lr) == (4, 0.2)
-
-
 def test_cosine_schedule_decays_to_zero_over_the_run():
-    import math
-
-    import torch
-
-    from cloudburst.loop.train_step import make_optimizer, make_scheduler
-
     cfg = RunConfig(lr=0.1, lr_schedule="cosine", steps=50)
     param = torch.nn.Parameter(torch.zeros(1))
     opt = make_optimizer(cfg, [param])
@@ -128,8 +109,6 @@ def test_cosine_schedule_decays_to_zero_over_the_run():
     expected = [0.05 * (1 + math.cos(math.pi * k / 50)) for k in range(51)]
     assert lrs == pytest.approx(expected, abs=1e-12)
     assert make_scheduler(RunConfig(), opt, 10) is None
-    with pytest.raises(ConfigError, match="lr_schedule: 'step' is not allowed; choose one of "):
-        RunConfig(lr_schedule="step")
 
 
 def test_path_datasets_have_no_default_size_until_loaded(tmp_path):
@@ -142,10 +121,10 @@ def test_path_datasets_have_no_default_size_until_loaded(tmp_path):
     assert RunConfig(model="pkg.module:factory").model.model == "pkg.module:factory"
 
 
-def test_diloco_takes_a_warm_start_and_warns_about_outer_lr_with_sgd():
-    with pytest.raises(ConfigError, match="^local_sgd_warmup_steps: async_diloco has no"):
-        RunConfig(strategy="async_diloco", workers=2, local_sgd_warmup_steps=10, steps=10)
+def test_diloco_takes_a_warm_start_and_desloc_and_warns_about_outer_lr_with_sgd():
+    """(async_diloco's warm start and DES-LOC over SGD are refused: in the table above.)"""
     RunConfig(strategy="diloco", workers=2, local_sgd_warmup_steps=10, steps=10)
+    RunConfig(strategy="diloco", workers=2, optimizer="adamw", desloc_first_every=3)
     RunConfig(strategy="local_sgd", workers=2, local_sgd_warmup_steps=10, steps=10)
     paper = RunConfig(strategy="diloco", workers=2, steps=10, diloco_outer_lr=0.7)
     assert len(paper.warnings()) == 1 and "outer lr 0.7" in paper.warnings()[0]
@@ -153,10 +132,3 @@ def test_diloco_takes_a_warm_start_and_warns_about_outer_lr_with_sgd():
     for kw in ({}, {"diloco_outer_lr": 0.1}, {"diloco_outer_lr": 0.5}, {"optimizer": "adam"}):
         assert RunConfig(strategy="diloco", workers=2, steps=10, **kw).warnings() == []
     assert RunConfig(strategy="local_sgd", workers=2, steps=10).warnings() == []
-
-
-@pytest.mark.parametrize("strategy, optimizer", [("diloco", "sgd"), ("local_sgd", "adamw")])
-def test_desloc_needs_diloco_over_adam(strategy, optimizer):
-    with pytest.raises(ConfigError, match="^desloc_first_every: DES-LOC averages an Adam"):
-        RunConfig(strategy=strategy, workers=2, optimizer=optimizer, desloc_second_every=2)
-    RunConfig(strategy="diloco", workers=2, optimizer="adamw", desloc_first_every=3)

@@ -1,12 +1,19 @@
-"""Readers for datasets on local paths: every file is generated in tmp_path, nothing downloaded."""
+"""Readers for datasets on local paths: every file is generated in tmp_path, nothing downloaded.
+Small files that declare huge memory (issue 44) are refused, from headers and file sizes, before
+anything is allocated, in one line naming the size and the limit; the memory a refusal took is
+measured with tracemalloc (numpy reports its array allocations to it), so "refused before
+allocating" is asserted in bytes, never in seconds."""
 
 from __future__ import annotations
 
+import codecs
 import io
 import math
 import os
 import pickle
 import struct
+import tracemalloc
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +21,12 @@ import pytest
 import torch
 from PIL import Image
 
+from cloudburst.config import ConfigError, RunConfig
+from cloudburst.data import in_memory, load_dataset
 from cloudburst.data.datasets import (
     CIFAR10_MEAN,
     CIFAR10_STD,
+    MAX_DATASET_BYTES,
     DatasetError,
     ImageFileSource,
     Preprocess,
@@ -26,19 +36,28 @@ from cloudburst.data.datasets import (
     load_path_dataset,
     parse_dataset_spec,
 )
+from cloudburst.data.datasets.cifar import CIFAR10_MAX_FILE_BYTES
+from tests.datagen import write_imagefolder, write_npz
 
 RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
+SMALL_PEAK_BYTES = 8 * 2**20  # far below every declared size here, above a refusal's own needs
 
 
-def expect_error(fn, *fragments: str) -> str:
-    """fn() raises DatasetError whose one-line message contains every fragment."""
-    with pytest.raises(DatasetError) as info:
-        fn()
+def refused(fn, *fragments: str) -> int:
+    """fn() raises a one-line DatasetError containing every fragment; returns the peak bytes
+    traced while it ran."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(DatasetError) as info:
+            fn()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
     message = str(info.value)
     assert "\n" not in message, message
     for fragment in fragments:
         assert fragment in message, message
-    return message
+    return peak
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,13 +107,9 @@ def _write_cifar(parent: Path, py2: bool = True) -> Path:
     for i in range(1, 6):
         _dump(_cifar_batch(20, seed=i), root / f"data_batch_{i}", py2)
     _dump(_cifar_batch(10, seed=0), root / "test_batch", py2)
-    names = [b"airplane", b"automobile", b"bird", b"cat", b"deer"]
-    names += [b"dog", b"frog", b"horse", b"ship", b"truck"]
-    _dump(
-        {b"label_names": names, b"num_cases_per_batch": 20, b"num_vis": 3072},
-        root / "batches.meta",
-        py2,
-    )
+    names = b"airplane automobile bird cat deer dog frog horse ship truck".split()
+    meta = {b"label_names": names, b"num_cases_per_batch": 20, b"num_vis": 3072}
+    _dump(meta, root / "batches.meta", py2)
     return root
 
 
@@ -129,13 +144,11 @@ def test_cifar10_without_meta_names_classes_by_digit_and_missing_batches_are_lis
     assert load_path_dataset("cifar10", str(root)).classes == [str(i) for i in range(10)]
     (root / "data_batch_4").unlink()
     (root / "test_batch").unlink()
-    expect_error(lambda: check_dataset("cifar10", str(root)), "data_batch_4", "test_batch")
-    expect_error(lambda: load_path_dataset("cifar10", str(tmp_path)), "data_batch_4")
-    expect_error(lambda: check_dataset("cifar10", str(tmp_path / "nope")), "no such file")
+    refused(lambda: check_dataset("cifar10", str(root)), "data_batch_4", "test_batch")
+    refused(lambda: load_path_dataset("cifar10", str(tmp_path)), "data_batch_4")
+    refused(lambda: check_dataset("cifar10", str(tmp_path / "nope")), "no such file")
     (tmp_path / "cifar-10-python.tar.gz").write_bytes(b"\x1f\x8b")
-    expect_error(
-        lambda: check_dataset("cifar10", str(tmp_path / "cifar-10-python.tar.gz")), "extracted"
-    )
+    refused(lambda: check_dataset("cifar10", str(tmp_path / "cifar-10-python.tar.gz")), "extracted")
 
 
 @pytest.mark.parametrize(
@@ -146,6 +159,7 @@ def test_cifar10_without_meta_names_classes_by_digit_and_missing_batches_are_lis
         ({b"data": np.zeros((20, 3072), np.uint8), b"labels": [0] * 19 + [10]}, "0..9"),
         ({b"data": np.zeros((20, 3072), np.uint8), b"labels": [0] * 19}, "19 labels"),
         ({b"labels": [0] * 20}, "'data'"),
+        ({b"data": np.zeros((3, 3072), np.uint8), b"labels": np.zeros(3, int)}, "list of ints"),
         ([1, 2, 3], "list"),
         (None, "not a readable"),  # the real test batch, its pickle cut short
     ],
@@ -156,7 +170,7 @@ def test_cifar10_malformed_batch(tmp_path, broken, fragment):
         path.write_bytes(path.read_bytes()[:500])
     else:
         _dump(broken, path)
-    expect_error(lambda: load_path_dataset("cifar10", str(path.parent)), path.name, fragment)
+    refused(lambda: load_path_dataset("cifar10", str(path.parent)), path.name, fragment)
 
 
 class _Evil:
@@ -172,7 +186,7 @@ def test_cifar10_refuses_code_in_pickles(tmp_path, py2):
     root = _write_cifar(tmp_path / "data")
     marker = tmp_path / "PWNED"
     _dump({b"data": _Evil(marker), b"labels": [0]}, root / "data_batch_3", py2)
-    expect_error(
+    refused(
         lambda: load_path_dataset("cifar10", str(root)),
         "data_batch_3",
         "refuses to unpickle global",
@@ -181,7 +195,7 @@ def test_cifar10_refuses_code_in_pickles(tmp_path, py2):
     assert not marker.exists()
     _dump({b"label_names": _Evil(marker)}, root / "batches.meta", py2)
     _dump(_cifar_batch(20, seed=3), root / "data_batch_3", py2)
-    expect_error(lambda: load_path_dataset("cifar10", str(root)), "batches.meta", "refuses")
+    refused(lambda: load_path_dataset("cifar10", str(root)), "batches.meta", "refuses")
     assert not marker.exists()
 
 
@@ -288,31 +302,29 @@ def test_imagefolder_train_test_dirs_and_corrupt_image(tmp_path):
     assert data.test.targets.tolist() == [0, 1, 1]
     bad = data.test.paths.index(str(tmp_path / "val" / "b" / "bad.png"))
     data.test.get_batch(torch.tensor([0, 1 if bad == 2 else 2]))
-    expect_error(lambda: data.test.get_batch(torch.tensor([bad])), "bad.png", "cannot read image")
+    refused(lambda: data.test.get_batch(torch.tensor([bad])), "bad.png", "cannot read image")
     # a truncated PNG in the training split is found while computing the mean/std
     good = tmp_path / "train" / "a" / "img00.png"
     good.write_bytes(good.read_bytes()[:60])
-    expect_error(lambda: load_path_dataset("imagefolder", str(tmp_path)), "img00.png")
+    refused(lambda: load_path_dataset("imagefolder", str(tmp_path)), "img00.png")
 
 
 def test_imagefolder_layout_errors(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    expect_error(lambda: check_dataset("imagefolder", str(empty)), "no class subdirectories")
-    expect_error(lambda: load_path_dataset("imagefolder", str(empty)), "no class subdirectories")
+    refused(lambda: check_dataset("imagefolder", str(empty)), "no class subdirectories")
+    refused(lambda: load_path_dataset("imagefolder", str(empty)), "no class subdirectories")
     _folder(tmp_path / "one", {"a": 2})
     (tmp_path / "one" / "b").mkdir()
-    expect_error(lambda: check_dataset("imagefolder", str(tmp_path / "one")), "no images", "b")
+    refused(lambda: check_dataset("imagefolder", str(tmp_path / "one")), "no images", "b")
     _folder(tmp_path / "split" / "train", {"a": 2, "b": 2})
     _folder(tmp_path / "split" / "test", {"a": 1, "c": 1})
-    expect_error(
-        lambda: check_dataset("imagefolder", str(tmp_path / "split")), "same classes", "'c'"
-    )
+    refused(lambda: check_dataset("imagefolder", str(tmp_path / "split")), "same classes", "'c'")
     _folder(tmp_path / "single", {"a": 1, "b": 1})
-    expect_error(lambda: load_path_dataset("imagefolder", str(tmp_path / "single")), "too few")
+    refused(lambda: load_path_dataset("imagefolder", str(tmp_path / "single")), "too few")
     _folder(tmp_path / "only_train" / "train", {"a": 2})
-    expect_error(lambda: check_dataset("imagefolder", str(tmp_path / "only_train")), "no test/")
-    expect_error(lambda: check_dataset("imagefolder", str(tmp_path / "missing")), "no such")
+    refused(lambda: check_dataset("imagefolder", str(tmp_path / "only_train")), "no test/")
+    refused(lambda: check_dataset("imagefolder", str(tmp_path / "missing")), "no such")
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,35 +396,28 @@ def test_npz_float_features_and_held_out_split(tmp_path):
         ({"x": np.zeros((5, 2)), "y": np.zeros(5, int), "x_test": np.zeros((1, 2))}, "no y_test"),
         ({"x": np.zeros((5, 4, 4, 5), np.uint8), "y": np.zeros(5, int)}, "neither NCHW"),
         ({"x": np.zeros((5, 2), complex), "y": np.zeros(5, int)}, "need numbers"),
-        (
-            {
-                "x": np.zeros((5, 2)),
-                "y": np.zeros(5, int),
-                "x_test": np.zeros((1, 3)),
-                "y_test": np.zeros(1, int),
-            },
-            "x_test samples",
-        ),
+        ({"x": np.zeros((5, 2)), "y": np.zeros(5, int), "x_test": np.zeros((1, 3)),
+          "y_test": np.zeros(1, int)}, "x_test samples"),
     ],
-)
+)  # fmt: skip
 def test_npz_malformed(tmp_path, arrays, fragment):
     path = tmp_path / "bad.npz"
     np.savez(path, **arrays)
-    expect_error(lambda: load_path_dataset("npz", str(path)), "bad.npz", fragment)
+    refused(lambda: load_path_dataset("npz", str(path)), "bad.npz", fragment)
 
 
 def test_npz_not_an_archive(tmp_path):
     text = tmp_path / "text.npz"
     text.write_text("hello\n" * 10)
-    expect_error(lambda: check_dataset("npz", str(text)), "text.npz", "not a readable .npz")
-    expect_error(lambda: load_path_dataset("npz", str(text)), "not a readable .npz")
+    refused(lambda: check_dataset("npz", str(text)), "text.npz", "not a readable .npz")
+    refused(lambda: load_path_dataset("npz", str(text)), "not a readable .npz")
     np.save(tmp_path / "single.npy", np.zeros(3))
-    expect_error(lambda: load_path_dataset("npz", str(tmp_path / "single.npy")), "single array")
+    refused(lambda: load_path_dataset("npz", str(tmp_path / "single.npy")), "single array")
     broken = tmp_path / "broken.npz"
     np.savez(broken, x=np.zeros((5, 2)), y=np.zeros(5, int))
     broken.write_bytes(broken.read_bytes()[:-30])  # the zip directory is cut off
-    expect_error(lambda: load_path_dataset("npz", str(broken)), "broken.npz", "not a readable")
-    expect_error(lambda: check_dataset("npz", str(tmp_path)), "not a file")
+    refused(lambda: load_path_dataset("npz", str(broken)), "broken.npz", "not a readable")
+    refused(lambda: check_dataset("npz", str(tmp_path)), "not a file")
 
 
 # --------------------------------------------------------------------------------------------
@@ -440,21 +445,20 @@ def test_parse_dataset_spec(spec, expected):
     if isinstance(expected, tuple):
         assert parse_dataset_spec(spec) == expected
     else:
-        message = expect_error(lambda: parse_dataset_spec(spec), expected)
-        assert "cifar10:PATH" in message and "mnist1d" in message
+        refused(lambda: parse_dataset_spec(spec), expected, "cifar10:PATH", "mnist1d")
 
 
 def test_bad_arguments_are_refused(tmp_path):
-    expect_error(lambda: check_dataset("mnist1d", str(tmp_path)), "not read from a path")
+    refused(lambda: check_dataset("mnist1d", str(tmp_path)), "not read from a path")
     _folder(tmp_path / "f", {"a": 2})
-    expect_error(
+    refused(
         lambda: load_path_dataset("imagefolder", str(tmp_path / "f"), test_fraction=1.0),
         "test_fraction",
     )
     src = TensorSource(torch.zeros(4, 2), torch.arange(4))
     assert len(src) == 4 and torch.equal(src.get_batch(torch.tensor([3]))[1], torch.tensor([3]))
-    expect_error(lambda: TensorSource(torch.zeros(4, 2), torch.arange(3)), "3 labels")
-    expect_error(lambda: TensorSource(torch.zeros(4, 2), torch.zeros(4)), "int64")
+    refused(lambda: TensorSource(torch.zeros(4, 2), torch.arange(3)), "3 labels")
+    refused(lambda: TensorSource(torch.zeros(4, 2), torch.zeros(4)), "int64")
     with pytest.raises(ValueError, match="uint8"):
         channel_stats(torch.zeros(2, 1, 2, 2))
     with pytest.raises(ValueError, match="uint8"):
@@ -551,3 +555,182 @@ def test_preprocess_flips_half_the_samples_and_draws_offsets_uniformly():
     # p(flip) = 1/2: 1000 ± 100 (4.5 standard deviations); each top offset 2000/3 ± 100
     assert 900 <= int(flips.sum()) <= 1100
     assert all(567 <= int((tops == t).sum()) <= 767 for t in range(3))
+
+
+# --------------------------------------------------------------------------------------------
+# Declared sizes (issue 44): npz
+def _npz_with_member(path: Path, members: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+def _npy_header(shape: tuple[int, ...], dtype: str) -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": np.dtype(dtype).str, "fortran_order": False, "shape": shape}
+    )
+    return buf.getvalue()
+
+
+def _bomb(tmp_path: Path) -> Path:
+    """The attack's shape: [2e6, 1000] uint8 declared, 2 GB of zeros deflated to almost nothing."""
+    x, y = _npy_header((2_000_000, 1000), "|u1"), _npy_header((2,), "<i8")
+    return _npz_with_member(tmp_path / "bomb.npz", {"x.npy": x, "y.npy": y})
+
+
+def test_a_deflated_npz_bomb_is_refused_from_its_header_without_allocating(tmp_path):
+    bomb = _bomb(tmp_path)
+    assert bomb.stat().st_size < 1000
+    peak = refused(
+        lambda: load_dataset(f"npz:{bomb}"),
+        "npz:",
+        "array 'x' would take 7.45 GiB (shape [2000000, 1000] uint8 as float32)",
+        "over the 2.00 GiB limit for a dataset",
+    )
+    assert peak < SMALL_PEAK_BYTES
+
+
+def test_npz_arrays_count_together_against_the_limit_and_as_loaded(tmp_path):
+    # a real compressed bomb: 1 MiB of zeros in a few KiB; a limit just above, just below
+    path = tmp_path / "zeros.npz"
+    np.savez_compressed(path, x=np.zeros((1024, 1, 32, 32), np.uint8), y=np.zeros(1024, int))
+    assert path.stat().st_size < 64 * 1024
+    ok = load_dataset(f"npz:{path}", max_bytes=2**20 + 1024 * 8)
+    assert ok.x_train.shape[1:] == (1, 32, 32)
+    refused(lambda: load_dataset(f"npz:{path}", max_bytes=2**20), "array 'y'", "1.00 MiB limit")
+    # uint8 features (not an image layout) become float32: four bytes each
+    np.savez(path, x=np.zeros((1024, 300), np.uint8), y=np.zeros(1024, int))
+    refused(
+        lambda: load_dataset(f"npz:{path}", max_bytes=2**20),
+        "array 'x' would take 1.17 MiB (shape [1024, 300] uint8 as float32)",
+    )
+
+
+def test_an_npz_member_whose_zip_size_disagrees_with_its_header_is_refused(tmp_path):
+    short = _npy_header((100, 4), "<f8") + np.zeros((10, 4)).tobytes()  # 10 rows of 100
+    path = _npz_with_member(
+        tmp_path / "lying.npz", {"x.npy": short, "y.npy": _npy_header((0,), "<i8")}
+    )
+    refused(
+        lambda: load_dataset(f"npz:{path}"),
+        "array 'x' declares shape [100, 4] float64",
+        "damaged or crafted",
+    )
+
+
+# ----------------------------------------------------------------------------------------- CIFAR
+class _Call:
+    """Pickles as ``fn(*args)``: what a crafted batch file can ask the unpickler to do."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def _refused_batch(tmp_path: Path, payload: bytes, *fragments: str) -> int:
+    root = _write_cifar(tmp_path)
+    (root / "data_batch_2").write_bytes(payload)
+    return refused(lambda: load_dataset(f"cifar10:{root}"), "data_batch_2", *fragments)
+
+
+def test_cifar_batches_that_ask_numpy_for_a_million_images_are_refused(tmp_path):
+    # 193 bytes that allocate a million images
+    batch = {
+        b"data": _Call(np.ndarray, (1_000_040, 3072), np.dtype("u1")),
+        b"labels": _Call(np.ndarray, (1_000_040,), np.dtype("i8")),  # uninitialised memory
+    }
+    payload = pickle.dumps(batch, protocol=2)
+    assert len(payload) < 300
+    peak = _refused_batch(tmp_path / "a", payload, "refuses to call numpy.ndarray directly")
+    assert peak < SMALL_PEAK_BYTES
+    # an array must be filled from the file's own bytes
+    from numpy._core.multiarray import _reconstruct
+
+    big = _Call(_reconstruct, np.ndarray, (1_000_040, 3072), b"B")
+    payload = pickle.dumps({b"data": big, b"labels": []}, protocol=2)
+    peak = _refused_batch(tmp_path / "b", payload, "_reconstruct")
+    assert peak < SMALL_PEAK_BYTES
+
+
+def test_a_cifar_pickle_that_builds_or_declares_more_bytes_than_it_holds_is_refused(tmp_path):
+    text = "\x00" * 2**20  # one MiB, memoised once, decoded a thousand times: 1 GiB
+    payload = pickle.dumps([_Call(codecs.encode, text, "latin1") for _ in range(1000)], 2)
+    assert len(payload) < 2 * 2**20
+    peak = _refused_batch(tmp_path / "a", payload, "builds more than twice its")
+    assert peak < 32 * 2**20
+    payload = b"\x80\x04\x8e" + struct.pack("<Q", 2**34) + b"abc"  # BINBYTES8 of 16 GiB
+    peak = _refused_batch(tmp_path / "b", payload, "not a readable batch pickle", "bytes8")
+    assert peak < SMALL_PEAK_BYTES
+
+
+def test_a_cifar_batch_file_over_its_size_limit_is_refused_from_stat(tmp_path):
+    big = _write_cifar(tmp_path)
+    with open(big / "data_batch_5", "r+b") as f:  # sparse: no 65 MiB written
+        f.truncate(CIFAR10_MAX_FILE_BYTES + 2**20)
+    peak = refused(
+        lambda: load_dataset(f"cifar10:{big}"),
+        "data_batch_5",
+        "a file of 65.0 MiB is over the 64.0 MiB limit for a CIFAR-10 batch file",
+    )
+    assert peak < SMALL_PEAK_BYTES
+
+
+# ------------------------------------------------------------------------------------------ text
+def test_a_sparse_text_file_over_the_limit_is_refused_from_stat_without_reading(tmp_path):
+    path = tmp_path / "huge.txt"
+    with open(path, "wb") as f:
+        f.truncate(MAX_DATASET_BYTES + 1)  # sparse: takes no disk
+    # a read would allocate at least one chunk of 16 MiB; the refusal takes far less
+    peak = refused(
+        lambda: load_dataset(f"text:{path}", context=8),
+        f"text:{path}: the corpus (1 file(s)) would take 2.00 GiB",
+        "over the 2.00 GiB limit for a dataset",
+    )
+    assert peak < SMALL_PEAK_BYTES
+    refused(lambda: check_dataset("text", str(path)), "2.00 GiB limit")
+    (tmp_path / "small.txt").write_bytes(b"abc " * 1000)
+    refused(lambda: load_dataset(f"text:{tmp_path / 'small.txt'}", max_bytes=3999), "3999 bytes")
+
+
+# ----------------------------------------------------------------------------------- imagefolder
+def test_an_image_folders_decoded_test_split_is_bounded(tmp_path):
+    root = write_imagefolder(tmp_path / "imgs", per_class=10, classes=2)
+    data = load_dataset(f"imagefolder:{root}", image_size=8)
+    n_test = len(data.test)
+    assert in_memory(data.test).x.shape == (n_test, 3, 8, 8)
+    refused(
+        lambda: load_dataset(f"imagefolder:{root}", image_size=8, max_bytes=n_test * 192 - 1),
+        "the test split decoded",
+        f"{n_test} images of 3x8x8 uint8",
+        "--test-size caps it",
+    )
+    capped = load_dataset(
+        f"imagefolder:{root}", image_size=8, test_size=n_test - 1, max_bytes=n_test * 192 - 1
+    )
+    assert len(capped.test) == n_test - 1
+    refused(lambda: load_dataset(f"imagefolder:{root}", image_size=9000), "image_size")
+
+
+def test_the_limit_is_a_config_option_and_errors_are_one_config_line_before_launch(tmp_path):
+    from cloudburst.cli.checks import preflight
+
+    assert RunConfig().data.max_dataset_bytes == MAX_DATASET_BYTES
+    bomb = _bomb(tmp_path)
+    cfg = RunConfig(dataset=f"npz:{bomb}", model="mlp", workers=2, out=str(tmp_path / "o"))
+    with pytest.raises(ConfigError, match=r"^dataset: npz:.*bomb\.npz: array 'x' would take"):
+        preflight(cfg)
+    # a file that fits the default is refused under a smaller --max-dataset-gib, and the
+    # ranks read it with the same limit (train.py and the simulator pass it as preflight does)
+    ok = write_npz(tmp_path / "ok.npz")  # 250 images of 3 KiB and their labels: ~0.75 MiB
+    preflight(RunConfig(dataset=f"npz:{ok}", model="mlp", workers=2, out=str(tmp_path / "o")))
+    small = RunConfig(
+        dataset=f"npz:{ok}", model="mlp", workers=2, out=str(tmp_path / "o"), max_dataset_gib=1e-4
+    )
+    with pytest.raises(ConfigError, match=r"^dataset: npz:.*over the 107374 bytes limit"):
+        preflight(small)
+    with pytest.raises(ConfigError, match="max_dataset_gib"):
+        RunConfig(max_dataset_gib=0.0)

@@ -44,9 +44,7 @@ NUMEL = 6
 
 # ---------------------------------------------------------------------------- the header
 def test_header_round_trip():
-    h = Header(
-        Kind.PUSH_FETCH, shard=2, version=17, numel=1000, samples=64, status=Status.OK, aux=5
-    )
+    h = Header(Kind.PUSH_FETCH, shard=2, version=17, numel=1000, samples=64, aux=5)
     assert Header.from_tensor(h.to_tensor()) == h
 
 
@@ -106,6 +104,9 @@ def _push(**kw) -> Header:
     return Header(Kind.PUSH, **{"shard": 0, "version": 3, "numel": NUMEL, "samples": 8, **kw})
 
 
+SAMPLES = f"outside 0..{MAX_PUSH_SAMPLES}"
+
+
 @pytest.mark.parametrize(
     "header, src, awaiting, expected",
     [
@@ -113,33 +114,27 @@ def _push(**kw) -> Header:
         (Header(Kind.FETCH), 2, False, None),
         (Header(Kind.PUSH_FETCH, numel=NUMEL), 2, False, None),
         (Header(Kind.INIT, numel=NUMEL), 1, True, None),
-        (Header(Kind.REPLY), 2, False, "not a request"),
-        (Header(Kind.FINAL, numel=NUMEL), 2, False, "not a request"),
-        (_push(shard=1), 2, False, "addressed to shard 1"),
-        (_push(status=Status.REJECTED), 2, False, "status"),
-        (_push(numel=NUMEL + 1), 2, False, "expected 6"),
-        (Header(Kind.FETCH, numel=3), 2, False, "expected 0"),
-        (_push(version=4), 2, False, "against version 4"),
-        (_push(samples=-1), 2, False, "samples -1"),
         (_push(samples=MAX_PUSH_SAMPLES), 1, False, None),
-        (_push(samples=MAX_PUSH_SAMPLES + 1), 2, False, "outside 0.."),
-        (_push(), 2, True, "before the warm-start"),
-        (Header(Kind.INIT, numel=NUMEL), 2, True, "not from the warm-start worker (rank 1)"),
-        (Header(Kind.INIT, numel=NUMEL), 1, False, "no warm start is awaited"),
+        (Header(Kind.REPLY), 2, False, "REPLY is not a request"),
+        (Header(Kind.FINAL, numel=NUMEL), 2, False, "FINAL is not a request"),
+        (_push(shard=1), 2, False, "PUSH addressed to shard 1"),
+        (_push(status=Status.REJECTED), 2, False, "PUSH with status 2"),
+        (_push(numel=NUMEL + 1), 2, False, "PUSH with 7 elements, expected 6"),
+        (Header(Kind.FETCH, numel=3), 2, False, "FETCH with 3 elements, expected 0"),
+        (_push(version=4), 2, False, "PUSH against version 4, the shard is at 3"),
+        (_push(samples=-1), 2, False, f"PUSH with samples -1, {SAMPLES}"),
+        (_push(samples=MAX_PUSH_SAMPLES + 1), 2, False,
+         f"PUSH with samples {MAX_PUSH_SAMPLES + 1}, {SAMPLES}"),
+        (_push(), 2, True, "PUSH before the warm-start θ (INIT) arrived"),
+        (Header(Kind.INIT, numel=NUMEL), 2, True,
+         "INIT from rank 2, not from the warm-start worker (rank 1)"),
+        (Header(Kind.INIT, numel=NUMEL), 1, False,
+         "INIT while no warm start is awaited (θ is seeded once)"),
     ],
-)
+)  # fmt: skip
 def test_server_request_checks(header, src, awaiting, expected):
-    problem = _problem(header, src, awaiting)
-    if expected is None:
-        assert problem is None
-    else:
-        assert expected in problem
-
-
-def test_a_second_init_is_refused_with_its_reason():
-    assert _problem(Header(Kind.INIT, shard=0, numel=NUMEL)) == (
-        "INIT while no warm start is awaited (θ is seeded once)"
-    )
+    """A request is served (None) or refused with its one reason."""
+    assert _problem(header, src, awaiting) == expected
 
 
 def test_a_header_cut_short_is_refused():
@@ -343,23 +338,11 @@ def test_push_records_are_sampled_and_the_staleness_statistics_count_every_push(
     script = _Script(pushes)
     loop, metrics = _server(script, push_log_every=10)
     _serve(loop, script)
-    records = [kw for event, kw in metrics.records if event == "push"]
-    assert [(r["version"], r["status"]) for r in records] == [
-        (10, "OK"),
-        (13, "REJECTED"),
-        (20, "OK"),
-    ]
+    records = [(kw["version"], kw["status"]) for event, kw in metrics.records if event == "push"]
+    assert records == [(10, "OK"), (13, "REJECTED"), (20, "OK")]
     stats = loop.stats()
     assert stats["version"] == 25 and stats["staleness_sum_versions"] == sum(range(25))
     assert stats["staleness_max_versions"] == 24 and stats["rejected_nonfinite"] == 1
-
-
-def test_a_failed_receive_loses_the_workers_of_that_group_not_the_server():
-    script = _Script([])  # its receive times out at once
-    loop, _ = _server(script)
-    loop.serving._serve(script, None)  # the world group's serving thread
-    assert loop.serving._error is None
-    assert loop.lost == {1, 2}
 
 
 # ---------------------------------------------------------------------------- gossip serving
@@ -502,12 +485,16 @@ class _ResetOnce(_Script):
         return super().recv_request_any()
 
 
-def test_a_failed_receive_with_every_worker_alive_loses_the_group_as_before():
+@pytest.mark.parametrize("heartbeats", [False, True], ids=["no-heartbeats", "all-alive"])
+def test_a_failed_receive_naming_no_dead_worker_loses_the_group_not_the_server(heartbeats):
+    """Without heartbeats, or with every worker's alive, a receive from any worker that fails
+    loses that group's workers; the server carries on."""
     script = _ResetOnce([(1, _push(version=0), torch.ones(NUMEL))])
     loop, _ = _server(script, heartbeat_timeout_s=0.1)
-    loop.serving.liveness = _Liveness(set())
-    loop.serving._serve(script, None)
-    assert loop.lost == {1, 2} and loop.shard.version == 0 and script.reads == []
+    loop.serving.liveness = _Liveness(set()) if heartbeats else None
+    loop.serving._serve(script, None)  # the world group's serving thread
+    assert loop.serving._error is None and loop.lost == {1, 2}
+    assert loop.shard.version == 0 and script.reads == []
 
 
 class _Poisoned(_Script):
@@ -540,10 +527,8 @@ def test_a_failed_receive_from_any_loses_only_the_worker_the_heartbeats_name(scr
     loop.serving._serve(script, None)
     assert loop.lost == {2} and loop.finished == {1} and loop.serving._error is None
     assert loop.shard.version == 1 and script.reads == [(1, NUMEL)]
-    assert [(dst, h.status) for dst, h, _ in script.replies] == [
-        (1, Status.OK),
-        (1, Status.FINISHED),
-    ]
+    replies = [(dst, h.status) for dst, h, _ in script.replies]
+    assert replies == [(1, Status.OK), (1, Status.FINISHED)]
     if script_class is _Poisoned:  # the death, the poison, then rank 1 alone
         assert script.sources == [None, None, 1, 1]
 

@@ -76,13 +76,16 @@ def _cfg(tmp_path, **kw):
     return RunConfig(**{"workers": 2, "steps": 100, "out": str(tmp_path), **kw})
 
 
-def test_worker_checkpoints_keep_the_last_two_and_round_trip(tmp_path):
+def test_worker_checkpoints_round_trip_keep_the_last_two_and_clear_per_worker(tmp_path):
     cfg = _cfg(tmp_path)
+    save_worker_state(cfg, 0, 10, {"x": 1})
     for step in (10, 20, 30):
         save_worker_state(cfg, 1, step, {"model": {"w": torch.full((3,), float(step))}})
     assert worker_steps(tmp_path, 1) == [20, 30] and KEEP == 2
     state = load_worker_state(cfg, 1, 30)
     assert state["step"] == 30 and torch.equal(state["model"]["w"], torch.full((3,), 30.0))
+    clear_worker_checkpoints(tmp_path, 1)
+    assert worker_steps(tmp_path, 1) == [] and worker_steps(tmp_path, 0) == [10]
 
 
 def test_corrupt_checkpoints_are_skipped_by_ranks_and_refused_by_the_cli(tmp_path):
@@ -113,17 +116,7 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
 
 def test_lockstep_workers_agree_on_the_latest_common_step():
     store = dist.HashStore()
-    # Worker 1 published first; worker 0 reads both.
-    store.set("resume/steps/1", "[10, 20]")
+    store.set("resume/steps/1", "[10, 20]")  # worker 1 published first; worker 0 reads both
     assert agree_on_step(store, 0, 2, [20, 30], timeout_s=5) == 20
-    store2 = dist.HashStore()
-    store2.set("resume/steps/1", "[]")
-    assert agree_on_step(store2, 0, 2, [10], timeout_s=5) == 0
-
-
-def test_a_new_run_clears_only_its_own_workers_old_checkpoints(tmp_path):
-    cfg = _cfg(tmp_path)
-    for w in (0, 1):
-        save_worker_state(cfg, w, 10, {"x": 1})
-    clear_worker_checkpoints(tmp_path, 1)
-    assert worker_steps(tmp_path, 1) == [] and worker_steps(tmp_path, 0) == [10]
+    store.set("resume/steps/1", "[]")
+    assert agree_on_step(store, 0, 2, [10], timeout_s=5) == 0  # no common step

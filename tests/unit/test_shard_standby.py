@@ -1,13 +1,12 @@
-"""The pieces of a shard's restart and failover that need no processes: the announcements in
-the job store (a shard's restart, a worker's rejoin), the count of lost pushes, the watchdog
-leaving a failed-over shard alone, the standby's placement, and the config's refusals."""
+"""A shard's restart and failover without processes: the job store's announcements (a shard's
+restart, a worker's signed rejoin), the count of lost pushes, the watchdog leaving a failed-over
+shard alone, the standby's placement, and the config's refusals."""
 
 import json
 import logging
 import threading
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from cloudburst.comm.auth import sign
@@ -24,7 +23,6 @@ from cloudburst.comm.liveness import (
 )
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.runtime.groups import standby_of
-from cloudburst.strategies.asgd.shard import make_shard
 from tests.helpers import wait_until
 
 
@@ -77,20 +75,6 @@ def test_the_watchdog_leaves_a_failed_over_shard_alone():
 def test_each_shard_has_its_standby_on_the_next_server():
     assert [standby_of(k, 3) for k in range(3)] == [1, 2, 0]
     assert [standby_of(k, 2) for k in range(2)] == [1, 0]
-
-
-def test_a_standby_copy_applying_the_forwarded_pushes_equals_the_shard():
-    cfg = RunConfig(strategy="asgd", workers=2, servers=2, shard_standby=True, server_rule="sgd",
-                    server_momentum=0.9)  # fmt: skip
-    theta = torch.randn(50)
-    primary, copy = make_shard(cfg, theta), make_shard(cfg, theta)
-    gen = torch.Generator().manual_seed(0)
-    for base in (0, 0, 1, 3, 2):
-        delta = torch.randn(50, generator=gen)
-        primary.apply_push(delta, base, 16)
-        copy.apply_push(delta, base, 16)  # what the standby does with each forward
-    assert torch.equal(primary.theta, copy.theta)
-    assert primary.stats() == copy.stats()
 
 
 @pytest.mark.parametrize(

@@ -52,22 +52,21 @@ def _gather(ctx, members, dtype):
     return comm.now(), out.tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int64], ids=["float32", "int64"])
-def test_an_all_gather_of_two_costs_a_ring_on_half_the_scaled_pieces(tmp_path, dtype):
-    """Both members receive both pieces in member order and leave at the last call + 2
+@pytest.mark.parametrize(
+    "members, dtype", [([2, 1], torch.float32), ([2, 1], torch.int64), ([5], torch.float32)],
+    ids=["float32", "int64", "one-member"],
+)  # fmt: skip
+def test_an_all_gather_costs_a_ring_on_half_the_scaled_pieces(tmp_path, members, dtype):
+    """Every member receives the pieces in member order and leaves at the last call + 2
     latencies + one piece's bytes / bandwidth (a ring of 2 over n/2 pieces: 2(n−1)/n × (n/2 ×
-    piece) = piece), scaled by 3 whatever its dtype."""
+    piece) = piece), scaled by 3 whatever its dtype; a group of one gets its own piece with no
+    time passing beyond its call."""
     element = 4 if dtype == torch.float32 else 8
-    end = 0.002 + 2 * LAT_IN + 3 * element * SCALE / BW_IN
-    runs = _run(tmp_path, _gather, [2, 1], dtype)
-    want = [0, 1, 2, 10, 11, 12]
-    assert runs[2] == (close(end), want) and runs[1] == (close(end), want)
-
-
-def test_an_all_gather_of_one_member_returns_its_piece_at_no_cost(tmp_path):
-    """A group of one: the output is its own piece, and no time passes beyond its call."""
-    runs = _run(tmp_path, _gather, [5], torch.float32)
-    assert runs[5] == (close(0.001), [0.0, 1.0, 2.0])
+    n = len(members)
+    end = 0.001 * n + (2 * LAT_IN + 3 * element * SCALE / BW_IN if n > 1 else 0.0)
+    runs = _run(tmp_path, _gather, members, dtype)
+    want = [10 * pos + k for pos in range(n) for k in range(3)]
+    assert all(runs[rank] == (close(end), want) for rank in members)
 
 
 # ---------------------------------------------------------------------------- all-to-all
@@ -102,11 +101,6 @@ def _exchange(ctx, members, dtype, splits, as_tensor=False):
         receives = torch.tensor(receives, dtype=torch.int16)
     comm.all_to_all(out, x, receives, sends, group)
     return comm.now(), out.tolist()
-
-
-def _a2a(tmp_path, members, dtype=torch.float32, splits=None, as_tensor=False):
-    splits = _splits(len(members)) if splits is None else splits
-    return _run(tmp_path, _exchange, members, dtype, splits, as_tensor)
 
 
 def _expected_outputs(n: int, splits: list[list[int]]) -> list[list[int]]:
@@ -164,7 +158,7 @@ def test_all_to_all_delivers_every_piece_and_costs_the_busiest_members_bytes(
     splits = SPLITS.get(name, _splits(n))
     spans = len({m * 2 // WORLD for m in members}) > 1
     end = _expected_end(n, splits, element, payload, spans)
-    runs = _a2a(tmp_path, members, dtype, splits, as_tensor)
+    runs = _run(tmp_path, _exchange, members, dtype, splits, as_tensor)
     for pos, rank in enumerate(members):
         assert runs[rank] == (close(end), _expected_outputs(n, splits)[pos]), (name, rank)
     assert all(runs[r] is None for r in range(WORLD) if r not in members)
@@ -361,69 +355,43 @@ def test_ddp_waits_for_a_member_link_still_busy_after_the_last_call(tmp_path):
     assert runs[1] == (close(0.0025), []) and runs[2] == (close(0.0025), [])
 
 
-# ---------------------------------------------------------------------------- all_reduce_sum
+# ------------------------------------------------------------- all_reduce_sum, broadcast, world_sum
+# On W threads (tests.support.ThreadComm, its clock read at 10.0, 10.5, ...): what the counted
+# collectives give every rank, add to the counters and ask of an emulated link.
 GROUP = object()  # an opaque group handle: passed through, never looked inside
-HUNDREDS = 100.0  # what the group's other ranks contribute to each element, together
 
 
-def _all_reduce_sums(size: int, t: torch.Tensor, **kw) -> list[tuple]:
-    """``all_reduce_sum`` over GROUP on ``size`` threads (clock 10, 10.5, ...), each link charging
-    0.25 s: rank 0 sums ``t``, rank 1 ``HUNDREDS``, the rest zeros. Each rank's (pending,
-    tensor, transport, link, stats)."""
+@pytest.mark.parametrize(
+    "size, spans, active, emulated",
+    [(4, False, True, False), (1, True, True, False), (2, True, False, False),
+     (2, True, True, True)],
+    ids=["within-a-node", "one-rank-across-nodes", "inactive-link", "across-nodes"],
+)  # fmt: skip
+def test_all_reduce_sum_charges_the_link_only_for_two_or_more_ranks_across_nodes(
+    size, spans, active, emulated
+):
+    """Rank 0's [1, 2, 3, 4] summed with rank 1's hundreds over GROUP, counted as a ring
+    (2(n−1)/n × 16 bytes) on the links spanned (intra-node by default). Only a group of two or
+    more across nodes on an active link asks the link its cost, books it on the group, adds it
+    to emulated_link_s and waits for the transport's work it wraps; else one blocking call."""
 
     def rank_fn(rank, comm):
-        mine = t if rank == 0 else torch.full_like(t, HUNDREDS if rank == 1 else 0.0)
-        link, stats = RecordingLink(allreduce_cost_s=0.25), CommStats()
+        mine = torch.tensor([1.0, 2.0, 3.0, 4.0]) if rank == 0 else torch.full((4,), 100.0)
+        link, stats = RecordingLink(active, allreduce_cost_s=0.25), CommStats()
+        kw = {"spans_nodes": True} if spans else {}  # within a node by default
         pending = all_reduce_sum(mine, GROUP, stats, link=link, comm=comm, **kw)
-        return pending, mine, comm, link, stats
+        return pending, mine, list(comm.calls), comm, link, stats
 
-    return on_comm_threads(size, rank_fn, handle=GROUP, start=10.0, tick=0.5)
-
-
-def test_all_reduce_sum_counts_a_ring_within_a_node_by_default_and_reduces_over_its_group():
-    """Without ``spans_nodes`` the group is within a node: the link is not emulated, the ring's
-    bytes (2(n−1)/n × 4 floats × 4 bytes = 24 for n = 4) count as intra-node."""
-    pending, t, comm, link, stats = _all_reduce_sums(4, torch.tensor([1.0, 2.0, 3.0, 4.0]))[0]
-    assert t.tolist() == [101.0, 102.0, 103.0, 104.0]
-    assert comm.calls == [("all_reduce", torch.float32, 4, False)] and link.asked == []
-    assert (stats.intra_node_bytes, stats.inter_node_bytes) == (24, 0)
-    assert (stats.wait_s, stats.emulated_link_s) == (0.5, 0.0)
+    runs = on_comm_threads(size, rank_fn, handle=GROUP, start=10.0, tick=0.5)
+    pending, t, calls, comm, link, stats = runs[0]
+    assert t.tolist() == [1.0 + 100 * (size - 1) + k for k in range(4)]
+    assert calls == [("all_reduce", torch.float32, 4, emulated)] + [("wait",)] * emulated
+    assert (link.asked, link.booked) == (([(16, size)], [(0.25, GROUP)]) if emulated else ([], []))
+    moved = 2 * (size - 1) / size * 16
+    assert (stats.inter_node_bytes, stats.intra_node_bytes) == ((moved, 0) if spans else (0, moved))
+    assert (stats.wait_s, stats.emulated_link_s) == (0.5, 0.25 if emulated else 0.0)
     pending.wait()  # nothing left to wait for: two more readings of the same clock
     assert stats.wait_s == 1.0 and comm.clock == 12.0
-
-
-def test_a_group_of_one_across_nodes_does_not_emulate_the_link():
-    """A group of one has nothing to carry over the link, even marked as spanning nodes."""
-    _, t, comm, link, stats = _all_reduce_sums(1, torch.tensor([1.0, 2.0]), spans_nodes=True)[0]
-    assert link.asked == [] and link.booked == [] and stats.emulated_link_s == 0.0
-    assert comm.calls == [("all_reduce", torch.float32, 2, False)] and t.tolist() == [1.0, 2.0]
-
-
-def test_an_emulated_all_reduce_waits_for_the_transport_work_it_wraps():
-    """Across nodes on an active link the all-reduce's work is wrapped to end no earlier than
-    the link allows; waiting for it waits for the transport's work too."""
-    t = torch.tensor([1.0, 2.0, 3.0])
-    _, t, comm, link, stats = _all_reduce_sums(2, t, spans_nodes=True)[0]
-    assert comm.calls == [("all_reduce", torch.float32, 3, True), ("wait",)]
-    assert link.asked == [(12, 2)]
-    assert t.tolist() == [101.0, 102.0, 103.0] and stats.emulated_link_s == 0.25
-
-
-# ------------------------------------------------------------- broadcast, world_sum, all_to_all_s
-# On W threads, counters holding earlier totals (prior_stats): what broadcast and world_sum give
-# every rank and add to the counters, and what an all-to-all costs on a link.
-
-
-def _world_sums(values, start, tick, links=None, **kw) -> list[tuple]:
-    """Rank r's ``world_sum(values[r], prior_stats(), link=links[r], **kw)`` over the world
-    group (None): each rank's (sum, calls, stats)."""
-
-    def rank_fn(rank, comm):
-        counters, link = prior_stats(), links[rank] if links else None
-        out = world_sum(values[rank], counters, link=link, comm=comm, **kw)
-        return out, comm.calls, counters
-
-    return on_comm_threads(len(values), rank_fn, handle=None, start=start, tick=tick)
 
 
 def test_a_broadcast_is_counted_as_sent_within_the_group_by_its_source_and_received_by_the_rest():
@@ -449,41 +417,35 @@ def test_a_broadcast_is_counted_as_sent_within_the_group_by_its_source_and_recei
         assert stats.emulated_link_s == 0.25
 
 
-@pytest.mark.parametrize("spans_nodes", [False, True])
-def test_a_world_sum_adds_in_float64_counted_as_a_ring_and_charges_no_link_within_a_node(
-    spans_nodes,
-):
-    """The float64 sum as Python floats (0.1 + 0.2 is not the float32 sum), counted as a ring
-    of 2 × 8 bytes over 4 ranks (2·3/4·16 = 24 bytes each way), intra-node unless
-    ``spans_nodes``. Within a node an active link is neither asked nor booked."""
+@pytest.mark.parametrize(
+    "spans, cost", [(False, 0.0625), (True, None), (True, 0.0625)],
+    ids=["within-a-node", "across-nodes-no-link", "across-nodes"],
+)  # fmt: skip
+def test_a_world_sum_adds_in_float64_over_the_world_group_counted_as_a_ring(spans, cost):
+    """The float64 sum as Python floats (0.1 + 0.2 is not the float32 sum) over the world
+    group (None), counted as a ring of 2 × 8 bytes over 4 ranks (2·3/4·16 = 24 bytes each way)
+    into counters of earlier totals, intra-node unless ``spans_nodes``. Across nodes an active
+    link's cost is added to emulated_link_s and booked once on the world group, and the
+    transport's work waited for; within a node the link is neither asked nor booked."""
     values = [[0.1, 3.0], [0.2, 1.0], [0.0, 0.0], [0.0, 0.0]]
-    links = None if spans_nodes else [RecordingLink() for _ in values]
-    out, calls, stats = _world_sums(values, 2.0, 0.75, links, spans_nodes=spans_nodes)[0]
-    assert out == [0.1 + 0.2, 4.0]
-    assert all(type(v) is float for v in out)
-    assert calls == [("all_reduce", torch.float64, 2, False)]
+
+    def rank_fn(rank, comm):
+        stats, link = prior_stats(), cost and RecordingLink(allreduce_cost_s=cost)
+        kw = {"spans_nodes": True} if spans else {}  # within a node by default
+        out = world_sum(values[rank], stats, link=link, comm=comm, **kw)
+        return out, comm.calls, stats, link
+
+    out, calls, stats, link = on_comm_threads(4, rank_fn, handle=None, start=2.0, tick=0.75)[0]
+    emulated = bool(spans and cost)
+    assert out == [0.1 + 0.2, 4.0] and all(type(v) is float for v in out)
+    assert calls == [("all_reduce", torch.float64, 2, emulated)] + [("wait",)] * emulated
     assert stats.sent_bytes == 1000 + 24 and stats.received_bytes == 2000 + 24
-    inter, intra = (24, 0) if spans_nodes else (0, 24)
+    inter, intra = (24, 0) if spans else (0, 24)
     assert (stats.inter_node_bytes, stats.intra_node_bytes) == (3000 + inter, 4000 + intra)
     assert stats.wait_s == 1.0 + 0.75
-    assert stats.emulated_link_s == 0.25
-    if links:
-        assert links[0].asked == [] and links[0].booked == []
-
-
-def test_a_world_sum_across_nodes_waits_for_the_emulated_link():
-    """Across nodes the link's cost of the float64 all-reduce is added to emulated_link_s and
-    booked once on the world group; the transport's work is waited for."""
-    values = [[1.0, -1.0], [3.0, 3.0], [0.0, 0.0], [0.0, 0.0]]
-    links = [RecordingLink(allreduce_cost_s=0.0625) for _ in values]
-    out, calls, stats = _world_sums(values, 5.0, 0.5, links=links, spans_nodes=True)[0]
-    assert out == [4.0, 2.0]
-    assert links[0].asked == [(2 * 8, 4)]
-    assert links[0].booked == [(0.0625, None)]
-    assert stats.emulated_link_s == 0.25 + 0.0625
-    assert calls == [("all_reduce", torch.float64, 2, True), ("wait",)]
-    assert stats.inter_node_bytes == 3000 + 24 and stats.intra_node_bytes == 4000
-    assert stats.wait_s == 1.0 + 0.5
+    assert stats.emulated_link_s == 0.25 + (cost if emulated else 0.0)
+    if link:
+        assert (link.asked, link.booked) == (([(16, 4)], [(cost, None)]) if emulated else ([], []))
 
 
 def test_an_all_to_all_costs_a_latency_a_peer_plus_its_bytes_and_nothing_alone_or_on_a_free_link():

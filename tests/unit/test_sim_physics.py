@@ -102,38 +102,31 @@ def test_nic_transfer_queues_at_the_ingress(leave, ingress_free, ingress_bw, egr
     assert got == (close(egress_end), close(arrival))
 
 
-def test_ddp_overlap_by_hand():
-    # forward 1 s, backward 2 s, 60 units of bytes in buckets of 25: 25, 25, 10, ready at
-    # 1 + 2·25/60, 1 + 2·50/60, 3; an all-reduce costs 0.01 s per unit.
-    cost = lambda b: 0.01 * b  # noqa: E731
-    r0, r1, r2 = 1 + 50 / 60, 1 + 100 / 60, 3.0
-    e0 = r0 + 0.25
-    e1 = max(r1, e0) + 0.25
-    e2 = max(r2, e1) + 0.10
-    assert ddp_overlap_end_s(1.0, 2.0, 60, cost, bucket_bytes=25) == pytest.approx(e2)
-    assert e2 == pytest.approx(3.1)  # only the last bucket is exposed
-    # A slow link: each bucket 0.1 s per unit, the buckets queue behind each other.
-    slow = lambda b: 0.1 * b  # noqa: E731
-    assert ddp_overlap_end_s(1.0, 2.0, 60, slow, bucket_bytes=25) == pytest.approx(
-        r0 + 2.5 + 2.5 + 1.0
-    )
-    # The link is busy until 10 s: everything after it.
-    assert ddp_overlap_end_s(1.0, 2.0, 60, cost, 25, link_free_s=10.0) == pytest.approx(10.6)
-    assert ddp_overlap_end_s(1.0, 2.0, 0, cost) == 3.0  # nothing to send: forward + backward
-    # From a free link by default (forward 0.1 s, backward 0.2 s, 0.001 s a unit): buckets of
-    # 25 of 60 units ready at 0.1 + 0.2 · 25/60, 0.1 + 0.2 · 50/60, 0.3.
-    fast = lambda b: 0.001 * b  # noqa: E731
-    assert ddp_overlap_end_s(0.1, 0.2, 0, fast) == close(0.3)
-    e0 = 0.1 + 0.2 * 25 / 60 + 0.025
-    e1 = max(0.1 + 0.2 * 50 / 60, e0) + 0.025
-    assert ddp_overlap_end_s(0.1, 0.2, 60, fast, bucket_bytes=25) == close(max(0.3, e1) + 0.010)
-    # One byte is one bucket, sent once backward is done.
-    assert ddp_overlap_end_s(0.1, 0.2, 1, fast, bucket_bytes=25) == close(0.301)
-    assert DDP_BUCKET_BYTES == 25 * 1024 * 1024
+@pytest.mark.parametrize(
+    "forward, backward, total, unit_s, link_free, end",
+    [
+        # 60 bytes in buckets of 25 (25, 25, 10) ready at 1 + 2·25/60, 1 + 2·50/60 and 3 s, an
+        # all-reduce 0.01 s a byte: each ends before the next is ready, only the last is exposed.
+        (1.0, 2.0, 60, 0.01, None, 3.1),
+        (1.0, 2.0, 60, 0.1, None, 1 + 50 / 60 + 2.5 + 2.5 + 1.0),  # slow: they queue
+        (1.0, 2.0, 60, 0.01, 10.0, 10.6),  # the link busy until 10 s: everything after it
+        (1.0, 2.0, 0, 0.01, None, 3.0),  # nothing to send: forward + backward
+        (1.0, 2.0, 0, 0.01, 10.0, 10.0),  # ... or when the link is free, if later
+        (0.1, 0.2, 1, 0.001, None, 0.301),  # one byte is one bucket, sent once backward is done
+    ],
+)
+def test_ddp_overlap_by_hand(forward, backward, total, unit_s, link_free, end):
+    """Bucket j is ready at forward + backward × min((j+1)·bucket, total) / total; its
+    all-reduce starts at max(ready, the previous bucket's end, the link's free time (0 by
+    default) for the first)."""
+    kw = {} if link_free is None else {"link_free_s": link_free}
+    got = ddp_overlap_end_s(forward, backward, total, lambda b: unit_s * b, 25, **kw)
+    assert got == close(end)
+    assert DDP_BUCKET_BYTES == 25 * 1024 * 1024  # DDP's bucket_cap_mb=25, the default
 
 
 # ---------------------------------------------------------------------------- the cluster
-def _run(script, workers, nodes, tmp_path, **sim_kw):
+def _run(script, workers, nodes, tmp_path, *args, **sim_kw):
     from cloudburst.config import RunConfig
     from cloudburst.config.simulation import SimulationConfig
     from cloudburst.sim.run import run_ranks
@@ -142,49 +135,43 @@ def _run(script, workers, nodes, tmp_path, **sim_kw):
                     inter_node_link="8,2", out=str(tmp_path))  # fmt: skip
     actual_params = sim_kw.pop("actual_params", 1)
     sim = SimulationConfig(**{"step_time_s": 0.3, **sim_kw})
-    return run_ranks(cfg, script, sim=sim, actual_params=actual_params)
+    return run_ranks(cfg, script, *args, sim=sim, actual_params=actual_params)
 
 
-def _two_senders(ctx):
-    """Ranks 0 and 1 (node 0) each send 1 MB, at 0, to ranks 2 and 3 (node 1)."""
+def _sends(ctx, dsts):
+    """Each rank r in ``dsts`` sends 1 MB to rank dsts[r] at 0; the others receive theirs."""
     comm, rank = ctx.comm, ctx.rank
-    if rank < 2:
-        comm.send(torch.zeros(250_000), rank + 2, tag=3)
-        return comm.now()
-    comm.recv(torch.empty(250_000), rank - 2, tag=3)
-    return comm.now()
+    if rank in dsts:
+        comm.send(torch.zeros(250_000), dsts[rank], tag=3)
+        return [comm.now()]
+    return [(comm.recv(torch.empty(250_000), None, tag=3), comm.now())[1]
+            for _ in range(list(dsts.values()).count(rank))]  # fmt: skip
 
 
-def test_ranks_of_a_node_share_its_nic(tmp_path):
-    one = LAT + 1e6 / BW
-    t = _run(_two_senders, 4, 2, tmp_path)
-    # Node 0's egress carries them one after the other: 3 ms, then 6 ms (each rank had a link
-    # of its own before: both at 3 ms).
-    assert sorted(t[2:]) == [pytest.approx(one, abs=1e-12), pytest.approx(2 * one, abs=1e-12)]
-    assert sorted(t[:2]) == sorted(t[2:])  # a blocking send returns at the arrival
+ONE = LAT + 1e6 / BW  # 1 MB alone on the NIC: 3 ms
 
 
-def _incast(ctx):
-    """Ranks 1 and 2 (nodes 1, 2) each send 1 MB to rank 0 (node 0) at 0."""
-    comm, rank = ctx.comm, ctx.rank
-    if rank == 0:
-        arrivals = []
-        for _ in range(2):
-            comm.recv(torch.empty(250_000), None, tag=5)
-            arrivals.append(comm.now())
-        return arrivals
-    comm.send(torch.zeros(250_000), 0, tag=5)
-    return comm.now()
-
-
-def test_incast_queues_at_the_receivers_ingress(tmp_path):
-    one = LAT + 1e6 / BW
-    t = _run(_incast, 3, 3, tmp_path)
-    # Two egresses, one ingress: the first at 3 ms, the second's bytes after it, 4 ms.
-    assert t[0] == [pytest.approx(one, abs=1e-12), pytest.approx(one + 1e6 / BW, abs=1e-12)]
-    # A 4 Gbit/s ingress (0.5e9 B/s): 2 ms + 2 ms, then 2 ms more.
-    t = _run(_incast, 3, 3, tmp_path, nic_ingress_gbit_per_s=4.0)
-    assert t[0] == [pytest.approx(0.004, abs=1e-12), pytest.approx(0.006, abs=1e-12)]
+@pytest.mark.parametrize(
+    "workers, nodes, dsts, ingress, arrivals",
+    [
+        # Ranks 0 and 1 (node 0) to node 1: node 0's egress carries them one after the other
+        # (with a link for each rank both would arrive at 3 ms).
+        (4, 2, {0: 2, 1: 3}, None, [ONE, 2 * ONE]),
+        # Incast, ranks 1 and 2 (nodes 1, 2) to rank 0 (node 0): two egresses, one ingress,
+        # the second's bytes after the first's.
+        (3, 3, {1: 0, 2: 0}, None, [ONE, ONE + 1e6 / BW]),
+        (3, 3, {1: 0, 2: 0}, 4.0, [0.004, 0.006]),  # a 0.5e9 B/s ingress: 2 + 2 ms, 2 ms more
+    ],
+    ids=["one-egress", "incast", "incast-slow-ingress"],
+)
+def test_a_nodes_ranks_share_its_egress_and_messages_into_a_node_queue_at_its_ingress(
+    tmp_path, workers, nodes, dsts, ingress, arrivals
+):
+    """A blocking send returns when its message has arrived."""
+    t = _run(_sends, workers, nodes, tmp_path, dsts, nic_ingress_gbit_per_s=ingress)
+    received = sorted(x for r, times in enumerate(t) if r not in dsts for x in times)
+    assert received == [close(a) for a in arrivals]
+    assert sorted(t[r][0] for r in dsts) == received
 
 
 def _all_reduce(ctx):
@@ -203,9 +190,7 @@ def test_hierarchical_all_reduce_on_the_cluster(tmp_path):
     assert hier < flat
     t = _run(_all_reduce, 8, 2, tmp_path, intra_node_link="16,0.5", network_model="nccl")
     assert t == [[pytest.approx(hier, abs=1e-12), 8.0]] * 8
-    # --network-model flat (the default): the ring over 8 on the inter-node link, as before.
-    t = _run(_all_reduce, 8, 2, tmp_path, intra_node_link="16,0.5", network_model="flat")
-    assert t[0][0] == pytest.approx(14 * LAT + 14 / 8 * nbytes / BW, abs=1e-12)
+    # (--network-model flat, the default, charges the ring on the NIC: test_sim_costs.py.)
 
 
 def _ddp_step(ctx):

@@ -1,8 +1,6 @@
-"""Staleness compensation on the parameter-server shards (--staleness-compensation: scale,
-dc, dc-adaptive, gap, delay-adaptive; docs/algorithms.md#staleness-compensation) and async
-DiLoCo's Delayed Nesterov shard rule, each against the independent references in
-tests/reference.py under scripted push orders; their state through a checkpoint; their
-distributions in the summary; a short run of each on the virtual cluster."""
+"""Staleness compensation on the shards (--staleness-compensation; docs/algorithms.md) and
+async DiLoCo's Delayed Nesterov rule against tests/reference.py under scripted push orders;
+their settings, their distributions in the summary, a short run of each on the virtual cluster."""
 
 from __future__ import annotations
 
@@ -93,7 +91,7 @@ def test_a_push_older_than_the_ring_reads_its_oldest_theta(method):
 # α of the add rule for a push of staleness τ, by hand: λ·s, with s = 1/τ under scale (also
 # spelled staleness_scaling=True), τ_C/τ past τ_C under delay-adaptive, 1 under none.
 @pytest.mark.parametrize(
-    "lr, compensation, threshold, staleness, alpha",
+    "lr, compensation, tau_c, tau, alpha",
     [
         (1.0, False, 1, 2, 1.0),
         (0.25, False, 1, 2, 0.25),
@@ -103,21 +101,18 @@ def test_a_push_older_than_the_ring_reads_its_oldest_theta(method):
         (0.3, "delay-adaptive", 2, 4, 0.15),
     ],
 )
-def test_worker_rebuilds_the_servers_theta_bit_for_bit(
-    lr, compensation, threshold, staleness, alpha
-):
-    """The overlapped PUSH_FETCH: the reply carries θ before the push; the worker adds its own
-    Δ with add_rule_alpha and must get exactly the θ the server holds after applying it."""
+def test_worker_rebuilds_the_servers_theta_bit_for_bit(lr, compensation, tau_c, tau, alpha):
+    """Overlapped PUSH_FETCH: θ before the push plus add_rule_alpha·Δ is the server's θ after."""
     g = torch.Generator().manual_seed(4)
     kw = {"staleness_scaling" if isinstance(compensation, bool) else "compensation": compensation}
-    shard = ShardState(torch.randn(1000, generator=g), lr=lr, delay_threshold=threshold, **kw)
-    for _ in range(staleness + 1):
+    shard = ShardState(torch.randn(1000, generator=g), lr=lr, delay_threshold=tau_c, **kw)
+    for _ in range(tau + 1):
         shard.apply_push(torch.randn(1000, generator=g), 0)  # make later pushes stale
     before = shard.theta.clone()
     delta = torch.randn(1000, generator=g) * 1e-3
     result = shard.apply_push(delta, base_version=1)
-    assert result.staleness == staleness
-    assert add_rule_alpha(lr, staleness, compensation, threshold) == alpha  # the worker's α
+    assert result.staleness == tau
+    assert add_rule_alpha(lr, tau, compensation, tau_c) == alpha  # the worker's α
     # the server: θ + αΔ, by hand (to float32 rounding: add_ may fuse the multiply-add)
     torch.testing.assert_close(shard.theta, before + alpha * delta, rtol=0, atol=1e-6)
     assert not torch.allclose(shard.theta, before + 2 * alpha * delta, rtol=0, atol=1e-6)
@@ -169,9 +164,8 @@ def test_staleness_scaling_is_the_scale_compensation_and_contradictions_are_refu
         cfg.asgd.delay_threshold_value(cfg),
         cfg.asgd.compensation_window_value(cfg),
     ) == (2.0, 3, 12)
-    assert (cfg := RunConfig(strategy="asgd", max_staleness=5)).asgd.compensation_window_value(
-        cfg
-    ) == 6
+    bounded = RunConfig(strategy="asgd", max_staleness=5)
+    assert bounded.asgd.compensation_window_value(bounded) == 6
     # λ's default: 1/W averages the pushes; under scale the 1/τ averages them (Zhang et al.'s
     # α₀/τ) and λ = (W − 1)/W moves θ by a push of the usual staleness W − 1 exactly as plain
     # asgd's 1/W does, with no warning about summed pushes; an optimizer rule keeps 1/W
@@ -197,18 +191,21 @@ def test_staleness_scaling_is_the_scale_compensation_and_contradictions_are_refu
 def test_merged_histogram_adds_the_shards_counts_under_the_key_in_value_order():
     stats = [{"h": {"1": 2, "3": 1}, "other": {"9": 9}}, {"h": {"1": 5, "0.5": 4}}, {}, {"h": None}]
     merged = merged_histogram(stats, "h")
-    assert merged == {0.5: 4, 1.0: 7, 3.0: 1}
-    assert list(merged) == [0.5, 1.0, 3.0]
+    assert merged == {0.5: 4, 1.0: 7, 3.0: 1} and list(merged) == [0.5, 1.0, 3.0]
 
 
-def test_a_histogram_quantile_is_the_smallest_value_reaching_its_share():
-    """With counts {1: 1, 2: 1}, half the counts are at or below 1: p50 = 1."""
-    assert histogram_quantiles({1.0: 1, 2.0: 1}, qs=(0.5,)) == {"p50": 1.0, "max": 2.0}
-    assert histogram_quantiles({1.0: 1, 2.0: 3}, qs=(0.25, 0.26)) == {
-        "p25": 1.0,
-        "p26": 2.0,
-        "max": 2.0,
-    }
+@pytest.mark.parametrize(
+    "hist, qs, expected",
+    [
+        ({1.0: 1, 2.0: 1}, (0.5,), {"p50": 1.0, "max": 2.0}),  # half the counts at or below 1
+        ({1.0: 1, 2.0: 3}, (0.25, 0.26), {"p25": 1.0, "p26": 2.0, "max": 2.0}),
+        ({0.0: 2, 1.0: 2, 4.0: 1}, None, {"p50": 1.0, "p90": 4.0, "p99": 4.0, "max": 4.0}),
+        ({}, None, None),
+    ],
+)
+def test_a_histogram_quantile_is_the_smallest_value_reaching_its_share(hist, qs, expected):
+    """By default p50, p90, p99 and the max; an empty histogram has none."""
+    assert histogram_quantiles(hist, **({} if qs is None else {"qs": qs})) == expected
 
 
 @pytest.mark.parametrize("period,c", [(3, 0.0), (2, 0.5), (1, 0.0)])

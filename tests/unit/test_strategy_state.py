@@ -1,11 +1,8 @@
-"""A strategy's ``state_dict`` → ``load_state_dict`` into a freshly built strategy of the same
-configuration restores its state exactly, and a checkpoint of another compression (or
-fragment count) is treated as the code means to: for ``sync`` (the int8/fp8 residuals of its
-buckets, PowerSGD's state, whose rank and start come from ``--compress``), ``local_sgd`` (the
-residuals and the compressed averages' θ reference) and ``diloco`` (θ_global, one outer
-optimizer per fragment, and each fragment's last outer step, which decides what the final
-outer step of :meth:`finish` covers). The whole-run property on the virtual cluster is
-tests/unit/test_compress_resume_sim.py."""
+"""``state_dict`` → ``load_state_dict`` into a fresh strategy of the same config restores it
+exactly, and a checkpoint of another compression or fragment count is handled as meant: sync
+(int8 residuals, PowerSGD's state), local_sgd (residuals, the averages' θ reference), diloco
+(θ_global, per-fragment outer optimizers and last outer steps, which decide what finish()
+covers). The whole run on the virtual cluster: tests/unit/test_compress_resume_sim.py."""
 
 from __future__ import annotations
 
@@ -40,8 +37,7 @@ def _vec(n: int, seed: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- sync
 class _DdpSetup:
-    """A transport whose gradient average is set up as DDP's is (the compressing hook's state
-    made at wrap time, :func:`compressed_hook`), without a process group."""
+    """A transport that sets the compressing hook's state up at wrap time as DDP's, groupless."""
 
     def data_parallel(self, model, group, device, state):
         compressed_hook(state)
@@ -60,75 +56,65 @@ def _saved(strategy) -> dict:
     return copy.deepcopy(strategy.state_dict())
 
 
-def test_sync_int8_residuals_round_trip_into_a_fresh_worker():
-    a = _sync("int8")
-    intended, sent = _vec(40, 0), _vec(40, 1)
-    a.hook_state.feedback.remember("0", intended, sent)
-    a.hook_state.feedback.remember("0:owner", sent, intended)
-    a.local_steps = 7
-    state = _saved(a)
-    assert "compress_powersgd" not in state
-    assert set(state["compress_feedback"]) == {"0", "0:owner"}
-    assert torch.equal(state["compress_feedback"]["0"], intended - sent)
-    b = _sync("int8")
-    b.load_state_dict(state)
-    assert b.local_steps == 7
-    residuals = b.hook_state.feedback.residuals
-    assert set(residuals) == {"0", "0:owner"}
-    assert torch.equal(residuals["0"], intended - sent)
-    assert torch.equal(residuals["0:owner"], sent - intended)
+METHODS = ["none", "bf16", "int8", "powersgd:2"]
 
 
-def _fill_powersgd(psgd) -> dict:
-    """PowerSGD's state as its hook leaves it after some steps (iteration, residual, warm-start
-    P and Q of bucket 0); returns the values set."""
-    values = {"iter": 5, "error": _vec(75, 2), "p": _vec(16, 3), "q": _vec(10, 4)}
-    psgd.iter = values["iter"]
-    psgd.error_dict = {0: values["error"].clone()}
-    psgd.p_memory_dict = {0: values["p"].clone()}
-    psgd.q_memory_dict = {0: values["q"].clone()}
-    return values
+def _filled(method: str) -> SyncStrategy:
+    """A sync worker after 7 steps: int8 residuals of two keys, or PowerSGD's state (iteration,
+    bucket 0's residual, warm-start P and Q)."""
+    strategy = _sync(method)
+    strategy.local_steps = 7
+    if strategy.hook_state.feedback is not None:
+        strategy.hook_state.feedback.remember("0", _vec(40, 0), _vec(40, 1))
+        strategy.hook_state.feedback.remember("0:owner", _vec(40, 1), _vec(40, 0))
+    if (psgd := strategy.hook_state.powersgd) is not None:
+        psgd.iter, psgd.error_dict = 5, {0: _vec(75, 2)}
+        psgd.p_memory_dict, psgd.q_memory_dict = {0: _vec(16, 3)}, {0: _vec(10, 4)}
+    return strategy
 
 
-def test_sync_powersgd_state_round_trips_into_a_fresh_worker():
-    a = _sync("powersgd:2")
-    values = _fill_powersgd(a.hook_state.powersgd)
-    state = _saved(a)
-    assert "compress_feedback" not in state
-    saved = state["compress_powersgd"]
-    assert saved["iter"] == 5
-    assert torch.equal(saved["error_dict"][0], values["error"])
-    b = _sync("powersgd:2")
-    assert b.hook_state.powersgd.iter == 0 and not b.hook_state.powersgd.error_dict
-    b.load_state_dict(state)
-    psgd = b.hook_state.powersgd
-    assert psgd.iter == 5
-    assert list(psgd.error_dict) == list(psgd.p_memory_dict) == list(psgd.q_memory_dict) == [0]
-    assert torch.equal(psgd.error_dict[0], values["error"])
-    assert torch.equal(psgd.p_memory_dict[0], values["p"])
-    assert torch.equal(psgd.q_memory_dict[0], values["q"])
+def _compression(strategy: SyncStrategy):
+    fb, psgd = strategy.hook_state.feedback, strategy.hook_state.powersgd
+    return (None if fb is None else fb.residuals, None if psgd is None else
+            (psgd.iter, psgd.error_dict, psgd.p_memory_dict, psgd.q_memory_dict))  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "spec, rank, start",
-    [
-        ("powersgd", 1, POWERSGD_START),
-        ("powersgd:4", 4, POWERSGD_START),
-        ("powersgd:2:200", 2, 200),
-    ],
-)
-def test_powersgds_rank_and_start_reach_its_state(spec, rank, start):
-    """``--compress powersgd:RANK:START``: the rank, and the step compression starts at (plain
-    all-reduce before it: its authors' warm-up), as PyTorch's PowerSGDState gets them."""
-    assert Compression.parse(spec) == Compression("powersgd", rank, start)
-    state = new_powersgd_state(None, spec)
-    assert (state.matrix_approximation_rank, state.start_powerSGD_iter) == (rank, start)
-    assert state.use_error_feedback and state.warm_start
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@pytest.mark.parametrize("source", METHODS)
+@pytest.mark.parametrize("target", METHODS)
+def test_sync_compression_state_round_trips_and_another_methods_leaves_it_fresh(source, target):
+    """A checkpoint restores the steps, and its compression state only into a worker of the same
+    --compress (int8 residuals, PowerSGD's state); another's leaves it as a fresh one has it."""
+    state = _saved(_filled(source))
+    assert ("compress_feedback" in state) == (source == "int8")
+    assert ("compress_powersgd" in state) == (source == "powersgd:2")
+    if source == "int8":
+        assert torch.equal(state["compress_feedback"]["0"], _vec(40, 0) - _vec(40, 1))
+    if source == "powersgd:2":
+        assert state["compress_powersgd"]["iter"] == 5
+        assert torch.equal(state["compress_powersgd"]["error_dict"][0], _vec(75, 2))
+    worker = _sync(target)
+    worker.load_state_dict(state)
+    assert worker.local_steps == 7
+    expected = _filled(target) if source == target else _sync(target)
+    assert _same(_compression(worker), _compression(expected))
 
 
 @pytest.mark.parametrize(
-    "spec, message",
+    "spec, expected",
     [
+        ("powersgd", (1, POWERSGD_START)),
+        ("powersgd:4", (4, POWERSGD_START)),
+        ("powersgd:2:200", (2, 200)),
         ("powersgd:2:1", "start must be an integer in 2.."),
         ("powersgd:2:", "start must be an integer in 2.."),
         ("powersgd:2:x", "start must be an integer in 2.."),
@@ -136,54 +122,30 @@ def test_powersgds_rank_and_start_reach_its_state(spec, rank, start):
         ("int8:2:100", "only powersgd takes arguments"),
     ],
 )
-def test_a_bad_powersgd_start_or_rank_is_one_config_line(spec, message):
-    with pytest.raises(ConfigError, match=f"^compress: '{spec}': .*{message}") as err:
-        RunConfig(strategy="sync", workers=2, compress=spec)
-    assert "\n" not in str(err.value)
-
-
-def test_sync_compression_state_of_another_method_is_ignored_on_load():
-    # A checkpoint of another --compress restores the steps, and leaves this worker's own
-    # compression state as a fresh one has it (nothing for a method it does not run).
-    quantised, powersgd = _sync("int8"), _sync("powersgd:2")
-    quantised.hook_state.feedback.remember("0", _vec(40, 0), _vec(40, 1))
-    quantised.local_steps = 3
-    _fill_powersgd(powersgd.hook_state.powersgd)
-    powersgd.local_steps = 4
-    for method in ("none", "bf16"):
-        plain = _sync(method)
-        plain.load_state_dict(_saved(quantised))
-        assert plain.local_steps == 3
-        assert plain.hook_state.feedback is None and plain.hook_state.powersgd is None
-        plain.load_state_dict(_saved(powersgd))
-        assert plain.local_steps == 4
-        assert plain.hook_state.feedback is None and plain.hook_state.powersgd is None
-    for source in (_sync("none"), powersgd):
-        fresh = _sync("int8")
-        fresh.load_state_dict(_saved(source))
-        assert fresh.hook_state.feedback.residuals == {}
-    for source in (_sync("bf16"), quantised):
-        fresh = _sync("powersgd:2")
-        fresh.load_state_dict(_saved(source))
-        psgd = fresh.hook_state.powersgd
-        assert psgd.iter == 0 and not psgd.error_dict and not psgd.p_memory_dict
+def test_powersgds_rank_and_start_reach_its_state_and_a_bad_one_is_one_config_line(spec, expected):
+    """``--compress powersgd:RANK:START`` reaches PyTorch's PowerSGDState (START: its warm-up)."""
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError, match=f"^compress: '{spec}': .*{expected}") as err:
+            RunConfig(strategy="sync", workers=2, compress=spec)
+        assert "\n" not in str(err.value)
+        return
+    assert Compression.parse(spec) == Compression("powersgd", *expected)
+    state = new_powersgd_state(None, spec)
+    assert (state.matrix_approximation_rank, state.start_powerSGD_iter) == expected
+    assert state.use_error_feedback and state.warm_start
 
 
 # ---------------------------------------------------------------------------- local_sgd
 class _LocalJob:
-    """W local SGD workers of ``cfg`` on threads of one group (the real compressed all-reduce
-    over :class:`ThreadComm`), their replicas made from ``seed``."""
+    """W local SGD workers on threads of one :class:`ThreadComm` group, replicas from ``seed``."""
 
     def __init__(self, cfg: RunConfig, seed: int):
         group = ThreadGroup(cfg.job.workers)
         self.replicas = ref.Replicas(cfg.job.workers, ref.sgd(), seed=seed)
-        self.strategies = [
-            LocalSgdStrategy(_ctx(cfg, w, ThreadComm(group, w))) for w in range(cfg.job.workers)
-        ]
-        for s, model, opt in zip(
-            self.strategies, self.replicas.models, self.replicas.optimizers, strict=True
-        ):
-            s.wrap(model, opt)
+        self.strategies = []
+        for w in range(cfg.job.workers):
+            self.strategies.append(LocalSgdStrategy(_ctx(cfg, w, ThreadComm(group, w))))
+            self.strategies[w].wrap(self.replicas.models[w], self.replicas.optimizers[w])
 
     def train(self, steps: range) -> None:
         def worker(w: int) -> None:
@@ -207,8 +169,7 @@ def test_local_sgd_int8_reference_and_residuals_round_trip_and_the_run_continues
     job.train(range(4, 6))  # and drift away from it
     saved = [_saved(s) for s in job.strategies]
     for state in saved:
-        assert state["averages"] == 1
-        assert torch.equal(state["compress_reference"], averaged[0])
+        assert state["averages"] == 1 and torch.equal(state["compress_reference"], averaged[0])
         assert set(state["compress_feedback"]) == {"theta"}
         assert state["compress_feedback"]["theta"].abs().sum() > 0
 
@@ -222,9 +183,8 @@ def test_local_sgd_int8_reference_and_residuals_round_trip_and_the_run_continues
         strategy.load_state_dict(copy.deepcopy(state))
         assert strategy.local_steps == 5 and strategy.averages == 1
         assert torch.equal(strategy._reference, averaged[0])
-        assert torch.equal(
-            strategy.feedback.residuals["theta"], state["compress_feedback"]["theta"]
-        )
+        residual = strategy.feedback.residuals["theta"]
+        assert torch.equal(residual, state["compress_feedback"]["theta"])
     job.train(range(6, 10))
     twin.train(range(6, 10))
     for mine, theirs in zip(job.flats(), twin.flats(), strict=True):
@@ -284,8 +244,7 @@ def _replica(replicas: ref.Replicas) -> tuple[torch.Tensor, dict]:
 
 
 def _restore(saved: dict, replica: tuple[torch.Tensor, dict], **kw):
-    """A worker built from another seed, given the saved replica (as a resume loads it) and
-    then the strategy state ``saved``."""
+    """A worker of another seed given the saved replica (as a resume loads it), then ``saved``."""
     strategy, twin = _diloco(seed=3, **kw)
     ref.set_flat(twin.models[0], replica[0])
     twin.optimizers[0].load_state_dict(copy.deepcopy(replica[1]))
@@ -294,8 +253,7 @@ def _restore(saved: dict, replica: tuple[torch.Tensor, dict], **kw):
 
 
 def test_a_diloco_checkpoint_lists_the_fragments_outer_states_and_fits_only_its_fragments():
-    """The outer state is under ``outer``, and a list of them only with fragments; a checkpoint
-    of another fragment count is refused."""
+    """A list of outer states only with fragments; another fragment count's state is refused."""
     one, replicas = _diloco(fragments=1)
     _train(one, replicas, range(1, 5))
     assert set(one.state_dict()) == {"local_steps", "stats", "averages", "global_theta", "outer"}
@@ -328,8 +286,7 @@ CASES = [(0, s, last) for s, last in LAST_OUTER_STEP.items()] + [
 def test_a_diloco_worker_restored_at_any_checkpoint_finishes_as_the_uninterrupted_one(
     warm, step, last
 ):
-    # finish() ends with an outer step on each fragment that moved since its last one: the
-    # restored worker must know when that was (no fragment's is in the checkpoint).
+    """finish() steps each fragment moved since its last outer step: a restored one knows when."""
     kw = dict(STREAMING, local_sgd_warmup_steps=warm)
     strategy, replicas = _diloco(**kw)
     _train(strategy, replicas, range(1, step + 1))
@@ -346,8 +303,7 @@ def test_a_diloco_worker_restored_at_any_checkpoint_finishes_as_the_uninterrupte
 
 
 def test_a_diloco_state_dict_is_a_snapshot_the_worker_continues_from():
-    # Saved after step 5 (both fragments have had an outer step: momentum in each outer
-    # optimizer); the worker trains on, which must not change what was saved.
+    """Saved after step 5 (momentum in both outer optimizers), unchanged by further training."""
     strategy, replicas = _diloco(**STREAMING)
     _train(strategy, replicas, range(1, 6))
     saved = strategy.state_dict()

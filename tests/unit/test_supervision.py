@@ -1,7 +1,6 @@
-"""Supervision that survives hostile neighbours (issue 44): the launcher still stops every
-process of its job when a flood of connections has taken every file descriptor; a malformed
-value under a heartbeat key is one unreadable beat, not a lost store; and a job that failed
-says why — the first error a rank raised — instead of only its agents' exit codes."""
+"""Supervision that survives hostile neighbours (issue 44): the launcher stops its job with every
+file descriptor taken; a malformed heartbeat is one unreadable beat, not a lost store; a failed
+job says the first error a rank raised, not only its agents' exit codes."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 @contextlib.contextmanager
 def no_descriptor_left():
-    """Every descriptor of this process taken (as by ~1,000 connections to the store the
-    launcher serves), then given back."""
+    """Every descriptor of this process taken (as by ~1,000 store connections), then given back."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     in_use = max(int(fd) for fd in os.listdir("/proc/self/fd"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 32, hard))
@@ -58,9 +56,8 @@ NO_PID = 2**22 + 1000
 
 
 class FakeAgent:
-    """What the launcher uses of an agent's ``multiprocessing.Process``: ``on_start`` runs at
-    the first look, then it stays alive for ``alive_for`` looks, then ``on_exit`` runs and it
-    exits with ``exitcode``."""
+    """An agent's process as the launcher sees it: ``on_start`` at the first look, alive for
+    ``alive_for`` looks, then ``on_exit`` and ``exitcode``."""
 
     def __init__(
         self, pid: int, alive_for: int = 10**9, exitcode: int = 0, on_start=None, on_exit=None
@@ -91,8 +88,7 @@ class FakeAgent:
 def test_with_no_descriptor_left_stopping_the_job_still_kills_agents_and_forkserver(
     monkeypatch, capsys
 ):
-    """``/proc`` cannot be read, so the ranks cannot be listed: the agents and the forkserver
-    are SIGKILLed by pid (the ranks die with them), and "stopping the job" is true."""
+    """``/proc`` unreadable: agents and forkserver are SIGKILLed by pid (ranks die with them)."""
     sent: list[tuple[int, int]] = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
     monkeypatch.setattr(processes, "forkserver_pid", lambda: NO_PID + 2)
@@ -117,8 +113,7 @@ def _fake_job(monkeypatch, agents_for) -> None:
 
 @linux_only
 def test_the_monitor_goes_on_when_it_cannot_read_the_runs_files(tmp_path, monkeypatch, capsys):
-    """Reading progress and failures raises EMFILE for as long as the agent trains: each look
-    is skipped (said once), and the job's summary is returned when it finishes."""
+    """EMFILE while the agent trains: each look is skipped (said once); the summary is returned."""
     cfg = RunConfig(workers=1, out=str(tmp_path / "run"), progress=False)
     exhausted = no_descriptor_left()
 
@@ -140,7 +135,7 @@ def test_the_monitor_goes_on_when_it_cannot_read_the_runs_files(tmp_path, monkey
 def _error_file(out: Path, agent: int, local: int, message: str, timestamp: int) -> None:
     """torch's error file of a rank, where a local job's agents leave it."""
     path = out / "logs" / f"agent{agent}" / "run_x" / "attempt_0" / str(local) / "error.json"
-    path.parent.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     info = {"py_callstack": "Traceback ...", "timestamp": str(timestamp)}
     path.write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
 
@@ -148,20 +143,13 @@ def _error_file(out: Path, agent: int, local: int, message: str, timestamp: int)
 def _stderr_log(out: Path, agent: int, text: str) -> None:
     """A rank's redirected stderr, where a local job's agents leave it."""
     path = out / "logs" / f"agent{agent}" / "run_x" / "attempt_0" / "0" / "stderr.log"
-    path.parent.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
 
 
 def test_a_failed_job_names_the_first_error_a_rank_raised(tmp_path):
-    _error_file(tmp_path, 1, 0, "RuntimeError: [gloo] Connection closed by peer\nmore", 1002)
-    _error_file(tmp_path, 2, 0, f"{ENOSPC}\n  File ...", 1000)
-    assert job_failure(tmp_path, [0, 1, 1]) == f"rank 2 failed: {ENOSPC}"
-
-
-def test_without_an_error_file_the_exception_comes_from_the_ranks_log(tmp_path):
-    """A full disk may leave no error file; the line ending the last traceback in stderr.log
-    is used (a line that merely looks like an error, with no traceback, is not taken); with
-    no error anywhere the exit codes are the reason."""
+    """The earliest error file's, else the line ending a stderr.log's last traceback (a lone
+    error-like line is not taken), else the exit codes; a lost peer is named with its own."""
     assert job_failure(tmp_path, [1, -9]) == "ranks failed (agent exit codes [1, -9])"
     _stderr_log(tmp_path, 1, "RuntimeError: a retried connection, logged\n")
     assert job_failure(tmp_path, [1, 1]) == "ranks failed (agent exit codes [1, 1])"
@@ -169,16 +157,16 @@ def test_without_an_error_file_the_exception_comes_from_the_ranks_log(tmp_path):
     _stderr_log(tmp_path, 0, log + "OverflowError: Python int too large to convert to C long\n")
     expected = "rank 0 failed: OverflowError: Python int too large to convert to C long"
     assert job_failure(tmp_path, [1, 1]) == expected
-
-
-def test_a_lost_peer_is_named_with_its_own_error(tmp_path):
-    metrics = tmp_path / "metrics"
-    metrics.mkdir()
+    _error_file(tmp_path, 1, 0, "RuntimeError: [gloo] Connection closed by peer\nmore", 1002)
+    _error_file(tmp_path, 2, 0, f"{ENOSPC}\n  File ...", 1000)
+    assert job_failure(tmp_path, [0, 1, 1]) == f"rank 2 failed: {ENOSPC}"
+    lost_run = tmp_path / "lost"
+    (lost_run / "metrics").mkdir(parents=True)
     lost = {"event": "peer_lost", "lost_rank": 1, "reason": "worker 0 (rank 1) lost at 3.0 s"}
-    (metrics / "rank0.jsonl").write_text(json.dumps({**lost, "time_s": 3.0}) + "\n")
-    assert job_failure(tmp_path, [1]) == lost["reason"]  # SIGKILLed: nothing more
-    _error_file(tmp_path, 1, 0, ENOSPC, 1000)
-    assert job_failure(tmp_path, [1]) == f"{lost['reason']}: {ENOSPC}"
+    (lost_run / "metrics" / "rank0.jsonl").write_text(json.dumps({**lost, "time_s": 3.0}) + "\n")
+    assert job_failure(lost_run, [1]) == lost["reason"]  # SIGKILLed: nothing more
+    _error_file(lost_run, 1, 0, ENOSPC, 1000)
+    assert job_failure(lost_run, [1]) == f"{lost['reason']}: {ENOSPC}"
 
 
 def test_the_summary_and_the_error_say_a_ranks_first_error(tmp_path, monkeypatch):
@@ -199,8 +187,7 @@ def test_the_summary_and_the_error_say_a_ranks_first_error(tmp_path, monkeypatch
 
 @pytest.fixture
 def store_server():
-    """A real TCPStore server on loopback, served from this process (as the launcher does),
-    and a way to connect clients to it."""
+    """A client factory for a real loopback TCPStore served from this process, as the launcher's."""
     listener = loopback_listener(0)
     port = listener.getsockname()[1]
     timeout = datetime.timedelta(seconds=30)
@@ -215,9 +202,8 @@ def store_server():
 
 
 def test_a_malformed_heartbeat_is_one_unreadable_beat_not_a_lost_store(store_server):
-    """torch's store server drops the connection of a client that ``add``s to a key holding a
-    non-integer; the watchers read instead. The bad value is no beat; the rank's next beat
-    overwrites it, and every connection still works."""
+    """The watchers read (torch's server drops a client ``add``ing to a non-integer): the bad value
+    is no beat, the rank's next beat overwrites it, every connection still works."""
     key = HEARTBEAT_KEY.format(rank=1)
     rank_store, watcher_store, neighbour = store_server(), store_server(), store_server()
     beats = [Heartbeat(rank_store, 1, interval_s=3600).start()]

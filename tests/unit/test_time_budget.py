@@ -34,34 +34,28 @@ def test_no_budget_by_default_and_a_budget_is_kept():
 # ---------------------------------------------------------------------------- the agreement
 # Two lockstep workers, each on a thread whose transport is a ThreadComm (its clock reads 0:
 # the checks take no time). Worker 0's clock is the one agreed on; worker 1 contributes 0.
-def _lockstep_budget(budget_s: float, clock, comm: ThreadComm, index: int):
-    ctx = FakeNamespace(cfg=SimpleNamespace(training=SimpleNamespace(max_train_time_s=budget_s)),
-                        comm=comm, num_workers=2, worker_index=index, num_servers=0, link=None,
-                        num_nodes=1, elapsed_s=clock)  # fmt: skip
-    strategy = SimpleNamespace(lockstep=True, stats=CommStats())
-    return TimeBudget(ctx, strategy), strategy
-
-
-def _run(budget: TimeBudget, steps: int, now: list[float], step_s) -> tuple[int, list[int]]:
-    checked = []
-    for step in range(1, steps + 1):
-        now[0] += step_s(step)
-        before = budget.checks
-        if budget.over(step, steps):
-            return step, checked + [step]
-        if budget.checks > before:
-            checked.append(step)
-    return steps, checked
-
-
 def _both_workers(budget_s: float, steps: int, step_s, rates=(1.0, 1.0)) -> list[SimpleNamespace]:
-    """``_run`` on both workers, worker k's own clock ``rates[k]`` × the time its steps took;
-    each one's last step, checked steps, budget, strategy and all-reduces (transport calls)."""
+    """Both workers run up to ``steps`` steps, step k taking ``step_s(k)``, worker k's own clock
+    ``rates[k]`` × that time, asking the budget after each; each one's last step, the steps
+    that checked, its budget, strategy and all-reduces (transport calls)."""
 
     def worker(index: int, comm: ThreadComm) -> SimpleNamespace:
-        now = [0.0]
-        budget, strategy = _lockstep_budget(budget_s, lambda: rates[index] * now[0], comm, index)
-        last, checked = _run(budget, steps, now, step_s)
+        now, checked, last = [0.0], [], steps
+        training = SimpleNamespace(max_train_time_s=budget_s)
+        ctx = FakeNamespace(cfg=SimpleNamespace(training=training), comm=comm, num_workers=2,
+                            worker_index=index, num_servers=0, link=None, num_nodes=1,
+                            elapsed_s=lambda: rates[index] * now[0])  # fmt: skip
+        strategy = SimpleNamespace(lockstep=True, stats=CommStats())
+        budget = TimeBudget(ctx, strategy)
+        for step in range(1, steps + 1):
+            now[0] += step_s(step)
+            before = budget.checks
+            if budget.over(step, steps):
+                last = step
+                checked.append(step)
+                break
+            if budget.checks > before:
+                checked.append(step)
         all_reduces = sum(call[0] == "all_reduce" for call in comm.calls)
         return SimpleNamespace(last=last, checked=checked, budget=budget, strategy=strategy,
                                all_reduces=all_reduces)  # fmt: skip
@@ -113,32 +107,31 @@ def _sim(out: Path, strategy: str, workers: int, budget_s: float, **kw) -> dict:
     return run_sim(cfg, server_apply_gbyte_per_s=1e6)  # steps of STEP_S = 0.01 s
 
 
-def test_sync_workers_stop_together_at_the_first_step_past_the_budget(tmp_path):
-    # W = 4, worker 3 twice as slow: every sync step takes 2T = 0.02 virtual s. A budget of
-    # 0.305 s ends training after step 16 (0.32 s), on every rank.
-    summary = _sim(tmp_path, "sync", 4, 0.305, stragglers=[Straggler(3, 2.0)])
-    for rank in range(4):
-        records = rank_events(tmp_path, rank, "step")
-        assert [r["step"] for r in records] == list(range(1, 17))
-        assert records[-2]["time_s"] < 0.305 <= records[-1]["time_s"]
-    assert summary["stopped_by"] == "time_budget"
-    assert summary["max_train_time_s"] == 0.305
-    assert summary["steps_done"] == {"0": 16, "1": 16, "2": 16, "3": 16}
-    assert summary["steps_per_worker"] == 200
-    assert summary["samples"] == 4 * 16 * 8
-
-
-def test_asgd_workers_stop_each_on_its_own_clock(tmp_path):
-    # Workers 0-2 take T = 0.01 s a step, worker 3 twice that: with a 0.205 s budget the
-    # first three stop after step 21, the straggler after step 11; the shard then finishes
-    # as when the workers' steps run out.
-    summary = _sim(tmp_path, "asgd", 4, 0.205, servers=1, stragglers=[Straggler(3, 2.0)])
-    assert summary["steps_done"] == {"1": 21, "2": 21, "3": 21, "4": 11}
-    for rank in (1, 2, 3, 4):
-        records = rank_events(tmp_path, rank, "step")
-        assert records[-2]["time_s"] < 0.205 <= records[-1]["time_s"]
-    assert summary["stopped_by"] == "time_budget"
-    assert summary["samples"] == (3 * 21 + 11) * 8
+@pytest.mark.parametrize(
+    "strategy, servers, budget_s, done",
+    [
+        # W = 4, worker 3 twice as slow: every sync step takes 2T = 0.02 virtual s. A budget of
+        # 0.305 s ends training after step 16 (0.32 s), on every rank.
+        ("sync", 0, 0.305, {"0": 16, "1": 16, "2": 16, "3": 16}),
+        # asgd: workers 0-2 take T = 0.01 s a step, worker 3 twice that; with 0.205 s the first
+        # three stop after step 21, the straggler after step 11; the shard then finishes as
+        # when the workers' steps run out.
+        ("asgd", 1, 0.205, {"1": 21, "2": 21, "3": 21, "4": 11}),
+    ],
+)
+def test_workers_stop_at_the_first_step_past_the_budget_on_the_clock_they_keep(
+    tmp_path, strategy, servers, budget_s, done
+):
+    """Sync's lockstep workers stop together, asgd's each on its own clock."""
+    summary = _sim(tmp_path, strategy, 4, budget_s, servers=servers,
+                   stragglers=[Straggler(3, 2.0)])  # fmt: skip
+    for rank, steps in done.items():
+        records = rank_events(tmp_path, int(rank), "step")
+        assert [r["step"] for r in records] == list(range(1, steps + 1))
+        assert records[-2]["time_s"] < budget_s <= records[-1]["time_s"]
+    assert (summary["stopped_by"], summary["max_train_time_s"]) == ("time_budget", budget_s)
+    assert summary["steps_done"] == done and summary["steps_per_worker"] == 200
+    assert summary["samples"] == sum(done.values()) * 8
 
 
 def test_a_budget_the_steps_end_before_changes_nothing(tmp_path):
