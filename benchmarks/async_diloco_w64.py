@@ -141,7 +141,7 @@ def row(name: str, runs: list[harness.Run], sync: list[harness.Run], budget: flo
         return [name, "FAILED", "", "", "", ""]
     acc = [at_time(r, budget) or 0.0 for r in runs]
     hit = [time_to(r, final(s) - LEVELS[0]) for r, s in zip(runs, sync, strict=True)]
-    steps = [max((v or 0) for v in (r.summary.get("steps_done") or {0: 0}).values()) for r in runs]
+    steps = [et.fastest_steps(r) for r in runs]
     return [name, harness.pct(statistics.mean(acc)), " ".join(harness.pct(a) for a in acc),
             " ".join(harness.fmt(t) if t is not None else f"> {harness.fmt(budget)}" for t in hit),
             harness.fmt(statistics.mean(r.summary.get("inter_node_bytes", 0) for r in runs) / 1e9),

@@ -131,6 +131,11 @@ def final(r: harness.Run) -> float | None:
     return r.final_accuracy if r.final_accuracy is not None else (r.evals or [(0, 0, None)])[-1][2]
 
 
+def fastest_steps(r: harness.Run) -> int:
+    """The steps of the run's busiest worker (``steps_done`` per rank; 0 if none reported)."""
+    return max((v or 0) for v in (r.summary.get("steps_done") or {0: 0}).values())
+
+
 def tune_sync(report: harness.Report, title: str, lrs, steps: int, cell: list[str], seeds,
               root: Path, prov) -> tuple[list[harness.Run], float, float]:  # fmt: skip
     """Sync's lr (best mean final accuracy over ``seeds`` at ``steps`` steps) and the budget T
@@ -260,7 +265,7 @@ def table_row(name: str, runs: list[harness.Run], sync: list[harness.Run], budge
     shown = [fmt(t) if t is not None else f"> {fmt(budget_s)}" for t in times]
     samples = [harness.at_samples(r, s.summary.get("samples", 0))
                for r, s in zip(runs, sync, strict=True)]  # fmt: skip
-    steps = [max((v or 0) for v in (r.summary.get("steps_done") or {0: 0}).values()) for r in ok]
+    steps = [fastest_steps(r) for r in ok]
     return [name, pct(acc), " ".join(shown),
             " ".join(pct(a) if a is not None else "-" for a in samples),
             fmt(statistics.mean(r.summary.get("inter_node_bytes", 0) for r in ok) / 1e9),

@@ -175,7 +175,7 @@ def row(name: str, runs: list[harness.Run], sync: list[harness.Run], budget: flo
         return [name, "FAILED", "", "", "", "", ""]
     acc = [at_time(r, budget) or 0.0 for r in runs]
     hit = [first_at(r, final(s) - LEVELS[0]) for r, s in zip(runs, sync, strict=True)]
-    steps = [max((v or 0) for v in (r.summary.get("steps_done") or {0: 0}).values()) for r in ok]
+    steps = [et.fastest_steps(r) for r in ok]
     return [name, pct(statistics.mean(acc)), " ".join(pct(a) for a in acc),
             " ".join(fmt(t) if t is not None else f"> {fmt(budget)}" for t, _ in hit),
             " ".join(str(s) if s is not None else "-" for _, s in hit),

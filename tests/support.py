@@ -890,3 +890,17 @@ def link_ranks(spec, topology: Topology, nic) -> list:
 
     return [LinkEmulator(spec, topology=topology, rank=r, nic=nic)
             for r in range(len(topology.node_of))]  # fmt: skip
+
+
+# ---------------------- checkpointed state (tests/unit/test_shard_state.py, test_strategy_state.py)
+def same_state(a, b) -> bool:
+    """Deep, bit-exact equality of state dicts (tensors by value, dtype and shape)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return type(a) is type(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b

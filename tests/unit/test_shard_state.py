@@ -17,6 +17,7 @@ from cloudburst.strategies.asgd.compensation import make_compensator
 from cloudburst.strategies.asgd.shard import PushResult, ShardState
 from cloudburst.strategies.async_diloco.rule import DelayedNesterov
 from tests.helpers import shard_of
+from tests.support import same_state
 
 BETA = 0.95  # the documented β of DC-ASGD-a's mean square and gap-aware's mean step
 EPS = 1e-7  # DC-ASGD-a's ε
@@ -28,17 +29,6 @@ def _t(*values: float) -> torch.Tensor:
 
 def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-6, atol: float = 0.0) -> bool:
     return a.shape == b.shape and torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol)
-
-
-def _same(a, b) -> bool:
-    """Deep, bit-exact equality of state dicts (tensors by value, dtype and shape)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return type(a) is type(b) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return type(a) is type(b) and a == b
 
 
 # ------------------------------------------------------------------------------- Compensator
@@ -305,12 +295,12 @@ def test_a_restored_shard_continues_bit_for_bit(rule, compensation):
     buf = io.BytesIO()
     torch.save(state, buf)
     restored.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
-    assert _same(restored.state_dict(), snapshot)
+    assert same_state(restored.state_dict(), snapshot)
     _run(live, after)
     _run(restored, after)
     assert torch.equal(restored.theta, live.theta)
-    assert _same(restored.state_dict(), live.state_dict())
-    assert _same(state, snapshot)
+    assert same_state(restored.state_dict(), live.state_dict())
+    assert same_state(state, snapshot)
 
 
 def test_a_checkpoint_from_before_a_key_existed_loads():

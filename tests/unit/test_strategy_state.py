@@ -20,7 +20,7 @@ from cloudburst.strategies.diloco import DilocoStrategy
 from cloudburst.strategies.local_sgd import LocalSgdStrategy
 from cloudburst.strategies.sync import SyncStrategy
 from tests import reference as ref
-from tests.support import BATCH, FakeNamespace, ThreadComm, ThreadGroup, survivor_cfg
+from tests.support import BATCH, FakeNamespace, ThreadComm, ThreadGroup, same_state, survivor_cfg
 
 
 def _ctx(cfg: RunConfig, worker: int, comm=None) -> SimpleNamespace:
@@ -79,16 +79,6 @@ def _compression(strategy: SyncStrategy):
             (psgd.iter, psgd.error_dict, psgd.p_memory_dict, psgd.q_memory_dict))  # fmt: skip
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
 @pytest.mark.parametrize("source", METHODS)
 @pytest.mark.parametrize("target", METHODS)
 def test_sync_compression_state_round_trips_and_another_methods_leaves_it_fresh(source, target):
@@ -106,7 +96,7 @@ def test_sync_compression_state_round_trips_and_another_methods_leaves_it_fresh(
     worker.load_state_dict(state)
     assert worker.local_steps == 7
     expected = _filled(target) if source == target else _sync(target)
-    assert _same(_compression(worker), _compression(expected))
+    assert same_state(_compression(worker), _compression(expected))
 
 
 @pytest.mark.parametrize(
