@@ -26,6 +26,7 @@ from cloudburst.comm.compress import (
 )
 from cloudburst.comm.stats import CommStats
 from cloudburst.comm.transport import REAL
+from cloudburst.runtime import shutdown
 from tests import reference as ref
 from tests.helpers import cli, read_summary, simulated, spawn
 from tests.reference import COMMON, assert_same_params, trained
@@ -114,13 +115,13 @@ def _compressed(rank: int) -> dict:
 
 
 def _teardown() -> None:
-    """Destroy the process group once the caller has dropped its DDP modules: the order
-    cloudburst's workers follow. A DDP Reducer freed after ``destroy_process_group`` frees the
-    group's last reference while holding the GIL, and ProcessGroupGloo's destructor joins its
-    work threads, one of which may still be releasing a finished collective's Python tensors,
-    for which it needs the GIL: a deadlock (torch 2.13; here 1 run in 4 at W = 4)."""
+    """Leave the process group once the caller has dropped its DDP modules, as cloudburst's
+    workers do (``runtime.shutdown``): the group is kept until the process exits. Freed
+    earlier, ProcessGroupGloo's destructor joins its work threads, and on torch 2.13 it may
+    run on one of them (the last reference in a finished collective's callback: an abort,
+    "Resource deadlock avoided") or with the GIL held (a deadlock, 1 run in 4 at W = 4)."""
     gc.collect()  # a DDP module in a reference cycle
-    dist.destroy_process_group()
+    shutdown(None)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -7,6 +7,7 @@ import torch
 
 from cloudburst.comm.messages import TAG_REQUEST_PAYLOAD, Header, Kind, Status
 from cloudburst.comm.p2p import PeerTransport
+from cloudburst.runtime import shutdown
 from tests.helpers import spawn
 
 pytestmark = pytest.mark.dist
@@ -65,7 +66,7 @@ def _exchange(rank: int) -> dict:
             "sent": t.stats.sent_bytes,
         }
     finally:
-        dist.destroy_process_group()
+        shutdown(None)  # the group kept until exit: see test_compress._teardown
 
 
 def test_chunked_push_fetch_over_gloo(tmp_path):
