@@ -25,21 +25,16 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 
 
-# Ports for commands that bind a port themselves (torchrun's static rendezvous: its agent of
-# node 0 binds --master-port, so no socket can be handed over to it) come from below the
-# kernel's ephemeral range, where no port is handed out for outgoing connections or to a
-# bind of port 0; a lock file per port keeps two test processes from taking the same one.
+# Ports for commands that bind one themselves (torchrun's --master-port): below the kernel's
+# ephemeral range (no outgoing connection or bind(0) lands there), a lock file per port.
 _PORT_RANGE = (20000, 32000)
 _PORT_LOCKS = Path(tempfile.gettempdir()) / "cloudburst-test-ports"
 _held_ports: list[Any] = []  # the lock files of this test process's ports, open until it exits
 
 
 def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on and that no other test process of this
-    machine is given, for a command that binds it itself (torchrun's ``--master-port``).
-    Outside the ephemeral range (so a connection's or a bind(0)'s port cannot land on it
-    between this check and the command's bind), reserved by a lock held until this process
-    ends. :func:`spawn` needs none of this: it binds its store's port and hands it over."""
+    """A port on 127.0.0.1 that nothing listens on and that no other test process is given
+    (its lock is held until this process ends), for a command that binds it itself."""
     import fcntl
     import random
 
@@ -65,10 +60,8 @@ def free_port() -> int:
 
 
 def _store_server(world: int) -> tuple[Any, int]:
-    """A TCPStore server for a spawned job, on a port bound here and handed over as a
-    listening socket (as cloudburst's launcher does): no other process can take the port
-    between choosing it and listening on it. The ranks join as its clients
-    (``TORCHELASTIC_USE_AGENT_STORE``: torchrun's agent store), so none binds a port."""
+    """A TCPStore server for a spawned job, on a port bound here and handed over as a listening
+    socket (as cloudburst's launcher does); the ranks join as its clients: none binds a port."""
     import datetime
 
     import torch.distributed as dist
@@ -102,17 +95,13 @@ def _child(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
         raise
 
 
-# The processes fork from one server that has imported torch and cloudburst once per test
-# session (the strategies' worker classes with cloudburst._warm): a fresh interpreter per rank
-# would import them again (seconds of CPU each).
+# The ranks fork from one server that imported torch and cloudburst once per test session.
 _PRELOAD = ["torch", "torch.distributed", "cloudburst.runtime", "cloudburst._warm"]
 
 
 def spawn(fn, world: int, tmp_path: Path, *args: Any, timeout_s: float = 120) -> list[Any]:
-    """Run ``fn(rank, *args)`` in ``world`` fresh gloo-ready processes; return their results.
-
-    ``fn`` must be importable (module level) and return something JSON-serialisable.
-    """
+    """Run ``fn(rank, *args)`` (module level, returning JSON) in ``world`` fresh gloo-ready
+    processes; return their results."""
     mp.set_forkserver_preload(_PRELOAD)
     store, port = _store_server(world)
     try:
@@ -151,13 +140,21 @@ def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.02)
         time.sleep(interval_s)
 
 
+def wait_running(proc, condition, what: str, timeout_s: float = 180, interval_s=0.02) -> Any:
+    """:func:`wait_until` ``condition()``, the job ``proc`` still running (else its output)."""
+
+    def running_until() -> Any:
+        assert proc.poll() is None, proc.communicate()
+        return condition()
+
+    return wait_until(running_until, timeout_s, what, interval_s)
+
+
 # ---------------------------------------------------------------------------- the CLI
 def start_job(args: list[str], cmd: list[str] | None = None, sigint_default: bool = False):
     """``python -m cloudburst train ARGS`` (or ``cmd``) in a session of its own, its output
-    captured (a ``subprocess.Popen``, or its stand-in forked from the zygote): a test can
-    signal the job's processes and kill the whole session. ``sigint_default``: the job
-    starts with SIGINT's default disposition (a shell may start background jobs with it
-    ignored)."""
+    captured (a ``subprocess.Popen``, or its stand-in forked from the zygote).
+    ``sigint_default``: SIGINT at its default (a shell may start background jobs ignoring it)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if cmd is None:
         zygote = _zygote_acquire(env)
@@ -184,10 +181,9 @@ def start_job(args: list[str], cmd: list[str] | None = None, sigint_default: boo
 
 
 def finish_job(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
-    """(stdout, stderr) of a job from :func:`start_job`; one still running after
-    ``timeout_s`` hangs: each rank prints its threads' stacks to its log (SIGUSR1, see
-    ``runtime._configure_logging``), the whole session is SIGKILLed, and the failure carries
-    the tail of every rank's log, so that a rare hang in CI says where each rank waited."""
+    """(stdout, stderr) of a job from :func:`start_job`. One still running after ``timeout_s``
+    hangs: its ranks log their threads' stacks (SIGUSR1), the session is SIGKILLed, and the
+    failure carries the tail of every rank's log (where each rank waited)."""
     try:
         return proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -210,9 +206,7 @@ def _option(args, name: str) -> Path | None:
 
 def _rank_pids(out: Path | None) -> list[int]:
     """The pids in the ``start`` records of a run's metrics (every incarnation's)."""
-    from cloudburst.records.metrics import (
-        read_run,  # skips a line cut short, as a hung run may leave
-    )
+    from cloudburst.records.metrics import read_run  # skips a line a hung run cut short
 
     records = [r for rs in read_run(out).values() for r in rs] if out else []
     return [r["pid"] for r in records if r["event"] == "start" and isinstance(r.get("pid"), int)]
@@ -238,10 +232,9 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def cli(
     *args: str, timeout_s: float = 300, check: bool = True, env: dict[str, str] | None = None, **kw
 ) -> subprocess.CompletedProcess:
-    """Run ``python -m cloudburst ARGS`` (``env``: added variables): forked from this test
-    process's zygote (tests/zygote.py: the CLI imported once), or a fresh process where the
-    zygote cannot stand in for one (other options, an environment read at start-up,
-    ``CLOUDBURST_TEST_FRESH_CLI=1``)."""
+    """Run ``python -m cloudburst ARGS`` (``env``: added variables), forked from this test
+    process's zygote (tests/zygote.py), or a fresh process where the zygote cannot stand in
+    (other options, an environment read at start-up, ``CLOUDBURST_TEST_FRESH_CLI=1``)."""
     cwd, full_env = kw.pop("cwd", REPO), cli_env(env)
     proc = None if kw else _zygote_run(list(args), Path(cwd), full_env, timeout_s)
     if proc is None:
@@ -296,31 +289,6 @@ class _Zygote:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, args: list[str], cwd: Path, env: dict[str, str], timeout_s: float):
-        with tempfile.TemporaryDirectory() as tmp:
-            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-            request = {"args": args, "cwd": str(cwd), "env": env}
-            request.update(stdout=str(out), stderr=str(err))
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            self.proc.stdin.flush()
-            pid = self._read(60.0)["pid"]
-            self.runs += 1
-            try:
-                code = self._read(timeout_s)["code"]
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-                self._read(60.0)  # its exit
-                raise subprocess.TimeoutExpired(
-                    ["cloudburst", *args], timeout_s, out.read_text(), err.read_text()
-                ) from None
-            return subprocess.CompletedProcess(
-                [sys.executable, "-m", "cloudburst", *args],
-                code,
-                out.read_text(errors="replace"),
-                err.read_text(errors="replace"),
-            )
-
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -356,21 +324,25 @@ def _zygote_run(args, cwd: Path, env: dict[str, str], timeout_s: float):
     if zygote is None:
         return None
     try:
-        return zygote.run(args, cwd, env, timeout_s)
+        job = _ZygoteJob(zygote, args, env, False, cwd)
+        try:
+            out, err = job.communicate(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)
+            out, err = job.communicate(60.0)
+            raise subprocess.TimeoutExpired(["cloudburst", *args], timeout_s, out, err) from None
     except (OSError, RuntimeError, ValueError):  # the zygote died: fresh processes from now
         _zygote_failed = True
         return None
-    finally:
-        zygote.lock.release()
+    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 
 
 class _ZygoteJob:
-    """A :func:`start_job` job forked from the zygote, with what the tests use of a
-    ``subprocess.Popen`` (``stdout=stderr=PIPE``, text): ``pid`` (a session leader), ``args``,
-    ``stdout``/``stderr``, ``poll``, ``wait``, ``communicate``, ``send_signal``, ``kill``,
-    ``returncode``. The zygote is locked until the job's exit is read."""
+    """A job of :func:`start_job` or :func:`cli` forked from the zygote, with what tests use of
+    a text ``subprocess.Popen`` of piped output; the zygote is locked until its exit is read."""
 
-    def __init__(self, zygote: _Zygote, args: list[str], env: dict[str, str], sigint: bool):
+    def __init__(self, zygote: _Zygote, args: list[str], env: dict, sigint: bool, cwd=REPO):
         self._zygote, self.returncode = zygote, None
         self.args = [sys.executable, "-m", "cloudburst", *args]
         self._tmp = tempfile.TemporaryDirectory()
@@ -379,7 +351,7 @@ class _ZygoteJob:
             os.mkfifo(path, 0o600)
         # Read ends first (non-blocking: no writer yet), so the zygote's opens do not block.
         fds = [os.open(path, os.O_RDONLY | os.O_NONBLOCK) for path in paths]
-        request = {"args": args, "cwd": str(REPO), "env": env, "fifo": True}
+        request = {"args": args, "cwd": str(cwd), "env": env}
         request.update(stdout=str(paths[0]), stderr=str(paths[1]), sigint_default=sigint)
         zygote.proc.stdin.write((json.dumps(request) + "\n").encode())
         zygote.proc.stdin.flush()
@@ -439,10 +411,8 @@ class _ZygoteJob:
 
 def refused(args: list[str], monkeypatch, capsys) -> subprocess.CompletedProcess:
     """``cloudburst ARGS`` for a command the CLI refuses before it launches anything, through
-    its entry point ``main()`` in this process: what :func:`cli` checks (exit code, stdout,
-    stderr) without a fresh interpreter importing torch (~2 CPU-s a call). The forkserver the
-    CLI starts first is not started (this test process's own spawns may use one), and a
-    command that gets as far as launching a job fails the test."""
+    ``main()`` in this process (exit code, stdout, stderr, as :func:`cli`); no forkserver is
+    started, and a command that gets as far as launching a job fails the test."""
     from cloudburst import cli as cli_module
     from cloudburst import forkserver
 
@@ -466,11 +436,8 @@ _SHARED: dict[tuple[str, ...], Path | BaseException] = {}
 
 
 def shared_run(*args: str, timeout_s: float = 300) -> Path:
-    """The output directory of ``cloudburst train ARGS``, run once per test session.
-
-    Tests that only read a run share it (e.g. one undisturbed reference for several resume
-    tests); a test that changes files must work on :func:`copy_run` of it.
-    """
+    """The output directory of ``cloudburst train ARGS``, run once per test session: to
+    read only (a test that changes files works on :func:`copy_run` of it)."""
     if args not in _SHARED:
         root = Path(tempfile.mkdtemp(prefix="cloudburst-shared-"))
         atexit.register(shutil.rmtree, root, True)
@@ -496,12 +463,9 @@ def read_summary(out: Path) -> dict[str, Any]:
 
 
 def read_events(path: Path, growing: bool = False) -> list[dict[str, Any]]:
-    """Every record of a metrics file. Each line must be one JSON object: a line that is not
-    fails the test (a rank writes whole lines; a broken one is a bug to see, not to skip).
-
-    ``growing``: the file is being written right now, so its last line may be unfinished
-    (it is left out); a missing file is then an empty list.
-    """
+    """Every record of a metrics file; a line that is not one JSON object fails the test.
+    ``growing``: the file is being written, so an unfinished last line is left out, and a
+    missing file is an empty list."""
     if growing and not path.is_file():
         return []
     text = path.read_text()

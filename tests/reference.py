@@ -1,42 +1,19 @@
 """Independent single-process references of cloudburst's algorithms, in plain PyTorch.
 
-Each reference simulates W workers in one process, one after the other in an order the caller
-scripts, and follows ALGORITHMS.md literally, with nothing taken from cloudburst: no strategy,
-server, comm or flatten code is imported here, so a test that compares cloudburst with a
-reference compares two independent implementations.
+Each reference simulates W workers in one process, in an order the caller scripts, following
+ALGORITHMS.md literally; nothing is imported from cloudburst (no strategy, server, comm or
+flatten code), so a comparison is between two independent implementations. The references own
+the communication only: a ``local_step(worker, step)`` callback (:class:`Replicas` builds one
+for the tiny problem below, which the distributed tests also train on) advances one replica by
+one optimizer step. Every replica's θ is returned after each of its local steps.
 
-The references own the *communication* semantics only. Training is the caller's: a
-``local_step(worker, step)`` callback advances one replica by one optimizer step (its own data,
-its own optimizer), exactly as that worker's training loop would. :class:`Replicas` builds such
-a callback for the small problem below, which the distributed tests also train on (same seeded
-data and initial θ in every process), so that both sides compute the same gradients.
-
-References (ALGORITHMS.md section in brackets):
-
-- :func:`large_batch_sgd` — sync (§1): one SGD step on the concatenation of the W batches.
-- :class:`Server`, :func:`asgd` — the add rule θ ← θ + λΔ, version clock and
-  staleness, with a scripted order of the workers' steps (§2, n_fetch = n_push = n_sync).
-- :func:`easgd` — elastic averaging against a centre, in a scripted order (§4).
-- :func:`daso` — node-local gradient averages, a global merge S steps after each sync with
-  the weight 2S, the rotating sender and the node broadcast (§3).
-- :func:`local_sgd` — average the replicas every H steps (§5).
-- :func:`diloco` — outer SGD with Nesterov momentum on the averaged pseudo-gradient (§5).
-- :func:`gossip_pull` — pull averaging with a fixed peer schedule, workers in a fixed order (§4).
-
-Every replica's θ is returned after each of its local steps (a trajectory), so a test can
-compare whole runs, not just their end.
-
-The last section, *whole runs on the parity problem*, gives what a whole CLI run (gloo, or the
-virtual cluster) must end with (tests/dist, tests/unit/test_sim_runs.py). The raw synthetic
-split is the package's (the input), but the sharding and the batch order are computed here
-from the documented rule (worker ``w`` of ``W`` trains on the contiguous ``w``-th of ``W``
-equal shards, the remainder unused; each epoch a fresh permutation of the shard seeded by
-``seed·1000 + w``, the last incomplete batch dropped), and the models are defined here (the
-MNIST-1D paper's MLP and CNN, built after ``torch.manual_seed(seed)``: the same seed, the
-same initial θ). A sharding bug (every worker given the same shard, say) therefore fails the
-parity tests. ``nan`` names (worker, step) pairs whose loss an injected ``nan:RANK@STEP``
-fault makes NaN: that worker's step is not applied (its optimizer does not step; its data
-stream moves on).
+The last section gives what a whole CLI run on the parity problem must end with. The raw
+synthetic split is the package's; the rest is computed here from the documented rule: worker
+``w`` of ``W`` trains on the contiguous ``w``-th of ``W`` equal shards (remainder unused), each
+epoch a permutation of it seeded by ``seed·1000 + w``, the last incomplete batch dropped; the
+models (the MNIST-1D paper's MLP and CNN) are built after ``torch.manual_seed(seed)``. ``nan``
+names (worker, step) pairs whose loss an injected ``nan:RANK@STEP`` makes NaN: that step is not
+applied (the optimizer does not step; the data stream moves on).
 """
 
 from __future__ import annotations
@@ -221,13 +198,10 @@ def asgd(
     worker order.
     """
     server = Server(flat(models[0]), lr=lam)
-    base: list[torch.Tensor] = []
-    version: list[int] = []
+    theta, v = server.fetch()
     for m in models:
-        theta, v = server.fetch()
         set_flat(m, theta)
-        base.append(theta)
-        version.append(v)
+    base, version = [theta] * len(models), [v] * len(models)
     steps = [0] * len(models)
     run = PsRun([], [], [[] for _ in models])
 
@@ -468,13 +442,17 @@ def daso(
 
 
 # ---------------------------------------------------------------------------- compression
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` flat, in fp32, zero-padded to whole blocks: one row a block."""
+    values = x.reshape(-1).float()
+    return torch.cat([values, values.new_zeros((-values.numel()) % block)]).view(-1, block)
+
+
 def quantise_round_trip(x: torch.Tensor, method: str, block: int = 256) -> torch.Tensor:
     """What a receiver sees of ``x`` sent block-wise quantised (docs/algorithms.md#compression):
     blocks of ``block`` values, one scale each, the block's absmax mapped to 127 (int8, codes
     rounded to nearest) or to 448 (fp8 e4m3); an all-zero block has scale 1."""
-    values = x.reshape(-1).float()
-    pad = (-values.numel()) % block
-    blocks = torch.cat([values, values.new_zeros(pad)]).view(-1, block)
+    blocks = _blocks(x, block)
     top = 127.0 if method == "int8" else 448.0
     absmax = blocks.abs().amax(dim=1, keepdim=True)
     scale = torch.where(absmax > 0, absmax / top, torch.ones_like(absmax))
@@ -482,7 +460,7 @@ def quantise_round_trip(x: torch.Tensor, method: str, block: int = 256) -> torch
         codes = (blocks / scale).round().clamp(-top, top)
     else:
         codes = (blocks / scale).clamp(-top, top).to(torch.float8_e4m3fn).float()
-    return (codes * scale).reshape(-1)[: values.numel()].view_as(x)
+    return (codes * scale).reshape(-1)[: x.numel()].view_as(x)
 
 
 class QuantisedSum:
@@ -509,11 +487,9 @@ class QuantisedSum:
 def rounding_bound(x: torch.Tensor, method: str, block: int = 256) -> torch.Tensor:
     """The most one block-wise rounding of ``x`` can be off, per value: absmax/254 of its
     block (int8: half a step), absmax/16 (fp8: 3 mantissa bits, at the block's top)."""
-    values = x.reshape(-1).abs().float()
-    pad = (-values.numel()) % block
-    absmax = torch.cat([values, values.new_zeros(pad)]).view(-1, block).amax(dim=1)
+    absmax = _blocks(x, block).abs().amax(dim=1)
     per_block = absmax / 254 if method == "int8" else absmax / 16
-    return per_block.repeat_interleave(block)[: values.numel()].view_as(x)
+    return per_block.repeat_interleave(block)[: x.numel()].view_as(x)
 
 
 # ---------------------------------------------------------------------------- gossip
@@ -667,11 +643,10 @@ def compensated_server(
             update = delta / penalty
         else:
             raise ValueError(method)
-        new = theta + lr * update
+        theta = theta + lr * update
         if method == "gap":
             size = delta.abs()
             mean_step = size if mean_step is None else beta * mean_step + (1 - beta) * size
-        theta = new
         history.append(theta.clone())
     return theta, stalenesses
 
@@ -765,7 +740,6 @@ class Batches:
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch: int, seed: int):
         self.x, self.y, self.batch, self.seed = x, y, batch, seed
         self.epoch, self.index = 0, 0
-        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation)
 
     def __iter__(self):
         return self
@@ -773,10 +747,9 @@ class Batches:
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.index == self.x.shape[0] // self.batch:
             self.epoch, self.index = self.epoch + 1, 0
-        if self._order is None or self._order[0] != self.epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            self._order = (self.epoch, torch.randperm(self.x.shape[0], generator=g))
-        rows = self._order[1][self.index * self.batch : (self.index + 1) * self.batch]
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.x.shape[0], generator=g)
+        rows = order[self.index * self.batch : (self.index + 1) * self.batch]
         self.index += 1
         return self.x[rows], self.y[rows]
 

@@ -1,9 +1,5 @@
-"""The helpers, fakes and config builders that several test modules share.
-
-No test module imports from another test module: what more than one of them uses lives here,
-each under a name of its own, and this module imports no test module. Each section's heading
-names the test module whose tests its helpers were written for, and which explain them.
-"""
+"""The helpers, fakes and config builders that several test modules share (no test module
+imports another). Each section's heading names the test module its helpers were written for."""
 
 from __future__ import annotations
 
@@ -13,7 +9,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,6 +42,7 @@ from cloudburst.strategies.diloco import DilocoStrategy
 from cloudburst.strategies.local_sgd import LocalSgdStrategy
 from cloudburst.strategies.local_sgd import worker as local_sgd
 from tests import reference as ref
+from tests.helpers import wait_running
 from tests.reference import BATCH as PARITY_BATCH
 from tests.reference import LR as PARITY_LR
 from tests.reference import MOMENTUM as PARITY_MOMENTUM
@@ -54,20 +50,12 @@ from tests.reference import SEED as PARITY_SEED
 
 
 # -------------------- the parameter-server fake comm (tests/unit/test_asgd_worker.py and others)
-# An in-process fake of the point-to-point comm layer: parameter-server jobs with no processes.
-#
-# :class:`FakeNetwork` stands in for gloo between the workers of a parameter-server strategy
-# (``asgd``, ``easgd``) and the real :class:`~cloudburst.strategies.asgd.server.ServerLoop` of
-# each shard. A worker's requests are queued per shard; a shard handles its queue (with the
-# loop's own request handling: validation, the shard rule, the reply) when a worker waits for one
-# of its answers. Everything runs in the calling thread, so the order in which the test calls the
-# workers' ``after_step`` *is* the order in which the shards see their pushes: a scripted
-# interleaving, with no timing in it.
-#
-# :func:`ps_job` builds such a job from a config: W strategy objects (the class named by
-# ``cfg.job.strategy``) wrapped around their replicas, and S server loops. What the fake does
-# not do: the DONE/PING handshake of ``finish`` (a worker would wait for the others in the one
-# thread); call :func:`flush` to push what a worker has left, as ``finish`` does first.
+# An in-process fake of gloo between the workers of a parameter-server strategy (asgd, easgd)
+# and the real ServerLoop of each shard. Requests queue per shard; a shard handles its queue
+# (with the loop's own request handling) when a worker waits for one of its answers. All runs
+# in the calling thread: the order in which a test calls the workers' ``after_step`` is the
+# order in which the shards see their pushes (a scripted interleaving, no timing). Not faked:
+# finish's DONE/PING handshake; :func:`flush` pushes what a worker has left, as finish does.
 class Done:
     """A finished (or lazily finishing) work handle: ``wait`` runs ``fn`` once."""
 
@@ -87,14 +75,8 @@ class FakeNetwork:
         self.loops: list[ServerLoop] = []
         self.requests: list[collections.deque] = []  # per shard: (src, header), in arrival order
         # per (worker rank, shard): payloads worker → shard, headers and payloads shard → worker
-        self.payloads: dict[tuple[int, int], collections.deque] = collections.defaultdict(
-            collections.deque
-        )
-        self.replies: dict[tuple[int, int], collections.deque] = collections.defaultdict(
-            collections.deque
-        )
-        self.reply_payloads: dict[tuple[int, int], collections.deque] = collections.defaultdict(
-            collections.deque
+        self.payloads, self.replies, self.reply_payloads = (
+            collections.defaultdict(collections.deque) for _ in range(3)
         )
 
     def add_shard(self, loop: ServerLoop) -> None:
@@ -109,9 +91,14 @@ class FakeNetwork:
             loop._serve_one(loop.transport, src, header)
 
 
-class ServerSide:
-    """Shard ``k``'s end of the fake (the interface of :class:`cloudburst.comm.p2p.PeerTransport`
-    that :class:`ServerLoop` uses)."""
+class _Side:
+    def wait_all(self, works) -> None:
+        for w in works:
+            w.wait()
+
+
+class ServerSide(_Side):
+    """Shard ``k``'s end of the fake (what :class:`ServerLoop` uses of ``PeerTransport``)."""
 
     def __init__(self, net: FakeNetwork, k: int):
         self.net, self.k, self.stats = net, k, CommStats()
@@ -129,17 +116,13 @@ class ServerSide:
         self.net.reply_payloads[dst, self.k].append(payload.clone())  # θ as it is now
         return Done()
 
-    def wait_all(self, works) -> None:
-        for w in works:
-            w.wait()
-
     def send(self, dst: int, header: Header, payload=None, final: bool = False) -> None:
         self.net.replies[dst, self.k].append(header)
         if payload is not None:
             self.net.reply_payloads[dst, self.k].append(payload.clone())
 
 
-class WorkerSide:
+class WorkerSide(_Side):
     """Worker ``rank``'s end of the fake (what :class:`AsgdStrategy` uses)."""
 
     def __init__(self, net: FakeNetwork, rank: int, stats: CommStats | None = None):
@@ -163,10 +146,6 @@ class WorkerSide:
             out.copy_(self.net.reply_payloads[self.rank, k].popleft())
 
         return Done(arrive)
-
-    def wait_all(self, works) -> None:
-        for w in works:
-            w.wait()
 
     def recv_reply(self, k: int, out: torch.Tensor | None = None) -> Header:
         self.net.pump(k)
@@ -309,8 +288,8 @@ def flush(strategy: AsgdStrategy) -> None:
 
 
 def run_on_threads(size: int, barrier: threading.Barrier, make_comm, fn) -> list:
-    """``fn(rank, make_comm(rank))`` on ``size`` threads that meet at ``barrier`` (aborted when
-    one fails, so the others stop waiting); their results, or the first error raised."""
+    """``fn(rank, make_comm(rank))`` on ``size`` threads meeting at ``barrier`` (aborted when
+    one fails); their results, or the first error raised."""
     results: list = [None] * size
     errors: list[BaseException] = []
 
@@ -333,7 +312,7 @@ def run_on_threads(size: int, barrier: threading.Barrier, make_comm, fn) -> list
 
 class StandbyForwards:
     """A primary shard's link to its standby: keeps what it forwards and answers at once;
-    :meth:`replay` is then the standby's end, which receives the forwards in order, then DONE."""
+    :meth:`replay`: the standby's end, receiving the forwards in order, then DONE."""
 
     def __init__(self, shard: int) -> None:
         self.shard = shard
@@ -371,10 +350,9 @@ class _LinkSpec:
 
 
 class RecordingLink:
-    """An emulated link (``active`` or not) of latency 1/8 s and 1024 bytes/s that charges
-    ``allreduce_cost_s`` for any all-reduce; records each cost asked (bytes, group size) and
-    each booking (seconds, group); its bookings end at perf_counter 0 (long past: waiting for
-    them never sleeps)."""
+    """An emulated link of latency 1/8 s and 1024 bytes/s that charges ``allreduce_cost_s`` for
+    any all-reduce; records each cost asked (bytes, group size) and each booking (seconds,
+    group); its bookings end at perf_counter 0 (waiting for them never sleeps)."""
 
     spec = _LinkSpec()
 
@@ -428,9 +406,8 @@ BATCH = 8  # samples per local step (what the loop passes to after_step)
 
 
 class _Workers:
-    """The workers' group, for W threads: each ``all_reduce_sum`` contributes the caller's
-    vector and returns with the sum in it once every worker has called (a 10 s barrier: a
-    worker that does not take part fails the test instead of hanging it)."""
+    """The workers' group, for W threads: ``all_reduce_sum`` returns with the sum of every
+    worker's vector (a 10 s barrier: a worker that does not take part fails the test)."""
 
     def __init__(self, workers: int):
         self.barrier = threading.Barrier(workers, timeout=10)
@@ -456,8 +433,7 @@ class _Workers:
 
 @dataclass
 class LocalSgdCtx(ReplicaView):
-    """What a local SGD strategy reads from the runtime context; ``workers_group`` is the
-    worker's index, so that the fake group knows who contributes."""
+    """What a local SGD strategy reads from the context; ``workers_group``: the worker's index."""
 
     cfg: RunConfig
     worker_index: int
@@ -519,8 +495,8 @@ class LocalSgdJob:
 
 # ---------------- one DiLoCo worker, its all-reduces recorded (tests/unit/test_streaming_diloco.py)
 class _Recorder:
-    """The workers' all-reduce for one worker: the sum is the tensor itself; each call is
-    recorded with the worker's step, the fragment (by size) and whether it was non-blocking."""
+    """One worker's all-reduce (the sum is the tensor itself); records each call's step,
+    fragment size and ``async_op``."""
 
     def __init__(self):
         self.strategy: DilocoStrategy | None = None
@@ -593,16 +569,8 @@ def drive_strategy(ctx, strategy, model, optimizer, steps: int) -> list[list[flo
 def daso_reference_run(wait: int) -> list[list[torch.Tensor]]:
     models = [ref.tiny_model() for _ in range(DASO_REF_WORKERS)]
     optimizers = [ref.sgd(DASO_REF_LR, DASO_REF_MOMENTUM)(m) for m in models]
-    return ref.daso(
-        models,
-        optimizers,
-        ref.batch,
-        DASO_REF_NODES,
-        DASO_REF_STEPS,
-        DASO_REF_GLOBAL_SKIP,
-        wait,
-        DASO_REF_LOCAL_SKIP,
-    )
+    schedule = (DASO_REF_NODES, DASO_REF_STEPS, DASO_REF_GLOBAL_SKIP, wait, DASO_REF_LOCAL_SKIP)
+    return ref.daso(models, optimizers, ref.batch, *schedule)
 
 
 def assert_follows_reference(
@@ -690,11 +658,7 @@ def train_asgd_worker(cfg: RunConfig, steps: int, setup=None, each=None):
     stream = BatchStream(data.x_train, data.y_train, 32, seed=1)
     strategy.start()
     for _ in range(steps):
-        x, y = next(stream)
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        ref.train_step(model, opt, *next(stream))
         strategy.after_step(32)
         if each is not None:
             each(model, loops)
@@ -728,13 +692,11 @@ ANY_GROUP = object()
 
 
 class ThreadComm:
-    """Rank ``rank`` of a :class:`ThreadGroup`: the collectives a transport offers, made by
-    exchanging tensors between the threads (a rank's group rank is also its global rank, the
-    one ``broadcast`` names as ``src``). Records every call in ``calls`` — (name, sizes,
-    ``async_op``), and ("wait",) for each work waited for; accepts only the group ``handle``
-    (a collective over any other fails the test; :data:`ANY_GROUP`: any); its clock reads
-    ``start``, ``start + tick``, ... (one reading a call; ``clock`` may be moved by hand, as
-    a test's stand-in for time passing); ``measuring()`` is the real transport's (nothing)."""
+    """Rank ``rank`` of a :class:`ThreadGroup`: a transport's collectives, by exchanging tensors
+    between the threads (group rank = global rank). Records each call in ``calls`` (name,
+    sizes, ``async_op``; ("wait",) per work waited for); a collective over a group other than
+    ``handle`` fails the test; ``now()`` reads ``start``, ``start + tick``, ... (``clock`` may
+    be moved by hand)."""
 
     def __init__(self, group: ThreadGroup, rank: int, *, handle: Any = ANY_GROUP,
                  start: float = 0.0, tick: float = 0.0):  # fmt: skip
@@ -832,16 +794,16 @@ def rank_records(out: Path, rank: int) -> list[dict]:
 def kill_after_a_checkpoint(out: Path, rank: int, proc: subprocess.Popen) -> None:
     """SIGKILL rank ``rank`` (a shard) once its checkpoint exists and it applied more pushes
     since, so that some acknowledged pushes are lost."""
-    deadline = time.monotonic() + BOUND_S
-    while True:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no shard checkpoint"
+
+    def due() -> list[dict] | None:
         records = rank_records(out, rank)
         pushes = [r["version"] for r in records if r["event"] == "push"]
+        # past a checkpoint, and not at one (where nothing would be lost)
         if (out / "checkpoints" / f"server{rank}.pt").is_file() and pushes and pushes[-1] > 25:
-            if pushes[-1] % 10 not in (0, 9):  # not at a checkpoint (nothing would be lost)
-                break
-        time.sleep(0.02)
+            return records if pushes[-1] % 10 not in (0, 9) else None
+        return None
+
+    records = wait_running(proc, due, "a shard checkpoint", BOUND_S)
     [start] = [r for r in records if r["event"] == "start"]
     os.kill(start["pid"], signal.SIGKILL)
 
@@ -854,10 +816,9 @@ def close(x: float) -> pytest.approx:
 
 
 class FakeTime:
-    """A clock that moves only when told to (``advance``) or when something sleeps; each sleep
-    asks for a duration (recorded) and moves the clock by ``step`` (the asked duration when
-    None), and may run ``on_sleep`` (another rank booking meanwhile). More than
-    ``MAX_SLEEPS`` sleeps is a wait that never ends: it fails at once rather than spin."""
+    """A clock that moves only on ``advance`` or a sleep (recorded; it moves the clock by
+    ``step``, or by the asked duration, then runs ``on_sleep``, if any). More than
+    ``MAX_SLEEPS`` sleeps is a wait that never ends: it fails at once."""
 
     MAX_SLEEPS = 1000
 

@@ -1,22 +1,16 @@
-"""A process that has imported the CLI once, and forks one child per :func:`tests.helpers.cli`
-call: each child runs ``cloudburst ARGS`` as ``python -m cloudburst ARGS`` would, without a
-fresh interpreter importing torch and the training code again (about 4.5 CPU-s a job, most of
-the suite's CPU on a 2-core machine).
+"""A process that has imported the CLI once and forks one child per :func:`tests.helpers.cli`
+call, each running ``cloudburst ARGS`` as ``python -m cloudburst ARGS`` would, without a fresh
+interpreter importing torch again (about 4.5 CPU-s a job).
 
-What a child shares with a fresh ``python -m cloudburst``: the command line (``sys.argv``), the
-working directory, the environment (``os.environ`` replaced; ``PYTHONPATH``'s entries put first
-on ``sys.path``, where the interpreter would have put them), stdin from /dev/null, stdout and
-stderr to files, a session of its own, and a state untouched by any earlier job (every child is
-a fork of the zygote, which never runs one). What it cannot share: variables read while the
-interpreter or torch start (``PYTHON*``, thread counts); ``tests.helpers.cli`` sends a call
-whose environment differs there (:func:`startup_env`) to a fresh process instead, as it does a
-call with other options.
+A child shares with a fresh ``python -m cloudburst`` the command line, the working directory,
+the environment (``PYTHONPATH``'s entries first on ``sys.path``), stdin from /dev/null, stdout
+and stderr to pipes, a session of its own, and a state no earlier job touched (each is a fork
+of the zygote, which runs none). Variables read while the interpreter or torch start cannot be
+shared (:func:`startup_env`): ``tests.helpers.cli`` sends such calls to a fresh process.
 
 Protocol, one job at a time, JSON lines: the client writes {"args", "cwd", "env", "stdout",
-"stderr"} (and optionally "fifo": stdout and stderr are FIFOs the client reads, as a
-``subprocess.PIPE``; "sigint_default": SIGINT as an interpreter started with its default
-disposition has it); the zygote answers {"pid"} once it forked, then {"code"} once the child
-exited.
+"stderr"} (FIFOs the client reads) and optionally "sigint_default"; the zygote answers {"pid"}
+once it forked, then {"code"} once the child exited.
 """
 
 from __future__ import annotations
@@ -36,7 +30,7 @@ def startup_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and k != "PYTHONPATH"}
 
 
-def _child(request: dict, base_path: list[str], outputs: list[int] | None) -> None:
+def _child(request: dict, base_path: list[str], outputs: list[int]) -> None:
     code = 1
     try:
         os.setsid()
@@ -49,11 +43,7 @@ def _child(request: dict, base_path: list[str], outputs: list[int] | None) -> No
         sys.path[:] = [*extra, *base_path]
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            if outputs is None:
-                target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            else:
-                target = outputs[fd - 1]
+        for fd, target in ((1, outputs[0]), (2, outputs[1])):
             os.dup2(target, fd)
             os.close(target)
         entry = importlib.util.find_spec("cloudburst.__main__").origin  # python -m's argv[0]
@@ -101,16 +91,14 @@ def serve() -> None:
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
-        # Pipes (FIFOs the client reads): opened here, before the fork, so that the child
-        # holds their write ends by the time the client hears its pid.
-        outputs = None
-        if request.get("fifo"):
-            outputs = [os.open(request[k], os.O_WRONLY) for k in ("stdout", "stderr")]
+        # The FIFOs the client reads: opened before the fork, so that the child holds their
+        # write ends by the time the client hears its pid.
+        outputs = [os.open(request[k], os.O_WRONLY) for k in ("stdout", "stderr")]
         pid = os.fork()
         if pid == 0:
             channel.close()
             _child(request, base_path, outputs)
-        for fd in outputs or ():
+        for fd in outputs:
             os.close(fd)
         channel.write(json.dumps({"pid": pid}) + "\n")
         channel.flush()

@@ -1,7 +1,8 @@
-"""``job.wrap`` hooks: an unchanged PyTorch loop ends with exactly the parameters of the loop
-that calls ``start`` / ``after_backward`` / ``after_step`` itself (sync, asgd with one worker,
-local SGD), the example on a real DataLoader runs under torchrun, and ``job.should_stop()``
-ends a time-budgeted sync loop after the same step on both workers."""
+"""The Python API (``cloudburst.Job``): an unchanged PyTorch loop under ``job.wrap`` hooks ends
+with exactly the parameters of the loop that calls ``start`` / ``after_backward`` /
+``after_step`` itself, the DataLoader example runs under torchrun, ``job.should_stop()`` ends a
+time-budgeted sync loop after the same step on both workers, and ``Job.serve`` resumes a shard
+from its checkpoint as the CLI does."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from torch import nn
 
 import cloudburst
 from cloudburst.comm.flat import flatten_params
-from tests.helpers import REPO, free_port, spawn
+from cloudburst.data import synthetic
+from cloudburst.models import build_model
+from cloudburst.records.checkpoint import load_checkpoint
+from tests.helpers import REPO, cli, final_record, free_port, rank_events, spawn
 
 pytestmark = pytest.mark.dist
 
@@ -42,10 +46,8 @@ def _loop(rank: int, strategy: str, servers: int, hooks: bool, out: str) -> list
             # two micro-batches per step: the hooks count both forward passes' samples
             optimizer.zero_grad()
             for _ in range(2):
-                x, y = (
-                    torch.randn(BATCH, 6, generator=g),
-                    torch.randint(0, 3, (BATCH,), generator=g),
-                )
+                x = torch.randn(BATCH, 6, generator=g)
+                y = torch.randint(0, 3, (BATCH,), generator=g)
                 nn.functional.cross_entropy(net(x), y).backward()
             if not hooks:
                 job.after_backward()
@@ -124,3 +126,40 @@ def test_should_stop_ends_every_lockstep_worker_after_the_same_step(tmp_path):
     first, second = spawn(_budget_loop, 2, tmp_path, str(tmp_path / "out"))
     assert first == second
     assert first[0] == first[1] and first[2] == "time_budget"
+
+
+# n_sync 1: a push every step (the versions below count steps)
+FLAGS = dict(strategy="asgd", workers=1, servers=1, dataset="synthetic", model="mlp", seed=0,
+             batch_size=16, n_sync=1)  # fmt: skip
+
+
+def _api_job(rank: int, out: str) -> int | None:
+    cfg = cloudburst.RunConfig(**FLAGS, steps=10, out=out, resume=True, checkpoint_every=0)
+    model = build_model("mlp", (40,), 10, seed=0)
+    with cloudburst.Job(cfg) as job:
+        if job.is_server:
+            final = job.serve(model)
+            return None if final is None else 1
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        net = job.wrap(model, optimizer)
+        data = synthetic(400, 100)
+        for i in range(10):
+            x, y = data.x_train[16 * i : 16 * (i + 1)], data.y_train[16 * i : 16 * (i + 1)]
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            optimizer.step()
+    return 0
+
+
+def test_a_shard_served_through_the_api_resumes_from_its_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    cli("train", "--strategy", "asgd", "--workers", "1", "--servers", "1", "--dataset",
+        "synthetic", "--model", "mlp", "--batch-size", "16", "--steps", "30", "--n-sync", "1",
+        "--checkpoint-every", "5", "--no-progress", "--out", str(out))  # fmt: skip
+    saved = load_checkpoint(out / "checkpoints" / "server0.pt", "server-shard")
+    assert saved["version"] >= 25
+    assert spawn(_api_job, 2, tmp_path, str(out)) == [1, 0]
+    resumed = rank_events(out, 0, "resume")
+    assert [r["version"] for r in resumed] == [saved["version"]]  # continued, not restarted
+    # and applied the API worker's pushes
+    assert final_record(out, 0)["version"] == saved["version"] + 10

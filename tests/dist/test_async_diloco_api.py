@@ -1,7 +1,5 @@
-"""Asynchronous DiLoCo through the Python API (``cloudburst.Job``), real gloo: a user's own
-loop with an Adam inner optimizer, one worker and one shard, ends with the θ of an
-independent plain-PyTorch DiLoCo (Adam inside, outer Nesterov SGD every H steps and at the
-end: Delayed Nesterov with N = W = 1)."""
+"""Async DiLoCo through the Python API (``cloudburst.Job``) over gloo: a user's Adam loop, one
+worker and one shard, ends on a plain-PyTorch DiLoCo's θ (outer Nesterov: N = W = 1)."""
 
 from __future__ import annotations
 
@@ -11,6 +9,7 @@ import torch
 import cloudburst
 from cloudburst.data import synthetic
 from cloudburst.models import build_model
+from tests import reference as ref
 from tests.helpers import spawn
 
 pytestmark = pytest.mark.dist
@@ -35,10 +34,7 @@ def _api_job(rank: int, out: str) -> list[float] | int:
     model = build_model("mlp", (40,), 10, seed=0)
     with cloudburst.Job(cfg) as job:
         if job.is_server:
-            final = job.serve(model)
-            return [
-                float(v) for v in torch.cat([p.detach().reshape(-1) for p in final.parameters()])
-            ]
+            return ref.flat(job.serve(model)).tolist()
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
         net = job.wrap(model, optimizer)
         for x, y in _batches():
@@ -51,18 +47,13 @@ def _api_job(rank: int, out: str) -> list[float] | int:
 def _reference() -> torch.Tensor:
     model = build_model("mlp", (40,), 10, seed=0)
     inner = torch.optim.Adam(model.parameters(), lr=LR)
-    theta = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    theta = torch.nn.Parameter(ref.flat(model))
     outer = torch.optim.SGD([theta], lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
 
     def outer_step() -> None:
-        local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        theta.grad = theta.detach() - local
+        theta.grad = theta.detach() - ref.flat(model)
         outer.step()
-        i = 0
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(theta[i : i + p.numel()].view_as(p))
-                i += p.numel()
+        ref.set_flat(model, theta.detach())
 
     for step, (x, y) in enumerate(_batches(), start=1):
         inner.zero_grad()

@@ -1,8 +1,6 @@
-"""Compressed communication on real gloo processes: the quantised all-reduce through the real
-transport (the all-gather at W = 2, the reduce-scatter at W = 3 and 4) and sync's int8 DDP hook
-against tests/reference.py bit for bit, PowerSGD through our counting wrapper against torch's
-own hook, and compressed asgd pushes and fetches (issue 17) through the CLI against the same
-job on the virtual cluster, with about a quarter of an uncompressed run's bytes."""
+"""Compressed communication on real gloo processes: the quantised all-reduce and sync's int8 DDP
+hook against tests/reference.py bit for bit, PowerSGD against torch's own hook, and compressed
+asgd messages through the CLI against the same job on the virtual cluster."""
 
 from __future__ import annotations
 

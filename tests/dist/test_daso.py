@@ -1,7 +1,5 @@
-"""DASO over real gloo groups: the merge and its rotation on scripted parameters; B = S = 0
-(a blocking average every batch, in chunks) against plain synchronous SGD; S = 2 against the
-plain-PyTorch reference (tests/reference.py's daso); and a run whose adaptive schedule changes
-B and S every cycling epoch, with its phases in the step records and on the plot."""
+"""DASO over real gloo groups: the merge and its rotation; B = S = 0 against synchronous SGD;
+S = 2 against tests/reference.py's daso; and an adaptive schedule's records and plot."""
 
 import os
 
@@ -46,7 +44,7 @@ def _merge_rank(rank: int, out: str, nodes: int, waits: list[int], compress: str
     strategy.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0))
     senders, results = [], []
     for k, s in enumerate(waits):  # syncs in a row: the sending local rank rotates
-        # Node n holds θ = n + 1 + 10k everywhere; later, before the merge, θ_local = -1.
+        # node n sends θ = n + 1 + 10k; θ_local = -1 at the merge
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(ctx.node + 1 + 10 * k)
@@ -63,8 +61,7 @@ def _merge_rank(rank: int, out: str, nodes: int, waits: list[int], compress: str
             "inter_node_bytes": strategy.stats.inter_node_bytes}  # fmt: skip
 
 
-# Two nodes of two ranks (waits S = 0, 2, 0, 2: every local rank sends twice), and three
-# nodes of one rank each; int8 (θ constant per node: exact in int8, a block's absmax ↦ 127).
+# 2 nodes of 2 ranks (each sends twice), 3 nodes of 1; int8 exact (θ constant per node).
 @pytest.mark.parametrize(
     "nodes, per_node, waits, compress",
     [(2, 2, [0, 2, 0, 2], "none"), (3, 1, [1, 1], "none"), (2, 2, [0, 2, 0, 2], "int8")],
@@ -79,8 +76,7 @@ def test_merge_and_rotation_over_gloo(tmp_path, nodes, per_node, waits, compress
             assert r["results"][k] == pytest.approx([expected] * 6)
         # The k-th sync of a node is sent by its local rank k mod G (global rank node·G + k).
         assert r["senders"] == [r["node"] * per_node + k % per_node for k in range(len(waits))]
-    # Bytes put on the global syncs, summed over ranks: one θ (6 values) per node and sync,
-    # fp32, or one int8 block (padded to 256 values) and its scale.
+    # per node and sync: θ's 6 fp32 values, or one int8 block (256 values) and its scale
     per_sync = 6 * 4 if compress == "none" else 256 + 4
     assert sum(r["global_bytes"] for r in results) == nodes * len(waits) * per_sync
     if compress == "int8":  # counted as sent: an all-gather, (nodes − 1) pieces per sender
@@ -97,15 +93,13 @@ def _reference_rank(rank: int, out: str, wait: int) -> list[list[float]]:
 
 
 def test_daso_with_a_delayed_merge_follows_the_reference_over_gloo(tmp_path):
-    # The virtual cluster's test (tests/unit/test_daso_sync.py) over real gloo groups and
-    # DDP inside each node: S = 2, B = 3, L = 2, four ranks on two nodes.
+    # tests/unit/test_daso_sync.py's, over gloo and DDP: S = 2, B = 3, L = 2, 2 nodes × 2.
     runs = spawn(_reference_rank, 4, tmp_path, str(tmp_path), 2)
     assert_follows_reference(runs, daso_reference_run(2), DASO_REF_STEPS)
 
 
 def test_daso_blocking_every_batch_in_chunks_equals_sync_sgd(tmp_path):
-    # Every global average in fp32 and in chunks of 1000 of the CNN's 5210 values: a chunk
-    # left out would leave the nodes apart and the parameters off the reference.
+    # fp32 averages in chunks of 1000 of 5210 values: a chunk left out would show.
     out = tmp_path / "daso"
     args = ["--strategy", "daso", "--workers", "4", "--nodes", "2", "--steps", "30",
         "--daso-global-skip", "0", "--daso-batches-to-wait", "0", "--daso-warmup-epochs", "0",
@@ -117,10 +111,8 @@ def test_daso_blocking_every_batch_in_chunks_equals_sync_sgd(tmp_path):
     assert_same_params(trained(sim), trained(out))  # the simulator == gloo
 
 
-# 640 samples over 4 workers, batches of 16: 10 steps an epoch; 8 epochs: warm-up, 6 cycling,
-# cool-down. Stability means a 99 % lower loss, which never happens at this learning rate,
-# so (patience 1) each cycling epoch after the first (which improves on "no loss yet")
-# divides B and S by 2, and once B = 1 it resets to the maximum 6 (S = 6 // 4 = 1).
+# 10 steps an epoch; 8 epochs: warm-up, 6 cycling, cool-down. A 99 % lower loss (stability)
+# never comes: each cycling epoch after the first halves B and S; B = 1 resets to 6 (S = 1).
 STEPS_PER_EPOCH = 10
 ADAPTIVE = ["--strategy", "daso", "--workers", "4", "--nodes", "2", "--dataset", "synthetic",
             "--model", "mlp", "--train-size", "640", "--test-size", "200", "--batch-size", "16",
@@ -144,26 +136,22 @@ def test_adaptive_schedule_phases_fp16_and_the_plot_marks(tmp_path, monkeypatch)
 
     from cloudburst.cli.plot import plot_runs
 
-    # The schedule is the strategy's logic, not the transport's: the job runs on the virtual
-    # cluster (in this process, seconds instead of four processes); the transport itself is
-    # covered above, over gloo.
+    # The schedule is the strategy's logic: on the virtual cluster (gloo is covered above).
     out = simulated([*ADAPTIVE, "--out", str(tmp_path / "adaptive")])
     s = read_summary(out)
     assert s["steps_per_worker"] == 80
     for rank in range(4):
         steps = rank_events(out, rank, "step")
         assert [r["step"] for r in steps] == list(range(1, 81))
-        # Each step record: the phase the step started in, and B and S once it ended (the
-        # last step of an epoch shows the epoch's change).
+        # each step: the phase it started in, B and S once it ended
         got = [(r["phase"], r["B"], r["S"]) for r in steps]
         want = [(_phase(t), *SCHEDULE[t // STEPS_PER_EPOCH]) for t in range(1, 81)]
         assert got == want, f"rank {rank}"
         final = final_record(out, rank)
         assert (final["final_B"], final["final_S"]) == SCHEDULE[-1]
         assert final["phase_steps"] == {"warmup": 10, "cycling": 60, "cooldown": 10}
-        # A non-blocking sync starts every B steps of a cycling epoch, with that epoch's S;
-        # the blocking ones (S = 0): every warm-up and cool-down step, the end of every
-        # cycling epoch, and finish()'s last one.
+        # non-blocking syncs every B cycling steps; blocking ones every warm-up and cool-down
+        # step, at each cycling epoch's end, and in finish()
         log = [(step, phase, b, wait) for step, phase, b, wait in final["sync_log"]]
         blocking = list(range(1, 11)) + [20, 30, 40, 50, 60, 70] + list(range(71, 81)) + [80]
         assert [step for step, _, _, wait in log if wait == 0] == blocking, f"rank {rank}"
@@ -173,27 +161,24 @@ def test_adaptive_schedule_phases_fp16_and_the_plot_marks(tmp_path, monkeypatch)
             if t % STEPS_PER_EPOCH and t % SCHEDULE[(t - 1) // STEPS_PER_EPOCH][0] == 0
         ]
         assert [entry for entry in log if entry[3]] == cycling, f"rank {rank}"
-    # --daso-downcast casts the blocking averages (fp16: 2 bytes a value); the non-blocking
-    # ones keep --daso-cycling-downcast's default, fp32 (4 bytes), as Heat does. The k-th
-    # sync of a node is sent by its local rank k mod 2: each rank's bytes follow.
+    # blocking syncs in fp16 (--daso-downcast), non-blocking in fp32 (the cycling default);
+    # the k-th sync is sent by local rank k mod 2
     numel = sum(v.numel() for v in saved_state(out).values())
     log = final_record(out, 0)["sync_log"]
     for rank in range(4):
         sent = [wait for k, (_, _, _, wait) in enumerate(log) if k % 2 == rank % 2]
         expected = sum(numel * (4 if wait else 2) for wait in sent)
         assert final_record(out, rank)["global_bytes"] == expected, f"rank {rank}"
-    # nan:1@3: rank 1's loss is NaN; the node's averaged gradient is NaN on both of node 0's
-    # ranks, which skip the step; node 1 does not.
+    # nan:1@3: node 0's averaged gradient is NaN, both its ranks skip the step; node 1 not
     assert [final_record(out, r)["steps_skipped_nonfinite"] for r in range(4)] == [1, 1, 0, 0]
     assert s["steps_skipped_nonfinite"] == 2
 
-    # fp16 global averages: the last one (finish) is (fp16 sum of the 2 nodes' θ) / 2, so
-    # 2θ is an fp16 number; it is seldom a bf16 number (3 mantissa bits fewer).
+    # finish's fp16 average: 2θ is an fp16 number, seldom a bf16 one
     theta2 = torch.cat([2 * v.reshape(-1) for v in saved_state(out).values()])
     assert torch.equal(theta2.half().float(), theta2)
     assert (theta2.bfloat16().float() != theta2).float().mean() > 0.5
 
-    # The plot marks where cycling and cool-down began, from worker 0's step records.
+    # the plot marks where cycling and cool-down began (worker 0's step records)
     steps = {r["step"]: r for r in rank_events(out, 0, "step")}
     marks = []
     monkeypatch.setattr(

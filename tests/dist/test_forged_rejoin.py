@@ -1,10 +1,8 @@
-"""The issue-44 attack, on real gloo groups (threads of one process): a process that does not
-know the job secret announces a rejoin for a live worker and builds the rejoin group. It must
-read and change nothing, and the real worker keeps its route and its restart.
-
-The shard is a real :class:`~cloudburst.strategies.asgd.serving.RequestServing` (its rejoin
-board, admission and serving threads) behind a real Context; only its world group is a queue.
-"""
+"""Rejoin groups on real gloo groups (threads of one process): the point-to-point transport
+on one names global ranks, and the issue-44 attack (a process without the job secret announces
+a rejoin for a live worker and builds the group) reads and changes nothing: the real worker
+keeps its route and its restart. The shard is a real RequestServing behind a real Context; only
+its world group is a queue."""
 
 import datetime
 import logging
@@ -13,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from cloudburst.comm import auth
@@ -58,31 +57,16 @@ class Shard:
 
     def __init__(self, store) -> None:
         cfg = RunConfig(strategy="asgd", servers=1, workers=2, max_restarts=1, comm_timeout_s=5)
-        ctx = Context(
-            cfg=cfg,
-            rank=0,
-            world_size=3,
-            num_servers=1,
-            num_workers=2,
-            workers_group=None,
-            store=store,
-            t0=time.time(),
-        )
+        ctx = Context(cfg=cfg, rank=0, world_size=3, num_servers=1, num_workers=2,
+                      workers_group=None, store=store, t0=time.time())  # fmt: skip
         self.world = WorldQueue()
         self.handled: list[tuple[str, int, Kind]] = []  # (group, sender, kind) of each request
         self.metrics = RecordingMetrics()
         self.serving = RequestServing(
-            ctx,
-            self.metrics,
-            None,
-            self.world,
-            0,
-            handle=self._handle,
-            on_lost=lambda ranks: None,
-            on_admit=lambda rank: None,
-            on_reconnect=lambda rank, acked: None,
-            version=lambda: 0,
-        )
+            ctx, self.metrics, None, self.world, 0, handle=self._handle,
+            on_lost=lambda ranks: None, on_admit=lambda rank: None,
+            on_reconnect=lambda rank, acked: None, version=lambda: 0,
+        )  # fmt: skip
         self.errors: list[BaseException] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -200,3 +184,40 @@ def test_a_group_admits_only_members_that_prove_the_secret():
     silent = _members(2, "standby/0/", [SECRET, None], 1)
     assert isinstance(silent[0], auth.PeerRefused)
     assert "did not complete the job-secret check" in str(silent[0])
+
+
+def test_the_transport_on_a_rejoin_group_names_global_ranks():
+    """Peers on a gloo group outside torch.distributed's registry keep their global ranks."""
+    server_rank, worker_rank = 0, 5  # the worker is rank 1 of the group
+    store, groups = dist.HashStore(), {}
+
+    def build(group_rank):
+        groups[group_rank] = dist.ProcessGroupGloo(
+            dist.PrefixStore("rejoin/5/1/", store), group_rank, 2, datetime.timedelta(seconds=20)
+        )
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    server = PeerTransport(groups[0], members=[server_rank, worker_rank])
+    worker = PeerTransport(groups[1], members=[server_rank, worker_rank])
+    got = {}
+
+    def serve():
+        src, header = server.recv_request_any()
+        got["src"], got["header"] = src, header
+        got["payload"] = server.recv_payload(src, header.numel).tolist()
+        server.send(src, Header(Kind.REPLY, shard=0, numel=3), torch.tensor([7.0, 8.0, 9.0]))
+
+    t = threading.Thread(target=serve)
+    t.start()
+    worker.send(server_rank, Header(Kind.PUSH, shard=0, numel=2), torch.tensor([1.0, 2.0]))
+    out = torch.empty(3)
+    reply = worker.recv_reply(server_rank, out)
+    t.join(timeout=20)
+    assert got["src"] == worker_rank and got["header"].kind == Kind.PUSH
+    assert got["payload"] == [1.0, 2.0]
+    assert reply.kind == Kind.REPLY and out.tolist() == [7.0, 8.0, 9.0]
+    assert worker.stats.sent_bytes == server.stats.received_bytes
+    with pytest.raises(ValueError, match="not a member"):
+        worker.send(3, Header(Kind.FETCH))

@@ -1,6 +1,5 @@
-"""Gossip over real gloo groups: the real strategy and transport with zero learning rate
-(exact pull average served by a busy and by a finished peer, keep-alives for a straggler),
-and the CLI end to end."""
+"""Gossip over real gloo groups at lr 0 (an exact pull served by a busy and by a finished peer,
+keep-alives for a straggler), and the CLI end to end."""
 
 import dataclasses
 import datetime
@@ -24,8 +23,7 @@ NUMEL = 8  # nn.Linear(3, 2)
 
 
 def _setup(rank: int, out: str, values: list[float], **kw):
-    """The job's context (gossip, ``kw``), and nn.Linear(3, 2) of θ = ``values`` with SGD at
-    lr 0."""
+    """The job's context (gossip, ``kw``), and nn.Linear(3, 2) of θ = ``values``, SGD at lr 0."""
     cfg = RunConfig(strategy="gossip", dataset="synthetic", out=out, comm_timeout_s=60, **kw)
     ctx = init_distributed(cfg)
     model = nn.Linear(3, 2)
@@ -47,8 +45,7 @@ def _pull_once(rank: int, out: str) -> dict:
     strategy.wrap(model, opt)
     strategy.start()
     if rank == 0:
-        # Worker 1's main thread is blocked (in the store wait below) all through this pull:
-        # only its serving thread can answer it.
+        # worker 1's main thread waits in the store all through this pull: its server answers
         ctx.store.wait(["w1_busy"])
         strategy.after_step(8)
         after_step = _flat(model)
@@ -75,25 +72,21 @@ def test_pull_is_the_exact_average_served_by_a_busy_then_a_finished_peer(tmp_pat
     w0, w1 = spawn(_pull_once, 2, tmp_path, str(tmp_path), timeout_s=60)
     mid = [(x + y) / 2 for x, y in zip(A, B, strict=True)]
     assert w0["theta"] == mid  # exactly: (a + b)/2 is representable
-    # Worker 1 then pulled worker 0's snapshot, published after its pull: its final θ.
+    # worker 1 then pulled worker 0's snapshot published after its pull
     assert w1["theta"] == [(y + m) / 2 for y, m in zip(B, mid, strict=True)]
     for w, peer in [(w0, 1), (w1, 0)]:
         r = w["report"]
         assert w["info"]["peer"] == peer and r["gossip_rounds"] == 1
         assert r["fetches_served"] == 1 and r["pushes_received"] == 0
-        # One FETCH header out, one reply (header + θ) in; one reply out, one FETCH in; DONE.
+        # sent: FETCH, reply (header + θ), DONE; received: the same
         theta_bytes = NUMEL * 4 + 64
         assert r["sent_bytes"] == 64 + theta_bytes + 64  # FETCH, reply, DONE
         assert r["received_bytes"] == theta_bytes + 64 + 64
         assert r["intra_node_bytes"] == r["sent_bytes"] and r["inter_node_bytes"] == 0
         assert r["consensus_bytes"] > 0  # the final measurement, counted apart
-    # The final consensus distance: mean_i ‖θ_i − θ̄‖ = ‖θ_0 − θ_1‖ / 2.
+    # the final consensus distance: mean_i ‖θ_i − θ̄‖ = ‖θ_0 − θ_1‖ / 2
     d = sum((x - y) ** 2 for x, y in zip(w0["theta"], w1["theta"], strict=True)) ** 0.5 / 2
     assert w0["report"]["final_consensus_distance"] == pytest.approx(d, rel=1e-6)
-
-
-# The consensus of every schedule and variant (strategy logic, no transport of its own) runs
-# on the virtual cluster: tests/unit/test_gossip_maths.py.
 
 
 # ---------------------------------------------------------------------------- a straggler
@@ -103,7 +96,7 @@ STRAGGLER_STEPS, STRAGGLER_STEP_S = 20, 0.25  # 5 s in all: longer than the time
 
 def _straggler(rank: int, out: str) -> dict:
     ctx, model, opt = _setup(rank, out, [float(rank)] * NUMEL, workers=3, gossip_schedule="ring")
-    # Gossip groups with a short timeout (the job's own groups keep 60 s for start-up).
+    # gossip groups with a short timeout (the job's keep 60 s for start-up)
     dist.barrier()
     timeout = datetime.timedelta(seconds=SHORT_TIMEOUT_S)
     request, reply = (dist.new_group([0, 1, 2], timeout=timeout) for _ in range(2))
@@ -123,12 +116,10 @@ def _straggler(rank: int, out: str) -> dict:
 
 
 def test_early_finisher_keeps_serving_a_straggler_past_the_timeout(tmp_path):
-    # Ring: 0 pulls from 1, 1 from 2, 2 from 0. Workers 0 and 1 finish at once; worker 2's
-    # steps sleep 5 s in all (a sleep never ends early), longer than the 4 s timeout, and it
-    # sends worker 1 no request, only DONE at its end. Worker 1's serving thread waits for
-    # that DONE: only worker 2's keep-alives (a PING every timeout/4 without contact, sent
-    # at its step boundaries) keep that wait inside the timeout. A serving thread that timed
-    # out makes its worker's finish() raise, and spawn() with it.
+    # Ring: 0 pulls from 1, 1 from 2, 2 from 0. Worker 2's steps take 5 s in all, past the 4 s
+    # timeout, and it sends worker 1 only DONE at its end: only its keep-alives (a PING every
+    # timeout/4 without contact) keep worker 1's serving thread from timing out (which would
+    # make finish(), and spawn(), raise).
     w0, w1, w2 = spawn(_straggler, 3, tmp_path, str(tmp_path), timeout_s=90)
     assert w1["report"]["pings_received"] >= 1  # keep-alives were needed, and sent
     assert w1["report"]["fetches_served"] == STRAGGLER_STEPS  # worker 0's pulls
@@ -150,9 +141,9 @@ def _common_checks(out, proc, rounds: int, log_every: int = 10):
     assert s["strategy"] == "gossip" and s["lost_workers"] == []
     assert s["final_test_accuracy"] > 0.5
     assert s["samples"] == 4 * 60 * 64 and s["sent_bytes"] > 0
-    # Every byte sent is counted once as inter- or intra-node (the consensus apart).
+    # every byte sent counted once as inter- or intra-node (the consensus apart)
     assert s["inter_node_bytes"] + s["intra_node_bytes"] == s["sent_bytes"]
-    # Replicas differ at the end: each one's accuracy is reported, the model is their mean.
+    # each replica's accuracy is reported (the model is their mean)
     assert len(s["replica_accuracies"]) == 4
     assert s["worst_replica_accuracy"] == min(s["replica_accuracies"])
     steps = [rank_events(out, r, "step") for r in range(4)]
@@ -163,9 +154,8 @@ def _common_checks(out, proc, rounds: int, log_every: int = 10):
         assert finals[rank]["gossip_rounds"] == rounds
         history = finals[rank]["consensus_history"]
         assert [step for step, _ in history] == [20, 40, 60]
-    # Every message was served exactly once.
     served = sum(f["fetches_served"] + f["pushes_received"] for f in finals)
-    assert served == 4 * rounds
+    assert served == 4 * rounds  # every message served exactly once
     return s, steps, finals
 
 
@@ -185,8 +175,7 @@ def test_cli_gossip_pull_ring_every_2_steps_on_two_nodes_with_a_nan_step(tmp_pat
 
 
 def test_cli_gossip_push_sum_on_the_exponential_graph(tmp_path):
-    # Peers, rounds and push-sum weights are the strategy's logic: on the virtual cluster (in
-    # this process); the pull test above runs the same strategy over gloo.
+    # strategy logic: on the virtual cluster (the pull test above runs it over gloo)
     out = simulated([*GOSSIP_RUN, "--gossip-variant", "push", "--gossip-push-sum",
                      "--gossip-schedule", "exponential", "--log-every-steps", "5",
                      # uneven steps: pushes arrive between steps unevenly, as on real machines
@@ -195,14 +184,12 @@ def test_cli_gossip_push_sum_on_the_exponential_graph(tmp_path):
     s, steps, finals = _common_checks(out, None, rounds=60, log_every=5)
     assert s["inter_node_bytes"] == 0  # one node
     for rank in range(4):
-        # Step t is round t - 1, which goes to worker + 2^(round mod 2): +1 at steps 5, 15,
-        # ..., +2 at steps 10, 20, ...
+        # step t is round t − 1, sent to worker + 2^(round mod 2)
         assert [r["peer"] for r in steps[rank]] == [
             (rank + 2 ** ((t - 1) % 2)) % 4 for t in range(5, 61, 5)
         ]
         assert finals[rank]["fetches_served"] == 0
-    # Push-sum: the weights move between workers and always add up to W; every message
-    # pushed was folded into its receiver (in finish() at the latest).
+    # push-sum weights move and add up to W; every push folded (in finish() at the latest)
     assert sum(f["push_sum_weight"] for f in finals) == pytest.approx(4.0, abs=1e-9)
     assert len({f["push_sum_weight"] for f in finals}) > 1
     assert sum(f["messages_folded"] for f in finals) == 4 * 60

@@ -1,6 +1,5 @@
 """The shared NIC record across processes: two ranks of one node, each in a process of its own,
-book through one :class:`~cloudburst.comm.nic.NicState` file (explicit start times; the
-hand-computed ends are those of tests/unit/test_nic_sharing.py)."""
+book through one NicState file (the hand-computed ends of tests/unit/test_nic_sharing.py)."""
 
 from __future__ import annotations
 

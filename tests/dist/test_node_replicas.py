@@ -1,6 +1,5 @@
-"""``--replica node``: a node's workers are one replica (their gradients averaged every step),
-and the strategy runs between the nodes: against the single-process references of
-``tests/reference.py``, whose node replica steps on its G workers' batches together."""
+"""``--replica node``: a node's workers are one replica (gradients averaged every step) and the
+strategy runs between the nodes, against tests/reference.py's node replicas."""
 
 import pytest
 import torch
@@ -25,11 +24,9 @@ pytestmark = pytest.mark.dist
 
 @pytest.mark.parametrize("desloc", ["1", "0"])
 def test_desloc_node_replicas_send_the_averaged_moments_to_their_followers(tmp_path, desloc):
-    # The leaders average Adam's moments (DES-LOC) after the outer step of step 12 (of 14); each
-    # follower takes its leader's, so all 4 workers checkpoint the same moments; without
-    # DES-LOC the two nodes' differ. (Node replicas over Adam are not compared with the
-    # reference: a node's averaged gradient rounds unlike one batch of 32, and Adam's m/√v
-    # makes that 1e-4 in places.)
+    # The leaders average Adam's moments (DES-LOC) at step 12 and each follower takes its
+    # leader's: all 4 checkpoint the same moments; without DES-LOC the nodes' differ. (No
+    # reference here: a node's averaged gradient rounds unlike one batch, Adam magnifies it.)
     out = simulated(["--strategy", "diloco", "--workers", "4", "--nodes", "2", "--replica",
         "node", "--period", "4", "--steps", "14", "--optimizer", "adamw", "--checkpoint-every",
         "12", "--desloc-first-every", desloc, "--desloc-second-every", desloc, "--out",
@@ -43,8 +40,7 @@ def test_desloc_node_replicas_send_the_averaged_moments_to_their_followers(tmp_p
 
 
 def test_diloco_between_two_nodes_of_two_workers(tmp_path):
-    # 4 workers on 2 nodes: 2 replicas of 2 workers. 18 steps, an outer step every 4 and one
-    # at the end: 5 outer steps, each a ring all-reduce of θ between the 2 node leaders.
+    # 2 replicas of 2 workers; 5 outer steps (every 4, and at 18), between the 2 node leaders.
     out = tmp_path / "diloco"
     args = ["--strategy", "diloco", "--workers", "4", "--nodes", "2", "--replica", "node",
         "--period", "4", "--steps", "18", "--diloco-outer-lr", "0.7",
@@ -56,27 +52,24 @@ def test_diloco_between_two_nodes_of_two_workers(tmp_path):
     assert outer_steps == 5
     assert_same_params(trained(out), expected)
     assert_same_params(trained(sim), trained(out))  # the simulator == gloo
-    # Per-rank replicas of the same 4 workers train another model.
+    # per-rank replicas of the same 4 workers train another model
     assert_params_differ(expected, parity_diloco(18, 4, **settings)[0])
 
     s, numel = read_summary(out), parity_numel()
     assert (s["replica"], s["replicas"], s["ranks_per_replica"]) == ("node", 2, 2)
-    # Only the leaders cross the node boundary: what 2 replicas send (each leader |θ|·4 bytes
-    # per outer step), not what 4 would.
+    # only the leaders cross nodes: |θ|·4 bytes each per outer step
     assert s["inter_node_bytes"] == 2 * outer_steps * numel * 4
     assert read_summary(sim)["inter_node_bytes"] == s["inter_node_bytes"]
-    # Inside a node, every step's gradients are all-reduced (2 ranks: |θ|·4 bytes each).
+    # inside a node every step's gradients are all-reduced (|θ|·4 bytes each)
     assert s["intra_node_bytes"] >= 4 * 18 * numel * 4
     leader, follower = final_record(out, 0), final_record(out, 1)
     assert leader["replica"] == follower["replica"] == 0
-    # θ went to the follower at the start, after each of the 4 outer steps in training, and
-    # at the end (after the last outer step, finish's).
+    # θ goes to the follower at the start, after the 4 outer steps in training, and at the end
     assert leader["node_broadcasts"] == follower["node_broadcasts"] == 1 + 4 + 1
 
 
 def test_local_sgd_node_replicas_on_the_virtual_cluster(tmp_path):
-    # 6 workers on 3 nodes, averaged every 3 steps after 2 synchronous ones: the reference's
-    # 3 replicas of 2 workers each.
+    # 3 replicas of 2 workers, averaged every 3 steps after 2 synchronous ones
     args = ["--strategy", "local_sgd", "--workers", "6", "--nodes", "3", "--replica", "node",
         "--period", "3", "--local-sgd-warmup-steps", "2", "--steps", "11",
         "--out", str(tmp_path / "local"), *COMMON]  # fmt: skip
@@ -88,8 +81,7 @@ def test_local_sgd_node_replicas_on_the_virtual_cluster(tmp_path):
 
 
 def test_asgd_node_replicas_push_once_each_as_the_reference(tmp_path):
-    # 2 nodes of 2, one push per replica after 6 steps: the servers' θ is θ0 + ½(Δ_0 + Δ_1),
-    # each Δ a node replica's 6 steps on its 2 workers' batches.
+    # 2 replicas of 2 workers push once after 6 steps: θ0 + ½(Δ_0 + Δ_1)
     args = ["--strategy", "asgd", "--workers", "4", "--servers", "1", "--nodes", "2",
         "--replica", "node", "--n-sync", "6", "--steps", "6",
         "--out", str(tmp_path / "one"), *COMMON]  # fmt: skip
@@ -100,8 +92,7 @@ def test_asgd_node_replicas_push_once_each_as_the_reference(tmp_path):
 
 
 def test_asgd_shards_see_one_replica_per_node(tmp_path):
-    # 4 workers on 2 nodes, 2 shards spread over them: the shards serve 2 replicas, whose
-    # default λ is 1/2, and count every worker's samples.
+    # 2 shards serve 2 node replicas (default λ 1/2) and count every worker's samples
     steps, n_sync = 12, 3
     args = ["--strategy", "asgd", "--workers", "4", "--servers", "2", "--nodes", "2",
         "--replica", "node", "--n-sync", str(n_sync), "--steps", str(steps),
@@ -111,11 +102,11 @@ def test_asgd_shards_see_one_replica_per_node(tmp_path):
     assert s["config"]["server_lr"] == 0.5 and s["replicas"] == 2
     assert s["shard_nodes"] == [0, 1]
     assert s["samples"] == 4 * steps * 16
-    # Each leader pushes every n_sync steps, once to each shard; followers never do.
+    # each leader pushes every n_sync steps to each shard; followers never do
     workers = {r: final_record(sim, r) for r in range(2, 6)}
     assert [workers[r].get("pushes", 0) for r in (2, 4)] == [2 * steps // n_sync] * 2
     assert [workers[r].get("pushes", 0) for r in (3, 5)] == [0, 0]
-    # The leader's θ went to its node at the start, after each fetch and at the end.
+    # the leader's θ goes to its node at the start, after each fetch and at the end
     for leader, follower in ((2, 3), (4, 5)):
         sent = workers[leader]["node_broadcasts"]
         assert sent == workers[follower]["node_broadcasts"] == 1 + steps // n_sync + 1

@@ -1,20 +1,16 @@
-"""Parity: a CLI run ends with the parameters of a single-process simulation of its algorithm
-(tests/reference.py), up to float rounding: sync, and asgd's server rules, staleness
-bound and scaling, sharding, and n_fetch ≠ n_push.
-
-Each run sets flags whose effect the simulation reproduces; the in-process checks next to it
-show that without the flag the parameters would differ by far more than the tolerance, so a
-run that ignored it fails.
-"""
+"""Parity: a CLI run ends with the parameters of tests/reference.py's simulation of it: sync,
+asgd's server rules, staleness bound and scaling, sharding, n_fetch ≠ n_push, and EASGD's elastic
+update. Beside each, the references show that without a flag the parameters would differ."""
 
 import pytest
 
-from tests.helpers import cli, rank_events, read_summary, simulated
+from tests.helpers import cli, final_record, rank_events, read_summary, simulated
 from tests.reference import (
     COMMON,
     asgd_one_worker,
     assert_params_differ,
     assert_same_params,
+    easgd_one_worker,
     parity_diloco,
     parity_local_sgd,
     sync_sgd,
@@ -62,9 +58,8 @@ def _push_records(out, server):
 
 
 def test_asgd_add_rule_staleness_bound_and_scaling_over_two_shards(tmp_path):
-    # One worker pushing every step and fetching every 4th: its pushes are 0, 1, 2 and 3
-    # versions stale (its own pushes since its fetch), the 3-stale one is dropped, and the
-    # others are applied with λ/max(1, staleness).
+    # Pushing every step, fetching every 4th: pushes 0..3 stale, the 3-stale one dropped, the
+    # others applied with λ/max(1, staleness).
     out = tmp_path / "asgd"
     args = ["--strategy", "asgd", "--workers", "1", "--servers", "2", "--n-fetch", "4",
         "--n-push", "1", "--max-staleness", "2", "--staleness-scaling", "--server-lr", "0.5",
@@ -89,9 +84,7 @@ def test_asgd_add_rule_staleness_bound_and_scaling_over_two_shards(tmp_path):
 
 
 def test_asgd_sgd_rule_with_server_momentum_keeps_unpushed_progress(tmp_path):
-    # Fetch every 2 steps, push every 3: a fetch between pushes keeps the local steps not
-    # pushed yet. The sgd rule steps θ with momentum on the pseudo-gradient −Δ; its reply
-    # follows the apply (not overlapped like the add rule's).
+    # A fetch between pushes keeps the unpushed steps; the sgd rule steps with momentum on −Δ.
     out = tmp_path / "asgd-sgd"
     cli("train", "--strategy", "asgd", "--workers", "1", "--servers", "1", "--n-fetch", "2",
         "--n-push", "3", "--server-rule", "sgd", "--server-lr", "1.0", "--server-momentum",
@@ -101,7 +94,7 @@ def test_asgd_sgd_rule_with_server_momentum_keeps_unpushed_progress(tmp_path):
     expected, server = asgd_one_worker(31, **settings)
     assert_same_params(trained(out), expected)
     assert_params_differ(expected, asgd_one_worker(31, **{**settings, "momentum": 0.0})[0])
-    # 10 pushes and a last one for step 31; one push record every 5 applied pushes.
+    # 10 pushes and one for step 31; a push record every 5
     assert server.version == 11
     assert [e["version"] for e in rank_events(out, 0, "push")] == [5, 10]
     assert read_summary(out)["samples_applied"] == 31 * 16
@@ -116,3 +109,19 @@ def test_asgd_adagrad_rule_over_two_shards(tmp_path):
     expected, _ = asgd_one_worker(30, **settings)
     assert_same_params(trained(out), expected)
     assert_params_differ(expected, asgd_one_worker(30, **{**settings, "rule": "sgd"})[0])
+
+
+def test_cli_easgd_tau_and_beta_against_the_simulation(tmp_path):
+    # α = β / W = 0.5; 6 exchanges (every 3 steps) and one more at the finish
+    out = tmp_path / "easgd"
+    args = ["--strategy", "easgd", "--workers", "1", "--servers", "1", "--easgd-tau", "3",
+        "--easgd-beta", "0.5", "--steps", "20", "--out", str(out), *COMMON]  # fmt: skip
+    cli("train", *args)
+    sim = simulated(args)  # the same job on the virtual cluster
+    expected = easgd_one_worker(20, tau=3, alpha=0.5)
+    assert_same_params(trained(out), expected)  # the centre θ̃ the server holds
+    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
+    assert_params_differ(expected, easgd_one_worker(20, tau=3, alpha=0.9))  # default β
+    assert_params_differ(expected, easgd_one_worker(20, tau=10, alpha=0.5))  # default τ
+    assert final_record(out, 1)["pushes"] == 7
+    assert read_summary(out)["samples_applied"] == 20 * 16

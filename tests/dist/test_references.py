@@ -1,19 +1,6 @@
-"""The real strategies over gloo against the independent references of ``tests/reference.py``.
-
-Two spawned jobs, several strategies each, on the tiny problem of the references (75
-parameters, 8 samples per worker and step, the same seeded data and initial θ everywhere):
-
-- four workers run ``sync`` (DDP), ``local_sgd``, ``diloco`` and ``gossip`` one after the other;
-- two workers and one server shard run ``easgd``.
-
-Every worker records its θ after each step, and the test compares whole trajectories with the
-references. Where workers would race (a gossip pull, an EASGD exchange with the centre), they
-take turns through the job store, so the outcome is determined and the reference runs the same
-order. Gossip and EASGD are compared bit for bit: the workers' steps and the averages are
-the same arithmetic as the reference's. The others to |Δθ| ≤ 1e-6 (measured: below 4e-7):
-an all-reduce adds W values in another order than the reference's mean, and sync's DDP
-averages W gradient means where the reference takes one mean over the joined batch.
-"""
+"""The real strategies over gloo against :mod:`tests.reference`'s trajectories: four workers run
+sync, local_sgd, diloco and gossip; two workers and a shard easgd. Racing workers take turns
+through the store: gossip and easgd bit for bit, the others to 1e-6 (summation order)."""
 
 from __future__ import annotations
 
@@ -47,8 +34,7 @@ DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's (and cloudburst's 
 
 
 class Turns:
-    """Events that must happen in a fixed global order across ranks: event ``i`` waits until
-    event ``i - 1`` (on whichever rank) is done. Keys live in the job store."""
+    """Events in a fixed order across ranks: event ``i`` waits for event ``i - 1`` (store keys)."""
 
     def __init__(self, store, name: str):
         self.store, self.name = store, name
@@ -95,20 +81,13 @@ def _four_workers(rank: int, out: str) -> dict:
                     comm_timeout_s=60, consensus_every_steps=1000)  # fmt: skip
     ctx = init_distributed(cfg, STRATEGY_CLASSES[cfg.job.strategy])
     sgd = ref.sgd()
-    diloco = dict(diloco_outer_lr=DILOCO_OUTER_LR, diloco_outer_momentum=DILOCO_OUTER_MOMENTUM)
+    diloco = dict(diloco_outer_lr=DILOCO_OUTER_LR, diloco_outer_momentum=DILOCO_OUTER_MOMENTUM,
+                  period=PERIOD, diloco_nesterov=True)  # fmt: skip
     gossip = dict(gossip_variant="pull", gossip_schedule="ring", gossip_every=GOSSIP_EVERY)
     runs = {
         "sync": _trajectory(ctx, sgd, SYNC_STEPS, strategy="sync"),
         "local_sgd": _trajectory(ctx, sgd, LOCAL_STEPS, strategy="local_sgd", period=PERIOD),
-        "diloco": _trajectory(
-            ctx,
-            ref.adamw(),
-            LOCAL_STEPS,
-            strategy="diloco",
-            period=PERIOD,
-            diloco_nesterov=True,
-            **diloco,
-        ),  # fmt: skip
+        "diloco": _trajectory(ctx, ref.adamw(), LOCAL_STEPS, strategy="diloco", **diloco),
         "gossip": _trajectory(ctx, sgd, GOSSIP_STEPS, Turns(ctx.store, "gossip"), **gossip),
     }
     shutdown(ctx)
@@ -148,26 +127,19 @@ def _expected(strategy: str) -> list[list[torch.Tensor]]:
 
 @pytest.mark.parametrize("strategy", ["sync", "local_sgd", "diloco"])
 def test_lockstep_strategies_match_the_reference(four_workers, strategy):
-    """θ of every worker after every step, to 1e-6. sync: DDP over 4 workers, momentum SGD, is
-    one process's SGD on the concatenation of the 4 batches (a mean of 4 gradient means vs one
-    mean). local_sgd: each replica's own momentum-SGD steps, replaced by the average after steps
-    3 and 6 and, in ``finish``, after step 7 (H = 3, W = 4). diloco: AdamW inner steps; after
-    steps 3, 6 and (in ``finish``) 7 the outer SGD with Nesterov momentum (lr 0.7, μ 0.9)
-    applies θ_global − mean θ_w, and every replica restarts from θ_global; the momentum enters
-    from the first outer step (d = g + μb)."""
+    """θ of every worker after every step, to 1e-6: sync is one SGD on the 4 batches joined;
+    local_sgd averages after steps 3, 6 and (finish) 7; diloco (AdamW inside) takes Nesterov
+    outer steps (lr 0.7, μ 0.9) there, momentum from the first (d = g + μb)."""
     expected = _expected(strategy)
     for w, run in enumerate(four_workers):
         assert_trajectory(run[strategy]["theta"], expected[w], f"{strategy} worker {w}")
 
 
 def test_gossip_ring_pull_in_a_scripted_order_matches_the_reference(four_workers):
-    """Pull gossip on a ring of 4 (i pulls from i + 1) every 2 steps. Real gossip is
-    asynchronous: what a pull receives is the peer's θ at its last step boundary, whichever
-    that is. Here the workers take turns through the store (each step: worker 0, 1, 2, 3), so
-    it is determined: workers 0–2 receive their peer's θ of the previous step (lag 1), worker
-    3 receives worker 0's θ of this step (lag 0). Bit for bit: θ after every step (``finish``
-    does not average: the replicas stay as gossip left them); exact: each pull's peer and lag.
-    What is not checked: timing-dependent pulls (no turns), which no reference can predict."""
+    """Pull gossip on a ring of 4 every 2 steps, the workers taking turns 0, 1, 2, 3 each step:
+    workers 0–2 get their peer's θ of the previous step (lag 1), worker 3 worker 0's of this
+    step (lag 0). Bit for bit: θ after every step (finish does not average), each pull's peer
+    and lag."""
     replicas = ref.Replicas(4, ref.sgd())
     expected = ref.gossip_pull(
         replicas.models, replicas.step, GOSSIP_STEPS, lambda i, r: (i + 1) % 4, GOSSIP_EVERY
@@ -227,10 +199,9 @@ def _easgd(rank: int, out: str) -> dict:
 
 
 def test_easgd_with_tau_3_and_default_alpha_matches_the_reference(tmp_path):
-    """Two workers and one shard; exchanges after steps 3 and 6, worker 0 before worker 1
-    each time (turns through the store). α = β/W = 0.45. Bit for bit: each replica's θ after
-    every step and at the end, each exchange's staleness (the other worker's exchanges since
-    this worker's previous one), and the centre θ̃."""
+    """Two workers, one shard, exchanges after steps 3 and 6 (worker 0 first), α = β/W = 0.45.
+    Bit for bit: each replica's θ after every step and at the end, each exchange's staleness,
+    and the centre θ̃."""
     server, *workers = spawn(_easgd, 3, tmp_path, str(tmp_path), timeout_s=120)
     replicas = ref.Replicas(2, ref.sgd())
     script = [0, 1] * EASGD_STEPS

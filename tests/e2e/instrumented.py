@@ -1,27 +1,31 @@
 """What several end-to-end tests share: a model factory that instruments the rank it is built
 in, the processes a test starts (and how it ends them), and the checks of a restarted shard.
 
-``--model tests.e2e.instrumented:mlp`` builds cloudburst's MLP. Inside a rank of a job (where
-``RANK`` is set; not in the CLI's own check before launch), the environment asks for more:
+``--model tests.e2e.instrumented:mlp`` builds cloudburst's MLP; inside a rank of a job (where
+``RANK`` is set), the environment asks for more:
 
-- ``CLOUDBURST_TEST_RECORD=DIR``: the training loop's device emulation (straggler factor,
-  ``slow`` fault, ``--min-step-time-s``) is recorded, call by call, in ``DIR/rank{R}.jsonl``:
-  ``{"compute_s", "min_step_time_s", "factor"}`` for each step, followed by ``{"sleep": s}``
-  for each sleep it asked for. What a straggler *does* (sleeps proportional to its compute
-  time) is then checked exactly, without timing anything.
+- ``CLOUDBURST_TEST_RECORD=DIR``: the device emulation (straggler factor, ``slow`` fault,
+  ``--min-step-time-s``) records each step in ``DIR/rank{R}.jsonl`` (compute time, factor,
+  minimum, what it slept in hooks and at the end, its debt), so that what a straggler does is
+  checked exactly, without timing anything.
 - ``CLOUDBURST_TEST_POISON=RANK:CALL``: rank RANK's CALL-th training forward pass first sets
-  one weight to NaN: a replica gone bad (its loss is NaN, and its next push is not finite).
+  one weight to NaN (a replica gone bad).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import random
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -71,18 +75,10 @@ def _record_device_emulation(path: Path) -> None:
     def recording(self, busy_s: float) -> float:
         slept = end_step(self, busy_s)
         plan = self.last
-        _append(
-            path,
-            {
-                "compute_s": plan.compute_s,
-                "min_step_time_s": self.min_step_time_s,
-                "factor": self.factor,
-                "hooks_s": plan.slept_s,
-                "remainder_s": plan.remainder_s,
-                "debt_before_s": plan.debt_before_s,
-                "debt_after_s": plan.debt_after_s,
-            },
-        )
+        record = {"min_step_time_s": self.min_step_time_s, "factor": self.factor}
+        record |= {"hooks_s": plan.slept_s, "compute_s": plan.compute_s}
+        record |= {k: getattr(plan, k) for k in ("remainder_s", "debt_before_s", "debt_after_s")}
+        _append(path, record)
         return slept
 
     recording.recording = True
@@ -98,12 +94,6 @@ def _append(path: Path, record: dict) -> None:
 def read_emulation(path: Path) -> list[dict]:
     """The device emulation's account of each step (see _record_device_emulation)."""
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def expected_padding(call: dict) -> float:
-    """What the README promises: the step is padded to ``--min-step-time-s``, then made
-    ``factor`` times longer: max(compute, min)·factor − compute."""
-    return max(call["compute_s"], call["min_step_time_s"]) * call["factor"] - call["compute_s"]
 
 
 # ---------------------------------------------------------------------------- processes
@@ -194,6 +184,80 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed: {proc.stderr.strip()}")
     return proc
+
+
+# ---------------------------------------------------------------------------- two namespaces
+@dataclass(frozen=True)
+class NetnsPair:
+    """Two network namespaces joined by a veth pair: one per emulated node."""
+
+    names: tuple[str, str]
+    ifnames: tuple[str, str]
+    addrs: tuple[str, str]
+
+    def exec_prefix(self, node: int) -> list[str]:
+        return ["ip", "netns", "exec", self.names[node]]
+
+    def veth_bytes(self, node: int) -> int:
+        """Bytes sent plus received on this node's end of the veth pair."""
+        proc = ip("-j", "-s", "-n", self.names[node], "link", "show", "dev", self.ifnames[node])
+        stats = json.loads(proc.stdout)[0]["stats64"]
+        return stats["tx"]["bytes"] + stats["rx"]["bytes"]
+
+
+# Run in node 1's namespace: python and torchrun start there, and node 0's address answers
+# through the veth (a refused connection to a closed port is an answer).
+UNREACHABLE = 3
+_REACH_PROBE = f"""
+import socket, sys, time
+import torch.distributed.run
+deadline = time.monotonic() + 15  # a veth may take a moment to get its carrier
+while True:
+    try:
+        socket.create_connection((sys.argv[1], 9), timeout=5).close()
+        break
+    except ConnectionRefusedError:
+        break
+    except OSError as e:
+        if time.monotonic() > deadline:
+            print(e, file=sys.stderr)
+            sys.exit({UNREACHABLE})
+        time.sleep(0.2)
+"""
+
+
+@contextlib.contextmanager
+def two_namespaces():
+    """Two network namespaces joined by a veth pair (a :class:`NetnsPair`), deleted on the way
+    out; None where they cannot be made here (no root, no ``ip netns``, or python cannot start
+    in one)."""
+    base = f"cbtest-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    subnet = f"10.213.{random.randrange(256)}"  # private, and only inside the namespaces
+    pair = NetnsPair(
+        (f"{base}-a", f"{base}-b"), ("cbveth0", "cbveth1"), (f"{subnet}.1", f"{subnet}.2")
+    )
+    a, b = pair.names
+    root = os.geteuid() == 0 and shutil.which("ip") is not None
+    if not root or ip("netns", "add", a, check=False).returncode:
+        yield None
+        return
+    try:
+        ip("netns", "add", b)
+        # Both ends are made inside their namespaces: nothing appears in the host's.
+        a_if, b_if = pair.ifnames
+        ip("link", "add", a_if, "netns", a, "type", "veth", "peer", "name", b_if, "netns", b)
+        for ns, ifname, addr in zip(pair.names, pair.ifnames, pair.addrs, strict=True):
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "link", "set", ifname, "up")
+        cmd = [*pair.exec_prefix(1), sys.executable, "-c", _REACH_PROBE, pair.addrs[0]]
+        probe = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        if probe.returncode == UNREACHABLE:
+            raise AssertionError(f"the veth pair does not connect: {probe.stderr[-500:]}")
+        yield pair if probe.returncode == 0 else None
+    finally:
+        for ns in pair.names:  # the veth pair goes with them
+            ip("netns", "del", ns, check=False)
 
 
 # ---------------------------------------------------------------------------- a restarted shard

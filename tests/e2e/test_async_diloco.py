@@ -1,10 +1,7 @@
-"""Asynchronous DiLoCo in real runs (gloo, W = 2 workers and 2 shards): the CLI's job pushes
-every H_i inner steps (DyLU, from the speeds the workers measure), the shards run Delayed
-Nesterov with their state in the shard checkpoints, DC-ASGD's ring with it; with
-``--shard-standby`` a SIGKILLed shard (under gap-aware compensation) is taken over by its
-standby with no acknowledged push lost, and with ``--max-restarts`` it restarts in place from
-its checkpoint (Delayed Nesterov's state with it), as asgd's. Asserted through records, never
-timings."""
+"""Asynchronous DiLoCo in real runs (gloo, 2 workers, 2 shards): workers push every H_i inner
+steps (DyLU), the shards run Delayed Nesterov with its state (and DC-ASGD's ring) in their
+checkpoints; a SIGKILLed shard fails over to its standby (``--shard-standby``) with no
+acknowledged push lost, or restarts in place from its checkpoint (``--max-restarts``)."""
 
 from __future__ import annotations
 
@@ -17,10 +14,8 @@ from tests.support import BOUND_S, kill_after_a_checkpoint
 
 pytestmark = pytest.mark.e2e
 
-# The failover run's length: its kill lands at a version of ~30 of ~95, with ~110 steps of
-# at least 8 ms left to the fast worker (as ~165 of 5 ms were at 200 steps: the time it has
-# to push again, and reconnect, after the kill). A padded step sleeps; each step costs CPU
-# (~35 ms over the 4 ranks). The first test reaches its accuracy in 60.
+# The failover runs' length: the kill lands at a version of ~30 of ~95, with ~110 steps of
+# at least 8 ms left to the fast worker (to push again, and reconnect, after the kill).
 STEPS = 150
 RUN = (
     "--strategy", "async_diloco", "--workers", "2", "--servers", "2", "--period", "4",
@@ -28,8 +23,7 @@ RUN = (
     "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress",
     "--heartbeat-timeout-s", "5", "--checkpoint-every", "10", "--push-log-every", "1",
     "--shard-standby", "--min-step-time-s", "0.008",
-    # a wait that stalls fails the job in one line (naming it) well inside BOUND_S, instead
-    # of outlasting it at the default 300 s
+    # a stalled wait fails the job in one line well inside BOUND_S (the default: 300 s)
     "--comm-timeout-s", "60",
 )  # fmt: skip
 
@@ -44,15 +38,13 @@ def test_a_real_run_pushes_per_dylu_and_checkpoints_the_outer_state(tmp_path):
     summary = read_summary(out)
     assert summary["strategy"] == "async_diloco" and summary["final_test_accuracy"] >= 0.9
     # Each worker pushes to both shards after each round; its rounds (H_i each) add up to its
-    # steps. The first round runs H = 4 (nothing measured yet); then worker 1, 2x slower on
-    # the emulated device, measures about half worker 0's speed: mostly H_1 = 4·1/2 = 2, and
-    # H_0 = 4. (The measurement is real time: the rule's exact H per round is the unit test's.)
+    # steps; the first runs H = 4 (nothing measured yet). Then worker 1, 2x slower, runs
+    # mostly H_1 = 2 (real time: the rule's exact H per round is the unit test's).
     rounds = [final_record(out, rank)["inner_steps_rounds"] for rank in (2, 3)]
     assert [sum(h * n for h, n in r) for r in rounds] == [steps, steps]
     assert rounds[0][0][0] == rounds[1][0][0] == 4
     assert all(1 <= h <= 4 for r in rounds for h, _ in r)
-    # (real time, on a shared machine: only the direction is asserted) the slow worker runs
-    # shorter rounds, so more of them
+    # the slow worker runs shorter rounds, so more of them (real time: only the direction)
     assert sum(n for _, n in rounds[1]) > sum(n for _, n in rounds[0]), rounds
     pushes = sum(n for r in rounds for _, n in r)
     assert summary["shard_versions"] == [pushes, pushes]
@@ -68,9 +60,8 @@ def test_a_real_run_pushes_per_dylu_and_checkpoints_the_outer_state(tmp_path):
 
 def test_a_killed_shard_fails_over_to_its_standby_with_no_push_lost(tmp_path):
     out = tmp_path / "run"
-    # gap-aware compensation: the standby's ring and running mean C are its own copy's. A
-    # ring of 64 versions (default 4·W = 8): on a loaded machine one worker can push more
-    # than 8 times during the other's round, and a clamped push is not what this checks
+    # gap-aware compensation: the standby's ring and running mean C are its own copy's; a
+    # ring of 64 versions (default 8): a loaded machine may see more pushes in one round
     proc = start_job([*RUN, "--steps", str(STEPS), "--staleness-compensation", "gap",
                       "--compensation-window", "64", "--out", str(out)])  # fmt: skip
     kill_after_a_checkpoint(out, 1, proc)
@@ -81,8 +72,7 @@ def test_a_killed_shard_fails_over_to_its_standby_with_no_push_lost(tmp_path):
     assert (summary["shard_failovers"], summary["pushes_lost"]) == (1, 0)
     assert summary["staleness_compensation"] == "gap" and summary["compensation_clamped"] == 0
     # The standby applied every forwarded push through its own Delayed Nesterov: both shards
-    # end with every push of both workers (none was in flight at the kill but unacknowledged
-    # twice: at most one per worker is dropped).
+    # end with every push (but at most one per worker in flight at the kill).
     pushes = sum(n for rank in (2, 3) for _, n in final_record(out, rank)["inner_steps_rounds"])
     assert summary["shard_versions"][0] == pushes
     assert pushes - 2 <= summary["shard_versions"][1] <= pushes

@@ -1,14 +1,10 @@
 """The defaults train, and ``cloudburst compare`` compares: every strategy at its defaults
-(shortened only in epochs: lr, momentum, λ = 1/W, DiLoCo's outer lr, EASGD's α, gossip's
-schedule, DASO's knobs unchanged), 4 workers, one ``compare`` call, its table and plot.
+(shortened only in epochs), 4 workers, one ``compare`` call, its table and plot.
 
-The floors are what 6 epochs reached on every seed tried (0, 1, 2: benchmarks/results/
-defaults.md has the full-length runs), less a margin of 0.05; chance is 10 %. None depends on
-the machine's load: the lockstep strategies compute the same run whatever the timing, and the
-asynchronous ones (whose real interleaving varies with the load: asgd once ended at 0.242 on a
-busy machine) are held to their floors on the virtual cluster, where the interleaving is the
-clock model's (the same defaults, one process, deterministic); their real runs in ``compare``
-are checked for everything but the accuracy.
+The floors are what 6 epochs reached on seeds 0-2 (benchmarks/results/defaults.md), less 0.05;
+chance is 10 %. The asynchronous strategies, whose real interleaving varies with the load, are
+held to theirs on the virtual cluster (deterministic); their real runs are checked for
+everything but the accuracy.
 """
 
 from __future__ import annotations
@@ -19,8 +15,7 @@ from tests.helpers import cli, read_summary, simulated
 
 pytestmark = pytest.mark.e2e
 
-# Lowest accuracy seen over seeds 0-2 after 6 epochs, less the margin; the asynchronous
-# strategies' on the virtual cluster (`cloudburst simulate`, --step-time-s 0.01).
+# The asynchronous strategies' on the virtual cluster (`cloudburst simulate`, --step-time-s 0.01)
 FLOORS = {
     "sync": 0.445 - 0.05,
     "asgd": 0.226 - 0.05,

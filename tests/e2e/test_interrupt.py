@@ -11,10 +11,14 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from cloudburst.records.checkpoint import load_checkpoint
 from cloudburst.records.metrics import read_jsonl
 from tests.e2e.instrumented import session_processes
-from tests.helpers import cli, finish_job, read_summary, start_job, wait_until
+from tests.helpers import cli, finish_job, read_summary, start_job, wait_running, wait_until
+
+pytestmark = pytest.mark.e2e
 
 QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")
 BOUND_S = 120  # a run that does not stop within this is a failure (not a timing measurement)
@@ -26,23 +30,8 @@ def _all_gone(sid: int) -> None:
     wait_until(lambda: not session_processes(sid), BOUND_S, f"session {sid} to end")
 
 
-def _start(args: list[str], cmd: list[str] | None = None) -> subprocess.Popen:
-    # SIGINT at its default: a shell may start background jobs with it ignored.
-    return start_job(args, cmd, sigint_default=True)
-
-
 def _fired(path: Path) -> bool:
     return path.is_file() and any(r["event"] == "fault" for r in read_jsonl(path))
-
-
-def _wait_for(proc: subprocess.Popen, condition, what: str) -> None:
-    """Until ``condition()``, the job still running."""
-
-    def running_until() -> bool:
-        assert proc.poll() is None, proc.communicate()
-        return condition()
-
-    wait_until(running_until, BOUND_S, what, interval_s=0.1)
 
 
 def _wait_for_checkpoint(out: Path, proc: subprocess.Popen) -> None:
@@ -53,7 +42,7 @@ def _wait_for_checkpoint(out: Path, proc: subprocess.Popen) -> None:
         saved = (out / "checkpoints").glob(f"worker{worker}-step*.pt")
         return {p.name.split("-")[1] for p in saved}
 
-    _wait_for(proc, lambda: steps(0) & steps(1), "a checkpoint written by every worker")
+    wait_running(proc, lambda: steps(0) & steps(1), "a checkpoint of every worker", BOUND_S, 0.1)
 
 
 def test_ctrl_c_stops_every_process_and_resume_continues(tmp_path):
@@ -62,7 +51,7 @@ def test_ctrl_c_stops_every_process_and_resume_continues(tmp_path):
     # the resumed run has only the rest to train.
     args = [*QUIET, "--workers", "2", "--steps", "150", "--min-step-time-s", "0.02"]
     args += ["--checkpoint-every", "20", "--out", str(out)]
-    proc = _start(args)
+    proc = start_job(args, sigint_default=True)
     _wait_for_checkpoint(out, proc)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole foreground group
     stdout, stderr = finish_job(proc, BOUND_S)
@@ -95,8 +84,10 @@ def test_sigterm_stops_servers_workers_and_a_hung_rank(tmp_path):
     args = [*QUIET, "--strategy", "asgd", "--servers", "1", "--workers", "2", "--n-sync", "2"]
     args += ["--steps", "400", "--min-step-time-s", "0.02", "--checkpoint-every", "10"]
     args += ["--inject-fault", "stop:2@15", "--out", str(out)]  # a hung rank ignores SIGTERM
-    proc = _start(args)
-    _wait_for(proc, lambda: _fired(out / "metrics" / "rank2.jsonl"), "rank 2's SIGSTOP")
+    proc = start_job(args, sigint_default=True)
+    wait_running(
+        proc, lambda: _fired(out / "metrics" / "rank2.jsonl"), "rank 2's stop", BOUND_S, 0.1
+    )
     lines: list[str] = []  # the launcher's stderr, read as it comes (and its stdout drained)
     readers = [threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, ""))),
                threading.Thread(target=proc.stdout.read)]  # fmt: skip
@@ -129,7 +120,7 @@ def test_under_torchrun_rank_0_writes_the_interrupted_summary(tmp_path):
         "-m", "cloudburst", "train", *QUIET, "--workers", "2", "--steps", "400",
         "--min-step-time-s", "0.02", "--checkpoint-every", "20", "--out", str(out),
     ]  # fmt: skip
-    proc = _start([], cmd=cmd)
+    proc = start_job([], cmd, sigint_default=True)
     _wait_for_checkpoint(out, proc)
     os.killpg(proc.pid, signal.SIGINT)
     _, stderr = finish_job(proc, BOUND_S)
@@ -145,13 +136,13 @@ def test_a_sigkilled_launcher_leaves_no_process_behind(tmp_path):
     ranks with them (each asked the kernel for it), instead of training on unsupervised."""
     out = tmp_path / "run"
     args = [*QUIET, "--workers", "2", "--steps", "100000", "--min-step-time-s", "0.02"]
-    proc = _start([*args, "--out", str(out)])
+    proc = start_job([*args, "--out", str(out)], sigint_default=True)
 
     def training() -> bool:
         paths = [out / "metrics" / f"rank{r}.jsonl" for r in range(2)]
         return all(p.is_file() and '"first_step"' in p.read_text() for p in paths)
 
-    _wait_for(proc, training, "both ranks to train")
+    wait_running(proc, training, "both ranks to train", BOUND_S, 0.1)
     proc.kill()  # the launcher only
     proc.wait(timeout=BOUND_S)
     _all_gone(proc.pid)

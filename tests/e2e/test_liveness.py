@@ -1,10 +1,7 @@
 """No single point of failure and no long hangs: a killed or hung parameter-server shard (the
-first one included, whose agent used to hold the job's store) stops the whole job through the
-watchdogs' heartbeat expiry, with a summary that names it, intact checkpoints and a working
-``--resume`` command; a hung worker of a lockstep job is restarted; two jobs run side by side.
-
-Detection is asserted through its mechanism (``peer_lost`` records naming the silent rank),
-with a loose bound on the whole run only so that a hang fails instead of blocking the suite.
+first one included) stops the whole job through the watchdogs' heartbeat expiry (``peer_lost``
+records naming the silent rank), with a summary that names it, intact checkpoints and a
+working ``--resume`` command; a hung lockstep worker is restarted; two jobs run side by side.
 """
 
 from __future__ import annotations
@@ -21,24 +18,20 @@ import pytest
 from cloudburst.records.checkpoint import load_checkpoint
 from cloudburst.records.metrics import read_jsonl
 from tests.e2e.instrumented import session_processes
-from tests.helpers import cli, finish_job, read_summary, start_job, wait_until
+from tests.helpers import cli, finish_job, read_summary, start_job, wait_running, wait_until
+from tests.support import BOUND_S
 
 pytestmark = pytest.mark.e2e
 
 QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")
-BOUND_S = 180  # a job that has not ended by then hangs: a failure, not a measurement
 ASGD = ("--strategy", "asgd", "--workers", "2", "--servers", "2", "--n-sync", "2")
 LIVENESS = ("--heartbeat-timeout-s", "3", "--checkpoint-every", "10")
 
 
 def _pid(out: Path, rank: int, proc: subprocess.Popen) -> int:
     """The pid rank ``rank`` logged, once a checkpoint of every worker exists."""
-
-    def saved() -> bool:
-        assert proc.poll() is None, proc.communicate()
-        return len(list((out / "checkpoints").glob("worker*-step*.pt"))) >= 2
-
-    wait_until(saved, BOUND_S, "checkpoints", interval_s=0.1)
+    saved = lambda: len(list((out / "checkpoints").glob("worker*-step*.pt"))) >= 2  # noqa: E731
+    wait_running(proc, saved, "checkpoints", BOUND_S, 0.1)
     metrics = read_jsonl(out / "metrics" / f"rank{rank}.jsonl")
     [start] = [r for r in metrics if r["event"] == "start"]
     return start["pid"]
@@ -46,12 +39,8 @@ def _pid(out: Path, rank: int, proc: subprocess.Popen) -> int:
 
 def _lost_records(out: Path) -> dict[int, str]:
     """rank -> the reason its watchdog recorded."""
-    found = {}
-    for path in (out / "metrics").glob("rank*.jsonl"):
-        for r in read_jsonl(path):
-            if r["event"] == "peer_lost":
-                found[r["rank"]] = r["reason"]
-    return found
+    records = [r for p in (out / "metrics").glob("rank*.jsonl") for r in read_jsonl(p)]
+    return {r["rank"]: r["reason"] for r in records if r["event"] == "peer_lost"}
 
 
 @pytest.mark.parametrize(("sig", "rank"), [(signal.SIGKILL, 1), (signal.SIGSTOP, 0)])

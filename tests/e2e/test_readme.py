@@ -1,18 +1,15 @@
 """The documentation runs: every fenced ``bash`` / ``sh`` and ``python`` block of README.md and
-docs/*.md, and every ``$ command`` transcript, is checked against the code.
+docs/*.md, and every ``$ command`` transcript, is checked against the code:
 
-- ``cloudburst train|simulate|compare …`` (also after ``torchrun … -m cloudburst``) parses
-  with the CLI's own parser into a valid config; ``plot`` and ``demo`` parse;
-- ``torchrun …`` parses with torchrun's parser; the script it names exists and takes the
-  flags given (its ``--help`` lists them);
-- ``make TARGET`` names a target of the Makefile;
+- ``cloudburst train|simulate|compare …`` (also under torchrun) parses with the CLI's own parser
+  into a valid config; ``plot`` and ``demo`` parse; ``make TARGET`` names a Makefile target;
+- ``torchrun …`` parses with torchrun's parser; the script it names takes the flags given;
 - a transcript (``$ cloudburst …`` then what it prints) is run: the output is the text's;
-- a Python block that uses ``cloudburst.Job`` runs as written under ``torchrun --standalone``
-  with as many ranks as its ``RunConfig`` asks for (nothing is added: a snippet that uses a name
-  it does not define fails); any other Python block runs as it is.
+- a Python block runs as written (one that uses ``cloudburst.Job`` under ``torchrun
+  --standalone``, with the ranks its ``RunConfig`` asks for).
 
-A block that cannot run here (several machines) is listed in :data:`SKIP` with the reason,
-keyed by a piece of its text; an entry that matches no block fails, so the list stays true.
+A block that cannot run here is in :data:`SKIP`, keyed by a piece of its text; an entry that
+matches no block fails, so the list stays true.
 """
 
 from __future__ import annotations
@@ -204,7 +201,7 @@ def check_transcript(block: Block, monkeypatch, capsys) -> None:
     starts = [i for i, line in enumerate(lines) if line.startswith("$ ")]
     for k, i in enumerate(starts):
         words = shlex.split(lines[i][2:])
-        expected = [x for x in lines[i + 1 : starts[k + 1] if k + 1 < len(starts) else None]]
+        expected = lines[i + 1 : starts[k + 1] if k + 1 < len(starts) else None]
         assert words[0] == "cloudburst", f"{block.where}: transcripts of {words[0]!r} not run"
         proc = refused(words[1:], monkeypatch, capsys)
         said = (proc.stdout + proc.stderr).strip().splitlines()

@@ -1,9 +1,6 @@
-"""Checkpoints, ``--resume`` and restarts under ``--max-restarts``, with injected faults.
-
-The deterministic strategies must end exactly where an undisturbed run of the same seed ends
-(the reference checkpoints at the same steps: checkpoints do not change the arithmetic). The
-undisturbed references are run once and shared by the tests that compare with them.
-"""
+"""Checkpoints, ``--resume`` and restarts under ``--max-restarts``, with injected faults: the
+deterministic strategies end exactly where an undisturbed run of the same seed (a shared run,
+checkpointing at the same steps) ends."""
 
 import copy
 import os
@@ -27,7 +24,7 @@ from tests.helpers import (
     saved_state,
     shared_run,
     start_job,
-    wait_until,
+    wait_running,
 )
 
 pytestmark = pytest.mark.e2e
@@ -136,37 +133,34 @@ def test_resume_refuses_corrupt_foreign_and_changed_runs_and_touches_nothing(
     ref = _reference("sync")
     [ckpt_name] = [p.name for p in sorted((ref / "checkpoints").glob("worker1-*.pt"))[-1:]]
     good = load_checkpoint(ref / "checkpoints" / ckpt_name, "worker-state")
+
     # Worker 1's latest checkpoint replaced, in a copy of the run each: cut short; and
-    # well-formed checkpoints of other runs: another seed, and the same settings in another
-    # run directory (its random identity differs).
+    # well-formed checkpoints of other runs: another seed, another run directory's identity.
+    def foreign(**identity):
+        state = {"identity": {**good["identity"], **identity}, "step": 30}
+        return lambda path: save_checkpoint(path, "worker-state", state)
+
+    def cut(path):
+        path.write_bytes(path.read_bytes()[:1000])
+
     bad_files = {
-        "truncated": lambda path: path.write_bytes(path.read_bytes()[:1000]),
-        "seed": lambda path: save_checkpoint(
-            path, "worker-state", {"identity": {**good["identity"], "seed": 1}, "step": 30}
-        ),
-        "run": lambda path: save_checkpoint(
-            path, "worker-state", {"identity": {**good["identity"], "run": "0" * 32}, "step": 30}
-        ),
-    }
-    expected = {
-        "truncated": "cannot be read safely",
-        "seed": "belongs to another run: its seed is 1, this run's is 0",
-        "run": "belongs to another run: its run is '" + "0" * 32 + "'",
+        "truncated": (cut, "cannot be read safely"),
+        "seed": (foreign(seed=1), "belongs to another run: its seed is 1, this run's is 0"),
+        "run": (foreign(run="0" * 32), "belongs to another run: its run is '" + "0" * 32 + "'"),
     }
     runs = {}
-    for name, spoil in bad_files.items():
+    for name, (spoil, _) in bad_files.items():
         runs[name] = copy_run(ref, tmp_path / name)
         spoil(runs[name] / "checkpoints" / ckpt_name)
     runs["changes"] = copy_run(ref, tmp_path / "changes")
     before = {name: _files(run) for name, run in runs.items()}
     # The CLI's entry point, in this process (a refusal launches nothing)
-    for what in bad_files:
+    for what, (_, expected) in bad_files.items():
         done = refused(["train", "--resume", str(runs[what])], monkeypatch, capsys)
-        assert done.returncode == 2, what
-        assert done.stdout == "", (what, done.stdout)
+        assert done.returncode == 2 and done.stdout == "", (what, done.stdout)
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("cloudburst: invalid config: resume: ")
-        assert expected[what] in lines[0], lines
+        assert expected in lines[0], lines
     # What makes a run's identity cannot change when it resumes: refused by the CLI's parser
     # and config check, before anything is read or started (in this process).
     changes = {
@@ -243,7 +237,6 @@ def test_a_restarted_server_points_to_resume_which_continues_the_run(tmp_path):
                       "3", "--eval-every-s", "60", "--no-progress", "--out", str(out)])  # fmt: skip
 
     def server_pid() -> int | None:  # once worker rank 3 is past step 30 and shard 1 saved
-        assert proc.poll() is None, proc.communicate()
         records = read_events(out / "metrics" / "rank3.jsonl", growing=True)
         steps = [e["step"] for e in records if e["event"] == "step"]
         if steps and steps[-1] >= 30 and (out / "checkpoints" / "server1.pt").is_file():
@@ -251,7 +244,7 @@ def test_a_restarted_server_points_to_resume_which_continues_the_run(tmp_path):
             return next(e["pid"] for e in server if e["event"] == "start")
         return None
 
-    os.kill(wait_until(server_pid, 120, "the run to get going"), signal.SIGKILL)
+    os.kill(wait_running(proc, server_pid, "the run to get going", 120), signal.SIGKILL)
     stdout, stderr = finish_job(proc, 180)
     assert proc.returncode == 1, stdout + stderr
     assert "rank 1 failed" in stderr

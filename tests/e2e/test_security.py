@@ -1,25 +1,25 @@
 """Hostile input and shared machines, as a user meets them: no file left in a directory runs
-code, the launcher signals only processes it started, a local job listens on 127.0.0.1 only
-whatever the environment says, and a refused output directory loses nothing."""
+code, the launcher signals only processes it started, and a local job listens on 127.0.0.1
+only whatever the environment says. (A refused output directory: tests/e2e/test_cli.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from cloudburst.config import RunConfig
 from cloudburst.records.metrics import read_jsonl
-from tests.e2e.instrumented import ip
+from tests.e2e.instrumented import ip, two_namespaces
 from tests.helpers import REPO, cli, read_summary, refused
+
+pytestmark = pytest.mark.e2e
 
 QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")
 
@@ -57,27 +57,10 @@ def test_a_run_directory_with_a_planted_module_never_runs_it(tmp_path, monkeypat
         "--trust-config) if you mean to run it"
     ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    trusted = subprocess.run(
-        [sys.executable, "-m", "cloudburst", "train", "--resume", ".", "--trust-config"],
-        cwd=run,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    cmd = [sys.executable, "-m", "cloudburst", "train", "--resume", ".", "--trust-config"]
+    trusted = subprocess.run(cmd, cwd=run, env=env, capture_output=True, text=True, timeout=120)
     assert trusted.returncode == 2 and not marker.exists()
     assert "cannot import module 'evil'" in trusted.stderr
-
-
-def test_a_refused_output_directory_loses_nothing(tmp_path, monkeypatch, capsys):
-    out = tmp_path / "project"
-    (out / "metrics").mkdir(parents=True)
-    (out / "metrics" / "results.csv").write_text("mine")
-    # (the CLI's entry point in this process: the refusal comes before any launch)
-    proc = refused(["train", *QUIET, "--steps", "5", "--out", str(out)], monkeypatch, capsys)
-    assert proc.returncode == 2
-    assert proc.stderr.startswith(f"cloudburst: invalid config: out: {str(out)!r} is not empty")
-    assert [p.name for p in out.rglob("*")] == ["metrics", "results.csv"]
 
 
 def test_only_processes_the_launcher_started_are_signalled(tmp_path):
@@ -111,25 +94,13 @@ def test_only_processes_the_launcher_started_are_signalled(tmp_path):
 
 # ------------------------------------------------------------------- binding
 @pytest.fixture
-def netns_with_veth():
-    """A network namespace of the test's own with a veth pair (both ends inside it, an address
-    on one end): an interface other than loopback that a preset GLOO_SOCKET_IFNAME can name.
-    Nothing is sent anywhere; the namespace goes away with the test."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("ss") is None:
-        pytest.skip("needs root, iproute2's ip and ss")
-    name = f"cbsec-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    made = ip("netns", "add", name, check=False)
-    if made.returncode != 0:
-        pytest.skip(f"`ip netns add` does not work here: {made.stderr.strip()}")
-    try:
-        ns = ("-n", name)
-        ip(*ns, "link", "add", "cbsec0", "type", "veth", "peer", "name", "cbsec1")
-        ip(*ns, "addr", "add", f"10.214.{random.randrange(256)}.1/24", "dev", "cbsec0")
-        for ifname in ("lo", "cbsec0", "cbsec1"):
-            ip(*ns, "link", "set", ifname, "up")
-        yield name
-    finally:
-        ip("netns", "del", name, check=False)
+def netns_pair():
+    """Two namespaces joined by a veth pair: in the first, an interface other than loopback
+    (with an address) that a preset GLOO_SOCKET_IFNAME can name."""
+    with two_namespaces() as pair:
+        if pair is None or shutil.which("ss") is None:
+            pytest.skip("needs root, iproute2's ip and ss")
+        yield pair
 
 
 def _listeners(ns: str) -> set[str]:
@@ -139,12 +110,12 @@ def _listeners(ns: str) -> set[str]:
 
 
 def test_a_local_job_listens_on_loopback_only_whatever_gloo_socket_ifname_says(
-    tmp_path, netns_with_veth
+    tmp_path, netns_pair
 ):
-    out = tmp_path / "run"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "cbsec0", "OMP_NUM_THREADS": "1"}
+    out, ns = tmp_path / "run", netns_pair.names[0]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": netns_pair.ifnames[0], "OMP_NUM_THREADS": "1"}
     cmd = [
-        "ip", "netns", "exec", netns_with_veth, sys.executable, "-m", "cloudburst", "train",
+        "ip", "netns", "exec", ns, sys.executable, "-m", "cloudburst", "train",
         "--strategy", "asgd", "--servers", "1", "--workers", "2", *QUIET, "--steps", "150",
         "--min-step-time-s", "0.02", "--out", str(out),
     ]  # fmt: skip
@@ -156,7 +127,7 @@ def test_a_local_job_listens_on_loopback_only_whatever_gloo_socket_ifname_says(
     # Sample the listening sockets until the job has written its summary.
     while proc.poll() is None and time.monotonic() < deadline:
         if (out / "metrics" / "rank2.jsonl").is_file():  # the ranks are up (gloo connected)
-            seen |= _listeners(netns_with_veth)
+            seen |= _listeners(ns)
         time.sleep(0.1)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr[-2000:]

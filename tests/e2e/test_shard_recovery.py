@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
 from tests.e2e.instrumented import check_shard_restarted
-from tests.helpers import finish_job, read_summary, start_job
+from tests.helpers import finish_job, read_summary, start_job, wait_running
 from tests.support import BOUND_S, kill_after_a_checkpoint, rank_records
 
 pytestmark = pytest.mark.e2e
@@ -25,11 +24,8 @@ RUN = (
     "--heartbeat-timeout-s", "5", "--checkpoint-every", "10", "--push-log-every", "1",
     "--max-restarts", "1", "--steps", "140", "--min-step-time-s", "0.02",
 )  # fmt: skip
-# 140 steps of at least 20 ms: the kills land at a version of ~30 (about step 30), and the
-# ~110 steps left after them take at least 2.2 s (as the ~220 of 10 ms left at 250 steps
-# did): the same time for the test to see its kill land, or the restart, before the end. A
-# step's padding is a sleep, its compute costs CPU (~15 ms a step over the 4 ranks): fewer,
-# longer steps keep that margin for less CPU.
+# 140 steps of at least 20 ms: the kills land at a version of ~30, and the ~110 steps left
+# take at least 2.2 s, the test's time to see its kill land, or the restart, before the end.
 SHORT_STEPS = 85  # a push every step: the worker is killed after ~20 of them (1.3 s left)
 
 
@@ -100,13 +96,11 @@ def test_a_worker_killed_while_it_pushes_is_lost_and_every_applied_push_is_count
     run = [*RUN[:n], "--n-sync", "1", *RUN[n + 2 : i], *RUN[i + 2 :], "--out", str(out)]
     run[run.index("--steps") + 1] = str(SHORT_STEPS)
     proc = start_job(run)
-    deadline = time.monotonic() + BOUND_S
-    while True:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "worker rank 3 never pushed"
-        if sum(r["event"] == "push" and r["worker"] == 3 for r in rank_records(out, 1)) > 20:
-            break
-        time.sleep(0.02)
+
+    def pushed() -> bool:
+        return sum(r["event"] == "push" and r["worker"] == 3 for r in rank_records(out, 1)) > 20
+
+    wait_running(proc, pushed, "worker rank 3's pushes", BOUND_S)
     [start] = [r for r in rank_records(out, 3) if r["event"] == "start"]
     os.kill(start["pid"], signal.SIGKILL)
     _, stderr = finish_job(proc, BOUND_S)
@@ -137,11 +131,11 @@ def test_a_shard_killed_again_after_its_last_restart_ends_the_job_with_the_resum
     out = tmp_path / "run"
     proc = start_job([*RUN, "--out", str(out)])
     kill_after_a_checkpoint(out, 1, proc)
-    deadline = time.monotonic() + BOUND_S
-    while not any(r["event"] == "shard_restored" for r in rank_records(out, 1)):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "shard 1 was not restarted"
-        time.sleep(0.02)
+
+    def restarted() -> bool:
+        return any(r["event"] == "shard_restored" for r in rank_records(out, 1))
+
+    wait_running(proc, restarted, "shard 1's restart", BOUND_S)
     starts = [r for r in rank_records(out, 1) if r["event"] == "start"]
     assert len(starts) == 2
     os.kill(starts[1]["pid"], signal.SIGKILL)

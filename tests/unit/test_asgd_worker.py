@@ -1,7 +1,6 @@
-"""The asgd and easgd workers against real shards over :mod:`tests.support`'s in-process fake
-comm: push/fetch schedules, when a shard replies relative to its add, rejections, the accounting
-of W workers stepped in a scripted order, the fetch of θ across a shard's restart, and Δ computed
-chunk by chunk as it leaves a CPU replica (the GPU staging path is tests/gpu's)."""
+"""The asgd and easgd workers against real shards over :mod:`tests.support`'s fake comm:
+schedules, replies, rejections, the accounting of workers stepped in a scripted order, a fetch
+across a shard's restart, and Δ computed chunk by chunk as it leaves a CPU replica."""
 
 from __future__ import annotations
 
@@ -60,17 +59,13 @@ def test_one_worker_equals_sgd_for_every_schedule_and_rule():
         dict(servers=2, n_sync=4, server_rule="sgd", server_lr=1.0),  # replies after apply
     ]:
         model, _, loops = train_asgd_worker(asgd_cfg(**kw), 24)
-        theta = torch.cat([loop.shard.theta for loop in loops])
         # step 24 is a push and a fetch for every schedule here: shards and replica agree
-        torch.testing.assert_close(theta, expected, rtol=1e-5, atol=1e-6, msg=str(kw))
-        torch.testing.assert_close(
-            flatten_params(model), expected, rtol=1e-5, atol=1e-6, msg=str(kw)
-        )
+        for theta in (torch.cat([loop.shard.theta for loop in loops]), flatten_params(model)):
+            torch.testing.assert_close(theta, expected, rtol=1e-5, atol=1e-6, msg=str(kw))
 
 
 def test_chunked_add_matches_the_shards_bit_for_bit(monkeypatch):
-    """The overlapped PUSH_FETCH's θ + αΔ written chunk by chunk (7 values: none aligned to a
-    shard; λ = 0.5: a chunk added twice, missed or with another α would show)."""
+    """The overlapped θ + αΔ written in chunks of 7 (none aligned to a shard; λ = 0.5)."""
     monkeypatch.setattr(asgd, "ADD_CHUNK_NUMEL", 7)
     model, strategy, loops = train_asgd_worker(asgd_cfg(servers=3, n_sync=3, server_lr=0.5), 12)
     theta = torch.cat([loop.shard.theta for loop in loops])
@@ -82,8 +77,8 @@ def test_chunked_add_matches_the_shards_bit_for_bit(monkeypatch):
 
 @pytest.mark.parametrize("compensation", ["delay-adaptive", "scale"])
 def test_after_every_push_the_worker_holds_the_servers_theta_whatever_its_staleness(compensation):
-    """The worker rebuilds θ + λ·s·Δ from an overlapped reply with the shard's s: under
-    delay-adaptive with τ_C = W = 4 (s = 1 at τ = 3) as under scale (s = 1/3)."""
+    """The worker rebuilds θ + λ·s·Δ with the shard's s: delay-adaptive, τ_C = 4 (s = 1 at
+    τ = 3), and scale (s = 1/3)."""
     cfg = survivor_cfg("asgd", 4, servers=2, n_sync=1, server_lr=0.5,
                        staleness_compensation=compensation)  # fmt: skip
 
@@ -101,8 +96,8 @@ def test_after_every_push_the_worker_holds_the_servers_theta_whatever_its_stalen
 
 
 def test_a_standby_copy_holds_its_shards_theta_after_every_forwarded_push():
-    """Shard 1's server forwards each applied push to its standby on server 0 before it
-    replies: the copy (an optimizer rule's state included) ends on shard 1's θ, bit for bit."""
+    """Shard 1 forwards each applied push to its standby on server 0: the copy (rule state
+    included) ends on shard 1's θ and stats, bit for bit."""
     forwards = StandbyForwards(1)
 
     def setup(loops):
@@ -148,9 +143,8 @@ REPLIES = {
 
 @pytest.mark.parametrize("kind", list(REPLIES))
 def test_a_reply_leaves_before_the_add_unless_it_carries_theta(kind):
-    """A PUSH's or an overlapped PUSH_FETCH's ack depends only on the push being admitted: it
-    leaves before θ moves (the worker's own θ + αΔ overlaps the add), with the version after
-    the push; an optimizer rule's reply carries θ after the apply, so the apply comes first."""
+    """A PUSH's or overlapped PUSH_FETCH's ack (the version after the push) leaves before θ
+    moves; an optimizer rule's reply carries θ after the apply, so the apply comes first."""
     strategy, shard, before, seen = _one_round(asgd_cfg(servers=1, **REPLIES[kind]), kind == "push")
     ((header, theta_then, version_then),) = seen
     assert header.kind == Kind.REPLY and header.status == Status.OK and header.version == 1
@@ -168,8 +162,7 @@ def test_a_reply_leaves_before_the_add_unless_it_carries_theta(kind):
 
 
 class _WireWorkerSide(WorkerSide):
-    """A worker's end as the wire treats it: headers through their encoding, and a payload on
-    the stream its ``reply`` flag names (gloo matches tags)."""
+    """Headers through their encoding, payloads on the stream ``reply`` names (gloo's tags)."""
 
     def send(self, k: int, header: Header, payload=None, final: bool = False) -> None:
         super().send(k, Header.from_tensor(header.to_tensor()), payload, final)
@@ -242,12 +235,8 @@ def test_asgd_sums_the_staleness_of_its_pushes_and_counts_each_dropped_one():
     job, replicas = _ps("asgd", 2, servers=1, n_sync=1)
     for worker in (0, 1, 0, 1):  # staleness: w0 0, w1 1, w0 1, w1 1
         _steps(job, replicas, worker)
-    report = [w.report() for w in job.workers]
-    counts = [(r["staleness_sum_versions"], r["staleness_max_versions"]) for r in report]
-    assert [(*c, r["pushes"]) for c, r in zip(counts, report, strict=True)] == [
-        (1, 1, 2),
-        (2, 1, 2),
-    ]
+    keys = ("staleness_sum_versions", "staleness_max_versions", "pushes")
+    assert [tuple(w.report()[k] for k in keys) for w in job.workers] == [(1, 1, 2), (2, 1, 2)]
     job, replicas = _ps("asgd", 2, servers=1, n_sync=1, max_staleness=0)
     for worker in (0, 1, 0, 1):  # both of w1's pushes are one version stale: dropped
         _steps(job, replicas, worker)
@@ -257,8 +246,8 @@ def test_asgd_sums_the_staleness_of_its_pushes_and_counts_each_dropped_one():
 
 
 def test_asgd_restarts_from_the_servers_theta_after_each_rejected_push_and_trains_on(caplog):
-    """Only the shard holding the NaN rejects (the other applies its part); the worker logs it,
-    starts again from the servers' θ, and its later pushes are applied."""
+    """Only the shard holding the NaN rejects; the worker logs it, restarts from the servers'
+    θ, and its later pushes are applied."""
     job, replicas = _ps("asgd", 1, servers=2, n_push=1, n_fetch=4)
     worker, model = job.workers[0], replicas.models[0]
     with caplog.at_level(logging.WARNING, logger=LOGGER):
@@ -305,8 +294,7 @@ def test_easgd_leaves_a_dropped_replica_alone_and_resets_a_rejected_one_to_the_c
 
 
 # ---------------------------------------------------------------- reading θ across a restart
-# Three shards, one worker; a broken connection to shard 1 is a transport that raises on it,
-# its restart an announcement in a HashStore and a fresh fake link to the same server loop.
+# A broken connection to shard 1 raises; its restart is an announcement and a fresh fake link.
 BOUNDS = [(0, 3), (3, 6), (6, 9)]  # a 2 → 3 linear layer (9 values) over three shards
 BROKEN = 1
 
@@ -373,10 +361,9 @@ def _set_shards(job, theta: torch.Tensor, versions, samples) -> None:
 
 @pytest.mark.parametrize("cut", ["send", "recv"])
 def test_a_fetch_that_loses_a_shard_takes_its_restarted_theta_and_reads_the_others(cut, caplog):
-    """The lost shard's slice is the θ_k its restart serves, which the replica and its reference
-    take too; its version becomes the restored one, the version it last acknowledged is
-    reported, the reconnection counted and logged with the error. Later fetches reach it over
-    its restart's link (the old one never again) with no further reconnection."""
+    """The lost shard's slice (replica and reference too) is its restart's θ_k at the restored
+    version; the acknowledged version is reported, the reconnection counted and logged; later
+    fetches use the restart's link only, with no further reconnection."""
     worker, model, link, job, store = _restart_job()
     served = _values(200.0)
     _set_shards(job, served, versions=[9, 11, 13], samples=[64, 72, 80])
@@ -415,8 +402,7 @@ def test_a_fetch_that_loses_a_shard_takes_its_restarted_theta_and_reads_the_othe
 
 # ------------------------------------------------------------------- Δ computed as it leaves
 class _ChunkedLink(WorkerSide):
-    """Sends each payload in two chunks, as the real transport does fp32: overwrites it, has
-    ``prepare`` fill each chunk just before "sending" it, and keeps what was sent."""
+    """Sends each payload in two chunks, ``prepare`` filling each just before; keeps them."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -433,8 +419,7 @@ class _ChunkedLink(WorkerSide):
 
 
 def test_a_cpu_replica_computes_each_shards_delta_chunk_by_chunk_as_it_is_sent():
-    """Under the add rule the transport's ``prepare`` computes each chunk of Δ just before it
-    leaves; the shards receive Δ = θ_local − θ_fetched exactly."""
+    """Under the add rule ``prepare`` computes each chunk of Δ = θ_local − θ_fetched, exactly."""
     model, job, worker, link = _three_shard_job(_ChunkedLink, n_sync=1)
     worker.start()
     local = _values(1.0) + torch.tensor([3.0, -1.0, 0.5, 2.0, 4.0, -2.5, 1.5, 0.25, -0.75])

@@ -1,7 +1,4 @@
-"""The benchmark harness's statistics and bookkeeping on scripted curves (no processes).
-
-Expected values are worked out by hand in the comments.
-"""
+"""The benchmark harness's statistics and bookkeeping on scripted curves, values by hand."""
 
 from __future__ import annotations
 
@@ -11,12 +8,13 @@ import platform
 import random
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import harness
+from benchmarks import evidence, harness
 from benchmarks.harness import Arm, Run
 
 
@@ -168,20 +166,18 @@ def runs_here(tmp_path, monkeypatch) -> None:
 
 @pytest.fixture
 def host(monkeypatch) -> None:
-    """Provenance.capture's host facts without ``uname -p`` (a process): platform faked."""
+    """Provenance.capture's host facts without ``uname -p`` (a process) or git."""
     monkeypatch.setattr(platform, "platform", lambda: "p")
     monkeypatch.setattr(platform, "processor", lambda: "")
+    monkeypatch.setattr(harness, "git_commit", lambda: ("abc1234", []))
 
 
 def test_a_result_records_the_numerics_a_bit_for_bit_replay_depends_on(monkeypatch, host):
-    from importlib.metadata import version
-
     line = harness.numerics()
     assert line.startswith(f"numpy {version('numpy')}, scipy {version('scipy')}, mnist1d ")
     assert "; CPU " in line
     monkeypatch.setattr(harness, "numerics", lambda: "numpy 9; CPU avx2")
     monkeypatch.setattr(harness, "cpu_busy_fraction", lambda: 0.0)
-    monkeypatch.setattr(harness, "git_commit", lambda: ("abc1234", []))
     prov = harness.Provenance.capture(SimpleNamespace(quick=True))
     assert prov.numerics == "numpy 9; CPU avx2" and prov.to_dict()["numerics"] == prov.numerics
     header = "\n".join(harness.Report("d", "D", prov).header())
@@ -190,7 +186,6 @@ def test_a_result_records_the_numerics_a_bit_for_bit_replay_depends_on(monkeypat
 
 def test_a_busy_machine_refuses_a_measurement_but_not_a_replay_measuring_nothing(monkeypatch, host):
     monkeypatch.setattr(harness, "cpu_busy_fraction", lambda: 0.9)
-    monkeypatch.setattr(harness, "git_commit", lambda: ("abc1234", []))
     for replay, verify in ((None, 0), ("r.json", 1)):  # runs made or re-simulated here
         with pytest.raises(SystemExit, match="the machine is busy"):
             harness.Provenance.capture(SimpleNamespace(replay=replay, verify=verify))
@@ -229,8 +224,6 @@ def test_report_writes_claims_with_the_aa_ratio_and_censoring(tmp_path, monkeypa
 def test_history_prints_the_recorded_command_of_each_result_the_package_changed_under(
     tmp_path, monkeypatch
 ):
-    from benchmarks import evidence
-
     commands = {  # commit: the command its result records
         "a1": "/v/bin/python benchmarks/x.py --cell pareto --replay r/a.json --verify 1 --force",
         "b2": "python benchmarks/experiments.py accuracy --arms 'asgd,asgd dc' --verify=2 --out o",
@@ -248,8 +241,6 @@ def test_history_prints_the_recorded_command_of_each_result_the_package_changed_
 
 
 def test_evidence_table_replaces_only_the_text_between_the_markers_it_finds(tmp_path, monkeypatch):
-    from benchmarks import evidence
-
     prov = provenance(tmp_path, monkeypatch)
     report = harness.Report("demo", "A demo", prov)
     report.claim("step ÷ DDP", 0.98, "≤ 1.05", True, aa=1.01, seeds=5)
@@ -302,8 +293,6 @@ def test_difference_interval_of_means():
 
 
 def test_a_difference_is_judged_on_the_aa_copy_and_a_loss_kept_in_nats_by_a_rescore(tmp_path):
-    from benchmarks import evidence
-
     # a − b = +2 points on every seed, a − copy = +1: the interval spans [1, 2]
     b = [0.85, 0.95, 0.90, 0.80, 0.88]
     a, copy = [x + 0.02 for x in b], [x + 0.01 for x in b]
@@ -487,8 +476,6 @@ def stored(tmp_path, name: str, claims: list[harness.Claim], **extra) -> None:
 def test_the_table_rejudges_stored_verdicts_and_the_advice_links_each_sentence(
     tmp_path, monkeypatch
 ):
-    from benchmarks import evidence
-
     monkeypatch.setattr(evidence, "package_changed", lambda commit, repo=None: None)
     claim = harness.Claim
     stored(tmp_path, "stragglers", [
@@ -526,8 +513,6 @@ def test_the_table_rejudges_stored_verdicts_and_the_advice_links_each_sentence(
 
 
 def test_an_advice_cell_says_on_how_many_seeds_the_baseline_reached_a_bounded_ratio():
-    from benchmarks import evidence
-
     c = harness.Claim("time to 90 %, a ÷ sync", "≤ 0.6", "≤ 0.7", True,
                       inputs={"a": [1.0, 2.0, 3.0], "b": [5.0, None, None]})  # fmt: skip
     assert evidence.bound(c) == " (a bound: the baseline reached it on 1 of 3 seeds)"
@@ -537,8 +522,6 @@ def test_an_advice_cell_says_on_how_many_seeds_the_baseline_reached_a_bounded_ra
 
 
 def test_rescore_rederives_paired_claims_from_stored_inputs_and_stamps_the_files(tmp_path):
-    from benchmarks import evidence
-
     b = [10.0, 20.0, 40.0, 80.0, 160.0]
     inputs = {"a": [0.8 * x for x in b], "b": b, "aa": [1.01 * x for x in b], "budget_s": None}
     # stored at the old rules: the ratio of medians, an interval from unpaired resampling
@@ -660,8 +643,6 @@ def test_interleave_replays_a_results_runs_by_phase_and_runs_only_the_ones_it_la
 
 @pytest.mark.spawns  # git
 def test_evidence_marks_a_result_history_once_the_package_changed_since_its_runs(tmp_path):
-    from benchmarks import evidence
-
     def git(*args: str) -> str:
         out = subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True)
         return out.stdout.strip()

@@ -1,10 +1,5 @@
-"""wire.py's socket bookkeeping on scripted ``ss`` samples (no namespace, no processes).
-
-A connection must count once: the failure it guards against had every rank's data counted a
-second time as the launcher's ("other"), because the last sample of each socket came after its
-process had exited and ``ss`` printed it without a pid (compress_scale at bf83333: wire ÷
-counted −0.007 for one run).
-"""
+"""wire.py's socket bookkeeping on scripted ``ss`` samples: a connection counts once, also when
+its last sample came after its process exited (no pid) and a reused address pair."""
 
 from __future__ import annotations
 
@@ -49,17 +44,12 @@ def test_merge_keeps_an_exited_sockets_pid_and_account_counts_it_once_as_data():
     assert got["lo_data"] == 400  # lo's payload less the store's (none here)
 
 
-def test_merge_keeps_a_reused_address_pair_as_a_second_connection():
+@pytest.mark.parametrize("pid", [RANK_PID, None])
+def test_merge_updates_one_connection_in_place_and_keeps_a_reused_pair_as_a_second(pid):
     last: dict = {}
-    wire.merge(last, [sample("a:1", "a:2", RANK_PID, 500, 50)])
-    wire.merge(last, [sample("a:1", "a:2", LAUNCHER_PID, 20, 5)])  # counters fell: new one
+    for sent in (100, 200, 500):
+        wire.merge(last, [sample("a:1", "a:2", pid, sent, sent)])
+    assert [s["bytes_sent"] for s in last.values()] == [500]
+    wire.merge(last, [sample("a:1", "a:2", LAUNCHER_PID, 20, 5)])  # counters fell: a new one
     wire.merge(last, [sample("a:1", "a:2", LAUNCHER_PID, 30, 6)])
     assert sorted(s["bytes_sent"] for s in last.values()) == [30, 500]
-
-
-@pytest.mark.parametrize("pid", [RANK_PID, None])
-def test_merge_updates_one_connection_in_place(pid):
-    last: dict = {}
-    for sent in (1, 2, 3):
-        wire.merge(last, [sample("a:1", "a:2", pid, sent, sent)])
-    assert [s["bytes_sent"] for s in last.values()] == [3]

@@ -1,8 +1,6 @@
 """Bounded pushes (``--max-push-ratio``, issue 44): a shard refuses a push whose update of θ_k
-(its rule's, after compensation; under adagrad the push's own step λ·s·Δ) is longer than
-ratio·max(‖θ_k‖, 1) or leaves θ_k or the rule's state not finite; the worker counts it and goes
-on from the shard's θ. Issue 44's attack (Δ = 3e38) re-run over the fake comm and on the virtual
-cluster; a run whose final test loss is not finite ends as failed."""
+(adagrad: λ·s·Δ) is longer than ratio·max(‖θ_k‖, 1) or not finite; the worker counts it and goes
+on from the shard's θ. Issue 44's attack (Δ = 3e38); a non-finite final test loss fails the run."""
 
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ from torch import nn
 
 from cloudburst import cli
 from cloudburst.comm.messages import Status
-from cloudburst.config import ConfigError, RunConfig
+from cloudburst.config import RunConfig
 from cloudburst.loop import summary as summary_module
 from cloudburst.loop.summary import diverged, failed_message
 from cloudburst.records.metrics import write_json_atomic
@@ -30,8 +28,7 @@ from tests.support import StandbyForwards, ps_job, run_sim
 HUGE = 3e38  # finite in float32 (max 3.4e38): issue 44's push
 RATIO = 2.0
 
-# Every server rule and compensator the shards run (asgd's, easgd's elastic, async
-# DiLoCo's Delayed Nesterov): (rule, compensation, extra ShardState arguments).
+# Every server rule and compensator: (rule, compensation, extra ShardState arguments).
 RULES = [
     ("add", "none", {}),
     ("add", "scale", {}),
@@ -96,8 +93,7 @@ def test_a_push_is_refused_exactly_when_the_update_it_makes_is_too_long(rule, co
             assert result.status == Status.REFUSED
             assert torch.equal(shard.theta, before) and shard.version == version
     assert outcomes == {Status.OK, Status.REFUSED}, "the script must reach both sides"
-    # Refused pushes left no trace in the rule's state (momentum, mean squares, rings):
-    # the shard is the one that only ever saw the pushes it accepted.
+    # refused pushes left no trace: the shard is the one that only saw the accepted ones
     assert torch.equal(shard.theta, clean.theta) and shard.version == clean.version
     assert shard.refused > 0 and shard.stats()["refused_pushes"] == shard.refused
     mine, theirs = shard.state_dict(), clean.state_dict()
@@ -125,12 +121,6 @@ def test_the_bound_is_ratio_times_the_norm_of_theta_floored_at_1_and_inf_is_alwa
     adagrad = ShardState(torch.zeros(2), rule="adagrad", lr=0.1, max_push_ratio=0.0)
     assert adagrad.apply_push(torch.tensor([HUGE, 0.0]), 0).status == Status.REFUSED
     assert "state would not be finite" in adagrad.last_refusal
-
-
-@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), 2e6])
-def test_max_push_ratio_outside_its_range_is_one_config_error(value):
-    with pytest.raises(ConfigError, match=r"^max_push_ratio: .* is not allowed; use a number"):
-        RunConfig(strategy="asgd", workers=2, max_push_ratio=value)
 
 
 # ------------------------------------------------------------------ the attack, re-run
@@ -161,8 +151,7 @@ def test_a_push_of_3e38_is_refused_and_the_worker_goes_on_from_the_shards_theta(
     assert [loop.shard.refused for loop in job.loops] == [1, 0]
     assert job.loops[0].stats()["refused_pushes"] == 1
     assert worker.pushes_refused == 1 and worker.report()["pushes_refused"] == 1
-    # the worker continues from the shards' θ
-    assert torch.equal(ref.flat(model), job.server_theta)
+    assert torch.equal(ref.flat(model), job.server_theta)  # the worker goes on from there
     records = [f for e, f in job.metrics[0].records if e == "push" and f["status"] == "REFUSED"]
     assert len(records) == 1 and records[0]["worker"] == cfg.job.servers
     logged = [r.getMessage() for r in caplog.records]
@@ -179,9 +168,8 @@ def test_a_push_of_3e38_is_refused_and_the_worker_goes_on_from_the_shards_theta(
 
 
 def test_refusals_never_drop_the_worker_and_each_resets_its_optimizer():
-    """A diverging replica is no attacker: its pushes are refused, never held against it; the
-    momentum that made a refused push, kept, would make the next ones as large (a real run: 26
-    of one worker's 30 pushes refused without the reset, 1 with it)."""
+    """A diverging replica's pushes are refused, never held against it; the momentum that made
+    one, kept, would make the next ones as large."""
     cfg = RunConfig(strategy="asgd", workers=1, servers=1, dataset="synthetic", n_sync=1)
     model = nn.Linear(2, 3)
     job = ps_job(cfg, [model])
@@ -242,8 +230,7 @@ def test_a_final_test_loss_that_is_not_finite_fails_the_run(tmp_path, monkeypatc
 
 # ------------------------------------------------------------------ a shard's standby copy
 def test_a_standby_copy_follows_its_shards_refusals():
-    """The standby applies the shard's verdict on each forwarded push, not its own measure (a norm
-    summed in another order may decide otherwise): here the copy alone would take the push."""
+    """The standby applies the shard's verdict on each forwarded push, not its own measure."""
     cfg = RunConfig(strategy="asgd", workers=1, servers=2, shard_standby=True, n_sync=1,
                     dataset="synthetic", train_size=512)  # fmt: skip
     model = nn.Linear(2, 3)

@@ -61,29 +61,22 @@ def test_truncated_corrupt_foreign_and_missing(tmp_path):
         assert "\n" not in message, message
 
 
-def test_a_checkpoint_round_trips_written_into_new_nested_directories(tmp_path):
+def test_a_checkpoint_is_a_hidden_sibling_renamed_over_the_target_in_new_nested_dirs(
+    tmp_path, monkeypatch
+):
+    renames = []
+    replace = os.replace
+    record = lambda src, dst: renames.append((Path(src), Path(dst))) or replace(src, dst)  # noqa: E731
+    monkeypatch.setattr(checkpoint.os, "replace", record)
     path = tmp_path / "a" / "b" / "c.pt"
     save_checkpoint(path, "server-shard", {"theta": torch.arange(5.0), "version": 3})
+    [(src, dst)] = renames
+    assert dst == path and src.name.startswith(".c.pt.")
+    assert src.parent == path.parent  # the same file system: the rename is atomic
     payload = load_checkpoint(path, "server-shard")
     assert payload["version"] == 3 and torch.equal(payload["theta"], torch.arange(5.0))
     assert not list(path.parent.glob(".c.pt.*")), "temporary file left behind"
-
-
-def test_the_temporary_file_is_a_hidden_sibling_renamed_over_the_target(tmp_path, monkeypatch):
-    renames = []
-    replace = os.replace
-
-    def recording_replace(src, dst):
-        renames.append((Path(src), Path(dst)))
-        replace(src, dst)
-
-    monkeypatch.setattr(checkpoint.os, "replace", recording_replace)
-    path = tmp_path / "c.pt"
-    save_checkpoint(path, "worker", {"x": 1})
-    [(src, dst)] = renames
-    assert dst == path
-    assert src.parent == path.parent  # the same file system: the rename is atomic
-    assert src.name.startswith(".c.pt.")
+    assert shard_checkpoint_path("runs/x", 3) == Path("runs/x/checkpoints/server3.pt")
 
 
 def test_a_failed_write_leaves_no_temporary_file_and_raises_its_cause(tmp_path, monkeypatch):
@@ -286,7 +279,3 @@ def test_code_in_model_buffers_never_runs(monkeypatch):
     with pytest.raises(pickle.UnpicklingError):
         load_model_buffers(nn.BatchNorm1d(2), buf.getvalue())
     assert _CALLS == []
-
-
-def test_a_shard_checkpoint_lives_in_the_run_directory_checkpoints():
-    assert shard_checkpoint_path("runs/x", 3) == Path("runs/x/checkpoints/server3.pt")

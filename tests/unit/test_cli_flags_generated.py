@@ -1,7 +1,5 @@
-"""The ``train`` and ``compare`` flags are generated from the config's fields
-(``cloudburst.config``'s concerns, ``cloudburst.cli.add_config_flags``): one flag per field,
-each parsing to its field, and TOML sections that mirror the concerns. What is expected is
-derived from the same fields, except the spellings the field names do not give (SPELLED)."""
+"""``train``/``compare`` flags are generated from the config's fields: one per field, parsing to
+it, and TOML sections mirroring the concerns (spellings the names do not give: SPELLED)."""
 
 from __future__ import annotations
 
@@ -51,25 +49,23 @@ SPELLED = [
 
 # Every field set away from its default by a flag (the store_false switches included).
 FULL = """
---strategy easgd --workers 4 --servers 2 --n-sync 3 --n-fetch 2 --server-rule sgd
---server-lr 0.3 --server-momentum 0.5 --max-staleness 7 --staleness-scaling --warm-start-steps 5
---nodes 2 --shard-placement 1,0 --inter-node-link 1,2 --period 6 --local-sgd-warmup-steps 3
---diloco-outer-lr 0.4
---diloco-outer-momentum 0.8 --diloco-no-nesterov --easgd-tau 4 --easgd-alpha 0.2 --easgd-beta 0.7
---gossip-variant push --gossip-schedule ring --gossip-every 2 --gossip-push-sum
---gossip-no-full-step --consensus-every-steps 20 --daso-global-skip 6 --daso-batches-to-wait 2
---daso-local-skip 2
---daso-max-global-skips 9 --daso-warmup-epochs 1.5 --daso-cooldown-epochs 2.5
---daso-stability-level 0.1 --daso-patience 3 --daso-skip-reduction-factor 3 --daso-fixed
---daso-downcast fp16 --daso-cycling-downcast bf16 --daso-no-epoch-end-sync
---daso-chunk-elements 1000 --dataset synthetic --train-size 2000 --test-size 500 --image-size 16
---no-augment --data-workers 1 --model mlp --device cpu --backend gloo --autocast bf16
---tensorboard --steps 30 --epochs 2 --batch-size 16 --optimizer adam --lr 0.01
---lr-schedule cosine --momentum 0.8 --weight-decay 0.001 --seed 7 --target-accuracy 0.8
+--strategy easgd --workers 4 --servers 2 --n-sync 3 --n-fetch 2 --server-rule sgd --server-lr 0.3
+--server-momentum 0.5 --max-staleness 7 --staleness-scaling --warm-start-steps 5 --nodes 2
+--shard-placement 1,0 --inter-node-link 1,2 --period 6 --local-sgd-warmup-steps 3
+--diloco-outer-lr 0.4 --diloco-outer-momentum 0.8 --diloco-no-nesterov --easgd-tau 4
+--easgd-alpha 0.2 --easgd-beta 0.7 --gossip-variant push --gossip-schedule ring --gossip-every 2
+--gossip-push-sum --gossip-no-full-step --consensus-every-steps 20 --daso-global-skip 6
+--daso-batches-to-wait 2 --daso-local-skip 2 --daso-max-global-skips 9 --daso-warmup-epochs 1.5
+--daso-cooldown-epochs 2.5 --daso-stability-level 0.1 --daso-patience 3
+--daso-skip-reduction-factor 3 --daso-fixed --daso-downcast fp16 --daso-cycling-downcast bf16
+--daso-no-epoch-end-sync --daso-chunk-elements 1000 --dataset synthetic --train-size 2000
+--test-size 500 --image-size 16 --no-augment --data-workers 1 --model mlp --device cpu
+--backend gloo --autocast bf16 --tensorboard --steps 30 --epochs 2 --batch-size 16 --optimizer adam
+--lr 0.01 --lr-schedule cosine --momentum 0.8 --weight-decay 0.001 --seed 7 --target-accuracy 0.8
 --straggler 1:2 --straggler 3:1.5 --min-step-time-s 0.01 --eval-every-s 2 --log-every-steps 5
 --push-log-every 3 --comm-timeout-s 60 --heartbeat-timeout-s 5 --checkpoint-every 50
---max-restarts 2 --inject-fault kill:3@10 --inject-fault slow:2:2.0 --out runs/flags
---overwrite --no-progress --max-train-time-s 120
+--max-restarts 2 --inject-fault kill:3@10 --inject-fault slow:2:2.0 --out runs/flags --overwrite
+--no-progress --max-train-time-s 120
 """.split()
 
 

@@ -1,9 +1,6 @@
 """The scale sweep (issue 27): every collective strategy × every ``--compress`` on the virtual
-cluster at W = 2, 8 and 64 (local SGD also at 256), a few steps of a 4,096-parameter model (16
-quantisation blocks): the bytes counted, summed over the workers, are each strategy's formula
-exactly, and int8 stays under 0.3× the uncompressed bytes at any W. asgd, EASGD and gossip send
-messages whose bytes do not depend on W (tests/unit/test_compress_messages.py).
-"""
+cluster at W = 2, 8, 64 (local SGD also 256), a 4,096-parameter model: the bytes counted are
+each strategy's formula exactly, and int8 stays under 0.3× the uncompressed bytes at any W."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""DASO's global syncs as they cross the wire, on the virtual cluster (``run_ranks``; a
-3-parameter linear model, lr 0, so that only the syncs move θ): the rotating sender, group and
-dtype of each sync; when it is merged and broadcast over the node, and its bytes; that a
-non-blocking sync does not hold its sender back; the emulated link's charge for each sync;
-each step's phase; and with S > 0 the plain-PyTorch reference's trajectory (tests/reference.py;
-tests/dist/test_daso.py runs the same ranks over gloo).
-"""
+"""DASO: the merge formula and the B/S schedule; its global syncs on the virtual cluster (a
+3-parameter model at lr 0: only the syncs move θ): sender, group, dtype, merge, broadcast, bytes,
+overlap, the link's charge, phases, and the reference's trajectory (over gloo: tests/dist)."""
 
 from __future__ import annotations
 
@@ -16,6 +12,7 @@ import torch
 from cloudburst.comm.costs import LinkSpec
 from cloudburst.comm.link import LinkEmulator
 from cloudburst.sim.run import run_ranks
+from cloudburst.strategies.daso import COOLDOWN, CYCLING, WARMUP, DasoSchedule, daso_merge
 from tests import reference as ref
 from tests.support import (
     DASO_REF_STEPS,
@@ -31,13 +28,138 @@ from tests.support import (
 NUMEL = 3  # nn.Linear(2, 1)
 
 
+# ---------------------------------------------------------------------------- the schedule
+@pytest.mark.parametrize("s", [0, 1, 2])
+def test_merge_formula_on_scripted_values_for_two_and_three_nodes(s):
+    local = torch.tensor([1.0, -2.0, 4.0])
+    for thetas in (
+        [[1.0, -2.0, 4.0], [3.0, 2.0, 0.0]],
+        [[1.0, -2.0, 4.0], [3.0, 2.0, 0.0], [-1.0, 6.0, 8.0]],
+    ):
+        p = len(thetas)
+        sent = torch.tensor(thetas).sum(0)
+        got = daso_merge(local, sent, s, p)
+        expected = [
+            (2 * s * local[i].item() + sum(t[i] for t in thetas)) / (2 * s + p) for i in range(3)
+        ]
+        assert got.tolist() == pytest.approx(expected)
+    # S = 0 is the plain average of what the nodes sent.
+    assert daso_merge(local, torch.tensor([4.0, 0.0, 4.0]), 0, 2).tolist() == [2.0, 0.0, 2.0]
+
+
+def _schedule(**kw) -> DasoSchedule:
+    args = dict(total_epochs=20, warmup_epochs=2, cooldown_epochs=2, global_skip=4,
+                batches_to_wait=1, max_global_skips=8, stability_level=0.05,
+                patience=2)  # fmt: skip
+    return DasoSchedule(**{**args, **kw})
+
+
+def _cycling(**kw) -> DasoSchedule:
+    """A schedule that is in its cycling phase from the first epoch on (B, S and the rest are
+    the class's defaults unless given, unlike :func:`_schedule`'s pinned ones)."""
+    return DasoSchedule(total_epochs=20, warmup_epochs=0, cooldown_epochs=0, **kw)
+
+
+# A scripted epoch-loss sequence and the schedule it must produce: (loss, phase of that
+# epoch, change made at its end, B and S after it).
+SCRIPT = [
+    (2.0, WARMUP, None, 4, 1),  # warm-up epochs never change B or S
+    (1.9, WARMUP, None, 4, 1),
+    (1.5, CYCLING, None, 4, 1),  # improving
+    (1.2, CYCLING, None, 4, 1),
+    (1.19, CYCLING, None, 4, 1),  # < 5 % better: bad epoch 1
+    (1.18, CYCLING, "reduce", 2, 1),  # bad epoch 2: B and S halve (S floors at 1)
+    (1.0, CYCLING, None, 2, 1),  # improving again
+    (0.99, CYCLING, None, 2, 1),
+    (0.99, CYCLING, "reduce", 1, 1),
+    (0.98, CYCLING, None, 1, 1),
+    (0.98, CYCLING, "reset", 8, 2),  # B is 1 and stable again: reset to max, S = B/4
+    (0.5, CYCLING, None, 8, 2),
+    (0.49, CYCLING, None, 8, 2),
+    (0.49, CYCLING, "reduce", 4, 1),
+    (0.3, CYCLING, None, 4, 1),
+    (0.3, CYCLING, None, 4, 1),
+    (0.3, CYCLING, "reduce", 2, 1),
+    (0.3, CYCLING, None, 2, 1),
+    (0.3, COOLDOWN, None, 2, 1),  # cool-down: blocking again, no more changes
+    (0.3, COOLDOWN, None, 2, 1),
+]
+
+
+def test_schedule_transitions_on_a_scripted_loss_sequence():
+    sched = _schedule()
+    for epoch, (loss, phase, change, b, s) in enumerate(SCRIPT):
+        assert sched.phase() == phase, epoch
+        assert sched.blocking() == (phase != CYCLING)
+        assert sched.end_epoch(loss) == change, epoch
+        assert (sched.global_skip, sched.batches_to_wait) == (b, s), epoch
+
+
+def test_schedule_checkpoint_resumes_the_same_trajectory(tmp_path):
+    from cloudburst.records.checkpoint import load_checkpoint, save_checkpoint
+
+    a = _schedule()
+    for loss, *_ in SCRIPT[:9]:
+        a.end_epoch(loss)
+    save_checkpoint(tmp_path / "daso.pt", "daso-schedule", a.state_dict())
+    b = _schedule(global_skip=7, batches_to_wait=3)  # different until loaded
+    b.load_state_dict(load_checkpoint(tmp_path / "daso.pt", "daso-schedule"))
+    assert b.state_dict() == a.state_dict()
+    for loss, *_ in SCRIPT[9:]:
+        assert a.end_epoch(loss) == b.end_epoch(loss)
+        assert a.state_dict() == b.state_dict()
+    with pytest.raises(ValueError, match="unknown"):
+        b.load_state_dict({"bogus": 1})
+
+
+def test_a_fixed_schedule_and_one_blocking_every_batch_never_adapt():
+    fixed = _schedule(adaptive=False)
+    for loss, *_ in SCRIPT:
+        assert fixed.end_epoch(loss) is None
+    assert (fixed.global_skip, fixed.batches_to_wait) == (4, 1)
+    every_batch = _schedule(global_skip=0, batches_to_wait=0, warmup_epochs=0)
+    assert every_batch.phase() == CYCLING and every_batch.blocking()
+    schedule = _cycling(global_skip=0, patience=1)
+    assert [schedule.end_epoch(1.0) for _ in range(4)] == [None] * 4
+    assert schedule.global_skip == 0
+
+
+def test_phases_are_those_of_the_position_asked_about_counted_in_steps():
+    sched = _schedule(total_epochs=4, warmup_epochs=0.5, cooldown_epochs=0.5)
+    steps_per_epoch = 10  # a fractional warm-up and cool-down
+    phases = [sched.phase(step / steps_per_epoch) for step in range(40)]
+    assert phases == [WARMUP] * 5 + [CYCLING] * 30 + [COOLDOWN] * 5
+    # blocking() asks about the position given, not the current epoch
+    schedule = DasoSchedule(total_epochs=20, warmup_epochs=2, cooldown_epochs=2, epoch=5)
+    assert not schedule.blocking()
+    assert schedule.blocking(0.5) and schedule.blocking(19.0)
+
+
+# A cycling schedule of patience 1 (``kw``), two epochs' losses: the change after the second,
+# and B and S then (None: not checked), always whole batches.
+EPOCH_PAIRS = [
+    (dict(stability_level=0.5), 2.0, "reduce", None),  # 1.0 = 2.0·(1 − 0.5): not below it
+    (dict(global_skip=5, batches_to_wait=3, reduction_factor=2), 1.0, "reduce", (2, 1)),
+    # B = 1 and stable: a reset to the largest skip, waiting a quarter of it
+    (dict(global_skip=1, batches_to_wait=1, max_global_skips=4), 1.0, "reset", (4, 1)),
+    (dict(global_skip=1, batches_to_wait=1, max_global_skips=6), 1.0, "reset", (6, 1)),
+    (dict(global_skip=1, batches_to_wait=1, max_global_skips=12), 1.0, "reset", (12, 3)),
+]
+
+
+@pytest.mark.parametrize("kw, first, change, b_s", EPOCH_PAIRS)
+def test_an_epoch_that_does_not_improve_enough_reduces_or_resets_b_and_s(kw, first, change, b_s):
+    schedule = _cycling(patience=1, **kw)
+    assert [schedule.end_epoch(first), schedule.end_epoch(1.0)] == [None, change]
+    assert b_s is None or (schedule.global_skip, schedule.batches_to_wait) == b_s
+    assert type(schedule.global_skip) is int and type(schedule.batches_to_wait) is int
+
+
 # ---------------------------------------------------------------------------- the wire
 def test_each_sync_is_sent_by_the_rotating_local_rank_over_its_global_group_in_its_dtype(tmp_path):
-    """G = 3, P = 2, B = 1, S = 1, six steps and the finish: the k-th sync is sent by local
-    rank k mod 3 of each node (0, 1, 2, 0, 1, 2, then the finish's blocking one by 0), over
-    the group {g, g + 3}; the non-blocking ones in fp32 (daso_cycling_downcast none), the
-    finish's blocking one in bf16 (daso_downcast bf16); each is the sender's θ of the moment.
-    Seven syncs are counted on every rank, and each rank counts the bytes it sent."""
+    """G = 3, P = 2, B = S = 1, six steps and the finish: the k-th sync is the θ of local rank
+    k mod 3 of each node, over the group {g, g + 3}; fp32 (daso_cycling_downcast none), the
+    finish's blocking one bf16 (daso_downcast). Every rank counts 7 syncs and its bytes."""
     cfg = daso_sync_cfg(
         tmp_path, workers=6, nodes=2, daso_downcast="bf16", daso_cycling_downcast="none"
     )
@@ -62,8 +184,7 @@ def test_each_sync_is_sent_by_the_rotating_local_rank_over_its_global_group_in_i
         return s.syncs, s.report()["global_syncs"], s.report()["global_bytes"]
 
     counts = run_ranks(cfg, drive)
-    # Bytes of θ each rank put on the global all-reduces: local rank 0 two fp32 syncs and
-    # the bf16 one (3 · 4 + 3 · 4 + 3 · 2), local ranks 1 and 2 two fp32 syncs each.
+    # local rank 0: two fp32 syncs and the bf16 one (3·4 + 3·4 + 3·2); the others two fp32
     assert counts == [(7, 7, 30), (7, 7, 24), (7, 7, 24)] * 2
     assert all(sent_is_theta) and len(sent_is_theta) == 14
     got = sorted(wire)
@@ -110,7 +231,9 @@ def test_a_sync_is_merged_s_steps_after_it_started_and_broadcast_by_its_sender(t
     (by local rank 0) is merged after step 5 and broadcast over the node from its sender; the
     one started after step 6 (local rank 1) at the finish, then the finish's blocking one
     (local rank 0). Uncompressed (fp32), rank 2n + i holds after step 5 its node sender's
-    merge (2S·θ_2n + θ_0 + θ_2) / (2S + P) = (5·θ_2n + θ_2(1−n)) / 6."""
+    merge (2S·θ_2n + θ_0 + θ_2) / (2S + P) = (5·θ_2n + θ_2(1−n)) / 6, and the broadcast's 3
+    fp32 values (12 bytes) count as sent and intra-node on the sender, as received on the
+    other rank (step 5's traffic less step 4's, which had no sync or merge)."""
     extra = {"daso_downcast": "none"} if compress == "none" else {}
     cfg = daso_sync_cfg(
         tmp_path, workers=4, nodes=2, daso_global_skip=3, daso_batches_to_wait=2,
@@ -118,7 +241,7 @@ def test_a_sync_is_merged_s_steps_after_it_started_and_broadcast_by_its_sender(t
     )  # fmt: skip
 
     def drive(ctx):
-        broadcasts, thetas, models = [], [], []
+        broadcasts, thetas, models, seen = [], [], [], []
 
         def record(strategy, model):
             real = ctx.comm.broadcast
@@ -133,13 +256,18 @@ def test_a_sync_is_merged_s_steps_after_it_started_and_broadcast_by_its_sender(t
 
         def on_step(step, strategy, before, after):
             thetas.append(ref.flat(models[0]).clone())
+            s = strategy.stats
+            seen.append((s.sent_bytes, s.intra_node_bytes, s.received_bytes, s.inter_node_bytes))
 
         daso_sync_drive(ctx, 6, 1000, 6, on_step=on_step, record=record)
-        return broadcasts, thetas
+        merge_bytes = tuple(
+            a - 2 * b + c for a, b, c in zip(seen[4], seen[3], seen[2], strict=True)
+        )
+        return broadcasts, thetas, merge_bytes
 
     results = run_ranks(cfg, drive)
     initial = [ref.flat(daso_sync_model(r)) for r in range(4)]
-    for rank, (broadcasts, thetas) in enumerate(results):
+    for rank, (broadcasts, thetas, merge_bytes) in enumerate(results):
         node = rank // 2
         assert broadcasts == [(5, 2 * node), (6, 2 * node + 1), (6, 2 * node)], rank
         for step in range(1, 5):  # nothing merged before step 5: lr 0, θ as it started
@@ -147,31 +275,7 @@ def test_a_sync_is_merged_s_steps_after_it_started_and_broadcast_by_its_sender(t
         if compress == "none":
             want = (5 * initial[2 * node] + initial[2 * (1 - node)]) / 6
             torch.testing.assert_close(thetas[4], want, rtol=1e-6, atol=1e-6)
-
-
-def test_the_merge_broadcast_is_counted_as_sent_by_its_sender_and_received_by_the_rest(tmp_path):
-    """2 nodes × 2, B = 3, S = 2: the sync started after step 3 by local rank 0 is merged after
-    step 5 (besides the traffic of every step, as at step 4) and broadcast over the node from
-    its sender: the sender counts its 3 fp32 values (12 bytes) as sent and intra-node, the
-    other rank of the node as received."""
-    cfg = daso_sync_cfg(
-        tmp_path, workers=4, nodes=2, daso_global_skip=3, daso_batches_to_wait=2,
-        daso_downcast="none",
-    )  # fmt: skip
-
-    def drive(ctx):
-        seen = []
-
-        def on_step(step, strategy, before, after):
-            s = strategy.stats
-            seen.append((s.sent_bytes, s.intra_node_bytes, s.received_bytes, s.inter_node_bytes))
-
-        daso_sync_drive(ctx, 6, 1000, 6, on_step=on_step)
-        # step 5 less step 4 (the same per-step traffic, without a sync or a merge)
-        return tuple(a - 2 * b + c for a, b, c in zip(seen[4], seen[3], seen[2], strict=True))
-
-    results = run_ranks(cfg, drive)
-    assert results == [(12, 12, 0, 0), (0, 0, 12, 0), (12, 12, 0, 0), (0, 0, 12, 0)]
+            assert merge_bytes == ((12, 12, 0, 0) if rank % 2 == 0 else (0, 0, 12, 0)), rank
 
 
 # ---------------------------------------------------------------------------- the link
@@ -180,13 +284,10 @@ GBIT, LATENCY_MS = 1e6, 1e-6  # a link so fast that its emulated waits are nanos
 
 @pytest.mark.parametrize("compress", ["none", "int8"])
 def test_the_emulated_link_charges_every_global_sync_its_time(tmp_path, compress):
-    """The real run's link emulator (given to the context as ``--link`` does): on 2 nodes
-    × 2, B = 2, S = 1, four steps and the finish, local rank 0 of each node sends twice (the
-    sync after step 2, fp32 (uncompressed) or int8; the finish's blocking one, bf16 or int8)
-    and local rank 1 once (after step 4). Each sync is charged on its sender the link's time:
-    a ring all-reduce over P = 2 of its bytes, 2(P−1)·latency + 2(P−1)/P·bytes/bandwidth; an
-    int8 one the all-gather of one packed vector, (P−1)·latency + 260 bytes/bandwidth (3
-    codes padded to a 256-value block, and its 4-byte scale)."""
+    """2 nodes × 2, B = 2, S = 1, four steps and the finish: local rank 0 sends after step 2
+    (fp32 or int8) and at the finish (bf16 or int8), local rank 1 after step 4. Each sync is
+    charged on its sender: a ring all-reduce over P = 2, 2(P−1)·latency + 2(P−1)/P·bytes/bw; an
+    int8 all-gather, (P−1)·latency + 260 bytes/bw (a 256-value block and its scale)."""
     extra = {} if compress != "none" else {"daso_downcast": "bf16"}
     cfg = daso_sync_cfg(
         tmp_path, workers=4, nodes=2, daso_global_skip=2, compress=compress, **extra
@@ -210,11 +311,9 @@ def test_the_emulated_link_charges_every_global_sync_its_time(tmp_path, compress
 
 # ---------------------------------------------------------------------------- phases
 def test_phases_are_counted_per_step_from_where_the_step_started(tmp_path):
-    """4 steps an epoch, 16 steps (4 epochs), warm-up 0.5 epochs, cool-down 1: steps 1–2
-    are warm-up (blocking syncs), 3–12 cycling (B = 2, S = 1: syncs after 4, 6, 8, 10, 12),
-    13–16 cool-down (blocking); the finish adds a blocking sync at step 16. The counts of
-    steps per phase and the log of syncs (step, phase, B, S) follow each step's start
-    position, not the middle of its epoch (which would call steps 1–2 cycling)."""
+    """4 steps an epoch, 16 steps, warm-up 0.5 epochs, cool-down 1: steps 1–2 warm-up, 3–12
+    cycling (B = 2, S = 1), 13–16 cool-down, and finish's blocking sync. Counts and the sync log
+    follow each step's start position, not the middle of its epoch."""
     cfg = daso_sync_cfg(
         tmp_path, workers=4, nodes=2, daso_global_skip=2, daso_warmup_epochs=0.5,
         daso_cooldown_epochs=1.0,
@@ -240,8 +339,7 @@ def test_daso_follows_the_reference_on_the_virtual_cluster(tmp_path, wait):
     broadcast follow the reference's trajectory."""
     runs = run_ranks(daso_reference_cfg(str(tmp_path), wait), daso_reference_drive)
     assert_follows_reference(runs, daso_reference_run(wait), DASO_REF_STEPS)
-    # Every rank ends on the same θ (finish's blocking average), and the run is not the
-    # one a different S gives: the delay shows in the trajectory.
+    # every rank ends on finish's average, and another S gives another trajectory
     assert all(r[-1] == runs[0][-1] for r in runs)
     other = daso_reference_run(wait + 1 if wait < 2 else 0)
     gap = max(
@@ -251,8 +349,7 @@ def test_daso_follows_the_reference_on_the_virtual_cluster(tmp_path, wait):
 
 
 def test_the_reference_itself_merges_late_with_the_weight_2s_and_rotates():
-    # The reference's own semantics on scripted numbers, so that it cannot drift into
-    # agreeing with a wrong implementation: one parameter per rank, no training (lr 0).
+    # the reference's own semantics on scripted numbers (one parameter per rank, lr 0)
     models = [torch.nn.Linear(1, 1, bias=False) for _ in range(4)]
     for r, m in enumerate(models):
         torch.nn.init.constant_(m.weight, float(10 * r))

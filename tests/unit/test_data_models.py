@@ -1,12 +1,23 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 from cloudburst import shard_dataset
-from cloudburst.data import BatchStream, load_dataset, synthetic, worker_shard
+from cloudburst.data import (
+    BatchStream,
+    batch_stream,
+    evaluate_dataset,
+    load_dataset,
+    synthetic,
+    worker_shard,
+    worker_source,
+)
+from cloudburst.data.datasets import CIFAR10_MEAN, CIFAR10_STD
 from cloudburst.models import build_model, evaluate
+from tests.datagen import write_cifar10
 
 
 def test_worker_shards_are_disjoint_and_equal():
@@ -38,13 +49,9 @@ def test_mnist1d_is_generated_locally_and_cached(tmp_path, monkeypatch):
     assert ds.x_train.dtype == torch.float32 and ds.y_train.dtype == torch.int64
     assert sorted(ds.y_train.unique().tolist()) == list(range(10))  # every digit is there
     assert len(list(tmp_path.glob("mnist1d-*.npz"))) == 1
-    # The second load reads the cache: generating again would fail here.
-    import mnist1d.data
+    import mnist1d.data  # the second load reads the cache: generating again fails here
 
-    def no_generation(*args, **kwargs):
-        raise AssertionError("mnist1d was generated again instead of read from the cache")
-
-    monkeypatch.setattr(mnist1d.data, "make_dataset", no_generation)
+    monkeypatch.setattr(mnist1d.data, "make_dataset", lambda *a, **k: pytest.fail("generated"))
     again = load_dataset("mnist1d", 400, 100)
     assert torch.equal(again.x_train, ds.x_train) and torch.equal(again.y_test, ds.y_test)
 
@@ -77,8 +84,6 @@ def test_models_shapes_and_evaluate():
 
 
 def _cifar_dataset(tmp_path):
-    from tests.datagen import write_cifar10
-
     root = write_cifar10(tmp_path / "c", per_batch=20, test=20)
     return load_dataset(f"cifar10:{root}")
 
@@ -92,8 +97,6 @@ def test_loader_stream_is_deterministic_for_any_loader_processes_and_resumes(
     """The augmented batch stream is the same with 0 or ``workers`` loader processes, across
     an epoch boundary, and a stream resumed from a state (with ``resumed_workers``) gives the
     same next batch."""
-    from cloudburst.data import batch_stream, worker_source
-
     ds = _cifar_dataset(tmp_path)
     source = worker_source(ds, 1, 2)  # 50 images
     pre = ds.preprocess(augment=True)
@@ -114,11 +117,6 @@ def test_loader_stream_is_deterministic_for_any_loader_processes_and_resumes(
 
 
 def test_path_datasets_are_shuffled_sharded_over_every_class_and_evaluated_normalised(tmp_path):
-    import numpy as np
-
-    from cloudburst.data import evaluate_dataset, worker_source
-    from cloudburst.data.datasets import CIFAR10_MEAN, CIFAR10_STD
-
     ds = _cifar_dataset(tmp_path)
     assert len(ds.train) == 100 and len(ds.test) == 20 and ds.input_shape == (3, 32, 32)
     assert ds.train.x.dtype == torch.uint8 and ds.is_image

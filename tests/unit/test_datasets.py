@@ -1,8 +1,5 @@
-"""Readers for datasets on local paths: every file is generated in tmp_path, nothing downloaded.
-Small files that declare huge memory (issue 44) are refused, from headers and file sizes, before
-anything is allocated, in one line naming the size and the limit; the memory a refusal took is
-measured with tracemalloc (numpy reports its array allocations to it), so "refused before
-allocating" is asserted in bytes, never in seconds."""
+"""Readers for datasets on local paths (files generated in tmp_path). Files declaring huge
+memory (issue 44) are refused in one line before allocating, measured in bytes (tracemalloc)."""
 
 from __future__ import annotations
 
@@ -60,10 +57,7 @@ def refused(fn, *fragments: str) -> int:
     return peak
 
 
-# --------------------------------------------------------------------------------------------
-# CIFAR-10
-
-
+# ----------------------------------------------------------------------------------------- CIFAR-10
 class _Python2Pickler(pickle._Pickler):
     """Writes str and bytes as Python 2 ``str`` opcodes, as the published CIFAR-10 pickles do."""
 
@@ -173,19 +167,22 @@ def test_cifar10_malformed_batch(tmp_path, broken, fragment):
     refused(lambda: load_path_dataset("cifar10", str(path.parent)), path.name, fragment)
 
 
-class _Evil:
-    def __init__(self, marker: Path):
-        self.marker = marker
+class _Call:
+    """Pickles as ``fn(*args)``: what a crafted batch file can ask the unpickler to do."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
 
     def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+        return self.fn, self.args
 
 
 @pytest.mark.parametrize("py2", [True, False])
 def test_cifar10_refuses_code_in_pickles(tmp_path, py2):
     root = _write_cifar(tmp_path / "data")
     marker = tmp_path / "PWNED"
-    _dump({b"data": _Evil(marker), b"labels": [0]}, root / "data_batch_3", py2)
+    evil = _Call(os.system, f"touch {marker}")
+    _dump({b"data": evil, b"labels": [0]}, root / "data_batch_3", py2)
     refused(
         lambda: load_path_dataset("cifar10", str(root)),
         "data_batch_3",
@@ -193,16 +190,13 @@ def test_cifar10_refuses_code_in_pickles(tmp_path, py2):
         "system",
     )
     assert not marker.exists()
-    _dump({b"label_names": _Evil(marker)}, root / "batches.meta", py2)
+    _dump({b"label_names": evil}, root / "batches.meta", py2)
     _dump(_cifar_batch(20, seed=3), root / "data_batch_3", py2)
     refused(lambda: load_path_dataset("cifar10", str(root)), "batches.meta", "refuses")
     assert not marker.exists()
 
 
-# --------------------------------------------------------------------------------------------
-# Image folder
-
-
+# ------------------------------------------------------------------------------------- Image folder
 def _image(path: Path, size: tuple[int, int], colour=(10, 7, 30)) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.new("RGB", size, colour).save(path)
@@ -327,10 +321,7 @@ def test_imagefolder_layout_errors(tmp_path):
     refused(lambda: check_dataset("imagefolder", str(tmp_path / "missing")), "no such")
 
 
-# --------------------------------------------------------------------------------------------
-# .npz
-
-
+# --------------------------------------------------------------------------------------------- .npz
 def _images(n: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, *shape), dtype=np.uint8)
 
@@ -420,10 +411,7 @@ def test_npz_not_an_archive(tmp_path):
     refused(lambda: check_dataset("npz", str(tmp_path)), "not a file")
 
 
-# --------------------------------------------------------------------------------------------
-# Specs and preflight
-
-
+# ------------------------------------------------------------------------------ Specs and preflight
 @pytest.mark.parametrize(
     "spec, expected",
     [
@@ -480,10 +468,7 @@ def test_channel_stats_by_hand():
     assert mean == pytest.approx((p, 0.2)) and std == pytest.approx((math.sqrt(p * (1 - p)), 1e-3))
 
 
-# --------------------------------------------------------------------------------------------
-# Preprocess
-
-
+# --------------------------------------------------------------------------------------- Preprocess
 def normalise(x: torch.Tensor, mean, std) -> torch.Tensor:
     """uint8 [.., C, H, W] → (x / 255 − mean_c) / std_c, channel by channel."""
     out = torch.empty(x.shape, dtype=torch.float32)
@@ -557,8 +542,7 @@ def test_preprocess_flips_half_the_samples_and_draws_offsets_uniformly():
     assert all(567 <= int((tops == t).sum()) <= 767 for t in range(3))
 
 
-# --------------------------------------------------------------------------------------------
-# Declared sizes (issue 44): npz
+# ------------------------------------------------------------------- Declared sizes (issue 44): npz
 def _npz_with_member(path: Path, members: dict[str, bytes]) -> Path:
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
         for name, data in members.items():
@@ -621,16 +605,6 @@ def test_an_npz_member_whose_zip_size_disagrees_with_its_header_is_refused(tmp_p
 
 
 # ----------------------------------------------------------------------------------------- CIFAR
-class _Call:
-    """Pickles as ``fn(*args)``: what a crafted batch file can ask the unpickler to do."""
-
-    def __init__(self, fn, *args):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return self.fn, self.args
-
-
 def _refused_batch(tmp_path: Path, payload: bytes, *fragments: str) -> int:
     root = _write_cifar(tmp_path)
     (root / "data_batch_2").write_bytes(payload)

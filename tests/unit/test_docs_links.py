@@ -1,9 +1,5 @@
-"""Every relative link in README.md and docs/*.md resolves: the file or folder exists, and an
-``#anchor`` names a heading of the target (GitHub's slug of it) or an ``<a id="…">`` there.
-
-Links inside fenced code blocks and inline code are not links; ``http(s):``/``mailto:`` links are
-not checked (nothing here reaches the network).
-"""
+"""Every relative link in README.md and docs/*.md resolves to a file and an ``#anchor`` to a
+heading's GitHub slug or an ``<a id>``; code is not links, URLs are not checked."""
 
 from __future__ import annotations
 

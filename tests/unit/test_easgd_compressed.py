@@ -1,9 +1,6 @@
-"""Compressed EASGD (``--compress int8``): each elastic round sends e = α(θ_i − θ̃') against the
-centre θ̃' of the worker's previous exchange, with error feedback, and both sides apply the
-decoded e (the shards add it, scaled for staleness; the worker subtracts it). Driven over
-:mod:`tests.support`'s fake comm and compared bit for bit with a plain-PyTorch reference of
-the protocol (tests/reference.py's int8 quantiser, the shard's add rule, what the worker keeps).
-"""
+"""Compressed EASGD (``--compress int8``): each round sends e = α(θ_i − θ̃') against the centre
+of the worker's previous exchange, with error feedback; the shards add the decoded e (scaled for
+staleness), the worker subtracts it. Over the fake comm, bit for bit against a reference."""
 
 from __future__ import annotations
 
@@ -22,13 +19,12 @@ BLOCK_VALUES = 256  # values per int8 block, one fp32 scale each
 
 
 def _int8(x: torch.Tensor) -> torch.Tensor:
-    """What an int8 message of the 1-D fp32 ``x`` decodes to (tests/reference.py's quantiser)."""
+    """What an int8 message of the 1-D fp32 ``x`` decodes to."""
     return ref.quantise_round_trip(x, "int8")
 
 
 def _unpack_int8(packet: torch.Tensor, n: int) -> torch.Tensor:
-    """The values of an int8 message's bytes: the codes (1 byte each, padded to whole blocks)
-    followed by one fp32 scale per block."""
+    """The values of an int8 message: codes padded to whole blocks, then a scale per block."""
     blocks = -(-n // BLOCK_VALUES)
     assert packet.dtype == torch.uint8 and packet.numel() == blocks * BLOCK_VALUES + 4 * blocks
     codes = packet[: blocks * BLOCK_VALUES].view(torch.int8).float().view(blocks, BLOCK_VALUES)
@@ -37,9 +33,8 @@ def _unpack_int8(packet: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class _Int8Wire(WorkerSide):
-    """A worker's end of the fake as ``PeerTransport(compress="int8")`` carries payloads: a
-    request payload (bytes the worker encoded, with its error feedback) is decoded on arrival;
-    a reply's fp32 θ arrives as its int8 round trip (encoded by the sender, no feedback)."""
+    """A worker's end as ``PeerTransport(compress="int8")`` carries payloads: a request's bytes
+    decoded on arrival; a reply's fp32 θ as its int8 round trip (no feedback)."""
 
     def __init__(self, net, rank, stats):
         super().__init__(net, rank, stats)
@@ -73,8 +68,8 @@ class _Int8Wire(WorkerSide):
 
 
 class _Reference:
-    """The compressed elastic protocol in plain PyTorch: the shards' centre, and per worker its
-    replica θ_i, the centre θ̃' of its last exchange, its residuals and the versions it saw."""
+    """The compressed elastic protocol in plain PyTorch: the centre, and per worker θ_i, the
+    centre θ̃' of its last exchange, its residuals and the versions it saw."""
 
     def __init__(self, theta0, workers, bounds, alpha, compensation, max_staleness):
         self.bounds, self.alpha = bounds, alpha
@@ -148,10 +143,8 @@ def _cfg(**kw) -> RunConfig:
 def _run(
     cfg: RunConfig, script: list[tuple[int, int | None]], alpha: float, bounds, device="cpu"
 ) -> _Reference:
-    """Drive ``cfg``'s job through ``script`` ((worker, index poisoned with +inf or None), one
-    local step and elastic round each: easgd_tau = 1) beside the reference, checking both
-    after every round (the replicas on ``device``, the shards on the host); returns the
-    reference."""
+    """Drive ``cfg``'s job through ``script`` ((worker, index poisoned with +inf or None): a
+    step and round each) beside the reference, both checked after every round; the reference."""
     models = [_model().to(device) for _ in range(cfg.job.workers)]
     theta0 = ref.flat(models[0]).cpu()
     job = ps_job(cfg, models, theta0)
@@ -189,10 +182,9 @@ def _run(
 
 @pytest.mark.parametrize(("workers", "servers"), [(3, 2), (2, 1)])
 def test_compressed_elastic_rounds_match_the_reference_with_staleness_scaling(workers, servers):
-    """Several rounds per worker, in an order that makes pushes 0, 1 and 2 versions stale:
-    the shards add each decoded e times 1/max(1, τ), the worker subtracts exactly that, keeps
-    θ̃ before its push plus that as its next reference, carries int8's residual into its next
-    round, and reads the samples count from shard 0's reply (α = β/W by default)."""
+    """Pushes 0, 1 and 2 versions stale: the shards add decoded e·1/max(1, τ), the worker
+    subtracts that, keeps θ̃ + that as its reference, carries int8's residual on, and reads the
+    samples from shard 0's reply (α = β/W by default)."""
     cfg = _cfg(workers=workers, servers=servers, staleness_compensation="scale")
     bounds = [(0, 310), (310, 620)] if servers == 2 else [(0, 620)]
     order = [0, 1, 2, 0, 1, 2, 2, 0] if workers == 3 else [0, 1, 1, 0, 0, 1]
@@ -203,10 +195,9 @@ def test_compressed_elastic_rounds_match_the_reference_with_staleness_scaling(wo
 
 
 def test_a_dropped_push_leaves_the_replica_and_a_rejected_one_resets_it_and_the_feedback():
-    """max_staleness 0: worker 1's push one version late is dropped (replica kept, the centre
-    it got becomes its reference); its next push, +inf in shard 0's part, is rejected there
-    (that part restarts from the centre, every residual is dropped) and applied on shard 1;
-    its round after that starts with no residual."""
+    """max_staleness 0: a late push is dropped (replica kept, the centre its reference); a push
+    +inf in shard 0's part is rejected there (that part reset to the centre, every residual
+    dropped) and applied on shard 1."""
     cfg = _cfg(workers=2, servers=2, max_staleness=0, easgd_alpha=0.4)
     script = [(0, None), (1, None), (1, 3), (1, None), (0, None)]
     reference = _run(cfg, script, alpha=0.4, bounds=[(0, 310), (310, 620)])
@@ -222,9 +213,8 @@ def test_a_dropped_push_leaves_the_replica_and_a_rejected_one_resets_it_and_the_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compressed_elastic_rounds_of_cuda_replicas_match_the_reference():
-    """Replicas on the GPU: e is computed there and staged through host memory (quantised,
-    sent, decoded there); the decoded e goes back to the GPU to be subtracted, with the same
-    values as on the CPU (factor 1: no rounding that a fused multiply-add could change)."""
+    """Replicas on the GPU: e staged through host memory and back, the same values as on the
+    CPU (factor 1: no rounding a fused multiply-add could change)."""
     cfg = _cfg(workers=2, servers=2, easgd_alpha=0.4)
     script = [(0, None), (1, None), (0, None), (1, None)]
     reference = _run(cfg, script, alpha=0.4, bounds=[(0, 310), (310, 620)], device="cuda")

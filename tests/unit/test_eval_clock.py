@@ -1,12 +1,6 @@
-"""The evaluator's clock (cloudburst.loop.evaluator.Evaluator, on a one-rank
-``tests.support.ThreadComm`` whose clock moves only when told; the strategy's fetch stands for
-the whole evaluation and adds its cost) and the final evaluation record
-(cloudburst.loop.summary.finalize_run): every eval record's ``train_time_s`` is the job's
-clock less the time the evaluating worker spent evaluating before it, wherever that worker's
-report comes from. And asgd/easgd's evaluating worker keeps scoring the servers' θ after its
-own last step until every other worker's steps are over or it is lost
-(evaluate_while_others_train): on a fake store, clock and liveness monitor, and in whole runs
-with a straggler on the virtual cluster."""
+"""Every eval record's ``train_time_s`` (Evaluator, finalize_run) is the job's clock less the
+evaluator's earlier evaluations, wherever its report comes from; asgd/easgd's evaluator keeps
+scoring the servers' θ until every other worker is done or lost (evaluate_while_others_train)."""
 
 from __future__ import annotations
 
@@ -23,7 +17,7 @@ from cloudburst.data import synthetic
 from cloudburst.loop.evaluator import Evaluator, evaluate_while_others_train, steps_over_key
 from cloudburst.loop.summary import finalize_run
 from cloudburst.models import build_model
-from cloudburst.records.metrics import MetricsWriter, read_jsonl
+from cloudburst.records.metrics import MetricsWriter
 from tests.helpers import rank_events, read_summary, simulated
 from tests.support import FakeNamespace, ThreadComm, ThreadGroup
 
@@ -53,10 +47,6 @@ def make(tmp_path, cost_s: float):
     return comm, evaluator, SlowFetch(comm, model, cost_s), metrics
 
 
-def evals(tmp_path) -> list[dict]:
-    return [r for r in read_jsonl(tmp_path / "metrics" / "rank0.jsonl") if r["event"] == "eval"]
-
-
 def test_train_time_leaves_out_every_earlier_evaluation_also_after_a_resume(tmp_path) -> None:
     comm, evaluator, strategy, metrics = make(tmp_path, cost_s=0.25)
     evaluator.maybe_eval(strategy, force=True)  # at 0 s: costs 0.25 s
@@ -66,7 +56,7 @@ def test_train_time_leaves_out_every_earlier_evaluation_also_after_a_resume(tmp_
     comm.clock += 0.5
     evaluator.maybe_eval(strategy)  # not due: 0.5 s since the last
     metrics.close()
-    records = evals(tmp_path)
+    records = rank_events(tmp_path, 0, "eval")
     assert [r["time_s"] for r in records] == pytest.approx([0.0, 1.75, 3.5, 5.25])
     # Training time: 1.5 s between evaluations, whatever they cost.
     assert [r["train_time_s"] for r in records] == pytest.approx([0.0, 1.5, 3.0, 4.5])
@@ -82,7 +72,7 @@ def test_train_time_leaves_out_every_earlier_evaluation_also_after_a_resume(tmp_
     assert resumed.eval_s == pytest.approx(0.5)
     resumed.maybe_eval(strategy2, force=True)
     metrics2.close()
-    assert evals(tmp_path)[-1]["train_time_s"] == pytest.approx(2.5)
+    assert rank_events(tmp_path, 0, "eval")[-1]["train_time_s"] == pytest.approx(2.5)
 
 
 # ---------------------------------------------------------------------------- the final record
@@ -97,12 +87,9 @@ class TickingClock:
         return self.t
 
 
-def worker_report(eval_time_s: float | None) -> dict:
+def worker_report(eval_s: float) -> dict:
     report = {"role": "worker", "samples": 640, "sent_bytes": 0, "received_bytes": 0}
-    report["comm_wait_s"] = 0.0
-    if eval_time_s is not None:
-        report["eval_time_s"] = eval_time_s
-    return report
+    return {**report, "comm_wait_s": 0.0, "eval_time_s": eval_s}
 
 
 def final_record(tmp_path, own_report: dict, others: dict[int, dict], servers: int = 0) -> dict:
@@ -121,9 +108,9 @@ def final_record(tmp_path, own_report: dict, others: dict[int, dict], servers: i
     theta = flatten_params(model)
     finalize_run(ctx, model, theta, data, metrics, own_report, [], 10.0, 1280)
     metrics.close()
-    evals = [r for r in read_jsonl(tmp_path / "metrics" / "rank0.jsonl") if r["event"] == "eval"]
-    assert len(evals) == 1 and evals[0]["final"] is True
-    return evals[0]
+    [record] = rank_events(tmp_path, 0, "eval")
+    assert record["final"] is True
+    return record
 
 
 def test_the_final_record_leaves_out_the_evaluators_time_wherever_its_report_is(tmp_path):
@@ -193,10 +180,8 @@ def test_evaluates_until_every_other_worker_is_done_or_lost(finishes, dies, eval
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", [["easgd", "--easgd-tau", "2"], ["asgd", "--n-sync", "2"]])
 def test_the_evaluator_finishing_first_keeps_evaluating_the_servers(tmp_path, strategy) -> None:
-    # Worker 1 is 4x slower: worker 0 (rank 1, the evaluator) ends its 60 steps at ~1.2
-    # virtual s, the job at ~4.9 s; the servers' θ trains on with worker 1's exchanges (asgd:
-    # each evaluation fetches it anew, not the θ of the evaluator's last step). A test set of
-    # 200: the ~16 evaluations cost no virtual time, and a fifth of the default set's CPU.
+    # Worker 1 is 4x slower: the evaluator (rank 1) ends its 60 steps at ~1.2 virtual s, the job
+    # at ~4.9 s; the servers' θ trains on (asgd: each evaluation fetches it anew).
     out = simulated(
         ["--strategy", *strategy, "--workers", "2", "--straggler", "1:4", "--test-size", "200",
          "--steps", "60", "--eval-every-s", "0.3", "--out", str(tmp_path / "run")],

@@ -1,7 +1,5 @@
-"""Flags and config files as ``cloudburst train`` reads them (the real CLI, the launch replaced),
-down to the code they configure, driven with no processes: the local optimizer, the straggler's
-sleep, a shard's arithmetic, DASO's schedule and collectives (faked). Numbers worked by hand.
-"""
+"""Flags and config files as ``cloudburst train`` reads them, down to the code they configure
+(optimizer, straggler sleep, shard arithmetic, DASO), no processes; numbers by hand."""
 
 from __future__ import annotations
 

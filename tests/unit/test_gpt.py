@@ -85,14 +85,10 @@ def test_gpt_runs_default_to_the_recipe_and_other_models_do_not():
     assert cfg.diloco.outer_lr == 1.0 and cfg.diloco.outer_momentum == 0.0 and cfg.diloco.nesterov
     given = _cfg(strategy="diloco", workers=4, diloco_outer_lr=0.7, diloco_outer_momentum=0.9)
     assert (given.diloco.outer_lr, given.diloco.outer_momentum) == (0.7, 0.9)
-    adam = RunConfig(strategy="diloco", workers=4, optimizer="adam")
-    assert (adam.diloco.outer_lr, adam.diloco.outer_momentum) == (0.7, 0.9)
-    sgd = RunConfig(strategy="diloco")
-    assert (sgd.diloco.outer_lr, sgd.diloco.outer_momentum) == (0.5, 0.8)
     assert cfg.training.steps == 300 and cfg.metrics.eval_every_s == 15.0
     plain = RunConfig()
-    t = plain.training
-    assert (t.optimizer, t.lr, t.clip_grad_norm, t.batch_size, t.epochs) == (
+    p = plain.training
+    assert (p.optimizer, p.lr, p.clip_grad_norm, p.batch_size, p.epochs) == (
         "sgd",
         0.1,
         0,

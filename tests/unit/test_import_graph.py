@@ -70,38 +70,19 @@ def graph(root: Path) -> dict[str, set[str]]:
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
+    """The import circles: each group of modules that all reach one another, sorted."""
 
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(edges.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
+    def reach(v: str) -> set[str]:
+        seen, todo = set(), [v]
+        while todo:
+            new = edges.get(todo.pop(), set()) - seen
+            seen |= new
+            todo += new
+        return seen
 
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return found
+    reaches = {v: reach(v) for v in edges}
+    groups = {tuple(sorted(w for w in reaches[v] if v in reaches[w])) for v in edges}
+    return sorted(list(g) for g in groups if len(g) > 1)
 
 
 def test_the_package_has_no_import_circle_and_only_the_named_modules_import_torch_distributed():

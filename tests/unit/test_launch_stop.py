@@ -19,19 +19,31 @@ from tests.helpers import wait_until
 pytestmark = pytest.mark.spawns
 
 
-def _sleep_forever() -> None:
+def _sleep_forever(ready, ignore_sigterm: bool) -> None:
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
     time.sleep(600)
 
 
-def test_a_stopped_process_is_killed_without_waiting_for_the_grace_period():
-    proc = mp.get_context("fork").Process(target=_sleep_forever)
+@pytest.mark.parametrize("stopped", [True, False])
+def test_a_process_that_cannot_act_on_sigterm_is_killed_without_waiting_for_the_grace(stopped):
+    """SIGSTOPped (hung), or ignoring SIGTERM after a second signal asked to kill now: with an
+    unbounded grace, _stop returns only because it SIGKILLed the process."""
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_sleep_forever, args=(ready, not stopped))
     proc.start()
     try:
-        os.kill(proc.pid, signal.SIGSTOP)
-        while processes.process_state(proc.pid) not in ("T", "t"):
-            time.sleep(0.01)
-        # An unbounded grace: _stop returns only because the stopped process was killed.
-        launch._stop([proc], launch._StopRequest(), grace_s=float("inf"), announce=False)
+        assert ready.wait(60)
+        request = launch._StopRequest()
+        if stopped:
+            os.kill(proc.pid, signal.SIGSTOP)
+            while processes.process_state(proc.pid) not in ("T", "t"):
+                time.sleep(0.01)
+        else:
+            request.kill_now = True  # what a second Ctrl-C / SIGTERM during the stop sets
+        launch._stop([proc], request, grace_s=float("inf"), announce=False)
         assert proc.exitcode == -signal.SIGKILL
     finally:
         if proc.is_alive():
@@ -40,33 +52,11 @@ def test_a_stopped_process_is_killed_without_waiting_for_the_grace_period():
 
 def test_state_reads_proc():
     assert processes.process_state(os.getpid()) in ("R", "S")
-    proc = mp.get_context("fork").Process(target=_sleep_forever)
+    proc = mp.get_context("fork").Process(target=time.sleep, args=(600,))
     proc.start()
     proc.kill()
     proc.join()
     assert processes.process_state(proc.pid) is None
-
-
-def _ignore_sigterm_forever(ready) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    ready.set()
-    time.sleep(600)
-
-
-def test_a_second_signal_kills_a_process_that_ignores_sigterm_at_once():
-    ctx = mp.get_context("fork")
-    ready = ctx.Event()
-    proc = ctx.Process(target=_ignore_sigterm_forever, args=(ready,))
-    proc.start()
-    try:
-        assert ready.wait(60)
-        request = launch._StopRequest()
-        request.kill_now = True  # what a second Ctrl-C / SIGTERM during the stop sets
-        launch._stop([proc], request, grace_s=float("inf"), announce=False)
-        assert proc.exitcode == -signal.SIGKILL
-    finally:
-        if proc.is_alive():
-            proc.kill()
 
 
 @pytest.mark.parametrize("with_timeout", [True, False])

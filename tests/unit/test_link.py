@@ -1,7 +1,5 @@
-"""The emulated inter-node link (``--inter-node-link GBIT_PER_S[,LATENCY_MS]``) on a fake clock
-(:class:`tests.support.FakeTime`): each delay is checked against numbers worked out by hand
-(1 Gbit/s = 125,000,000 bytes/s).
-"""
+"""The emulated inter-node link (``--inter-node-link GBIT_PER_S[,LATENCY_MS]``) on a fake clock:
+each delay against numbers worked out by hand (1 Gbit/s = 125,000,000 bytes/s)."""
 
 from __future__ import annotations
 
@@ -53,24 +51,16 @@ def test_link_spec_parses_speed_and_latency(text, gbit_per_s, latency_ms, bytes_
     assert RunConfig(inter_node_link=text).cluster.inter_node_link == text
 
 
-@pytest.mark.parametrize(
-    "text, fragment",
-    [
-        ("", "is not GBIT_PER_S[,LATENCY_MS]"),
-        ("fast", "is not GBIT_PER_S[,LATENCY_MS]"),
-        ("1,2,3", "is not GBIT_PER_S[,LATENCY_MS]"),
-        ("1,", "is not GBIT_PER_S[,LATENCY_MS]"),
-        (",1", "is not GBIT_PER_S[,LATENCY_MS]"),
-        ("1;1", "is not GBIT_PER_S[,LATENCY_MS]"),
-        ("0", "speed must be a positive number of Gbit/s"),
-        ("-1,1", "speed must be a positive number of Gbit/s"),
-        ("nan", "speed must be a positive number of Gbit/s"),
-        ("inf,1", "speed must be a positive number of Gbit/s"),
-        ("1,-0.5", "latency must be >= 0 ms"),
-        ("1,nan", "latency must be >= 0 ms"),
-        ("1,inf", "latency must be >= 0 ms"),
-    ],
-)
+BAD_SPECS = [
+    (t, "is not GBIT_PER_S[,LATENCY_MS]") for t in ("", "fast", "1,2,3", "1,", ",1", "1;1")
+]
+BAD_SPECS += [
+    (t, "speed must be a positive number of Gbit/s") for t in ("0", "-1,1", "nan", "inf,1")
+]
+BAD_SPECS += [(t, "latency must be >= 0 ms") for t in ("1,-0.5", "1,nan", "1,inf")]
+
+
+@pytest.mark.parametrize("text, fragment", BAD_SPECS)
 def test_bad_link_specs_are_one_line_config_errors_naming_the_field(text, fragment, capsys):
     with pytest.raises(ValueError) as parsed:
         LinkSpec.parse(text)

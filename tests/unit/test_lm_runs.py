@@ -57,12 +57,8 @@ def test_every_strategy_trains_the_gpt(tmp_path, text, untrained_loss, strategy)
     assert summary["final_test_loss"] < untrained_loss - 0.5, strategy
     bpb = summary["final_bits_per_byte"]
     assert bpb == pytest.approx(summary["final_test_loss"] / math.log(2))
-    evals = [
-        r
-        for rank in (tmp_path / "metrics").glob("rank*.jsonl")
-        for r in read_jsonl(rank)
-        if r["event"] == "eval"
-    ]
+    files = (tmp_path / "metrics").glob("rank*.jsonl")
+    evals = [r for f in files for r in read_jsonl(f) if r["event"] == "eval"]
     assert len(evals) >= 2 and any(r.get("final") for r in evals)
     for r in evals:
         assert r["bits_per_byte"] == pytest.approx(r["test_loss"] / math.log(2))

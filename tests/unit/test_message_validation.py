@@ -1,7 +1,6 @@
-"""What receivers check before anything is applied, with no processes: the header's wire form,
-the fault ledger, the server's and gossip's checks, and the server loop and the gossip serving
-thread driven by scripted messages through fake transports (which fail the test if a payload of
-a size the receiver should not have trusted is ever read)."""
+"""What receivers check before anything is applied: the header, the fault ledger, the server's
+and gossip's checks, and their serving loops driven by scripted messages through fake transports
+(which fail the test if a payload of a size the receiver should not trust is ever read)."""
 
 from __future__ import annotations
 

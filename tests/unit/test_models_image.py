@@ -18,6 +18,7 @@ from cloudburst.models import (
     is_factory_spec,
     resolve_factory,
 )
+from tests.support import same_state
 
 
 def n_params(model: nn.Module) -> int:
@@ -25,8 +26,7 @@ def n_params(model: nn.Module) -> int:
 
 
 def same_params(a: nn.Module, b: nn.Module) -> bool:
-    pairs = zip(a.state_dict().items(), b.state_dict().items(), strict=True)
-    return all(ka == kb and torch.equal(va, vb) for (ka, va), (kb, vb) in pairs)
+    return same_state(a.state_dict(), b.state_dict())
 
 
 # ResNet-20 by hand (3x3 convs without bias; each BN has weight and bias):

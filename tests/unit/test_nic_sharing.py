@@ -1,10 +1,6 @@
 """The real run's emulated link with each node's NIC shared by its ranks (issue 30): the shared
-record (:class:`NicState`) and bookings in one record (shared by the ranks of a test, as by
-those of a machine) at explicit start times, against hand-computed ends (the pure cost
-functions: tests/unit/test_sim_physics.py). Every clock the code reads is a fake that moves
-only when the test moves it or something sleeps. Link: 1 Gbit/s and 1 ms; a message of
-1.25 MB holds a link for 1 ms + 10 ms.
-"""
+record (NicState) and bookings at explicit start times against hand-computed ends, on fake
+clocks. Link: 1 Gbit/s and 1 ms; a message of 1.25 MB holds it for 1 ms + 10 ms."""
 
 from __future__ import annotations
 
@@ -18,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import cloudburst.comm.transport as transport_module
+from cloudburst import runtime
 from cloudburst.comm import costs, link
 from cloudburst.comm import nic as nic_module
 from cloudburst.comm.collectives import all_reduce_sum
@@ -25,9 +22,8 @@ from cloudburst.comm.costs import LinkSpec
 from cloudburst.comm.link import EmulatedWork, LinkEmulator, Topology
 from cloudburst.comm.nic import NicState, PendingEnd, nic_dir, resolve_end
 from cloudburst.comm.stats import CommStats
+from cloudburst.config import RunConfig
 from tests.support import FakeTime, close, link_ranks
-
-pytestmark = pytest.mark.unit
 
 SPEC = LinkSpec(1.0, 1.0)
 MB = 1_250_000  # 1 ms + 10 ms on the link
@@ -307,10 +303,8 @@ def test_two_nodes_sending_to_one_node_queue_at_its_ingress(record):
     assert r[2].book_send(MB, 4, start=10.0) == close(10.021)
     assert r[0].nic.free(1)[0] == close(10.011)  # node 1's egress: its message alone
     assert r[0].nic.free(2)[1] == close(10.021)
-    assert costs.nic_transfer(10.0, 10.011, MB, 0.001, 125e6, 125e6) == (
-        close(10.011),
-        close(10.021),
-    )
+    transfer = costs.nic_transfer(10.0, 10.011, MB, 0.001, 125e6, 125e6)
+    assert transfer == (close(10.011), close(10.021))
 
 
 def test_a_shared_message_without_a_start_leaves_now(record, monkeypatch):
@@ -400,9 +394,6 @@ class _Unreachable:
 
 
 def test_the_ranks_of_a_job_open_one_record_named_through_the_store(tmp_path, monkeypatch):
-    from cloudburst import runtime
-    from cloudburst.config import RunConfig
-
     monkeypatch.setattr(runtime, "nic_dir", lambda: str(tmp_path))
     cfg = RunConfig(workers=4, nodes=2, inter_node_link="1,1")
     store, topo = dist.HashStore(), Topology.contiguous(4, 2)
@@ -430,9 +421,6 @@ def test_the_ranks_of_a_job_open_one_record_named_through_the_store(tmp_path, mo
 def test_a_rank_that_cannot_open_the_record_keeps_its_own_link_with_one_warning(
     tmp_path, monkeypatch, caplog
 ):
-    from cloudburst import runtime
-    from cloudburst.config import RunConfig
-
     monkeypatch.setattr(runtime, "nic_dir", lambda: str(tmp_path / "missing"))
     cfg = RunConfig(workers=4, nodes=2, inter_node_link="1,1")
     topo = Topology.contiguous(4, 2)

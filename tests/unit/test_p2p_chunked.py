@@ -89,21 +89,42 @@ def test_default_chunking_real_wire_only():
         PeerTransport(wire=FakeWire(), chunk_numel=-2)
 
 
-def test_payload_travels_in_chunks_and_arrives_whole():
-    wire, t = _pair(chunk_numel=4)
-    payload = torch.arange(10, dtype=torch.float32)
-    t.send(1, Header(Kind.PUSH, numel=10), payload)
-    chunks = [m for m in wire.sent if m[2] == TAG_REQUEST_PAYLOAD]
-    assert [len(m[3]) for m in chunks] == [4, 4, 2]
-    assert t.stats.sent_bytes == 64 + 40  # header + payload, counted once
-
-    seen = []
-    out = torch.zeros(10)
+def _received_in_chunks(t, wire, kind, numel, out, on_chunk):
+    """Rank 1 receives a message of ``kind`` from rank 0, calling ``on_chunk`` per chunk."""
     wire.at(1)
+    if kind == Kind.REPLY:
+        return t.recv_reply(0, out, on_chunk=on_chunk).numel
     t.recv_request_any()
-    t.recv_payload(0, 10, out=out, on_chunk=lambda a, b: seen.append((a, b, out[a:b].tolist())))
-    assert out.tolist() == payload.tolist()
-    assert seen == [(0, 4, [0, 1, 2, 3]), (4, 8, [4, 5, 6, 7]), (8, 10, [8, 9])]
+    t.recv_payload(0, numel, out=out, on_chunk=on_chunk)
+    return numel
+
+
+@pytest.mark.parametrize(
+    "kind, tag, chunk, numel, compress, chunks",
+    [
+        (Kind.PUSH, TAG_REQUEST_PAYLOAD, 4, 10, "none", [(0, 4), (4, 8), (8, 10)]),
+        (Kind.REPLY, TAG_REPLY_PAYLOAD, 3, 8, "none", [(0, 3), (3, 6), (6, 8)]),
+        (Kind.PUSH, TAG_REQUEST_PAYLOAD, 2, 6, "bf16", [(0, 6)]),  # compressed: whole
+    ],
+)
+def test_a_payload_travels_in_chunks_and_each_is_whole_when_handed_on(
+    kind, tag, chunk, numel, compress, chunks
+):
+    """The payload leaves in chunks of ``chunk`` values (compressed ones whole), counted once with
+    the header, and arrives whole; ``on_chunk`` sees each chunk already received."""
+    wire, t = _pair(chunk_numel=chunk, compress=compress)
+    payload = torch.arange(numel, dtype=torch.float32)
+    t.send(1, Header(kind, numel=numel, status=Status.OK), payload)
+    assert len([m for m in wire.sent if m[2] == tag]) == len(chunks)
+    if compress == "none":
+        assert [len(m[3]) for m in wire.sent if m[2] == tag] == [b - a for a, b in chunks]
+        assert t.stats.sent_bytes == 64 + 4 * numel
+    out, seen = torch.zeros(numel), []
+    got = _received_in_chunks(
+        t, wire, kind, numel, out, lambda a, b: seen.append((a, b, out[a:b].tolist()))
+    )
+    assert got == numel and out.tolist() == payload.tolist()
+    assert seen == [(a, b, payload[a:b].tolist()) for a, b in chunks]
 
 
 def test_prepare_fills_each_chunk_before_it_is_sent():
@@ -145,33 +166,10 @@ def test_short_chunk_leaves_nan_in_its_last_element():
     assert not torch.isfinite(out).all()
 
 
-def test_reply_with_theta_in_chunks():
-    wire, t = _pair(chunk_numel=3)
-    theta = torch.arange(8, dtype=torch.float32)
-    t.send(1, Header(Kind.REPLY, numel=8, status=Status.OK), theta)
-    assert [len(m[3]) for m in wire.sent if m[2] == TAG_REPLY_PAYLOAD] == [3, 3, 2]
-    out, seen = torch.zeros(8), []
-    wire.at(1)
-    h = t.recv_reply(0, out, on_chunk=lambda a, b: seen.append((a, b)))
-    assert h.numel == 8 and out.tolist() == theta.tolist()
-    assert seen == [(0, 3), (3, 6), (6, 8)]
-
-
-def test_compressed_payloads_travel_whole():
-    wire, t = _pair(chunk_numel=2, compress="bf16")
-    payload = torch.arange(6, dtype=torch.float32)
-    t.send(1, Header(Kind.PUSH, numel=6), payload)
-    assert len([m for m in wire.sent if m[2] == TAG_REQUEST_PAYLOAD]) == 1
-    out, seen = torch.zeros(6), []
-    wire.at(1)
-    t.recv_request_any()
-    t.recv_payload(0, 6, out=out, on_chunk=lambda a, b: seen.append((a, b)))
-    assert out.tolist() == payload.tolist() and seen == [(0, 6)]
-
-
 def test_final_payload_in_chunks():
     wire, t = _pair(chunk_numel=4)
     t.send(1, Header(Kind.FINAL, numel=9), torch.full((9,), 2.5), final=True)
+    assert [len(m[3]) for m in wire.sent[1:]] == [4, 4, 1]
     wire.at(1)
     _, theta = t.recv_final(0, 9)
     assert theta.tolist() == [2.5] * 9

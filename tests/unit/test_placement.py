@@ -1,7 +1,5 @@
-"""Parameter-server shard placement over nodes: the layouts (``Topology.place``), a multi-node
-torchrun's launch ranks turned into the job ranks the placement puts on each node, the bytes
-each node's NIC carries (counted and simulated) on the virtual cluster, and the simulator's
-network model chosen by what the run models."""
+"""Shard placement over nodes: the layouts, torchrun's launch ranks turned into job ranks, each
+node's NIC bytes on the virtual cluster, and the network model chosen by what the run models."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ import re
 import pytest
 
 from cloudburst.comm.link import Topology
-from cloudburst.config import RunConfig
+from cloudburst.config import ConfigError, RunConfig
 from cloudburst.config.simulation import SimulationConfig
 from cloudburst.runtime.placement import (
     launch_rank_to_role,
@@ -23,8 +21,6 @@ from cloudburst.runtime.placement import (
 )
 from cloudburst.sim.clock import ClockModel
 from cloudburst.sim.run import simulate
-
-pytestmark = pytest.mark.unit
 
 
 # ---------------------------------------------------------------------------- layouts
@@ -62,8 +58,6 @@ def test_impossible_placements_raise_one_line(args, message):
 
 
 def test_the_config_refuses_an_impossible_placement_in_one_line():
-    from cloudburst.config import ConfigError
-
     with pytest.raises(ConfigError, match=r"^shard_placement: '0,5' names node 5"):
         RunConfig(strategy="asgd", workers=4, servers=2, nodes=2, shard_placement="0,5")
 
@@ -99,12 +93,10 @@ def test_role_ranks_refuse_a_placement_that_torchrun_cannot_start():
 
 
 def _torchrun(monkeypatch, rank: int, world: int, local: int) -> None:
-    monkeypatch.delenv("CLOUDBURST_LOCAL_JOB", raising=False)
-    monkeypatch.delenv("CLOUDBURST_LAUNCH_RANK", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    monkeypatch.setenv("RANK", str(rank))
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    for var in ("CLOUDBURST_LOCAL_JOB", "CLOUDBURST_LAUNCH_RANK", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", local)):
+        monkeypatch.setenv(var, str(value))
 
 
 def _asgd(placement: str = "spread", **kw) -> RunConfig:
@@ -175,22 +167,9 @@ def test_workers_fill_the_places_the_shards_leave_on_torchrun_nodes(monkeypatch)
 
 # ---------------------------------------------------------------------------- NIC bytes
 def _run(tmp_path, placement: str) -> dict:
-    cfg = RunConfig(
-        strategy="asgd",
-        workers=8,
-        servers=4,
-        nodes=4,
-        shard_placement=placement,
-        steps=8,
-        dataset="synthetic",
-        model="mlp",
-        batch_size=16,
-        train_size=200,
-        test_size=50,
-        seed=0,
-        eval_every_s=1000.0,
-        out=str(tmp_path / placement),
-    )
+    cfg = RunConfig(strategy="asgd", workers=8, servers=4, nodes=4, shard_placement=placement,
+                    steps=8, dataset="synthetic", model="mlp", batch_size=16, train_size=200,
+                    test_size=50, eval_every_s=1000.0, out=str(tmp_path / placement))  # fmt: skip
     return simulate(cfg, SimulationConfig(step_time_s=0.01))
 
 

@@ -1,8 +1,7 @@
-"""A strategy is a complete plug-in: two written here into a temporary package, outside
-cloudburst, registered with ``register_strategy`` and run end to end on the virtual cluster
-with no file of the package touched — a worker-side one (θ averaged after every step) and a
-server-side one (asgd's worker, shards with their own rule, summary fields and table column).
-Each is checked against an independent reference: the built-in sync and asgd runs."""
+"""A strategy is a complete plug-in: two written into a temporary package outside cloudburst,
+registered with ``register_strategy`` and run on the virtual cluster — a worker-side one (θ
+averaged every step) and a server-side one (its own shard rule, summary field and column) —
+against the built-in sync and asgd runs."""
 
 from __future__ import annotations
 
@@ -13,11 +12,10 @@ import pytest
 import torch
 
 from cloudburst.config import RunConfig
-from cloudburst.config.simulation import SimulationConfig
 from cloudburst.loop.summary import format_summary
 from cloudburst.records.checkpoint import load_checkpoint
-from cloudburst.sim.run import simulate
 from cloudburst.strategies import REGISTRY, register_strategy
+from tests.support import run_sim
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +103,7 @@ def run(tmp_path, name: str, strategy: str, **kw) -> tuple[dict, dict[str, torch
     out = tmp_path / name
     cfg = RunConfig(strategy=strategy, dataset="synthetic", model="mlp", batch_size=16,
                     momentum=0.0, seed=3, eval_every_s=1000.0, out=str(out), **kw)  # fmt: skip
-    summary = simulate(cfg, SimulationConfig(step_time_s=0.01))
+    summary = run_sim(cfg)
     return summary, load_checkpoint(tmp_path / name / "model.pt", "model")["state_dict"]
 
 

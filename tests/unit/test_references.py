@@ -1,11 +1,5 @@
-"""cloudburst against the independent references of ``tests/reference.py``, with no processes.
-
-The parameter-server strategies run for real (their workers and the shards' ``ServerLoop``)
-over ``tests/support.py``'s fake comm, in a scripted order of the workers' steps, so every
-push's staleness and every θ are determined and the comparisons are bit for bit. The
-references are also checked on their own: against values worked out by hand, and against
-each other where the algorithms coincide.
-"""
+"""The parameter-server strategies, run for real over a fake comm in a scripted step order, match
+``tests/reference.py`` bit for bit; the references match hand values and each other."""
 
 from __future__ import annotations
 
@@ -19,7 +13,7 @@ from cloudburst.comm.flat import flatten_params
 from cloudburst.config import RunConfig
 from cloudburst.strategies.asgd.shard import ShardState
 from tests import reference as ref
-from tests.support import flush, ps_job, references_cfg
+from tests.support import flush, ps_job, references_cfg, same_state
 
 BATCH = 8
 
@@ -60,17 +54,10 @@ def play(cfg: RunConfig, script: list[int]) -> ref.PsRun:
 
 
 def assert_same_run(actual: ref.PsRun, expected: ref.PsRun) -> None:
+    """The same pushes and, bit for bit, server θ after each, replicas after each step, final θ."""
     assert actual.pushes == expected.pushes
-    assert len(actual.server) == len(expected.server)
-    for i, (a, b) in enumerate(zip(actual.server, expected.server, strict=True)):
-        assert torch.equal(a, b), f"server θ after push {i} differs by {(a - b).abs().max()}"
-    for w, (mine, theirs) in enumerate(zip(actual.replicas, expected.replicas, strict=True)):
-        assert len(mine) == len(theirs)
-        for s, (a, b) in enumerate(zip(mine, theirs, strict=True)):
-            assert torch.equal(a, b), f"worker {w} after step {s + 1} differs"
-    assert len(actual.final) == len(expected.final)
-    for w, (a, b) in enumerate(zip(actual.final, expected.final, strict=True)):
-        assert torch.equal(a, b), f"worker {w} at the end differs"
+    for part in ("server", "replicas", "final"):
+        assert same_state(getattr(actual, part), getattr(expected, part)), part
 
 
 # ---------------------------------------------------------------------------- the references
@@ -99,15 +86,11 @@ def _set_models(values: list[float]) -> list[torch.nn.Module]:
     return models
 
 
-def no_training(worker: int, step: int) -> None:
-    pass
-
-
 def test_gossip_reference_on_hand_values():
     # Ring of 3, no training: 0 pulls 1's θ of the previous step, 1 pulls 2's, 2 pulls 0's
     # θ of this step (0 acted before it).
     models = _set_models([0.0, 4.0, 8.0])
-    run = ref.gossip_pull(models, no_training, steps=2, peer=lambda i, r: (i + 1) % 3)
+    run = ref.gossip_pull(models, lambda w, s: None, steps=2, peer=lambda i, r: (i + 1) % 3)
     first = [r[0][0].item() for r in run.replicas]
     assert first == [2.0, 6.0, 5.0]  # (0+4)/2, (4+8)/2, (8+2)/2
     second = [r[1][0].item() for r in run.replicas]

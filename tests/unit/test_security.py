@@ -1,11 +1,15 @@
 """Hostile input and shared machines, without processes: config files never name code to run,
 runs write only into their own directories and never through links, the rejoin board bounds
-what it reads, checkpoints carry the run's identity, images have a maximum size."""
+what it reads, checkpoints carry the run's identity, images have a maximum size; and the job
+secret's rules (cloudburst.comm.auth): where it comes from, which files are refused, how it
+reaches a local job's ranks, and the MACs that bind every field they cover."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import pickle
 import sys
 from types import SimpleNamespace
 
@@ -16,6 +20,7 @@ import torch.distributed as dist
 from PIL import Image
 
 from cloudburst.cli import build_config
+from cloudburst.comm import auth
 from cloudburst.comm.liveness import RejoinBoard
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.data.datasets import DatasetError, _check_image_size, _decode_image
@@ -98,14 +103,9 @@ def test_a_resumed_run_keeps_its_files_and_identity_and_a_new_one_removes_only_r
     assert (out / "metrics" / "rank0.jsonl").exists()
     assert not (out / "checkpoints" / ".worker0-step00000005.pt.tmpxyz").exists()
     assert rundir.run_nonce(out) == first
-    old = [
-        "summary.json",
-        "model.pt",
-        "metrics/rank0.jsonl",
-        "checkpoints/worker1-step00000010.pt",
-        "checkpoints/server0.pt",
-        "checkpoints/.server0.pt.abc123",  # a killed atomic write's temporary file
-    ]
+    old = ["summary.json", "model.pt", "metrics/rank0.jsonl", "checkpoints/worker1-step00000010.pt",
+           "checkpoints/server0.pt", "checkpoints/.server0.pt.abc123"]  # fmt: skip
+    # (the last: a killed atomic write's temporary file)
     for name in old:
         (out / name).write_text("old")
     (out / "metrics" / "plot-notes.txt").write_text("user")
@@ -236,11 +236,8 @@ def test_images_beyond_the_size_and_aspect_limits_are_refused(tmp_path):
 def test_forged_or_replayed_rejoin_announcements_are_ignored():
     """An announcement takes a worker's route away for a new group: only a real restart's
     (1..max_restarts, each once, in order) is admitted."""
-    server = SimpleNamespace(
-        workers={1, 2},
-        _incarnations={},
-        cfg=SimpleNamespace(faults=SimpleNamespace(max_restarts=2)),
-    )
+    restarts = SimpleNamespace(faults=SimpleNamespace(max_restarts=2))
+    server = SimpleNamespace(workers={1, 2}, _incarnations={}, cfg=restarts)
     for rank, incarnation in [(1, 0), (1, 3), (5, 1), (2, -1)]:
         assert RequestServing._admit(server, rank, incarnation) is None  # ignored, nothing touched
     assert server._incarnations == {}
@@ -253,3 +250,102 @@ def test_forged_or_replayed_rejoin_announcements_are_ignored():
         workers={1}, _incarnations={}, cfg=SimpleNamespace(faults=SimpleNamespace(max_restarts=0))
     )
     assert RequestServing._admit(no_restarts, 1, 1) is None and no_restarts._incarnations == {}
+
+
+# ------------------------------------------------------------------- the job secret
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture(autouse=True)
+def no_secret(monkeypatch):
+    """Each test starts with no secret installed and none in the environment."""
+    monkeypatch.delenv(auth.ENV_SECRET, raising=False)
+    monkeypatch.delenv(auth.ENV_SECRET_FILE, raising=False)
+    auth.install(None)
+    yield
+    auth.install(None)
+
+
+def _secret_file(tmp_path, data: bytes = SECRET + b"\n", mode: int = 0o600):
+    path = tmp_path / "job.secret"
+    path.write_bytes(data)
+    os.chmod(path, mode)
+    return path
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400, 0o640, 0o604, 0o620, 0o644])
+def test_a_secret_file_is_read_only_if_no_one_else_can_read_or_write_it(tmp_path, mode):
+    path = _secret_file(tmp_path, mode=mode)
+    if mode & 0o077:
+        with pytest.raises(auth.SecretError, match=rf"is open to others \(mode {mode:04o}\)"):
+            auth.read_secret_file(path)
+    else:
+        assert auth.read_secret_file(path) == SECRET  # the newline is dropped
+
+
+def test_a_secret_file_that_is_short_large_missing_or_not_a_file_is_refused(tmp_path):
+    with pytest.raises(auth.SecretError, match="holds 8 bytes, a job secret needs 16"):
+        auth.read_secret_file(_secret_file(tmp_path, b"short!!!\n"))
+    big = auth.MAX_SECRET_FILE_BYTES + 1
+    with pytest.raises(auth.SecretError, match="larger than 4096 bytes"):
+        auth.read_secret_file(_secret_file(tmp_path, b"x" * big))
+    with pytest.raises(auth.SecretError, match="cannot open it"):
+        auth.read_secret_file(tmp_path / "missing")
+    folder = tmp_path / "folder"
+    folder.mkdir(mode=0o700)
+    with pytest.raises(auth.SecretError, match="not a regular file"):
+        auth.read_secret_file(folder)
+
+
+def test_the_environment_names_the_secret_or_its_file(tmp_path, monkeypatch):
+    assert auth.job_secret() is None
+    with pytest.raises(ConfigError, match=auth.ENV_SECRET_FILE):  # one line from the CLI, exit 2
+        auth.require_secret("rejoining")
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(_secret_file(tmp_path)))
+    auth.install(None)  # read the environment again
+    assert auth.job_secret() == SECRET == auth.require_secret("rejoining")
+    monkeypatch.setenv(auth.ENV_SECRET, "another secret of enough bytes")
+    auth.install(None)
+    with pytest.raises(auth.SecretError, match="set one"):
+        auth.job_secret()
+    monkeypatch.delenv(auth.ENV_SECRET_FILE)
+    auth.install(None)
+    assert auth.job_secret() == b"another secret of enough bytes"
+    monkeypatch.setenv(auth.ENV_SECRET, "too short")
+    auth.install(None)
+    with pytest.raises(auth.SecretError, match="holds 9 bytes"):
+        auth.job_secret()
+
+
+def _entry(value: int) -> tuple[int, bytes | None]:
+    return value, auth.job_secret()
+
+
+def test_a_local_job_hands_each_rank_a_fresh_secret_with_its_entry_point():
+    wrapped = auth.with_job_secret(_entry)
+    other = auth.with_job_secret(_entry)
+    assert wrapped._secret != other._secret and len(wrapped._secret) == auth.SECRET_BYTES
+    shown = repr(wrapped).lower().replace("withjobsecret", "")
+    assert wrapped.__name__ == "_entry" and "secret" not in shown
+    assert wrapped._secret.hex() not in repr(wrapped)
+    rank_side = pickle.loads(pickle.dumps(wrapped))  # as the forkserver hands it to a rank
+    assert auth.job_secret() is None
+    assert rank_side(7) == (7, wrapped._secret)  # installed before the entry point runs
+    assert auth.job_secret() == wrapped._secret
+
+
+def test_a_mac_binds_every_field_and_their_boundaries():
+    signature = auth.sign(SECRET, "rejoin", "run1", 4, 3, 1, False)
+    assert auth.verify(SECRET, signature, "rejoin", "run1", 4, 3, 1, False)
+    for changed in (
+        ("rejoin", "run2", 4, 3, 1, False),  # another run
+        ("rejoin", "run1", 5, 3, 1, False),  # another announcement number
+        ("rejoin", "run1", 4, 2, 1, False),  # another rank
+        ("rejoin", "run1", 4, 3, 2, False),  # another restart
+        ("rejoin", "run1", 4, 3, 1, True),  # late
+    ):
+        assert not auth.verify(SECRET, signature, *changed)
+    assert not auth.verify(SECRET[::-1], signature, "rejoin", "run1", 4, 3, 1, False)
+    assert auth.sign(SECRET, "ab", "c") != auth.sign(SECRET, "a", "bc")
+    for bad in (None, 3, "", signature[:-2], signature.upper() + "0"):
+        assert not auth.verify(SECRET, bad, "rejoin", "run1", 4, 3, 1, False)

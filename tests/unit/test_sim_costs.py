@@ -11,6 +11,10 @@ import math
 import pytest
 import torch
 
+from cloudburst.config import RunConfig
+from cloudburst.config.simulation import SimulationConfig
+from cloudburst.sim.run import run_ranks
+
 LAT, BW = 0.002, 1e9  # --inter-node-link 8,2: 8 Gbit/s = 1e9 bytes/s, 2 ms
 LAT_IN, BW_IN = 0.0005, 2e9  # --intra-node-link 16,0.5
 N = 4  # ranks 0, 1 on node 0; 2, 3 on node 1: every world collective spans nodes
@@ -57,10 +61,6 @@ def _script(ctx) -> dict[str, list[float]]:
 
 
 def test_every_collective_and_a_shared_link_cost_what_the_clock_model_says(tmp_path):
-    from cloudburst.config import RunConfig
-    from cloudburst.config.simulation import SimulationConfig
-    from cloudburst.sim.run import run_ranks
-
     cfg = RunConfig(strategy="sync", workers=N, nodes=2, dataset="synthetic",
                     inter_node_link="8,2", out=str(tmp_path))  # fmt: skip
     sim = SimulationConfig(step_time_s=0.01, intra_node_link="16,0.5")

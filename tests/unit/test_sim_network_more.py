@@ -1,13 +1,6 @@
-"""More of the virtual cluster's collectives and messages (all-gather, all-to-all, DDP's
-overlapped all-reduce, tags, measurements) against virtual times computed here by hand; and
-what the counted collectives the strategies call (cloudburst/comm/collectives.py) ask of their
-transport and link and add to the counters.
-
-The cluster: 8 ranks on 2 nodes (ranks 0-3 on node 0), the inter-node link 8 Gbit/s with 2 ms
-latency (1e9 bytes/s), the intra-node link 16 Gbit/s with 0.5 ms latency (2e9 bytes/s). A
-payload's bytes (floating point, uint8, int8) are scaled by modelled_params / actual_params;
-control data (int64) is not.
-"""
+"""The virtual cluster's all-gather, all-to-all, DDP all-reduce, tags and measurements against
+virtual times worked out by hand (8 ranks on 2 nodes; payload bytes scaled by SCALE, int64
+control data not); and what the counted collectives (comm/collectives.py) ask and count."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Issue 30's physics in the shared cost model (cloudburst.comm.costs) and the virtual cluster,
-each against a time computed here by hand from docs/simulator.md's formulas: the all-reduce
-algorithms, the hierarchical all-reduce, a node's NIC shared by its ranks, incast, and DDP's
-buckets overlapped with backward (one rank a node without incast: test_sim_costs.py)."""
+"""Issue 30's physics in the cost model (comm/costs.py) and the virtual cluster against times
+worked out by hand from docs/simulator.md: the all-reduce algorithms, hierarchical all-reduce,
+a node's NIC shared by its ranks, incast, DDP's buckets overlapped with backward."""
 
 from __future__ import annotations
 
@@ -21,6 +20,10 @@ from cloudburst.comm.costs import (
     ring_allreduce_s,
     tree_allreduce_s,
 )
+from cloudburst.comm.stats import CommStats
+from cloudburst.config import RunConfig
+from cloudburst.config.simulation import SimulationConfig
+from cloudburst.sim.run import run_ranks
 from tests.support import close
 
 LAT, BW = 0.002, 1e9  # --inter-node-link 8,2: 8 Gbit/s = 1e9 bytes/s, 2 ms
@@ -46,14 +49,9 @@ def test_the_algorithm_is_chosen_by_size():
     # n = 6: ring 10 L + (10/6) B/β, tree 6 L + 2 B/β; tree is cheaper while 4 L > B/(3β),
     # i.e. below B = 12 L β = 24 MB.
     small, large = 1e6, 100e6
-    assert best_allreduce_s(small, 6, LAT, BW) == (
-        pytest.approx(6 * LAT + 2 * small / BW, abs=1e-15),
-        "tree",
-    )
-    assert best_allreduce_s(large, 6, LAT, BW) == (
-        pytest.approx(10 * LAT + 10 / 6 * large / BW, abs=1e-12),
-        "ring",
-    )
+    tree, ring = 6 * LAT + 2 * small / BW, 10 * LAT + 10 / 6 * large / BW
+    assert best_allreduce_s(small, 6, LAT, BW) == (pytest.approx(tree, abs=1e-15), "tree")
+    assert best_allreduce_s(large, 6, LAT, BW) == (pytest.approx(ring, abs=1e-12), "ring")
     # At the crossover both cost the same; a power of two takes halving/doubling (never worse).
     b = 12 * LAT * BW
     assert ring_allreduce_s(b, 6, LAT, BW) == pytest.approx(tree_allreduce_s(b, 6, LAT, BW))
@@ -127,10 +125,6 @@ def test_ddp_overlap_by_hand(forward, backward, total, unit_s, link_free, end):
 
 # ---------------------------------------------------------------------------- the cluster
 def _run(script, workers, nodes, tmp_path, *args, **sim_kw):
-    from cloudburst.config import RunConfig
-    from cloudburst.config.simulation import SimulationConfig
-    from cloudburst.sim.run import run_ranks
-
     cfg = RunConfig(strategy="sync", workers=workers, nodes=nodes, dataset="synthetic",
                     inter_node_link="8,2", out=str(tmp_path))  # fmt: skip
     actual_params = sim_kw.pop("actual_params", 1)
@@ -194,8 +188,6 @@ def test_hierarchical_all_reduce_on_the_cluster(tmp_path):
 
 
 def _ddp_step(ctx):
-    from cloudburst.comm.stats import CommStats
-
     torch.manual_seed(0)
     model = torch.nn.Linear(99, 10)  # 1,000 parameters
     for p in model.parameters():

@@ -1,9 +1,5 @@
-"""The virtual cluster's clock on scripted cases: exact virtual times, no training.
-
-A link of 1 ms latency and 1 MB/s (so 1,000 bytes take 1 ms) between nodes; ranks on one
-node talk for free. Every expected time below is written out by hand from the cost model in
-``cloudburst.sim.transport``'s docstring.
-"""
+"""The virtual cluster's scheduler and transport on scripted cases, exact virtual times by hand:
+1 ms and 1 MB/s between nodes (1,000 bytes take 1 ms), free within a node."""
 
 from __future__ import annotations
 

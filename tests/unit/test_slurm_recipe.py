@@ -1,10 +1,5 @@
-"""The SLURM recipe (examples/slurm/cloudburst.sbatch, shown in docs/clusters.md) gives every
-task the torchrun arguments cloudburst expects.
-
-Nothing here can run SLURM: bash runs the script with SLURM's environment for a 2-node × 4-rank
-allocation and stand-ins for ``srun`` (block distribution, SLURM's default), ``scontrol`` and
-``torchrun`` (records its arguments, parsed here by torchrun's own parser and cloudburst's CLI).
-"""
+"""examples/slurm/cloudburst.sbatch gives every task the torchrun arguments cloudburst expects:
+run by bash for a 2-node × 4-rank allocation with stand-ins for srun, scontrol and torchrun."""
 
 from __future__ import annotations
 
@@ -16,6 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.distributed.run import get_args_parser
+
+from cloudburst.cli import build_config, build_parser
+from cloudburst.comm.auth import read_secret_file
+from cloudburst.launch.agents import agent_layout
+from cloudburst.strategies import STRATEGY_CLASSES
 
 pytestmark = pytest.mark.spawns
 
@@ -102,10 +103,6 @@ def render(
 def check(tasks: list[dict], strategy_args: list[str]) -> tuple[object, list, dict]:
     """Parse every task's arguments as torchrun and cloudburst do; the checks common to both
     layouts. Returns the config, the agents (nnodes, node_rank, nproc) and each host's roles."""
-    from torch.distributed.run import get_args_parser
-
-    from cloudburst.cli import build_config, build_parser
-
     parsed = [(t, get_args_parser().parse_args(t["argv"])) for t in tasks]
     cfgs = []
     for _, a in parsed:
@@ -136,9 +133,6 @@ def check(tasks: list[dict], strategy_args: list[str]) -> tuple[object, list, di
 
 
 def test_sync_renders_one_torchrun_per_node_with_four_ranks_each(tmp_path):
-    from cloudburst.launch.agents import agent_layout
-    from cloudburst.strategies import STRATEGY_CLASSES
-
     args = ["train", "--strategy", "sync", "--workers", "8", "--out", "runs/sync-8"]
     tasks = render(tmp_path, args, agent_per_rank=False)
     cfg, agents, roles = check(tasks, args)
@@ -151,10 +145,6 @@ def test_sync_renders_one_torchrun_per_node_with_four_ranks_each(tmp_path):
 
 
 def test_asgd_renders_one_agent_per_rank_as_the_local_launcher_does_with_one_job_secret(tmp_path):
-    from cloudburst.comm.auth import read_secret_file
-    from cloudburst.launch.agents import agent_layout
-    from cloudburst.strategies import STRATEGY_CLASSES
-
     args = ["train", "--strategy", "asgd", "--workers", "7", "--servers", "1", "--out", "runs/a"]
     tasks = render(tmp_path, args, agent_per_rank=True)
     cfg, agents, roles = check(tasks, args)

@@ -1,6 +1,5 @@
-"""Staleness compensation on the shards (--staleness-compensation; docs/algorithms.md) and
-async DiLoCo's Delayed Nesterov rule against tests/reference.py under scripted push orders;
-their settings, their distributions in the summary, a short run of each on the virtual cluster."""
+"""Staleness compensation on the shards and async DiLoCo's Delayed Nesterov rule against
+tests/reference.py under scripted push orders; their settings, summaries and short runs."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ SETTINGS = dict(lr=0.5, local_lr=LOCAL_LR, dc_lambda=0.5, threshold=2)
 
 
 def _script(workers: int = 4, pushes: int = 40, seed: int = 0) -> list[tuple]:
-    """A scripted interleaving: a random worker pushes; most pushes are followed by its fetch,
-    so stalenesses from 0 to well past the number of workers occur."""
+    """Random workers push, most then fetch: stalenesses from 0 to well past W occur."""
     g = torch.Generator().manual_seed(seed)
     events: list[tuple] = [("fetch", w) for w in range(workers)]
     for _ in range(pushes):
@@ -63,29 +61,27 @@ def _theta0() -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("method", COMPENSATIONS)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_each_compensator_matches_the_reference(method, seed):
+# (method, seed, ring window): 1000 is never reached; 3 makes old pushes read its oldest θ
+CASES = [(m, seed, 1000) for m in COMPENSATIONS for seed in (0, 1)]
+CASES += [("dc", 2, 3), ("gap", 2, 3)]
+
+
+@pytest.mark.parametrize("method, seed, window", CASES)
+def test_each_compensator_matches_the_reference(method, seed, window):
     events = _script(seed=seed)
-    shard = _shard(method, _theta0())
+    shard = _shard(method, _theta0(), window=window)
     stalenesses = _play(shard, events)
-    expected, expected_staleness = compensated_server(_theta0(), events, method, **SETTINGS)
+    expected, expected_staleness = compensated_server(
+        _theta0(), events, method, window=window, **SETTINGS
+    )
     assert stalenesses == expected_staleness and max(stalenesses) > SETTINGS["threshold"]
     torch.testing.assert_close(shard.theta, expected, rtol=1e-5, atol=1e-6)
     if method != "none":  # the compensation changes the result: the comparison has teeth
         plain, _ = compensated_server(_theta0(), events, "none", **SETTINGS)
         assert (shard.theta - plain).abs().max() > 1e-3
-
-
-@pytest.mark.parametrize("method", ["dc", "gap"])
-def test_a_push_older_than_the_ring_reads_its_oldest_theta(method):
-    events = _script(seed=2)
-    shard = _shard(method, _theta0(), window=3)
-    stalenesses = _play(shard, events)
-    expected, _ = compensated_server(_theta0(), events, method, window=3, **SETTINGS)
-    torch.testing.assert_close(shard.theta, expected, rtol=1e-5, atol=1e-6)
-    assert shard.compensator.clamped == sum(s >= 3 for s in stalenesses) > 0
-    assert len(shard.compensator.ring) == 3
+    if window == 3:
+        assert shard.compensator.clamped == sum(s >= 3 for s in stalenesses) > 0
+        assert len(shard.compensator.ring) == 3
 
 
 # α of the add rule for a push of staleness τ, by hand: λ·s, with s = 1/τ under scale (also
@@ -155,9 +151,6 @@ def test_staleness_scaling_is_the_scale_compensation_and_contradictions_are_refu
         RunConfig(strategy="easgd", workers=2, staleness_compensation="gap")
     with pytest.raises(ConfigError, match="^staleness_compensation: 'dcx' is not allowed"):
         RunConfig(strategy="asgd", staleness_compensation="dcx")
-    for bad in (dict(dc_lambda=-1.0), dict(delay_threshold=0), dict(compensation_window=0)):
-        with pytest.raises(ConfigError, match=f"^{next(iter(bad))}: "):
-            RunConfig(strategy="asgd", **bad)
     cfg = RunConfig(strategy="asgd", workers=3, staleness_compensation="dc-adaptive")
     assert (
         cfg.asgd.dc_lambda_value,
@@ -228,9 +221,8 @@ def test_delayed_nesterov_matches_the_reference(period, c):
 
 
 def test_the_registries_are_the_flags_and_a_shard_applies_any_rule_it_is_given():
-    """The CLI's names (torch-free) are the registries' keys; a rule written outside asgd
-    runs on a shard as asgd's do: its update is bounded before it lands, with the scalar
-    staleness factor and the compensator applied first."""
+    """The CLI's names are the registries' keys; a rule written outside asgd runs on a shard as
+    asgd's do: scaled for staleness, compensated and bounded before it lands."""
     assert set(SCALAR_FACTORS) | set(PER_COORDINATE) == set(COMPENSATIONS)
     assert tuple(ASGD_RULES) == SERVER_RULES
 
@@ -258,8 +250,7 @@ def test_the_registries_are_the_flags_and_a_shard_applies_any_rule_it_is_given()
 @pytest.mark.slow
 @pytest.mark.parametrize("method", [m for m in COMPENSATIONS if m != "none"])
 def test_each_compensator_learns_on_the_virtual_cluster(tmp_path, method):
-    # 24 steps: accuracy >= 0.997 for each, staleness up to 4 (40 steps: 1.0, 4); n_sync 1: a
-    # push every step, stale pushes to compensate
+    # a push every step from 3 workers, one 2x slower: stale pushes to compensate
     cfg = RunConfig(strategy="asgd", workers=3, steps=24, dataset="synthetic", model="mlp",
                     batch_size=32, lr=0.05, momentum=0.9, seed=0, eval_every_s=1000.0,
                     out=str(tmp_path), staleness_compensation=method,

@@ -1,8 +1,6 @@
-"""No code branches on a strategy's name, a strategy's own settings included (they ask the
-running strategy's spec: ``validate``, a trait, the settings it brings): what differs between
-strategies is a trait or a hook of their spec (docs/architecture.md, "Adding a strategy"). An
-AST scan for comparisons (``==``, ``!=``, ``in``, ``not in``, ``match``) with a built-in
-strategy's name, alone or in a tuple, list or set."""
+"""No code branches on a strategy's name: what differs between strategies is a trait or a hook
+of their spec (docs/architecture.md, "Adding a strategy"). An AST scan for comparisons (``==``,
+``!=``, ``in``, ``not in``, ``match``) with a built-in strategy's name, alone or in a collection."""
 
 from __future__ import annotations
 
@@ -55,14 +53,8 @@ def test_the_scan_finds_each_form_of_comparison():
         'match cfg.job.strategy:\n    case "sync": pass\n'
         'if cfg.model.model == "cnn" or cfg.strategy_spec.lockstep: pass\n'
     )
-    assert [hit.split(": ")[1] for hit in name_comparisons(source)] == [
-        "'daso'",
-        "'asgd'",
-        "'easgd'",
-        "'async_diloco'",
-        "'gossip'",
-        "'sync'",
-    ]
+    names = [hit.split(": ")[1] for hit in name_comparisons(source)]
+    assert names == ["'daso'", "'asgd'", "'easgd'", "'async_diloco'", "'gossip'", "'sync'"]
 
 
 def settings_reads(source: str, sections: set[str], filename: str = "<source>") -> list[str]:

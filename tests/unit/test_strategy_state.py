@@ -1,8 +1,6 @@
 """``state_dict`` → ``load_state_dict`` into a fresh strategy of the same config restores it
-exactly, and a checkpoint of another compression or fragment count is handled as meant: sync
-(int8 residuals, PowerSGD's state), local_sgd (residuals, the averages' θ reference), diloco
-(θ_global, per-fragment outer optimizers and last outer steps, which decide what finish()
-covers). The whole run on the virtual cluster: tests/unit/test_compress_resume_sim.py."""
+exactly; another compression's or fragment count's checkpoint is handled as meant: sync, local_sgd
+and diloco (θ_global, per-fragment outer optimizers and last outer steps, which decide finish())."""
 
 from __future__ import annotations
 
@@ -292,21 +290,25 @@ def test_a_diloco_worker_restored_at_any_checkpoint_finishes_as_the_uninterrupte
     assert torch.equal(ref.flat(twin.models[0]), ref.flat(replicas.models[0]))
 
 
-def test_a_diloco_state_dict_is_a_snapshot_the_worker_continues_from():
-    """Saved after step 5 (momentum in both outer optimizers), unchanged by further training."""
-    strategy, replicas = _diloco(**STREAMING)
-    _train(strategy, replicas, range(1, 6))
+@pytest.mark.parametrize("kw, saved_at", [(STREAMING, 5), ({}, 9)], ids=["streaming", "one"])
+def test_a_diloco_state_dict_is_a_snapshot_the_worker_continues_from(kw, saved_at):
+    """Saved with momentum in every outer optimizer (streaming: after step 5; one fragment: after
+    two outer steps), unchanged by further training; a worker restored from it ends where the
+    uninterrupted one did."""
+    strategy, replicas = _diloco(**kw)
+    _train(strategy, replicas, range(1, saved_at + 1))
     saved = strategy.state_dict()
     snapshot, replica = copy.deepcopy(saved), _replica(replicas)
-    _train(strategy, replicas, range(6, 14))
+    _train(strategy, replicas, range(saved_at + 1, 14))
     strategy.finish()
-    for now, then in zip(saved["outer_fragments"], snapshot["outer_fragments"], strict=True):
+    outers = [state.get("outer_fragments", [state["outer"]]) for state in (saved, snapshot)]
+    for now, then in zip(*outers, strict=True):
         buffer = now["state"][0]["momentum_buffer"]
         assert torch.equal(buffer, then["state"][0]["momentum_buffer"])
     assert torch.equal(saved["global_theta"], snapshot["global_theta"])
-    # ... and a worker restored from it ends where the uninterrupted one did
-    restored, twin = _restore(saved, replica, **STREAMING)
-    _train(restored, twin, range(6, 14))
+    restored, twin = _restore(saved, replica, **kw)
+    assert (restored.local_steps, restored.averages) == (saved_at, saved["averages"])
+    _train(restored, twin, range(saved_at + 1, 14))
     restored.finish()
     assert restored.averages == strategy.averages
     assert torch.equal(ref.flat(twin.models[0]), ref.flat(replicas.models[0]))

@@ -1,8 +1,6 @@
-"""Code that runs on both clusters reaches threads and the cluster's nature only through the
-Transport (docs/architecture.md, "What imports torch.distributed"): outside ``comm/`` and
-``sim/`` nothing starts a thread itself (``ctx.comm.spawn`` does) and nothing asks whether the
-cluster is simulated (a capability of the transport says what differs). ``liveness.py`` is the
-exception: its heartbeat and watchdog threads belong to the process, not to a rank's tasks."""
+"""Outside ``comm/`` and ``sim/`` nothing starts a thread itself (``ctx.comm.spawn`` does) nor
+asks whether the cluster is simulated (docs/architecture.md); ``liveness.py``'s heartbeat and
+watchdog threads belong to the process, not to a rank's tasks."""
 
 from __future__ import annotations
 
