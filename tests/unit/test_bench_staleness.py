@@ -1,9 +1,4 @@
-"""The straggler and staleness benchmarks' bookkeeping on scripted runs (no processes): which
-arms a commit can run, DiLoCo's level, first crossings of sync's level, equal pushes, the
-per-arm "why" ratios.
-
-Expected values are worked out by hand in the comments.
-"""
+"""The straggler and staleness benchmarks' bookkeeping on scripted runs, values by hand."""
 
 from __future__ import annotations
 
@@ -13,9 +8,7 @@ from benchmarks import harness
 from benchmarks.harness import Run
 
 
-# benchmarks.experiments imports matplotlib (~0.9 CPU-s; staleness imports experiments): as
-# fixtures, only the test process that runs these tests pays for it, not every xdist worker
-# at collection.
+# fixtures: only the process running these tests pays for importing matplotlib
 @pytest.fixture(scope="module")
 def experiments():
     from benchmarks import experiments
@@ -125,3 +118,17 @@ def test_a_censored_runs_samples_count_at_the_fewest_any_censored_run_processed_
 
     assert floor([*sync, fast]) == 300
     assert floor([fast]) == 5000  # none censored: any value will do
+
+
+def test_slow_link_levels_are_the_highest_every_pilot_run_held_within_the_budget():
+    """A level counts only when held for 3 evaluations in a row before the budget; the three
+    levels step down one point from the lowest run's best such level."""
+    from benchmarks import slow_link_levels
+
+    held = (0.5, 0.893, 0.9, 0.895)  # then 0.99 from t = 5, held 3 times past it
+    a = run("sync", [(t, 0, x) for t, x in enumerate((*held, 0.99, 0.99, 0.99, 0.99), 1)])
+    b = run("daso", [(1, 0, 0.95), (2, 0, 0.95), (3, 0, 0.95), (4, 0, 0.2)])
+    assert slow_link_levels.held_levels([a, b], budget=5) == [0.89, 0.88, 0.87]
+    assert slow_link_levels.held_levels([b], budget=5) == [0.95, 0.94, 0.93]
+    with pytest.raises(SystemExit, match="fewer than 3 evaluations"):
+        slow_link_levels.held_levels([a], budget=2.5)
