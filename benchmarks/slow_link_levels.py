@@ -1,44 +1,120 @@
-"""slow_link's time claims at three levels named before the runs, on fresh seeds (issue 40's
-rule: targets from a pilot on other seeds, below every arm's plateau, judged at each of three
-levels).
+"""slow_link's and lm_slow_link's time claims at three levels named before the runs, on fresh
+seeds (issue 40's rule: targets from a pilot on other seeds, below every arm's plateau, judged
+at each of three levels).
 
     .venv/bin/python benchmarks/slow_link_levels.py          # results/slow_link_levels.{md,json}
+    .venv/bin/python benchmarks/slow_link_levels.py --workload lm_slow_link
+        # results/lm_slow_link_levels.{md,json}
     .venv/bin/python benchmarks/slow_link_levels.py --quick  # smoke test, runs/bench-quick/
 
 slow_link.md's A* (sync's tuning mean − 0.5 points) sat on sync's plateau on its confirmation
 seeds (sync held it on 1 of 16 runs), and its lower levels A* − 1 and − 2 were added after the
-runs. Here the pilot is slow_link.json's stored runs (seeds 0–10, every phase): the same setting
-(2 × 2 workers, 1 Gbit/s between nodes, the wide CNN, 50 ms steps; slow_link.py's docstring),
-its chosen arms (DASO's slow-link schedule at lr 0.2, Streaming DiLoCo at lr 0.1), sync at its
-tuned lr and its budget T, all read from that file.
+runs; lm_slow_link.md's L* (sync's tuning mean loss + 0.01) likewise (sync held it on half of
+its runs), its looser levels named after the runs. Here the pilot is that result's stored runs
+(every seed and phase): the same setting (real runs, 2 × 2 workers on emulated nodes: the wide
+CNN at 1 Gbit/s, or the GPT at 100 Mbit/s; the scripts' docstrings), its two chosen arms, and
+sync with its budget T, all read from that file.
 
-1. Levels, by a rule fixed before any run here: the three highest accuracies on a 1-point grid
-   that every pilot run of sync (its tuning runs at the chosen lr, the confirmation and its A/A
-   copy) and of both chosen arms held for 3 evaluations within T.
-2. Confirmation on 8 fresh seeds (11–18): sync (and its A/A copy) and the two arms, in a seeded
-   random order per seed, every arm for T. Targets from issue 43: DASO reaches each level in
-   ≤ 0.66× sync's time, Streaming DiLoCo in ≤ 0.7×; at T each ends ≥ sync − 0.5 points. Each
-   level's verdict stands alone; ratios and differences are judged against both sync copies;
-   a run that never holds a level is censored at the budget.
+1. Levels, by a rule fixed before any run here: the three best values on a grid of 1 point of
+   accuracy (0.01 nats of test loss) that every pilot run of sync (its tuning runs at the
+   chosen lr, the confirmations and the A/A copies) and of both chosen arms held for 3
+   evaluations within T.
+2. Confirmation on 8 fresh seeds (11–18 for slow_link, 18–25 for lm_slow_link): sync (and its
+   A/A copy) and the two arms, in a seeded random order per seed, every arm for T. Targets
+   from issue 43: DASO reaches each level in ≤ 0.66× sync's time, Streaming DiLoCo in ≤ 0.7×
+   (slow_link); DiLoCo and Streaming DiLoCo in ≤ 0.6× (the GPT); at T each ends ≥ sync − 0.5
+   points (≤ sync + 0.05 nats). Each level's verdict stands alone; ratios and differences are
+   judged against both sync copies; a run that never holds a level is censored at the budget.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import experiments  # noqa: E402
 import harness  # noqa: E402
+import lm_slow_link  # noqa: E402
 import peers  # noqa: E402
 import slow_link  # noqa: E402
 from harness import Arm, fmt, pct  # noqa: E402
 
-PILOT = harness.REPO / "benchmarks" / "results" / "slow_link.json"
-CONFIRM = tuple(range(11, 19))
-GRID = 0.01  # one point of accuracy
-GOALS = {"daso": slow_link.DASO_TARGET, "streaming": slow_link.OTHER_TARGET}
+GRID = 0.01  # one point of accuracy, or 0.01 nats (the GPT's evaluations are its negated loss)
+
+
+@dataclass
+class Workload:
+    """What differs between the image and the GPT workload."""
+
+    seeds: tuple[int, ...]
+    title: str
+    where: str
+    goal: float | dict[str, float]  # the time target (per arm family)
+    arms: Callable[[dict, float], list[Arm]]  # (pilot data, T): sync first, then the chosen
+    run: Callable[[Arm, int, Path], harness.Run]
+    show: Callable[[float], str]  # a level (an evaluation's value) as the claims name it
+    final: Callable[[harness.Run], float]
+    diff: dict  # diff_claim's target, ok, scale and digits for "at T − sync"
+    row: Callable[[str, list[harness.Run], float, float], list[str]]
+    headers: str
+
+    def pilot(self, name: str) -> Path:
+        return harness.REPO / "benchmarks" / "results" / f"{name}.json"
+
+
+def image_arms(data: dict, budget: float) -> list[Arm]:
+    timed = [*slow_link.COMMON, "--epochs", "64", "--max-train-time-s", f"{budget:.4g}"]
+    flags = {**slow_link.DASO, **slow_link.OTHERS}
+    arms = [Arm("sync", ["--strategy", "sync", "--lr", f"{data['sync_lr']:g}", *timed])]
+    return arms + [Arm(n, [*flags[n][0], "--lr", f"{flags[n][1]:g}", *timed]) for n in chosen(data)]
+
+
+def gpt_arms(data: dict, budget: float) -> list[Arm]:
+    steps, cap = data["steps"], ["--max-train-time-s", f"{budget:.4g}"]
+    flags = {**lm_slow_link.DILOCO, **lm_slow_link.STREAMING}
+    arms = [Arm("sync", ["--strategy", "sync", *lm_slow_link.COMMON, "--steps", str(steps), *cap])]
+    return arms + [Arm(n, ["--strategy", "diloco", *flags[n][0], *lm_slow_link.COMMON, "--steps",
+                           str(flags[n][1] * steps), *cap]) for n in chosen(data)]  # fmt: skip
+
+
+def image_run(arm: Arm, seed: int, out: Path) -> harness.Run:
+    return experiments.measured_run(lambda: peers.run_arm(arm, seed, out), out, slow_link.BATCH)
+
+
+def gpt_run(arm: Arm, seed: int, out: Path) -> harness.Run:
+    r = experiments.measured_run(lambda: harness.run_train(arm, seed, out), out, lm_slow_link.BATCH)
+    r.evals = harness.read_evals(out, "test_loss", -1.0)  # holds a loss L: time_to_target(−L)
+    return r
+
+
+def chosen(data: dict) -> list[str]:
+    picked = data["chosen"]
+    return list(picked.values()) if isinstance(picked, dict) else list(picked)
+
+
+WORKLOADS = {
+    "slow_link": Workload(
+        tuple(range(11, 19)), "2 × 2 workers, 1 Gbit/s", "2 × 2, 1 Gbit/s, fresh seeds",
+        {"daso": slow_link.DASO_TARGET, "": slow_link.OTHER_TARGET}, image_arms, image_run,
+        pct, lambda r: r.final_accuracy or 0.0,
+        dict(target=f"≥ {-slow_link.ACC_POINTS:g}", scale=100.0, digits=2, what="points",
+             measure="accuracy", ok=lambda d, lo, hi: lo >= -slow_link.ACC_POINTS),
+        slow_link.table_row, slow_link.HEADERS,
+    ),
+    "lm_slow_link": Workload(
+        tuple(range(18, 26)), "the GPT, 2 × 2 workers, 100 Mbit/s",
+        "GPT, 2 × 2, 100 Mbit/s, fresh seeds", lm_slow_link.TIME_TARGET, gpt_arms, gpt_run,
+        lambda v: f"{fmt(-v, 4)} nats", lm_slow_link.loss,
+        dict(target=f"≤ {lm_slow_link.LOSS_NATS:g}", scale=1.0, digits=4, what="nats/byte",
+             measure="test loss", ok=lambda d, lo, hi: hi <= lm_slow_link.LOSS_NATS),
+        lambda n, rs, level, b: lm_slow_link.table_row(n, rs, -level, b), lm_slow_link.HEADERS,
+    ),
+}  # fmt: skip
 
 
 def held_levels(runs: list[harness.Run], budget: float, count: int = 3) -> list[float]:
@@ -52,67 +128,65 @@ def held_levels(runs: list[harness.Run], budget: float, count: int = 3) -> list[
         if not windows:
             raise SystemExit(f"pilot run {r.arm} seed {r.seed} has fewer than {k} evaluations")
         reach.append(max(windows))
-    top = int(min(reach) / GRID + 1e-9)
+    top = math.floor(min(reach) / GRID + 1e-9)
     return [round((top - i) * GRID, 6) for i in range(count)]
 
 
 def main() -> None:
-    args, prov = harness.start(__doc__)
-    pilot = json.loads(PILOT.read_text())
+    def add(p) -> None:
+        p.add_argument("--workload", choices=sorted(WORKLOADS), default="slow_link")
+
+    args, prov = harness.start(__doc__, add)
+    w = WORKLOADS[args.workload]
+    path = w.pilot(args.workload)
+    pilot = json.loads(path.read_text())
     data = pilot["data"]
-    budget, lr, chosen = data["budget_s"], data["sync_lr"], data["chosen"]
-    pilot_runs = [harness.Run(**r) for r in pilot["runs"]]
-    sync_names = {f"sync lr {lr:g}", "sync", harness.aa_name("sync")}
-    used = [r for r in pilot_runs if r.arm in sync_names or r.arm in chosen]
+    budget, names = data["budget_s"], chosen(data)
+    sync_names = {"sync", harness.aa_name("sync")}
+    sync_names |= {f"sync lr {data['sync_lr']:g}"} if "sync_lr" in data else set()
+    used = [harness.Run(**r) for r in pilot["runs"] if r["arm"] in sync_names | set(names)]
     levels = held_levels(used, budget)
-    seeds = (CONFIRM[0],) if args.quick else CONFIRM
+    seeds = w.seeds[:1] if args.quick else w.seeds
     made = (pilot["provenance"].get("replayed_from") or pilot["provenance"]["commit"]).split("`")[0]
 
-    rep = harness.Report("slow_link_levels", "slow_link's time claims at three levels named "
-                         "before the runs, fresh seeds, 2 × 2 workers, 1 Gbit/s", prov)  # fmt: skip
+    name = f"{args.workload}_levels"
+    rep = harness.Report(name, f"{args.workload}'s time claims at three levels named before the "
+                         f"runs, fresh seeds, {w.title}", prov)  # fmt: skip
     rep.settings(harness.about(__doc__))
     rep.section("1. The levels, from the pilot").text(
-        f"Pilot: `{PILOT.name}` (runs made at `{made}`), {len(used)} runs "
-        f"of {', '.join(sorted(sync_names | set(chosen)))}; sync lr {lr:g}, T = {fmt(budget)} s. "
-        f"Levels every one of them held: {', '.join(pct(x) for x in levels)}."
+        f"Pilot: `{path.name}` (runs made at `{made}`), {len(used)} runs of "
+        f"{', '.join(sorted(sync_names | set(names)))}; T = {fmt(budget)} s. Levels every one "
+        f"of them held: {', '.join(w.show(x) for x in levels)}."
     )  # fmt: skip
 
-    budget = 8.0 if args.quick else budget
-    timed = [*slow_link.COMMON, "--epochs", "64", "--max-train-time-s", f"{budget:.4g}"]
-    flags = {**slow_link.DASO, **slow_link.OTHERS}
-    arms = [Arm("sync", ["--strategy", "sync", "--lr", f"{lr:g}", *timed])]
-    arms += [Arm(n, [*flags[n][0], "--lr", f"{flags[n][1]:g}", *timed]) for n in chosen]
-    root = prov.runs_dir("slow_link_levels")
-
-    def run(arm: Arm, seed: int) -> harness.Run:
-        out = root / harness.slug(arm.name) / f"seed{seed}"
-        return experiments.measured_run(lambda: peers.run_arm(arm, seed, out), out,
-                                        slow_link.BATCH)  # fmt: skip
-
-    runs = harness.interleave(arms, seeds, control="sync", run=run, prov=prov)
+    arms = w.arms(data, 8.0 if args.quick else budget)
+    root = prov.runs_dir(name)
+    runs = harness.interleave(arms, seeds, control="sync", prov=prov,
+                              run=lambda a, s: w.run(a, s, root / harness.slug(a.name) /
+                                                     f"seed{s}"))  # fmt: skip
     g = harness.by_arm(runs)
     copy, bound = harness.aa_name("sync"), harness.budget_of(runs)
-    where = "2 × 2, 1 Gbit/s, fresh seeds"
-    for name in chosen:
-        goal = next(v for k, v in GOALS.items() if name.startswith(k))
+    for arm in names:
+        goal = w.goal if isinstance(w.goal, float) else next(
+            v for k, v in w.goal.items() if arm.startswith(k))  # fmt: skip
         for level in levels:
-            times = {n: harness.times_to(g[n], level) for n in (name, "sync", copy)}
-            harness.ratio_claim(rep, f"time to {pct(level)} (named before), {name} ÷ sync, "
-                                f"{where}", times[name], times["sync"], times[copy],
+            times = {n: harness.times_to(g[n], level) for n in (arm, "sync", copy)}
+            harness.ratio_claim(rep, f"time to {w.show(level)} (named before), {arm} ÷ sync, "
+                                f"{w.where}", times[arm], times["sync"], times[copy],
                                 f"≤ {goal:g}", lambda x, goal=goal: x <= goal, bound)  # fmt: skip
-    finals = {n: [r.final_accuracy or 0.0 for r in rs] for n, rs in g.items()}
-    for name in chosen:
-        harness.diff_claim(rep, f"accuracy at sync's time T, {name} − sync (points), {where}",
-                           finals[name], finals["sync"], f"≥ {-slow_link.ACC_POINTS:g}",
-                           lambda d, lo, hi: lo >= -slow_link.ACC_POINTS, aa_copy=finals[copy],
+    finals = {n: [w.final(r) for r in rs] for n, rs in g.items()}
+    d = w.diff
+    for arm in names:
+        harness.diff_claim(rep, f"{d['measure']} at sync's time T, {arm} − sync ({d['what']}), "
+                           f"{w.where}", finals[arm], finals["sync"], d["target"], d["ok"],
+                           scale=d["scale"], digits=d["digits"], aa_copy=finals[copy],
                            seeds=len(seeds))  # fmt: skip
-    names = ["sync", copy, *chosen]
     rep.section(f"2. Confirmation (seeds {seeds[0]}–{seeds[-1]})").table(
-        slow_link.HEADERS.replace("A*", f"{pct(levels[0])}"),
-        [slow_link.table_row(n, g[n], levels[0], bound) for n in names],
+        w.headers.replace("A*", w.show(levels[0])).replace("L*", w.show(levels[0])),
+        [w.row(n, g[n], levels[0], bound) for n in ("sync", copy, *names)],
     )  # fmt: skip
-    rep.data.update(budget_s=budget, sync_lr=lr, chosen=chosen, levels=levels,
-                    pilot=str(PILOT.relative_to(harness.REPO)))  # fmt: skip
+    rep.data.update(budget_s=budget, chosen=names, levels=levels,
+                    pilot=str(path.relative_to(harness.REPO)))  # fmt: skip
     rep.write(runs)
 
 

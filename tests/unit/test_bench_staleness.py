@@ -122,7 +122,8 @@ def test_a_censored_runs_samples_count_at_the_fewest_any_censored_run_processed_
 
 def test_slow_link_levels_are_the_highest_every_pilot_run_held_within_the_budget():
     """A level counts only when held for 3 evaluations in a row before the budget; the three
-    levels step down one point from the lowest run's best such level."""
+    levels step down one grid step (a point, or 0.01 nats of a negated loss) from the lowest
+    run's best such level."""
     from benchmarks import slow_link_levels
 
     held = (0.5, 0.893, 0.9, 0.895)  # then 0.99 from t = 5, held 3 times past it
@@ -130,5 +131,7 @@ def test_slow_link_levels_are_the_highest_every_pilot_run_held_within_the_budget
     b = run("daso", [(1, 0, 0.95), (2, 0, 0.95), (3, 0, 0.95), (4, 0, 0.2)])
     assert slow_link_levels.held_levels([a, b], budget=5) == [0.89, 0.88, 0.87]
     assert slow_link_levels.held_levels([b], budget=5) == [0.95, 0.94, 0.93]
+    loss = run("gpt", [(1, 0, -2.5), (2, 0, -2.4578), (3, 0, -2.45), (4, 0, -2.44)])  # −loss
+    assert slow_link_levels.held_levels([loss], budget=5) == [-2.46, -2.47, -2.48]
     with pytest.raises(SystemExit, match="fewer than 3 evaluations"):
         slow_link_levels.held_levels([a], budget=2.5)
