@@ -88,17 +88,14 @@ def main() -> None:
     steps = 40 if quick else STEPS
 
     def run(arm: Arm, seed: int, phase: str) -> harness.Run:
-        out = root / phase / harness.slug(arm.name) / f"seed{seed}"
-        r = experiments.measured_run(lambda: harness.run_train(arm, seed, out), out, BATCH)
-        r.evals = harness.read_evals(out, "test_loss", -1.0)  # holds L*: time_to_target(−L*)
-        return r
+        return measure(arm, seed, root / phase / harness.slug(arm.name) / f"seed{seed}")
 
     rep = harness.Report("lm_slow_link", "The GPT over a real 100 Mbit/s link, 2 × 2 workers: "
                          "DiLoCo and Streaming DiLoCo against sync", prov)  # fmt: skip
     rep.settings(harness.about(__doc__) + f"\n\nS = {steps} steps per worker.")
 
     # 1. sync: the budget T and the target L*
-    sync_tune = Arm("sync", ["--strategy", "sync", *COMMON, "--steps", str(steps)])
+    sync_tune = capped_arm("sync", steps, [])
     runs = harness.interleave(
         [sync_tune], tune, run=lambda a, s: run(a, s, "tune"), prov=prov, phase="tune"
     )
@@ -111,13 +108,8 @@ def main() -> None:
 
     # 2. every relaxed arm within T on the tuning seeds
     cap = ["--max-train-time-s", f"{budget:.4g}"]
-
-    def arm(name: str, flags: list[str], times: int) -> Arm:
-        return Arm(name, ["--strategy", "diloco", *flags, *COMMON, "--steps",
-                          str(times * steps), *cap])  # fmt: skip
-
     families = {"DiLoCo": DILOCO, "Streaming DiLoCo": STREAMING}
-    relaxed = [arm(n, f, x) for fam in families.values() for n, (f, x) in fam.items()]
+    relaxed = [capped_arm(n, steps, cap) for fam in families.values() for n in fam]
     tuned = harness.interleave(
         relaxed, tune, run=lambda a, s: run(a, s, "tune"), prov=prov, phase="tune"
     )
@@ -133,7 +125,7 @@ def main() -> None:
            "L* counts at T).")  # fmt: skip
 
     # 3.-4. confirmations on fresh seeds, interleaved, with sync's A/A copy
-    sync = Arm("sync", [*sync_tune.argv, *cap])
+    sync = capped_arm("sync", steps, cap)
     arms = [sync, *chosen.values()]
     for phase, seeds, title in (("confirm", confirm, "3. Confirmation"),
                                 ("confirm2", confirm2, "4. Second confirmation")):  # fmt: skip
@@ -142,6 +134,24 @@ def main() -> None:
                     tuning_mean_log_time=score,
                     chosen={fam: a.name for fam, a in chosen.items()})  # fmt: skip
     rep.write(runs)
+
+
+def capped_arm(name: str, steps: int, cap: list[str]) -> Arm:
+    """Sync for ``steps`` or a relaxed arm of :data:`DILOCO` / :data:`STREAMING` for its
+    multiple of them, with ``cap`` (the training-time budget's flags, or none)."""
+    if name == "sync":
+        return Arm("sync", ["--strategy", "sync", *COMMON, "--steps", str(steps), *cap])
+    flags, times = {**DILOCO, **STREAMING}[name]
+    return Arm(name, ["--strategy", "diloco", *flags, *COMMON, "--steps", str(times * steps),
+                      *cap])  # fmt: skip
+
+
+def measure(arm: Arm, seed: int, out: Path) -> harness.Run:
+    """One run of ``arm`` into ``out``, its CPU and pace measured, its evaluations the negated
+    test loss (it holds a loss L when time_to_target(−L) is reached)."""
+    r = experiments.measured_run(lambda: harness.run_train(arm, seed, out), out, BATCH)
+    r.evals = harness.read_evals(out, "test_loss", -1.0)
+    return r
 
 
 def confirmation(

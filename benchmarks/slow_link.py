@@ -80,8 +80,7 @@ def main() -> None:
     epochs = 2 if quick else SYNC_EPOCHS
 
     def run(arm: Arm, seed: int, phase: str) -> harness.Run:
-        out = root / phase / harness.slug(arm.name) / f"seed{seed}"
-        return experiments.measured_run(lambda: peers.run_arm(arm, seed, out), out, BATCH)
+        return measure(arm, seed, root / phase / harness.slug(arm.name) / f"seed{seed}")
 
     rep = harness.Report("slow_link", "DASO, local SGD and (Streaming) DiLoCo against a tuned "
                          "sync over a real 1 Gbit/s link, 2 × 2 workers", prov)  # fmt: skip
@@ -106,10 +105,8 @@ def main() -> None:
            f"A* = {pct(target)}.")  # fmt: skip
 
     # 2. every relaxed arm for T on the tuning seeds
-    timed = ["--epochs", "64", "--max-train-time-s", f"{budget:.4g}"]
-    sync = Arm("sync", ["--strategy", "sync", "--lr", lr, *COMMON, *timed])
-    relaxed = [Arm(n, [*f, "--lr", f"{x:g}", *COMMON, *timed])
-               for n, (f, x) in (*DASO.items(), *OTHERS.items())]  # fmt: skip
+    sync = timed_arm("sync", budget, float(lr))
+    relaxed = [timed_arm(n, budget) for n in (*DASO, *OTHERS)]
     tuned = harness.interleave(relaxed, tune, run=lambda a, s: run(a, s, "tune"), prov=prov)
     runs += tuned
     tg = harness.by_arm(tuned)
@@ -169,6 +166,21 @@ def main() -> None:
                                    for n, (t, a) in score.items()},
                     chosen=[best_daso.name, best_other.name])  # fmt: skip
     rep.write(runs)
+
+
+def timed_arm(name: str, budget: float, sync_lr: float | None = None) -> Arm:
+    """Step 2's and 3's arm ``name`` ("sync" at ``sync_lr``, or one of :data:`DASO` and
+    :data:`OTHERS` at its own lr), trained for ``budget`` s."""
+    timed = [*COMMON, "--epochs", "64", "--max-train-time-s", f"{budget:.4g}"]
+    if name == "sync":
+        return Arm("sync", ["--strategy", "sync", "--lr", f"{sync_lr:g}", *timed])
+    flags, lr = {**DASO, **OTHERS}[name]
+    return Arm(name, [*flags, "--lr", f"{lr:g}", *timed])
+
+
+def measure(arm: Arm, seed: int, out: Path) -> harness.Run:
+    """One run of ``arm`` into ``out``, its CPU and pace measured."""
+    return experiments.measured_run(lambda: peers.run_arm(arm, seed, out), out, BATCH)
 
 
 HEADERS = ("arm | accuracy at T per seed | mean | time to A* per seed (s) | inter-node MB "

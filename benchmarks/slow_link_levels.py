@@ -37,10 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import experiments  # noqa: E402
 import harness  # noqa: E402
 import lm_slow_link  # noqa: E402
-import peers  # noqa: E402
 import slow_link  # noqa: E402
 from harness import Arm, fmt, pct  # noqa: E402
 
@@ -54,42 +52,14 @@ class Workload:
     seeds: tuple[int, ...]
     title: str
     where: str
-    goal: float | dict[str, float]  # the time target (per arm family)
-    arms: Callable[[dict, float], list[Arm]]  # (pilot data, T): sync first, then the chosen
+    goal: Callable[[str], float]  # an arm's time target
+    arm: Callable[[str, dict, float], Arm]  # (name, pilot data, T): that arm, trained for T
     run: Callable[[Arm, int, Path], harness.Run]
     show: Callable[[float], str]  # a level (an evaluation's value) as the claims name it
     final: Callable[[harness.Run], float]
     diff: dict  # diff_claim's target, ok, scale and digits for "at T − sync"
     row: Callable[[str, list[harness.Run], float, float], list[str]]
     headers: str
-
-    def pilot(self, name: str) -> Path:
-        return harness.REPO / "benchmarks" / "results" / f"{name}.json"
-
-
-def image_arms(data: dict, budget: float) -> list[Arm]:
-    timed = [*slow_link.COMMON, "--epochs", "64", "--max-train-time-s", f"{budget:.4g}"]
-    flags = {**slow_link.DASO, **slow_link.OTHERS}
-    arms = [Arm("sync", ["--strategy", "sync", "--lr", f"{data['sync_lr']:g}", *timed])]
-    return arms + [Arm(n, [*flags[n][0], "--lr", f"{flags[n][1]:g}", *timed]) for n in chosen(data)]
-
-
-def gpt_arms(data: dict, budget: float) -> list[Arm]:
-    steps, cap = data["steps"], ["--max-train-time-s", f"{budget:.4g}"]
-    flags = {**lm_slow_link.DILOCO, **lm_slow_link.STREAMING}
-    arms = [Arm("sync", ["--strategy", "sync", *lm_slow_link.COMMON, "--steps", str(steps), *cap])]
-    return arms + [Arm(n, ["--strategy", "diloco", *flags[n][0], *lm_slow_link.COMMON, "--steps",
-                           str(flags[n][1] * steps), *cap]) for n in chosen(data)]  # fmt: skip
-
-
-def image_run(arm: Arm, seed: int, out: Path) -> harness.Run:
-    return experiments.measured_run(lambda: peers.run_arm(arm, seed, out), out, slow_link.BATCH)
-
-
-def gpt_run(arm: Arm, seed: int, out: Path) -> harness.Run:
-    r = experiments.measured_run(lambda: harness.run_train(arm, seed, out), out, lm_slow_link.BATCH)
-    r.evals = harness.read_evals(out, "test_loss", -1.0)  # holds a loss L: time_to_target(−L)
-    return r
 
 
 def chosen(data: dict) -> list[str]:
@@ -100,7 +70,8 @@ def chosen(data: dict) -> list[str]:
 WORKLOADS = {
     "slow_link": Workload(
         tuple(range(11, 19)), "2 × 2 workers, 1 Gbit/s", "2 × 2, 1 Gbit/s, fresh seeds",
-        {"daso": slow_link.DASO_TARGET, "": slow_link.OTHER_TARGET}, image_arms, image_run,
+        lambda n: slow_link.DASO_TARGET if n.startswith("daso") else slow_link.OTHER_TARGET,
+        lambda n, data, t: slow_link.timed_arm(n, t, data["sync_lr"]), slow_link.measure,
         pct, lambda r: r.final_accuracy or 0.0,
         dict(target=f"≥ {-slow_link.ACC_POINTS:g}", scale=100.0, digits=2, what="points",
              measure="accuracy", ok=lambda d, lo, hi: lo >= -slow_link.ACC_POINTS),
@@ -108,8 +79,10 @@ WORKLOADS = {
     ),
     "lm_slow_link": Workload(
         tuple(range(18, 26)), "the GPT, 2 × 2 workers, 100 Mbit/s",
-        "GPT, 2 × 2, 100 Mbit/s, fresh seeds", lm_slow_link.TIME_TARGET, gpt_arms, gpt_run,
-        lambda v: f"{fmt(-v, 4)} nats", lm_slow_link.loss,
+        "GPT, 2 × 2, 100 Mbit/s, fresh seeds", lambda n: lm_slow_link.TIME_TARGET,
+        lambda n, data, t: lm_slow_link.capped_arm(n, data["steps"],
+                                                   ["--max-train-time-s", f"{t:.4g}"]),
+        lm_slow_link.measure, lambda v: f"{fmt(-v, 4)} nats", lm_slow_link.loss,
         dict(target=f"≤ {lm_slow_link.LOSS_NATS:g}", scale=1.0, digits=4, what="nats/byte",
              measure="test loss", ok=lambda d, lo, hi: hi <= lm_slow_link.LOSS_NATS),
         lambda n, rs, level, b: lm_slow_link.table_row(n, rs, -level, b), lm_slow_link.HEADERS,
@@ -138,7 +111,7 @@ def main() -> None:
 
     args, prov = harness.start(__doc__, add)
     w = WORKLOADS[args.workload]
-    path = w.pilot(args.workload)
+    path = harness.REPO / "benchmarks" / "results" / f"{args.workload}.json"
     pilot = json.loads(path.read_text())
     data = pilot["data"]
     budget, names = data["budget_s"], chosen(data)
@@ -159,7 +132,7 @@ def main() -> None:
         f"of them held: {', '.join(w.show(x) for x in levels)}."
     )  # fmt: skip
 
-    arms = w.arms(data, 8.0 if args.quick else budget)
+    arms = [w.arm(n, data, 8.0 if args.quick else budget) for n in ("sync", *names)]
     root = prov.runs_dir(name)
     runs = harness.interleave(arms, seeds, control="sync", prov=prov,
                               run=lambda a, s: w.run(a, s, root / harness.slug(a.name) /
@@ -167,8 +140,7 @@ def main() -> None:
     g = harness.by_arm(runs)
     copy, bound = harness.aa_name("sync"), harness.budget_of(runs)
     for arm in names:
-        goal = w.goal if isinstance(w.goal, float) else next(
-            v for k, v in w.goal.items() if arm.startswith(k))  # fmt: skip
+        goal = w.goal(arm)
         for level in levels:
             times = {n: harness.times_to(g[n], level) for n in (arm, "sync", copy)}
             harness.ratio_claim(rep, f"time to {w.show(level)} (named before), {arm} ÷ sync, "
