@@ -53,7 +53,8 @@ BENCH_ALL := reliability compress experiments:accuracy:--first-seed:5 experiment
 	defaults daso powersgd local_sgd transport overhead throughput startup sim_fidelity sim_scale \
 	sim_seeds \
 	sim_published wire compress_scale lm lm_replicas node_replicas staleness staleness_rules per_sample \
-	slow_link slow_link_levels lm_slow_link equal_time equal_time:--cell:pareto equal_time:--cell:slow-node \
+	slow_link slow_link_levels lm_slow_link slow_link_levels:--workload:lm_slow_link \
+	equal_time equal_time:--cell:pareto equal_time:--cell:slow-node \
 	equal_time:--cell:pareto:--workers:64 async_diloco_w64
 BENCH_FLAGS ?=
 BENCH_TIMEOUT_S ?= 3600

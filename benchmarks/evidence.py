@@ -74,10 +74,9 @@ ADVICE: list[tuple[str, str, str, Cell, Cell]] = [
     ("A small GPT, 2 nodes of 2 workers over 100 Mbit/s (real runs, every arm within sync's "
      "time)", "`diloco --replica node --fragments 4 --fragment-delay 1 --compress int8` (H = 8, "
      "twice sync's steps)", "100 Mbit/s",
-     ("lm_slow_link", "time to L* = 2.252, streaming int8 node ×2 ÷ sync, GPT, 2 × 2, 100 "
-      "Mbit/s, seeds 8–17", "× sync's time to its loss + 0.01"),
-     ("lm_slow_link", "test loss at sync's time T, streaming int8 node ×2 − sync (nats/byte), "
-      "GPT, 2 × 2, 100 Mbit/s, seeds 8–17",
+     ("lm_slow_link_levels", "time to 2.46 nats (named before), streaming int8 node ×2 ÷ sync",
+      "× sync's time to 2.46 nats (named before from a pilot)"),
+     ("lm_slow_link_levels", "test loss at sync's time T, streaming int8 node ×2 − sync",
       " nats per byte from sync's loss when sync's time is up")),
     ("Two nodes of two, 1 Gbit/s between them, the fewest bytes (real runs; time: 288 steps, "
      "quality: 800)",
