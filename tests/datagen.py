@@ -9,10 +9,8 @@ import numpy as np
 
 
 def class_images(n: int, seed: int, size: int = 32, classes: int = 10):
-    """(uint8 [n, size, size, 3] images, labels): each class a colour and a bright quadrant.
-
-    Learnable in a few steps, so tiny runs can check that training does something.
-    """
+    """(uint8 [n, size, size, 3] images, labels): each class a colour and a bright quadrant,
+    learnable in a few steps, so tiny runs can check that training does something."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, classes, n)
     colours = np.random.default_rng(1).integers(0, 256, (classes, 3))

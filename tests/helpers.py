@@ -1,5 +1,5 @@
-"""Test helpers: one spawn helper for distributed tests, running the CLI as a user does, runs
-shared between tests, and strict readers of what a run writes."""
+"""Test helpers: one spawn helper for distributed tests, running the CLI as a user does, and
+strict readers of what a run writes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -431,32 +430,6 @@ def refused(args: list[str], monkeypatch, capsys) -> subprocess.CompletedProcess
     return subprocess.CompletedProcess(args, code, captured.out, captured.err)
 
 
-# ---------------------------------------------------------------------------- shared runs
-_SHARED: dict[tuple[str, ...], Path | BaseException] = {}
-
-
-def shared_run(*args: str, timeout_s: float = 300) -> Path:
-    """The output directory of ``cloudburst train ARGS``, run once per test session: to
-    read only (a test that changes files works on :func:`copy_run` of it)."""
-    if args not in _SHARED:
-        root = Path(tempfile.mkdtemp(prefix="cloudburst-shared-"))
-        atexit.register(shutil.rmtree, root, True)
-        try:
-            cli("train", *args, "--out", str(root / "run"), timeout_s=timeout_s)
-            _SHARED[args] = root / "run"
-        except BaseException as e:  # noqa: BLE001 - every test that needs it fails alike
-            _SHARED[args] = e
-    found = _SHARED[args]
-    if isinstance(found, BaseException):
-        raise AssertionError(f"the shared run failed: {found}")
-    return found
-
-
-def copy_run(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
 # ---------------------------------------------------------------------------- reading a run
 def read_summary(out: Path) -> dict[str, Any]:
     return json.loads((out / "summary.json").read_text())
@@ -468,11 +441,8 @@ def read_events(path: Path, growing: bool = False) -> list[dict[str, Any]]:
     missing file is an empty list."""
     if growing and not path.is_file():
         return []
-    text = path.read_text()
-    lines = text.split("\n")
-    if growing:
-        lines = lines[:-1]  # after the last newline: empty, or a line being written
-    elif lines[-1] == "":
+    lines = path.read_text().split("\n")
+    if growing or lines[-1] == "":  # after the last newline: empty, or a line being written
         lines = lines[:-1]
     records = []
     for number, line in enumerate(lines, 1):

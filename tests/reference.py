@@ -13,14 +13,14 @@ synthetic split is the package's; the rest is computed here from the documented 
 epoch a permutation of it seeded by ``seed·1000 + w``, the last incomplete batch dropped; the
 models (the MNIST-1D paper's MLP and CNN) are built after ``torch.manual_seed(seed)``. ``nan``
 names (worker, step) pairs whose loss an injected ``nan:RANK@STEP`` makes NaN: that step is not
-applied (the optimizer does not step; the data stream moves on).
-"""
+applied (the optimizer does not step; the data stream moves on)."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from torch import nn
 #: ``local_step(worker, step)``: one optimizer step of worker ``worker``'s replica; ``step``
 #: counts that worker's local steps from 1.
 LocalStep = Callable[[int, int], None]
+MakeOptimizer = Callable[[nn.Module], torch.optim.Optimizer]
 
 FEATURES, HIDDEN, CLASSES = 5, 8, 3  # the tiny problem
 NUMEL = FEATURES * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES  # 75 parameters
@@ -81,11 +82,7 @@ class Replicas:
     on ``batch(worker, step)``; :meth:`step` is the ``local_step`` callback of the references."""
 
     def __init__(
-        self,
-        workers: int,
-        make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
-        seed: int = 0,
-        batch_size: int = 8,
+        self, workers: int, make_optimizer: MakeOptimizer, seed: int = 0, batch_size: int = 8
     ):
         self.models = [tiny_model(seed) for _ in range(workers)]
         self.optimizers = [make_optimizer(m) for m in self.models]
@@ -96,11 +93,11 @@ class Replicas:
         train_step(self.models[worker], self.optimizers[worker], x, y)
 
 
-def sgd(lr: float = 0.1, momentum: float = 0.9) -> Callable[[nn.Module], torch.optim.Optimizer]:
+def sgd(lr: float = 0.1, momentum: float = 0.9) -> MakeOptimizer:
     return lambda m: torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum)
 
 
-def adamw(lr: float = 0.01) -> Callable[[nn.Module], torch.optim.Optimizer]:
+def adamw(lr: float = 0.01) -> MakeOptimizer:
     return lambda m: torch.optim.AdamW(m.parameters(), lr=lr)
 
 
@@ -121,9 +118,7 @@ def large_batch_sgd(
     history = []
     for step in range(1, steps + 1):
         batches = [batch(w, step, batch_size) for w in range(workers)]
-        x = torch.cat([b[0] for b in batches])
-        y = torch.cat([b[1] for b in batches])
-        train_step(model, optimizer, x, y)
+        train_step(model, optimizer, *(torch.cat(part) for part in zip(*batches, strict=True)))
         history.append(flat(model))
     return history
 
@@ -181,6 +176,25 @@ class PsRun:
     final: list[torch.Tensor] = field(default_factory=list)
 
 
+def _scripted(models, local_step, script, every: int, sync, flush: bool, run: PsRun) -> PsRun:
+    """Worker ``w``'s local steps in ``script`` order, each followed by ``sync(w, False)`` after
+    every ``every``-th of them and recorded in ``run.replicas``; with ``flush``, each worker
+    with steps since its last sync calls ``sync(w, True)`` at the end, in worker order."""
+    steps = [0] * len(models)
+    for w in script:
+        steps[w] += 1
+        local_step(w, steps[w])
+        if steps[w] % every == 0:
+            sync(w, False)
+        run.replicas[w].append(flat(models[w]))
+    if flush:
+        for w in range(len(models)):
+            if steps[w] % every:
+                sync(w, True)
+    run.final = [flat(m) for m in models]
+    return run
+
+
 def asgd(
     models: Sequence[nn.Module],
     local_step: LocalStep,
@@ -195,36 +209,24 @@ def asgd(
     local step comes next (one entry per step). After every n_sync-th local step the worker
     pushes Δ = θ_local − θ_at_last_fetch and fetches θ (which now includes its own push). With
     ``flush``, each worker that has unpushed steps at the end pushes them (no fetch), in
-    worker order.
-    """
+    worker order."""
     server = Server(flat(models[0]), lr=lam)
     theta, v = server.fetch()
     for m in models:
         set_flat(m, theta)
     base, version = [theta] * len(models), [v] * len(models)
-    steps = [0] * len(models)
     run = PsRun([], [], [[] for _ in models])
 
-    def push(w: int) -> None:
+    def push(w: int, last: bool) -> None:
         local = flat(models[w])
         run.pushes.append((w, server.push(local - base[w], version[w])))
         run.server.append(server.fetch()[0])
         base[w] = local
-
-    for w in script:
-        steps[w] += 1
-        local_step(w, steps[w])
-        if steps[w] % n_sync == 0:
-            push(w)
+        if not last:
             base[w], version[w] = server.fetch()
             set_flat(models[w], base[w])
-        run.replicas[w].append(flat(models[w]))
-    if flush:
-        for w in range(len(models)):
-            if steps[w] % n_sync:
-                push(w)
-    run.final = [flat(m) for m in models]
-    return run
+
+    return _scripted(models, local_step, script, n_sync, push, flush, run)
 
 
 # ---------------------------------------------------------------------------- 4. easgd
@@ -240,17 +242,15 @@ def easgd(
     from; after every τ-th local step worker i computes e = α(θ_i − θ̃), sets θ_i ← θ_i − e
     and θ̃ ← θ̃ + e, atomically (the exchanges are applied in script order). ``pushes`` lists
     (worker, number of exchanges by others since this worker's previous one). With ``flush``,
-    a worker with steps since its last exchange makes one more at the end, in worker order.
-    """
+    a worker with steps since its last exchange makes one more at the end, in worker order."""
     centre = flat(models[0]).clone()
     for m in models:
         set_flat(m, centre)
     exchanges = 0
     seen = [0] * len(models)
-    steps = [0] * len(models)
     run = PsRun([], [], [[] for _ in models])
 
-    def exchange(w: int) -> None:
+    def exchange(w: int, last: bool) -> None:
         nonlocal centre, exchanges
         theta = flat(models[w])
         e = alpha * (theta - centre)
@@ -261,18 +261,7 @@ def easgd(
         exchanges += 1
         seen[w] = exchanges
 
-    for w in script:
-        steps[w] += 1
-        local_step(w, steps[w])
-        if steps[w] % tau == 0:
-            exchange(w)
-        run.replicas[w].append(flat(models[w]))
-    if flush:
-        for w in range(len(models)):
-            if steps[w] % tau:
-                exchange(w)
-    run.final = [flat(m) for m in models]
-    return run
+    return _scripted(models, local_step, script, tau, exchange, flush, run)
 
 
 # ---------------------------------------------------------------------------- 5. local SGD
@@ -557,7 +546,6 @@ def quantised_all_reduce(
     (the result every rank holds, the new sender residuals, the new owner residuals)."""
     size, n = len(vectors), vectors[0].numel()
     pad = (-n) % block
-
     blocks = (n + pad) // block
     runs = [blocks // size + (1 if j < blocks % size else 0) for j in range(size)]
     sent, new_sent = [], []
@@ -826,10 +814,8 @@ def sync_sgd(
     data = streams(workers, test_size=test_size)
     for step in range(1, steps + 1):
         batches = [next(s) for s in data]
-        x = torch.cat([b[0] for b in batches])
-        y = torch.cat([b[1] for b in batches])
         opt.zero_grad()
-        _loss(m, (x, y), autocast).backward()
+        _loss(m, [torch.cat(part) for part in zip(*batches, strict=True)], autocast).backward()
         if step not in skip:
             opt.step()
         if sched is not None:
@@ -857,9 +843,8 @@ class ParityReplicas:
 
     def step(self, w: int, step: int) -> None:
         batches = [next(s) for s in self.data[w * self.per : (w + 1) * self.per]]
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         self.optimizers[w].zero_grad()
-        _loss(self.models[w], (x, y)).backward()
+        _loss(self.models[w], [torch.cat(part) for part in zip(*batches, strict=True)]).backward()
         if (w, step) not in self.nan:
             self.optimizers[w].step()
 
@@ -919,12 +904,8 @@ def fragment_ranges(model: nn.Module, fragments: int) -> list[tuple[int, int]]:
         best = min(candidates, key=lambda i: (abs(ends[i - 1] - target), i))
         cuts.append(best)
         first = best + 1
-    tensor_bounds = [0, *cuts, len(ends)]
     elements = [0, *ends]
-    return [
-        (elements[a], elements[b])
-        for a, b in zip(tensor_bounds[:-1], tensor_bounds[1:], strict=True)
-    ]
+    return [(elements[a], elements[b]) for a, b in pairwise([0, *cuts, len(ends)])]
 
 
 def streaming_diloco(

@@ -42,20 +42,14 @@ from cloudburst.strategies.diloco import DilocoStrategy
 from cloudburst.strategies.local_sgd import LocalSgdStrategy
 from cloudburst.strategies.local_sgd import worker as local_sgd
 from tests import reference as ref
-from tests.helpers import wait_running
-from tests.reference import BATCH as PARITY_BATCH
-from tests.reference import LR as PARITY_LR
-from tests.reference import MOMENTUM as PARITY_MOMENTUM
-from tests.reference import SEED as PARITY_SEED
+from tests.helpers import finish_job, start_job, wait_running
 
 
 # -------------------- the parameter-server fake comm (tests/unit/test_asgd_worker.py and others)
-# An in-process fake of gloo between the workers of a parameter-server strategy (asgd, easgd)
-# and the real ServerLoop of each shard. Requests queue per shard; a shard handles its queue
-# (with the loop's own request handling) when a worker waits for one of its answers. All runs
-# in the calling thread: the order in which a test calls the workers' ``after_step`` is the
-# order in which the shards see their pushes (a scripted interleaving, no timing). Not faked:
-# finish's DONE/PING handshake; :func:`flush` pushes what a worker has left, as finish does.
+# An in-process fake of gloo between a parameter-server strategy's workers and each shard's real
+# ServerLoop: a shard serves its queued requests when a worker waits for one of its answers, in
+# the calling thread, so the order of the workers' ``after_step`` calls is the order the shards
+# see their pushes. Not faked: finish's DONE/PING handshake (:func:`flush` pushes what is left).
 class Done:
     """A finished (or lazily finishing) work handle: ``wait`` runs ``fn`` once."""
 
@@ -66,6 +60,9 @@ class Done:
         if self.fn is not None:
             fn, self.fn = self.fn, None
             fn()
+
+    def is_completed(self) -> bool:
+        return self.fn is None
 
 
 class FakeNetwork:
@@ -166,23 +163,6 @@ class FakeStore:
         return self.counters[key]
 
 
-class NoHeartbeat:
-    """A worker's heartbeat that starts no thread (nobody checks liveness in the fake)."""
-
-    def stop(self) -> None:
-        pass
-
-
-class NoLiveness:
-    """Nobody is ever declared dead."""
-
-    def dead(self, ranks) -> set[int]:
-        return set()
-
-    def revive(self, rank: int) -> None:
-        pass
-
-
 class RecordingMetrics:
     """Keeps the server's metrics records: (event, fields)."""
 
@@ -205,32 +185,18 @@ class FakeContext(ReplicaView):
     rank: int
     net: FakeNetwork
     store: FakeStore
-    heartbeat: NoHeartbeat = field(default_factory=NoHeartbeat)
+    # a heartbeat that starts no thread: nobody checks liveness in the fake
+    heartbeat: Any = field(default_factory=lambda: SimpleNamespace(stop=lambda: None))
     device: torch.device = torch.device("cpu")
     topology: None = None
     link: None = None
     rejoined: bool = False
     comm: Any = REAL
 
-    @property
-    def num_servers(self) -> int:
-        return self.cfg.job.servers
-
-    @property
-    def world_size(self) -> int:
-        return self.cfg.world_size
-
-    @property
-    def is_server(self) -> bool:
-        return self.rank < self.num_servers
-
-    @property
-    def server_index(self) -> int:
-        return self.rank
-
-    @property
-    def worker_index(self) -> int:
-        return self.rank - self.num_servers
+    def __post_init__(self) -> None:
+        self.num_servers, self.world_size = self.cfg.job.servers, self.cfg.world_size
+        self.is_server = self.rank < self.num_servers
+        self.server_index, self.worker_index = self.rank, self.rank - self.num_servers
 
     @property
     def worker_ranks(self) -> list[int]:
@@ -265,13 +231,10 @@ def ps_job(cfg: RunConfig, models: list[nn.Module], theta: torch.Tensor | None =
         raise ValueError(f"{len(models)} models for {cfg.job.workers} workers")
     net, store = FakeNetwork(), FakeStore()
     theta = flatten_params(models[0]) if theta is None else theta
-    loops, metrics = [], []
-    for k in range(cfg.job.servers):
-        recorder = RecordingMetrics()
-        loop = ServerLoop(FakeContext(cfg, k, net, store), theta, recorder, NoLiveness())
-        net.add_shard(loop)
-        loops.append(loop)
-        metrics.append(recorder)
+    metrics = [RecordingMetrics() for _ in range(cfg.job.servers)]
+    nobody_dies = SimpleNamespace(dead=lambda ranks: set(), revive=lambda rank: None)
+    for k, recorder in enumerate(metrics):
+        net.add_shard(ServerLoop(FakeContext(cfg, k, net, store), theta, recorder, nobody_dies))
     workers = []
     for i, model in enumerate(models):
         strategy = STRATEGY_CLASSES[cfg.job.strategy](
@@ -279,35 +242,12 @@ def ps_job(cfg: RunConfig, models: list[nn.Module], theta: torch.Tensor | None =
         )
         strategy.wrap(model, None)
         workers.append(strategy)
-    return PsJob(workers, loops, metrics)
+    return PsJob(workers, list(net.loops), metrics)
 
 
 def flush(strategy: AsgdStrategy) -> None:
     """What ``finish`` does before its DONE handshake: push the steps not pushed yet."""
     strategy._flush()
-
-
-def run_on_threads(size: int, barrier: threading.Barrier, make_comm, fn) -> list:
-    """``fn(rank, make_comm(rank))`` on ``size`` threads meeting at ``barrier`` (aborted when
-    one fails); their results, or the first error raised."""
-    results: list = [None] * size
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = fn(rank, make_comm(rank))
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 class StandbyForwards:
@@ -344,17 +284,12 @@ def prior_stats() -> CommStats:
     )  # fmt: skip
 
 
-class _LinkSpec:
-    latency_s = 0.125
-    bytes_per_s = 1024.0
-
-
 class RecordingLink:
     """An emulated link of latency 1/8 s and 1024 bytes/s that charges ``allreduce_cost_s`` for
     any all-reduce; records each cost asked (bytes, group size) and each booking (seconds,
     group); its bookings end at perf_counter 0 (waiting for them never sleeps)."""
 
-    spec = _LinkSpec()
+    spec = SimpleNamespace(latency_s=0.125, bytes_per_s=1024.0)
 
     def __init__(self, active: bool = True, allreduce_cost_s: float = 0.0625):
         self.active, self.allreduce_cost_s = active, allreduce_cost_s
@@ -376,19 +311,10 @@ STEP_S = 0.01  # the modelled step time of every run_sim run
 
 def sim_cfg(out: Path, strategy: str, workers: int, steps: int, **kw) -> RunConfig:
     return RunConfig(
-        strategy=strategy,
-        workers=workers,
-        steps=steps,
-        dataset="synthetic",
-        model="cnn",
-        batch_size=PARITY_BATCH,
-        lr=PARITY_LR,
-        momentum=PARITY_MOMENTUM,
-        seed=PARITY_SEED,
-        eval_every_s=kw.pop("eval_every_s", 1000.0),
-        out=str(out),
-        **kw,
-    )
+        strategy=strategy, workers=workers, steps=steps, dataset="synthetic", model="cnn",
+        batch_size=ref.BATCH, lr=ref.LR, momentum=ref.MOMENTUM, seed=ref.SEED,
+        eval_every_s=kw.pop("eval_every_s", 1000.0), out=str(out), **kw,
+    )  # fmt: skip
 
 
 def run_sim(cfg: RunConfig, **clock) -> dict:
@@ -407,27 +333,22 @@ BATCH = 8  # samples per local step (what the loop passes to after_step)
 
 class _Workers:
     """The workers' group, for W threads: ``all_reduce_sum`` returns with the sum of every
-    worker's vector (a 10 s barrier: a worker that does not take part fails the test)."""
+    worker's vector (a :class:`ThreadGroup`: a worker that does not take part fails the test)."""
 
     def __init__(self, workers: int):
-        self.barrier = threading.Barrier(workers, timeout=10)
+        self.threads = ThreadGroup(workers)
         self.lock = threading.Lock()
-        self.parts: dict[int, torch.Tensor] = {}
         self.calls: list[tuple[int, Any, bool]] = []  # (worker, link, spans_nodes)
 
     def all_reduce_sum(self, tensor, group, stats, link=None, spans_nodes=False, **kw):
         assert kw.pop("comm", None) is not None, "the strategy passes its transport"
         assert not kw, kw
         # counted into the caller's stats as the real all-reduce counts it
-        moved = ring_bytes(tensor.numel(), tensor.element_size(), self.barrier.parties)
+        moved = ring_bytes(tensor.numel(), tensor.element_size(), self.threads.size)
         count_collective(stats, moved, spans_nodes)
         with self.lock:
-            self.parts[group] = tensor.clone()
             self.calls.append((group, link, spans_nodes))
-        self.barrier.wait()
-        total = torch.stack([self.parts[w] for w in sorted(self.parts)]).sum(0)
-        self.barrier.wait()  # every worker has read the parts before the next round writes
-        tensor.copy_(total)
+        tensor.copy_(torch.stack(ThreadComm(self.threads, group)._exchange(tensor)).sum(0))
         return Done()  # a blocking all-reduce: nothing left to wait for
 
 
@@ -527,12 +448,11 @@ DASO_REF_LR, DASO_REF_MOMENTUM = 0.1, 0.9
 
 
 def daso_reference_cfg(out: str, wait: int, **kw):
-    return RunConfig(strategy="daso", workers=DASO_REF_WORKERS, nodes=DASO_REF_NODES,
-                     dataset="synthetic", daso_global_skip=DASO_REF_GLOBAL_SKIP,
-                     daso_batches_to_wait=wait, daso_local_skip=DASO_REF_LOCAL_SKIP,
-                     daso_warmup_epochs=0, daso_cooldown_epochs=0, daso_adaptive=False,
-                     daso_epoch_end_sync=False, daso_downcast="none",
-                     daso_cycling_downcast="none", out=out, comm_timeout_s=60, **kw)  # fmt: skip
+    return daso_sync_cfg(
+        out, DASO_REF_WORKERS, DASO_REF_NODES, daso_global_skip=DASO_REF_GLOBAL_SKIP,
+        daso_batches_to_wait=wait, daso_local_skip=DASO_REF_LOCAL_SKIP, daso_downcast="none",
+        daso_cycling_downcast="none", **kw,
+    )  # fmt: skip
 
 
 def daso_reference_drive(ctx) -> list[list[float]]:
@@ -772,9 +692,26 @@ class RecordedWork:
 
 def on_comm_threads(size: int, fn, **comm) -> list:
     """``fn(rank, comm)`` on ``size`` threads, each with a :class:`ThreadComm` (``comm``: its
-    keyword arguments); their results."""
+    keyword arguments); their results, or the first error raised (the barrier aborted)."""
     group = ThreadGroup(size)
-    return run_on_threads(size, group.barrier, lambda rank: ThreadComm(group, rank, **comm), fn)
+    results: list = [None] * size
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, ThreadComm(group, rank, **comm))
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 # -------------------------- the parameter-server references' config (tests/unit/test_references.py)
@@ -806,6 +743,15 @@ def kill_after_a_checkpoint(out: Path, rank: int, proc: subprocess.Popen) -> Non
     records = wait_running(proc, due, "a shard checkpoint", BOUND_S)
     [start] = [r for r in records if r["event"] == "start"]
     os.kill(start["pid"], signal.SIGKILL)
+
+
+def survives_a_shard_kill(args: list, out: Path) -> None:
+    """``cloudburst train ARGS --out OUT`` succeeds though shard 1 is killed once, as
+    :func:`kill_after_a_checkpoint` kills it."""
+    proc = start_job([*args, "--out", str(out)])
+    kill_after_a_checkpoint(out, 1, proc)
+    _, stderr = finish_job(proc, BOUND_S)
+    assert proc.returncode == 0, stderr
 
 
 # ------------------ the link's clocks and records (tests/unit/test_link.py, test_nic_sharing.py,

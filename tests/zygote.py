@@ -10,8 +10,7 @@ shared (:func:`startup_env`): ``tests.helpers.cli`` sends such calls to a fresh 
 
 Protocol, one job at a time, JSON lines: the client writes {"args", "cwd", "env", "stdout",
 "stderr"} (FIFOs the client reads) and optionally "sigint_default"; the zygote answers {"pid"}
-once it forked, then {"code"} once the child exited.
-"""
+once it forked, then {"code"} once the child exited."""
 
 from __future__ import annotations
 

@@ -37,10 +37,8 @@ def _api_job(rank: int, out: str) -> list[float] | int:
             return ref.flat(job.serve(model)).tolist()
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
         net = job.wrap(model, optimizer)
-        for x, y in _batches():
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(net(x), y).backward()
-            optimizer.step()
+        for x, y in _batches():  # the user's loop
+            ref.train_step(net, optimizer, x, y)
     return 0
 
 
@@ -56,9 +54,7 @@ def _reference() -> torch.Tensor:
         ref.set_flat(model, theta.detach())
 
     for step, (x, y) in enumerate(_batches(), start=1):
-        inner.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        inner.step()
+        ref.train_step(model, inner, x, y)
         if step % H == 0:
             outer_step()
     if STEPS % H:

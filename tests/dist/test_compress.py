@@ -71,14 +71,13 @@ def _powersgd(rank: int) -> dict:
         same.append(all(torch.equal(p.grad, q.grad) for p, q in pairs))
         for opt in opts:
             opt.step()
-    del ours, theirs  # before the group goes: see _teardown
+    del ours, theirs  # before the group goes: see _compressed
     return {"powersgd_same": same, "powersgd_bytes": state.stats.sent_bytes}
 
 
 def _compressed(rank: int) -> dict:
-    """The quantised all-reduce through the real transport (2 int8 rounds with error feedback,
-    the second started non-blocking; 1 fp8 round), sync's int8 DDP hook beside the plain one,
-    and at W = 2 PowerSGD."""
+    """The quantised all-reduce through the real transport (2 int8 rounds with error feedback, the
+    second non-blocking; 1 fp8 round), the int8 DDP hook beside the plain one, PowerSGD at W = 2."""
     torch.set_num_threads(1)
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -105,21 +104,15 @@ def _compressed(rank: int) -> dict:
     for m in (ddp, plain):
         nn.functional.cross_entropy(m(x), y).backward()
     result.update(grad=_grads(model), exact_grad=_grads(exact), hook_bytes=state.stats.sent_bytes)
-    del ddp, plain  # before the group goes: see _teardown
+    del ddp, plain  # before the group goes (below)
     if world == 2:
         result.update(_powersgd(rank))
-    _teardown()
-    return result
-
-
-def _teardown() -> None:
-    """Leave the process group once the caller has dropped its DDP modules, as cloudburst's
-    workers do (``runtime.shutdown``): the group is kept until the process exits. Freed
-    earlier, ProcessGroupGloo's destructor joins its work threads, and on torch 2.13 it may
-    run on one of them (the last reference in a finished collective's callback: an abort,
-    "Resource deadlock avoided") or with the GIL held (a deadlock, 1 run in 4 at W = 4)."""
-    gc.collect()  # a DDP module in a reference cycle
+    # The DDP modules gone (one may sit in a reference cycle), leave the group as cloudburst's
+    # workers do (``runtime.shutdown``: kept until the process exits; freed earlier, on torch
+    # 2.13 its destructor may abort on its own work thread or deadlock on the GIL).
+    gc.collect()
     shutdown(None)
+    return result
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -128,8 +121,7 @@ def test_the_quantised_all_reduce_and_sync_hooks_on_gloo_are_the_reference(tmp_p
     W = 3) and counts quantised_sent_bytes; the int8 hook gives every rank the same gradients,
     counted alike; PowerSGD's are torch's hook's, every step."""
     results = spawn(_compressed, world, tmp_path)
-    sent: list = [None] * world
-    owner: list = [None] * world
+    sent, owner = [None] * world, [None] * world
     pair = ref.QuantisedSum("int8")  # W = 2: the all-gather, the senders' roundings only
     for k, method in enumerate(("int8", "int8", "fp8")):
         inputs = [torch.tensor(r["inputs"][k]) for r in results]
@@ -137,14 +129,10 @@ def test_the_quantised_all_reduce_and_sync_hooks_on_gloo_are_the_reference(tmp_p
         if world == 2:
             expected = (ref.QuantisedSum(method) if fresh else pair)(inputs)
         else:
-            expected, new_sent, new_owner = ref.quantised_all_reduce(
-                inputs,
-                method,
-                [None] * world if fresh else sent,
-                [None] * world if fresh else owner,
-            )
+            prior = ([None] * world, [None] * world) if fresh else (sent, owner)
+            expected, *after = ref.quantised_all_reduce(inputs, method, *prior)
             if not fresh:
-                sent, owner = new_sent, new_owner
+                sent, owner = after
         for r in results:  # the same bits on every rank, the reference's
             assert torch.equal(torch.tensor(r["outputs"][k]), expected)
     for rank, r in enumerate(results):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from cloudburst.comm.flat import flatten_params
+from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.config import RunConfig
 from cloudburst.runtime import init_distributed, shutdown
 from cloudburst.strategies.daso import DasoStrategy
@@ -45,14 +45,10 @@ def _merge_rank(rank: int, out: str, nodes: int, waits: list[int], compress: str
     senders, results = [], []
     for k, s in enumerate(waits):  # syncs in a row: the sending local rank rotates
         # node n sends θ = n + 1 + 10k; θ_local = -1 at the merge
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(ctx.node + 1 + 10 * k)
+        assign_flat(model, torch.full((6,), float(ctx.node + 1 + 10 * k)))
         strategy._start_sync(s=s)
         senders.append(strategy.pending.sender)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(-1.0)
+        assign_flat(model, torch.full((6,), -1.0))
         strategy._merge()
         results.append(flatten_params(model).tolist())
     shutdown(ctx)
@@ -181,9 +177,7 @@ def test_adaptive_schedule_phases_fp16_and_the_plot_marks(tmp_path, monkeypatch)
     # the plot marks where cycling and cool-down began (worker 0's step records)
     steps = {r["step"]: r for r in rank_events(out, 0, "step")}
     marks = []
-    monkeypatch.setattr(
-        matplotlib.axes.Axes, "axvline", lambda self, x, **kw: marks.append(x), raising=True
-    )
+    monkeypatch.setattr(matplotlib.axes.Axes, "axvline", lambda self, x, **kw: marks.append(x))
     plot_runs([str(out)], str(tmp_path / "curves.png"))
     assert sorted(marks) == sorted(
         [steps[11]["time_s"], steps[71]["time_s"], steps[11]["samples"] * 4,

@@ -31,10 +31,6 @@ def _setup(rank: int, out: str, values: list[float], **kw):
     return ctx, model, torch.optim.SGD(model.parameters(), lr=0.0)
 
 
-def _flat(model) -> list[float]:
-    return flatten_params(model).tolist()
-
-
 # ---------------------------------------------------------------------------- exact pull
 A, B = [float(i) for i in range(NUMEL)], [3.0 * i + 1.5 for i in range(NUMEL)]  # the 2 θs
 
@@ -48,7 +44,6 @@ def _pull_once(rank: int, out: str) -> dict:
         # worker 1's main thread waits in the store all through this pull: its server answers
         ctx.store.wait(["w1_busy"])
         strategy.after_step(8)
-        after_step = _flat(model)
         ctx.store.set("w0_pulled", "1")
 
         def tell_done_sent():  # worker 0 has said DONE: it trains no more, but still serves
@@ -61,11 +56,11 @@ def _pull_once(rank: int, out: str) -> dict:
         ctx.store.set("w1_busy", "1")
         ctx.store.wait(["w0_pulled", "w0_done"])
         strategy.after_step(8)  # pulls from worker 0, which has finished training
-        after_step = _flat(model)
+    theta = flatten_params(model).tolist()
     strategy.finish()
     report = strategy.report()
     shutdown(ctx)
-    return {"theta": after_step, "report": report, "info": strategy.step_info()}
+    return {"theta": theta, "report": report, "info": strategy.step_info()}
 
 
 def test_pull_is_the_exact_average_served_by_a_busy_then_a_finished_peer(tmp_path):
@@ -78,9 +73,8 @@ def test_pull_is_the_exact_average_served_by_a_busy_then_a_finished_peer(tmp_pat
         r = w["report"]
         assert w["info"]["peer"] == peer and r["gossip_rounds"] == 1
         assert r["fetches_served"] == 1 and r["pushes_received"] == 0
-        # sent: FETCH, reply (header + θ), DONE; received: the same
-        theta_bytes = NUMEL * 4 + 64
-        assert r["sent_bytes"] == 64 + theta_bytes + 64  # FETCH, reply, DONE
+        theta_bytes = NUMEL * 4 + 64  # a reply: its header and θ
+        assert r["sent_bytes"] == 64 + theta_bytes + 64  # FETCH, reply, DONE; received alike
         assert r["received_bytes"] == theta_bytes + 64 + 64
         assert r["intra_node_bytes"] == r["sent_bytes"] and r["inter_node_bytes"] == 0
         assert r["consensus_bytes"] > 0  # the final measurement, counted apart
@@ -116,10 +110,8 @@ def _straggler(rank: int, out: str) -> dict:
 
 
 def test_early_finisher_keeps_serving_a_straggler_past_the_timeout(tmp_path):
-    # Ring: 0 pulls from 1, 1 from 2, 2 from 0. Worker 2's steps take 5 s in all, past the 4 s
-    # timeout, and it sends worker 1 only DONE at its end: only its keep-alives (a PING every
-    # timeout/4 without contact) keep worker 1's serving thread from timing out (which would
-    # make finish(), and spawn(), raise).
+    # Ring: worker 2 (pulling from 0) takes 5 s, past the 4 s timeout, and sends worker 1 only
+    # DONE at its end: its keep-alives alone keep worker 1's serving thread from timing out.
     w0, w1, w2 = spawn(_straggler, 3, tmp_path, str(tmp_path), timeout_s=90)
     assert w1["report"]["pings_received"] >= 1  # keep-alives were needed, and sent
     assert w1["report"]["fetches_served"] == STRAGGLER_STEPS  # worker 0's pulls
@@ -152,8 +144,7 @@ def _common_checks(out, proc, rounds: int, log_every: int = 10):
         assert [r["step"] for r in steps[rank]] == list(range(log_every, 61, log_every))
         assert [r["consensus_step"] for r in steps[rank] if "consensus_step" in r] == [20, 40, 60]
         assert finals[rank]["gossip_rounds"] == rounds
-        history = finals[rank]["consensus_history"]
-        assert [step for step, _ in history] == [20, 40, 60]
+        assert [step for step, _ in finals[rank]["consensus_history"]] == [20, 40, 60]
     served = sum(f["fetches_served"] + f["pushes_received"] for f in finals)
     assert served == 4 * rounds  # every message served exactly once
     return s, steps, finals

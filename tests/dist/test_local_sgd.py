@@ -50,12 +50,10 @@ def test_post_local_sgd_warmup_then_local_steps_over_an_emulated_link(tmp_path):
     # docs/cli.md's link cost per average: 2(n − 1) latencies and 2(n − 1)/n of the bytes
     gbit_per_s, latency_ms = (float(v) for v in LINK.split(","))
     cost = 2 * latency_ms / 1e3 + numel * 4 / (gbit_per_s * 1e9 / 8)
-    for rank in (0, 1):
+    for rank in (0, 1):  # worker 1 alone skipped a step
         final = final_record(out, rank)
-        assert final["averages"] == averages
+        assert (final["averages"], final["steps_skipped_nonfinite"]) == (averages, rank)
         assert final["emulated_link_s"] == pytest.approx(averages * cost, abs=1e-5)
-    assert final_record(out, 0)["steps_skipped_nonfinite"] == 0
-    assert final_record(out, 1)["steps_skipped_nonfinite"] == 1
 
 
 def test_diloco_warm_start_then_outer_optimizer_without_nesterov(tmp_path):
@@ -74,9 +72,8 @@ def test_diloco_warm_start_then_outer_optimizer_without_nesterov(tmp_path):
         expected, parity_diloco(32, 2, nesterov=True, warmup_steps=4, **settings)[0]
     )
     assert_params_differ(expected, parity_diloco(32, 2, nesterov=False, **settings)[0])
-    s = read_summary(out)
     # one all-reduce of θ per average
-    assert s["sent_bytes"] == 2 * (4 + outer_steps) * parity_numel() * 4
+    assert read_summary(out)["sent_bytes"] == 2 * (4 + outer_steps) * parity_numel() * 4
     assert [final_record(out, r)["averages"] for r in (0, 1)] == [4 + outer_steps] * 2
 
 

@@ -24,9 +24,8 @@ pytestmark = pytest.mark.dist
 
 @pytest.mark.parametrize("desloc", ["1", "0"])
 def test_desloc_node_replicas_send_the_averaged_moments_to_their_followers(tmp_path, desloc):
-    # The leaders average Adam's moments (DES-LOC) at step 12 and each follower takes its
-    # leader's: all 4 checkpoint the same moments; without DES-LOC the nodes' differ. (No
-    # reference here: a node's averaged gradient rounds unlike one batch, Adam magnifies it.)
+    # DES-LOC: the leaders average Adam's moments at step 12, each follower takes its leader's;
+    # without it the nodes' differ. (No reference: Adam magnifies a node gradient's rounding.)
     out = simulated(["--strategy", "diloco", "--workers", "4", "--nodes", "2", "--replica",
         "node", "--period", "4", "--steps", "14", "--optimizer", "adamw", "--checkpoint-every",
         "12", "--desloc-first-every", desloc, "--desloc-second-every", desloc, "--out",
@@ -99,8 +98,7 @@ def test_asgd_shards_see_one_replica_per_node(tmp_path):
         "--out", str(tmp_path / "asgd"), *COMMON]  # fmt: skip
     sim = simulated(args)
     s = read_summary(sim)
-    assert s["config"]["server_lr"] == 0.5 and s["replicas"] == 2
-    assert s["shard_nodes"] == [0, 1]
+    assert (s["config"]["server_lr"], s["replicas"], s["shard_nodes"]) == (0.5, 2, [0, 1])
     assert s["samples"] == 4 * steps * 16
     # each leader pushes every n_sync steps to each shard; followers never do
     workers = {r: final_record(sim, r) for r in range(2, 6)}

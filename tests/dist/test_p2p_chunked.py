@@ -27,12 +27,11 @@ def _exchange(rank: int) -> dict:
             src, header = t.recv_request_any()
             sending = t.isend_payload(src, theta, reply=True)
             delta, sums = torch.empty(NUMEL), []
-            t.recv_payload(
-                src,
-                header.numel,
-                out=delta,
-                on_chunk=lambda a, b: sums.append([a, b, float(delta[a:b].sum())]),
-            )
+
+            def summed(a: int, b: int) -> None:
+                sums.append([a, b, float(delta[a:b].sum())])
+
+            t.recv_payload(src, header.numel, out=delta, on_chunk=summed)
             sending.wait()
             theta.add_(delta)
             t.send(src, Header(Kind.REPLY, version=1, numel=NUMEL, status=Status.OK), theta)
@@ -66,7 +65,7 @@ def _exchange(rank: int) -> dict:
             "sent": t.stats.sent_bytes,
         }
     finally:
-        shutdown(None)  # the group kept until exit: see test_compress._teardown
+        shutdown(None)  # the group kept until exit: see test_compress._compressed
 
 
 def test_chunked_push_fetch_over_gloo(tmp_path):

@@ -20,6 +20,13 @@ from tests.reference import (
 pytestmark = pytest.mark.dist
 
 
+def _gloo_and_simulator_end_on(expected, args: list[str], out) -> None:
+    """The CLI run over gloo and the same job on the virtual cluster end on ``expected``."""
+    cli("train", *args)
+    assert_same_params(trained(out), expected)
+    assert_same_params(trained(simulated(args)), trained(out))
+
+
 def test_the_simulations_agree_where_the_algorithms_coincide():
     sgd = sync_sgd(30, workers=2)
     # Averaging after every step is synchronous SGD (momentum and all: it is linear).
@@ -33,8 +40,7 @@ def test_the_simulations_agree_where_the_algorithms_coincide():
     one = asgd_one_worker(30, n_fetch=1, n_push=1, rule="add", lr=1.0)[0]
     assert_same_params(one, sync_sgd(30, workers=1))
     # ... and so is the sgd rule with lr 1 and no momentum.
-    same = asgd_one_worker(30, n_fetch=1, n_push=1, rule="sgd", lr=1.0)[0]
-    assert_same_params(same, one)
+    assert_same_params(asgd_one_worker(30, n_fetch=1, n_push=1, rule="sgd", lr=1.0)[0], one)
 
 
 def test_sync_adam_weight_decay_cosine_equals_one_model_on_the_double_batch(tmp_path):
@@ -43,11 +49,8 @@ def test_sync_adam_weight_decay_cosine_equals_one_model_on_the_double_batch(tmp_
     args = ["--strategy", "sync", "--workers", "2", "--steps", "40", "--out", str(out),
         *COMMON, "--optimizer", "adam", "--lr", "0.01", "--weight-decay",
         "0.01", "--lr-schedule", "cosine"]  # fmt: skip
-    cli("train", *args)
-    sim = simulated(args)  # the same job on the virtual cluster
     expected = sync_sgd(40, workers=2, **flags)
-    assert_same_params(trained(out), expected)
-    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
+    _gloo_and_simulator_end_on(expected, args, out)
     assert_params_differ(expected, sync_sgd(40, workers=2, **{**flags, "weight_decay": 0.0}))
     assert_params_differ(expected, sync_sgd(40, workers=2, **{**flags, "cosine": False}))
     assert_params_differ(expected, sync_sgd(40, workers=2, lr=0.01, weight_decay=0.01))
@@ -64,12 +67,9 @@ def test_asgd_add_rule_staleness_bound_and_scaling_over_two_shards(tmp_path):
     args = ["--strategy", "asgd", "--workers", "1", "--servers", "2", "--n-fetch", "4",
         "--n-push", "1", "--max-staleness", "2", "--staleness-scaling", "--server-lr", "0.5",
         "--steps", "40", "--push-log-every", "1", "--out", str(out), *COMMON]  # fmt: skip
-    cli("train", *args)
-    sim = simulated(args)  # the same job on the virtual cluster
     settings = dict(n_fetch=4, n_push=1, rule="add", lr=0.5, max_staleness=2, scaling=True)
     expected, server = asgd_one_worker(40, **settings)
-    assert_same_params(trained(out), expected)
-    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
+    _gloo_and_simulator_end_on(expected, args, out)
     assert_params_differ(expected, asgd_one_worker(40, **{**settings, "scaling": False})[0])
     assert_params_differ(expected, asgd_one_worker(40, **{**settings, "max_staleness": None})[0])
     cycle = [("OK", 0), ("OK", 1), ("OK", 2), ("STALE_DROPPED", 3)]
@@ -116,11 +116,8 @@ def test_cli_easgd_tau_and_beta_against_the_simulation(tmp_path):
     out = tmp_path / "easgd"
     args = ["--strategy", "easgd", "--workers", "1", "--servers", "1", "--easgd-tau", "3",
         "--easgd-beta", "0.5", "--steps", "20", "--out", str(out), *COMMON]  # fmt: skip
-    cli("train", *args)
-    sim = simulated(args)  # the same job on the virtual cluster
     expected = easgd_one_worker(20, tau=3, alpha=0.5)
-    assert_same_params(trained(out), expected)  # the centre θ̃ the server holds
-    assert_same_params(trained(sim), trained(out))  # the simulator == gloo
+    _gloo_and_simulator_end_on(expected, args, out)  # the centre θ̃ the server holds
     assert_params_differ(expected, easgd_one_worker(20, tau=3, alpha=0.9))  # default β
     assert_params_differ(expected, easgd_one_worker(20, tau=10, alpha=0.5))  # default τ
     assert final_record(out, 1)["pushes"] == 7

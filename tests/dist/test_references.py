@@ -16,7 +16,6 @@ from cloudburst.records.metrics import MetricsWriter
 from cloudburst.runtime import init_distributed, shutdown
 from cloudburst.strategies import STRATEGY_CLASSES
 from cloudburst.strategies.asgd.server import ServerLoop
-from cloudburst.strategies.easgd import EasgdStrategy
 from cloudburst.strategies.replica import make_strategy
 from tests import reference as ref
 from tests.helpers import spawn
@@ -136,10 +135,9 @@ def test_lockstep_strategies_match_the_reference(four_workers, strategy):
 
 
 def test_gossip_ring_pull_in_a_scripted_order_matches_the_reference(four_workers):
-    """Pull gossip on a ring of 4 every 2 steps, the workers taking turns 0, 1, 2, 3 each step:
-    workers 0–2 get their peer's θ of the previous step (lag 1), worker 3 worker 0's of this
-    step (lag 0). Bit for bit: θ after every step (finish does not average), each pull's peer
-    and lag."""
+    """Pull gossip on a ring of 4 every 2 steps, turns 0, 1, 2, 3 each step: workers 0–2 get
+    their peer's θ of the previous step (lag 1), worker 3 worker 0's of this one (lag 0). Bit
+    for bit: θ after every step (finish does not average), each pull's peer and lag."""
     replicas = ref.Replicas(4, ref.sgd())
     expected = ref.gossip_pull(
         replicas.models, replicas.step, GOSSIP_STEPS, lambda i, r: (i + 1) % 4, GOSSIP_EVERY
@@ -174,42 +172,25 @@ def _easgd(rank: int, out: str) -> dict:
         metrics.close()
         shutdown(ctx)
         return {"centre": centre.tolist(), "version": loop.shard.version}
-    worker = ctx.worker_index
-    opt = ref.sgd()(model)
-    strategy = EasgdStrategy(ctx)
-    strategy.wrap(model, opt)
-    turns = Turns(ctx.store, "easgd")
     ctx.start_clock()
-    strategy.start()
-    thetas, exchanges = [], []
-    for step in range(1, EASGD_STEPS + 1):
-        ref.train_step(model, opt, *ref.batch(worker, step, BATCH))
-        exchange = step % TAU == 0
-        event = (step // TAU - 1) * cfg.job.workers + worker  # worker 0's, then worker 1's
-        if exchange:
-            turns.wait(event)
-        strategy.after_step(BATCH)
-        if exchange:
-            turns.done(event)
-            exchanges.append(strategy.last_staleness)
-        thetas.append(ref.flat(model).tolist())
-    strategy.finish()  # nothing left to exchange (EASGD_STEPS is a multiple of τ): DONE only
+    run = _trajectory(ctx, ref.sgd(), EASGD_STEPS, Turns(ctx.store, "easgd"))
     shutdown(ctx)
-    return {"theta": thetas, "final": ref.flat(model).tolist(), "staleness": exchanges}
+    return run
 
 
 def test_easgd_with_tau_3_and_default_alpha_matches_the_reference(tmp_path):
-    """Two workers, one shard, exchanges after steps 3 and 6 (worker 0 first), α = β/W = 0.45.
-    Bit for bit: each replica's θ after every step and at the end, each exchange's staleness,
-    and the centre θ̃."""
+    """Two workers, one shard, exchanges after steps 3 and 6 (worker 0 first), α = β/W: bit for
+    bit, each replica's θ after every step and at the end, each staleness, the centre θ̃."""
     server, *workers = spawn(_easgd, 3, tmp_path, str(tmp_path), timeout_s=120)
     replicas = ref.Replicas(2, ref.sgd())
     script = [0, 1] * EASGD_STEPS
     expected = ref.easgd(replicas.models, replicas.step, script, tau=TAU, alpha=0.9 / 2)
     assert expected.pushes == [(0, 0), (1, 1), (0, 1), (1, 1)]
     for w, run in enumerate(workers):
+        # finish exchanges nothing (EASGD_STEPS is a multiple of τ): θ after it is step 6's
         assert_trajectory(run["theta"], expected.replicas[w], f"easgd worker {w}", atol=0)
-        assert_trajectory([run["final"]], [expected.final[w]], f"easgd worker {w} at the end", 0)
-        assert [(w, s) for s in run["staleness"]] == [p for p in expected.pushes if p[0] == w]
+        assert_trajectory(run["theta"][-1:], [expected.final[w]], f"easgd worker {w} at the end", 0)
+        staleness = [info["staleness_versions"] for info in run["info"][TAU - 1 :: TAU]]
+        assert [(w, s) for s in staleness] == [p for p in expected.pushes if p[0] == w]
     assert server["version"] == len(expected.pushes)
     assert_trajectory([server["centre"]], [expected.server[-1]], "easgd centre", atol=0)

@@ -41,10 +41,7 @@ def _dead_announcer(rank: int) -> dict | None:
             t.recv_request_any()
         except RuntimeError:
             failures += 1
-    got = []
-    for _ in range(3):
-        src, header = t.recv_request_any(LIVE)
-        got.append([src, header.version])
+    got = [[src, header.version] for src, header in (t.recv_request_any(LIVE) for _ in range(3))]
     return {"failures": failures, "got": got, "bytes": t.stats.received_bytes}
 
 

@@ -36,6 +36,7 @@ from tests.support import rank_records
 
 RECORD_ENV = "CLOUDBURST_TEST_RECORD"
 POISON_ENV = "CLOUDBURST_TEST_POISON"
+QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")
 
 
 class _PoisonedMLP(MLP):
@@ -78,22 +79,13 @@ def _record_device_emulation(path: Path) -> None:
         record = {"min_step_time_s": self.min_step_time_s, "factor": self.factor}
         record |= {"hooks_s": plan.slept_s, "compute_s": plan.compute_s}
         record |= {k: getattr(plan, k) for k in ("remainder_s", "debt_before_s", "debt_after_s")}
-        _append(path, record)
+        with path.open("a") as f:  # a whole line per write: readable while the rank runs
+            f.write(json.dumps(record) + "\n")
         return slept
 
     recording.recording = True
     path.parent.mkdir(parents=True, exist_ok=True)
     DeviceEmulator.end_step = recording
-
-
-def _append(path: Path, record: dict) -> None:
-    with path.open("a") as f:  # a whole line per write: readable while the rank runs
-        f.write(json.dumps(record) + "\n")
-
-
-def read_emulation(path: Path) -> list[dict]:
-    """The device emulation's account of each step (see _record_device_emulation)."""
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 # ---------------------------------------------------------------------------- processes

@@ -10,7 +10,7 @@ import pytest
 from cloudburst.records.checkpoint import load_checkpoint
 from tests.e2e.instrumented import check_shard_restarted
 from tests.helpers import final_record, finish_job, read_summary, start_job
-from tests.support import BOUND_S, kill_after_a_checkpoint
+from tests.support import BOUND_S, survives_a_shard_kill
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +22,7 @@ RUN = (
     "--optimizer", "adam", "--lr", "0.003", "--straggler", "1:2", "--dylu",
     "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress",
     "--heartbeat-timeout-s", "5", "--checkpoint-every", "10", "--push-log-every", "1",
-    "--shard-standby", "--min-step-time-s", "0.008",
+    "--min-step-time-s", "0.008",
     # a stalled wait fails the job in one line well inside BOUND_S (the default: 300 s)
     "--comm-timeout-s", "60",
 )  # fmt: skip
@@ -31,8 +31,8 @@ RUN = (
 def test_a_real_run_pushes_per_dylu_and_checkpoints_the_outer_state(tmp_path):
     out = tmp_path / "run"
     steps = 60
-    proc = start_job([*RUN, "--steps", str(steps), "--staleness-compensation", "dc",
-                      "--out", str(out)])  # fmt: skip
+    proc = start_job([*RUN, "--shard-standby", "--steps", str(steps), "--staleness-compensation",
+                      "dc", "--out", str(out)])  # fmt: skip
     _, stderr = finish_job(proc, BOUND_S)
     assert proc.returncode == 0, stderr
     summary = read_summary(out)
@@ -62,11 +62,8 @@ def test_a_killed_shard_fails_over_to_its_standby_with_no_push_lost(tmp_path):
     out = tmp_path / "run"
     # gap-aware compensation: the standby's ring and running mean C are its own copy's; a
     # ring of 64 versions (default 8): a loaded machine may see more pushes in one round
-    proc = start_job([*RUN, "--steps", str(STEPS), "--staleness-compensation", "gap",
-                      "--compensation-window", "64", "--out", str(out)])  # fmt: skip
-    kill_after_a_checkpoint(out, 1, proc)
-    _, stderr = finish_job(proc, BOUND_S)
-    assert proc.returncode == 0, stderr
+    flags = ["--staleness-compensation", "gap", "--compensation-window", "64"]
+    survives_a_shard_kill([*RUN, "--shard-standby", *flags, "--steps", str(STEPS)], out)
     summary = read_summary(out)
     assert "failed" not in summary and summary["lost_workers"] == []
     assert (summary["shard_failovers"], summary["pushes_lost"]) == (1, 0)
@@ -84,12 +81,7 @@ def test_a_killed_shard_restarts_in_place_with_its_delayed_nesterov_state(tmp_pa
     it from that checkpoint (θ, the version clock and Delayed Nesterov's m, a, t), the workers
     reconnect to it unrestarted, and the pushes it had acknowledged since are pushes_lost."""
     out = tmp_path / "run"
-    i = RUN.index("--shard-standby")
-    run = [*RUN[:i], *RUN[i + 1 :], "--max-restarts", "1", "--steps", str(STEPS), "--out", str(out)]
-    proc = start_job(run)
-    kill_after_a_checkpoint(out, 1, proc)
-    _, stderr = finish_job(proc, BOUND_S)
-    assert proc.returncode == 0, stderr
+    survives_a_shard_kill([*RUN, "--max-restarts", "1", "--steps", str(STEPS)], out)
     summary, _, _, after = check_shard_restarted(out)
     pushes = sum(n for rank in (2, 3) for _, n in final_record(out, rank)["inner_steps_rounds"])
     # Shard 0 applied every push; shard 1 all but those lost (and at most one per worker in

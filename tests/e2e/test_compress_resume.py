@@ -1,8 +1,7 @@
 """A run with error-feedback compression, killed and restarted from its checkpoint, ends exactly
 where the undisturbed run of the same seed ends: Streaming DiLoCo (F = 2 fragments, τ = 1)
 with ``--compress int8``, whose checkpoints carry each fragment's residual (and wait for no
-fragment in flight). A restart that lost the residuals would send different bytes from then on.
-"""
+fragment in flight). A restart that lost the residuals would send different bytes from then on."""
 
 import pytest
 import torch

@@ -28,8 +28,7 @@ MODEL = f"{__name__}:dumping_mlp"
 # --daso-fixed keeps B and S although the plateau rule asked for (99 % better each epoch)
 # would shrink them, with no epoch-loss all-reduce. The node-local gradient all-reduce runs
 # every second step, and blocking averages travel in fp16.
-STEPS, STEPS_PER_EPOCH, GLOBAL_SKIP, LOCAL_SKIP = 40, 10, 2, 2
-WARMUP_STEPS = STEPS_PER_EPOCH
+STEPS, WARMUP_STEPS, GLOBAL_SKIP, LOCAL_SKIP = 40, 10, 2, 2  # warm-up: the first epoch
 EXPECTED_SYNCS = WARMUP_STEPS + (STEPS - WARMUP_STEPS) // GLOBAL_SKIP + 1
 # The exact counts below assume every sync in 16 bits and no epoch-end averages.
 DASO_ARGS = f"""--strategy daso --workers 4 --dataset synthetic --train-size 640 --test-size 200
@@ -70,8 +69,7 @@ def _check_daso_accounting(out: Path) -> dict:
     assert s["strategy"] == "daso" and s["lost_workers"] == []
     assert s["nodes"] == 2 and s["workers"] == 4
     assert s["inter_node_bytes"] > 0 and s["intra_node_bytes"] > 0
-    finals = [rank_events(out, rank, "final") for rank in range(4)]
-    finals = [f for [f] in finals]  # one final record each
+    finals = [f for [f] in (rank_events(out, r, "final") for r in range(4))]  # one each
     # Every rank counts every global sync alike (that is the rotation): the same log.
     logs = [f["sync_log"] for f in finals]
     assert all(log == logs[0] for log in logs)
@@ -127,13 +125,7 @@ def _check_same_params_everywhere(out: Path, params_dir: Path) -> None:
     assert moved > 1e-3, "the parameters did not train"
 
 
-@pytest.fixture
-def netns_pair():
-    with two_namespaces() as pair:
-        yield pair
-
-
-def test_daso_over_two_torchrun_launches(tmp_path, netns_pair):
+def test_daso_over_two_torchrun_launches(tmp_path):
     """Each node in its own network namespace where they can be made (else both on
     127.0.0.1): node 1 reaches node 0 only through the veth pair, so the rendezvous store and
     the global all-reduces must use node 0's veth address. (Two launches of asgd:
@@ -142,19 +134,20 @@ def test_daso_over_two_torchrun_launches(tmp_path, netns_pair):
     params.mkdir()
     args = [*DASO_ARGS, "--model", MODEL, "--out", str(out)]
     node_env = ({PARAMS_DIR_ENV: str(params)},) * 2
-    if netns_pair is None:
-        launch_pair(args, tmp_path / "logs", node_env=node_env)
-    else:
-        veth_before = netns_pair.veth_bytes(0)
-        # This machine's hostname resolves to 127.0.0.1, where gloo would listen; across
-        # namespaces each node would dial its own loopback. The runtime must pick the veth
-        # (the interface of the route to the master) by itself: no GLOO_SOCKET_IFNAME here.
-        prefixes = (netns_pair.exec_prefix(0), netns_pair.exec_prefix(1))
-        launch_pair(args, tmp_path / "logs", netns_pair.addrs[0], prefixes, node_env)
-    s = _check_daso_accounting(out)
-    _check_same_params_everywhere(out, params)
-    if netns_pair is not None:  # the global syncs went over the veth: at least what crossed
-        assert netns_pair.veth_bytes(0) - veth_before >= s["inter_node_bytes"]
+    with two_namespaces() as pair:
+        if pair is None:
+            launch_pair(args, tmp_path / "logs", node_env=node_env)
+        else:
+            veth_before = pair.veth_bytes(0)
+            # This machine's hostname resolves to 127.0.0.1, where gloo would listen; across
+            # namespaces each node would dial its own loopback. The runtime must pick the veth
+            # (the interface of the route to the master) by itself: no GLOO_SOCKET_IFNAME here.
+            prefixes = (pair.exec_prefix(0), pair.exec_prefix(1))
+            launch_pair(args, tmp_path / "logs", pair.addrs[0], prefixes, node_env)
+        s = _check_daso_accounting(out)
+        _check_same_params_everywhere(out, params)
+        if pair is not None:  # the global syncs went over the veth: at least what crossed
+            assert pair.veth_bytes(0) - veth_before >= s["inter_node_bytes"]
 
 
 # ---------------------------------------------------------------------------- --nodes

@@ -4,8 +4,7 @@
 The floors are what 6 epochs reached on seeds 0-2 (benchmarks/results/defaults.md), less 0.05;
 chance is 10 %. The asynchronous strategies, whose real interleaving varies with the load, are
 held to theirs on the virtual cluster (deterministic); their real runs are checked for
-everything but the accuracy.
-"""
+everything but the accuracy."""
 
 from __future__ import annotations
 

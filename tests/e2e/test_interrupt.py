@@ -15,12 +15,11 @@ import pytest
 
 from cloudburst.records.checkpoint import load_checkpoint
 from cloudburst.records.metrics import read_jsonl
-from tests.e2e.instrumented import session_processes
+from tests.e2e.instrumented import QUIET, session_processes
 from tests.helpers import cli, finish_job, read_summary, start_job, wait_running, wait_until
 
 pytestmark = pytest.mark.e2e
 
-QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")
 BOUND_S = 120  # a run that does not stop within this is a failure (not a timing measurement)
 
 
@@ -45,26 +44,33 @@ def _wait_for_checkpoint(out: Path, proc: subprocess.Popen) -> None:
     wait_running(proc, lambda: steps(0) & steps(1), "a checkpoint of every worker", BOUND_S, 0.1)
 
 
-def test_ctrl_c_stops_every_process_and_resume_continues(tmp_path):
+@pytest.mark.parametrize("torchrun", [False, True], ids=["launcher", "torchrun"])
+def test_ctrl_c_stops_every_process_and_resume_continues(tmp_path, torchrun):
+    """Ctrl-C of the launcher or of torchrun: every process stops and rank 0 writes the
+    interrupted summary; the launcher's run keeps its checkpoints and resumes."""
     out = tmp_path / "run"
     # 150 steps of at least 20 ms: the interrupt comes ~2.6 s of steps before the end, and
-    # the resumed run has only the rest to train.
-    args = [*QUIET, "--workers", "2", "--steps", "150", "--min-step-time-s", "0.02"]
-    args += ["--checkpoint-every", "20", "--out", str(out)]
-    proc = start_job(args, sigint_default=True)
+    # the resumed run has only the rest to train (torchrun's run: 400, for more margin).
+    args = [*QUIET, "--workers", "2", "--steps", "400" if torchrun else "150"]
+    args += ["--min-step-time-s", "0.02", "--checkpoint-every", "20", "--out", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "cloudburst", "train", *args]  # fmt: skip
+    proc = start_job(args, cmd if torchrun else None, sigint_default=True)
     _wait_for_checkpoint(out, proc)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole foreground group
     stdout, stderr = finish_job(proc, BOUND_S)
-    assert proc.returncode == 130, stderr
+    assert (proc.returncode != 0) if torchrun else (proc.returncode == 130), stderr
     _all_gone(proc.pid)
     summary = read_summary(out)
-    assert summary["interrupted"] is True
+    assert summary["interrupted"] is True and summary["checkpoints"]
+    assert f"continue with: cloudburst train --resume {out}" in stderr
+    if torchrun:
+        return
     done = max(summary["steps_done"].values())
     assert 20 <= done < 150 and summary["samples"] > 0
-    assert f"continue with: cloudburst train --resume {out}" in stderr
     assert summary["resume_command"] == f"cloudburst train --resume {out}"
     kept = sorted((out / "checkpoints").glob("worker*.pt"))
-    assert kept and [str(p.relative_to(out)) for p in kept] == summary["checkpoints"]
+    assert [str(p.relative_to(out)) for p in kept] == summary["checkpoints"]
     for path in kept:
         load_checkpoint(path)  # complete and valid
     assert not list((out / "checkpoints").glob(".*"))  # no torn temporary file kept as one
@@ -111,24 +117,6 @@ def test_sigterm_stops_servers_workers_and_a_hung_rank(tmp_path):
     assert "Ctrl-C again to kill it at once" in stderr
     _all_gone(proc.pid)
     assert read_summary(out)["interrupted"] is True
-
-
-def test_under_torchrun_rank_0_writes_the_interrupted_summary(tmp_path):
-    out = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "cloudburst", "train", *QUIET, "--workers", "2", "--steps", "400",
-        "--min-step-time-s", "0.02", "--checkpoint-every", "20", "--out", str(out),
-    ]  # fmt: skip
-    proc = start_job([], cmd, sigint_default=True)
-    _wait_for_checkpoint(out, proc)
-    os.killpg(proc.pid, signal.SIGINT)
-    _, stderr = finish_job(proc, BOUND_S)
-    assert proc.returncode != 0
-    _all_gone(proc.pid)
-    summary = read_summary(out)
-    assert summary["interrupted"] is True and summary["checkpoints"]
-    assert f"continue with: cloudburst train --resume {out}" in stderr
 
 
 def test_a_sigkilled_launcher_leaves_no_process_behind(tmp_path):

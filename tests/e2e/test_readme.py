@@ -9,8 +9,7 @@ docs/*.md, and every ``$ command`` transcript, is checked against the code:
   --standalone``, with the ranks its ``RunConfig`` asks for).
 
 A block that cannot run here is in :data:`SKIP`, keyed by a piece of its text; an entry that
-matches no block fails, so the list stays true.
-"""
+matches no block fails, so the list stays true."""
 
 from __future__ import annotations
 
@@ -60,19 +59,15 @@ class Block:
 
 
 def blocks(path: Path) -> list[Block]:
-    found, lines, i = [], path.read_text().splitlines(), 0
-    while i < len(lines):
-        fence = re.match(r"^(\s*)```(\w*)\s*$", lines[i])
-        if not fence:
-            i += 1
-            continue
-        start, body = i + 1, []
-        i += 1
-        while i < len(lines) and not lines[i].strip().startswith("```"):
-            body.append(lines[i][len(fence.group(1)) :])
-            i += 1
-        found.append(Block(path, start, fence.group(2).lower(), "\n".join(body)))
-        i += 1
+    found, lines = [], enumerate(path.read_text().splitlines(), 1)
+    for number, line in lines:
+        if fence := re.match(r"^(\s*)```(\w*)\s*$", line):
+            body = []
+            for _, inner in lines:  # to the closing fence (the same iterator)
+                if inner.strip().startswith("```"):
+                    break
+                body.append(inner[len(fence.group(1)) :])
+            found.append(Block(path, number, fence.group(2).lower(), "\n".join(body)))
     return found
 
 
@@ -87,8 +82,9 @@ def runnable() -> list[Block]:
     return out
 
 
-def skip_reason(block: Block) -> str | None:
-    return next((why for key, why in SKIP.items() if key in block.text), None)
+def entry(table: dict[str, str], block: Block) -> str | None:
+    """Why ``table`` (keyed by a piece of a block's text) lists ``block``, if it does."""
+    return next((why for key, why in table.items() if key in block.text), None)
 
 
 def commands(text: str) -> list[list[str]]:
@@ -244,11 +240,9 @@ def test_the_docs_have_runnable_blocks_and_every_skip_entry_matches_one():
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.where for b in BLOCKS])
 def test_each_documented_block_runs_or_parses(block, tmp_path, monkeypatch, capsys, request):
-    reason = skip_reason(block)
-    if reason:
+    if reason := entry(SKIP, block):
         pytest.skip(reason)
-    bug = next((why for key, why in KNOWN_BUGS.items() if key in block.text), None)
-    if bug:
+    if bug := entry(KNOWN_BUGS, block):
         request.applymarker(pytest.mark.xfail(reason=bug, strict=True))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -16,12 +16,10 @@ import pytest
 
 from cloudburst.config import RunConfig
 from cloudburst.records.metrics import read_jsonl
-from tests.e2e.instrumented import ip, two_namespaces
+from tests.e2e.instrumented import QUIET, ip, two_namespaces
 from tests.helpers import REPO, cli, read_summary, refused
 
 pytestmark = pytest.mark.e2e
-
-QUIET = ("--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress")
 
 
 def _alive(pid: int) -> bool:
@@ -64,9 +62,8 @@ def test_a_run_directory_with_a_planted_module_never_runs_it(tmp_path, monkeypat
 
 
 def test_only_processes_the_launcher_started_are_signalled(tmp_path):
-    """A SIGSTOPped rank is reaped (it is the launcher's), a PID planted in a metrics file is
-    not (the old launcher killed any PID found in a ``start`` record whose command line
-    mentions multiprocessing)."""
+    """A SIGSTOPped rank is reaped (it is the launcher's); a PID planted in a ``start`` record
+    of the metrics, its command line mentioning multiprocessing, is not."""
     out = tmp_path / "run"
     flags = ("--strategy", "asgd", "--servers", "1", "--n-sync", "2", "--checkpoint-every", "10")
     cli(

@@ -2,8 +2,7 @@
 its last checkpoint, and the workers reconnect to it and go on without being restarted
 themselves; the pushes it had acknowledged after that checkpoint are counted in
 ``pushes_lost`` exactly (the highest version a worker saw acknowledged, minus the version
-restored). Real SIGKILLs in real runs; asserted through records, never timings.
-"""
+restored). Real SIGKILLs in real runs; asserted through records, never timings."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import pytest
 
 from tests.e2e.instrumented import check_shard_restarted
 from tests.helpers import finish_job, read_summary, start_job, wait_running
-from tests.support import BOUND_S, kill_after_a_checkpoint, rank_records
+from tests.support import BOUND_S, kill_after_a_checkpoint, rank_records, survives_a_shard_kill
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +21,7 @@ RUN = (
     "--strategy", "asgd", "--workers", "2", "--servers", "2", "--n-sync", "2",
     "--dataset", "synthetic", "--model", "mlp", "--batch-size", "16", "--no-progress",
     "--heartbeat-timeout-s", "5", "--checkpoint-every", "10", "--push-log-every", "1",
-    "--max-restarts", "1", "--steps", "140", "--min-step-time-s", "0.02",
+    "--steps", "140", "--min-step-time-s", "0.02",
 )  # fmt: skip
 # 140 steps of at least 20 ms: the kills land at a version of ~30, and the ~110 steps left
 # take at least 2.2 s, the test's time to see its kill land, or the restart, before the end.
@@ -31,10 +30,7 @@ SHORT_STEPS = 85  # a push every step: the worker is killed after ~20 of them (1
 
 def test_a_killed_shard_restarts_in_place_and_the_lost_pushes_are_counted(tmp_path):
     out = tmp_path / "run"
-    proc = start_job([*RUN, "--out", str(out)])
-    kill_after_a_checkpoint(out, 1, proc)
-    _, stderr = finish_job(proc, BOUND_S)
-    assert proc.returncode == 0, stderr
+    survives_a_shard_kill([*RUN, "--max-restarts", "1"], out)
     summary, shard, restored, after = check_shard_restarted(out)
     # The dead shard had logged (--push-log-every 1) every acknowledged version but the
     # newest: a push's record is written after its reply has left (the reply does not wait on
@@ -52,11 +48,7 @@ def test_a_killed_shard_restarts_in_place_and_the_lost_pushes_are_counted(tmp_pa
 def test_a_killed_shard_fails_over_to_its_standby_with_no_push_lost(tmp_path):
     """--shard-standby, no restarts: shard 1's copy on server 0 takes it over."""
     out = tmp_path / "run"
-    i = RUN.index("--max-restarts")
-    proc = start_job([*RUN[:i], *RUN[i + 2 :], "--shard-standby", "--out", str(out)])
-    kill_after_a_checkpoint(out, 1, proc)
-    _, stderr = finish_job(proc, BOUND_S)
-    assert proc.returncode == 0, stderr
+    survives_a_shard_kill([*RUN, "--shard-standby"], out)
     summary = read_summary(out)
     assert "failed" not in summary and summary["lost_workers"] == []
     assert summary["pushes_lost"] == 0
@@ -91,10 +83,8 @@ def test_a_worker_killed_while_it_pushes_is_lost_and_every_applied_push_is_count
     the pushes it applied (logged one by one): those the survivor saw acknowledged, plus the
     dead worker's (a push cut off mid-transfer is never applied)."""
     out = tmp_path / "run"
-    i = RUN.index("--max-restarts")
-    n = RUN.index("--n-sync")
-    run = [*RUN[:n], "--n-sync", "1", *RUN[n + 2 : i], *RUN[i + 2 :], "--out", str(out)]
-    run[run.index("--steps") + 1] = str(SHORT_STEPS)
+    run = [*RUN, "--out", str(out)]
+    run[run.index("--n-sync") + 1], run[run.index("--steps") + 1] = "1", str(SHORT_STEPS)
     proc = start_job(run)
 
     def pushed() -> bool:
@@ -129,7 +119,7 @@ def test_a_shard_killed_again_after_its_last_restart_ends_the_job_with_the_resum
     job ends (no hang) with ``failed`` naming the shard, its checkpoints kept, and the
     ``--resume`` command in the summary and on stderr."""
     out = tmp_path / "run"
-    proc = start_job([*RUN, "--out", str(out)])
+    proc = start_job([*RUN, "--max-restarts", "1", "--out", str(out)])
     kill_after_a_checkpoint(out, 1, proc)
 
     def restarted() -> bool:
@@ -143,9 +133,7 @@ def test_a_shard_killed_again_after_its_last_restart_ends_the_job_with_the_resum
     assert proc.returncode != 0
     summary = read_summary(out)
     assert "server shard 1" in summary["failed"], summary["failed"]
-    assert summary["resume_command"] and summary["resume_command"] in stderr
-    assert "--resume" in summary["resume_command"]
-    assert (out / "checkpoints" / "server1.pt").is_file()
-    assert (out / "checkpoints" / "server0.pt").is_file()
+    assert "--resume" in summary["resume_command"] and summary["resume_command"] in stderr
+    assert all((out / "checkpoints" / f"server{k}.pt").is_file() for k in (0, 1))
     # Nobody trained on: no worker logged a final record of a finished run.
     assert not any(r["event"] == "final" for rank in (2, 3) for r in rank_records(out, rank))

@@ -1,16 +1,13 @@
 """The GPU path: CUDA replicas, pinned-memory staging to the servers, NCCL or gloo collectives.
-
-Skipped without CUDA (CI has none); run them wherever a GPU is: ``pytest -m gpu``.
-"""
+Skipped without CUDA (CI has none): ``pytest -m gpu`` where a GPU is."""
 
 import pytest
 import torch
-from torch import nn
 
-from cloudburst.data import BatchStream, load_dataset, worker_shard
 from cloudburst.models import build_model
 from cloudburst.records.checkpoint import load_model_into
 from cloudburst.records.metrics import read_run
+from tests import reference as ref
 from tests.datagen import write_cifar10
 from tests.helpers import cli, read_summary
 
@@ -19,33 +16,15 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-COMMON = """--dataset synthetic --model mlp --batch-size 16 --lr 0.05 --momentum 0.9 --seed 3
---no-progress --eval-every-s 1000 --device cuda""".split()
+COMMON = [*ref.COMMON, "--device", "cuda"]
+COMMON[COMMON.index("--model") + 1] = "mlp"  # not the reference's cnn
 
 
-def reference(steps: int, workers: int, batch: int = 16, seed: int = 3) -> nn.Module:
-    """Single-process SGD on the CPU, each step on the concatenation of the workers' batches."""
-    data = load_dataset("synthetic", 4000, 1000)
-    model = build_model("mlp", data.input_shape, data.num_classes, seed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    streams = [
-        BatchStream(*worker_shard(data, w, workers), batch, seed * 1000 + w) for w in range(workers)
-    ]
-    for _ in range(steps):
-        batches = [next(s) for s in streams]
-        loss = nn.functional.cross_entropy(
-            model(torch.cat([b[0] for b in batches])), torch.cat([b[1] for b in batches])
-        )
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model
-
-
-def assert_matches_reference(out, ref: nn.Module) -> None:
-    model = build_model("mlp", 40, 10, seed=0)
-    load_model_into(out / "model.pt", model)
-    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+def assert_matches_sgd(out, steps: int, workers: int) -> None:
+    """The run's model is single-process SGD's on the CPU, each step on the concatenation of
+    the workers' batches (the plain-PyTorch reference)."""
+    expected = ref.sync_sgd(steps, workers, model="mlp")
+    for p, q in zip(ref.trained(out, "mlp").parameters(), expected.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
 
 
@@ -53,13 +32,12 @@ def test_asgd_cuda_replica_through_pinned_staging_equals_sgd(tmp_path):
     out = tmp_path / "asgd"
     args = "--strategy asgd --workers 1 --servers 1 --n-sync 2 --steps 40".split()
     cli("train", *args, "--out", str(out), *COMMON)
-    assert_matches_reference(out, reference(40, workers=1))
+    assert_matches_sgd(out, 40, workers=1)
     summary = read_summary(out)
     assert summary["device"].startswith("cuda")
     final = [r for r in read_run(out)["rank1"] if r["event"] == "final"][0]
     # The first fetch (θ to the GPU), then 20 rounds: Δ to the host and θ back, 4 bytes each.
-    numel = sum(p.numel() for p in build_model("mlp", 40, 10, 0).parameters())
-    assert final["staging_bytes"] == (1 + 20 * 2) * 4 * numel
+    assert final["staging_bytes"] == (1 + 20 * 2) * 4 * ref.parity_numel("mlp")
 
 
 def test_sync_two_workers_sharing_one_gpu_use_gloo_and_equal_sgd(tmp_path):
@@ -69,7 +47,7 @@ def test_sync_two_workers_sharing_one_gpu_use_gloo_and_equal_sgd(tmp_path):
     cli("train", *"--strategy sync --workers 2 --steps 30".split(), "--out", str(out), *COMMON)
     summary = read_summary(out)
     assert summary["backend"] == "gloo" and summary["device"].startswith("cuda")
-    assert_matches_reference(out, reference(30, workers=2))
+    assert_matches_sgd(out, 30, workers=2)
 
 
 def test_nccl_with_two_workers_on_one_gpu_is_refused_clearly(tmp_path):

@@ -1,11 +1,8 @@
-"""The quantised reduce-scatter all-reduce (issue 27) on CUDA tensors: three ranks sharing one
-GPU over gloo (the real transport's all-to-all on CUDA): the same bits on every rank; int8 the
-plain-PyTorch reference's result on the CPU bit for bit, fp8 within one fp8 step of it per
-rounding (CUDA's float8 conversion rounds differently from the CPU's); and sync / local SGD
-with ``--compress int8`` through the CLI on CUDA.
-
-Skipped without CUDA (CI has none); run them wherever a GPU is: ``pytest -m gpu``.
-"""
+"""The quantised reduce-scatter all-reduce on CUDA tensors, three ranks sharing one GPU over
+gloo (the real transport's all-to-all): the same bits on every rank; int8 the plain-PyTorch
+reference's CPU result bit for bit, fp8 within one fp8 step of it per rounding (CUDA's float8
+conversion rounds differently); and sync / local SGD with ``--compress int8`` on CUDA through
+the CLI. Skipped without CUDA (CI has none): ``pytest -m gpu`` where a GPU is."""
 
 import os
 

@@ -1,8 +1,5 @@
-"""The GPT on CUDA: bf16 autocast trains it, and its loss agrees with fp32 on the CPU.
-
-Skipped without CUDA; run wherever a GPU is: ``pytest -m gpu``. (A W = 4 DiLoCo/sync
-comparison with ``--device cuda`` is benchmarks/results/lm.md.)
-"""
+"""The GPT on CUDA: bf16 autocast trains it, and its loss agrees with fp32 on the CPU. Skipped
+without CUDA: ``pytest -m gpu`` where a GPU is (W = 4 DiLoCo/sync: benchmarks/results/lm.md)."""
 
 import math
 

@@ -35,22 +35,13 @@ from tests.support import (
 LOGGER = "cloudburst.strategies.asgd.worker"
 
 
-def reference(steps: int) -> nn.Module:
-    data = synthetic(512, 10)
-    model = build_model("mlp", 40, 10, seed=0)
+def test_one_worker_equals_sgd_for_every_schedule_and_rule():
+    data, model = synthetic(512, 10), build_model("mlp", 40, 10, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     stream = BatchStream(data.x_train, data.y_train, 32, seed=1)
-    for _ in range(steps):
-        x, y = next(stream)
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model
-
-
-def test_one_worker_equals_sgd_for_every_schedule_and_rule():
-    expected = flatten_params(reference(24))
+    for _ in range(24):  # plain SGD, as train_asgd_worker steps the worker
+        ref.train_step(model, opt, *next(stream))
+    expected = flatten_params(model)
     for kw in [
         dict(servers=1, n_sync=1),
         dict(servers=3, n_sync=4),  # overlapped replies on 3 shards
@@ -99,12 +90,10 @@ def test_a_standby_copy_holds_its_shards_theta_after_every_forwarded_push():
     """Shard 1 forwards each applied push to its standby on server 0: the copy (rule state
     included) ends on shard 1's θ and stats, bit for bit."""
     forwards = StandbyForwards(1)
-
-    def setup(loops):
-        loops[1].standby_link = forwards
-
     cfg = asgd_cfg(servers=2, n_sync=2, shard_standby=True, server_rule="sgd", server_momentum=0.9)
-    _, _, loops = train_asgd_worker(cfg, 8, setup=setup)
+    _, _, loops = train_asgd_worker(
+        cfg, 8, setup=lambda loops: setattr(loops[1], "standby_link", forwards)
+    )
     standby = Standby(loops[0], 1, forwards.replay())
     standby._run()
     assert loops[1].shard.version == 4
@@ -113,27 +102,6 @@ def test_a_standby_copy_holds_its_shards_theta_after_every_forwarded_push():
 
 
 # ------------------------------------------------------ when a shard replies, relative to its add
-def _one_round(cfg, push_only: bool = False):
-    model = build_model("mlp", 40, 10, seed=0)
-    strategy, loops = make_asgd_worker(cfg, model)
-    strategy.start()
-    shard, side = loops[0].shard, loops[0].transport
-    before = shard.theta.clone()
-    seen = []  # at each reply: its header, θ and the shard's version then
-    send = side.send
-
-    def recording_send(dst, header, payload=None, final=False):
-        seen.append((header, shard.theta.clone(), shard.version))
-        send(dst, header, payload, final)
-
-    side.send = recording_send
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.25)
-    strategy._round(push=True, fetch=not push_only)
-    return strategy, shard, before, seen
-
-
 REPLIES = {
     "push": dict(n_push=1, n_fetch=2),
     "push_fetch": dict(n_sync=1, server_lr=0.5),  # overlapped: the worker has θ from before
@@ -145,7 +113,21 @@ REPLIES = {
 def test_a_reply_leaves_before_the_add_unless_it_carries_theta(kind):
     """A PUSH's or overlapped PUSH_FETCH's ack (the version after the push) leaves before θ
     moves; an optimizer rule's reply carries θ after the apply, so the apply comes first."""
-    strategy, shard, before, seen = _one_round(asgd_cfg(servers=1, **REPLIES[kind]), kind == "push")
+    model = build_model("mlp", 40, 10, seed=0)
+    strategy, loops = make_asgd_worker(asgd_cfg(servers=1, **REPLIES[kind]), model)
+    strategy.start()
+    shard, side = loops[0].shard, loops[0].transport
+    before = shard.theta.clone()
+    seen = []  # at each reply: its header, θ and the shard's version then
+    send = side.send
+
+    def recording_send(dst, header, payload=None, final=False):
+        seen.append((header, shard.theta.clone(), shard.version))
+        send(dst, header, payload, final)
+
+    side.send = recording_send
+    ref.set_flat(model, ref.flat(model) + 0.25)
+    strategy._round(push=True, fetch=kind != "push")
     ((header, theta_then, version_then),) = seen
     assert header.kind == Kind.REPLY and header.status == Status.OK and header.version == 1
     assert not torch.equal(shard.theta, before)
@@ -253,8 +235,7 @@ def test_asgd_restarts_from_the_servers_theta_after_each_rejected_push_and_train
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for step in (1, 2):
             replicas.step(0, step)
-            with torch.no_grad():
-                model[0].weight[0, 0] = math.nan  # in shard 0's slice
+            model[0].weight.data[0, 0] = math.nan  # in shard 0's slice
             worker.after_step(BATCH)
             assert torch.equal(ref.flat(model), job.server_theta)
     _steps(job, replicas, 0, 2)
@@ -286,8 +267,7 @@ def test_easgd_leaves_a_dropped_replica_alone_and_resets_a_rejected_one_to_the_c
     assert w1.pushes_dropped == 1
     assert torch.equal(ref.flat(model), before) and torch.equal(job.server_theta, centre)
     replicas.step(1, 2)
-    with torch.no_grad():
-        model[0].weight[0, 0] = math.nan
+    model[0].weight.data[0, 0] = math.nan
     w1.after_step(BATCH)  # against version 1, not finite: rejected
     assert w1.pushes_rejected == 1
     assert torch.equal(ref.flat(model), job.server_theta) and torch.equal(job.server_theta, centre)

@@ -108,8 +108,7 @@ def test_a_dead_workers_published_speed_stops_shrinking_the_live_workers_h():
 
 
 def test_one_worker_is_synchronous_diloco_with_nesterov(tmp_path):
-    kw = dict(period=5, diloco_outer_lr=0.5, diloco_outer_momentum=0.5)
-    run_sim(_cfg(tmp_path, 1, 22, **kw))
+    run_sim(_cfg(tmp_path, 1, 22, period=5, diloco_outer_lr=0.5, diloco_outer_momentum=0.5))
     expected, outer_steps = parity_diloco(22, 1, 5, 0.5, 0.5, nesterov=True)
     assert outer_steps == 5
     assert_same_params(trained(tmp_path), expected)
@@ -148,8 +147,7 @@ def test_with_a_straggler_dylu_measures_the_speeds_and_evens_the_pushes(tmp_path
 def test_the_last_round_is_pushed_at_the_last_step_not_after_the_evaluator_waits(tmp_path):
     # 30 steps at H = 8: a last round of 6; worker 0 (the evaluator) evaluates until the 2x
     # slower worker 1 is done, but pushes first (or its push would be far staler).
-    cfg = _cfg(tmp_path, 2, 30, period=8, stragglers=[Straggler(1, 2.0)], **ADAM)
-    summary = run_sim(cfg)
+    summary = run_sim(_cfg(tmp_path, 2, 30, period=8, stragglers=[Straggler(1, 2.0)], **ADAM))
     assert final_record(tmp_path, 1)["inner_steps_rounds"] == [[8, 3], [6, 1]]
     pushes = rank_events(tmp_path, 0, "push")
     assert summary["shard_versions"] == [len(pushes)] == [8]

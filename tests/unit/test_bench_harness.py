@@ -74,8 +74,7 @@ def test_ratio_interval_exact_on_constants_budget_for_censored_paired_on_the_log
         harness.ratio_interval([None, 4.0], [2.0])
     with pytest.raises(ValueError, match="positive"):
         harness.ratio_interval([1.0], [0.0])
-    # paired: the t interval of the mean log ratio
-    # per-pair ratios 0.5, 1, 2: log ratios −ln 2, 0, ln 2, mean 0 (geometric mean 1)
+    # paired: the t interval of the mean log ratio of per-pair ratios 0.5, 1, 2 (geometric mean 1)
     a, b = [1.0, 4.0, 16.0], [2.0, 4.0, 8.0]
     mean, lo, hi = reference_t([math.log(x / y) for x, y in zip(a, b, strict=True)], df=2)
     assert harness.paired_ratio(a, b) == pytest.approx((math.exp(mean), math.exp(lo), math.exp(hi)))
@@ -256,18 +255,15 @@ def test_evidence_table_replaces_only_the_text_between_the_markers_it_finds(tmp_
         evidence.splice("no markers", ["new"])
     # the markers are found in README.md or docs/*.md, once; the advice's markers too
     (tmp_path / "docs").mkdir()
-    (tmp_path / "README.md").write_text(
-        f"intro\n{evidence.CHOOSING[0]}\nx\n{evidence.CHOOSING[1]}\n"
-    )
-    (tmp_path / "docs" / "evidence.md").write_text(f"{evidence.BEGIN}\n{evidence.END}\n")
-    assert (
-        evidence.marked((evidence.BEGIN, evidence.END), tmp_path) == tmp_path / "docs/evidence.md"
-    )
+    (tmp_path / "README.md").write_text("intro\n" + "\nx\n".join(evidence.CHOOSING) + "\n")
+    marks = (evidence.BEGIN, evidence.END)
+    (tmp_path / "docs" / "evidence.md").write_text("\n".join([*marks, ""]))
+    assert evidence.marked(marks, tmp_path) == tmp_path / "docs/evidence.md"
     assert evidence.marked(evidence.CHOOSING, tmp_path) == tmp_path / "README.md"
     assert evidence.marked(("<!-- nowhere -->", ""), tmp_path) is None
     (tmp_path / "docs" / "more.md").write_text(evidence.BEGIN)
     with pytest.raises(SystemExit, match="in 2 files"):
-        evidence.marked((evidence.BEGIN, evidence.END), tmp_path)
+        evidence.marked(marks, tmp_path)
     readme = "a\n<!-- choosing:begin -->\nold\n<!-- choosing:end -->\nb\n"
     assert evidence.splice(readme, ["new"], evidence.CHOOSING) == readme.replace("old", "new")
 
@@ -630,9 +626,8 @@ def test_interleave_replays_a_results_runs_by_phase_and_runs_only_the_ones_it_la
     later.write_text(json.dumps({"provenance": {**prov.to_dict(), "commit": "n3wn3w0"}}))
     again = harness.Provenance(**{**prov.to_dict(), "args": SimpleNamespace(replay=later)})
     again.replayed_runs()
-    assert again.replayed_from.startswith("0ld0ld0` (") and again.replayed_from.endswith(
-        " and `n3wn3w0` (1 runs it added)"
-    )
+    assert again.replayed_from.startswith("0ld0ld0` (")
+    assert again.replayed_from.endswith(" and `n3wn3w0` (1 runs it added)")
     with pytest.raises(SystemExit, match="stored 2 runs of sync seed 0"):  # phases not named
         harness.interleave([Arm("sync")], [0], run=fake, prov=prov)
     # without --replay every run is made, none counted as new against a stored result
@@ -659,8 +654,8 @@ def test_evidence_marks_a_result_history_once_the_package_changed_since_its_runs
     git("add", "-A"), git("commit", "-qm", "docs")
     old, new = commits
     assert evidence.made_at({"commit": new}, tmp_path) == (f"`{new}`", False)
-    assert evidence.made_at({"commit": old}, tmp_path) == (
-        f"`{old}` — history: the package changed since", True)  # fmt: skip
+    history = (f"`{old}` — history: the package changed since", True)
+    assert evidence.made_at({"commit": old}, tmp_path) == history
     # replayed runs are their maker's, unless every re-simulated one was bit for bit the same
     replayed = {"commit": new, "replayed_from": f"{old}` (started …) and `{new}` (2 runs it added)"}
     assert evidence.made_at(replayed, tmp_path)[0].startswith(f"`{old}`, `{new}` — history")
@@ -668,10 +663,7 @@ def test_evidence_marks_a_result_history_once_the_package_changed_since_its_runs
     assert evidence.made_at({"commit": "0000000"}, tmp_path) == ("`0000000`", False)  # unknown
     # a commit given to a machine whose copy had no .git is still that commit
     given = {"commit": f"{old} (given; tree without .git)"}
-    assert evidence.made_at(given, tmp_path) == (
-        f"`{old}` — history: the package changed since",
-        True,
-    )
+    assert evidence.made_at(given, tmp_path) == history
 
 
 def test_a_replay_whose_run_directories_are_gone_keeps_the_figure_drawn_with_its_runs(
@@ -689,11 +681,10 @@ def test_a_replay_whose_run_directories_are_gone_keeps_the_figure_drawn_with_its
 
 def test_a_journal_keeps_each_run_as_it_ends_and_a_replay_of_it_resumes(tmp_path, monkeypatch):
     prov = provenance(tmp_path, monkeypatch)
-    prov.journal_file = str(tmp_path / "journal" / "demo.jsonl")
-    done = [harness.Run("sync", s, 1.0 + s, evals=[(1.0, 64, 0.5)]) for s in (0, 1)]
-    for r in done:
-        prov.journal(r)
     path = tmp_path / "journal" / "demo.jsonl"
+    prov.journal_file = str(path)
+    for s in (0, 1):
+        prov.journal(Run("sync", s, 1.0 + s, evals=[(1.0, 64, 0.5)]))
     with path.open("a") as f:
         f.write('{"arm": "sync", "seed": 2, "wa')  # the stop cut the last line short
     again = provenance(tmp_path, monkeypatch)
@@ -703,12 +694,12 @@ def test_a_journal_keeps_each_run_as_it_ends_and_a_replay_of_it_resumes(tmp_path
     assert stored[("sync", 1, None)].wall_s == 2.0 and again.replayed_from.startswith("abc1234`")
     # the runs still missing are made, and journaled again
     made = []
-    runs = harness.interleave(
-        [harness.Arm("sync", [])],
-        [0, 1, 2],
-        prov=again,
-        run=lambda a, s: made.append(s) or harness.Run(a.name, s, 9.0),
-    )
+
+    def make(arm: Arm, seed: int) -> Run:
+        made.append(seed)
+        return Run(arm.name, seed, 9.0)
+
+    runs = harness.interleave([Arm("sync", [])], [0, 1, 2], prov=again, run=make)
     assert made == [2] and [r.wall_s for r in runs] == [1.0, 2.0, 9.0] and again.new_runs == 1
     journal = Path(again.journal_file)  # a journal of its own: provenance, the new run
     assert journal.parent == tmp_path / "runs" / "journal" and journal.read_text().count("\n") == 2

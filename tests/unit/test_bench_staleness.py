@@ -37,9 +37,8 @@ def test_supported_arms_follow_the_help_text_and_scale_falls_back_to_the_old_fla
     )
     assert ok == ["sync", "asgd scale", "diloco"]
     assert missing == ["asgd dc", "async_diloco", "async_diloco dylu"]
-    assert experiments.STRAGGLER_ARMS["asgd scale"][0] == [
-        "--strategy", "asgd", "--staleness-scaling"
-    ]  # fmt: skip
+    scale = ["--strategy", "asgd", "--staleness-scaling"]
+    assert experiments.STRAGGLER_ARMS["asgd scale"][0] == scale
     # a commit with the option but not every value: the value is what is missing
     new = "--strategy {sync,asgd,async_diloco} --staleness-compensation {none,scale,dc} --dylu"
     ok, missing = experiments.supported(["asgd dc", "asgd gap", "async_diloco dylu"], new)

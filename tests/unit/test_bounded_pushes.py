@@ -143,8 +143,7 @@ def test_a_push_of_3e38_is_refused_and_the_worker_goes_on_from_the_shards_theta(
     worker = job.workers[0]
     worker.start()
     theta0 = job.server_theta.clone()
-    with torch.no_grad():
-        model.weight[0, 0] += HUGE  # Δ = 3e38 on shard 0's part (θ stays finite: < 3.4e38)
+    model.weight.data[0, 0] += HUGE  # Δ = 3e38 on shard 0's part (θ stays finite: < 3.4e38)
     with caplog.at_level(logging.WARNING):
         worker.after_step(8)
     assert torch.equal(job.server_theta, theta0)  # nothing applied, θ finite
@@ -160,8 +159,7 @@ def test_a_push_of_3e38_is_refused_and_the_worker_goes_on_from_the_shards_theta(
     # Honest steps after it are applied as usual.
     pushed_before = job.loops[0].shard.version
     for _ in range(2):
-        with torch.no_grad():
-            model.weight.add_(0.01)
+        model.weight.data.add_(0.01)
         worker.after_step(8)
     assert job.loops[0].shard.version > pushed_before
     assert job.loops[0].shard.refused == 1 and not torch.equal(job.server_theta, theta0)
@@ -197,8 +195,7 @@ def test_a_simulated_run_counts_the_refused_push_in_its_summary(tmp_path, monkey
     def after_step(self, samples: int) -> None:
         if self.ctx.worker_index == 1 and self.local_steps == 5 and not poisoned:
             poisoned.append(True)
-            with torch.no_grad():
-                next(self.model.parameters()).add_(HUGE)
+            next(self.model.parameters()).data.add_(HUGE)
         original(self, samples)
 
     monkeypatch.setattr(AsgdStrategy, "after_step", after_step)
@@ -240,8 +237,7 @@ def test_a_standby_copy_follows_its_shards_refusals():
     primary.standby_link = forwards = StandbyForwards(0)
     worker.start()
     for poison in (1e6, 0.0, 0.0):  # too large but finite, then two honest pushes
-        with torch.no_grad():
-            model.weight[0, 0] += poison + 0.01
+        model.weight.data[0, 0] += poison + 0.01
         worker.after_step(8)
     assert primary.shard.refused == 1 and primary.shard.version == 2
     standby = Standby(job.loops[1], 0, forwards.replay())
@@ -261,8 +257,7 @@ def test_train_exits_1_with_the_line_when_the_final_loss_is_not_finite(monkeypat
                     steps_done={"1": 7, "2": None}, failed_agents=[])  # fmt: skip
     monkeypatch.setattr(cloudburst.launch, "run_local_job", lambda cfg: finished)
     assert cli.launch_and_report(cfg) == 1
-    err = capsys.readouterr().err
-    assert err.splitlines() == [
+    assert capsys.readouterr().err.splitlines() == [
         f"cloudburst: the run failed after 7 steps: {diverged(math.inf)}",
         "cloudburst: the run's files are in unused",
     ]

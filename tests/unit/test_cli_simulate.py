@@ -172,8 +172,7 @@ def test_a_clock_field_can_be_swept_and_the_report_remade_from_the_summaries_alo
     out = tmp_path / "sweep"
     argv = ["simulate", *SMALL, "--out", str(out), "--inter-node-link", "1"]
     assert cli.main([*argv, "--sweep", "intra-node-link=100:0.01,none"]) == 0
-    links = [sim.intra_node_link for _, sim in simulated]
-    assert links == ["100,0.01", None]
+    assert [sim.intra_node_link for _, sim in simulated] == ["100,0.01", None]
     assert all(cfg.cluster.inter_node_link == "1" for cfg, _ in simulated)
     report = json.loads((out / "sweep.json").read_text())
     assert [c["value"] for c in report["cells"]] == ["100,0.01", None]

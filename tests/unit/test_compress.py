@@ -1,7 +1,6 @@
 """Compressed communication (cloudburst/comm/compress.py): the formats' round trips, the
-compressed strategies against the references' quantiser, error feedback over rounds of the
-all-reduce, and compressed runs on the virtual cluster. The all-reduce on W threads:
-tests/unit/test_compress_scatter.py; PowerSGD against torch's hook: tests/dist/test_compress.py."""
+compressed strategies against the references' quantiser, error feedback over all-reduce rounds,
+compressed runs on the virtual cluster, killed and resumed too (threads: test_compress_scatter)."""
 
 from __future__ import annotations
 
@@ -24,7 +23,8 @@ from cloudburst.comm.compress import (
 from cloudburst.comm.link import Topology
 from cloudburst.comm.stats import CommStats
 from cloudburst.config import ConfigError, RunConfig
-from cloudburst.sim.run import run_ranks
+from cloudburst.records.checkpoint import load_checkpoint
+from cloudburst.sim.run import SimulationFailed, run_ranks
 from cloudburst.strategies.daso import DasoStrategy
 from cloudburst.strategies.diloco import DilocoStrategy
 from cloudburst.strategies.local_sgd import LocalSgdStrategy
@@ -77,19 +77,17 @@ def test_each_method_round_trips_within_its_format_bound():
 
 # ---------------------------------------------------------------------------- the config
 def test_compress_is_refused_where_it_is_not_built():
-    assert (
-        RunConfig(strategy="sync", workers=2, compress="powersgd:2").cluster.compress
-        == "powersgd:2"
-    )
-    assert RunConfig(strategy="daso", workers=2, compress="int8").cluster.compress == "int8"
-    with pytest.raises(ConfigError, match="compress: 'powersgd' is not available for strategy"):
-        RunConfig(strategy="daso", workers=2, compress="powersgd")
+    built = {"sync": "powersgd:2", "daso": "int8", "asgd": "fp8", "easgd": "fp8", "gossip": "fp8"}
+    for strategy, method in built.items():
+        assert RunConfig(strategy=strategy, workers=2, compress=method).cluster.compress == method
+    for strategy in ("daso", "diloco", "asgd", "easgd", "gossip"):
+        refused = f"compress: 'powersgd' is not available for strategy '{strategy}'"
+        with pytest.raises(ConfigError, match=refused):
+            RunConfig(strategy=strategy, workers=2, compress="powersgd")
     with pytest.raises(ConfigError, match="--daso-downcast fp16 / --daso-cycling-downcast none"):
         RunConfig(strategy="daso", workers=2, compress="int8", daso_downcast="fp16")
     with pytest.raises(ConfigError, match="apply only with --compress none"):
         RunConfig(strategy="daso", workers=2, compress="bf16", daso_cycling_downcast="bf16")
-    with pytest.raises(ConfigError, match="compress: 'powersgd' is not available"):
-        RunConfig(strategy="diloco", workers=2, compress="powersgd")
     with pytest.raises(ConfigError, match="compress: 'zip' is not allowed"):
         RunConfig(strategy="sync", workers=2, compress="zip")
 
@@ -186,9 +184,8 @@ def test_compressed_averages_follow_the_reference_quantiser(tmp_path, strategy, 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_asgd_pushes_are_the_reference_quantiser_with_a_checkpointed_residual_per_shard(method):
-    # Six pushes of the same Δ by one worker to two shards: each shard's slice (contiguous,
-    # sizes differing by at most one: docs/algorithms.md) goes as C(Δ_k + e_k); what the
-    # servers apply is C⁻¹ of it, and e_k keeps the rest. The bytes sent decode to that.
+    # Six pushes of one Δ to two shards (contiguous slices, sizes differing by at most one): each
+    # slice goes as C(Δ_k + e_k), the servers apply C⁻¹ of it and e_k keeps the rest.
     cfg = references_cfg(strategy="asgd", workers=1, servers=2, compress=method)
     [worker] = ps_job(cfg, [ref.tiny_model()]).workers
     n, shards = ref.NUMEL, 2
@@ -298,6 +295,50 @@ def test_compressed_runs_learn_and_count_compressed_bytes(
     assert per_value * bounds[0] < ratio < per_value * bounds[1]
     if strategy != "daso":  # (DASO's node-local all-reduces are intra-node)
         assert packed["inter_node_bytes"] == packed["sent_bytes"]
+
+
+# ---------------------------------------------------------------------------- killed and resumed
+RESUMED = [
+    # (sync int8 on the virtual cluster made its residuals at the first step, after a resumed
+    # worker had loaded its checkpoint: they were dropped.)
+    pytest.param(dict(strategy="sync", compress="int8"), id="sync-int8"),
+    pytest.param(dict(strategy="sync", compress="bf16"), id="sync-bf16"),
+    pytest.param(dict(strategy="local_sgd", compress="int8", period=3), id="local_sgd-int8"),
+    pytest.param(dict(strategy="diloco", compress="fp8", period=3), id="diloco-fp8"),
+    pytest.param(
+        dict(strategy="diloco", workers=4, nodes=2, replica="node", period=3),
+        id="diloco-node-replicas",
+    ),
+]
+KILL_AT, CHECKPOINT_EVERY = 13, 8
+
+
+def _resumable(out, workers: int = 2, **kw) -> RunConfig:
+    return RunConfig(dataset="synthetic", model="mlp", workers=workers, steps=20, batch_size=16,
+                     test_size=64, eval_every_s=60, seed=3, out=str(out), **kw)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_compressed_run_killed_and_resumed_ends_where_the_undisturbed_one_does(tmp_path, case):
+    """Exactly, on the virtual cluster: the compressed lockstep strategies (their error feedback)
+    and DiLoCo with node replicas (over real processes: tests/e2e/test_compress_resume.py)."""
+    whole = run_sim(_resumable(tmp_path / "whole", **case))
+    kill = {"checkpoint_every": CHECKPOINT_EVERY, "inject_fault": [f"kill:1@{KILL_AT}"]}
+    cut = _resumable(tmp_path / "cut", **kill, **case)
+    with pytest.raises(SimulationFailed):
+        run_sim(cut)
+    # The checkpoint resumed from carries the compression state (bf16 and none have none).
+    [path] = (tmp_path / "cut" / "checkpoints").glob(f"worker1-step{CHECKPOINT_EVERY:08d}.pt")
+    strategy_state = load_checkpoint(path)["strategy"]
+    kept = [k for k in strategy_state if k.startswith("compress_")]
+    assert bool(kept) == (case.get("compress") in ("int8", "fp8")), sorted(strategy_state)
+    resumed = run_sim(cut.replace(resume=True, inject_fault=[]))
+    assert resumed["final_test_loss"] == whole["final_test_loss"]
+    assert (resumed["inter_node_bytes"] > 0) == ("nodes" in case)
+    whole_model, cut_model = (trained(tmp_path / run, "mlp") for run in ("whole", "cut"))
+    pairs = zip(whole_model.parameters(), cut_model.parameters(), strict=True)
+    assert all(torch.equal(p, q) for p, q in pairs)
 
 
 # --------------------------------------------------- error feedback over rounds of the all-reduce

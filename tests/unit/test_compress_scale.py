@@ -92,11 +92,9 @@ def _all_reduce_total(numel: int, workers: int, method: str) -> int:
 
 def expected(strategy: str, workers: int, method: str) -> dict[str, int]:
     """Each strategy's bytes over the run, summed over the workers: the formulas."""
-    if strategy == "sync":  # one all-reduce of the gradients per step
-        sent = STEPS * _all_reduce_total(NUMEL, workers, method)
-        return {"sent": sent, "inter": sent if workers == 2 else 0}
-    if strategy == "local_sgd":  # averages after steps 2 and 4
-        sent = 2 * _all_reduce_total(NUMEL, workers, method)
+    # sync: one all-reduce of the gradients per step; local SGD: averages after steps 2 and 4
+    if strategy in ("sync", "local_sgd"):
+        sent = (STEPS if strategy == "sync" else 2) * _all_reduce_total(NUMEL, workers, method)
         return {"sent": sent, "inter": sent if workers == 2 else 0}
     if strategy == "diloco":
         # fragment 0 (the weight) starts after steps 2 and 6 (t mod 4 = 2), fragment 1 (the

@@ -1,7 +1,6 @@
 """The quantised all-reduce whose bytes do not grow with W (ALGORITHMS.md §8): the reduce-scatter
-of quantised chunks, the owners' fp32 sums re-quantised with their own residuals, the
-all-gather; at W = 2 one all-gather. Against tests/reference.py bit for bit, with every rank's
-bytes, splits and link charges exact."""
+of quantised chunks, the owners' fp32 sums re-quantised with their own residuals, the all-gather
+(at W = 2 one all-gather), against tests/reference.py bit for bit, bytes and link charges exact."""
 
 from __future__ import annotations
 
@@ -69,17 +68,15 @@ def test_a_method_without_an_all_reduce_is_refused_by_name():
     """PowerSGD (a DDP hook) or an unknown name is refused by name before any transport call."""
     comm = ThreadComm(ThreadGroup(1), 0, handle=GROUP)
     for method in ("powersgd", "int4"):
-        with pytest.raises(
-            ValueError, match=rf"^compressed all-reduce: '{method}' is not bf16, fp8 or int8$"
-        ):
+        refused = rf"^compressed all-reduce: '{method}' is not bf16, fp8 or int8$"
+        with pytest.raises(ValueError, match=refused):
             compressed_all_reduce_sum(torch.zeros(2), GROUP, CommStats(), method, comm=comm)
     assert comm.calls == []
 
 
 def _hand_off(method: str, mine: torch.Tensor, peers: torch.Tensor, cost: float, **kw):
-    """A compressed all-reduce over GROUP on 4 threads (:func:`_on_threads`), each link charging
-    ``cost``: rank 0 sums ``mine``, rank 1 ``peers``, the rest zeros. Rank 0's (pending,
-    tensor, transport, link, stats)."""
+    """A compressed all-reduce over GROUP on 4 threads, each link charging ``cost``, of ``mine``
+    (rank 0), ``peers`` (rank 1), zeros; rank 0's (pending, tensor, transport, link, stats)."""
 
     def rank_fn(rank: int, comm: ThreadComm):
         y = mine if rank == 0 else peers.clone() if rank == 1 else torch.zeros_like(mine)
@@ -128,8 +125,7 @@ def test_an_async_quantised_all_reduce_starts_the_scatter_and_wait_runs_the_rest
     reference's sum and adds one clock interval (0.5 s) to wait_s; a second ``wait`` nothing."""
 
     def rank_fn(rank: int, comm: ThreadComm):
-        stats = prior_stats()
-        x = compress_vector(1000, seed=rank)
+        stats, x = prior_stats(), compress_vector(1000, seed=rank)
         y = x.clone()
         pending = compressed_all_reduce_sum(
             y, GROUP, stats, "int8", ErrorFeedback(), key="g", async_op=True, comm=comm
@@ -142,9 +138,7 @@ def test_an_async_quantised_all_reduce_starts_the_scatter_and_wait_runs_the_rest
         return x, started, after, again, stats
 
     results = _on_threads(3, rank_fn)
-    expected, _, _ = ref.quantised_all_reduce(
-        [r[0] for r in results], "int8", [None] * 3, [None] * 3
-    )
+    expected = ref.quantised_all_reduce([r[0] for r in results], "int8", [None] * 3, [None] * 3)[0]
     for _, started, after, again, stats in results:
         calls, untouched, wait_s = started
         assert [c[0] for c in calls] == ["all_to_all"] and untouched and wait_s == 1.0
@@ -160,8 +154,7 @@ def test_the_reduce_scatter_is_the_reference_bit_for_bit_on_every_rank(method, s
     """3 rounds with error feedback over a group of its own. (5, 1000): 4 blocks for 5 ranks,
     one rank owns none; (4, 3000): a padded last block."""
     results = _reduce(size, n, method, rounds=3)
-    sent: list = [None] * size
-    owner: list = [None] * size
+    sent, owner = [None] * size, [None] * size
     for k in range(3):
         expected, sent, owner = ref.quantised_all_reduce(
             [r[0][k] for r in results], method, sent, owner
@@ -171,8 +164,7 @@ def test_the_reduce_scatter_is_the_reference_bit_for_bit_on_every_rank(method, s
     for rank, r in enumerate(results):
         assert torch.equal(r[3].residuals["t"], sent[rank])
         assert torch.equal(r[3].residuals["t" + OWNER], owner[rank])
-    # every rank took part in two all-to-alls a round, each waited for, nothing else
-    assert all([c[0] for c in r[2]] == ["all_to_all", "wait"] * 6 for r in results)
+    assert all([c[0] for c in r[2]] == ["all_to_all", "wait"] * 6 for r in results)  # 2 a round
     # the sum is the true sum within two roundings of each block
     true = sum(r[0][2] for r in results)
     assert float((results[0][1][2] - true).abs().max()) < 0.1 * float(true.abs().max())
@@ -200,8 +192,7 @@ def test_a_pair_all_gathers_over_the_group_and_keeps_the_residual_under_the_defa
     n = 700  # 3 blocks, the last one padded
 
     def rank_fn(rank: int, comm: ThreadComm):
-        feedback = ErrorFeedback()
-        stats = prior_stats()
+        feedback, stats = ErrorFeedback(), prior_stats()
         x = compress_vector(n, seed=10 + rank) * (1 + rank)
         y = x.clone()
         compressed_all_reduce_sum(y, GROUP, stats, method, feedback, comm=comm)
@@ -247,10 +238,9 @@ def test_both_residuals_round_trip_through_a_checkpoint_and_an_old_one_resumes()
 
 
 def test_each_all_to_all_is_charged_to_the_emulated_link_on_the_group_for_this_ranks_bytes():
-    """W = 3 across nodes, 1000 values owned [2, 1, 1]: the scatter (the others' chunks out, its
-    own in from each) is charged 2 latencies + the bytes this rank sends, the gather (its chunk
-    to each, every owner's in) 2 latencies + its chunk to 2 ranks, each booked on the group,
-    the bytes counted as sent. Without a key the residuals are kept under "" and ":owner"."""
+    """W = 3 across nodes, 1000 values owned [2, 1, 1]: the scatter (the others' chunks out) is
+    charged 2 latencies + the bytes this rank sends, the gather 2 latencies + its chunk to 2 ranks,
+    each booked on the group and counted as sent; without a key, residuals are "" and ":owner"."""
     blocks = [2, 1, 1]
     link_of = [RecordingLink() for _ in range(3)]
 
@@ -310,9 +300,8 @@ def _on_the_cluster(ctx) -> tuple[float, torch.Tensor, int, int]:
 
 
 def test_the_virtual_cluster_charges_two_all_to_alls_by_hand():
-    # 4 ranks on 2 nodes, a 1 Gbit/s link (125,000,000 bytes/s) with 1 ms latency; 5 blocks
-    # (1280 values) owned [2, 1, 1, 1]. An all-to-all costs (W − 1) latencies + the busiest
-    # rank's bytes to the others / bandwidth:
+    # 4 ranks on 2 nodes, 1 Gbit/s (1.25e8 bytes/s) and 1 ms; 5 blocks (1280 values) owned
+    # [2, 1, 1, 1]. An all-to-all costs (W − 1) latencies + the busiest rank's bytes / bandwidth:
     #   scatter: ranks 1-3 send 4 blocks (1040 bytes): 3 ms + 1040 / 1.25e8 s
     #   gather: rank 0 sends its 2 blocks to 3 ranks (1560 bytes): 3 ms + 1560 / 1.25e8 s
     expected = 0.003 + 1040 / 1.25e8 + 0.003 + 1560 / 1.25e8

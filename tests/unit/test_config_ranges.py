@@ -8,7 +8,6 @@ import dataclasses
 import math
 
 import pytest
-import torch
 
 import cloudburst.forkserver
 from cloudburst import cli
@@ -17,7 +16,6 @@ from cloudburst.cli.checks import Capacity, check_local_job_fits, local_job_need
 from cloudburst.config import FIELDS, ConfigError, RunConfig, Straggler
 from cloudburst.config.fields import MAX_STEPS, Bounds, is_numeric
 from cloudburst.config.simulation import SimulationConfig
-from cloudburst.loop.train_step import make_optimizer, make_scheduler
 
 ROOMY = Capacity(tasks=10**7, memory_bytes=2**50, fds=10**7)
 
@@ -55,12 +53,9 @@ def _refused(result: tuple[int, list[str], list[RunConfig]]) -> str:
 # ---------------------------------------------------------------------------- every field
 def _numeric_fields(cls: type) -> list[tuple[str, dataclasses.Field]]:
     """(flat name, field) of every numeric setting."""
-    named = (
-        FIELDS.items()
-        if cls is RunConfig
-        else ((f.name, (cls, f)) for f in dataclasses.fields(cls))
-    )
-    return [(name, f) for name, (_, f) in named if is_numeric(f)]
+    if cls is RunConfig:
+        return [(name, f) for name, (_, f) in FIELDS.items() if is_numeric(f)]
+    return [(f.name, f) for f in dataclasses.fields(cls) if is_numeric(f)]
 
 
 @pytest.mark.parametrize("cls", [RunConfig, SimulationConfig])
@@ -73,9 +68,8 @@ def test_every_numeric_field_carries_a_finite_range(cls):
         bounds = f.metadata["bounds"]
         assert math.isfinite(bounds.low) and math.isfinite(bounds.high), f.name
         assert bounds.low < bounds.high, f.name
-        default = f.default
-        if default is not None and default is not dataclasses.MISSING:
-            assert bounds.allows(default, str(f.type).startswith("int")), (f.name, default)
+        if f.default is not None and f.default is not dataclasses.MISSING:
+            assert bounds.allows(f.default, str(f.type).startswith("int")), (f.name, f.default)
 
 
 def _outside(f: dataclasses.Field) -> list[int | float]:
@@ -114,7 +108,7 @@ def test_step_time_noise_is_bounded(spec):
         SimulationConfig(step_time_jitter=spec)
 
 
-@pytest.mark.parametrize("value", [1e20, 4.0, True, "four"])
+@pytest.mark.parametrize("value", [1e20, 4.0, True, "four", "1e20"])
 def test_a_float_a_bool_or_words_are_not_an_int(value):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict({"workers": value})
@@ -124,8 +118,6 @@ def test_a_float_a_bool_or_words_are_not_an_int(value):
 def test_text_from_flags_and_sweeps_is_parsed_with_the_fields_type():
     """compare's specs and simulate's sweeps give text."""
     assert RunConfig.from_dict({"workers": "4", "lr": "0.5", "augment": "false"}).job.workers == 4
-    with pytest.raises(ConfigError, match=r"^steps: '1e20' is not a valid int$"):
-        RunConfig.from_dict({"steps": "1e20"})
 
 
 # ---------------------------------------------------------------------------- bad flag values
@@ -395,22 +387,6 @@ def test_invalid_values_name_the_field_the_value_and_the_fix(values, field, frag
     msg = str(err.value)
     assert msg.startswith(field) and "\n" not in msg, msg
     assert all(fragment in msg for fragment in fragments), msg
-
-
-def test_cosine_schedule_decays_to_zero_over_the_run():
-    cfg = RunConfig(lr=0.1, lr_schedule="cosine", steps=50)
-    param = torch.nn.Parameter(torch.zeros(1))
-    opt = make_optimizer(cfg, [param])
-    sched = make_scheduler(cfg, opt, cfg.steps_per_worker())
-    lrs = [opt.param_groups[0]["lr"]]
-    for _ in range(50):
-        opt.step()
-        sched.step()
-        lrs.append(opt.param_groups[0]["lr"])
-    # lr after k of T = 50 steps: 0.1 · (1 + cos(πk/T)) / 2 — 0.1 at the start, 0.05 half way
-    expected = [0.05 * (1 + math.cos(math.pi * k / 50)) for k in range(51)]
-    assert lrs == pytest.approx(expected, abs=1e-12)
-    assert make_scheduler(RunConfig(), opt, 10) is None
 
 
 def test_path_datasets_have_no_default_size_until_loaded(tmp_path):

@@ -55,13 +55,11 @@ def _schedule(**kw) -> DasoSchedule:
 
 
 def _cycling(**kw) -> DasoSchedule:
-    """A schedule that is in its cycling phase from the first epoch on (B, S and the rest are
-    the class's defaults unless given, unlike :func:`_schedule`'s pinned ones)."""
+    """A schedule cycling from the first epoch, B, S and the rest the class's defaults."""
     return DasoSchedule(total_epochs=20, warmup_epochs=0, cooldown_epochs=0, **kw)
 
 
-# A scripted epoch-loss sequence and the schedule it must produce: (loss, phase of that
-# epoch, change made at its end, B and S after it).
+# Epoch losses and the schedule they make: (loss, phase, change at its end, B and S after).
 SCRIPT = [
     (2.0, WARMUP, None, 4, 1),  # warm-up epochs never change B or S
     (1.9, WARMUP, None, 4, 1),
@@ -135,8 +133,7 @@ def test_phases_are_those_of_the_position_asked_about_counted_in_steps():
     assert schedule.blocking(0.5) and schedule.blocking(19.0)
 
 
-# A cycling schedule of patience 1 (``kw``), two epochs' losses: the change after the second,
-# and B and S then (None: not checked), always whole batches.
+# Patience 1, two epochs' losses: the change after the second, then B and S (None: unchecked).
 EPOCH_PAIRS = [
     (dict(stability_level=0.5), 2.0, "reduce", None),  # 1.0 = 2.0·(1 − 0.5): not below it
     (dict(global_skip=5, batches_to_wait=3, reduction_factor=2), 1.0, "reduce", (2, 1)),
@@ -157,9 +154,8 @@ def test_an_epoch_that_does_not_improve_enough_reduces_or_resets_b_and_s(kw, fir
 
 # ---------------------------------------------------------------------------- the wire
 def test_each_sync_is_sent_by_the_rotating_local_rank_over_its_global_group_in_its_dtype(tmp_path):
-    """G = 3, P = 2, B = S = 1, six steps and the finish: the k-th sync is the θ of local rank
-    k mod 3 of each node, over the group {g, g + 3}; fp32 (daso_cycling_downcast none), the
-    finish's blocking one bf16 (daso_downcast). Every rank counts 7 syncs and its bytes."""
+    """G = 3, P = 2, B = S = 1: the k-th sync is θ of local rank g = k mod 3 of each node over
+    {g, g + 3}, fp32; the finish's blocking one bf16. Every rank counts 7 syncs and its bytes."""
     cfg = daso_sync_cfg(
         tmp_path, workers=6, nodes=2, daso_downcast="bf16", daso_cycling_downcast="none"
     )
@@ -227,13 +223,10 @@ def test_a_non_blocking_sync_does_not_hold_its_sender_when_it_starts(tmp_path, c
 # ---------------------------------------------------------------------------- the merge
 @pytest.mark.parametrize("compress", ["none", "int8"])
 def test_a_sync_is_merged_s_steps_after_it_started_and_broadcast_by_its_sender(tmp_path, compress):
-    """B = 3, S = 2 on 2 nodes × 2, six steps and the finish: the sync started after step 3
-    (by local rank 0) is merged after step 5 and broadcast over the node from its sender; the
-    one started after step 6 (local rank 1) at the finish, then the finish's blocking one
-    (local rank 0). Uncompressed (fp32), rank 2n + i holds after step 5 its node sender's
-    merge (2S·θ_2n + θ_0 + θ_2) / (2S + P) = (5·θ_2n + θ_2(1−n)) / 6, and the broadcast's 3
-    fp32 values (12 bytes) count as sent and intra-node on the sender, as received on the
-    other rank (step 5's traffic less step 4's, which had no sync or merge)."""
+    """B = 3, S = 2, 2 nodes × 2: the sync of step 3 (local rank 0) is merged after step 5 and
+    broadcast from its sender; step 6's (local rank 1) and the blocking one at the finish. In
+    fp32 rank 2n + i then holds (2S·θ_2n + θ_0 + θ_2) / (2S + P); the broadcast's 12 bytes
+    count as sent and intra-node on the sender, as received on the other rank."""
     extra = {"daso_downcast": "none"} if compress == "none" else {}
     cfg = daso_sync_cfg(
         tmp_path, workers=4, nodes=2, daso_global_skip=3, daso_batches_to_wait=2,
@@ -311,9 +304,8 @@ def test_the_emulated_link_charges_every_global_sync_its_time(tmp_path, compress
 
 # ---------------------------------------------------------------------------- phases
 def test_phases_are_counted_per_step_from_where_the_step_started(tmp_path):
-    """4 steps an epoch, 16 steps, warm-up 0.5 epochs, cool-down 1: steps 1–2 warm-up, 3–12
-    cycling (B = 2, S = 1), 13–16 cool-down, and finish's blocking sync. Counts and the sync log
-    follow each step's start position, not the middle of its epoch."""
+    """4 steps an epoch, warm-up 0.5 epochs, cool-down 1: steps 1–2 warm-up, 3–12 cycling,
+    13–16 cool-down (by each step's start position), in the counts and the sync log."""
     cfg = daso_sync_cfg(
         tmp_path, workers=4, nodes=2, daso_global_skip=2, daso_warmup_epochs=0.5,
         daso_cooldown_epochs=1.0,

@@ -24,8 +24,7 @@ def test_worker_shards_are_disjoint_and_equal():
     ds = synthetic(103, 10)
     shards = [worker_shard(ds, w, 4) for w in range(4)]
     assert all(x.shape[0] == 25 for x, _ in shards)
-    joined = torch.cat([x for x, _ in shards])
-    assert torch.equal(joined, ds.x_train[:100])
+    assert torch.equal(torch.cat([x for x, _ in shards]), ds.x_train[:100])
 
 
 def test_batch_stream_is_deterministic_and_resumable():

@@ -182,17 +182,13 @@ def test_cifar10_refuses_code_in_pickles(tmp_path, py2):
     root = _write_cifar(tmp_path / "data")
     marker = tmp_path / "PWNED"
     evil = _Call(os.system, f"touch {marker}")
+    load = lambda: load_path_dataset("cifar10", str(root))  # noqa: E731
     _dump({b"data": evil, b"labels": [0]}, root / "data_batch_3", py2)
-    refused(
-        lambda: load_path_dataset("cifar10", str(root)),
-        "data_batch_3",
-        "refuses to unpickle global",
-        "system",
-    )
+    refused(load, "data_batch_3", "refuses to unpickle global", "system")
     assert not marker.exists()
     _dump({b"label_names": evil}, root / "batches.meta", py2)
     _dump(_cifar_batch(20, seed=3), root / "data_batch_3", py2)
-    refused(lambda: load_path_dataset("cifar10", str(root)), "batches.meta", "refuses")
+    refused(load, "batches.meta", "refuses")
     assert not marker.exists()
 
 
@@ -206,12 +202,10 @@ def _stripes(path: Path, size: tuple[int, int], bands: list[tuple[int, tuple]], 
     """Bands of colour along x (axis=1) or y (axis=0): [(band length in pixels, colour)]."""
     w, h = size
     a = np.zeros((h, w, 3), np.uint8)
+    along = a if axis == 0 else a.swapaxes(0, 1)  # a view: rows, or columns
     start = 0
     for length, colour in bands:
-        if axis == 1:
-            a[:, start : start + length] = colour
-        else:
-            a[start : start + length] = colour
+        along[start : start + length] = colour
         start += length
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(a).save(path)
@@ -262,17 +256,16 @@ def test_imagefolder_held_out_split_is_stratified_and_deterministic(tmp_path):
     assert again.mean == data.mean and again.std == data.std
     x, y = data.test.get_batch(torch.arange(len(data.test)))
     assert x.shape == (3, 3, 12, 12) and y.tolist() == [0, 0, 1]
-    # The mean/std are those of every training image after resize and crop, by hand: each
-    # image is one solid colour (40·i mod 256, 7, 200), so a channel's mean and population std
-    # are those of the images' values. Train: cat 0,1,3,4,5,6,7,9 and more/deep.JPG; dog
-    # 0,1,3,4; emu 0. deep.JPG is (10, 7, 30) through JPEG: its decoded colour, read by PIL.
+    # By hand: each image is one solid colour (40·i mod 256, 7, 200), so a channel's mean and
+    # population std are those of its values over the training images: cat 0,1,3-7,9 and
+    # more/deep.JPG ((10, 7, 30) as PIL decodes the JPEG), dog 0,1,3,4 and emu 0.
     with Image.open(tmp_path / "cat" / "more" / "deep.JPG") as deep:
         deep_r, deep_g, deep_b = deep.convert("RGB").getpixel((4, 4))
     assert deep_g == 7
     red = [40 * i % 256 for i in (0, 1, 3, 4, 5, 6, 7, 9)] + [deep_r]
     red += [40 * i % 256 for i in (0, 1, 3, 4)] + [0]
-    blue = [200] * 8 + [deep_b] + [200] * 5
     assert red[:8] == [0, 40, 120, 160, 200, 240, 24, 104]
+    blue = [200] * 8 + [deep_b] + [200] * 5
     for c, values in ((0, red), (2, blue)):
         scaled = np.array(values, dtype=np.float64) / 255
         assert data.mean[c] == pytest.approx(scaled.mean(), abs=1e-9)
@@ -280,10 +273,8 @@ def test_imagefolder_held_out_split_is_stratified_and_deterministic(tmp_path):
     assert data.mean[1] == pytest.approx(7 / 255, abs=1e-9)
     assert data.std[1] == pytest.approx(1e-3)  # green is constant: floored
     # picklable for DataLoader workers
-    clone = pickle.loads(pickle.dumps(data.train))
-    assert torch.equal(
-        clone.get_batch(torch.tensor([0, 5]))[0], data.train.get_batch(torch.tensor([0, 5]))[0]
-    )
+    clone, ids = pickle.loads(pickle.dumps(data.train)), torch.tensor([0, 5])
+    assert torch.equal(clone.get_batch(ids)[0], data.train.get_batch(ids)[0])
 
 
 def test_imagefolder_train_test_dirs_and_corrupt_image(tmp_path):
@@ -304,8 +295,7 @@ def test_imagefolder_train_test_dirs_and_corrupt_image(tmp_path):
 
 
 def test_imagefolder_layout_errors(tmp_path):
-    empty = tmp_path / "empty"
-    empty.mkdir()
+    (empty := tmp_path / "empty").mkdir()
     refused(lambda: check_dataset("imagefolder", str(empty)), "no class subdirectories")
     refused(lambda: load_path_dataset("imagefolder", str(empty)), "no class subdirectories")
     _folder(tmp_path / "one", {"a": 2})
@@ -515,9 +505,7 @@ def test_preprocess_augmentation_is_seeded_and_each_sample_is_a_padded_crop():
     x = torch.from_numpy(_images(16, (3, 8, 8), seed=4))
     mean, std = (0.5, 0.4, 0.3), (0.25, 0.2, 0.1)
     pre = Preprocess(mean, std, augment=True, pad=4)
-    a = pre(x, torch.Generator().manual_seed(7))
-    b = pre(x, torch.Generator().manual_seed(7))
-    c = pre(x, torch.Generator().manual_seed(8))
+    a, b, c = (pre(x, torch.Generator().manual_seed(seed)) for seed in (7, 7, 8))
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert a.shape == x.shape and a.dtype == torch.float32
     one = torch.ones(16, dtype=torch.int64)  # random pixels: exactly one crop fits
@@ -594,9 +582,8 @@ def test_npz_arrays_count_together_against_the_limit_and_as_loaded(tmp_path):
 
 def test_an_npz_member_whose_zip_size_disagrees_with_its_header_is_refused(tmp_path):
     short = _npy_header((100, 4), "<f8") + np.zeros((10, 4)).tobytes()  # 10 rows of 100
-    path = _npz_with_member(
-        tmp_path / "lying.npz", {"x.npy": short, "y.npy": _npy_header((0,), "<i8")}
-    )
+    members = {"x.npy": short, "y.npy": _npy_header((0,), "<i8")}
+    path = _npz_with_member(tmp_path / "lying.npz", members)
     refused(
         lambda: load_dataset(f"npz:{path}"),
         "array 'x' declares shape [100, 4] float64",
@@ -605,10 +592,11 @@ def test_an_npz_member_whose_zip_size_disagrees_with_its_header_is_refused(tmp_p
 
 
 # ----------------------------------------------------------------------------------------- CIFAR
-def _refused_batch(tmp_path: Path, payload: bytes, *fragments: str) -> int:
+def _refused_batch(tmp_path, payload: bytes, *fragments: str, peak=SMALL_PEAK_BYTES) -> None:
+    """CIFAR-10 whose data_batch_2 holds ``payload`` is refused within ``peak`` bytes."""
     root = _write_cifar(tmp_path)
     (root / "data_batch_2").write_bytes(payload)
-    return refused(lambda: load_dataset(f"cifar10:{root}"), "data_batch_2", *fragments)
+    assert refused(lambda: load_dataset(f"cifar10:{root}"), "data_batch_2", *fragments) < peak
 
 
 def test_cifar_batches_that_ask_numpy_for_a_million_images_are_refused(tmp_path):
@@ -619,26 +607,21 @@ def test_cifar_batches_that_ask_numpy_for_a_million_images_are_refused(tmp_path)
     }
     payload = pickle.dumps(batch, protocol=2)
     assert len(payload) < 300
-    peak = _refused_batch(tmp_path / "a", payload, "refuses to call numpy.ndarray directly")
-    assert peak < SMALL_PEAK_BYTES
+    _refused_batch(tmp_path / "a", payload, "refuses to call numpy.ndarray directly")
     # an array must be filled from the file's own bytes
     from numpy._core.multiarray import _reconstruct
 
     big = _Call(_reconstruct, np.ndarray, (1_000_040, 3072), b"B")
-    payload = pickle.dumps({b"data": big, b"labels": []}, protocol=2)
-    peak = _refused_batch(tmp_path / "b", payload, "_reconstruct")
-    assert peak < SMALL_PEAK_BYTES
+    _refused_batch(tmp_path / "b", pickle.dumps({b"data": big, b"labels": []}, 2), "_reconstruct")
 
 
 def test_a_cifar_pickle_that_builds_or_declares_more_bytes_than_it_holds_is_refused(tmp_path):
     text = "\x00" * 2**20  # one MiB, memoised once, decoded a thousand times: 1 GiB
     payload = pickle.dumps([_Call(codecs.encode, text, "latin1") for _ in range(1000)], 2)
     assert len(payload) < 2 * 2**20
-    peak = _refused_batch(tmp_path / "a", payload, "builds more than twice its")
-    assert peak < 32 * 2**20
+    _refused_batch(tmp_path / "a", payload, "builds more than twice its", peak=32 * 2**20)
     payload = b"\x80\x04\x8e" + struct.pack("<Q", 2**34) + b"abc"  # BINBYTES8 of 16 GiB
-    peak = _refused_batch(tmp_path / "b", payload, "not a readable batch pickle", "bytes8")
-    assert peak < SMALL_PEAK_BYTES
+    _refused_batch(tmp_path / "b", payload, "not a readable batch pickle", "bytes8")
 
 
 def test_a_cifar_batch_file_over_its_size_limit_is_refused_from_stat(tmp_path):
@@ -673,20 +656,19 @@ def test_a_sparse_text_file_over_the_limit_is_refused_from_stat_without_reading(
 # ----------------------------------------------------------------------------------- imagefolder
 def test_an_image_folders_decoded_test_split_is_bounded(tmp_path):
     root = write_imagefolder(tmp_path / "imgs", per_class=10, classes=2)
-    data = load_dataset(f"imagefolder:{root}", image_size=8)
+    load = lambda **kw: load_dataset(f"imagefolder:{root}", **{"image_size": 8, **kw})  # noqa: E731
+    data = load()
     n_test = len(data.test)
     assert in_memory(data.test).x.shape == (n_test, 3, 8, 8)
+    below = n_test * 192 - 1  # bytes: one short of the decoded test split
     refused(
-        lambda: load_dataset(f"imagefolder:{root}", image_size=8, max_bytes=n_test * 192 - 1),
+        lambda: load(max_bytes=below),
         "the test split decoded",
         f"{n_test} images of 3x8x8 uint8",
         "--test-size caps it",
     )
-    capped = load_dataset(
-        f"imagefolder:{root}", image_size=8, test_size=n_test - 1, max_bytes=n_test * 192 - 1
-    )
-    assert len(capped.test) == n_test - 1
-    refused(lambda: load_dataset(f"imagefolder:{root}", image_size=9000), "image_size")
+    assert len(load(test_size=n_test - 1, max_bytes=below).test) == n_test - 1
+    refused(lambda: load(image_size=9000), "image_size")
 
 
 def test_the_limit_is_a_config_option_and_errors_are_one_config_line_before_launch(tmp_path):

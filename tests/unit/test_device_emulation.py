@@ -48,12 +48,11 @@ def test_hooks_sleep_the_planned_padding_by_parameter_share_forward_one_third() 
     emulator = DeviceEmulator(model, 0.9, 1.0, clock.sleep, clock.perf_counter)
     plan = emulator.begin_step()  # no step seen yet: plan the whole minimum
     model(torch.randn(3, 8)).sum().backward()
-    assert plan.slept_forward_s == pytest.approx(0.9 * FORWARD_SHARE)
-    assert plan.slept_backward_s == pytest.approx(0.9 * (1 - FORWARD_SHARE))
+    fwd, bwd = 0.9 * FORWARD_SHARE, 0.9 * (1 - FORWARD_SHARE)
+    assert (plan.slept_forward_s, plan.slept_backward_s) == pytest.approx((fwd, bwd))
     n0, n2 = 8 * 16 + 16, 16 * 4 + 4  # parameters of layers 0 and 2
     # Forward: layer 0, then 2; backward: layer 2 first (the output side), then 0.
     assert plan.events == [("forward", "0"), ("forward", "2"), ("backward", "2"), ("backward", "0")]
-    fwd, bwd = 0.9 * FORWARD_SHARE, 0.9 * (1 - FORWARD_SHARE)
     expected = [fwd * n0, fwd * n2, bwd * n2, bwd * n0]
     assert clock.sleeps == pytest.approx([s / (n0 + n2) for s in expected])
 
@@ -77,9 +76,8 @@ def test_every_step_totals_the_device_time_and_overshoot_is_repaid() -> None:
         )
         assert emulator.debt_s <= padding_s(0.01, 0.5, 1.5) + 1e-12
     # A step of exactly predicted compute and no debt needs no remainder after the hooks.
-    step(model, emulator, clock, 0.6)
-    step(model, emulator, clock, 0.1)
-    step(model, emulator, clock, 0.1)
+    for compute_s in (0.6, 0.1, 0.1):
+        step(model, emulator, clock, compute_s)
     assert emulator.last_remainder_s == 0.0 and emulator.debt_s == 0.0
     assert emulator.last.slept_s == pytest.approx(padding_s(0.1, 0.5, 1.5))
 
@@ -90,8 +88,7 @@ def test_a_step_slower_than_predicted_is_padded_at_its_end() -> None:
     step(model, emulator, clock, 0.2)  # nothing predicted yet: all 0.2 s at the end
     assert emulator.last.slept_s == 0.0 and emulator.last_remainder_s == pytest.approx(0.2)
     step(model, emulator, clock, 0.3)  # 0.2 s in the hooks, 0.1 s more at the end
-    assert emulator.last.slept_s == pytest.approx(0.2)
-    assert emulator.last_remainder_s == pytest.approx(0.1)
+    assert (emulator.last.slept_s, emulator.last_remainder_s) == pytest.approx((0.2, 0.1))
 
 
 def test_no_sleep_outside_a_step_nor_beyond_a_phase_budget() -> None:

@@ -148,9 +148,8 @@ def _run(
     models = [_model().to(device) for _ in range(cfg.job.workers)]
     theta0 = ref.flat(models[0]).cpu()
     job = ps_job(cfg, models, theta0)
-    asgd = cfg.asgd
-    reference = _Reference(theta0, cfg.job.workers, bounds, alpha, asgd.staleness_compensation,
-                           asgd.max_staleness)  # fmt: skip
+    reference = _Reference(theta0, cfg.job.workers, bounds, alpha,
+                           cfg.asgd.staleness_compensation, cfg.asgd.max_staleness)  # fmt: skip
     for w in job.workers:
         w.transport = _Int8Wire(w.transport.net, w.transport.rank, w.stats)
         w.start()
@@ -182,9 +181,8 @@ def _run(
 
 @pytest.mark.parametrize(("workers", "servers"), [(3, 2), (2, 1)])
 def test_compressed_elastic_rounds_match_the_reference_with_staleness_scaling(workers, servers):
-    """Pushes 0, 1 and 2 versions stale: the shards add decoded e·1/max(1, τ), the worker
-    subtracts that, keeps θ̃ + that as its reference, carries int8's residual on, and reads the
-    samples from shard 0's reply (α = β/W by default)."""
+    """Pushes 0–2 versions stale: shards add decoded e·1/max(1, τ), the worker subtracts it, keeps
+    θ̃ + it as its reference, carries int8's residual, reads shard 0's samples (α = β/W)."""
     cfg = _cfg(workers=workers, servers=servers, staleness_compensation="scale")
     bounds = [(0, 310), (310, 620)] if servers == 2 else [(0, 620)]
     order = [0, 1, 2, 0, 1, 2, 2, 0] if workers == 3 else [0, 1, 1, 0, 0, 1]
@@ -196,12 +194,10 @@ def test_compressed_elastic_rounds_match_the_reference_with_staleness_scaling(wo
 
 def test_a_dropped_push_leaves_the_replica_and_a_rejected_one_resets_it_and_the_feedback():
     """max_staleness 0: a late push is dropped (replica kept, the centre its reference); a push
-    +inf in shard 0's part is rejected there (that part reset to the centre, every residual
-    dropped) and applied on shard 1."""
+    +inf in shard 0's part is rejected there (reset to the centre, residuals dropped), not on 1."""
     cfg = _cfg(workers=2, servers=2, max_staleness=0, easgd_alpha=0.4)
     script = [(0, None), (1, None), (1, 3), (1, None), (0, None)]
-    reference = _run(cfg, script, alpha=0.4, bounds=[(0, 310), (310, 620)])
-    assert reference.statuses == [
+    assert _run(cfg, script, alpha=0.4, bounds=[(0, 310), (310, 620)]).statuses == [
         [Status.OK, Status.OK],
         [Status.STALE_DROPPED, Status.STALE_DROPPED],
         [Status.REJECTED, Status.OK],

@@ -105,8 +105,7 @@ def final_record(tmp_path, own_report: dict, others: dict[int, dict], servers: i
     data = synthetic(256, 32)
     model = build_model("mlp", data.input_shape, data.num_classes, 0)
     metrics = MetricsWriter(tmp_path, 0, "worker0")
-    theta = flatten_params(model)
-    finalize_run(ctx, model, theta, data, metrics, own_report, [], 10.0, 1280)
+    finalize_run(ctx, model, flatten_params(model), data, metrics, own_report, [], 10.0, 1280)
     metrics.close()
     [record] = rank_events(tmp_path, 0, "eval")
     assert record["final"] is True

@@ -190,8 +190,10 @@ def test_daso_flags_and_defaults_reach_the_schedule(parse):
 
 
 class _FakeDDP:
-    def __init__(self, module, device_ids=None, process_group=None):
-        self.module, self.process_group = module, process_group
+    """What ``counted_ddp`` returns, made with its arguments."""
+
+    def __init__(self, module, group, device, state, hook=None, **kw):
+        self.module, self.process_group = module, group
         self.require_backward_grad_sync = None
 
     def register_comm_hook(self, state, hook) -> None:
@@ -213,11 +215,7 @@ def _run_daso(cfg: RunConfig, monkeypatch, steps: int = 20):
         world_sums.append(values)
         return [2 * v for v in values]
 
-    monkeypatch.setattr(
-        allreduce_module,
-        "counted_ddp",
-        lambda model, group, device, state, hook=None, **kw: _FakeDDP(model, process_group=group),
-    )
+    monkeypatch.setattr(allreduce_module, "counted_ddp", _FakeDDP)
     monkeypatch.setattr(daso, "all_reduce_sum", all_reduce_sum)
     monkeypatch.setattr(daso, "broadcast", lambda *a, **kw: None)
     monkeypatch.setattr(daso, "world_sum", world_sum)

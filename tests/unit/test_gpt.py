@@ -88,24 +88,14 @@ def test_gpt_runs_default_to_the_recipe_and_other_models_do_not():
     assert cfg.training.steps == 300 and cfg.metrics.eval_every_s == 15.0
     plain = RunConfig()
     p = plain.training
-    assert (p.optimizer, p.lr, p.clip_grad_norm, p.batch_size, p.epochs) == (
-        "sgd",
-        0.1,
-        0,
-        64,
-        64.0,
-    )
-    assert plain.metrics.eval_every_s == 1.0
+    assert (p.optimizer, p.lr, p.clip_grad_norm, p.batch_size) == ("sgd", 0.1, 0, 64)
+    assert p.epochs == 64.0 and plain.metrics.eval_every_s == 1.0
     assert _cfg(optimizer="sgd", lr=0.5).training.lr == 0.5  # a given value wins
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="language model; use --dataset text"):
         RunConfig(model="gpt")
     with pytest.raises(ConfigError, match="'cnn' is not a language model"):
         RunConfig(model="cnn", dataset="text:stdlib")
-    with pytest.raises(ConfigError, match="clip_grad_norm"):
-        _cfg(clip_grad_norm=-1.0)
-    with pytest.raises(ConfigError, match="target_loss"):
-        _cfg(target_loss=0.0)
 
 
 def test_adamw_decays_decoupled_from_the_adam_step():
@@ -124,22 +114,23 @@ def test_adamw_decays_decoupled_from_the_adam_step():
         torch.testing.assert_close(theta.detach(), ref, rtol=0, atol=1e-7)
 
 
-@pytest.mark.parametrize("schedule", ["cosine", "constant"])
-def test_linear_warmup_then_the_schedule(schedule):
-    cfg = _cfg(lr=0.2, warmup_steps=4, lr_schedule=schedule)
+@pytest.mark.parametrize("schedule, warmup", [("cosine", 4), ("constant", 4), ("cosine", 0)])
+def test_linear_warmup_then_the_schedule(schedule, warmup):
+    """Cosine decays from lr to 0 at the run's end (lr after k of the T steps past the
+    warm-up: lr · (1 + cos(πk/T)) / 2); no warm-up and no schedule: no scheduler."""
+    cfg = _cfg(lr=0.2, warmup_steps=warmup, lr_schedule=schedule)
     opt = make_optimizer(cfg, [torch.nn.Parameter(torch.zeros(1))])
     sched = make_scheduler(cfg, opt, total_steps=12)
-    lrs = []
+    lrs = [opt.param_groups[0]["lr"]]
     for _ in range(12):
-        lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    warm = [0.2 * (1 / 4 + (1 - 1 / 4) * k / 4) for k in range(4)]
-    if schedule == "cosine":
-        after = [0.1 * (1 + math.cos(math.pi * k / 8)) for k in range(8)]
-    else:
-        after = [0.2] * 8
-    assert lrs == pytest.approx(warm + after, abs=1e-12)
+        lrs.append(opt.param_groups[0]["lr"])
+    warm = [0.2 * (1 / 4 + (1 - 1 / 4) * k / 4) for k in range(warmup)]
+    t = 12 - warmup
+    after = [0.1 * (1 + math.cos(math.pi * k / t)) for k in range(t + 1)]
+    assert lrs == pytest.approx(warm + (after if schedule == "cosine" else [0.2] * 9), abs=1e-12)
+    assert make_scheduler(RunConfig(), opt, 10) is None
 
 
 def test_clipping_scales_the_global_norm_down_only():
@@ -150,9 +141,8 @@ def test_clipping_scales_the_global_norm_down_only():
     torch.testing.assert_close(torch.cat([a.grad, b.grad]), torch.tensor([0.6, 0.0, 0.8]))
     clip_gradients(opt, 2.0)  # already below: unchanged
     torch.testing.assert_close(torch.cat([a.grad, b.grad]), torch.tensor([0.6, 0.0, 0.8]))
-    clip_gradients(opt, 0.0)  # off
     a.grad = torch.tensor([30.0, 0.0])
-    clip_gradients(opt, 0.0)
+    clip_gradients(opt, 0.0)  # off
     assert a.grad[0] == 30.0
 
 
@@ -184,13 +174,10 @@ def test_test_loss_is_nats_per_token_and_bits_per_byte_its_base_2():
     # the mean is over all 40 tokens whatever the batch: 3 windows of one kind, 2 of the other
     mixed = TokenWindows(x, torch.cat([y[:3], ((x + 2) % 256)[3:]]))
     expected = (24 * math.log(4) - 16 * math.log(0.75 / 255)) / 40
-    for batch in (8, 16, 1000):
-        assert evaluate_dataset(_Fixed(0.25), mixed, None, batch=batch)[1] == pytest.approx(
-            expected, abs=1e-6
-        )
-    assert lm_loss(torch.zeros(2, 3, 256), torch.zeros(2, 3, dtype=torch.int64)).item() == (
-        pytest.approx(math.log(256))
-    )
+    losses = [evaluate_dataset(_Fixed(0.25), mixed, None, batch=b)[1] for b in (8, 16, 1000)]
+    assert losses == pytest.approx([expected] * 3, abs=1e-6)
+    uniform = lm_loss(torch.zeros(2, 3, 256), torch.zeros(2, 3, dtype=torch.int64))
+    assert uniform.item() == pytest.approx(math.log(256))  # equal logits: log V nats
     assert not Dataset(test, test, 256, (8,)).is_lm  # only a token stream for training is
 
 

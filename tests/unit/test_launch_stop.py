@@ -81,10 +81,8 @@ def test_the_agent_shutdown_patch_fits_either_torch_signature(monkeypatch, with_
     monkeypatch.setattr(ProcessContext, "join", ProcessContext.join)
     launch_agents._shorten_agent_stop_grace()
     LocalElasticAgent._shutdown(object(), signal.SIGKILL)
-    expected = (
-        (signal.SIGKILL, launch_agents.AGENT_STOP_GRACE_S) if with_timeout else (signal.SIGKILL,)
-    )
-    assert calls == [expected]
+    grace = (launch_agents.AGENT_STOP_GRACE_S,) if with_timeout else ()
+    assert calls == [(signal.SIGKILL, *grace)]
 
 
 def _middle(ready) -> None:

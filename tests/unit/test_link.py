@@ -102,19 +102,16 @@ def test_topology_places_contiguous_blocks_on_nodes():
     # One node, or one rank per node, but never more nodes than ranks or none.
     assert Topology.contiguous(4, 1).node_of == (0, 0, 0, 0)
     assert Topology.contiguous(3, 3).node_of == (0, 1, 2)
-    with pytest.raises(ValueError, match="cannot place 2 ranks on 3 nodes"):
-        Topology.contiguous(2, 3)
-    for nodes in (0, 4):
-        with pytest.raises(ValueError, match=f"cannot place 3 ranks on {nodes} nodes"):
-            Topology.contiguous(3, nodes)
+    for ranks, nodes in ((2, 3), (3, 0), (3, 4)):
+        with pytest.raises(ValueError, match=f"cannot place {ranks} ranks on {nodes} nodes"):
+            Topology.contiguous(ranks, nodes)
 
 
 # ---------------------------------------------------------------------------- cost model
 def test_one_message_costs_one_latency_plus_its_bytes_over_the_bandwidth():
     emu = LinkEmulator(LinkSpec(1.0, 0.5))  # 125e6 bytes/s, 0.5 ms
-    assert emu.active
     assert emu.p2p_s(1_250_000) == close(0.0005 + 0.01)
-    assert emu.p2p_s(0) == close(0.0005)
+    assert emu.active and emu.p2p_s(0) == close(0.0005)
     assert LinkEmulator(LinkSpec(8.0)).p2p_s(3_000_000) == close(0.003)  # 1e9 bytes/s, no latency
 
 
@@ -131,9 +128,8 @@ def ring_allreduce_by_steps(nbytes: int, n: int, spec: LinkSpec) -> float:
 
 
 def test_ring_allreduce_cost():
-    emu = LinkEmulator(LinkSpec(1.0, 1.0))
     # 4 MB over 4 ranks: 2·3 latencies + 2·3/4 of the bytes = 0.006 + 1.5 · 0.032 s
-    assert emu.allreduce_s(4_000_000, 4) == close(0.054)
+    assert LinkEmulator(LinkSpec(1.0, 1.0)).allreduce_s(4_000_000, 4) == close(0.054)
     for n in (2, 3, 5, 8):
         for nbytes in (0, 4_000, 10_000_000):
             for spec in (LinkSpec(1.0, 1.0), LinkSpec(25.0, 0.05)):
@@ -141,9 +137,8 @@ def test_ring_allreduce_cost():
                 assert LinkEmulator(spec).allreduce_s(nbytes, n) == pytest.approx(expected)
     # a broadcast: ceil(log2 n) rounds of latency and the bytes once
     emu = LinkEmulator(LinkSpec(1.0, 0.5))
-    assert emu.broadcast_s(1_000_000, 5) == close(3 * 0.0005 + 0.008)
-    assert emu.broadcast_s(1_000_000, 4) == close(2 * 0.0005 + 0.008)
-    assert emu.broadcast_s(1_000_000, 2) == close(0.0005 + 0.008)
+    for n, rounds in ((5, 3), (4, 2), (2, 1)):
+        assert emu.broadcast_s(1_000_000, n) == close(rounds * 0.0005 + 0.008)
     # nothing crosses a link in a group of one, or without a link
     assert emu.allreduce_s(10**9, 1) == 0.0 and emu.broadcast_s(10**9, 1) == 0.0
     off = LinkEmulator(None)
@@ -156,8 +151,7 @@ def test_transfers_from_one_rank_queue_on_its_link(clock):
     assert LinkEmulator.wait_until(T0) == 0.0 and clock.sleeps == []  # a deadline now: no sleep
     emu = LinkEmulator(LinkSpec(1.0, 0.5))
     cost = emu.p2p_s(1_250_000)  # 0.0105 s
-    first = emu.reserve(cost)
-    assert first == close(T0 + 0.0105)
+    assert emu.reserve(cost) == close(T0 + 0.0105)
     clock.advance(0.001)  # the second starts while the first is still on the wire: it queues
     assert emu.reserve(cost) == close(T0 + 0.021)
     clock.advance(1.0)  # the link has been idle since T0 + 0.021: the third starts now
@@ -172,28 +166,22 @@ def test_transfers_from_one_rank_queue_on_its_link(clock):
     assert LinkEmulator(LinkSpec(1.0, 0.0)).reserve(2.0, start=0.25) == 2.25  # fresh: free
 
 
-class _Work:
-    def __init__(self, done: bool):
-        self.done, self.waited = done, False
-
-    def wait(self) -> None:
-        self.waited = True
-
-    def is_completed(self) -> bool:
-        return self.done
+def _work(done: bool, waited: list | None = None) -> SimpleNamespace:
+    """A collective's work handle, complete or not, that records each wait in ``waited``."""
+    return SimpleNamespace(wait=lambda: waited.append(1), is_completed=lambda: done)
 
 
 def test_an_emulated_work_waits_for_its_collective_then_for_the_link_and_completes_so(clock):
-    work = _Work(done=False)
-    assert EmulatedWork(work, deadline=T0 + 2.0).wait() is True
-    assert work.waited and clock.sleeps == [2.0]
+    waited: list = []
+    assert EmulatedWork(_work(False, waited), deadline=T0 + 2.0).wait() is True
+    assert waited and clock.sleeps == [2.0]
     assert EmulatedWork(None, deadline=T0 + 3.0).wait() is True  # no collective: the link only
     assert clock.sleeps == [2.0, 1.0]
     # Complete when its collective and the link are.
     now = clock.now
-    assert not EmulatedWork(_Work(done=False), deadline=now - 1.0).is_completed()
-    assert not EmulatedWork(_Work(done=True), deadline=now + 1.0).is_completed()
-    assert EmulatedWork(_Work(done=True), deadline=now - 1.0).is_completed()
+    assert not EmulatedWork(_work(False), deadline=now - 1.0).is_completed()
+    assert not EmulatedWork(_work(True), deadline=now + 1.0).is_completed()
+    assert EmulatedWork(_work(True), deadline=now - 1.0).is_completed()
     assert EmulatedWork(None, deadline=now - 1.0).is_completed()
 
 
@@ -238,8 +226,7 @@ def test_messages_to_another_node_leave_once_the_link_has_carried_them(clock):
     assert stats.intra_node_bytes == 1_250_000
     assert stats.inter_node_bytes == 2 * 1_250_000 + HEADER_BYTES
     assert stats.sent_bytes == 3 * 1_250_000 + HEADER_BYTES
-    assert stats.emulated_link_s == close(0.022 + header_only)
-    assert stats.wait_s == close(0.022 + header_only)  # the sender was held back that long
+    assert stats.wait_s == close(0.022 + header_only) == stats.emulated_link_s  # held back so long
     # An overlapped payload (isend) waits for the link as well: 4 MB, 1 ms + 32 ms.
     transport.isend_payload(2, torch.zeros(1_000_000), reply=False)
     assert sent[-1] == (2, 1_000_000, close(T0 + 0.022 + header_only + 0.033))
@@ -309,11 +296,8 @@ def test_ddp_buckets_across_nodes_queue_on_the_link(clock, monkeypatch):
         futures.append(fut)
         return SimpleNamespace(get_future=lambda: fut)
 
-    monkeypatch.setattr(
-        allreduce,
-        "dist",
-        SimpleNamespace(get_world_size=lambda group=None: 4, all_reduce=all_reduce),
-    )
+    fake = SimpleNamespace(get_world_size=lambda group=None: 4, all_reduce=all_reduce)
+    monkeypatch.setattr(allreduce, "dist", fake)
     stats = CommStats()
     state = AllreduceHookState(None, stats, spans_nodes=True, link=LinkEmulator(LinkSpec(1, 1)))
     big, small = torch.full((1_000_000,), 8.0), torch.full((250_000,), 8.0)  # 4 MB, 1 MB

@@ -9,7 +9,6 @@ import math
 import random
 
 import pytest
-import torch
 
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.config.simulation import SimulationConfig
@@ -19,7 +18,8 @@ from cloudburst.records.checkpoint import load_model_into
 from cloudburst.records.metrics import read_jsonl
 from cloudburst.sim.run import SimulationFailed, simulate
 from cloudburst.strategies import BUILT_IN as STRATEGIES
-from tests.helpers import rank_events
+from tests.helpers import rank_events, saved_state
+from tests.support import same_state
 
 SPEC = "gpt:layers=1,width=32,heads=2"
 
@@ -82,13 +82,9 @@ def test_a_loss_target_is_timed_and_a_resumed_sync_run_ends_where_an_undisturbed
         simulate(cut, sim)
     resumed = simulate(cut.replace(resume=True, inject_fault=[]), sim)
     assert resumed["final_test_loss"] == whole["final_test_loss"]
-    models = []
-    for run in ("whole", "cut"):
-        data = load_dataset(text, test_size=10)
-        models.append(build_model(SPEC, data.input_shape, data.num_classes, seed=1))
-        load_model_into(tmp_path / run / "model.pt", models[-1])
-    pairs = zip(models[0].parameters(), models[1].parameters(), strict=True)
-    assert all(torch.equal(p, q) for p, q in pairs)
+    assert same_state(saved_state(tmp_path / "whole"), saved_state(tmp_path / "cut"))
+    d = load_dataset(text, test_size=10)  # and the saved model fits the spec's
+    load_model_into(tmp_path / "cut/model.pt", build_model(SPEC, d.input_shape, d.num_classes, 1))
     steps = rank_events(tmp_path / "cut", 0, "resume")
     assert steps and steps[0]["step"] == 8
     assert json.loads((tmp_path / "cut" / "config.json").read_text())["model"] == SPEC

@@ -153,22 +153,16 @@ def test_a_header_cut_short_is_refused():
     assert _problem(Header.from_tensor(received), src=2) is None
 
 
-def _short_messages(transport: PeerTransport, messages: list[torch.Tensor]) -> None:
-    """gloo's receive, faked: each message fills only the front of the buffer it is given
-    (what gloo does with a message shorter than the buffer)."""
+def test_a_short_message_never_reuses_what_the_buffer_held():
+    transport, valid = PeerTransport(), _push().to_tensor()
+    messages = [valid, valid[:3], torch.ones(NUMEL), torch.ones(2)]
 
-    def recv(tensor, src, tag):
+    def recv(tensor, src, tag):  # gloo's: a short message fills the front of the buffer
         message = messages.pop(0)
         tensor[: message.numel()].copy_(message)
         return 1
 
     transport._recv = recv
-
-
-def test_a_short_message_never_reuses_what_the_buffer_held():
-    transport = PeerTransport()
-    valid = _push().to_tensor()
-    _short_messages(transport, [valid, valid[:3], torch.ones(NUMEL), torch.ones(2)])
     assert transport.recv_request_any() == (1, _push())
     assert transport.recv_request_any() == (1, None)  # not the previous header's fields
     buf = torch.empty(NUMEL)
@@ -179,13 +173,11 @@ def test_a_short_message_never_reuses_what_the_buffer_held():
 
 # ---------------------------------------------------------------------------- gossip checks
 def test_gossip_checks_weights_in_zero_to_w_and_finite_theta_pushed_or_pulled():
-    ok = Header(Kind.PUSH, shard=2, numel=10, aux=encode_weight(0.5))
-    assert check_request(ok, 2, 10, max_weight=4.0) is None
-    for weight in (0.0, -0.5, 4.5, 1e6, math.inf, math.nan):
-        bad = Header(Kind.PUSH, shard=2, numel=10, aux=encode_weight(weight))
-        assert "outside (0, 4.0]" in check_request(bad, 2, 10, max_weight=4.0), weight
-    at_w = Header(Kind.PUSH, shard=2, numel=10, aux=encode_weight(4.0))
-    assert check_request(at_w, 2, 10, max_weight=4.0) is None
+    for weight in (0.5, 4.0, 0.0, -0.5, 4.5, 1e6, math.inf, math.nan):
+        push = Header(Kind.PUSH, shard=2, numel=10, aux=encode_weight(weight))
+        problem = check_request(push, 2, 10, max_weight=4.0)
+        assert (problem is None) == (0 < weight <= 4.0), weight  # (0.5 and 4.0 are in)
+        assert problem is None or "outside (0, 4.0]" in problem, weight
     # pushed θ must be finite, also once de-biased
     assert check_push(torch.ones(4), 0.5) is None
     assert "non-finite" in check_push(torch.tensor([1.0, math.nan, 0.0, 0.0]), 0.5)
@@ -193,23 +185,18 @@ def test_gossip_checks_weights_in_zero_to_w_and_finite_theta_pushed_or_pulled():
     assert "overflows" in check_push(torch.full((4,), 1e30), 1e-300)
     assert check_push(torch.full((4,), 1e30), 1.0) is None
     # pulled θ is checked
-    ok = Header(Kind.REPLY, shard=1, numel=3)
+    ok, other = Header(Kind.REPLY, shard=1, numel=3), Header(Kind.REPLY, shard=2, numel=3)
     assert check_reply(ok, 1, 3, torch.ones(3)) is None
     assert "not finite" in check_reply(ok, 1, 3, torch.tensor([0.0, math.inf, 1.0]))
-    assert "names worker 2" in check_reply(
-        Header(Kind.REPLY, shard=2, numel=3), 1, 3, torch.ones(3)
-    )
+    assert "names worker 2" in check_reply(other, 1, 3, torch.ones(3))
     refused = Header(Kind.REPLY, shard=1, status=Status.REJECTED)
     assert "status" in check_reply(refused, 1, 3, torch.ones(3))
 
 
-# ---------------------------------------------------------------------------- fakes
+# ----------------------------------------------------------------- the server loop, on a script
 class _Script:
-    """Requests to hand out (sender, header or None, payload or None), and what came back.
-
-    A payload is read only with a size the receiver knew: the fake fails the test when a
-    read is longer than the buffer it is given, and records every read.
-    """
+    """Requests to hand out (sender, header or None, payload or None), and what came back; a
+    payload read with a size the receiver did not know (not its buffer's) fails the test."""
 
     def __init__(self, messages: list[tuple[int, Header | None, torch.Tensor | None]]):
         self.messages = list(messages)
@@ -252,15 +239,9 @@ def _server(script: _Script, workers: int = 2, **cfg) -> tuple[ServerLoop, Recor
     config = RunConfig(
         strategy="asgd", workers=workers, servers=1, dataset="synthetic", server_lr=1.0, **cfg
     )
-    ctx = FakeNamespace(
-        comm=REAL,
-        cfg=config,
-        rank=0,
-        server_index=0,
-        worker_ranks=list(range(1, workers + 1)),
-        elapsed_s=lambda: 0.0,
-        transport=lambda *a, **kw: script,
-    )
+    ranks = list(range(1, workers + 1))
+    ctx = FakeNamespace(comm=REAL, cfg=config, rank=0, server_index=0, worker_ranks=ranks)
+    ctx.elapsed_s, ctx.transport = (lambda: 0.0), (lambda *a, **kw: script)
     metrics = RecordingMetrics()
     return ServerLoop(ctx, torch.zeros(NUMEL), metrics, liveness=None), metrics
 
@@ -271,7 +252,6 @@ def _serve(loop: ServerLoop, script: _Script) -> None:
         loop._serve_one(script, src, header)
 
 
-# ---------------------------------------------------------------------------- the server loop
 def test_server_drains_refused_payloads_drops_what_it_cannot_read_and_applies_the_rest():
     full = torch.full((NUMEL,), 5.0)
     script = _Script(
@@ -307,8 +287,7 @@ def test_server_drops_a_worker_after_max_faults_without_reading_the_last_payload
 
 def test_init_only_from_the_warm_start_worker_only_once_and_finite():
     theta0 = torch.arange(NUMEL, dtype=torch.float32)
-    nan = theta0.clone()
-    nan[2] = math.nan
+    nan = torch.where(torch.arange(NUMEL) == 2, math.nan, theta0)
     init = Header(Kind.INIT, numel=NUMEL)
     script = _Script(
         [
@@ -331,8 +310,7 @@ def test_init_only_from_the_warm_start_worker_only_once_and_finite():
 def test_push_records_are_sampled_and_the_staleness_statistics_count_every_push():
     # 25 pushes against version 0: staleness 0, 1, ..., 24; a non-finite one among them
     pushes = [(1, _push(version=0), torch.ones(NUMEL)) for _ in range(25)]
-    nan = torch.ones(NUMEL)
-    nan[0] = math.nan
+    nan = torch.where(torch.arange(NUMEL) == 0, math.nan, 1.0)
     pushes.insert(13, (2, _push(version=0), nan))
     script = _Script(pushes)
     loop, metrics = _server(script, push_log_every=10)
@@ -344,7 +322,7 @@ def test_push_records_are_sampled_and_the_staleness_statistics_count_every_push(
     assert stats["staleness_max_versions"] == 24 and stats["rejected_nonfinite"] == 1
 
 
-# ---------------------------------------------------------------------------- gossip serving
+# ---------------------------------------------------------------------- gossip serving and pulling
 def _gossip(script: _Script) -> tuple[GossipTransport, Mailbox]:
     transport = GossipTransport(
         None, None, 0, [1, 2], NUMEL, CommStats(), worker_of=lambda r: r, timeout_s=60.0
@@ -363,8 +341,7 @@ def _gossip_push(sender: int, weight: float = 0.5, **kw) -> Header:
 
 def test_gossip_serving_refuses_bad_pushes_drops_unreadable_peers_and_keeps_good_ones():
     good = torch.linspace(-1, 1, NUMEL)
-    nan = torch.ones(NUMEL)
-    nan[1] = math.nan
+    nan = torch.where(torch.arange(NUMEL) == 1, math.nan, 1.0)
     script = _Script(
         [
             (1, _gossip_push(1), nan),  # read, refused: not finite
@@ -403,7 +380,6 @@ def test_gossip_serving_drops_an_unreadable_header_and_never_reads_its_payload()
     assert transport.counters.requests_rejected == 2 == script.stats.messages_rejected
 
 
-# ---------------------------------------------------------------------------- gossip pulling
 def test_a_bad_pulled_theta_is_refused_and_a_peer_out_of_step_is_no_longer_pulled():
     transport, _ = _gossip(_Script([]))
     sent = []
@@ -461,13 +437,9 @@ def test_a_push_received_whole_is_applied_and_recorded_though_its_reply_fails(ki
     assert [(p["worker"], p["version"], p["status"]) for p in pushes] == [(1, 1, "OK")]
 
 
-class _Liveness:
-    def __init__(self, dead: set[int]):
-        self._dead, self.asked = dead, []
-
-    def dead(self, ranks):
-        self.asked.append(set(ranks))
-        return self._dead & set(ranks)
+def _liveness(dead: set[int]) -> SimpleNamespace:
+    """Heartbeats that name the ranks of ``dead`` they are asked about."""
+    return SimpleNamespace(dead=lambda ranks: dead & set(ranks))
 
 
 class _ResetOnce(_Script):
@@ -482,18 +454,6 @@ class _ResetOnce(_Script):
             self.failed = True
             raise RuntimeError("Read error: Connection reset by peer")
         return super().recv_request_any()
-
-
-@pytest.mark.parametrize("heartbeats", [False, True], ids=["no-heartbeats", "all-alive"])
-def test_a_failed_receive_naming_no_dead_worker_loses_the_group_not_the_server(heartbeats):
-    """Without heartbeats, or with every worker's alive, a receive from any worker that fails
-    loses that group's workers; the server carries on."""
-    script = _ResetOnce([(1, _push(version=0), torch.ones(NUMEL))])
-    loop, _ = _server(script, heartbeat_timeout_s=0.1)
-    loop.serving.liveness = _Liveness(set()) if heartbeats else None
-    loop.serving._serve(script, None)  # the world group's serving thread
-    assert loop.serving._error is None and loop.lost == {1, 2}
-    assert loop.shard.version == 0 and script.reads == []
 
 
 class _Poisoned(_Script):
@@ -512,32 +472,36 @@ class _Poisoned(_Script):
         return super().recv_request_any()
 
 
+SERVED = [(1, Status.OK), (1, Status.FINISHED)]  # rank 1's push applied, its DONE answered
+
+
 @pytest.mark.parametrize(
-    "script_class, cfg", [(_ResetOnce, {}), (_Poisoned, {"heartbeat_timeout_s": 0.1})]
+    "script_class, workers, dead, lost, replies, error",
+    [
+        (_ResetOnce, 2, None, {1, 2}, [], None),  # no heartbeats: the group's workers lost
+        (_ResetOnce, 2, set(), {1, 2}, [], None),  # none named dead: the same
+        (_ResetOnce, 2, {2}, {2}, SERVED, None),  # rank 2 named dead: rank 1 served on
+        (_Poisoned, 2, {2}, {2}, SERVED, None),  # the same, on receives from rank 1 alone
+        (_Poisoned, 3, {3}, {3}, [], "workers [1, 2] cannot be served apart"),  # the shard stops
+    ],
+    ids=["no-heartbeats", "all-alive", "one-dead", "poisoned", "poisoned-two-left"],
 )
-def test_a_failed_receive_from_any_loses_only_the_worker_the_heartbeats_name(script_class, cfg):
-    """Rank 2 dies; the receive from any worker fails once (_ResetOnce), or from then on
-    (_Poisoned: it died with a request announced) and rank 1, the one still training, is served
-    on receives from it alone. Either way rank 1 is served (its push applied, its DONE answered
-    FINISHED) instead of being declared lost with rank 2."""
+def test_a_failed_receive_from_any_worker_loses_only_the_workers_the_heartbeats_name(
+    script_class, workers, dead, lost, replies, error
+):
+    """The receive from any worker fails once (_ResetOnce) or for good (_Poisoned). The workers
+    the heartbeats name dead are lost (without heartbeats or with none dead, the group's), the
+    one still training is served (on receives from it alone if poisoned), not lost with them;
+    two still training cannot be served apart: the shard stops (restarted under --max-restarts)."""
     script = script_class([(1, _push(version=0), torch.ones(NUMEL)), (1, Header(Kind.DONE), None)])
-    loop, _ = _server(script, **cfg)
-    loop.serving.liveness = _Liveness({2})
-    loop.serving._serve(script, None)
-    assert loop.lost == {2} and loop.finished == {1} and loop.serving._error is None
-    assert loop.shard.version == 1 and script.reads == [(1, NUMEL)]
-    replies = [(dst, h.status) for dst, h, _ in script.replies]
-    assert replies == [(1, Status.OK), (1, Status.FINISHED)]
-    if script_class is _Poisoned:  # the death, the poison, then rank 1 alone
+    loop, _ = _server(script, workers=workers, heartbeat_timeout_s=0.1)
+    loop.serving.liveness = None if dead is None else _liveness(dead)
+    loop.serving._serve(script, None)  # the world group's serving thread
+    assert loop.lost == lost and loop.finished == ({1} if replies else set())
+    assert [(dst, h.status) for dst, h, _ in script.replies] == replies
+    served = len(replies) // 2
+    assert loop.shard.version == served and script.reads == [(1, NUMEL)] * served
+    assert (loop.serving._error is None) == (error is None)
+    assert error is None or error in str(loop.serving._error)
+    if script_class is _Poisoned and replies:  # the death, the poison, then rank 1 alone
         assert script.sources == [None, None, 1, 1]
-
-
-def test_a_poisoned_receive_from_any_with_several_workers_left_stops_the_shard():
-    """Two workers still training cannot be served apart: the shard stops (restarted in place
-    under --max-restarts) instead of losing them or waiting on one of them."""
-    script = _Poisoned([(1, _push(version=0), torch.ones(NUMEL))])
-    loop, _ = _server(script, workers=3, heartbeat_timeout_s=0.1)
-    loop.serving.liveness = _Liveness({3})
-    loop.serving._serve(script, None)
-    assert loop.lost == {3} and loop.finished == set() and loop.shard.version == 0
-    assert "workers [1, 2] cannot be served apart" in str(loop.serving._error)

@@ -28,6 +28,7 @@ from tests.support import FakeTime, close, link_ranks
 SPEC = LinkSpec(1.0, 1.0)
 MB = 1_250_000  # 1 ms + 10 ms on the link
 G02 = ("g", (0, 2))  # a group of ranks 0 (node 0) and 2 (node 1)
+TOPO, CFG = Topology.contiguous(4, 2), RunConfig(workers=4, nodes=2, inter_node_link="1,1")
 
 
 def ranks(record, world: int = 4, nodes: int = 2) -> list[LinkEmulator]:
@@ -52,20 +53,16 @@ def test_the_record_lives_in_dev_shm_when_present_else_in_the_temp_dir(monkeypat
     assert nic_dir() == "/the/temp/dir"
 
 
-def test_a_record_of_one_node_is_made_private_to_its_owner_with_a_30_s_lock(tmp_path):
-    path = str(tmp_path / "nic")
+def test_a_record_of_one_node_is_made_private_to_its_owner_with_a_30_s_lock(tmp_path, record):
     old = os.umask(0)  # the mode as asked for, not as the umask trims it
     try:
-        nic = NicState(path, 1)  # one node is a valid record
+        nic = record(1)  # one node is a valid record
     finally:
         os.umask(old)
-    try:
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert nic.lock_timeout_s == 30.0 and nic.num_nodes == 1
-        with nic.locked():
-            assert nic.free(0) == (0.0, 0.0)
-    finally:
-        nic.close()
+    assert stat.S_IMODE(os.stat(tmp_path / "nic").st_mode) == 0o600
+    assert nic.lock_timeout_s == 30.0 and nic.num_nodes == 1
+    with nic.locked():
+        assert nic.free(0) == (0.0, 0.0)
     with pytest.raises(ValueError, match=r"num_nodes: 0 must be >= 1"):
         NicState(str(tmp_path / "none"), 0)  # no nodes: refused, naming the count
 
@@ -114,8 +111,7 @@ def test_an_op_is_unbooked_open_or_closed(record):
         nic.set_op(key, 4.0, 9.5, 2)  # rewritten in its own slot: the last member is in
         assert nic.op(key) == (4.0, 9.5, 2) and nic.op_end(key) == 9.5
         assert nic.op_end(b"x" * 16) is None
-        # A new op takes an empty slot: a closed op whose last member came in at 0.0 (or
-        # earlier) is still kept while the table has room.
+        # While the table has room a new op takes an empty slot: closed ops in at <= 0.0 stay.
         nic.set_op(b"a" * 16, 0.0, 1.0, 2)
         nic.set_op(b"b" * 16, -1.0, 2.0, 2)
         assert nic.op(b"a" * 16) == (0.0, 1.0, 2) and nic.op(b"b" * 16) == (-1.0, 2.0, 2)
@@ -191,8 +187,7 @@ def test_a_process_group_is_named_by_its_own_members(record, monkeypatch):
 
 
 def test_two_collectives_of_different_groups_on_one_node_serialise(record):
-    # DASO on 4 ranks, 2 nodes (0, 1 | 2, 3): its global groups (0, 2) and (1, 3) both
-    # cross the nodes' NICs.
+    # DASO on 2 nodes (0, 1 | 2, 3): its global groups (0, 2) and (1, 3) both cross the NICs.
     r = ranks(record)
     across1 = ("across1", (1, 3))
     # An op starts when its last member is in: the first ones get a pending end.
@@ -228,9 +223,8 @@ def test_a_collective_with_two_members_on_one_node_is_booked_once(record):
 
 
 def test_a_collective_holds_only_its_own_nodes_nics(record):
-    # 6 ranks on 3 nodes (0, 1 | 2, 3 | 4, 5): ranks 0 and 2 (nodes 0, 1) and ranks 5 and 4
-    # (node 2 alone: no NIC) do not hold each other up; ranks 1 and 4 (nodes 0 and 2) wait
-    # for node 0.
+    # 3 nodes (0, 1 | 2, 3 | 4, 5): ranks 0 and 2 (nodes 0, 1) and ranks 5 and 4 (node 2 alone:
+    # no NIC) do not hold each other up; ranks 1 and 4 (nodes 0 and 2) wait for node 0.
     r = ranks(record, 6, 3)
     r[0].book_collective(0.5, ("a", (0, 2)), start=10.0)
     assert r[2].book_collective(0.5, ("a", (0, 2)), start=10.0) == close(10.5)
@@ -244,24 +238,18 @@ def test_all_reduce_sum_books_the_collective_of_its_group(record, monkeypatch):
     """The call site: all_reduce_sum books (group name, ranks, index) on the shared NIC."""
     r = ranks(record)
     monkeypatch.setattr(link, "time", SimpleNamespace(perf_counter=lambda: 10.0))
-
-    class Comm:
-        def group_size(self, group):
-            return 2
-
-        def all_reduce(self, tensor, group, async_op=False):
-            return SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
-
-        def now(self):
-            return 0.0
-
+    done = SimpleNamespace(wait=lambda: None, is_completed=lambda: True)
+    comm = SimpleNamespace(
+        group_size=lambda group: 2,
+        all_reduce=lambda tensor, group, async_op=False: done,
+        now=lambda: 0.0,
+    )
     tensor = torch.zeros(1_000_000)  # 4 MB over 2 ranks: 2 ms + 4 MB / 125 MB/s = 0.034 s
     ends = []
     for rank, group in ((0, G02), (1, ("b", (1, 3))), (2, G02), (3, ("b", (1, 3)))):
         pending = all_reduce_sum(
-            tensor, group, CommStats(), link=r[rank], spans_nodes=True, async_op=True,
-            comm=Comm(),
-        )  # fmt: skip
+            tensor, group, CommStats(), link=r[rank], spans_nodes=True, async_op=True, comm=comm
+        )
         ends.append(pending.works[-1].deadline)
     assert isinstance(ends[0], PendingEnd) and ends[2] == close(10.034)
     assert [resolve_end(e) for e in ends] == [close(10.034), close(10.068)] * 2
@@ -295,9 +283,8 @@ def test_two_messages_from_one_node_queue_on_its_egress(record):
 
 
 def test_two_nodes_sending_to_one_node_queue_at_its_ingress(record):
-    # Incast: nodes 0 and 1 both send to rank 4 (node 2) at 10.0. The first arrives at 10.011;
-    # the second leaves its own egress at once, but its bytes wait for node 2's ingress:
-    # max(10.0 + 0.011, 10.011 + 0.010) = 10.021 (costs.nic_transfer).
+    # Incast: nodes 0 and 1 send to rank 4 (node 2) at 10.0; the second leaves its egress at once,
+    # its bytes wait for node 2's ingress: max(10.0 + 0.011, 10.011 + 0.010) = 10.021.
     r = ranks(record, 6, 3)
     assert r[0].book_send(MB, 4, start=10.0) == close(10.011)
     assert r[2].book_send(MB, 4, start=10.0) == close(10.021)
@@ -367,8 +354,7 @@ def test_emulated_work_is_complete_once_its_pending_end_is_known_and_past(record
 
 # ---------------------------------------------------------------------------- no sharing
 def test_without_a_shared_record_each_rank_keeps_todays_link():
-    topo = Topology.contiguous(4, 2)
-    for alone in (LinkEmulator(SPEC), LinkEmulator(SPEC, topology=topo, rank=0)):
+    for alone in (LinkEmulator(SPEC), LinkEmulator(SPEC, topology=TOPO, rank=0)):
         assert not alone.shared
         # Its own queue, whatever the group: today's reserve().
         assert alone.book_collective(0.5, G02, start=10.0) == close(10.5)
@@ -376,7 +362,7 @@ def test_without_a_shared_record_each_rank_keeps_todays_link():
         assert alone.book_send(MB, 2, start=10.0) == close(11.011)
         assert alone.book_send(MB, 3, start=12.0) == close(12.011)
         assert alone.emulated_s == close(1.022)
-    assert not LinkEmulator(None, topology=topo, rank=0).active
+    assert not LinkEmulator(None, topology=TOPO, rank=0).active
 
 
 @pytest.mark.parametrize("given", [{"topology": Topology((0, 1))}, {"rank": 0}, {}])
@@ -395,9 +381,8 @@ class _Unreachable:
 
 def test_the_ranks_of_a_job_open_one_record_named_through_the_store(tmp_path, monkeypatch):
     monkeypatch.setattr(runtime, "nic_dir", lambda: str(tmp_path))
-    cfg = RunConfig(workers=4, nodes=2, inter_node_link="1,1")
-    store, topo = dist.HashStore(), Topology.contiguous(4, 2)
-    fields = [runtime._real_rank(cfg, r, store, None, "gloo", topo, share_nic=True) for r in (0, 2)]
+    store = dist.HashStore()
+    fields = [runtime._real_rank(CFG, r, store, None, "gloo", TOPO, share_nic=True) for r in (0, 2)]
     a, b = (f["link"] for f in fields)
     assert a.shared and b.shared and a.nic.path == b.nic.path
     assert a.nic.path.startswith(str(tmp_path / "cloudburst-nic-"))
@@ -405,13 +390,13 @@ def test_the_ranks_of_a_job_open_one_record_named_through_the_store(tmp_path, mo
     assert b.book_collective(0.5, G02, start=1.2) == 1.7  # the same op, once
     assert resolve_end(pending) == 1.7
     # Another job (another store) gets a record of its own.
-    other = runtime._real_rank(cfg, 0, dist.HashStore(), None, "gloo", topo, share_nic=True)["link"]
+    other = runtime._real_rank(CFG, 0, dist.HashStore(), None, "gloo", TOPO, share_nic=True)["link"]
     assert other.nic.path != a.nic.path
     # One node, no link, or a rank outside the job's start (rejoined): nothing shared.
     assert runtime.shared_nic(RunConfig(workers=4), store, Topology.contiguous(4, 1)) is None
-    no_link = runtime._real_rank(RunConfig(workers=4, nodes=2), 0, store, None, "gloo", topo, True)
+    no_link = runtime._real_rank(RunConfig(workers=4, nodes=2), 0, store, None, "gloo", TOPO, True)
     assert not no_link["link"].active and not no_link["link"].shared
-    assert not runtime._real_rank(cfg, 0, store, None, "gloo", topo)["link"].shared
+    assert not runtime._real_rank(CFG, 0, store, None, "gloo", TOPO)["link"].shared
     for emu in (a, b, other):
         emu.release_name()
         emu.nic.close()
@@ -422,11 +407,9 @@ def test_a_rank_that_cannot_open_the_record_keeps_its_own_link_with_one_warning(
     tmp_path, monkeypatch, caplog
 ):
     monkeypatch.setattr(runtime, "nic_dir", lambda: str(tmp_path / "missing"))
-    cfg = RunConfig(workers=4, nodes=2, inter_node_link="1,1")
-    topo = Topology.contiguous(4, 2)
     for store in (dist.HashStore(), _Unreachable()):
         caplog.clear()
-        emu = runtime._real_rank(cfg, 0, store, None, "gloo", topo, share_nic=True)["link"]
+        emu = runtime._real_rank(CFG, 0, store, None, "gloo", TOPO, share_nic=True)["link"]
         assert emu.active and not emu.shared
         warnings = [r for r in caplog.records if r.levelname == "WARNING"]
         assert len(warnings) == 1 and "each rank keeps its own" in warnings[0].getMessage()

@@ -24,19 +24,24 @@ from cloudburst.sim.run import simulate
 
 
 # ---------------------------------------------------------------------------- layouts
-def test_spread_puts_shard_k_on_node_k_mod_n_and_workers_in_blocks():
-    topo = Topology.place(8, 4, 4, "spread")
-    assert topo.node_of == (0, 1, 2, 3, 0, 0, 1, 1, 2, 2, 3, 3)
-    assert topo.shard_nodes(4) == [0, 1, 2, 3]
-    assert Topology.place(4, 3, 2).shard_nodes(3) == [0, 1, 0]  # spread is the default
-
-
-def test_first_own_and_a_list_of_nodes():
-    assert Topology.place(4, 2, 2, "first").node_of == (0, 0, 0, 0, 1, 1)
-    # own: the shards on the last node, which has no workers
-    assert Topology.place(4, 2, 3, "own").node_of == (2, 2, 0, 0, 1, 1)
-    assert Topology.place(4, 2, 2, " 1,0 ").node_of == (1, 0, 0, 0, 1, 1)
-    assert Topology.place(3, 0, 1).node_of == (0, 0, 0)  # no shards, one node
+@pytest.mark.parametrize(
+    "args, node_of",
+    [
+        ((8, 4, 4, "spread"), (0, 1, 2, 3, 0, 0, 1, 1, 2, 2, 3, 3)),  # shard k on node k mod N
+        ((4, 3, 2), (0, 1, 0, 0, 0, 1, 1)),  # spread is the default; workers in blocks
+        ((4, 2, 2, "first"), (0, 0, 0, 0, 1, 1)),
+        ((4, 2, 3, "own"), (2, 2, 0, 0, 1, 1)),  # the shards on the last node, without workers
+        ((4, 2, 2, " 1,0 "), (1, 0, 0, 0, 1, 1)),
+        ((3, 0, 1), (0, 0, 0)),  # no shards, one node
+        # on torchrun's machines of R ranks, workers fill the places the shards leave
+        ((3, 1, 2, "spread", 2), (0, 0, 1, 1)),
+        ((4, 2, 2, "spread", 3), (0, 1, 0, 0, 1, 1)),
+    ],
+)
+def test_a_placement_puts_the_shards_and_the_workers_on_their_nodes(args, node_of):
+    topo = Topology.place(*args)
+    assert topo.node_of == node_of
+    assert topo.shard_nodes(args[1]) == list(node_of[: args[1]])
 
 
 @pytest.mark.parametrize(
@@ -150,19 +155,12 @@ def test_a_placement_torchrun_cannot_start_is_one_line(monkeypatch):
     cfg = RunConfig(strategy="asgd", workers=2, servers=4, shard_placement="first")
     _torchrun(monkeypatch, 0, 6, 3)
     line = "shard_placement: 'first' puts 4,0 shard(s) on nodes 0..1"
-    problem = topology_mismatch(cfg, 6)
-    assert problem is not None and problem.startswith(line)
+    assert (topology_mismatch(cfg, 6) or "").startswith(line)
     with pytest.raises(RuntimeError, match=re.escape(line)):
         launch_rank_to_role(cfg, 6)
     with pytest.raises(RuntimeError, match=re.escape(line)):
         resolve_topology(cfg, 6)
     assert os.environ["RANK"] == "0"
-
-
-def test_workers_fill_the_places_the_shards_leave_on_torchrun_nodes(monkeypatch):
-    # W = 3, S = 1 on 2 machines of 2: shard 0 and worker 0 on node 0, workers 1, 2 on node 1.
-    assert Topology.place(3, 1, 2, "spread", ranks_per_node=2).node_of == (0, 0, 1, 1)
-    assert Topology.place(4, 2, 2, "spread", ranks_per_node=3).node_of == (0, 1, 0, 0, 1, 1)
 
 
 # ---------------------------------------------------------------------------- NIC bytes

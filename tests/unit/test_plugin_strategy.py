@@ -13,8 +13,8 @@ import torch
 
 from cloudburst.config import RunConfig
 from cloudburst.loop.summary import format_summary
-from cloudburst.records.checkpoint import load_checkpoint
 from cloudburst.strategies import REGISTRY, register_strategy
+from tests.helpers import saved_state
 from tests.support import run_sim
 
 pytestmark = pytest.mark.slow
@@ -103,8 +103,7 @@ def run(tmp_path, name: str, strategy: str, **kw) -> tuple[dict, dict[str, torch
     out = tmp_path / name
     cfg = RunConfig(strategy=strategy, dataset="synthetic", model="mlp", batch_size=16,
                     momentum=0.0, seed=3, eval_every_s=1000.0, out=str(out), **kw)  # fmt: skip
-    summary = run_sim(cfg)
-    return summary, load_checkpoint(tmp_path / name / "model.pt", "model")["state_dict"]
+    return run_sim(cfg), saved_state(out)
 
 
 def test_a_worker_plugin_averaging_every_step_trains_as_sync(plugin, tmp_path):

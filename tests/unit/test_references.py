@@ -19,9 +19,8 @@ BATCH = 8
 
 
 def play(cfg: RunConfig, script: list[int]) -> ref.PsRun:
-    """Run ``cfg``'s strategy over the fake network in ``script`` order; record what
-    :class:`tests.reference.PsRun` records, from cloudburst's side (ending, as ``finish``
-    starts, with each worker's push of what it has left)."""
+    """``cfg``'s strategy over the fake network in ``script`` order, recorded as a
+    :class:`tests.reference.PsRun` (ending, as ``finish`` starts, with each worker's flush)."""
     replicas = ref.Replicas(cfg.job.workers, ref.sgd())
     job = ps_job(cfg, replicas.models)
     for worker in job.workers:
@@ -91,10 +90,8 @@ def test_gossip_reference_on_hand_values():
     # θ of this step (0 acted before it).
     models = _set_models([0.0, 4.0, 8.0])
     run = ref.gossip_pull(models, lambda w, s: None, steps=2, peer=lambda i, r: (i + 1) % 3)
-    first = [r[0][0].item() for r in run.replicas]
-    assert first == [2.0, 6.0, 5.0]  # (0+4)/2, (4+8)/2, (8+2)/2
-    second = [r[1][0].item() for r in run.replicas]
-    assert second == [4.0, 5.5, 4.5]  # (2+6)/2, (6+5)/2, (5+4)/2
+    assert [r[0][0].item() for r in run.replicas] == [2.0, 6.0, 5.0]  # (0+4)/2, (4+8)/2, (8+2)/2
+    assert [r[1][0].item() for r in run.replicas] == [4.0, 5.5, 4.5]  # (2+6)/2, (6+5)/2, (5+4)/2
     assert run.pulls == [(0, 1, 1), (1, 2, 1), (2, 0, 0)] * 2
 
 
@@ -202,10 +199,7 @@ def test_shard_maths_matches_the_parameter_server_reference(workers, staleness, 
             continue
         delta = torch.randn(101, generator=g)
         expected = server.push(delta, base[w])
-        results = [
-            shards[0].apply_push(delta[:51], base[w]),
-            shards[1].apply_push(delta[51:], base[w]),
-        ]
+        results = [s.apply_push(d, base[w]) for s, d in zip(shards, delta.split(51), strict=True)]
         assert [r.staleness for r in results] == [expected, expected]
         assert all(s.version == server.version for s in shards)
         assert torch.equal(torch.cat([s.theta for s in shards]), server.theta)

@@ -175,24 +175,18 @@ def test_an_inflated_rejoin_counter_is_read_a_bounded_number_of_times():
     board = RejoinBoard(store, timeout_s=0.001, secret=b"s" * 32)
     store.add(RejoinBoard.COUNT, (1 << 39) - 1)  # far beyond any real number of restarts
     RejoinBoard(store, timeout_s=0.001, secret=b"s" * 32).announce(rank=3, incarnation=1)
-    waits = store.waits
-    waits.clear()
+    store.waits.clear()
     assert board.poll() == []  # the real announcement lies beyond the bound
-    assert len(waits) == RejoinBoard.MAX_PER_READ == 1024
-    assert waits[0] == "rejoin/1" and waits[-1] == "rejoin/1024"
+    assert len(store.waits) == RejoinBoard.MAX_PER_READ == 1024
+    assert store.waits[0] == "rejoin/1" and store.waits[-1] == "rejoin/1024"
 
 
 def test_malformed_rejoin_announcements_are_ignored():
     store = dist.HashStore()
     board = RejoinBoard(store, timeout_s=0.05, secret=b"s" * 32)
-    bad = [
-        b"[1, 2]",
-        json.dumps({"rank": "3", "incarnation": 1, "late": False}).encode(),
-        json.dumps({"rank": -1, "incarnation": 1, "late": False}).encode(),
-        json.dumps({"rank": 2, "incarnation": 1, "late": "no"}).encode(),
-        b"x" * 10_000,
-    ]
-    for value in bad:
+    wrong = [{"rank": "3"}, {"rank": -1}, {"late": "no"}]  # a field of the wrong type or range
+    fields = [json.dumps({"rank": 2, "incarnation": 1, "late": False, **w}).encode() for w in wrong]
+    for value in [b"[1, 2]", *fields, b"x" * 10_000]:
         number = store.add(RejoinBoard.COUNT, 1)
         store.set(f"rejoin/{number}", value)
     RejoinBoard(store, timeout_s=0.05, secret=b"s" * 32).announce(rank=2, incarnation=1)
@@ -335,17 +329,12 @@ def test_a_local_job_hands_each_rank_a_fresh_secret_with_its_entry_point():
 
 
 def test_a_mac_binds_every_field_and_their_boundaries():
-    signature = auth.sign(SECRET, "rejoin", "run1", 4, 3, 1, False)
-    assert auth.verify(SECRET, signature, "rejoin", "run1", 4, 3, 1, False)
-    for changed in (
-        ("rejoin", "run2", 4, 3, 1, False),  # another run
-        ("rejoin", "run1", 5, 3, 1, False),  # another announcement number
-        ("rejoin", "run1", 4, 2, 1, False),  # another rank
-        ("rejoin", "run1", 4, 3, 2, False),  # another restart
-        ("rejoin", "run1", 4, 3, 1, True),  # late
-    ):
-        assert not auth.verify(SECRET, signature, *changed)
-    assert not auth.verify(SECRET[::-1], signature, "rejoin", "run1", 4, 3, 1, False)
+    fields = ("rejoin", "run1", 4, 3, 1, False)  # run, announcement number, rank, restart, late
+    signature = auth.sign(SECRET, *fields)
+    assert auth.verify(SECRET, signature, *fields)
+    for i, other in [(1, "run2"), (2, 5), (3, 2), (4, 2), (5, True)]:
+        assert not auth.verify(SECRET, signature, *fields[:i], other, *fields[i + 1 :])
+    assert not auth.verify(SECRET[::-1], signature, *fields)
     assert auth.sign(SECRET, "ab", "c") != auth.sign(SECRET, "a", "bc")
     for bad in (None, 3, "", signature[:-2], signature.upper() + "0"):
-        assert not auth.verify(SECRET, bad, "rejoin", "run1", 4, 3, 1, False)
+        assert not auth.verify(SECRET, bad, *fields)

@@ -26,8 +26,12 @@ from cloudburst.runtime.groups import standby_of
 from tests.helpers import wait_until
 
 
-def test_a_restarted_shard_announces_the_version_it_restored():
-    store = dist.HashStore()
+@pytest.fixture
+def store():
+    return dist.HashStore()
+
+
+def test_a_restarted_shard_announces_the_version_it_restored(store):
     assert not shard_restarted(store)
     report_acked(store, shard=1, incarnation=1, rank=2, version=27)
     assert acked_version(store, 1, 1, 2) == 27
@@ -57,8 +61,7 @@ def test_pushes_lost_is_the_highest_acknowledged_version_minus_the_restored_one(
     assert loop.pushes_lost == 0  # a standby's copy: every acknowledged push kept
 
 
-def test_the_watchdog_leaves_a_failed_over_shard_alone():
-    store = dist.HashStore()
+def test_the_watchdog_leaves_a_failed_over_shard_alone(store):
     lost = []
     store.set(FAILOVER_KEY.format(shard=1), "0")  # its standby took shard 1 over
     # Ranks 1 and 2 are both silent; the watchdog reports one rank, the lowest it finds dead:
@@ -90,8 +93,7 @@ def test_the_standby_is_refused_where_it_cannot_live(kwargs, message):
 
 
 # ------------------------------------------------------------------ the rejoin announcements
-# In the job store: their order, refusal after the servers finish, and the signature under the
-# job secret that a forged, replayed or foreign announcement lacks.
+# Their order, refusal after the servers finish, and the job secret's signature they must carry.
 SECRET = b"s" * 32
 
 
@@ -99,8 +101,7 @@ def _board(store, secret: bytes | None = SECRET, run: str = "run1") -> RejoinBoa
     return RejoinBoard(store, timeout_s=5, secret=secret, run=run)
 
 
-def test_servers_read_announcements_in_order_and_refuse_late_ones():
-    store = dist.HashStore()
+def test_servers_read_announcements_in_order_and_refuse_late_ones(store):
     worker = _board(store)
     servers = [_board(store) for _ in range(2)]
     assert servers[0].poll() == []
@@ -119,8 +120,7 @@ def test_servers_read_announcements_in_order_and_refuse_late_ones():
     assert servers[0].poll() == [] and servers[1].close() == []
 
 
-def test_a_restarted_shard_skips_the_rejoin_announcements_made_before_it():
-    store = dist.HashStore()
+def test_a_restarted_shard_skips_the_rejoin_announcements_made_before_it(store):
     _board(store).announce(3, 1)
     board = _board(store)
     board.skip()
@@ -136,8 +136,7 @@ def _forge(store, record: dict) -> int:
     return number
 
 
-def test_announcements_not_signed_with_this_jobs_secret_are_refused_and_logged(caplog):
-    store = dist.HashStore()
+def test_announcements_not_signed_with_this_jobs_secret_are_refused_and_logged(store, caplog):
     server = _board(store)
     plain = {"rank": 3, "incarnation": 1, "late": False}
     _forge(store, plain)  # unsigned, as before the secret (the attack)
@@ -157,8 +156,7 @@ def test_announcements_not_signed_with_this_jobs_secret_are_refused_and_logged(c
     assert "rank 3, restart 1: not signed with the job secret" in refusals[0]
 
 
-def test_a_late_announcement_flipped_to_on_time_is_refused():
-    store = dist.HashStore()
+def test_a_late_announcement_flipped_to_on_time_is_refused(store):
     server = _board(store)
     server.close()
     with pytest.raises(RejoinRefused, match="after the parameter servers had finished"):
@@ -169,8 +167,7 @@ def test_a_late_announcement_flipped_to_on_time_is_refused():
     assert _board(store).poll() == []
 
 
-def test_without_a_secret_no_announcement_is_made_or_admitted():
-    store = dist.HashStore()
+def test_without_a_secret_no_announcement_is_made_or_admitted(store):
     with pytest.raises(RejoinRefused, match="CLOUDBURST_JOB_SECRET_FILE"):
         _board(store, secret=None).announce(2, 1)
     assert store.add(RejoinBoard.COUNT, 0) == 0  # nothing was written

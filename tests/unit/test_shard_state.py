@@ -199,14 +199,12 @@ def test_a_shards_compensation_defaults():
     # dc: Δ̃ = Δ − λ·Δ²·(θ_now − θ_then)/η with λ = 0.04, η = 1
     shard = ShardState(_t(0.0), compensation="dc")
     assert shard.staleness_scaling is False
-    _run(shard, [(_t(1.0), 0)])  # τ = 0: no gap, applied as is: θ = 1
-    _run(shard, [(_t(2.0), 1)])  # τ = 1: θ_then = 0, Δ̃ = 2 − 0.04·4·1 = 1.84
+    _run(shard, [(_t(1.0), 0), (_t(2.0), 1)])  # θ = 1 (τ = 0), then Δ̃ = 2 − 0.04·4·(1 − 0)
     assert shard.theta.item() == pytest.approx(2.84, rel=1e-6)
     # R = 16: θ after versions 0..15 is kept; once the 16th push is recorded, version 0 has
     # left the ring and a push against it is clamped (counted in ``stats``).
     shard = ShardState(_t(0.0), compensation="dc")
-    _run(shard, [(_t(0.0), 0)] * 15)
-    _run(shard, [(_t(0.0), 15)])  # against version 0 at 15: the ring holds versions 0..15
+    _run(shard, [(_t(0.0), 0)] * 15 + [(_t(0.0), 15)])  # the last against version 0 at 15
     assert shard.stats()["compensation_clamped"] == 0
     _run(shard, [(_t(0.0), 16)])  # against version 0 at 16: the ring holds versions 1..16
     assert shard.stats()["compensation_clamped"] == 1
@@ -268,8 +266,7 @@ def _script(n: int, numel: int, seed: int) -> list[tuple[torch.Tensor, int]]:
 
 def _run(shard: ShardState, script) -> None:
     for delta, tau in script:
-        base = max(0, shard.version - tau)
-        assert shard.apply_push(delta, base, samples=2).status == Status.OK
+        assert shard.apply_push(delta, max(0, shard.version - tau), samples=2).status == Status.OK
 
 
 def _shard(theta, rule: str, compensation: str) -> ShardState:
@@ -281,9 +278,8 @@ def _shard(theta, rule: str, compensation: str) -> ShardState:
 @pytest.mark.parametrize("rule", ["add", "sgd", "adagrad", "dn"])
 @pytest.mark.parametrize("compensation", ["none", "scale", "dc", "dc-adaptive", "gap"])
 def test_a_restored_shard_continues_bit_for_bit(rule, compensation):
-    """state_dict → torch.save → load_state_dict into a shard of another θ: the same state, θ,
-    counters, histograms and compensator state after further pushes as the uninterrupted
-    shard; the saved state is a snapshot that later pushes leave unchanged."""
+    """Saved, torch.save-d and loaded into a shard of another θ, a shard continues as the live
+    one, state and all; the saved state is a snapshot that later pushes leave unchanged."""
     before, after = _script(13, 6, seed=1), _script(8, 6, seed=2)  # 13: mid-period for dn
     live = _shard(torch.randn(6, generator=torch.Generator().manual_seed(0)), rule, compensation)
     _run(live, before)
@@ -302,9 +298,8 @@ def test_a_restored_shard_continues_bit_for_bit(rule, compensation):
 
 
 def test_a_checkpoint_from_before_a_key_existed_loads():
-    """The old ``staleness_sum``/``staleness_max`` spellings load (the new one wins where both
-    are); missing histograms load empty and a missing ``refused_pushes`` as 0, and the shard
-    counts on from there; refusals survive a checkpoint."""
+    """Old ``staleness_sum``/``staleness_max`` spellings load (the new wins where both are);
+    missing histograms load empty, ``refused_pushes`` as 0; refusals survive a checkpoint."""
     live = ShardState(_t(0.0), max_push_ratio=1.0)
     for base in (0, 0, 0, 1):
         live.apply_push(_t(1.0), base)
@@ -444,12 +439,11 @@ def test_a_push_whose_sum_overflows_is_finite_and_applied():
 
 def test_a_shard_holds_a_detached_fp32_copy_of_theta():
     """θ_k is an fp32 copy of the given θ (half or double) that autograd does not track."""
-    shard = ShardState(torch.tensor([1.5, 2.5], dtype=torch.float16))
-    assert shard.theta.dtype == torch.float32 and shard.theta.tolist() == [1.5, 2.5]
-    theta = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
-    shard = ShardState(theta)
-    assert shard.param.requires_grad is False
-    assert shard.theta.dtype == torch.float32 and shard.theta.tolist() == [1.0, 2.0]
+    half = torch.tensor([1.5, 2.5], dtype=torch.float16)
+    for theta in (half, half.double().requires_grad_()):
+        shard = ShardState(theta)
+        assert shard.theta.dtype == torch.float32 and shard.theta.tolist() == [1.5, 2.5]
+        assert shard.param.requires_grad is False
 
 
 def test_a_fresh_shard_counts_nothing_and_a_push_without_samples_counts_none():

@@ -107,8 +107,7 @@ def test_wire_bytes_scale_payloads_only():
     c = clock(SimulationConfig(modelled_params=25_000_000), actual_params=5000)
     assert c.wire_bytes(20_000, payload=True) == pytest.approx(20_000 * 5000)
     assert c.wire_bytes(64, payload=False) == 64  # a header stays a header
-    plain = clock(actual_params=5000)
-    assert plain.wire_bytes(20_000, payload=True) == 20_000
+    assert clock(actual_params=5000).wire_bytes(20_000, payload=True) == 20_000
 
 
 def _no_calibration(cfg: RunConfig) -> float:
@@ -205,9 +204,8 @@ def test_describe_without_stand_in_or_links_and_the_default_source():
 
 
 def test_describe_with_a_stand_in_profile_and_both_links():
-    """A resnet20-h100 stand-in (269,722 parameters, 15,552 samples/s at batch 128 on an H100)
-    for a run of 1,000 parameters, both links, nccl, a NIC ingress and a slower apply: every
-    entry of the summary's clock model, the profile's published figures included."""
+    """A resnet20-h100 stand-in for a run of 1,000 parameters, both links, nccl, a NIC ingress and
+    a slower apply: every entry of the summary's clock model, the profile's figures included."""
     flags = dict(intra_node_link="16,0.5", step_time_jitter="pareto:3", network_model="nccl",
                  nic_ingress_gbit_per_s=4.0, server_apply_gbyte_per_s=2.5)  # fmt: skip
     sim = SimulationConfig(profile="resnet20-h100", **flags)

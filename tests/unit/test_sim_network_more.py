@@ -51,9 +51,8 @@ def _gather(ctx, members, dtype):
 )  # fmt: skip
 def test_an_all_gather_costs_a_ring_on_half_the_scaled_pieces(tmp_path, members, dtype):
     """Every member receives the pieces in member order and leaves at the last call + 2
-    latencies + one piece's bytes / bandwidth (a ring of 2 over n/2 pieces: 2(n−1)/n × (n/2 ×
-    piece) = piece), scaled by 3 whatever its dtype; a group of one gets its own piece with no
-    time passing beyond its call."""
+    latencies + one piece's bytes (scaled by 3, whatever its dtype) / bandwidth (a ring of 2
+    over n/2 pieces); a group of one gets its own piece at no cost."""
     element = 4 if dtype == torch.float32 else 8
     n = len(members)
     end = 0.001 * n + (2 * LAT_IN + 3 * element * SCALE / BW_IN if n > 1 else 0.0)
@@ -66,9 +65,7 @@ def test_an_all_gather_costs_a_ring_on_half_the_scaled_pieces(tmp_path, members,
 # Member s's input is cut into pieces of S[s][i] elements, piece i going to member i; member i's
 # output is the pieces (0, i), (1, i), ... in member order. The all-to-all starts when its last
 # member calls it and its links are free, and costs (n − 1) latencies + the busiest member's
-# (scaled) bytes to the others (its own piece stays home) / bandwidth, on the inter-node link
-# when the group spans nodes, else the intra-node link (cloudburst.comm.collectives.
-# all_to_all_s). While it runs it holds both NICs of every node it spans.
+# (scaled) bytes to the others / bandwidth, on the link the group spans (collectives.all_to_all_s).
 STAGGER = 0.001  # member k calls the all-to-all at (k + 1) ms
 
 
@@ -96,16 +93,10 @@ def _exchange(ctx, members, dtype, splits, as_tensor=False):
     return comm.now(), out.tolist()
 
 
-def _expected_outputs(n: int, splits: list[list[int]]) -> list[list[int]]:
+def _expected_output(i: int, splits: list[list[int]]) -> list[int]:
     """Member i's output by hand: piece (s, i) of every member s, in member order."""
-    outs = []
-    for i in range(n):
-        out = []
-        for s in range(n):
-            first = sum(splits[s][:i])
-            out += [20 * s + k for k in range(first, first + splits[s][i])]
-        outs.append(out)
-    return outs
+    pieces = [range(sum(row[:i]), sum(row[: i + 1])) for row in splits]
+    return [20 * s + k for s, piece in enumerate(pieces) for k in piece]
 
 
 def _expected_end(n: int, splits, element: int, payload: bool, spans: bool) -> float:
@@ -143,9 +134,8 @@ CASES += [("4-across", torch.float32, True)]
 def test_all_to_all_delivers_every_piece_and_costs_the_busiest_members_bytes(
     tmp_path, name, dtype, as_tensor
 ):
-    """Each member receives exactly its pieces, in member order; every member leaves at the
-    last arrival + (n − 1) latencies + the busiest sender's (scaled) bytes / bandwidth, on the
-    link the group spans."""
+    """Each member receives exactly its pieces, in member order, and leaves at the last arrival +
+    (n − 1) latencies + the busiest sender's (scaled) bytes / bandwidth on the link spanned."""
     members = GROUPS[name]
     n, (element, payload) = len(members), DTYPES[dtype]
     splits = SPLITS.get(name, _splits(n))
@@ -153,7 +143,7 @@ def test_all_to_all_delivers_every_piece_and_costs_the_busiest_members_bytes(
     end = _expected_end(n, splits, element, payload, spans)
     runs = _run(tmp_path, _exchange, members, dtype, splits, as_tensor)
     for pos, rank in enumerate(members):
-        assert runs[rank] == (close(end), _expected_outputs(n, splits)[pos]), (name, rank)
+        assert runs[rank] == (close(end), _expected_output(pos, splits)), (name, rank)
     assert all(runs[r] is None for r in range(WORLD) if r not in members)
 
 
@@ -173,9 +163,8 @@ def _a2a_then_messages(ctx, posted):
 
 
 def test_the_all_to_all_holds_the_nics_of_the_nodes_it_spans(tmp_path):
-    """A message from node 0 to node 1 posted while an all-to-all across them runs leaves
-    when it ends (node 0's egress and node 1's ingress are busy); a message within node 0
-    (the intra-node link, not held) goes at once."""
+    """A message from node 0 to node 1 posted while an all-to-all across them runs waits for its
+    end (both NICs held); a message within node 0 (the intra-node link, not held) goes at once."""
     a2a_end = _expected_end(2, _splits(2), 4, True, True)
     posted = 3 * STAGGER  # after the all-to-all began (2 ms), before it ends
     runs = _run(tmp_path, _a2a_then_messages, posted)
@@ -203,8 +192,7 @@ def _bad(ctx, inputs, sends, receives):
 @pytest.mark.parametrize(
     "inputs, sends, receives, message",
     [
-        # Member 1's splits add up to 3 but its tensor holds 4; what it sends is what its
-        # peer expects.
+        # Member 1's splits add up to 3, its tensor holds 4 (its peer expects what it sends).
         ([3, 4], [[1, 2], [2, 1]], [[1, 2], [2, 1]], SPLITS_MSG),
         # Three splits each in a group of two (adding up to each tensor's size).
         ([3, 4], [[1, 1, 1], [2, 1, 1]], [[1, 2], [1, 1]], SPLITS_MSG),
@@ -363,10 +351,9 @@ GROUP = object()  # an opaque group handle: passed through, never looked inside
 def test_all_reduce_sum_charges_the_link_only_for_two_or_more_ranks_across_nodes(
     size, spans, active, emulated
 ):
-    """Rank 0's [1, 2, 3, 4] summed with rank 1's hundreds over GROUP, counted as a ring
-    (2(n−1)/n × 16 bytes) on the links spanned (intra-node by default). Only a group of two or
-    more across nodes on an active link asks the link its cost, books it on the group, adds it
-    to emulated_link_s and waits for the transport's work it wraps; else one blocking call."""
+    """Rank 0's [1, 2, 3, 4] summed with the others' hundreds over GROUP, counted as a ring on
+    the links spanned (intra-node by default); only a group of 2+ across nodes on an active link
+    asks the link, books its cost on the group, adds it to emulated_link_s, waits for the work."""
 
     def rank_fn(rank, comm):
         mine = torch.tensor([1.0, 2.0, 3.0, 4.0]) if rank == 0 else torch.full((4,), 100.0)
@@ -398,9 +385,8 @@ def test_a_broadcast_is_counted_as_sent_within_the_group_by_its_source_and_recei
         return broadcast(t, 2, GROUP, stats, rank=rank, comm=comm), t, comm.calls, stats
 
     moved = 3 * 8
-    for rank, (returned, t, calls, stats) in enumerate(
-        on_comm_threads(4, rank_fn, handle=GROUP, start=10.0, tick=0.5)
-    ):
+    runs = on_comm_threads(4, rank_fn, handle=GROUP, start=10.0, tick=0.5)
+    for rank, (returned, t, calls, stats) in enumerate(runs):
         assert returned is None and torch.equal(t, source)
         assert calls == [("broadcast", torch.float64, 3, 2)]
         sends = moved if rank == 2 else 0
@@ -415,11 +401,9 @@ def test_a_broadcast_is_counted_as_sent_within_the_group_by_its_source_and_recei
     ids=["within-a-node", "across-nodes-no-link", "across-nodes"],
 )  # fmt: skip
 def test_a_world_sum_adds_in_float64_over_the_world_group_counted_as_a_ring(spans, cost):
-    """The float64 sum as Python floats (0.1 + 0.2 is not the float32 sum) over the world
-    group (None), counted as a ring of 2 × 8 bytes over 4 ranks (2·3/4·16 = 24 bytes each way)
-    into counters of earlier totals, intra-node unless ``spans_nodes``. Across nodes an active
-    link's cost is added to emulated_link_s and booked once on the world group, and the
-    transport's work waited for; within a node the link is neither asked nor booked."""
+    """The float64 sum as Python floats (0.1 + 0.2 is not the float32 sum) over the world group
+    (None), counted as a ring of 2 × 8 bytes over 4 ranks, intra-node unless ``spans_nodes``: then
+    an active link's cost is added to emulated_link_s, booked once, waited for; else not asked."""
     values = [[0.1, 3.0], [0.2, 1.0], [0.0, 0.0], [0.0, 0.0]]
 
     def rank_fn(rank, comm):

@@ -148,11 +148,9 @@ ONE = LAT + 1e6 / BW  # 1 MB alone on the NIC: 3 ms
 @pytest.mark.parametrize(
     "workers, nodes, dsts, ingress, arrivals",
     [
-        # Ranks 0 and 1 (node 0) to node 1: node 0's egress carries them one after the other
-        # (with a link for each rank both would arrive at 3 ms).
+        # Ranks 0 and 1 (node 0) to node 1: one after the other on node 0's egress.
         (4, 2, {0: 2, 1: 3}, None, [ONE, 2 * ONE]),
-        # Incast, ranks 1 and 2 (nodes 1, 2) to rank 0 (node 0): two egresses, one ingress,
-        # the second's bytes after the first's.
+        # Incast: ranks 1 and 2 (nodes 1, 2) to rank 0: the second's bytes after the first's.
         (3, 3, {1: 0, 2: 0}, None, [ONE, ONE + 1e6 / BW]),
         (3, 3, {1: 0, 2: 0}, 4.0, [0.004, 0.006]),  # a 0.5e9 B/s ingress: 2 + 2 ms, 2 ms more
     ],
@@ -175,12 +173,10 @@ def _all_reduce(ctx):
 
 
 def test_hierarchical_all_reduce_on_the_cluster(tmp_path):
-    nbytes = 4e6
     # 8 ranks, 2 nodes x 4, --network-model nccl: the cheaper of flat halving/doubling over 8
     # on the NIC (6 L + 14/8 B/β = 19 ms) and hierarchical (2 (3 L_in + 3/4 B/β_in) + 2 L +
     # B/β = 3 ms + 3 ms + 4 ms + 4 ms = 14 ms): hierarchical.
-    flat = 6 * LAT + 14 / 8 * nbytes / BW
-    hier = 2 * (3 * LAT_IN + 0.75 * nbytes / BW_IN) + 2 * LAT + nbytes / BW
+    flat, hier = 6 * LAT + 14 / 8 * 4e6 / BW, IN_NODE + ACROSS
     assert hier < flat
     t = _run(_all_reduce, 8, 2, tmp_path, intra_node_link="16,0.5", network_model="nccl")
     assert t == [[pytest.approx(hier, abs=1e-12), 8.0]] * 8

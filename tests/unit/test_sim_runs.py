@@ -1,8 +1,6 @@
 """Whole jobs on the virtual cluster, in this process: the strategies end with the parameters
 of the single-process references (tests/reference.py), repeat exactly, and keep time as the
-clock model says (stragglers, faults, free evaluation). Real gloo runs against the same
-references: tests/dist; tests/dist/test_sim_vs_real.py compares the two directly.
-"""
+clock model says (stragglers, faults, free evaluation). Real gloo runs: tests/dist."""
 
 from __future__ import annotations
 
@@ -83,8 +81,7 @@ def _metrics(out: Path) -> dict[str, list[dict]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_runs_with_one_seed_write_the_same_summary_and_metrics(tmp_path, strategy):
-    # Jittered steps, a slow link between two nodes, frequent evaluations: everything that
-    # could make the order of events depend on the machine.
+    # Jittered steps, a slow link, frequent evaluations: all that could reorder the events.
     kw = {"nodes": 2, "inter_node_link": "1,1", "eval_every_s": 0.05, "log_every_steps": 1}
     workers = 4
     runs = []
@@ -115,8 +112,7 @@ def test_a_2x_straggler_makes_every_sync_step_2T_but_leaves_asgd_workers_alone(t
 
 
 def test_evaluating_costs_no_virtual_time(tmp_path):
-    # asgd's evaluation fetches θ from the server between rounds: free in virtual time, so
-    # the run ends at the same virtual time with the same θ however often it evaluates.
+    # asgd's evaluation fetches θ from the server between rounds: free in virtual time.
     ends = []
     for name, every in (("rare", 1000.0), ("often", STEP_S / 2)):
         cfg = sim_cfg(tmp_path / name, "asgd", 2, 16, n_push=4, n_fetch=4, eval_every_s=every)
@@ -131,8 +127,7 @@ def test_a_killed_asgd_worker_is_lost_and_the_others_finish(tmp_path):
     summary = run_sim(cfg)
     assert summary["lost_workers"] == [2]
     assert summary["final_test_accuracy"] >= 0.0
-    steps = _step_times(tmp_path, 2)
-    assert len(steps) < 20  # the killed worker stopped after its 5th step
+    assert len(_step_times(tmp_path, 2)) < 20  # the killed worker stopped after its 5th step
 
 
 def test_a_killed_sync_worker_fails_the_job_at_once_with_a_partial_summary(tmp_path):
@@ -143,10 +138,9 @@ def test_a_killed_sync_worker_fails_the_job_at_once_with_a_partial_summary(tmp_p
 
 
 def test_gossip_keeps_its_own_pace_beside_a_straggler_until_a_consensus_measurement(tmp_path):
-    # Pulls from the 3x slower worker are served by its serving task at once: the fast worker
-    # keeps its pace. The consensus distance is an all-reduce (a real one waits for the
-    # slowest worker, and so does the simulated one): after step 10 the fast worker waits
-    # until the slow one's step 10 (its record, written after the measurement, says so).
+    # Pulls from the 3x slower worker are served at once by its serving task: the fast worker
+    # keeps its pace. The consensus distance is an all-reduce (waiting for the slowest worker):
+    # after step 10 the fast worker waits for the slow one's step 10.
     slow = [Straggler(1, 3.0)]
     run_sim(sim_cfg(tmp_path, "gossip", 2, 12, stragglers=slow, consensus_every_steps=10,
                     log_every_steps=1))  # fmt: skip

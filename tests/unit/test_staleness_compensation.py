@@ -106,8 +106,7 @@ def test_worker_rebuilds_the_servers_theta_bit_for_bit(lr, compensation, tau_c, 
         shard.apply_push(torch.randn(1000, generator=g), 0)  # make later pushes stale
     before = shard.theta.clone()
     delta = torch.randn(1000, generator=g) * 1e-3
-    result = shard.apply_push(delta, base_version=1)
-    assert result.staleness == tau
+    assert shard.apply_push(delta, base_version=1).staleness == tau
     assert add_rule_alpha(lr, tau, compensation, tau_c) == alpha  # the worker's α
     # the server: θ + αΔ, by hand (to float32 rounding: add_ may fuse the multiply-add)
     torch.testing.assert_close(shard.theta, before + alpha * delta, rtol=0, atol=1e-6)
@@ -159,9 +158,8 @@ def test_staleness_scaling_is_the_scale_compensation_and_contradictions_are_refu
     ) == (2.0, 3, 12)
     bounded = RunConfig(strategy="asgd", max_staleness=5)
     assert bounded.asgd.compensation_window_value(bounded) == 6
-    # λ's default: 1/W averages the pushes; under scale the 1/τ averages them (Zhang et al.'s
-    # α₀/τ) and λ = (W − 1)/W moves θ by a push of the usual staleness W − 1 exactly as plain
-    # asgd's 1/W does, with no warning about summed pushes; an optimizer rule keeps 1/W
+    # λ's default: 1/W; under scale (W − 1)/W, which moves θ by a push of the usual staleness
+    # W − 1 as plain asgd's 1/W does, with no warning; an optimizer rule keeps 1/W
     scaled = RunConfig(strategy="asgd", workers=16, staleness_compensation="scale")
     assert (scaled.asgd.server_lr, scaled.warnings()) == (15 / 16, [])
     assert add_rule_alpha(scaled.asgd.server_lr, 15, "scale") == pytest.approx(1 / 16)
@@ -258,10 +256,8 @@ def test_each_compensator_learns_on_the_virtual_cluster(tmp_path, method):
     summary = run_sim(cfg)
     assert summary["staleness_compensation"] == method
     assert summary["final_test_accuracy"] >= 0.9
-    quantiles = summary["staleness_quantiles_versions"]
-    assert quantiles["max"] == summary["max_staleness_versions"] >= 2
-    counts = summary["staleness_histogram_versions"]
-    assert sum(counts.values()) == sum(summary["shard_versions"])
+    assert summary["staleness_quantiles_versions"]["max"] == summary["max_staleness_versions"] >= 2
+    assert sum(summary["staleness_histogram_versions"].values()) == sum(summary["shard_versions"])
     scale = summary["push_scale_quantiles"]
     if method in ("scale", "gap"):  # stale pushes are applied at less than their size
         assert scale["p50"] < 1.0

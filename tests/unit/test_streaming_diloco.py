@@ -37,32 +37,25 @@ FRAGMENT_1 = slice(40, 75)
 
 
 # ---------------------------------------------------------------------------- local SGD
-def _assert_runs_equal(got: list[list[torch.Tensor]], expected: list[list[torch.Tensor]]):
-    assert len(got) == len(expected)
-    for g, e in zip(got, expected, strict=True):
-        assert len(g) == len(e)
-        for a, b in zip(g, e, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-
-
 def _reference_args(workers: int):
     replicas = ref.Replicas(workers, ref.sgd())
     return replicas.models, replicas.step
 
 
-def _job(monkeypatch, strategy: str, workers: int, **kw) -> LocalSgdJob:
-    """W ``strategy`` workers (``kw``: their config) around fresh replicas."""
+def _job(monkeypatch, strategy: str, workers: int, ctx=None, **kw) -> LocalSgdJob:
+    """W ``strategy`` workers (``kw``: their config, ``ctx``: their context's) on fresh replicas."""
     return LocalSgdJob(survivor_cfg(strategy, workers, **kw), ref.Replicas(workers, ref.sgd()),
-                       monkeypatch)  # fmt: skip
+                       monkeypatch, **(ctx or {}))  # fmt: skip
 
 
 def _follows(job: LocalSgdJob, steps: int, expected: list[list[torch.Tensor]]):
     """``steps`` steps and the finish of ``job`` follow ``expected`` (the last entry: after
     finish); θ of each worker after each step."""
     got = job.run(steps)
-    final = job.finish()
-    _assert_runs_equal([h[:-1] for h in got], [h[:-1] for h in expected])
-    _assert_runs_equal([[f] for f in final], [[h[-1]] for h in expected])
+    ended = [h[:-1] + [final] for h, final in zip(got, job.finish(), strict=True)]
+    for run, want in zip(ended, expected, strict=True):
+        for a, b in zip(run, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     return got
 
 
@@ -115,8 +108,7 @@ def test_local_sgd_average_spans_nodes_on_the_link_when_its_workers_do(
     monkeypatch, topology, spans
 ):
     link = object()
-    job = LocalSgdJob(survivor_cfg("local_sgd", 2, period=1), ref.Replicas(2, ref.sgd()),
-                      monkeypatch, topology=topology, link=link)  # fmt: skip
+    job = _job(monkeypatch, "local_sgd", 2, ctx=dict(topology=topology, link=link), period=1)
     job.run(1)
     calls = sorted(job.group.calls, key=lambda c: c[0])
     assert [(rank, across) for rank, _, across in calls] == [(0, spans), (1, spans)]
@@ -131,8 +123,7 @@ def test_local_sgd_state_dict_round_trip_keeps_the_average_count(monkeypatch):
     fresh = LocalSgdStrategy(LocalSgdCtx(job.cfg, 0))
     fresh.wrap(ref.tiny_model(), None)
     fresh.load_state_dict({**state, "averages": 2.0})
-    assert fresh.averages == 2 and type(fresh.averages) is int
-    assert fresh.local_steps == 4
+    assert (fresh.averages, type(fresh.averages), fresh.local_steps) == (2, int, 4)
 
 
 # ---------------------------------------------------------------------------- DiLoCo
@@ -162,9 +153,8 @@ def test_diloco_loads_a_state_without_the_loop_counters(monkeypatch):
     fresh = DilocoStrategy(LocalSgdCtx(job.cfg, 0))
     fresh.wrap(ref.tiny_model(seed=3), None)
     fresh.load_state_dict({"global_theta": saved["global_theta"], "outer": saved["outer"]})
-    assert fresh.local_steps == 0
+    assert fresh.local_steps == 0 and fresh.state_dict()["averages"] == 0
     assert torch.equal(fresh.global_theta.detach(), saved["global_theta"])
-    assert fresh.state_dict()["averages"] == 0
 
 
 # ---------------------------------------------------------------------------- the split
@@ -202,9 +192,8 @@ def test_the_split_refuses_more_fragments_than_tensors_and_agrees_with_the_refer
 
 
 def test_each_fragment_is_sent_at_its_offset_and_applied_tau_steps_later(monkeypatch):
-    # H = 4, F = 2, τ = 1: fragment 0 (offset 2) is sent after steps 2, 6, 10, fragment 1
-    # (offset 4 mod 4 = 0) after 4, 8; each applied one step later. With an outer lr of 1,
-    # no momentum, α = 0 and one worker, applying sets the fragment to what was sent.
+    # H = 4, F = 2, τ = 1: fragment 0 is sent after steps 2, 6, 10, fragment 1 after 4, 8, each
+    # applied a step later; at lr 1, μ = 0, α = 0, one worker, it becomes what was sent.
     kw = dict(period=4, fragments=2, fragment_delay=1, diloco_outer_lr=1.0)
     strategy, replicas, recorder = one_diloco_worker(monkeypatch, diloco_outer_momentum=0.0, **kw)
     sent: dict[int, torch.Tensor] = {}
@@ -238,14 +227,6 @@ def _plain_worker(monkeypatch, **kw):
     return one_diloco_worker(monkeypatch, diloco_outer_lr=1.0, diloco_outer_momentum=0.0, **kw)
 
 
-def _sends(monkeypatch, steps: int, **kw) -> list[tuple[int, int]]:
-    strategy, replicas, recorder = _plain_worker(monkeypatch, **kw)
-    for step in range(1, steps + 1):
-        replicas.step(0, step)
-        strategy.after_step(BATCH)
-    return [(step, numel) for step, numel, _ in recorder.calls]
-
-
 @pytest.mark.parametrize(
     ("period", "offsets"),
     [
@@ -256,25 +237,28 @@ def _sends(monkeypatch, steps: int, **kw) -> list[tuple[int, int]]:
     ],
 )
 def test_each_of_three_fragments_is_sent_at_its_own_offset(monkeypatch, period, offsets):
-    steps = 2 * period
+    strategy, replicas, recorder = _plain_worker(
+        monkeypatch, period=period, fragments=3, fragment_delay=0
+    )
+    for step in range(1, 2 * period + 1):
+        replicas.step(0, step)
+        strategy.after_step(BATCH)
     sizes = (40, 8, 27)
     expected = sorted(
         (t, sizes[k])
         for k, offset in enumerate(offsets)
-        for t in range(1, steps + 1)
+        for t in range(1, 2 * period + 1)
         if t % period == offset
     )
-    sends = _sends(monkeypatch, steps, period=period, fragments=3, fragment_delay=0)
+    sends = [(step, numel) for step, numel, _ in recorder.calls]
     assert sends == expected
-    # every fragment is sent exactly twice in two periods
-    assert sorted(n for _, n in sends) == [8, 8, 27, 27, 40, 40]
+    assert sorted(n for _, n in sends) == [8, 8, 27, 27, 40, 40]  # each fragment twice
 
 
 @pytest.mark.parametrize("fragments", [1, 2, 3])
 def test_sending_fragments_never_resizes_a_buffer_in_use(monkeypatch, fragments):
-    # Each fragment's send buffer is a vector of its own size (the whole model's persistent
-    # buffer only with one fragment): torch warns whenever it must resize an ``out`` tensor,
-    # so a run (and its finish) with every warning an error shows that none is resized.
+    # torch warns whenever it resizes an ``out`` tensor: with every warning an error, a run and
+    # its finish show that no fragment's send buffer (a vector of its own size) is resized.
     kw = dict(period=6, fragments=fragments, fragment_delay=1)
     strategy, replicas, recorder = _plain_worker(monkeypatch, **kw)
     with warnings.catch_warnings():
@@ -292,10 +276,9 @@ def test_alpha_mixes_the_local_fragment_with_the_new_global_one(monkeypatch, alp
     # keeps the replica's own θ bit for bit, while θ_global still takes the outer step.
     kw = dict(period=2, fragments=1, fragment_delay=1, fragment_alpha=alpha)
     strategy, replicas, _ = _plain_worker(monkeypatch, **kw)
-    replicas.step(0, 1)
-    strategy.after_step(BATCH)
-    replicas.step(0, 2)
-    strategy.after_step(BATCH)  # θ after step 2 is sent
+    for step in (1, 2):  # θ after step 2 is sent
+        replicas.step(0, step)
+        strategy.after_step(BATCH)
     sent = ref.flat(replicas.models[0])
     replicas.step(0, 3)
     local = ref.flat(replicas.models[0])
@@ -310,9 +293,8 @@ def test_alpha_mixes_the_local_fragment_with_the_new_global_one(monkeypatch, alp
 
 # ---------------------------------------------------------------------------- two workers
 def test_with_outer_lr_1_no_momentum_and_alpha_0_each_fragment_becomes_its_average(monkeypatch):
-    # Streaming DiLoCo's outer step with lr 1 and no momentum is θ_global = the replicas'
-    # mean; α = 0 puts it in every replica: local SGD, one fragment at a time (fragment 0
-    # after steps 2 and 6, fragment 1 after 4 and 8; both at the finish).
+    # The outer step at lr 1, μ = 0 sets θ_global to the replicas' mean, α = 0 puts it in every
+    # replica: local SGD one fragment at a time (0 after steps 2, 6; 1 after 4, 8; both at the end).
     kw = dict(period=4, fragments=2, diloco_outer_lr=1.0, diloco_outer_momentum=0.0)
     settings = dict(delay=0, alpha=0.0, outer_lr=1.0, outer_momentum=0.0, nesterov=True)
     expected, _ = ref.streaming_diloco(*_reference_args(2), 9, 4, 2, **settings)

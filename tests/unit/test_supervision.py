@@ -135,40 +135,38 @@ def test_the_monitor_goes_on_when_it_cannot_read_the_runs_files(tmp_path, monkey
     assert capsys.readouterr().err.count("cannot read the run's files") == 1
 
 
-def _error_file(out: Path, agent: int, local: int, message: str, timestamp: int) -> None:
-    """torch's error file of a rank, where a local job's agents leave it."""
-    path = out / "logs" / f"agent{agent}" / "run_x" / "attempt_0" / str(local) / "error.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    info = {"py_callstack": "Traceback ...", "timestamp": str(timestamp)}
-    path.write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
-
-
-def _stderr_log(out: Path, agent: int, text: str) -> None:
-    """A rank's redirected stderr, where a local job's agents leave it."""
-    path = out / "logs" / f"agent{agent}" / "run_x" / "attempt_0" / "0" / "stderr.log"
+def _rank_file(out: Path, agent: int, name: str, text: str) -> None:
+    """A rank's file (torch's error.json, its stderr.log), where a local job's agents leave it."""
+    path = out / "logs" / f"agent{agent}" / "run_x" / "attempt_0" / "0" / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def _error_file(out: Path, agent: int, message: str, timestamp: int = 1000) -> None:
+    info = {"py_callstack": "Traceback ...", "timestamp": str(timestamp)}
+    error = {"message": {"message": message, "extraInfo": info}}
+    _rank_file(out, agent, "error.json", json.dumps(error))
 
 
 def test_a_failed_job_names_the_first_error_a_rank_raised(tmp_path):
     """The earliest error file's, else the line ending a stderr.log's last traceback (a lone
     error-like line is not taken), else the exit codes; a lost peer is named with its own."""
     assert job_failure(tmp_path, [1, -9]) == "ranks failed (agent exit codes [1, -9])"
-    _stderr_log(tmp_path, 1, "RuntimeError: a retried connection, logged\n")
+    _rank_file(tmp_path, 1, "stderr.log", "RuntimeError: a retried connection, logged\n")
     assert job_failure(tmp_path, [1, 1]) == "ranks failed (agent exit codes [1, 1])"
+    error = "OverflowError: Python int too large to convert to C long"
     log = "RuntimeError: logged\nTraceback (most recent call last):\n  File ...\n"
-    _stderr_log(tmp_path, 0, log + "OverflowError: Python int too large to convert to C long\n")
-    expected = "rank 0 failed: OverflowError: Python int too large to convert to C long"
-    assert job_failure(tmp_path, [1, 1]) == expected
-    _error_file(tmp_path, 1, 0, "RuntimeError: [gloo] Connection closed by peer\nmore", 1002)
-    _error_file(tmp_path, 2, 0, f"{ENOSPC}\n  File ...", 1000)
+    _rank_file(tmp_path, 0, "stderr.log", f"{log}{error}\n")
+    assert job_failure(tmp_path, [1, 1]) == f"rank 0 failed: {error}"
+    _error_file(tmp_path, 1, "RuntimeError: [gloo] Connection closed by peer\nmore", timestamp=1002)
+    _error_file(tmp_path, 2, f"{ENOSPC}\n  File ...")
     assert job_failure(tmp_path, [0, 1, 1]) == f"rank 2 failed: {ENOSPC}"
     lost_run = tmp_path / "lost"
     (lost_run / "metrics").mkdir(parents=True)
     lost = {"event": "peer_lost", "lost_rank": 1, "reason": "worker 0 (rank 1) lost at 3.0 s"}
     (lost_run / "metrics" / "rank0.jsonl").write_text(json.dumps({**lost, "time_s": 3.0}) + "\n")
     assert job_failure(lost_run, [1]) == lost["reason"]  # SIGKILLed: nothing more
-    _error_file(lost_run, 1, 0, ENOSPC, 1000)
+    _error_file(lost_run, 1, ENOSPC)
     assert job_failure(lost_run, [1]) == f"{lost['reason']}: {ENOSPC}"
 
 
@@ -177,7 +175,7 @@ def test_the_summary_and_the_error_say_a_ranks_first_error(tmp_path, monkeypatch
 
     def agents(out: Path) -> list[FakeAgent]:
         return [FakeAgent(NO_PID, alive_for=1, exitcode=1,
-                          on_exit=lambda: _error_file(out, 0, 0, ENOSPC, 1000))]  # fmt: skip
+                          on_exit=lambda: _error_file(out, 0, ENOSPC))]  # fmt: skip
 
     _fake_job(monkeypatch, agents)
     with pytest.raises(launch.JobFailed) as failed:
@@ -196,11 +194,7 @@ def store_server():
     timeout = datetime.timedelta(seconds=30)
     server = dist.TCPStore("127.0.0.1", port, 1, True, timeout, wait_for_workers=False,
                            multi_tenant=True, master_listen_fd=listener.detach())  # fmt: skip
-
-    def client() -> dist.TCPStore:
-        return dist.TCPStore("127.0.0.1", port, 1, False, timeout)
-
-    yield client
+    yield lambda: dist.TCPStore("127.0.0.1", port, 1, False, timeout)
     del server
 
 
@@ -250,7 +244,7 @@ ERROR = "RuntimeError: unsupported operation: some elements of the input tensor 
 def _job(tmp_path, monkeypatch, lost):
     cfg = RunConfig(strategy="asgd", workers=2, servers=1, out=str(tmp_path))
     for rank in lost:
-        _error_file(tmp_path, rank, 0, f"{ERROR}\nmore", 1000)
+        _error_file(tmp_path, rank, f"{ERROR}\nmore")
     summary = {"strategy": "asgd", "workers": 2, "lost_workers": lost}
     summary["failed_agents"] = [1] * len(lost)
     monkeypatch.setattr(launch, "run_local_job", lambda c: summary)
@@ -271,10 +265,8 @@ def test_failed_ranks_are_reported_and_losing_every_worker_fails(
 
 
 def test_rank_errors_skips_unreadable_files(tmp_path):
-    (tmp_path / "logs" / "a").mkdir(parents=True)
-    (tmp_path / "logs" / "a" / "error.json").write_text("{not json")
-    (tmp_path / "logs" / "b").mkdir()
-    (tmp_path / "logs" / "b" / "error.json").write_text(json.dumps({"message": "ValueError: x"}))
+    _rank_file(tmp_path, 0, "error.json", "{not json")
+    _rank_file(tmp_path, 1, "error.json", json.dumps({"message": "ValueError: x"}))
     assert failures.rank_errors(tmp_path) == ["ValueError: x"]
 
 
@@ -293,10 +285,9 @@ def test_a_finished_run_says_where_it_is_and_a_diverged_one_prints_no_table(
 
 
 # ----------------------------------------------------------------------------------- --resume DIR
-def _run_dir(tmp_path):
+def _run_dir(tmp_path) -> None:
     cfg = RunConfig(strategy="local_sgd", workers=2, steps=50, out=str(tmp_path), period=4)
     (tmp_path / "config.json").write_text(cfg.to_json())
-    return cfg
 
 
 def test_resume_takes_the_runs_config_and_allowed_overrides(tmp_path):
