@@ -1,4 +1,4 @@
-"""A process that has imported the CLI once and forks one child per :func:`tests.helpers.cli`
+"""A process that has imported the CLI once and forks one child per :func:`tests.support.cli`
 call, each running ``cloudburst ARGS`` as ``python -m cloudburst ARGS`` would, without a fresh
 interpreter importing torch again (about 4.5 CPU-s a job).
 
@@ -6,7 +6,7 @@ A child shares with a fresh ``python -m cloudburst`` the command line, the worki
 the environment (``PYTHONPATH``'s entries first on ``sys.path``), stdin from /dev/null, stdout
 and stderr to pipes, a session of its own, and a state no earlier job touched (each is a fork
 of the zygote, which runs none). Variables read while the interpreter or torch start cannot be
-shared (:func:`startup_env`): ``tests.helpers.cli`` sends such calls to a fresh process.
+shared (:func:`startup_env`): ``tests.support.cli`` sends such calls to a fresh process.
 
 Protocol, one job at a time, JSON lines: the client writes {"args", "cwd", "env", "stdout",
 "stderr"} (FIFOs the client reads) and optionally "sigint_default"; the zygote answers {"pid"}

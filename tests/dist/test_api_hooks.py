@@ -19,7 +19,7 @@ from cloudburst.comm.flat import flatten_params
 from cloudburst.data import synthetic
 from cloudburst.models import build_model
 from cloudburst.records.checkpoint import load_checkpoint
-from tests.helpers import REPO, cli, final_record, free_port, rank_events, spawn
+from tests.support import REPO, cli, final_record, free_port, rank_events, spawn
 
 pytestmark = pytest.mark.dist
 

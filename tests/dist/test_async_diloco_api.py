@@ -10,7 +10,7 @@ import cloudburst
 from cloudburst.data import synthetic
 from cloudburst.models import build_model
 from tests import reference as ref
-from tests.helpers import spawn
+from tests.support import spawn
 
 pytestmark = pytest.mark.dist
 

@@ -26,7 +26,7 @@ from cloudburst.comm.stats import CommStats
 from cloudburst.comm.transport import REAL
 from cloudburst.runtime import shutdown
 from tests import reference as ref
-from tests.helpers import cli, read_summary, simulated, spawn
+from tests.support import cli, read_summary, simulated, spawn
 from tests.reference import COMMON, assert_same_params, trained
 
 pytestmark = pytest.mark.dist

@@ -11,23 +11,8 @@ from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.config import RunConfig
 from cloudburst.runtime import init_distributed, shutdown
 from cloudburst.strategies.daso import DasoStrategy
-from tests.helpers import (
-    cli,
-    final_record,
-    rank_events,
-    read_summary,
-    saved_state,
-    simulated,
-    spawn,
-)
+from tests.support import (cli, final_record, rank_events, read_summary, saved_state, simulated, spawn, DASO_REF_STEPS, assert_follows_reference, daso_reference_cfg, daso_reference_drive, daso_reference_run)
 from tests.reference import COMMON, assert_same_params, sync_sgd, trained
-from tests.support import (
-    DASO_REF_STEPS,
-    assert_follows_reference,
-    daso_reference_cfg,
-    daso_reference_drive,
-    daso_reference_run,
-)
 
 pytestmark = pytest.mark.dist
 

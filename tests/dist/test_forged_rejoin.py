@@ -22,8 +22,7 @@ from cloudburst.config import RunConfig
 from cloudburst.runtime.context import Context
 from cloudburst.runtime.rejoin import rejoin_group, rejoin_members
 from cloudburst.strategies.asgd.serving import RequestServing
-from tests.helpers import wait_until
-from tests.support import RecordingMetrics
+from tests.support import (wait_until, RecordingMetrics)
 
 pytestmark = pytest.mark.dist
 

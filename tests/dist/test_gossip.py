@@ -15,7 +15,7 @@ from cloudburst.comm.flat import assign_flat, flatten_params
 from cloudburst.config import RunConfig
 from cloudburst.runtime import init_distributed, shutdown
 from cloudburst.strategies.gossip import GossipStrategy
-from tests.helpers import cli, final_record, rank_events, read_summary, simulated, spawn
+from tests.support import cli, final_record, rank_events, read_summary, simulated, spawn
 
 pytestmark = pytest.mark.dist
 

@@ -20,7 +20,7 @@ from cloudburst.records.metrics import MetricsWriter, read_jsonl
 from cloudburst.runtime import init_distributed, shutdown
 from cloudburst.strategies import STRATEGY_CLASSES
 from cloudburst.strategies.asgd.server import ServerLoop
-from tests.helpers import spawn, wait_until
+from tests.support import spawn, wait_until
 
 pytestmark = pytest.mark.dist
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.helpers import cli, final_record, read_summary, simulated
+from tests.support import cli, final_record, read_summary, simulated
 from tests.reference import (
     COMMON,
     LR,

@@ -7,7 +7,7 @@ import torch
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.records.checkpoint import load_checkpoint
 from cloudburst.records.resilience import worker_checkpoint_path
-from tests.helpers import cli, final_record, read_summary, simulated
+from tests.support import cli, final_record, read_summary, simulated
 from tests.reference import (
     COMMON,
     asgd_one_round,

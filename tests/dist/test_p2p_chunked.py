@@ -8,7 +8,7 @@ import torch
 from cloudburst.comm.messages import TAG_REQUEST_PAYLOAD, Header, Kind, Status
 from cloudburst.comm.p2p import PeerTransport
 from cloudburst.runtime import shutdown
-from tests.helpers import spawn
+from tests.support import spawn
 
 pytestmark = pytest.mark.dist
 

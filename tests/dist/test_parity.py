@@ -4,7 +4,7 @@ update. Beside each, the references show that without a flag the parameters woul
 
 import pytest
 
-from tests.helpers import cli, final_record, rank_events, read_summary, simulated
+from tests.support import cli, final_record, rank_events, read_summary, simulated
 from tests.reference import (
     COMMON,
     asgd_one_worker,

@@ -18,7 +18,7 @@ from cloudburst.strategies import STRATEGY_CLASSES
 from cloudburst.strategies.asgd.server import ServerLoop
 from cloudburst.strategies.replica import make_strategy
 from tests import reference as ref
-from tests.helpers import spawn
+from tests.support import spawn
 
 pytestmark = pytest.mark.dist
 

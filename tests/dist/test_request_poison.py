@@ -12,7 +12,7 @@ import pytest
 
 from cloudburst.comm.messages import TAG_REQUEST, Header, Kind
 from cloudburst.comm.p2p import PeerTransport
-from tests.helpers import spawn
+from tests.support import spawn
 
 pytestmark = pytest.mark.dist
 

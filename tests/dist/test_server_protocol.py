@@ -14,7 +14,7 @@ from cloudburst.records.metrics import MetricsWriter, read_jsonl
 from cloudburst.runtime import init_distributed, shutdown
 from cloudburst.strategies import STRATEGY_CLASSES
 from cloudburst.strategies.asgd.server import ServerLoop
-from tests.helpers import spawn
+from tests.support import spawn
 
 pytestmark = pytest.mark.dist
 

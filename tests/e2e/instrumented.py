@@ -31,8 +31,7 @@ from pathlib import Path
 import torch
 
 from cloudburst.models import MLP
-from tests.helpers import REPO, cli_env, free_port, read_summary
-from tests.support import rank_records
+from tests.support import REPO, cli_env, free_port, rank_records, read_summary
 
 RECORD_ENV = "CLOUDBURST_TEST_RECORD"
 POISON_ENV = "CLOUDBURST_TEST_POISON"

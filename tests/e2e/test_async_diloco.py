@@ -9,8 +9,14 @@ import pytest
 
 from cloudburst.records.checkpoint import load_checkpoint
 from tests.e2e.instrumented import check_shard_restarted
-from tests.helpers import final_record, finish_job, read_summary, start_job
-from tests.support import BOUND_S, survives_a_shard_kill
+from tests.support import (
+    BOUND_S,
+    final_record,
+    finish_job,
+    read_summary,
+    start_job,
+    survives_a_shard_kill,
+)
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ from cloudburst.models import MLP
 from cloudburst.records.checkpoint import save_model
 from tests.datagen import write_cifar10
 from tests.e2e.instrumented import POISON_ENV, RECORD_ENV
-from tests.helpers import (
+from tests.support import (
     REPO,
     cli,
     cli_env,
@@ -266,7 +266,7 @@ _FORKED_SERVER = """
 import multiprocessing as mp, os, sys
 import cloudburst.cli  # torch imported, as in the CLI when it starts its forkserver
 from cloudburst.forkserver import forkserver_pid, start_forkserver, stop_forkserver
-from tests.helpers import write_parent_pid
+from tests.support import write_parent_pid
 
 start_forkserver(fork=True)
 server = forkserver_pid()
@@ -293,19 +293,19 @@ def test_the_cli_forks_its_forkserver_from_itself_and_ranks_come_from_it(tmp_pat
 
 
 def test_a_cli_call_forked_from_the_zygote_matches_a_fresh_interpreter(tmp_path, monkeypatch):
-    """tests.helpers.cli forks its jobs from a zygote that imported the CLI once: for the same
+    """tests.support.cli forks its jobs from a zygote that imported the CLI once: for the same
     command (a refused resume, and the help of train) it must give what a fresh
     ``python -m cloudburst`` gives: exit code, stdout and stderr, byte for byte."""
-    from tests import helpers
+    from tests import support
 
     missing = str(tmp_path / "nothing-here")
     calls = [("train", "--resume", missing), ("train", "--help")]
     forked = [cli(*args, check=False) for args in calls]
-    assert helpers._zygote is not None and not helpers._zygote_failed
-    runs = helpers._zygote.runs
+    assert support._zygote is not None and not support._zygote_failed
+    runs = support._zygote.runs
     monkeypatch.setenv("CLOUDBURST_TEST_FRESH_CLI", "1")
     fresh = [cli(*args, check=False) for args in calls]
-    assert helpers._zygote.runs == runs  # those ran in fresh interpreters
+    assert support._zygote.runs == runs  # those ran in fresh interpreters
     assert runs >= len(calls)
     for a, b in zip(forked, fresh, strict=True):
         assert (a.returncode, a.stdout, a.stderr) == (b.returncode, b.stdout, b.stderr)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cloudburst.records.checkpoint import load_checkpoint
-from tests.helpers import cli, rank_events, read_summary, saved_state
+from tests.support import cli, rank_events, read_summary, saved_state
 
 pytestmark = pytest.mark.e2e
 

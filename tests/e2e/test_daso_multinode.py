@@ -15,7 +15,7 @@ import torch
 
 from cloudburst.models import MLP, build_model
 from tests.e2e.instrumented import launch_pair, two_namespaces
-from tests.helpers import cli, free_port, rank_events, read_summary, saved_state
+from tests.support import cli, free_port, rank_events, read_summary, saved_state
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import cli, read_summary, simulated
+from tests.support import cli, read_summary, simulated
 
 pytestmark = pytest.mark.e2e
 

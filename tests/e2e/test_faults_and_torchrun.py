@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tests.e2e.instrumented import launch_pair
-from tests.helpers import REPO, cli, cli_env, free_port, rank_events, read_summary
+from tests.support import REPO, cli, cli_env, free_port, rank_events, read_summary
 
 pytestmark = pytest.mark.e2e
 

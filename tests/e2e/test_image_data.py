@@ -10,8 +10,8 @@ from cloudburst.models import build_model
 from cloudburst.records.checkpoint import load_model_into
 from tests import reference as ref
 from tests.datagen import write_cifar10, write_imagefolder, write_npz
-from tests.helpers import cli, rank_events, read_summary
 from tests.reference import COMMON
+from tests.support import cli, rank_events, read_summary
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ import pytest
 from cloudburst.records.checkpoint import load_checkpoint
 from cloudburst.records.metrics import read_jsonl
 from tests.e2e.instrumented import QUIET, session_processes
-from tests.helpers import cli, finish_job, read_summary, start_job, wait_running, wait_until
+from tests.support import cli, finish_job, read_summary, start_job, wait_running, wait_until
 
 pytestmark = pytest.mark.e2e
 

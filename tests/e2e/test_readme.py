@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, cli_env, refused
+from tests.support import REPO, cli_env, refused
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from tests.e2e.instrumented import kill_marked, start_marked
-from tests.helpers import cli, free_port, rank_events, read_events, read_summary, wait_until
+from tests.support import cli, free_port, rank_events, read_events, read_summary, wait_until
 
 pytestmark = pytest.mark.e2e
 

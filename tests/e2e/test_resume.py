@@ -12,7 +12,7 @@ import torch
 
 from cloudburst.records.checkpoint import load_checkpoint, save_checkpoint
 from tests import reference as ref
-from tests.helpers import (
+from tests.support import (
     cli,
     final_record,
     finish_job,

@@ -17,7 +17,7 @@ import pytest
 from cloudburst.config import RunConfig
 from cloudburst.records.metrics import read_jsonl
 from tests.e2e.instrumented import QUIET, ip, two_namespaces
-from tests.helpers import REPO, cli, read_summary, refused
+from tests.support import REPO, cli, read_summary, refused
 
 pytestmark = pytest.mark.e2e
 

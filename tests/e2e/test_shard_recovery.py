@@ -12,8 +12,16 @@ import signal
 import pytest
 
 from tests.e2e.instrumented import check_shard_restarted
-from tests.helpers import finish_job, read_summary, start_job, wait_running
-from tests.support import BOUND_S, kill_after_a_checkpoint, rank_records, survives_a_shard_kill
+from tests.support import (
+    BOUND_S,
+    finish_job,
+    kill_after_a_checkpoint,
+    rank_records,
+    read_summary,
+    start_job,
+    survives_a_shard_kill,
+    wait_running,
+)
 
 pytestmark = pytest.mark.e2e
 

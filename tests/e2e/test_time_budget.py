@@ -4,7 +4,7 @@ step (they all-reduce worker 0's training clock to agree on it), and finish clea
 
 import pytest
 
-from tests.helpers import cli, rank_events, read_summary
+from tests.support import cli, rank_events, read_summary
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,7 @@ from cloudburst.records.checkpoint import load_model_into
 from cloudburst.records.metrics import read_run
 from tests import reference as ref
 from tests.datagen import write_cifar10
-from tests.helpers import cli, read_summary
+from tests.support import cli, read_summary
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests import reference as ref
-from tests.helpers import cli, read_summary, spawn
+from tests.support import cli, read_summary, spawn
 
 pytestmark = [
     pytest.mark.gpu,

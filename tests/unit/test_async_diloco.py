@@ -18,7 +18,6 @@ from cloudburst.strategies.async_diloco import (
     dylu_inner_steps,
     fastest_fresh,
 )
-from tests.helpers import final_record, rank_events
 from tests.reference import (
     BATCH,
     LR,
@@ -29,7 +28,7 @@ from tests.reference import (
     parity_diloco,
     trained,
 )
-from tests.support import FakeNamespace, run_sim, sim_cfg
+from tests.support import FakeNamespace, final_record, rank_events, run_sim, sim_cfg
 
 
 def _cfg(out, workers: int, steps: int, model: str = "cnn", lr: float = LR, **kw) -> RunConfig:

@@ -22,8 +22,7 @@ from cloudburst.strategies.asgd.serve import Standby
 from cloudburst.strategies.asgd.shard import ShardState
 from cloudburst.strategies.asgd.worker import AsgdStrategy
 from tests import reference as ref
-from tests.helpers import shard_of
-from tests.support import StandbyForwards, ps_job, run_sim
+from tests.support import StandbyForwards, ps_job, run_sim, shard_of
 
 HUGE = 3e38  # finite in float32 (max 3.4e38): issue 44's push
 RATIO = 2.0

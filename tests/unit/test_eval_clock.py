@@ -18,8 +18,14 @@ from cloudburst.loop.evaluator import Evaluator, evaluate_while_others_train, st
 from cloudburst.loop.summary import finalize_run
 from cloudburst.models import build_model
 from cloudburst.records.metrics import MetricsWriter
-from tests.helpers import rank_events, read_summary, simulated
-from tests.support import FakeNamespace, ThreadComm, ThreadGroup
+from tests.support import (
+    FakeNamespace,
+    ThreadComm,
+    ThreadGroup,
+    rank_events,
+    read_summary,
+    simulated,
+)
 
 
 class SlowFetch:

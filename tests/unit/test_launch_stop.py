@@ -14,7 +14,7 @@ import pytest
 from cloudburst import launch
 from cloudburst.launch import agents as launch_agents
 from cloudburst.launch import processes
-from tests.helpers import wait_until
+from tests.support import wait_until
 
 pytestmark = pytest.mark.spawns
 

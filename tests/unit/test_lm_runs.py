@@ -18,8 +18,7 @@ from cloudburst.records.checkpoint import load_model_into
 from cloudburst.records.metrics import read_jsonl
 from cloudburst.sim.run import SimulationFailed, simulate
 from cloudburst.strategies import BUILT_IN as STRATEGIES
-from tests.helpers import rank_events, saved_state
-from tests.support import same_state
+from tests.support import rank_events, same_state, saved_state
 
 SPEC = "gpt:layers=1,width=32,heads=2"
 

@@ -14,8 +14,7 @@ import torch
 from cloudburst.config import RunConfig
 from cloudburst.loop.summary import format_summary
 from cloudburst.strategies import REGISTRY, register_strategy
-from tests.helpers import saved_state
-from tests.support import run_sim
+from tests.support import run_sim, saved_state
 
 pytestmark = pytest.mark.slow
 

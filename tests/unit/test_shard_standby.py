@@ -23,7 +23,7 @@ from cloudburst.comm.liveness import (
 )
 from cloudburst.config import ConfigError, RunConfig
 from cloudburst.runtime.groups import standby_of
-from tests.helpers import wait_until
+from tests.support import wait_until
 
 
 @pytest.fixture

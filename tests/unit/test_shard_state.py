@@ -22,8 +22,7 @@ from cloudburst.strategies.asgd.shard import (
 )
 from cloudburst.strategies.asgd.summary import mean_staleness
 from cloudburst.strategies.async_diloco.rule import DelayedNesterov
-from tests.helpers import shard_of
-from tests.support import same_state, survivor_cfg
+from tests.support import same_state, shard_of, survivor_cfg
 
 BETA = 0.95  # the documented β of DC-ASGD-a's mean square and gap-aware's mean step
 EPS = 1e-7  # DC-ASGD-a's ε

@@ -11,7 +11,6 @@ import pytest
 
 from cloudburst.config import Straggler
 from cloudburst.sim.run import SimulationFailed
-from tests.helpers import rank_events, read_events, read_summary
 from tests.reference import (
     asgd_one_worker,
     assert_params_differ,
@@ -22,7 +21,7 @@ from tests.reference import (
     sync_sgd,
     trained,
 )
-from tests.support import STEP_S, run_sim, sim_cfg
+from tests.support import STEP_S, rank_events, read_events, read_summary, run_sim, sim_cfg
 
 STRATEGIES = ["sync", "asgd", "easgd", "local_sgd", "diloco", "gossip", "daso"]
 

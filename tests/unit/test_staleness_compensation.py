@@ -18,9 +18,8 @@ from cloudburst.strategies.asgd.rules import ASGD_RULES, ServerRule
 from cloudburst.strategies.asgd.settings import COMPENSATIONS, SERVER_RULES
 from cloudburst.strategies.asgd.shard import ShardState, make_shard
 from cloudburst.strategies.asgd.summary import histogram_quantiles, merged_histogram
-from tests.helpers import shard_of
 from tests.reference import compensated_server, delayed_nesterov_server
-from tests.support import run_sim
+from tests.support import run_sim, shard_of
 
 NUMEL = 50
 LOCAL_LR = 0.1

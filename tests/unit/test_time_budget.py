@@ -11,8 +11,7 @@ import pytest
 from cloudburst.comm.stats import CommStats
 from cloudburst.config import ConfigError, RunConfig, Straggler
 from cloudburst.loop.budget import MAX_CHECK_INTERVAL, TimeBudget
-from tests.helpers import rank_events
-from tests.support import FakeNamespace, ThreadComm, on_comm_threads, run_sim
+from tests.support import FakeNamespace, ThreadComm, on_comm_threads, rank_events, run_sim
 
 
 # ---------------------------------------------------------------------------- config
