@@ -17,7 +17,7 @@ from cloudburst.strategies.asgd.compensation import (
 from cloudburst.strategies.asgd.rules import ASGD_RULES, ServerRule
 from cloudburst.strategies.asgd.settings import COMPENSATIONS, SERVER_RULES
 from cloudburst.strategies.asgd.shard import ShardState, make_shard
-from cloudburst.strategies.asgd.summary import histogram_quantiles, merged_histogram
+from cloudburst.strategies.asgd.summary import histogram_quantiles, merged_histogram, server_summary
 from tests.reference import compensated_server, delayed_nesterov_server
 from tests.support import run_sim, shard_of
 
@@ -182,6 +182,30 @@ def test_merged_histogram_adds_the_shards_counts_under_the_key_in_value_order():
     stats = [{"h": {"1": 2, "3": 1}, "other": {"9": 9}}, {"h": {"1": 5, "0.5": 4}}, {}, {"h": None}]
     merged = merged_histogram(stats, "h")
     assert merged == {0.5: 4, 1.0: 7, 3.0: 1} and list(merged) == [0.5, 1.0, 3.0]
+
+
+def test_the_summary_of_the_shards_adds_their_counters_and_lists_their_versions_by_shard():
+    """A job's summary from its shards' reports: counters summed (a missing one counts 0), the
+    histograms merged, versions in shard order (a report without one is shard 0's)."""
+    counters = ["compensation_clamped", "rejected_nonfinite", "refused_pushes", "dropped_stale",
+                "shard_restarts", "pushes_lost", "shard_failovers"]  # fmt: skip
+    one = dict(shard=1, version=5, staleness_max_versions=3, pushes_applied=5,
+               staleness_sum_versions=6, staleness_compensation="gap", rejoined_workers=[4, 2],
+               push_scale_histogram={"0.5": 5}, staleness_histogram_versions={"1": 2, "3": 3},
+               **{k: i for i, k in enumerate(counters)})  # fmt: skip
+    zero = dict(version=2, staleness_max_versions=1, pushes_applied=1, staleness_sum_versions=1,
+                rejoined_workers=[2], staleness_histogram_versions={"1": 1},
+                shard_failovers=10)  # fmt: skip
+    quantiles = {"p50": 1.0, "p90": 3.0, "p99": 3.0, "max": 3.0}
+    assert server_summary([one, zero]) == {
+        "mean_staleness_versions": 7 / 6, "max_staleness_versions": 3,
+        "staleness_compensation": "gap", "staleness_quantiles_versions": quantiles,
+        "staleness_histogram_versions": {"1": 3, "3": 3}, "push_scale_histogram": {"0.5": 5},
+        "push_scale_quantiles": dict.fromkeys(["p50", "p90", "p99", "max"], 0.5),
+        "compensation_clamped": 0, "pushes_rejected": 1, "pushes_refused": 2,
+        "pushes_dropped_stale": 3, "rejoined_workers": [2, 4], "shard_restarts": 4,
+        "pushes_lost": 5, "shard_failovers": 16, "shard_versions": [2, 5],
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -35,11 +35,16 @@ def _vec(n: int, seed: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- sync
 class _DdpSetup:
-    """A transport that sets the compressing hook's state up at wrap time as DDP's, groupless."""
+    """A transport that sets the compressing hook's state up at wrap time as DDP's, recording
+    what its wrapper was given and its calls."""
+
+    def __init__(self):
+        self.calls: list = []
 
     def data_parallel(self, model, group, device, state):
         compressed_hook(state)
-        return SimpleNamespace(module=model)
+        self.calls.append((group, device, state))
+        return SimpleNamespace(module=model, after_backward=lambda: self.calls.append("after"))
 
 
 def _sync(compress: str) -> SyncStrategy:
@@ -75,6 +80,25 @@ def _compression(strategy: SyncStrategy):
     fb, psgd = strategy.hook_state.feedback, strategy.hook_state.powersgd
     return (None if fb is None else fb.residuals, None if psgd is None else
             (psgd.iter, psgd.error_dict, psgd.p_memory_dict, psgd.q_memory_dict))  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", [2, 1])
+def test_sync_averages_over_its_workers_group_charged_to_the_link_across_nodes(workers):
+    """Sync's gradient average runs over the workers' group on the rank's device, its hook
+    charged to the link when those workers span nodes; every step is counted, and a run of one
+    worker is not wrapped (nothing to average, nothing to do after backward)."""
+    ctx = _ctx(survivor_cfg("sync", workers), 0, comm := _DdpSetup())
+    ctx.workers_group, ctx.device, ctx.link = "workers", "device", "link"
+    ctx.topology = SimpleNamespace(spans_nodes=lambda ranks: ranks == [0, 1])
+    strategy, model = SyncStrategy(ctx), ref.tiny_model()
+    assert strategy.wrap(model, None) is model
+    strategy.after_backward()
+    for _ in range(3):
+        strategy.after_step(8)
+    state = strategy.hook_state
+    assert (state.group, state.spans_nodes, state.link) == ("workers", workers == 2, "link")
+    assert comm.calls == ([("workers", "device", state), "after"] if workers == 2 else [])
+    assert strategy.local_steps == strategy.state_dict()["local_steps"] == 3
 
 
 @pytest.mark.parametrize("source", METHODS)
