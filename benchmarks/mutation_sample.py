@@ -50,7 +50,8 @@ def statuses() -> dict[str, str]:
 
 def run(names: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([*MUTMUT, *names], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    with open(ROOT / "mutants" / "run.log", "a") as log:  # mutmut's progress
+        subprocess.run([*MUTMUT, *names], cwd=ROOT, env=env, check=True, stdout=log, stderr=log)
 
 
 def main() -> None:
