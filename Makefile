@@ -48,13 +48,13 @@ BENCH := experiments:accuracy:--first-seed:5:--seeds:3 experiments:stragglers:--
 # results' start times): accuracy 5.5, stragglers 11.1, daso 10.5, compress 13.5, local_sgd 5.4,
 # transport + overhead 2.1, lm (with its virtual-cluster table) and the evidence 10.
 ## Every script at its own settings into benchmarks/results/, then the README's evidence
-## (about 8 hours; the staleness, compensator and confirmation results' own commands are in
+## (about 9 hours; the staleness, compensator and confirmation results' own commands are in
 ## their files' headers).
 BENCH_ALL := reliability compress experiments:accuracy:--first-seed:5 experiments:stragglers \
 	defaults daso powersgd local_sgd transport overhead throughput startup sim_fidelity sim_scale \
 	sim_seeds \
 	sim_published wire compress_scale lm lm_replicas node_replicas staleness staleness_rules per_sample \
-	slow_link slow_link_levels lm_slow_link slow_link_levels:--workload:lm_slow_link \
+	slow_link slow_link_levels slow_link_warmup lm_slow_link slow_link_levels:--workload:lm_slow_link \
 	equal_time equal_time:--cell:pareto equal_time:--cell:slow-node \
 	equal_time:--cell:pareto:--workers:64 async_diloco_w64
 BENCH_FLAGS ?=
