@@ -47,7 +47,8 @@ GOALS = {"daso slow-link": slow_link.DASO_TARGET, "streaming": slow_link.OTHER_T
 
 
 def grid(budget: float) -> dict[str, list[Arm]]:
-    """Every tuning arm, by side (``sync``, ``daso``, ``streaming``), trained for ``budget`` s."""
+    """Every tuning arm, by side (``sync``, ``daso slow-link``, ``streaming``), trained for
+    ``budget`` s."""
     timed = [*slow_link.COMMON, "--epochs", "64", "--max-train-time-s", f"{budget:.4g}"]
     sides = {
         "sync": [(["--strategy", "sync"], lr) for lr in SYNC_LRS],
