@@ -105,6 +105,32 @@ def held_levels(runs: list[harness.Run], budget: float, count: int = 3) -> list[
     return [round((top - i) * GRID, 6) for i in range(count)]
 
 
+def level_claims(
+    rep: harness.Report, w: Workload, g: dict[str, list[harness.Run]], names: list[str],
+    levels: list[float], seeds: int, sync: str = "sync", where: str | None = None,
+) -> None:  # fmt: skip
+    """The claims of arms ``names`` against "sync" and its A/A copy in ``g`` (runs by arm):
+    time to each level ÷ sync's, each against its goal, then the value at T − sync's. The
+    claims say ``sync`` for the control and ``where`` (default: the workload's) for the
+    setting."""
+    copy, bound, where = harness.aa_name("sync"), harness.budget_of(
+        [r for rs in g.values() for r in rs]), where or w.where  # fmt: skip
+    for arm in names:
+        goal = w.goal(arm)
+        for level in levels:
+            times = {n: harness.times_to(g[n], level) for n in (arm, "sync", copy)}
+            harness.ratio_claim(rep, f"time to {w.show(level)} (named before), {arm} ÷ {sync}, "
+                                f"{where}", times[arm], times["sync"], times[copy],
+                                f"≤ {goal:g}", lambda x, goal=goal: x <= goal, bound)  # fmt: skip
+    finals = {n: [w.final(r) for r in rs] for n, rs in g.items()}
+    d = w.diff
+    for arm in names:
+        harness.diff_claim(rep, f"{d['measure']} at sync's time T, {arm} − sync ({d['what']}), "
+                           f"{where}", finals[arm], finals["sync"], d["target"], d["ok"],
+                           scale=d["scale"], digits=d["digits"], aa_copy=finals[copy],
+                           seeds=seeds)  # fmt: skip
+
+
 def main() -> None:
     def add(p) -> None:
         p.add_argument("--workload", choices=sorted(WORKLOADS), default="slow_link")
@@ -139,20 +165,7 @@ def main() -> None:
                                                      f"seed{s}"))  # fmt: skip
     g = harness.by_arm(runs)
     copy, bound = harness.aa_name("sync"), harness.budget_of(runs)
-    for arm in names:
-        goal = w.goal(arm)
-        for level in levels:
-            times = {n: harness.times_to(g[n], level) for n in (arm, "sync", copy)}
-            harness.ratio_claim(rep, f"time to {w.show(level)} (named before), {arm} ÷ sync, "
-                                f"{w.where}", times[arm], times["sync"], times[copy],
-                                f"≤ {goal:g}", lambda x, goal=goal: x <= goal, bound)  # fmt: skip
-    finals = {n: [w.final(r) for r in rs] for n, rs in g.items()}
-    d = w.diff
-    for arm in names:
-        harness.diff_claim(rep, f"{d['measure']} at sync's time T, {arm} − sync ({d['what']}), "
-                           f"{w.where}", finals[arm], finals["sync"], d["target"], d["ok"],
-                           scale=d["scale"], digits=d["digits"], aa_copy=finals[copy],
-                           seeds=len(seeds))  # fmt: skip
+    level_claims(rep, w, g, names, levels, len(seeds))
     rep.section(f"2. Confirmation (seeds {seeds[0]}–{seeds[-1]})").table(
         w.headers.replace("A*", w.show(levels[0])).replace("L*", w.show(levels[0])),
         [w.row(n, g[n], levels[0], bound) for n in ("sync", copy, *names)],

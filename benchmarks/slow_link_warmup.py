@@ -29,7 +29,6 @@ docstring), the budget its T.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -37,13 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 import slow_link  # noqa: E402
 from harness import Arm, fmt, pct  # noqa: E402
-from slow_link_levels import held_levels  # noqa: E402
+from slow_link_levels import WORKLOADS, held_levels, level_claims  # noqa: E402
 
 WARMUP = 64  # steps: the seed-11 blow-up came within the first ~3 s (~50 steps)
 SELECT = 0.88  # slow_link_levels.md's top level, named before these runs
 SYNC_LRS, DASO_LRS, STREAM_LR = (0.1, 0.2, 0.3), (0.2, 0.3), 0.1
 TUNE, CONFIRM = (0, 1, 2), tuple(range(19, 27))
-GOALS = {"daso slow-link": slow_link.DASO_TARGET, "streaming": slow_link.OTHER_TARGET}
+SIDES = ("daso slow-link", "streaming")  # goals: slow_link_levels.WORKLOADS["slow_link"].goal
 
 
 def grid(budget: float) -> dict[str, list[Arm]]:
@@ -88,10 +87,7 @@ def main() -> None:
     everything = [a for arms in sides.values() for a in arms]
     tuned = harness.interleave(everything, tune, prov=prov, run=lambda a, s: run(a, s, "tune"))
     tg = harness.by_arm(tuned)
-    # the claim's own quantity: mean log time to SELECT (a censored run at T), accuracy at T on ties
-    score = {a.name: (-harness.mean_log_time(tg[a.name], SELECT, budget),
-                      statistics.mean(r.final_accuracy or 0.0 for r in tg[a.name]))
-             for a in everything}  # fmt: skip
+    score = {a.name: slow_link.tuning_score(tg[a.name], SELECT, budget) for a in everything}
     best = {side: max(arms, key=lambda a: score[a.name]) for side, arms in sides.items()}
     rep.section("1. Tuning (seeds 0–2)").table(
         slow_link.HEADERS.replace("A*", pct(SELECT)),
@@ -112,23 +108,10 @@ def main() -> None:
                                    run=lambda a, s: run(a, s, "confirm"))  # fmt: skip
     cg = harness.by_arm(confirmed)
     copy, bound = harness.aa_name("sync"), harness.budget_of(confirmed)
-    for side in GOALS:
-        name, goal = best[side].name, GOALS[side]
-        for level in levels:
-            times = {n: harness.times_to(cg[n], level) for n in (name, "sync", copy)}
-            harness.ratio_claim(rep, f"time to {pct(level)} (named before), {name} ÷ sync "
-                                f"({best['sync'].name}), 2 × 2, 1 Gbit/s", times[name],
-                                times["sync"], times[copy], f"≤ {goal:g}",
-                                lambda x, goal=goal: x <= goal, bound)  # fmt: skip
-    finals = {n: [r.final_accuracy or 0.0 for r in rs] for n, rs in cg.items()}
-    for side in GOALS:
-        name = best[side].name
-        harness.diff_claim(rep, f"accuracy at sync's time T, {name} − sync (points), 2 × 2, "
-                           "1 Gbit/s", finals[name], finals["sync"],
-                           f"≥ {-slow_link.ACC_POINTS:g}",
-                           lambda d, lo, hi: lo >= -slow_link.ACC_POINTS, aa_copy=finals[copy],
-                           seeds=len(confirm))  # fmt: skip
-    names = ["sync", copy, *(best[side].name for side in GOALS)]
+    relaxed = [best[side].name for side in SIDES]
+    level_claims(rep, WORKLOADS["slow_link"], cg, relaxed, levels, len(confirm),
+                 sync=f"sync ({best['sync'].name})", where="2 × 2, 1 Gbit/s")  # fmt: skip
+    names = ["sync", copy, *relaxed]
     rep.section(f"3. Confirmation (seeds {confirm[0]}–{confirm[-1]})").table(
         slow_link.HEADERS.replace("A*", pct(levels[0])),
         [slow_link.table_row(n, cg[n], levels[0], bound) for n in names],
